@@ -1,0 +1,1 @@
+"""Compute backends: the CPU (numpy + native kernels) and CUDA (PyCUDA)."""

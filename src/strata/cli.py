@@ -1,0 +1,7 @@
+"""`strata`: run, serve, bench."""
+import click
+
+
+@click.group()
+def main():
+    """Strata: Mixture-of-Experts inference."""

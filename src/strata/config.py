@@ -1,0 +1,1 @@
+"""EngineConfig: every engine option, validated once."""

@@ -1,0 +1,1 @@
+"""Files shipped with the package: the synth tokenizer and the default chat template."""

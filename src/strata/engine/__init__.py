@@ -1,0 +1,1 @@
+"""Requests, sequences, the KV cache, sampling and the generation loop."""

@@ -1,0 +1,1 @@
+"""GGUF models: reading, architectures, tokenizer and chat template."""

@@ -1,0 +1,1 @@
+"""`strata-tool`: maintenance commands (inspect, synth, ...)."""

@@ -1,0 +1,7 @@
+"""`strata-tool`: maintenance commands."""
+import click
+
+
+@click.group()
+def main():
+    """Strata maintenance tool."""
