@@ -1,1 +1,121 @@
+/* Strata CPU kernels: ggml type table, the unpacked-weight and quantised-activation layouts.
+ *
+ * Legend: T = tokens (activation rows), N = weight rows, K = columns (dot length).
+ * Every quantised weight row is unpacked to one layout before its dot products:
+ *   w[i] = A[g] * s[i] - B[g]        s: int8, g = i / 16 (a "group" of 16 columns)
+ * A and B are per group; A is stored per 4-column "lane" (repeated 4 times) so SIMD code
+ * can multiply a vector of int32 lane sums by it directly. Activations are quantised like
+ * llama.cpp's Q8_0: q[i] = round(x[i] / dx[b]), b = i / 32, dx = max|x| / 127.
+ */
 #pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+/* ggml type ids (gguf.GGMLQuantizationType) */
+enum {
+    ST_F32 = 0, ST_F16 = 1, ST_Q4_0 = 2, ST_Q8_0 = 8,
+    ST_Q4_K = 12, ST_Q5_K = 13, ST_Q6_K = 14, ST_BF16 = 30,
+};
+
+/* Bias added to unpacked weights: VNNI's vpdpbusd multiplies unsigned by signed bytes, so
+ * there s is stored as s + 128 and the activation side carries -128 * sum(q) per lane. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define ST_USE_VNNI512 1
+#define ST_WEIGHT_BIAS 128
+#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
+#define ST_USE_AVXVNNI 1   /* 256-bit VNNI without AVX-512 (Alder Lake and later) */
+#define ST_WEIGHT_BIAS 128
+#else
+#define ST_WEIGHT_BIAS 0
+#endif
+
+#define ST_PAD 64          /* unpacked rows are padded to this many columns (zeros) */
+#define ST_GROUP 16        /* columns per weight scale group */
+#define ST_LANE 4          /* columns per int32 lane */
+#define ST_XBLOCK 32       /* columns per activation scale */
+#define ST_MIN_PARALLEL_MACS (1 << 18)   /* smaller products run on the calling thread */
+
+/* Type table */
+int st_is_supported(int qtype);
+int st_block_size(int qtype);          /* elements per block; 0 for unknown types */
+int st_type_size(int qtype);           /* bytes per block */
+int st_is_float_type(int qtype);       /* F32 / F16 / BF16 */
+const char *st_simd_level(void);
+
+/* Scalar conversions shared by all paths (exact, like numpy's astype). */
+float st_fp16_to_fp32(uint16_t h);
+static inline float st_bf16_to_fp32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+/* Dequantise n_blocks whole blocks to float32, exactly as gguf.quants.dequantize. */
+void st_dequantize(int qtype, const uint8_t *src, float *dst, int64_t n_blocks);
+
+/* Unpack one quantised weight row of cols columns (cols_pad >= cols, multiple of ST_PAD):
+ * s[cols_pad] (biased by ST_WEIGHT_BIAS), A[cols_pad / 4] per lane, B[cols_pad / 16]. */
+void st_unpack_row(int qtype, const uint8_t *row, int cols, int cols_pad,
+                   uint8_t *s, float *A, float *B);
+/* The same with SIMD where the build has it; returns 0 (nothing written) when it does not
+ * handle qtype. Writes columns [0, cols) only. */
+int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, float *A, float *B);
+/* Unpack one float-type weight row to float32, zero padded to cols_pad (multiple of 16). */
+void st_unpack_row_float(int qtype, const uint8_t *row, int cols, int cols_pad, float *w);
+int st_unpack_row_float_simd(int qtype, const uint8_t *row, int cols, float *w);
+
+/* Activations of T rows, in the form the weight type's dot product needs. */
+typedef struct {
+    int is_quant;      /* 1: q/dx/xc/xs filled; 0: xf filled */
+    int cols;
+    int cols_pad;
+    int64_t num_rows;
+    int8_t *q;         /* [T, cols_pad] */
+    float *dx;         /* [T, cols_pad / 4]  activation scale per lane */
+    int32_t *xc;       /* [T, cols_pad / 4]  -ST_WEIGHT_BIAS * sum of the lane's 4 q */
+    float *xs;         /* [T, cols_pad / 16] dx * sum(q) over the group */
+    float *xf;         /* [T, cols_pad]      float rows, zero padded */
+} st_act;
+
+int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant);
+void st_act_free(st_act *a);
+/* Fill rows [r0, r1) of a from x (row stride ld_x floats). */
+void st_act_fill(st_act *a, const float *x, int64_t ld_x, int64_t r0, int64_t r1);
+
+/* Padded column count for a weight type and column count. */
+int st_cols_pad(int qtype, int cols);
+
+/* out[j * ld_out + (r - r0)] = dot(row r of w, activation row tok[j]) for r in [r0, r1),
+ * j in [0, n_tok); tok == NULL means j itself. scratch: st_scratch_bytes(qtype, cols). */
+void st_gemm_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
+                  int64_t r0, int64_t r1, const st_act *act, const int32_t *tok, int64_t n_tok,
+                  float *out, int64_t ld_out, void *scratch);
+size_t st_scratch_bytes(int qtype, int cols);
+/* Rows [rb, rb + nr) x 1-3 tokens straight from the quantised blocks / float rows (fused.c);
+ * return 0 when this build or type has no fused path (the caller unpacks instead). */
+int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
+                  const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
+                  float *out, int64_t ld_out);
+int st_fused_float_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
+                        int nr, const st_act *act, const int32_t *tok, int64_t tok0,
+                        int64_t n_tok, float *out, int64_t ld_out);
+/* One row of a Q4_K / Q5_K / Q6_K matrix x n_tok (1-3) activation rows tr[] (fused_k.c);
+ * returns 0 when this build has no fused path for qtype. */
+int st_fused_k_row(int qtype, const uint8_t *row, int cols, const st_act *act,
+                   const int64_t *tr, int n_tok, float *res);
+
+/* out[T, rows] = x[T, cols] @ dequant(w).T, threaded. Returns 0, or -1 on allocation failure. */
+int st_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t row_bytes, int cols,
+              const float *x, int64_t T, float *out);
+
+/* Routed-expert block; see moe.c. Returns 0, or -1 on allocation failure. */
+int st_moe_ffn(const float *x, int64_t T, int H, int F, int E, int K,
+               const uint8_t *gate, int gate_type, int64_t gate_row_bytes,
+               const uint8_t *up, int up_type, int64_t up_row_bytes,
+               const uint8_t *down, int down_type, int64_t down_row_bytes,
+               const int32_t *experts, const float *weights, float *out);
+
+void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, float *out);
+
+void st_set_num_threads(int n);
+int st_get_num_threads(void);

@@ -1,0 +1,225 @@
+/* Decode-shaped dot products (1-3 tokens) straight from Q4_0 / Q8_0 blocks (AVX-512 VNNI or
+ * AVX2): with no token to share an unpacked row with, unpacking in registers beats a buffer. */
+#include "quant.h"
+
+#if defined(ST_USE_VNNI512) && defined(__F16C__)
+#include <string.h>
+#include <immintrin.h>
+
+static inline float fp16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 64 weight bytes (two blocks) as unsigned values for vpdpbusd, and the int32 lane shift that
+ * turns sum(u * q) into sum(s * q): u = s + 8 for Q4_0 (so xc / 16), u = s + 128 for Q8_0. */
+static inline __m512i q4_0_pair(const uint8_t *blk0, int has_second) {
+    __m128i q0 = _mm_loadu_si128((const __m128i *)(blk0 + 2));
+    __m128i q1 = has_second ? _mm_loadu_si128((const __m128i *)(blk0 + 20)) : _mm_setzero_si128();
+    __m256i v = _mm256_set_m128i(q1, q0);                                   /* [q0 | q1] */
+    __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(v, low4);                                 /* [lo0 | lo1] */
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);           /* [hi0 | hi1] */
+    __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);      /* lo0 lo1 hi0 hi1 */
+    return _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));             /* lo0 hi0 lo1 hi1 */
+}
+
+static inline __m512i q8_0_pair(const uint8_t *blk0, int has_second) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)(blk0 + 2));
+    __m256i b = has_second ? _mm256_loadu_si256((const __m256i *)(blk0 + 36))
+                           : _mm256_set1_epi8((char)0x80);                  /* s = 0 */
+    __m512i s = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+    return _mm512_xor_si512(s, _mm512_set1_epi8((char)0x80));
+}
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int cols,
+                             const st_act *act, const int64_t *tr, float *res) {
+    const int ncp = act->cols_pad;
+    const int is_q4 = qtype == ST_Q4_0;
+    const int block_bytes = is_q4 ? 18 : 34;
+    const int num_blocks = cols / 32;
+    __m512 acc[3];
+    const int8_t *q[3];
+    const int32_t *xc[3];
+    const float *dx[3];
+    for (int c = 0; c < NC; c++) {
+        acc[c] = _mm512_setzero_ps();
+        q[c] = act->q + tr[c] * ncp;
+        xc[c] = act->xc + tr[c] * (ncp / ST_LANE);
+        dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
+    }
+    for (int ib = 0; ib < num_blocks; ib += 2) {
+        const uint8_t *blk = row + (int64_t)ib * block_bytes;
+        const int has_second = ib + 1 < num_blocks;
+        __m512i u = is_q4 ? q4_0_pair(blk, has_second) : q8_0_pair(blk, has_second);
+        float d1 = has_second ? fp16_at(blk + block_bytes) : 0.0f;
+        __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(fp16_at(blk)), _mm256_set1_ps(d1), 1);
+        const int k = ib * 32, lane = k / ST_LANE;
+        for (int c = 0; c < NC; c++) {
+            __m512i corr = _mm512_loadu_si512((const void *)(xc[c] + lane));   /* -128 sum q */
+            if (is_q4) corr = _mm512_srai_epi32(corr, 4);                      /* -8 sum q */
+            __m512i isum = _mm512_dpbusd_epi32(corr, u, _mm512_loadu_si512((const void *)(q[c] + k)));
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                     _mm512_mul_ps(dw, _mm512_loadu_ps(dx[c] + lane)), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; c++) res[c] = _mm512_reduce_add_ps(acc[c]);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <string.h>
+#include <immintrin.h>
+
+static inline float fp16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int cols,
+                             const st_act *act, const int64_t *tr, float *res) {
+    const int ncp = act->cols_pad;
+    const int is_q4 = qtype == ST_Q4_0;
+    const int block_bytes = is_q4 ? 18 : 34;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m256 acc[3];
+    const int8_t *q[3];
+    const float *dx[3];
+    for (int c = 0; c < NC; c++) {
+        acc[c] = _mm256_setzero_ps();
+        q[c] = act->q + tr[c] * ncp;
+        dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
+    }
+    for (int ib = 0; ib < cols / 32; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * block_bytes;
+        __m256i s;                                                          /* [32] int8 */
+        if (is_q4) {
+            __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+            __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4),
+                                           _mm_and_si128(qs, low4));
+            s = _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+        } else {
+            s = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        }
+        const __m256i s_abs = _mm256_sign_epi8(s, s);
+        const __m256 dw = _mm256_set1_ps(fp16_at(blk));
+        for (int c = 0; c < NC; c++) {
+            __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + ib * 32));
+            /* |s| * (q with the sign of s): pairs stay below 2 * 128 * 127 < 32768 */
+            __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
+                                            ones);                           /* [8] lane sums */
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
+                                     _mm256_mul_ps(dw, _mm256_loadu_ps(dx[c] + ib * 8)), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; c++) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        res[c] = _mm_cvtss_f32(h);
+    }
+}
+
+#endif
+
+#if (defined(ST_USE_VNNI512) || (defined(__AVX2__) && defined(__FMA__))) && defined(__F16C__)
+
+int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
+                  const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
+                  float *out, int64_t ld_out) {
+    if (n_tok < 1 || n_tok > 3 || !act->is_quant) return 0;
+    int64_t tr[3];
+    for (int64_t j = 0; j < n_tok; j++) tr[j] = tok ? (int64_t)tok[j] : tok0 + j;
+    float res[3];
+    if (qtype == ST_Q4_K || qtype == ST_Q5_K || qtype == ST_Q6_K) {
+        /* fused_k.c; returns 0 for every row when this build has no such path */
+        for (int i = 0; i < nr; i++) {
+            if (!st_fused_k_row(qtype, w + (rb + i) * row_bytes, cols, act, tr, (int)n_tok, res))
+                return 0;
+            for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
+        }
+        return 1;
+    }
+    if (qtype != ST_Q4_0 && qtype != ST_Q8_0) return 0;
+    for (int i = 0; i < nr; i++) {
+        const uint8_t *row = w + (rb + i) * row_bytes;
+        if (n_tok == 1) fused_row(1, qtype, row, cols, act, tr, res);
+        else if (n_tok == 2) fused_row(2, qtype, row, cols, act, tr, res);
+        else fused_row(3, qtype, row, cols, act, tr, res);
+        for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
+    }
+    return 1;
+}
+
+#else
+
+int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
+                  const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
+                  float *out, int64_t ld_out) {
+    (void)qtype; (void)w; (void)row_bytes; (void)cols; (void)rb; (void)nr; (void)act;
+    (void)tok; (void)tok0; (void)n_tok; (void)out; (void)ld_out;
+    return 0;
+}
+
+#endif
+
+/* ---- float weights (F32 / F16 / BF16), 1-3 tokens: convert in registers, no row buffer ---- */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+static inline __m512 load_w16(int qtype, const uint8_t *row, int k, __mmask16 mask) {
+    if (qtype == ST_F32) return _mm512_maskz_loadu_ps(mask, row + 4 * (int64_t)k);
+    __m256i h = _mm256_maskz_loadu_epi16(mask, row + 2 * (int64_t)k);          /* [16] */
+    if (qtype == ST_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); /* BF16 */
+}
+
+static inline __attribute__((always_inline)) void float_row(
+        const int NC, int qtype, const uint8_t *row, int cols, const float *const *x,
+        float *res) {
+    __m512 acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
+    /* same lanes and order as the tiles' float path: results agree bit for bit */
+    for (int k = 0; k < cols; k += 16) {
+        __mmask16 mask = cols - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - k)) - 1);
+        __m512 w = load_w16(qtype, row, k, mask);
+        for (int c = 0; c < NC; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[c] + k), acc[c]);
+    }
+    for (int c = 0; c < NC; c++) res[c] = _mm512_reduce_add_ps(acc[c]);
+}
+
+int st_fused_float_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
+                        int nr, const st_act *act, const int32_t *tok, int64_t tok0,
+                        int64_t n_tok, float *out, int64_t ld_out) {
+    if (n_tok < 1 || n_tok > 3 || act->is_quant) return 0;
+    const float *x[3];
+    for (int64_t j = 0; j < n_tok; j++)
+        x[j] = act->xf + (tok ? (int64_t)tok[j] : tok0 + j) * act->cols_pad;
+    float res[3];
+    for (int i = 0; i < nr; i++) {
+        const uint8_t *row = w + (rb + i) * row_bytes;
+        if (n_tok == 1) float_row(1, qtype, row, cols, x, res);
+        else if (n_tok == 2) float_row(2, qtype, row, cols, x, res);
+        else float_row(3, qtype, row, cols, x, res);
+        for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
+    }
+    return 1;
+}
+
+#else
+
+int st_fused_float_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
+                        int nr, const st_act *act, const int32_t *tok, int64_t tok0,
+                        int64_t n_tok, float *out, int64_t ld_out) {
+    (void)qtype; (void)w; (void)row_bytes; (void)cols; (void)rb; (void)nr; (void)act;
+    (void)tok; (void)tok0; (void)n_tok; (void)out; (void)ld_out;
+    return 0;
+}
+
+#endif

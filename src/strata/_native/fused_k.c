@@ -1,0 +1,169 @@
+/* Decode-shaped dot products (1-3 tokens) straight from Q4_K / Q5_K / Q6_K super-blocks with
+ * AVX-512 VNNI; the layouts are those of quant_ref.c's unpack_blocks. */
+#include "quant.h"
+
+#if defined(ST_USE_VNNI512) && defined(__F16C__)
+#include <string.h>
+#include <immintrin.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static inline float fp16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+typedef struct {
+    const int8_t *q[3];
+    const int32_t *xc[3];
+    const float *dx[3];
+    const float *xs[3];
+} act_rows;
+
+/* acc[c] += sum over 64 columns at k of (u - offset) * q * scale, u unsigned bytes; the
+ * offset correction comes from xc = -128 * sum(q) per lane, shifted by log2(128 / offset). */
+ALWAYS_INLINE void chunk(const int NC, __m512i u, __m512 scale, int k, int corr_shift,
+                         const act_rows *a, __m512 *acc) {
+    const int lane = k / ST_LANE;
+    for (int c = 0; c < NC; c++) {
+        __m512i init = _mm512_setzero_si512();
+        if (corr_shift >= 0)
+            init = _mm512_srai_epi32(_mm512_loadu_si512((const void *)(a->xc[c] + lane)),
+                                     corr_shift);
+        __m512i isum = _mm512_dpbusd_epi32(init, u, _mm512_loadu_si512((const void *)(a->q[c] + k)));
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                 _mm512_mul_ps(scale, _mm512_loadu_ps(a->dx[c] + lane)), acc[c]);
+    }
+}
+
+static inline __m512i join256(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int cols,
+                            const act_rows *a, float *res) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    /* lanes of a 64-column chunk: 8 of sub-block 2j, then 8 of 2j + 1 */
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    /* group g (16 columns) has the min of sub-block g / 2, at 8 + g / 2 in ab */
+    const __m512i pairs = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14,
+                                            15, 15);
+    __m512 acc[3], min_acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = min_acc[c] = _mm512_setzero_ps();
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * (is_q5 ? 176 : 144);
+        const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
+        const uint8_t *qs = blk + (is_q5 ? 48 : 16);
+        const __m256i qh = is_q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                 : _mm256_setzero_si256();
+        /* the 12 scale bytes to [sc 0..7, m 0..7] (llama.cpp's utmp shuffle), then floats:
+         * ab = [d * sc (8) | dmin * m (8)] */
+        uint32_t utmp[4];
+        memcpy(utmp, blk + 4, 12);
+        utmp[3] = ((utmp[2] >> 4) & 0x0f0f0f0fu) | (((utmp[1] >> 6) & 0x03030303u) << 4);
+        const uint32_t mins_lo = utmp[1] & 0x3f3f3f3fu;
+        utmp[1] = (utmp[2] & 0x0f0f0f0fu) | (((utmp[0] >> 6) & 0x03030303u) << 4);
+        utmp[2] = mins_lo;
+        utmp[0] &= 0x3f3f3f3fu;
+        const __m512 sc_m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)utmp)));
+        const __m512 ab = _mm512_mul_ps(sc_m, _mm512_insertf32x8(_mm512_set1_ps(d),
+                                                                 _mm256_set1_ps(dmin), 1));
+        for (int j = 0; j < 4; j++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(q, low4);                          /* sub-block 2j */
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);    /* 2j + 1 */
+            if (is_q5) {
+                __m256i b_lo = _mm256_set1_epi8((char)(1 << (2 * j)));
+                __m256i b_hi = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(
+                    _mm256_cmpeq_epi8(_mm256_and_si256(qh, b_lo), b_lo), sixteen));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(
+                    _mm256_cmpeq_epi8(_mm256_and_si256(qh, b_hi), b_hi), sixteen));
+            }
+            __m512 scale = _mm512_permutexvar_ps(
+                _mm512_add_epi32(halves, _mm512_set1_epi32(2 * j)), ab);    /* [16] */
+            chunk(NC, join256(lo, hi), scale, ib * 256 + 64 * j, -1, a, acc);
+        }
+        /* the mins: sum over groups of dmin * m * dx * sum(q) */
+        const __m512 b = _mm512_permutexvar_ps(pairs, ab);           /* dmin * m per group */
+        for (int c = 0; c < NC; c++)
+            min_acc[c] = _mm512_fmadd_ps(b, _mm512_loadu_ps(a->xs[c] + ib * 16), min_acc[c]);
+    }
+    for (int c = 0; c < NC; c++)
+        res[c] = _mm512_reduce_add_ps(acc[c]) - _mm512_reduce_add_ps(min_acc[c]);
+}
+
+ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int cols, const act_rows *a,
+                           float *res) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+    /* lane l of a 64-column chunk belongs to group l / 4 */
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * 210;
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        const __m512 d = _mm512_set1_ps(fp16_at(blk + 208));
+        /* [16] group scales d * sc[g] */
+        const __m512 a16 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)scales))));
+        for (int n = 0; n < 2; n++) {
+            __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
+            __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
+            __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+            __m256i v0 = _mm256_or_si256(_mm256_and_si256(ql0, low4),
+                                         _mm256_and_si256(_mm256_slli_epi16(h, 4), high2));
+            __m256i v1 = _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                                         _mm256_and_si256(_mm256_slli_epi16(h, 2), high2));
+            __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                         _mm256_and_si256(h, high2));
+            __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                         _mm256_and_si256(_mm256_srli_epi16(h, 2), high2));
+            /* groups 8n .. 8n + 3, then 8n + 4 .. 8n + 7 */
+            __m512 s0 = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(8 * n)), a16);
+            __m512 s1 = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(8 * n + 4)), a16);
+            /* u = s + 32: the correction is -32 * sum(q) = xc >> 2 */
+            chunk(NC, join256(v0, v1), s0, ib * 256 + 128 * n, 2, a, acc);
+            chunk(NC, join256(v2, v3), s1, ib * 256 + 128 * n + 64, 2, a, acc);
+        }
+    }
+    for (int c = 0; c < NC; c++) res[c] = _mm512_reduce_add_ps(acc[c]);
+}
+
+int st_fused_k_row(int qtype, const uint8_t *row, int cols, const st_act *act,
+                   const int64_t *tr, int n_tok, float *res) {
+    const int ncp = act->cols_pad;
+    act_rows a;
+    for (int c = 0; c < n_tok; c++) {
+        a.q[c] = act->q + tr[c] * ncp;
+        a.xc[c] = act->xc + tr[c] * (ncp / ST_LANE);
+        a.dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
+        a.xs[c] = act->xs + tr[c] * (ncp / ST_GROUP);
+    }
+    if (qtype == ST_Q4_K || qtype == ST_Q5_K) {
+        int is_q5 = qtype == ST_Q5_K;
+        if (n_tok == 1) row_q45k(1, is_q5, row, cols, &a, res);
+        else if (n_tok == 2) row_q45k(2, is_q5, row, cols, &a, res);
+        else row_q45k(3, is_q5, row, cols, &a, res);
+        return 1;
+    }
+    if (qtype == ST_Q6_K) {
+        if (n_tok == 1) row_q6k(1, row, cols, &a, res);
+        else if (n_tok == 2) row_q6k(2, row, cols, &a, res);
+        else row_q6k(3, row, cols, &a, res);
+        return 1;
+    }
+    return 0;
+}
+
+#else
+
+int st_fused_k_row(int qtype, const uint8_t *row, int cols, const st_act *act,
+                   const int64_t *tr, int n_tok, float *res) {
+    (void)qtype; (void)row; (void)cols; (void)act; (void)tr; (void)n_tok; (void)res;
+    return 0;
+}
+
+#endif

@@ -1,0 +1,306 @@
+/* Threaded matmul on quantised weights: activation quantisation, row-block unpacking, the
+ * tile loop (4 weight rows x 4 tokens per register tile) and the OpenMP work split. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "quant.h"
+#include "tiles.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define ROW_BLOCK 16        /* weight rows unpacked together (they stay in L1 across tokens) */
+#define TOKEN_CHUNK 128     /* activation rows per work item when T is large */
+
+static int g_num_threads = 0;   /* 0: OpenMP's default */
+
+void st_set_num_threads(int n) { g_num_threads = n > 0 ? n : 0; }
+
+int st_get_num_threads(void) {
+#ifdef _OPENMP
+    return g_num_threads > 0 ? g_num_threads : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+const char *st_simd_level(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+    return "neon";
+#else
+    return "scalar";
+#endif
+}
+
+static void *alloc64(size_t num_bytes) {
+    size_t rounded = (num_bytes + 63) / 64 * 64;
+    return aligned_alloc(64, rounded > 0 ? rounded : 64);
+}
+
+/* ---- activations -------------------------------------------------------------------- */
+
+int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant) {
+    memset(a, 0, sizeof(*a));
+    a->is_quant = is_quant;
+    a->cols = cols;
+    a->cols_pad = is_quant ? (cols + ST_PAD - 1) / ST_PAD * ST_PAD : (cols + 15) / 16 * 16;
+    a->num_rows = num_rows;
+    size_t n = (size_t)num_rows * (size_t)a->cols_pad;
+    if (is_quant) {
+        a->q = alloc64(n);
+        a->dx = alloc64(n / ST_LANE * sizeof(float));
+        a->xc = alloc64(n / ST_LANE * sizeof(int32_t));
+        a->xs = alloc64(n / ST_GROUP * sizeof(float));
+        if (!a->q || !a->dx || !a->xc || !a->xs) { st_act_free(a); return -1; }
+    } else {
+        a->xf = alloc64(n * sizeof(float));
+        if (!a->xf) { st_act_free(a); return -1; }
+    }
+    return 0;
+}
+
+void st_act_free(st_act *a) {
+    free(a->q); free(a->dx); free(a->xc); free(a->xs); free(a->xf);
+    a->q = NULL; a->dx = NULL; a->xc = NULL; a->xs = NULL; a->xf = NULL;
+}
+
+/* Quantise one row like llama.cpp's Q8_0: per 32 columns, dx = max|x| / 127, q = round(x / dx). */
+static void quantize_row(const float *x, int cols, int cols_pad, int8_t *q, float *dx,
+                         int32_t *xc, float *xs) {
+    for (int b = 0; b < cols / ST_XBLOCK; b++) {
+        const float *xb = x + b * ST_XBLOCK;
+        float amax = 0.0f;
+        /* a plain compare (not fmaxf, a libm call without -ffinite-math-only) vectorises */
+        for (int i = 0; i < ST_XBLOCK; i++) {
+            float v = fabsf(xb[i]);
+            amax = v > amax ? v : amax;
+        }
+        float d = amax / 127.0f;
+        float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *qb = q + b * ST_XBLOCK;
+        for (int i = 0; i < ST_XBLOCK; i++) qb[i] = (int8_t)lrintf(xb[i] * id);
+        for (int l = 0; l < ST_XBLOCK / ST_LANE; l++) {
+            int lane = b * (ST_XBLOCK / ST_LANE) + l;
+            const int8_t *ql = qb + l * ST_LANE;
+            dx[lane] = d;
+            xc[lane] = -ST_WEIGHT_BIAS * ((int32_t)ql[0] + ql[1] + ql[2] + ql[3]);
+        }
+        for (int g = 0; g < ST_XBLOCK / ST_GROUP; g++) {
+            int32_t sum = 0;
+            for (int i = 0; i < ST_GROUP; i++) sum += qb[g * ST_GROUP + i];
+            xs[b * (ST_XBLOCK / ST_GROUP) + g] = d * (float)sum;
+        }
+    }
+    memset(q + cols, 0, (size_t)(cols_pad - cols));
+    for (int l = cols / ST_LANE; l < cols_pad / ST_LANE; l++) { dx[l] = 0.0f; xc[l] = 0; }
+    for (int g = cols / ST_GROUP; g < cols_pad / ST_GROUP; g++) xs[g] = 0.0f;
+}
+
+void st_act_fill(st_act *a, const float *x, int64_t ld_x, int64_t r0, int64_t r1) {
+    const int ncp = a->cols_pad;
+    for (int64_t r = r0; r < r1; r++) {
+        if (a->is_quant) {
+            quantize_row(x + r * ld_x, a->cols, ncp, a->q + r * ncp, a->dx + r * (ncp / ST_LANE),
+                         a->xc + r * (ncp / ST_LANE), a->xs + r * (ncp / ST_GROUP));
+        } else {
+            float *dst = a->xf + r * ncp;
+            memcpy(dst, x + r * ld_x, (size_t)a->cols * sizeof(float));
+            for (int i = a->cols; i < ncp; i++) dst[i] = 0.0f;
+        }
+    }
+}
+
+/* ---- one row block x a token range ------------------------------------------------- */
+
+size_t st_scratch_bytes(int qtype, int cols) {
+    int ncp = st_cols_pad(qtype, cols);
+    if (st_is_float_type(qtype)) return (size_t)ROW_BLOCK * ncp * sizeof(float);
+    /* s (1 byte) + A (4 bytes per 4 columns) + B (4 bytes per 16 columns) per column */
+    return (size_t)ROW_BLOCK * ((size_t)ncp * 2 + (size_t)ncp / ST_GROUP * sizeof(float));
+}
+
+static inline int64_t tok_row(const int32_t *tok, int64_t tok0, int64_t j) {
+    return tok ? (int64_t)tok[j] : tok0 + j;
+}
+
+/* Rows [rb, rb + nr) (nr <= ROW_BLOCK) against tokens j in [0, n_tok):
+ * out[j * ld_out + i] for row rb + i. */
+static void gemm_block(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
+                       int nr, const st_act *act, const int32_t *tok, int64_t tok0,
+                       int64_t n_tok, float *out, int64_t ld_out, void *scratch) {
+    const int ncp = act->cols_pad;
+    float res[16];
+    if (!act->is_quant) {
+        if (n_tok < 4 && st_fused_float_rows(qtype, w, row_bytes, cols, rb, nr, act, tok, tok0,
+                                             n_tok, out, ld_out))
+            return;
+        float *wf = scratch;                                     /* [ROW_BLOCK, ncp] */
+        for (int i = 0; i < nr; i++)
+            st_unpack_row_float(qtype, w + (rb + i) * row_bytes, cols, ncp, wf + (size_t)i * ncp);
+        st_ftile t;
+        t.cols_pad = ncp;
+        int64_t j = 0;
+        for (; j < n_tok; j += 4) {
+            int nc = n_tok - j >= 4 ? 4 : 1;
+            if (nc == 1) {
+                /* fewer than 4 tokens left: one at a time */
+                for (; j < n_tok; j++) {
+                    t.x[0] = act->xf + tok_row(tok, tok0, j) * ncp;
+                    int r = 0;
+                    for (; r + 4 <= nr; r += 4) {
+                        for (int i = 0; i < 4; i++) t.w[i] = wf + (size_t)(r + i) * ncp;
+                        st_ftile_4x1(&t, res);
+                        for (int i = 0; i < 4; i++) out[j * ld_out + r + i] = res[i * 4];
+                    }
+                    for (; r < nr; r++) {
+                        t.w[0] = wf + (size_t)r * ncp;
+                        st_ftile_1x1(&t, res);
+                        out[j * ld_out + r] = res[0];
+                    }
+                }
+                break;
+            }
+            for (int c = 0; c < 4; c++) t.x[c] = act->xf + tok_row(tok, tok0, j + c) * ncp;
+            int r = 0;
+            for (; r + 4 <= nr; r += 4) {
+                for (int i = 0; i < 4; i++) t.w[i] = wf + (size_t)(r + i) * ncp;
+                st_ftile_4x4(&t, res);
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < 4; c++) out[(j + c) * ld_out + r + i] = res[i * 4 + c];
+            }
+            for (; r < nr; r++) {
+                t.w[0] = wf + (size_t)r * ncp;
+                st_ftile_1x4(&t, res);
+                for (int c = 0; c < 4; c++) out[(j + c) * ld_out + r] = res[c];
+            }
+        }
+        return;
+    }
+
+    if (n_tok < 4 && st_fused_rows(qtype, w, row_bytes, cols, rb, nr, act, tok, tok0, n_tok,
+                                   out, ld_out))
+        return;
+    uint8_t *s = scratch;                                        /* [ROW_BLOCK, ncp] */
+    float *A = (float *)(s + (size_t)ROW_BLOCK * ncp);           /* [ROW_BLOCK, ncp / 4] */
+    float *B = A + (size_t)ROW_BLOCK * ncp / ST_LANE;            /* [ROW_BLOCK, ncp / 16] */
+    for (int i = 0; i < nr; i++)
+        st_unpack_row(qtype, w + (rb + i) * row_bytes, cols, ncp, s + (size_t)i * ncp,
+                      A + (size_t)i * ncp / ST_LANE, B + (size_t)i * ncp / ST_GROUP);
+    st_qtile t;
+    t.cols_pad = ncp;
+    t.has_min = qtype == ST_Q4_K || qtype == ST_Q5_K;
+#define SET_ROW(slot, row) do { \
+        t.s[slot] = s + (size_t)(row) * ncp; \
+        t.A[slot] = A + (size_t)(row) * ncp / ST_LANE; \
+        t.B[slot] = B + (size_t)(row) * ncp / ST_GROUP; } while (0)
+#define SET_TOK(slot, tr) do { \
+        int64_t tr_ = (tr); \
+        t.q[slot] = act->q + tr_ * ncp; \
+        t.dx[slot] = act->dx + tr_ * (ncp / ST_LANE); \
+        t.xc[slot] = act->xc + tr_ * (ncp / ST_LANE); \
+        t.xs[slot] = act->xs + tr_ * (ncp / ST_GROUP); } while (0)
+    int64_t j = 0;
+    for (; j + 4 <= n_tok; j += 4) {
+        for (int c = 0; c < 4; c++) SET_TOK(c, tok_row(tok, tok0, j + c));
+        int r = 0;
+        for (; r + 4 <= nr; r += 4) {
+            for (int i = 0; i < 4; i++) SET_ROW(i, r + i);
+            st_qtile_4x4(&t, res);
+            for (int i = 0; i < 4; i++)
+                for (int c = 0; c < 4; c++) out[(j + c) * ld_out + r + i] = res[i * 4 + c];
+        }
+        for (; r < nr; r++) {
+            SET_ROW(0, r);
+            st_qtile_1x4(&t, res);
+            for (int c = 0; c < 4; c++) out[(j + c) * ld_out + r] = res[c];
+        }
+    }
+    for (; j < n_tok; j++) {
+        SET_TOK(0, tok_row(tok, tok0, j));
+        int r = 0;
+        for (; r + 4 <= nr; r += 4) {
+            for (int i = 0; i < 4; i++) SET_ROW(i, r + i);
+            st_qtile_4x1(&t, res);
+            for (int i = 0; i < 4; i++) out[j * ld_out + r + i] = res[i * 4];
+        }
+        for (; r < nr; r++) {
+            SET_ROW(0, r);
+            st_qtile_1x1(&t, res);
+            out[j * ld_out + r] = res[0];
+        }
+    }
+#undef SET_ROW
+#undef SET_TOK
+}
+
+void st_gemm_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
+                  int64_t r0, int64_t r1, const st_act *act, const int32_t *tok, int64_t n_tok,
+                  float *out, int64_t ld_out, void *scratch) {
+    for (int64_t rb = r0; rb < r1; rb += ROW_BLOCK) {
+        int nr = r1 - rb < ROW_BLOCK ? (int)(r1 - rb) : ROW_BLOCK;
+        gemm_block(qtype, w, row_bytes, cols, rb, nr, act, tok, 0, n_tok, out + (rb - r0),
+                   ld_out, scratch);
+    }
+}
+
+/* ---- the threaded matmul ------------------------------------------------------------- */
+
+int st_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t row_bytes, int cols,
+              const float *x, int64_t T, float *out) {
+    st_act act;
+    if (st_act_alloc(&act, T, cols, !st_is_float_type(qtype)) != 0) return -1;
+    const int64_t num_row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t num_tok_chunks = (T + TOKEN_CHUNK - 1) / TOKEN_CHUNK;
+    const int64_t num_items = num_row_blocks * num_tok_chunks;
+    const size_t scratch_bytes = st_scratch_bytes(qtype, cols);
+    int failed = 0;
+    /* a few rows are quicker filled here than behind one more barrier of the team */
+    const int is_small = T * (int64_t)cols <= 16384;
+    if (is_small) st_act_fill(&act, x, cols, 0, T);
+    /* waking the team costs microseconds (much more on a busy machine): small products
+     * run on the calling thread */
+    const int is_parallel = num_items > 1 && (double)rows * cols * T >= ST_MIN_PARALLEL_MACS;
+    #pragma omp parallel num_threads(st_get_num_threads()) reduction(|:failed) if (is_parallel)
+    {
+        if (!is_small) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < T; r++) st_act_fill(&act, x, cols, r, r + 1);
+        }
+        void *scratch = alloc64(scratch_bytes);
+        if (!scratch) failed = 1;
+        /* an item is (token chunk, row block); consecutive items share a token chunk */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; item++) {
+            if (!scratch) continue;
+            int64_t tc = item / num_row_blocks;
+            int64_t rb = (item % num_row_blocks) * ROW_BLOCK;
+            int64_t t0 = tc * TOKEN_CHUNK;
+            int64_t nt = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;
+            int nr = rows - rb < ROW_BLOCK ? (int)(rows - rb) : ROW_BLOCK;
+            gemm_block(qtype, w, row_bytes, cols, rb, nr, &act, NULL, t0, nt,
+                       out + t0 * rows + rb, rows, scratch);
+        }
+        free(scratch);
+    }
+    st_act_free(&act);
+    return failed ? -1 : 0;
+}
+
+/* ---- rmsnorm ------------------------------------------------------------------------ */
+
+void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, float *out) {
+    #pragma omp parallel for num_threads(st_get_num_threads()) schedule(static) if (T > 4)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * H;                               /* [H] */
+        float *yr = out + t * H;
+        double sum_sq = 0.0;
+        for (int i = 0; i < H; i++) sum_sq += (double)xr[i] * xr[i];
+        /* like transformers: x * rsqrt(mean(x^2) + eps), then times the weight */
+        float scale = 1.0f / sqrtf((float)(sum_sq / H) + eps);
+        for (int i = 0; i < H; i++) yr[i] = w[i] * (xr[i] * scale);
+    }
+}

@@ -1,0 +1,219 @@
+/* Portable block formats: type table, exact dequantisation, and unpacking of quantised rows to
+ * the common (s, A, B) layout of quant.h. Bit layouts follow ggml-quants.c. */
+#include <string.h>
+#include "quant.h"
+
+#define QK_K 256
+
+int st_block_size(int qtype) {
+    switch (qtype) {
+    case ST_F32: case ST_F16: case ST_BF16: return 1;
+    case ST_Q4_0: case ST_Q8_0: return 32;
+    case ST_Q4_K: case ST_Q5_K: case ST_Q6_K: return QK_K;
+    default: return 0;
+    }
+}
+
+int st_type_size(int qtype) {
+    switch (qtype) {
+    case ST_F32: return 4;
+    case ST_F16: case ST_BF16: return 2;
+    case ST_Q4_0: return 18;           /* fp16 d, 16 bytes of nibbles */
+    case ST_Q8_0: return 34;           /* fp16 d, 32 int8 */
+    case ST_Q4_K: return 144;          /* fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes */
+    case ST_Q5_K: return 176;          /* as Q4_K plus 32 bytes of high bits */
+    case ST_Q6_K: return 210;          /* 128 low nibbles, 64 high 2-bit, 16 int8 scales, fp16 d */
+    default: return 0;
+    }
+}
+
+int st_is_supported(int qtype) { return st_block_size(qtype) > 0; }
+
+int st_is_float_type(int qtype) {
+    return qtype == ST_F32 || qtype == ST_F16 || qtype == ST_BF16;
+}
+
+float st_fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0) {
+        /* zero or subnormal: mantissa * 2^-24 is exact in float32 */
+        v.f = (float)mantissa * 5.9604644775390625e-8f;
+        v.u |= sign;
+    } else if (exponent == 31) {
+        v.u = sign | 0x7f800000u | (mantissa << 13);
+    } else {
+        v.u = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    }
+    return v.f;
+}
+
+static inline uint16_t read_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline float read_fp16(const uint8_t *p) { return st_fp16_to_fp32(read_u16(p)); }
+
+/* 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml get_scale_min_k4). */
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Unpack n_blocks blocks: s[n] signed values, a/b one per group of 16 (w = a * s - b). */
+static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
+                          int8_t *s, float *a, float *b) {
+    for (int64_t ib = 0; ib < n_blocks; ib++) {
+        switch (qtype) {
+        case ST_Q4_0: {
+            const uint8_t *blk = src + ib * 18;
+            float d = read_fp16(blk);
+            const uint8_t *qs = blk + 2;
+            int8_t *y = s + ib * 32;
+            for (int j = 0; j < 16; j++) {
+                y[j] = (int8_t)((qs[j] & 0xF) - 8);
+                y[j + 16] = (int8_t)((qs[j] >> 4) - 8);
+            }
+            a[ib * 2] = a[ib * 2 + 1] = d;
+            b[ib * 2] = b[ib * 2 + 1] = 0.0f;
+            break;
+        }
+        case ST_Q8_0: {
+            const uint8_t *blk = src + ib * 34;
+            float d = read_fp16(blk);
+            memcpy(s + ib * 32, blk + 2, 32);
+            a[ib * 2] = a[ib * 2 + 1] = d;
+            b[ib * 2] = b[ib * 2 + 1] = 0.0f;
+            break;
+        }
+        case ST_Q4_K:
+        case ST_Q5_K: {
+            int is_q5 = qtype == ST_Q5_K;
+            const uint8_t *blk = src + ib * (is_q5 ? 176 : 144);
+            float d = read_fp16(blk);
+            float dmin = read_fp16(blk + 2);
+            const uint8_t *scales = blk + 4;
+            const uint8_t *qh = blk + 16;                 /* Q5_K only: 32 bytes */
+            const uint8_t *qs = blk + (is_q5 ? 48 : 16);  /* 128 bytes */
+            int8_t *y = s + ib * QK_K;
+            for (int sub = 0; sub < 8; sub++) {
+                uint8_t sc, m;
+                scale_min_k4(sub, scales, &sc, &m);
+                /* sub-block 2j: low nibbles of qs[32j..], 2j+1: high nibbles */
+                const uint8_t *q = qs + 32 * (sub / 2);
+                int shift = (sub & 1) * 4;
+                for (int l = 0; l < 32; l++) {
+                    int v = (q[l] >> shift) & 0xF;
+                    if (is_q5) v |= ((qh[l] >> sub) & 1) << 4;
+                    y[32 * sub + l] = (int8_t)v;
+                }
+                float ds = d * (float)sc;
+                float dm = dmin * (float)m;
+                a[ib * 16 + 2 * sub] = a[ib * 16 + 2 * sub + 1] = ds;
+                b[ib * 16 + 2 * sub] = b[ib * 16 + 2 * sub + 1] = dm;
+            }
+            break;
+        }
+        case ST_Q6_K: {
+            const uint8_t *blk = src + ib * 210;
+            const uint8_t *ql = blk;
+            const uint8_t *qh = blk + 128;
+            const int8_t *scales = (const int8_t *)(blk + 192);
+            float d = read_fp16(blk + 208);
+            int8_t *y = s + ib * QK_K;
+            for (int n = 0; n < 2; n++) {
+                const uint8_t *l_ = ql + 64 * n;
+                const uint8_t *h_ = qh + 32 * n;
+                int8_t *yy = y + 128 * n;
+                for (int l = 0; l < 32; l++) {
+                    yy[l] = (int8_t)(((l_[l] & 0xF) | (((h_[l] >> 0) & 3) << 4)) - 32);
+                    yy[l + 32] = (int8_t)(((l_[l + 32] & 0xF) | (((h_[l] >> 2) & 3) << 4)) - 32);
+                    yy[l + 64] = (int8_t)(((l_[l] >> 4) | (((h_[l] >> 4) & 3) << 4)) - 32);
+                    yy[l + 96] = (int8_t)(((l_[l + 32] >> 4) | (((h_[l] >> 6) & 3) << 4)) - 32);
+                }
+            }
+            for (int g = 0; g < 16; g++) {
+                a[ib * 16 + g] = d * (float)scales[g];
+                b[ib * 16 + g] = 0.0f;
+            }
+            break;
+        }
+        default:
+            break;
+        }
+    }
+}
+
+void st_dequantize(int qtype, const uint8_t *src, float *dst, int64_t n_blocks) {
+    if (qtype == ST_F32) {
+        memcpy(dst, src, (size_t)n_blocks * 4);
+        return;
+    }
+    if (qtype == ST_F16 || qtype == ST_BF16) {
+        for (int64_t i = 0; i < n_blocks; i++) {
+            uint16_t h = read_u16(src + 2 * i);
+            dst[i] = qtype == ST_F16 ? st_fp16_to_fp32(h) : st_bf16_to_fp32(h);
+        }
+        return;
+    }
+    int bs = st_block_size(qtype);
+    int ts = st_type_size(qtype);
+    int8_t s[QK_K];
+    float a[QK_K / ST_GROUP], b[QK_K / ST_GROUP];
+    for (int64_t ib = 0; ib < n_blocks; ib++) {
+        unpack_blocks(qtype, src + ib * ts, 1, s, a, b);
+        float *y = dst + ib * bs;
+        for (int i = 0; i < bs; i++) {
+            /* two roundings, like gguf: (a * s) then - b */
+            float p = a[i / ST_GROUP] * (float)s[i];
+            y[i] = p - b[i / ST_GROUP];
+        }
+    }
+}
+
+int st_cols_pad(int qtype, int cols) {
+    int pad = st_is_float_type(qtype) ? 16 : ST_PAD;
+    return (cols + pad - 1) / pad * pad;
+}
+
+void st_unpack_row(int qtype, const uint8_t *row, int cols, int cols_pad,
+                   uint8_t *s, float *A, float *B) {
+    int bs = st_block_size(qtype);
+    int ts = st_type_size(qtype);
+    int num_groups = cols / ST_GROUP;
+    int num_blocks = cols / bs;
+    if (st_unpack_row_simd(qtype, row, cols, s, A, B)) goto pad;
+    /* the group scales go to the tail of A first, then spread to lanes from the front */
+    float *a_groups = A + (cols_pad / ST_LANE) - num_groups;
+    const int chunk_blocks = bs == 32 ? 8 : 1;
+    for (int ib = 0; ib < num_blocks; ib += chunk_blocks) {
+        int nb = num_blocks - ib < chunk_blocks ? num_blocks - ib : chunk_blocks;
+        unpack_blocks(qtype, row + (int64_t)ib * ts, nb, (int8_t *)s + ib * bs,
+                      a_groups + ib * bs / ST_GROUP, B + ib * bs / ST_GROUP);
+    }
+    for (int g = 0; g < num_groups; g++) {
+        float ag = a_groups[g];
+        A[4 * g] = A[4 * g + 1] = A[4 * g + 2] = A[4 * g + 3] = ag;
+    }
+#if ST_WEIGHT_BIAS
+    for (int i = 0; i < cols; i++) s[i] = (uint8_t)(s[i] ^ 0x80);
+#endif
+pad:
+    for (int i = cols; i < cols_pad; i++) s[i] = (uint8_t)ST_WEIGHT_BIAS;
+    for (int l = cols / ST_LANE; l < cols_pad / ST_LANE; l++) A[l] = 0.0f;
+    for (int g = num_groups; g < cols_pad / ST_GROUP; g++) B[g] = 0.0f;
+}
+
+void st_unpack_row_float(int qtype, const uint8_t *row, int cols, int cols_pad, float *w) {
+    if (!st_unpack_row_float_simd(qtype, row, cols, w)) st_dequantize(qtype, row, w, cols);
+    for (int i = cols; i < cols_pad; i++) w[i] = 0.0f;
+}

@@ -1,0 +1,160 @@
+/* SIMD unpacking of quantised rows to the (s, A, B) layout of quant.h (AVX2-level code, used by
+ * the AVX2 and AVX-512 builds). The scalar unpacker in quant_ref.c defines the result. */
+#include <string.h>
+#include "quant.h"
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+
+static inline float fp16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void store256(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+
+/* 6-bit scale and min of sub-block j (ggml get_scale_min_k4) */
+static inline void scale_min(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, float *A, float *B) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    switch (qtype) {
+    case ST_Q4_0: {
+        const __m128i low4_128 = _mm_set1_epi8(0x0F);
+        const __m256i offset = _mm256_set1_epi8((char)(ST_WEIGHT_BIAS - 8));
+        for (int ib = 0; ib < cols / 32; ib++) {
+            const uint8_t *blk = row + ib * 18;
+            __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));       /* [16] nibble pairs */
+            __m128i lo = _mm_and_si128(qs, low4_128);                        /* columns 0..15 */
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4_128);     /* columns 16..31 */
+            store256(s + ib * 32, _mm256_add_epi8(_mm256_set_m128i(hi, lo), offset));
+            _mm256_storeu_ps(A + ib * 8, _mm256_set1_ps(fp16_at(blk)));
+            B[ib * 2] = B[ib * 2 + 1] = 0.0f;
+        }
+        return 1;
+    }
+    case ST_Q8_0: {
+        const __m256i bias = _mm256_set1_epi8((char)ST_WEIGHT_BIAS);
+        for (int ib = 0; ib < cols / 32; ib++) {
+            const uint8_t *blk = row + ib * 34;
+            store256(s + ib * 32, _mm256_xor_si256(load256(blk + 2), bias));
+            _mm256_storeu_ps(A + ib * 8, _mm256_set1_ps(fp16_at(blk)));
+            B[ib * 2] = B[ib * 2 + 1] = 0.0f;
+        }
+        return 1;
+    }
+    case ST_Q4_K:
+    case ST_Q5_K: {
+        const int is_q5 = qtype == ST_Q5_K;
+        const __m256i bias = _mm256_set1_epi8((char)ST_WEIGHT_BIAS);
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        for (int ib = 0; ib < cols / 256; ib++) {
+            const uint8_t *blk = row + ib * (is_q5 ? 176 : 144);
+            float d = fp16_at(blk), dmin = fp16_at(blk + 2);
+            const uint8_t *scales = blk + 4;
+            const uint8_t *qs = blk + (is_q5 ? 48 : 16);
+            __m256i qh = is_q5 ? load256(blk + 16) : _mm256_setzero_si256();
+            uint8_t *y = s + ib * 256;
+            for (int j = 0; j < 4; j++) {
+                __m256i q = load256(qs + 32 * j);                             /* [32] */
+                __m256i lo = _mm256_and_si256(q, low4);                       /* sub-block 2j */
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); /* 2j + 1 */
+                if (is_q5) {
+                    /* bit (sub-block index) of qh[l] is the fifth bit of column l */
+                    __m256i b_lo = _mm256_set1_epi8((char)(1 << (2 * j)));
+                    __m256i b_hi = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(qh, b_lo), b_lo), sixteen));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(qh, b_hi), b_hi), sixteen));
+                }
+                store256(y + 64 * j, _mm256_xor_si256(lo, bias));
+                store256(y + 64 * j + 32, _mm256_xor_si256(hi, bias));
+            }
+            for (int sub = 0; sub < 8; sub++) {
+                int sc, m;
+                scale_min(sub, scales, &sc, &m);
+                _mm256_storeu_ps(A + ib * 64 + sub * 8, _mm256_set1_ps(d * (float)sc));
+                float dm = dmin * (float)m;
+                B[ib * 16 + 2 * sub] = B[ib * 16 + 2 * sub + 1] = dm;
+            }
+        }
+        return 1;
+    }
+    case ST_Q6_K: {
+        const __m256i offset = _mm256_set1_epi8((char)(ST_WEIGHT_BIAS - 32));
+        const __m256i high2 = _mm256_set1_epi8(0x30);
+        for (int ib = 0; ib < cols / 256; ib++) {
+            const uint8_t *blk = row + ib * 210;
+            const int8_t *scales = (const int8_t *)(blk + 192);
+            float d = fp16_at(blk + 208);
+            uint8_t *y = s + ib * 256;
+            for (int n = 0; n < 2; n++) {
+                __m256i ql0 = load256(blk + 64 * n);                          /* [32] */
+                __m256i ql1 = load256(blk + 64 * n + 32);
+                __m256i h = load256(blk + 128 + 32 * n);
+                __m256i v0 = _mm256_or_si256(_mm256_and_si256(ql0, low4),
+                                             _mm256_and_si256(_mm256_slli_epi16(h, 4), high2));
+                __m256i v1 = _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                                             _mm256_and_si256(_mm256_slli_epi16(h, 2), high2));
+                __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                             _mm256_and_si256(h, high2));
+                __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                             _mm256_and_si256(_mm256_srli_epi16(h, 2), high2));
+                store256(y + 128 * n, _mm256_add_epi8(v0, offset));
+                store256(y + 128 * n + 32, _mm256_add_epi8(v1, offset));
+                store256(y + 128 * n + 64, _mm256_add_epi8(v2, offset));
+                store256(y + 128 * n + 96, _mm256_add_epi8(v3, offset));
+            }
+            for (int g = 0; g < 16; g++) {
+                _mm_storeu_ps(A + ib * 64 + g * 4, _mm_set1_ps(d * (float)scales[g]));
+                B[ib * 16 + g] = 0.0f;
+            }
+        }
+        return 1;
+    }
+    default:
+        return 0;
+    }
+}
+
+int st_unpack_row_float_simd(int qtype, const uint8_t *row, int cols, float *w) {
+    int i = 0;
+    if (qtype == ST_F16) {
+        for (; i + 8 <= cols; i += 8)
+            _mm256_storeu_ps(w + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i))));
+    } else if (qtype == ST_BF16) {
+        for (; i + 8 <= cols; i += 8) {
+            __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
+            _mm256_storeu_ps(w + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+        }
+    } else {
+        return 0;
+    }
+    if (i < cols) st_dequantize(qtype, row + 2 * i, w + i, cols - i);
+    return 1;
+}
+
+#else
+
+int st_unpack_row_float_simd(int qtype, const uint8_t *row, int cols, float *w) {
+    (void)qtype; (void)row; (void)cols; (void)w;
+    return 0;
+}
+
+int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, float *A, float *B) {
+    (void)qtype; (void)row; (void)cols; (void)s; (void)A; (void)B;
+    return 0;
+}
+
+#endif

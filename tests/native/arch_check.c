@@ -1,0 +1,114 @@
+/* Builds of the kernels for other instruction sets (scalar, AVX2, AVX-512 without VNNI, NEON
+ * under qemu) checked against a double reference: st_matmul vs st_dequantize'd weights times
+ * the same 8-bit activations. Compiled and run by test_arch_builds.py; exit status 0 = pass. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "quant.h"
+
+static uint64_t g_state = 88172645463325252ull;
+
+static uint32_t next_u32(void) {
+    g_state ^= g_state << 13;
+    g_state ^= g_state >> 7;
+    g_state ^= g_state << 17;
+    return (uint32_t)(g_state >> 11);
+}
+
+static float uniform(void) { return (float)(next_u32() % 2000001) / 1000000.0f - 1.0f; }
+
+/* fp16 bits of a positive normal float (truncating the mantissa) */
+static uint16_t to_fp16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    uint32_t e = ((v.u >> 23) & 0xff) - 112;
+    return (uint16_t)((e << 10) | ((v.u >> 13) & 0x3ff));
+}
+
+static void random_weight(int qt, uint8_t *w, int rows, int cols) {
+    int64_t n_blocks = (int64_t)rows * cols / st_block_size(qt);
+    int ts = st_type_size(qt);
+    for (int64_t i = 0; i < n_blocks * ts; i++) w[i] = (uint8_t)next_u32();
+    if (st_is_float_type(qt)) {
+        for (int64_t i = 0; i < n_blocks; i++) {
+            float f = uniform();
+            if (qt == ST_F32) { memcpy(w + 4 * i, &f, 4); continue; }
+            union { float f; uint32_t u; } v = {fabsf(f) + 0.01f};
+            uint16_t h = qt == ST_F16 ? to_fp16(v.f) : (uint16_t)(v.u >> 16);
+            if (f < 0) h |= 0x8000;
+            memcpy(w + 2 * i, &h, 2);
+        }
+        return;
+    }
+    /* fp16 scale fields: random bytes there would be NaN / Inf */
+    int fields[2] = {0, -1};
+    if (qt == ST_Q4_K || qt == ST_Q5_K) fields[1] = 2;
+    if (qt == ST_Q6_K) fields[0] = 208;
+    for (int64_t b = 0; b < n_blocks; b++)
+        for (int j = 0; j < 2; j++)
+            if (fields[j] >= 0) {
+                uint16_t h = to_fp16(0.001f + 0.099f * (float)(next_u32() % 1000) / 1000.0f);
+                memcpy(w + b * ts + fields[j], &h, 2);
+            }
+}
+
+/* x as the kernels use it: 8-bit per 32 columns for quantised weights, else unchanged */
+static void activation(const float *x, double *xr, int cols, int is_quant) {
+    for (int i = 0; i < cols; i++) xr[i] = x[i];
+    if (!is_quant) return;
+    for (int b = 0; b < cols / 32; b++) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[b * 32 + i]));
+        float d = amax / 127.0f, inv_d = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < 32; i++) xr[b * 32 + i] = (double)lrintf(x[b * 32 + i] * inv_d) * d;
+    }
+}
+
+static int check(int qt, int rows, int cols, int T) {
+    int is_quant = !st_is_float_type(qt);
+    int64_t row_bytes = (int64_t)cols / st_block_size(qt) * st_type_size(qt);
+    uint8_t *w = malloc((size_t)(rows * row_bytes));
+    float *wf = malloc(sizeof(float) * rows * cols);
+    float *x = malloc(sizeof(float) * T * cols), *out = malloc(sizeof(float) * T * rows);
+    double *xr = malloc(sizeof(double) * cols);
+    random_weight(qt, w, rows, cols);
+    st_dequantize(qt, w, wf, (int64_t)rows * cols / st_block_size(qt));
+    for (int i = 0; i < T * cols; i++) x[i] = uniform();
+    st_matmul(qt, w, rows, row_bytes, cols, x, T, out);
+    double worst = 0.0;
+    for (int t = 0; t < T; t++) {
+        activation(x + t * cols, xr, cols, is_quant);
+        for (int r = 0; r < rows; r++) {
+            double ref = 0.0, mag = 0.0;
+            for (int i = 0; i < cols; i++) {
+                ref += xr[i] * wf[r * cols + i];
+                mag += fabs(xr[i] * wf[r * cols + i]);
+            }
+            /* float32 accumulation: relative to sum |x w|, (cols / 16 + 16) * 6e-8 bounds it */
+            double err = fabs(out[t * rows + r] - ref) / ((cols / 16.0 + 16.0) * 6e-8 * mag);
+            if (!(err <= worst)) worst = err;
+        }
+    }
+    int ok = worst <= 1.0;
+    printf("type=%d rows=%d cols=%d T=%d error/bound=%.3f %s\n", qt, rows, cols, T, worst,
+           ok ? "ok" : "FAIL");
+    free(w); free(wf); free(x); free(out); free(xr);
+    return ok;
+}
+
+int main(void) {
+    const int types[8] = {ST_F32, ST_F16, ST_BF16, ST_Q4_0, ST_Q8_0, ST_Q4_K, ST_Q5_K, ST_Q6_K};
+    const int token_counts[4] = {1, 2, 5, 9};
+    int num_failed = 0;
+    printf("simd=%s\n", st_simd_level());
+    for (int it = 0; it < 8; it++) {
+        int qt = types[it];
+        /* widths that are and are not multiples of the 64-column padding */
+        int widths[2] = {512, st_block_size(qt) == 256 ? 768 : (st_is_float_type(qt) ? 100 : 96)};
+        for (int iw = 0; iw < 2; iw++)
+            for (int jt = 0; jt < 4; jt++)
+                num_failed += !check(qt, 37, widths[iw], token_counts[jt]);
+    }
+    printf("%s\n", num_failed ? "FAILED" : "PASSED");
+    return num_failed != 0;
+}

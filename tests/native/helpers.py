@@ -1,0 +1,81 @@
+"""Random GGUF weight bytes for the kernel tests, and the float64 references they are checked with."""
+import gguf
+import numpy as np
+
+T = gguf.GGMLQuantizationType
+QUANT_TYPES = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+ALL_TYPES = FLOAT_TYPES + QUANT_TYPES
+
+# Byte offsets of the fp16 scale fields in each block: random bytes there give NaN / Inf.
+_FP16_FIELDS = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def block_size(qtype):
+    return gguf.GGML_QUANT_SIZES[qtype][0]
+
+
+def random_weight(rng, qtype, rows, cols):
+    """uint8[rows, row_bytes]: random blocks with scales d in [1e-3, 1e-1] (floats: N(0, 1))."""
+    qtype = T(qtype)
+    if qtype in FLOAT_TYPES:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        if qtype == T.F32:
+            return w.view(np.uint8)
+        if qtype == T.F16:
+            return w.astype(np.float16).view(np.uint8)
+        return gguf.quants.quantize(w, qtype)
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = rows * cols // bs
+    blocks = rng.integers(0, 256, size=(n_blocks, ts), dtype=np.uint8)
+    for off in _FP16_FIELDS[qtype]:
+        d = rng.uniform(1e-3, 1e-1, size=n_blocks).astype(np.float16)
+        blocks[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    return blocks.reshape(rows, cols // bs * ts)
+
+
+def dequant64(w, qtype):
+    """float64 [rows, cols] reference weights from gguf's numpy dequantiser."""
+    return gguf.quants.dequantize(w, qtype).astype(np.float64)
+
+
+def q8_error_bound(x, w64):
+    """Bound on |kernel - x @ w.T| from quantising x to 8 bits per 32 columns.
+
+    Rounding x to q * dx moves each element by at most dx / 2, dx = max|x_block| / 127, so a dot
+    product moves by at most sum_i |w_i| * dx_b(i) / 2. float32 arithmetic adds a relative
+    ~1e-6 of sum |x_i w_i|; 1.01 and the second term cover that.
+    """
+    xt = x.astype(np.float64)
+    T_, cols = xt.shape
+    dx = np.abs(xt.reshape(T_, cols // 32, 32)).max(axis=2) / 127.0       # [T, cols/32]
+    dx_cols = np.repeat(dx, 32, axis=1)                                    # [T, cols]
+    bound = 0.5 * dx_cols @ np.abs(w64).T                                  # [T, rows]
+    return 1.01 * bound + 1e-5 * (np.abs(xt) @ np.abs(w64).T) + 1e-30
+
+
+def float_error_bound(x, w64):
+    """float32 accumulation: |error| <= n * eps32 * sum |x_i w_i| (n = terms per lane chain).
+
+    The kernels split a dot product into <= 16 partial sums of cols/16 terms, then add them;
+    eps32 = 6e-8, so a bound of (cols / 16 + 16) * 6e-8 * sum |x w| holds with margin.
+    """
+    xt = x.astype(np.float64)
+    cols = xt.shape[1]
+    return (cols / 16 + 16) * 6e-8 * (np.abs(xt) @ np.abs(w64).T) + 1e-30
+
+
+def q8_roundtrip(x):
+    """x as the kernels see it after 8-bit quantisation (same float32 steps as matmul.c)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T_, cols = x.shape
+    xb = x.reshape(T_, cols // 32, 32)
+    d = (np.abs(xb).max(axis=2, keepdims=True) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv_d = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv_d)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(T_, cols)
+
+
+def silu64(v):
+    return v / (1.0 + np.exp(-np.clip(v, -700.0, 700.0)))

@@ -1,0 +1,68 @@
+"""The kernels' other instruction-set paths (scalar, AVX2, AVX-512 without VNNI, NEON under
+qemu) compiled from source into arch_check.c's harness and run: this build tests only one."""
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SRC_DIR = Path(__file__).resolve().parents[2] / "src" / "strata" / "_native"
+C_FILES = ["matmul.c", "quant_ref.c", "tiles.c", "unpack_simd.c", "fused.c", "fused_k.c",
+           "moe.c"]
+HARNESS = Path(__file__).resolve().parent / "arch_check.c"
+
+
+def _cpu_flags():
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _x86_variant(march, needed_flags):
+    is_x86 = platform.machine() in ("x86_64", "AMD64")
+    has_flags = needed_flags <= _cpu_flags()
+    return pytest.param(
+        ("gcc", march, None), id=march,
+        marks=pytest.mark.skipif(not (is_x86 and has_flags and shutil.which("gcc")),
+                                 reason=f"needs gcc on an x86-64 CPU with {sorted(needed_flags)}"))
+
+
+def _arm_variant(march):
+    tools = shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64-static")
+    return pytest.param(
+        ("aarch64-linux-gnu-gcc", march, "qemu-aarch64-static"), id=march,
+        marks=pytest.mark.skipif(not tools,
+                                 reason="needs aarch64-linux-gnu-gcc and qemu-aarch64-static"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SRC_DIR / "quant.h").exists(), reason="needs the source tree")
+@pytest.mark.parametrize("variant", [
+    _x86_variant("x86-64", set()),                                      # scalar
+    _x86_variant("haswell", {"avx2", "fma", "f16c"}),                   # AVX2
+    _x86_variant("alderlake", {"avx2", "fma", "f16c", "avx_vnni"}),     # AVX2 + AVX-VNNI
+    _x86_variant("skylake-avx512", {"avx512f", "avx512bw", "f16c"}),    # AVX-512, no VNNI
+    _arm_variant("armv8-a"),                                            # NEON
+    _arm_variant("armv8.2-a+dotprod"),                                  # NEON vdotq
+])
+def test_other_instruction_sets(variant, tmp_path):
+    compiler, march, runner = variant
+    exe = tmp_path / "arch_check"
+    cmd = [compiler, "-std=c11", "-O2", "-ffp-contract=off", f"-march={march}", "-fopenmp",
+           f"-I{SRC_DIR}", str(HARNESS), *(str(SRC_DIR / f) for f in C_FILES), "-lm",
+           "-o", str(exe)]
+    if runner:
+        cmd.insert(1, "-static")
+    subprocess.run(cmd, check=True, capture_output=True)
+    run = subprocess.run([runner, str(exe)] if runner else [str(exe)], capture_output=True,
+                         text=True, timeout=300)
+    expected_level = {"x86-64": "scalar", "haswell": "avx2", "alderlake": "avx2",
+                      "skylake-avx512": "avx512"}
+    assert run.stdout.splitlines()[0] == f"simd={expected_level.get(march, 'neon')}"
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("PASSED"), run.stdout
