@@ -1,7 +1,71 @@
-"""`strata-tool`: maintenance commands."""
+"""`strata-tool`: maintenance commands (synth, inspect)."""
+from __future__ import annotations
+
+import os
+
 import click
+
+from strata.errors import StrataError
+
+# Exit status for input the command cannot use (bad file, bad option value), as click uses it.
+EXIT_BAD_INPUT = 2
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    raise SystemExit(EXIT_BAD_INPUT)
 
 
 @click.group()
 def main():
     """Strata maintenance tool."""
+
+
+@main.command()
+@click.option("--shape", default="tiny", show_default=True, help="Preset model shape (--list).")
+@click.option("--type", "weight_type", default="q4_0", show_default=True,
+              help="Type of the weight matrices: f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k.")
+@click.option("--arch", "arch_name", default=None, help="Switch the preset's architecture.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option("--layers", default=None, type=click.IntRange(min=1), help="Number of layers.")
+@click.option("--list", "list_presets", is_flag=True, help="List the preset shapes and exit.")
+@click.argument("out", required=False, type=click.Path(dir_okay=False))
+def synth(shape, weight_type, arch_name, seed, layers, list_presets, out):
+    """Write a random-weight MoE model at a preset shape to OUT (a .gguf file)."""
+    from strata.tool.inspect import format_spec
+    from strata.tool.presets import PRESETS
+    from strata.tool.synth import synth_model
+
+    if list_presets:
+        for name, (spec, description) in PRESETS.items():
+            click.echo(f"{name:<22} {description}")
+        return
+    if out is None:
+        _fail("give the output path, e.g. `strata-tool synth --shape tiny tiny.gguf`")
+    overrides = {} if layers is None else {"n_layers": layers}
+    try:
+        spec = synth_model(out, shape, weight_type, arch=arch_name, seed=seed, progress=True,
+                           **overrides)
+    except StrataError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"cannot write {out}: {exc.strerror or exc}")
+    click.echo(f"wrote {out}: {spec.arch}, shape {shape}, {weight_type}, seed {seed}, "
+               f"{os.path.getsize(out)} bytes ({os.path.getsize(out) / 2**20:.1f} MiB)")
+    for line in format_spec(spec):
+        click.echo(line)
+
+
+@main.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+def inspect(path):
+    """Describe the GGUF model at PATH: hyperparameters, tensor types, bytes per token."""
+    from strata.tool.inspect import format_report, inspect_model
+
+    try:
+        report = inspect_model(path)
+    except StrataError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"cannot read {path}: {exc.strerror or exc}")
+    click.echo(format_report(report))

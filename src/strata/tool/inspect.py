@@ -1,0 +1,123 @@
+"""`strata-tool inspect`: what a GGUF model holds and where its bytes go (dense vs experts)."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata.model.arch import ModelSpec, is_routed_expert
+from strata.model.gguf_file import GGUFModel
+
+
+@dataclass
+class ModelReport:
+    """Byte accounting of one model file. `expert_bytes_per_token`: the routed experts one token
+    reads (top-k of each layer's gate/up/down); `active_bytes_per_token` adds the dense part."""
+
+    path: str
+    file_bytes: int
+    name: str
+    spec: ModelSpec
+    num_tokens: int
+    tokenizer_model: str
+    tensors_by_type: Counter = field(default_factory=Counter)
+    bytes_by_type: Counter = field(default_factory=Counter)
+    dense_bytes: int = 0
+    expert_bytes: int = 0
+    expert_bytes_per_token: int = 0
+    num_params: int = 0
+    num_active_params: int = 0
+    embed_row_bytes: int = 0  # one row of token_embd: all the lookup reads of it
+    embed_bytes: int = 0
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.dense_bytes + self.expert_bytes
+
+    @property
+    def active_bytes_per_token(self) -> int:
+        # A token reads one embedding row, unless the head (tied) reads the whole table anyway.
+        embed_unread = 0 if self.spec.tied_output else self.embed_bytes - self.embed_row_bytes
+        return self.dense_bytes - embed_unread + self.expert_bytes_per_token
+
+
+def inspect_model(path: str | os.PathLike) -> ModelReport:
+    """Open `path` (ModelFormatError if it is not a usable model GGUF) and account its bytes."""
+    with GGUFModel.open(path) as model:
+        spec = model.spec
+        meta = model.metadata
+        report = ModelReport(
+            path=str(path), file_bytes=os.path.getsize(path), spec=spec,
+            name=str(meta.get("general.name", "")),
+            num_tokens=len(meta.get("tokenizer.ggml.tokens", [])),
+            tokenizer_model=str(meta.get("tokenizer.ggml.model", "none")),
+        )
+        for name in model.tensor_names:
+            info = model.tensor(name)
+            num_values = int(np.prod(info.shape, dtype=np.int64))
+            report.tensors_by_type[info.type_name] += 1
+            report.bytes_by_type[info.type_name] += info.nbytes
+            report.num_params += num_values
+            if name == "token_embd.weight":
+                report.embed_bytes, report.embed_row_bytes = info.nbytes, info.row_bytes
+            if is_routed_expert(name):
+                report.expert_bytes += info.nbytes
+                # Each token reads n_experts_used of the layer's n_experts slices.
+                report.expert_bytes_per_token += info.nbytes * spec.n_experts_used // spec.n_experts
+                report.num_active_params += num_values * spec.n_experts_used // spec.n_experts
+            else:
+                report.dense_bytes += info.nbytes
+                report.num_active_params += num_values
+    return report
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def format_spec(spec: ModelSpec) -> list[str]:
+    s = spec
+    lines = [
+        f"  layers {s.n_layers}, hidden {s.hidden}, vocab {s.vocab}, context {s.context_length}",
+        f"  attention: {s.n_heads} query / {s.n_kv_heads} KV heads of {s.head_dim}"
+        f"{', QK-norm' if s.has_qk_norm else ''}{', biases' if s.has_attn_bias else ''}, "
+        f"rope theta {s.rope_theta:g}, rms eps {s.rms_eps:g}",
+        f"  experts: {s.n_experts} of width {s.expert_ffn}, top-{s.n_experts_used}"
+        f"{' (renormalised)' if s.norm_topk else ''}"
+        f"{f', shared expert of width {s.shared_ffn}' if s.has_shared_expert else ''}",
+    ]
+    if s.tied_output:
+        lines.append("  output head tied to the token embeddings")
+    return lines
+
+
+def format_report(r: ModelReport) -> str:
+    lines = [f"{r.path}: {r.spec.arch} '{r.name}', {_size(r.file_bytes)}",
+             "hyperparameters:", *format_spec(r.spec),
+             f"tokenizer: {r.tokenizer_model}, {r.num_tokens} tokens",
+             "tensors by type:"]
+    for type_name, count in sorted(r.tensors_by_type.items()):
+        type_bytes = _size(r.bytes_by_type[type_name])
+        lines.append(f"  {type_name:<6} {count:>5} tensors  {type_bytes:>12}")
+    pct = 100 * r.expert_bytes / max(r.tensor_bytes, 1)
+    lines += [
+        f"dense weights:       {_size(r.dense_bytes):>12}",
+        f"routed experts:      {_size(r.expert_bytes):>12}  ({pct:.1f}% of the weights)",
+        f"experts per token:   {_size(r.expert_bytes_per_token):>12}  "
+        f"(top-{r.spec.n_experts_used} of {r.spec.n_experts} in each of {r.spec.n_layers} layers)",
+        f"read per token:      {_size(r.active_bytes_per_token):>12}  "
+        "(dense + experts, one embedding row)",
+        f"total weights:       {_size(r.tensor_bytes):>12}  "
+        f"({_count(r.num_params)} parameters, {_count(r.num_active_params)} active)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,284 @@
+"""Random-weight GGUF models at a preset's shape (`strata-tool synth`), deterministic per seed.
+
+Quantised weights are drawn directly as random blocks with their fp16 scales set by hand (never by
+quantising floats), so even the qwen3-30b-a3b shape is written in minutes with bounded memory.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from dataclasses import fields
+from functools import lru_cache
+from importlib import resources
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from gguf import LlamaFileType
+
+from strata.errors import ConfigError, ModelFormatError
+from strata.model import arch as model_arch
+from strata.model.arch import ModelSpec
+from strata.model.writer import row_bytes, write_gguf
+from strata.tool.presets import get_preset
+
+WEIGHT_TYPES: dict[str, QT] = {
+    "f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
+    "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K,
+}
+_FILE_TYPES = {
+    QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16,
+    QT.BF16: LlamaFileType.MOSTLY_BF16, QT.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+    QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
+    QT.Q5_K: LlamaFileType.MOSTLY_Q5_K_M, QT.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+}
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                  "<tool_call>", "</tool_call>")
+# Added tokens that stay in decoded text (llama.cpp's USER_DEFINED, type 4), as in Qwen's files.
+TEXT_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+_CHUNK_BYTES = 32 << 20  # rows are generated this many bytes at a time (fixed: keeps determinism)
+_EMBED_STD = 0.03
+_NORM_SPREAD = 0.1  # norm weights are uniform in 1 +- this
+_BIAS_STD = 0.01
+
+
+# ---------------------------------------------------------------- tokenizer and template
+
+def data_text(name: str) -> str:
+    return resources.files("strata.data").joinpath(name).read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=1)
+def _tokenizer_vocab() -> tuple[list[str], list[str], set[str]]:
+    """(tokens in id order, merges as "a b", special tokens) of the shipped tokenizer."""
+    doc = json.loads(data_text("synth_tokenizer.json"))
+    vocab: dict[str, int] = dict(doc["model"]["vocab"])
+    specials = set()
+    for added in doc.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        if added.get("special"):
+            specials.add(added["content"])
+    tokens = [""] * len(vocab)
+    for token, token_id in vocab.items():
+        tokens[token_id] = token
+    if "" in tokens:
+        raise ModelFormatError("the shipped synth_tokenizer.json has gaps in its token ids; "
+                               "rebuild it with tools/train_synth_tokenizer.py")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in doc["model"]["merges"]]
+    return tokens, merges, specials
+
+
+def synth_tokenizer_meta(vocab: int | None = None) -> dict[str, object]:
+    """llama.cpp's tokenizer.* GGUF keys for the shipped tokenizer, padded to `vocab` tokens."""
+    tokens, merges, specials = _tokenizer_vocab()
+    vocab = len(tokens) if vocab is None else vocab
+    if vocab < len(tokens):
+        raise ConfigError(f"vocab {vocab} is smaller than the shipped tokenizer's "
+                          f"{len(tokens)} tokens; use vocab >= {len(tokens)}")
+    token_types = [3 if t in specials else 4 if t in TEXT_TAGS else 1 for t in tokens]
+    # llama.cpp pads embeddings larger than the tokenizer with unused [PAD{id}] tokens.
+    pad_ids = range(len(tokens), vocab)
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens + [f"[PAD{i}]" for i in pad_ids],
+        "tokenizer.ggml.token_type": token_types + [5] * len(pad_ids),
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
+        "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>"),
+        "tokenizer.ggml.bos_token_id": tokens.index("<|endoftext|>"),
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": data_text("chat_template.jinja"),
+    }
+
+
+# ---------------------------------------------------------------- random blocks
+
+def _scales_f16(rng: np.random.Generator, num_blocks: int, scale: float,
+                signed: bool) -> np.ndarray:
+    """[num_blocks, 2] uint8: fp16 scales of `scale` +- 20%, with a random sign if `signed`.
+
+    A random sign per block cancels the -0.5 mean of formats whose codes are asymmetric."""
+    d = scale * rng.uniform(0.8, 1.2, num_blocks)
+    if signed:
+        d *= rng.choice(np.array([-1.0, 1.0]), num_blocks)
+    return d.astype(np.float16).view(np.uint8).reshape(num_blocks, 2)
+
+
+def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Pack 8 six-bit scales and mins per block into Q4_K/Q5_K's 12 bytes. sc, m: [N, 8]."""
+    out = np.empty((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    return out
+
+
+def _random_bytes(rng: np.random.Generator, num_blocks: int, n: int) -> np.ndarray:
+    return np.frombuffer(rng.bytes(num_blocks * n), dtype=np.uint8).reshape(num_blocks, n)
+
+
+def random_blocks(qtype: QT, num_values: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    """`num_values` random weights of about `std` (mean 0) encoded as `qtype`: flat uint8."""
+    if qtype in (QT.F32, QT.F16, QT.BF16):
+        values = rng.standard_normal(num_values, dtype=np.float32) * np.float32(std)
+        if qtype == QT.F32:
+            return values.view(np.uint8)
+        if qtype == QT.F16:
+            return values.astype(np.float16).view(np.uint8)
+        bits = values.view(np.uint32)  # BF16: round to nearest even on the top 16 bits
+        bits = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) >> 16
+        return bits.astype(np.uint16).view(np.uint8)
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    n = num_values // block_size
+    if qtype == QT.Q4_0:  # codes 0..15 - 8: rms 4.637
+        parts = [_scales_f16(rng, n, std / 4.637, True), _random_bytes(rng, n, 16)]
+    elif qtype == QT.Q8_0:  # int8 codes: rms 73.9
+        parts = [_scales_f16(rng, n, std / 73.9, True), _random_bytes(rng, n, 32)]
+    elif qtype in (QT.Q4_K, QT.Q5_K):
+        # w = d*sc*q - dmin*m; with m = sc and dmin = d*mid, w = d*sc*(q - mid): mean 0.
+        num_levels = 16 if qtype == QT.Q4_K else 32
+        mid = (num_levels - 1) / 2
+        sc = rng.integers(32, 64, (n, 8), dtype=np.uint8)  # rms 48.39
+        q_rms = math.sqrt((num_levels ** 2 - 1) / 12)
+        d = _scales_f16(rng, n, std / (q_rms * 48.39), False)
+        dmin = (d.view(np.float16).astype(np.float32) * mid).astype(np.float16).view(np.uint8)
+        parts = [d, dmin, _pack_k_scales(sc, sc)]
+        if qtype == QT.Q5_K:
+            parts.append(_random_bytes(rng, n, 32))  # qh: the fifth bit
+        parts.append(_random_bytes(rng, n, 128))
+    elif qtype == QT.Q6_K:  # codes -32..31: rms 18.48; int8 sub-scales +-[32, 63]: rms 48.39
+        sc = rng.integers(32, 64, (n, 16), dtype=np.int16)
+        sc *= rng.choice(np.array([-1, 1], dtype=np.int16), (n, 16))
+        parts = [_random_bytes(rng, n, 128 + 64), sc.astype(np.int8).view(np.uint8),
+                 _scales_f16(rng, n, std / (18.48 * 48.39), False)]
+    else:
+        raise ConfigError(f"synth cannot generate {qtype.name} weights; "
+                          f"use one of {', '.join(WEIGHT_TYPES)}")
+    return np.concatenate(parts, axis=1).reshape(-1)
+
+
+def _tensor_std(spec: ModelSpec, name: str) -> float:
+    """Target std: inputs scaled by 1/sqrt(fan_in) so pre-activations are O(1); outputs written
+    to the residual stream by a further 1/sqrt(2 * n_layers) so it stays O(1) over the layers."""
+    fan_in = model_arch.expected_tensors(spec)[name][-1]
+    if name == "token_embd.weight":
+        return _EMBED_STD
+    if name.endswith(("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")):
+        return 1.0 / math.sqrt(fan_in * 2 * spec.n_layers)
+    return 1.0 / math.sqrt(fan_in)
+
+
+def _tensor_rng(seed: int, name: str) -> np.random.Generator:
+    # Seeded by name, so a tensor's values do not depend on which others the model has.
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _make_tensor(spec: ModelSpec, name: str, qtype: QT, seed: int):
+    """A zero-argument callable producing tensor `name` (data as `write_gguf` takes it)."""
+    shape = model_arch.expected_tensors(spec)[name]
+
+    def make() -> np.ndarray:
+        rng = _tensor_rng(seed, name)
+        if model_arch.is_small_tensor(name) and not name.endswith("ffn_gate_inp_shexp.weight"):
+            if name.endswith(".bias"):
+                return (rng.standard_normal(shape) * _BIAS_STD).astype(np.float32)
+            return rng.uniform(1 - _NORM_SPREAD, 1 + _NORM_SPREAD, shape).astype(np.float32)
+        std = _tensor_std(spec, name)
+        num_rows, num_cols = int(np.prod(shape[:-1])), shape[-1]
+        bytes_per_row = row_bytes(qtype, num_cols)
+        out = np.empty((num_rows, bytes_per_row), dtype=np.uint8)
+        rows_per_chunk = max(1, _CHUNK_BYTES // bytes_per_row)
+        for start in range(0, num_rows, rows_per_chunk):
+            stop = min(num_rows, start + rows_per_chunk)
+            out[start:stop] = random_blocks(qtype, (stop - start) * num_cols, std,
+                                            rng).reshape(stop - start, bytes_per_row)
+        if qtype == QT.F32:
+            return out.view(np.float32).reshape(shape)
+        return out.reshape(*shape[:-1], bytes_per_row)
+
+    return make
+
+
+def tensor_type(name: str, weight_type: QT) -> QT:
+    """The type synth stores `name` as: F32 for norms, biases and routers, else `weight_type`."""
+    if model_arch.is_small_tensor(name) or name.endswith("ffn_gate_inp.weight"):
+        return QT.F32
+    return weight_type
+
+
+# ---------------------------------------------------------------- the model
+
+_ROW_NAMES = {"attn_output.weight": "q_dim (heads x head_dim)", "ffn_down_exps.weight":
+              "expert_ffn", "ffn_down_shexp.weight": "shared_ffn"}
+
+
+def build_spec(shape: str = "tiny", arch_name: str | None = None, **overrides) -> ModelSpec:
+    """The preset's spec, switched to `arch_name` and with `overrides` applied, checked."""
+    spec = get_preset(shape)
+    if arch_name is not None and arch_name != spec.arch:
+        if arch_name not in model_arch.ARCHITECTURES:
+            raise ConfigError(f"unknown architecture {arch_name!r}; choose one of "
+                              f"{', '.join(model_arch.ARCHITECTURES)}")
+        # llama.cpp's qwen3moe has no shared expert; qwen2moe needs one.
+        shared_ffn = spec.hidden if arch_name == "qwen2moe" else 0
+        spec = spec.with_(arch=arch_name, shared_ffn=shared_ffn,
+                          norm_topk=arch_name == "qwen3moe")
+    known = {f.name for f in fields(ModelSpec)} - {"arch"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"cannot override {', '.join(unknown)}; spec fields are "
+                          f"{', '.join(sorted(known))}")
+    spec = spec.with_(**overrides)
+    try:
+        model_arch._check_spec(spec, f"shape {shape!r}")
+    except ModelFormatError as exc:
+        raise ConfigError(str(exc)) from None
+    return spec
+
+
+def _check_rows(spec: ModelSpec, shape: str, qtype: QT) -> None:
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    for name, dims in model_arch.expected_tensors(spec).items():
+        if tensor_type(name, qtype) != qtype or dims[-1] % block_size == 0:
+            continue
+        field = next((v for k, v in _ROW_NAMES.items() if name.endswith(k)), "hidden")
+        raise ConfigError(
+            f"shape {shape!r} with {qtype.name.lower()}: {field} {dims[-1]} is not a multiple of "
+            f"{block_size}, the block size of {qtype.name} (rows of {name}); use f32, f16, bf16, "
+            f"q8_0 or q4_0, or a larger shape")
+
+
+def synth_model(path: str | os.PathLike, shape: str = "tiny", weight_type: str = "q4_0",
+                arch: str | None = None, seed: int = 0, progress: bool = False,
+                **overrides) -> ModelSpec:
+    """Write a random-weight model at preset `shape` to `path`; return its spec.
+
+    The same arguments give a byte-identical file. `overrides` replace spec fields
+    (e.g. n_layers=2); `arch` switches the preset's architecture.
+    """
+    try:
+        qtype = WEIGHT_TYPES[weight_type.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown weight type {weight_type!r}; choose one of "
+                          f"{', '.join(WEIGHT_TYPES)}") from None
+    spec = build_spec(shape, arch, **overrides)
+    _check_rows(spec, shape, qtype)
+    tokenizer_meta = synth_tokenizer_meta(spec.vocab)
+    tensors = [(name, tensor_type(name, qtype), _make_tensor(spec, name, tensor_type(name, qtype),
+                                                             seed))
+               for name in _write_order(spec)]
+    extra = {"general.file_type": int(_FILE_TYPES[qtype]), "general.quantization_version": 2,
+             "strata.synth.seed": int(seed), "strata.synth.shape": shape}
+    write_gguf(path, spec, tensors, tokenizer_meta, extra_meta=extra, progress=progress,
+               name=f"strata-synth-{shape}-{weight_type.lower()}")
+    return spec
+
+
+def _write_order(spec: ModelSpec) -> list[str]:
+    """llama.cpp's order: embeddings, the layers, then the output norm and head."""
+    names = list(model_arch.expected_tensors(spec))
+    head = [n for n in names if n in ("output_norm.weight", "output.weight")]
+    return [n for n in names if n not in head] + head

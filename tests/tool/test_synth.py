@@ -1,0 +1,158 @@
+"""strata.tool.synth / presets: deterministic random models with sane weights in every type."""
+import hashlib
+import math
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, quants
+from tokenizers import Tokenizer
+
+from strata.errors import ConfigError
+from strata.model import arch
+from strata.tool.presets import PRESETS, SYNTH_TOKENIZER_VOCAB, get_preset
+from strata.tool.synth import WEIGHT_TYPES, build_spec, data_text, synth_model, synth_tokenizer_meta
+
+# tiny widened so every row is a multiple of 256 (k-quants need it); one layer keeps it fast.
+K_SHAPE = dict(hidden=256, head_dim=64, expert_ffn=256, n_layers=1)
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _meta(reader: GGUFReader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    synth_model(a, "tiny", "q4_0", seed=7)
+    synth_model(b, "tiny", "q4_0", seed=7)
+    synth_model(c, "tiny", "q4_0", seed=8)
+    assert _sha(a) == _sha(b)
+    assert _sha(a) != _sha(c)
+    ra, rc = GGUFReader(a), GGUFReader(c)
+    for ta, tc in zip(ra.tensors, rc.tensors):
+        assert ta.name == tc.name
+        if ta.name.endswith("weight") and "norm" not in ta.name:
+            assert not np.array_equal(ta.data, tc.data), ta.name
+
+
+@pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES))
+def test_weight_type_dequantises_to_the_target_std(tmp_path, weight_type):
+    path = tmp_path / "m.gguf"
+    spec = synth_model(path, "tiny", weight_type, seed=3, **K_SHAPE)
+    reader = GGUFReader(path)
+    big_types = set()
+    for t in reader.tensors:
+        w = quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+        assert np.isfinite(w).all(), t.name
+        if "norm" in t.name:
+            assert t.tensor_type.name == "F32"
+            assert 0.9 <= w.min() and w.max() <= 1.1, t.name
+            continue
+        if t.name == "token_embd.weight":
+            want = 0.03
+        elif t.name.endswith(("attn_output.weight", "ffn_down_exps.weight")):
+            want = 1 / math.sqrt(256 * 2 * spec.n_layers)  # writes to the residual stream
+        else:
+            want = 1 / 16  # 1 / sqrt(fan_in 256)
+        assert abs(w.std() / want - 1) < 0.08, (t.name, w.std(), want)
+        assert abs(w.mean()) < 0.05 * want, (t.name, w.mean())
+        if t.name.endswith("ffn_gate_inp.weight"):
+            assert t.tensor_type.name == "F32"  # the router stays F32
+        else:
+            big_types.add(t.tensor_type.name)
+    assert big_types == {weight_type.upper()}
+
+
+def test_tiny_of_both_architectures_matches_the_contract(tmp_path):
+    for shape, arch_name, n_tensors in (("tiny", "qwen3moe", 27),
+                                        ("tiny-qwen2moe", "qwen2moe", 37)):
+        path = tmp_path / f"{shape}.gguf"
+        spec = synth_model(path, shape, "f32")
+        assert spec == get_preset(shape) and spec.arch == arch_name
+        reader = GGUFReader(path)
+        shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+        assert shapes == arch.expected_tensors(spec) and len(shapes) == n_tensors
+        read = arch.spec_from_metadata(_meta(reader), shapes)
+        assert read == spec.with_(rms_eps=float(np.float32(1e-6)))  # GGUF stores a float32
+    assert build_spec("tiny", "qwen2moe") == get_preset("tiny-qwen2moe")
+    assert build_spec("tiny-qwen2moe", "qwen3moe") == get_preset("tiny")
+
+
+def test_overrides_and_layer_zero_independent_of_layer_count(tmp_path):
+    one, two = tmp_path / "one.gguf", tmp_path / "two.gguf"
+    spec = synth_model(one, "tiny", "q8_0", n_layers=1, vocab=5000)
+    synth_model(two, "tiny", "q8_0", n_layers=2, vocab=5000)
+    assert (spec.n_layers, spec.vocab) == (1, 5000)
+    r1, r2 = GGUFReader(one), GGUFReader(two)
+    t2 = {t.name: t for t in r2.tensors}
+    for t in r1.tensors:
+        if t.name.endswith(("attn_output.weight", "ffn_down_exps.weight")):
+            continue  # their scale depends on the layer count
+        np.testing.assert_array_equal(t.data, t2[t.name].data)
+    meta = _meta(r1)
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert len(tokens) == 5000 and tokens[4096] == "[PAD4096]" and tokens[-1] == "[PAD4999]"
+    assert meta["tokenizer.ggml.token_type"][4095:4097] == [4, 5]
+
+
+def test_errors_say_what_to_change(tmp_path):
+    out = tmp_path / "x.gguf"
+    with pytest.raises(ConfigError, match="shape 'tiny' with q4_k: hidden 64 is not a multiple "
+                                          "of 256"):
+        synth_model(out, "tiny", "q4_k")
+    with pytest.raises(ConfigError, match="expert_ffn 1408 is not a multiple of 256"):
+        synth_model(out, "qwen2-moe-a2.7b-like", "q6_k")
+    with pytest.raises(ConfigError, match="unknown weight type 'q3_k'; choose one of f32"):
+        synth_model(out, "tiny", "q3_k")
+    with pytest.raises(ConfigError, match="unknown model shape 'huge'; choose one of: tiny"):
+        synth_model(out, "huge")
+    with pytest.raises(ConfigError, match="cannot override n_layer; spec fields"):
+        synth_model(out, "tiny", n_layer=3)
+    with pytest.raises(ConfigError, match="unknown architecture 'llama'"):
+        synth_model(out, "tiny", arch="llama")
+    with pytest.raises(ConfigError, match="query heads are not a multiple of 3 KV heads"):
+        synth_model(out, "tiny", n_kv_heads=3)
+    with pytest.raises(ConfigError, match="vocab 100 is smaller than the shipped tokenizer's "
+                                          "4096 tokens"):
+        synth_model(out, "tiny", vocab=100)
+    assert not out.exists()
+
+
+def test_presets():
+    assert set(PRESETS) == {"tiny", "tiny-qwen2moe", "cpu-bench", "qwen3-30b-a3b",
+                            "olmoe-1b-7b-like", "qwen2-moe-a2.7b-like"}
+    big = get_preset("qwen3-30b-a3b")
+    assert (big.n_layers, big.hidden, big.n_heads, big.n_kv_heads, big.head_dim, big.n_experts,
+            big.n_experts_used, big.expert_ffn, big.vocab, big.rope_theta,
+            big.context_length) == (48, 2048, 32, 4, 128, 128, 8, 768, 151936, 1e6, 40960)
+    bench = get_preset("cpu-bench")
+    assert (bench.n_layers, bench.hidden, bench.n_experts, bench.n_experts_used,
+            bench.expert_ffn, bench.n_heads, bench.n_kv_heads, bench.head_dim,
+            bench.vocab) == (24, 1024, 64, 8, 512, 16, 4, 64, 32000)
+    q2 = get_preset("qwen2-moe-a2.7b-like")
+    assert (q2.arch, q2.n_experts, q2.n_experts_used, q2.expert_ffn, q2.shared_ffn,
+            q2.norm_topk) == ("qwen2moe", 60, 4, 1408, 5632, False)
+    tokenizer = Tokenizer.from_str(data_text("synth_tokenizer.json"))
+    assert tokenizer.get_vocab_size() == SYNTH_TOKENIZER_VOCAB == get_preset("tiny").vocab
+
+
+def test_tokenizer_meta_keys():
+    meta = synth_tokenizer_meta()
+    tokenizer = Tokenizer.from_str(data_text("synth_tokenizer.json"))
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "qwen2"
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert len(tokens) == 4096
+    assert all(tokenizer.token_to_id(tok) == i for i, tok in enumerate(tokens))
+    assert meta["tokenizer.ggml.eos_token_id"] == tokenizer.token_to_id("<|im_end|>")
+    assert meta["tokenizer.ggml.bos_token_id"] == tokenizer.token_to_id("<|endoftext|>")
+    assert meta["tokenizer.ggml.padding_token_id"] == tokenizer.token_to_id("<|endoftext|>")
+    control = [tokens[i] for i, t in enumerate(meta["tokenizer.ggml.token_type"]) if t == 3]
+    assert control == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    # The reasoning and tool-call tags stay in decoded text (USER_DEFINED), as in Qwen's files.
+    text_tags = [tokens[i] for i, t in enumerate(meta["tokenizer.ggml.token_type"]) if t == 4]
+    assert text_tags == ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+    assert meta["tokenizer.ggml.merges"][0].count(" ") == 1
+    assert meta["tokenizer.chat_template"] == data_text("chat_template.jinja")
