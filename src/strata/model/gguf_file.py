@@ -1,0 +1,267 @@
+"""Open a GGUF model file: memory-map it, read its metadata and tensors, and check it fully.
+
+Every problem with the file raises `ModelFormatError` naming the file and what is wrong.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import (GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFReader,
+                  GGUFValueType)
+
+from strata.errors import ModelFormatError
+from strata.model import arch
+from strata.model.arch import ModelSpec
+
+_MAGIC_BYTES = GGUF_MAGIC.to_bytes(4, "little")  # b"GGUF"
+_MAX_NAMED = 5  # how many offending tensor names a message lists before "and N more"
+
+
+def type_name(qtype: int) -> str:
+    """ggml's name for a tensor type id (e.g. 'Q4_K'), or 'type id N' for an unknown id."""
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type id {qtype}"
+
+
+def supported_types() -> tuple[int, ...]:
+    """Tensor types the CPU kernels compute on (the native module's own list)."""
+    from strata._native import kernels
+
+    return tuple(kernels.SUPPORTED_TYPES)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor of the file. `raw` is a read-only uint8 view of its bytes in the mapping,
+    shaped [*shape[:-1], row_bytes] (an expert tensor is [E, rows, row_bytes])."""
+
+    name: str
+    qtype: int
+    shape: tuple[int, ...]  # numpy order: the last axis is the contiguous row
+    raw: np.ndarray
+    offset_bytes: int  # where the data starts in the file
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.raw.shape[-1])
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.qtype)
+
+
+class _TruncatedHeader(Exception):
+    """A header read ran past the end of the file."""
+
+    def __init__(self, offset: int, nbytes: int):
+        super().__init__(f"needs bytes {offset}..{offset + nbytes} of the file")
+        self.offset = offset
+
+
+class _Reader(GGUFReader):
+    """GGUFReader that stops at the end of the file and leaves tensor data to `GGUFModel`.
+
+    The stock reader silently reads short past the end (then fails obscurely or loops on a
+    garbage array length) and builds every tensor view eagerly, failing without naming the
+    tensor on an odd type or size; we check those ourselves.
+    """
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        offset, count = int(offset), int(count)
+        nbytes = int(np.dtype(dtype).itemsize) * count
+        if count < 0 or offset + nbytes > len(self.data):
+            raise _TruncatedHeader(int(offset), nbytes)
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        # The stock reader makes numpy views per array element: ~10 s for a 150k-token
+        # vocabulary. Read arrays of scalars as one view and strings as memoryview slices.
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        item_type = self._get(orig_offs, np.uint32)
+        count = self._get(orig_offs + 4, np.uint64)
+        offs = orig_offs + 12
+        n = int(count[0])
+        sub = GGUFValueType(int(item_type[0]))
+        parts: list = [item_type, count]
+        if sub == GGUFValueType.STRING:
+            buf = self._bytes()
+            end = len(buf)
+            for _ in range(n):
+                if offs + 8 > end:
+                    raise _TruncatedHeader(offs, 8)
+                length = int.from_bytes(buf[offs:offs + 8], "little")
+                offs += 8
+                if offs + length > end:
+                    raise _TruncatedHeader(offs, length)
+                parts.append(buf[offs:offs + length])
+                offs += length
+            return offs - orig_offs, parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, sub]
+        nptype = self.gguf_scalar_to_np.get(sub)
+        if nptype is None:  # arrays of arrays: rare, keep the stock path
+            return super()._get_field_parts(orig_offs, raw_type)
+        values = self._get(offs, nptype, n)
+        parts.append(values)
+        return 12 + int(values.nbytes), parts, [2], [GGUFValueType.ARRAY, sub]
+
+    def _bytes(self) -> memoryview:
+        if getattr(self, "_mv", None) is None:
+            self._mv = memoryview(self.data).cast("B")
+        return self._mv
+
+    def _build_tensors(self, start_offs, fields):
+        self.tensor_fields = fields
+        self.tensors = []
+
+
+class GGUFModel:
+    """A mapped GGUF model: `.spec`, `.metadata`, `.tensor(name)`, `.tensor_names`.
+
+    The file is never read whole: tensors are views of one read-only memory map.
+    """
+
+    def __init__(self, path: Path, reader: GGUFReader, metadata: dict,
+                 tensors: dict[str, TensorInfo], spec: ModelSpec):
+        self.path = path
+        self.metadata = metadata
+        self.spec = spec
+        self._reader = reader
+        self._tensors = tensors
+
+    # ---- opening ------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "GGUFModel":
+        path = Path(path)
+        src = str(path)
+        if not path.is_file():
+            raise ModelFormatError(f"{src}: no such model file")
+        file_bytes = path.stat().st_size
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != _MAGIC_BYTES:
+            raise ModelFormatError(
+                f"{src}: not a GGUF file (starts with {magic!r}, expected {_MAGIC_BYTES!r}); "
+                "give the path of a .gguf model")
+        try:
+            reader = _Reader(path, "r")
+        except _TruncatedHeader as exc:
+            raise ModelFormatError(
+                f"{src}: truncated or corrupt: the GGUF header runs past the end of the file "
+                f"({file_bytes} bytes) at byte {exc.offset}; download or copy it again") from None
+        except Exception as exc:  # GGUFReader raises ValueError/KeyError/IndexError on garbage
+            raise ModelFormatError(
+                f"{src}: unreadable GGUF header ({type(exc).__name__}: {exc}); the file is "
+                "corrupt or was written by an incompatible tool") from None
+        metadata = _read_metadata(reader, src)
+        tensors = _read_tensors(reader, src, file_bytes)
+        shapes = {name: t.shape for name, t in tensors.items()}
+        spec = arch.spec_from_metadata(metadata, shapes, source=src)
+        _check_tensors(spec, tensors, src)
+        return cls(path, reader, metadata, tensors, spec)
+
+    # ---- access -------------------------------------------------------------------------
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def close(self) -> None:
+        """Drop this object's hold on the mapping; the file is unmapped once no `raw` view
+        handed out earlier is still alive."""
+        self._tensors = {}
+        self._reader = None
+
+    def __enter__(self) -> "GGUFModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"GGUFModel({str(self.path)!r}, arch={self.spec.arch!r}, "
+                f"tensors={len(self._tensors)})")
+
+
+def _read_metadata(reader: GGUFReader, src: str) -> dict:
+    meta: dict = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):  # version and counts, not key/value metadata
+            continue
+        try:
+            meta[name] = field.contents()
+        except Exception as exc:
+            raise ModelFormatError(
+                f"{src}: metadata key {name!r} cannot be decoded ({exc}); the file is corrupt"
+            ) from None
+    return meta
+
+
+def _read_tensors(reader: _Reader, src: str, file_bytes: int) -> dict[str, TensorInfo]:
+    supported = supported_types()
+    out: dict[str, TensorInfo] = {}
+    data_start = int(reader.data_offset)
+    for field in reader.tensor_fields:
+        _, name_data, _, dims, raw_type, rel_offset = field.parts
+        name = bytes(name_data).decode("utf-8", errors="replace")
+        qtype = int(raw_type[0])
+        shape = tuple(int(d) for d in reversed(dims.tolist()))  # ggml order -> numpy order
+        if name in out:
+            raise ModelFormatError(f"{src}: tensor {name!r} appears twice; the file is corrupt")
+        if qtype not in supported:
+            raise ModelFormatError(
+                f"{src}: tensor {name!r} has type {type_name(qtype)}, which Strata cannot "
+                f"compute; supported types: {', '.join(type_name(t) for t in supported)}. "
+                "Convert or quantise the model to one of those")
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        if not shape or any(d <= 0 for d in shape):
+            raise ModelFormatError(f"{src}: tensor {name!r} has an empty shape {shape}")
+        cols = shape[-1]
+        if cols % block:
+            raise ModelFormatError(
+                f"{src}: tensor {name!r} has rows of {cols} values, not a multiple of the "
+                f"{type_name(qtype)} block of {block}; this type cannot store it "
+                f"(use a model quantised with a type whose block divides {cols})")
+        row_bytes = cols // block * block_bytes
+        nbytes = row_bytes * int(np.prod(shape[:-1], dtype=np.int64))
+        offset = data_start + int(rel_offset[0])
+        if offset + nbytes > file_bytes:
+            raise ModelFormatError(
+                f"{src}: truncated: tensor {name!r} needs bytes {offset}..{offset + nbytes} "
+                f"but the file has {file_bytes}; download or copy it again")
+        raw = reader.data[offset:offset + nbytes].reshape(*shape[:-1], row_bytes)
+        out[name] = TensorInfo(name, qtype, shape, raw, offset)
+    return out
+
+
+def _check_tensors(spec: ModelSpec, tensors: dict[str, TensorInfo], src: str) -> None:
+    expected = arch.expected_tensors(spec)
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        more = f" and {len(missing) - _MAX_NAMED} more" if len(missing) > _MAX_NAMED else ""
+        raise ModelFormatError(
+            f"{src}: {len(missing)} tensor(s) that {spec.arch} needs are missing: "
+            f"{', '.join(missing[:_MAX_NAMED])}{more}; the file is incomplete or not a "
+            f"{spec.arch} model")
+    for name, shape in expected.items():
+        found = tensors[name].shape
+        if found != tuple(shape):
+            raise ModelFormatError(
+                f"{src}: tensor {name!r} has shape {found}, expected {tuple(shape)} (numpy "
+                "order) from the metadata; the metadata and tensors disagree")

@@ -1,0 +1,199 @@
+"""CpuModel against a float64 reference pass, chunking, KV reuse and the errors it raises."""
+import numpy as np
+import pytest
+from cpu_reference import reference_logits
+
+from strata._native import kernels
+from strata.backends import cpu
+from strata.backends.cpu import CpuModel, top_k
+from strata.errors import ConfigError, RequestError
+from strata.model.gguf_file import GGUFModel
+from strata.tool.synth import synth_model
+
+PROMPT = np.array([17, 4000, 3, 250, 251, 9, 1024, 77, 5, 3000, 42], dtype=np.int32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One kernel thread by default (fast and steady on a busy shared machine);
+    test_threads_agree runs the threaded path."""
+    before = kernels.get_num_threads()
+    kernels.set_num_threads(1)
+    yield
+    kernels.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> CpuModel over tiny synth models, built once for the module."""
+    root = tmp_path_factory.mktemp("cpu")
+    variants = {
+        "qwen3moe-f32": dict(shape="tiny", weight_type="f32", seed=1),
+        "qwen2moe-f32": dict(shape="tiny-qwen2moe", weight_type="f32", seed=2),
+        "qwen3moe-f16": dict(shape="tiny", weight_type="f16", seed=3),
+        "qwen2moe-f16": dict(shape="tiny-qwen2moe", weight_type="f16", seed=4),
+        "qwen3moe-tied": dict(shape="tiny", weight_type="f32", seed=5, tied_output=True),
+        "qwen3moe-q8_0": dict(shape="tiny", weight_type="q8_0", seed=6),
+        "qwen2moe-q4_0": dict(shape="tiny-qwen2moe", weight_type="q4_0", seed=7),
+        "qwen3moe-bf16": dict(shape="tiny", weight_type="bf16", seed=8),
+    }
+    # k-quants store rows in blocks of 256 values: widen tiny so every row is a multiple
+    for i, kind in enumerate(("q4_k", "q5_k", "q6_k")):
+        variants[f"qwen3moe-{kind}"] = dict(shape="tiny", weight_type=kind, seed=20 + i,
+                                            hidden=256, expert_ffn=256, head_dim=64)
+    out = {}
+    for name, kwargs in variants.items():
+        path = root / f"{name}.gguf"
+        synth_model(path, **kwargs)
+        out[name] = CpuModel(GGUFModel.open(path))
+    return out
+
+
+def _scale(ref: np.ndarray) -> float:
+    return float(np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-f32", "qwen2moe-f32", "qwen3moe-f16",
+                                  "qwen2moe-f16", "qwen3moe-bf16", "qwen3moe-tied"])
+def test_float_weights_match_the_float64_reference(models, name):
+    model = models[name]
+    logits = model.forward(PROMPT, model.new_kv(32), all_logits=True)
+    ref = reference_logits(model.gguf, PROMPT)
+    assert logits.shape == (len(PROMPT), model.spec.vocab) and logits.dtype == np.float32
+    # float32 products over rows of <= 64 values and float32 softmax/norms: each step adds
+    # ~1e-7 relative error; through 2 layers the logits stay within 1e-5 of their scale.
+    # 1e-4 leaves room and still catches any real mistake (a wrong head, sign or position
+    # moves logits by O(1e-1) of their scale).
+    np.testing.assert_allclose(logits, ref, rtol=0, atol=1e-4 * _scale(ref))
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-q8_0", "qwen2moe-q4_0", "qwen3moe-q4_k",
+                                  "qwen3moe-q5_k", "qwen3moe-q6_k"])
+def test_quantised_weights_stay_close_to_the_reference(models, name):
+    model = models[name]
+    logits = model.forward(PROMPT, model.new_kv(32), all_logits=True)
+    ref = reference_logits(model.gguf, PROMPT)
+    # The kernels quantise activations to 8 bits per block of 32 (error up to 1/254 of the
+    # block's largest value per product): a few percent of the logit scale after two layers.
+    # A router near-tie (top-k probabilities within ~1e-3) can flip under that error and route
+    # a row to another expert, changing it wholesale (llama.cpp behaves the same); rows that
+    # attend to it move a little too. So most rows, not all, must be within the tolerance.
+    row_err = np.max(np.abs(logits - ref), axis=-1) / _scale(ref)
+    assert np.mean(row_err <= 5e-2) >= 0.85, np.round(row_err, 3)
+    agree = np.mean(np.argmax(logits, -1) == np.argmax(ref, -1))
+    assert agree >= 0.8
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-f32", "qwen2moe-f32", "qwen3moe-q8_0"])
+def test_chunks_equal_one_pass(models, name):
+    model = models[name]
+    whole = model.forward(PROMPT, model.new_kv(32), all_logits=True)
+    kv = model.new_kv(32)
+    parts = [model.forward(PROMPT[a:b], kv, all_logits=True)
+             for a, b in ((0, 4), (4, 5), (5, 11))]
+    assert kv.num_tokens == len(PROMPT)
+    chunked = np.concatenate(parts)
+    np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-5 * _scale(whole))
+
+
+@pytest.mark.parametrize("name", ["qwen2moe-f32", "qwen3moe-q8_0"])
+def test_threads_agree(models, name):
+    model = models[name]
+    single = model.forward(PROMPT, model.new_kv(32), all_logits=True)
+    kernels.set_num_threads(2)
+    try:
+        threaded = model.forward(PROMPT, model.new_kv(32), all_logits=True)
+    finally:
+        kernels.set_num_threads(1)
+    np.testing.assert_allclose(threaded, single, rtol=0, atol=1e-5 * _scale(single))
+
+
+def test_float16_kv_cells(models):
+    model = models["qwen3moe-f32"]
+    ref = model.forward(PROMPT, model.new_kv(32), all_logits=True)
+    kv = model.new_kv(32, dtype=np.float16)
+    logits = np.concatenate([model.forward(PROMPT[:5], kv, all_logits=True),
+                             model.forward(PROMPT[5:], kv, all_logits=True)])
+    assert kv.keys(0).dtype == np.float16
+    # K/V rounded to 11-bit mantissas (relative error 2^-11) move the logits by ~1e-3 of scale
+    np.testing.assert_allclose(logits, ref, rtol=0, atol=5e-3 * _scale(ref))
+    assert not np.allclose(logits, ref, rtol=0, atol=1e-7 * _scale(ref))
+
+
+def test_attention_in_row_blocks(models, monkeypatch):
+    model = models["qwen2moe-f32"]
+    whole = model.forward(PROMPT, model.new_kv(32), all_logits=True)
+    # 4 bytes x 4 heads x 11 columns x 3 rows: blocks of 3 rows (3 + 3 + 3 + 2)
+    monkeypatch.setattr(cpu, "_SCORES_BYTES", 4 * 4 * 11 * 3)
+    blocked = model.forward(PROMPT, model.new_kv(32), all_logits=True)
+    np.testing.assert_allclose(blocked, whole, rtol=0, atol=1e-6 * _scale(whole))
+
+
+def test_last_row_only(models):
+    model = models["qwen2moe-f32"]
+    every = model.forward(PROMPT, model.new_kv(32), all_logits=True)
+    last = model.forward(PROMPT, model.new_kv(32))
+    assert last.shape == (1, model.spec.vocab)
+    np.testing.assert_allclose(last[0], every[-1], rtol=0, atol=1e-6 * _scale(every))
+
+
+def test_truncate_reuses_a_shared_prefix(models):
+    model = models["qwen3moe-f32"]
+    other = np.array([900, 901, 902], dtype=np.int32)
+    kv = model.new_kv(32)
+    model.forward(PROMPT, kv)
+    kv.truncate(6)
+    reused = model.forward(other, kv, all_logits=True)
+    fresh = model.forward(np.concatenate([PROMPT[:6], other]), model.new_kv(32), all_logits=True)
+    np.testing.assert_allclose(reused, fresh[6:], rtol=0, atol=1e-5 * _scale(fresh))
+
+
+def test_decode_one_token_at_a_time(models):
+    model = models["qwen2moe-f16"]
+    whole = model.forward(PROMPT, model.new_kv(32), all_logits=True)
+    kv = model.new_kv(32)
+    rows = [model.forward(PROMPT[t:t + 1], kv)[0] for t in range(len(PROMPT))]
+    np.testing.assert_allclose(np.stack(rows), whole, rtol=0, atol=1e-5 * _scale(whole))
+
+
+def test_full_kv_raises_and_keeps_the_cache(models):
+    model = models["qwen3moe-f32"]
+    kv = model.new_kv(12)
+    model.forward(PROMPT[:10], kv)
+    with pytest.raises(RequestError, match="holds 10 of 12 tokens and cannot take 3 more"):
+        model.forward(PROMPT[:3], kv)
+    assert kv.num_tokens == 10
+    model.forward(PROMPT[:2], kv)
+    assert kv.num_tokens == 12
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (np.array([1, 4096], dtype=np.int32), "token id 4096 is outside the vocabulary"),
+    (np.array([-1], dtype=np.int32), "token id -1 is outside the vocabulary"),
+    (np.array([], dtype=np.int32), "non-empty 1-D array"),
+    (np.array([[1, 2]], dtype=np.int32), "non-empty 1-D array"),
+    (np.array([1.0, 2.0]), "integer token ids"),
+])
+def test_bad_tokens(models, tokens, message):
+    model = models["qwen3moe-f32"]
+    kv = model.new_kv(8)
+    with pytest.raises(RequestError, match=message):
+        model.forward(tokens, kv)
+    assert kv.num_tokens == 0
+
+
+def test_config_errors(models):
+    model = models["qwen3moe-f32"]
+    with pytest.raises(ConfigError, match="exceeds the model's 4096"):
+        model.new_kv(5000)
+    with pytest.raises(ConfigError, match="num_threads = 0 must be positive"):
+        CpuModel(model.gguf, num_threads=0)
+
+
+def test_top_k_ties_take_the_lowest_id_first():
+    probs = np.array([[0.1, 0.3, 0.3, 0.2, 0.1],
+                      [0.25, 0.25, 0.25, 0.25, 0.0]], dtype=np.float32)
+    ids, values = top_k(probs, 3)
+    np.testing.assert_array_equal(ids, [[1, 2, 3], [0, 1, 2]])
+    np.testing.assert_array_equal(values, np.float32([[0.3, 0.3, 0.2], [0.25, 0.25, 0.25]]))
+    assert ids.dtype == np.int32
