@@ -1,7 +1,242 @@
-"""`strata`: run, serve, bench."""
+"""`strata`: run (generate from a prompt) and bench (prompt and decode speed, like llama-bench)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
 import click
+import numpy as np
+
+from strata.errors import StrataError
+
+MODEL_ENV = "STRATA_MODEL"
+HOW_TO_GET_A_MODEL = ("give --model PATH or set $STRATA_MODEL to a GGUF file; for a small test "
+                      "model run `strata-tool synth --shape tiny model.gguf`")
+
+
+def default_model_path() -> Path | None:
+    """The packaged default model `strata/data/default.gguf`, if this install has one."""
+    ref = resources.files("strata.data").joinpath("default.gguf")
+    return Path(str(ref)) if ref.is_file() else None
+
+
+def resolve_model(model: str | None) -> Path:
+    """--model, else $STRATA_MODEL, else the packaged default; exits 2 when none is usable."""
+    if model:
+        path = Path(model)
+    elif os.environ.get(MODEL_ENV):
+        path = Path(os.environ[MODEL_ENV])
+    else:
+        path = default_model_path()
+        if path is None:
+            fail(f"no model given and no packaged default model; {HOW_TO_GET_A_MODEL}")
+    if not path.is_file():
+        fail(f"model file {str(path)!r} does not exist; {HOW_TO_GET_A_MODEL}")
+    return path
+
+
+def fail(message: str) -> None:
+    """One clear line on stderr and exit code 2 (no traceback for errors the user can fix)."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
 
 
 @click.group()
+@click.version_option(package_name="strata")
 def main():
     """Strata: Mixture-of-Experts inference."""
+
+
+# ---- run -----------------------------------------------------------------------------------
+@main.command()
+@click.argument("prompt")
+@click.option("--model", "-m", "model", default=None,
+              help="GGUF model (default: $STRATA_MODEL, else the packaged default model).")
+@click.option("-n", "--max-tokens", default=256, show_default=True, help="Tokens to generate.")
+@click.option("--temp", default=0.8, show_default=True, help="Temperature (0 = greedy).")
+@click.option("--top-k", default=40, show_default=True, help="Top-k (0 = off).")
+@click.option("--top-p", default=0.95, show_default=True, help="Top-p (1 = off).")
+@click.option("--min-p", default=0.05, show_default=True, help="Min-p (0 = off).")
+@click.option("--repeat-penalty", default=1.0, show_default=True,
+              help="Repetition penalty on seen tokens (1 = off).")
+@click.option("--seed", default=None, type=int, help="Sampling seed (default: random).")
+@click.option("--threads", "-t", default=None, type=int, help="CPU threads (default: all).")
+@click.option("--ctx-size", "-c", default=None, type=int,
+              help="Context size in tokens (default: min(model context, 8192)).")
+@click.option("--system", default=None, help="System message for the chat template.")
+@click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
+def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, threads,
+        ctx_size, system, raw):
+    """Generate a reply to PROMPT and stream it to stdout ('-' reads the prompt from stdin)."""
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    from strata.engine.sampling import SamplingParams
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    path = resolve_model(model)
+    try:
+        params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repetition_penalty=repeat_penalty, max_tokens=max_tokens,
+                                seed=seed)
+        engine = Engine(EngineConfig(path, n_ctx=ctx_size, threads=threads, seed=seed))
+    except StrataError as e:
+        fail(str(e))
+    with engine:
+        try:
+            if raw:
+                events = engine.generate(engine.tokenize(prompt), params)
+            else:
+                messages = [{"role": "system", "content": system}] if system else []
+                messages.append({"role": "user", "content": prompt})
+                events = engine.chat(messages, params)
+            stats = None
+            for ev in events:
+                if ev.text:
+                    click.echo(ev.text, nl=False)
+                    sys.stdout.flush()
+                stats = ev.stats or stats
+        except StrataError as e:
+            click.echo("")
+            fail(str(e))
+        except KeyboardInterrupt:
+            click.echo("")
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+    click.echo("")
+    click.echo(f"prompt: {stats.num_prompt_tokens_computed} tokens at "
+               f"{stats.prompt_tokens_per_s:.2f} tokens/s, decode: "
+               f"{stats.num_generated_tokens} tokens at {stats.decode_tokens_per_s:.2f} tokens/s",
+               err=True)
+
+
+# ---- bench ---------------------------------------------------------------------------------
+def _weight_type(gguf) -> str:
+    """The type most of the file's bytes are in (the routed experts, usually)."""
+    totals: dict[str, int] = {}
+    for name in gguf.tensor_names:
+        t = gguf.tensor(name)
+        totals[t.type_name] = totals.get(t.type_name, 0) + t.nbytes
+    return max(totals, key=totals.get)
+
+
+def _size_text(num_bytes: int) -> str:
+    gib = num_bytes / 2**30
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{num_bytes / 2**20:.2f} MiB"
+
+
+def _time_prompt(model, tokens: np.ndarray, chunk_tokens: int) -> float:
+    """Seconds to read `tokens` into a fresh KV, `chunk_tokens` at a time."""
+    kv = model.new_kv(len(tokens))
+    t0 = time.perf_counter()
+    for start in range(0, len(tokens), chunk_tokens):
+        model.forward(tokens[start:start + chunk_tokens], kv)
+    return time.perf_counter() - t0
+
+
+def _time_decode(model, tokens: np.ndarray) -> float:
+    """Seconds for len(tokens) single-token forwards, starting from an empty KV."""
+    kv = model.new_kv(len(tokens))
+    t0 = time.perf_counter()
+    for i in range(len(tokens)):
+        model.forward(tokens[i:i + 1], kv)
+    return time.perf_counter() - t0
+
+
+def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
+              threads: int | None, chunk_tokens: int, seed: int = 0) -> list[dict]:
+    """One row per test (pp<n_prompt>, tg<n_gen>) with tokens/s of every repetition."""
+    from strata.backends.cpu import CpuModel
+    from strata.model.gguf_file import GGUFModel
+
+    rows = []
+    with GGUFModel.open(model_path) as gguf:
+        model = CpuModel(gguf, num_threads=threads)
+        spec = gguf.spec
+        rng = np.random.default_rng(seed)
+        info = {
+            "model": f"{spec.arch} {model_path.name}",
+            "size_bytes": model_path.stat().st_size,
+            "type": _weight_type(gguf),
+            "threads": threads if threads is not None else _default_threads(),
+        }
+        tests = []
+        if n_prompt > 0:
+            tests.append((f"pp{n_prompt}", n_prompt,
+                          lambda toks: _time_prompt(model, toks, chunk_tokens)))
+        if n_gen > 0:
+            tests.append((f"tg{n_gen}", n_gen, lambda toks: _time_decode(model, toks)))
+        for name, n_tokens, timer in tests:
+            if n_tokens > spec.context_length:
+                raise click.UsageError(f"{name} needs {n_tokens} tokens but the model's "
+                                       f"context is {spec.context_length}")
+            timer(rng.integers(0, spec.vocab, n_tokens, dtype=np.int32))  # warm-up
+            speeds = []
+            for _ in range(repetitions):
+                seconds = timer(rng.integers(0, spec.vocab, n_tokens, dtype=np.int32))
+                speeds.append(n_tokens / seconds)
+            rows.append(dict(info, test=name, n_tokens=n_tokens, tokens_per_s=speeds,
+                             median_tokens_per_s=statistics.median(speeds),
+                             stdev_tokens_per_s=(statistics.stdev(speeds)
+                                                 if len(speeds) > 1 else 0.0)))
+    return rows
+
+
+def _default_threads() -> int:
+    from strata._native import kernels
+
+    get = getattr(kernels, "get_num_threads", None)
+    return int(get()) if get is not None else (os.cpu_count() or 1)
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ["model", "size", "type", "threads", "test", "t/s"]
+    body = [[r["model"], _size_text(r["size_bytes"]), r["type"], str(r["threads"]), r["test"],
+             f"{r['median_tokens_per_s']:.2f} ± {r['stdev_tokens_per_s']:.2f}"] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), rule] + [line(b) for b in body])
+
+
+@main.command()
+@click.option("--model", "-m", "model", default=None,
+              help="GGUF model (default: $STRATA_MODEL, else the packaged default model).")
+@click.option("-p", "--n-prompt", default=512, show_default=True,
+              help="Prompt tokens to read (0 skips the test).")
+@click.option("-n", "--n-gen", default=128, show_default=True,
+              help="Tokens to generate one at a time (0 skips the test).")
+@click.option("-r", "--repetitions", default=5, show_default=True, help="Timed runs per test.")
+@click.option("--threads", "-t", default=None, type=int, help="CPU threads (default: all).")
+@click.option("--chunk", default=512, show_default=True,
+              help="Prompt tokens per forward pass.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def bench(model, n_prompt, n_gen, repetitions, threads, chunk, as_json):
+    """Time prompt processing (pp) and text generation (tg) on random tokens."""
+    for name, value, minimum in (("-p", n_prompt, 0), ("-n", n_gen, 0),
+                                 ("-r", repetitions, 1), ("--chunk", chunk, 1)):
+        if value < minimum:
+            raise click.BadParameter(f"{value} must be >= {minimum}", param_hint=name)
+    path = resolve_model(model)
+    try:
+        rows = run_bench(path, n_prompt, n_gen, repetitions, threads, chunk)
+    except StrataError as e:
+        fail(str(e))
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        click.echo(format_table(rows))
+
+
+# ---- serve (defined with the server; it uses resolve_model and fail from above) -----------
+from strata.server.command import serve  # noqa: E402
+
+main.add_command(serve)

@@ -1,1 +1,56 @@
 """EngineConfig: every engine option, validated once."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from strata.errors import ConfigError
+
+DEFAULT_MAX_CTX_TOKENS = 8192
+
+
+@dataclass
+class EngineConfig:
+    """Options of one engine. `n_ctx` None means min(the model's context length, 8192);
+    `threads` None means the CPU kernels' default (all cores)."""
+
+    model_path: str | os.PathLike
+    n_ctx: int | None = None
+    threads: int | None = None
+    prompt_chunk_tokens: int = 512
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.model_path is None or str(self.model_path) == "":
+            raise ConfigError("model_path is empty: give the path of a GGUF model file")
+        path = Path(self.model_path)
+        if not path.exists():
+            raise ConfigError(f"model file {str(path)!r} does not exist; check the path "
+                              "(`strata-tool synth --shape tiny model.gguf` writes a test model)")
+        if not path.is_file():
+            raise ConfigError(f"model path {str(path)!r} is not a file; give a .gguf file")
+        self.model_path = path
+        self._check_int("n_ctx", allow_none=True, minimum=1)
+        self._check_int("threads", allow_none=True, minimum=1)
+        self._check_int("prompt_chunk_tokens", allow_none=False, minimum=1)
+        self._check_int("seed", allow_none=True, minimum=0)
+
+    def _check_int(self, name: str, allow_none: bool, minimum: int) -> None:
+        value = getattr(self, name)
+        if value is None and allow_none:
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} = {value!r} must be an integer")
+        if value < minimum:
+            raise ConfigError(f"{name} = {value} must be >= {minimum}")
+
+    def resolve_n_ctx(self, model_context_tokens: int) -> int:
+        """The KV size to allocate: n_ctx, or min(model context, 8192) when unset. Asking for more
+        than the model was trained on is an error the user can fix."""
+        if self.n_ctx is None:
+            return min(int(model_context_tokens), DEFAULT_MAX_CTX_TOKENS)
+        if self.n_ctx > model_context_tokens:
+            raise ConfigError(f"n_ctx = {self.n_ctx} is larger than the model's context length "
+                              f"{model_context_tokens}; use at most {model_context_tokens}")
+        return self.n_ctx

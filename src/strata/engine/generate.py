@@ -1,0 +1,175 @@
+"""One request's generation loop: sample, detokenize, match stop strings, time the two phases.
+
+The engine (engine.py) owns the model and the KV; this module owns what happens per token.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata.engine.sampling import Sampler, SamplingParams
+from strata.errors import ModelFormatError
+from strata.model.tokenizer import Tokenizer
+
+FINISH_STOP = "stop"      # end-of-sequence / stop token / stop string
+FINISH_LENGTH = "length"  # max_tokens reached, or the context is full
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one request. Prompt time covers reading the uncached prompt tokens
+    up to the first token's logits; decode time covers sampling and the single-token forwards
+    after it (not the time the consumer spends between events)."""
+
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_decode_forwards: int = 0
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def num_prompt_tokens_computed(self) -> int:
+        return self.num_prompt_tokens - self.num_cached_tokens
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        n = self.num_prompt_tokens_computed
+        return n / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = self.num_decode_forwards
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class GenerationEvent:
+    """One generated token: its id, the text it completes (may be '' while held back), and on
+    the last event the finish reason and the request's stats."""
+
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A whole request collected (see `collect`)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def collect(events: Iterator[GenerationEvent]) -> GenerationResult:
+    pieces, ids = [], []
+    for ev in events:
+        pieces.append(ev.text)
+        ids.append(ev.token_id)
+        if ev.finish_reason is not None:
+            return GenerationResult("".join(pieces), ids, ev.finish_reason, ev.stats)
+    raise RuntimeError("generation ended without a finish reason")  # a bug, not a user error
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, across token boundaries. Text that may be the start
+    of a stop string is held back until it is known not to be; a found stop string and
+    everything after it are dropped."""
+
+    def __init__(self, stop: list[str]):
+        self.stop = [s for s in stop if s]
+        self._held = ""
+        self.is_stopped = False
+
+    def push(self, text: str) -> str:
+        """Feed new text; returns what is now safe to emit."""
+        if self.is_stopped:
+            return ""
+        if not self.stop:
+            return text
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.is_stopped = True
+            self._held = ""
+            return buf[: min(hits)]
+        keep = self._longest_partial_suffix(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """At the end of generation: held text turned out not to be a stop string."""
+        out, self._held = ("" if self.is_stopped else self._held), ""
+        return out
+
+    def _longest_partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+def decode_loop(first_logits: np.ndarray, step: Callable[[int], np.ndarray | None],
+                tokenizer: Tokenizer, params: SamplingParams, prompt_tokens: list[int],
+                stats: GenerationStats) -> Iterator[GenerationEvent]:
+    """Sample from `first_logits`, then call `step(token)` (a single-token forward returning the
+    next logits [V], or None when the context is full) until a stop condition.
+
+    Stats must already hold the prompt figures; decode figures are filled in here."""
+    sampler = Sampler(params, prompt_tokens=prompt_tokens)
+    stop_ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop_ids |= tokenizer.stop_ids
+    detok = tokenizer.stream_decoder(skip_special=True)
+    matcher = StopStringMatcher(params.stop)
+    vocab_tokens = tokenizer.vocab_size
+    logits = first_logits
+
+    def tail_text() -> str:
+        # Held-back bytes and held-back text are final now: release what is not a stop.
+        return matcher.push(detok.flush()) + matcher.flush()
+
+    while True:
+        logits = np.asarray(logits).reshape(-1)
+        if np.isnan(logits.max()):  # max is NaN if any logit is: one cheap pass
+            raise ModelFormatError(
+                f"the model produced NaN logits after {stats.num_generated_tokens} generated "
+                "tokens; its weights are likely corrupt (check it with `strata-tool inspect`)")
+        if logits.shape[0] > vocab_tokens:
+            # Padded embedding rows have no token text: never pick them.
+            logits = logits.copy()
+            logits[vocab_tokens:] = -np.inf
+        t0 = time.perf_counter()
+        token = sampler.sample(logits)
+        stats.decode_seconds += time.perf_counter() - t0
+        stats.num_generated_tokens += 1
+        if token in stop_ids:
+            yield GenerationEvent(token, tail_text(), FINISH_STOP, stats)
+            return
+        text = matcher.push(detok.push(token))
+        if matcher.is_stopped:
+            yield GenerationEvent(token, text, FINISH_STOP, stats)
+            return
+        if stats.num_generated_tokens < params.max_tokens:
+            t0 = time.perf_counter()
+            logits = step(token)
+            if logits is not None:
+                stats.decode_seconds += time.perf_counter() - t0
+                stats.num_decode_forwards += 1
+                yield GenerationEvent(token, text)
+                continue
+        # max_tokens reached, or the context is full so the token cannot be read back.
+        text += tail_text()
+        yield GenerationEvent(token, text, FINISH_STOP if matcher.is_stopped else FINISH_LENGTH,
+                              stats)
+        return

@@ -1,0 +1,203 @@
+"""Sampling: validated request parameters and the logits -> token step.
+
+Order (as transformers applies them): penalties, temperature, top-k, top-p, min-p, draw.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. temperature 0 means greedy; top_k 0 means no top-k cut."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check()
+
+    def _check(self) -> None:
+        def bad(name: str, rule: str):
+            raise RequestError(f"{name} = {getattr(self, name)!r} is invalid: it must be {rule}")
+
+        def is_number(name: str) -> bool:
+            v = getattr(self, name)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+
+        def is_int(name: str) -> bool:
+            v = getattr(self, name)
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            if not is_number(name):
+                bad(name, "a finite number")
+        for name in ("top_k", "max_tokens"):
+            if not is_int(name):
+                bad(name, "an integer")
+        if self.temperature < 0:
+            bad("temperature", ">= 0 (0 picks the most likely token)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", ">= 0 (0 disables top-k)")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "> 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, "in [-2, 2]")
+        if self.max_tokens < 1:
+            bad("max_tokens", ">= 1")
+        if self.seed is not None and (not is_int("seed") or self.seed < 0):
+            bad("seed", "a non-negative integer, or None for a random seed")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "a list of non-empty strings")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids):
+            bad("stop_token_ids", "a list of non-negative token ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def greedy(logits: np.ndarray) -> int:
+    """argmax; ties go to the lowest id (numpy's argmax returns the first maximum)."""
+    return int(np.argmax(logits))
+
+
+def apply_penalties(logits: np.ndarray, seen: set[int], generated: Counter,
+                    repetition_penalty: float, presence_penalty: float,
+                    frequency_penalty: float) -> np.ndarray:
+    """Penalise repeats as vLLM's OpenAI server does: the repetition penalty (HF/llama.cpp:
+    positive logits divided, negative multiplied) on every token seen, prompt included; the
+    presence and frequency penalties (subtracted) on the generated tokens and their counts."""
+    is_rep = repetition_penalty != 1.0 and bool(seen)
+    is_count = (presence_penalty != 0.0 or frequency_penalty != 0.0) and bool(generated)
+    if not (is_rep or is_count):
+        return logits
+    out = logits.astype(np.float32, copy=True)
+    if is_rep:
+        ids = np.fromiter(seen, dtype=np.int64, count=len(seen))
+        x = out[ids]
+        out[ids] = np.where(x > 0, x / repetition_penalty, x * repetition_penalty)
+    if is_count:
+        ids = np.fromiter(generated.keys(), dtype=np.int64, count=len(generated))
+        n = np.fromiter(generated.values(), dtype=np.float32, count=len(generated))
+        out[ids] -= n * np.float32(frequency_penalty) + np.float32(presence_penalty)
+    return out
+
+
+def filter_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                 min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate ids, their probabilities summing to 1) after temperature, top-k, top-p, min-p.
+
+    With any filter on, candidates are sorted by probability, highest first (ties: lowest id
+    first); with none, they are all ids in id order. Only the tokens that can survive are
+    sorted, so a 150k vocabulary costs a few partitions rather than a full sort."""
+    with np.errstate(over="ignore"):
+        z = logits.astype(np.float64) / temperature  # [V]
+    if not np.isfinite(z).all():
+        # A temperature so small that logits / temperature overflows: its limit is greedy.
+        return np.array([greedy(logits)]), np.ones(1)
+    ids = _top_k_ids(z, top_k) if 0 < top_k < z.shape[0] else None  # [K] ascending, or all
+    zk = z if ids is None else z[ids]
+    z_max = zk.max()
+    weights = np.exp(zk - z_max)
+    total = weights.sum()
+    # Top-p and min-p each keep a prefix of the sorted order, i.e. every value above some
+    # threshold: find a threshold that keeps a superset of both, then cut exactly below.
+    threshold = -np.inf
+    if min_p > 0.0:
+        threshold = z_max + np.log(min_p) - 1e-9
+    if top_p < 1.0:
+        threshold = max(threshold, _top_p_threshold(zk, weights, total, top_p))
+    if ids is None and top_p >= 1.0 and min_p <= 0.0:
+        return np.arange(z.shape[0]), weights / total
+    sel = np.flatnonzero(zk >= threshold)
+    order = sel[np.argsort(-zk[sel], kind="stable")]  # stable on ascending ids: ties lowest first
+    cand = order if ids is None else ids[order]
+    probs = weights[order] / total
+    if top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        keep = int(np.searchsorted(np.cumsum(probs), top_p - 1e-12)) + 1
+        cand, probs = cand[:keep], probs[:keep]
+    if min_p > 0.0:
+        mask = probs >= min_p * probs[0]
+        cand, probs = cand[mask], probs[mask]
+    return cand, probs / probs.sum()
+
+
+def _top_k_ids(z: np.ndarray, k: int) -> np.ndarray:
+    """Ascending ids of the k largest values; ties at the boundary go to the lowest ids."""
+    kth = np.partition(z, -k)[-k]
+    above = np.flatnonzero(z > kth)
+    tied = np.flatnonzero(z == kth)[: k - above.shape[0]]
+    return np.sort(np.concatenate([above, tied]))
+
+
+def _top_p_threshold(z: np.ndarray, weights: np.ndarray, total: float, top_p: float) -> float:
+    """A value v such that the tokens with z >= v hold at least top_p of the mass (-inf: all)."""
+    n = z.shape[0]
+    k = 64
+    while k < n:
+        v = np.partition(z, n - k)[n - k]  # the k-th largest value
+        # A margin over top_p so that rounding in the exact cut below cannot need more tokens.
+        if weights[z >= v].sum() >= (top_p + 1e-9) * total:
+            return float(v)
+        k *= 8
+    return -np.inf
+
+
+class Sampler:
+    """Picks the next token from logits; remembers the tokens it has seen for the penalties."""
+
+    def __init__(self, params: SamplingParams, prompt_tokens: list[int] | None = None):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self.seen: set[int] = set(int(t) for t in prompt_tokens or [])
+        self.generated: Counter = Counter()
+
+    def accept(self, token_id: int) -> None:
+        """Record a generated token for the penalties."""
+        self.seen.add(int(token_id))
+        self.generated[int(token_id)] += 1
+
+    def sample(self, logits: np.ndarray) -> int:
+        """The next token for logits [V]; also records it."""
+        p = self.params
+        logits = np.asarray(logits).reshape(-1)
+        logits = apply_penalties(logits, self.seen, self.generated, p.repetition_penalty,
+                                 p.presence_penalty, p.frequency_penalty)
+        if p.is_greedy:
+            token = greedy(logits)
+        else:
+            ids, probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
+            # Inverse-CDF draw: one uniform number per token keeps a seed's sequence stable.
+            u = self.rng.random()
+            pos = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), ids.shape[0] - 1)
+            token = int(ids[pos])
+        self.accept(token)
+        return token

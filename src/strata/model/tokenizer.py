@@ -1,0 +1,209 @@
+"""The model's tokenizer, rebuilt from GGUF metadata: byte-level BPE through `tokenizers`.
+
+Also the incremental detokenizer used for streaming (complete UTF-8 pieces only).
+"""
+from __future__ import annotations
+
+import codecs
+import logging
+from collections.abc import Iterable
+
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import BPE
+
+from strata.errors import ModelFormatError
+
+log = logging.getLogger(__name__)
+
+# llama.cpp's token types (tokenizer.ggml.token_type).
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+# Split regexes by `tokenizer.ggml.pre`, as llama.cpp names them.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT, "megrez": QWEN2_SPLIT,
+    "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "llama-bpe": LLAMA3_SPLIT,
+    "dbrx": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT, "falcon3": LLAMA3_SPLIT,
+}
+# These use GPT-2's own regex, which the ByteLevel pre-tokenizer carries built in.
+GPT2_STYLE_PRES = ("gpt2", "default", "gpt-2")
+
+# Names of end-of-turn tokens that also stop generation (chat models end a turn with them).
+STOP_TOKEN_NAMES = ("<|im_end|>", "<|endoftext|>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (the byte-level alphabet)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _token_bytes(token: str, is_added: bool) -> bytes:
+    """The bytes a vocabulary entry stands for. Added tokens are literal text; others are
+    spelled in the byte-level alphabet (a char outside it is taken as its own UTF-8)."""
+    if is_added:
+        return token.encode("utf-8")
+    out = bytearray()
+    for ch in token:
+        b = _BYTE_OF_CHAR.get(ch)
+        if b is None:
+            out += ch.encode("utf-8")
+        else:
+            out.append(b)
+    return bytes(out)
+
+
+class StreamDecoder:
+    """Turns token ids into text pieces as they arrive, holding back the bytes of an incomplete
+    multi-byte character until the rest arrives (invalid bytes become U+FFFD)."""
+
+    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = False):
+        self._tok = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """The text that is complete after this token ('' while a character is incomplete)."""
+        if self._skip_special and token_id in self._tok.special_ids:
+            return ""
+        return self._utf8.decode(self._tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Whatever is held back, as replacement characters (call at the end of a stream)."""
+        return self._utf8.decode(b"", final=True)
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer of a GGUF model (`tokenizer.ggml.model == "gpt2"`)."""
+
+    def __init__(self, backend: HFTokenizer, tokens: list[str], special_ids: set[int],
+                 added_ids: set[int], bos_id: int | None, eos_id: int | None, add_bos: bool):
+        self._backend = backend
+        self._tokens = tokens
+        self.special_ids = frozenset(special_ids)
+        self._bytes = [_token_bytes(t, i in added_ids) for i, t in enumerate(tokens)]
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos
+        stops = [eos_id] if eos_id is not None else []
+        stops += [backend.token_to_id(name) for name in STOP_TOKEN_NAMES]
+        self.stop_ids = frozenset(i for i in stops if i is not None)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict, source: str = "model") -> "Tokenizer":
+        """Rebuild the tokenizer from llama.cpp's `tokenizer.ggml.*` keys."""
+        model = meta.get("tokenizer.ggml.model")
+        if model is None:
+            raise ModelFormatError(f"{source}: no tokenizer.ggml.model key; the file has no "
+                                   "tokenizer (Strata needs one embedded in the GGUF)")
+        if model != "gpt2":
+            raise ModelFormatError(
+                f"{source}: tokenizer.ggml.model is {model!r}; Strata supports only 'gpt2' "
+                "(byte-level BPE, as Qwen models use)")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        merges = meta.get("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            missing = "tokenizer.ggml.tokens" if not tokens else "tokenizer.ggml.merges"
+            raise ModelFormatError(f"{source}: metadata key {missing!r} is missing or empty")
+        tokens = [str(t) for t in tokens]
+        types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+        if len(types) != len(tokens):
+            raise ModelFormatError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
+        vocab = {}
+        for i, tok in enumerate(tokens):
+            vocab.setdefault(tok, i)  # a duplicate spelling keeps its first id, as llama.cpp does
+        pairs = []
+        for m in merges:
+            left, sep, right = str(m).partition(" ")
+            if not sep:
+                raise ModelFormatError(f"{source}: merge {m!r} is not two tokens split by a space")
+            pairs.append((left, right))
+        backend = HFTokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=False,
+                                  continuing_subword_prefix="", end_of_word_suffix=""))
+        backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
+        backend.decoder = decoders.ByteLevel()
+
+        special_ids = {i for i, t in enumerate(types) if t == TOKEN_CONTROL}
+        user_ids = {i for i, t in enumerate(types) if t == TOKEN_USER_DEFINED}
+        # Control tokens are special (skippable in decode); user-defined ones (e.g. `<think>`)
+        # are plain added tokens. Both are matched whole in text, so each encodes as one id.
+        backend.add_special_tokens(
+            [AddedToken(tokens[i], normalized=False, special=True) for i in sorted(special_ids)])
+        backend.add_tokens(
+            [AddedToken(tokens[i], normalized=False, special=False) for i in sorted(user_ids)])
+
+        def opt_id(key: str) -> int | None:
+            value = meta.get(key)
+            if value is None:
+                return None
+            if not 0 <= int(value) < len(tokens):
+                raise ModelFormatError(f"{source}: {key} = {value} is outside the vocabulary "
+                                       f"of {len(tokens)} tokens")
+            return int(value)
+
+        return cls(backend, tokens, special_ids, special_ids | user_ids,
+                   bos_id=opt_id("tokenizer.ggml.bos_token_id"),
+                   eos_id=opt_id("tokenizer.ggml.eos_token_id"),
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokens[token_id]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a vocabulary entry spelled exactly `text` (e.g. '<|im_end|>'), or None."""
+        return self._backend.token_to_id(text)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text become their single ids.
+        `add_special` prepends BOS when the model asks for it (tokenizer.ggml.add_bos_token)."""
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        special = self.special_ids if skip_special else frozenset()
+        data = b"".join(self._bytes[i] for i in ids if i not in special)
+        return data.decode("utf-8", errors="replace")
+
+    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+
+def _pre_tokenizer(pre: str):
+    if pre in GPT2_STYLE_PRES:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    split = PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:
+        log.warning("tokenizer.ggml.pre %r is not known to Strata; splitting text the qwen2 way "
+                    "(token ids may differ from llama.cpp's for this model)", pre)
+        split = QWEN2_SPLIT
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])

@@ -1,0 +1,13 @@
+"""A tiny F32 synth model shared by the engine tests."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    from strata.tool.synth import synth_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-f32.gguf"
+    synth_model(path, shape="tiny", weight_type="f32", seed=3)
+    return path
