@@ -1,0 +1,147 @@
+"""The Flask app factory: routes, API-key check, OpenAI-style errors for every failure, metrics.
+One engine thread (the worker) runs the model; request threads queue jobs and stream events."""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from strata.server.api_error import ApiError
+from strata.server.generation import GenerationRoutes
+from strata.server.metrics import ServerMetrics
+from strata.server.worker import EngineWorker
+
+log = logging.getLogger("strata.server")
+
+
+@dataclass
+class ServerConfig:
+    """Options of the HTTP layer. `model_id` None: the GGUF file name stem."""
+    model_id: str | None = None
+    api_key: str | None = None
+    max_body_kib: int = 1024
+    keepalive_s: float = 5.0
+
+
+class ServerState:
+    """What the routes share; kept in `app.extensions["strata"]`."""
+
+    def __init__(self, worker: EngineWorker, config: ServerConfig, metrics: ServerMetrics):
+        self.worker = worker
+        self.config = config
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    @property
+    def model_id(self) -> str:
+        if self.config.model_id:
+            return self.config.model_id
+        engine = self.worker.engine
+        if engine is not None:
+            return Path(engine.config.model_path).stem
+        return "model"
+
+    def close(self) -> None:
+        self.worker.stop()
+
+
+_STATUS_TEXT = {
+    404: ("not_found", "Unknown endpoint {method} {path}; this server serves "
+          "/v1/chat/completions, /v1/completions, /v1/models, /health and /metrics."),
+    405: ("method_not_allowed", "{method} is not allowed on {path}; see the OpenAI API for the "
+          "method this endpoint takes."),
+    413: ("request_too_large", "The request body is larger than {limit} KiB; send a smaller "
+          "request or start the server with a larger --max-body-kib."),
+}
+
+
+def create_app(engine, config: ServerConfig | None = None) -> Flask:
+    """The app. `engine` is an Engine, or a callable that builds one on the engine thread (so
+    /health answers "loading" meanwhile). Call `app.extensions["strata"].close()` to stop."""
+    config = config or ServerConfig()
+    metrics = ServerMetrics()
+    worker = EngineWorker(engine, metrics)
+    state = ServerState(worker, config, metrics)
+    app = Flask("strata.server")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_kib * 1024
+    app.json.sort_keys = False
+    app.extensions["strata"] = state
+    routes = GenerationRoutes(state)
+
+    @app.before_request
+    def check_api_key():
+        if config.api_key is None or request.path == "/health":
+            return None
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode("utf-8", "surrogateescape"),
+                config.api_key.encode("utf-8")):
+            raise ApiError(401, "Missing or wrong API key: send the header "
+                           "'Authorization: Bearer KEY' with the key the server was started "
+                           "with.", code="invalid_api_key")
+        return None
+
+    @app.after_request
+    def count(response: Response) -> Response:
+        metrics.count_request(request.path, response.status_code)
+        return response
+
+    @app.errorhandler(ApiError)
+    def api_error(exc: ApiError):
+        return jsonify(exc.body()), exc.status
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        code, text = _STATUS_TEXT.get(exc.code, ("invalid_request", "{description}"))
+        message = text.format(method=request.method, path=request.path,
+                              limit=config.max_body_kib, description=exc.description)
+        err = ApiError(exc.code or 400, message, code=code)
+        response = jsonify(err.body())
+        response.status_code = err.status
+        if exc.code == 405:
+            response.headers["Allow"] = ", ".join(getattr(exc, "valid_methods", None) or [])
+        return response
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        err = ApiError(500, "The server failed on this request; its log has the details.",
+                       code="internal_error")
+        return jsonify(err.body()), 500
+
+    @app.get("/health")
+    def health():
+        status = worker.state
+        body = {"status": status}
+        if status == "error":
+            body["message"] = worker.error_message
+        return jsonify(body), 200 if status == "ok" else 503
+
+    @app.get("/metrics")
+    def prometheus():
+        return Response(metrics.render(), mimetype=None, content_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    def list_models():
+        return jsonify({"object": "list", "data": [_model_card(state)]})
+
+    @app.get("/v1/models/<path:model>")
+    def get_model(model: str):
+        routes.check_model(model)
+        return jsonify(_model_card(state))
+
+    app.add_url_rule("/v1/chat/completions", "chat", routes.chat, methods=["POST"])
+    app.add_url_rule("/v1/completions", "completions", routes.completions, methods=["POST"])
+    worker.start()
+    return app
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_id, "object": "model", "created": state.created,
+            "owned_by": "strata"}

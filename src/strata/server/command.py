@@ -1,0 +1,100 @@
+"""`strata serve`: the OpenAI-compatible HTTP server on waitress (never Flask's dev server).
+The lead registers it with `main.add_command(serve)` in strata/cli.py."""
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+
+import click
+
+from strata.server.app import ServerConfig, create_app
+
+DEFAULT_HTTP_THREADS = 8
+log = logging.getLogger("strata.server")
+
+
+def create_wsgi_server(app, host: str, port: int, threads: int = DEFAULT_HTTP_THREADS):
+    """A waitress server for the app (port 0: a free one; see `.effective_port`). Lookahead
+    lets waitress notice a client that went away while its request is still running. The
+    socket is bound here so a busy port fails cleanly (OSError), leaking nothing."""
+    import waitress
+
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        # Bodies a little over the app's limit get its OpenAI-style 413; waitress refuses
+        # far larger ones itself before buffering them.
+        body_limit_bytes = 4 * (app.config.get("MAX_CONTENT_LENGTH") or 2**20) + 2**16
+        return waitress.create_server(app, sockets=[sock], threads=threads,
+                                      channel_request_lookahead=1, ident="strata",
+                                      max_request_body_size=body_limit_bytes)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (service managers, `kill`) shuts down as Ctrl-C does, not abruptly."""
+    def handler(signum, frame):
+        raise SystemExit(0)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
+@click.command()
+@click.option("--model", "-m", "model", default=None,
+              help="GGUF model (default: $STRATA_MODEL, else the packaged default model).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 exposes the server to the network).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", default=None, envvar="STRATA_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health "
+                   "(default: $STRATA_API_KEY; none: open).")
+@click.option("--ctx-size", "-c", default=None, type=int,
+              help="Context size in tokens (default: min(model context, 8192)).")
+@click.option("--threads", "-t", default=None, type=int, help="CPU threads (default: all).")
+@click.option("--max-body-kib", default=1024, show_default=True, type=click.IntRange(1),
+              help="Largest request body accepted (KiB); larger ones get 413.")
+@click.option("--http-threads", default=DEFAULT_HTTP_THREADS, show_default=True,
+              type=click.IntRange(1), help="Request threads (each open stream holds one).")
+def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_threads):
+    """Serve the model with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
+    from strata.cli import fail, resolve_model
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    from strata.errors import StrataError
+
+    path = resolve_model(model)
+    if api_key is not None and not api_key.strip():
+        fail("--api-key is empty; give a key or leave the option out")
+    try:
+        engine_config = EngineConfig(path, n_ctx=ctx_size, threads=threads)
+    except StrataError as e:
+        fail(str(e))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                        "%(message)s")
+    config = ServerConfig(model_id=path.stem, api_key=api_key, max_body_kib=max_body_kib)
+    # The model loads on the engine thread; /health says "loading" until it is ready.
+    app = create_app(lambda: Engine(engine_config), config)
+    try:
+        server = create_wsgi_server(app, host, port, threads=http_threads)
+    except OSError as e:
+        app.extensions["strata"].close()
+        fail(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or "
+             "--host")
+    click.echo(f"strata: serving {path.name} on http://{host}:{server.effective_port} "
+               f"(OpenAI API under /v1)", err=True)
+    _stop_on_sigterm()
+    try:
+        server.run()  # returns on Ctrl-C (waitress catches it) or SIGTERM
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        app.extensions["strata"].close()

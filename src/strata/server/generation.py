@@ -1,0 +1,216 @@
+"""The two generating endpoints: validate, build the prompt, queue a job on the engine thread,
+then answer whole or stream it as SSE (keep-alives while waiting, errors as events)."""
+from __future__ import annotations
+
+import logging
+import uuid
+from contextlib import closing
+from dataclasses import dataclass, field
+
+from flask import Response, jsonify, request
+
+from strata.server.api_error import ApiError
+from strata.server.openai_format import (SSE_DONE, SSE_KEEPALIVE, ResponseHeader, chat_deltas,
+                                         sse, usage)
+from strata.server.output_parser import ContentDelta, OutputParser, ReasoningDelta, ToolCall
+from strata.server.prompting import (build_chat_prompt, check_prompt_fits,
+                                     completion_prompt_tokens, sampling_params)
+from strata.server.schema import (GenerationOptions, parse_chat_request,
+                                  parse_completion_request, parse_json_body)
+from strata.server.worker import Job, JobEnd, iterate_job
+
+log = logging.getLogger("strata.server")
+
+
+@dataclass
+class Outcome:
+    """What one request produced, for the final chunk, the usage and the log line."""
+    num_prompt_tokens: int
+    end: JobEnd | None = None
+    engine_finish: str | None = None
+    is_call_cut: bool = False
+    tool_calls: list = field(default_factory=list)
+
+    def finish_reason(self, num_tool_calls: int) -> str:
+        if self.engine_finish == "length" or self.engine_finish is None:
+            return "length"
+        return "tool_calls" if num_tool_calls else "stop"
+
+    def usage(self) -> dict:
+        end = self.end or JobEnd()
+        return usage(self.num_prompt_tokens, end.num_generated_tokens, end.num_cached_tokens)
+
+
+class GenerationRoutes:
+    def __init__(self, state):
+        self.state = state
+
+    # ---- shared steps ---------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.state.model_id:
+            raise ApiError(404, f"The model {model!r} does not exist; this server serves "
+                           f"{self.state.model_id!r} (see GET /v1/models).", param="model",
+                           code="model_not_found")
+
+    def _engine(self):
+        worker = self.state.worker
+        if worker.state != "ok":
+            raise worker.unavailable()
+        return worker.engine
+
+    def _submit(self, prompt_tokens: list[int], options: GenerationOptions, n_ctx: int) -> Job:
+        params = sampling_params(options, len(prompt_tokens), n_ctx)
+        job = Job(request_id=uuid.uuid4().hex[:12], prompt_tokens=prompt_tokens, params=params)
+        self.state.worker.submit(job)
+        return job
+
+    def _log(self, job: Job, outcome: Outcome, finish_reason: str) -> None:
+        end = outcome.end or JobEnd()
+        ttft = f"{end.ttft_s:.3f} s" if end.ttft_s is not None else "-"
+        log.info("request %s: prompt %d tokens (%d cached), generated %d, ttft %s, "
+                 "%.1f tokens/s, finish %s%s", job.request_id, outcome.num_prompt_tokens,
+                 end.num_cached_tokens, end.num_generated_tokens, ttft,
+                 end.decode_tokens_per_s, finish_reason,
+                 " (cancelled: client went away)" if end.is_cancelled else "")
+        if outcome.is_call_cut:
+            log.warning("request %s: the output ended inside a tool call (engine finish %s); "
+                        "the partial call was dropped", job.request_id, outcome.engine_finish)
+
+    def _events(self, job: Job):
+        disconnected = request.environ.get("waitress.client_disconnected")
+        return iterate_job(job, self.state.config.keepalive_s, disconnected)
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------
+    def chat(self):
+        body = parse_json_body(request.get_data())
+        engine = self._engine()
+        req = parse_chat_request(body, engine.n_ctx)
+        self.check_model(req.model)
+        prompt = build_chat_prompt(engine, req)
+        check_prompt_fits(len(prompt.tokens), engine.n_ctx)
+        job = self._submit(prompt.tokens, req.options, engine.n_ctx)
+        parser = OutputParser(starts_in_reasoning=prompt.starts_in_reasoning,
+                              parse_tools=prompt.is_tool_parsing,
+                              param_types=prompt.param_types)
+        header = ResponseHeader("chat", self.state.model_id)
+        outcome = Outcome(len(prompt.tokens))
+        events = self._events(job)
+        if req.options.is_stream:
+            return _sse_response(self._chat_stream(job, events, parser, header, outcome,
+                                                   req.options.is_usage_streamed))
+        pieces = []
+        with closing(events):  # a failure here must not leave the generation running
+            for item in events:
+                if item is None:
+                    continue
+                if isinstance(item, JobEnd):
+                    outcome.end = item
+                    break
+                pieces += self._parse(parser, item, outcome)
+        if outcome.end.error is not None:
+            raise outcome.end.error
+        content = "".join(e.text for e in pieces if isinstance(e, ContentDelta))
+        reasoning = "".join(e.text for e in pieces if isinstance(e, ReasoningDelta))
+        calls = [e for e in pieces if isinstance(e, ToolCall)]
+        finish = outcome.finish_reason(len(calls))
+        self._log(job, outcome, finish)
+        return jsonify(header.chat_completion(content, reasoning, calls, finish,
+                                              outcome.usage()))
+
+    @staticmethod
+    def _parse(parser: OutputParser, event, outcome: Outcome) -> list:
+        out = parser.feed(event.text)
+        if event.finish_reason is not None:
+            outcome.engine_finish = event.finish_reason
+            outcome.is_call_cut = parser.is_inside_tool_call
+            out += parser.finish()
+        return out
+
+    def _chat_stream(self, job, events, parser, header, outcome, is_usage_streamed):
+        def chunk(delta, finish=None):
+            return sse(header.chunk(delta, finish, is_usage_streamed))
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            for item in events:
+                if item is None:
+                    yield SSE_KEEPALIVE
+                    continue
+                if isinstance(item, JobEnd):
+                    outcome.end = item
+                    break
+                for parsed in self._parse(parser, item, outcome):
+                    for delta in chat_deltas(parsed):
+                        yield chunk(delta)
+        finally:
+            events.close()  # a client that went away cancels its generation
+        if outcome.end.error is not None:
+            yield sse(outcome.end.error.body())
+            yield SSE_DONE
+            return
+        finish = outcome.finish_reason(parser.num_tool_calls)
+        self._log(job, outcome, finish)
+        yield chunk({}, finish)
+        if is_usage_streamed:
+            yield sse(header.usage_chunk(outcome.usage()))
+        yield SSE_DONE
+
+    # ---- /v1/completions ------------------------------------------------------------------
+    def completions(self):
+        body = parse_json_body(request.get_data())
+        engine = self._engine()
+        req = parse_completion_request(body, engine.n_ctx)
+        self.check_model(req.model)
+        tokens = completion_prompt_tokens(engine, req.prompt)
+        check_prompt_fits(len(tokens), engine.n_ctx)
+        job = self._submit(tokens, req.options, engine.n_ctx)
+        header = ResponseHeader("completion", self.state.model_id)
+        outcome = Outcome(len(tokens))
+        events = self._events(job)
+        if req.options.is_stream:
+            return _sse_response(self._completion_stream(job, events, header, outcome,
+                                                         req.options.is_usage_streamed))
+        pieces = []
+        with closing(events):
+            for item in events:
+                if isinstance(item, JobEnd):
+                    outcome.end = item
+                    break
+                if item is not None:
+                    pieces.append(item.text)
+                    outcome.engine_finish = item.finish_reason or outcome.engine_finish
+        if outcome.end.error is not None:
+            raise outcome.end.error
+        finish = outcome.finish_reason(0)
+        self._log(job, outcome, finish)
+        return jsonify(header.text_completion("".join(pieces), finish, outcome.usage()))
+
+    def _completion_stream(self, job, events, header, outcome, is_usage_streamed):
+        try:
+            for item in events:
+                if item is None:
+                    yield SSE_KEEPALIVE
+                    continue
+                if isinstance(item, JobEnd):
+                    outcome.end = item
+                    break
+                outcome.engine_finish = item.finish_reason or outcome.engine_finish
+                if item.text:
+                    yield sse(header.chunk(item.text, None, is_usage_streamed))
+        finally:
+            events.close()  # a client that went away cancels its generation
+        if outcome.end.error is not None:
+            yield sse(outcome.end.error.body())
+            yield SSE_DONE
+            return
+        finish = outcome.finish_reason(0)
+        self._log(job, outcome, finish)
+        yield sse(header.chunk("", finish, is_usage_streamed))
+        if is_usage_streamed:
+            yield sse(header.usage_chunk(outcome.usage()))
+        yield SSE_DONE
+
+
+def _sse_response(stream) -> Response:
+    return Response(stream, mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,104 @@
+"""OpenAI response objects and Server-Sent Events framing (chunks, usage, keep-alive, [DONE])."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_KEEPALIVE = ": keep-alive\n\n"
+
+
+def sse(payload: dict) -> str:
+    return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
+
+
+def usage(num_prompt_tokens: int, num_generated_tokens: int, num_cached_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_generated_tokens,
+            "total_tokens": num_prompt_tokens + num_generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+@dataclass
+class ResponseHeader:
+    """What every object of one response shares."""
+    kind: str  # "chat" or "completion"
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        if not self.id:
+            prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
+            self.id = prefix + uuid.uuid4().hex[:24]
+
+    def _base(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created,
+                "model": self.model, "system_fingerprint": None}
+
+    def chunk(self, delta_or_text, finish_reason: str | None = None,
+              is_usage_streamed: bool = False) -> dict:
+        """One streamed chunk: a chat delta dict, or a completion's text."""
+        if self.kind == "chat":
+            payload = self._base("chat.completion.chunk")
+            choice = {"index": 0, "delta": delta_or_text, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            payload = self._base("text_completion")
+            choice = {"index": 0, "text": delta_or_text, "logprobs": None,
+                      "finish_reason": finish_reason}
+        payload["choices"] = [choice]
+        if is_usage_streamed:
+            payload["usage"] = None
+        return payload
+
+    def usage_chunk(self, usage_dict: dict) -> dict:
+        payload = self._base("chat.completion.chunk" if self.kind == "chat"
+                             else "text_completion")
+        payload["choices"] = []
+        payload["usage"] = usage_dict
+        return payload
+
+    def chat_completion(self, content: str, reasoning: str, tool_calls: list[ToolCall],
+                        finish_reason: str, usage_dict: dict) -> dict:
+        message: dict = {"role": "assistant",
+                         "content": content if content or not tool_calls else None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = [tool_call_dict(call) for call in tool_calls]
+        payload = self._base("chat.completion")
+        payload["choices"] = [{"index": 0, "message": message, "logprobs": None,
+                               "finish_reason": finish_reason}]
+        payload["usage"] = usage_dict
+        return payload
+
+    def text_completion(self, text: str, finish_reason: str, usage_dict: dict) -> dict:
+        payload = self._base("text_completion")
+        payload["choices"] = [{"index": 0, "text": text, "logprobs": None,
+                               "finish_reason": finish_reason}]
+        payload["usage"] = usage_dict
+        return payload
+
+
+def tool_call_dict(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_deltas(event) -> list[dict]:
+    """The chat deltas of one parser event: a tool call goes out as a first delta with its id
+    and name, then one with its arguments."""
+    if isinstance(event, ContentDelta):
+        return [{"content": event.text}]
+    if isinstance(event, ReasoningDelta):
+        return [{"reasoning_content": event.text}]
+    assert isinstance(event, ToolCall)
+    return [
+        {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                         "function": {"name": event.name, "arguments": ""}}]},
+        {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]},
+    ]

@@ -1,0 +1,132 @@
+"""From a validated request to prompt tokens and sampling parameters: tool choice and response
+format become instructions in the system message; the chat template renders the rest."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+from strata.engine.sampling import SamplingParams
+from strata.errors import RequestError
+from strata.server.api_error import ApiError, invalid
+from strata.server.output_parser import prompt_opens_reasoning
+from strata.server.schema import ChatRequest, GenerationOptions
+
+_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass
+class ChatPrompt:
+    tokens: list[int]
+    text: str
+    is_tool_parsing: bool
+    starts_in_reasoning: bool
+    param_types: dict[str, dict[str, str]]
+
+
+def _instructions(req: ChatRequest) -> list[str]:
+    out = []
+    if req.tools and req.tool_choice == "required":
+        out.append("You must answer by calling one or more of the tools.")
+    elif isinstance(req.tool_choice, dict):
+        out.append(f"You must answer by calling the function "
+                   f"{req.tool_choice['function']['name']}.")
+    fmt = req.response_format
+    if fmt is not None and fmt["type"] == "json_object":
+        out.append("Answer with one valid JSON object and nothing else.")
+    elif fmt is not None:
+        schema = fmt["json_schema"].get("schema", fmt["json_schema"])
+        out.append("Answer with one valid JSON object that follows this JSON schema, and "
+                   "nothing else: " + json.dumps(schema, ensure_ascii=False))
+    return out
+
+
+def _with_system_note(messages: list[dict], notes: list[str]) -> list[dict]:
+    if not notes:
+        return messages
+    note = "\n\n".join(notes)
+    if messages[0]["role"] == "system":
+        first = dict(messages[0], content=(messages[0]["content"] + "\n\n" + note).strip())
+        return [first] + messages[1:]
+    return [{"role": "system", "content": note}] + messages
+
+
+def _param_types(tools: list[dict]) -> dict[str, dict[str, str]]:
+    """Declared JSON types of each tool's parameters (to type XML-form tool-call values)."""
+    out: dict[str, dict[str, str]] = {}
+    for tool in tools:
+        function = tool["function"]
+        props = (function.get("parameters") or {}).get("properties")
+        if isinstance(props, dict):
+            out[function["name"]] = {name: spec.get("type") for name, spec in props.items()
+                                     if isinstance(spec, dict) and isinstance(spec.get("type"),
+                                                                              str)}
+    return out
+
+
+def build_chat_prompt(engine, req: ChatRequest) -> ChatPrompt:
+    clash = [k for k in _RESERVED_TEMPLATE_KWARGS if k in req.chat_template_kwargs]
+    if clash:
+        raise invalid(f"'chat_template_kwargs' may not set {clash[0]!r}: the server sets it "
+                      "from the request.", "chat_template_kwargs")
+    tools = req.tools if req.tool_choice != "none" else None
+    if tools and isinstance(req.tool_choice, dict):
+        name = req.tool_choice["function"]["name"]
+        tools = [t for t in tools if t["function"]["name"] == name]
+    messages = _with_system_note(req.messages, _instructions(req))
+    try:
+        text = engine.render_chat(messages, tools=tools, add_generation_prompt=True,
+                                  **req.chat_template_kwargs)
+    except RequestError as exc:
+        raise invalid(str(exc), "messages", "template_error") from None
+    except Exception as exc:  # noqa: BLE001 - a template that breaks on some input is a 400
+        raise invalid(f"The chat template failed on these messages ({type(exc).__name__}: "
+                      f"{exc}).", "messages", "template_error") from None
+    # The template writes BOS itself where the model wants one.
+    tokens = engine.tokenize(text, add_special=False)
+    return ChatPrompt(tokens=tokens, text=text, is_tool_parsing=bool(tools),
+                      starts_in_reasoning=prompt_opens_reasoning(text),
+                      param_types=_param_types(tools or []))
+
+
+def completion_prompt_tokens(engine, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return engine.tokenize(prompt, add_special=True)
+    vocab = min(engine.tokenizer.vocab_size, engine.spec.vocab)
+    for token in prompt:
+        if not 0 <= token < vocab:
+            raise invalid(f"'prompt' holds the token id {token}, outside the vocabulary "
+                          f"[0, {vocab}).", "prompt")
+    return list(prompt)
+
+
+def check_prompt_fits(num_prompt_tokens: int, n_ctx: int) -> None:
+    if num_prompt_tokens == 0:
+        raise invalid("The prompt is empty after tokenization; send some text.", "messages")
+    if num_prompt_tokens > n_ctx:
+        raise ApiError(400, f"The prompt has {num_prompt_tokens} tokens but the context holds "
+                       f"{n_ctx}; shorten the prompt or start the server with a larger "
+                       "--ctx-size.", param="messages", code="context_length_exceeded")
+
+
+def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: int
+                    ) -> SamplingParams:
+    """The engine's parameters; max_tokens defaults to (and is clipped to) the room left in the
+    context, as OpenAI's API does."""
+    room = max(n_ctx - num_prompt_tokens, 1)
+    max_tokens = room if options.max_tokens is None else min(options.max_tokens, room)
+    fields = {"max_tokens": max_tokens, "stop": list(options.stop), "seed": options.seed,
+              "ignore_eos": options.is_eos_ignored}
+    if options.temperature is not None and options.temperature < MIN_TEMPERATURE:
+        # As vLLM does: a temperature this close to 0 is greedy (dividing logits by a tiny or
+        # denormal value overflows to inf and the draw has nothing left to pick from).
+        options = replace(options, temperature=0.0)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
+        value = getattr(options, name)
+        if value is not None:
+            fields[name] = value
+    try:
+        return SamplingParams(**fields)
+    except RequestError as exc:
+        raise invalid(str(exc), None) from None

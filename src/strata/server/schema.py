@@ -1,0 +1,378 @@
+"""Validation of OpenAI request bodies: every field type-checked, each error naming the field,
+the value it had and what is accepted. Unknown fields are ignored, as OpenAI's clients add some."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.server.api_error import ApiError, invalid
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 16
+_MISSING = object()
+
+
+@dataclass
+class GenerationOptions:
+    """Sampling and streaming fields shared by both endpoints (None = the engine's default)."""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    is_stream: bool = False
+    is_usage_streamed: bool = False
+    is_eos_ignored: bool = False  # vLLM's `ignore_eos` extension: generate to max_tokens
+
+
+@dataclass
+class ChatRequest:
+    model: str | None
+    messages: list[dict]
+    options: GenerationOptions
+    tools: list[dict] | None = None
+    tool_choice: str | dict = "auto"
+    response_format: dict | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class CompletionRequest:
+    model: str | None
+    prompt: str | list[int]
+    options: GenerationOptions
+
+
+def parse_json_body(data: bytes) -> dict:
+    """The request body as a JSON object (NaN and Infinity, which JSON lacks, are refused)."""
+    def refuse_constant(name):
+        raise ValueError(f"{name} is not valid JSON")
+    try:
+        body = json.loads(data, parse_constant=refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"The request body is not valid JSON ({exc}). Send a JSON object "
+                       "with Content-Type: application/json.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"The request body must be a JSON object, not "
+                       f"{_type_name(body)}.", code="invalid_json")
+    return body
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _wrong_type(param: str, value: Any, expected: str) -> ApiError:
+    return ApiError(400, f"'{param}' must be {expected}, got {_type_name(value)}.",
+                    param=param, code="invalid_type")
+
+
+def _number(body: dict, key: str, low: float, high: float, *, low_open: bool = False
+            ) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _wrong_type(key, value, "a number")
+    value = float(value)
+    is_low_ok = value > low if low_open else value >= low
+    if not (math.isfinite(value) and is_low_ok and value <= high):
+        bracket = "(" if low_open else "["
+        raise invalid(f"'{key}' is {value}, outside the accepted range {bracket}{low}, {high}].",
+                      key)
+    return value
+
+
+def _integer(body: dict, key: str, low: int, high: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong_type(key, value, "an integer")
+    if not low <= value <= high:
+        raise invalid(f"'{key}' is {value}, outside the accepted range [{low}, {high}].", key)
+    return value
+
+
+def _boolean(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _wrong_type(key, value, "a boolean")
+    return value
+
+
+def _string(body: dict, key: str, *, param: str | None = None) -> str | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _wrong_type(param or key, value, "a string")
+    return value
+
+
+def _object(body: dict, key: str, *, param: str | None = None) -> dict | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _wrong_type(param or key, value, "an object")
+    return value
+
+
+def parse_options(body: dict, max_tokens_limit: int) -> GenerationOptions:
+    """The generation fields of either endpoint; `max_tokens_limit` is the context size."""
+    n = _integer(body, "n", 1, 2**31)
+    if n is not None and n != 1:
+        raise invalid(f"'n' is {n}; this server generates one choice per request: send n=1 or "
+                      "leave it out.", "n", "unsupported_value")
+    for key in ("logprobs", "echo"):
+        value = body.get(key)
+        if value not in (None, False) and not (key == "logprobs" and value == 0):
+            raise invalid(f"'{key}' is not supported by this server; leave it out.", key,
+                          "unsupported_value")
+    best_of = _integer(body, "best_of", 1, 2**31)
+    if best_of not in (None, 1):
+        raise invalid(f"'best_of' is {best_of}; only 1 is supported.", "best_of",
+                      "unsupported_value")
+    max_tokens = _integer(body, "max_tokens", 1, max_tokens_limit)
+    max_completion = _integer(body, "max_completion_tokens", 1, max_tokens_limit)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _wrong_type("stop", stop, "a string or an array of strings")
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise invalid(f"'stop' must hold 1 to {MAX_STOP_STRINGS} non-empty strings, got "
+                      f"{len(stop)} with {sum(not s for s in stop)} empty.", "stop")
+    top_k = _integer(body, "top_k", -1, 2**31)
+    stream_options = _object(body, "stream_options") or {}
+    is_stream = _boolean(body, "stream")
+    return GenerationOptions(
+        max_tokens=max_completion if max_completion is not None else max_tokens,
+        temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, low_open=True),
+        top_k=None if top_k is None else max(top_k, 0),  # -1 means "no top-k" to some clients
+        min_p=_number(body, "min_p", 0.0, 1.0),
+        seed=_integer(body, "seed", 0, 2**63 - 1),
+        stop=stop,
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 0.0, 10.0, low_open=True),
+        is_stream=is_stream,
+        is_usage_streamed=is_stream and _boolean(stream_options, "include_usage"),
+        is_eos_ignored=_boolean(body, "ignore_eos"),
+    )
+
+
+def _content_text(content: Any, param: str) -> str | None:
+    """A message's content as text: a string, or an array of text parts joined."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _wrong_type(param, content, "a string or an array of content parts")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise _wrong_type(f"{param}[{i}]", part, "an object")
+        if part.get("type") != "text":
+            raise invalid(f"'{param}[{i}].type' is {part.get('type')!r}; this server reads only "
+                          "'text' parts.", f"{param}[{i}].type", "unsupported_value")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _wrong_type(f"{param}[{i}].text", text, "a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict]:
+    """Assistant tool calls in the template's form (arguments decoded to an object)."""
+    if not isinstance(calls, list):
+        raise _wrong_type(param, calls, "an array")
+    out = []
+    for i, call in enumerate(calls):
+        where = f"{param}[{i}]"
+        if not isinstance(call, dict):
+            raise _wrong_type(where, call, "an object")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise _wrong_type(f"{where}.function", function, "an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise _wrong_type(f"{where}.function.name", name, "a non-empty string")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise _wrong_type(f"{where}.function.arguments", arguments, "a JSON string")
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            raise invalid(f"'{where}.function.arguments' is not valid JSON: {arguments[:80]!r}.",
+                          f"{where}.function.arguments") from None
+        call_id = _string(call, "id", param=f"{where}.id") or f"call_{i}"
+        out.append({"id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": decoded}})
+    return out
+
+
+def parse_messages(messages: Any) -> list[dict]:
+    if messages is _MISSING or messages is None:
+        raise ApiError(400, "'messages' is required: an array of {role, content} objects.",
+                       param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list):
+        raise _wrong_type("messages", messages, "an array")
+    if not messages:
+        raise invalid("'messages' is empty: send at least one message.", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _wrong_type(where, message, "an object")
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid(f"'{where}.role' is {role!r}; use one of {', '.join(ROLES)}.",
+                          f"{where}.role")
+        content = _content_text(message.get("content"), f"{where}.content")
+        item: dict = {"role": "system" if role == "developer" else role,
+                      "content": content or ""}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            item["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        elif content is None:
+            raise ApiError(400, f"'{where}.content' is required for a {role} message.",
+                           param=f"{where}.content", code="missing_required_parameter")
+        reasoning = _string(message, "reasoning_content", param=f"{where}.reasoning_content")
+        if role == "assistant" and reasoning:
+            item["reasoning_content"] = reasoning
+        if role == "tool":
+            item["tool_call_id"] = _string(message, "tool_call_id",
+                                           param=f"{where}.tool_call_id") or ""
+        name = _string(message, "name", param=f"{where}.name")
+        if name:
+            item["name"] = name
+        out.append(item)
+    return out
+
+
+def parse_tools(tools: Any) -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _wrong_type("tools", tools, "an array")
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise _wrong_type(where, tool, "an object")
+        if tool.get("type", "function") != "function":
+            raise invalid(f"'{where}.type' is {tool.get('type')!r}; only 'function' tools are "
+                          "supported.", f"{where}.type", "unsupported_value")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise _wrong_type(f"{where}.function", function, "an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise _wrong_type(f"{where}.function.name", name, "a non-empty string")
+        _string(function, "description", param=f"{where}.function.description")
+        _object(function, "parameters", param=f"{where}.function.parameters")
+        out.append({"type": "function", "function": function})
+    return out or None
+
+
+def parse_tool_choice(choice: Any, tools: list[dict] | None) -> str | dict:
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise invalid(f"'tool_choice' is {choice!r}; use 'none', 'auto', 'required' or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                          "tool_choice")
+        if choice == "required" and not tools:
+            raise invalid("'tool_choice' is 'required' but no 'tools' were sent.", "tool_choice")
+        return choice
+    if not isinstance(choice, dict):
+        raise _wrong_type("tool_choice", choice, "a string or an object")
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise _wrong_type("tool_choice.function.name", name, "a string")
+    names = [tool["function"]["name"] for tool in tools or []]
+    if name not in names:
+        raise invalid(f"'tool_choice' names the function {name!r}, which is not among the "
+                      f"tools sent ({', '.join(names) or 'none'}).", "tool_choice")
+    return {"type": "function", "function": {"name": name}}
+
+
+def parse_response_format(value: Any) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _wrong_type("response_format", value, "an object")
+    kind = value.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise invalid(f"'response_format.type' is {kind!r}; use 'text', 'json_object' or "
+                      "'json_schema'.", "response_format.type")
+    if kind == "json_schema":
+        schema = _object(value, "json_schema", param="response_format.json_schema")
+        if schema is None:
+            raise ApiError(400, "'response_format.json_schema' is required with type "
+                           "'json_schema'.", param="response_format.json_schema",
+                           code="missing_required_parameter")
+    return None if kind == "text" else value
+
+
+def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
+    options = parse_options(body, max_tokens_limit)
+    tools = parse_tools(body.get("tools"))
+    kwargs = _object(body, "chat_template_kwargs") or {}
+    return ChatRequest(
+        model=_string(body, "model"),
+        messages=parse_messages(body.get("messages", _MISSING)),
+        options=options,
+        tools=tools,
+        tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
+        response_format=parse_response_format(body.get("response_format")),
+        chat_template_kwargs=dict(kwargs),
+    )
+
+
+def parse_completion_request(body: dict, max_tokens_limit: int) -> CompletionRequest:
+    options = parse_options(body, max_tokens_limit)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required: a string (or an array of token ids).",
+                       param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise _wrong_type("prompt", prompt, "a string, one string in an array, or an array "
+                              "of token ids")
+    elif not isinstance(prompt, str):
+        raise _wrong_type("prompt", prompt, "a string or an array of token ids")
+    if not prompt:
+        raise invalid("'prompt' is empty: send at least one character or token.", "prompt")
+    if body.get("suffix") is not None:
+        raise invalid("'suffix' is not supported by this server; leave it out.", "suffix",
+                      "unsupported_value")
+    return CompletionRequest(model=_string(body, "model"), prompt=prompt, options=options)

@@ -1,0 +1,83 @@
+"""Live servers for the server tests: a tiny synth model behind waitress on a free port."""
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from strata.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.server.app import ServerConfig, create_app
+from strata.server.command import create_wsgi_server
+
+N_CTX_TOKENS = 512
+API_KEY = "sk-test-key-0123456789"
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: object
+    server: object
+    thread: threading.Thread
+
+    @property
+    def state(self):
+        return self.app.extensions["strata"]
+
+    def stop(self):
+        from waitress import wasyncore
+
+        self.server.task_dispatcher.shutdown(timeout=5)
+        # Close every channel from inside the server's own loop, which then ends.
+        self.server.trigger.pull_trigger(lambda: wasyncore.close_all(self.server._map))
+        self.thread.join(10)
+        self.state.close()
+        assert not self.thread.is_alive(), "the waitress loop did not stop"
+
+
+def start_live_server(engine_source, config: ServerConfig) -> LiveServer:
+    app = create_app(engine_source, config)
+    server = create_wsgi_server(app, "127.0.0.1", 0, threads=6)
+    thread = threading.Thread(target=server.run, name="waitress-test", daemon=True)
+    thread.start()
+    assert app.extensions["strata"].worker.wait_loaded(30)
+    return LiveServer(f"http://127.0.0.1:{server.effective_port}", app, server, thread)
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory):
+    from strata.tool.synth import synth_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-server.gguf"
+    synth_model(path, shape="tiny", weight_type="f32", seed=7)
+    return path
+
+
+def new_engine(model_path) -> Engine:
+    return Engine(EngineConfig(model_path, n_ctx=N_CTX_TOKENS, threads=2))
+
+
+@pytest.fixture(scope="module")
+def live(model_path):
+    server = start_live_server(new_engine(model_path),
+                               ServerConfig(model_id="tiny-server", max_body_kib=64,
+                                            keepalive_s=0.2))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def live_keyed(model_path):
+    server = start_live_server(lambda: new_engine(model_path),
+                               ServerConfig(model_id="tiny-server", api_key=API_KEY))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def live_long(model_path):
+    """A long context and a short poll: generations that outlast a disconnect's detection."""
+    engine = Engine(EngineConfig(model_path, n_ctx=4096, threads=2))
+    server = start_live_server(engine, ServerConfig(model_id="tiny-server", keepalive_s=0.02))
+    yield server
+    server.stop()

@@ -1,0 +1,259 @@
+"""The official `openai` client against a live waitress server on a tiny synth model: answers
+must equal what the engine itself generates for the same prompt."""
+import json
+
+import openai
+import pytest
+
+from strata.engine.sampling import SamplingParams
+from strata.server.output_parser import parse_complete
+
+from conftest import API_KEY, new_engine
+
+MODEL_ID = "tiny-server"
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    """A second engine on the same file: what the server must reproduce."""
+    engine = new_engine(model_path)
+    yield engine
+    engine.close()
+
+
+def reference_chat(engine, messages, max_tokens, tools=None):
+    engine.reset()
+    text = engine.render_chat(messages, tools=tools, add_generation_prompt=True)
+    tokens = engine.tokenize(text, add_special=False)
+    events = list(engine.generate(tokens, SamplingParams(temperature=0, max_tokens=max_tokens)))
+    content, reasoning, calls, _ = parse_complete("".join(e.text for e in events),
+                                                  parse_tools=bool(tools))
+    return tokens, content, reasoning, len(events), events[-1].finish_reason
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [(m.id, m.owned_by, m.object) for m in models.data] == [
+        (MODEL_ID, "strata", "model")]
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+
+
+def test_chat_equals_the_engine(client, reference):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name three colours."}]
+    tokens, content, reasoning, num_generated, finish = reference_chat(reference, messages, 12)
+    reply = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=12,
+                                           temperature=0)
+    assert reply.object == "chat.completion"
+    assert reply.id.startswith("chatcmpl-")
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == content
+    assert choice.finish_reason == finish
+    assert choice.message.tool_calls is None
+    assert reply.usage.prompt_tokens == len(tokens)
+    assert reply.usage.completion_tokens == num_generated
+    assert reply.usage.total_tokens == len(tokens) + num_generated
+
+
+def test_streamed_chat_equals_the_whole_answer(client, reference):
+    messages = [{"role": "user", "content": "Count to five."}]
+    tokens, content, _, num_generated, finish = reference_chat(reference, messages, 10)
+    stream = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=10,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    with_choices = [c for c in chunks if c.choices]
+    assert [c.choices[0].finish_reason for c in with_choices] == [None] * (
+        len(with_choices) - 1) + [finish]
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text == content
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == []
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (
+        len(tokens), num_generated)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_plain_and_streamed(client, reference):
+    reference.reset()
+    tokens = reference.tokenize("Once upon a time")
+    events = list(reference.generate(tokens, SamplingParams(temperature=0, max_tokens=7)))
+    expected = "".join(e.text for e in events)
+    reply = client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=7,
+                                      temperature=0)
+    assert reply.object == "text_completion"
+    assert reply.choices[0].text == expected
+    assert reply.choices[0].finish_reason == events[-1].finish_reason
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(tokens),
+                                                                          len(events))
+    chunks = list(client.completions.create(model=MODEL_ID, prompt="Once upon a time",
+                                            max_tokens=7, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-2].choices[0].finish_reason == events[-1].finish_reason
+    assert chunks[-1].usage.completion_tokens == len(events)
+
+
+def test_completion_from_token_ids(client, reference):
+    reply = client.completions.create(model=MODEL_ID, prompt=[5, 6, 7, 8], max_tokens=3,
+                                      temperature=0)
+    assert reply.usage.prompt_tokens == 4
+    assert reply.usage.completion_tokens == 3 or reply.choices[0].finish_reason == "stop"
+
+
+def test_second_turn_reuses_the_first_turns_tokens(client, reference):
+    first = [{"role": "user", "content": "Tell me about the river Thames and its bridges."}]
+    reply = client.chat.completions.create(model=MODEL_ID, messages=first, max_tokens=1,
+                                           temperature=0)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "And the Seine?"}]
+    tokens1 = reference.tokenize(reference.render_chat(first, add_generation_prompt=True),
+                                 add_special=False)
+    tokens2 = reference.tokenize(reference.render_chat(second, add_generation_prompt=True),
+                                 add_special=False)
+    common = 0
+    while common < len(tokens1) and tokens1[common] == tokens2[common]:
+        common += 1
+    # max_tokens=1: the one sampled token is never read back, so the KV holds exactly tokens1.
+    reply2 = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=2,
+                                            temperature=0)
+    assert reply2.usage.prompt_tokens == len(tokens2)
+    assert reply2.usage.prompt_tokens_details.cached_tokens == common
+    assert common >= len(tokens1) - 2
+
+
+def test_tool_call_round_trip(client, reference):
+    """An assistant turn with tool_calls and the tool's answer go through the template: the
+    server's prompt is exactly the template's rendering of them."""
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_abc", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "18 C, sunny"},
+    ]
+    templated = [messages[0],
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "call_abc", "type": "function",
+                      "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                 {"role": "tool", "tool_call_id": "call_abc", "content": "18 C, sunny"}]
+    text = reference.render_chat(templated, tools=[WEATHER_TOOL], add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' \
+        in text
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
+    tokens, content, _, num_generated, finish = reference_chat(reference, templated, 6,
+                                                               tools=[WEATHER_TOOL])
+    reply = client.chat.completions.create(model=MODEL_ID, messages=messages,
+                                           tools=[WEATHER_TOOL], max_tokens=6, temperature=0)
+    assert reply.usage.prompt_tokens == len(tokens)
+    assert reply.choices[0].message.content == content
+    assert reply.usage.completion_tokens == num_generated
+
+
+def test_tool_choice_required_adds_an_instruction(client, reference):
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    plain = client.chat.completions.create(model=MODEL_ID, messages=messages,
+                                           tools=[WEATHER_TOOL], max_tokens=1, temperature=0)
+    required = client.chat.completions.create(model=MODEL_ID, messages=messages,
+                                              tools=[WEATHER_TOOL], tool_choice="required",
+                                              max_tokens=1, temperature=0)
+    named = client.chat.completions.create(
+        model=MODEL_ID, messages=messages, tools=[WEATHER_TOOL], max_tokens=1, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    note = [{"role": "system", "content": "You must answer by calling one or more of the "
+             "tools."}]
+    expected = reference.tokenize(reference.render_chat(note + messages, tools=[WEATHER_TOOL],
+                                                        add_generation_prompt=True),
+                                  add_special=False)
+    assert required.usage.prompt_tokens == len(expected)
+    none = client.chat.completions.create(model=MODEL_ID, messages=messages,
+                                          tools=[WEATHER_TOOL], tool_choice="none",
+                                          max_tokens=1, temperature=0)
+    without_tools = reference.tokenize(reference.render_chat(messages,
+                                                             add_generation_prompt=True),
+                                       add_special=False)
+    assert none.usage.prompt_tokens == len(without_tools) < plain.usage.prompt_tokens
+    assert required.usage.prompt_tokens > plain.usage.prompt_tokens
+    assert named.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+def test_json_response_format_and_template_kwargs(client, reference):
+    messages = [{"role": "user", "content": "Give me a JSON object."}]
+    reply = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=1,
+                                           temperature=0,
+                                           response_format={"type": "json_object"})
+    note = [{"role": "system", "content": "Answer with one valid JSON object and nothing else."}]
+    expected = reference.tokenize(reference.render_chat(note + messages,
+                                                        add_generation_prompt=True),
+                                  add_special=False)
+    assert reply.usage.prompt_tokens == len(expected)
+    no_think = client.chat.completions.create(
+        model=MODEL_ID, messages=messages, max_tokens=1, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    text = reference.render_chat(messages, add_generation_prompt=True, enable_thinking=False)
+    assert text.endswith("<think>\n\n</think>\n\n")
+    assert no_think.usage.prompt_tokens == len(reference.tokenize(text, add_special=False))
+
+
+def test_concurrent_requests_queue_on_one_engine(client, reference):
+    """Requests sent at once are served one after another by the engine thread, each with
+    the answer it would get alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = ["First question?", "Second question, longer than the first one?", "Third."]
+    expected = [reference_chat(reference, [{"role": "user", "content": p}], 6)[1]
+                for p in prompts]
+
+    def ask(prompt):
+        reply = client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": prompt}], max_tokens=6,
+            temperature=0)
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(ask, prompts)) == expected
+
+
+def test_seeded_sampling_is_repeatable(client):
+    kwargs = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                  temperature=1.0, top_p=0.9, seed=1234, extra_body={"top_k": 20,
+                                                                     "min_p": 0.01})
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    assert first.choices[0].message.content == second.choices[0].message.content
+
+
+def test_api_key_is_required(live_keyed):
+    bad = openai.OpenAI(base_url=live_keyed.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        bad.models.list()
+    assert info.value.status_code == 401
+    assert info.value.body["code"] == "invalid_api_key"
+    good = openai.OpenAI(base_url=live_keyed.url + "/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in good.models.list().data] == [MODEL_ID]
+    reply = good.chat.completions.create(model=MODEL_ID, max_tokens=2,
+                                         messages=[{"role": "user", "content": "hi"}])
+    assert reply.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-12, 9e-6])
+def test_temperatures_near_zero_are_greedy(client, temperature):
+    kwargs = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Hello"}],
+                  max_tokens=5)
+    greedy = client.chat.completions.create(temperature=0, **kwargs)
+    tiny = client.chat.completions.create(temperature=temperature, **kwargs)
+    assert tiny.choices[0].message.content == greedy.choices[0].message.content

@@ -1,0 +1,157 @@
+"""/health through loading, ok and error; /metrics counters against the requests made; the
+`serve` command's own errors."""
+import threading
+
+import pytest
+import requests
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from strata.server.app import ServerConfig, create_app
+from strata.server.command import serve
+
+
+def scrape(live) -> dict:
+    response = requests.get(live.url + "/metrics", timeout=10)
+    assert response.status_code == 200
+    assert response.headers["Content-Type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def delta(after, before, name, **labels):
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_the_requests_made(live):
+    before = scrape(live)
+    usages = []
+    for body in ({"messages": [{"role": "user", "content": "one"}], "max_tokens": 3},
+                 {"messages": [{"role": "user", "content": "two"}], "max_tokens": 2,
+                  "stream": True, "stream_options": {"include_usage": True}}):
+        response = requests.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        if body.get("stream"):
+            last = [line for line in response.text.split("\n\n") if '"usage": {' in line][-1]
+            import json
+            usages.append(json.loads(last[len("data: "):])["usage"])
+        else:
+            usages.append(response.json()["usage"])
+    response = requests.post(live.url + "/v1/completions", json={"prompt": "x",
+                                                                  "max_tokens": 2}, timeout=60)
+    usages.append(response.json()["usage"])
+    assert requests.post(live.url + "/v1/completions", json={"prompt": 3},
+                         timeout=10).status_code == 400
+    assert requests.get(live.url + "/nope", timeout=10).status_code == 404
+    assert requests.get(live.url + "/v1/models", timeout=10).status_code == 200
+    after = scrape(live)
+    total = "strata_requests_total"
+    assert delta(after, before, total, endpoint="/v1/chat/completions", status="200") == 2
+    assert delta(after, before, total, endpoint="/v1/completions", status="200") == 1
+    assert delta(after, before, total, endpoint="/v1/completions", status="400") == 1
+    assert delta(after, before, total, endpoint="other", status="404") == 1
+    assert delta(after, before, total, endpoint="/v1/models", status="200") == 1
+    assert delta(after, before, total, endpoint="/metrics", status="200") == 1  # the first
+    assert delta(after, before, "strata_prompt_tokens_total") == sum(
+        u["prompt_tokens"] for u in usages)
+    assert delta(after, before, "strata_generated_tokens_total") == sum(
+        u["completion_tokens"] for u in usages)
+    assert delta(after, before, "strata_prompt_tokens_cached_total") == sum(
+        u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert delta(after, before, "strata_time_to_first_token_seconds_count") == 3
+    assert delta(after, before, "strata_time_per_output_token_seconds_count") == sum(
+        u["completion_tokens"] - 1 for u in usages)
+    assert after[("strata_requests_running", ())] == 0
+    assert after[("strata_requests_queued", ())] == 0
+
+
+def test_each_app_has_its_own_registry(live, live_keyed):
+    from conftest import API_KEY
+
+    requests.get(live_keyed.url + "/v1/models", timeout=10,
+                 headers={"Authorization": f"Bearer {API_KEY}"})
+    text_a = requests.get(live.url + "/metrics", timeout=10).text
+    assert "strata_requests_total" in text_a
+    assert live.state.metrics.registry is not live_keyed.state.metrics.registry
+
+
+def test_health_loading_then_ok():
+    release = threading.Event()
+
+    class Ready:
+        n_ctx = 16
+
+    def load():
+        release.wait(10)
+        return Ready()
+
+    app = create_app(load, ServerConfig(model_id="m"))
+    try:
+        client = app.test_client()
+        response = client.get("/health")
+        assert (response.status_code, response.json) == (503, {"status": "loading"})
+        response = client.post("/v1/chat/completions",
+                               json={"messages": [{"role": "user", "content": "x"}]})
+        assert response.status_code == 503
+        assert response.json["error"]["code"] == "model_loading"
+        release.set()
+        assert app.extensions["strata"].worker.wait_loaded(10)
+        response = client.get("/health")
+        assert (response.status_code, response.json) == (200, {"status": "ok"})
+    finally:
+        release.set()
+        app.extensions["strata"].close()
+
+
+def test_health_error_when_the_model_fails_to_load():
+    def load():
+        raise OSError("model.gguf: truncated")
+
+    app = create_app(load, ServerConfig(model_id="m"))
+    try:
+        assert app.extensions["strata"].worker.wait_loaded(10)
+        client = app.test_client()
+        response = client.get("/health")
+        assert response.status_code == 503
+        assert response.json == {"status": "error", "message": "model.gguf: truncated"}
+        response = client.post("/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503
+        assert "truncated" in response.json["error"]["message"]
+        assert response.json["error"]["type"] == "server_error"
+    finally:
+        app.extensions["strata"].close()
+
+
+def test_serve_rejects_a_missing_model(tmp_path):
+    result = CliRunner().invoke(serve, ["--model", str(tmp_path / "none.gguf")])
+    assert result.exit_code == 2
+    assert "does not exist" in result.output
+
+
+def test_serve_rejects_a_bad_context_size(model_path):
+    result = CliRunner().invoke(serve, ["--model", str(model_path), "--ctx-size", "0"])
+    assert result.exit_code == 2
+    assert "n_ctx" in result.output
+
+
+def test_serve_reports_a_busy_port(model_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(serve, ["--model", str(model_path), "--port", str(port)])
+    assert result.exit_code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.output
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_serve_rejects_an_empty_api_key(model_path, key):
+    result = CliRunner().invoke(serve, ["--model", str(model_path), "--api-key", key])
+    assert result.exit_code == 2
+    assert "--api-key is empty" in result.output
