@@ -145,7 +145,7 @@ int st_unpack_row_float_simd(int qtype, const uint8_t *row, int cols, float *w) 
     return 1;
 }
 
-#else
+#elif !(defined(__ARM_NEON) && defined(__aarch64__))   /* NEON: unpack_neon.c */
 
 int st_unpack_row_float_simd(int qtype, const uint8_t *row, int cols, float *w) {
     (void)qtype; (void)row; (void)cols; (void)w;
