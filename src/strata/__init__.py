@@ -12,6 +12,7 @@ _os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from strata.config import EngineConfig  # noqa: E402
 from strata.engine.sampling import SamplingParams  # noqa: E402
+from strata.hookspecs import hookimpl  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -23,4 +24,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'strata' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "__version__"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "hookimpl", "__version__"]

@@ -1,4 +1,4 @@
-"""`strata-tool`: maintenance commands (synth, inspect)."""
+"""`strata-tool`: maintenance commands (synth, inspect, plugins)."""
 from __future__ import annotations
 
 import os
@@ -69,3 +69,8 @@ def inspect(path):
     except OSError as exc:
         _fail(f"cannot read {path}: {exc.strerror or exc}")
     click.echo(format_report(report))
+
+
+from strata.tool.plugins_cmd import plugins  # noqa: E402
+
+main.add_command(plugins)

@@ -1,0 +1,121 @@
+"""Parked conversations: KV copies of slots given to other requests, kept in host RAM within a
+byte budget (`--conversation-cache-mib`), least recently used dropped first.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from strata.engine.slots import common_prefix_len
+from strata.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParkedConversation:
+    """One parked KV: the cells of `tokens`, in whatever arrays the backend copied them to."""
+
+    key: int
+    tokens: tuple[int, ...]
+    kv_arrays: Any
+    nbytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class ConversationCache:
+    """Parked KVs by key, in least- to most-recently-used order, using at most `budget_bytes`.
+
+    Prefix rule (keep the longer): the K/V cells of a token prefix depend only on that prefix,
+    so an entry whose tokens are a prefix of another entry's adds nothing. Parking tokens that
+    extend an entry replaces it; parking tokens that an entry already extends (or equals) stores
+    nothing new, refreshes that entry and returns its key.
+    """
+
+    def __init__(self, budget_mib: float):
+        if isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float)) \
+                or not math.isfinite(budget_mib) or budget_mib < 0:
+            raise ConfigError(f"--conversation-cache-mib {budget_mib!r} must be a number >= 0 "
+                              "(0 turns parking off)")
+        self.budget_bytes = int(budget_mib * 2**20)
+        self._entries: OrderedDict[int, ParkedConversation] = OrderedDict()  # LRU first
+        self._used_bytes = 0
+        self._next_key = 1
+        self.num_evicted = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[int]:
+        """Keys from least to most recently used (the eviction order)."""
+        return list(self._entries)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._entries
+
+    def get(self, key: int) -> ParkedConversation:
+        return self._entries[key]
+
+    def park(self, tokens: Sequence[int], kv_arrays: Any, nbytes: int) -> int | None:
+        """Keep the KV of `tokens`; return its key, or None when it cannot be kept (no tokens,
+        or larger than the whole budget). Evicts least recently used entries to make room."""
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"nbytes = {nbytes} must be >= 0")
+        tokens = tuple(int(t) for t in tokens)
+        if not tokens:
+            return None
+        for key, entry in self._entries.items():
+            if common_prefix_len(entry.tokens, tokens) == len(tokens):
+                self._entries.move_to_end(key)  # already covered: refresh, store nothing
+                return key
+        if nbytes > self.budget_bytes:
+            return None
+        for key in [k for k, e in self._entries.items()
+                    if common_prefix_len(e.tokens, tokens) == len(e.tokens)]:
+            self._drop(key)  # the new tokens extend it
+        key = self._next_key
+        self._next_key += 1
+        self._entries[key] = ParkedConversation(key, tokens, kv_arrays, nbytes)
+        self._used_bytes += nbytes
+        while self._used_bytes > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+            self.num_evicted += 1
+        return key
+
+    def best_match(self, prompt_tokens: Sequence[int]) -> tuple[int | None, int]:
+        """(key, length) of the entry sharing the longest prefix with the prompt; (None, 0) when
+        none shares a token. Ties go to the most recently used entry. Does not change recency."""
+        best_key, best_len = None, 0
+        prompt = np.asarray(prompt_tokens, dtype=np.int64)
+        for key, entry in reversed(self._entries.items()):
+            length = common_prefix_len(entry.tokens, prompt)
+            if length > best_len:
+                best_key, best_len = key, length
+        return best_key, best_len
+
+    def take(self, key: int) -> ParkedConversation:
+        """Remove and return a parked entry (its KV goes back into a slot)."""
+        if key not in self._entries:
+            raise KeyError(f"no parked conversation with key {key} (evicted or already taken); "
+                           "call best_match() again")
+        entry = self._entries[key]
+        self._drop(key)
+        return entry
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._used_bytes = 0
+
+    def _drop(self, key: int) -> None:
+        self._used_bytes -= self._entries.pop(key).nbytes

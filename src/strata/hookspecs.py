@@ -1,0 +1,182 @@
+"""The plugin contract: pluggy hook specifications (prefix `strata_`) and the interfaces the
+chooser hooks' policy objects implement. docs/plugins.md has one entry per hook.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import pluggy
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from strata.engine.interleave import PendingRead, ReadPlan, WindowTiming
+
+PROJECT_NAME = "strata"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# ---- what the policy objects see and return -----------------------------------------------
+@dataclass(frozen=True)
+class SlotView:
+    """A read-only view of one slot as the slot picker sees it."""
+
+    index: int
+    tokens: tuple[int, ...]  # the tokens whose K/V cells the slot holds, in order
+    is_busy: bool  # a request is reading or decoding in it
+    last_used_tick: int  # logical clock of its last acquire/release; 0 = never used
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.tokens
+
+
+class ExpertSwap(NamedTuple):
+    """Load routed expert (load_layer, load_expert) into the VRAM slot that (evict_layer,
+    evict_expert) holds now."""
+
+    load_layer: int
+    load_expert: int
+    evict_layer: int
+    evict_expert: int
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """What one window (one forward pass over R rows) did."""
+
+    window_index: int
+    num_decode_rows: int
+    num_prompt_rows: int
+    seconds: float
+
+
+# ---- the interfaces ------------------------------------------------------------------------
+@runtime_checkable
+class SlotPicker(Protocol):
+    """Decides which slot a new request goes to."""
+
+    name: str
+
+    def pick(self, prompt_tokens: Sequence[int], slots: Sequence[SlotView]) -> tuple[int, int]:
+        """Return (slot_index, num_reused_tokens): the idle slot to use and how many of its
+        leading cells the request keeps (at most the common prefix of the slot's tokens and the
+        prompt, and at most len(prompt_tokens) - 1, since the last prompt token is always read to
+        get the first logits). Called only when at least one slot is idle; the engine checks
+        the answer and rejects a busy slot or an over-long reuse."""
+
+
+@runtime_checkable
+class ReadInterleave(Protocol):
+    """Decides how prompt reading interleaves with the other slots' decoding."""
+
+    name: str
+
+    def plan(self, reads: Sequence[PendingRead], num_decoding_slots: int,
+             timing: WindowTiming | None) -> ReadPlan | None:
+        """Given the prompts placed in slots and not yet fully read (in arrival order), the
+        number of slots decoding now and the measured window timings (None before the first
+        measurement), return which read gets the next chunk, its size in tokens and how many
+        decode windows run after it before the next chunk; None when `reads` is empty."""
+
+
+@runtime_checkable
+class TierPolicy(Protocol):
+    """Moves routed experts into and out of the VRAM expert cache as the routing changes."""
+
+    name: str
+
+    def plan_swaps(self, counts: np.ndarray, residency: np.ndarray,
+                   min_gain: float) -> list[ExpertSwap]:
+        """Called every `--adapt-every` windows with `counts` [L, E] (routing counts since the
+        last call) and `residency` [L, E] (the VRAM slot of each expert, -1 when not resident).
+        Return the swaps whose expected gain clears `min_gain`, best first; [] for none. Must not
+        modify its arguments."""
+
+
+@runtime_checkable
+class KVGrow(Protocol):
+    """Lends VRAM expert-cache slots to the KV of a request that needs more cells."""
+
+    name: str
+
+    def grow(self, slot_index: int, num_cells_needed: int, cells_per_expert_slot: int,
+             residency: np.ndarray) -> list[int]:
+        """A request in slot `slot_index` needs `num_cells_needed` more KV cells. Return the
+        expert-cache slots to evict and hand to its KV ([] refuses: the request ends with
+        finish reason "length"). `residency` [L, E] is read-only."""
+
+    def give_back(self, slot_index: int, expert_slots: Sequence[int]) -> list[tuple[int, int]]:
+        """The request in `slot_index` ended; its borrowed `expert_slots` return to the cache.
+        Return the (layer, expert) to refill each one with, in the same order."""
+
+
+# ---- chooser hooks: firstresult, called once when the engine is built ------------------------
+@hookspec(firstresult=True)
+def strata_slot_picker(config: Any, spec: Any, num_slots: int) -> SlotPicker | None:
+    """Return the SlotPicker the engine uses for every new request.
+
+    Called once when the engine is built, with the EngineConfig, the ModelSpec and the number of
+    slots (`--parallel`). The first non-None result wins; the built-in default (longest cached
+    prefix, else an empty slot, else the least recently used) is registered trylast.
+    """
+
+
+@hookspec(firstresult=True)
+def strata_read_interleave(config: Any, spec: Any, num_slots: int) -> ReadInterleave | None:
+    """Return the ReadInterleave policy that decides chunk sizes and the decode share.
+
+    Called once when the engine is built. The first non-None result wins; the built-in default
+    keeps every decoding slot at >= half its solo decode rate while a prompt is read and lets a
+    prompt shorter than one chunk go first.
+    """
+
+
+@hookspec(firstresult=True)
+def strata_tier_policy(config: Any, spec: Any, num_slots: int) -> TierPolicy | None:
+    """Return the TierPolicy that moves experts into and out of the VRAM expert cache.
+
+    Called once when the engine is built. The first non-None result wins. The built-in default
+    comes with the expert cache; until then no plugin answers and the engine runs without a tier.
+    """
+
+
+@hookspec(firstresult=True)
+def strata_kv_grow(config: Any, spec: Any, num_slots: int) -> KVGrow | None:
+    """Return the KVGrow policy that lends expert-cache slots to a KV that runs out of cells.
+
+    Called once when the engine is built. The first non-None result wins. The built-in default
+    comes with the expert cache; until then no plugin answers and a full KV ends the request.
+    """
+
+
+# ---- observer hooks: every implementation is called, results are ignored ---------------------
+@hookspec
+def strata_window_done(stats: WindowStats) -> None:
+    """Called after every window with its WindowStats (read-only). Keep it cheap: it runs on the
+    engine thread between windows. Every implementation is called; return values are ignored."""
+
+
+@hookspec
+def strata_request_done(stats: Any) -> None:
+    """Called once when a request ends (finished, stopped or failed) with its GenerationStats
+    (read-only): prompt and cached token counts, generated tokens, timings. Every implementation
+    is called; return values are ignored."""
+
+
+CHOOSER_HOOKS = ("strata_slot_picker", "strata_read_interleave", "strata_tier_policy",
+                 "strata_kv_grow")
+OBSERVER_HOOKS = ("strata_window_done", "strata_request_done")
+# The interface each chooser's result must implement.
+CHOOSER_INTERFACES = {
+    "strata_slot_picker": SlotPicker,
+    "strata_read_interleave": ReadInterleave,
+    "strata_tier_policy": TierPolicy,
+    "strata_kv_grow": KVGrow,
+}

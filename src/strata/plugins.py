@@ -1,0 +1,198 @@
+"""The plugin manager: built-in defaults (registered trylast) plus plugins from the `strata`
+entry-point group, and the chooser objects the engine resolves once when it is built.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from strata import hookspecs
+from strata.errors import ConfigError
+from strata.hookspecs import (CHOOSER_HOOKS, CHOOSER_INTERFACES, OBSERVER_HOOKS, KVGrow,
+                              ReadInterleave, SlotPicker, TierPolicy, hookimpl)
+
+ENTRY_POINT_GROUP = "strata"
+AUTOLOAD_OFF_ENV = "STRATA_DISABLE_PLUGIN_AUTOLOAD"
+BUILTIN_PLUGIN_NAME = "strata.builtin"
+# Hooks whose built-in default arrives with a later part of the engine; until then no plugin
+# answers them and the engine runs without that feature.
+NOT_BUILT_IN_YET = {
+    "strata_tier_policy": "none (built in with the expert cache)",
+    "strata_kv_grow": "none (built in with the expert cache)",
+}
+
+
+class BuiltinDefaults:
+    """Strata's own policies, registered trylast so that any installed plugin overrides them."""
+
+    @hookimpl(trylast=True)
+    def strata_slot_picker(self):
+        """Longest cached prefix, else an empty slot, else the least recently used."""
+        from strata.engine.slots import LongestPrefixPicker
+
+        return LongestPrefixPicker()
+
+    @hookimpl(trylast=True)
+    def strata_read_interleave(self, config):
+        """Decoding slots keep >= half their solo rate; short prompts go first."""
+        from strata.engine.interleave import HalfRateInterleave
+
+        chunk = getattr(config, "prompt_chunk_tokens", None)
+        return HalfRateInterleave() if chunk is None else HalfRateInterleave(chunk)
+
+
+def is_autoload_disabled() -> bool:
+    """True when STRATA_DISABLE_PLUGIN_AUTOLOAD is set to anything but "" or "0"."""
+    return os.environ.get(AUTOLOAD_OFF_ENV, "") not in ("", "0")
+
+
+def get_plugin_manager(autoload: bool | None = None) -> pluggy.PluginManager:
+    """A new plugin manager with the hookspecs, the built-in defaults and (unless `autoload` is
+    False, or None and the environment switch is set) the plugins of the `strata` entry-point
+    group."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    pm.register(BuiltinDefaults(), name=BUILTIN_PLUGIN_NAME)
+    if autoload is None:
+        autoload = not is_autoload_disabled()
+    if autoload:
+        try:
+            pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        except Exception as exc:
+            raise ConfigError(
+                f"a plugin in the {ENTRY_POINT_GROUP!r} entry-point group failed to load: "
+                f"{type(exc).__name__}: {exc}; fix or uninstall it, or set "
+                f"{AUTOLOAD_OFF_ENV}=1 to start without plugins") from exc
+    return pm
+
+
+@dataclass
+class Choosers:
+    """The policy objects the engine calls, resolved once; `sources` names the plugin that
+    answered each chooser hook (None: nobody did)."""
+
+    slot_picker: SlotPicker
+    read_interleave: ReadInterleave
+    tier_policy: TierPolicy | None
+    kv_grow: KVGrow | None
+    sources: dict[str, str | None] = field(default_factory=dict)
+    _window_done: tuple = field(default=(), repr=False)
+    _request_done: tuple = field(default=(), repr=False)
+
+    def window_done(self, stats) -> None:
+        """Tell the observers a window ended (no pluggy dispatch per window)."""
+        for notify in self._window_done:
+            notify(stats=stats)
+
+    def request_done(self, stats) -> None:
+        for notify in self._request_done:
+            notify(stats=stats)
+
+
+def resolve_choosers(pm: pluggy.PluginManager, **engine_context: Any) -> Choosers:
+    """Call each chooser hook once with the engine context (config, spec, num_slots; extra keys
+    are ignored) and check each answer implements its interface."""
+    resolved: dict[str, Any] = {}
+    sources: dict[str, str | None] = {}
+    for hook_name in CHOOSER_HOOKS:
+        result, source = _first_answer(pm, hook_name, engine_context)
+        interface = CHOOSER_INTERFACES[hook_name]
+        if result is not None and not isinstance(result, interface):
+            raise ConfigError(
+                f"plugin {source!r} answered {hook_name} with {type(result).__name__}, which "
+                f"does not implement {interface.__name__} (see docs/plugins.md); fix or "
+                "uninstall the plugin")
+        resolved[hook_name] = result
+        sources[hook_name] = source
+    for hook_name in ("strata_slot_picker", "strata_read_interleave"):
+        if resolved[hook_name] is None:
+            raise ConfigError(f"no plugin answered {hook_name}, not even the built-in default; "
+                              f"a plugin must not unregister {BUILTIN_PLUGIN_NAME!r}")
+    observers = {name: _observer_calls(pm, name) for name in OBSERVER_HOOKS}
+    return Choosers(resolved["strata_slot_picker"], resolved["strata_read_interleave"],
+                    resolved["strata_tier_policy"], resolved["strata_kv_grow"], sources,
+                    observers["strata_window_done"], observers["strata_request_done"])
+
+
+def implementations_in_call_order(pm: pluggy.PluginManager, hook_name: str) -> list:
+    """The hook's implementations in the order pluggy calls them (tryfirst first, trylast last,
+    later registrations before earlier ones)."""
+    return list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))
+
+
+def _first_answer(pm: pluggy.PluginManager, hook_name: str,
+                  context: dict[str, Any]) -> tuple[Any, str | None]:
+    """pluggy's firstresult call, done by hand to learn which plugin answered."""
+    hook = getattr(pm.hook, hook_name)
+    missing = [a for a in hook.spec.argnames if a not in context]
+    if missing:
+        raise TypeError(f"resolve_choosers() needs the engine context {missing} for {hook_name}")
+    impls = implementations_in_call_order(pm, hook_name)
+    if any(impl.hookwrapper or impl.wrapper for impl in impls):
+        # A wrapper may change the result: let pluggy run the whole chain; the source is unknown.
+        args = {a: context[a] for a in hook.spec.argnames}
+        return hook(**args), "(wrapped)"
+    for impl in impls:
+        result = impl.function(**{a: context[a] for a in impl.argnames})
+        if result is not None:
+            return result, impl.plugin_name
+    return None, None
+
+
+def _observer_calls(pm: pluggy.PluginManager, hook_name: str) -> tuple:
+    impls = implementations_in_call_order(pm, hook_name)
+    if any(impl.hookwrapper or impl.wrapper for impl in impls):
+        return (getattr(pm.hook, hook_name),)
+    return tuple(_bind_stats(impl.function, impl.argnames) for impl in impls)
+
+
+def _bind_stats(function, argnames):
+    # An observer may declare fewer arguments than the spec (pluggy allows it).
+    if "stats" in argnames:
+        return function
+
+    def call(stats):
+        return function()
+
+    return call
+
+
+def describe_hooks(pm: pluggy.PluginManager) -> list[tuple[str, str]]:
+    """(hook name, what it resolves to) for `strata-tool plugins`, without calling any hook:
+    a chooser resolves to its first implementation in call order (unless that one returns None
+    at engine build), an observer to all of them."""
+    lines = []
+    for hook_name in CHOOSER_HOOKS + OBSERVER_HOOKS:
+        impls = implementations_in_call_order(pm, hook_name)
+        if not impls:
+            lines.append((hook_name, NOT_BUILT_IN_YET.get(hook_name, "none")))
+        elif hook_name in CHOOSER_HOOKS:
+            lines.append((hook_name, _describe_impl(impls[0])))
+        else:
+            lines.append((hook_name, "; ".join(_describe_impl(i) for i in impls)))
+    return lines
+
+
+def _describe_impl(impl) -> str:
+    doc = (impl.function.__doc__ or "").strip().splitlines()
+    summary = f": {doc[0].strip()}" if doc else ""
+    return f"{impl.plugin_name} ({impl.function.__qualname__}){summary}"
+
+
+def describe_plugins(pm: pluggy.PluginManager) -> list[tuple[str, str]]:
+    """(plugin name, where it comes from) for every registered plugin."""
+    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    lines = []
+    for name, plugin in pm.list_name_plugin():
+        if name == BUILTIN_PLUGIN_NAME:
+            origin = "built in"
+        elif id(plugin) in dists:
+            dist = dists[id(plugin)]
+            origin = f"{dist.project_name} {dist.version} (entry point group {ENTRY_POINT_GROUP!r})"
+        else:
+            origin = "registered at run time"
+        lines.append((name, origin))
+    return lines
