@@ -4,18 +4,22 @@ kernels for every weight product (read straight from the mapped GGUF, never dequ
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from strata._native import kernels
+from strata.backends.window import Window
 from strata.engine.kv import KVCache
 from strata.errors import ConfigError, RequestError
 from strata.model.arch import ModelSpec
 from strata.model.gguf_file import GGUFModel, TensorInfo
 
-# Legend: T = rows of this call, H = hidden, Q = query heads, KV = KV heads, G = Q / KV,
-# D = head dim, C = cached + new tokens, E = experts, K = experts per token,
-# F = expert width, S = shared-expert width, V = vocabulary.
+# Legend: T = rows of this call, R = rows of a window (several slots), N = its logit rows,
+# H = hidden, Q = query heads, KV = KV heads, G = Q / KV, D = head dim, C = cached + new
+# tokens, E = experts, K = experts per token, F = expert width, S = shared-expert width,
+# V = vocabulary.
 
 _SCORES_BYTES = 64 << 20  # bound on one attention score block [KV, G*rows, C] (float32)
+_F32 = int(GGMLQuantizationType.F32)
 
 
 class _Matrix:
@@ -43,7 +47,7 @@ class _Layer:
 
     __slots__ = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm",
                  "ffn_norm", "router", "gate_exps", "up_exps", "down_exps",
-                 "shexp_gate", "shexp_w_gate", "shexp_w_up", "shexp_w_down")
+                 "shexp_gate", "shexp_gate_raw", "shexp_w_gate", "shexp_w_up", "shexp_w_down")
 
     def __init__(self, model: GGUFModel, spec: ModelSpec, i: int):
         def t(name: str) -> TensorInfo:
@@ -67,11 +71,13 @@ class _Layer:
         self.down_exps = _Matrix(t("ffn_down_exps.weight"))  # [E, H, F]
         if spec.has_shared_expert:
             self.shexp_gate = _small(t("ffn_gate_inp_shexp.weight"))  # [H]
+            self.shexp_gate_raw = self.shexp_gate.reshape(1, -1).view(np.uint8)  # [1, 4*H]
             self.shexp_w_gate = _Matrix(t("ffn_gate_shexp.weight"))  # [S, H]
             self.shexp_w_up = _Matrix(t("ffn_up_shexp.weight"))  # [S, H]
             self.shexp_w_down = _Matrix(t("ffn_down_shexp.weight"))  # [H, S]
         else:
-            self.shexp_gate = self.shexp_w_gate = self.shexp_w_up = self.shexp_w_down = None
+            self.shexp_gate = self.shexp_gate_raw = None
+            self.shexp_w_gate = self.shexp_w_up = self.shexp_w_down = None
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -99,7 +105,8 @@ def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class CpuModel:
-    """Runs a GGUF MoE model on the CPU. `forward` takes the next tokens of one sequence."""
+    """Runs a GGUF MoE model on the CPU. `forward_window` takes the next rows of several
+    sequences in one pass; `forward` the next tokens of one sequence."""
 
     def __init__(self, gguf_model: GGUFModel, num_threads: int | None = None):
         if num_threads is not None:
@@ -147,34 +154,37 @@ class CpuModel:
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)
 
-    def _attention(self, ly: _Layer, li: int, h: np.ndarray, kv: KVCache,
+    def _attention(self, ly: _Layer, li: int, h: np.ndarray, window: Window,
                    cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Attention of all R rows: projections, norms and RoPE over every row at once; the
+        scores per slot run against that slot's KV (its K/V appended, not yet committed)."""
         spec = self.spec
-        T, Q, KV, D = h.shape[0], spec.n_heads, spec.n_kv_heads, spec.head_dim
-        q = ly.wq(h)  # [T, Q*D]
-        k = ly.wk(h)  # [T, KV*D]
-        v = ly.wv(h)  # [T, KV*D]
+        R, Q, KV, D = h.shape[0], spec.n_heads, spec.n_kv_heads, spec.head_dim
+        q = ly.wq(h)  # [R, Q*D]
+        k = ly.wk(h)  # [R, KV*D]
+        v = ly.wv(h)  # [R, KV*D]
         if ly.bq is not None:
             q += ly.bq
             k += ly.bk
             v += ly.bv
-        q = q.reshape(T, Q, D)
-        k = k.reshape(T, KV, D)
+        q = q.reshape(R, Q, D)
+        k = k.reshape(R, KV, D)
         if ly.q_norm is not None:
             q = rms_norm(q, ly.q_norm, self._eps)
             k = rms_norm(k, ly.k_norm, self._eps)
-        q = self._apply_rope(q, cos, sin)  # [T, Q, D]
-        k = self._apply_rope(k, cos, sin)  # [T, KV, D]
-        start = kv.num_tokens
-        keys, values = kv.append(li, k.transpose(1, 0, 2), v.reshape(T, KV, D).transpose(1, 0, 2))
-        # Rows are attended in blocks so the score matrix stays under _SCORES_BYTES however
-        # long the prompt chunk and the context are.
-        rows_per_block = max(1, _SCORES_BYTES // (4 * Q * keys.shape[1]))
-        out = np.empty((T, Q * D), dtype=np.float32)  # [T, Q*D]
-        for r0 in range(0, T, rows_per_block):
-            r1 = min(T, r0 + rows_per_block)
-            out[r0:r1] = self._attend(q[r0:r1], keys, values, start + r0)
-        return ly.wo(out)  # [T, H]
+        q = self._apply_rope(q, cos, sin)  # [R, Q, D]
+        k = self._apply_rope(k, cos, sin).transpose(1, 0, 2)  # [KV, R, D]
+        v = v.reshape(R, KV, D).transpose(1, 0, 2)  # [KV, R, D]
+        out = np.empty((R, Q * D), dtype=np.float32)  # [R, Q*D]
+        for kv, r0, r1, first_pos in window.runs:
+            keys, values = kv.append(li, k[:, r0:r1], v[:, r0:r1])  # [KV, C, D] each
+            # Rows are attended in blocks so the score matrix stays under _SCORES_BYTES however
+            # long the prompt chunk and the context are.
+            rows_per_block = max(1, _SCORES_BYTES // (4 * Q * keys.shape[1]))
+            for b0 in range(r0, r1, rows_per_block):
+                b1 = min(r1, b0 + rows_per_block)
+                out[b0:b1] = self._attend(q[b0:b1], keys, values, first_pos + b0 - r0)
+        return ly.wo(out)  # [R, H]
 
     def _attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
                 first_pos: int) -> np.ndarray:
@@ -217,38 +227,40 @@ class CpuModel:
         if ly.shexp_gate is not None:
             inner = silu(ly.shexp_w_gate(h)) * ly.shexp_w_up(h)  # [T, S]
             shared = ly.shexp_w_down(inner)  # [T, H]
-            # the shared expert's gate is a single [H] vector, read into numpy at load
-            gate = 1.0 / (1.0 + np.exp(-(h @ ly.shexp_gate)))  # [T]
+            # the shared expert's gate is a single [H] vector, read into float32 at load; the
+            # kernel (not numpy's gemv, whose sums depend on the row count) keeps each row's
+            # result independent of the rows batched with it
+            logit = kernels.matmul(ly.shexp_gate_raw, _F32, h)  # [T, 1]
+            gate = 1.0 / (1.0 + np.exp(-logit[:, 0]))  # [T]
             out += gate[:, None] * shared
         return out
 
     # ---- the pass -------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, kv: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run `tokens` at positions kv.num_tokens.. and append their K/V; return the logits
-        [T, V] of every row when `all_logits`, else [1, V] of the last row."""
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.size == 0 or tokens.dtype.kind not in "iu":
+        [T, V] of every row when `all_logits`, else [1, V] of the last row (a one-slot window)."""
+        window = Window.build([(kv, tokens)], logits="all" if all_logits else "last")
+        return self.forward_window(window)
+
+    def forward_window(self, window: Window) -> np.ndarray:
+        """One pass over the R rows of `window` (several slots); returns the logits
+        [N, V] of its logit rows (`window.logits_of(logits, slot)` picks a slot's). Every
+        KV commits its rows only after all layers ran: an error leaves each KV as it was."""
+        window.check_current()
+        if window.kvs[0].spec != self.spec:
             raise RequestError(
-                f"forward takes a non-empty 1-D array of integer token ids, got shape "
-                f"{tokens.shape} of {tokens.dtype}")
-        V = self.spec.vocab
-        bad = (tokens < 0) | (tokens >= V)
-        if bad.any():
-            raise RequestError(
-                f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {V}); the prompt "
-                "was encoded with another tokenizer")
-        T = len(tokens)
-        kv.check_room(T)
+                f"the window's KV caches were made for another model ({window.kvs[0].spec.arch}, "
+                f"{window.kvs[0].spec.n_layers} layers); make them with this model's new_kv")
         eps = self._eps
-        cos, sin = self._rope(kv.num_tokens + np.arange(T))
-        x = self.embed(tokens)  # [T, H]
+        cos, sin = self._rope(window.positions)  # [R, 1, D/2] each
+        x = self.embed(window.tokens)  # [R, H]
         for li, ly in enumerate(self._layers):
-            h = rms_norm(x, ly.attn_norm, eps)  # [T, H]
-            x += self._attention(ly, li, h, kv, cos, sin)
-            h = rms_norm(x, ly.ffn_norm, eps)  # [T, H]
+            h = rms_norm(x, ly.attn_norm, eps)  # [R, H]
+            x += self._attention(ly, li, h, window, cos, sin)
+            h = rms_norm(x, ly.ffn_norm, eps)  # [R, H]
             x += self._moe(ly, h)
-        kv.commit(T)
-        if not all_logits:
-            x = x[-1:]
+        window.commit()
+        if window.num_logit_rows < window.num_rows:
+            x = x[window.logit_rows]  # [N, H]
         x = rms_norm(np.ascontiguousarray(x), self._out_norm, eps)
-        return self._head(x)  # [T or 1, V]
+        return self._head(x)  # [N, V]
