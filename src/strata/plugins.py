@@ -20,7 +20,6 @@ BUILTIN_PLUGIN_NAME = "strata.builtin"
 # Hooks whose built-in default arrives with a later part of the engine; until then no plugin
 # answers them and the engine runs without that feature.
 NOT_BUILT_IN_YET = {
-    "strata_tier_policy": "none (built in with the expert cache)",
     "strata_kv_grow": "none (built in with the expert cache)",
 }
 
@@ -42,6 +41,14 @@ class BuiltinDefaults:
 
         chunk = getattr(config, "prompt_chunk_tokens", None)
         return HalfRateInterleave() if chunk is None else HalfRateInterleave(chunk)
+
+    @hookimpl(trylast=True)
+    def strata_tier_policy(self, config):
+        """Decayed routing counts per (layer, expert): free slots first, then the best swaps."""
+        from strata.experts.tier import DecayedCountTier
+
+        return DecayedCountTier(getattr(config, "expert_cache_slots", None),
+                                max_swaps=getattr(config, "adapt_swaps", None) or 64)
 
 
 def is_autoload_disabled() -> bool:

@@ -123,9 +123,10 @@ class TopCountsTier:
         return [ExpertSwap(int(load[0]), int(load[1]), int(evict[0]), int(evict[1]))]
 
 
-def test_strata_tier_policy_is_none_until_a_plugin_answers():
+def test_strata_tier_policy_is_the_builtin_until_a_plugin_answers():
     choosers = resolve_choosers(get_plugin_manager(autoload=False), **CONTEXT)
-    assert choosers.tier_policy is None and choosers.sources["strata_tier_policy"] is None
+    assert choosers.tier_policy.name == "decayed-count"
+    assert choosers.sources["strata_tier_policy"] == "strata.builtin"
 
     class Plugin:
         @hookimpl

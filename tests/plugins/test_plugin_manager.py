@@ -140,7 +140,9 @@ def test_listing_names_each_hooks_resolution():
         ("strata_read_interleave", "strata.builtin (BuiltinDefaults.strata_read_interleave): "
                                    "Decoding slots keep >= half their solo rate; short prompts "
                                    "go first."),
-        ("strata_tier_policy", "none (built in with the expert cache)"),
+        ("strata_tier_policy", "strata.builtin (BuiltinDefaults.strata_tier_policy): Decayed "
+                               "routing counts per (layer, expert): free slots first, then the "
+                               "best swaps."),
         ("strata_kv_grow", "none (built in with the expert cache)"),
         ("strata_window_done", "none"),
         ("strata_request_done", "none"),
@@ -160,7 +162,7 @@ def test_plugins_command_lists_plugins_and_hooks(tmp_path, monkeypatch):
                          "'strata')"]
     assert f"  {'strata_slot_picker':<24} first-slot (strata_slot_picker): Test plugin: always " \
            "the first idle slot." in lines
-    assert f"  {'strata_tier_policy':<24} none (built in with the expert cache)" in lines
+    assert f"  {'strata_kv_grow':<24} none (built in with the expert cache)" in lines
     off = CliRunner().invoke(plugins_command, ["--no-autoload"])
     assert "first-slot" not in off.output and "strata.builtin (BuiltinDefaults" in off.output
 

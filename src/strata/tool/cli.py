@@ -29,8 +29,10 @@ def main():
 @click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
 @click.option("--layers", default=None, type=click.IntRange(min=1), help="Number of layers.")
 @click.option("--list", "list_presets", is_flag=True, help="List the preset shapes and exit.")
+@click.option("--routing-skew", default=0.0, show_default=True, type=float,
+              help="Make routers favour a minority of experts (0 = uniform; 0.5 is moderate).")
 @click.argument("out", required=False, type=click.Path(dir_okay=False))
-def synth(shape, weight_type, arch_name, seed, layers, list_presets, out):
+def synth(shape, weight_type, arch_name, seed, layers, list_presets, routing_skew, out):
     """Write a random-weight MoE model at a preset shape to OUT (a .gguf file)."""
     from strata.tool.inspect import format_spec
     from strata.tool.presets import PRESETS
@@ -45,7 +47,7 @@ def synth(shape, weight_type, arch_name, seed, layers, list_presets, out):
     overrides = {} if layers is None else {"n_layers": layers}
     try:
         spec = synth_model(out, shape, weight_type, arch=arch_name, seed=seed, progress=True,
-                           **overrides)
+                           routing_skew=routing_skew, **overrides)
     except StrataError as exc:
         _fail(str(exc))
     except OSError as exc:
@@ -57,11 +59,26 @@ def synth(shape, weight_type, arch_name, seed, layers, list_presets, out):
 
 
 @main.command()
-@click.argument("path", type=click.Path(dir_okay=False))
-def inspect(path):
+@click.argument("path", required=False, type=click.Path(dir_okay=False))
+@click.option("--routing", "trace_path", default=None, type=click.Path(dir_okay=False),
+              help="Also print the measured skew and locality of this routing trace.")
+def inspect(path, trace_path):
     """Describe the GGUF model at PATH: hyperparameters, tensor types, bytes per token."""
     from strata.tool.inspect import format_report, inspect_model
 
+    if trace_path is not None:
+        from strata.experts.trace import format_skew_summary, read_trace
+
+        try:
+            click.echo("\n".join(format_skew_summary(read_trace(trace_path))))
+        except StrataError as exc:
+            _fail(str(exc))
+        except OSError as exc:
+            _fail(f"cannot read {trace_path}: {exc.strerror or exc}")
+        if path is None:
+            return
+    if path is None:
+        _fail("give a model path, e.g. `strata-tool inspect model.gguf`, or --routing TRACE")
     try:
         report = inspect_model(path)
     except StrataError as exc:
@@ -71,6 +88,9 @@ def inspect(path):
     click.echo(format_report(report))
 
 
+from strata.tool.pack_cmd import pack  # noqa: E402
 from strata.tool.plugins_cmd import plugins  # noqa: E402
+from strata.tool.replay_cmd import profile, replay, synth_trace_cmd  # noqa: E402
 
-main.add_command(plugins)
+for _command in (pack, plugins, profile, replay, synth_trace_cmd):
+    main.add_command(_command)

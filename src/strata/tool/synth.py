@@ -23,6 +23,7 @@ from strata.model import arch as model_arch
 from strata.model.arch import ModelSpec
 from strata.model.writer import row_bytes, write_gguf
 from strata.tool.presets import get_preset
+from strata.tool.routing import skew_router_rows
 
 WEIGHT_TYPES: dict[str, QT] = {
     "f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
@@ -176,7 +177,7 @@ def _tensor_rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def _make_tensor(spec: ModelSpec, name: str, qtype: QT, seed: int):
+def _make_tensor(spec: ModelSpec, name: str, qtype: QT, seed: int, routing_skew: float = 0.0):
     """A zero-argument callable producing tensor `name` (data as `write_gguf` takes it)."""
     shape = model_arch.expected_tensors(spec)[name]
 
@@ -196,7 +197,12 @@ def _make_tensor(spec: ModelSpec, name: str, qtype: QT, seed: int):
             out[start:stop] = random_blocks(qtype, (stop - start) * num_cols, std,
                                             rng).reshape(stop - start, bytes_per_row)
         if qtype == QT.F32:
-            return out.view(np.float32).reshape(shape)
+            values = out.view(np.float32).reshape(shape)
+            if routing_skew > 0 and name.endswith("ffn_gate_inp.weight"):
+                # A separate stream: skew 0 leaves every file byte-identical to before.
+                skew_rng = np.random.default_rng([seed, zlib.crc32(name.encode()), 1])
+                values = skew_router_rows(values, routing_skew, skew_rng)
+            return values
         return out.reshape(*shape[:-1], bytes_per_row)
 
     return make
@@ -253,25 +259,30 @@ def _check_rows(spec: ModelSpec, shape: str, qtype: QT) -> None:
 
 def synth_model(path: str | os.PathLike, shape: str = "tiny", weight_type: str = "q4_0",
                 arch: str | None = None, seed: int = 0, progress: bool = False,
-                **overrides) -> ModelSpec:
+                routing_skew: float = 0.0, **overrides) -> ModelSpec:
     """Write a random-weight model at preset `shape` to `path`; return its spec.
 
     The same arguments give a byte-identical file. `overrides` replace spec fields
-    (e.g. n_layers=2); `arch` switches the preset's architecture.
+    (e.g. n_layers=2); `arch` switches the preset's architecture. `routing_skew` > 0 makes each
+    layer's router favour a minority of experts (tool/routing.py).
     """
     try:
         qtype = WEIGHT_TYPES[weight_type.lower()]
     except KeyError:
         raise ConfigError(f"unknown weight type {weight_type!r}; choose one of "
                           f"{', '.join(WEIGHT_TYPES)}") from None
+    if routing_skew < 0:
+        raise ConfigError(f"routing skew must be >= 0 (0 = uniform), not {routing_skew}")
     spec = build_spec(shape, arch, **overrides)
     _check_rows(spec, shape, qtype)
     tokenizer_meta = synth_tokenizer_meta(spec.vocab)
     tensors = [(name, tensor_type(name, qtype), _make_tensor(spec, name, tensor_type(name, qtype),
-                                                             seed))
+                                                             seed, routing_skew))
                for name in _write_order(spec)]
     extra = {"general.file_type": int(_FILE_TYPES[qtype]), "general.quantization_version": 2,
              "strata.synth.seed": int(seed), "strata.synth.shape": shape}
+    if routing_skew > 0:
+        extra["strata.synth.routing_skew"] = float(routing_skew)
     write_gguf(path, spec, tensors, tokenizer_meta, extra_meta=extra, progress=progress,
                name=f"strata-synth-{shape}-{weight_type.lower()}")
     return spec

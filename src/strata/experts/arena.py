@@ -1,0 +1,185 @@
+"""The CPU expert cache: N slots of one expert each in one budgeted numpy buffer, filled through
+the residency table's ordered path, with hit/miss counts of routed entries per window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from strata.errors import ConfigError
+from strata.experts.residency import ResidencyTable, Snapshot
+from strata.experts.store import ExpertStore
+
+SLOT_ALIGN_BYTES = 64  # slots start on cache lines
+COPY_CHUNK_BYTES = 1 << 20
+
+
+def num_slots_for(expert_cache: str | int, budget_bytes: int | None, slot_bytes: int,
+                  num_experts_total: int) -> int:
+    """Slots for `--expert-cache auto|N` under `--vram-budget` (bytes, None for no budget).
+
+    auto: as many slots as the budget holds, at most one per (layer, expert); N: exactly N,
+    which must fit the budget and not exceed the number of experts.
+    """
+    if budget_bytes is not None and budget_bytes < 0:
+        raise ConfigError(f"--vram-budget is {budget_bytes} bytes; give a size >= 0")
+    if isinstance(expert_cache, str) and expert_cache.strip().lower() == "auto":
+        if budget_bytes is None:
+            raise ConfigError("--expert-cache auto needs --vram-budget (the bytes the cache may "
+                              "use); give a budget or a slot count, e.g. --expert-cache 64")
+        return min(budget_bytes // slot_bytes, num_experts_total)
+    try:
+        n = int(expert_cache)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--expert-cache is {expert_cache!r}; give 'auto' or a number of "
+                          "slots >= 0") from None
+    if n < 0:
+        raise ConfigError(f"--expert-cache is {n}; give 'auto' or a number of slots >= 0")
+    if n > num_experts_total:
+        raise ConfigError(f"--expert-cache {n} exceeds the model's {num_experts_total} routed "
+                          f"experts; give at most {num_experts_total} (or auto)")
+    if budget_bytes is not None and n * slot_bytes > budget_bytes:
+        raise ConfigError(
+            f"--expert-cache {n} needs {n * slot_bytes} bytes ({slot_bytes} per slot) but "
+            f"--vram-budget is {budget_bytes}; give at most {budget_bytes // slot_bytes} slots "
+            "or a larger budget")
+    return n
+
+
+@dataclass(frozen=True)
+class HitCounts:
+    """Routed entries (row, k) served by the cache (hits) and by the store (misses)."""
+
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.total if self.total else 0.0
+
+    def __add__(self, other: "HitCounts") -> "HitCounts":
+        return HitCounts(self.hits + other.hits, self.misses + other.misses)
+
+
+class CpuExpertArena:
+    """The expert cache of the CPU backend: `n_slots` slots of `slot_bytes` in one buffer.
+
+    A slot holds one expert's gate, up and down bytes back to back, in the store's layout for
+    its layer. Its decisions and hit rates are those a VRAM cache of the same size would have.
+    """
+
+    def __init__(self, store: ExpertStore, n_slots: int, table: ResidencyTable | None = None):
+        self.store = store
+        self.slot_bytes = -(-store.expert_nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        self.buffer = np.zeros((n_slots, self.slot_bytes), dtype=np.uint8)  # [N, slot_bytes]
+        self.table = table or ResidencyTable(store.n_layers, store.n_experts, n_slots)
+        if (self.table.n_layers, self.table.n_experts, self.table.n_slots) != (
+                store.n_layers, store.n_experts, n_slots):
+            raise ValueError(f"{self.table} does not match {store} with {n_slots} slots")
+        self._window = HitCounts()
+        self.totals = HitCounts()
+
+    @classmethod
+    def from_budget(cls, store: ExpertStore, expert_cache: str | int = "auto",
+                    budget_bytes: int | None = None) -> "CpuExpertArena":
+        slot_bytes = -(-store.expert_nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        n = num_slots_for(expert_cache, budget_bytes, slot_bytes,
+                          store.n_layers * store.n_experts)
+        return cls(store, n)
+
+    @property
+    def n_slots(self) -> int:
+        return int(self.buffer.shape[0])
+
+    # ---- loading through the ordered path -----------------------------------------------
+    def load_steps(self, slot: int, layer: int, expert: int, chunk_bytes: int = COPY_CHUNK_BYTES,
+                   block: bool = True, timeout_s: float | None = None) -> Iterator[str]:
+        """Load (layer, expert) into `slot` one step per `next()`: "evicted", then "waiting"
+        while older readers still pin the slot (only when not `block`), then "copying" per
+        chunk; the expert is landed when the generator ends."""
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes is {chunk_bytes}; give a positive size")
+        segments = self.store.expert_segments(layer, expert)
+        ticket = self.table.begin_evict(slot)
+        try:
+            yield "evicted"
+            if block:
+                self.table.wait_overwritable(ticket, timeout_s)
+            else:
+                while not self.table.is_overwritable(ticket):
+                    yield "waiting"
+            dst = self.buffer[slot]
+            at = 0
+            for seg in segments:
+                for start in range(0, seg.size, chunk_bytes):
+                    piece = seg[start:start + chunk_bytes]
+                    dst[at:at + piece.size] = piece
+                    at += piece.size
+                    yield "copying"
+            self.table.land(slot, layer, expert)
+        except BaseException:  # also GeneratorExit: a load dropped half-way frees its slot
+            self.table.abort(slot)
+            raise
+
+    def load(self, slot: int, layer: int, expert: int, timeout_s: float | None = None) -> int:
+        """Load (layer, expert) into `slot`, evicting what it held; return the landed version."""
+        for _ in self.load_steps(slot, layer, expert, chunk_bytes=self.slot_bytes,
+                                 timeout_s=timeout_s):
+            pass
+        return self.table.version
+
+    def fill(self, order) -> int:
+        """Load experts from `order` (an iterable of (layer, expert), best first) into the free
+        slots until they run out; return how many were loaded. Start-up fill uses it with a
+        routing profile's order, or layer order when there is none."""
+        free = self.table.free_slots()
+        loaded = 0
+        for (layer, expert), slot in zip(order, free):
+            self.load(slot, layer, expert)
+            loaded += 1
+        return loaded
+
+    # ---- reading ------------------------------------------------------------------------
+    def slot_views(self, slot: int, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(gate, up, down) views of `slot` read with `layer`'s layout, each [rows, row_bytes]."""
+        views, at = [], 0
+        for part in self.store.layouts[layer].parts:
+            views.append(self.buffer[slot, at:at + part.nbytes].reshape(part.rows,
+                                                                         part.row_bytes))
+            at += part.nbytes
+        return tuple(views)
+
+    def expert_views(self, snap: Snapshot, layer: int, expert: int):
+        """((gate, up, down), is_hit): from the slot `snap` shows, else from the store. The
+        views stay valid only while `snap` is held."""
+        slot = snap.slot_of(layer, expert)
+        if slot >= 0:
+            return self.slot_views(slot, layer), True
+        return self.store.expert(layer, expert), False
+
+    def account(self, snap: Snapshot, layer: int, experts: np.ndarray) -> HitCounts:
+        """Count one layer's routed entries (`experts` [T, K] ids, -1 skipped) as hits or misses
+        against `snap`, into the current window; return this call's counts."""
+        ids = np.asarray(experts).reshape(-1)
+        ids = ids[ids >= 0]
+        slots = snap.table[layer, ids]  # [n]
+        hits = int((slots >= 0).sum())
+        counts = HitCounts(hits, int(ids.size) - hits)
+        self._window = self._window + counts
+        self.totals = self.totals + counts
+        return counts
+
+    def take_window(self) -> HitCounts:
+        """The counts since the last call (one window), and start a new window."""
+        counts, self._window = self._window, HitCounts()
+        return counts
+
+    def __repr__(self) -> str:
+        return (f"CpuExpertArena({self.n_slots} slots x {self.slot_bytes} bytes, "
+                f"{self.table.num_resident} resident)")

@@ -1,0 +1,161 @@
+"""`strata-tool replay`, `profile` and `synth-trace`: routing traces into hit rates, ranked
+profiles, and synthetic skewed traces for tier benchmarks.
+"""
+from __future__ import annotations
+
+import types
+
+import click
+
+from strata.errors import StrataError
+
+EXIT_BAD_INPUT = 2
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _read_traces(paths):
+    from strata.experts.trace import merge_traces, read_trace
+
+    try:
+        traces = [read_trace(path) for path in paths]
+        return traces[0] if len(traces) == 1 else merge_traces(traces)
+    except OSError as exc:
+        _fail(f"cannot read {exc.filename}: {exc.strerror or exc}")
+    except StrataError as exc:
+        _fail(str(exc))
+
+
+def parse_slots(text: str, num_experts_total: int) -> int:
+    """`--slots` value: a count ("150") or a share of all experts ("10%", rounded)."""
+    try:
+        if text.endswith("%"):
+            return round(float(text[:-1]) / 100 * num_experts_total)
+        return int(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is neither a slot count (e.g. 150) nor a share of "
+                                 "all experts (e.g. 10%)", param_hint="--slots") from None
+
+
+def find_tier_policy(name: str | None, num_slots: int, adapt_swaps: int):
+    """The installed tier policy called `name` (None: the one the engine would use)."""
+    from strata.plugins import get_plugin_manager, implementations_in_call_order
+
+    pm = get_plugin_manager()
+    context = {"config": types.SimpleNamespace(expert_cache_slots=num_slots,
+                                               adapt_swaps=adapt_swaps),
+               "spec": None, "num_slots": 1}
+    names = []
+    for impl in implementations_in_call_order(pm, "strata_tier_policy"):
+        policy = impl.function(**{a: context[a] for a in impl.argnames})
+        if policy is None:
+            continue
+        if name is None or policy.name == name:
+            return policy
+        names.append(policy.name)
+    _fail(f"no installed tier policy is called {name!r}; installed: {', '.join(names) or 'none'}")
+
+
+@click.command()
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--slots", "slots_text", multiple=True, required=True,
+              help="Cache slots: a count or a share of all experts (10%); repeatable.")
+@click.option("--policy", "policy_name", default=None,
+              help="Tier policy by name (default: the one the engine would use).")
+@click.option("--adapt-every", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Windows between tier rounds.")
+@click.option("--adapt-min-gain", default=0.0, show_default=True, type=float,
+              help="Smallest gain (decayed routed rows) a swap must clear.")
+@click.option("--adapt-swaps", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Most swaps per round.")
+@click.option("--profile", "profile_path", default=None, type=click.Path(dir_okay=False),
+              help="Profile for the static cache (default: the trace's own, in hindsight).")
+def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_swaps,
+           profile_path):
+    """Replay routing TRACES (merged in order) through N cache slots: the tier policy beside
+    LRU, LFU, the static profile cache and the Belady optimum."""
+    from strata.experts.profile import read_profile
+    from strata.experts.replay import replay_all
+
+    trace = _read_traces(traces)
+    total = trace.n_layers * trace.n_experts
+    profile = None
+    if profile_path is not None:
+        try:
+            profile = read_profile(profile_path)
+        except OSError as exc:
+            _fail(f"cannot read {profile_path}: {exc.strerror or exc}")
+        except StrataError as exc:
+            _fail(str(exc))
+    click.echo(f"{trace.num_windows} windows, {len(trace.records)} accesses, "
+               f"{trace.n_layers} layers x {trace.n_experts} experts ({total})")
+    click.echo(f"{'slots':>7}  {'policy':<16} {'hit rate':>8}  {'hits':>10}  {'loads':>9}")
+    for text in slots_text:
+        num_slots = parse_slots(text, total)
+        policy = find_tier_policy(policy_name, num_slots, adapt_swaps)
+        try:
+            results = replay_all(trace, num_slots, policy, adapt_every, adapt_min_gain, profile)
+        except StrataError as exc:
+            _fail(str(exc))
+        for result in results:
+            click.echo(f"{num_slots:>7}  {result.name:<16} {result.hit_rate:>8.1%}  "
+                       f"{result.num_hits:>10}  {result.num_loads:>9}")
+
+
+@click.command()
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
+              help="Where to write the ranked profile.")
+@click.option("--show", default=10, show_default=True, type=click.IntRange(min=0),
+              help="How many of the hottest experts to print.")
+def profile(traces, out, show):
+    """Rank every (layer, expert) of routing TRACES (merged) by how often it is routed to."""
+    from strata.experts.profile import build_profile, write_profile
+
+    routing_profile = build_profile(_read_traces(traces))
+    try:
+        write_profile(out, routing_profile)
+    except OSError as exc:
+        _fail(f"cannot write {out}: {exc.strerror or exc}")
+    click.echo(f"wrote {out}: {len(routing_profile.ranking)} experts ranked")
+    for rank in range(min(show, len(routing_profile.ranking))):
+        layer, expert = routing_profile.ranking[rank]
+        click.echo(f"  {rank:>4}  layer {layer:>3} expert {expert:>4}  "
+                   f"{routing_profile.accesses[rank]} windows, {routing_profile.rows[rank]} rows")
+
+
+@click.command("synth-trace")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--layers", default=24, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--experts", default=64, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--top-k", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--windows", default=3000, show_default=True, type=click.IntRange(min=1))
+@click.option("--rows", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Decode rows (token streams) per window.")
+@click.option("--skew", default=1.0, show_default=True, type=float,
+              help="Zipf exponent of expert popularity (0 = uniform).")
+@click.option("--locality", default=0.5, show_default=True, type=float,
+              help="Chance that a token keeps its stream's previous experts.")
+@click.option("--phase-windows", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Windows between popularity changes (topic shifts); 0 = never.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def synth_trace_cmd(out, layers, experts, top_k, windows, rows, skew, locality, phase_windows,
+                    seed):
+    """Write a synthetic routing trace with skew and locality to OUT."""
+    from strata.experts.trace import format_skew_summary, write_trace
+    from strata.tool.routing import synth_trace
+
+    try:
+        trace = synth_trace(layers, experts, top_k, windows, rows, skew, locality, phase_windows,
+                            seed)
+        write_trace(out, trace)
+    except StrataError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"cannot write {out}: {exc.strerror or exc}")
+    click.echo(f"wrote {out}")
+    for line in format_skew_summary(trace):
+        click.echo(line)

@@ -1,0 +1,198 @@
+"""Expert pack: byte-exact round trip, 4096 alignment, refusal of foreign or damaged packs,
+moe_ffn on pack views equal to GGUF views, and the `pack` command."""
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from strata._native import kernels
+from strata.errors import ModelFormatError
+from strata.experts.pack import ALIGN_BYTES, PACK_MAGIC, ExpertPack, model_identity, write_pack
+from strata.model.gguf_file import GGUFModel
+from strata.tool.pack_cmd import pack as pack_command
+from strata.tool.synth import synth_model
+
+WEIGHT_TYPES = ("q4_0", "f32")
+
+
+def make_model(directory, weight_type="q4_0", seed=0, **overrides):
+    path = directory / f"m-{weight_type}-{seed}-{len(overrides)}.gguf"
+    if not path.exists():
+        synth_model(path, shape="tiny", weight_type=weight_type, seed=seed, **overrides)
+    return GGUFModel.open(path)
+
+
+def make_pack(directory, model, name=None):
+    out = directory / (name or (model.path.stem + ".pack"))
+    if not out.exists():
+        write_pack(model, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("packs")
+    out = {}
+    for wt in WEIGHT_TYPES:
+        model = make_model(d, wt)
+        out[wt] = (model, make_pack(d, model))
+    return out
+
+
+def gguf_expert(model, layer, expert):
+    return tuple(model.tensor(f"blk.{layer}.ffn_{p}_exps.weight").raw[expert]
+                 for p in ("gate", "up", "down"))
+
+
+@pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
+def test_every_expert_round_trips_byte_exact(models, weight_type):
+    model, path = models[weight_type]
+    pack = ExpertPack.open(path, model)
+    spec = model.spec
+    assert (pack.n_layers, pack.n_experts) == (spec.n_layers, spec.n_experts)
+    for layer in range(spec.n_layers):
+        for e in range(spec.n_experts):
+            got, want = pack.expert(layer, e), gguf_expert(model, layer, e)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape and g.dtype == np.uint8
+                assert np.array_equal(g, w)
+            # gate, up and down lie back to back in one span
+            assert np.array_equal(pack.expert_span(layer, e),
+                                  np.concatenate([w.reshape(-1) for w in want]))
+    # the experts really differ, so equality above is not vacuous
+    assert not np.array_equal(pack.expert(0, 0)[0], pack.expert(0, 1)[0])
+
+
+@pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
+def test_experts_are_aligned_and_pack_has_exact_size(models, weight_type):
+    model, path = models[weight_type]
+    pack = ExpertPack.open(path, model)
+    spans = []
+    for layer in range(pack.n_layers):
+        for e in range(pack.n_experts):
+            off = pack.offset(layer, e)
+            assert off % ALIGN_BYTES == 0
+            assert pack.expert_span(layer, e).ctypes.data % ALIGN_BYTES == 0
+            spans.append((off, off + pack.layouts[layer].expert_nbytes))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    first_data = spans[0][0]
+    assert first_data >= ALIGN_BYTES * 2  # header page, then the index
+    last_expert_bytes = pack.layouts[-1].expert_nbytes
+    assert os.path.getsize(path) == spans[-1][0] + -(-last_expert_bytes // ALIGN_BYTES) * \
+        ALIGN_BYTES
+
+
+def test_views_are_read_only(models):
+    model, path = models["q4_0"]
+    gate, _, _ = ExpertPack.open(path, model).expert(1, 3)
+    with pytest.raises(ValueError):
+        gate[0, 0] = 1
+
+
+@pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
+def test_moe_ffn_on_pack_views_equals_gguf_views(models, weight_type):
+    model, path = models[weight_type]
+    pack = ExpertPack.open(path, model)
+    spec = model.spec
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, spec.hidden)).astype(np.float32)             # [T, H]
+    ids = np.zeros((5, 1), dtype=np.int32)                                    # [T, K]
+    weights = rng.uniform(0.2, 1.0, (5, 1)).astype(np.float32)                # [T, K]
+    for layer in range(spec.n_layers):
+        types = pack.layouts[layer].types
+        for e in range(spec.n_experts):
+            results = []
+            for views in (pack.expert(layer, e), gguf_expert(model, layer, e)):
+                gate, up, down = (v[None] for v in views)                    # [1, rows, rb]
+                out = np.zeros((5, spec.hidden), dtype=np.float32)          # [T, H]
+                kernels.moe_ffn(x, gate, types[0], up, types[1], down, types[2], ids,
+                                weights, out)
+                results.append(out)
+            assert np.array_equal(results[0], results[1])
+            assert np.abs(results[0]).max() > 0
+            if weight_type == "f32":  # and it is the right expert: float64 reference
+                g, u, d = (v.view(np.float32).astype(np.float64) for v in pack.expert(layer, e))
+                h = g @ x.T.astype(np.float64)                                # [F, T]
+                y = (d @ (h / (1 + np.exp(-h)) * (u @ x.T))).T * weights      # [T, H]
+                np.testing.assert_allclose(results[0], y, rtol=1e-4, atol=1e-5)
+
+
+def test_pack_of_another_model_is_refused(tmp_path, models):
+    model, path = models["q4_0"]
+    same_shape_other_seed = make_model(tmp_path, "q4_0", seed=1)
+    assert model_identity(same_shape_other_seed) != model_identity(model)
+    with pytest.raises(ModelFormatError, match="written for another model") as info:
+        ExpertPack.open(path, same_shape_other_seed)
+    assert "strata-tool pack" in str(info.value)
+    more_layers = make_model(tmp_path, "q4_0", n_layers=3)
+    with pytest.raises(ModelFormatError, match="3 layers"):
+        ExpertPack.open(path, more_layers)
+    with pytest.raises(ModelFormatError, match="written for another model"):
+        ExpertPack.open(models["f32"][1], model)
+
+
+def test_truncated_pack_is_refused(tmp_path, models):
+    model, path = models["q4_0"]
+    cut = tmp_path / "cut.pack"
+    data = path.read_bytes()
+    cut.write_bytes(data[:len(data) - 100])
+    with pytest.raises(ModelFormatError, match=f"truncated.*{len(data)} bytes but has "
+                                               f"{len(data) - 100}"):
+        ExpertPack.open(cut, model)
+    cut.write_bytes(data[:10])
+    with pytest.raises(ModelFormatError, match="not a Strata expert pack"):
+        ExpertPack.open(cut, model)
+
+
+def test_damaged_packs_are_refused(tmp_path, models):
+    model, path = models["q4_0"]
+    data = bytearray(path.read_bytes())
+    bad = tmp_path / "bad.pack"
+    with pytest.raises(ModelFormatError, match="no such expert pack"):
+        ExpertPack.open(bad, model)
+    bad.write_bytes(model.path.read_bytes()[:8192])
+    with pytest.raises(ModelFormatError, match="not a Strata expert pack"):
+        ExpertPack.open(bad, model)
+    wrong_version = bytearray(data)
+    wrong_version[8:12] = struct.pack("<I", 99)
+    bad.write_bytes(wrong_version)
+    with pytest.raises(ModelFormatError, match="version 99"):
+        ExpertPack.open(bad, model)
+    garbled = bytearray(data)
+    garbled[16:20] = b"\xff\xfe{{"
+    bad.write_bytes(garbled)
+    with pytest.raises(ModelFormatError, match="header is corrupt"):
+        ExpertPack.open(bad, model)
+    header_bytes = struct.unpack("<I", bytes(data[12:16]))[0]
+    index_offset = json.loads(bytes(data[16:16 + header_bytes]))["index_offset"]
+    moved = bytearray(data)
+    moved[index_offset:index_offset + 8] = struct.pack("<q", 12345)
+    bad.write_bytes(moved)
+    with pytest.raises(ModelFormatError, match="index is corrupt"):
+        ExpertPack.open(bad, model)
+
+
+def test_write_leaves_no_partial_file_and_is_deterministic(tmp_path, models):
+    model, path = models["f32"]
+    out = tmp_path / "again.pack"
+    nbytes = write_pack(model, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.pack"]
+    assert nbytes == os.path.getsize(out)
+    assert out.read_bytes() == path.read_bytes()
+    assert out.read_bytes()[:8] == PACK_MAGIC
+
+
+def test_pack_command(tmp_path, models):
+    model, path = models["q4_0"]
+    out = tmp_path / "cmd.pack"
+    result = CliRunner().invoke(pack_command, [str(model.path), str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"wrote {out}: {os.path.getsize(out)} bytes")
+    assert out.read_bytes() == path.read_bytes()
+    result = CliRunner().invoke(pack_command, [str(tmp_path / "nope.gguf"), str(out)])
+    assert result.exit_code == 2
+    assert "no such model file" in result.output

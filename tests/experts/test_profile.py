@@ -1,0 +1,54 @@
+"""Ranked routing profiles: exact ranking order, file round trip, damaged files."""
+import numpy as np
+import pytest
+from routing_helpers import make_trace
+
+from strata.errors import ModelFormatError
+from strata.experts.profile import build_profile, read_profile, write_profile
+
+
+def _trace():
+    # layer 0: e1 in 3 windows (rows 3), e0 in 2 (rows 5), e2 in 2 (rows 2); layer 1: e2 in 3
+    # windows (rows 3), e0 in 2 (rows 5); never routed: (0, 3), (1, 1), (1, 3).
+    return make_trace(2, 4, [
+        [{0: 4, 1: 1}, {2: 1, 0: 1}],
+        [{1: 1, 2: 1}, {2: 1, 0: 4}],
+        [{0: 1, 1: 1, 2: 1}, {2: 1}],
+    ])
+
+
+def test_ranking_order_is_accesses_then_rows_then_position():
+    profile = build_profile(_trace())
+    assert profile.ranking.tolist() == [[0, 1], [1, 2], [0, 0], [1, 0], [0, 2], [0, 3], [1, 1],
+                                        [1, 3]]
+    assert profile.accesses.tolist() == [3, 3, 2, 2, 2, 0, 0, 0]
+    assert profile.rows.tolist() == [3, 3, 5, 5, 2, 0, 0, 0]
+    assert profile.top(3) == [(0, 1), (1, 2), (0, 0)]
+
+
+def test_profile_of_several_traces_merges_them():
+    trace = _trace()
+    twice = build_profile([trace, trace])
+    assert twice.ranking.tolist() == build_profile(trace).ranking.tolist()
+    assert twice.accesses.tolist() == [6, 6, 4, 4, 4, 0, 0, 0]
+
+
+def test_file_round_trip(tmp_path):
+    profile = build_profile(_trace())
+    write_profile(tmp_path / "p.txt", profile)
+    again = read_profile(tmp_path / "p.txt")
+    assert (again.n_layers, again.n_experts) == (2, 4)
+    for name in ("ranking", "accesses", "rows"):
+        assert np.array_equal(getattr(again, name), getattr(profile, name))
+    assert (tmp_path / "p.txt").read_text().splitlines()[2] == "0 0 1 3 3"
+
+
+def test_damaged_profiles_are_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("hello\n")
+    with pytest.raises(ModelFormatError, match="not a Strata routing profile"):
+        read_profile(tmp_path / "a.txt")
+    write_profile(tmp_path / "p.txt", build_profile(_trace()))
+    lines = (tmp_path / "p.txt").read_text().splitlines()
+    (tmp_path / "short.txt").write_text("\n".join(lines[:-1]) + "\n")
+    with pytest.raises(ModelFormatError, match="expected 8 ranked rows"):
+        read_profile(tmp_path / "short.txt")

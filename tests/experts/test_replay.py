@@ -1,0 +1,160 @@
+"""Replay: exact hits on hand-made traces for every policy; Belady and the round oracle bound
+the others on random traces."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from routing_helpers import make_trace
+
+from strata.errors import ConfigError
+from strata.experts.profile import build_profile
+from strata.experts.replay import (replay_all, replay_belady, replay_lfu, replay_lru,
+                                   replay_round_oracle, replay_static, replay_tier)
+from strata.experts.tier import DecayedCountTier
+from strata.hookspecs import ExpertSwap
+
+
+def _one_layer(experts_per_window, n_experts=4):
+    return make_trace(1, n_experts, [[[e]] for e in experts_per_window])
+
+
+SEQUENCE = [0, 1, 0, 2, 0, 1, 3, 1]  # one expert per window, one layer
+
+
+def _hits_loads(result):
+    return result.num_hits, result.num_loads
+
+
+def test_lru_exact():
+    # 0 1 0(hit) 2(evicts 1) 0(hit) 1(evicts 2) 3(evicts 0) 1(hit)
+    assert _hits_loads(replay_lru(_one_layer(SEQUENCE), 2)) == (3, 5)
+
+
+def test_lfu_exact():
+    # 0 1 0(hit) 2(evicts 1: 1 use) 0(hit) 1(evicts 2) 3(evicts 1: 2 uses < 3) 1(evicts 3)
+    assert _hits_loads(replay_lfu(_one_layer(SEQUENCE), 2)) == (2, 6)
+
+
+def test_belady_exact():
+    # Loads 0 and 1 and keeps them; 2 and 3 are never needed again: bypassed.
+    assert _hits_loads(replay_belady(_one_layer(SEQUENCE), 2)) == (4, 2)
+    # One slot: 0 (needed at 2, 4) beats 1 (needed at 5) until 0 is done, then 1 replaces it.
+    assert _hits_loads(replay_belady(_one_layer(SEQUENCE), 1)) == (3, 2)
+
+
+def test_static_exact():
+    trace = _one_layer(SEQUENCE)
+    assert _hits_loads(replay_static(trace, 2)) == (6, 2)  # 0 and 1 resident from the start
+    profile = build_profile(_one_layer([2, 3, 3]))
+    assert _hits_loads(replay_static(trace, 2, profile)) == (2, 2)  # 3 and 2 resident
+
+
+def test_round_oracle_exact():
+    trace = _one_layer(SEQUENCE)
+    assert replay_round_oracle(trace, 1, adapt_every=2).num_hits == 4  # 1 per 2-window round
+    assert replay_round_oracle(trace, 2, adapt_every=2).num_hits == 8
+    assert replay_round_oracle(trace, 1, adapt_every=4).num_hits == 4  # 0 twice, then 1 twice
+
+
+def test_tier_exact():
+    trace = _one_layer(SEQUENCE)
+    # Rounds after windows 1, 3, 5, 7 (decay 0.5). Scores [1, 1, 0, 0]: load 0, 1 in free slots.
+    # Windows 2-3: 0 hits. Scores [1.5, .5, 1, 0]: 2 replaces 1 (gain .5). Windows 4-5: 0 hits.
+    # Scores [1.75, 1.25, .5, 0]: 1 replaces 2 (gain .75). Windows 6-7: 1 hits.
+    # Scores [.875, 1.625, .25, 1]: 3 replaces 0 (gain .125).
+    result = replay_tier(trace, 2, DecayedCountTier(2, decay=0.5), adapt_every=2)
+    assert _hits_loads(result) == (3, 5)
+    result = replay_tier(trace, 2, DecayedCountTier(2, decay=0.5), adapt_every=2, min_gain=0.2)
+    assert _hits_loads(result) == (3, 4)
+
+
+def test_hits_count_distinct_experts_per_window_and_layer():
+    # Rows do not matter: expert 0 with 5 rows is one access per window.
+    trace = make_trace(2, 2, [[{0: 5}, {1: 2}], [{0: 1}, {1: 7}]])
+    assert [(r.name, r.num_hits, r.num_accesses) for r in replay_all(
+        trace, 2, DecayedCountTier(2), adapt_every=1)] == [
+        ("decayed-count", 2, 4), ("lru", 2, 4), ("lfu", 2, 4), ("static-profile", 4, 4),
+        ("round-oracle", 4, 4), ("belady", 2, 4)]
+
+
+def test_a_policy_that_breaks_the_rules_is_named():
+    class Greedy:
+        name = "greedy"
+
+        def plan_swaps(self, counts, residency, min_gain):
+            return [ExpertSwap(0, 0, -1, -1)]
+
+    with pytest.raises(ConfigError, match="'greedy' loads \\(0, 0\\), which is resident"):
+        replay_tier(_one_layer([0, 0, 0]), 2, Greedy(), adapt_every=1)
+    with pytest.raises(ConfigError, match="--slots 9"):
+        replay_lru(_one_layer([0]), 9)
+
+
+def _random_trace(data):
+    n_layers = data.draw(st.integers(1, 3))
+    n_experts = data.draw(st.integers(1, 6))
+    num_windows = data.draw(st.integers(1, 12))
+    windows = [[data.draw(st.sets(st.integers(0, n_experts - 1))) for _ in range(n_layers)]
+               for _ in range(num_windows)]
+    windows[-1][0] = windows[-1][0] | {0}  # the last window is not empty
+    return make_trace(n_layers, n_experts, windows)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_belady_beats_every_demand_policy(data):
+    trace = _random_trace(data)
+    num_slots = data.draw(st.integers(0, trace.n_layers * trace.n_experts))
+    best = replay_belady(trace, num_slots).num_hits
+    assert best >= replay_lru(trace, num_slots).num_hits
+    assert best >= replay_lfu(trace, num_slots).num_hits
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_round_oracle_beats_every_round_policy(data):
+    trace = _random_trace(data)
+    num_slots = data.draw(st.integers(0, trace.n_layers * trace.n_experts))
+    adapt_every = data.draw(st.integers(1, 4))
+    decay = data.draw(st.sampled_from([0.0, 0.5, 0.9]))
+    oracle = replay_round_oracle(trace, num_slots, adapt_every).num_hits
+    assert oracle >= replay_static(trace, num_slots).num_hits
+    tier = replay_tier(trace, num_slots, DecayedCountTier(num_slots, decay), adapt_every)
+    assert oracle >= tier.num_hits
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_belady_is_the_demand_optimum_on_tiny_traces(data):
+    """Exhaustive search over every demand policy (keep or bypass, which victim) agrees."""
+    trace = _random_trace(data)
+    num_slots = data.draw(st.integers(1, min(3, trace.n_layers * trace.n_experts)))
+    keys = (trace.records["layer"].astype(int) * trace.n_experts + trace.records["expert"])
+    best = _best_demand_hits(tuple(keys.tolist()), 0, frozenset(), num_slots, {})
+    assert replay_belady(trace, num_slots).num_hits == best
+
+
+def _best_demand_hits(keys, i, resident, num_slots, memo):
+    if i == len(keys):
+        return 0
+    if (i, resident) in memo:
+        return memo[(i, resident)]
+    key = keys[i]
+    if key in resident:
+        best = 1 + _best_demand_hits(keys, i + 1, resident, num_slots, memo)
+    else:
+        options = [resident]  # bypass
+        if len(resident) < num_slots:
+            options.append(resident | {key})
+        else:
+            options += [(resident - {victim}) | {key} for victim in resident]
+        best = max(_best_demand_hits(keys, i + 1, option, num_slots, memo) for option in options)
+    memo[(i, resident)] = best
+    return best
+
+
+def test_empty_cache_hits_nothing():
+    trace = _one_layer(SEQUENCE)
+    results = replay_all(trace, 0, DecayedCountTier(0))
+    assert [r.num_hits for r in results] == [0] * 6
+    assert np.isclose(results[0].hit_rate, 0.0)

@@ -1,0 +1,137 @@
+"""Synthetic routing skew: Zipf popularity, skewed routers in synth models, synthetic traces,
+and the replay/profile/synth-trace/inspect --routing commands."""
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf import GGUFReader
+
+from strata.errors import ConfigError
+from strata.experts.profile import read_profile
+from strata.experts.trace import read_trace, skew_summary
+from strata.tool.cli import main as tool_main
+from strata.tool.replay_cmd import profile, replay, synth_trace_cmd
+from strata.tool.routing import skew_router_rows, synth_trace, zipf_popularity
+from strata.tool.synth import synth_model
+
+
+def test_zipf_popularity_exact():
+    rng = np.random.default_rng(3)
+    popularity = zipf_popularity(5, 1.0, rng)
+    ranks = np.random.default_rng(3).permutation(5)
+    expected = 1.0 / (ranks + 1.0)
+    assert np.allclose(popularity, expected / expected.sum(), rtol=0, atol=1e-15)
+    assert np.allclose(zipf_popularity(4, 0.0, rng), 0.25)
+    with pytest.raises(ConfigError, match="routing skew must be >= 0"):
+        zipf_popularity(4, -1.0, rng)
+
+
+def test_skew_router_rows_matches_float64_reference():
+    router = np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32)
+    got = skew_router_rows(router, 0.7, np.random.default_rng(9))
+    ranks = np.random.default_rng(9).permutation(16).astype(np.float64)
+    scales = (ranks + 1.0) ** -0.7
+    scales /= np.sqrt(np.mean(scales ** 2))
+    reference = router.astype(np.float64) * scales[:, None]
+    assert got.dtype == np.float32
+    assert np.allclose(got, reference, rtol=1e-6, atol=0)
+
+
+def _tensors(path):
+    return {t.name: bytes(t.data.tobytes()) for t in GGUFReader(path).tensors}
+
+
+def _top_share(router, top_k=2, fraction=0.25):
+    """Share of top-k picks taken by the top `fraction` of experts on isotropic hidden states."""
+    hidden = np.random.default_rng(1).standard_normal((4000, router.shape[1]))  # [T, H]
+    logits = hidden @ router.T.astype(np.float64)  # [T, E]
+    picks = np.argpartition(-logits, top_k - 1, axis=1)[:, :top_k]
+    counts = np.sort(np.bincount(picks.ravel(), minlength=router.shape[0]))[::-1]
+    return counts[:round(fraction * router.shape[0])].sum() / counts.sum()
+
+
+def test_synth_routing_skew_changes_only_the_routers(tmp_path):
+    plain, zero, skewed = (tmp_path / f"{n}.gguf" for n in ("plain", "zero", "skewed"))
+    synth_model(plain, "tiny", "q4_0", seed=4)
+    synth_model(zero, "tiny", "q4_0", seed=4, routing_skew=0.0)
+    spec = synth_model(skewed, "tiny", "q4_0", seed=4, routing_skew=1.0)
+    assert plain.read_bytes() == zero.read_bytes()
+    before, after = _tensors(plain), _tensors(skewed)
+    assert before.keys() == after.keys()
+    changed = sorted(name for name in before if before[name] != after[name])
+    assert changed == sorted(f"blk.{i}.ffn_gate_inp.weight" for i in range(spec.n_layers))
+    router_before = np.frombuffer(before["blk.0.ffn_gate_inp.weight"], np.float32)
+    router_after = np.frombuffer(after["blk.0.ffn_gate_inp.weight"], np.float32)
+    shape = (spec.n_experts, spec.hidden)
+    assert _top_share(router_after.reshape(shape), spec.n_experts_used) > \
+        _top_share(router_before.reshape(shape), spec.n_experts_used) + 0.1
+    fields = GGUFReader(skewed).fields
+    assert float(fields["strata.synth.routing_skew"].parts[-1][0]) == 1.0
+    with pytest.raises(ConfigError, match="routing skew must be >= 0"):
+        synth_model(tmp_path / "bad.gguf", "tiny", "q4_0", routing_skew=-0.5)
+
+
+def test_synth_trace_shape_determinism_and_knobs():
+    trace = synth_trace(3, 16, 4, 50, rows_per_window=2, skew=1.0, locality=0.5, seed=2)
+    again = synth_trace(3, 16, 4, 50, rows_per_window=2, skew=1.0, locality=0.5, seed=2)
+    assert np.array_equal(trace.records, again.records)
+    assert trace.num_windows == 50
+    rows = trace.rows_per_expert()
+    assert rows.sum() == 3 * 50 * 2 * 4  # every (window, layer, stream) picks top-k entries
+    # Each (window, layer) has between top_k and rows * top_k distinct experts.
+    per_window_layer = np.bincount(trace.records["window"].astype(int) * 3
+                                   + trace.records["layer"])
+    assert per_window_layer.min() >= 4 and per_window_layer.max() <= 8
+
+    def summary(**knobs):
+        args = {"skew": 0.0, "locality": 0.0, **knobs}
+        return skew_summary(synth_trace(2, 32, 4, 400, 2, seed=0, **args))
+
+    assert summary(skew=1.2).share_of_top[0.1] > summary().share_of_top[0.1] + 0.15
+    assert summary(locality=0.8).reuse_next_window > summary().reuse_next_window + 0.4
+    with pytest.raises(ConfigError, match="locality"):
+        synth_trace(1, 4, 2, 10, locality=1.0)
+    with pytest.raises(ConfigError, match="top-k 5"):
+        synth_trace(1, 4, 5, 10)
+
+
+def test_phases_move_the_popular_experts():
+    trace = synth_trace(1, 32, 2, 400, 2, skew=1.5, locality=0.0, phase_windows=200, seed=1)
+    windows = trace.records["window"]
+    first = np.bincount(trace.records["expert"][windows < 200], minlength=32)
+    second = np.bincount(trace.records["expert"][windows >= 200], minlength=32)
+    # The 4 hottest experts of the two phases have nothing in common (drawn ranks differ).
+    assert not set(np.argsort(first)[-4:].tolist()) & set(np.argsort(second)[-4:].tolist())
+    no_phases = synth_trace(1, 32, 2, 400, 2, skew=1.5, locality=0.0, seed=1)
+    windows = no_phases.records["window"]
+    first = np.bincount(no_phases.records["expert"][windows < 200], minlength=32)
+    second = np.bincount(no_phases.records["expert"][windows >= 200], minlength=32)
+    assert np.argmax(first) == np.argmax(second)
+
+
+def test_commands_synth_trace_profile_replay_inspect(tmp_path):
+    runner = CliRunner()
+    path = str(tmp_path / "t.trace")
+    result = runner.invoke(synth_trace_cmd, [path, "--layers", "2", "--experts", "8", "--top-k",
+                                             "2", "--windows", "40", "--rows", "2"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"wrote {path}\nrouting trace: 2 layers x 8 experts, "
+                                    "40 windows")
+    out = str(tmp_path / "p.txt")
+    result = runner.invoke(profile, [path, path, "-o", out, "--show", "2"])
+    assert result.exit_code == 0, result.output
+    assert len(result.output.splitlines()) == 3
+    assert read_profile(out).accesses.sum() == 2 * len(read_trace(path).records)
+    result = runner.invoke(replay, [path, "--slots", "25%", "--slots", "3", "--profile", out])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert [line.split()[:2] for line in lines[2:]] == [
+        [slots, name] for slots in ("4", "3")
+        for name in ("decayed-count", "lru", "lfu", "static-profile", "round-oracle", "belady")]
+    result = runner.invoke(replay, [path, "--slots", "4", "--policy", "nope"])
+    assert result.exit_code == 2
+    assert "no installed tier policy is called 'nope'; installed: decayed-count" in result.output
+    result = runner.invoke(tool_main, ["inspect", "--routing", path])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("routing trace: 2 layers x 8 experts, 40 windows")
+    result = runner.invoke(replay, [str(tmp_path / "missing.trace"), "--slots", "1"])
+    assert result.exit_code == 2 and "cannot read" in result.output
