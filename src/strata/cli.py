@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from strata.cli_options import slot_options
 from strata.errors import StrataError
 
 MODEL_ENV = "STRATA_MODEL"
@@ -70,8 +71,9 @@ def main():
               help="Context size in tokens (default: min(model context, 8192)).")
 @click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
+@slot_options
 def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, threads,
-        ctx_size, system, raw):
+        ctx_size, system, raw, parallel, read_chunk, conversation_cache_mib):
     """Generate a reply to PROMPT and stream it to stdout ('-' reads the prompt from stdin)."""
     from strata.config import EngineConfig
     from strata.engine.engine import Engine
@@ -84,7 +86,9 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
         params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repetition_penalty=repeat_penalty, max_tokens=max_tokens,
                                 seed=seed)
-        engine = Engine(EngineConfig(path, n_ctx=ctx_size, threads=threads, seed=seed))
+        engine = Engine(EngineConfig(path, n_ctx=ctx_size, threads=threads, seed=seed,
+                                     parallel=parallel, prompt_chunk_tokens=read_chunk,
+                                     conversation_cache_mib=conversation_cache_mib))
     except StrataError as e:
         fail(str(e))
     with engine:

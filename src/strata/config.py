@@ -8,6 +8,7 @@ from pathlib import Path
 from strata.errors import ConfigError
 
 DEFAULT_MAX_CTX_TOKENS = 8192
+MAX_PARALLEL = 8  # the slot table's limit (strata.engine.slots.MAX_SLOTS)
 
 
 @dataclass
@@ -18,8 +19,10 @@ class EngineConfig:
     model_path: str | os.PathLike
     n_ctx: int | None = None
     threads: int | None = None
-    prompt_chunk_tokens: int = 512
+    prompt_chunk_tokens: int = 512  # --read-chunk: prompt tokens per window
     seed: int | None = None
+    parallel: int = 1  # --parallel: slots (sequences decoded together)
+    conversation_cache_mib: float = 2048  # parked KVs in host RAM; 0 turns parking off
 
     def __post_init__(self):
         if self.model_path is None or str(self.model_path) == "":
@@ -35,6 +38,15 @@ class EngineConfig:
         self._check_int("threads", allow_none=True, minimum=1)
         self._check_int("prompt_chunk_tokens", allow_none=False, minimum=1)
         self._check_int("seed", allow_none=True, minimum=0)
+        self._check_int("parallel", allow_none=False, minimum=1)
+        if self.parallel > MAX_PARALLEL:
+            raise ConfigError(f"parallel = {self.parallel} is more slots than Strata runs; give "
+                              f"1 to {MAX_PARALLEL} (--parallel)")
+        mib = self.conversation_cache_mib
+        if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib >= 0 \
+                or mib == float("inf"):
+            raise ConfigError(f"conversation_cache_mib = {mib!r} must be a number >= 0 "
+                              "(--conversation-cache-mib; 0 turns parking off)")
 
     def _check_int(self, name: str, allow_none: bool, minimum: int) -> None:
         value = getattr(self, name)

@@ -1,38 +1,29 @@
-"""Engine: one model, one sequence's KV, the tokenizer and chat template; generate and chat.
-
-A new prompt that extends the tokens already in the KV reuses them (longest common prefix).
+"""Engine: one model, its slots (scheduler.py), the tokenizer and chat template; generate, chat,
+and submit/step for a caller that runs many requests at once (the server's engine thread).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-import numpy as np
-
 from strata.backends.cpu import CpuModel
 from strata.config import EngineConfig
-from strata.engine.generate import (GenerationEvent, GenerationResult, GenerationStats, collect,
-                                    decode_loop)
+from strata.engine.generate import GenerationEvent, GenerationResult, GenerationStats, collect
 from strata.engine.sampling import SamplingParams
-from strata.errors import RequestError
+from strata.engine.scheduler import RequestHandle, Scheduler
 from strata.model.chat import ChatTemplate
 from strata.model.gguf_file import GGUFModel
 from strata.model.tokenizer import Tokenizer
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from strata.plugins import get_plugin_manager, resolve_choosers
 
 
 class Engine:
-    """Runs requests one at a time on the CPU. Not thread-safe: one caller at a time."""
+    """Runs requests on the CPU, `parallel` at a time. Not thread-safe: one caller at a time."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, plugin_manager=None):
+        """`plugin_manager`: where the slot picker, read-interleave policy and observers come
+        from (default: `strata.plugins.get_plugin_manager()`, built-ins plus installed
+        plugins)."""
         self.config = config
         self.gguf = GGUFModel.open(config.model_path)
         try:
@@ -43,11 +34,14 @@ class Engine:
                                                                  self.tokenizer)
             self.n_ctx = config.resolve_n_ctx(self.spec.context_length)
             self.model = CpuModel(self.gguf, num_threads=config.threads)
-            self.kv = self.model.new_kv(self.n_ctx)
+            pm = plugin_manager if plugin_manager is not None else get_plugin_manager()
+            choosers = resolve_choosers(pm, config=config, spec=self.spec,
+                                        num_slots=config.parallel)
+            self.scheduler = Scheduler(self.model, self.tokenizer, self.n_ctx, config.parallel,
+                                       choosers, config.conversation_cache_mib)
         except BaseException:
             self.gguf.close()
             raise
-        self._kv_tokens: list[int] = []  # the tokens whose K/V cells are in self.kv, in order
         self.last_stats: GenerationStats | None = None
 
     # ---- text helpers ---------------------------------------------------------------------
@@ -65,34 +59,55 @@ class Engine:
     def generate(self, prompt_tokens: list[int], params: SamplingParams
                  ) -> Iterator[GenerationEvent]:
         """Stream the tokens generated after `prompt_tokens`; the last event has the finish
-        reason ("stop" or "length") and the stats (cached tokens, speeds)."""
-        prompt = self._check_prompt(prompt_tokens)
-        if params.seed is None and self.config.seed is not None:
-            params = _with_seed(params, self.config.seed)
+        reason ("stop" or "length") and the stats (cached tokens, speeds). The prompt is checked
+        now; the request is queued when the stream is first read, and runs (with any other
+        submitted requests) as the stream is read. Closing the stream cancels it."""
+        prompt = self.scheduler.check_prompt(prompt_tokens)
         return self._generate(prompt, params)
 
     def _generate(self, prompt: list[int], params: SamplingParams
                   ) -> Iterator[GenerationEvent]:
-        stats = GenerationStats(num_prompt_tokens=len(prompt))
-        t0 = time.perf_counter()
-        # Reuse the cached prefix, but always recompute the last prompt token: its logits are
-        # what the first new token is sampled from, and the KV does not keep logits.
-        num_cached = min(common_prefix_len(self._kv_tokens, prompt), len(prompt) - 1)
-        self._truncate(num_cached)
-        stats.num_cached_tokens = num_cached
-        logits = None
-        chunk = self.config.prompt_chunk_tokens
-        for start in range(num_cached, len(prompt), chunk):
-            logits = self._forward(prompt[start:start + chunk])
-        stats.prompt_seconds = time.perf_counter() - t0
-        self.last_stats = stats
+        handle = self.submit(prompt, params)
+        try:
+            while True:
+                for event in handle.pop_events():
+                    self.last_stats = handle.stats
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+                if handle.error is not None:
+                    raise handle.error
+                if handle.is_finished:
+                    return  # cancelled
+                if not self.scheduler.step():
+                    raise RuntimeError("the scheduler stopped with a request unfinished")  # bug
+        finally:
+            if not handle.is_finished:
+                handle.cancel()
+                self.scheduler.drop_cancelled()
 
-        def step(token: int) -> np.ndarray | None:
-            if self.kv.num_tokens >= self.kv.capacity:
-                return None
-            return self._forward([token])
+    def submit(self, prompt_tokens: list[int], params: SamplingParams) -> RequestHandle:
+        """Place a request in a slot (or queue it while all are busy) without running it;
+        `step()` runs it with the others (the server's engine thread)."""
+        if params.seed is None and self.config.seed is not None:
+            params = _with_seed(params, self.config.seed)
+        return self.scheduler.submit(prompt_tokens, params)
 
-        yield from decode_loop(logits, step, self.tokenizer, params, prompt, stats)
+    def step(self) -> bool:
+        """Run one window over every running request; False when nothing is queued or running."""
+        return self.scheduler.step()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_queued(self) -> int:
+        return self.scheduler.num_queued
+
+    @property
+    def num_reading(self) -> int:
+        return self.scheduler.num_reading
 
     def generate_text(self, prompt: str | list[int], params: SamplingParams
                       ) -> GenerationResult:
@@ -109,12 +124,19 @@ class Engine:
         return self.generate(self.tokenize(text, add_special=False), params)
 
     def reset(self) -> None:
-        """Forget the cached KV (the next prompt is read in full)."""
-        self._truncate(0)
+        """Forget the cached KVs of idle slots and the parked conversations (the next prompt is
+        read in full)."""
+        self.scheduler.reset()
 
     @property
     def num_cached_tokens(self) -> int:
-        return len(self._kv_tokens)
+        """Tokens in the KV of the slot used last."""
+        return len(self.scheduler.table.tokens(self.scheduler.last_slot_index))
+
+    @property
+    def kv(self):
+        """The KV of the slot used last."""
+        return self.scheduler.kvs[self.scheduler.last_slot_index]
 
     def close(self) -> None:
         self.gguf.close()
@@ -124,36 +146,6 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ---- internals ------------------------------------------------------------------------
-    def _check_prompt(self, prompt_tokens) -> list[int]:
-        prompt = [int(t) for t in prompt_tokens]
-        if not prompt:
-            raise RequestError("the prompt is empty: give at least one token")
-        if len(prompt) > self.n_ctx:
-            raise RequestError(
-                f"the prompt has {len(prompt)} tokens but the context holds {self.n_ctx}; "
-                "shorten the prompt or raise the context size (n_ctx / --ctx-size)")
-        vocab = min(self.tokenizer.vocab_size, self.spec.vocab)
-        for t in prompt:
-            if not 0 <= t < vocab:
-                raise RequestError(f"prompt token id {t} is outside the vocabulary [0, {vocab})")
-        return prompt
-
-    def _truncate(self, num_tokens: int) -> None:
-        self.kv.truncate(num_tokens)
-        del self._kv_tokens[num_tokens:]
-
-    def _forward(self, tokens: list[int]) -> np.ndarray:
-        try:
-            logits = self.model.forward(np.asarray(tokens, dtype=np.int32), self.kv)
-        except BaseException:
-            # An interrupted pass leaves nothing we can trust in the KV: start clean next time.
-            self.kv.truncate(0)
-            self._kv_tokens.clear()
-            raise
-        self._kv_tokens.extend(tokens)
-        return logits[-1]  # [V]
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

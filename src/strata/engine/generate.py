@@ -1,11 +1,11 @@
-"""One request's generation loop: sample, detokenize, match stop strings, time the two phases.
+"""One request's per-token logic: sample, detokenize, match stop strings; its stats and events.
 
-The engine (engine.py) owns the model and the KV; this module owns what happens per token.
-"""
+The scheduler (scheduler.py) owns the model, the slots and the KV; this module owns what happens
+per token of one request."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,57 +119,55 @@ class StopStringMatcher:
         return best
 
 
-def decode_loop(first_logits: np.ndarray, step: Callable[[int], np.ndarray | None],
-                tokenizer: Tokenizer, params: SamplingParams, prompt_tokens: list[int],
-                stats: GenerationStats) -> Iterator[GenerationEvent]:
-    """Sample from `first_logits`, then call `step(token)` (a single-token forward returning the
-    next logits [V], or None when the context is full) until a stop condition.
+class TokenDecoder:
+    """The per-token logic of one request, shared by every path that generates: sample from
+    logits, detokenize, match stop tokens and stop strings, enforce max_tokens and the context.
 
-    Stats must already hold the prompt figures; decode figures are filled in here."""
-    sampler = Sampler(params, prompt_tokens=prompt_tokens)
-    stop_ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stop_ids |= tokenizer.stop_ids
-    detok = tokenizer.stream_decoder(skip_special=True)
-    matcher = StopStringMatcher(params.stop)
-    vocab_tokens = tokenizer.vocab_size
-    logits = first_logits
+    The caller runs the forward passes (one sequence or a window of many) and feeds each
+    request's logits to `next_event`; decode timings are the caller's to add to the stats."""
 
-    def tail_text() -> str:
-        # Held-back bytes and held-back text are final now: release what is not a stop.
-        return matcher.push(detok.flush()) + matcher.flush()
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_tokens: list[int],
+                 stats: GenerationStats):
+        self.params = params
+        self.stats = stats
+        self._sampler = Sampler(params, prompt_tokens=prompt_tokens)
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids |= tokenizer.stop_ids
+        self._detok = tokenizer.stream_decoder(skip_special=True)
+        self._matcher = StopStringMatcher(params.stop)
+        self._vocab_tokens = tokenizer.vocab_size
 
-    while True:
+    def next_event(self, logits: np.ndarray, has_room: bool) -> GenerationEvent:
+        """Sample the next token from `logits` [V]. `has_room`: the sequence's KV can take one
+        more token (else the token cannot be read back and the request ends with "length").
+        An event without a finish reason means: read the token back and call again."""
+        stats = self.stats
         logits = np.asarray(logits).reshape(-1)
         if np.isnan(logits.max()):  # max is NaN if any logit is: one cheap pass
             raise ModelFormatError(
                 f"the model produced NaN logits after {stats.num_generated_tokens} generated "
                 "tokens; its weights are likely corrupt (check it with `strata-tool inspect`)")
-        if logits.shape[0] > vocab_tokens:
+        if logits.shape[0] > self._vocab_tokens:
             # Padded embedding rows have no token text: never pick them.
             logits = logits.copy()
-            logits[vocab_tokens:] = -np.inf
+            logits[self._vocab_tokens:] = -np.inf
         t0 = time.perf_counter()
-        token = sampler.sample(logits)
+        token = self._sampler.sample(logits)
         stats.decode_seconds += time.perf_counter() - t0
         stats.num_generated_tokens += 1
-        if token in stop_ids:
-            yield GenerationEvent(token, tail_text(), FINISH_STOP, stats)
-            return
-        text = matcher.push(detok.push(token))
-        if matcher.is_stopped:
-            yield GenerationEvent(token, text, FINISH_STOP, stats)
-            return
-        if stats.num_generated_tokens < params.max_tokens:
-            t0 = time.perf_counter()
-            logits = step(token)
-            if logits is not None:
-                stats.decode_seconds += time.perf_counter() - t0
-                stats.num_decode_forwards += 1
-                yield GenerationEvent(token, text)
-                continue
+        if token in self._stop_ids:
+            return GenerationEvent(token, self._tail_text(), FINISH_STOP, stats)
+        text = self._matcher.push(self._detok.push(token))
+        if self._matcher.is_stopped:
+            return GenerationEvent(token, text, FINISH_STOP, stats)
+        if stats.num_generated_tokens < self.params.max_tokens and has_room:
+            return GenerationEvent(token, text)
         # max_tokens reached, or the context is full so the token cannot be read back.
-        text += tail_text()
-        yield GenerationEvent(token, text, FINISH_STOP if matcher.is_stopped else FINISH_LENGTH,
-                              stats)
-        return
+        text += self._tail_text()
+        finish = FINISH_STOP if self._matcher.is_stopped else FINISH_LENGTH
+        return GenerationEvent(token, text, finish, stats)
+
+    def _tail_text(self) -> str:
+        # Held-back bytes and held-back text are final now: release what is not a stop.
+        return self._matcher.push(self._detok.flush()) + self._matcher.flush()

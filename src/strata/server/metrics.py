@@ -20,10 +20,13 @@ class ServerMetrics:
         r = self.registry
         self.requests = Counter("strata_requests", "HTTP requests answered, by endpoint and "
                                 "status code", ["endpoint", "status"], registry=r)
-        self.running = Gauge("strata_requests_running", "Requests the engine is generating for",
+        self.running = Gauge("strata_requests_running", "Requests in a slot (reading their "
+                             "prompt or generating)",
                              registry=r)
-        self.queued = Gauge("strata_requests_queued", "Requests waiting for the engine",
+        self.queued = Gauge("strata_requests_queued", "Requests waiting for a free slot",
                             registry=r)
+        self.reading = Gauge("strata_requests_reading", "Running requests still reading their "
+                             "prompt", registry=r)
         self.prompt_tokens = Counter("strata_prompt_tokens", "Prompt tokens of finished "
                                      "requests (cached ones included)", registry=r)
         self.cached_tokens = Counter("strata_prompt_tokens_cached", "Prompt tokens reused from "

@@ -1,5 +1,6 @@
 """The engine thread: the only thread that touches the model. Request threads queue jobs and
-read each job's events; a job's cancel flag is checked between tokens."""
+read each job's events; the thread submits new jobs to the engine and steps it (one window over
+every running request) while any runs; a job's cancel flag is checked between windows."""
 from __future__ import annotations
 
 import logging
@@ -37,6 +38,16 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class _Running:
+    """A job the engine runs: its handle and the JobEnd being filled in."""
+    job: Job
+    handle: object  # strata.engine.scheduler.RequestHandle
+    end: JobEnd = field(default_factory=JobEnd)
+    last_event_s: float = 0.0
+    is_finish_sent: bool = False
+
+
 class EngineWorker:
     """Owns the engine. `engine_source` is an engine, or a callable that builds one (called on
     the engine thread, so /health can say "loading" meanwhile)."""
@@ -58,7 +69,7 @@ class EngineWorker:
         return self._is_loaded.wait(timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stops after the current job; queued jobs are answered as cancelled."""
+        """Stops after the current window; running jobs end as cancelled, queued ones get 503."""
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -66,7 +77,7 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         if self.state != "ok":
             raise self.unavailable()
-        self._metrics.queued.inc()
+        self._metrics.queued.inc()  # the engine thread sets the exact figure at its next step
         self._jobs.put(job)
 
     def unavailable(self) -> ApiError:
@@ -92,71 +103,114 @@ class EngineWorker:
 
     def _run(self) -> None:
         is_ok = self._load()
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                break
-            self._metrics.queued.dec()
-            if not is_ok or job.cancel.is_set():
-                job.events.put(JobEnd(error=None if is_ok else self.unavailable(),
-                                      is_cancelled=job.cancel.is_set()))
+        running: list[_Running] = []
+        is_stopping = False
+        while not is_stopping:
+            # Block for a job only when nothing runs; otherwise take what has arrived.
+            for job in self._take_jobs(block=not running):
+                if job is None:
+                    is_stopping = True
+                    break
+                self._start(job, is_ok, running)
+            if is_stopping or not running:
                 continue
-            self._metrics.running.inc()
+            for run in running:
+                if run.job.cancel.is_set():
+                    run.handle.cancel()
             try:
-                job.events.put(self._generate(job))
-            finally:
-                self._metrics.running.dec()
+                self.engine.step()
+            except Exception:  # noqa: BLE001 - the engine thread must survive any request
+                log.exception("a window failed in the engine; ending its %d requests",
+                              len(running))
+                for run in running:
+                    run.handle.cancel()
+                    run.end.error = ApiError(500, "The engine failed on this request; the "
+                                             "server log has the details.", code="engine_error")
+                    run.job.events.put(run.end)
+                running.clear()
+                self.engine.scheduler.drop_cancelled()
+            running[:] = [run for run in running if not self._forward_events(run)]
+            self._update_gauges()
+        for run in running:
+            run.handle.cancel()
+            run.end.is_cancelled = True
+            run.job.events.put(run.end)
         # Answer whatever is still queued so no request thread waits forever.
+        for job in self._take_jobs(block=False):
+            if job is not None:
+                job.events.put(JobEnd(error=ApiError(503, "The server is shutting down.",
+                                                     code="shutting_down")))
+        for gauge in (self._metrics.queued, self._metrics.running, self._metrics.reading):
+            gauge.set(0)  # every job has its answer
+
+    def _take_jobs(self, block: bool):
+        """The jobs queued now (waiting for the first one when `block`)."""
+        try:
+            job = self._jobs.get(block=block)
+        except queue.Empty:
+            return
         while True:
+            yield job
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
-                break
-            if job is not None:
-                self._metrics.queued.dec()
-                job.events.put(JobEnd(error=ApiError(503, "The server is shutting down.",
-                                                     code="shutting_down")))
+                return
 
-    def _generate(self, job: Job) -> JobEnd:
-        end = JobEnd()
-        last_s = None
-        events = None
-        try:
-            events = self.engine.generate(job.prompt_tokens, job.params)
-            for event in events:
-                now = time.perf_counter()
-                if last_s is None:
-                    end.ttft_s = now - job.queued_at
-                    self._metrics.ttft.observe(end.ttft_s)
-                else:
-                    self._metrics.token_latency.observe(now - last_s)
-                last_s = now
-                end.num_generated_tokens += 1
-                job.events.put(event)
-                if event.finish_reason is not None:
-                    stats = event.stats
-                    if stats is not None:
-                        end.num_cached_tokens = stats.num_cached_tokens
-                        end.decode_tokens_per_s = stats.decode_tokens_per_s
-                    break
-                if job.cancel.is_set():
-                    end.is_cancelled = True
-                    log.info("request %s: cancelled after %d generated tokens (the client "
-                             "went away)", job.request_id, end.num_generated_tokens)
-                    break
-        except RequestError as exc:
-            end.error = ApiError(400, str(exc), code="invalid_request")
-        except Exception:  # noqa: BLE001 - the engine thread must survive any request
-            log.exception("request %s failed in the engine", job.request_id)
+    def _start(self, job: Job, is_ok: bool, running: list[_Running]) -> None:
+        """Submit a newly taken job to the engine (or answer it at once)."""
+        if not is_ok or job.cancel.is_set():
+            job.events.put(JobEnd(error=None if is_ok else self.unavailable(),
+                                  is_cancelled=job.cancel.is_set()))
+        else:
+            try:
+                running.append(_Running(job, self.engine.submit(job.prompt_tokens, job.params)))
+            except RequestError as exc:
+                job.events.put(JobEnd(error=ApiError(400, str(exc), code="invalid_request")))
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        engine = self.engine if self.state == "ok" else None
+        num_queued = self._jobs.qsize() + (engine.num_queued if engine is not None else 0)
+        self._metrics.queued.set(num_queued)
+        self._metrics.running.set(engine.num_running if engine is not None else 0)
+        self._metrics.reading.set(engine.num_reading if engine is not None else 0)
+
+    def _forward_events(self, run: _Running) -> bool:
+        """Move the handle's new events to the job's queue; True when the job ended."""
+        job, end = run.job, run.end
+        for event in run.handle.pop_events():
+            now = time.perf_counter()
+            if end.ttft_s is None:
+                end.ttft_s = now - job.queued_at
+                self._metrics.ttft.observe(end.ttft_s)
+            else:
+                self._metrics.token_latency.observe(now - run.last_event_s)
+            run.last_event_s = now
+            run.is_finish_sent = event.finish_reason is not None
+            end.num_generated_tokens += 1
+            job.events.put(event)
+        if not run.handle.is_finished:
+            return False
+        stats = run.handle.stats
+        end.num_cached_tokens = stats.num_cached_tokens
+        end.decode_tokens_per_s = stats.decode_tokens_per_s
+        error = run.handle.error
+        if isinstance(error, RequestError):
+            end.error = ApiError(400, str(error), code="invalid_request")
+        elif error is not None:
+            log.error("request %s failed in the engine", job.request_id,
+                      exc_info=(type(error), error, error.__traceback__))
             end.error = ApiError(500, "The engine failed on this request; the server log has "
                                  "the details.", code="engine_error")
-        finally:
-            if events is not None and hasattr(events, "close"):
-                events.close()
+        elif not run.is_finish_sent:
+            end.is_cancelled = True
+            log.info("request %s: cancelled after %d generated tokens (the client went away)",
+                     job.request_id, end.num_generated_tokens)
         self._metrics.prompt_tokens.inc(len(job.prompt_tokens))
         self._metrics.cached_tokens.inc(end.num_cached_tokens)
         self._metrics.generated_tokens.inc(end.num_generated_tokens)
-        return end
+        job.events.put(end)
+        return True
 
 
 def iterate_job(job: Job, poll_s: float, is_disconnected: Callable[[], bool] | None = None):

@@ -1,0 +1,370 @@
+"""The scheduler: N slots (one KV each), a FIFO queue of requests, and `step()`, which runs one
+window holding every decoding slot's next token and, as the read-interleave plan says, one
+prompt chunk. Placement reuses the longest cached prefix; displaced KVs are parked in host RAM.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from strata.backends.window import Window
+from strata.engine.conversations import ConversationCache
+from strata.engine.generate import GenerationEvent, GenerationStats, TokenDecoder
+from strata.engine.interleave import PendingRead, WindowTiming
+from strata.engine.kv import KVCache
+from strata.engine.sampling import SamplingParams
+from strata.engine.slots import SlotTable, place_request
+from strata.errors import RequestError
+from strata.hookspecs import WindowStats
+
+log = logging.getLogger("strata.engine")
+
+STATE_QUEUED, STATE_READING, STATE_DECODING, STATE_DONE = "queued", "reading", "decoding", "done"
+
+
+class RequestHandle:
+    """One submitted request as its submitter sees it: events to take (GenerationEvents; the
+    last has the finish reason), an error if it failed, and `cancel()` (any thread)."""
+
+    def __init__(self, request_id: int, prompt_tokens: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.params = params
+        self.stats = GenerationStats(num_prompt_tokens=len(prompt_tokens))
+        self.state = STATE_QUEUED
+        self.slot_index: int | None = None
+        self.error: BaseException | None = None
+        self._events: deque[GenerationEvent] = deque()
+        self._is_cancel_asked = threading.Event()
+
+    def cancel(self) -> None:
+        """Ask to stop; the scheduler frees the slot at its next step (the KV stays cached)."""
+        self._is_cancel_asked.set()
+
+    @property
+    def is_cancel_asked(self) -> bool:
+        return self._is_cancel_asked.is_set()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state == STATE_DONE
+
+    def pop_events(self) -> list[GenerationEvent]:
+        """The events produced since the last call, oldest first."""
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+
+@dataclass
+class _Active:
+    """A request placed in a slot: reading its prompt, then decoding."""
+
+    handle: RequestHandle
+    slot_index: int
+    decoder: TokenDecoder
+    num_read_tokens: int  # prompt tokens in the slot's KV (reused ones included)
+    started_at: float
+    next_token: int | None = None  # decoding: the token the next window reads back
+    is_started: bool = False  # reading: its first chunk was planned
+    arrival: int = 0  # order of placement: reads go first come first served
+
+
+class Scheduler:
+    """Owns the slots of one model. Not thread-safe: one thread calls submit/step; only
+    `RequestHandle.cancel` may come from another thread."""
+
+    def __init__(self, model, tokenizer, n_ctx: int, num_slots: int, choosers,
+                 conversation_cache_mib: float = 2048):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n_ctx = int(n_ctx)
+        self.choosers = choosers
+        self.table = SlotTable(num_slots)
+        self.kvs: list[KVCache] = [model.new_kv(self.n_ctx) for _ in range(num_slots)]
+        self.conversations = ConversationCache(conversation_cache_mib)
+        self._queue: deque[RequestHandle] = deque()
+        self._active: dict[int, _Active] = {}  # by slot index
+        self._ids = itertools.count(1)
+        self._arrivals = itertools.count()
+        self._window_index = 0
+        self._decode_windows_left = 0  # decode-only windows still due before the next chunk
+        self._decode_window_s: float | None = None
+        self._prompt_s_per_token: float | None = None
+        self.last_slot_index = 0
+
+    # ---- what the engine and the server see -----------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_reading(self) -> int:
+        return sum(1 for a in self._active.values() if a.handle.state == STATE_READING)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in a slot (reading or decoding)."""
+        return len(self._active)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queue or self._active)
+
+    def check_prompt(self, prompt_tokens) -> list[int]:
+        """The prompt as a list of ints; RequestError when it cannot be run."""
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt:
+            raise RequestError("the prompt is empty: give at least one token")
+        if len(prompt) > self.n_ctx:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens but the context holds {self.n_ctx}; "
+                "shorten the prompt or raise the context size (n_ctx / --ctx-size)")
+        vocab = min(self.tokenizer.vocab_size, self.model.spec.vocab)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return prompt
+
+    def submit(self, prompt_tokens, params: SamplingParams) -> RequestHandle:
+        """Place a request in an idle slot, or queue it (FIFO) until a slot frees up; `step()`
+        runs it."""
+        handle = RequestHandle(next(self._ids), self.check_prompt(prompt_tokens), params)
+        self._queue.append(handle)
+        self._place_queued()
+        if handle.state == STATE_QUEUED:
+            log.info("request %d waits: all %d slots are busy (%d queued)", handle.request_id,
+                     self.table.num_slots, len(self._queue))
+        return handle
+
+    def _place_queued(self) -> None:
+        """Give idle slots to queued requests, first come first served."""
+        while self._queue and self.table.has_idle():
+            handle = self._queue.popleft()
+            try:
+                self._place(handle)
+            except Exception as exc:  # noqa: BLE001 - e.g. a faulty slot-picker plugin
+                self._end(handle, exc)
+
+    def drop_cancelled(self) -> None:
+        """End the requests whose cancel was asked: queued ones leave the queue, placed ones
+        free their slot (their KV cells stay for reuse)."""
+        for handle in [h for h in self._queue if h.is_cancel_asked]:
+            self._queue.remove(handle)
+            self._end(handle, None)
+        for active in [a for a in self._active.values() if a.handle.is_cancel_asked]:
+            log.info("request %d: cancelled in slot %d after %d generated tokens",
+                     active.handle.request_id, active.slot_index,
+                     active.handle.stats.num_generated_tokens)
+            self._release(active, None)
+
+    def reset(self) -> None:
+        """Forget every idle slot's KV and every parked conversation."""
+        for view in self.table.views():
+            if not view.is_busy:
+                self.table.clear(view.index)
+                self.kvs[view.index].clear()
+        self.conversations.clear()
+
+    def step(self) -> bool:
+        """Place queued requests, then run one window. False when there was nothing to run."""
+        self.drop_cancelled()
+        self._place_queued()
+        if not self._active:
+            return False
+        runs, modes, kinds = self._plan_window()
+        window = Window.build(runs, logits=modes)
+        t0 = time.perf_counter()
+        try:
+            logits = self.model.forward_window(window)  # [N, V]
+        except BaseException as exc:
+            # A failed pass commits nothing, but fail every request in it rather than retry.
+            for slot_index, _ in kinds:
+                self._release(self._active[slot_index], exc)
+            if not isinstance(exc, Exception):
+                raise
+            return True
+        seconds = time.perf_counter() - t0
+        num_decode_rows = sum(1 for _, kind in kinds if kind == "decode")
+        num_prompt_rows = window.num_rows - num_decode_rows
+        self._measure(num_decode_rows, num_prompt_rows, seconds)
+        for run, (slot_index, kind) in enumerate(kinds):
+            active = self._active[slot_index]
+            self.table.extend(slot_index, runs[run][1])
+            try:
+                self._after_run(active, kind, len(runs[run][1]), window.logits_of(logits, run),
+                                seconds)
+            except Exception as exc:  # noqa: BLE001 - one request's failure ends only it
+                self._release(active, exc)
+        self._window_index += 1
+        self._place_queued()  # slots freed by this window go to waiting requests now
+        if num_prompt_rows and num_decode_rows:
+            self._replan_after_chunk()
+        self.choosers.window_done(WindowStats(self._window_index, num_decode_rows,
+                                              num_prompt_rows, seconds))
+        return True
+
+    # ---- placement ------------------------------------------------------------------------
+    def _place(self, handle: RequestHandle) -> None:
+        prompt = handle.prompt_tokens
+        started_at = time.perf_counter()
+        placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
+                                  self.conversations)
+        index, kv = placement.slot_index, self.kvs[placement.slot_index]
+        # Take the parked entry before parking this slot: parking could evict that very entry.
+        restored = (self.conversations.take(placement.parked_key)
+                    if placement.parked_key is not None else None)
+        if placement.is_parking_needed:
+            self._park(index)
+        if restored is not None:
+            k, v = restored.kv_arrays  # [L, KV, n, D] each
+            kv.truncate(0)
+            for layer in range(k.shape[0]):
+                kv.append(layer, k[layer], v[layer])
+            kv.commit(k.shape[2])
+            self.table.replace_tokens(index, restored.tokens)
+            how = f"restored a parked conversation of {restored.num_tokens} tokens"
+        elif placement.num_reused_tokens > 0:
+            how = "kept its KV"
+        else:
+            how = "rebuilt"
+        self.table.acquire(index, placement.num_reused_tokens)
+        kv.truncate(placement.num_reused_tokens)
+        handle.state, handle.slot_index = STATE_READING, index
+        handle.stats.num_cached_tokens = placement.num_reused_tokens
+        self.last_slot_index = index
+        log.info("request %d: slot %d %s (%d tokens reused)", handle.request_id, index, how,
+                 placement.num_reused_tokens)
+        decoder = TokenDecoder(self.tokenizer, handle.params, prompt, handle.stats)
+        self._active[index] = _Active(handle, index, decoder, placement.num_reused_tokens,
+                                      started_at, arrival=next(self._arrivals))
+
+    def _park(self, index: int) -> None:
+        """Copy slot `index`'s KV cells to the conversation cache (when the budget allows)."""
+        tokens = self.table.tokens(index)
+        kv = self.kvs[index]
+        nbytes = 2 * kv.spec.n_layers * kv.spec.n_kv_heads * len(tokens) * kv.spec.head_dim \
+            * kv.dtype.itemsize
+        if not tokens or nbytes > self.conversations.budget_bytes:
+            return
+        k = np.stack([kv.keys(layer) for layer in range(kv.spec.n_layers)])  # [L, KV, n, D]
+        v = np.stack([kv.values(layer) for layer in range(kv.spec.n_layers)])  # [L, KV, n, D]
+        key = self.conversations.park(tokens, (k, v), nbytes)
+        log.info("slot %d: parked %d tokens of KV in host RAM (entry %s, %d entries, %.1f MiB)",
+                 index, len(tokens), key, self.conversations.num_entries,
+                 self.conversations.used_bytes / 2**20)
+
+    # ---- the window -----------------------------------------------------------------------
+    def _plan_window(self):
+        """(runs, logits modes, (slot, "decode"|"prompt") per run) of the next window."""
+        runs, modes, kinds = [], [], []
+        decoding = [a for a in self._active.values() if a.handle.state == STATE_DECODING]
+        for active in sorted(decoding, key=lambda a: a.slot_index):
+            runs.append((self.kvs[active.slot_index], [active.next_token]))
+            modes.append("last")
+            kinds.append((active.slot_index, "decode"))
+        reading = sorted((a for a in self._active.values() if a.handle.state == STATE_READING),
+                         key=lambda a: a.arrival)
+        if reading and (not decoding or self._decode_windows_left <= 0):
+            plan = self._read_plan(reading, len(decoding))
+            active = self._active[plan.slot_index]
+            prompt = active.handle.prompt_tokens
+            num_left = len(prompt) - active.num_read_tokens
+            if decoding and not active.is_started and plan.chunk_tokens < num_left:
+                # A read of several chunks owes the decoding slots their windows before its
+                # first chunk too: over the whole read they then keep the planned share (after
+                # its last chunk nothing is owed).
+                active.is_started = True
+                self._decode_windows_left = max(plan.num_decode_windows_after - 1, 0)
+                return runs, modes, kinds
+            active.is_started = True
+            if not 1 <= plan.chunk_tokens <= num_left:
+                raise RequestError(f"the read-interleave policy asked for a chunk of "
+                                   f"{plan.chunk_tokens} tokens of a read with {num_left} left; "
+                                   "fix or uninstall the plugin")
+            chunk = prompt[active.num_read_tokens:active.num_read_tokens + plan.chunk_tokens]
+            runs.append((self.kvs[plan.slot_index], chunk))
+            modes.append("last" if plan.chunk_tokens == num_left else "none")
+            kinds.append((plan.slot_index, "prompt"))
+            self._decode_windows_left = plan.num_decode_windows_after
+        elif reading:
+            self._decode_windows_left -= 1
+        return runs, modes, kinds
+
+    def _read_plan(self, reading: list[_Active], num_decoding: int):
+        """Ask the read-interleave policy about the reads in progress (arrival order)."""
+        pending = [PendingRead(a.slot_index, len(a.handle.prompt_tokens) - a.num_read_tokens,
+                               a.num_read_tokens) for a in reading]
+        timing = None
+        if self._decode_window_s is not None and self._prompt_s_per_token is not None:
+            timing = WindowTiming(self._decode_window_s, self._prompt_s_per_token)
+        plan = self.choosers.read_interleave.plan(pending, num_decoding, timing)
+        log.debug("read plan: slot %d, %d tokens, then %d decode windows (%s)",
+                  plan.slot_index, plan.chunk_tokens, plan.num_decode_windows_after, timing)
+        return plan
+
+    def _replan_after_chunk(self) -> None:
+        """The chunk just read (with slots decoding) has a measured cost now: the decode windows
+        owed to those slots follow from it, not from the estimate made before it (a chunk costs
+        more than the one before it, as attention spans grow)."""
+        reading = sorted((a for a in self._active.values() if a.handle.state == STATE_READING),
+                         key=lambda a: a.arrival)
+        num_decoding = sum(1 for a in self._active.values() if a.handle.state == STATE_DECODING)
+        if reading and num_decoding:
+            plan = self._read_plan(reading, num_decoding)
+            self._decode_windows_left = plan.num_decode_windows_after
+
+    def _measure(self, num_decode_rows: int, num_prompt_rows: int, seconds: float) -> None:
+        if num_prompt_rows == 0:
+            self._decode_window_s = seconds
+        else:
+            # The whole window, decode rows riding along included: overestimating the chunk's
+            # cost only gives the decoding slots more windows.
+            self._prompt_s_per_token = seconds / num_prompt_rows
+
+    def _after_run(self, active: _Active, kind: str, num_rows: int, logits: np.ndarray,
+                   seconds: float) -> None:
+        handle, stats = active.handle, active.handle.stats
+        if kind == "prompt":
+            active.num_read_tokens += num_rows
+            total = len(handle.prompt_tokens)
+            num_to_read = total - stats.num_cached_tokens
+            if active.num_read_tokens < total:
+                log.info("request %d: reading the prompt: %d of %d tokens", handle.request_id,
+                         active.num_read_tokens - stats.num_cached_tokens, num_to_read)
+                return
+            stats.prompt_seconds = time.perf_counter() - active.started_at
+            log.info("request %d: prompt %d tokens = %d reused + %d read in %.0f ms",
+                     handle.request_id, total, stats.num_cached_tokens, num_to_read,
+                     stats.prompt_seconds * 1e3)
+            handle.state = STATE_DECODING
+        else:
+            stats.decode_seconds += seconds
+            stats.num_decode_forwards += 1
+        kv = self.kvs[active.slot_index]
+        event = active.decoder.next_event(logits[-1], has_room=kv.num_tokens < kv.capacity)
+        handle._events.append(event)
+        if event.finish_reason is not None:
+            self._release(active, None)
+        else:
+            active.next_token = event.token_id
+
+    def _release(self, active: _Active, error: BaseException | None) -> None:
+        del self._active[active.slot_index]
+        if error is not None:
+            # Cells of an unfinished pass cannot be trusted: the slot starts clean.
+            self.kvs[active.slot_index].truncate(0)
+            self.table.clear(active.slot_index)
+        self.table.release(active.slot_index)
+        self._end(active.handle, error)
+
+    def _end(self, handle: RequestHandle, error: BaseException | None) -> None:
+        handle.state, handle.error = STATE_DONE, error
+        self.choosers.request_done(handle.stats)

@@ -1,0 +1,296 @@
+"""The scheduler behind the engine: concurrent slots equal solo runs, queueing, placement with
+parked conversations, cancellation, prompt reading interleaved with decoding, the agent pattern.
+"""
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+
+from strata import Engine, EngineConfig, SamplingParams, hookimpl
+from strata.engine.generate import collect
+from strata.engine.scheduler import STATE_DECODING, STATE_QUEUED, STATE_READING
+from strata.errors import ConfigError
+from strata.plugins import get_plugin_manager
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_8k(tmp_path_factory):
+    """The tiny synth model with room for long conversations."""
+    from strata.tool.synth import synth_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-8k.gguf"
+    synth_model(path, shape="tiny", weight_type="f32", seed=5, context_length=8192)
+    return path
+
+
+def new_engine(path, parallel=1, n_ctx=4096, plugin_manager=None, **options) -> Engine:
+    return Engine(EngineConfig(path, n_ctx=n_ctx, threads=2, parallel=parallel, **options),
+                  plugin_manager=plugin_manager)
+
+
+def random_tokens(rng, n: int) -> list[int]:
+    return [int(t) for t in rng.integers(10, 4000, n)]
+
+
+def run_all(engine: Engine, handles) -> list[list[int]]:
+    """Step until every handle finished; each one's generated token ids."""
+    tokens = [[] for _ in handles]
+    while not all(h.is_finished for h in handles):
+        assert engine.step()
+        for out, h in zip(tokens, handles):
+            out += [e.token_id for e in h.pop_events()]
+    for h in handles:
+        assert h.error is None
+    return tokens
+
+
+def solo(path, prompt, params) -> list[int]:
+    with new_engine(path) as fresh:
+        return collect(fresh.generate(prompt, params)).token_ids
+
+
+def test_concurrent_requests_equal_solo_runs(model_8k):
+    rng = np.random.default_rng(1)
+    prompts = [random_tokens(rng, n) for n in (40, 7, 300)]
+    params = [SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=5, **GREEDY),
+              SamplingParams(max_tokens=9, temperature=0.9, seed=4, ignore_eos=True)]
+    with new_engine(model_8k, parallel=3, prompt_chunk_tokens=64) as engine:
+        handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        assert [h.slot_index for h in handles] == [0, 1, 2]
+        together = run_all(engine, handles)
+    assert [len(t) for t in together] == [12, 5, 9]
+    assert together == [solo(model_8k, p, sp) for p, sp in zip(prompts, params)]
+
+
+def test_a_request_waits_while_every_slot_is_busy(model_8k):
+    rng = np.random.default_rng(2)
+    prompts = [random_tokens(rng, 20) for _ in range(3)]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (3, 8, 4)]
+    with new_engine(model_8k, parallel=2) as engine:
+        handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        assert [h.state for h in handles] == [STATE_READING, STATE_READING, STATE_QUEUED]
+        assert (engine.num_running, engine.num_queued, engine.num_reading) == (2, 1, 2)
+        engine.step()  # one prompt chunk per window: the first prompt
+        assert (engine.num_running, engine.num_queued, engine.num_reading) == (2, 1, 1)
+        engine.step()
+        assert (engine.num_running, engine.num_queued, engine.num_reading) == (2, 1, 0)
+        engine.step()  # the first request's third token ends it: its slot goes to the third
+        assert handles[0].is_finished and handles[2].state == STATE_READING
+        assert handles[2].slot_index == handles[0].slot_index
+        assert engine.num_queued == 0
+        results = run_all(engine, handles)
+    assert results[1:] == [solo(model_8k, p, sp) for p, sp in zip(prompts[1:], params[1:])]
+
+
+def test_parked_conversations_are_restored_with_one_slot(model_8k, caplog):
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    rng = np.random.default_rng(3)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    with new_engine(model_8k, parallel=1) as engine:
+        first = {name: random_tokens(rng, 300) for name in "ab"}
+        answers = {name: collect(engine.generate(first[name], params)) for name in "ab"}
+        assert engine.scheduler.conversations.num_entries == 1  # a, parked when b came
+        for name in "ab":
+            caplog.clear()
+            prompt = first[name] + answers[name].token_ids + random_tokens(rng, 25)
+            res = collect(engine.generate(prompt, params))
+            # Everything but the last answer token (never read back) comes from the park.
+            assert res.stats.num_cached_tokens == 300 + 5
+            assert res.stats.num_prompt_tokens_computed == len(prompt) - 305
+            assert "slot 0 restored a parked conversation of 305 tokens" in caplog.text
+            assert f"prompt {len(prompt)} tokens = 305 reused + {len(prompt) - 305} read" \
+                in caplog.text
+            assert res.token_ids == solo(model_8k, prompt, params)
+
+
+def test_parking_off_rebuilds_the_conversation(model_8k, caplog):
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    rng = np.random.default_rng(4)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    with new_engine(model_8k, parallel=1, conversation_cache_mib=0) as engine:
+        a, b = random_tokens(rng, 50), random_tokens(rng, 50)
+        collect(engine.generate(a, params))
+        collect(engine.generate(b, params))
+        caplog.clear()
+        res = collect(engine.generate(a + [7], params))
+        assert res.stats.num_cached_tokens == 0
+        assert "slot 0 rebuilt" in caplog.text
+        assert engine.scheduler.conversations.num_entries == 0
+
+
+def test_cancel_frees_the_slot_and_keeps_the_kv(model_8k):
+    rng = np.random.default_rng(5)
+    prompt = random_tokens(rng, 30)
+    with new_engine(model_8k, parallel=1) as engine:
+        first = engine.submit(prompt, SamplingParams(max_tokens=100, **GREEDY))
+        for _ in range(3):
+            engine.step()
+        got = [e.token_id for e in first.pop_events()]
+        assert len(got) == 3
+        follow_up = prompt + got + random_tokens(rng, 4)
+        waiting = engine.submit(follow_up, SamplingParams(max_tokens=2, **GREEDY))
+        assert waiting.state == STATE_QUEUED
+        first.cancel()
+        engine.step()
+        assert first.is_finished and first.error is None and not first.pop_events()
+        # The slot holds the prompt and the two tokens read back before the cancel.
+        assert waiting.stats.num_cached_tokens == 32
+        assert waiting.state == STATE_DECODING
+        run_all(engine, [waiting])
+        assert not engine.step()
+
+
+def test_cancel_while_queued(model_8k):
+    with new_engine(model_8k, parallel=1) as engine:
+        running = engine.submit([5, 6, 7], SamplingParams(max_tokens=2, **GREEDY))
+        queued = engine.submit([8, 9], SamplingParams(max_tokens=2, **GREEDY))
+        queued.cancel()
+        engine.step()
+        assert queued.is_finished and queued.slot_index is None and not queued.pop_events()
+        assert engine.num_queued == 0
+        run_all(engine, [running])
+
+
+class WindowLog:
+    """An observer plugin: every window's stats."""
+
+    def __init__(self):
+        self.windows = []
+
+    @hookimpl
+    def strata_window_done(self, stats):
+        self.windows.append(stats)
+
+
+def test_decoding_goes_on_between_prompt_chunks(model_8k, caplog):
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    rng = np.random.default_rng(6)
+    pm = get_plugin_manager(autoload=False)
+    observer = WindowLog()
+    pm.register(observer)
+    chunk, long_len = 32, 128
+    short, long = random_tokens(rng, 10), random_tokens(rng, long_len)
+    long_params = SamplingParams(max_tokens=3, **GREEDY)
+    with new_engine(model_8k, parallel=2, prompt_chunk_tokens=chunk,
+                    plugin_manager=pm) as engine:
+        decoding = engine.submit(short, SamplingParams(max_tokens=4000, **GREEDY))
+        engine.step()
+        reading = engine.submit(long, long_params)
+        long_tokens = run_all(engine, [reading])[0]
+        decoding.cancel()  # it decoded all along; the rest is not needed
+        engine.step()
+        short_tokens = [e.token_id for e in decoding.pop_events()]
+    windows = observer.windows[1:]  # from the one that read the first chunk
+    chunk_windows = [i for i, w in enumerate(windows) if w.num_prompt_rows > 0]
+    num_chunks = long_len // chunk
+    assert [windows[i].num_prompt_rows for i in chunk_windows] == [chunk] * num_chunks
+    # The decoding slot has a row in every window, and at least one window of its own between
+    # two chunks (the default policy keeps it at >= half its solo rate).
+    assert all(w.num_decode_rows >= 1 for w in windows)
+    assert all(b - a >= 2 for a, b in zip(chunk_windows, chunk_windows[1:]))
+    assert len(short_tokens) == len(windows) + 1
+    for n in range(chunk, long_len, chunk):
+        assert f"reading the prompt: {n} of {long_len} tokens" in caplog.text
+    assert long_tokens == solo(model_8k, long, long_params)
+    assert short_tokens == solo(model_8k, short,
+                                SamplingParams(max_tokens=len(short_tokens), **GREEDY))
+
+
+def agent_turns(path, parallel: int, conversations: dict, num_turns: int, seed: int):
+    """Run `num_turns` turns of each conversation, each round's turns submitted together in
+    a shuffled order; return {name: [(prompt, answer tokens, cached tokens), ...]}."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    history = {name: [] for name in conversations}
+    prompts = dict(conversations)
+    with new_engine(path, parallel=parallel, n_ctx=4096, prompt_chunk_tokens=512) as engine:
+        for _ in range(num_turns):
+            names = list(prompts)
+            rng.shuffle(names)
+            handles = [engine.submit(prompts[name], params) for name in names]
+            answers = run_all(engine, handles)
+            for name, handle, answer in zip(names, handles, answers):
+                history[name].append((prompts[name], answer, handle.stats.num_cached_tokens))
+                prompts[name] = prompts[name] + answer + random_tokens(rng, 40)
+    return history
+
+
+@pytest.fixture(scope="module")
+def fresh_answers(model_8k):
+    """Greedy answers of an engine that reads each prompt whole, by prompt (shared by both
+    parametrizations: the same turns must give the same prompts)."""
+    answers = {}
+    with new_engine(model_8k, n_ctx=4096) as fresh:
+        def answer(prompt: list[int]) -> list[int]:
+            if tuple(prompt) not in answers:
+                fresh.reset()
+                res = collect(fresh.generate(prompt, SamplingParams(max_tokens=5, **GREEDY)))
+                assert res.stats.num_cached_tokens == 0
+                answers[tuple(prompt)] = res.token_ids
+            return answers[tuple(prompt)]
+
+        yield answer
+
+
+@pytest.mark.parametrize("parallel", [2, 1])
+def test_agent_pattern_reuses_every_cached_prefix(model_8k, fresh_answers, parallel):
+    rng = np.random.default_rng(7)
+    conversations = {"a": random_tokens(rng, 2200), "b": random_tokens(rng, 1800)}
+    history = agent_turns(model_8k, parallel, conversations, num_turns=4, seed=8)
+    for name, turns in history.items():
+        assert turns[0][2] == 0
+        for (prompt, answer, _), (_, _, cached) in zip(turns, turns[1:]):
+            # The whole previous turn but its last answer token (never read back).
+            assert cached == len(prompt) + len(answer) - 1
+        for prompt, answer, _ in turns:
+            assert answer == fresh_answers(prompt)
+
+
+def test_log_names_the_slot_and_the_reuse(model_8k, caplog):
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    with new_engine(model_8k, parallel=2) as engine:
+        first = collect(engine.generate([5, 6, 7, 8], params))
+        res = collect(engine.generate([5, 6, 7, 8] + first.token_ids + [9], params))
+    assert res.stats.num_cached_tokens == 5
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(re.fullmatch(r"request 1: slot 0 rebuilt \(0 tokens reused\)", x) for x in lines)
+    assert any(re.fullmatch(r"request 2: slot 0 kept its KV \(5 tokens reused\)", x)
+               for x in lines)
+    assert any(re.fullmatch(r"request 2: prompt 7 tokens = 5 reused \+ 2 read in \d+ ms", x)
+               for x in lines)
+
+
+def test_parallel_must_be_a_slot_count(model_8k):
+    for bad in (0, 9):
+        with pytest.raises(ConfigError, match="parallel"):
+            EngineConfig(model_8k, parallel=bad)
+    with pytest.raises(ConfigError, match="conversation_cache_mib"):
+        EngineConfig(model_8k, conversation_cache_mib=-1)
+
+
+class BadPicker:
+    name = "bad"
+
+    def pick(self, prompt_tokens, slots):
+        return (len(slots), 0)  # a slot that does not exist
+
+
+class BadPickerPlugin:
+    @hookimpl
+    def strata_slot_picker(self):
+        return BadPicker()
+
+
+def test_a_faulty_slot_picker_fails_the_request_with_a_message(model_8k):
+    pm = get_plugin_manager(autoload=False)
+    pm.register(BadPickerPlugin())
+    with new_engine(model_8k, parallel=2, plugin_manager=pm) as engine:
+        with pytest.raises(ConfigError, match="slot picker 'bad' chose slot 2"):
+            collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=2, **GREEDY)))
+        assert not engine.step() and engine.num_running == 0
