@@ -2,25 +2,14 @@
 import numpy as np
 import pytest
 from cpu_reference import reference_logits
+from synth_models import synth_cpu_models
 
 from strata._native import kernels
 from strata.backends import cpu
 from strata.backends.cpu import CpuModel, top_k
 from strata.errors import ConfigError, RequestError
-from strata.model.gguf_file import GGUFModel
-from strata.tool.synth import synth_model
 
 PROMPT = np.array([17, 4000, 3, 250, 251, 9, 1024, 77, 5, 3000, 42], dtype=np.int32)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One kernel thread by default (fast and steady on a busy shared machine);
-    test_threads_agree runs the threaded path."""
-    before = kernels.get_num_threads()
-    kernels.set_num_threads(1)
-    yield
-    kernels.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +30,7 @@ def models(tmp_path_factory):
     for i, kind in enumerate(("q4_k", "q5_k", "q6_k")):
         variants[f"qwen3moe-{kind}"] = dict(shape="tiny", weight_type=kind, seed=20 + i,
                                             hidden=256, expert_ffn=256, head_dim=64)
-    out = {}
-    for name, kwargs in variants.items():
-        path = root / f"{name}.gguf"
-        synth_model(path, **kwargs)
-        out[name] = CpuModel(GGUFModel.open(path))
-    return out
+    return synth_cpu_models(root, variants)
 
 
 def _scale(ref: np.ndarray) -> float:

@@ -4,23 +4,13 @@ import copy
 
 import numpy as np
 import pytest
+from synth_models import synth_cpu_models
 
 from strata._native import kernels
-from strata.backends.cpu import CpuModel
 from strata.backends.window import Window
 from strata.errors import RequestError
-from strata.model.gguf_file import GGUFModel
-from strata.tool.synth import synth_model
 
 NAMES = ["qwen3moe-f32", "qwen2moe-f32", "qwen3moe-q4_0", "qwen2moe-q4_0"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = kernels.get_num_threads()
-    kernels.set_num_threads(1)
-    yield
-    kernels.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +22,7 @@ def models(tmp_path_factory):
         "qwen3moe-q4_0": dict(shape="tiny", weight_type="q4_0", seed=13),
         "qwen2moe-q4_0": dict(shape="tiny-qwen2moe", weight_type="q4_0", seed=14),
     }
-    out = {}
-    for name, kwargs in variants.items():
-        path = root / f"{name}.gguf"
-        synth_model(path, **kwargs)
-        out[name] = CpuModel(GGUFModel.open(path))
-    return out
+    return synth_cpu_models(root, variants)
 
 
 def _tokens(rng, n):
