@@ -166,17 +166,53 @@ def test_threaded_window_equals_single_threaded_slots(models):
 def test_one_moe_call_per_layer_over_all_rows(models, monkeypatch):
     model = models["qwen2moe-q4_0"]
     kvs = _history(model, np.random.default_rng(3), [4, 0, 9])
-    real = kernels.moe_ffn
+    real = kernels.moe_ffn_ptrs
     rows_seen = []
 
     def counting(x, *args):
         rows_seen.append(x.shape[0])
         return real(x, *args)
 
-    monkeypatch.setattr(kernels, "moe_ffn", counting)
+    monkeypatch.setattr(kernels, "moe_ffn_ptrs", counting)
     window = Window.build([(kvs[0], [1]), (kvs[1], [2, 3, 4]), (kvs[2], [5, 6])])
     model.forward_window(window)
     assert rows_seen == [6] * model.spec.n_layers
+
+
+def test_routing_counts_and_relocated_experts(models):
+    # experts read from copies elsewhere in memory (as from cache slots) give the same logits,
+    # and the window reports the rows routed to every (layer, expert): K per row per layer
+    model = models["qwen2moe-q4_0"]
+    spec = model.spec
+    rng = np.random.default_rng(5)
+    tokens = [_tokens(rng, 7), _tokens(rng, 2)]
+    base = model.forward_window(Window.build([(model.new_kv(16), t) for t in tokens]))
+    copies = []  # keeps the copied bytes alive while the pass reads them
+    pointers = model.expert_pointers.copy()
+    for li in range(spec.n_layers):
+        for expert in range(0, spec.n_experts, 2):  # every other expert moves
+            for part, name in enumerate(("gate", "up", "down")):
+                raw = getattr(model._layers[li], f"{name}_exps").raw[expert]
+                copy = np.array(raw)  # [rows, row_bytes], a new buffer
+                copies.append(copy)
+                pointers[li, part, expert] = copy.ctypes.data
+    assert (pointers != model.expert_pointers).sum() == spec.n_layers * 3 * len(
+        range(0, spec.n_experts, 2))
+    counts = np.zeros((spec.n_layers, spec.n_experts), dtype=np.int64)
+    moved = model.forward_window(Window.build([(model.new_kv(16), t) for t in tokens]),
+                                 expert_pointers=pointers, routing_counts=counts)
+    np.testing.assert_array_equal(moved, base)
+    np.testing.assert_array_equal(counts.sum(axis=1), [9 * spec.n_experts_used] * spec.n_layers)
+    assert (counts <= 9).all()  # an expert appears at most once in a row's top-k
+
+
+def test_bad_expert_pointers_are_refused(models):
+    model = models["qwen2moe-q4_0"]
+    window = Window.build([(model.new_kv(4), [1])])
+    with pytest.raises(ValueError, match="expert_pointers must be"):
+        model.forward_window(window, expert_pointers=model.expert_pointers[:, :2])
+    with pytest.raises(ValueError, match="routing_counts must be"):
+        model.forward_window(window, routing_counts=np.zeros((1, 1), dtype=np.int64))
 
 
 def _kv_state(kvs):
@@ -215,7 +251,7 @@ def test_a_failing_pass_commits_no_kv(models, monkeypatch):
     runs = [(kvs[0], _tokens(rng, 2)), (kvs[1], _tokens(rng, 1))]
     fresh = [copy.deepcopy(kv) for kv in kvs]
     expected = model.forward_window(Window.build(list(zip(fresh, [t for _, t in runs]))))
-    real = kernels.moe_ffn
+    real = kernels.moe_ffn_ptrs
     num_calls = []
 
     def fails_in_the_last_layer(*args):
@@ -224,11 +260,11 @@ def test_a_failing_pass_commits_no_kv(models, monkeypatch):
             raise MemoryError("moe_ffn could not allocate its work buffers")
         return real(*args)
 
-    monkeypatch.setattr(kernels, "moe_ffn", fails_in_the_last_layer)
+    monkeypatch.setattr(kernels, "moe_ffn_ptrs", fails_in_the_last_layer)
     with pytest.raises(MemoryError):
         model.forward_window(Window.build(runs))
     assert [kv.num_tokens for kv in kvs] == [3, 6]
-    monkeypatch.setattr(kernels, "moe_ffn", real)
+    monkeypatch.setattr(kernels, "moe_ffn_ptrs", real)
     # the appended but uncommitted rows are simply overwritten by the retry
     _assert_same("f32", model.forward_window(Window.build(runs)), expected)
 

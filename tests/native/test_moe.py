@@ -132,3 +132,47 @@ def test_moe_ffn_shapes(qtype, num_experts, K, num_tokens, hidden_blocks, width_
     expected, bound = reference(x, gate, up, down, qtypes, experts, weights, out)
     kernels.moe_ffn(x, gate, qtype, up, qtype, down, qtype, experts, weights, out)
     assert np.all(np.abs(out - expected) <= bound)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_moe_ffn_ptrs_reads_experts_wherever_they_lie(qtype):
+    # experts scattered over separate buffers, in another order than their ids: the same
+    # result as the stacked tensors, bit for bit, and the rows routed to each expert counted
+    rng = np.random.default_rng(300 + int(qtype))
+    E, T_, K = 5, 7, 2
+    H = 2 * max(block_size(qtype), 64)
+    F = 96 if block_size(qtype) <= 32 else 256
+    gate, up, down = make_moe(rng, (qtype, qtype, qtype), E, H, F)
+    x = scaled_x(rng, T_, H, gate, qtype)
+    experts = rng.integers(-1, E, size=(T_, K)).astype(np.int32)
+    experts[2] = [4, 4]
+    weights = rng.random((T_, K)).astype(np.float32)
+    stacked = np.zeros((T_, H), dtype=np.float32)
+    kernels.moe_ffn(x, gate, qtype, up, qtype, down, qtype, experts, weights, stacked)
+    copies = [np.array(m[e]) for e in rng.permutation(E) for m in (gate, up, down)]
+    pointers = np.zeros((3, E), dtype=np.uint64)
+    for copy in copies:
+        for part, stack in enumerate((gate, up, down)):
+            for e in range(E):
+                if copy.shape == stack[e].shape and np.array_equal(copy, stack[e]):
+                    pointers[part, e] = copy.ctypes.data
+    assert (pointers != 0).all()
+    routed = np.full(E, 10, dtype=np.int64)
+    out = np.zeros((T_, H), dtype=np.float32)
+    kernels.moe_ffn_ptrs(x, pointers, qtype, qtype, qtype, F, experts, weights, out, routed)
+    assert np.array_equal(out, stacked)
+    expected_counts = 10 + np.bincount(experts[experts >= 0], minlength=E)
+    np.testing.assert_array_equal(routed, expected_counts)
+
+
+def test_moe_ffn_ptrs_refuses_bad_tables():
+    x = np.zeros((1, 64), dtype=np.float32)
+    ids, w, out = np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32), np.zeros((1, 64),
+                                                                                    np.float32)
+    with pytest.raises(ValueError, match=r"pointers must be \[3, E\]"):
+        kernels.moe_ffn_ptrs(x, np.ones((2, 4), np.uint64), 0, 0, 0, 32, ids, w, out)
+    with pytest.raises(ValueError, match="null address"):
+        kernels.moe_ffn_ptrs(x, np.zeros((3, 4), np.uint64), 0, 0, 0, 32, ids, w, out)
+    with pytest.raises(ValueError, match="routed_rows has 3 entries for 4 experts"):
+        kernels.moe_ffn_ptrs(x, np.ones((3, 4), np.uint64), 0, 0, 0, 32, ids, w, out,
+                             np.zeros(3, np.int64))

@@ -6,7 +6,7 @@ for the compute. Weights are raw uint8 views of the GGUF bytes (read-only buffer
 """
 import numpy as np
 
-from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 
 cdef extern from "quant.h" nogil:
@@ -22,6 +22,12 @@ cdef extern from "quant.h" nogil:
                    const uint8_t *up, int up_type, int64_t up_row_bytes,
                    const uint8_t *down, int down_type, int64_t down_row_bytes,
                    const int32_t *experts, const float *weights, float *out)
+    int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
+                        const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
+                        const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
+                        const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
+                        const int32_t *experts, const float *weights, float *out,
+                        int64_t *routed_rows)
     void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, float *out)
     void st_set_num_threads(int n)
     int st_get_num_threads()
@@ -195,6 +201,67 @@ def moe_ffn(x, gate, gate_type, up, up_type, down, down_type, experts, weights, 
                         &dv[0, 0, 0], dt, db, &ev[0, 0], &wv[0, 0], &ov[0, 0])
     if rc != 0:
         raise MemoryError("moe_ffn could not allocate its work buffers")
+
+
+def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights, out,
+                 routed_rows=None):
+    """moe_ffn with each expert's matrices given by address: `pointers` [3, E] uint64 holds the
+    start of expert e's gate [F, H], up [F, H] and down [H, F] rows (row-major GGUF blocks).
+    The caller keeps that memory alive and unchanged during the call. `routed_rows` (int64 [E],
+    optional) gets the number of rows routed to each expert added to it."""
+    gate_type = _check_type(gate_type, "gate_type")
+    up_type = _check_type(up_type, "up_type")
+    down_type = _check_type(down_type, "down_type")
+    _check_array("x", x, np.float32, 2)
+    _check_array("pointers", pointers, np.uint64, 2)
+    _check_array("experts", experts, np.int32, 2)
+    _check_array("weights", weights, np.float32, 2)
+    _check_array("out", out, np.float32, 2, writable=True)
+    cdef int64_t T = x.shape[0]
+    cdef int H = x.shape[1], E = pointers.shape[1], K = experts.shape[1], Fc = F
+    if pointers.shape[0] != 3:
+        raise ValueError(f"pointers must be [3, E] (gate, up, down), got {pointers.shape}")
+    if F <= 0:
+        raise ValueError(f"F (the expert width) must be positive, got {F}")
+    if experts.shape[0] != T or weights.shape != experts.shape:
+        raise ValueError(f"experts {experts.shape} and weights {weights.shape} must both be "
+                         f"({T}, K) for x with {T} rows")
+    if out.shape != (T, H):
+        raise ValueError(f"out must have shape {(T, H)}, got {out.shape}")
+    if routed_rows is not None:
+        _check_array("routed_rows", routed_rows, np.int64, 1, writable=True)
+        if routed_rows.shape[0] != E:
+            raise ValueError(f"routed_rows has {routed_rows.shape[0]} entries for {E} experts")
+    if T == 0 or K == 0:
+        return
+    lo, hi = int(experts.min()), int(experts.max())
+    if lo < -1 or hi >= E:
+        bad = lo if lo < -1 else hi
+        raise ValueError(f"expert id {bad} is out of range: ids must be in [0, {E}) or -1 "
+                         f"(skip)")
+    if (pointers == 0).any():
+        raise ValueError("pointers holds a null address; every expert needs its three matrices")
+    cdef const float[:, ::1] xv = x
+    cdef const uint64_t[:, ::1] pv = pointers
+    cdef const int32_t[:, ::1] ev = experts
+    cdef const float[:, ::1] wv = weights
+    cdef float[:, ::1] ov = out
+    cdef int64_t[::1] cv
+    cdef int64_t *counts = NULL
+    if routed_rows is not None:
+        cv = routed_rows
+        counts = &cv[0]
+    cdef int gt = gate_type, ut = up_type, dt = down_type, rc
+    cdef int64_t gb = row_bytes(gate_type, H), ub = row_bytes(up_type, H)
+    cdef int64_t db = row_bytes(down_type, F)
+    with nogil:
+        rc = st_moe_ffn_ptrs(&xv[0, 0], T, H, Fc, E, K,
+                             <const uint8_t *const *>&pv[0, 0], gt, gb,
+                             <const uint8_t *const *>&pv[1, 0], ut, ub,
+                             <const uint8_t *const *>&pv[2, 0], dt, db,
+                             &ev[0, 0], &wv[0, 0], &ov[0, 0], counts)
+    if rc != 0:
+        raise MemoryError("moe_ffn_ptrs could not allocate its work buffers")
 
 
 def rmsnorm(x, w, eps, out=None):

@@ -33,11 +33,15 @@ static int64_t build_items(const int64_t *count, int E, int rows, moe_item *item
     return n;
 }
 
-int st_moe_ffn(const float *x, int64_t T, int H, int F, int E, int K,
-               const uint8_t *gate, int gate_type, int64_t gate_row_bytes,
-               const uint8_t *up, int up_type, int64_t up_row_bytes,
-               const uint8_t *down, int down_type, int64_t down_row_bytes,
-               const int32_t *experts, const float *weights, float *out) {
+/* Each expert's three matrices come through pointer tables [E] (gate and up [F, H] rows, down
+ * [H, F] rows): an expert may sit in the GGUF mapping, an expert pack or a cache slot. When
+ * routed_rows is not NULL, routed_rows[e] += the rows routed to expert e. */
+int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
+                    const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
+                    const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
+                    const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
+                    const int32_t *experts, const float *weights, float *out,
+                    int64_t *routed_rows) {
     int rc = -1;
     int64_t *count = calloc((size_t)E + 1, sizeof(int64_t));
     int64_t *offset = calloc((size_t)E + 1, sizeof(int64_t));
@@ -60,6 +64,8 @@ int st_moe_ffn(const float *x, int64_t T, int H, int F, int E, int K,
         if (experts[i] >= 0) count[experts[i]]++;
     for (int e = 0; e < E; e++) offset[e + 1] = offset[e] + count[e];
     const int64_t P = offset[E];
+    if (routed_rows)
+        for (int e = 0; e < E; e++) routed_rows[e] += count[e];
     {
         int64_t *fill = calloc((size_t)E + 1, sizeof(int64_t));
         if (!fill) goto done;
@@ -122,9 +128,9 @@ int st_moe_ffn(const float *x, int64_t T, int H, int F, int E, int K,
             int r0 = items[it].r0;
             int r1 = r0 + ITEM_ROWS < F ? r0 + ITEM_ROWS : F;
             int64_t p0 = offset[e], n = count[e];
-            st_gemm_rows(gate_type, gate + (int64_t)e * F * gate_row_bytes, gate_row_bytes, H,
+            st_gemm_rows(gate_type, gate_ptrs[e], gate_row_bytes, H,
                          r0, r1, &act_gate, pair_tok + p0, n, G + p0 * F + r0, F, scratch);
-            st_gemm_rows(up_type, up + (int64_t)e * F * up_row_bytes, up_row_bytes, H,
+            st_gemm_rows(up_type, up_ptrs[e], up_row_bytes, H,
                          r0, r1, ax_up, pair_tok + p0, n, U + p0 * F + r0, F, scratch);
             for (int64_t p = p0; p < p0 + n; p++) {
                 float *g = G + p * F;                              /* [F] */
@@ -143,7 +149,7 @@ int st_moe_ffn(const float *x, int64_t T, int H, int F, int E, int K,
             int r0 = items_2[it].r0;
             int r1 = r0 + ITEM_ROWS < H ? r0 + ITEM_ROWS : H;
             int64_t p0 = offset[e], n = count[e];
-            st_gemm_rows(down_type, down + (int64_t)e * H * down_row_bytes, down_row_bytes, F,
+            st_gemm_rows(down_type, down_ptrs[e], down_row_bytes, F,
                          r0, r1, &act_h, pair_ids + p0, n, Y + p0 * H + r0, H, scratch);
         }
         /* ---- out[t] += sum_k weights[t, k] * Y[pair(t, k)], in k order (deterministic) ---- */
@@ -169,5 +175,25 @@ done:
     free(G); free(U); free(Y);
     free(count); free(offset); free(pair_of); free(pair_tok); free(pair_ids); free(items);
     free(items_2);
+    return rc;
+}
+
+/* The experts of one layer as stacked tensors [E, rows, row_bytes] (a GGUF's ffn_*_exps). */
+int st_moe_ffn(const float *x, int64_t T, int H, int F, int E, int K,
+               const uint8_t *gate, int gate_type, int64_t gate_row_bytes,
+               const uint8_t *up, int up_type, int64_t up_row_bytes,
+               const uint8_t *down, int down_type, int64_t down_row_bytes,
+               const int32_t *experts, const float *weights, float *out) {
+    const uint8_t **ptrs = malloc((size_t)3 * (E > 0 ? E : 1) * sizeof(*ptrs));   /* [3, E] */
+    if (!ptrs) return -1;
+    for (int e = 0; e < E; e++) {
+        ptrs[e] = gate + (int64_t)e * F * gate_row_bytes;
+        ptrs[E + e] = up + (int64_t)e * F * up_row_bytes;
+        ptrs[2 * E + e] = down + (int64_t)e * H * down_row_bytes;
+    }
+    int rc = st_moe_ffn_ptrs(x, T, H, F, E, K, ptrs, gate_type, gate_row_bytes,
+                             ptrs + E, up_type, up_row_bytes, ptrs + 2 * E, down_type,
+                             down_row_bytes, experts, weights, out, NULL);
+    free((void *)ptrs);
     return rc;
 }

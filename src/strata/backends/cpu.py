@@ -80,6 +80,18 @@ class _Layer:
             self.shexp_w_gate = self.shexp_w_up = self.shexp_w_down = None
 
 
+def _gguf_expert_pointers(layers: list[_Layer]) -> np.ndarray:
+    """[L, 3, E] uint64: the address of each expert's gate, up and down blocks in the mapped
+    GGUF (its stacked [E, rows, row_bytes] tensors)."""
+    pointers = np.empty((len(layers), 3, layers[0].gate_exps.raw.shape[0]), dtype=np.uint64)
+    for li, ly in enumerate(layers):
+        for part, matrix in enumerate((ly.gate_exps, ly.up_exps, ly.down_exps)):
+            raw = matrix.raw  # [E, rows, row_bytes]
+            pointers[li, part] = raw.ctypes.data + np.arange(raw.shape[0],
+                                                             dtype=np.uint64) * raw.strides[0]
+    return pointers
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x * rsqrt(mean(x^2) + eps) * w over the last axis, in float32 as transformers does
     (one native call: the numpy form costs ~5 array passes and ~15 us a call)."""
@@ -120,6 +132,7 @@ class CpuModel:
         self._out_norm = _small(gguf_model.tensor("output_norm.weight"))
         head = "token_embd.weight" if spec.tied_output else "output.weight"
         self._head = _Matrix(gguf_model.tensor(head))  # [V, H]
+        self.expert_pointers = _gguf_expert_pointers(self._layers)  # [L, 3, E] uint64
         # torch computes the inverse frequencies in float32; so do we, for parity.
         exps = np.arange(0, spec.head_dim, 2, dtype=np.float32) / np.float32(spec.head_dim)
         inv_freq = 1.0 / np.power(np.float32(spec.rope_theta), exps)
@@ -213,7 +226,10 @@ class CpuModel:
         out = out.reshape(KV, G, T, D)
         return out.transpose(2, 0, 1, 3).reshape(T, Q * D)  # [T, Q*D]
 
-    def _moe(self, ly: _Layer, h: np.ndarray) -> np.ndarray:
+    def _moe(self, ly: _Layer, h: np.ndarray, pointers: np.ndarray,
+             routed_rows: np.ndarray | None) -> np.ndarray:
+        """The routed experts (read through `pointers` [3, E]) plus the shared expert of rows h
+        [T, H]; adds the rows routed to each expert into `routed_rows` [E] when given."""
         spec = self.spec
         probs = ly.router(h)  # [T, E] logits
         softmax_(probs)  # [T, E]
@@ -221,9 +237,9 @@ class CpuModel:
         if spec.norm_topk:
             weights = weights / np.sum(weights, axis=-1, keepdims=True)
         out = np.zeros_like(h)  # [T, H]
-        kernels.moe_ffn(h, ly.gate_exps.raw, ly.gate_exps.qtype, ly.up_exps.raw, ly.up_exps.qtype,
-                        ly.down_exps.raw, ly.down_exps.qtype, experts,
-                        np.ascontiguousarray(weights, dtype=np.float32), out)
+        kernels.moe_ffn_ptrs(h, pointers, ly.gate_exps.qtype, ly.up_exps.qtype,
+                             ly.down_exps.qtype, ly.gate_exps.raw.shape[1], experts,
+                             np.ascontiguousarray(weights, dtype=np.float32), out, routed_rows)
         if ly.shexp_gate is not None:
             inner = silu(ly.shexp_w_gate(h)) * ly.shexp_w_up(h)  # [T, S]
             shared = ly.shexp_w_down(inner)  # [T, H]
@@ -235,6 +251,16 @@ class CpuModel:
             out += gate[:, None] * shared
         return out
 
+    def _check_pointers(self, expert_pointers: np.ndarray | None) -> np.ndarray:
+        if expert_pointers is None:
+            return self.expert_pointers
+        shape = (self.spec.n_layers, 3, self.spec.n_experts)
+        if (not isinstance(expert_pointers, np.ndarray) or expert_pointers.dtype != np.uint64
+                or expert_pointers.shape != shape or not expert_pointers.flags.c_contiguous):
+            raise ValueError(f"expert_pointers must be a C-contiguous uint64 array of shape "
+                             f"{shape} (layer, gate/up/down, expert)")
+        return expert_pointers
+
     # ---- the pass -------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, kv: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run `tokens` at positions kv.num_tokens.. and append their K/V; return the logits
@@ -242,11 +268,24 @@ class CpuModel:
         window = Window.build([(kv, tokens)], logits="all" if all_logits else "last")
         return self.forward_window(window)
 
-    def forward_window(self, window: Window) -> np.ndarray:
+    def forward_window(self, window: Window, expert_pointers: np.ndarray | None = None,
+                       routing_counts: np.ndarray | None = None) -> np.ndarray:
         """One pass over the R rows of `window` (several slots); returns the logits
         [N, V] of its logit rows (`window.logits_of(logits, slot)` picks a slot's). Every
-        KV commits its rows only after all layers ran: an error leaves each KV as it was."""
+        KV commits its rows only after all layers ran: an error leaves each KV as it was.
+
+        `expert_pointers` [L, 3, E] uint64 says where each expert's gate, up and down blocks
+        are read from (default: `self.expert_pointers`, the GGUF mapping; an expert cache passes
+        its slots for resident experts). The memory must stay valid and unchanged until the
+        call returns. `routing_counts` [L, E] int64, when given, gets the rows routed to each
+        (layer, expert) in this window added to it."""
         window.check_current()
+        pointers = self._check_pointers(expert_pointers)
+        if routing_counts is not None and (
+                not isinstance(routing_counts, np.ndarray) or routing_counts.dtype != np.int64
+                or routing_counts.shape != (self.spec.n_layers, self.spec.n_experts)):
+            raise ValueError(f"routing_counts must be an int64 array of shape "
+                             f"{(self.spec.n_layers, self.spec.n_experts)}")
         if window.kvs[0].spec != self.spec:
             raise RequestError(
                 f"the window's KV caches were made for another model ({window.kvs[0].spec.arch}, "
@@ -258,7 +297,8 @@ class CpuModel:
             h = rms_norm(x, ly.attn_norm, eps)  # [R, H]
             x += self._attention(ly, li, h, window, cos, sin)
             h = rms_norm(x, ly.ffn_norm, eps)  # [R, H]
-            x += self._moe(ly, h)
+            x += self._moe(ly, h, pointers[li],
+                           None if routing_counts is None else routing_counts[li])
         window.commit()
         if window.num_logit_rows < window.num_rows:
             x = x[window.logit_rows]  # [N, H]
