@@ -58,14 +58,22 @@ def test_round_oracle_exact():
 
 def test_tier_exact():
     trace = _one_layer(SEQUENCE)
-    # Rounds after windows 1, 3, 5, 7 (decay 0.5). Scores [1, 1, 0, 0]: load 0, 1 in free slots.
-    # Windows 2-3: 0 hits. Scores [1.5, .5, 1, 0]: 2 replaces 1 (gain .5). Windows 4-5: 0 hits.
-    # Scores [1.75, 1.25, .5, 0]: 1 replaces 2 (gain .75). Windows 6-7: 1 hits.
-    # Scores [.875, 1.625, .25, 1]: 3 replaces 0 (gain .125).
+    # Rounds after windows 1, 3, 5, 7 (decay 0.5, fast decay 0, fast weight 0.5, hysteresis
+    # 0.5). Round 1: counts [1, 1, 0, 0] set both averages: load 0 and 1 into the free slots.
+    # Windows 2-3 (0, 2): 1 hit. Round 2: slow [1, .5, .5, 0], fast [1, 0, 1, 0], scores
+    # [1, .25, .75, 0]: 2 replaces 1 (gain .5 > .5 * .25). Windows 4-5 (0, 1): 1 hit.
+    # Round 3: slow [1, .75, .25, 0], fast [1, 1, 0, 0], scores [1, .875, .125, 0]: 1 replaces
+    # 2 (gain .75). Windows 6-7 (3, 1): 1 hit. Round 4: scores [.25, .9375, .0625, .75]:
+    # 3 replaces 0 (gain .5 > .125). 3 hits, 2 + 3 loads.
     result = replay_tier(trace, 2, DecayedCountTier(2, decay=0.5), adapt_every=2)
     assert _hits_loads(result) == (3, 5)
-    result = replay_tier(trace, 2, DecayedCountTier(2, decay=0.5), adapt_every=2, min_gain=0.2)
-    assert _hits_loads(result) == (3, 4)
+    # Min gain 0.6 stops rounds 2 and 4 (gains .5 do not clear .6 + the margin): 0 and 1 stay,
+    # windows 4-5 hit twice and window 7 once.
+    result = replay_tier(trace, 2, DecayedCountTier(2, decay=0.5), adapt_every=2, min_gain=0.6)
+    assert _hits_loads(result) == (4, 2)
+    # Frequency only, no margin: round 2's scores [1, .5, .5, 0] tie 2 with 1; nothing moves.
+    frequency_only = DecayedCountTier(2, decay=0.5, fast_weight=0.0, hysteresis=0.0)
+    assert _hits_loads(replay_tier(trace, 2, frequency_only, adapt_every=2)) == (4, 2)
 
 
 def test_hits_count_distinct_experts_per_window_and_layer():

@@ -135,3 +135,57 @@ def test_commands_synth_trace_profile_replay_inspect(tmp_path):
     assert result.output.startswith("routing trace: 2 layers x 8 experts, 40 windows")
     result = runner.invoke(replay, [str(tmp_path / "missing.trace"), "--slots", "1"])
     assert result.exit_code == 2 and "cannot read" in result.output
+
+
+def test_locality_keeps_each_previous_expert_with_its_probability():
+    """One stream, uniform popularity: an expert of token t is routed again for token t + 1
+    when kept (probability `locality`) or drawn again among the fresh picks, so the measured
+    reuse is locality + (1 - locality) * (K - kept) / (E - kept), kept ~ (K - 1) * locality."""
+    def trace(locality):
+        return synth_trace(1, 64, 8, 3000, 1, skew=0.0, locality=locality, seed=3)
+
+    for locality in (0.0, 0.3, 0.6):
+        num_kept = 7 * locality
+        expected = locality + (1 - locality) * (8 - num_kept) / (64 - num_kept)
+        assert abs(skew_summary(trace(locality)).reuse_next_window - expected) < 0.02
+    # Consecutive tokens share part of their experts, rarely all of them (0.6 ** 8 = 1.7%).
+    experts = trace(0.6).records["expert"].reshape(3000, 8)  # one stream: 8 records a window
+    num_same_sets = int((experts[1:] == experts[:-1]).all(axis=1).sum())
+    assert 0 < num_same_sets < 0.05 * 3000
+
+
+def test_stream_topics_spread_the_streams_over_more_experts():
+    def summary(rows, stream_topics, seed=4):
+        return skew_summary(synth_trace(2, 64, 8, 600, rows, skew=1.5, locality=0.5,
+                                        phase_windows=200, seed=seed,
+                                        stream_topics=stream_topics))
+
+    shared, own = summary(4, False), summary(4, True)
+    assert own.mean_experts_per_window > shared.mean_experts_per_window + 3
+    # One stream: its own topic is the shared one, drawn from the same random numbers.
+    one = synth_trace(2, 64, 8, 600, 1, 1.5, 0.5, 200, seed=4)
+    assert np.array_equal(one.records, synth_trace(2, 64, 8, 600, 1, 1.5, 0.5, 200, seed=4,
+                                                   stream_topics=True).records)
+    other_seed = synth_trace(2, 64, 8, 600, 1, 1.5, 0.5, 200, seed=5)
+    assert not np.array_equal(one.records[:1000], other_seed.records[:1000])
+
+
+def test_stream_topics_change_at_staggered_times():
+    """Two streams, phases of 200 windows: with their own topics stream 1 changes at window
+    100 and stream 0 at 200, so the hot experts of windows 0-99 and 100-199 differ in part;
+    shared topics change only at 200. Phase 0 never changes either."""
+    def hot_overlap(stream_topics, phase_windows, first, second):
+        trace = synth_trace(1, 64, 4, 400, 2, skew=2.0, locality=0.0,
+                            phase_windows=phase_windows, seed=7, stream_topics=stream_topics)
+        windows, experts = trace.records["window"], trace.records["expert"]
+
+        def hot(lo, hi):
+            counts = np.bincount(experts[(windows >= lo) & (windows < hi)], minlength=64)
+            return set(np.argsort(counts)[-6:].tolist())
+
+        return len(hot(*first) & hot(*second))
+
+    assert hot_overlap(False, 200, (0, 100), (100, 200)) >= 5
+    assert hot_overlap(True, 200, (0, 100), (100, 200)) <= 4
+    assert hot_overlap(False, 200, (100, 200), (200, 300)) <= 2
+    assert hot_overlap(True, 0, (0, 200), (200, 400)) >= 5

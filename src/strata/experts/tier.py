@@ -1,5 +1,6 @@
-"""The default tier policy: decayed routing counts per (layer, expert); each round fills free
-cache slots with the hottest missing experts, then swaps hot missing for cold resident ones.
+"""The default tier policy: each (layer, expert) scored by its expected routed rows next round (a
+blend of a slow and a fast decayed count); each round fills free cache slots with the best
+missing experts, then swaps best missing for worst resident ones where the gain clears a margin.
 """
 from __future__ import annotations
 
@@ -12,39 +13,71 @@ FREE_SLOT = -1
 
 
 class DecayedCountTier:
-    """Scores every (layer, expert) with `score = decay * score + counts` once per round.
+    """Scores every (layer, expert) once per round with the expected routed rows of the next
+    round: `score = (1 - fast_weight) * slow + fast_weight * fast`, where `slow` and `fast` are
+    averages of the per-round counts decayed by `decay` (frequency: which experts this workload
+    uses) and `fast_decay` (recency: which ones the current tokens use).
 
-    A round returns, best first and at most `max_swaps` in all: loads of the hottest missing
-    experts into the free slots (gain = its score), then pairs of the hottest missing and the
-    coldest resident expert while the gain (score difference) is above `min_gain`. Free slots
-    are known only when `num_cache_slots` is given (else only swaps are planned). The policy
-    assumes the engine applies every swap it returns before the next round.
+    A round returns, best first and at most `max_swaps` in all: loads of the best missing
+    experts into the free slots while their score is above `min_gain`, then pairs of the best
+    missing and the worst resident expert while the gain `score[load] - score[victim]` is above
+    `min_gain + hysteresis * score[victim]` (the relative margin keeps near-ties from swapping
+    back and forth). Free slots are known only when `num_cache_slots` is given (else only swaps
+    are planned). The policy assumes the engine applies every swap it returns before the next
+    round.
     """
 
     name = "decayed-count"
 
-    def __init__(self, num_cache_slots: int | None = None, decay: float = 0.7,
-                 max_swaps: int = 64):
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must lie in [0, 1), not {decay}")
+    def __init__(self, num_cache_slots: int | None = None, decay: float = 0.9,
+                 max_swaps: int = 64, *, fast_decay: float = 0.0, fast_weight: float = 0.5,
+                 hysteresis: float = 0.5):
+        for knob, value in (("decay", decay), ("fast_decay", fast_decay)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{knob} must lie in [0, 1), not {value}")
+        if not 0.0 <= fast_weight <= 1.0:
+            raise ValueError(f"fast_weight must lie in [0, 1], not {fast_weight}")
+        if hysteresis < 0.0:
+            raise ValueError(f"hysteresis must be >= 0 (0 = swap on any gain), not {hysteresis}")
         if max_swaps < 1:
             raise ValueError(f"max_swaps must be at least 1, not {max_swaps}")
+        if num_cache_slots is not None and num_cache_slots < 0:
+            raise ValueError(f"num_cache_slots must be >= 0, not {num_cache_slots}")
         self.num_cache_slots = num_cache_slots
         self.decay = decay
+        self.fast_decay = fast_decay
+        self.fast_weight = fast_weight
+        self.hysteresis = hysteresis
         self.max_swaps = max_swaps
-        self.scores: np.ndarray | None = None  # [L, E] float64
+        self.slow: np.ndarray | None = None  # [L, E] float64, rows per round (long memory)
+        self.fast: np.ndarray | None = None  # [L, E] float64, rows per round (short memory)
+
+    @property
+    def scores(self) -> np.ndarray | None:
+        """[L, E] float64: the expected routed rows of each expert in the next round."""
+        if self.slow is None:
+            return None
+        return (1.0 - self.fast_weight) * self.slow + self.fast_weight * self.fast
+
+    def observe(self, counts: np.ndarray) -> np.ndarray:
+        """Fold one round's `counts` [L, E] into the averages; returns the new scores."""
+        if self.slow is None or self.slow.shape != counts.shape:
+            # The first round's counts are the best estimate of both rates.
+            self.slow = counts.astype(np.float64)
+            self.fast = counts.astype(np.float64)
+        else:
+            self.slow = self.decay * self.slow + (1.0 - self.decay) * counts
+            self.fast = self.fast_decay * self.fast + (1.0 - self.fast_decay) * counts
+        return self.scores
 
     def plan_swaps(self, counts: np.ndarray, residency: np.ndarray,
                    min_gain: float) -> list[ExpertSwap]:
-        if self.scores is None or self.scores.shape != counts.shape:
-            self.scores = np.zeros(counts.shape, dtype=np.float64)
-        self.scores = self.decay * self.scores + counts  # new array: counts stays untouched
+        flat_scores = self.observe(counts).reshape(-1)  # new arrays: counts stays untouched
         n_experts = counts.shape[1]
-        flat_scores = self.scores.reshape(-1)
         is_resident = residency.reshape(-1) >= 0
         missing = np.flatnonzero(~is_resident)
         resident = np.flatnonzero(is_resident)
-        # Hottest missing first, coldest resident first; ties by (layer, expert) order.
+        # Best missing first, worst resident first; ties by (layer, expert) order.
         missing = missing[np.argsort(-flat_scores[missing], kind="stable")]
         resident = resident[np.argsort(flat_scores[resident], kind="stable")]
 
@@ -60,7 +93,8 @@ class DecayedCountTier:
             if len(swaps) >= self.max_swaps or next_missing >= len(missing):
                 break
             load = missing[next_missing]
-            if flat_scores[load] - flat_scores[victim] <= min_gain:
+            margin = min_gain + self.hysteresis * flat_scores[victim]
+            if flat_scores[load] - flat_scores[victim] <= margin:
                 break  # pairs only get worse from here
             swaps.append(ExpertSwap(*divmod(int(load), n_experts), *divmod(int(victim),
                                                                           n_experts)))

@@ -34,11 +34,15 @@ def skew_router_rows(router: np.ndarray, skew: float, rng: np.random.Generator) 
 
 def synth_trace(n_layers: int, n_experts: int, top_k: int, num_windows: int,
                 rows_per_window: int = 4, skew: float = 1.0, locality: float = 0.5,
-                phase_windows: int = 0, seed: int = 0) -> RoutingTrace:
-    """A decode trace of `rows_per_window` token streams: per layer, each stream's next token
-    keeps its previous token's top-k experts with probability `locality`, else draws `top_k`
-    distinct experts from that layer's Zipf(`skew`) popularity. Every `phase_windows` windows
-    (0: never) each layer's popularity ranks are drawn again, as when the topic changes."""
+                phase_windows: int = 0, seed: int = 0, *,
+                stream_topics: bool = False) -> RoutingTrace:
+    """A decode trace of `rows_per_window` token streams. Per layer, each expert a stream's
+    token was routed to is routed again for its next token with probability `locality` (so
+    consecutive tokens share part of their experts); the rest of the `top_k` are drawn, distinct,
+    from a Zipf(`skew`) popularity over the experts. The popularity is the layer's own, shared by
+    all streams, and drawn again every `phase_windows` windows (0: never), as when the topic
+    changes; with `stream_topics` each stream has its own popularity (its topic) and changes it
+    every `phase_windows` windows at its own time (staggered), as separate conversations do."""
     if not 1 <= top_k <= n_experts:
         raise ConfigError(f"top-k {top_k} must lie in 1..{n_experts} (the number of experts)")
     if not 0.0 <= locality < 1.0:
@@ -49,32 +53,37 @@ def synth_trace(n_layers: int, n_experts: int, top_k: int, num_windows: int,
         raise ConfigError(f"need at least one window and one row per window, not "
                           f"{num_windows} windows of {rows_per_window} rows")
     rng = np.random.default_rng(seed)
-    window_ids = np.arange(num_windows)
-    parts = []
-    for layer in range(n_layers):
-        num_phases = 1 if phase_windows == 0 else -(-num_windows // phase_windows)
-        phase = window_ids // (phase_windows or num_windows)  # [W]
-        log_popularity = np.log(np.stack([zipf_popularity(n_experts, skew, rng)
-                                          for _ in range(num_phases)]))[phase]  # [W, E]
-        # Gumbel top-k: k distinct experts drawn with probabilities proportional to popularity.
-        gumbel = rng.gumbel(size=(num_windows, rows_per_window, n_experts))  # [W, S, E]
-        keys = log_popularity[:, None, :] + gumbel
-        fresh = np.argpartition(-keys, top_k - 1, axis=2)[:, :, :top_k]  # [W, S, K]
-        is_kept = rng.random((num_windows, rows_per_window)) < locality  # [W, S]
-        is_kept[0] = False
-        # Each (window, stream) uses the experts drawn at its stream's last fresh window.
-        last_fresh = np.maximum.accumulate(np.where(is_kept, 0, window_ids[:, None]), axis=0)
-        chosen = np.take_along_axis(fresh, last_fresh[:, :, None], axis=0)  # [W, S, K]
-        rows = np.zeros((num_windows, n_experts), dtype=np.int64)  # [W, E]
-        np.add.at(rows, (np.repeat(window_ids, rows_per_window * top_k), chosen.reshape(-1)), 1)
-        windows, experts = np.nonzero(rows)
-        part = np.empty(len(windows), dtype=RECORD_DTYPE)
-        part["window"], part["layer"], part["expert"] = windows, layer, experts
-        part["rows"] = rows[windows, experts]
-        parts.append(part)
-    records = np.concatenate(parts)
-    records = records[np.lexsort((records["expert"], records["layer"], records["window"]))]
+    num_streams = rows_per_window
+    phase_length = phase_windows or num_windows
+    # Stream s changes topic at windows offset_s + j * phase_length; shared topics change at once.
+    offsets = (np.arange(num_streams) * phase_length // num_streams
+               if stream_topics and phase_windows else np.zeros(num_streams, dtype=np.int64))
+    num_phases = (num_windows + phase_length - 1) // phase_length + 1
+    num_owners = num_streams if stream_topics else 1
+    log_popularity = np.log(np.stack([  # [L, owners, phases, E]
+        [[zipf_popularity(n_experts, skew, rng) for _ in range(num_phases)]
+         for _ in range(num_owners)] for _ in range(n_layers)]))
+    owner = np.arange(num_streams) % num_owners  # [S]
+    rows = np.zeros((num_windows, n_layers, n_experts), dtype=np.int64)  # [W, L, E]
+    is_chosen = np.zeros((n_layers, num_streams, n_experts), dtype=bool)  # [L, S, E]
+    positions = np.arange(n_experts)
+    for window in range(num_windows):
+        phase = (window + offsets) // phase_length  # [S]
+        keys = log_popularity[:, owner, phase, :] + rng.gumbel(size=is_chosen.shape)  # [L, S, E]
+        is_kept = is_chosen & (rng.random(is_chosen.shape) < locality)
+        num_needed = top_k - is_kept.sum(axis=2, keepdims=True)  # [L, S, 1]
+        # Gumbel top-k over the experts not kept: distinct draws proportional to popularity.
+        keys[is_kept] = -np.inf
+        order = np.argsort(-keys, axis=2)
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, positions[None, None, :], axis=2)
+        is_chosen = is_kept | (rank < num_needed)
+        rows[window] = is_chosen.sum(axis=1)
+    windows, layers, experts = np.nonzero(rows)  # sorted by (window, layer, expert)
+    records = np.empty(len(windows), dtype=RECORD_DTYPE)
+    records["window"], records["layer"], records["expert"] = windows, layers, experts
+    records["rows"] = rows[windows, layers, experts]
     extra = {"synthetic": {"top_k": top_k, "rows_per_window": rows_per_window, "skew": skew,
                            "locality": locality, "phase_windows": phase_windows,
-                           "seed": seed}}
+                           "stream_topics": stream_topics, "seed": seed}}
     return RoutingTrace(n_layers, n_experts, records, extra)
