@@ -5,8 +5,7 @@ from cpu_reference import reference_logits
 from synth_models import synth_cpu_models
 
 from strata._native import kernels
-from strata.backends import cpu
-from strata.backends.cpu import CpuModel, top_k
+from strata.backends.cpu import CpuModel
 from strata.errors import ConfigError, RequestError
 
 PROMPT = np.array([17, 4000, 3, 250, 251, 9, 1024, 77, 5, 3000, 42], dtype=np.int32)
@@ -104,13 +103,20 @@ def test_float16_kv_cells(models):
     assert not np.allclose(logits, ref, rtol=0, atol=1e-7 * _scale(ref))
 
 
-def test_attention_in_row_blocks(models, monkeypatch):
+def test_long_context_across_key_tiles(models):
+    # 150 tokens span three of attention's 64-key tiles; decoding past them one row at a time,
+    # in odd chunks, and all at once gives the same logits
     model = models["qwen2moe-f32"]
-    whole = model.forward(PROMPT, model.new_kv(32), all_logits=True)
-    # 4 bytes x 4 heads x 11 columns x 3 rows: blocks of 3 rows (3 + 3 + 3 + 2)
-    monkeypatch.setattr(cpu, "_SCORES_BYTES", 4 * 4 * 11 * 3)
-    blocked = model.forward(PROMPT, model.new_kv(32), all_logits=True)
-    np.testing.assert_allclose(blocked, whole, rtol=0, atol=1e-6 * _scale(whole))
+    tokens = np.random.default_rng(3).integers(0, 4096, size=150).astype(np.int32)
+    whole = model.forward(tokens, model.new_kv(160), all_logits=True)
+    kv = model.new_kv(160)
+    parts = [model.forward(tokens[:63], kv, all_logits=True),
+             model.forward(tokens[63:130], kv, all_logits=True)]
+    parts += [model.forward(tokens[t:t + 1], kv) for t in range(130, 150)]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=0,
+                               atol=1e-5 * _scale(whole))
+    ref = reference_logits(model.gguf, tokens[:70])
+    np.testing.assert_allclose(whole[:70], ref, rtol=0, atol=1e-4 * _scale(ref))
 
 
 def test_last_row_only(models):
@@ -172,12 +178,3 @@ def test_config_errors(models):
         model.new_kv(5000)
     with pytest.raises(ConfigError, match="num_threads = 0 must be positive"):
         CpuModel(model.gguf, num_threads=0)
-
-
-def test_top_k_ties_take_the_lowest_id_first():
-    probs = np.array([[0.1, 0.3, 0.3, 0.2, 0.1],
-                      [0.25, 0.25, 0.25, 0.25, 0.0]], dtype=np.float32)
-    ids, values = top_k(probs, 3)
-    np.testing.assert_array_equal(ids, [[1, 2, 3], [0, 1, 2]])
-    np.testing.assert_array_equal(values, np.float32([[0.3, 0.3, 0.2], [0.25, 0.25, 0.25]]))
-    assert ids.dtype == np.int32

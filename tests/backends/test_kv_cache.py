@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from strata.engine.kv import KVCache
+from strata.engine.kv import KV_KEY_TILE, KVCache
 from strata.errors import ConfigError, RequestError
 from strata.model.arch import ModelSpec
 
@@ -39,7 +39,24 @@ def test_append_commit_and_views():
             kv.keys(layer), np.concatenate([first[layer][0], second[layer][0]], axis=1))
         np.testing.assert_array_equal(
             kv.values(layer), np.concatenate([first[layer][1], second[layer][1]], axis=1))
-    assert kv.nbytes == 2 * 3 * 2 * 10 * 8 * 4
+    # V: [3 layers, 2 heads, 10 cells, 8] float32; K: one whole 64-key tile per head
+    assert kv.nbytes == 3 * 2 * 10 * 8 * 4 + 3 * 2 * KV_KEY_TILE * 8 * 4
+
+
+def test_keys_across_tiles_and_their_stored_layout():
+    rng = np.random.default_rng(6)
+    kv = KVCache(SPEC, 2 * KV_KEY_TILE + 20)
+    chunks = [_fill(kv, rng, n) for n in (KV_KEY_TILE - 1, 2, KV_KEY_TILE + 10)]
+    keys = np.concatenate([c[1][0] for c in chunks], axis=1)  # layer 1, [2, 139, 8]
+    np.testing.assert_array_equal(kv.keys(1), keys)
+    k_cells, v_cells = kv.cells
+    assert k_cells.shape == (3, 2, 3, 8, KV_KEY_TILE) and v_cells.shape == (3, 2, 148, 8)
+    # key t of head j is column t % TILE of tile t // TILE
+    for t in (0, KV_KEY_TILE - 1, KV_KEY_TILE, 138):
+        np.testing.assert_array_equal(k_cells[1, :, t // KV_KEY_TILE, :, t % KV_KEY_TILE],
+                                      keys[:, t])
+    np.testing.assert_array_equal(v_cells[1, :, :139], np.concatenate(
+        [c[1][1] for c in chunks], axis=1))
 
 
 def test_uncommitted_rows_are_not_part_of_the_sequence():
@@ -87,6 +104,8 @@ def test_dtype_is_a_parameter():
     np.testing.assert_array_equal(keys[:, 0], k[:, 0].astype(np.float16))
 
 
-def test_bad_capacity():
+def test_bad_capacity_and_dtype():
     with pytest.raises(ConfigError, match="capacity 0 tokens must be positive"):
         KVCache(SPEC, 0)
+    with pytest.raises(ConfigError, match="KV cells of int8 are not supported"):
+        KVCache(SPEC, 4, dtype=np.int8)

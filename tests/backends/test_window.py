@@ -163,22 +163,6 @@ def test_threaded_window_equals_single_threaded_slots(models):
     assert together == alone
 
 
-def test_one_moe_call_per_layer_over_all_rows(models, monkeypatch):
-    model = models["qwen2moe-q4_0"]
-    kvs = _history(model, np.random.default_rng(3), [4, 0, 9])
-    real = kernels.moe_ffn_ptrs
-    rows_seen = []
-
-    def counting(x, *args):
-        rows_seen.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(kernels, "moe_ffn_ptrs", counting)
-    window = Window.build([(kvs[0], [1]), (kvs[1], [2, 3, 4]), (kvs[2], [5, 6])])
-    model.forward_window(window)
-    assert rows_seen == [6] * model.spec.n_layers
-
-
 def test_routing_counts_and_relocated_experts(models):
     # experts read from copies elsewhere in memory (as from cache slots) give the same logits,
     # and the window reports the rows routed to every (layer, expert): K per row per layer
@@ -251,20 +235,17 @@ def test_a_failing_pass_commits_no_kv(models, monkeypatch):
     runs = [(kvs[0], _tokens(rng, 2)), (kvs[1], _tokens(rng, 1))]
     fresh = [copy.deepcopy(kv) for kv in kvs]
     expected = model.forward_window(Window.build(list(zip(fresh, [t for _, t in runs]))))
-    real = kernels.moe_ffn_ptrs
-    num_calls = []
+    real = kernels.window_forward
 
-    def fails_in_the_last_layer(*args):
-        num_calls.append(1)
-        if len(num_calls) == model.spec.n_layers:
-            raise MemoryError("moe_ffn could not allocate its work buffers")
-        return real(*args)
+    def fails_after_every_layer(*args):
+        real(*args)  # every layer ran and wrote its K/V cells
+        raise MemoryError("the window's kernels could not allocate their work buffers")
 
-    monkeypatch.setattr(kernels, "moe_ffn_ptrs", fails_in_the_last_layer)
+    monkeypatch.setattr(kernels, "window_forward", fails_after_every_layer)
     with pytest.raises(MemoryError):
         model.forward_window(Window.build(runs))
     assert [kv.num_tokens for kv in kvs] == [3, 6]
-    monkeypatch.setattr(kernels, "moe_ffn_ptrs", real)
+    monkeypatch.setattr(kernels, "window_forward", real)
     # the appended but uncommitted rows are simply overwritten by the retry
     _assert_same("f32", model.forward_window(Window.build(runs)), expected)
 

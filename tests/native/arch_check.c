@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "quant.h"
+#include "window.h"
 
 static uint64_t g_state = 88172645463325252ull;
 
@@ -96,6 +97,68 @@ static int check(int qt, int rows, int cols, int T) {
     return ok;
 }
 
+/* st_attention over cells written by st_kv_write(_keys), against a double reference of the same
+ * (rounded) cells: 3 runs (a chunk across key tiles, a fresh prompt, a decode row), GQA. */
+static int check_attention(int D, int is_f16) {
+    enum { Q = 8, KV = 2, G = Q / KV, S = 3 };
+    const int64_t pos0[S] = {100, 0, 200}, rows[S] = {30, 5, 1}, cap = 201;
+    const int64_t k_tiles = (cap + ST_KEY_TILE - 1) / ST_KEY_TILE;
+    const size_t cell = is_f16 ? 2 : 4;
+    int64_t R = 0;
+    for (int s = 0; s < S; s++) R += rows[s];
+    float *q = malloc(sizeof(float) * R * Q * D), *out = malloc(sizeof(float) * R * Q * D);
+    float *src = malloc(sizeof(float) * cap * KV * D);
+    void *kc[S], *vc[S];
+    st_attn_run runs[S];
+    int64_t row0 = 0;
+    for (int s = 0; s < S; s++) {
+        kc[s] = calloc((size_t)(KV * k_tiles * D * ST_KEY_TILE), cell);
+        vc[s] = calloc((size_t)(KV * cap * D), cell);
+        int64_t n = pos0[s] + rows[s];
+        for (int64_t i = 0; i < n * KV * D; i++) src[i] = uniform();
+        st_kv_write_keys(kc[s], is_f16, k_tiles, 0, src, n, KV, D);
+        for (int64_t i = 0; i < n * KV * D; i++) src[i] = uniform();
+        st_kv_write(vc[s], is_f16, cap, 0, src, n, KV, D);
+        runs[s] = (st_attn_run){kc[s], vc[s], cap, k_tiles, row0, rows[s], pos0[s], is_f16};
+        row0 += rows[s];
+    }
+    for (int64_t i = 0; i < R * Q * D; i++) q[i] = 2.0f * uniform();
+    const float scale = 1.0f / sqrtf((float)D);
+    void *scratch = malloc(st_attention_scratch_bytes(Q, KV, D) * 4);
+    st_attention(q, Q, KV, D, scale, runs, S, out, scratch, 4);
+#define CELL(ptr, idx) (is_f16 ? (double)st_fp16_to_fp32(((const uint16_t *)(ptr))[idx]) \
+                               : (double)((const float *)(ptr))[idx])
+    double worst = 0.0, *p = malloc(sizeof(double) * cap);
+    for (int s = 0; s < S; s++)
+        for (int64_t i = 0; i < rows[s]; i++)
+            for (int j = 0; j < Q; j++) {
+                const int64_t r = runs[s].row0 + i, n = pos0[s] + i + 1;
+                const int h = j / G;
+                double mx = -1e300, sum = 0.0;
+                for (int64_t c = 0; c < n; c++) {
+                    double dot = 0.0;
+                    for (int d = 0; d < D; d++)
+                        dot += q[(r * Q + j) * D + d] * CELL(kc[s], ((h * k_tiles + c / ST_KEY_TILE)
+                               * D + d) * ST_KEY_TILE + c % ST_KEY_TILE);
+                    p[c] = dot * scale;
+                    mx = p[c] > mx ? p[c] : mx;
+                }
+                for (int64_t c = 0; c < n; c++) sum += (p[c] = exp(p[c] - mx));
+                for (int d = 0; d < D; d++) {
+                    double ref = 0.0;
+                    for (int64_t c = 0; c < n; c++) ref += p[c] / sum * CELL(vc[s], (h * cap + c) * D + d);
+                    double err = fabs(out[(r * Q + j) * D + d] - ref);
+                    if (!(err <= worst)) worst = err;
+                }
+            }
+#undef CELL
+    int ok = worst <= 2e-5;
+    printf("attention D=%d %s error=%.2e %s\n", D, is_f16 ? "f16" : "f32", worst, ok ? "ok" : "FAIL");
+    for (int s = 0; s < S; s++) { free(kc[s]); free(vc[s]); }
+    free(q); free(out); free(src); free(scratch); free(p);
+    return ok;
+}
+
 int main(void) {
     const int types[8] = {ST_F32, ST_F16, ST_BF16, ST_Q4_0, ST_Q8_0, ST_Q4_K, ST_Q5_K, ST_Q6_K};
     const int token_counts[4] = {1, 2, 5, 9};
@@ -109,6 +172,9 @@ int main(void) {
             for (int jt = 0; jt < 4; jt++)
                 num_failed += !check(qt, 37, widths[iw], token_counts[jt]);
     }
+    const int head_dims[3] = {64, 40, 16};
+    for (int id = 0; id < 3; id++)
+        for (int is_f16 = 0; is_f16 < 2; is_f16++) num_failed += !check_attention(head_dims[id], is_f16);
     printf("%s\n", num_failed ? "FAILED" : "PASSED");
     return num_failed != 0;
 }

@@ -1,21 +1,28 @@
-"""The KV cache of one sequence: per layer K and V cells [n_kv_heads, capacity, head_dim].
-
-A forward pass appends its rows' K/V layer by layer, then commits them once all layers ran.
+"""The KV cache of one sequence: per layer K and V cells, float32 or float16. The native window
+loop writes a pass's rows into `cells` layer by layer; the pass commits them once all layers ran.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from strata._native.kernels import KV_KEY_TILE
 from strata.errors import ConfigError, RequestError
 from strata.model.arch import ModelSpec
 
-# L = layers, KV = KV heads, C = capacity (tokens), D = head dim, T = rows appended now
+# L = layers, KV = KV heads, C = capacity (tokens), D = head dim, T = rows appended now,
+# NT = key tiles (C / KV_KEY_TILE rounded up), TILE = KV_KEY_TILE
+
+CELL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 class KVCache:
     """K/V cells of one sequence. Invariant: cells [0, num_tokens) of every layer are filled;
     `append` writes cells [num_tokens, num_tokens + T) of one layer and `commit(T)` makes them
-    part of the sequence once every layer has them."""
+    part of the sequence once every layer has them.
+
+    V cells are [L, KV, C, D]. K cells are stored tile-transposed, [L, KV, NT, D, TILE] (key t
+    is column t % TILE of tile t // TILE), the panels attention multiplies without repacking;
+    `keys(layer)` gives them back as [KV, num_tokens, D]."""
 
     def __init__(self, spec: ModelSpec, capacity_tokens: int, dtype=np.float32):
         capacity_tokens = int(capacity_tokens)
@@ -23,17 +30,28 @@ class KVCache:
             raise ConfigError(
                 f"KV cache capacity {capacity_tokens} tokens must be positive; give a context "
                 "size of at least 1")
+        if np.dtype(dtype) not in CELL_DTYPES:
+            raise ConfigError(f"KV cells of {np.dtype(dtype).name} are not supported; use "
+                              "float32 or float16")
         self.spec = spec
         self.dtype = np.dtype(dtype)
         self.capacity = capacity_tokens
         self.num_tokens = 0
-        shape = (spec.n_layers, spec.n_kv_heads, capacity_tokens, spec.head_dim)
-        self._k = np.zeros(shape, dtype=self.dtype)  # [L, KV, C, D]
-        self._v = np.zeros(shape, dtype=self.dtype)  # [L, KV, C, D]
+        L, KV, D = spec.n_layers, spec.n_kv_heads, spec.head_dim
+        num_tiles = -(-capacity_tokens // KV_KEY_TILE)
+        self._k = np.zeros((L, KV, num_tiles, D, KV_KEY_TILE), dtype=self.dtype)
+        self._v = np.zeros((L, KV, capacity_tokens, D), dtype=self.dtype)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the cells (K's last tile is whole even where the capacity ends inside it)."""
         return int(self._k.nbytes + self._v.nbytes)
+
+    @property
+    def cells(self) -> tuple[np.ndarray, np.ndarray]:
+        """The K [L, KV, NT, D, TILE] and V [L, KV, C, D] cell arrays the native loop writes
+        (cells past num_tokens are not part of the sequence)."""
+        return self._k, self._v
 
     @property
     def room_tokens(self) -> int:
@@ -51,22 +69,32 @@ class KVCache:
                 "raise the context size")
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Write k, v [KV, T, D] after the committed tokens of `layer`; return the views
-        [KV, num_tokens + T, D] of that layer's keys and values including the new rows."""
+        """Write k, v [KV, T, D] after the committed tokens of `layer`; return that layer's keys
+        and values [KV, num_tokens + T, D] including the new rows (keys as a copy)."""
         num_new = k.shape[1]
         self.check_room(num_new)
         end = self.num_tokens + num_new
-        self._k[layer, :, self.num_tokens:end] = k
+        positions = np.arange(self.num_tokens, end)
+        # [KV, NT, D, TILE] indexed by (tile, column) arrays: the selection is [T, KV, D]
+        self._k[layer][:, positions // KV_KEY_TILE, :, positions % KV_KEY_TILE] = \
+            k.transpose(1, 0, 2)
         self._v[layer, :, self.num_tokens:end] = v
-        return self._k[layer, :, :end], self._v[layer, :, :end]
+        return self._keys(layer, end), self._v[layer, :, :end]
 
     def commit(self, num_new_tokens: int) -> None:
         """Make the rows appended to every layer part of the sequence."""
         self.check_room(num_new_tokens)
         self.num_tokens += int(num_new_tokens)
 
+    def _keys(self, layer: int, num_tokens: int) -> np.ndarray:
+        num_tiles = -(-num_tokens // KV_KEY_TILE)
+        tiles = self._k[layer, :, :num_tiles].transpose(0, 1, 3, 2)  # [KV, nt, TILE, D]
+        return tiles.reshape(self.spec.n_kv_heads, num_tiles * KV_KEY_TILE,
+                             self.spec.head_dim)[:, :num_tokens]  # [KV, num_tokens, D] copy
+
     def keys(self, layer: int) -> np.ndarray:
-        return self._k[layer, :, :self.num_tokens]  # [KV, num_tokens, D]
+        """[KV, num_tokens, D]: a copy (the cells are stored tile-transposed)."""
+        return self._keys(layer, self.num_tokens)
 
     def values(self, layer: int) -> np.ndarray:
         return self._v[layer, :, :self.num_tokens]  # [KV, num_tokens, D]
