@@ -1,0 +1,390 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The CUDA driver API opened at run time (dlopen of libcuda.so.1): cubin modules, kernel
+launches from prepared argument buffers (a whole list per call, no Python per launch) and stream
+capture into CUDA graphs. Builds and imports without a driver; using it there says so."""
+
+from libc.stdint cimport uint64_t, uint32_t, int32_t, int64_t, uintptr_t
+from libc.stdlib cimport malloc, calloc, free
+from libc.string cimport memcpy
+
+from strata.errors import ConfigError
+
+cdef extern from "<dlfcn.h>" nogil:
+    void *dlopen(const char *filename, int flag)
+    void *dlsym(void *handle, const char *symbol)
+    char *dlerror()
+    int RTLD_NOW
+    int RTLD_LOCAL
+
+# ---- the few driver types (declared here: no cuda.h at build time, no libcuda at link time) --
+ctypedef int CUresult
+ctypedef void *CUmodule
+ctypedef void *CUfunction
+ctypedef void *CUstream
+ctypedef void *CUgraph
+ctypedef void *CUgraphExec
+ctypedef void *CUgraphNode
+ctypedef void *CUcontext
+ctypedef unsigned long long CUdeviceptr
+
+ctypedef CUresult (*t_init)(unsigned int) noexcept nogil
+ctypedef CUresult (*t_error_string)(CUresult, const char **) noexcept nogil
+ctypedef CUresult (*t_ctx_get_current)(CUcontext *) noexcept nogil
+ctypedef CUresult (*t_ctx_synchronize)() noexcept nogil
+ctypedef CUresult (*t_module_load_data)(CUmodule *, const void *) noexcept nogil
+ctypedef CUresult (*t_module_unload)(CUmodule) noexcept nogil
+ctypedef CUresult (*t_module_get_function)(CUfunction *, CUmodule, const char *) noexcept nogil
+ctypedef CUresult (*t_func_set_attribute)(CUfunction, int, int) noexcept nogil
+ctypedef CUresult (*t_launch_kernel)(CUfunction, unsigned int, unsigned int, unsigned int,
+                                     unsigned int, unsigned int, unsigned int, unsigned int,
+                                     CUstream, void **, void **) noexcept nogil
+ctypedef CUresult (*t_stream_begin_capture)(CUstream, int) noexcept nogil
+ctypedef CUresult (*t_stream_end_capture)(CUstream, CUgraph *) noexcept nogil
+ctypedef CUresult (*t_graph_instantiate)(CUgraphExec *, CUgraph, unsigned long long) noexcept nogil
+ctypedef CUresult (*t_graph_launch)(CUgraphExec, CUstream) noexcept nogil
+ctypedef CUresult (*t_graph_exec_destroy)(CUgraphExec) noexcept nogil
+ctypedef CUresult (*t_graph_destroy)(CUgraph) noexcept nogil
+ctypedef CUresult (*t_graph_get_nodes)(CUgraph, CUgraphNode *, size_t *) noexcept nogil
+ctypedef CUresult (*t_memset_d8_async)(CUdeviceptr, unsigned char, size_t, CUstream) noexcept nogil
+ctypedef CUresult (*t_stream_synchronize)(CUstream) noexcept nogil
+
+cdef struct Driver:
+    t_init init
+    t_error_string error_string
+    t_ctx_get_current ctx_get_current
+    t_ctx_synchronize ctx_synchronize
+    t_module_load_data module_load_data
+    t_module_unload module_unload
+    t_module_get_function module_get_function
+    t_func_set_attribute func_set_attribute
+    t_launch_kernel launch_kernel
+    t_stream_begin_capture stream_begin_capture
+    t_stream_end_capture stream_end_capture
+    t_graph_instantiate graph_instantiate
+    t_graph_launch graph_launch
+    t_graph_exec_destroy graph_exec_destroy
+    t_graph_destroy graph_destroy
+    t_graph_get_nodes graph_get_nodes
+    t_memset_d8_async memset_d8_async
+    t_stream_synchronize stream_synchronize
+
+cdef Driver drv
+cdef bint _loaded = False
+
+LIBRARY = "libcuda.so.1"
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CAPTURE_MODE_THREAD_LOCAL = 1
+
+
+class CudaUnavailable(ConfigError):
+    """No usable CUDA driver on this machine (libcuda.so.1 missing or without a symbol)."""
+
+
+class CudaError(RuntimeError):
+    """A driver call returned an error code."""
+
+
+cdef void *_sym(void *lib, str name) except NULL:
+    cdef bytes b = name.encode()
+    cdef void *p = dlsym(lib, b)
+    if p == NULL:
+        raise CudaUnavailable(
+            f"{LIBRARY} has no symbol {name}: the NVIDIA driver is too old for Strata's CUDA "
+            "backend; update the driver (CUDA 12 or later), or run with --device cpu")
+    return p
+
+
+def load() -> None:
+    """Open libcuda.so.1 and resolve the entry points (once); CudaUnavailable when absent."""
+    global _loaded
+    if _loaded:
+        return
+    cdef void *lib = dlopen(LIBRARY.encode(), RTLD_NOW | RTLD_LOCAL)
+    if lib == NULL:
+        err = dlerror()
+        why = err.decode(errors="replace") if err != NULL else "not found"
+        raise CudaUnavailable(
+            f"the CUDA driver library {LIBRARY} could not be loaded ({why}): this machine has no "
+            "NVIDIA driver. Install the driver for your GPU, or run with --device cpu")
+    drv.init = <t_init>_sym(lib, "cuInit")
+    drv.error_string = <t_error_string>_sym(lib, "cuGetErrorString")
+    drv.ctx_get_current = <t_ctx_get_current>_sym(lib, "cuCtxGetCurrent")
+    drv.ctx_synchronize = <t_ctx_synchronize>_sym(lib, "cuCtxSynchronize")
+    drv.module_load_data = <t_module_load_data>_sym(lib, "cuModuleLoadData")
+    drv.module_unload = <t_module_unload>_sym(lib, "cuModuleUnload")
+    drv.module_get_function = <t_module_get_function>_sym(lib, "cuModuleGetFunction")
+    drv.func_set_attribute = <t_func_set_attribute>_sym(lib, "cuFuncSetAttribute")
+    drv.launch_kernel = <t_launch_kernel>_sym(lib, "cuLaunchKernel")
+    drv.stream_begin_capture = <t_stream_begin_capture>_sym(lib, "cuStreamBeginCapture_v2")
+    drv.stream_end_capture = <t_stream_end_capture>_sym(lib, "cuStreamEndCapture")
+    drv.graph_instantiate = <t_graph_instantiate>_sym(lib, "cuGraphInstantiateWithFlags")
+    drv.graph_launch = <t_graph_launch>_sym(lib, "cuGraphLaunch")
+    drv.graph_exec_destroy = <t_graph_exec_destroy>_sym(lib, "cuGraphExecDestroy")
+    drv.graph_destroy = <t_graph_destroy>_sym(lib, "cuGraphDestroy")
+    drv.graph_get_nodes = <t_graph_get_nodes>_sym(lib, "cuGraphGetNodes")
+    drv.memset_d8_async = <t_memset_d8_async>_sym(lib, "cuMemsetD8Async")
+    drv.stream_synchronize = <t_stream_synchronize>_sym(lib, "cuStreamSynchronize")
+    _loaded = True
+    _check(drv.init(0), "cuInit")
+
+
+def is_available() -> bool:
+    """True when the driver library loads and initialises (a real probe, no exception)."""
+    try:
+        load()
+    except (CudaUnavailable, CudaError):
+        return False
+    return True
+
+
+cdef int _check(CUresult rc, str what) except -1:
+    cdef const char *msg = NULL
+    if rc == 0:
+        return 0
+    if _loaded and drv.error_string(rc, &msg) == 0 and msg != NULL:
+        text = msg.decode(errors="replace")
+    else:
+        text = "unknown error"
+    raise CudaError(f"{what} failed: CUDA error {rc} ({text})")
+
+
+cdef inline void _need() except *:
+    if not _loaded:
+        load()
+
+
+def current_context() -> int:
+    """The calling thread's current CUDA context handle (0 when none)."""
+    _need()
+    cdef CUcontext ctx = NULL
+    _check(drv.ctx_get_current(&ctx), "cuCtxGetCurrent")
+    return <uintptr_t>ctx
+
+
+def synchronize_stream(uintptr_t stream) -> None:
+    _need()
+    with nogil:
+        rc = drv.stream_synchronize(<CUstream>stream)
+    _check(rc, "cuStreamSynchronize")
+
+
+def memset_d8_async(uint64_t ptr, unsigned char value, size_t num_bytes, uintptr_t stream) -> None:
+    _need()
+    _check(drv.memset_d8_async(<CUdeviceptr>ptr, value, num_bytes, <CUstream>stream),
+           "cuMemsetD8Async")
+
+
+cdef class Module:
+    """A loaded cubin in the current context; `function(name)` gives its kernels."""
+
+    cdef CUmodule handle
+    cdef bytes image
+
+    def __cinit__(self, bytes image):
+        _need()
+        self.image = image  # the driver reads the image during the load only; kept for clarity
+        _check(drv.module_load_data(&self.handle, <const char *>self.image), "cuModuleLoadData")
+
+    def function(self, str name) -> Kernel:
+        cdef CUfunction fn = NULL
+        cdef bytes b = name.encode()
+        _check(drv.module_get_function(&fn, self.handle, b),
+               f"cuModuleGetFunction({name!r})")
+        k = Kernel()
+        k.handle = fn
+        k.name = name
+        k.module = self
+        return k
+
+
+cdef class Kernel:
+    """One __global__ function of a Module."""
+
+    cdef CUfunction handle
+    cdef public str name
+    cdef object module  # keeps the module loaded while the kernel lives
+
+    def set_max_dynamic_shared(self, int num_bytes) -> None:
+        _check(drv.func_set_attribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                      num_bytes), f"cuFuncSetAttribute({self.name})")
+
+    def prepare(self, grid, block, str fmt, args, unsigned int shared_bytes=0) -> Launch:
+        """A launch of this kernel with its arguments packed once. fmt has one letter per
+        argument: 'P' a device pointer (int), 'i' int32, 'I' uint32, 'q' int64, 'f' float32."""
+        return Launch(self, grid, block, fmt, args, shared_bytes)
+
+
+cdef struct LaunchRec:
+    CUfunction fn
+    unsigned int grid[3]
+    unsigned int block[3]
+    unsigned int shared_bytes
+    void **params
+
+
+cdef class Launch:
+    """A prepared launch: kernel, grid, block and an argument buffer (8 bytes per argument)."""
+
+    cdef LaunchRec rec
+    cdef uint64_t *values
+    cdef int num_args
+    cdef Kernel kernel
+
+    def __cinit__(self, Kernel kernel, grid, block, str fmt, args, unsigned int shared_bytes):
+        cdef int i
+        cdef float f
+        cdef int32_t i32
+        cdef uint32_t u32
+        cdef int64_t i64
+        if len(fmt) != len(args):
+            raise ValueError(f"{kernel.name}: format {fmt!r} names {len(fmt)} arguments, "
+                             f"got {len(args)}")
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        self.kernel = kernel
+        self.num_args = len(args)
+        self.values = <uint64_t *>calloc(max(1, self.num_args), sizeof(uint64_t))
+        self.rec.params = <void **>calloc(max(1, self.num_args), sizeof(void *))
+        if self.values == NULL or self.rec.params == NULL:
+            raise MemoryError()
+        for i in range(self.num_args):
+            c = fmt[i]
+            if c == "P":
+                self.values[i] = <uint64_t>int(args[i])
+            elif c == "q":
+                i64 = int(args[i])
+                memcpy(&self.values[i], &i64, 8)
+            elif c == "i":
+                i32 = int(args[i])
+                memcpy(&self.values[i], &i32, 4)
+            elif c == "I":
+                u32 = int(args[i])
+                memcpy(&self.values[i], &u32, 4)
+            elif c == "f":
+                f = float(args[i])
+                memcpy(&self.values[i], &f, 4)
+            else:
+                raise ValueError(f"{kernel.name}: unknown argument kind {c!r} in {fmt!r}")
+            self.rec.params[i] = &self.values[i]
+        self.rec.fn = kernel.handle
+        for i in range(3):
+            self.rec.grid[i] = grid[i]
+            self.rec.block[i] = block[i]
+        self.rec.shared_bytes = shared_bytes
+        if min(grid) <= 0 or min(block) <= 0:
+            raise ValueError(f"{kernel.name}: empty launch grid {grid} block {block}")
+
+    def __dealloc__(self):
+        free(self.values)
+        free(self.rec.params)
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    def launch(self, uintptr_t stream) -> None:
+        cdef CUresult rc
+        with nogil:
+            rc = _launch(&self.rec, <CUstream>stream)
+        _check(rc, f"cuLaunchKernel({self.kernel.name})")
+
+
+cdef inline CUresult _launch(LaunchRec *r, CUstream stream) noexcept nogil:
+    return drv.launch_kernel(r.fn, r.grid[0], r.grid[1], r.grid[2], r.block[0], r.block[1],
+                             r.block[2], r.shared_bytes, stream, r.params, NULL)
+
+
+cdef class LaunchList:
+    """Prepared launches run in order by one call (a C loop, GIL released)."""
+
+    cdef LaunchRec *recs
+    cdef int num, cap
+    cdef list keep  # the Launch objects own the argument buffers
+
+    def __cinit__(self):
+        self.keep = []
+        self.num = 0
+        self.cap = 0
+        self.recs = NULL
+
+    def __dealloc__(self):
+        free(self.recs)
+
+    def append(self, Launch launch) -> None:
+        cdef LaunchRec *grown
+        if self.num == self.cap:
+            self.cap = max(64, 2 * self.cap)
+            grown = <LaunchRec *>malloc(self.cap * sizeof(LaunchRec))
+            if grown == NULL:
+                raise MemoryError()
+            if self.recs != NULL:
+                memcpy(grown, self.recs, self.num * sizeof(LaunchRec))
+                free(self.recs)
+            self.recs = grown
+        self.recs[self.num] = launch.rec
+        self.keep.append(launch)
+        self.num += 1
+
+    def __len__(self) -> int:
+        return self.num
+
+    def names(self) -> list:
+        return [l.name for l in self.keep]
+
+    def launch_one(self, int i, uintptr_t stream) -> None:
+        """Launch entry i alone (profiling: events between launches)."""
+        if not 0 <= i < self.num:
+            raise IndexError(f"launch {i} of a list of {self.num}")
+        self.keep[i].launch(stream)
+
+    def run(self, uintptr_t stream) -> None:
+        cdef int i, failed = -1
+        cdef CUresult rc = 0
+        with nogil:
+            for i in range(self.num):
+                rc = _launch(&self.recs[i], <CUstream>stream)
+                if rc != 0:
+                    failed = i
+                    break
+        if failed >= 0:
+            _check(rc, f"cuLaunchKernel({self.keep[failed].name}, launch {failed})")
+
+
+cdef class Graph:
+    """A LaunchList captured from a stream into an executable CUDA graph, replayed by launch()."""
+
+    cdef CUgraph graph
+    cdef CUgraphExec exec_
+    cdef public int num_nodes
+    cdef LaunchList source  # the argument buffers must outlive the capture only; kept anyway
+
+    def __cinit__(self, LaunchList launches, uintptr_t stream):
+        cdef CUresult rc
+        cdef CUgraph g = NULL
+        cdef size_t n = 0
+        _need()
+        self.source = launches
+        _check(drv.stream_begin_capture(<CUstream>stream, _CAPTURE_MODE_THREAD_LOCAL),
+               "cuStreamBeginCapture")
+        try:
+            launches.run(stream)
+        finally:
+            rc = drv.stream_end_capture(<CUstream>stream, &g)
+        _check(rc, "cuStreamEndCapture")
+        self.graph = g
+        _check(drv.graph_get_nodes(self.graph, NULL, &n), "cuGraphGetNodes")
+        self.num_nodes = <int>n
+        _check(drv.graph_instantiate(&self.exec_, self.graph, 0), "cuGraphInstantiate")
+
+    def __dealloc__(self):
+        if _loaded:
+            if self.exec_ != NULL:
+                drv.graph_exec_destroy(self.exec_)
+            if self.graph != NULL:
+                drv.graph_destroy(self.graph)
+
+    def launch(self, uintptr_t stream) -> None:
+        cdef CUresult rc
+        with nogil:
+            rc = drv.graph_launch(self.exec_, <CUstream>stream)
+        _check(rc, "cuGraphLaunch")

@@ -1,0 +1,160 @@
+// Shared pieces of Strata's CUDA kernels: ggml type ids, exact fp16/bf16 reads, warp sums and
+// the decode of one 16-column group of a GGUF weight row (the layout of _native/quant.h:
+// w[i] = a * s[i] - b, s int8, one (a, b) per group of 16 columns).
+#pragma once
+#include <stdint.h>
+#include <cuda_fp16.h>
+
+// ggml type ids (gguf.GGMLQuantizationType)
+#define ST_F32 0
+#define ST_F16 1
+#define ST_Q4_0 2
+#define ST_Q8_0 8
+#define ST_Q4_K 12
+#define ST_Q5_K 13
+#define ST_Q6_K 14
+#define ST_BF16 30
+
+#define WARP 32
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ uint16_t read_u16(const uint8_t *p) {
+    return (uint16_t)p[0] | ((uint16_t)p[1] << 8);
+}
+
+// p is 2-byte aligned (Q4_0 / Q8_0 blocks are 18 / 34 bytes in rows of even length)
+__device__ __forceinline__ uint32_t read_u32_a2(const uint8_t *p) {
+    const uint16_t *h = reinterpret_cast<const uint16_t *>(p);
+    return (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+}
+
+// fp16 -> fp32 is exact (as the CPU's st_fp16_to_fp32)
+__device__ __forceinline__ float read_f16(const uint8_t *p) {
+    return __half2float(__ushort_as_half(read_u16(p)));
+}
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t h) {
+    return __uint_as_float((uint32_t)h << 16);
+}
+
+// bytes b0..b3 -> one int of 4 packed int8 (little endian, as dp4a reads it)
+__device__ __forceinline__ int pack4(int b0, int b1, int b2, int b3) {
+    return (b0 & 0xff) | ((b1 & 0xff) << 8) | ((b2 & 0xff) << 16) | ((b3 & 0xff) << 24);
+}
+
+// 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml get_scale_min_k4)
+__device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int &sc, int &m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Group g (columns 16g .. 16g+15) of a quantised row: v[4] holds the 16 int8 s values,
+// w = a * s - b. Bit layouts follow ggml-quants.c (and _native/quant_ref.c).
+template <int QT>
+__device__ __forceinline__ void decode_group(const uint8_t *row, int g, int (&v)[4], float &a,
+                                             float &b) {
+    if (QT == ST_Q4_0) {
+        const uint8_t *blk = row + (g >> 1) * 18;  // fp16 d, 16 bytes of nibbles
+        a = __half2float(*reinterpret_cast<const __half *>(blk));
+        b = 0.0f;
+        const int shift = (g & 1) * 4;  // columns 0-15: low nibbles, 16-31: high nibbles
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            // 2-byte aligned: read the 4 bytes as two u16
+            uint32_t w = read_u32_a2(blk + 2 + 4 * i);
+            uint32_t nib = (w >> shift) & 0x0F0F0F0Fu;
+            v[i] = (int)__vsubss4(nib, 0x08080808u);
+        }
+    } else if (QT == ST_Q8_0) {
+        const uint8_t *blk = row + (g >> 1) * 34;  // fp16 d, 32 int8
+        a = read_f16(blk);
+        b = 0.0f;
+        const uint8_t *q = blk + 2 + (g & 1) * 16;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            v[i] = (int)read_u32_a2(q + 4 * i);
+    } else if (QT == ST_Q4_K || QT == ST_Q5_K) {
+        const int is_q5 = QT == ST_Q5_K;
+        const uint8_t *blk = row + (g >> 4) * (is_q5 ? 176 : 144);
+        const int gi = g & 15, sub = gi >> 1, half = gi & 1;
+        int sc, m;
+        scale_min_k4(sub, blk + 4, sc, m);
+        a = read_f16(blk) * (float)sc;
+        b = read_f16(blk + 2) * (float)m;
+        const uint8_t *qh = blk + 16;                            // Q5_K: 32 bytes of 5th bits
+        const uint8_t *q = blk + (is_q5 ? 48 : 16) + 32 * (sub >> 1);
+        const int shift = (sub & 1) * 4;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int e[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int l = 16 * half + 4 * i + j;
+                int x = (q[l] >> shift) & 0xF;
+                if (is_q5) x |= ((qh[l] >> sub) & 1) << 4;
+                e[j] = x;
+            }
+            v[i] = pack4(e[0], e[1], e[2], e[3]);
+        }
+    } else if (QT == ST_Q6_K) {
+        const uint8_t *blk = row + (g >> 4) * 210;  // ql[128], qh[64], int8 scales[16], fp16 d
+        const int gi = g & 15;
+        a = read_f16(blk + 208) * (float)(int8_t)blk[192 + gi];
+        b = 0.0f;
+        const int i0 = 16 * gi, n = i0 >> 7, quad = (i0 & 127) >> 5, l0 = i0 & 31;
+        const uint8_t *ql = blk + 64 * n + ((quad & 1) ? 32 : 0);
+        const uint8_t *qh = blk + 128 + 32 * n;
+        const int lo_shift = (quad >= 2) ? 4 : 0, hi_shift = 2 * quad;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int e[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int l = l0 + 4 * i + j;
+                int x = ((ql[l] >> lo_shift) & 0xF) | (((qh[l] >> hi_shift) & 3) << 4);
+                e[j] = x - 32;
+            }
+            v[i] = pack4(e[0], e[1], e[2], e[3]);
+        }
+    }
+}
+
+// One weight of a float-type row
+template <int QT>
+__device__ __forceinline__ float load_float_weight(const uint8_t *row, int c) {
+    if (QT == ST_F32) return reinterpret_cast<const float *>(row)[c];
+    if (QT == ST_F16) return __half2float(reinterpret_cast<const __half *>(row)[c]);
+    return bf16_to_f32(reinterpret_cast<const uint16_t *>(row)[c]);  // BF16
+}
+
+__device__ __forceinline__ bool is_float_type(int qt) {
+    return qt == ST_F32 || qt == ST_F16 || qt == ST_BF16;
+}
+
+// Column c of a row of any supported type, dequantised as gguf does ((a * s) then - b)
+template <int QT>
+__device__ __forceinline__ float dequant_one(const uint8_t *row, int c) {
+    if (QT == ST_F32 || QT == ST_F16 || QT == ST_BF16) return load_float_weight<QT>(row, c);
+    int v[4];
+    float a, b;
+    decode_group<QT>(row, c >> 4, v, a, b);
+    const int j = c & 15;
+    const int s = (int)(int8_t)((v[j >> 2] >> (8 * (j & 3))) & 0xff);
+    return __fsub_rn(__fmul_rn(a, (float)s), b);
+}

@@ -1,0 +1,116 @@
+"""The model's tensors in device memory as the GGUF stores them (quantised blocks, no
+dequantised copy), resolved per layer once at load; norms and biases as float32 vectors.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from strata._native import kernels
+from strata.errors import ConfigError
+from strata.model.arch import ModelSpec
+from strata.model.gguf_file import GGUFModel, TensorInfo
+
+# Kernel-name suffix of each GGUF type the CUDA kernels read.
+TYPE_SUFFIX = {
+    int(GGMLQuantizationType.F32): "f32", int(GGMLQuantizationType.F16): "f16",
+    int(GGMLQuantizationType.BF16): "bf16", int(GGMLQuantizationType.Q8_0): "q8_0",
+    int(GGMLQuantizationType.Q4_0): "q4_0", int(GGMLQuantizationType.Q4_K): "q4_k",
+    int(GGMLQuantizationType.Q5_K): "q5_k", int(GGMLQuantizationType.Q6_K): "q6_k",
+}
+FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
+               int(GGMLQuantizationType.BF16)}
+
+
+class DeviceMatrix:
+    """A weight matrix on the device: rows [N, row_bytes] (or [E, N, row_bytes] for experts)."""
+
+    __slots__ = ("buf", "ptr", "qtype", "rows", "cols", "row_bytes", "expert_bytes", "name")
+
+    def __init__(self, runtime, t: TensorInfo):
+        if t.qtype not in TYPE_SUFFIX:
+            raise ConfigError(f"tensor {t.name} has type {t.type_name}, which the CUDA kernels "
+                              "do not read; use --device cpu or requantise the model")
+        self.name = t.name
+        self.qtype = t.qtype
+        self.rows = int(t.shape[-2]) if len(t.shape) >= 2 else 1
+        self.cols = int(t.shape[-1])
+        self.row_bytes = t.row_bytes
+        self.expert_bytes = self.rows * self.row_bytes if len(t.shape) == 3 else 0
+        self.buf = runtime.upload(t.raw)
+        self.ptr = int(self.buf)
+
+    @property
+    def is_float(self) -> bool:
+        return self.qtype in FLOAT_TYPES
+
+    @property
+    def suffix(self) -> str:
+        return TYPE_SUFFIX[self.qtype]
+
+
+class DeviceVector:
+    """A small float32 vector (norm weight, bias, shared-expert gate) on the device."""
+
+    __slots__ = ("buf", "ptr", "size")
+
+    def __init__(self, runtime, values: np.ndarray):
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        self.size = int(values.size)
+        self.buf = runtime.upload(values)
+        self.ptr = int(self.buf)
+
+
+def small_values(t: TensorInfo) -> np.ndarray:
+    """A norm weight, bias or gate vector dequantised into float32 (as the CPU backend does)."""
+    n = int(np.prod(t.shape))
+    return np.array(kernels.dequantize(t.raw.reshape(-1), t.qtype, n), dtype=np.float32)
+
+
+class DeviceLayer:
+    """One decoder layer's device tensors (None where the architecture has none)."""
+
+    def __init__(self, runtime, model: GGUFModel, spec: ModelSpec, i: int):
+        def t(name: str) -> TensorInfo:
+            return model.tensor(f"blk.{i}.{name}")
+
+        def mat(name: str) -> DeviceMatrix:
+            return DeviceMatrix(runtime, t(name))
+
+        def vec(name: str) -> DeviceVector:
+            return DeviceVector(runtime, small_values(t(name)))
+
+        self.attn_norm = vec("attn_norm.weight")  # [H]
+        self.wq = mat("attn_q.weight")  # [Q*D, H]
+        self.wk = mat("attn_k.weight")  # [KV*D, H]
+        self.wv = mat("attn_v.weight")  # [KV*D, H]
+        self.wo = mat("attn_output.weight")  # [H, Q*D]
+        has_bias = spec.has_attn_bias
+        self.bq = vec("attn_q.bias") if has_bias else None
+        self.bk = vec("attn_k.bias") if has_bias else None
+        self.bv = vec("attn_v.bias") if has_bias else None
+        self.q_norm = vec("attn_q_norm.weight") if spec.has_qk_norm else None  # [D]
+        self.k_norm = vec("attn_k_norm.weight") if spec.has_qk_norm else None  # [D]
+        self.ffn_norm = vec("ffn_norm.weight")  # [H]
+        self.router = mat("ffn_gate_inp.weight")  # [E, H]
+        self.gate_exps = mat("ffn_gate_exps.weight")  # [E, F, H]
+        self.up_exps = mat("ffn_up_exps.weight")  # [E, F, H]
+        self.down_exps = mat("ffn_down_exps.weight")  # [E, H, F]
+        if self.gate_exps.qtype != self.up_exps.qtype:
+            raise ConfigError(
+                f"layer {i}: ffn_gate_exps is {self.gate_exps.suffix} but ffn_up_exps is "
+                f"{self.up_exps.suffix}; the fused gate/up kernel needs one type for both")
+        self.shexp_gate = self.shexp_w_gate = self.shexp_w_up = self.shexp_w_down = None
+        if spec.has_shared_expert:
+            self.shexp_gate = vec("ffn_gate_inp_shexp.weight")  # [H] float32: a [1, H] F32 row
+            self.shexp_w_gate = mat("ffn_gate_shexp.weight")  # [S, H]
+            self.shexp_w_up = mat("ffn_up_shexp.weight")  # [S, H]
+            self.shexp_w_down = mat("ffn_down_shexp.weight")  # [H, S]
+            if self.shexp_w_gate.qtype != self.shexp_w_up.qtype:
+                raise ConfigError(f"layer {i}: the shared expert's gate and up weights differ "
+                                  "in type; the fused gate/up kernel needs one type for both")
+
+
+def weight_bytes(model: GGUFModel) -> int:
+    """Bytes of every tensor the device will hold (the whole file's tensor data)."""
+    return sum(model.tensor(name).nbytes for name in model.tensor_names)
