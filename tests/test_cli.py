@@ -99,14 +99,14 @@ def test_bench_prints_both_rows(tiny):
                                  "--threads", "1"])
     assert res.exit_code == 0, res.output
     lines = res.stdout.strip().splitlines()
-    assert [c.strip() for c in lines[0].split("|")[1:-1]] == ["model", "size", "type",
+    assert [c.strip() for c in lines[0].split("|")[1:-1]] == ["model", "size", "type", "backend",
                                                               "threads", "test", "t/s"]
     assert len(lines) == 4
     assert "| pp16 " in lines[2] and "| tg4 " in lines[3]
     for line in lines[2:]:
         cells = [c.strip() for c in line.split("|")[1:-1]]
-        assert cells[2] == "F32" and cells[3] == "1"
-        median, stdev = cells[5].split(" ± ")
+        assert cells[2] == "F32" and cells[3] == "cpu" and cells[4] == "1"
+        median, stdev = cells[6].split(" ± ")
         assert float(median) > 0 and float(stdev) >= 0
 
 
@@ -140,3 +140,84 @@ def test_bad_threads_exits_2(tiny):
         res = runner().invoke(main, cmd)
         assert res.exit_code == 2, res.output
         assert "threads" in res.stderr and "Traceback" not in res.output
+
+
+# ---- the expert cache options ----------------------------------------------------------------
+def test_run_with_the_expert_cache_gives_the_same_text(tiny, tmp_path):
+    args = ["run", "--model", tiny, "-n", "8", "--temp", "0", "--raw", "Hi there"]
+    plain = runner().invoke(main, args)
+    trace = tmp_path / "run.trace"
+    cached = runner().invoke(main, args + ["--expert-cache", "3", "--adapt-every", "1",
+                                           "--adapt-async", "0", "--dump-routing", str(trace)])
+    auto = runner().invoke(main, args + ["--expert-cache", "auto", "--vram-budget", "64KiB",
+                                         "--adapt-swaps", "1", "--adapt-min-gain", "0.5"])
+    assert plain.exit_code == cached.exit_code == auto.exit_code == 0, cached.output
+    assert cached.stdout == plain.stdout == auto.stdout
+    cache_line = cached.stderr.strip().splitlines()[-2]
+    assert cache_line.startswith("expert cache, windows 0-7: 40 routed entries = ")
+    assert "8 rounds" in cache_line and "(blocking;" in cache_line
+    from strata.experts.trace import read_trace
+
+    # 3 prompt tokens read in one window, then 7 decode windows, 2 layers x top-2 each.
+    recorded = read_trace(trace)
+    assert recorded.num_windows == 8
+    assert int(recorded.records["rows"].sum()) == (3 + 7) * 2 * 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--expert-cache", "17"], "--expert-cache 17 exceeds the model's 16 routed experts"),
+    (["--expert-cache", "auto"], "--expert-cache auto needs --vram-budget"),
+    (["--expert-cache", "4", "--vram-budget", "lots"], "--vram-budget is 'lots', not a size"),
+    (["--expert-cache", "4", "--vram-budget", "1M", "--expert-pack", "missing.pack"],
+     "--expert-pack 'missing.pack' is not a file"),
+    (["--expert-profile", __file__], "--expert-profile fills the expert cache"),
+])
+def test_expert_cache_errors_exit_2(tiny, flags, message):
+    for command in (["run", "--model", tiny, "-n", "1", "Hi"],
+                    ["bench", "--model", tiny, "-p", "4", "-n", "1", "-r", "1"]):
+        res = runner().invoke(main, command + flags)
+        assert res.exit_code == 2, res.output
+        assert message in res.stderr and "Traceback" not in res.output
+
+
+def test_a_pack_of_another_model_exits_2(tiny, tmp_path):
+    from strata.experts.pack import write_pack
+    from strata.model.gguf_file import GGUFModel
+    from strata.tool.synth import synth_model
+
+    other = tmp_path / "other.gguf"
+    synth_model(other, shape="tiny", weight_type="f32", seed=6)
+    pack = tmp_path / "other.pack"
+    with GGUFModel.open(other) as gguf:
+        write_pack(gguf, pack)
+    res = runner().invoke(main, ["run", "--model", tiny, "-n", "1", "--expert-pack", str(pack),
+                                 "Hi"])
+    assert res.exit_code == 2
+    assert "written for another model" in res.stderr and "strata-tool pack" in res.stderr
+
+
+def test_bench_reports_the_expert_cache(tiny):
+    res = runner().invoke(main, ["bench", "--model", tiny, "-p", "8", "-n", "4", "-r", "2",
+                                 "--json", "--expert-cache", "4", "--adapt-every", "1"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    cache = rows[0]["expert_cache"]
+    # warm-up + 2 repetitions of pp8 (one window each) and of tg4 (4 windows each)
+    assert cache["windows"] == 3 * 1 + 3 * 4
+    assert cache["hits"] + cache["misses"] == (3 * 8 + 3 * 4) * 2 * 2
+    assert cache["slots"] == 4 and cache["experts"] == 16
+    assert cache["hit_rate"] == pytest.approx(cache["hits"] / (cache["hits"] + cache["misses"]))
+    assert cache["rounds"] + cache["rounds_skipped"] == cache["windows"]
+    table = runner().invoke(main, ["bench", "--model", tiny, "-p", "8", "-n", "2", "-r", "1",
+                                   "--expert-cache", "4"])
+    assert table.exit_code == 0, table.output
+    assert table.stdout.strip().splitlines()[-1].startswith("expert cache: 4 of 16 experts")
+
+
+def test_help_lists_the_expert_options():
+    for command in ("run", "bench", "serve"):
+        res = runner().invoke(main, [command, "--help"])
+        for flag in ("--expert-cache", "--vram-budget", "--expert-pack", "--expert-profile",
+                     "--dump-routing", "--adapt-every", "--adapt-min-gain", "--adapt-swaps",
+                     "--adapt-async"):
+            assert flag in res.output, (command, flag)

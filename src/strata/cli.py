@@ -6,13 +6,12 @@ import os
 import statistics
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import click
 import numpy as np
 
-from strata.cli_options import slot_options
+from strata.cli_options import device_option, expert_options, slot_options
 from strata.errors import StrataError
 
 MODEL_ENV = "STRATA_MODEL"
@@ -21,9 +20,10 @@ HOW_TO_GET_A_MODEL = ("give --model PATH or set $STRATA_MODEL to a GGUF file; fo
 
 
 def default_model_path() -> Path | None:
-    """The packaged default model `strata/data/default.gguf`, if this install has one."""
-    ref = resources.files("strata.data").joinpath("default.gguf")
-    return Path(str(ref)) if ref.is_file() else None
+    """The packaged default model `strata/data/default-model.gguf`, if this install has one."""
+    from strata.data import default_model_path as packaged_model_path
+
+    return packaged_model_path()
 
 
 def resolve_model(model: str | None) -> Path:
@@ -71,9 +71,12 @@ def main():
               help="Context size in tokens (default: min(model context, 8192)).")
 @click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
+@device_option
 @slot_options
+@expert_options
 def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, threads,
-        ctx_size, system, raw, parallel, read_chunk, conversation_cache_mib):
+        ctx_size, system, raw, device, parallel, read_chunk, conversation_cache_mib,
+        expert_config):
     """Generate a reply to PROMPT and stream it to stdout ('-' reads the prompt from stdin)."""
     from strata.config import EngineConfig
     from strata.engine.engine import Engine
@@ -87,8 +90,10 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
                                 repetition_penalty=repeat_penalty, max_tokens=max_tokens,
                                 seed=seed)
         engine = Engine(EngineConfig(path, n_ctx=ctx_size, threads=threads, seed=seed,
-                                     parallel=parallel, prompt_chunk_tokens=read_chunk,
-                                     conversation_cache_mib=conversation_cache_mib))
+                                     device=device, parallel=parallel,
+                                     prompt_chunk_tokens=read_chunk,
+                                     conversation_cache_mib=conversation_cache_mib,
+                                     **expert_config))
     except StrataError as e:
         fail(str(e))
     with engine:
@@ -105,6 +110,13 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
                     click.echo(ev.text, nl=False)
                     sys.stdout.flush()
                 stats = ev.stats or stats
+            tier = engine.expert_tier
+            cache_line = None
+            if tier is not None and tier.arena is not None:
+                from strata.engine.tier_stats import format_group
+
+                tier.wait_idle(10)
+                cache_line = format_group(tier.snapshot_totals(), 0, tier.mode)
         except StrataError as e:
             click.echo("")
             fail(str(e))
@@ -113,6 +125,8 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
             click.echo("interrupted", err=True)
             sys.exit(130)
     click.echo("")
+    if cache_line is not None:
+        click.echo(cache_line, err=True)
     click.echo(f"prompt: {stats.num_prompt_tokens_computed} tokens at "
                f"{stats.prompt_tokens_per_s:.2f} tokens/s, decode: "
                f"{stats.num_generated_tokens} tokens at {stats.decode_tokens_per_s:.2f} tokens/s",
@@ -134,60 +148,116 @@ def _size_text(num_bytes: int) -> str:
     return f"{gib:.2f} GiB" if gib >= 1 else f"{num_bytes / 2**20:.2f} MiB"
 
 
-def _time_prompt(model, tokens: np.ndarray, chunk_tokens: int) -> float:
-    """Seconds to read `tokens` into a fresh KV, `chunk_tokens` at a time."""
+def _time_prompt(model, tokens: np.ndarray, chunk_tokens: int, forward=None) -> float:
+    """Seconds to read `tokens` into a fresh KV, `chunk_tokens` at a time (through `forward`,
+    default `model.forward`)."""
+    forward = forward or model.forward
     kv = model.new_kv(len(tokens))
     t0 = time.perf_counter()
     for start in range(0, len(tokens), chunk_tokens):
-        model.forward(tokens[start:start + chunk_tokens], kv)
+        forward(tokens[start:start + chunk_tokens], kv)
     return time.perf_counter() - t0
 
 
-def _time_decode(model, tokens: np.ndarray) -> float:
+def _time_decode(model, tokens: np.ndarray, forward=None) -> float:
     """Seconds for len(tokens) single-token forwards, starting from an empty KV."""
+    forward = forward or model.forward
     kv = model.new_kv(len(tokens))
     t0 = time.perf_counter()
     for i in range(len(tokens)):
-        model.forward(tokens[i:i + 1], kv)
+        forward(tokens[i:i + 1], kv)
     return time.perf_counter() - t0
 
 
+def _bench_tier(config, gguf, model):
+    """The expert tier for `strata bench` (None when no option asks for one)."""
+    from strata.engine.expert_tier import ExpertTier
+    from strata.plugins import get_plugin_manager, resolve_choosers
+
+    tier = ExpertTier.build(config, gguf, model)
+    if tier is not None:
+        choosers = resolve_choosers(get_plugin_manager(), config=config, spec=gguf.spec,
+                                    num_slots=1)
+        tier.start(choosers.tier_policy)
+    return tier
+
+
+def tier_summary(tier) -> dict:
+    """The expert cache's totals over a whole bench (warm-up included)."""
+    t = tier.snapshot_totals()
+    out = {"source": tier.store.source, "windows": t.num_windows}
+    if tier.arena is not None:
+        optimum = tier.recent.optimum()
+        out.update(slots=tier.arena.n_slots,
+                   experts=tier.store.n_layers * tier.store.n_experts,
+                   hits=t.num_hits, misses=t.num_misses, hit_rate=t.hit_rate,
+                   access_hit_rate=t.num_access_hits / max(1, t.num_accesses),
+                   optimum_access_hit_rate_recent=optimum.optimum_hit_rate,
+                   rounds=t.num_rounds, rounds_skipped=t.num_rounds_skipped,
+                   fills=t.num_fills, evictions=t.num_evictions,
+                   mib_moved=t.num_bytes_moved / 2**20, tier_wait_ms=t.wait_s * 1e3)
+    return out
+
+
 def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
-              threads: int | None, chunk_tokens: int, seed: int = 0) -> list[dict]:
-    """One row per test (pp<n_prompt>, tg<n_gen>) with tokens/s of every repetition."""
-    from strata.backends.cpu import CpuModel
+              threads: int | None, chunk_tokens: int, seed: int = 0,
+              expert_config: dict | None = None, device: str = "cpu") -> list[dict]:
+    """One row per test (pp<n_prompt>, tg<n_gen>) with tokens/s of every repetition; with an
+    expert cache each row also has its totals (`expert_cache`, over the whole run)."""
+    from strata.backends.select import build_model
+    from strata.config import EngineConfig
     from strata.model.gguf_file import GGUFModel
 
-    rows = []
+    config = EngineConfig(model_path, threads=threads, device=device, **(expert_config or {}))
     with GGUFModel.open(model_path) as gguf:
-        model = CpuModel(gguf, num_threads=threads)
-        spec = gguf.spec
-        rng = np.random.default_rng(seed)
-        info = {
-            "model": f"{spec.arch} {model_path.name}",
-            "size_bytes": model_path.stat().st_size,
-            "type": _weight_type(gguf),
-            "threads": threads if threads is not None else _default_threads(),
-        }
-        tests = []
-        if n_prompt > 0:
-            tests.append((f"pp{n_prompt}", n_prompt,
-                          lambda toks: _time_prompt(model, toks, chunk_tokens)))
-        if n_gen > 0:
-            tests.append((f"tg{n_gen}", n_gen, lambda toks: _time_decode(model, toks)))
-        for name, n_tokens, timer in tests:
-            if n_tokens > spec.context_length:
-                raise click.UsageError(f"{name} needs {n_tokens} tokens but the model's "
-                                       f"context is {spec.context_length}")
-            timer(rng.integers(0, spec.vocab, n_tokens, dtype=np.int32))  # warm-up
-            speeds = []
-            for _ in range(repetitions):
-                seconds = timer(rng.integers(0, spec.vocab, n_tokens, dtype=np.int32))
-                speeds.append(n_tokens / seconds)
-            rows.append(dict(info, test=name, n_tokens=n_tokens, tokens_per_s=speeds,
-                             median_tokens_per_s=statistics.median(speeds),
-                             stdev_tokens_per_s=(statistics.stdev(speeds)
-                                                 if len(speeds) > 1 else 0.0)))
+        model = build_model(gguf, config.device, threads,
+                            needs_cpu_experts=config.has_expert_tier)
+        tier = _bench_tier(config, gguf, model)
+        try:
+            rows = _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions,
+                               threads, chunk_tokens, seed)
+        finally:
+            if tier is not None:
+                tier.close()
+        if tier is not None:
+            for row in rows:
+                row["expert_cache"] = tier_summary(tier)
+    return rows
+
+
+def _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions, threads,
+                chunk_tokens, seed) -> list[dict]:
+    """The timed tests, each forward through `tier` when there is one."""
+    rows = []
+    forward = tier.forward if tier is not None else None
+    spec = gguf.spec
+    rng = np.random.default_rng(seed)
+    info = {
+        "model": f"{spec.arch} {model_path.name}",
+        "size_bytes": model_path.stat().st_size,
+        "type": _weight_type(gguf),
+        "threads": threads if threads is not None else _default_threads(),
+        "backend": "cuda" if type(model).__name__ == "CudaModel" else "cpu",
+    }
+    tests = []
+    if n_prompt > 0:
+        tests.append((f"pp{n_prompt}", n_prompt,
+                      lambda toks: _time_prompt(model, toks, chunk_tokens, forward)))
+    if n_gen > 0:
+        tests.append((f"tg{n_gen}", n_gen, lambda toks: _time_decode(model, toks, forward)))
+    for name, n_tokens, timer in tests:
+        if n_tokens > spec.context_length:
+            raise click.UsageError(f"{name} needs {n_tokens} tokens but the model's "
+                                   f"context is {spec.context_length}")
+        timer(rng.integers(0, spec.vocab, n_tokens, dtype=np.int32))  # warm-up
+        speeds = []
+        for _ in range(repetitions):
+            seconds = timer(rng.integers(0, spec.vocab, n_tokens, dtype=np.int32))
+            speeds.append(n_tokens / seconds)
+        rows.append(dict(info, test=name, n_tokens=n_tokens, tokens_per_s=speeds,
+                         median_tokens_per_s=statistics.median(speeds),
+                         stdev_tokens_per_s=(statistics.stdev(speeds)
+                                             if len(speeds) > 1 else 0.0)))
     return rows
 
 
@@ -199,8 +269,9 @@ def _default_threads() -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ["model", "size", "type", "threads", "test", "t/s"]
-    body = [[r["model"], _size_text(r["size_bytes"]), r["type"], str(r["threads"]), r["test"],
+    header = ["model", "size", "type", "backend", "threads", "test", "t/s"]
+    body = [[r["model"], _size_text(r["size_bytes"]), r["type"], r.get("backend", "cpu"),
+             str(r["threads"]), r["test"],
              f"{r['median_tokens_per_s']:.2f} ± {r['stdev_tokens_per_s']:.2f}"] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(header, *body)]
 
@@ -223,7 +294,9 @@ def format_table(rows: list[dict]) -> str:
 @click.option("--chunk", default=512, show_default=True,
               help="Prompt tokens per forward pass.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def bench(model, n_prompt, n_gen, repetitions, threads, chunk, as_json):
+@device_option
+@expert_options
+def bench(model, n_prompt, n_gen, repetitions, threads, chunk, as_json, device, expert_config):
     """Time prompt processing (pp) and text generation (tg) on random tokens."""
     for name, value, minimum in (("-p", n_prompt, 0), ("-n", n_gen, 0),
                                  ("-r", repetitions, 1), ("--chunk", chunk, 1)):
@@ -231,13 +304,25 @@ def bench(model, n_prompt, n_gen, repetitions, threads, chunk, as_json):
             raise click.BadParameter(f"{value} must be >= {minimum}", param_hint=name)
     path = resolve_model(model)
     try:
-        rows = run_bench(path, n_prompt, n_gen, repetitions, threads, chunk)
+        rows = run_bench(path, n_prompt, n_gen, repetitions, threads, chunk,
+                         expert_config=expert_config, device=device)
     except StrataError as e:
         fail(str(e))
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     else:
         click.echo(format_table(rows))
+        if rows and "hits" in rows[0].get("expert_cache", {}):
+            click.echo(format_tier_summary(rows[0]["expert_cache"]))
+
+
+def format_tier_summary(s: dict) -> str:
+    return (f"expert cache: {s['slots']} of {s['experts']} experts, {s['windows']} windows: "
+            f"routed entries {s['hit_rate']:.1%} hit ({s['hits']} cache + {s['misses']} miss), "
+            f"accesses {s['access_hit_rate']:.1%} hit (Belady on the last windows: "
+            f"{s['optimum_access_hit_rate_recent']:.1%}), {s['rounds']} rounds, "
+            f"{s['fills'] + s['evictions']} swaps ({s['fills']} free fills + {s['evictions']} "
+            f"evictions), {s['mib_moved']:.1f} MiB moved, tier wait {s['tier_wait_ms']:.1f} ms")
 
 
 # ---- serve (defined with the server; it uses resolve_model and fail from above) -----------

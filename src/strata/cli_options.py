@@ -1,9 +1,21 @@
-"""Command-line options shared by `strata run` and `strata serve`: the slots and prompt reading."""
+"""Command-line options shared by `strata run`, `serve` and `bench`: the slots and prompt
+reading, the expert cache and the adaptive tier."""
 from __future__ import annotations
+
+import functools
 
 import click
 
+from strata.backends.select import DEVICES
 from strata.config import MAX_PARALLEL
+
+
+def device_option(command):
+    """Add --device auto|cpu|cuda (passed as `device`)."""
+    return click.option(
+        "--device", default="auto", show_default=True, type=click.Choice(DEVICES),
+        help="Where the model runs: cuda (every layer and expert on one GPU), cpu, or auto "
+             "(the GPU when CUDA works and the model fits, else the CPU).")(command)
 
 
 def slot_options(command):
@@ -21,3 +33,63 @@ def slot_options(command):
         type=click.IntRange(1, MAX_PARALLEL),
         help="Slots: requests decoded together in one forward pass.")(command)
     return command
+
+
+# ---- the expert cache and the adaptive tier (docs/expert-cache.md) --------------------------
+# click parameter name -> EngineConfig field
+EXPERT_OPTION_FIELDS = {
+    "expert_cache": "expert_cache",
+    "vram_budget": "vram_budget_bytes",
+    "expert_pack": "expert_pack_path",
+    "expert_profile": "expert_profile_path",
+    "dump_routing": "dump_routing_path",
+    "adapt_every": "adapt_every",
+    "adapt_min_gain": "adapt_min_gain",
+    "adapt_swaps": "adapt_swaps",
+    "adapt_async": "adapt_async",
+}
+
+
+def expert_options(command):
+    """Add the expert-cache and tier options; the command receives them as one dict,
+    `expert_config`, of EngineConfig keyword arguments (EngineConfig validates them)."""
+
+    @functools.wraps(command)
+    def with_expert_config(*args, **kwargs):
+        config = {field: kwargs.pop(name) for name, field in EXPERT_OPTION_FIELDS.items()}
+        config["adapt_async"] = bool(config["adapt_async"])
+        return command(*args, expert_config=config, **kwargs)
+
+    options = [
+        click.option("--expert-cache", default=None, metavar="auto|N",
+                     help="Expert cache slots (one routed expert each): N, or auto to fill "
+                          "--vram-budget. Absent: no cache, experts are read from the model "
+                          "(or --expert-pack) directly."),
+        click.option("--vram-budget", default=None, metavar="SIZE",
+                     help="Bytes the expert cache may use, e.g. 512M, 8G, 8GiB (powers of "
+                          "1024; 8GB = 8*10^9)."),
+        click.option("--expert-pack", default=None, metavar="PATH",
+                     help="Serve the experts from this `strata-tool pack` file (refused when "
+                          "it was written for another model)."),
+        click.option("--expert-profile", default=None, metavar="FILE",
+                     help="Fill the cache at start-up from this routing profile "
+                          "(`strata-tool profile`), hottest first; default: layer order."),
+        click.option("--dump-routing", default=None, metavar="FILE",
+                     help="Record every window's routing (window, layer, expert, rows) to FILE "
+                          "for `strata-tool profile`, `replay` and `inspect --routing`."),
+        click.option("--adapt-every", default=4, show_default=True,
+                     type=click.IntRange(min=0),
+                     help="Windows between tier rounds (0 freezes the cache as filled)."),
+        click.option("--adapt-min-gain", default=0.0, show_default=True,
+                     type=click.FloatRange(min=0),
+                     help="A swap's expected gain (routed rows per round) must exceed this."),
+        click.option("--adapt-swaps", default=None, type=click.IntRange(min=1),
+                     help="Most swaps per round (default: the tier policy's own, 64 for "
+                          "decayed-count)."),
+        click.option("--adapt-async", default=1, show_default=True, type=click.IntRange(0, 1),
+                     help="1: a round's copies land while the next windows run; 0: they run "
+                          "before the next window (blocking)."),
+    ]
+    for option in reversed(options):
+        with_expert_config = option(with_expert_config)
+    return with_expert_config

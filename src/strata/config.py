@@ -2,13 +2,37 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata.backends.select import check_device
 from strata.errors import ConfigError
 
 DEFAULT_MAX_CTX_TOKENS = 8192
 MAX_PARALLEL = 8  # the slot table's limit (strata.engine.slots.MAX_SLOTS)
+DEFAULT_ADAPT_EVERY = 4
+# Size suffixes: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size_bytes(value: str | int, what: str = "--vram-budget") -> int:
+    """Bytes of a size such as 536870912, 512M, 8G, 8GiB (powers of 1024) or 8GB (of 1000)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} is {value!r}; give a size such as 512M, 8G or 8GiB")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{what} is {value} bytes; give a size >= 0")
+        return value
+    match = _SIZE_RE.match(str(value))
+    if match is None:
+        raise ConfigError(f"{what} is {value!r}, not a size; give bytes or a number with K, M, "
+                          "G or T (powers of 1024, also as KiB..TiB; KB..TB are powers of "
+                          "1000), e.g. 512M or 8GiB")
+    number, prefix, suffix = match.groups()
+    base = 1000 if suffix.lower() == "b" and prefix else 1024
+    return int(float(number) * base ** _SIZE_POWERS[prefix.lower()])
 
 
 @dataclass
@@ -23,6 +47,20 @@ class EngineConfig:
     seed: int | None = None
     parallel: int = 1  # --parallel: slots (sequences decoded together)
     conversation_cache_mib: float = 2048  # parked KVs in host RAM; 0 turns parking off
+    device: str = "auto"  # --device auto|cpu|cuda (strata.backends.select)
+    # ---- the expert cache and the adaptive tier (docs/expert-cache.md) ----
+    expert_cache: str | int | None = None  # --expert-cache auto|N; None: no cache
+    vram_budget_bytes: int | str | None = None  # --vram-budget (bytes, or "8G"-style text)
+    expert_pack_path: str | os.PathLike | None = None  # --expert-pack: experts from a pack
+    expert_profile_path: str | os.PathLike | None = None  # --expert-profile: start-up fill
+    dump_routing_path: str | os.PathLike | None = None  # --dump-routing: routing trace file
+    adapt_every: int = DEFAULT_ADAPT_EVERY  # windows per tier round; 0 freezes the cache
+    adapt_min_gain: float = 0.0  # a swap's expected gain (routed rows) must exceed this
+    adapt_swaps: int | None = None  # most swaps per round; None: the policy's default
+    adapt_async: bool = True  # copies land while the next windows run
+    # The resolved number of cache slots, set by the engine once the model's expert size is
+    # known (the tier policy hook reads it); None while unresolved or without a cache.
+    expert_cache_slots: int | None = field(default=None, init=False)
 
     def __post_init__(self):
         if self.model_path is None or str(self.model_path) == "":
@@ -36,6 +74,7 @@ class EngineConfig:
         self.model_path = path
         self._check_int("n_ctx", allow_none=True, minimum=1)
         self._check_int("threads", allow_none=True, minimum=1)
+        self.device = check_device(self.device)
         self._check_int("prompt_chunk_tokens", allow_none=False, minimum=1)
         self._check_int("seed", allow_none=True, minimum=0)
         self._check_int("parallel", allow_none=False, minimum=1)
@@ -47,6 +86,70 @@ class EngineConfig:
                 or mib == float("inf"):
             raise ConfigError(f"conversation_cache_mib = {mib!r} must be a number >= 0 "
                               "(--conversation-cache-mib; 0 turns parking off)")
+        self._check_expert_options()
+
+    def _check_expert_options(self) -> None:
+        cache = self.expert_cache
+        if cache is not None:
+            if isinstance(cache, bool) or not isinstance(cache, (str, int)):
+                raise ConfigError(f"expert_cache = {cache!r}; give 'auto' or a number of slots "
+                                  "(--expert-cache auto|N)")
+            if isinstance(cache, str):
+                text = cache.strip().lower()
+                if text != "auto" and not text.isdigit():
+                    raise ConfigError(f"--expert-cache is {cache!r}; give 'auto' or a number "
+                                      "of slots >= 0")
+                cache = "auto" if text == "auto" else int(text)
+            elif cache < 0:
+                raise ConfigError(f"--expert-cache is {cache}; give 'auto' or a number of "
+                                  "slots >= 0")
+            self.expert_cache = cache
+        if self.vram_budget_bytes is not None:
+            self.vram_budget_bytes = parse_size_bytes(self.vram_budget_bytes)
+            if cache is None:
+                raise ConfigError("--vram-budget sizes the expert cache; give --expert-cache "
+                                  "auto (or a slot count) with it")
+        if cache == "auto" and self.vram_budget_bytes is None:
+            raise ConfigError("--expert-cache auto needs --vram-budget (the bytes the cache may "
+                              "use), e.g. --vram-budget 8G; or give a slot count, e.g. "
+                              "--expert-cache 64")
+        for name, option in (("expert_pack_path", "--expert-pack"),
+                             ("expert_profile_path", "--expert-profile")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            path = Path(value)
+            if not path.is_file():
+                raise ConfigError(f"{option} {str(path)!r} is not a file; check the path")
+            setattr(self, name, path)
+        if self.expert_profile_path is not None and cache is None:
+            raise ConfigError("--expert-profile fills the expert cache at start-up; give "
+                              "--expert-cache auto|N with it")
+        if self.dump_routing_path is not None:
+            path = Path(self.dump_routing_path)
+            if path.is_dir() or not path.parent.is_dir():
+                raise ConfigError(f"--dump-routing {str(path)!r} must name a file in an "
+                                  "existing folder")
+            self.dump_routing_path = path
+        self._check_int("adapt_every", allow_none=False, minimum=0)
+        self._check_int("adapt_swaps", allow_none=True, minimum=1)
+        gain = self.adapt_min_gain
+        if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not gain >= 0 \
+                or gain == float("inf"):
+            raise ConfigError(f"adapt_min_gain = {gain!r} must be a number >= 0 "
+                              "(--adapt-min-gain, in routed rows per round)")
+        if not isinstance(self.adapt_async, bool):
+            if self.adapt_async in (0, 1):
+                self.adapt_async = bool(self.adapt_async)
+            else:
+                raise ConfigError(f"adapt_async = {self.adapt_async!r}; give 0 (blocking) or "
+                                  "1 (copies land while the next windows run)")
+
+    @property
+    def has_expert_tier(self) -> bool:
+        """True when the engine needs the expert tier runtime (a cache, a pack or a trace)."""
+        return (self.expert_cache is not None or self.expert_pack_path is not None
+                or self.dump_routing_path is not None)
 
     def _check_int(self, name: str, allow_none: bool, minimum: int) -> None:
         value = getattr(self, name)

@@ -49,12 +49,21 @@ class ExpertSwap(NamedTuple):
 
 @dataclass(frozen=True)
 class WindowStats:
-    """What one window (one forward pass over R rows) did."""
+    """What one window (one forward pass over R rows) did. The expert-cache fields stay 0
+    without `--expert-cache`: routed entries (row, top-k pick) served by the cache
+    (`num_cache_hits`) and from the expert store (`num_cache_misses`), the swaps the tier round
+    closed by this window started (`num_swaps`), and the seconds the window spent waiting for
+    the tier outside its forward pass (`tier_wait_s`: a blocking round's copies; ~0 async).
+    `seconds` includes that wait."""
 
     window_index: int
     num_decode_rows: int
     num_prompt_rows: int
     seconds: float
+    num_cache_hits: int = 0
+    num_cache_misses: int = 0
+    num_swaps: int = 0
+    tier_wait_s: float = 0.0
 
 
 # ---- the interfaces ------------------------------------------------------------------------
@@ -142,8 +151,10 @@ def strata_read_interleave(config: Any, spec: Any, num_slots: int) -> ReadInterl
 def strata_tier_policy(config: Any, spec: Any, num_slots: int) -> TierPolicy | None:
     """Return the TierPolicy that moves experts into and out of the VRAM expert cache.
 
-    Called once when the engine is built. The first non-None result wins. The built-in default
-    comes with the expert cache; until then no plugin answers and the engine runs without a tier.
+    Called once when the engine is built with an expert cache (`--expert-cache`); `num_slots`
+    is the cache's slot count. The first non-None result wins; the built-in default
+    (`decayed-count`, strata.experts.tier) answers last. `--adapt-every 0` freezes the cache
+    and the policy is never asked for swaps.
     """
 
 

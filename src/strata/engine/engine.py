@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-from strata.backends.cpu import CpuModel
+from strata.backends.select import build_model
 from strata.config import EngineConfig
+from strata.engine.expert_tier import ExpertTier
 from strata.engine.generate import GenerationEvent, GenerationResult, GenerationStats, collect
 from strata.engine.sampling import SamplingParams
 from strata.engine.scheduler import RequestHandle, Scheduler
@@ -18,13 +19,16 @@ from strata.plugins import get_plugin_manager, resolve_choosers
 
 
 class Engine:
-    """Runs requests on the CPU, `parallel` at a time. Not thread-safe: one caller at a time."""
+    """Runs requests on the CPU or one GPU (`config.device`), `parallel` at a time. Not
+    thread-safe: one caller at a time."""
 
     def __init__(self, config: EngineConfig, plugin_manager=None):
         """`plugin_manager`: where the slot picker, read-interleave policy and observers come
         from (default: `strata.plugins.get_plugin_manager()`, built-ins plus installed
         plugins)."""
-        self.config = config
+        # A copy: the engine records resolved values (expert_cache_slots) in it.
+        self.config = config = replace(config)
+        self.expert_tier = None
         self.gguf = GGUFModel.open(config.model_path)
         try:
             self.spec = self.gguf.spec
@@ -33,13 +37,21 @@ class Engine:
             self.chat_template = ChatTemplate.from_gguf_metadata(self.gguf.metadata,
                                                                  self.tokenizer)
             self.n_ctx = config.resolve_n_ctx(self.spec.context_length)
-            self.model = CpuModel(self.gguf, num_threads=config.threads)
+            self.model = build_model(self.gguf, config.device, config.threads,
+                                     needs_cpu_experts=config.has_expert_tier)
+            # Sets config.expert_cache_slots (read by the tier policy hook) before the choosers.
+            self.expert_tier = ExpertTier.build(config, self.gguf, self.model)
             pm = plugin_manager if plugin_manager is not None else get_plugin_manager()
             choosers = resolve_choosers(pm, config=config, spec=self.spec,
                                         num_slots=config.parallel)
+            if self.expert_tier is not None:
+                self.expert_tier.start(choosers.tier_policy)
             self.scheduler = Scheduler(self.model, self.tokenizer, self.n_ctx, config.parallel,
-                                       choosers, config.conversation_cache_mib)
+                                       choosers, config.conversation_cache_mib,
+                                       expert_tier=self.expert_tier)
         except BaseException:
+            if self.expert_tier is not None:
+                self.expert_tier.close()
             self.gguf.close()
             raise
         self.last_stats: GenerationStats | None = None
@@ -139,6 +151,8 @@ class Engine:
         return self.scheduler.kvs[self.scheduler.last_slot_index]
 
     def close(self) -> None:
+        if self.expert_tier is not None:
+            self.expert_tier.close()
         self.gguf.close()
 
     def __enter__(self) -> "Engine":

@@ -82,8 +82,11 @@ class Scheduler:
     `RequestHandle.cancel` may come from another thread."""
 
     def __init__(self, model, tokenizer, n_ctx: int, num_slots: int, choosers,
-                 conversation_cache_mib: float = 2048):
+                 conversation_cache_mib: float = 2048, expert_tier=None):
         self.model = model
+        # Runs each forward pass through the expert cache (strata.engine.expert_tier); None
+        # reads the experts straight from the model's mapping.
+        self.expert_tier = expert_tier
         self.tokenizer = tokenizer
         self.n_ctx = int(n_ctx)
         self.choosers = choosers
@@ -183,7 +186,10 @@ class Scheduler:
         window = Window.build(runs, logits=modes)
         t0 = time.perf_counter()
         try:
-            logits = self.model.forward_window(window)  # [N, V]
+            if self.expert_tier is None:
+                logits = self.model.forward_window(window)  # [N, V]
+            else:
+                logits = self.expert_tier.forward_window(window)  # [N, V]
         except BaseException as exc:
             # A failed pass commits nothing, but fail every request in it rather than retry.
             for slot_index, _ in kinds:
@@ -207,8 +213,10 @@ class Scheduler:
         self._place_queued()  # slots freed by this window go to waiting requests now
         if num_prompt_rows and num_decode_rows:
             self._replan_after_chunk()
-        self.choosers.window_done(WindowStats(self._window_index, num_decode_rows,
-                                              num_prompt_rows, seconds))
+        tier = self.expert_tier.last_window if self.expert_tier is not None else None
+        self.choosers.window_done(WindowStats(
+            self._window_index, num_decode_rows, num_prompt_rows, seconds,
+            *((tier.num_hits, tier.num_misses, tier.num_swaps, tier.wait_s) if tier else ())))
         return True
 
     # ---- placement ------------------------------------------------------------------------

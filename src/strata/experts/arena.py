@@ -163,6 +163,35 @@ class CpuExpertArena:
             return self.slot_views(slot, layer), True
         return self.store.expert(layer, expert), False
 
+    def part_offsets(self) -> np.ndarray:
+        """[L, 3] uint64: where gate, up and down start inside a slot, per layer's layout."""
+        out = np.zeros((self.store.n_layers, 3), dtype=np.uint64)
+        for layer, layout in enumerate(self.store.layouts):
+            sizes = [part.nbytes for part in layout.parts]
+            out[layer] = (0, sizes[0], sizes[0] + sizes[1])
+        return out
+
+    def pointer_table(self, snap: Snapshot, store_pointers: np.ndarray) -> np.ndarray:
+        """[L, 3, E] uint64: the slot's blocks for the experts `snap` shows resident, the
+        store's (`store_pointers`, same shape) for the rest. Valid only while `snap` is held."""
+        pointers = store_pointers.copy()
+        layers, experts = np.nonzero(snap.table >= 0)  # [n] each
+        if len(layers):
+            slots = snap.table[layers, experts].astype(np.uint64)  # [n]
+            bases = np.uint64(self.buffer.ctypes.data) + slots * np.uint64(self.slot_bytes)
+            offsets = self.part_offsets()[layers]  # [n, 3]
+            pointers[layers, :, experts] = bases[:, None] + offsets
+        return pointers
+
+    def account_routed(self, snap: Snapshot, counts: np.ndarray) -> HitCounts:
+        """Count one window's routed entries, given as rows per (layer, expert) `counts`
+        [L, E], as hits or misses against `snap`, into the current window; return them."""
+        hits = int(counts[snap.table >= 0].sum())
+        result = HitCounts(hits, int(counts.sum()) - hits)
+        self._window = self._window + result
+        self.totals = self.totals + result
+        return result
+
     def account(self, snap: Snapshot, layer: int, experts: np.ndarray) -> HitCounts:
         """Count one layer's routed entries (`experts` [T, K] ids, -1 skipped) as hits or misses
         against `snap`, into the current window; return this call's counts."""

@@ -72,6 +72,25 @@ class ExpertStore:
             return [self.pack.expert_span(layer, expert)]
         return [view.reshape(-1) for view in self.expert(layer, expert)]
 
+    def expert_pointers(self) -> np.ndarray:
+        """[L, 3, E] uint64: the address of every expert's gate, up and down blocks in the
+        store (the mapped GGUF or pack), as `CpuModel.forward_window(expert_pointers=)` takes
+        them. Valid while the store's mapping is open."""
+        pointers = np.empty((self.n_layers, 3, self.n_experts), dtype=np.uint64)
+        for layer in range(self.n_layers):
+            if self.pack is None:
+                for part, raw in enumerate(self._layer_tensors[layer]):  # [E, rows, row_bytes]
+                    pointers[layer, part] = raw.ctypes.data + np.arange(
+                        self.n_experts, dtype=np.uint64) * np.uint64(raw.strides[0])
+                continue
+            starts = np.array([self.pack.expert_span(layer, e).ctypes.data
+                               for e in range(self.n_experts)], dtype=np.uint64)  # [E]
+            at = 0
+            for part, layout in enumerate(self.layouts[layer].parts):
+                pointers[layer, part] = starts + np.uint64(at)
+                at += layout.nbytes
+        return pointers
+
     def _check(self, layer: int, expert: int) -> None:
         if not (0 <= layer < self.n_layers and 0 <= expert < self.n_experts):
             raise IndexError(f"expert ({layer}, {expert}) is out of range: the model has "

@@ -82,6 +82,19 @@ class TraceWriter:
         out["window"], out["layer"], out["expert"], out["rows"] = window, layer, experts, rows
         self.record_many(out)
 
+    def record_counts(self, window: int, counts: np.ndarray) -> int:
+        """Record a whole window from its rows per (layer, expert) `counts` [L, E] (what the
+        forward pass's `routing_counts` gathers); return the number of records."""
+        if counts.shape != (self.n_layers, self.n_experts):
+            raise ValueError(f"counts has shape {counts.shape}; this trace is "
+                             f"{(self.n_layers, self.n_experts)}")
+        layers, experts = np.nonzero(counts)  # (layer, expert) order
+        out = np.empty(len(layers), dtype=RECORD_DTYPE)
+        out["window"], out["layer"], out["expert"] = window, layers, experts
+        out["rows"] = counts[layers, experts]
+        self.record_many(out)
+        return len(out)
+
     def record_many(self, records: np.ndarray) -> None:
         """Append ready-made RECORD_DTYPE records (e.g. a whole synthetic trace)."""
         self._pending.append(records)

@@ -66,6 +66,8 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     config = config or ServerConfig()
     metrics = ServerMetrics()
     worker = EngineWorker(engine, metrics)
+    metrics.watch_expert_tier(
+        lambda: getattr(worker.engine, "expert_tier", None) if worker.state == "ok" else None)
     state = ServerState(worker, config, metrics)
     app = Flask("strata.server")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_kib * 1024

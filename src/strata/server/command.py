@@ -9,7 +9,7 @@ import threading
 
 import click
 
-from strata.cli_options import slot_options
+from strata.cli_options import device_option, expert_options, slot_options
 from strata.server.app import ServerConfig, create_app
 
 DEFAULT_HTTP_THREADS = 8
@@ -64,9 +64,11 @@ def _stop_on_sigterm() -> None:
               help="Largest request body accepted (KiB); larger ones get 413.")
 @click.option("--http-threads", default=DEFAULT_HTTP_THREADS, show_default=True,
               type=click.IntRange(1), help="Request threads (each open stream holds one).")
+@device_option
 @slot_options
-def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_threads, parallel,
-          read_chunk, conversation_cache_mib):
+@expert_options
+def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_threads, device,
+          parallel, read_chunk, conversation_cache_mib, expert_config):
     """Serve the model with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     from strata.cli import fail, resolve_model
     from strata.config import EngineConfig
@@ -77,9 +79,11 @@ def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_thre
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty; give a key or leave the option out")
     try:
-        engine_config = EngineConfig(path, n_ctx=ctx_size, threads=threads, parallel=parallel,
+        engine_config = EngineConfig(path, n_ctx=ctx_size, threads=threads, device=device,
+                                     parallel=parallel,
                                      prompt_chunk_tokens=read_chunk,
-                                     conversation_cache_mib=conversation_cache_mib)
+                                     conversation_cache_mib=conversation_cache_mib,
+                                     **expert_config)
     except StrataError as e:
         fail(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "

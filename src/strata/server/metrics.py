@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Endpoints counted by name; anything else (unknown paths) is counted as "other" so a scanner
 # cannot grow the label set without bound.
@@ -40,9 +41,72 @@ class ServerMetrics:
                                        "consecutive generated tokens of a request",
                                        buckets=_TOKEN_BUCKETS_S, registry=r)
 
+    def watch_expert_tier(self, get_tier) -> None:
+        """Export the expert cache's figures, read from `get_tier()` (an ExpertTier or None)
+        at each scrape."""
+        self.registry.register(ExpertCacheCollector(get_tier))
+
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in KNOWN_ENDPOINTS else "other"
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ExpertCacheCollector:
+    """The expert cache's counters, read from the engine's ExpertTier at scrape time (nothing
+    per window). Absent while the engine loads or runs without `--expert-cache`. The optimum
+    (Belady with the same slots) is computed here, over the recent windows only, at most once
+    per new window (docs/expert-cache.md)."""
+
+    def __init__(self, get_tier):
+        self._get_tier = get_tier
+
+    def describe(self):
+        return []  # the families exist only once a cache does
+
+    def collect(self):
+        tier = self._get_tier()
+        if tier is None or tier.arena is None:
+            return
+        t = tier.snapshot_totals()
+        yield _counter("strata_expert_cache_hits", "Routed entries (row x top-k pick) served "
+                       "by the expert cache", t.num_hits)
+        yield _counter("strata_expert_cache_misses", "Routed entries served from the expert "
+                       "store (not resident)", t.num_misses)
+        yield _gauge("strata_expert_cache_hit_rate", "Share of routed entries served by the "
+                     "cache since start-up", t.hit_rate)
+        yield _gauge("strata_expert_cache_slots", "Expert cache slots (one routed expert each)",
+                     tier.arena.n_slots)
+        yield _counter("strata_expert_cache_rounds", "Tier rounds that asked the policy",
+                       t.num_rounds)
+        yield _counter("strata_expert_cache_rounds_skipped", "Async tier rounds skipped "
+                       "because the previous round was still copying", t.num_rounds_skipped)
+        swaps = CounterMetricFamily("strata_expert_cache_swaps", "Experts copied into the "
+                                    "cache by the tier, into a free slot or evicting one",
+                                    labels=["kind"])
+        swaps.add_metric(["fill"], t.num_fills)
+        swaps.add_metric(["eviction"], t.num_evictions)
+        yield swaps
+        yield _counter("strata_expert_cache_moved_bytes", "Bytes copied into cache slots by "
+                       "the tier", t.num_bytes_moved)
+        yield _counter("strata_expert_tier_wait_seconds", "Time windows waited for the tier "
+                       "outside their forward pass", t.wait_s)
+        optimum = tier.recent.optimum()
+        yield _gauge("strata_expert_cache_recent_windows", "Windows the recent hit rates cover "
+                     "(the last ones, at most 1024)", optimum.num_windows)
+        yield _gauge("strata_expert_cache_recent_access_hit_rate", "Share of accesses (distinct "
+                     "window, layer, expert) that hit the cache over the recent windows",
+                     optimum.cache_hit_rate)
+        yield _gauge("strata_expert_cache_optimum_hit_rate", "The access hit rate Belady's "
+                     "optimum (demand loads, same slots) would have had on the recent windows",
+                     optimum.optimum_hit_rate)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)

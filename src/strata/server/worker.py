@@ -142,6 +142,11 @@ class EngineWorker:
                                                      code="shutting_down")))
         for gauge in (self._metrics.queued, self._metrics.running, self._metrics.reading):
             gauge.set(0)  # every job has its answer
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            # The worker owns the engine: its expert tier stops copying and writes the rest of
+            # its --dump-routing trace.
+            close()
 
     def _take_jobs(self, block: bool):
         """The jobs queued now (waiting for the first one when `block`)."""

@@ -1,0 +1,391 @@
+"""The expert tier at run time: store, CPU arena, residency table, tier policy, routing counts and
+trace around every forward pass; every `adapt_every` windows a round of swaps, applied through
+the arena's ordered path before the next window (blocking) or by a copier thread (async).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from strata.errors import ConfigError
+from strata.experts.arena import (COPY_CHUNK_BYTES, SLOT_ALIGN_BYTES, CpuExpertArena,
+                                  num_slots_for)
+from strata.experts.profile import read_profile
+from strata.experts.store import ExpertStore
+from strata.experts.tier import FREE_SLOT
+from strata.experts.trace import TraceWriter
+from strata.engine.tier_stats import RecentRouting, TierTotals, format_group
+
+log = logging.getLogger("strata.tier")
+
+LOG_EVERY_WINDOWS = 32  # windows per INFO summary line
+COPY_TIMEOUT_S = 120.0  # a copy waits this long for readers of older versions, then gives up
+
+
+@dataclass(frozen=True)
+class TierWindow:
+    """What the tier did in one window: routed entries served by the cache (hits) and by the
+    store (misses), swaps started by the round it closed, seconds it waited for the tier."""
+
+    num_hits: int = 0
+    num_misses: int = 0
+    num_swaps: int = 0
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Load:
+    slot: int
+    layer: int
+    expert: int
+    is_eviction: bool
+
+
+class ExpertTier:
+    """Owns the expert store (GGUF or pack), the arena (None without `--expert-cache`), the
+    policy, the routing counts and the trace. Build with `build()`, then `start(policy)`; the
+    scheduler calls `forward_window(window)` in place of the model's. Engine thread only
+    (the async copier is its own thread)."""
+
+    def __init__(self, model, store: ExpertStore, arena: CpuExpertArena | None, config):
+        self.model = model
+        self.store = store
+        self.arena = arena
+        self.config = config
+        self.policy = None
+        self.copy_chunk_bytes = COPY_CHUNK_BYTES  # bytes per copy step (the copier's slices)
+        self.is_async = bool(config.adapt_async)
+        shape = (store.n_layers, store.n_experts)
+        self._counts = np.zeros(shape, dtype=np.int64)  # [L, E] this window's routed rows
+        self._round_counts = np.zeros(shape, dtype=np.int64)  # [L, E] since the last round
+        self._store_pointers = store.expert_pointers()  # [L, 3, E] uint64
+        self._pointers = self._store_pointers
+        self._pointer_version = -1
+        self._windows_since_round = 0
+        self._lock = threading.Lock()  # guards totals (the copier adds to them)
+        self.totals = TierTotals()
+        self._logged = TierTotals()
+        self._max_wait_since_log = 0.0
+        self.last_window = TierWindow()
+        self.recent = (RecentRouting(store.n_layers, store.n_experts, arena.n_slots)
+                       if arena is not None else None)
+        self.trace = None
+        if config.dump_routing_path is not None:
+            self.trace = TraceWriter(config.dump_routing_path, store.n_layers, store.n_experts,
+                                     {"model": str(config.model_path), "source": store.source})
+        self._copier: _Copier | None = None
+
+    # ---- building -----------------------------------------------------------------------
+    @classmethod
+    def build(cls, config, gguf, model) -> "ExpertTier | None":
+        """The tier for `config` (None when it asks for no cache, pack or trace). Sets
+        `config.expert_cache_slots` to the resolved slot count, which the policy hook reads."""
+        if not config.has_expert_tier:
+            return None
+        if config.expert_pack_path is not None:
+            store = ExpertStore.from_pack(config.expert_pack_path, gguf)
+        else:
+            store = ExpertStore.from_gguf(gguf)
+        arena = None
+        if config.expert_cache is not None:
+            slot_bytes = -(-store.expert_nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+            num_slots = num_slots_for(config.expert_cache, config.vram_budget_bytes,
+                                      slot_bytes, store.n_layers * store.n_experts)
+            arena = CpuExpertArena(store, num_slots)
+            config.expert_cache_slots = num_slots
+        return cls(model, store, arena, config)
+
+    def start(self, policy) -> None:
+        """Take the resolved tier policy (None: the cache stays as filled), fill the cache from
+        the profile (else in layer order) and start the copier when async."""
+        self.policy = policy
+        if self.arena is None:
+            log.info("experts read from the %s, no cache%s", self.store.source,
+                     f"; routing recorded to {self.config.dump_routing_path}"
+                     if self.trace is not None else "")
+            return
+        t0 = time.perf_counter()
+        order, source = self._fill_order()
+        num_filled = self.arena.fill(order)
+        arena = self.arena
+        is_frozen = self.mode == "frozen"
+        log.info("expert cache: %d slots x %d bytes (%.1f MiB) of %d experts, experts from the "
+                 "%s; filled %d from %s in %.0f ms; tier %s", arena.n_slots, arena.slot_bytes,
+                 arena.n_slots * arena.slot_bytes / 2**20, self.store.n_layers
+                 * self.store.n_experts, self.store.source, num_filled, source,
+                 (time.perf_counter() - t0) * 1e3,
+                 "frozen" if is_frozen else
+                 f"{getattr(policy, 'name', type(policy).__name__)} every "
+                 f"{self.config.adapt_every} windows ({self.mode})")
+        if self.is_async and not is_frozen:
+            self._copier = _Copier(self)
+            self._copier.start()
+
+    def _fill_order(self):
+        """(iterable of (layer, expert) best first, what it came from)."""
+        path = self.config.expert_profile_path
+        n_layers, n_experts = self.store.n_layers, self.store.n_experts
+        if path is None:
+            return ((layer, e) for layer in range(n_layers) for e in range(n_experts)), \
+                "layer order"
+        profile = read_profile(path)
+        if (profile.n_layers, profile.n_experts) != (n_layers, n_experts):
+            raise ConfigError(
+                f"--expert-profile {path} ranks {profile.n_layers} layers x "
+                f"{profile.n_experts} experts but the model has {n_layers} x {n_experts}; "
+                "make a profile from this model's traces (`strata-tool profile`)")
+        return profile.top(self.arena.n_slots), f"profile {path}"
+
+    # ---- the window ---------------------------------------------------------------------
+    def forward_window(self, window) -> np.ndarray:
+        """The model's forward pass over `window` with the experts read through the cache;
+        then the accounting, the trace and (when due) a round. Returns the logits."""
+        snap = self.arena.table.snapshot() if self.arena is not None else None
+        try:
+            pointers = self._pointers_for(snap)
+            self._counts[:] = 0
+            logits = self.model.forward_window(window, expert_pointers=pointers,
+                                               routing_counts=self._counts)
+        finally:
+            if snap is not None:
+                snap.release()  # the slots it showed may be overwritten from now on
+        self._after_window(snap)
+        return logits
+
+    def forward(self, tokens: np.ndarray, kv, all_logits: bool = False) -> np.ndarray:
+        """`CpuModel.forward` through the tier (one sequence, one window)."""
+        from strata.backends.window import Window
+
+        return self.forward_window(Window.build([(kv, tokens)],
+                                                logits="all" if all_logits else "last"))
+
+    def _pointers_for(self, snap) -> np.ndarray:
+        """[L, 3, E]: rebuilt only when the table's version changed since the last window."""
+        if snap is not None and snap.version != self._pointer_version:
+            self._pointers = self.arena.pointer_table(snap, self._store_pointers)
+            self._pointer_version = snap.version
+        return self._pointers
+
+    def _after_window(self, snap) -> None:
+        counts = self._counts
+        window_index = self.totals.num_windows
+        hits = misses = 0
+        if snap is not None:
+            served = self.arena.account_routed(snap, counts)
+            self.arena.take_window()
+            hits, misses = served.hits, served.misses
+            keys = np.flatnonzero(counts)  # [n] layer * E + expert, ascending
+            num_access_hits = int((snap.table.reshape(-1)[keys] >= 0).sum())
+            self.recent.append(keys, num_access_hits)
+        if self.trace is not None:
+            self.trace.record_counts(window_index, counts)
+        self._round_counts += counts
+        self._windows_since_round += 1
+        num_swaps, wait_s = 0, 0.0
+        if self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
+            t0 = time.perf_counter()
+            num_swaps = self._round()
+            wait_s = time.perf_counter() - t0
+        with self._lock:
+            t = self.totals
+            t.num_windows += 1
+            t.num_hits += hits
+            t.num_misses += misses
+            if snap is not None:
+                t.num_accesses += len(keys)
+                t.num_access_hits += num_access_hits
+            t.wait_s += wait_s
+            t.max_wait_s = max(t.max_wait_s, wait_s)
+        self._max_wait_since_log = max(self._max_wait_since_log, wait_s)
+        self.last_window = TierWindow(hits, misses, num_swaps, wait_s)
+        log.debug("window %d: %d cache + %d miss routed entries, %d swaps, tier wait %.3f ms",
+                  window_index, hits, misses, num_swaps, wait_s * 1e3)
+        if self.totals.num_windows % LOG_EVERY_WINDOWS == 0:
+            if self.trace is not None:
+                self.trace.flush()  # a server killed hard keeps all but the last group
+            if self.arena is not None:
+                self.log_group()
+
+    @property
+    def mode(self) -> str:
+        """"frozen" (no rounds: no cache slots, no policy or --adapt-every 0), "async" or
+        "blocking"."""
+        if (self.arena is None or self.arena.n_slots == 0 or self.policy is None
+                or self.config.adapt_every == 0):
+            return "frozen"
+        return "async" if self.is_async else "blocking"
+
+    def log_group(self) -> None:
+        """INFO: what the cache did since the last such line."""
+        now = self.snapshot_totals()
+        group = now.minus(self._logged)
+        if group.num_windows:
+            group.max_wait_s = self._max_wait_since_log
+            log.info("%s", format_group(group, self._logged.num_windows, self.mode))
+        self._logged = now
+        self._max_wait_since_log = 0.0
+
+    # ---- rounds -------------------------------------------------------------------------
+    def _round(self) -> int:
+        """Ask the policy and start its swaps; return how many were started."""
+        if self._copier is not None and self._copier.is_busy:
+            # The previous round is still copying: skip this one rather than make the window
+            # wait; its counts stay and go to the next round.
+            with self._lock:
+                self.totals.num_rounds_skipped += 1
+            log.debug("tier round skipped: the previous round's copies are still landing")
+            return 0
+        counts = self._round_counts.copy()
+        self._round_counts[:] = 0
+        self._windows_since_round = 0
+        residency = self.arena.table.peek().table  # [L, E] read-only
+        with self._lock:
+            self.totals.num_rounds += 1
+        try:
+            swaps = self.policy.plan_swaps(counts, residency.copy(), float(
+                self.config.adapt_min_gain))
+        except Exception:  # noqa: BLE001 - a faulty plugin must not fail the window's requests
+            log.exception("tier policy %r failed; no swaps this round: fix the plugin",
+                          getattr(self.policy, "name", type(self.policy).__name__))
+            return 0
+        loads = self._resolve(swaps, residency)
+        if not loads:
+            return 0
+        if self._copier is not None:
+            self._copier.submit(loads)
+        else:
+            self.apply(loads)
+        return len(loads)
+
+    def _resolve(self, swaps, residency: np.ndarray) -> list[_Load]:
+        """The slot of each swap: a free one for FREE_SLOT, else the evicted expert's. Swaps
+        that cannot be applied (a faulty plugin) are dropped with a warning."""
+        free = self.arena.table.free_slots()
+        taken: set[int] = set()
+        loaded: set[tuple[int, int]] = set()
+        loads, num_bad = [], 0
+        for swap in swaps:
+            target = (swap.load_layer, swap.load_expert)
+            if residency[target] >= 0 or target in loaded:
+                num_bad += 1
+                continue
+            if swap.evict_layer == FREE_SLOT:
+                if not free:
+                    num_bad += 1
+                    continue
+                slot, is_eviction = free.pop(0), False
+            else:
+                slot, is_eviction = int(residency[swap.evict_layer, swap.evict_expert]), True
+                if slot < 0 or slot in taken:
+                    num_bad += 1
+                    continue
+            taken.add(slot)
+            loaded.add(target)
+            loads.append(_Load(slot, swap.load_layer, swap.load_expert, is_eviction))
+        if num_bad:
+            log.warning("tier policy %r returned %d swaps that cannot be applied (a load "
+                        "already resident, an eviction of a missing expert, or no free slot); "
+                        "they were skipped: fix the plugin",
+                        getattr(self.policy, "name", type(self.policy).__name__), num_bad)
+        return loads
+
+    def apply(self, loads: list[_Load], stop: threading.Event | None = None) -> None:
+        """Copy each load through the arena's ordered path and count it (either thread)."""
+        for load in loads:
+            steps = self.arena.load_steps(load.slot, load.layer, load.expert,
+                                          chunk_bytes=self.copy_chunk_bytes,
+                                          timeout_s=COPY_TIMEOUT_S)
+            try:
+                for _ in steps:
+                    if stop is not None and stop.is_set():
+                        break
+            except TimeoutError:
+                log.error("expert (%d, %d) not loaded into slot %d: a reader held an old table "
+                          "version for %.0f s", load.layer, load.expert, load.slot,
+                          COPY_TIMEOUT_S)
+                continue
+            finally:
+                steps.close()  # a load left half-way frees its slot
+            if stop is not None and stop.is_set():
+                return
+            with self._lock:
+                t = self.totals
+                t.num_bytes_moved += self.store.layer_expert_nbytes(load.layer)
+                if load.is_eviction:
+                    t.num_evictions += 1
+                else:
+                    t.num_fills += 1
+
+    # ---- what observers read ------------------------------------------------------------
+    def snapshot_totals(self) -> TierTotals:
+        with self._lock:
+            return self.totals.copy()
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until the copier has landed every round handed to it (True; at once when
+        blocking)."""
+        return self._copier is None or self._copier.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        """Stop the copier (a copy in progress is dropped, its slot freed), close the trace and
+        log the last summary."""
+        if self._copier is not None:
+            self._copier.stop()
+            self._copier = None
+        if self.trace is not None:
+            self.trace.close()
+        if self.arena is not None and self.totals.num_windows > self._logged.num_windows:
+            self.log_group()
+
+
+class _Copier:
+    """The async tier's copy thread: applies each round's loads while windows run. The arena's
+    ordered path makes that safe: a slot is published missing before its bytes change, the copy
+    waits out readers of older versions, and an expert is published only once landed."""
+
+    def __init__(self, tier: ExpertTier):
+        self._tier = tier
+        self._rounds: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="strata-tier-copier",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_busy(self) -> bool:
+        return not self._idle.is_set()
+
+    def submit(self, loads: list[_Load]) -> None:
+        self._idle.clear()
+        self._rounds.put(loads)
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        return self._idle.wait(timeout_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._rounds.put(None)
+        self._thread.join(COPY_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while True:
+            loads = self._rounds.get()
+            if loads is None:
+                return
+            try:
+                self._tier.apply(loads, self._stop)
+            except Exception:  # noqa: BLE001 - a failed copy must not kill the thread
+                log.exception("the tier's copier failed on a round; its remaining swaps were "
+                              "dropped")
+            finally:
+                if self._rounds.empty():
+                    self._idle.set()
