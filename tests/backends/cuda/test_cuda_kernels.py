@@ -88,7 +88,7 @@ def test_dense_and_grouped_products(runtime, weight_type):
     xr = _acts(x, weight_type)  # [T, K] what the kernel multiplies, float64
     q, d = _q8(x)
     xf, xq, xd = dev.put(x), dev.put(q), dev.put(d)
-    fmt = "PPqqiiPPPPPPPPPi"
+    fmt = "PPPPqiiPPPPPPPPPi"
     name = weight_type
 
     # dense: one group of all T rows, plus a bias
@@ -96,7 +96,7 @@ def test_dense_and_grouped_products(runtime, weight_type):
     y = dev.empty(4 * T * N)
     dense_groups = dev.put(np.array([0, 0, T, 1], dtype=np.int32))
     dev.launch(f"mm_store_{name}", ((N + 15) // 16, 1), (128,), fmt,
-               [dev.put(gate_raw[0]), 0, row_bytes, 0, N, K, xf, xq, xd, dense_groups,
+               [dev.put(gate_raw[0]), 0, 0, 0, row_bytes, N, K, xf, xq, xd, dense_groups,
                 dense_groups + 12, 0, 0, dev.put(bias), y, N])
     want = xr @ dense[0].T + bias
     got = dev.get(y, (T, N), np.float32)
@@ -104,7 +104,7 @@ def test_dense_and_grouped_products(runtime, weight_type):
 
     # add mode accumulates into y
     dev.launch(f"mm_add_{name}", ((N + 15) // 16, 1), (128,), fmt,
-               [dev.put(gate_raw[1]), 0, row_bytes, 0, N, K, xf, xq, xd, dense_groups,
+               [dev.put(gate_raw[1]), 0, 0, 0, row_bytes, N, K, xf, xq, xd, dense_groups,
                 dense_groups + 12, 0, 0, 0, y, N])
     want = want + xr @ dense[1].T
     got = dev.get(y, (T, N), np.float32)
@@ -135,8 +135,11 @@ def test_dense_and_grouped_products(runtime, weight_type):
     num_groups = len(groups) // 3
     g = dev.put(np.array(groups + [num_groups], dtype=np.int32))
     out = dev.empty(4 * T * N)
+    # each expert through a pointer table, in separate allocations as an offload tier has them
+    tables = [dev.put(np.array([dev.put(m[e]) for e in range(E)], dtype=np.uint64))
+              for m in (gate_raw, up_raw)]
     dev.launch(f"mm_gateup_{name}", ((N + 15) // 16, E), (128,), fmt,
-               [dev.put(gate_raw), dev.put(up_raw), row_bytes, N * row_bytes, N, K, xf, xq, xd,
+               [0, 0, tables[0], tables[1], row_bytes, N, K, xf, xq, xd,
                 g, g + 12 * num_groups, dev.put(order.astype(np.int32)), 0, 0, out, N])
     got = dev.get(out, (T, N), np.float32)
     want = np.empty((T, N))

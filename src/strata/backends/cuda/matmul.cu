@@ -19,7 +19,10 @@
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
-// groups: [G, 3] (expert, first pair, pair count) with *num_groups in use; pair p of a group
+// groups: [G, 3] (expert, first pair, pair count) with *num_groups in use. Grouped products find
+// each expert's matrix through wtab[expert] (and W2's through wtab2[expert]): device pointers,
+// so an expert may sit in a VRAM slot or in mapped host memory; dense ones (wtab NULL) read W.
+// Pair p of a group
 // reads activation row act_rows[p] (p itself when act_rows is NULL) and writes output row
 // out_rows[p] (p when NULL). Each warp computes NR consecutive outputs n (each activation load
 // serves NR weight rows), TR activation rows at a time. Grid: (ceil(N / (MM_WARPS * NR)), G),
@@ -27,8 +30,9 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 // holds, so a slot's rows do not depend on the other slots.
 template <int QT, int MODE>
 __device__ __forceinline__ void mm_body(
-    const uint8_t *__restrict__ W, const uint8_t *__restrict__ W2, long long row_bytes,
-    long long expert_bytes, int N, int K, const float *__restrict__ xf,
+    const uint8_t *__restrict__ W, const uint8_t *__restrict__ W2,
+    const unsigned long long *__restrict__ wtab, const unsigned long long *__restrict__ wtab2,
+    long long row_bytes, int N, int K, const float *__restrict__ xf,
     const int8_t *__restrict__ xq, const float *__restrict__ xd, const int *__restrict__ groups,
     const int *__restrict__ num_groups, const int *__restrict__ act_rows,
     const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,
@@ -40,12 +44,15 @@ __device__ __forceinline__ void mm_body(
     if (n0 >= N) return;
     const int nr = min(NR, N - n0);
     const int expert = groups[3 * g], first = groups[3 * g + 1], count = groups[3 * g + 2];
+    const uint8_t *base = wtab ? reinterpret_cast<const uint8_t *>(wtab[expert]) : W;
+    const uint8_t *base2 = MODE != MODE_GATEUP ? base
+                           : wtab2 ? reinterpret_cast<const uint8_t *>(wtab2[expert]) : W2;
     const uint8_t *wrow[NR], *wrow2[NR];  // [K] blocks each
 #pragma unroll
     for (int j = 0; j < NR; j++) {
-        const long long off = expert * expert_bytes + (long long)(n0 + min(j, nr - 1)) * row_bytes;
-        wrow[j] = W + off;
-        wrow2[j] = MODE == MODE_GATEUP ? W2 + off : W + off;
+        const long long off = (long long)(n0 + min(j, nr - 1)) * row_bytes;
+        wrow[j] = base + off;
+        wrow2[j] = base2 + off;
     }
     constexpr bool is_float = QT == ST_F32 || QT == ST_F16 || QT == ST_BF16;
     constexpr bool has_min = QT == ST_Q4_K || QT == ST_Q5_K;
@@ -158,11 +165,11 @@ __device__ __forceinline__ void mm_body(
 }
 
 #define MM_ARGS                                                                                     \
-    const uint8_t *W, const uint8_t *W2, long long row_bytes, long long expert_bytes, int N,        \
-        int K, const float *xf, const int8_t *xq, const float *xd, const int *groups,               \
-        const int *num_groups, const int *act_rows, const int *out_rows, const float *bias,         \
-        float *Y, int ldy
-#define MM_PASS W, W2, row_bytes, expert_bytes, N, K, xf, xq, xd, groups, num_groups, act_rows,     \
+    const uint8_t *W, const uint8_t *W2, const unsigned long long *wtab,                            \
+        const unsigned long long *wtab2, long long row_bytes, int N, int K, const float *xf,        \
+        const int8_t *xq, const float *xd, const int *groups, const int *num_groups,                \
+        const int *act_rows, const int *out_rows, const float *bias, float *Y, int ldy
+#define MM_PASS W, W2, wtab, wtab2, row_bytes, N, K, xf, xq, xd, groups, num_groups, act_rows,     \
                 out_rows, bias, Y, ldy, blockIdx.x
 // q, k and v projections of the same rows in one launch: blocks [0, nbq) make q, the next
 // nbkv k, the last nbkv v (one weight type, rows of K columns each).
@@ -176,13 +183,16 @@ __device__ __forceinline__ void mm_body(
     const int nbkv = (Nkv + MM_WARPS * NR - 1) / (MM_WARPS * NR);                                   \
     const int bx = blockIdx.x;                                                                      \
     if (bx < nbq)                                                                                   \
-        mm_body<QT, MODE_STORE>(Wq, Wq, row_bytes, 0, Nq, K, xf, xq, xd, groups, num_groups,        \
+        mm_body<QT, MODE_STORE>(Wq, Wq, nullptr, nullptr, row_bytes, Nq, K, xf, xq, xd, groups,   \
+                                num_groups,                                                 \
                                 nullptr, nullptr, bq, Yq, Nq, bx);                                  \
     else if (bx < nbq + nbkv)                                                                       \
-        mm_body<QT, MODE_STORE>(Wk, Wk, row_bytes, 0, Nkv, K, xf, xq, xd, groups, num_groups,       \
+        mm_body<QT, MODE_STORE>(Wk, Wk, nullptr, nullptr, row_bytes, Nkv, K, xf, xq, xd, groups,  \
+                                num_groups,                                                 \
                                 nullptr, nullptr, bk, Yk, Nkv, bx - nbq);                           \
     else                                                                                            \
-        mm_body<QT, MODE_STORE>(Wv, Wv, row_bytes, 0, Nkv, K, xf, xq, xd, groups, num_groups,       \
+        mm_body<QT, MODE_STORE>(Wv, Wv, nullptr, nullptr, row_bytes, Nkv, K, xf, xq, xd, groups,  \
+                                num_groups,                                                 \
                                 nullptr, nullptr, bv, Yv, Nkv, bx - nbq - nbkv);
 
 #define MM_KERNELS(NAME, QT)                                                                        \

@@ -26,7 +26,7 @@ _VRAM_RESERVE_BYTES = 512 << 20  # left free for the workspace, KV and the drive
 class _GateRow:
     """The shared expert's [H] gate as a one-row F32 matrix for the product kernels."""
 
-    suffix, is_float, expert_bytes, rows = "f32", True, 0, 1
+    suffix, is_float, expert_bytes, table_ptr, rows = "f32", True, 0, 0, 1
 
     def __init__(self, vec: DeviceVector):
         self.ptr, self.cols, self.row_bytes = vec.ptr, vec.size, 4 * vec.size

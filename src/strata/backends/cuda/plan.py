@@ -15,7 +15,7 @@ from strata.model.arch import ModelSpec
 # H = hidden, Q/KVH = heads, D = head dim, E = experts, K = experts per row, F = expert width,
 # S = shared-expert width, V = vocabulary, G = groups (distinct experts) at most min(E, P).
 
-MM_FMT = "PPqqiiPPPPPPPPPi"
+MM_FMT = "PPPPqiiPPPPPPPPPi"
 MM_ROWS = 16  # outputs per block of the product kernels (MM_WARPS * NR in matmul.cu)
 
 
@@ -117,8 +117,8 @@ class WindowPlan:
             num_groups, max_groups = static + 24, 1
         self._add(f"mm_{mode}_{w.suffix}", ((w.rows + MM_ROWS - 1) // MM_ROWS, max_groups),
                   (128,), MM_FMT,
-                  [w.ptr, w2.ptr if w2 is not None else 0, w.row_bytes, w.expert_bytes, w.rows,
-                   w.cols, xf, xq, xd, groups, num_groups,
+                  [w.ptr, w2.ptr if w2 is not None else 0, w.table_ptr if grouped else 0,
+                   w2.table_ptr if grouped and w2 is not None else 0, w.row_bytes, w.rows, w.cols, xf, xq, xd, groups, num_groups,
                    ws.ptr("act_rows") if act_rows else 0, ws.ptr("out_rows") if out_rows else 0,
                    bias.ptr if bias is not None else 0, ws.ptr(out), w.rows])
 

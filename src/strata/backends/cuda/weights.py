@@ -23,9 +23,12 @@ FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
 
 
 class DeviceMatrix:
-    """A weight matrix on the device: rows [N, row_bytes] (or [E, N, row_bytes] for experts)."""
+    """A weight matrix on the device: rows [N, row_bytes] (or [E, N, row_bytes] for experts).
+    Experts are also reached through `table_ptr`, a device table uint64 [E] of each expert's
+    first byte, which the grouped products read (an offload tier points entries elsewhere)."""
 
-    __slots__ = ("buf", "ptr", "qtype", "rows", "cols", "row_bytes", "expert_bytes", "name")
+    __slots__ = ("buf", "ptr", "qtype", "rows", "cols", "row_bytes", "expert_bytes", "name",
+                 "table", "table_ptr")
 
     def __init__(self, runtime, t: TensorInfo):
         if t.qtype not in TYPE_SUFFIX:
@@ -39,6 +42,12 @@ class DeviceMatrix:
         self.expert_bytes = self.rows * self.row_bytes if len(t.shape) == 3 else 0
         self.buf = runtime.upload(t.raw)
         self.ptr = int(self.buf)
+        self.table, self.table_ptr = None, 0
+        if self.expert_bytes:
+            num_experts = int(t.shape[0])
+            self.table = runtime.upload(
+                self.ptr + self.expert_bytes * np.arange(num_experts, dtype=np.uint64))
+            self.table_ptr = int(self.table)
 
     @property
     def is_float(self) -> bool:
