@@ -143,17 +143,23 @@ class TokenDecoder:
         more token (else the token cannot be read back and the request ends with "length").
         An event without a finish reason means: read the token back and call again."""
         stats = self.stats
-        logits = np.asarray(logits).reshape(-1)
-        if np.isnan(logits.max()):  # max is NaN if any logit is: one cheap pass
+        t0 = time.perf_counter()
+        if hasattr(logits, "candidates"):
+            # a row left on the device (CUDA): it picks candidates, padded ids excluded
+            token = self._sampler.sample_candidates(logits, self._vocab_tokens)
+        else:
+            logits = np.asarray(logits).reshape(-1)
+            token = None
+            if not np.isnan(logits.max()):  # max is NaN if any logit is: one cheap pass
+                if logits.shape[0] > self._vocab_tokens:
+                    # Padded embedding rows have no token text: never pick them.
+                    logits = logits.copy()
+                    logits[self._vocab_tokens:] = -np.inf
+                token = self._sampler.sample(logits)
+        if token is None:
             raise ModelFormatError(
                 f"the model produced NaN logits after {stats.num_generated_tokens} generated "
                 "tokens; its weights are likely corrupt (check it with `strata-tool inspect`)")
-        if logits.shape[0] > self._vocab_tokens:
-            # Padded embedding rows have no token text: never pick them.
-            logits = logits.copy()
-            logits[self._vocab_tokens:] = -np.inf
-        t0 = time.perf_counter()
-        token = self._sampler.sample(logits)
         stats.decode_seconds += time.perf_counter() - t0
         stats.num_generated_tokens += 1
         if token in self._stop_ids:

@@ -88,25 +88,41 @@ def greedy(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
 
-def apply_penalties(logits: np.ndarray, seen: set[int], generated: Counter,
-                    repetition_penalty: float, presence_penalty: float,
-                    frequency_penalty: float) -> np.ndarray:
-    """Penalise repeats as vLLM's OpenAI server does: the repetition penalty (HF/llama.cpp:
-    positive logits divided, negative multiplied) on every token seen, prompt included; the
-    presence and frequency penalties (subtracted) on the generated tokens and their counts."""
+def penalty_entries(seen: set[int], generated: Counter, repetition_penalty: float,
+                    presence_penalty: float, frequency_penalty: float):
+    """The penalties as per-token entries (ids int32, repetition factor float32 (1 = none),
+    subtraction float32), or None when none applies. A token's logit x becomes
+    (x / f if x > 0 else x * f) - s: the repetition penalty (HF/llama.cpp) on every token seen,
+    prompt included; the presence and frequency penalties (vLLM's OpenAI server) on the
+    generated tokens and their counts."""
     is_rep = repetition_penalty != 1.0 and bool(seen)
     is_count = (presence_penalty != 0.0 or frequency_penalty != 0.0) and bool(generated)
     if not (is_rep or is_count):
+        return None
+    rep_ids = seen if is_rep else set()
+    counts = generated if is_count else {}
+    ids = np.fromiter(sorted(rep_ids | set(counts)), dtype=np.int64)
+    rep = np.where(np.isin(ids, np.fromiter(rep_ids, dtype=np.int64, count=len(rep_ids))),
+                   np.float32(repetition_penalty), np.float32(1)).astype(np.float32)
+    n = np.array([counts.get(int(t), 0) for t in ids], dtype=np.float32)
+    sub = np.where(n > 0, n * np.float32(frequency_penalty) + np.float32(presence_penalty),
+                   np.float32(0)).astype(np.float32)
+    return ids.astype(np.int32), rep, sub
+
+
+def apply_penalties(logits: np.ndarray, seen: set[int], generated: Counter,
+                    repetition_penalty: float, presence_penalty: float,
+                    frequency_penalty: float) -> np.ndarray:
+    """The logits after the penalties of `penalty_entries` (a copy; the input when none)."""
+    entries = penalty_entries(seen, generated, repetition_penalty, presence_penalty,
+                              frequency_penalty)
+    if entries is None:
         return logits
+    ids, rep, sub = entries
     out = logits.astype(np.float32, copy=True)
-    if is_rep:
-        ids = np.fromiter(seen, dtype=np.int64, count=len(seen))
-        x = out[ids]
-        out[ids] = np.where(x > 0, x / repetition_penalty, x * repetition_penalty)
-    if is_count:
-        ids = np.fromiter(generated.keys(), dtype=np.int64, count=len(generated))
-        n = np.fromiter(generated.values(), dtype=np.float32, count=len(generated))
-        out[ids] -= n * np.float32(frequency_penalty) + np.float32(presence_penalty)
+    x = out[ids]
+    x = np.where(rep != 1, np.where(x > 0, x / rep, x * rep), x)
+    out[ids] = np.where(sub != 0, x - sub, x)
     return out
 
 
@@ -119,8 +135,9 @@ def filter_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: floa
     sorted, so a 150k vocabulary costs a few partitions rather than a full sort."""
     with np.errstate(over="ignore"):
         z = logits.astype(np.float64) / temperature  # [V]
-    if not np.isfinite(z).all():
+    if not np.isfinite(z.max()):
         # A temperature so small that logits / temperature overflows: its limit is greedy.
+        # (-inf entries, e.g. padded ids, are fine: their weight is 0.)
         return np.array([greedy(logits)]), np.ones(1)
     ids = _top_k_ids(z, top_k) if 0 < top_k < z.shape[0] else None  # [K] ascending, or all
     zk = z if ids is None else z[ids]
@@ -139,7 +156,13 @@ def filter_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: floa
     sel = np.flatnonzero(zk >= threshold)
     order = sel[np.argsort(-zk[sel], kind="stable")]  # stable on ascending ids: ties lowest first
     cand = order if ids is None else ids[order]
-    probs = weights[order] / total
+    return cut_sorted(cand, weights[order] / total, top_p, min_p)
+
+
+def cut_sorted(cand: np.ndarray, probs: np.ndarray, top_p: float,
+               min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Top-p and min-p over candidates sorted best first with their probabilities (of the
+    whole distribution); returns the survivors and their renormalised probabilities."""
     if top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         keep = int(np.searchsorted(np.cumsum(probs), top_p - 1e-12)) + 1
@@ -195,9 +218,65 @@ class Sampler:
             token = greedy(logits)
         else:
             ids, probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
-            # Inverse-CDF draw: one uniform number per token keeps a seed's sequence stable.
-            u = self.rng.random()
-            pos = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), ids.shape[0] - 1)
-            token = int(ids[pos])
+            token = self._draw(ids, probs)
         self.accept(token)
         return token
+
+    def sample_candidates(self, row, num_valid: int) -> int | None:
+        """The next token for a logit row left on the device (`row.candidates`, see
+        backends/cuda/logits.py): the device applies the penalties and returns the best
+        candidates; the same filters and draw as `sample` run on them. Falls back to the whole
+        row when the candidates cannot decide (no top-k and a top-p/min-p cut beyond them).
+        None: the row holds a NaN."""
+        p = self.params
+        pen = penalty_entries(self.seen, self.generated, p.repetition_penalty,
+                              p.presence_penalty, p.frequency_penalty)
+        if p.is_greedy:
+            found = row.candidates(1, 1.0, pen, num_valid, want_mass=False)
+            if found is None:
+                return None
+            token = int(found.ids[0])
+        else:
+            has_top_k = 0 < p.top_k < num_valid
+            if has_top_k and p.top_k > row.max_candidates:
+                return self._sample_whole(row, num_valid)
+            num = p.top_k if has_top_k else min(row.max_candidates, num_valid)
+            found = row.candidates(num, p.temperature, pen, num_valid, want_mass=not has_top_k)
+            if found is None:
+                return None
+            with np.errstate(over="ignore"):
+                z = found.values.astype(np.float64) / p.temperature  # [C] best first
+            if not np.isfinite(z[0]):
+                token = int(found.ids[0])  # as filter_probs: the limit is greedy
+            else:
+                weights = np.exp(z - z[0])
+                total = found.mass if not has_top_k else weights.sum()
+                probs = weights / total
+                if not has_top_k and not self._decided_by(probs, num_valid):
+                    return self._sample_whole(row, num_valid)
+                ids, probs = cut_sorted(found.ids, probs, p.top_p, p.min_p)
+                token = self._draw(ids, probs)
+        self.accept(token)
+        return token
+
+    def _decided_by(self, probs: np.ndarray, num_valid: int) -> bool:
+        """Whether the best candidates hold every token top-p / min-p would keep."""
+        p = self.params
+        if probs.shape[0] >= num_valid:
+            return True
+        if p.top_p < 1.0 and np.cumsum(probs)[-1] >= p.top_p + 1e-9:
+            return True
+        return p.min_p > 0.0 and probs[-1] < p.min_p * probs[0]
+
+    def _sample_whole(self, row, num_valid: int) -> int | None:
+        logits = np.array(np.asarray(row), dtype=np.float32).reshape(-1)
+        logits[num_valid:] = -np.inf
+        if np.isnan(logits.max()):
+            return None
+        return self.sample(logits)
+
+    def _draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        # Inverse-CDF draw: one uniform number per token keeps a seed's sequence stable.
+        u = self.rng.random()
+        pos = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), ids.shape[0] - 1)
+        return int(ids[pos])

@@ -15,7 +15,7 @@ from strata._native import cuda_driver
 from strata.errors import ConfigError
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
-MODULES = ("matmul.cu", "layer.cu")
+MODULES = ("matmul.cu", "layer.cu", "sample.cu")
 _INSTALL_HINT = ("pip install 'strata[cuda]' (PyCUDA; it needs the CUDA toolkit's nvcc and an "
                  "NVIDIA driver), or run with --device cpu")
 _ALIGN_BYTES = 256

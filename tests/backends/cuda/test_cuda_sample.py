@@ -1,0 +1,87 @@
+"""Sampling candidates on the device (sample.cu) against the float64 reference of
+tests/sampling_ref.py, and the engine's sampler on rows left on the device against the same
+sampler on the copied logits."""
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from sampling_ref import reference_candidates
+from strata.backends.cuda.logits import LogitReader
+from strata.backends.window import Window
+from strata.engine.sampling import Sampler, SamplingParams, penalty_entries
+from strata.model.gguf_file import GGUFModel
+
+pytestmark = pytest.mark.cuda
+
+
+class _Rows:
+    """Logit rows [N, V] uploaded to the device with a LogitReader over them."""
+
+    def __init__(self, runtime, logits):
+        self.buf = runtime.upload(np.ascontiguousarray(logits, dtype=np.float32))
+        self.reader = LogitReader(runtime, lambda: int(self.buf), logits.shape[1])
+
+
+@pytest.mark.parametrize("V", [1000, 151936])
+@pytest.mark.parametrize("num", [1, 40, 1000, 1024])
+def test_candidates_equal_reference(runtime, V, num):
+    rng = np.random.default_rng(V + num)
+    N = 3
+    logits = (rng.standard_normal((N, V)) * 4).astype(np.float32)
+    logits[1, rng.integers(0, V, size=300)] = logits[1].max()  # many ties at the top
+    logits[2, :] = np.round(logits[2] * 2) / 2  # ties everywhere
+    rows = _Rows(runtime, logits)
+    for n in range(N):
+        seen = set(rng.integers(0, V, size=500).tolist())
+        gen = Counter(rng.integers(0, V, size=30).tolist())
+        for pen in (None, penalty_entries(seen, gen, 1.3, 0.4, 0.2)):
+            for num_valid in (V, V - 17):
+                for want_mass, temp in ((False, 1.0), (True, 0.7)):
+                    got = rows.reader.candidates(n, 0, num, temp, pen, num_valid, want_mass)
+                    ids, values, mass, has_nan = reference_candidates(
+                        logits[n], num, temp, pen, num_valid, want_mass)
+                    assert not has_nan
+                    np.testing.assert_array_equal(got.ids, ids)
+                    np.testing.assert_array_equal(got.values, values)
+                    if want_mass:
+                        assert abs(got.mass - mass) <= 1e-12 * mass
+
+
+def test_candidates_report_nan(runtime):
+    logits = np.zeros((1, 5000), dtype=np.float32)
+    logits[0, 4321] = np.nan
+    rows = _Rows(runtime, logits)
+    assert rows.reader.candidates(0, 0, 10, 1.0, None, 5000, True) is None
+    assert rows.reader.candidates(0, 0, 10, 1.0, None, 4000, True) is not None  # beyond valid
+
+
+def test_engine_sampler_on_device_rows_equals_copied_rows(synth_path):
+    from strata.backends.cuda import CudaModel
+
+    model = CudaModel(GGUFModel.open(synth_path("tiny", "q8_0")))
+    V = model.spec.vocab
+    kvs = [model.new_kv(64) for _ in range(3)]
+    prompts = [np.arange(5 + i, dtype=np.int32) for i in range(3)]
+    params = [SamplingParams(temperature=0.0, seed=1),
+              SamplingParams(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.2,
+                             seed=2),
+              SamplingParams(temperature=1.2, top_k=0, top_p=0.95, min_p=0.02, seed=3)]
+    on_device = [Sampler(p, prompt_tokens=t.tolist()) for p, t in zip(params, prompts)]
+    on_host = [Sampler(p, prompt_tokens=t.tolist()) for p, t in zip(params, prompts)]
+    runs = list(zip(kvs, prompts))
+    for _ in range(12):
+        window = Window.build(runs, logits="last")
+        rows = model.forward_window_lazy(window)
+        host = np.asarray(rows)  # [3, V] the same pass's logits, copied
+        tokens = []
+        for i in range(3):
+            a = on_device[i].sample_candidates(window.logits_of(rows, i)[-1], V)
+            b = on_host[i].sample(window.logits_of(host, i)[-1])
+            assert a == b
+            tokens.append(a)
+        runs = [(kv, np.array([t], dtype=np.int32)) for kv, t in zip(kvs, tokens)]
+    rows_then = rows
+    model.forward_window_lazy(Window.build(runs, logits="last"))
+    with pytest.raises(Exception, match="earlier pass"):
+        np.asarray(rows_then)
