@@ -97,7 +97,20 @@ class ReadInterleave(Protocol):
 
 @runtime_checkable
 class TierPolicy(Protocol):
-    """Moves routed experts into and out of the VRAM expert cache as the routing changes."""
+    """Moves routed experts into and out of the VRAM expert cache as the routing changes.
+
+    Two OPTIONAL methods (not part of the protocol check; a policy without them keeps working):
+    - `observe(counts) -> None`: called by the engine after every window (before that window's
+      `plan_swaps` when a round is due; not while the tier is frozen) with `counts` [L, E]
+      int64, the rows each expert took in that window. Read only and reused by the caller:
+      copy what you keep. Lets a policy keep per-window recency that round sums hide.
+    - `admit(counts, residency) -> list[ExpertSwap]`: free admission, for a backend whose
+      misses move an expert's bytes over the link anyway (GPU reach over PCIe): after a window
+      (after `observe`), which experts it missed to keep, each load an expert that window
+      routed to and missed, each eviction FREE_SLOT (-1) or an expert it did not route to.
+      `strata.experts.replay.replay_tier(free_admission=True)` calls it; the CPU engine does
+      not (its misses copy nothing). Must not modify its arguments.
+    """
 
     name: str
 
@@ -153,8 +166,8 @@ def strata_tier_policy(config: Any, spec: Any, num_slots: int) -> TierPolicy | N
 
     Called once when the engine is built with an expert cache (`--expert-cache`); `num_slots`
     is the cache's slot count. The first non-None result wins; the built-in default
-    (`decayed-count`, strata.experts.tier) answers last. `--adapt-every 0` freezes the cache
-    and the policy is never asked for swaps.
+    (`window-score`, strata.experts.tier_window) answers last. `--adapt-every 0` freezes the
+    cache and the policy is never asked for swaps.
     """
 
 

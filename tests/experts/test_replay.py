@@ -1,5 +1,5 @@
-"""Replay: exact hits on hand-made traces for every policy; Belady and the round oracle bound
-the others on random traces."""
+"""Replay: exact hits on hand-made traces for every policy, the per-window observe hook and free
+admission; Belady and the round oracle bound the others on random traces."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,6 +11,7 @@ from strata.experts.profile import build_profile
 from strata.experts.replay import (replay_all, replay_belady, replay_lfu, replay_lru,
                                    replay_round_oracle, replay_static, replay_tier)
 from strata.experts.tier import DecayedCountTier
+from strata.experts.tier_window import WindowScoreTier
 from strata.hookspecs import ExpertSwap
 
 
@@ -76,6 +77,76 @@ def test_tier_exact():
     assert _hits_loads(replay_tier(trace, 2, frequency_only, adapt_every=2)) == (4, 2)
 
 
+class RecordingPolicy:
+    """Keeps what observe and plan_swaps were shown; swaps nothing."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.windows, self.rounds = [], []
+
+    def observe(self, counts):
+        self.windows.append(counts.tolist())
+
+    def plan_swaps(self, counts, residency, min_gain):
+        self.rounds.append((len(self.windows), counts.tolist()))
+        return []
+
+
+def test_observe_gets_every_windows_rows_before_the_round():
+    trace = make_trace(1, 3, [[{0: 2}], [{1: 1, 2: 3}], [[0]], [{2: 4}]])
+    policy = RecordingPolicy()
+    replay_tier(trace, 2, policy, adapt_every=2)
+    assert policy.windows == [[[2, 0, 0]], [[0, 1, 3]], [[1, 0, 0]], [[0, 0, 4]]]
+    assert policy.rounds == [(2, [[2, 1, 3]]), (4, [[1, 0, 4]])]
+
+
+def test_window_score_tier_exact():
+    trace = _one_layer(SEQUENCE)
+    # Rounds after windows 1, 3, 5, 7 (decay 0.5, recency weight 1, hysteresis 0.5). Round 1:
+    # scores [.5, 1.5, 0, 0]: 1 then 0 into the free slots. Windows 2-3 (0, 2): 1 hit. Round 2:
+    # scores [.375, .125, 1.5, 0]: 2 replaces 1 (gain 1.375). Windows 4-5 (0, 1): 1 hit.
+    # Round 3: [.34375, 1.53125, .125, 0]: 1 replaces 2. Windows 6-7 (3, 1): 1 hit. Round 4:
+    # [.0859375, 1.6328125, .03125, .25]: 3 replaces 0 (gain .1640625 > .5 * .0859375).
+    result = replay_tier(trace, 2, WindowScoreTier(2, decay=0.5), adapt_every=2)
+    assert (result.name, result.num_hits, result.num_loads, result.num_admissions) == (
+        "window-score", 3, 5, 0)
+
+
+def test_free_admission_exact():
+    trace = _one_layer(SEQUENCE)
+    # Every miss is kept: 0 and 1 take the free slots (windows 0, 1); 0 hits (2); 2 replaces 1
+    # (.125 < .375, window 3); 0 hits (4); 1 replaces 2 (5); 3 replaces 0 (.17 < .27, 6);
+    # 1 hits (7). No round finds a gain: 3 hits, no loads, 5 admissions.
+    result = replay_tier(trace, 2, WindowScoreTier(2, decay=0.5), adapt_every=2,
+                         free_admission=True)
+    assert (result.name, result.num_hits, result.num_loads, result.num_admissions) == (
+        "window-score+admit", 3, 0, 5)
+
+
+class ScriptedAdmit(RecordingPolicy):
+    name = "scripted-admit"
+
+    def __init__(self, admissions):
+        super().__init__()
+        self.admissions = list(admissions)
+
+    def admit(self, counts, residency):
+        return self.admissions.pop(0) if self.admissions else []
+
+
+def test_free_admission_refuses_what_the_window_did_not_read():
+    trace = make_trace(1, 4, [[[0]], [[0, 1]]])
+    with pytest.raises(ConfigError, match="admits \\(0, 3\\), which the window did not route"):
+        replay_tier(trace, 2, ScriptedAdmit([[ExpertSwap(0, 3, -1, -1)]]), 1,
+                    free_admission=True)
+    keep_0_then_evict_it = ScriptedAdmit([[ExpertSwap(0, 0, -1, -1)], [ExpertSwap(0, 1, 0, 0)]])
+    with pytest.raises(ConfigError, match="evicts \\(0, 0\\) on admission, but the window"):
+        replay_tier(trace, 2, keep_0_then_evict_it, 1, free_admission=True)
+    with pytest.raises(ConfigError, match="'recording' has no `admit` method"):
+        replay_tier(trace, 2, RecordingPolicy(), 1, free_admission=True)
+
+
 def test_hits_count_distinct_experts_per_window_and_layer():
     # Rows do not matter: expert 0 with 5 rows is one access per window.
     trace = make_trace(2, 2, [[{0: 5}, {1: 2}], [{0: 1}, {1: 7}]])
@@ -129,6 +200,8 @@ def test_round_oracle_beats_every_round_policy(data):
     assert oracle >= replay_static(trace, num_slots).num_hits
     tier = replay_tier(trace, num_slots, DecayedCountTier(num_slots, decay), adapt_every)
     assert oracle >= tier.num_hits
+    window = replay_tier(trace, num_slots, WindowScoreTier(num_slots, decay=decay), adapt_every)
+    assert oracle >= window.num_hits
 
 
 @settings(max_examples=60, deadline=None)

@@ -136,6 +136,12 @@ def test_fast_decay_keeps_some_history_in_the_fast_average():
     assert tier.fast.tolist() == [[4.0, 2.0]] and tier.scores.tolist() == [[4.0, 2.0]]
 
 
+def test_has_no_per_window_hook():
+    """Its averages are per round: the engine must not feed it every window's counts."""
+    tier = DecayedCountTier(2)
+    assert not hasattr(tier, "observe") and not hasattr(tier, "admit")
+
+
 def test_without_a_slot_count_only_swaps_are_planned():
     tier = DecayedCountTier()
     counts = np.array([[1, 5, 2]])

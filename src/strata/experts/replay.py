@@ -23,6 +23,7 @@ class ReplayResult:
     num_hits: int
     num_accesses: int
     num_loads: int  # experts copied into the cache (misses that insert, or swaps)
+    num_admissions: int = 0  # missed experts kept by free admission (no copy of their own)
 
     @property
     def hit_rate(self) -> float:
@@ -158,31 +159,66 @@ def replay_round_oracle(trace: RoutingTrace, num_slots: int, adapt_every: int = 
 
 
 def replay_tier(trace: RoutingTrace, num_slots: int, policy: TierPolicy, adapt_every: int = 4,
-                min_gain: float = 0.0) -> ReplayResult:
+                min_gain: float = 0.0, *, free_admission: bool = False) -> ReplayResult:
     """Run `policy` as the engine does: the cache starts empty, misses are served without
-    loading, and after every `adapt_every` windows the policy sees the routing counts (rows)
-    since its last round and the residency, and its swaps are applied before the next window."""
+    loading; after every window the policy's optional `observe` gets that window's routed rows;
+    after every `adapt_every` windows `plan_swaps` gets the counts (rows) since its last round
+    and the residency, and its swaps are applied before the next window.
+
+    `free_admission` models a backend whose misses move the expert's bytes over the link anyway
+    (GPU reach over PCIe): after every window (before a round) the policy's `admit` may keep
+    experts that window missed, each into a free slot or in place of an expert it did not route
+    to; they count as admissions, not loads (no copy of their own). The result is named
+    `<policy>+admit`."""
     _check_slots(trace, num_slots)
     if adapt_every < 1:
         raise ConfigError(f"--adapt-every must be at least 1, not {adapt_every}")
+    if free_admission and not callable(getattr(policy, "admit", None)):
+        raise ConfigError(f"tier policy {policy.name!r} has no `admit` method, so free "
+                          "admission cannot be replayed with it; leave free admission off")
+    observe = getattr(policy, "observe", None)
     shape = (trace.n_layers, trace.n_experts)
     residency = np.full(shape, -1, dtype=np.int32)  # [L, E] slot or -1
     free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
-    counts = np.zeros(shape, dtype=np.int64)
+    counts = np.zeros(shape, dtype=np.int64)  # [L, E] rows since the last round
+    window_counts = np.zeros(shape, dtype=np.int64)  # [L, E] rows of this window
     windows = trace.records["window"]
     bounds = np.searchsorted(windows, np.arange(trace.num_windows + 1))
     keys = access_ids(trace)
     rows = trace.records["rows"].astype(np.int64)
-    num_hits = num_loads = 0
+    num_hits = num_loads = num_admissions = 0
     for window in range(trace.num_windows):
         start, stop = bounds[window], bounds[window + 1]
         num_hits += int((residency.reshape(-1)[keys[start:stop]] >= 0).sum())
-        np.add.at(counts.reshape(-1), keys[start:stop], rows[start:stop])
+        window_counts[:] = 0
+        window_counts.reshape(-1)[keys[start:stop]] = rows[start:stop]  # distinct per window
+        counts += window_counts
+        if callable(observe):
+            observe(window_counts.copy())
+        if free_admission:
+            admissions = policy.admit(window_counts.copy(), residency.copy())
+            _check_admissions(window_counts, admissions, policy.name)
+            num_admissions += _apply_swaps(residency, free_slots, admissions, policy.name)
         if (window + 1) % adapt_every == 0:
             swaps = policy.plan_swaps(counts.copy(), residency.copy(), min_gain)
             num_loads += _apply_swaps(residency, free_slots, swaps, policy.name)
             counts[:] = 0
-    return ReplayResult(policy.name, num_hits, len(trace.records), num_loads)
+    name = f"{policy.name}+admit" if free_admission else policy.name
+    return ReplayResult(name, num_hits, len(trace.records), num_loads, num_admissions)
+
+
+def _check_admissions(window_counts: np.ndarray, admissions, policy_name: str) -> None:
+    """Free admission keeps bytes this window read: loads it routed to, evictions it did not."""
+    for swap in admissions:
+        if window_counts[swap.load_layer, swap.load_expert] == 0:
+            raise ConfigError(f"tier policy {policy_name!r} admits ({swap.load_layer}, "
+                              f"{swap.load_expert}), which the window did not route to (its "
+                              "bytes were not read); fix the plugin")
+        if swap.evict_layer != FREE_SLOT and window_counts[swap.evict_layer,
+                                                           swap.evict_expert] > 0:
+            raise ConfigError(f"tier policy {policy_name!r} evicts ({swap.evict_layer}, "
+                              f"{swap.evict_expert}) on admission, but the window routed to "
+                              "it; fix the plugin")
 
 
 def _apply_swaps(residency: np.ndarray, free_slots: list[int], swaps, policy_name: str) -> int:
@@ -208,7 +244,8 @@ def _apply_swaps(residency: np.ndarray, free_slots: list[int], swaps, policy_nam
 def replay_all(trace: RoutingTrace, num_slots: int, policy: TierPolicy, adapt_every: int = 4,
                min_gain: float = 0.0,
                profile: RoutingProfile | None = None) -> list[ReplayResult]:
-    """The policy, then LRU, LFU, the static profile cache, the round oracle and Belady."""
+    """The policy, then LRU, LFU, the static profile cache, the round oracle and Belady. (The
+    free-admission row is `replay_tier(..., free_admission=True)` with a fresh policy.)"""
     return [replay_tier(trace, num_slots, policy, adapt_every, min_gain),
             replay_lru(trace, num_slots), replay_lfu(trace, num_slots),
             replay_static(trace, num_slots, profile),

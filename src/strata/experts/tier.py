@@ -1,6 +1,6 @@
-"""The default tier policy: each (layer, expert) scored by its expected routed rows next round (a
-blend of a slow and a fast decayed count); each round fills free cache slots with the best
-missing experts, then swaps best missing for worst resident ones where the gain clears a margin.
+"""Round-based tier policy `decayed-count` (each (layer, expert) scored by its expected routed rows
+next round, a blend of a slow and a fast decayed count) and `plan_by_scores`, the swap planner it
+shares with the default `window-score` policy (tier_window.py).
 """
 from __future__ import annotations
 
@@ -10,6 +10,52 @@ from strata.hookspecs import ExpertSwap
 
 # A swap into a free slot evicts nobody: ExpertSwap(layer, expert, FREE_SLOT, FREE_SLOT).
 FREE_SLOT = -1
+
+
+def plan_by_scores(scores: np.ndarray, residency: np.ndarray, num_cache_slots: int | None,
+                   max_swaps: int, min_gain: float, hysteresis: float) -> list[ExpertSwap]:
+    """The swaps of one round, best first, at most `max_swaps`: loads of the best missing
+    experts (by `scores` [L, E]) into free slots while their score is above `min_gain` (free
+    slots known only with `num_cache_slots`), then the best missing replaces the worst resident
+    while `score[load] - score[victim] > min_gain + hysteresis * score[victim]`; pairs only get
+    worse down the two sorted lists, so it stops at the first that fails."""
+    flat_scores = scores.reshape(-1)
+    n_experts = scores.shape[1]
+    is_resident = residency.reshape(-1) >= 0
+    missing = np.flatnonzero(~is_resident)
+    resident = np.flatnonzero(is_resident)
+    # Best missing first, worst resident first; ties by (layer, expert) order.
+    missing = missing[np.argsort(-flat_scores[missing], kind="stable")]
+    resident = resident[np.argsort(flat_scores[resident], kind="stable")]
+
+    swaps: list[ExpertSwap] = []
+    num_free = 0 if num_cache_slots is None else num_cache_slots - len(resident)
+    next_missing = 0
+    while (len(swaps) < min(num_free, max_swaps) and next_missing < len(missing)
+           and flat_scores[missing[next_missing]] > min_gain):
+        layer, expert = divmod(int(missing[next_missing]), n_experts)
+        swaps.append(ExpertSwap(layer, expert, FREE_SLOT, FREE_SLOT))
+        next_missing += 1
+    for victim in resident:
+        if len(swaps) >= max_swaps or next_missing >= len(missing):
+            break
+        load = missing[next_missing]
+        margin = min_gain + hysteresis * flat_scores[victim]
+        if flat_scores[load] - flat_scores[victim] <= margin:
+            break  # pairs only get worse from here
+        swaps.append(ExpertSwap(*divmod(int(load), n_experts), *divmod(int(victim), n_experts)))
+        next_missing += 1
+    return swaps
+
+
+def check_knobs(num_cache_slots: int | None, max_swaps: int, hysteresis: float) -> None:
+    """ValueError naming the first bad setting shared by the built-in policies."""
+    if hysteresis < 0.0:
+        raise ValueError(f"hysteresis must be >= 0 (0 = swap on any gain), not {hysteresis}")
+    if max_swaps < 1:
+        raise ValueError(f"max_swaps must be at least 1, not {max_swaps}")
+    if num_cache_slots is not None and num_cache_slots < 0:
+        raise ValueError(f"num_cache_slots must be >= 0, not {num_cache_slots}")
 
 
 class DecayedCountTier:
@@ -37,12 +83,7 @@ class DecayedCountTier:
                 raise ValueError(f"{knob} must lie in [0, 1), not {value}")
         if not 0.0 <= fast_weight <= 1.0:
             raise ValueError(f"fast_weight must lie in [0, 1], not {fast_weight}")
-        if hysteresis < 0.0:
-            raise ValueError(f"hysteresis must be >= 0 (0 = swap on any gain), not {hysteresis}")
-        if max_swaps < 1:
-            raise ValueError(f"max_swaps must be at least 1, not {max_swaps}")
-        if num_cache_slots is not None and num_cache_slots < 0:
-            raise ValueError(f"num_cache_slots must be >= 0, not {num_cache_slots}")
+        check_knobs(num_cache_slots, max_swaps, hysteresis)
         self.num_cache_slots = num_cache_slots
         self.decay = decay
         self.fast_decay = fast_decay
@@ -59,8 +100,10 @@ class DecayedCountTier:
             return None
         return (1.0 - self.fast_weight) * self.slow + self.fast_weight * self.fast
 
-    def observe(self, counts: np.ndarray) -> np.ndarray:
-        """Fold one round's `counts` [L, E] into the averages; returns the new scores."""
+    def fold_round(self, counts: np.ndarray) -> np.ndarray:
+        """Fold one round's `counts` [L, E] into the averages; returns the new scores. (Not
+        named `observe`: that is the optional per-window TierPolicy hook, which this round-based
+        policy does not take.)"""
         if self.slow is None or self.slow.shape != counts.shape:
             # The first round's counts are the best estimate of both rates.
             self.slow = counts.astype(np.float64)
@@ -72,31 +115,6 @@ class DecayedCountTier:
 
     def plan_swaps(self, counts: np.ndarray, residency: np.ndarray,
                    min_gain: float) -> list[ExpertSwap]:
-        flat_scores = self.observe(counts).reshape(-1)  # new arrays: counts stays untouched
-        n_experts = counts.shape[1]
-        is_resident = residency.reshape(-1) >= 0
-        missing = np.flatnonzero(~is_resident)
-        resident = np.flatnonzero(is_resident)
-        # Best missing first, worst resident first; ties by (layer, expert) order.
-        missing = missing[np.argsort(-flat_scores[missing], kind="stable")]
-        resident = resident[np.argsort(flat_scores[resident], kind="stable")]
-
-        swaps: list[ExpertSwap] = []
-        num_free = 0 if self.num_cache_slots is None else self.num_cache_slots - len(resident)
-        next_missing = 0
-        while (len(swaps) < min(num_free, self.max_swaps) and next_missing < len(missing)
-               and flat_scores[missing[next_missing]] > min_gain):
-            layer, expert = divmod(int(missing[next_missing]), n_experts)
-            swaps.append(ExpertSwap(layer, expert, FREE_SLOT, FREE_SLOT))
-            next_missing += 1
-        for victim in resident:
-            if len(swaps) >= self.max_swaps or next_missing >= len(missing):
-                break
-            load = missing[next_missing]
-            margin = min_gain + self.hysteresis * flat_scores[victim]
-            if flat_scores[load] - flat_scores[victim] <= margin:
-                break  # pairs only get worse from here
-            swaps.append(ExpertSwap(*divmod(int(load), n_experts), *divmod(int(victim),
-                                                                          n_experts)))
-            next_missing += 1
-        return swaps
+        scores = self.fold_round(counts)  # new arrays: counts stays untouched
+        return plan_by_scores(scores, residency, self.num_cache_slots, self.max_swaps, min_gain,
+                              self.hysteresis)

@@ -68,17 +68,21 @@ def find_tier_policy(name: str | None, num_slots: int, adapt_swaps: int):
 @click.option("--adapt-every", default=4, show_default=True, type=click.IntRange(min=1),
               help="Windows between tier rounds.")
 @click.option("--adapt-min-gain", default=0.0, show_default=True, type=float,
-              help="Smallest gain (decayed routed rows) a swap must clear.")
+              help="Smallest gain a swap must clear, in the policy's score (about routed "
+                   "rows expected next window for window-score).")
 @click.option("--adapt-swaps", default=64, show_default=True, type=click.IntRange(min=1),
               help="Most swaps per round.")
 @click.option("--profile", "profile_path", default=None, type=click.Path(dir_okay=False),
               help="Profile for the static cache (default: the trace's own, in hindsight).")
+@click.option("--free-admission", is_flag=True,
+              help="Also replay the policy keeping missed experts whose bytes crossed the link "
+                   "anyway (GPU reach), a row named <policy>+admit.")
 def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_swaps,
-           profile_path):
+           profile_path, free_admission):
     """Replay routing TRACES (merged in order) through N cache slots: the tier policy beside
     LRU, LFU, the static profile cache and the Belady optimum."""
     from strata.experts.profile import read_profile
-    from strata.experts.replay import replay_all
+    from strata.experts.replay import replay_all, replay_tier
 
     trace = _read_traces(traces)
     total = trace.n_layers * trace.n_experts
@@ -98,6 +102,10 @@ def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_s
         policy = find_tier_policy(policy_name, num_slots, adapt_swaps)
         try:
             results = replay_all(trace, num_slots, policy, adapt_every, adapt_min_gain, profile)
+            if free_admission:  # a fresh policy: they keep state
+                results.insert(1, replay_tier(
+                    trace, num_slots, find_tier_policy(policy_name, num_slots, adapt_swaps),
+                    adapt_every, adapt_min_gain, free_admission=True))
         except StrataError as exc:
             _fail(str(exc))
         for result in results:
