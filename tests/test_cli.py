@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from strata.cli import main
+from strata.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +223,24 @@ def test_help_lists_the_expert_options():
                      "--dump-routing", "--adapt-every", "--adapt-min-gain", "--adapt-swaps",
                      "--adapt-async"):
             assert flag in res.output, (command, flag)
+
+
+def test_kv_option_picks_the_cell_type(tiny):
+    base = ["run", "--model", tiny, "-n", "6", "--temp", "0", "--raw", "--device", "cpu"]
+    f32 = runner().invoke(main, base + ["Hello there"])
+    f16 = runner().invoke(main, base + ["--kv", "f16", "Hello there"])
+    assert f32.exit_code == 0 and f16.exit_code == 0, f32.output + f16.output
+    res = runner().invoke(main, base + ["--kv", "int8", "Hello there"])
+    assert res.exit_code != 0 and "--kv int8 is the CUDA backend's" in res.output
+    res = runner().invoke(main, base + ["--kv", "q4", "Hello there"])
+    assert res.exit_code != 0 and "'q4' is not one of" in res.output
+
+
+def test_kv_f16_cells_in_the_engine(tiny):
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+
+    with Engine(EngineConfig(tiny, device="cpu", kv_type="f16")) as engine:
+        assert engine.scheduler.kvs[0].dtype == np.float16
+    with pytest.raises(ConfigError, match="--kv 'x' is not one of"):
+        EngineConfig(tiny, kv_type="x")

@@ -3,11 +3,13 @@ with several slots in one window, medians of several runs, tokens/s.
 
 Usage: python tools/bench_cuda.py MODEL.gguf [-p 512] [-n 128] [-r 3] [--slots 1,2,4,8]
        [--synth qwen3-30b-a3b --weight-type q4_0 --jobs 16]  write a synth model first if missing
+       [--kv int8] [--profile] [--mm-variants 4:4:4,1:8:2]  (matmul.cu's NR:TR:MM_GROUP_UNROLL)
 The synth file is the one `strata-tool synth` writes (same bytes), made with --jobs processes.
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 
@@ -17,37 +19,14 @@ from strata.backends.window import Window
 from strata.model.gguf_file import GGUFModel
 
 
-def write_synth(path: str, shape: str, weight_type: str, jobs: int) -> None:
-    """`strata-tool synth` in parallel: tensors made by a process pool, written in order."""
-    from multiprocessing import Pool
+def write_synth(path: str, shape: str, weight_type: str, skew: float, jobs: int) -> None:
+    """`strata-tool synth --jobs` (the same bytes as one process), timed."""
+    from strata.tool.synth import synth_model
 
-    from strata.model.writer import write_gguf
-    from strata.tool import synth
-
-    qtype = synth.WEIGHT_TYPES[weight_type]
-    spec = synth.build_spec(shape)
-    synth._check_rows(spec, shape, qtype)
-    names = synth._write_order(spec)
     t0 = time.perf_counter()
-    with Pool(jobs) as pool:
-        arrays = pool.imap(_make, [(spec, n, int(synth.tensor_type(n, qtype))) for n in names])
-        tensors = [(n, synth.tensor_type(n, qtype), (lambda it=arrays: next(it))) for n in names]
-        extra = {"general.file_type": int(synth._FILE_TYPES[qtype]),
-                 "general.quantization_version": 2, "strata.synth.seed": 0,
-                 "strata.synth.shape": shape}
-        write_gguf(path, spec, tensors, synth.synth_tokenizer_meta(spec.vocab), extra_meta=extra,
-                   name=f"strata-synth-{shape}-{weight_type}")
+    synth_model(path, shape, weight_type, routing_skew=skew, jobs=jobs)
     print(f"wrote {path} ({os.path.getsize(path) / 2**30:.2f} GiB) in "
-          f"{time.perf_counter() - t0:.0f} s")
-
-
-def _make(job):
-    from gguf import GGMLQuantizationType
-
-    from strata.tool import synth
-
-    spec, name, qtype = job
-    return synth._make_tensor(spec, name, GGMLQuantizationType(qtype), 0)()
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def _sync_time(fn) -> float:
@@ -56,15 +35,19 @@ def _sync_time(fn) -> float:
     return time.perf_counter() - t0
 
 
+KV_DTYPES = {"f16": np.float16, "int8": np.int8}
+KV_DTYPE = np.float16  # of every KV the benchmarks make (--kv)
+
+
 def bench_prompt(model, num_tokens, rng):
-    kv = model.new_kv(num_tokens + 1)
+    kv = model.new_kv(num_tokens + 1, dtype=KV_DTYPE)
     tokens = rng.integers(0, model.spec.vocab, num_tokens).astype(np.int32)
     return _sync_time(lambda: model.forward_window_greedy(Window.build([(kv, tokens)])))
 
 
 def bench_decode(model, num_slots, num_steps, num_prompt, rng):
     """Seconds of `num_steps` windows of `num_slots` decode rows after prompts of num_prompt."""
-    kvs = [model.new_kv(num_prompt + num_steps + 1) for _ in range(num_slots)]
+    kvs = [model.new_kv(num_prompt + num_steps + 1, dtype=KV_DTYPE) for _ in range(num_slots)]
     for kv in kvs:
         if num_prompt:
             model.forward_window_greedy(Window.build(
@@ -80,6 +63,29 @@ def bench_decode(model, num_slots, num_steps, num_prompt, rng):
     return _sync_time(run)
 
 
+def use_mm_variant(model, outputs_per_warp: int, rows_per_tile: int, group_unroll: int) -> None:
+    """Recompile matmul.cu with NR (outputs per warp), TR (rows per register tile) and
+    MM_GROUP_UNROLL changed and make `model` plan with it (plan.MM_ROWS follows NR)."""
+    from pycuda.compiler import compile as nvcc_compile
+
+    from strata._native import cuda_driver
+    from strata.backends.cuda import plan, runtime
+
+    src = runtime.module_source("matmul.cu")
+    src = re.sub(r"^#define NR \d+", f"#define NR {outputs_per_warp}", src, flags=re.M)
+    src = re.sub(r"^#define TR \d+", f"#define TR {rows_per_tile}", src, flags=re.M)
+    src = re.sub(r"^#define MM_GROUP_UNROLL \d+", f"#define MM_GROUP_UNROLL {group_unroll}",
+                 src, flags=re.M)
+    warps = int(re.search(r"^#define MM_WARPS (\d+)", src, flags=re.M).group(1))
+    with model.runtime.active():
+        module = cuda_driver.Module(nvcc_compile(src, no_extern_c=True, arch=model.runtime.arch,
+                                                 options=["-std=c++17", "-O3"]))
+        for name in runtime._kernel_names(src):
+            model.runtime._kernels[name] = module.function(name)
+    plan.MM_ROWS = warps * outputs_per_warp
+    model._plans.clear()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="GGUF file (qwen3moe / qwen2moe)")
@@ -93,14 +99,23 @@ def main():
     ap.add_argument("--no-graphs", action="store_true", help="launch lists, no CUDA graphs")
     ap.add_argument("--synth", default=None, help="write this synth shape to MODEL if missing")
     ap.add_argument("--weight-type", default="q4_0", help="weight type for --synth")
+    ap.add_argument("--synth-only", action="store_true", help="write the synth file and stop")
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="processes for --synth")
     ap.add_argument("--json", default=None, help="write the figures here too")
+    ap.add_argument("--kv", choices=sorted(KV_DTYPES), default="f16", help="KV cell type")
+    ap.add_argument("--mm-variants", default="",
+                    help="NR:TR:MM_GROUP_UNROLL of matmul.cu to re-measure tg with, e.g. "
+                    "4:4:4,1:8:2")
     ap.add_argument("--profile", action="store_true",
                     help="also print device time per kernel for a decode and a prompt window")
     args = ap.parse_args()
+    global KV_DTYPE
+    KV_DTYPE = KV_DTYPES[args.kv]
 
     if args.synth and not os.path.exists(args.model):
-        write_synth(args.model, args.synth, args.weight_type, args.jobs)
+        write_synth(args.model, args.synth, args.weight_type, 0.0, args.jobs)
+    if args.synth_only:
+        return
     from strata.backends.cuda import CudaModel
 
     t0 = time.perf_counter()
@@ -133,7 +148,7 @@ def main():
         for label, num_prompt, num_rows in (("decode, 1 row at context 128", 128, 1),
                                             (f"prompt of {args.prompt_tokens}", 0,
                                              args.prompt_tokens)):
-            kv = model.new_kv(num_prompt + num_rows + 1)
+            kv = model.new_kv(num_prompt + num_rows + 1, dtype=KV_DTYPE)
             if num_prompt:
                 model.forward_window_greedy(Window.build(
                     [(kv, rng.integers(0, model.spec.vocab, num_prompt).astype(np.int32))]))
@@ -145,6 +160,16 @@ def main():
             for name, ms in sorted(times.items(), key=lambda kv_: -kv_[1])[:10]:
                 print(f"  {name:20s} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
             figures[f"profile {label}"] = times
+    for variant in [v for v in args.mm_variants.split(",") if v]:
+        nr, tr, unroll = (int(n) for n in variant.split(":"))
+        use_mm_variant(model, nr, tr, unroll)
+        bench_decode(model, 1, 4, 0, rng)  # warm-up: plans, graph capture
+        runs = [args.decode_tokens / bench_decode(model, 1, args.decode_tokens, 0, rng)
+                for _ in range(args.repeats)]
+        figures[f"NR {nr} TR {tr} unroll {unroll}: tg{args.decode_tokens}"] = runs
+        listed = ", ".join(f"{r:,.1f}" for r in runs)
+        print(f"matmul.cu NR={nr} TR={tr} MM_GROUP_UNROLL={unroll}: tg{args.decode_tokens} "
+              f"{statistics.median(runs):,.1f} tokens/s ({listed})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -148,21 +148,22 @@ def _size_text(num_bytes: int) -> str:
     return f"{gib:.2f} GiB" if gib >= 1 else f"{num_bytes / 2**20:.2f} MiB"
 
 
-def _time_prompt(model, tokens: np.ndarray, chunk_tokens: int, forward=None) -> float:
-    """Seconds to read `tokens` into a fresh KV, `chunk_tokens` at a time (through `forward`,
-    default `model.forward`)."""
+def _time_prompt(model, tokens: np.ndarray, chunk_tokens: int, forward=None,
+                 kv_args: dict | None = None) -> float:
+    """Seconds to read `tokens` into a fresh KV (made with `kv_args`), `chunk_tokens` at a
+    time (through `forward`, default `model.forward`)."""
     forward = forward or model.forward
-    kv = model.new_kv(len(tokens))
+    kv = model.new_kv(len(tokens), **(kv_args or {}))
     t0 = time.perf_counter()
     for start in range(0, len(tokens), chunk_tokens):
         forward(tokens[start:start + chunk_tokens], kv)
     return time.perf_counter() - t0
 
 
-def _time_decode(model, tokens: np.ndarray, forward=None) -> float:
+def _time_decode(model, tokens: np.ndarray, forward=None, kv_args: dict | None = None) -> float:
     """Seconds for len(tokens) single-token forwards, starting from an empty KV."""
     forward = forward or model.forward
-    kv = model.new_kv(len(tokens))
+    kv = model.new_kv(len(tokens), **(kv_args or {}))
     t0 = time.perf_counter()
     for i in range(len(tokens)):
         forward(tokens[i:i + 1], kv)
@@ -204,7 +205,7 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
               expert_config: dict | None = None, device: str = "cpu") -> list[dict]:
     """One row per test (pp<n_prompt>, tg<n_gen>) with tokens/s of every repetition; with an
     expert cache each row also has its totals (`expert_cache`, over the whole run)."""
-    from strata.backends.select import build_model
+    from strata.backends.select import build_model, is_cuda_model
     from strata.config import EngineConfig
     from strata.model.gguf_file import GGUFModel
 
@@ -212,10 +213,12 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
     with GGUFModel.open(model_path) as gguf:
         model = build_model(gguf, config.device, threads,
                             needs_cpu_experts=config.has_expert_tier)
+        kv_dtype = config.kv_dtype(is_cuda_model(model))
         tier = _bench_tier(config, gguf, model)
         try:
             rows = _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions,
-                               threads, chunk_tokens, seed)
+                               threads, chunk_tokens, seed,
+                               {} if kv_dtype is None else {"dtype": kv_dtype})
         finally:
             if tier is not None:
                 tier.close()
@@ -226,7 +229,7 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
 
 
 def _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions, threads,
-                chunk_tokens, seed) -> list[dict]:
+                chunk_tokens, seed, kv_args) -> list[dict]:
     """The timed tests, each forward through `tier` when there is one."""
     rows = []
     forward = tier.forward if tier is not None else None
@@ -242,9 +245,10 @@ def _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions, thr
     tests = []
     if n_prompt > 0:
         tests.append((f"pp{n_prompt}", n_prompt,
-                      lambda toks: _time_prompt(model, toks, chunk_tokens, forward)))
+                      lambda toks: _time_prompt(model, toks, chunk_tokens, forward, kv_args)))
     if n_gen > 0:
-        tests.append((f"tg{n_gen}", n_gen, lambda toks: _time_decode(model, toks, forward)))
+        tests.append((f"tg{n_gen}", n_gen,
+                      lambda toks: _time_decode(model, toks, forward, kv_args)))
     for name, n_tokens, timer in tests:
         if n_tokens > spec.context_length:
             raise click.UsageError(f"{name} needs {n_tokens} tokens but the model's "

@@ -7,7 +7,7 @@ import functools
 import click
 
 from strata.backends.select import DEVICES
-from strata.config import MAX_PARALLEL
+from strata.config import KV_TYPES, MAX_PARALLEL
 
 
 def device_option(command):
@@ -47,6 +47,8 @@ EXPERT_OPTION_FIELDS = {
     "adapt_min_gain": "adapt_min_gain",
     "adapt_swaps": "adapt_swaps",
     "adapt_async": "adapt_async",
+    "pcie_frac": "pcie_frac",
+    "kv": "kv_type",
 }
 
 
@@ -82,13 +84,22 @@ def expert_options(command):
                      help="Windows between tier rounds (0 freezes the cache as filled)."),
         click.option("--adapt-min-gain", default=0.0, show_default=True,
                      type=click.FloatRange(min=0),
-                     help="A swap's expected gain (routed rows per round) must exceed this."),
+                     help="A swap's expected gain (routed rows per round for the default "
+                          "policy) must exceed this."),
         click.option("--adapt-swaps", default=None, type=click.IntRange(min=1),
                      help="Most swaps per round (default: the tier policy's own, 64 for "
                           "decayed-count)."),
         click.option("--adapt-async", default=1, show_default=True, type=click.IntRange(0, 1),
                      help="1: a round's copies land while the next windows run; 0: they run "
                           "before the next window (blocking)."),
+        click.option("--kv", default="auto", show_default=True, type=click.Choice(KV_TYPES),
+                     help="KV cell type: auto (CPU f32, CUDA f16), f32, f16, or int8 (CUDA: "
+                          "a scale per token and head, half of f16's memory)."),
+        click.option("--pcie-frac", default=None, type=click.FloatRange(0, 1),
+                     help="GPU with an expert cache: the share of the misses' routed rows the "
+                          "GPU reads over PCIe (the CPU pool computes the rest). Default: the "
+                          "`strata-tool calibrate` result for this model, GPU and threads, "
+                          "else 0.5."),
     ]
     for option in reversed(options):
         with_expert_config = option(with_expert_config)

@@ -6,12 +6,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from strata.backends.select import check_device
 from strata.errors import ConfigError
 
 DEFAULT_MAX_CTX_TOKENS = 8192
 MAX_PARALLEL = 8  # the slot table's limit (strata.engine.slots.MAX_SLOTS)
 DEFAULT_ADAPT_EVERY = 4
+KV_TYPES = ("auto", "f32", "f16", "int8")  # --kv
 # Size suffixes: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000.
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -58,6 +61,12 @@ class EngineConfig:
     adapt_min_gain: float = 0.0  # a swap's expected gain (routed rows) must exceed this
     adapt_swaps: int | None = None  # most swaps per round; None: the policy's default
     adapt_async: bool = True  # copies land while the next windows run
+    # --pcie-frac: share of the cache misses' routed rows the GPU reads over PCIe, the rest go to
+    # the CPU pool; None: the stored `strata-tool calibrate` result, else 0.5
+    pcie_frac: float | None = None
+    # --kv: KV cell type; auto is the backend's own (CPU float32, CUDA float16), int8 (a scale
+    # per token and head) is CUDA's
+    kv_type: str = "auto"
     # The resolved number of cache slots, set by the engine once the model's expert size is
     # known (the tier policy hook reads it); None while unresolved or without a cache.
     expert_cache_slots: int | None = field(default=None, init=False)
@@ -109,7 +118,8 @@ class EngineConfig:
             if cache is None:
                 raise ConfigError("--vram-budget sizes the expert cache; give --expert-cache "
                                   "auto (or a slot count) with it")
-        if cache == "auto" and self.vram_budget_bytes is None:
+        if cache == "auto" and self.vram_budget_bytes is None and str(
+                self.device).strip().lower() == "cpu":  # on the GPU: what free VRAM holds
             raise ConfigError("--expert-cache auto needs --vram-budget (the bytes the cache may "
                               "use), e.g. --vram-budget 8G; or give a slot count, e.g. "
                               "--expert-cache 64")
@@ -144,6 +154,33 @@ class EngineConfig:
             else:
                 raise ConfigError(f"adapt_async = {self.adapt_async!r}; give 0 (blocking) or "
                                   "1 (copies land while the next windows run)")
+        if self.kv_type not in KV_TYPES:
+            raise ConfigError(f"--kv {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        frac = self.pcie_frac
+        if frac is not None:
+            if isinstance(frac, bool) or not isinstance(frac, (int, float)) \
+                    or not 0.0 <= frac <= 1.0:
+                raise ConfigError(f"--pcie-frac is {frac!r}; give a fraction from 0 (every cache "
+                                  "miss computed by the CPU pool) to 1 (every one read by the GPU "
+                                  "over PCIe)")
+            if cache is None or self.device == "cpu":
+                raise ConfigError("--pcie-frac splits the GPU expert cache's misses between "
+                                  "PCIe and the CPU pool; give it with --expert-cache auto|N "
+                                  "and --device cuda (or auto)")
+            self.pcie_frac = float(frac)
+
+    def kv_dtype(self, is_cuda: bool):
+        """The dtype to make KV caches with (None: the backend's default); ConfigError when the
+        backend does not keep cells of that type."""
+        if self.kv_type == "auto":
+            return None
+        if self.kv_type == "int8" and not is_cuda:
+            raise ConfigError("--kv int8 is the CUDA backend's (the CPU keeps f32 or f16 "
+                              "cells); use --kv f16 or --device cuda")
+        if self.kv_type == "f32" and is_cuda:
+            raise ConfigError("--kv f32: the CUDA backend keeps f16 or int8 cells; use --kv "
+                              "f16 or int8")
+        return {"f32": np.float32, "f16": np.float16, "int8": np.int8}[self.kv_type]
 
     @property
     def has_expert_tier(self) -> bool:

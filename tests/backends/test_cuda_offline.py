@@ -42,6 +42,10 @@ def test_kernel_names_cover_every_entry_point():
     for suffix in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"):
         assert {f"mm_store_{suffix}", f"mm_add_{suffix}", f"mm_gateup_{suffix}",
                 f"mm_qkv_{suffix}", f"embed_{suffix}"} <= names
+    for suffix in ("q4_0", "q8_0"):  # mmq.cu: int8 tensor-core tiles of 64 and 32 rows
+        assert {f"mmq{rows}_{kind}_{suffix}" for rows in (64, 32)
+                for kind in ("store", "add", "gateup", "qkv")} <= names
+    assert {"mmf_store_f32", "mmf_add_f32", "mmf_store_f16", "mmf_store_bf16"} <= names
     assert {"quantize_q8", "rmsnorm_q8", "qk_rope_append", "attention", "router_topk",
             "group_pairs", "moe_combine", "argmax_rows"} <= names
 

@@ -51,17 +51,18 @@ def test_cuda_without_a_gpu_says_what_is_missing(tiny_path):
         build_model(gguf, "cuda")
 
 
-def test_cuda_refuses_the_cpu_only_expert_options(tiny_path):
-    # checked before any GPU work, so it holds on every machine
-    with GGUFModel.open(tiny_path) as gguf, pytest.raises(
-            ConfigError, match="--expert-cache, --expert-pack and --dump-routing run on the CPU"):
+@needs_no_gpu
+def test_cuda_with_the_expert_tier_says_what_is_missing(tiny_path):
+    # the expert options no longer keep the GPU away: only the missing CUDA does
+    with GGUFModel.open(tiny_path) as gguf, pytest.raises(ConfigError, match="--device cpu"):
         build_model(gguf, "cuda", needs_cpu_experts=True)
 
 
-def test_auto_with_an_expert_cache_is_the_cpu(tiny_path, caplog):
+@needs_no_gpu
+def test_auto_with_an_expert_cache_and_no_gpu_is_the_cpu(tiny_path, caplog):
     with caplog.at_level(logging.INFO, logger="strata.engine"), GGUFModel.open(tiny_path) as gguf:
         assert isinstance(build_model(gguf, "auto", needs_cpu_experts=True), CpuModel)
-    assert "expert cache and routing traces run on the CPU backend" in caplog.text
+    assert "device auto: the CPU (no usable CUDA GPU" in caplog.text
 
 
 def test_cli_device_option(tiny_path):

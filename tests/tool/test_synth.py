@@ -38,6 +38,13 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
             assert not np.array_equal(ta.data, tc.data), ta.name
 
 
+def test_jobs_write_the_same_bytes(tmp_path):
+    one, many = tmp_path / "one.gguf", tmp_path / "many.gguf"
+    synth_model(one, "tiny", "q4_0", seed=2, routing_skew=0.5)
+    synth_model(many, "tiny", "q4_0", seed=2, routing_skew=0.5, jobs=3)
+    assert one.read_bytes() == many.read_bytes()
+
+
 @pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES))
 def test_weight_type_dequantises_to_the_target_std(tmp_path, weight_type):
     path = tmp_path / "m.gguf"

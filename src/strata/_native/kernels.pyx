@@ -291,3 +291,4 @@ def rmsnorm(x, w, eps, out=None):
     return out
 include "window_loop.pxi"
 include "window_kernels.pxi"
+include "cpu_pool.pxi"

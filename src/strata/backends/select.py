@@ -1,5 +1,5 @@
 """Which backend runs the model (`--device auto|cpu|cuda`): the CPU backend, or the CUDA backend
-with every layer and expert on one GPU."""
+with every layer and expert on one GPU, or its dense part with the experts offloaded."""
 from __future__ import annotations
 
 import logging
@@ -19,12 +19,18 @@ def check_device(device: str | None) -> str:
     return name
 
 
+def is_cuda_model(model) -> bool:
+    """Whether `model` runs on the CUDA backend (its KV cells are on the device)."""
+    return type(model).__module__.startswith("strata.backends.cuda")
+
+
 def build_model(gguf_model, device: str | None = "auto", threads: int | None = None,
                 needs_cpu_experts: bool = False):
-    """The model object for `device`. `needs_cpu_experts`: an option that only the CPU backend
-    serves yet (the expert cache, an expert pack, a routing trace) was given; `cuda` then
-    refuses and `auto` picks the CPU. `auto` takes the GPU when CUDA works and the model fits,
-    else the CPU, and logs why."""
+    """The model object for `device`. `needs_cpu_experts`: the expert tier was asked for (an
+    expert cache, an expert pack or a routing trace); on the GPU the model then keeps only its
+    dense part in VRAM and reads the routed experts through the tier's arena (VRAM slots, the
+    rest from pinned RAM over PCIe; backends/cuda/offload.py). `auto` takes the GPU when CUDA
+    works and the model (its dense part, with the tier) fits, else the CPU, and logs why."""
     from strata.backends.cpu import CpuModel
 
     device = check_device(device)
@@ -32,23 +38,17 @@ def build_model(gguf_model, device: str | None = "auto", threads: int | None = N
         return CpuModel(gguf_model, num_threads=threads)
     from strata.backends import cuda
 
+    offload = bool(needs_cpu_experts)
     if device == "cuda":
-        if needs_cpu_experts:
-            raise ConfigError(
-                "--expert-cache, --expert-pack and --dump-routing run on the CPU backend so far; "
-                "the CUDA backend holds every expert in VRAM. Drop them or use --device cpu")
-        return cuda.CudaModel(gguf_model)
-    if needs_cpu_experts:
-        log.info("device auto: the CPU (the expert cache and routing traces run on the CPU "
-                 "backend so far)")
-        return CpuModel(gguf_model, num_threads=threads)
+        return cuda.CudaModel(gguf_model, experts_resident=not offload)
     if not cuda.is_available():
         log.info("device auto: the CPU (no usable CUDA GPU: PyCUDA or the driver is missing)")
         return CpuModel(gguf_model, num_threads=threads)
     try:
-        model = cuda.CudaModel(gguf_model)
+        model = cuda.CudaModel(gguf_model, experts_resident=not offload)
     except ConfigError as exc:
         log.warning("device auto: the CPU, since the GPU cannot hold the model: %s", exc)
         return CpuModel(gguf_model, num_threads=threads)
-    log.info("device auto: the GPU (%s)", model.runtime.name)
+    log.info("device auto: the GPU (%s)%s", model.runtime.name,
+             ", routed experts in pinned RAM behind a VRAM cache" if offload else "")
     return model

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-from strata.backends.select import build_model
+from strata.backends.select import build_model, is_cuda_model
 from strata.config import EngineConfig
 from strata.engine.expert_tier import ExpertTier
 from strata.engine.generate import GenerationEvent, GenerationResult, GenerationStats, collect
@@ -48,7 +48,8 @@ class Engine:
                 self.expert_tier.start(choosers.tier_policy)
             self.scheduler = Scheduler(self.model, self.tokenizer, self.n_ctx, config.parallel,
                                        choosers, config.conversation_cache_mib,
-                                       expert_tier=self.expert_tier)
+                                       expert_tier=self.expert_tier,
+                                       kv_dtype=config.kv_dtype(is_cuda_model(self.model)))
         except BaseException:
             if self.expert_tier is not None:
                 self.expert_tier.close()

@@ -1,11 +1,11 @@
-"""The expert tier at run time: store, CPU arena, residency table, tier policy, routing counts and
-trace around every forward pass; every `adapt_every` windows a round of swaps, applied through
-the arena's ordered path before the next window (blocking) or by a copier thread (async).
+"""The expert tier at run time: store, arena (CPU, or VRAM slots on the CUDA backend), residency
+table, tier policy, routing counts and trace around every forward pass; every `adapt_every`
+windows a round of swaps, applied through the arena's ordered path before the next window
+(blocking) or by a copier (async: a thread, or the CUDA arena's side stream).
 """
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -14,17 +14,17 @@ import numpy as np
 
 from strata.errors import ConfigError
 from strata.experts.arena import (COPY_CHUNK_BYTES, SLOT_ALIGN_BYTES, CpuExpertArena,
-                                  num_slots_for)
+                                  ExpertArena, num_slots_for)
 from strata.experts.profile import read_profile
 from strata.experts.store import ExpertStore
 from strata.experts.tier import FREE_SLOT
 from strata.experts.trace import TraceWriter
-from strata.engine.tier_stats import RecentRouting, TierTotals, format_group
+from strata.engine.tier_copier import COPY_TIMEOUT_S, TierCopier
+from strata.engine.tier_stats import RecentRouting, TierTotals, WaitTotals, format_group
 
 log = logging.getLogger("strata.tier")
 
 LOG_EVERY_WINDOWS = 32  # windows per INFO summary line
-COPY_TIMEOUT_S = 120.0  # a copy waits this long for readers of older versions, then gives up
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ExpertTier:
     scheduler calls `forward_window(window)` in place of the model's. Engine thread only
     (the async copier is its own thread)."""
 
-    def __init__(self, model, store: ExpertStore, arena: CpuExpertArena | None, config):
+    def __init__(self, model, store: ExpertStore, arena: ExpertArena | None, config):
         self.model = model
         self.store = store
         self.arena = arena
@@ -63,7 +63,10 @@ class ExpertTier:
         shape = (store.n_layers, store.n_experts)
         self._counts = np.zeros(shape, dtype=np.int64)  # [L, E] this window's routed rows
         self._round_counts = np.zeros(shape, dtype=np.int64)  # [L, E] since the last round
-        self._store_pointers = store.expert_pointers()  # [L, 3, E] uint64
+        # [L, 3, E] uint64 host pointers, for models that take them per window (the CPU's)
+        self._reads_pointers = getattr(model, "reads_expert_pointers", True) and (
+            arena is None or arena.reads_host_pointers)
+        self._store_pointers = store.expert_pointers() if self._reads_pointers else None
         self._pointers = self._store_pointers
         self._pointer_version = -1
         self._windows_since_round = 0
@@ -78,7 +81,10 @@ class ExpertTier:
         if config.dump_routing_path is not None:
             self.trace = TraceWriter(config.dump_routing_path, store.n_layers, store.n_experts,
                                      {"model": str(config.model_path), "source": store.source})
-        self._copier: _Copier | None = None
+        self._copier = None  # the async copier (TierCopier, or the arena's own)
+        self._before_s = 0.0  # seconds the arena's before_window took (the tier's wait)
+        # the tier's wait by window kind: "solo" (one slot) and "batch" (several slots)
+        self.wait_by_kind = {"solo": WaitTotals(), "batch": WaitTotals()}
 
     # ---- building -----------------------------------------------------------------------
     @classmethod
@@ -92,7 +98,13 @@ class ExpertTier:
         else:
             store = ExpertStore.from_gguf(gguf)
         arena = None
-        if config.expert_cache is not None:
+        if getattr(model, "experts_resident", True) is False:
+            # the CUDA backend with offloaded experts: VRAM slots, every expert in pinned host
+            # RAM; it sizes `auto` (also when no --expert-cache was given: the experts beyond
+            # VRAM need a cache there) from free VRAM and --vram-budget
+            arena = model.new_expert_arena(store, config)
+            config.expert_cache_slots = arena.n_slots
+        elif config.expert_cache is not None:
             slot_bytes = -(-store.expert_nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
             num_slots = num_slots_for(config.expert_cache, config.vram_budget_bytes,
                                       slot_bytes, store.n_layers * store.n_experts)
@@ -123,7 +135,7 @@ class ExpertTier:
                  f"{getattr(policy, 'name', type(policy).__name__)} every "
                  f"{self.config.adapt_every} windows ({self.mode})")
         if self.is_async and not is_frozen:
-            self._copier = _Copier(self)
+            self._copier = self.arena.new_copier(self._count_load) or TierCopier(self.apply)
             self._copier.start()
 
     def _fill_order(self):
@@ -142,19 +154,26 @@ class ExpertTier:
         return profile.top(self.arena.n_slots), f"profile {path}"
 
     # ---- the window ---------------------------------------------------------------------
-    def forward_window(self, window) -> np.ndarray:
+    def forward_window(self, window, lazy: bool = False) -> np.ndarray:
         """The model's forward pass over `window` with the experts read through the cache;
-        then the accounting, the trace and (when due) a round. Returns the logits."""
+        then the accounting, the trace and (when due) a round. Returns the logits (left on
+        the device with `lazy` when the model can: see CudaModel.forward_window_lazy)."""
+        forward = getattr(self.model, "forward_window_lazy", None) if lazy else None
+        self._before_s = 0.0
+        if self.arena is not None:
+            t0 = time.perf_counter()
+            self.arena.before_window()  # a device arena lands finished copies here
+            self._before_s = time.perf_counter() - t0
         snap = self.arena.table.snapshot() if self.arena is not None else None
         try:
-            pointers = self._pointers_for(snap)
+            pointers = self._pointers_for(snap) if self._reads_pointers else None
             self._counts[:] = 0
-            logits = self.model.forward_window(window, expert_pointers=pointers,
-                                               routing_counts=self._counts)
+            logits = (forward or self.model.forward_window)(
+                window, expert_pointers=pointers, routing_counts=self._counts)
         finally:
             if snap is not None:
                 snap.release()  # the slots it showed may be overwritten from now on
-        self._after_window(snap)
+        self._after_window(snap, "batch" if len(window.kvs) > 1 else "solo")
         return logits
 
     def forward(self, tokens: np.ndarray, kv, all_logits: bool = False) -> np.ndarray:
@@ -171,7 +190,7 @@ class ExpertTier:
             self._pointer_version = snap.version
         return self._pointers
 
-    def _after_window(self, snap) -> None:
+    def _after_window(self, snap, kind: str = "solo") -> None:
         counts = self._counts
         window_index = self.totals.num_windows
         hits = misses = 0
@@ -185,12 +204,15 @@ class ExpertTier:
         if self.trace is not None:
             self.trace.record_counts(window_index, counts)
         self._round_counts += counts
+        observe = getattr(self.policy, "observe", None)  # optional per-window TierPolicy hook
+        if observe is not None and self.mode != "frozen":
+            observe(counts)  # [L, E] this window's rows, read only: the array is reused
         self._windows_since_round += 1
-        num_swaps, wait_s = 0, 0.0
+        num_swaps, wait_s = 0, self._before_s
         if self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
             t0 = time.perf_counter()
             num_swaps = self._round()
-            wait_s = time.perf_counter() - t0
+            wait_s += time.perf_counter() - t0
         with self._lock:
             t = self.totals
             t.num_windows += 1
@@ -203,6 +225,7 @@ class ExpertTier:
             t.max_wait_s = max(t.max_wait_s, wait_s)
         self._max_wait_since_log = max(self._max_wait_since_log, wait_s)
         self.last_window = TierWindow(hits, misses, num_swaps, wait_s)
+        self.wait_by_kind[kind].add(wait_s)
         log.debug("window %d: %d cache + %d miss routed entries, %d swaps, tier wait %.3f ms",
                   window_index, hits, misses, num_swaps, wait_s * 1e3)
         if self.totals.num_windows % LOG_EVERY_WINDOWS == 0:
@@ -226,7 +249,10 @@ class ExpertTier:
         group = now.minus(self._logged)
         if group.num_windows:
             group.max_wait_s = self._max_wait_since_log
-            log.info("%s", format_group(group, self._logged.num_windows, self.mode))
+            log.info("%s; tier wait by window since start: %s, %s",
+                     format_group(group, self._logged.num_windows, self.mode),
+                     self.wait_by_kind["solo"].describe("solo"),
+                     self.wait_by_kind["batch"].describe("batch"))
         self._logged = now
         self._max_wait_since_log = 0.0
 
@@ -313,13 +339,17 @@ class ExpertTier:
                 steps.close()  # a load left half-way frees its slot
             if stop is not None and stop.is_set():
                 return
-            with self._lock:
-                t = self.totals
-                t.num_bytes_moved += self.store.layer_expert_nbytes(load.layer)
-                if load.is_eviction:
-                    t.num_evictions += 1
-                else:
-                    t.num_fills += 1
+            self._count_load(load)
+
+    def _count_load(self, load: _Load) -> None:
+        """Add a landed load to the totals (either thread)."""
+        with self._lock:
+            t = self.totals
+            t.num_bytes_moved += self.store.layer_expert_nbytes(load.layer)
+            if load.is_eviction:
+                t.num_evictions += 1
+            else:
+                t.num_fills += 1
 
     # ---- what observers read ------------------------------------------------------------
     def snapshot_totals(self) -> TierTotals:
@@ -341,51 +371,5 @@ class ExpertTier:
             self.trace.close()
         if self.arena is not None and self.totals.num_windows > self._logged.num_windows:
             self.log_group()
-
-
-class _Copier:
-    """The async tier's copy thread: applies each round's loads while windows run. The arena's
-    ordered path makes that safe: a slot is published missing before its bytes change, the copy
-    waits out readers of older versions, and an expert is published only once landed."""
-
-    def __init__(self, tier: ExpertTier):
-        self._tier = tier
-        self._rounds: queue.Queue = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="strata-tier-copier",
-                                        daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def is_busy(self) -> bool:
-        return not self._idle.is_set()
-
-    def submit(self, loads: list[_Load]) -> None:
-        self._idle.clear()
-        self._rounds.put(loads)
-
-    def wait_idle(self, timeout_s: float | None = None) -> bool:
-        return self._idle.wait(timeout_s)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._rounds.put(None)
-        self._thread.join(COPY_TIMEOUT_S)
-
-    def _run(self) -> None:
-        while True:
-            loads = self._rounds.get()
-            if loads is None:
-                return
-            try:
-                self._tier.apply(loads, self._stop)
-            except Exception:  # noqa: BLE001 - a failed copy must not kill the thread
-                log.exception("the tier's copier failed on a round; its remaining swaps were "
-                              "dropped")
-            finally:
-                if self._rounds.empty():
-                    self._idle.set()
+        if self.arena is not None:
+            self.arena.close()

@@ -82,7 +82,7 @@ class Scheduler:
     `RequestHandle.cancel` may come from another thread."""
 
     def __init__(self, model, tokenizer, n_ctx: int, num_slots: int, choosers,
-                 conversation_cache_mib: float = 2048, expert_tier=None):
+                 conversation_cache_mib: float = 2048, expert_tier=None, kv_dtype=None):
         self.model = model
         # Runs each forward pass through the expert cache (strata.engine.expert_tier); None
         # reads the experts straight from the model's mapping.
@@ -91,7 +91,9 @@ class Scheduler:
         self.n_ctx = int(n_ctx)
         self.choosers = choosers
         self.table = SlotTable(num_slots)
-        self.kvs: list[KVCache] = [model.new_kv(self.n_ctx) for _ in range(num_slots)]
+        # KV cells of `kv_dtype` (None: the model's default type)
+        kv_args = {} if kv_dtype is None else {"dtype": kv_dtype}
+        self.kvs: list[KVCache] = [model.new_kv(self.n_ctx, **kv_args) for _ in range(num_slots)]
         self.conversations = ConversationCache(conversation_cache_mib)
         self._queue: deque[RequestHandle] = deque()
         self._active: dict[int, _Active] = {}  # by slot index
@@ -186,10 +188,12 @@ class Scheduler:
         window = Window.build(runs, logits=modes)
         t0 = time.perf_counter()
         try:
+            # [N, V]; a CUDA model leaves them on the device for the samplers
             if self.expert_tier is None:
-                logits = self.model.forward_window(window)  # [N, V]
+                logits = getattr(self.model, "forward_window_lazy", self.model.forward_window)(
+                    window)
             else:
-                logits = self.expert_tier.forward_window(window)  # [N, V]
+                logits = self.expert_tier.forward_window(window, lazy=True)
         except BaseException as exc:
             # A failed pass commits nothing, but fail every request in it rather than retry.
             for slot_index, _ in kinds:

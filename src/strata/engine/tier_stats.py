@@ -119,3 +119,25 @@ class RecentRouting:
         with self._lock:
             self._cached = (stamp, result)
         return result
+
+
+@dataclass
+class WaitTotals:
+    """Windows of one kind and the seconds they waited for the tier (rounds, copies landing)."""
+
+    num_windows: int = 0
+    wait_s: float = 0.0
+    max_wait_s: float = 0.0
+
+    def add(self, wait_s: float) -> None:
+        self.num_windows += 1
+        self.wait_s += wait_s
+        self.max_wait_s = max(self.max_wait_s, wait_s)
+
+    @property
+    def mean_wait_ms(self) -> float:
+        return self.wait_s / self.num_windows * 1e3 if self.num_windows else 0.0
+
+    def describe(self, kind: str) -> str:
+        return (f"{kind} {self.mean_wait_ms:.3f} ms/window over {self.num_windows} (max "
+                f"{self.max_wait_s * 1e3:.2f} ms)")

@@ -1,8 +1,9 @@
-"""The CPU expert cache: N slots of one expert each in one budgeted numpy buffer, filled through
-the residency table's ordered path, with hit/miss counts of routed entries per window.
+"""Expert caches: the interface every arena offers the tier (`ExpertArena`: residency table,
+ordered loads, hit/miss counts) and the CPU one (N slots of one expert in a numpy buffer).
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -67,17 +68,23 @@ class HitCounts:
         return HitCounts(self.hits + other.hits, self.misses + other.misses)
 
 
-class CpuExpertArena:
-    """The expert cache of the CPU backend: `n_slots` slots of `slot_bytes` in one buffer.
+class ExpertArena(abc.ABC):
+    """What the expert tier (engine/expert_tier.py) needs of an expert cache of `n_slots` slots.
 
-    A slot holds one expert's gate, up and down bytes back to back, in the store's layout for
-    its layer. Its decisions and hit rates are those a VRAM cache of the same size would have.
+    Subclasses hold the slots' bytes (CPU: a numpy buffer; CUDA: VRAM slots with device pointer
+    tables, backends/cuda/offload.py) and implement `load_steps`, the one ordered path that
+    changes residency. The base keeps the residency table and the hit/miss counts.
     """
 
-    def __init__(self, store: ExpertStore, n_slots: int, table: ResidencyTable | None = None):
+    #: True when the model reads the experts through host pointers passed per window
+    #: (`pointer_table`); a device arena keeps its own tables on the device instead.
+    reads_host_pointers = True
+
+    def __init__(self, store: ExpertStore, n_slots: int, slot_bytes: int,
+                 table: ResidencyTable | None = None):
         self.store = store
-        self.slot_bytes = -(-store.expert_nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
-        self.buffer = np.zeros((n_slots, self.slot_bytes), dtype=np.uint8)  # [N, slot_bytes]
+        self.slot_bytes = slot_bytes
+        self._n_slots = n_slots
         self.table = table or ResidencyTable(store.n_layers, store.n_experts, n_slots)
         if (self.table.n_layers, self.table.n_experts, self.table.n_slots) != (
                 store.n_layers, store.n_experts, n_slots):
@@ -85,51 +92,28 @@ class CpuExpertArena:
         self._window = HitCounts()
         self.totals = HitCounts()
 
-    @classmethod
-    def from_budget(cls, store: ExpertStore, expert_cache: str | int = "auto",
-                    budget_bytes: int | None = None) -> "CpuExpertArena":
-        slot_bytes = -(-store.expert_nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
-        n = num_slots_for(expert_cache, budget_bytes, slot_bytes,
-                          store.n_layers * store.n_experts)
-        return cls(store, n)
-
     @property
     def n_slots(self) -> int:
-        return int(self.buffer.shape[0])
+        return self._n_slots
 
-    # ---- loading through the ordered path -----------------------------------------------
+    @abc.abstractmethod
     def load_steps(self, slot: int, layer: int, expert: int, chunk_bytes: int = COPY_CHUNK_BYTES,
                    block: bool = True, timeout_s: float | None = None) -> Iterator[str]:
-        """Load (layer, expert) into `slot` one step per `next()`: "evicted", then "waiting"
-        while older readers still pin the slot (only when not `block`), then "copying" per
-        chunk; the expert is landed when the generator ends."""
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes is {chunk_bytes}; give a positive size")
-        segments = self.store.expert_segments(layer, expert)
-        ticket = self.table.begin_evict(slot)
-        try:
-            yield "evicted"
-            if block:
-                self.table.wait_overwritable(ticket, timeout_s)
-            else:
-                while not self.table.is_overwritable(ticket):
-                    yield "waiting"
-            dst = self.buffer[slot]
-            at = 0
-            for seg in segments:
-                for start in range(0, seg.size, chunk_bytes):
-                    piece = seg[start:start + chunk_bytes]
-                    dst[at:at + piece.size] = piece
-                    at += piece.size
-                    yield "copying"
-            self.table.land(slot, layer, expert)
-        except BaseException:  # also GeneratorExit: a load dropped half-way frees its slot
-            self.table.abort(slot)
-            raise
+        """Load (layer, expert) into `slot` one step per `next()` ("evicted", "waiting",
+        "copying"...); the expert is landed (resident) when the generator ends."""
+
+    def _until_overwritable(self, ticket, block: bool, timeout_s: float | None):
+        """Until no reader of an older table version pins the ticket's slot: waits (`block`)
+        or yields "waiting" per step."""
+        if block:
+            self.table.wait_overwritable(ticket, timeout_s)
+            return
+        while not self.table.is_overwritable(ticket):
+            yield "waiting"
 
     def load(self, slot: int, layer: int, expert: int, timeout_s: float | None = None) -> int:
         """Load (layer, expert) into `slot`, evicting what it held; return the landed version."""
-        for _ in self.load_steps(slot, layer, expert, chunk_bytes=self.slot_bytes,
+        for _ in self.load_steps(slot, layer, expert, chunk_bytes=max(self.slot_bytes, 1),
                                  timeout_s=timeout_s):
             pass
         return self.table.version
@@ -144,6 +128,91 @@ class CpuExpertArena:
             self.load(slot, layer, expert)
             loaded += 1
         return loaded
+
+    def before_window(self) -> None:
+        """Called by the tier before each window (a device arena lands finished copies here)."""
+
+    def new_copier(self, on_landed):
+        """The async copier of this arena, or None for the tier's copier thread (which runs
+        `load_steps` beside the windows). `on_landed(load)` counts a landed load."""
+        return None
+
+    def close(self) -> None:
+        """Free what the arena holds beyond Python memory (device slots, pinned memory)."""
+
+    # ---- hit / miss accounting ----------------------------------------------------------
+    def account_routed(self, snap: Snapshot, counts: np.ndarray) -> HitCounts:
+        """Count one window's routed entries, given as rows per (layer, expert) `counts`
+        [L, E], as hits or misses against `snap`, into the current window; return them."""
+        hits = int(counts[snap.table >= 0].sum())
+        result = HitCounts(hits, int(counts.sum()) - hits)
+        self._window = self._window + result
+        self.totals = self.totals + result
+        return result
+
+    def account(self, snap: Snapshot, layer: int, experts: np.ndarray) -> HitCounts:
+        """Count one layer's routed entries (`experts` [T, K] ids, -1 skipped) as hits or misses
+        against `snap`, into the current window; return this call's counts."""
+        ids = np.asarray(experts).reshape(-1)
+        ids = ids[ids >= 0]
+        slots = snap.table[layer, ids]  # [n]
+        hits = int((slots >= 0).sum())
+        counts = HitCounts(hits, int(ids.size) - hits)
+        self._window = self._window + counts
+        self.totals = self.totals + counts
+        return counts
+
+    def take_window(self) -> HitCounts:
+        """The counts since the last call (one window), and start a new window."""
+        counts, self._window = self._window, HitCounts()
+        return counts
+
+
+class CpuExpertArena(ExpertArena):
+    """The expert cache of the CPU backend: `n_slots` slots of `slot_bytes` in one buffer.
+
+    A slot holds one expert's gate, up and down bytes back to back, in the store's layout for
+    its layer. Its decisions and hit rates are those a VRAM cache of the same size would have.
+    """
+
+    def __init__(self, store: ExpertStore, n_slots: int, table: ResidencyTable | None = None):
+        slot_bytes = -(-store.expert_nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        super().__init__(store, n_slots, slot_bytes, table)
+        self.buffer = np.zeros((n_slots, self.slot_bytes), dtype=np.uint8)  # [N, slot_bytes]
+
+    @classmethod
+    def from_budget(cls, store: ExpertStore, expert_cache: str | int = "auto",
+                    budget_bytes: int | None = None) -> "CpuExpertArena":
+        slot_bytes = -(-store.expert_nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        n = num_slots_for(expert_cache, budget_bytes, slot_bytes,
+                          store.n_layers * store.n_experts)
+        return cls(store, n)
+
+    # ---- loading through the ordered path -----------------------------------------------
+    def load_steps(self, slot: int, layer: int, expert: int, chunk_bytes: int = COPY_CHUNK_BYTES,
+                   block: bool = True, timeout_s: float | None = None) -> Iterator[str]:
+        """Load (layer, expert) into `slot` one step per `next()`: "evicted", then "waiting"
+        while older readers still pin the slot (only when not `block`), then "copying" per
+        chunk; the expert is landed when the generator ends."""
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes is {chunk_bytes}; give a positive size")
+        segments = self.store.expert_segments(layer, expert)
+        ticket = self.table.begin_evict(slot)
+        try:
+            yield "evicted"
+            yield from self._until_overwritable(ticket, block, timeout_s)
+            dst = self.buffer[slot]
+            at = 0
+            for seg in segments:
+                for start in range(0, seg.size, chunk_bytes):
+                    piece = seg[start:start + chunk_bytes]
+                    dst[at:at + piece.size] = piece
+                    at += piece.size
+                    yield "copying"
+            self.table.land(slot, layer, expert)
+        except BaseException:  # also GeneratorExit: a load dropped half-way frees its slot
+            self.table.abort(slot)
+            raise
 
     # ---- reading ------------------------------------------------------------------------
     def slot_views(self, slot: int, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -182,32 +251,6 @@ class CpuExpertArena:
             offsets = self.part_offsets()[layers]  # [n, 3]
             pointers[layers, :, experts] = bases[:, None] + offsets
         return pointers
-
-    def account_routed(self, snap: Snapshot, counts: np.ndarray) -> HitCounts:
-        """Count one window's routed entries, given as rows per (layer, expert) `counts`
-        [L, E], as hits or misses against `snap`, into the current window; return them."""
-        hits = int(counts[snap.table >= 0].sum())
-        result = HitCounts(hits, int(counts.sum()) - hits)
-        self._window = self._window + result
-        self.totals = self.totals + result
-        return result
-
-    def account(self, snap: Snapshot, layer: int, experts: np.ndarray) -> HitCounts:
-        """Count one layer's routed entries (`experts` [T, K] ids, -1 skipped) as hits or misses
-        against `snap`, into the current window; return this call's counts."""
-        ids = np.asarray(experts).reshape(-1)
-        ids = ids[ids >= 0]
-        slots = snap.table[layer, ids]  # [n]
-        hits = int((slots >= 0).sum())
-        counts = HitCounts(hits, int(ids.size) - hits)
-        self._window = self._window + counts
-        self.totals = self.totals + counts
-        return counts
-
-    def take_window(self) -> HitCounts:
-        """The counts since the last call (one window), and start a new window."""
-        counts, self._window = self._window, HitCounts()
-        return counts
 
     def __repr__(self) -> str:
         return (f"CpuExpertArena({self.n_slots} slots x {self.slot_bytes} bytes, "

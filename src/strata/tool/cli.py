@@ -31,8 +31,10 @@ def main():
 @click.option("--list", "list_presets", is_flag=True, help="List the preset shapes and exit.")
 @click.option("--routing-skew", default=0.0, show_default=True, type=float,
               help="Make routers favour a minority of experts (0 = uniform; 0.5 is moderate).")
+@click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Processes making the tensors (the same file whatever the count).")
 @click.argument("out", required=False, type=click.Path(dir_okay=False))
-def synth(shape, weight_type, arch_name, seed, layers, list_presets, routing_skew, out):
+def synth(shape, weight_type, arch_name, seed, layers, list_presets, routing_skew, jobs, out):
     """Write a random-weight MoE model at a preset shape to OUT (a .gguf file)."""
     from strata.tool.inspect import format_spec
     from strata.tool.presets import PRESETS
@@ -47,7 +49,7 @@ def synth(shape, weight_type, arch_name, seed, layers, list_presets, routing_ske
     overrides = {} if layers is None else {"n_layers": layers}
     try:
         spec = synth_model(out, shape, weight_type, arch=arch_name, seed=seed, progress=True,
-                           routing_skew=routing_skew, **overrides)
+                           routing_skew=routing_skew, jobs=jobs, **overrides)
     except StrataError as exc:
         _fail(str(exc))
     except OSError as exc:
@@ -88,9 +90,10 @@ def inspect(path, trace_path):
     click.echo(format_report(report))
 
 
+from strata.tool.calibrate import calibrate  # noqa: E402
 from strata.tool.pack_cmd import pack  # noqa: E402
 from strata.tool.plugins_cmd import plugins  # noqa: E402
 from strata.tool.replay_cmd import profile, replay, synth_trace_cmd  # noqa: E402
 
-for _command in (pack, plugins, profile, replay, synth_trace_cmd):
+for _command in (calibrate, pack, plugins, profile, replay, synth_trace_cmd):
     main.add_command(_command)

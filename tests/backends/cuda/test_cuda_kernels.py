@@ -1,6 +1,7 @@
 """CUDA kernels against float64 numpy references on fresh random inputs: the product kernels on
-every GGUF type (dense, grouped by expert, gate/up + SiLU), activation quantisation and
-attention over an fp16 KV cache."""
+every GGUF type (dense, grouped by expert, gate/up + SiLU), activation quantisation, attention
+over fp16 and int8 KV caches (split over blocks), QK-norm + RoPE + KV append, RMSNorm, the
+combine fused with the next norm, and the one-launch router (product, top-k, grouping)."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -150,30 +151,183 @@ def test_dense_and_grouped_products(runtime, weight_type):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
 
 
+
+ATT_SPLITS = 4  # attention.cu's ATT_SPLITS (blocks per (row, head))
+
+
+def run_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_heads,
+                  want_q8=True, num_launches=1):
+    """Launch `attention` over rows with KVs at `bases` (tagged addresses); returns
+    (out [R, Q, D], outq, outd) after the last of `num_launches` identical launches."""
+    R, Q, D = q.shape
+    out, outq, outd = dev.empty(4 * R * Q * D), dev.empty(R * Q * D), dev.empty(R * Q * D // 8)
+    part = dev.empty(4 * R * Q * ATT_SPLITS * (2 + D))
+    counts = dev.empty(4 * R * Q, fill=0)
+    args = [dev.put(q), out, outq if want_q8 else 0, outd if want_q8 else 0,
+            dev.put(np.array(bases, dtype=np.uint64)), dev.put(positions.astype(np.int32)),
+            dev.put(np.full(R, capacity, dtype=np.int32)), layer, num_layers, Q, num_kv_heads,
+            D, D ** -0.5, part, counts]
+    results = []
+    for _ in range(num_launches):
+        dev.launch("attention", (R, Q, ATT_SPLITS), (128,), "PPPPPPPiiiiifPP", args)
+        results.append(dev.get(out, (R, Q, D), np.float32))
+    for other in results[:-1]:  # the counters were left at zero: every launch merged
+        np.testing.assert_array_equal(other, results[-1])
+    assert not dev.get(counts, (R * Q,), np.int32).any()
+    return (results[-1], dev.get(outq, (R, Q * D), np.int8),
+            dev.get(outd, (R, Q * D // 32), np.float32))
+
+
+def attention_reference(q, keys, values):
+    """Causal attention of one query [D] over keys / values [n, D] in float64."""
+    s = keys.astype(np.float64) @ q.astype(np.float64) * q.shape[-1] ** -0.5
+    p = np.exp(s - s.max())
+    return (p / p.sum()) @ values.astype(np.float64)
+
+
 def test_attention_over_fp16_cache(runtime):
+    """Rows at positions inside the first chunk, across chunks and across all splits (and
+    their second round), relaunched: counters reset, results equal bit for bit."""
     dev, rng = _Dev(runtime), np.random.default_rng()
-    L, KVH, Q, D, C = 2, 2, 4, 64, 150
-    layer, positions = 1, np.array([0, 7, 31, 32, 149], dtype=np.int32)
+    L, KVH, Q, D, C = 2, 2, 4, 64, 1200
+    layer, positions = 1, np.array([0, 7, 31, 32, 149, 511, 512, 1199], dtype=np.int32)
     R = len(positions)
     cache = (rng.standard_normal((R, L, 2, KVH, C, D)) * 2).astype(np.float16)
     bases = [dev.put(cache[r]) for r in range(R)]
     q = rng.standard_normal((R, Q, D)).astype(np.float32)
-    out, outq, outd = dev.empty(4 * R * Q * D), dev.empty(R * Q * D), dev.empty(4 * R * Q * D // 32)
-    scale = D ** -0.5
-    dev.launch("attention", (R, Q), (128,), "PPPPPPPiiiif",
-               [dev.put(q), out, outq, outd, dev.put(np.array(bases, dtype=np.uint64)),
-                dev.put(positions), dev.put(np.full(R, C, dtype=np.int32)), layer, Q, KVH, D,
-                scale])
-    got = dev.get(out, (R, Q, D), np.float32)
+    got, outq, outd = run_attention(dev, q, bases, positions, C, layer, L, KVH, num_launches=2)
     # the fused 8-bit form equals quantising the float output
     q8, d8 = _q8(got.reshape(R, Q * D))
-    np.testing.assert_array_equal(dev.get(outq, (R, Q * D), np.int8), q8)
-    np.testing.assert_array_equal(dev.get(outd, (R, Q * D // 32), np.float32), d8)
+    np.testing.assert_array_equal(outq, q8)
+    np.testing.assert_array_equal(outd, d8)
     for r, pos in enumerate(positions):
         for h in range(Q):
-            keys = cache[r, layer, 0, h // (Q // KVH), :pos + 1].astype(np.float64)
-            values = cache[r, layer, 1, h // (Q // KVH), :pos + 1].astype(np.float64)
-            s = keys @ q[r, h].astype(np.float64) * scale
-            p = np.exp(s - s.max())
-            want = (p / p.sum()) @ values
+            kvh = h // (Q // KVH)
+            want = attention_reference(q[r, h], cache[r, layer, 0, kvh, :pos + 1],
+                                       cache[r, layer, 1, kvh, :pos + 1])
             np.testing.assert_allclose(got[r, h], want, rtol=1e-4, atol=1e-5)
+    # a row alone gives the same bits as inside the window
+    alone, _, _ = run_attention(dev, q[5:6], bases[5:6], positions[5:6], C, layer, L, KVH)
+    np.testing.assert_array_equal(alone[0], got[5])
+
+
+def test_rmsnorm_one_pass_and_fallback(runtime):
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    for H in (64, 2048, 8224):  # one pass from registers (H <= 8192), and the loop beyond
+        R = 3
+        x = (rng.standard_normal((R + 1, H)) * 3).astype(np.float32)
+        w = rng.standard_normal(H).astype(np.float32)
+        rows = np.array([2, 0, 3], dtype=np.int32)  # gathered rows (the head's logit rows)
+        out, q, d = dev.empty(4 * R * H), dev.empty(R * H), dev.empty(4 * R * H // 32)
+        dev.launch("rmsnorm_q8", (R,), (256,), "PPfiPPPP",
+                   [dev.put(x), dev.put(w), 1e-6, H, dev.put(rows), out, q, d])
+        got = dev.get(out, (R, H), np.float32)
+        xr = x[rows].astype(np.float64)
+        want = xr / np.sqrt((xr ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+        q8, d8 = _q8(got)
+        np.testing.assert_array_equal(dev.get(q, (R, H), np.int8), q8)
+        np.testing.assert_array_equal(dev.get(d, (R, H // 32), np.float32), d8)
+
+
+@pytest.mark.parametrize("has_shared", (False, True))
+def test_combine_fused_with_next_norm(runtime, has_shared):
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    R, K, H = 5, 8, 2048
+    x = rng.standard_normal((R, H)).astype(np.float32)
+    Y = rng.standard_normal((R * K, H)).astype(np.float32)  # [P, H] pair r*K + k
+    wts = rng.random((R, K)).astype(np.float32)
+    S = rng.standard_normal((R, H)).astype(np.float32)
+    gate = rng.standard_normal(R).astype(np.float32)
+    nw = rng.standard_normal(H).astype(np.float32)
+    xp = dev.put(x)
+    out, q, d = dev.empty(4 * R * H), dev.empty(R * H), dev.empty(4 * R * H // 32)
+    dev.launch("combine_norm", (R,), (256,), "PPPiiPPPfPPP",
+               [xp, dev.put(Y), dev.put(wts), K, H, dev.put(S) if has_shared else 0,
+                dev.put(gate) if has_shared else 0, dev.put(nw), 1e-6, out, q, d])
+    want_x = x + np.einsum("rk,rkh->rh", wts.astype(np.float64),
+                           Y.reshape(R, K, H).astype(np.float64))
+    if has_shared:
+        want_x += (1 / (1 + np.exp(-gate.astype(np.float64))))[:, None] * S
+    got_x = dev.get(xp, (R, H), np.float32)
+    assert np.abs(got_x - want_x).max() / np.abs(want_x).max() < 1e-5
+    got = dev.get(out, (R, H), np.float32)
+    xr = got_x.astype(np.float64)  # the norm of the x the kernel wrote
+    want = xr / np.sqrt((xr ** 2).mean(axis=1, keepdims=True) + 1e-6) * nw
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    q8, d8 = _q8(got)
+    np.testing.assert_array_equal(dev.get(q, (R, H), np.int8), q8)
+    np.testing.assert_array_equal(dev.get(d, (R, H // 32), np.float32), d8)
+
+
+def grouped_reference(ids: np.ndarray, E: int):
+    """(groups [G, 3], act_rows, out_rows) of pairs ids [R, K], as group_pairs defines them."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    groups, at = [], 0
+    for e in range(E):
+        n = int((flat == e).sum())
+        if n:
+            groups.append((e, at, n))
+            at += n
+    return np.array(groups, dtype=np.int32), (order // ids.shape[1]).astype(np.int32), \
+        order.astype(np.int32)
+
+
+@pytest.mark.parametrize("weight_type", ("f32", "f16", "bf16"))
+@pytest.mark.parametrize("num_rows", (1, 11))
+def test_router_in_one_launch(runtime, weight_type, num_rows):
+    """Logits against float64, top-k and grouping exact (from the kernel's own logits), two
+    launches (the last-block counters reset) equal bit for bit."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    E, K, H, R = 60, 4, 512, num_rows
+    raw, dense = _weights(weight_type, E, H, rng)
+    x = rng.standard_normal((R, H)).astype(np.float32)
+    names = ("logits", "ids", "wts", "groups", "num_groups", "act_rows", "out_rows")
+    sizes = (4 * R * E, 4 * R * K, 4 * R * K, 12 * E, 4, 4 * R * K, 4 * R * K)
+    bufs = {n: dev.empty(b) for n, b in zip(names, sizes)}
+    counts = dev.empty(4 * (2 + (R + 7) // 8), fill=0)
+    args = [dev.put(raw), raw.shape[1], E, H, dev.put(x), R, K, 1, *bufs.values(), counts]
+    outs = []
+    for _ in range(2):
+        dev.launch(f"router_{weight_type}", ((E + 3) // 4, (R + 7) // 8), (128,),
+                   "PqiiPiiiPPPPPPPP", args, shared_bytes=4 * 4 * E + 4 * (2 * E + 1024))
+        outs.append({n: dev.get(bufs[n], (s // 4,), np.float32 if n in ("logits", "wts")
+                                else np.int32) for n, s in zip(names, sizes)})
+    for n in names:
+        np.testing.assert_array_equal(outs[0][n], outs[1][n])
+    assert not dev.get(counts, (2 + (R + 7) // 8,), np.int32).any()
+    got = outs[1]
+    logits = got["logits"].reshape(R, E)
+    want = x.astype(np.float64) @ dense.T
+    assert np.abs(logits - want).max() / np.abs(want).max() < 1e-5
+    p = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    ids = np.argsort(-p, axis=1, kind="stable")[:, :K]
+    np.testing.assert_array_equal(got["ids"].reshape(R, K), ids)
+    top = np.take_along_axis(p, ids, axis=1)
+    np.testing.assert_allclose(got["wts"].reshape(R, K), top / top.sum(axis=1, keepdims=True),
+                               rtol=1e-5)
+    groups, act_rows, out_rows = grouped_reference(ids, E)
+    assert got["num_groups"][0] == len(groups)
+    np.testing.assert_array_equal(got["groups"][:3 * len(groups)].reshape(-1, 3), groups)
+    np.testing.assert_array_equal(got["act_rows"], act_rows)
+    np.testing.assert_array_equal(got["out_rows"], out_rows)
+
+
+def test_group_pairs_over_several_chunks(runtime):
+    """More pairs than one shared-memory chunk (1024), skewed experts: exact grouping."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    E, K, R = 128, 8, 400
+    ids = np.minimum(rng.geometric(0.05, size=(R, K)) - 1, E - 1).astype(np.int32)
+    P = R * K
+    groups, num_groups = dev.empty(12 * E), dev.empty(4)
+    act_rows, out_rows = dev.empty(4 * P), dev.empty(4 * P)
+    dev.launch("group_pairs", (1,), (256,), "PiiiPPPP",
+               [dev.put(ids), P, K, E, groups, num_groups, act_rows, out_rows],
+               shared_bytes=4 * (2 * E + 1024))
+    want_groups, want_act, want_out = grouped_reference(ids, E)
+    assert dev.get(num_groups, (1,), np.int32)[0] == len(want_groups)
+    np.testing.assert_array_equal(dev.get(groups, (len(want_groups), 3), np.int32), want_groups)
+    np.testing.assert_array_equal(dev.get(act_rows, (P,), np.int32), want_act)
+    np.testing.assert_array_equal(dev.get(out_rows, (P,), np.int32), want_out)

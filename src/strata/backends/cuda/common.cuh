@@ -158,3 +158,8 @@ __device__ __forceinline__ float dequant_one(const uint8_t *row, int c) {
     const int s = (int)(int8_t)((v[j >> 2] >> (8 * (j & 3))) & 0xff);
     return __fsub_rn(__fmul_rn(a, (float)s), b);
 }
+
+// 8-bit form of one 32-column block, quantised as quantize_q8 does
+__device__ __forceinline__ int8_t q8_of(float v, float id) {
+    return (int8_t)__float2int_rn(v * id);
+}

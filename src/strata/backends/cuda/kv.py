@@ -1,5 +1,6 @@
-"""The KV cache of one sequence in device memory: fp16 cells [L, 2 (K, V), KV, C, D], with the
-KVCache interface the scheduler uses (host copies for parking, append for restoring).
+"""The KV cache of one sequence in device memory: fp16 cells [L, 2 (K, V), KV, C, D], or int8
+cells with one float32 scale per (token, head) after them, with the KVCache interface the
+scheduler uses (host copies for parking, append for restoring).
 """
 from __future__ import annotations
 
@@ -9,31 +10,50 @@ from strata.errors import ConfigError, RequestError
 from strata.model.arch import ModelSpec
 
 # L = layers, KV = KV heads, C = capacity (tokens), D = head dim, T = rows appended now
+CELL_DTYPES = (np.dtype(np.float16), np.dtype(np.int8))
+
+
+def int8_cell_dtype(head_dim: int) -> np.dtype:
+    """The host form of one int8 (token, head) cell: D int8 codes and their scale
+    (value = q * scale, scale = max |value| / 127)."""
+    return np.dtype([("q", np.int8, (head_dim,)), ("scale", np.float32)])
 
 
 class CudaKV:
     """K/V cells of one sequence on the GPU. Invariant as KVCache: cells [0, num_tokens) of
     every layer are filled; a forward pass writes cells [num_tokens, num_tokens + T) of every
-    layer on the device, and `commit(T)` makes them part of the sequence."""
+    layer on the device, and `commit(T)` makes them part of the sequence.
 
-    def __init__(self, runtime, spec: ModelSpec, capacity_tokens: int):
+    int8 cells: device bytes int8 [L, 2, KV, C, D], then float32 scales [L, 2, KV, C]; `base`
+    (what the kernels get) is the address with bit 0 set, which tells them the cells are int8.
+    Host copies (`keys`, `values`, `append`) are then `int8_cell_dtype(D)` arrays [KV, n]."""
+
+    def __init__(self, runtime, spec: ModelSpec, capacity_tokens: int, dtype=np.float16):
         capacity_tokens = int(capacity_tokens)
         if capacity_tokens <= 0:
             raise ConfigError(
                 f"KV cache capacity {capacity_tokens} tokens must be positive; give a context "
                 "size of at least 1")
+        if np.dtype(dtype) not in CELL_DTYPES:
+            raise ConfigError(f"the CUDA backend keeps KV cells as float16 or int8, not "
+                              f"{np.dtype(dtype).name}")
         self.spec = spec
-        self.dtype = np.dtype(np.float16)
+        self.dtype = np.dtype(dtype)  # of the cells (int8 cells also carry scales)
+        self.is_int8 = self.dtype == np.int8
+        self.host_dtype = int8_cell_dtype(spec.head_dim) if self.is_int8 else self.dtype
         self.capacity = capacity_tokens
         self.num_tokens = 0
         self._rt = runtime
         self._shape = (spec.n_layers, 2, spec.n_kv_heads, capacity_tokens, spec.head_dim)
+        self._cells_bytes = int(np.prod(self._shape)) * self.dtype.itemsize
         self._buf = runtime.alloc(self.nbytes)
-        self.base = int(self._buf)  # device address of cell [0, 0, 0, 0, 0]
+        self.address = int(self._buf)  # device address of cell [0, 0, 0, 0, 0]
+        self.base = self.address | int(self.is_int8)
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self._shape)) * self.dtype.itemsize
+        scales = 4 * int(np.prod(self._shape[:4])) if self.is_int8 else 0
+        return self._cells_bytes + scales
 
     @property
     def room_tokens(self) -> int:
@@ -50,43 +70,71 @@ class CudaKV:
                 f"cannot take {num_new_tokens} more; shorten the prompt or max_tokens, or "
                 "raise the context size")
 
+    def _head(self, layer: int, kind: int, head: int) -> int:
+        return (layer * 2 + kind) * self.spec.n_kv_heads + head
+
     def _cell_address(self, layer: int, kind: int, head: int, cell: int) -> int:
-        L, _, KV, C, D = self._shape
-        index = (((layer * 2 + kind) * KV + head) * C + cell) * D
-        return self.base + index * self.dtype.itemsize
+        index = self._head(layer, kind, head) * self.capacity + cell
+        return self.address + index * self.spec.head_dim * self.dtype.itemsize
+
+    def _scale_address(self, layer: int, kind: int, head: int, cell: int) -> int:
+        index = self._head(layer, kind, head) * self.capacity + cell
+        return self.address + self._cells_bytes + 4 * index
 
     def _read(self, layer: int, kind: int) -> np.ndarray:
         KV, D, n = self.spec.n_kv_heads, self.spec.head_dim, self.num_tokens
-        out = np.empty((KV, n, D), dtype=self.dtype)  # [KV, num_tokens, D]
+        out = np.empty((KV, n), dtype=self.host_dtype)  # [KV, num_tokens] (int8 cells)
+        cells = np.empty((KV, n, D), dtype=self.dtype)  # [KV, num_tokens, D]
         if n:
             with self._rt.active():
                 for j in range(KV):
-                    self._rt.drv.memcpy_dtoh(out[j], self._cell_address(layer, kind, j, 0))
+                    self._rt.drv.memcpy_dtoh(cells[j], self._cell_address(layer, kind, j, 0))
+                    if self.is_int8:
+                        scales = np.empty(n, dtype=np.float32)
+                        self._rt.drv.memcpy_dtoh(scales, self._scale_address(layer, kind, j, 0))
+                        out[j]["scale"] = scales
+        if not self.is_int8:
+            return cells
+        out["q"] = cells
         return out
 
     def keys(self, layer: int) -> np.ndarray:
-        """A host copy of `layer`'s committed keys [KV, num_tokens, D] (fp16)."""
+        """A host copy of `layer`'s committed keys: [KV, num_tokens, D] fp16, or [KV,
+        num_tokens] of `host_dtype` (codes and scale) for int8 cells."""
         return self._read(layer, 0)
 
     def values(self, layer: int) -> np.ndarray:
         return self._read(layer, 1)
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Write k, v [KV, T, D] after the committed tokens of `layer` (restoring a parked
-        conversation); `commit(T)` once every layer has them."""
+        """Write k, v (as `keys` returns them, T tokens) after the committed tokens of `layer`
+        (restoring a parked conversation); `commit(T)` once every layer has them."""
         num_new = int(k.shape[1])
         self.check_room(num_new)
-        expected = (self.spec.n_kv_heads, num_new, self.spec.head_dim)
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise RequestError(f"KV append takes k and v of shape {expected}, got "
-                               f"{tuple(k.shape)} and {tuple(v.shape)}")
+        KV, D = self.spec.n_kv_heads, self.spec.head_dim
+        expected = (KV, num_new) if self.is_int8 else (KV, num_new, D)
+        for name, src in (("k", k), ("v", v)):
+            if tuple(src.shape) != expected or (self.is_int8 and src.dtype != self.host_dtype):
+                raise RequestError(
+                    f"KV append takes {name} of shape {expected}"
+                    f"{' and dtype ' + str(self.host_dtype) if self.is_int8 else ''}, got "
+                    f"{tuple(src.shape)} {src.dtype}; restore a conversation into a KV of the "
+                    "cell type it was parked from")
         with self._rt.active():
             for kind, src in ((0, k), (1, v)):
-                cells = np.ascontiguousarray(src, dtype=self.dtype)
-                for j in range(self.spec.n_kv_heads):
-                    if num_new:
+                if self.is_int8:
+                    cells = np.ascontiguousarray(src["q"])  # [KV, T, D] int8
+                    scales = np.ascontiguousarray(src["scale"])  # [KV, T] float32
+                else:
+                    cells, scales = np.ascontiguousarray(src, dtype=self.dtype), None
+                for j in range(KV):
+                    if not num_new:
+                        continue
+                    self._rt.drv.memcpy_htod(
+                        self._cell_address(layer, kind, j, self.num_tokens), cells[j])
+                    if scales is not None:
                         self._rt.drv.memcpy_htod(
-                            self._cell_address(layer, kind, j, self.num_tokens), cells[j])
+                            self._scale_address(layer, kind, j, self.num_tokens), scales[j])
 
     def commit(self, num_new_tokens: int) -> None:
         """Make the rows written to every layer part of the sequence."""
@@ -104,5 +152,6 @@ class CudaKV:
         self.num_tokens = 0
 
     def __repr__(self) -> str:
+        cells = "int8 + scales" if self.is_int8 else "float16"
         return (f"CudaKV({self.num_tokens}/{self.capacity} tokens, {self.spec.n_layers} layers, "
-                f"float16 on the GPU)")
+                f"{cells} on the GPU)")

@@ -1,15 +1,18 @@
-// Every step of a window that is not a weight product: embedding rows, RMSNorm (+ 8-bit
-// quantisation for the next product), QK-norm + RoPE + KV append, attention over the fp16 KV
-// cache, the router's softmax + top-k, grouping of (row, expert) pairs by expert, the combine
-// and greedy argmax. Per-row data (tokens, positions, KV bases) comes from a device
-// descriptor, so one captured graph serves every window of the same shape.
+// The steps of a window around the products that are neither attention (attention.cu) nor the
+// router (router.cu): embedding rows, RMSNorm (+ 8-bit quantisation for the next product; fused
+// with the MoE combine), the combine and greedy argmax. Per-row data (tokens, positions, KV
+// bases) comes from a device descriptor, so one captured graph serves every window of a shape.
 //
 // Legend: R = window rows, H = hidden, Q = query heads, KVH = KV heads, D = head dim,
-// C = a KV's capacity (cells), E = experts, K = experts per row, P = R * K pairs, V = vocab.
-// KV cache of one sequence: half [L, 2 (K, V), KVH, C, D].
+// C = a KV's capacity (cells), E = experts, K = experts per row, P = R * K pairs, V = vocab,
+// L = layers. KV cache of one sequence: half [L, 2 (K, V), KVH, C, D], or int8 cells
+// [L, 2, KVH, C, D] followed by float scales [L, 2, KVH, C] (one per token and head). A row's
+// kv_base is the cells' device address with bit 0 set for int8 cells (allocations are
+// 256-byte aligned, so the bit is free and a window may mix both kinds of KV).
 #include "common.cuh"
 
 #define NORM_THREADS 256
+#define NORM_VEC 8  // float4 per thread kept in registers: one-pass norms for H <= 8192
 
 // ---- embedding rows: x[r] = dequant(table[tokens[r]]); grid R, block 256 -------------------
 template <int QT>
@@ -47,8 +50,50 @@ __device__ __forceinline__ float block_sum(float v, float *scratch) {
     return t;
 }
 
+__device__ __forceinline__ bool is_one_pass_norm(int H) {
+    return (H & 3) == 0 && H <= 4 * NORM_THREADS * NORM_VEC;
+}
+
+// RMSNorm of one row held in registers (float4 i of this thread = columns 4 * (tid +
+// NORM_THREADS * i), zero past H) with sum of squares ss: o [H] = x * scale * w, and when q is
+// not NULL its 8-bit form (8 lanes hold one 32-column block: amax by shuffles). The whole
+// block calls it (shuffles); H % 32 == 0 when q is given.
+__device__ __forceinline__ void norm_store(const float4 (&v)[NORM_VEC], float ss, int H,
+                                           const float *__restrict__ w, float eps,
+                                           float *__restrict__ o, int8_t *__restrict__ q,
+                                           float *__restrict__ d) {
+    const float scale = 1.0f / sqrtf(ss / (float)H + eps);
+#pragma unroll
+    for (int i = 0; i < NORM_VEC; i++) {
+        const int c = 4 * (threadIdx.x + NORM_THREADS * i);
+        if (4 * NORM_THREADS * i >= H) break;  // uniform: no thread has columns past here
+        float4 y = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (c < H) {
+            const float4 w4 = *reinterpret_cast<const float4 *>(w + c);
+            y = make_float4((v[i].x * scale) * w4.x, (v[i].y * scale) * w4.y,
+                            (v[i].z * scale) * w4.z, (v[i].w * scale) * w4.w);
+            *reinterpret_cast<float4 *>(o + c) = y;
+        }
+        if (q != nullptr) {
+            float amax = fmaxf(fmaxf(fabsf(y.x), fabsf(y.y)), fmaxf(fabsf(y.z), fabsf(y.w)));
+#pragma unroll
+            for (int s = 1; s < 8; s <<= 1)
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+            const float dd = amax / 127.0f;
+            const float id = dd > 0.0f ? 1.0f / dd : 0.0f;
+            if (c < H) {
+                const int packed = pack4(q8_of(y.x, id), q8_of(y.y, id), q8_of(y.z, id),
+                                         q8_of(y.w, id));
+                *reinterpret_cast<int *>(q + c) = packed;
+                if ((c & 31) == 0) d[c >> 5] = dd;
+            }
+        }
+    }
+}
+
 // ---- RMSNorm of row rows[r] (r when rows is NULL) into out[r] [H], and the 8-bit form for
-// the next product when q is not NULL (H % 32 == 0). grid R, block NORM_THREADS ------------
+// the next product when q is not NULL (H % 32 == 0). One pass from registers when
+// is_one_pass_norm(H). grid R, block NORM_THREADS ---------------------------------------------
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_q8(const float *__restrict__ x, const float *__restrict__ w, float eps, int H,
            const int *__restrict__ rows, float *__restrict__ out, int8_t *__restrict__ q,
@@ -57,6 +102,24 @@ rmsnorm_q8(const float *__restrict__ x, const float *__restrict__ w, float eps, 
     const int r = blockIdx.x;
     const float *xr = x + (long long)(rows ? rows[r] : r) * H;  // [H]
     float *o = out + (long long)r * H;                           // [H]
+    if (is_one_pass_norm(H)) {
+        float4 v[NORM_VEC];
+        float ss = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NORM_VEC; i++) {
+            const int c = 4 * (threadIdx.x + NORM_THREADS * i);
+            v[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (c < H) {
+                v[i] = *reinterpret_cast<const float4 *>(xr + c);
+                ss = fmaf(v[i].x, v[i].x, fmaf(v[i].y, v[i].y, fmaf(v[i].z, v[i].z,
+                                                                    fmaf(v[i].w, v[i].w, ss))));
+            }
+        }
+        ss = block_sum(ss, scratch);
+        norm_store(v, ss, H, w, eps, o, q ? q + (long long)r * H : nullptr,
+                   q ? d + (long long)r * (H >> 5) : nullptr);
+        return;
+    }
     float ss = 0.0f;
     for (int c = threadIdx.x; c < H; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
     ss = block_sum(ss, scratch);
@@ -70,248 +133,55 @@ rmsnorm_q8(const float *__restrict__ x, const float *__restrict__ w, float eps, 
         const float amax = warp_max(fabsf(v));
         const float dd = amax / 127.0f;
         const float id = dd > 0.0f ? 1.0f / dd : 0.0f;
-        q[(long long)r * H + 32 * b + lane] = (int8_t)__float2int_rn(v * id);
+        q[(long long)r * H + 32 * b + lane] = q8_of(v, id);
         if (lane == 0) d[(long long)r * (H >> 5) + b] = dd;
     }
 }
 
-// ---- QK-norm (when norm weights are given) + NEOX RoPE of q and k, K/V written as fp16 into
-// each row's KV at cell pos[r]. q [R, Q*D] is rotated in place. grid (R, Q + 2*KVH), block 32.
-extern "C" __global__ void qk_rope_append(
-    float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
-    const float *__restrict__ q_norm, const float *__restrict__ k_norm,
-    const float *__restrict__ inv_freq, float eps, const unsigned long long *__restrict__ kv_base,
-    const int *__restrict__ pos, const int *__restrict__ cap, int layer, int Q, int KVH, int D) {
-    const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
-    const int half_d = D >> 1;
-    const int C = cap[r];
-    __half *cache = reinterpret_cast<__half *>(kv_base[r]);
-    if (h >= Q + KVH) {  // a V head: copy as fp16
-        const int j = h - Q - KVH;
-        const float *src = v + ((long long)r * KVH + j) * D;
-        __half *dst = cache + (((long long)layer * 2 + 1) * KVH + j) * C * D + (long long)pos[r] * D;
-        for (int i = lane; i < D; i += WARP) dst[i] = __float2half_rn(src[i]);
-        return;
-    }
-    const bool is_q = h < Q;
-    float *src = is_q ? q + ((long long)r * Q + h) * D
-                      : const_cast<float *>(k) + ((long long)r * KVH + (h - Q)) * D;  // [D]
-    const float *nw = is_q ? q_norm : k_norm;
-    float scale = 1.0f;
-    if (nw != nullptr) {
-        float ss = 0.0f;
-        for (int i = lane; i < D; i += WARP) ss = fmaf(src[i], src[i], ss);
-        ss = warp_sum(ss);
-        scale = 1.0f / sqrtf(ss / (float)D + eps);
-    }
-    const float p = (float)pos[r];
-    __half *kdst = is_q ? nullptr
-                        : cache + (((long long)layer * 2) * KVH + (h - Q)) * C * D + (long long)pos[r] * D;
-    for (int i = lane; i < half_d; i += WARP) {
-        float x1 = src[i], x2 = src[i + half_d];
-        if (nw != nullptr) {
-            x1 = (x1 * scale) * nw[i];
-            x2 = (x2 * scale) * nw[i + half_d];
-        }
-        const float f = p * inv_freq[i];
-        const float c = cosf(f), s = sinf(f);
-        const float o1 = x1 * c - x2 * s, o2 = x2 * c + x1 * s;
-        if (is_q) {
-            src[i] = o1;
-            src[i + half_d] = o2;
-        } else {
-            kdst[i] = __float2half_rn(o1);
-            kdst[i + half_d] = __float2half_rn(o2);
-        }
-    }
-}
-
-// ---- causal attention of row r, query head h, over cells [0, pos[r]] of its KV ------------
-// grid (R, Q), block ATT_WARPS * 32. Each warp takes chunks of 32 cells: lane j scores cell
-// c0 + j (its whole K row, 16-byte loads), the chunk updates the warp's online softmax, and
-// the chunk's V rows are accumulated with each lane holding D / 32 output dims. The warps
-// merge at the end. out [R, Q*D] float; when outq is not NULL (D % 32 == 0) also its 8-bit
-// form for the output projection. D % 8 == 0, D <= 32 * ATT_DMAX.
-#define ATT_WARPS 4
-#define ATT_DMAX 8
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention(const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
-          float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
-          const int *__restrict__ pos, const int *__restrict__ cap, int layer, int Q, int KVH,
-          int D, float scale) {
-    __shared__ float sq[32 * ATT_DMAX];
-    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
-    __shared__ float sacc[ATT_WARPS][32 * ATT_DMAX];
-    const int r = blockIdx.x, h = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int kvh = h / (Q / KVH), C = cap[r], last = pos[r];
-    const __half *cache = reinterpret_cast<const __half *>(kv_base[r]);
-    const __half *keys = cache + (((long long)layer * 2) * KVH + kvh) * C * D;        // [C, D]
-    const __half *values = cache + (((long long)layer * 2 + 1) * KVH + kvh) * C * D;  // [C, D]
-    for (int i = threadIdx.x; i < D; i += blockDim.x) sq[i] = q[((long long)r * Q + h) * D + i];
-    __syncthreads();
-    float m = -INFINITY, l = 0.0f, acc[ATT_DMAX];
+// ---- the MoE combine of row r fused with the next RMSNorm: x[r] += sum_k wts[r,k] *
+// Y[r*K + k] (+ sigmoid(gate[r]) * S[r] with a shared expert), then out[r] (+ q, d) = the
+// RMSNorm of the new x[r] with weight nw (the next layer's attention norm). Sums in the order
+// of moe_combine. is_one_pass_norm(H) only. grid R, block NORM_THREADS ----------------------
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+combine_norm(float *__restrict__ x, const float *__restrict__ Y, const float *__restrict__ wts,
+             int K, int H, const float *__restrict__ S, const float *__restrict__ gate_logit,
+             const float *__restrict__ nw, float eps, float *__restrict__ out,
+             int8_t *__restrict__ q, float *__restrict__ d) {
+    __shared__ float scratch[32];
+    const int r = blockIdx.x;
+    float *xr = x + (long long)r * H;  // [H]
+    const float g = S != nullptr ? 1.0f / (1.0f + expf(-gate_logit[r])) : 0.0f;
+    float4 v[NORM_VEC];
+    float ss = 0.0f;
 #pragma unroll
-    for (int i = 0; i < ATT_DMAX; i++) acc[i] = 0.0f;
-    for (int c0 = warp * 32; c0 <= last; c0 += ATT_WARPS * 32) {
-        const int c = c0 + lane;
-        float s = -INFINITY;
-        if (c <= last) {
-            const uint4 *kc = reinterpret_cast<const uint4 *>(keys + (long long)c * D);  // [D/8]
-            float dot = 0.0f;
-#pragma unroll 4
-            for (int i = 0; i < (D >> 3); i++) {
-                const uint4 raw = kc[i];
-                const __half2 *hp = reinterpret_cast<const __half2 *>(&raw);
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float2 f = __half22float2(hp[j]);
-                    dot = fmaf(sq[8 * i + 2 * j], f.x, dot);
-                    dot = fmaf(sq[8 * i + 2 * j + 1], f.y, dot);
-                }
+    for (int i = 0; i < NORM_VEC; i++) {
+        const int c = 4 * (threadIdx.x + NORM_THREADS * i);
+        v[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (c < H) {
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int k = 0; k < K; k++) {
+                const float wk = wts[r * K + k];
+                const float4 y =
+                    *reinterpret_cast<const float4 *>(Y + ((long long)r * K + k) * H + c);
+                acc = make_float4(fmaf(wk, y.x, acc.x), fmaf(wk, y.y, acc.y),
+                                  fmaf(wk, y.z, acc.z), fmaf(wk, y.w, acc.w));
             }
-            s = dot * scale;
-        }
-        const float m_new = fmaxf(m, warp_max(s));
-        const float corr = expf(m - m_new);
-        const float p = c <= last ? expf(s - m_new) : 0.0f;
-        l = l * corr + warp_sum(p);
-#pragma unroll
-        for (int i = 0; i < ATT_DMAX; i++) acc[i] *= corr;
-        const int num_cells = min(32, last - c0 + 1);
-#pragma unroll 8
-        for (int j = 0; j < num_cells; j++) {
-            const float pj = __shfl_sync(0xffffffffu, p, j);
-            const __half *vc = values + (long long)(c0 + j) * D;
-#pragma unroll
-            for (int i = 0; i < ATT_DMAX; i++) {
-                const int e = lane + 32 * i;
-                if (e < D) acc[i] = fmaf(pj, __half2float(vc[e]), acc[i]);
+            if (S != nullptr) {
+                const float4 s = *reinterpret_cast<const float4 *>(S + (long long)r * H + c);
+                acc = make_float4(fmaf(g, s.x, acc.x), fmaf(g, s.y, acc.y), fmaf(g, s.z, acc.z),
+                                  fmaf(g, s.w, acc.w));
             }
-        }
-        m = m_new;
-    }
-    if (lane == 0) {
-        sm[warp] = m;
-        sl[warp] = l;
-    }
-#pragma unroll
-    for (int i = 0; i < ATT_DMAX; i++) sacc[warp][lane + 32 * i] = acc[i];
-    __syncthreads();
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < ATT_WARPS; w++) mx = fmaxf(mx, sm[w]);
-    float total = 0.0f, wf[ATT_WARPS];
-#pragma unroll
-    for (int w = 0; w < ATT_WARPS; w++) {
-        wf[w] = sm[w] == -INFINITY ? 0.0f : expf(sm[w] - mx);
-        total += sl[w] * wf[w];
-    }
-    // warp w writes dims [32b, 32b + 32) for b = w, w + ATT_WARPS, ...
-    for (int b = warp; b < ((D + 31) >> 5); b += ATT_WARPS) {
-        const int e = 32 * b + lane;
-        float o = 0.0f;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; w++) o += (e < D ? sacc[w][e] : 0.0f) * wf[w];
-        o = o / total;
-        const long long at = ((long long)r * Q + h) * D + e;
-        if (e < D) out[at] = o;
-        if (outq != nullptr) {  // D % 32 == 0: this warp's 32 dims are one quantisation block
-            const float amax = warp_max(fabsf(o));
-            const float dd = amax / 127.0f;
-            const float id = dd > 0.0f ? 1.0f / dd : 0.0f;
-            outq[at] = (int8_t)__float2int_rn(o * id);
-            if (lane == 0) outd[at >> 5] = dd;
+            const float4 x4 = *reinterpret_cast<const float4 *>(xr + c);
+            v[i] = make_float4(x4.x + acc.x, x4.y + acc.y, x4.z + acc.z, x4.w + acc.w);
+            *reinterpret_cast<float4 *>(xr + c) = v[i];
+            ss = fmaf(v[i].x, v[i].x, fmaf(v[i].y, v[i].y, fmaf(v[i].z, v[i].z,
+                                                                fmaf(v[i].w, v[i].w, ss))));
         }
     }
-}
-
-// ---- router: softmax over E logits, top-K (largest first, ties to the lowest id), weights
-// renormalised when norm != 0. grid R, block 32, shared E floats --------------------------
-extern "C" __global__ void router_topk(const float *__restrict__ logits, int E, int K, int norm,
-                                       int *__restrict__ ids, float *__restrict__ weights) {
-    extern __shared__ float probs[];  // [E]
-    const int r = blockIdx.x, lane = threadIdx.x;
-    const float *x = logits + (long long)r * E;
-    float mx = -INFINITY;
-    for (int e = lane; e < E; e += WARP) mx = fmaxf(mx, x[e]);
-    mx = warp_max(mx);
-    float sum = 0.0f;
-    for (int e = lane; e < E; e += WARP) {
-        const float p = expf(x[e] - mx);
-        probs[e] = p;
-        sum += p;
-    }
-    sum = warp_sum(sum);
-    for (int e = lane; e < E; e += WARP) probs[e] = probs[e] / sum;
-    __syncwarp();
-    float picked_sum = 0.0f;
-    for (int k = 0; k < K; k++) {
-        float best = -1.0f;
-        int best_id = 0x7fffffff;
-        for (int e = lane; e < E; e += WARP) {
-            const float p = probs[e];
-            if (p > best) { best = p; best_id = e; }  // ascending e: ties keep the lowest
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
-            if (ob > best || (ob == best && oi < best_id)) { best = ob; best_id = oi; }
-        }
-        if (lane == 0) {
-            ids[r * K + k] = best_id;
-            weights[r * K + k] = best;
-            probs[best_id] = -2.0f;  // taken
-        }
-        picked_sum += best;
-        __syncwarp();
-    }
-    if (norm && lane == 0) {
-        for (int k = 0; k < K; k++) weights[r * K + k] = weights[r * K + k] / picked_sum;
-    }
-}
-
-// ---- the (row, k) pairs grouped by expert, experts ascending, pairs in row order within one:
-// groups [G, 3] = (expert, first, count), *num_groups = G, act_rows[j] = the pair's row,
-// out_rows[j] = the pair's index r*K + k. grid 1, block 256, shared 2*E ints -------------
-extern "C" __global__ void group_pairs(const int *__restrict__ ids, int P, int K, int E,
-                                       int *__restrict__ groups, int *__restrict__ num_groups,
-                                       int *__restrict__ act_rows, int *__restrict__ out_rows) {
-    extern __shared__ int shm[];
-    int *count = shm, *first = shm + E;  // [E] each
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int n = 0;
-        for (int p = 0; p < P; p++) n += __ldg(ids + p) == e;
-        count[e] = n;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int g = 0, at = 0;
-        for (int e = 0; e < E; e++) {
-            first[e] = at;
-            if (count[e] > 0) {
-                groups[3 * g] = e;
-                groups[3 * g + 1] = at;
-                groups[3 * g + 2] = count[e];
-                g++;
-                at += count[e];
-            }
-        }
-        *num_groups = g;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        if (count[e] == 0) continue;
-        int j = first[e];
-        for (int p = 0; p < P; p++) {
-            if (__ldg(ids + p) == e) {
-                act_rows[j] = p / K;
-                out_rows[j] = p;
-                j++;
-            }
-        }
-    }
+    if (nw == nullptr) return;
+    ss = block_sum(ss, scratch);
+    norm_store(v, ss, H, nw, eps, out + (long long)r * H, q ? q + (long long)r * H : nullptr,
+               q ? d + (long long)r * (H >> 5) : nullptr);
 }
 
 // ---- x[r] += sum_k w[r,k] * Y[r*K + k] (+ sigmoid(gate[r]) * S[r] for a shared expert) -----

@@ -35,7 +35,7 @@ class LogitReader:
         rt, V = self._rt, self._vocab
         self._bufs = {
             "scratch": rt.alloc(4 * V),           # [V] the penalised row
-            "req": rt.alloc(4 * 5), "temp": rt.alloc(4),
+            "req": rt.alloc(4 * 5), "temp": rt.alloc(8),
             "ids": rt.alloc(4 * CAND_MAX), "x": rt.alloc(4 * CAND_MAX),
             "mass": rt.alloc(8), "nan": rt.alloc(4),
         }
@@ -71,7 +71,7 @@ class LogitReader:
                 drv.memcpy_htod(b[name], np.ascontiguousarray(values))
             drv.memcpy_htod(b["req"], np.array([row, num, 0, num_pen, int(want_mass)],
                                                dtype=np.int32))
-            drv.memcpy_htod(b["temp"], np.array([temperature], dtype=np.float32))
+            drv.memcpy_htod(b["temp"], np.array([temperature], dtype=np.float64))
             rt.kernel("logit_candidates").prepare(
                 (1,), (1024,), "PiiPPPPPPPPPP",
                 [self._logits_ptr(), self._vocab, min(num_valid, self._vocab), int(b["req"]),

@@ -12,6 +12,7 @@
 #define TR 4            // activation rows per tile: each decoded weight group serves TR rows
 #define MM_WARPS 4      // warps per block
 #define NR 4            // outputs n per warp: each activation load serves NR weight rows
+#define MM_GROUP_UNROLL 2  // 16-column groups decoded together per lane (store / add modes)
 
 #define MODE_STORE 0    // Y = dot (+ bias[n])
 #define MODE_ADD 1      // Y += dot (the residual stream)
@@ -96,7 +97,10 @@ __device__ __forceinline__ void mm_body(
                 }
             }
         } else {
-#pragma unroll 2
+            // groups of several iterations decoded together: more loads in flight per lane
+            // (a decode row is latency-bound); gate/up holds twice the registers per group
+            constexpr int group_unroll = MODE == MODE_GATEUP ? 2 : MM_GROUP_UNROLL;
+#pragma unroll group_unroll
             for (int gi = lane; gi < num_groups16; gi += WARP) {
                 int v[NR][4], v2[NR][4];
                 float a[NR], b[NR], a2[NR], b2[NR];

@@ -1,6 +1,7 @@
 """CudaModel: the CPU model's interface (new_kv, forward, forward_window, spec) with every
 layer on one GPU. A window uploads one descriptor and runs its shape's plan: decode-sized
-windows replay a captured CUDA graph, larger ones run the prepared launch list.
+windows replay a captured CUDA graph, larger ones run the prepared launch list. With
+`experts_resident=False` the routed experts stay in host RAM behind a VRAM cache (offload.py).
 """
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from collections import OrderedDict
 import numpy as np
 
 from strata.backends.cuda.kv import CudaKV
+from strata.backends.cuda.logits import DeviceLogits, LogitReader
 from strata.backends.cuda.plan import WindowPlan, Workspace
 from strata.backends.cuda.runtime import Runtime
+from strata.backends.cuda.device_tier import DeviceTier
 from strata.backends.cuda.weights import (DeviceLayer, DeviceMatrix, DeviceVector, small_values,
                                           weight_bytes)
 from strata.backends.window import Window
@@ -35,22 +38,38 @@ class _GateRow:
 
 class CudaModel:
     """Runs a GGUF MoE model on one GPU. `forward_window` takes the next rows of several
-    sequences (KVs made by `new_kv`) in one pass; `forward` the next tokens of one sequence."""
+    sequences (KVs made by `new_kv`) in one pass; `forward` the next tokens of one sequence.
 
-    def __init__(self, gguf_model: GGUFModel, device: int | None = None):
+    `experts_resident=False`: only the dense part goes to VRAM; the routed experts are read
+    through device tables (`expert_tables`, uint64 [L, 3, E]) that an expert arena fills
+    (`new_expert_arena`, called by the engine's ExpertTier) before the first window."""
+
+    reads_expert_pointers = False  # the tier's arena keeps the expert tables on the device
+
+    def __init__(self, gguf_model: GGUFModel, device: int | None = None,
+                 experts_resident: bool = True):
         self.gguf = gguf_model
         self.spec = spec = gguf_model.spec
         self.runtime = rt = Runtime(device)
-        need = weight_bytes(gguf_model)
+        self.experts_resident = experts_resident
+        need = weight_bytes(gguf_model, routed_experts=experts_resident)
         free, total = rt.free_bytes()
         if need + _VRAM_RESERVE_BYTES > free:
+            what = "the model's tensors need" if experts_resident else (
+                "the model's dense part (everything but the routed experts) needs")
             raise ConfigError(
-                f"the model's tensors need {need / 2**30:.2f} GiB of VRAM (+ "
+                f"{what} {need / 2**30:.2f} GiB of VRAM (+ "
                 f"{_VRAM_RESERVE_BYTES >> 20} MiB for work buffers) but {rt.name} has "
                 f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; use a smaller "
                 "quantisation, free the GPU, or run with --device cpu")
+        self.expert_tables, self.expert_tables_ptr = None, 0
+        if not experts_resident:
+            self.expert_tables = rt.alloc(8 * 3 * spec.n_layers * spec.n_experts)
+            self.expert_tables_ptr = int(self.expert_tables)
+        self.expert_arena = None  # set by new_expert_arena
         self.embd = DeviceMatrix(rt, gguf_model.tensor("token_embd.weight"))
-        self.layers = [DeviceLayer(rt, gguf_model, spec, i) for i in range(spec.n_layers)]
+        self.layers = [DeviceLayer(rt, gguf_model, spec, i, self.expert_tables_ptr)
+                       for i in range(spec.n_layers)]
         self.out_norm = DeviceVector(rt, small_values(gguf_model.tensor("output_norm.weight")))
         head = "token_embd.weight" if spec.tied_output else "output.weight"
         self.head = self.embd if spec.tied_output else DeviceMatrix(rt, gguf_model.tensor(head))
@@ -75,19 +94,51 @@ class CudaModel:
         self._ws: Workspace | None = None
         self._plans: OrderedDict[tuple[int, int], WindowPlan] = OrderedDict()
         self.use_graphs = True
+        # a pass's logits stay on the device until the next pass (forward_window_lazy)
+        self.logit_reader = LogitReader(rt, lambda: self._ws.ptr("logits"), spec.vocab)
+        # routing counts (+ the CPU pool's hand-off) on the device; always with offloaded experts
+        self.tier: DeviceTier | None = None
+        if not experts_resident:
+            with rt.active():
+                self.tier = DeviceTier(self)
+
+    # ---- the expert tier ----------------------------------------------------------------------
+    def new_expert_arena(self, store, config):
+        """The VRAM expert cache over `store` for `config` (--expert-cache, --vram-budget); it
+        points every expert's table entries at its slot or its pinned host copy."""
+        if self.experts_resident:
+            raise ConfigError("this CUDA model holds every expert in VRAM; build it with "
+                              "experts_resident=False for an expert cache")
+        from strata.backends.cuda.offload import build_vram_arena
+
+        self.expert_arena = build_vram_arena(self, store, config)
+        return self.expert_arena
+
+    def enable_routing_counts(self) -> None:
+        """Gather routing counts on the device from now on (one more launch per layer)."""
+        if self.tier is None:
+            with self.runtime.active():
+                self.tier = DeviceTier(self)
+            self.drop_plans()
+
+    def drop_plans(self) -> None:
+        """Forget the prepared plans (their launches change, e.g. a CPU pool was attached)."""
+        self._plans.clear()
 
     # ---- KV ---------------------------------------------------------------------------------
     def new_kv(self, capacity_tokens: int, dtype=None) -> CudaKV:
-        """An empty device KV cache for one sequence (fp16 cells)."""
-        if dtype is not None and np.dtype(dtype) != np.float16:
-            raise ConfigError(f"the CUDA backend keeps KV cells in float16, not "
-                              f"{np.dtype(dtype).name}; leave dtype unset")
+        """An empty device KV cache for one sequence: fp16 cells (dtype None or float16), or
+        int8 cells with a scale per (token, head) (dtype int8)."""
+        if dtype is not None and np.dtype(dtype) not in (np.float16, np.int8):
+            raise ConfigError(f"the CUDA backend keeps KV cells as float16 or int8, not "
+                              f"{np.dtype(dtype).name}; pass one of those or leave dtype unset")
         if capacity_tokens > self.spec.context_length:
             raise ConfigError(
                 f"context of {capacity_tokens} tokens exceeds the model's "
                 f"{self.spec.context_length}; ask for at most {self.spec.context_length}")
         with self.runtime.active():
-            return CudaKV(self.runtime, self.spec, capacity_tokens)
+            return CudaKV(self.runtime, self.spec, capacity_tokens,
+                          np.float16 if dtype is None else dtype)
 
     # ---- plans --------------------------------------------------------------------------------
     def _plan(self, num_rows: int, num_logit_rows: int) -> WindowPlan:
@@ -117,28 +168,47 @@ class CudaModel:
         window = Window.build([(kv, tokens)], logits="all" if all_logits else "last")
         return self.forward_window(window)
 
-    def forward_window(self, window: Window) -> np.ndarray:
+    def forward_window(self, window: Window, expert_pointers=None,
+                       routing_counts: np.ndarray | None = None) -> np.ndarray:
         """One pass over the rows of `window`; returns the logits [N, V] of its logit rows as
-        float32 (`window.logits_of(logits, slot)` picks a slot's)."""
-        return self._run(window, want_logits=True)
+        float32 (`window.logits_of(logits, slot)` picks a slot's). `routing_counts` [L, E]
+        int64, when given, gets the rows routed to each (layer, expert) added to it.
+        `expert_pointers` is the CPU backend's (host pointers): the CUDA model takes None."""
+        return self._run(window, want_logits=True, expert_pointers=expert_pointers,
+                         routing_counts=routing_counts)
 
-    def forward_window_greedy(self, window: Window) -> np.ndarray:
+    def forward_window_greedy(self, window: Window, expert_pointers=None,
+                              routing_counts: np.ndarray | None = None) -> np.ndarray:
         """As forward_window, but returns only the greedy token [N] of each logit row (argmax
         on the device: no logits cross PCIe)."""
-        return self._run(window, want_logits=False)
+        return self._run(window, want_logits=False, expert_pointers=expert_pointers,
+                         routing_counts=routing_counts)
+
+    def forward_window_lazy(self, window: Window, expert_pointers=None,
+                            routing_counts: np.ndarray | None = None) -> DeviceLogits:
+        """As forward_window, but the logits [N, V] stay on the device until the next pass:
+        the sampler takes each row's best candidates from there (backends/cuda/logits.py) and
+        `np.asarray` copies them when wanted."""
+        return self._run(window, want_logits=False, expert_pointers=expert_pointers,
+                         routing_counts=routing_counts, lazy=True)
 
     def profile_window(self, window: Window) -> dict[str, float]:
         """Run `window` launch by launch with CUDA events between them; returns the device
         milliseconds per kernel name (summed over its launches). The KVs are not committed."""
         rt = self.runtime
+        self.logit_reader.generation += 1  # the pass overwrites the logits on the device
         with rt.active():
             plan = self._prepare(window)
+            if self.tier is not None:
+                self.tier.before_run(window.num_rows)  # a CPU pool serves this window too
             events = [rt.drv.Event() for _ in range(len(plan.launches) + 1)]
             events[0].record(rt.stream)
             for i in range(len(plan.launches)):
                 plan.launches.launch_one(i, rt.stream_handle)
                 events[i + 1].record(rt.stream)
             rt.stream.synchronize()
+            if self.tier is not None:
+                self.tier.finish(None)
         times: dict[str, float] = {}
         for i, name in enumerate(plan.launches.names()):
             times[name] = times.get(name, 0.0) + events[i].time_till(events[i + 1])
@@ -168,18 +238,43 @@ class CudaModel:
         self.runtime.drv.memcpy_htod_async(ws.ptr("desc"), ws.host_desc, self.runtime.stream)
         return plan
 
-    def _run(self, window: Window, want_logits: bool) -> np.ndarray:
+    def _run(self, window: Window, want_logits: bool, expert_pointers=None,
+             routing_counts: np.ndarray | None = None, lazy: bool = False):
+        if expert_pointers is not None:
+            raise ValueError("the CUDA model reads experts through its device tables; pass "
+                             "expert_pointers=None (an expert cache is an arena on the device)")
+        if not self.experts_resident and self.expert_arena is None:
+            raise ConfigError("this CUDA model keeps its experts in host RAM and has no expert "
+                              "arena yet; build one with new_expert_arena (the engine does)")
+        L, E = self.spec.n_layers, self.spec.n_experts
+        if routing_counts is not None:
+            if (not isinstance(routing_counts, np.ndarray) or routing_counts.dtype != np.int64
+                    or routing_counts.shape != (L, E)):
+                raise ValueError(f"routing_counts must be an int64 array of shape {(L, E)}")
+            self.enable_routing_counts()
         R, N, rt = window.num_rows, window.num_logit_rows, self.runtime
+        tier = self.tier
+        self.logit_reader.generation += 1  # the pass overwrites the logits on the device
         with rt.active():
             plan = self._prepare(window)
             ws = self._ws
+            if tier is not None:
+                tier.before_run(R)
             plan.run(rt.stream_handle, self.use_graphs and R <= GRAPH_MAX_ROWS)
-            if want_logits:
+            if tier is not None:
+                tier.after_run()
+            if lazy:
+                out = None
+            elif want_logits:
                 out = ws.host_logits[:max(N, 1)]  # [N, V]
                 rt.drv.memcpy_dtoh_async(out, ws.ptr("logits"), rt.stream)
             else:
                 out = ws.host_argmax[:max(N, 1)]  # [N]
                 rt.drv.memcpy_dtoh_async(out, ws.ptr("argmax"), rt.stream)
             rt.stream.synchronize()
+            if tier is not None:
+                tier.finish(routing_counts)
         window.commit()
+        if lazy:
+            return DeviceLogits(self.logit_reader, 0, N, self.logit_reader.generation)
         return np.array(out[:N])

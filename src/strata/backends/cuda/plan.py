@@ -17,6 +17,51 @@ from strata.model.arch import ModelSpec
 
 MM_FMT = "PPPPqiiPPPPPPPPPi"
 MM_ROWS = 16  # outputs per block of the product kernels (MM_WARPS * NR in matmul.cu)
+# the kernels' constants: ATT_SPLITS in attention.cu, ROUTER_WARPS, ROUTER_RT and GROUP_CHUNK
+# in router.cu
+ATT_SPLITS, ROUTER_WARPS, ROUTER_RT, GROUP_CHUNK = 4, 4, 8, 1024
+NORM_MAX_HIDDEN = 8192  # combine_norm / one-pass RMSNorm: hidden % 4 == 0 and at most this
+# Windows of at least MMQ_MIN_ROWS rows (or logit rows, for the head) take mmq.cu's tiled
+# products: int8 tensor cores for these weight types, a shared-memory tiled float kernel for
+# dense float ones; smaller (decode) windows keep matmul.cu's dp4a warps. A row's result depends
+# only on which family ran it, never on its window's other rows. Crossover measured on the H200
+# (qwen3-30b-a3b Q4_0, tools/bench_mmq.py): dp4a 6% faster at 16 rows, mmq 17% faster at 24.
+MMQ_MIN_ROWS = 20
+MMQ_TYPES = ("q4_0", "q8_0")
+# mmq.cu's block tiles: 64 weight rows (outputs; gate/up: 32 of each) x 64 or 32 activation rows
+MMQ_OUTPUTS = 64
+# Dense products take 64-row tiles when that still makes this many blocks (the H200 has 132
+# multiprocessors), else 32-row ones; grouped experts always take 32. At 512 rows: q/k/v (640
+# blocks) 4.1 ms with 64-row tiles vs 6.5 with 32, the output projection (256) 5.6 vs 5.2.
+MMQ_MIN_BLOCKS_64 = 512
+MMF_TILE = 32  # outputs and rows per block of mmq.cu's float kernel
+
+
+def _dense_tile_rows(num_out_tiles: int, num_rows: int) -> int:
+    return 64 if num_out_tiles * ((num_rows + 63) // 64) >= MMQ_MIN_BLOCKS_64 else 32
+
+
+def _mmq_kernel(mode: str, w, w2, grouped: bool, num_rows: int, num_pairs: int = 0,
+                max_groups: int = 1):
+    """(kernel name, grid, block) of mmq.cu for this product over a window of num_rows rows
+    (grouped: num_pairs (row, expert) pairs in at most max_groups groups), or None when
+    matmul.cu's kernels should run it."""
+    if num_rows < MMQ_MIN_ROWS:
+        return None
+    if w.suffix in MMQ_TYPES and (w2 is None or w2.suffix == w.suffix):
+        outputs = MMQ_OUTPUTS // 2 if mode == "gateup" else MMQ_OUTPUTS
+        num_out_tiles = (w.rows + outputs - 1) // outputs
+        if grouped:  # tile slots: the most tiles of 32 rows the groups can need
+            tile_rows, slots = 32, (num_pairs + 31) // 32 + max_groups
+        else:
+            tile_rows = _dense_tile_rows(num_out_tiles, num_rows)
+            slots = (num_rows + tile_rows - 1) // tile_rows
+        return f"mmq{tile_rows}_{mode}_{w.suffix}", (num_out_tiles, slots), (128,)
+    if w.is_float and not grouped and mode != "gateup":
+        return (f"mmf_{mode}_{w.suffix}",
+                ((w.rows + MMF_TILE - 1) // MMF_TILE, 1, (num_rows + MMF_TILE - 1) // MMF_TILE),
+                (256,))
+    return None
 
 
 class Workspace:
@@ -49,6 +94,11 @@ class Workspace:
             "so": f4 * R * H, "sl": f4 * R,   # shared expert output [R, H], gate logit [R]
             "logits": f4 * R * V,             # [N <= R, V]
             "argmax": i4 * R,
+            # attention partials per split [R, Q, ATT_SPLITS, 2 + D] (m, l, acc[D])
+            "att_part": f4 * R * spec.n_heads * ATT_SPLITS * (2 + spec.head_dim),
+            # last-block counters, zero between launches: attention [R*Q], router [1 + tiles]
+            "att_counts": i4 * R * spec.n_heads,
+            "router_counts": i4 * (2 + (R + ROUTER_RT - 1) // ROUTER_RT),
         }
         self.offsets: dict[str, int] = {}
         total = 0
@@ -58,6 +108,8 @@ class Workspace:
         self.nbytes = total
         self._buf = runtime.alloc(total)
         self.base = int(self._buf)
+        for name in ("att_counts", "router_counts"):  # the kernels leave them zero again
+            runtime.drv.memset_d32(self.ptr(name), 0, sizes[name] // 4)
         self.host_desc = runtime.pinned(sizes["desc"], np.uint8)
         self.host_kv = self.host_desc[:8 * R].view(np.uint64)  # [R]
         ints = self.host_desc[8 * R:].view(np.int32)
@@ -115,8 +167,14 @@ class WindowPlan:
         else:
             groups = static + (12 if logit_rows else 0)
             num_groups, max_groups = static + 24, 1
-        self._add(f"mm_{mode}_{w.suffix}", ((w.rows + MM_ROWS - 1) // MM_ROWS, max_groups),
-                  (128,), MM_FMT,
+        kernel, grid, block = f"mm_{mode}_{w.suffix}", ((w.rows + MM_ROWS - 1) // MM_ROWS,
+                                                        max_groups), (128,)
+        tiled = _mmq_kernel(mode, w, w2, grouped,
+                            self.num_logit_rows if logit_rows else self.num_rows,
+                            self.num_rows * self._model.spec.n_experts_used, max_groups)
+        if tiled is not None:
+            kernel, grid, block = tiled
+        self._add(kernel, grid, block, MM_FMT,
                   [w.ptr, w2.ptr if w2 is not None else 0, w.table_ptr if grouped else 0,
                    w2.table_ptr if grouped and w2 is not None else 0, w.row_bytes, w.rows, w.cols, xf, xq, xd, groups, num_groups,
                    ws.ptr("act_rows") if act_rows else 0, ws.ptr("out_rows") if out_rows else 0,
@@ -124,15 +182,23 @@ class WindowPlan:
 
     def _qkv(self, ly) -> None:
         """The q, k, v projections: one launch when the three share a type, else three."""
-        if not ly.wq.qtype == ly.wk.qtype == ly.wv.qtype:
+        tiled = _mmq_kernel("store", ly.wq, None, False, self.num_rows)
+        if not ly.wq.qtype == ly.wk.qtype == ly.wv.qtype or (tiled and ly.wq.is_float):
             self._mm("store", ly.wq, "hf", "qb", bias=ly.bq)
             self._mm("store", ly.wk, "hf", "kb", bias=ly.bk)
             self._mm("store", ly.wv, "hf", "vb", bias=ly.bv)
             return
         ws, static = self._ws, int(self._static)
         num_blocks = sum((w.rows + MM_ROWS - 1) // MM_ROWS for w in (ly.wq, ly.wk, ly.wv))
+        kernel, grid = f"mm_qkv_{ly.wq.suffix}", (num_blocks, 1)
+        if tiled is not None:  # q, k and v output tiles along x, row tiles along y
+            num_blocks = sum((w.rows + MMQ_OUTPUTS - 1) // MMQ_OUTPUTS
+                             for w in (ly.wq, ly.wk, ly.wv))
+            tile_rows = _dense_tile_rows(num_blocks, self.num_rows)
+            kernel = f"mmq{tile_rows}_qkv_{ly.wq.suffix}"
+            grid = (num_blocks, (self.num_rows + tile_rows - 1) // tile_rows)
         biases = [b.ptr if b is not None else 0 for b in (ly.bq, ly.bk, ly.bv)]
-        self._add(f"mm_qkv_{ly.wq.suffix}", (num_blocks, 1), (128,), "PPPqiiiPPPPPPPPPPP",
+        self._add(kernel, grid, (128,), "PPPqiiiPPPPPPPPPPP",
                   [ly.wq.ptr, ly.wk.ptr, ly.wv.ptr, ly.wq.row_bytes, ly.wq.rows, ly.wk.rows,
                    ly.wq.cols, ws.ptr("hf"), ws.ptr("hq"), ws.ptr("hd"), static, static + 24,
                    *biases, ws.ptr("qb"), ws.ptr("kb"), ws.ptr("vb")])
@@ -144,43 +210,65 @@ class WindowPlan:
                    ws.desc("logit_rows") if gather else 0, ws.ptr("hf"),
                    ws.ptr("hq") if quantize else 0, ws.ptr("hd") if quantize else 0])
 
+    def _router(self, ly) -> None:
+        """Router logits, softmax + top-k and the pairs grouped by expert: one launch for a
+        float router over a window that matmul.cu would run (a decode window), else the
+        product followed by router_topk and group_pairs."""
+        ws, spec, R = self._ws, self._model.spec, self.num_rows
+        E, K, H = spec.n_experts, spec.n_experts_used, spec.hidden
+        group_shared_bytes = 4 * (2 * E + GROUP_CHUNK)
+        outs = [ws.ptr(n) for n in ("router", "ids", "wts", "groups", "num_groups", "act_rows",
+                                    "out_rows")]
+        w = ly.router
+        if w.is_float and H % 4 == 0 and _mmq_kernel("store", w, None, False, R) is None:
+            grid = ((E + ROUTER_WARPS - 1) // ROUTER_WARPS, (R + ROUTER_RT - 1) // ROUTER_RT)
+            self._add(f"router_{w.suffix}", grid, (32 * ROUTER_WARPS,), "PqiiPiiiPPPPPPPP",
+                      [w.ptr, w.row_bytes, E, H, ws.ptr("hf"), R, K, int(spec.norm_topk),
+                       *outs, ws.ptr("router_counts")],
+                      shared_bytes=4 * ROUTER_WARPS * E + group_shared_bytes)
+            return
+        self._mm("store", w, "hf", "router")  # [R, E] logits
+        self._add("router_topk", (R,), (32,), "PiiiPP",
+                  [outs[0], E, K, int(spec.norm_topk), outs[1], outs[2]], shared_bytes=4 * E)
+        self._add("group_pairs", (1,), (256,), "PiiiPPPP", [outs[1], R * K, K, E, *outs[3:]],
+                  shared_bytes=group_shared_bytes)
+
     # ---- the pass -------------------------------------------------------------------------
     def _build(self) -> None:
         m, ws, spec = self._model, self._ws, self._model.spec
         R, N = self.num_rows, self.num_logit_rows
         H, Q, KVH, D = spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim
         E, K, F = spec.n_experts, spec.n_experts_used, spec.expert_ffn
-        P = R * K
+        P, L = R * K, spec.n_layers
         emb = m.embd
         self._add(f"embed_{emb.suffix}", (R,), (256,), "PqiPP",
                   [emb.ptr, emb.row_bytes, H, ws.desc("tokens"), ws.ptr("x")])
+        is_normed = False  # the previous layer's combine_norm already wrote hf (+ hq, hd)
         for li, ly in enumerate(m.layers):
             # -- attention
-            self._norm(ly.attn_norm.ptr, R, quantize=m.quantize_h)
+            if not is_normed:
+                self._norm(ly.attn_norm.ptr, R, quantize=m.quantize_h)
             self._qkv(ly)  # qb [R, Q*D], kb [R, KVH*D], vb [R, KVH*D]
-            self._add("qk_rope_append", (R, Q + 2 * KVH), (32,), "PPPPPPfPPPiiii",
+            self._add("qk_rope_append", (R, Q + 2 * KVH), (32,), "PPPPPPfPPPiiiii",
                       [ws.ptr("qb"), ws.ptr("kb"), ws.ptr("vb"),
                        ly.q_norm.ptr if ly.q_norm else 0, ly.k_norm.ptr if ly.k_norm else 0,
                        m.inv_freq.ptr, m.eps, ws.desc("kv"), ws.desc("pos"), ws.desc("cap"),
-                       li, Q, KVH, D])
+                       li, L, Q, KVH, D])
             # hf [R, Q*D]; its 8-bit form in the same kernel when heads are whole blocks of 32
             fuse_q = not ly.wo.is_float and D % 32 == 0
-            self._add("attention", (R, Q), (128,), "PPPPPPPiiiif",
+            self._add("attention", (R, Q, ATT_SPLITS), (128,), "PPPPPPPiiiiifPP",
                       [ws.ptr("qb"), ws.ptr("hf"), ws.ptr("hq") if fuse_q else 0,
                        ws.ptr("hd") if fuse_q else 0, ws.desc("kv"), ws.desc("pos"),
-                       ws.desc("cap"), li, Q, KVH, D, m.attn_scale])
+                       ws.desc("cap"), li, L, Q, KVH, D, m.attn_scale, ws.ptr("att_part"),
+                       ws.ptr("att_counts")])
             if not ly.wo.is_float and not fuse_q:
                 self._quantize("hf", "hq", "hd", R * Q * D)
             self._mm("add", ly.wo, "hf", "x")  # x += attention [R, H]
             # -- the routed experts
             self._norm(ly.ffn_norm.ptr, R, quantize=m.quantize_h)
-            self._mm("store", ly.router, "hf", "router")  # [R, E] logits
-            self._add("router_topk", (R,), (32,), "PiiiPP",
-                      [ws.ptr("router"), E, K, int(spec.norm_topk), ws.ptr("ids"),
-                       ws.ptr("wts")], shared_bytes=4 * E)
-            self._add("group_pairs", (1,), (256,), "PiiiPPPP",
-                      [ws.ptr("ids"), P, K, E, ws.ptr("groups"), ws.ptr("num_groups"),
-                       ws.ptr("act_rows"), ws.ptr("out_rows")], shared_bytes=8 * E)
+            self._router(ly)  # router [R, E], ids / wts [R, K], the pairs grouped by expert
+            if m.tier is not None:  # counts [E] of this layer; CPU groups out, rows to the pool
+                m.tier.add_after_grouping(self, li)
             # gate/up + SiLU per distinct expert over its rows: hbuf [P (grouped order), F]
             self._mm("gateup", ly.gate_exps, "hf", "hbuf", w2=ly.up_exps, grouped=True,
                      act_rows=True)
@@ -197,8 +285,20 @@ class WindowPlan:
                 self._mm("store", ly.shexp_w_down, "sg", "so")  # [R, H]
                 self._mm("store", m.shexp_gate_rows[li], "hf", "sl")  # [R, 1]
                 shared = (ws.ptr("so"), ws.ptr("sl"))
-            self._add("moe_combine", ((R * H + 255) // 256,), (256,), "PPPiiiPP",
-                      [ws.ptr("x"), ws.ptr("ybuf"), ws.ptr("wts"), R, K, H, *shared])
+            is_pooled = m.tier is not None and m.tier.has_pool
+            is_normed = (li + 1 < len(m.layers) and H % 4 == 0 and H <= NORM_MAX_HIDDEN
+                         and not is_pooled)
+            if is_pooled:  # wait for the CPU pool; its y added, CPU pairs left out
+                m.tier.add_combine(self, li, shared)
+            elif is_normed:  # x += combine, then the next layer's attention norm, one launch
+                quantize = m.quantize_h
+                self._add("combine_norm", (R,), (256,), "PPPiiPPPfPPP",
+                          [ws.ptr("x"), ws.ptr("ybuf"), ws.ptr("wts"), K, H, *shared,
+                           m.layers[li + 1].attn_norm.ptr, m.eps, ws.ptr("hf"),
+                           ws.ptr("hq") if quantize else 0, ws.ptr("hd") if quantize else 0])
+            else:
+                self._add("moe_combine", ((R * H + 255) // 256,), (256,), "PPPiiiPP",
+                          [ws.ptr("x"), ws.ptr("ybuf"), ws.ptr("wts"), R, K, H, *shared])
         # -- the head over the N logit rows
         self._norm(m.out_norm.ptr, N, quantize=not m.head.is_float, gather=True)
         self._mm("store", m.head, "hf", "logits", logit_rows=True)  # [N, V]

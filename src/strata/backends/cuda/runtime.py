@@ -15,7 +15,8 @@ from strata._native import cuda_driver
 from strata.errors import ConfigError
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
-MODULES = ("matmul.cu", "layer.cu", "sample.cu")
+MODULES = ("matmul.cu", "mmq.cu", "layer.cu", "attention.cu", "router.cu", "sample.cu",
+           "offload.cu")
 _INSTALL_HINT = ("pip install 'strata[cuda]' (PyCUDA; it needs the CUDA toolkit's nvcc and an "
                  "NVIDIA driver), or run with --device cpu")
 _ALIGN_BYTES = 256
@@ -144,7 +145,10 @@ def _kernel_names(source: str) -> list[str]:
     names = re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+(\w+)\(',
                        source)
     for macro, prefixes in (("MM_KERNELS", ("mm_store_", "mm_add_", "mm_gateup_", "mm_qkv_")),
-                            ("EMBED_KERNEL", ("embed_",))):
+                            ("EMBED_KERNEL", ("embed_",)),
+                            ("MMQ_KERNELS", tuple(f"mmq{rows}_{kind}_" for rows in (64, 32)
+                                                  for kind in ("store", "add", "gateup", "qkv"))),
+                            ("MMF_KERNELS", ("mmf_store_", "mmf_add_"))):
         for type_name in re.findall(rf"^{macro}\((\w+),", source, flags=re.M):
             names += [p + type_name for p in prefixes]
     return [n for n in names if not n.startswith("__")]

@@ -18,14 +18,14 @@ __device__ __forceinline__ unsigned float_key(float f) {
 }
 
 // req [M, 5] int32: (logit row n, C, first penalty entry, penalty count, flags: 1 = want the
-// mass); temps [M] float32 (> 0; 1 for greedy requests); pen_ids [P] int32 (unique per request),
+// mass); temps [M] float64 (> 0; 1 for greedy requests; double as the host divides); pen_ids [P] int32 (unique per request),
 // pen_rep [P] float32 (the repetition factor for this id, 1 when none), pen_sub [P] float32
 // (subtracted after it). scratch [M, V] float32: the penalised rows. Outputs: out_ids [M,
 // CAND_MAX] int32, out_x [M, CAND_MAX] float32 (penalised logits, best first), out_mass [M]
 // double, out_nan [M] int32 (1 when the row holds a NaN). Grid M, block CAND_THREADS.
 extern "C" __global__ void __launch_bounds__(CAND_THREADS)
 logit_candidates(const float *__restrict__ logits, int V, int VV, const int *__restrict__ req,
-                 const float *__restrict__ temps, const int *__restrict__ pen_ids,
+                 const double *__restrict__ temps, const int *__restrict__ pen_ids,
                  const float *__restrict__ pen_rep, const float *__restrict__ pen_sub,
                  float *__restrict__ scratch, int *__restrict__ out_ids,
                  float *__restrict__ out_x, double *__restrict__ out_mass,
@@ -143,7 +143,7 @@ logit_candidates(const float *__restrict__ logits, int V, int VV, const int *__r
 
     // 5. the softmax mass over every valid id, in double (the host's float64 arithmetic)
     if (!want_mass) return;
-    const double t = (double)temps[m];
+    const double t = temps[m];
     const double zmax = (double)x[(int)(~(unsigned)(cand[0] & 0xffffffffull))] / t;
     double acc = 0.0;
     for (int v = tid; v < VV; v += CAND_THREADS) acc += exp((double)x[v] / t - zmax);

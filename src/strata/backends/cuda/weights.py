@@ -25,12 +25,14 @@ FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
 class DeviceMatrix:
     """A weight matrix on the device: rows [N, row_bytes] (or [E, N, row_bytes] for experts).
     Experts are also reached through `table_ptr`, a device table uint64 [E] of each expert's
-    first byte, which the grouped products read (an offload tier points entries elsewhere)."""
+    first byte, which the grouped products read. Routed experts left in host RAM
+    (`upload=False`, the offload tiers) have no device copy here: their table lives in the
+    model's `expert_tables` and points at VRAM slots or mapped host copies (offload.py)."""
 
     __slots__ = ("buf", "ptr", "qtype", "rows", "cols", "row_bytes", "expert_bytes", "name",
                  "table", "table_ptr")
 
-    def __init__(self, runtime, t: TensorInfo):
+    def __init__(self, runtime, t: TensorInfo, upload: bool = True, table_ptr: int = 0):
         if t.qtype not in TYPE_SUFFIX:
             raise ConfigError(f"tensor {t.name} has type {t.type_name}, which the CUDA kernels "
                               "do not read; use --device cpu or requantise the model")
@@ -40,6 +42,9 @@ class DeviceMatrix:
         self.cols = int(t.shape[-1])
         self.row_bytes = t.row_bytes
         self.expert_bytes = self.rows * self.row_bytes if len(t.shape) == 3 else 0
+        if not upload:
+            self.buf, self.ptr, self.table, self.table_ptr = None, 0, None, int(table_ptr)
+            return
         self.buf = runtime.upload(t.raw)
         self.ptr = int(self.buf)
         self.table, self.table_ptr = None, 0
@@ -79,7 +84,10 @@ def small_values(t: TensorInfo) -> np.ndarray:
 class DeviceLayer:
     """One decoder layer's device tensors (None where the architecture has none)."""
 
-    def __init__(self, runtime, model: GGUFModel, spec: ModelSpec, i: int):
+    def __init__(self, runtime, model: GGUFModel, spec: ModelSpec, i: int,
+                 expert_tables_ptr: int = 0):
+        """`expert_tables_ptr`: 0 uploads the routed experts; else the device address of the
+        offload tables uint64 [L, 3, E] whose rows this layer's gate/up/down read."""
         def t(name: str) -> TensorInfo:
             return model.tensor(f"blk.{i}.{name}")
 
@@ -102,9 +110,17 @@ class DeviceLayer:
         self.k_norm = vec("attn_k_norm.weight") if spec.has_qk_norm else None  # [D]
         self.ffn_norm = vec("ffn_norm.weight")  # [H]
         self.router = mat("ffn_gate_inp.weight")  # [E, H]
-        self.gate_exps = mat("ffn_gate_exps.weight")  # [E, F, H]
-        self.up_exps = mat("ffn_up_exps.weight")  # [E, F, H]
-        self.down_exps = mat("ffn_down_exps.weight")  # [E, H, F]
+        if expert_tables_ptr:  # [E] uint64 each, in the tables [L, 3, E]
+            row_bytes = 8 * spec.n_experts
+            at = expert_tables_ptr + 3 * i * row_bytes
+            self.gate_exps, self.up_exps, self.down_exps = (
+                DeviceMatrix(runtime, t(f"ffn_{p}_exps.weight"), upload=False,
+                             table_ptr=at + j * row_bytes)
+                for j, p in enumerate(("gate", "up", "down")))
+        else:
+            self.gate_exps = mat("ffn_gate_exps.weight")  # [E, F, H]
+            self.up_exps = mat("ffn_up_exps.weight")  # [E, F, H]
+            self.down_exps = mat("ffn_down_exps.weight")  # [E, H, F]
         if self.gate_exps.qtype != self.up_exps.qtype:
             raise ConfigError(
                 f"layer {i}: ffn_gate_exps is {self.gate_exps.suffix} but ffn_up_exps is "
@@ -120,6 +136,12 @@ class DeviceLayer:
                                   "in type; the fused gate/up kernel needs one type for both")
 
 
-def weight_bytes(model: GGUFModel) -> int:
-    """Bytes of every tensor the device will hold (the whole file's tensor data)."""
-    return sum(model.tensor(name).nbytes for name in model.tensor_names)
+def weight_bytes(model: GGUFModel, routed_experts: bool = True) -> int:
+    """Bytes of every tensor the device will hold: the whole file's tensor data, or without
+    the routed experts (`routed_experts=False`: the dense part, when experts stay in RAM)."""
+    return sum(model.tensor(name).nbytes for name in model.tensor_names
+               if routed_experts or not is_routed_expert(name))
+
+
+def is_routed_expert(name: str) -> bool:
+    return name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))

@@ -1,0 +1,96 @@
+"""The async tier's copies into VRAM expert slots on the arena's side stream, driven from the
+engine thread between windows, so copies land while the following windows run.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from strata.experts.arena import COPY_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from strata.backends.cuda.offload import VramExpertArena
+
+
+class StreamCopier:
+    """The async tier's copies on the arena's side stream, driven from the engine thread before
+    each window (`pump`): lands the loads whose copy event completed, claims the slots of new
+    loads (evictions published in one upload, event E_pub), enqueues their chunks behind E_pub.
+    `chunks_per_window` (None: all) spreads a load's chunks over several windows."""
+
+    def __init__(self, arena: VramExpertArena, on_landed, chunk_bytes: int = COPY_CHUNK_BYTES,
+                 chunks_per_window: int | None = None):
+        self.arena, self._on_landed = arena, on_landed
+        self.chunk_bytes, self.chunks_per_window = chunk_bytes, chunks_per_window
+        self._queued: list = []
+        self._flight: list[dict] = []  # {load, at, nbytes, event}
+
+    def start(self) -> None:
+        pass
+
+    @property
+    def is_busy(self) -> bool:
+        return bool(self._queued or self._flight)
+
+    def submit(self, loads) -> None:
+        self._queued.extend(loads)
+
+    def pump(self) -> None:
+        a, rt, drv = self.arena, self.arena._rt, self.arena._rt.drv
+        with rt.active():
+            changed = False
+            for f in list(self._flight):  # 1. land what has arrived
+                if f["event"] is not None and f["event"].query():
+                    load = f["load"]
+                    a.table.land(load.slot, load.layer, load.expert)
+                    a._point(load.layer, load.expert, load.slot)
+                    self._flight.remove(f)
+                    self._on_landed(load)
+                    changed = True
+            started = []
+            for load in self._queued:  # 2. claim the slots of new loads
+                ticket = a.table.begin_evict(load.slot)
+                if ticket.evicted is not None:
+                    a._point(*ticket.evicted, -1)
+                started.append({"load": load, "at": 0, "event": None,
+                                "nbytes": a._image_bytes(load.layer)})
+            self._queued = []
+            if changed or started:
+                published = a._publish()
+                if started:
+                    a.side_stream.wait_for_event(published)
+                self._flight += started
+            budget = self.chunks_per_window
+            for f in self._flight:  # 3. enqueue copies behind the published evictions
+                load = f["load"]
+                src = a.host.expert_bytes(load.layer, load.expert)
+                while f["at"] < f["nbytes"] and (budget is None or budget > 0):
+                    at, end = f["at"], min(f["at"] + self.chunk_bytes, f["nbytes"])
+                    drv.memcpy_htod_async(a.slot_base + load.slot * a.slot_bytes + at,
+                                          src[at:end], a.side_stream)
+                    f["at"] = end
+                    budget = None if budget is None else budget - 1
+                if f["at"] >= f["nbytes"] and f["event"] is None:
+                    f["event"] = drv.Event()
+                    f["event"].record(a.side_stream)
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Pump until every submitted load landed (engine thread, no window running)."""
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+        while self.is_busy:
+            self.pump()
+            if deadline is not None and time.perf_counter() > deadline:
+                return False
+            time.sleep(0.0002)
+        return True
+
+    def stop(self) -> None:
+        """Drop queued loads; loads in flight finish their copies and are given back free."""
+        a = self.arena
+        self._queued = []
+        if self._flight:
+            with a._rt.active():
+                a.side_stream.synchronize()
+            for f in self._flight:
+                a.table.abort(f["load"].slot)
+            self._flight = []

@@ -1,0 +1,402 @@
+// Products for prompt-sized windows: int8 tensor-core tiles (mma.sync m16n8k32) for Q4_0 / Q8_0
+// weights meeting 8-bit activations, and a shared-memory tiled float kernel for F32/F16/BF16
+// (the router). Same arguments as matmul.cu's mm_* kernels; plan.py picks these from R rows on.
+//
+// Legend: N = weight rows (outputs), K = columns, P = activation rows of a group (pairs),
+// BM = weight rows per block tile, BN = activation rows per block tile, KB = quant blocks of 32
+// columns per k-tile. One mma k-step is one 32-value block of both operands: its int32 result
+// is exact, and each output accumulates (float)s * (d_w * d_x) over its blocks in increasing
+// k order in one thread, so a row's result does not depend on the tile it lands in or on the
+// other rows of its window.
+#include "common.cuh"
+
+#define MMQ_THREADS 128              // 4 warps: 2 over weight rows x 2 over activation rows
+#define MMQ_BM 64                    // weight rows per tile (gate/up: 32 gate rows + 32 up rows)
+#define MMQ_KB 8                     // quant blocks per k-tile (256 columns)
+// bytes per shared row; the +16 puts the 8 rows of one fragment load on distinct banks
+#define MMQ_LDS (MMQ_KB * 32 + 16)
+#define MMF_TILE 32                  // float kernel: 32 outputs x 32 rows x 32 columns per step
+#define MMF_THREADS 256
+
+#define MODE_STORE 0    // Y = dot (+ bias[n])
+#define MODE_ADD 1      // Y += dot (the residual stream)
+#define MODE_GATEUP 2   // Y = silu(dot(W, x)) * dot(W2, x)
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+
+// d[16x8] = a[16x32] . b[32x8] in int32 (a row-major weight rows, b activation rows)
+__device__ __forceinline__ void mma_s8(int (&d)[4], const int (&a)[4], int b0, int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+}
+
+template <int QT> struct BlockBytes;
+template <> struct BlockBytes<ST_Q4_0> { static constexpr int value = 18; };
+template <> struct BlockBytes<ST_Q8_0> { static constexpr int value = 34; };
+
+// Tile slot t -> (group g, first row row0 of the group's tile): each group's rows in tiles of BN,
+// groups in order. A warp scans 32 groups at a time (every warp of the block does the same, so
+// no barrier is needed); false when t is past the last tile (the grid has slots for the most
+// tiles a window can have: ceil(P / BN) + G).
+template <int BN>
+__device__ __forceinline__ bool find_tile(const int *__restrict__ groups, int num_groups, int t,
+                                          int &g, int &row0) {
+    const int lane = threadIdx.x & 31;
+    int before = 0;  // tiles of the groups already scanned
+    for (int c = 0; c < num_groups; c += 32) {
+        const int gi = c + lane;
+        const int tiles = gi < num_groups ? (groups[3 * gi + 2] + BN - 1) / BN : 0;
+        int incl = tiles;  // inclusive prefix sum over the lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int total = __shfl_sync(0xffffffffu, incl, 31);
+        if (t < before + total) {
+            const unsigned hit = __ballot_sync(0xffffffffu, t >= before + incl - tiles &&
+                                                                t < before + incl);
+            const int src = __ffs(hit) - 1;
+            const int start = __shfl_sync(0xffffffffu, incl - tiles, src);
+            g = c + src;
+            row0 = (t - before - start) * BN;
+            return true;
+        }
+        before += total;
+    }
+    return false;
+}
+
+// groups: [G, 3] (expert, first pair, pair count), *num_groups in use (dense products: one group
+// of all rows). Block (x, y) computes the output columns of tile x for tile slot y (a tile of BN
+// rows of one group, find_tile). Grouped products read expert e's matrix at wtab[e] (W2's at
+// wtab2[e]); dense ones (wtab NULL) read W. Pair p reads activation row act_rows[p] (p when NULL)
+// and writes output row out_rows[p] (p when NULL). Warp (wm, wn) computes two m16 tiles of weight
+// rows x BN/2 activation rows; gate/up tiles hold 32 gate rows then the same 32 up rows, and a
+// warp's two m-tiles are one gate and one up tile, so SiLU(gate) * up happens in registers.
+template <int QT, int MODE, int BN>
+__device__ __forceinline__ void mmq_body(
+    const uint8_t *__restrict__ W, const uint8_t *__restrict__ W2,
+    const unsigned long long *__restrict__ wtab, const unsigned long long *__restrict__ wtab2,
+    long long row_bytes, int N, int K, const int8_t *__restrict__ xq,
+    const float *__restrict__ xd, const int *__restrict__ groups,
+    const int *__restrict__ num_groups, const int *__restrict__ act_rows,
+    const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,
+    int ldy, int block_x) {
+    constexpr int NT = BN / 16;                                    // n8 tiles per warp
+    constexpr int OUTS = MODE == MODE_GATEUP ? MMQ_BM / 2 : MMQ_BM;  // outputs per block
+    constexpr int QB = BlockBytes<QT>::value;
+    __shared__ __align__(16) int8_t sw[MMQ_BM * MMQ_LDS];  // [BM, KB * 32] weights as int8
+    __shared__ __align__(16) int8_t sx[BN * MMQ_LDS];      // [BN, KB * 32] activations
+    __shared__ float swd[MMQ_BM * MMQ_KB], sxd[BN * MMQ_KB];  // their block scales
+
+    int g, row0;
+    const int n0 = block_x * OUTS;
+    if (n0 >= N || !find_tile<BN>(groups, *num_groups, blockIdx.y, g, row0)) return;
+    const int first = groups[3 * g + 1], count = groups[3 * g + 2];
+    const int expert = groups[3 * g];
+    const int num_rows = min(BN, count - row0);
+    const int p0 = first + row0;
+    const uint8_t *base = wtab ? reinterpret_cast<const uint8_t *>(wtab[expert]) : W;
+    const uint8_t *base2 = MODE != MODE_GATEUP ? base
+                           : wtab2 ? reinterpret_cast<const uint8_t *>(wtab2[expert]) : W2;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 1, wn = warp >> 1, gid = lane >> 2, tig = lane & 3;
+    const int num_kblocks = K >> 5;
+
+    // rows of this thread's staging work, fixed over k: weight rows and activation rows
+    const uint8_t *wsrc[MMQ_BM * MMQ_KB / MMQ_THREADS];
+#pragma unroll
+    for (int i = 0; i < MMQ_BM * MMQ_KB / MMQ_THREADS; i++) {
+        const int r = (tid + i * MMQ_THREADS) / MMQ_KB;
+        const int local = MODE == MODE_GATEUP ? r % OUTS : r;
+        const uint8_t *m = MODE == MODE_GATEUP && r >= OUTS ? base2 : base;
+        wsrc[i] = m + (long long)min(n0 + local, N - 1) * row_bytes;
+    }
+    long long xrow[BN * MMQ_KB / MMQ_THREADS];
+#pragma unroll
+    for (int i = 0; i < BN * MMQ_KB / MMQ_THREADS; i++) {
+        const int p = p0 + min((tid + i * MMQ_THREADS) / MMQ_KB, num_rows - 1);
+        xrow[i] = act_rows ? act_rows[p] : p;
+    }
+
+    float acc[2][NT][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
+
+    // The next k-tile is read into registers while the current one is multiplied, so global
+    // latency overlaps the mma work: raw weight words + scale, activation int4s + scale.
+    constexpr int WU = MMQ_BM * MMQ_KB / MMQ_THREADS, XU = BN * MMQ_KB / MMQ_THREADS;
+    constexpr int WWORDS = (QB - 2) / 4;  // 4 words of nibbles (Q4_0), 8 of int8 (Q8_0)
+    uint32_t wraw[WU][WWORDS];
+    float wdr[WU], xdr[XU];
+    int4 xraw[XU][2];
+    auto load = [&](int kb0, int nkb) {
+#pragma unroll
+        for (int i = 0; i < WU; i++) {
+            const int b = (tid + i * MMQ_THREADS) % MMQ_KB;
+            if (b < nkb) {
+                const uint8_t *blk = wsrc[i] + (long long)(kb0 + b) * QB;
+                wdr[i] = read_f16(blk);
+#pragma unroll
+                for (int w = 0; w < WWORDS; w++) wraw[i][w] = read_u32_a2(blk + 2 + 4 * w);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < XU; i++) {
+            const int b = (tid + i * MMQ_THREADS) % MMQ_KB;
+            if (b < nkb) {
+                const int4 *src = reinterpret_cast<const int4 *>(
+                    xq + xrow[i] * K + 32LL * (kb0 + b));
+                xraw[i][0] = src[0];
+                xraw[i][1] = src[1];
+                xdr[i] = xd[xrow[i] * num_kblocks + kb0 + b];
+            }
+        }
+    };
+    auto store = [&](int nkb) {
+#pragma unroll
+        for (int i = 0; i < WU; i++) {
+            const int u = tid + i * MMQ_THREADS, r = u / MMQ_KB, b = u % MMQ_KB;
+            if (b < nkb) {
+                int4 *dst = reinterpret_cast<int4 *>(sw + r * MMQ_LDS + 32 * b);
+                if (QT == ST_Q4_0) {  // low nibbles: columns 0-15, high: 16-31; value - 8
+                    int lo[4], hi[4];
+#pragma unroll
+                    for (int w = 0; w < 4; w++) {
+                        lo[w] = (int)__vsubss4(wraw[i][w] & 0x0F0F0F0Fu, 0x08080808u);
+                        hi[w] = (int)__vsubss4((wraw[i][w] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+                    }
+                    dst[0] = make_int4(lo[0], lo[1], lo[2], lo[3]);
+                    dst[1] = make_int4(hi[0], hi[1], hi[2], hi[3]);
+                } else {
+                    dst[0] = make_int4(wraw[i][0], wraw[i][1], wraw[i][2], wraw[i][3]);
+                    dst[1] = make_int4(wraw[i][WWORDS - 4], wraw[i][WWORDS - 3],
+                                       wraw[i][WWORDS - 2], wraw[i][WWORDS - 1]);
+                }
+                swd[r * MMQ_KB + b] = wdr[i];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < XU; i++) {
+            const int u = tid + i * MMQ_THREADS, r = u / MMQ_KB, b = u % MMQ_KB;
+            if (b < nkb) {
+                int4 *dst = reinterpret_cast<int4 *>(sx + r * MMQ_LDS + 32 * b);
+                dst[0] = xraw[i][0];
+                dst[1] = xraw[i][1];
+                sxd[r * MMQ_KB + b] = xdr[i];
+            }
+        }
+    };
+
+    load(0, min(MMQ_KB, num_kblocks));
+    for (int kb0 = 0; kb0 < num_kblocks; kb0 += MMQ_KB) {
+        const int nkb = min(MMQ_KB, num_kblocks - kb0);
+        store(nkb);
+        __syncthreads();
+        if (kb0 + MMQ_KB < num_kblocks)
+            load(kb0 + MMQ_KB, min(MMQ_KB, num_kblocks - kb0 - MMQ_KB));
+        // ---- one mma per (m-tile, n-tile) and block, scaled into the float sums
+        for (int kb = 0; kb < nkb; kb++) {
+            int a[2][4];
+            float dw[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int rb = MODE == MODE_GATEUP ? i * 32 + wm * 16 : wm * 32 + i * 16;
+                const int8_t *s0 = sw + (rb + gid) * MMQ_LDS + 32 * kb + 4 * tig;
+                const int8_t *s1 = s0 + 8 * MMQ_LDS;
+                a[i][0] = *reinterpret_cast<const int *>(s0);
+                a[i][1] = *reinterpret_cast<const int *>(s1);
+                a[i][2] = *reinterpret_cast<const int *>(s0 + 16);
+                a[i][3] = *reinterpret_cast<const int *>(s1 + 16);
+                dw[i][0] = swd[(rb + gid) * MMQ_KB + kb];
+                dw[i][1] = swd[(rb + gid + 8) * MMQ_KB + kb];
+            }
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const int cb = wn * (BN / 2) + 8 * j;
+                const int8_t *x0 = sx + (cb + gid) * MMQ_LDS + 32 * kb + 4 * tig;
+                const int b0 = *reinterpret_cast<const int *>(x0);
+                const int b1 = *reinterpret_cast<const int *>(x0 + 16);
+                const float dx0 = sxd[(cb + 2 * tig) * MMQ_KB + kb];
+                const float dx1 = sxd[(cb + 2 * tig + 1) * MMQ_KB + kb];
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    int s[4];
+                    mma_s8(s, a[i], b0, b1);
+                    // s[0]: (row gid, col 2t), s[1]: (gid, 2t+1), s[2]/s[3]: rows gid + 8
+                    acc[i][j][0] = fmaf((float)s[0], dw[i][0] * dx0, acc[i][j][0]);
+                    acc[i][j][1] = fmaf((float)s[1], dw[i][0] * dx1, acc[i][j][1]);
+                    acc[i][j][2] = fmaf((float)s[2], dw[i][1] * dx0, acc[i][j][2]);
+                    acc[i][j][3] = fmaf((float)s[3], dw[i][1] * dx1, acc[i][j][3]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // ---- write: accumulator c of (m-tile i, n-tile j) is weight row gid + 8 * (c >> 1) of the
+    // m-tile and activation row 2 * tig + (c & 1) of the n-tile
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int local = wn * (BN / 2) + 8 * j + 2 * tig + h;
+            if (local >= num_rows) continue;
+            const int p = p0 + local;
+            float *y = Y + (long long)(out_rows ? out_rows[p] : p) * ldy;
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int c = 2 * half + h;
+                if (MODE == MODE_GATEUP) {
+                    const int n = n0 + wm * 16 + gid + 8 * half;
+                    if (n < N) y[n] = silu(acc[0][j][c]) * acc[1][j][c];
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        const int n = n0 + wm * 32 + i * 16 + gid + 8 * half;
+                        if (n >= N) continue;
+                        if (MODE == MODE_STORE) y[n] = bias ? acc[i][j][c] + bias[n] : acc[i][j][c];
+                        else y[n] += acc[i][j][c];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Float weights (F32 / F16 / BF16) meet float rows: a 32 x 32 tile of (output, row) per block,
+// 2 x 2 per thread, 32 columns staged per step; each output sums its columns in order.
+template <int QT, int MODE>
+__device__ __forceinline__ void mmf_body(
+    const uint8_t *__restrict__ W, long long row_bytes, int N, int K,
+    const float *__restrict__ xf, const int *__restrict__ groups,
+    const int *__restrict__ num_groups, const int *__restrict__ act_rows,
+    const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,
+    int ldy) {
+    __shared__ float sw[MMF_TILE][MMF_TILE + 1], sx[MMF_TILE][MMF_TILE + 1];  // [32, 32] each
+    const int g = blockIdx.y;
+    if (g >= *num_groups) return;
+    const int first = groups[3 * g + 1], count = groups[3 * g + 2];
+    const int row0 = blockIdx.z * MMF_TILE, n0 = blockIdx.x * MMF_TILE;
+    if (row0 >= count || n0 >= N) return;
+    const int num_rows = min(MMF_TILE, count - row0), p0 = first + row0;
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    // staging: thread loads column tid & 31 of rows (tid >> 5) + 8 i
+    const int sc = tid & 31;
+    const uint8_t *wsrc[MMF_TILE * MMF_TILE / MMF_THREADS];
+    long long xrow[MMF_TILE * MMF_TILE / MMF_THREADS];
+#pragma unroll
+    for (int i = 0; i < MMF_TILE * MMF_TILE / MMF_THREADS; i++) {
+        const int r = (tid >> 5) + 8 * i;
+        wsrc[i] = W + (long long)min(n0 + r, N - 1) * row_bytes;
+        const int p = p0 + min(r, num_rows - 1);
+        xrow[i] = (act_rows ? act_rows[p] : p) * (long long)K;
+    }
+    float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    for (int k0 = 0; k0 < K; k0 += MMF_TILE) {
+        const int kc = min(MMF_TILE, K - k0);
+#pragma unroll
+        for (int i = 0; i < MMF_TILE * MMF_TILE / MMF_THREADS; i++) {
+            const int r = (tid >> 5) + 8 * i;
+            if (sc < kc) {
+                sw[r][sc] = load_float_weight<QT>(wsrc[i], k0 + sc);
+                sx[r][sc] = xf[xrow[i] + k0 + sc];
+            }
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int c = 0; c < kc; c++) {
+            const float w0 = sw[tx][c], w1 = sw[tx + 16][c];
+            const float x0 = sx[ty][c], x1 = sx[ty + 16][c];
+            acc[0][0] = fmaf(w0, x0, acc[0][0]);
+            acc[0][1] = fmaf(w0, x1, acc[0][1]);
+            acc[1][0] = fmaf(w1, x0, acc[1][0]);
+            acc[1][1] = fmaf(w1, x1, acc[1][1]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const int local = ty + 16 * j;
+        if (local >= num_rows) continue;
+        const int p = p0 + local;
+        float *y = Y + (long long)(out_rows ? out_rows[p] : p) * ldy;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int n = n0 + tx + 16 * i;
+            if (n >= N) continue;
+            if (MODE == MODE_STORE) y[n] = bias ? acc[i][j] + bias[n] : acc[i][j];
+            else y[n] += acc[i][j];
+        }
+    }
+}
+
+// matmul.cu's MM_ARGS, so plan.py launches either family with one argument list
+#define MMQ_ARGS                                                                                   \
+    const uint8_t *W, const uint8_t *W2, const unsigned long long *wtab,                            \
+        const unsigned long long *wtab2, long long row_bytes, int N, int K, const float *xf,        \
+        const int8_t *xq, const float *xd, const int *groups, const int *num_groups,                \
+        const int *act_rows, const int *out_rows, const float *bias, float *Y, int ldy
+#define MMQ_PASS W, W2, wtab, wtab2, row_bytes, N, K, xq, xd, groups, num_groups, act_rows,        \
+                 out_rows, bias, Y, ldy, blockIdx.x
+#define MMF_PASS W, row_bytes, N, K, xf, groups, num_groups, act_rows, out_rows, bias, Y, ldy
+// q, k and v of the same rows in one launch (matmul.cu's QKV_ARGS): blocks x in [0, nbq) make
+// q, the next nbkv k, the last nbkv v
+#define MMQ_QKV_ARGS                                                                               \
+    const uint8_t *Wq, const uint8_t *Wk, const uint8_t *Wv, long long row_bytes, int Nq,           \
+        int Nkv, int K, const float *xf, const int8_t *xq, const float *xd, const int *groups,      \
+        const int *num_groups, const float *bq, const float *bk, const float *bv, float *Yq,        \
+        float *Yk, float *Yv
+
+// mmq64_*: tiles of 64 activation rows (dense products of long windows); mmq32_*: tiles of 32
+// (grouped experts: ~32 rows per expert in a 512-row prompt of 128 experts, top-8; dense
+// products whose 64-row tiles would leave the GPU's multiprocessors idle)
+#define MMQ_TILE_KERNELS(NAME, QT, BN)                                                              \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_store_##NAME(MMQ_ARGS) {    \
+        mmq_body<QT, MODE_STORE, BN>(MMQ_PASS);                                                     \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_add_##NAME(MMQ_ARGS) {      \
+        mmq_body<QT, MODE_ADD, BN>(MMQ_PASS);                                                       \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_gateup_##NAME(MMQ_ARGS) {   \
+        mmq_body<QT, MODE_GATEUP, BN>(MMQ_PASS);                                                    \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                       \
+        mmq##BN##_qkv_##NAME(MMQ_QKV_ARGS) {                                                        \
+        const int nbq = (Nq + MMQ_BM - 1) / MMQ_BM, nbkv = (Nkv + MMQ_BM - 1) / MMQ_BM;             \
+        const int bx = blockIdx.x;                                                                  \
+        if (bx < nbq)                                                                               \
+            mmq_body<QT, MODE_STORE, BN>(Wq, Wq, nullptr, nullptr, row_bytes, Nq, K, xq, xd,        \
+                                         groups, num_groups, nullptr, nullptr, bq, Yq, Nq, bx);     \
+        else if (bx < nbq + nbkv)                                                                   \
+            mmq_body<QT, MODE_STORE, BN>(Wk, Wk, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,       \
+                                         groups, num_groups, nullptr, nullptr, bk, Yk, Nkv,         \
+                                         bx - nbq);                                                 \
+        else                                                                                        \
+            mmq_body<QT, MODE_STORE, BN>(Wv, Wv, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,       \
+                                         groups, num_groups, nullptr, nullptr, bv, Yv, Nkv,         \
+                                         bx - nbq - nbkv);                                          \
+    }
+#define MMQ_KERNELS(NAME, QT) MMQ_TILE_KERNELS(NAME, QT, 64) MMQ_TILE_KERNELS(NAME, QT, 32)
+
+#define MMF_KERNELS(NAME, QT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_store_##NAME(MMQ_ARGS) {          \
+        mmf_body<QT, MODE_STORE>(MMF_PASS);                                                         \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_add_##NAME(MMQ_ARGS) {            \
+        mmf_body<QT, MODE_ADD>(MMF_PASS);                                                           \
+    }
+
+MMQ_KERNELS(q4_0, ST_Q4_0)
+MMQ_KERNELS(q8_0, ST_Q8_0)
+MMF_KERNELS(f32, ST_F32)
+MMF_KERNELS(f16, ST_F16)
+MMF_KERNELS(bf16, ST_BF16)

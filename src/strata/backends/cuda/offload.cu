@@ -1,0 +1,134 @@
+// Kernels of the offload tiers (docs/offload.md): routing counts per (layer, expert) gathered on
+// the device, groups of CPU-assigned experts taken out of the grouped products, and the hand-off
+// of a layer's rows to the CPU pool through a mapped host exchange buffer.
+//
+// Legend: R = rows of the window, K = experts per row, H = hidden, E = experts, G = groups.
+// where [E] uint8 per layer: 0 = VRAM slot, 1 = PCIe (mapped host copy), 2 = CPU pool. With a
+// pool attached every layer hands off (the pool walks all layers); a layer without CPU-assigned
+// experts skips only the copy of its rows (the pool reads x only for CPU pairs).
+#include "common.cuh"
+
+#define WHERE_CPU 2
+#define POOL_TIMEOUT_NS 10000000000ULL  // wait_host gives up after 10 s
+#define POOL_ERR_TIMEOUT 1
+#define POOL_ERR_FAILED 2
+
+__device__ __forceinline__ bool has_cpu_experts(const uint8_t *__restrict__ where, int E) {
+    for (int e = 0; e < E; e++)
+        if (where[e] == WHERE_CPU) return true;
+    return false;
+}
+
+// After group_pairs: counts [E] int32 = pairs routed to each expert this window (0 for the
+// others), and (with where) the groups of CPU-assigned experts removed from groups [G, 3] in
+// place, keeping the order of the rest, so the grouped products skip them. Grid 1, block 256.
+extern "C" __global__ void tier_groups(int *__restrict__ groups, int *__restrict__ num_groups,
+                                       int E, int *__restrict__ counts,
+                                       const uint8_t *__restrict__ where) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const int G = *num_groups;
+    int kept = 0;
+    for (int g = 0; g < G; g++) {
+        const int e = groups[3 * g], first = groups[3 * g + 1], count = groups[3 * g + 2];
+        counts[e] = count;
+        if (where != nullptr && where[e] == WHERE_CPU) continue;
+        groups[3 * kept] = e;
+        groups[3 * kept + 1] = first;
+        groups[3 * kept + 2] = count;
+        kept++;
+    }
+    *num_groups = kept;
+}
+
+// Copy the layer's normed rows hf [R, H], ids [R, K] and wts [R, K] into the mapped exchange
+// buffer (x only when the layer has CPU-assigned experts), then (the last block to finish)
+// ready[layer] = *seq after a system-wide fence. Grid ceil(R*H / 256), block 256; arrived: one
+// int per layer, zero between launches (the last block resets it).
+extern "C" __global__ void pool_publish(const float *__restrict__ hf, const int *__restrict__ ids,
+                                        const float *__restrict__ wts, int R, int K, int H,
+                                        const uint8_t *__restrict__ where, int E, int layer,
+                                        const long long *__restrict__ seq, float *ex_x,
+                                        int *ex_ids, float *ex_wts, long long *ready,
+                                        unsigned int *arrived) {
+    __shared__ bool copy_x, last;
+    if (threadIdx.x == 0) copy_x = has_cpu_experts(where, E);
+    __syncthreads();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (copy_x && i < (long long)R * H) ex_x[i] = hf[i];
+    if (i < (long long)R * K) {
+        ex_ids[i] = ids[i];
+        ex_wts[i] = wts[i];
+    }
+    __threadfence_system();  // this thread's stores reach the host before the count below
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(arrived + layer, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (threadIdx.x == 0 && last) {
+        arrived[layer] = 0;
+        __threadfence_system();
+        *reinterpret_cast<volatile long long *>(ready + layer) = *seq;
+        __threadfence_system();
+    }
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// One thread: wait until the pool wrote done[layer] == *seq (its y rows are then in place). After
+// 10 s, or when the pool reports failure (done[layer] == -seq), the error report status [4]
+// int64 gets (layer + 1, seq, kind 1 = timeout / 2 = pool failure) and every later wait of the
+// window returns at once; the host raises after the window. Grid 1, block 1.
+extern "C" __global__ void pool_wait(const long long *done, const uint8_t *__restrict__ where,
+                                     int E, int layer, const long long *__restrict__ seq,
+                                     long long *status) {
+    volatile long long *st = status;
+    if (st[0] != 0) return;
+    const long long want = *seq;
+    volatile const long long *d = done + layer;
+    const unsigned long long t0 = global_ns();
+    long long got;
+    while ((got = *d) != want) {
+        const bool failed = got == -want;
+        if (failed || global_ns() - t0 > POOL_TIMEOUT_NS) {
+            st[1] = want;
+            st[2] = failed ? POOL_ERR_FAILED : POOL_ERR_TIMEOUT;
+            __threadfence_system();
+            st[0] = layer + 1;
+            __threadfence_system();
+            return;
+        }
+        __nanosleep(200);
+    }
+    __threadfence_system();  // reads of y after this see the pool's stores
+}
+
+// x[r] += sum over the GPU's pairs k of w[r,k] * Y[r*K + k] (+ the shared expert) + ex_y[r]:
+// moe_combine with CPU-assigned pairs (whose Y rows were not written) left out and the pool's
+// weighted sum (zero for rows without CPU pairs) added. Grid ceil(R*H / 256), block 256.
+extern "C" __global__ void moe_combine_pool(float *__restrict__ x, const float *__restrict__ Y,
+                                            const float *__restrict__ w,
+                                            const int *__restrict__ ids, int R, int K, int H,
+                                            const float *__restrict__ S,
+                                            const float *__restrict__ gate_logit,
+                                            const uint8_t *__restrict__ where, int E,
+                                            const float *ex_y) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)R * H) return;
+    const int r = (int)(i / H), c = (int)(i % H);
+    float acc = 0.0f;
+    for (int k = 0; k < K; k++) {
+        if (where[ids[r * K + k]] == WHERE_CPU) continue;
+        acc = fmaf(w[r * K + k], Y[((long long)r * K + k) * H + c], acc);
+    }
+    if (S != nullptr) {
+        const float g = 1.0f / (1.0f + expf(-gate_logit[r]));
+        acc = fmaf(g, S[(long long)r * H + c], acc);
+    }
+    acc += reinterpret_cast<volatile const float *>(ex_y)[i];
+    x[i] += acc;
+}

@@ -1,0 +1,351 @@
+"""The offload tiers of the CUDA backend (docs/offload.md): every routed expert in pinned,
+device-mapped host RAM; a VRAM expert cache whose device pointer tables the grouped products read
+(resident experts from their slot, the rest over PCIe); swaps on a side stream, ordered by events.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from strata.errors import ConfigError
+from strata.experts.arena import COPY_CHUNK_BYTES, ExpertArena, num_slots_for
+from strata.experts.pack import PARTS, expert_tensor_name
+from strata.experts.store import ExpertStore
+
+log = logging.getLogger("strata.tier")
+
+PART_ALIGN_BYTES = 256      # gate, up and down each start on 256 bytes inside a slot
+VRAM_RESERVE_BYTES = 1 << 30  # `auto` leaves this free for the driver, graphs and growth
+AUTO_WINDOW_ROWS = 512      # `auto` keeps room for the work buffers of windows this large
+
+
+def slot_layout(store: ExpertStore) -> tuple[np.ndarray, int]:
+    """(part offsets [L, 3] uint64 of gate, up, down inside a slot, slot bytes): parts aligned
+    to PART_ALIGN_BYTES, one slot size for every layer (the largest)."""
+    offsets = np.zeros((store.n_layers, 3), dtype=np.uint64)
+    slot_bytes = PART_ALIGN_BYTES
+    for layer, layout in enumerate(store.layouts):
+        at = 0
+        for part, p in enumerate(layout.parts):
+            offsets[layer, part] = at
+            at += -(-p.nbytes // PART_ALIGN_BYTES) * PART_ALIGN_BYTES
+        slot_bytes = max(slot_bytes, at)
+    return offsets, slot_bytes
+
+
+class HostExperts:
+    """Every (layer, expert) of `store` in one pinned host buffer [L * E, slot_bytes] mapped into
+    the device's address space: the GPU reads a missing expert from here over PCIe, copies a
+    swapped-in one from here into its slot, and the CPU pool computes from here."""
+
+    def __init__(self, runtime, store: ExpertStore, part_offsets: np.ndarray, slot_bytes: int,
+                 progress: bool | None = None):
+        drv = runtime.drv
+        L, E = store.n_layers, store.n_experts
+        self.store, self.slot_bytes, self.part_offsets = store, slot_bytes, part_offsets
+        self.nbytes = L * E * slot_bytes
+        try:
+            self.buffer = drv.pagelocked_empty((L * E, slot_bytes), np.uint8,
+                                               mem_flags=drv.host_alloc_flags.DEVICEMAP)
+        except Exception as exc:  # pycuda's MemoryError / LogicError from cuMemHostAlloc
+            raise ConfigError(
+                f"pinning {self.nbytes / 2**30:.2f} GiB of host RAM for the experts "
+                f"({L} layers x {E} experts x {slot_bytes} bytes) was refused ({exc}); free RAM, "
+                "raise the locked-memory limit (ulimit -l / the container's memlock), or run "
+                "with --device cpu") from None
+        self.host_base = int(self.buffer.ctypes.data)
+        try:
+            self.device_base = int(self.buffer.base.get_device_pointer())
+        except Exception:  # without the allocation object: unified addressing maps 1:1
+            self.device_base = self.host_base
+        self._fill(progress)
+
+    def _fill(self, progress: bool | None) -> None:
+        from tqdm import tqdm
+
+        store, L, E = self.store, self.store.n_layers, self.store.n_experts
+        rows = self.buffer.reshape(L, E, self.slot_bytes)  # [L, E, slot_bytes]
+        with tqdm(total=self.nbytes, unit="B", unit_scale=True, desc="experts -> pinned RAM",
+                  disable=None if progress is None else not progress, leave=False) as bar:
+            for layer in range(L):
+                for part, p in enumerate(store.layouts[layer].parts):
+                    at = int(self.part_offsets[layer, part])
+                    if store.pack is None:  # one strided copy of the layer's [E, ...] tensor
+                        raw = store.model.tensor(expert_tensor_name(layer, PARTS[part])).raw
+                        rows[layer, :, at:at + p.nbytes] = raw.reshape(E, -1)
+                    else:
+                        for e in range(E):
+                            rows[layer, e, at:at + p.nbytes] = store.expert(
+                                layer, e)[part].reshape(-1)
+                bar.update(E * self.slot_bytes)
+
+    def index(self, layer: int, expert: int) -> int:
+        return layer * self.store.n_experts + expert
+
+    def pointers(self, device: bool = True) -> np.ndarray:
+        """[L, 3, E] uint64: each expert's gate, up and down blocks (device or host address)."""
+        L, E = self.store.n_layers, self.store.n_experts
+        base = np.uint64(self.device_base if device else self.host_base)
+        starts = base + np.arange(L * E, dtype=np.uint64).reshape(L, 1, E) * np.uint64(
+            self.slot_bytes)  # [L, 1, E]
+        return starts + self.part_offsets[:, :, None]
+
+    def expert_bytes(self, layer: int, expert: int) -> np.ndarray:
+        """The expert's slot image (pinned): what a VRAM slot receives."""
+        return self.buffer[self.index(layer, expert)]
+
+
+def work_buffer_bytes(spec, num_rows: int) -> int:
+    """About the bytes of plan.Workspace for windows of `num_rows` rows (its largest buffers:
+    per row the residual, normed rows, q/k/v, router and logits; per pair the expert buffers)."""
+    wide = max(spec.hidden, spec.q_dim)
+    per_row = 4 * (3 * spec.hidden + 3 * wide + spec.q_dim + 2 * spec.kv_dim + spec.n_experts
+                   + 2 * max(spec.shared_ffn, 1) + spec.vocab)
+    per_pair = 16 + 5 * spec.expert_ffn + 4 * spec.hidden
+    return num_rows * (per_row + spec.n_experts_used * per_pair)
+
+
+def auto_budget_bytes(model, config) -> int:
+    """VRAM the cache may take for `--expert-cache auto`: what is free now (dense weights
+    loaded) less the KV of every slot, the work buffers and a reserve; capped by --vram-budget."""
+    spec = model.spec
+    free, _ = model.runtime.free_bytes()
+    n_ctx = config.resolve_n_ctx(spec.context_length)
+    kv_bytes = config.parallel * n_ctx * spec.n_layers * 2 * spec.kv_dim * 2  # fp16 K and V
+    work_bytes = work_buffer_bytes(spec, AUTO_WINDOW_ROWS)
+    room = max(0, free - kv_bytes - work_bytes - VRAM_RESERVE_BYTES)
+    budget = config.vram_budget_bytes
+    return room if budget is None else min(room, int(budget))
+
+
+def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
+    """The VRAM arena for `--expert-cache auto|N` (sized by --vram-budget and free VRAM)."""
+    part_offsets, slot_bytes = slot_layout(store)
+    total = store.n_layers * store.n_experts
+    room = auto_budget_bytes(model, config)
+    n = num_slots_for(config.expert_cache if config.expert_cache is not None else "auto",
+                      room, slot_bytes, total)
+    host = HostExperts(model.runtime, store, part_offsets, slot_bytes)
+    arena = VramExpertArena(model, store, n, host)
+    from strata.backends.cuda.share import resolve_pcie_frac
+
+    # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.5 (logged)
+    from strata.backends.cuda.cpu_pool import default_pool_threads
+
+    # the pool's thread count, as `strata-tool calibrate` keys its stored share
+    threads = config.threads or default_pool_threads()
+    pcie_frac, _ = resolve_pcie_frac(config.pcie_frac, config.model_path, model.runtime.name,
+                                     threads)
+    if pcie_frac < 1:
+        # an engine window holds one prompt chunk and the decode rows of the other slots
+        # (with room for draft tokens)
+        arena.attach_pool(pcie_frac, config.prompt_chunk_tokens + 16 * config.parallel,
+                          threads=config.threads)
+    log.info("VRAM expert cache: %d slots of %d bytes (%.2f GiB; %.2f GiB free for it), %d "
+             "experts pinned in RAM (%.2f GiB); misses: %s", n, slot_bytes,
+             n * slot_bytes / 2**30, room / 2**30, total, host.nbytes / 2**30,
+             "GPU reads over PCIe" if arena.pool is None else
+             f"{pcie_frac:.2f} of their rows over PCIe, the rest on the CPU pool")
+    return arena
+
+
+class VramExpertArena(ExpertArena):
+    """N VRAM slots of one expert each. The device tables (`model.expert_tables`, uint64
+    [L, 3, E]) point every expert at its slot when resident, else at its mapped host copy.
+
+    The ordered path on the device (windows are synchronous, so between windows only the side
+    stream may be busy): an eviction re-points the evicted expert at its host copy in the table
+    upload on the compute stream, and the side stream waits on an event recorded after that
+    upload before overwriting the slot; a loaded expert is re-pointed at its slot only after
+    the event recorded behind its copy completed, in an upload before the next window.
+    """
+
+    reads_host_pointers = False
+
+    def __init__(self, model, store: ExpertStore, n_slots: int, host: HostExperts):
+        super().__init__(store, n_slots, host.slot_bytes)
+        self.model, self.host, self._rt = model, host, model.runtime
+        drv = self._rt.drv
+        with self._rt.active():
+            self._slots = self._rt.alloc(n_slots * self.slot_bytes)
+            self.slot_base = int(self._slots)
+            self.side_stream = drv.Stream()
+            self._mirror = self._rt.pinned((store.n_layers, 3, store.n_experts), np.uint64)
+            self._mirror[:] = host.pointers(device=True)  # [L, 3, E]: all misses
+            self._publish()
+            self._rt.synchronize()
+        self.copier = None  # the async tier's StreamCopier (copier.py), made by new_copier
+        self.pool = None  # the CPU pool (attach_pool), None: every miss read over PCIe
+        self.pcie_frac = 1.0
+        self._expected = np.zeros((store.n_layers, store.n_experts))  # [L, E] decayed rows
+        self._where_version = -1
+        self._windows_since_where = 0
+
+    # ---- the CPU pool -------------------------------------------------------------------
+    def attach_pool(self, pcie_frac: float, max_rows: int, threads: int | None = None) -> None:
+        """Let a CPU pool compute about 1 - pcie_frac of the missing experts' routed rows from
+        the pinned copies (backends/cuda/cpu_pool.py), through a mapped exchange buffer for
+        windows of up to `max_rows` rows."""
+        from strata.backends.cuda.cpu_pool import CpuPool
+        from strata.backends.cuda.exchange import Exchange, ExchangeLayout
+        from strata.backends.cuda.share import check_pcie_frac
+
+        self.pcie_frac = check_pcie_frac(pcie_frac)
+        rt, drv = self._rt, self._rt.drv
+        layout = ExchangeLayout.for_spec(self.model.spec, max_rows)
+        try:
+            buf = drv.pagelocked_empty(layout.nbytes, np.uint8,
+                                       mem_flags=drv.host_alloc_flags.DEVICEMAP)
+        except Exception as exc:
+            raise ConfigError(f"pinning the CPU pool's exchange buffer ({layout.nbytes} bytes) "
+                              f"was refused ({exc}); run with --pcie-frac 1 (no CPU pool)"
+                              ) from None
+        exchange = Exchange.from_array(layout, buf)
+        types = np.array([self.store.types(layer) for layer in range(self.store.n_layers)])
+        self.pool = CpuPool(exchange, self.host.pointers(device=False), types,
+                            self.model.spec.expert_ffn, threads=threads).start()
+        with rt.active():
+            self.model.tier.attach_pool(self.pool, exchange,
+                                        int(buf.base.get_device_pointer()))
+        self._where_version = -1
+        self._set_where()
+
+    def _set_where(self) -> None:
+        """where [L, E] from the published residency and the expected rows (share.py), on the
+        device and in the pool, when residency changed or every 8 windows."""
+        from strata.backends.cuda.share import assign_where
+
+        version = self.table.version
+        self._windows_since_where += 1
+        if version == self._where_version and self._windows_since_where < 8:
+            return
+        where = assign_where(self.table.peek().table, self.pcie_frac, self._expected)
+        with self._rt.active():
+            self.model.tier.set_where(where)
+        self.pool.set_where(where)
+        self._where_version, self._windows_since_where = version, 0
+
+    def account_routed(self, snap, counts: np.ndarray):
+        self._expected *= 0.8
+        self._expected += counts
+        return super().account_routed(snap, counts)
+
+    # ---- the device tables --------------------------------------------------------------
+    def slot_pointers(self, slot: int, layer: int) -> np.ndarray:
+        """[3] uint64: gate, up, down of `slot` read with `layer`'s layout."""
+        return np.uint64(self.slot_base + slot * self.slot_bytes) + self.host.part_offsets[layer]
+
+    def _point(self, layer: int, expert: int, slot: int) -> None:
+        """Host mirror: (layer, expert) read from `slot`, or from its host copy when -1."""
+        if slot >= 0:
+            self._mirror[layer, :, expert] = self.slot_pointers(slot, layer)
+        else:
+            i = self.host.index(layer, expert)
+            self._mirror[layer, :, expert] = np.uint64(
+                self.host.device_base + i * self.slot_bytes) + self.host.part_offsets[layer]
+
+    def _publish(self):
+        """Upload the mirror on the compute stream; return an event recorded after it (the
+        caller leaves the mirror unchanged until the stream passed it)."""
+        drv, rt = self._rt.drv, self._rt
+        drv.memcpy_htod_async(self.model.expert_tables_ptr, self._mirror, rt.stream)
+        event = drv.Event()
+        event.record(rt.stream)
+        return event
+
+    def device_table(self) -> np.ndarray:
+        """[L, 3, E] uint64: the device's tables now (a synchronous read-back, for tests)."""
+        with self._rt.active():
+            self._rt.synchronize()
+            out = np.empty_like(self._mirror)
+            self._rt.drv.memcpy_dtoh(out, self.model.expert_tables_ptr)
+        return out
+
+    # ---- the ordered path ---------------------------------------------------------------
+    def load_steps(self, slot: int, layer: int, expert: int, chunk_bytes: int = COPY_CHUNK_BYTES,
+                   block: bool = True, timeout_s: float | None = None):
+        """Blocking load (engine thread, between windows): "evicted" once the eviction is on
+        the device, "copying" per chunk enqueued on the side stream; landed at the end."""
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes is {chunk_bytes}; give a positive size")
+        rt, drv = self._rt, self._rt.drv
+        ticket = self.table.begin_evict(slot)
+        try:
+            with rt.active():
+                if ticket.evicted is not None:
+                    self._point(*ticket.evicted, -1)
+                published = self._publish()
+                rt.synchronize()  # the mirror may change again from here
+            yield "evicted"
+            yield from self._until_overwritable(ticket, block, timeout_s)
+            src = self.host.expert_bytes(layer, expert)
+            nbytes = self._image_bytes(layer)
+            with rt.active():
+                self.side_stream.wait_for_event(published)
+            for at in range(0, nbytes, chunk_bytes):
+                with rt.active():
+                    drv.memcpy_htod_async(self.slot_base + slot * self.slot_bytes + at,
+                                          src[at:min(at + chunk_bytes, nbytes)], self.side_stream)
+                yield "copying"
+            with rt.active():
+                self.side_stream.synchronize()
+                self.table.land(slot, layer, expert)
+                self._point(layer, expert, slot)
+                self._publish()
+                rt.synchronize()
+        except BaseException:  # also GeneratorExit: a load dropped half-way frees its slot
+            with rt.active():
+                self.side_stream.synchronize()
+            self.table.abort(slot)
+            raise
+
+    def _image_bytes(self, layer: int) -> int:
+        """Bytes of a slot image that layer's expert uses (its down part's end)."""
+        parts = self.store.layouts[layer].parts
+        return int(self.host.part_offsets[layer, 2]) + parts[2].nbytes
+
+    def fill(self, order) -> int:
+        """Start-up fill: every free slot from `order` in one batch of copies, one upload."""
+        free = self.table.free_slots()
+        rt, drv = self._rt, self._rt.drv
+        placed = []
+        with rt.active():
+            for (layer, expert), slot in zip(order, free):
+                self.table.begin_evict(slot)
+                drv.memcpy_htod_async(self.slot_base + slot * self.slot_bytes,
+                                      self.host.expert_bytes(layer, expert)[
+                                          :self._image_bytes(layer)], self.side_stream)
+                placed.append((slot, layer, expert))
+            self.side_stream.synchronize()
+            for slot, layer, expert in placed:
+                self.table.land(slot, layer, expert)
+                self._point(layer, expert, slot)
+            self._publish()
+            rt.synchronize()
+        return len(placed)
+
+    def before_window(self) -> None:
+        if self.copier is not None:
+            self.copier.pump()
+        if self.pool is not None:
+            self._set_where()
+
+    def new_copier(self, on_landed):
+        from strata.backends.cuda.copier import StreamCopier
+
+        self.copier = StreamCopier(self, on_landed)
+        return self.copier
+
+    def close(self) -> None:
+        if self.copier is not None:
+            self.copier.stop()
+        if self.pool is not None:
+            self.pool.stop()
+            with self._rt.active():
+                self.model.tier.detach_pool()
+            self.pool = None
+
+    def __repr__(self) -> str:
+        return (f"VramExpertArena({self.n_slots} slots x {self.slot_bytes} bytes, "
+                f"{self.table.num_resident} resident)")

@@ -1,0 +1,241 @@
+// The router of a window: softmax + top-k per row, grouping of (row, expert) pairs by expert,
+// and for float router weights the product + top-k + grouping in one launch.
+//
+// Legend: R = window rows, H = hidden, E = experts, K = experts per row, P = R * K pairs.
+#include "common.cuh"
+
+// ---- router helpers ------------------------------------------------------------------------
+#define GROUP_CHUNK 1024  // pairs staged in shared memory at a time while grouping
+
+// One row of the router (a warp): softmax over E logits x, top-K (largest first, ties to the
+// lowest id) into ids/weights [K], renormalised when norm != 0. probs: [E] shared floats.
+// x is read through L2 (__ldcg): other blocks of the launch may have written it.
+__device__ __forceinline__ void topk_row(const float *x, int E, int K, int norm, float *probs,
+                                         int *ids, float *weights) {
+    const int lane = threadIdx.x & 31;
+    float mx = -INFINITY;
+    for (int e = lane; e < E; e += WARP) {
+        probs[e] = __ldcg(x + e);  // read once; this lane alone uses probs[e] until __syncwarp
+        mx = fmaxf(mx, probs[e]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int e = lane; e < E; e += WARP) {
+        const float p = expf(probs[e] - mx);
+        probs[e] = p;
+        sum += p;
+    }
+    sum = warp_sum(sum);
+    for (int e = lane; e < E; e += WARP) probs[e] = probs[e] / sum;
+    __syncwarp();
+    float picked_sum = 0.0f;
+    for (int k = 0; k < K; k++) {
+        float best = -1.0f;
+        int best_id = 0x7fffffff;
+        for (int e = lane; e < E; e += WARP) {
+            const float p = probs[e];
+            if (p > best) { best = p; best_id = e; }  // ascending e: ties keep the lowest
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
+            if (ob > best || (ob == best && oi < best_id)) { best = ob; best_id = oi; }
+        }
+        if (lane == 0) {
+            ids[k] = best_id;
+            weights[k] = best;
+            probs[best_id] = -2.0f;  // taken
+        }
+        picked_sum += best;
+        __syncwarp();
+    }
+    if (norm && lane == 0) {
+        for (int k = 0; k < K; k++) weights[k] = weights[k] / picked_sum;
+    }
+}
+
+// The (row, k) pairs grouped by expert (the whole block): experts ascending, pairs in row
+// order within one: groups [G, 3] = (expert, first, count), *num_groups = G, act_rows[j] = the
+// pair's row, out_rows[j] = the pair's index r*K + k. shm: ints [2E + GROUP_CHUNK]. ids are
+// read through L2 (another block of the launch may have written them).
+__device__ void group_body(const int *ids, int P, int K, int E, int *__restrict__ groups,
+                           int *__restrict__ num_groups, int *__restrict__ act_rows,
+                           int *__restrict__ out_rows, int *shm) {
+    int *count = shm, *first = shm + E, *chunk = shm + 2 * E;  // [E], [E], [GROUP_CHUNK]
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    for (int p0 = 0; p0 < P; p0 += GROUP_CHUNK) {
+        const int n = min(GROUP_CHUNK, P - p0);
+        __syncthreads();
+        for (int j = threadIdx.x; j < n; j += blockDim.x) chunk[j] = __ldcg(ids + p0 + j);
+        __syncthreads();
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            int c = 0;
+#pragma unroll 16
+            for (int j = 0; j < n; j++) c += chunk[j] == e;  // unrolled: shared loads overlap
+            count[e] += c;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int g = 0, at = 0;
+        for (int e = 0; e < E; e++) {
+            first[e] = at;
+            if (count[e] > 0) {
+                groups[3 * g] = e;
+                groups[3 * g + 1] = at;
+                groups[3 * g + 2] = count[e];
+                g++;
+                at += count[e];
+            }
+        }
+        *num_groups = g;
+    }
+    for (int p0 = 0; p0 < P; p0 += GROUP_CHUNK) {
+        const int n = min(GROUP_CHUNK, P - p0);
+        __syncthreads();
+        for (int j = threadIdx.x; j < n; j += blockDim.x) chunk[j] = __ldcg(ids + p0 + j);
+        __syncthreads();
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            if (count[e] == 0) continue;
+            int at = first[e];
+#pragma unroll 16
+            for (int j = 0; j < n; j++) {
+                if (chunk[j] == e) {
+                    act_rows[at] = (p0 + j) / K;
+                    out_rows[at] = p0 + j;
+                    at++;
+                }
+            }
+            first[e] = at;
+        }
+    }
+}
+
+// ---- router softmax + top-k alone (routers of a quantised type, after their product):
+// grid R, block 32, shared E floats -----------------------------------------------------------
+extern "C" __global__ void router_topk(const float *__restrict__ logits, int E, int K, int norm,
+                                       int *__restrict__ ids, float *__restrict__ weights) {
+    extern __shared__ float probs[];  // [E]
+    const int r = blockIdx.x;
+    topk_row(logits + (long long)r * E, E, K, norm, probs, ids + r * K, weights + r * K);
+}
+
+// ---- grouping alone: grid 1, block 256, shared ints [2E + GROUP_CHUNK] ---------------------
+extern "C" __global__ void group_pairs(const int *__restrict__ ids, int P, int K, int E,
+                                       int *__restrict__ groups, int *__restrict__ num_groups,
+                                       int *__restrict__ act_rows, int *__restrict__ out_rows) {
+    extern __shared__ int shm_group[];
+    group_body(ids, P, K, E, groups, num_groups, act_rows, out_rows, shm_group);
+}
+
+// 4 consecutive weights of a float-type row at column c (c % 4 == 0)
+template <int QT>
+__device__ __forceinline__ float4 load_float4_weight(const uint8_t *row, int c) {
+    if (QT == ST_F32) return *reinterpret_cast<const float4 *>(row + 4 * (long long)c);
+    const uint2 raw = *reinterpret_cast<const uint2 *>(row + 2 * (long long)c);
+    if (QT == ST_F16) {
+        const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&raw.x));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&raw.y));
+        return make_float4(a.x, a.y, b.x, b.y);
+    }
+    return make_float4(bf16_to_f32(raw.x & 0xffffu), bf16_to_f32(raw.x >> 16),
+                       bf16_to_f32(raw.y & 0xffffu), bf16_to_f32(raw.y >> 16));  // BF16
+}
+
+// ---- the router in one launch (float router weights): logits [R, E] = W [E, H] x xf [R, H],
+// a warp per expert over ROUTER_RT rows (float4 loads); the last block of a row tile (counter
+// counts[1 + tile]) runs softmax + top-k of its rows (ids, weights [R, K]); the last tile to
+// finish (counts[0]) groups the pairs by expert (group_body). Counters are zero between
+// launches. Each logit is summed in one fixed order, so a row's routing never depends on the
+// window. grid (ceil(E / ROUTER_WARPS), ceil(R / ROUTER_RT)), block ROUTER_WARPS * 32, shared
+// floats [ROUTER_WARPS * E] + ints [2E + GROUP_CHUNK]. H % 4 == 0.
+#define ROUTER_WARPS 4
+#define ROUTER_RT 8
+#define ROUTER_UNROLL 8  // float4 weight loads in flight per lane
+template <int QT>
+__device__ __forceinline__ void router_body(
+    const uint8_t *__restrict__ W, long long row_bytes, int E, int H, const float *__restrict__ xf,
+    int R, int K, int norm, float *__restrict__ logits, int *__restrict__ ids,
+    float *__restrict__ weights, int *__restrict__ groups, int *__restrict__ num_groups,
+    int *__restrict__ act_rows, int *__restrict__ out_rows, int *__restrict__ counts) {
+    extern __shared__ float shm_router[];
+    __shared__ int s_is_last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int e = blockIdx.x * ROUTER_WARPS + warp;
+    const int r0 = blockIdx.y * ROUTER_RT, nt = min(ROUTER_RT, R - r0);
+    if (e < E) {
+        const uint8_t *wrow = W + (long long)e * row_bytes;  // [H]
+        float acc[ROUTER_RT];
+#pragma unroll
+        for (int t = 0; t < ROUTER_RT; t++) acc[t] = 0.0f;
+        // ROUTER_UNROLL weight float4s loaded together, then used for every row
+        for (int c0 = 4 * lane; c0 < H; c0 += 4 * WARP * ROUTER_UNROLL) {
+            float4 w[ROUTER_UNROLL];
+#pragma unroll
+            for (int u = 0; u < ROUTER_UNROLL; u++) {
+                const int c = c0 + 4 * WARP * u;
+                w[u] = c < H ? load_float4_weight<QT>(wrow, c) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int t = 0; t < ROUTER_RT; t++) {
+                if (t >= nt) break;
+                const float *xr = xf + (long long)(r0 + t) * H;  // [H]
+#pragma unroll
+                for (int u = 0; u < ROUTER_UNROLL; u++) {
+                    const int c = c0 + 4 * WARP * u;
+                    if (c < H) {
+                        const float4 x = *reinterpret_cast<const float4 *>(xr + c);
+                        const float a = fmaf(w[u].z, x.z, fmaf(w[u].w, x.w, acc[t]));
+                        acc[t] = fmaf(w[u].x, x.x, fmaf(w[u].y, x.y, a));
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < ROUTER_RT; t++) {
+            if (t < nt) {
+                const float s = warp_sum(acc[t]);
+                if (lane == 0) logits[(long long)(r0 + t) * E + e] = s;
+            }
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s_is_last = atomicAdd(counts + 1 + blockIdx.y, 1) == (int)gridDim.x - 1;
+        if (s_is_last) counts[1 + blockIdx.y] = 0;
+    }
+    __syncthreads();
+    if (!s_is_last) return;
+    for (int t = warp; t < nt; t += ROUTER_WARPS)
+        topk_row(logits + (long long)(r0 + t) * E, E, K, norm, shm_router + warp * E,
+                 ids + (r0 + t) * K, weights + (r0 + t) * K);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s_is_last = atomicAdd(counts, 1) == (int)gridDim.y - 1;
+        if (s_is_last) counts[0] = 0;
+    }
+    __syncthreads();
+    if (!s_is_last) return;
+    group_body(ids, R * K, K, E, groups, num_groups, act_rows, out_rows,
+               reinterpret_cast<int *>(shm_router + ROUTER_WARPS * E));
+}
+
+// (one entry point per type, written out: runtime._kernel_names finds them by name)
+#define ROUTER_ARGS                                                                             \
+    const uint8_t *W, long long row_bytes, int E, int H, const float *xf, int R, int K,         \
+        int norm, float *logits, int *ids, float *weights, int *groups, int *num_groups,        \
+        int *act_rows, int *out_rows, int *counts
+#define ROUTER_PASS W, row_bytes, E, H, xf, R, K, norm, logits, ids, weights, groups,          \
+                    num_groups, act_rows, out_rows, counts
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_f32(ROUTER_ARGS) {
+    router_body<ST_F32>(ROUTER_PASS);
+}
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_f16(ROUTER_ARGS) {
+    router_body<ST_F16>(ROUTER_PASS);
+}
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_bf16(ROUTER_ARGS) {
+    router_body<ST_BF16>(ROUTER_PASS);
+}

@@ -1,0 +1,166 @@
+"""The PCIe share: which missing experts the GPU reads over PCIe and which the CPU pool computes
+(`assign_where`), from `--pcie-frac` or a stored calibration (`strata-tool calibrate`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from strata.backends.cuda.exchange import WHERE_CPU, WHERE_PCIE, WHERE_VRAM
+from strata.errors import ConfigError
+
+DEFAULT_PCIE_FRAC = 0.5
+
+
+def check_pcie_frac(value, what: str = "--pcie-frac") -> float:
+    """A share in [0, 1] as float; ConfigError naming the value otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+            or not 0.0 <= float(value) <= 1.0:
+        raise ConfigError(f"{what} is {value!r}; give a fraction from 0 (every missing expert on "
+                          "the CPU pool) to 1 (every one read by the GPU over PCIe)")
+    return float(value)
+
+
+def assign_where(residency: np.ndarray, pcie_frac: float,
+                 expected_counts: np.ndarray) -> np.ndarray:
+    """where [L, E] uint8: 0 (VRAM) for resident experts (residency >= 0, a slot), and per layer
+    the missing ones split so that the PCIe side (1) gets about `pcie_frac` of their expected
+    routed rows, the CPU pool (2) the rest.
+
+    Per layer, missing experts with expected rows > 0 are taken hottest first (ties: lower id
+    first); one goes to PCIe when that keeps the PCIe rows nearer the target (pcie + c / 2 <
+    target), else to the CPU. Experts expected to get no rows are split by number: the lowest
+    round(pcie_frac * n) ids go to PCIe. pcie_frac 0 and 1 give every missing expert to one side.
+    """
+    residency = np.asarray(residency)
+    counts = np.asarray(expected_counts, dtype=np.float64)
+    if residency.ndim != 2 or counts.shape != residency.shape:
+        raise ConfigError(f"residency {residency.shape} and expected counts {counts.shape} must "
+                          "both be [layers, experts]")
+    if (counts < 0).any() or not np.isfinite(counts).all():
+        raise ConfigError("expected routed rows must be finite and >= 0")
+    frac = check_pcie_frac(pcie_frac, "pcie_frac")
+    where = np.full(residency.shape, WHERE_VRAM, dtype=np.uint8)
+    for layer in range(residency.shape[0]):
+        missing = np.flatnonzero(residency[layer] < 0)
+        if missing.size == 0:
+            continue
+        if frac >= 1.0 or frac <= 0.0:
+            where[layer, missing] = WHERE_PCIE if frac >= 1.0 else WHERE_CPU
+            continue
+        c = counts[layer, missing]
+        hot, cold = missing[c > 0], missing[c == 0]
+        target = frac * c.sum()
+        pcie_rows = 0.0
+        for e in hot[np.lexsort((hot, -counts[layer, hot]))]:  # hottest first, ties by id
+            rows = counts[layer, e]
+            if pcie_rows + rows / 2 < target:
+                where[layer, e] = WHERE_PCIE
+                pcie_rows += rows
+            else:
+                where[layer, e] = WHERE_CPU
+        num_cold_pcie = math.floor(frac * cold.size + 0.5)
+        where[layer, cold[:num_cold_pcie]] = WHERE_PCIE
+        where[layer, cold[num_cold_pcie:]] = WHERE_CPU
+    return where
+
+
+def pcie_share(where: np.ndarray, counts: np.ndarray) -> float:
+    """The fraction of the missing experts' routed rows in `counts` [L, E] that `where` gives
+    the GPU over PCIe (0.0 when there are none)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    pcie = counts[where == WHERE_PCIE].sum()
+    cpu = counts[where == WHERE_CPU].sum()
+    return float(pcie / (pcie + cpu)) if pcie + cpu > 0 else 0.0
+
+
+# ---- the stored calibration (`strata-tool calibrate`) -----------------------------------------
+CALIBRATION_FILE = "pcie-share.json"
+_log = logging.getLogger("strata.pool")
+
+
+def cache_dir() -> Path:
+    """$STRATA_CACHE_DIR, else $XDG_CACHE_HOME/strata, else ~/.cache/strata."""
+    if os.environ.get("STRATA_CACHE_DIR"):
+        return Path(os.environ["STRATA_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "strata"
+
+
+def calibration_key(model_path, gpu_name: str, threads: int) -> str:
+    """Model (resolved path and size), GPU name and CPU pool threads: what the share depends on."""
+    path = Path(model_path).resolve()
+    return f"{path}|{path.stat().st_size}|{gpu_name}|{int(threads)}"
+
+
+def share_from_rates(gpu_experts_per_s: float, cpu_experts_per_s: float) -> float:
+    """The PCIe share that makes both sides finish together: with M missing experts, the GPU
+    takes f * M / g and the pool (1 - f) * M / c seconds, equal at f = g / (g + c)."""
+    if not gpu_experts_per_s > 0 or not cpu_experts_per_s > 0:
+        raise ConfigError(f"measured rates must be > 0 (GPU {gpu_experts_per_s}, CPU pool "
+                          f"{cpu_experts_per_s} experts/s)")
+    return gpu_experts_per_s / (gpu_experts_per_s + cpu_experts_per_s)
+
+
+def store_calibration(model_path, gpu_name: str, threads: int, pcie_frac: float,
+                      details: dict | None = None) -> Path:
+    """Record the share (and the measurements behind it) for this model, GPU and threads in
+    the user cache dir; returns the file."""
+    path = cache_dir() / CALIBRATION_FILE
+    entries = _read_entries(path)
+    entry = dict(details or {})
+    entry.update(pcie_frac=check_pcie_frac(pcie_frac, "pcie_frac"),
+                 model=str(Path(model_path).resolve()), gpu=gpu_name, threads=int(threads),
+                 measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    entries[calibration_key(model_path, gpu_name, threads)] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    os.replace(tmp, path)  # readers never see half a file
+    return path
+
+
+def load_calibration(model_path, gpu_name: str, threads: int) -> dict | None:
+    """The stored entry for this model, GPU and threads, or None."""
+    entry = _read_entries(cache_dir() / CALIBRATION_FILE).get(
+        calibration_key(model_path, gpu_name, threads))
+    if entry is None:
+        return None
+    try:
+        check_pcie_frac(entry.get("pcie_frac"))
+    except ConfigError:
+        return None
+    return entry
+
+
+def resolve_pcie_frac(pcie_frac: float | None, model_path, gpu_name: str,
+                      threads: int) -> tuple[float, str]:
+    """(share, where it came from): --pcie-frac when given, else the stored calibration, else
+    0.5. Logged once, so a user sees which one a run used."""
+    if pcie_frac is not None:
+        frac, source = check_pcie_frac(pcie_frac), "--pcie-frac"
+    else:
+        entry = load_calibration(model_path, gpu_name, threads)
+        if entry is not None:
+            frac = float(entry["pcie_frac"])
+            source = f"calibrated {entry.get('measured_at', '')} ({cache_dir() / CALIBRATION_FILE})"
+        else:
+            frac = DEFAULT_PCIE_FRAC
+            source = (f"default: no calibration for this model, {gpu_name} and {threads} threads; "
+                      f"`strata-tool calibrate {model_path} --threads {threads}` measures it")
+    _log.info("PCIe share of cache misses %.2f (CPU pool %.2f): %s", frac, 1 - frac, source)
+    return frac, source
+
+
+def _read_entries(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # absent or unreadable: nothing calibrated (the next store rewrites it)
+    return entries if isinstance(entries, dict) else {}

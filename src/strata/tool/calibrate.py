@@ -1,0 +1,162 @@
+"""`strata-tool calibrate MODEL`: measure the GPU's reach over PCIe and the CPU pool's expert
+throughput on this machine, and store the PCIe share of cache misses they give (share.py).
+"""
+from __future__ import annotations
+
+import time
+
+import click
+import numpy as np
+
+from strata.errors import ConfigError, StrataError
+
+# A plain read of mapped pinned host memory: every byte crosses PCIe once (the GPU's reach of a
+# missing expert reads its blocks the same way, once per window).
+READ_KERNEL = r"""
+extern "C" __global__ void reach_read(const uint4 *src, unsigned long long num_vec,
+                                      unsigned int *sink) {
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+         i < num_vec; i += (unsigned long long)gridDim.x * blockDim.x) {
+        uint4 v = src[i];
+        acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w;
+    }
+    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) atomicAdd(sink, 1u);  // keeps the reads
+}
+"""
+
+
+def measure_cpu_pool(store, threads: int, seconds: float = 2.0, rows: int = 1,
+                     seed: int = 0) -> dict:
+    """Distinct experts per second the CPU pool's kernel computes from RAM: windows of `rows`
+    rows (1: a decode step, where the pool matters), each routed to top-K experts no other row
+    of the window shares, layer after layer (so the experts come from RAM, not the CPU caches)."""
+    from strata._native import kernels
+
+    spec = store.model.spec
+    H, E, K, F = spec.hidden, spec.n_experts, spec.n_experts_used, spec.expert_ffn
+    rows = max(1, min(rows, E // K))
+    pointers = store.expert_pointers()  # [L, 3, E]
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, H)) / np.sqrt(H)).astype(np.float32)       # [R, H]
+    wts = rng.random((rows, K)).astype(np.float32)                               # [R, K]
+    out = np.zeros((rows, H), dtype=np.float32)
+    before = kernels.get_num_threads()
+    kernels.set_num_threads(threads)
+    num_experts, num_calls, elapsed_s = 0, 0, 0.0
+    try:
+        start = time.perf_counter()
+        while elapsed_s < seconds or num_calls < store.n_layers:
+            layer = num_calls % store.n_layers
+            ids = rng.permutation(E)[:rows * K].reshape(rows, K).astype(np.int32)  # [R, K]
+            gate_type, up_type, down_type = store.types(layer)
+            kernels.moe_ffn_ptrs(x, np.ascontiguousarray(pointers[layer]), gate_type, up_type,
+                                 down_type, F, ids, wts, out)
+            num_experts += rows * K
+            num_calls += 1
+            elapsed_s = time.perf_counter() - start
+    finally:
+        kernels.set_num_threads(before)
+    return {"cpu_experts_per_s": num_experts / elapsed_s, "cpu_rows": rows,
+            "cpu_calls": num_calls, "cpu_seconds": elapsed_s}
+
+
+def measure_gpu_reach(device_index: int = 0, num_bytes: int = 256 << 20,
+                      repeats: int = 5) -> dict:
+    """Bytes per second a GPU kernel reads from mapped pinned host memory (best of `repeats`),
+    and the GPU's name."""
+    from strata.backends.cuda.runtime import import_pycuda
+
+    drv = import_pycuda()
+    if not 0 <= device_index < drv.Device.count():
+        raise ConfigError(f"CUDA device {device_index} does not exist: this machine has "
+                          f"{drv.Device.count()}")
+    device = drv.Device(device_index)
+    context = device.retain_primary_context()
+    context.push()
+    try:
+        import warnings
+
+        from pycuda.compiler import SourceModule
+
+        with warnings.catch_warnings():  # nvcc's remarks arrive as UserWarnings
+            warnings.simplefilter("ignore", UserWarning)
+            kernel = SourceModule(READ_KERNEL, no_extern_c=True).get_function("reach_read")
+        host = drv.pagelocked_empty(num_bytes, np.uint8,
+                                    mem_flags=drv.host_alloc_flags.DEVICEMAP)
+        host[:] = np.arange(num_bytes, dtype=np.uint64).astype(np.uint8)  # pages present
+        src = np.uintp(host.base.get_device_pointer())
+        sink = drv.mem_alloc(4)
+        num_sms = device.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
+        grid = (num_sms * 8, 1)
+        best_s = float("inf")
+        start, end = drv.Event(), drv.Event()
+        for _ in range(repeats + 1):  # the first launch warms up
+            start.record()
+            kernel(src, np.uint64(num_bytes // 16), sink, block=(256, 1, 1), grid=grid)
+            end.record()
+            end.synchronize()
+            best_s = min(best_s, end.time_since(start) / 1e3)
+        name = device.name()
+        sink.free()
+        host.base.free()
+    finally:
+        context.pop()
+    return {"gpu": name, "gpu_reach_bytes_per_s": num_bytes / best_s, "gpu_read_bytes": num_bytes}
+
+
+@click.command()
+@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False))
+@click.option("--threads", "-t", default=None, type=click.IntRange(min=1),
+              help="CPU pool threads (default: the pool's, all cores but one); the share is "
+                   "stored for this count.")
+@click.option("--seconds", default=2.0, show_default=True, type=click.FloatRange(min=0.01),
+              help="How long to time the CPU pool.")
+@click.option("--rows", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Rows per timed CPU window (1: decode), each with its own top-K experts.")
+@click.option("--device-index", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Which GPU.")
+def calibrate(model_path, threads, seconds, rows, device_index):
+    """Measure how fast the GPU reads missing experts over PCIe and how fast the CPU pool computes
+    them, and store the PCIe share of cache misses (`--pcie-frac` unset reads it) for MODEL, this
+    GPU and the thread count."""
+    from strata.backends.cuda.cpu_pool import default_pool_threads
+    from strata.backends.cuda.share import share_from_rates, store_calibration
+    from strata.experts.store import ExpertStore
+    from strata.model.gguf_file import GGUFModel
+
+    threads = threads or default_pool_threads()
+    try:
+        with GGUFModel.open(model_path) as model:
+            store = ExpertStore.from_gguf(model)
+            expert_nbytes = store.expert_nbytes
+            cpu = measure_cpu_pool(store, threads, seconds, rows)
+            del store
+    except StrataError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"cannot read {model_path}: {exc.strerror or exc}")
+    size = (f"{expert_nbytes / 2**20:.2f} MiB" if expert_nbytes >= 2**20
+            else f"{expert_nbytes / 2**10:.1f} KiB")
+    click.echo(f"CPU pool ({threads} thread{'s' if threads > 1 else ''}): "
+               f"{cpu['cpu_experts_per_s']:,.0f} experts/s ({cpu['cpu_rows']} row"
+               f"{'s' if cpu['cpu_rows'] > 1 else ''} per window, "
+               f"{cpu['cpu_calls']} windows in {cpu['cpu_seconds']:.2f} s; {size} per expert)")
+    try:
+        gpu = measure_gpu_reach(device_index)
+    except ConfigError as exc:
+        _fail(f"calibrate needs the GPU to measure its PCIe reach: {exc}")
+    gpu_experts_per_s = gpu["gpu_reach_bytes_per_s"] / expert_nbytes
+    click.echo(f"GPU reach ({gpu['gpu']}): {gpu['gpu_reach_bytes_per_s'] / 1e9:.1f} GB/s from "
+               f"mapped pinned RAM = {gpu_experts_per_s:,.0f} experts/s")
+    frac = share_from_rates(gpu_experts_per_s, cpu["cpu_experts_per_s"])
+    path = store_calibration(model_path, gpu["gpu"], threads, frac,
+                             {**cpu, **gpu, "expert_bytes": expert_nbytes,
+                              "gpu_experts_per_s": gpu_experts_per_s})
+    click.echo(f"PCIe share of cache misses: {frac:.3f} (CPU pool {1 - frac:.3f}); stored in "
+               f"{path}")
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    raise SystemExit(2)

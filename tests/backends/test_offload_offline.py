@@ -1,0 +1,58 @@
+"""Offload-tier pieces that run on any machine: offload.cu compiles for sm_90 and names its
+kernels, the slot layout (parts 256-aligned, one slot size), the VRAM arena's `auto` sizing."""
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from strata.backends.cuda import runtime as cuda_runtime
+from strata.backends.cuda.offload import PART_ALIGN_BYTES, slot_layout, work_buffer_bytes
+from strata.experts.store import ExpertStore
+from strata.model.gguf_file import GGUFModel
+from strata.tool.synth import synth_model
+
+
+def test_offload_kernels_are_named():
+    names = set(cuda_runtime._kernel_names(cuda_runtime.module_source("offload.cu")))
+    assert names == {"tier_groups", "pool_publish", "pool_wait", "moe_combine_pool"}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+def test_offload_cu_compiles_for_sm90(tmp_path):
+    src = tmp_path / "offload.cu"
+    src.write_text(cuda_runtime.module_source("offload.cu"))
+    out = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-std=c++17", "-O3", str(src),
+                          "-o", str(tmp_path / "out.cubin")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out.cubin").stat().st_size > 0
+
+
+@pytest.mark.parametrize("weight_type, part_bytes", [
+    # tiny: hidden 64, expert width 32 -> gate/up [32, 64], down [64, 32]
+    ("f32", (32 * 64 * 4, 32 * 64 * 4, 64 * 32 * 4)),
+    ("q8_0", (32 * 2 * 34, 32 * 2 * 34, 64 * 1 * 34)),
+])
+def test_slot_layout_aligns_each_part(tmp_path, weight_type, part_bytes):
+    path = tmp_path / f"tiny-{weight_type}.gguf"
+    synth_model(path, shape="tiny", weight_type=weight_type, n_layers=3)
+    with GGUFModel.open(path) as gguf:
+        store = ExpertStore.from_gguf(gguf)
+        assert tuple(p.nbytes for p in store.layouts[0].parts) == part_bytes
+        offsets, slot_bytes = slot_layout(store)
+
+    def up(n):
+        return -(-n // PART_ALIGN_BYTES) * PART_ALIGN_BYTES
+
+    gate, upb, down = part_bytes
+    assert offsets.shape == (3, 3) and offsets.dtype == np.uint64
+    assert [list(row) for row in offsets] == [[0, up(gate), up(gate) + up(upb)]] * 3
+    assert slot_bytes == up(gate) + up(upb) + up(down)
+
+
+def test_work_buffer_estimate_grows_with_rows(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    spec = synth_model(path, shape="tiny", weight_type="f32", n_layers=2)
+    one, many = work_buffer_bytes(spec, 1), work_buffer_bytes(spec, 512)
+    assert many == 512 * one
+    assert one >= 4 * spec.vocab + spec.n_experts_used * 4 * spec.hidden  # logits + ybuf rows

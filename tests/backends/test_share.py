@@ -1,0 +1,164 @@
+"""The PCIe share: assign_where's exact splits, the stored calibration, and --pcie-frac."""
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from strata.backends.cuda.share import (CALIBRATION_FILE, assign_where, load_calibration,
+                                        pcie_share, resolve_pcie_frac, share_from_rates,
+                                        store_calibration)
+from strata.config import EngineConfig
+from strata.errors import ConfigError
+
+V, P, C = 0, 1, 2  # VRAM, PCIe, CPU pool
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from strata.tool.synth import synth_model
+
+    path = tmp_path_factory.mktemp("share") / "tiny.gguf"
+    synth_model(path, shape="tiny", weight_type="q8_0", seed=3)
+    return str(path)
+
+
+# ---- assign_where ----------------------------------------------------------------------------
+def test_assign_where_splits_each_layer_by_expected_rows():
+    residency = np.array([[-1, -1, -1, -1, -1],
+                          [0, -1, 3, -1, -1],
+                          [-1, -1, -1, -1, -1],
+                          [4, 1, 2, 5, 6]])       # all resident: nothing to split
+    counts = np.array([[4, 3, 2, 1, 0],
+                       [9, 5, 9, 5, 0],
+                       [2, 2, 2, 2, 2],         # ties: lower ids first
+                       [7, 7, 7, 7, 7]])
+    where = assign_where(residency, 0.5, counts)
+    # layer 0: target 5 of 10 rows: 4 -> PCIe; 3 and 2 would overshoot; 1 -> PCIe (5 rows);
+    #   the expert expected to get nothing: round(0.5 * 1) = 1 of 1 to PCIe
+    # layer 1: missing 1, 3 (5 rows each), 4 (none): target 5: expert 1 PCIe, 3 CPU, 4 PCIe
+    # layer 2: target 5 of 10: experts 0, 1 (4 rows); 4 + 2 / 2 < 5 fails for the rest: CPU
+    expected = np.array([[P, C, C, P, P],
+                         [V, P, V, C, P],
+                         [P, P, C, C, C],
+                         [V, V, V, V, V]], dtype=np.uint8)
+    np.testing.assert_array_equal(where, expected)
+    assert where.dtype == np.uint8
+    assert pcie_share(where[:1], counts[:1]) == 0.5
+    assert pcie_share(where[3:], counts[3:]) == 0.0
+
+
+def test_assign_where_extremes_and_no_information():
+    residency = np.array([[-1, 2, -1, -1, -1]])
+    counts = np.array([[3, 1, 0, 8, 1]])
+    np.testing.assert_array_equal(assign_where(residency, 0.0, counts), [[C, V, C, C, C]])
+    np.testing.assert_array_equal(assign_where(residency, 1.0, counts), [[P, V, P, P, P]])
+    # no counts at all: split by number, lowest ids to PCIe (round(0.4 * 4) = 2)
+    np.testing.assert_array_equal(assign_where(residency, 0.4, np.zeros((1, 5))),
+                                  [[P, V, P, C, C]])
+    # a small share (target 1.2 rows) goes to the small expert that fits it, not the hottest
+    np.testing.assert_array_equal(assign_where(residency, 0.1, counts), [[C, V, C, C, P]])
+    # deterministic: the same tables give the same split
+    rng = np.random.default_rng(0)
+    res = np.where(rng.random((6, 32)) < 0.3, 1, -1)
+    cnt = rng.integers(0, 20, size=(6, 32))
+    first = assign_where(res, 0.63, cnt)
+    np.testing.assert_array_equal(first, assign_where(res, 0.63, cnt))
+    assert abs(pcie_share(first, cnt) - 0.63) < 0.05
+
+
+def test_assign_where_refuses_bad_tables():
+    with pytest.raises(ConfigError, match=r"must both be \[layers, experts\]"):
+        assign_where(np.zeros((2, 4)), 0.5, np.zeros((2, 3)))
+    with pytest.raises(ConfigError, match="finite and >= 0"):
+        assign_where(-np.ones((1, 2)), 0.5, np.array([[1.0, -1.0]]))
+    with pytest.raises(ConfigError, match="pcie_frac is 1.5; give a fraction from 0"):
+        assign_where(-np.ones((1, 2)), 1.5, np.ones((1, 2)))
+
+
+# ---- the stored calibration --------------------------------------------------------------------
+def test_calibration_store_load_round_trip(tiny, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path / "cache"))
+    assert load_calibration(tiny, "GPU A", 8) is None
+    path = store_calibration(tiny, "GPU A", 8, 0.75, {"cpu_experts_per_s": 100.0})
+    store_calibration(tiny, "GPU A", 4, 0.5)
+    assert path == tmp_path / "cache" / CALIBRATION_FILE
+    entry = load_calibration(tiny, "GPU A", 8)
+    assert entry["pcie_frac"] == 0.75 and entry["cpu_experts_per_s"] == 100.0
+    assert entry["gpu"] == "GPU A" and entry["threads"] == 8
+    assert load_calibration(tiny, "GPU A", 4)["pcie_frac"] == 0.5
+    assert load_calibration(tiny, "GPU B", 8) is None            # keyed by GPU
+    assert load_calibration(tiny, "GPU A", 16) is None           # and by threads
+    with caplog.at_level("INFO", logger="strata.pool"):
+        assert resolve_pcie_frac(None, tiny, "GPU A", 8)[0] == 0.75
+        assert resolve_pcie_frac(0.2, tiny, "GPU A", 8) == (0.2, "--pcie-frac")
+        frac, source = resolve_pcie_frac(None, tiny, "GPU B", 8)
+    assert frac == 0.5 and f"strata-tool calibrate {tiny} --threads 8" in source
+    assert "PCIe share of cache misses 0.75" in caplog.text
+    # an unreadable file counts as no calibration, and the next store rewrites it
+    path.write_text("{not json")
+    assert load_calibration(tiny, "GPU A", 8) is None
+    store_calibration(tiny, "GPU A", 8, 0.25)
+    assert len(json.loads(path.read_text())) == 1
+    assert load_calibration(tiny, "GPU A", 8)["pcie_frac"] == 0.25
+
+
+def test_share_from_rates():
+    assert share_from_rates(3000.0, 1000.0) == 0.75
+    with pytest.raises(ConfigError, match="must be > 0"):
+        share_from_rates(0.0, 10.0)
+
+
+def test_calibrate_measures_the_cpu_pool(tiny, tmp_path, monkeypatch):
+    from strata.backends.cuda.runtime import is_available
+    from strata.experts.store import ExpertStore
+    from strata.model.gguf_file import GGUFModel
+    from strata.tool.calibrate import measure_cpu_pool
+    from strata.tool.cli import main
+
+    with GGUFModel.open(tiny) as model:
+        store = ExpertStore.from_gguf(model)
+        cpu = measure_cpu_pool(store, threads=1, seconds=0.05)
+        assert cpu["cpu_experts_per_s"] > 0 and cpu["cpu_calls"] >= store.n_layers
+        assert cpu["cpu_rows"] == 1
+        # more rows than the experts can give distinct top-K sets: as many as they can
+        wide = measure_cpu_pool(store, threads=1, seconds=0.01, rows=1000)
+        assert wide["cpu_rows"] == model.spec.n_experts // model.spec.n_experts_used
+        del store
+    if is_available():
+        return  # the GPU half runs in tests/backends/cuda/test_cuda_pool.py
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path / "cache"))
+    res = CliRunner().invoke(main, ["calibrate", tiny, "-t", "1", "--seconds", "0.05"])
+    assert res.exit_code == 2
+    assert res.stdout.startswith("CPU pool (1 thread): ")
+    assert "calibrate needs the GPU to measure its PCIe reach" in res.stderr
+    assert not (tmp_path / "cache").exists()   # nothing stored from half a measurement
+
+
+# ---- --pcie-frac -------------------------------------------------------------------------------
+def test_pcie_frac_config_validation(tiny):
+    assert EngineConfig(tiny, expert_cache=4, pcie_frac=0).pcie_frac == 0.0
+    assert EngineConfig(tiny, expert_cache=4, pcie_frac=1, device="cuda").pcie_frac == 1.0
+    assert EngineConfig(tiny).pcie_frac is None
+    with pytest.raises(ConfigError, match="--pcie-frac is 1.5; give a fraction from 0"):
+        EngineConfig(tiny, expert_cache=4, pcie_frac=1.5)
+    with pytest.raises(ConfigError, match="--pcie-frac is True"):
+        EngineConfig(tiny, expert_cache=4, pcie_frac=True)
+    with pytest.raises(ConfigError, match="give it with --expert-cache auto|N"):
+        EngineConfig(tiny, pcie_frac=0.5)
+    with pytest.raises(ConfigError, match="and --device cuda"):
+        EngineConfig(tiny, expert_cache=4, pcie_frac=0.5, device="cpu")
+
+
+def test_pcie_frac_cli_option(tiny):
+    from strata.cli import main
+
+    for command in ("run", "bench", "serve"):
+        assert "--pcie-frac" in CliRunner().invoke(main, [command, "--help"]).output
+    for flags, message in ((["--pcie-frac", "2"], "2.0 is not in the range 0<=x<=1"),
+                           (["--pcie-frac", "0.5"], "give it with --expert-cache"),
+                           (["--pcie-frac", "0.5", "--expert-cache", "4", "--device", "cpu"],
+                            "and --device cuda")):
+        res = CliRunner().invoke(main, ["run", "--model", tiny, "-n", "1", "Hi"] + flags)
+        assert res.exit_code == 2, res.output
+        assert message in res.stderr and "Traceback" not in res.output
