@@ -162,3 +162,10 @@ def test_pcie_frac_cli_option(tiny):
         res = CliRunner().invoke(main, ["run", "--model", tiny, "-n", "1", "Hi"] + flags)
         assert res.exit_code == 2, res.output
         assert message in res.stderr and "Traceback" not in res.output
+
+
+def test_prompt_sized_windows_read_every_miss_over_pcie():
+    from strata.backends.cuda.share import POOL_MAX_ROWS, window_share
+
+    assert window_share(0.3, 1) == window_share(0.3, POOL_MAX_ROWS) == 0.3
+    assert window_share(0.3, POOL_MAX_ROWS + 1) == window_share(0.0, 512) == 1.0

@@ -162,7 +162,8 @@ class ExpertTier:
         self._before_s = 0.0
         if self.arena is not None:
             t0 = time.perf_counter()
-            self.arena.before_window()  # a device arena lands finished copies here
+            # a device arena lands finished copies here and sets the window's PCIe share
+            self.arena.before_window(window.num_rows)
             self._before_s = time.perf_counter() - t0
         snap = self.arena.table.snapshot() if self.arena is not None else None
         try:

@@ -129,8 +129,9 @@ class ExpertArena(abc.ABC):
             loaded += 1
         return loaded
 
-    def before_window(self) -> None:
-        """Called by the tier before each window (a device arena lands finished copies here)."""
+    def before_window(self, num_rows: int = 1) -> None:
+        """Called by the tier before each window of `num_rows` rows (a device arena lands
+        finished copies here and sets the window's PCIe share)."""
 
     def new_copier(self, on_landed):
         """The async copier of this arena, or None for the tier's copier thread (which runs

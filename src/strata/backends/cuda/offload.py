@@ -211,20 +211,22 @@ class VramExpertArena(ExpertArena):
         self._where_version = -1
         self._set_where()
 
-    def _set_where(self) -> None:
+    def _set_where(self, num_rows: int = 1) -> None:
         """where [L, E] from the published residency and the expected rows (share.py), on the
-        device and in the pool, when residency changed or every 8 windows."""
-        from strata.backends.cuda.share import assign_where
+        device and in the pool, when residency or the window's share changed, or every 8
+        windows (`window_share`: prompt chunks read every miss over PCIe)."""
+        from strata.backends.cuda.share import assign_where, window_share
 
-        version = self.table.version
+        share = window_share(self.pcie_frac, num_rows)
+        key = (self.table.version, share)
         self._windows_since_where += 1
-        if version == self._where_version and self._windows_since_where < 8:
+        if key == self._where_version and self._windows_since_where < 8:
             return
-        where = assign_where(self.table.peek().table, self.pcie_frac, self._expected)
+        where = assign_where(self.table.peek().table, share, self._expected)
         with self._rt.active():
             self.model.tier.set_where(where)
         self.pool.set_where(where)
-        self._where_version, self._windows_since_where = version, 0
+        self._where_version, self._windows_since_where = key, 0
 
     def account_routed(self, snap, counts: np.ndarray):
         self._expected *= 0.8
@@ -325,11 +327,11 @@ class VramExpertArena(ExpertArena):
             rt.synchronize()
         return len(placed)
 
-    def before_window(self) -> None:
+    def before_window(self, num_rows: int = 1) -> None:
         if self.copier is not None:
             self.copier.pump()
         if self.pool is not None:
-            self._set_where()
+            self._set_where(num_rows)
 
     def new_copier(self, on_landed):
         from strata.backends.cuda.copier import StreamCopier

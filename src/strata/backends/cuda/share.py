@@ -27,6 +27,19 @@ def check_pcie_frac(value, what: str = "--pcie-frac") -> float:
     return float(value)
 
 
+# Windows of more rows read every miss over PCIe (no CPU pool share): the GPU reads a missing
+# expert once for all its rows, while the pool's time grows with them. Measured on the H200 at
+# --pcie-frac 0.5: the pool lifts 1- and 4-row decode windows 1.45-1.58x and halves a 512-row
+# prompt chunk; 16 lies between and is not measured (docs/offload.md).
+POOL_MAX_ROWS = 16
+
+
+def window_share(pcie_frac: float, num_rows: int) -> float:
+    """The PCIe share for a window of `num_rows` rows: `pcie_frac` up to POOL_MAX_ROWS rows,
+    1 (no pool) beyond."""
+    return pcie_frac if num_rows <= POOL_MAX_ROWS else 1.0
+
+
 def assign_where(residency: np.ndarray, pcie_frac: float,
                  expected_counts: np.ndarray) -> np.ndarray:
     """where [L, E] uint8: 0 (VRAM) for resident experts (residency >= 0, a slot), and per layer
