@@ -195,10 +195,12 @@ class ExpertTier:
         counts = self._counts
         window_index = self.totals.num_windows
         hits = misses = 0
+        pool_entries, pool_s = 0, 0.0
         if snap is not None:
             served = self.arena.account_routed(snap, counts)
             self.arena.take_window()
             hits, misses = served.hits, served.misses
+            pool_entries, pool_s = self.arena.take_pool_window()
             keys = np.flatnonzero(counts)  # [n] layer * E + expert, ascending
             num_access_hits = int((snap.table.reshape(-1)[keys] >= 0).sum())
             self.recent.append(keys, num_access_hits)
@@ -219,6 +221,8 @@ class ExpertTier:
             t.num_windows += 1
             t.num_hits += hits
             t.num_misses += misses
+            t.num_pool_entries += pool_entries
+            t.pool_s += pool_s
             if snap is not None:
                 t.num_accesses += len(keys)
                 t.num_access_hits += num_access_hits
@@ -251,7 +255,8 @@ class ExpertTier:
         if group.num_windows:
             group.max_wait_s = self._max_wait_since_log
             log.info("%s; tier wait by window since start: %s, %s",
-                     format_group(group, self._logged.num_windows, self.mode),
+                     format_group(group, self._logged.num_windows, self.mode,
+                                  self.arena.misses_on_gpu),
                      self.wait_by_kind["solo"].describe("solo"),
                      self.wait_by_kind["batch"].describe("batch"))
         self._logged = now

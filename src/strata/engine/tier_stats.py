@@ -23,6 +23,10 @@ class TierTotals:
     num_windows: int = 0
     num_hits: int = 0  # routed entries whose expert was resident (served by the cache)
     num_misses: int = 0  # routed entries served from the store
+    # of the misses, on the GPU with a CPU pool: the entries the pool computed (the rest were
+    # read over PCIe) and the pool's compute seconds
+    num_pool_entries: int = 0
+    pool_s: float = 0.0
     num_access_hits: int = 0
     num_accesses: int = 0
     num_rounds: int = 0  # rounds that asked the policy
@@ -52,13 +56,20 @@ class TierTotals:
         return replace(self)
 
 
-def format_group(totals: TierTotals, first_window: int, mode: str) -> str:
+def format_group(totals: TierTotals, first_window: int, mode: str,
+                 misses_on_gpu: bool = False) -> str:
     """One INFO line for a group of windows (`totals` holds that group's counts); `mode` is
-    "async", "blocking" or "frozen"."""
+    "async", "blocking" or "frozen"; `misses_on_gpu`: the misses were read over PCIe or
+    computed by a CPU pool (the offload tiers), which the line splits."""
     num_routed = totals.num_hits + totals.num_misses
     skipped = f" ({totals.num_rounds_skipped} skipped)" if totals.num_rounds_skipped else ""
+    served = f"{totals.num_hits} cache + {totals.num_misses} miss"
+    if misses_on_gpu:
+        served = (f"{totals.num_hits} VRAM + {totals.num_misses - totals.num_pool_entries} "
+                  f"PCIe + {totals.num_pool_entries} CPU pool (pool "
+                  f"{totals.pool_s * 1e3:.1f} ms)")
     return (f"expert cache, windows {first_window}-{first_window + totals.num_windows - 1}: "
-            f"{num_routed} routed entries = {totals.num_hits} cache + {totals.num_misses} miss "
+            f"{num_routed} routed entries = {served} "
             f"({totals.hit_rate:.1%} hit), {totals.num_rounds} rounds{skipped}, "
             f"{totals.num_swaps} swaps ({totals.num_fills} free fills + {totals.num_evictions} "
             f"evictions), {totals.num_bytes_moved / 2**20:.1f} MiB moved, tier wait "

@@ -133,6 +133,15 @@ class ExpertArena(abc.ABC):
         """Called by the tier before each window of `num_rows` rows (a device arena lands
         finished copies here and sets the window's PCIe share)."""
 
+    #: True when the misses are read over PCIe by the GPU or computed by a CPU pool (the offload
+    #: tiers): logs and metrics split them
+    misses_on_gpu = False
+
+    def take_pool_window(self) -> tuple[int, float]:
+        """(routed entries, seconds) the CPU pool served in the window just run; (0, 0.0) with
+        no pool."""
+        return 0, 0.0
+
     def new_copier(self, on_landed):
         """The async copier of this arena, or None for the tier's copier thread (which runs
         `load_steps` beside the windows). `on_landed(load)` counts a landed load."""

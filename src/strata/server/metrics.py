@@ -75,6 +75,15 @@ class ExpertCacheCollector:
                        "by the expert cache", t.num_hits)
         yield _counter("strata_expert_cache_misses", "Routed entries served from the expert "
                        "store (not resident)", t.num_misses)
+        if tier.arena.misses_on_gpu:
+            served = CounterMetricFamily("strata_expert_cache_misses_served", "Cache misses "
+                                         "(routed entries) by who served them: the GPU over "
+                                         "PCIe or the CPU pool", labels=["by"])
+            served.add_metric(["pcie"], t.num_misses - t.num_pool_entries)
+            served.add_metric(["cpu_pool"], t.num_pool_entries)
+            yield served
+            yield _counter("strata_expert_cpu_pool_seconds", "CPU pool compute time",
+                           t.pool_s)
         yield _gauge("strata_expert_cache_hit_rate", "Share of routed entries served by the "
                      "cache since start-up", t.hit_rate)
         yield _gauge("strata_expert_cache_slots", "Expert cache slots (one routed expert each)",

@@ -162,6 +162,7 @@ class VramExpertArena(ExpertArena):
     """
 
     reads_host_pointers = False
+    misses_on_gpu = True
 
     def __init__(self, model, store: ExpertStore, n_slots: int, host: HostExperts):
         super().__init__(store, n_slots, host.slot_bytes)
@@ -181,6 +182,7 @@ class VramExpertArena(ExpertArena):
         self._expected = np.zeros((store.n_layers, store.n_experts))  # [L, E] decayed rows
         self._where_version = -1
         self._windows_since_where = 0
+        self._pool_seq_taken = 0  # the last pool window counted by take_pool_window
 
     # ---- the CPU pool -------------------------------------------------------------------
     def attach_pool(self, pcie_frac: float, max_rows: int, threads: int | None = None) -> None:
@@ -326,6 +328,13 @@ class VramExpertArena(ExpertArena):
             self._publish()
             rt.synchronize()
         return len(placed)
+
+    def take_pool_window(self) -> tuple[int, float]:
+        stats = self.pool.last_stats if self.pool is not None else None
+        if stats is None or stats.seq == self._pool_seq_taken:
+            return 0, 0.0
+        self._pool_seq_taken = stats.seq
+        return stats.num_entries, stats.pool_ms / 1e3
 
     def before_window(self, num_rows: int = 1) -> None:
         if self.copier is not None:
