@@ -11,9 +11,10 @@
 #define CAND_MAX 1024   // candidates per row at most (one per thread of the block)
 #define CAND_THREADS 1024
 
-// Ordered key of a float: larger floats give larger unsigned keys (NaN sorts above +inf).
+// Ordered key of a float: larger floats give larger unsigned keys (NaN sorts above +inf);
+// -0 and +0 give one key, since the host compares them equal (a tie, broken by the lower id).
 __device__ __forceinline__ unsigned float_key(float f) {
-    const unsigned b = __float_as_uint(f);
+    const unsigned b = f == 0.0f ? 0u : __float_as_uint(f);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
