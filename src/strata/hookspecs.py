@@ -166,7 +166,7 @@ def strata_tier_policy(config: Any, spec: Any, num_slots: int) -> TierPolicy | N
 
     Called once when the engine is built with an expert cache (`--expert-cache`); `num_slots`
     is the cache's slot count. The first non-None result wins; the built-in default
-    (`window-score`, strata.experts.tier_window) answers last. `--adapt-every 0` freezes the
+    (`decayed-count`, strata.experts.tier) answers last. `--adapt-every 0` freezes the
     cache and the policy is never asked for swaps.
     """
 

@@ -1,6 +1,6 @@
-"""Round-based tier policy `decayed-count` (each (layer, expert) scored by its expected routed rows
-next round, a blend of a slow and a fast decayed count) and `plan_by_scores`, the swap planner it
-shares with the default `window-score` policy (tier_window.py).
+"""The default tier policy `decayed-count`: round-based, each (layer, expert) scored by its
+expected routed rows next round (a blend of a slow and a fast decayed count); and
+`plan_by_scores`, the swap planner it shares with the `window-score` policy (tier_window.py).
 """
 from __future__ import annotations
 

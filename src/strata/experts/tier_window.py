@@ -1,6 +1,7 @@
-"""The default tier policy `window-score`: scores updated every window (how often an expert is
-routed, plus how many rows it took in the last window); rounds swap by score, and with free
-admission (a missed expert's bytes crossed the link anyway) missed experts may stay resident.
+"""The tier policy `window-score` (not the default: docs/tier.md says why): scores updated
+every window (how often an expert is routed, plus how many rows it took in the last window);
+rounds swap by score, and with free admission (a missed expert's bytes crossed the link anyway)
+missed experts may stay resident.
 """
 from __future__ import annotations
 
