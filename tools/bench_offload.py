@@ -2,12 +2,17 @@
 a VRAM expert cache of 0% and 50% of the experts (misses read over PCIe by the GPU, or part of
 them computed by the CPU pool with --pcie-frac < 1), medians of several runs, tokens/s.
 
-Usage: python tools/bench_offload.py MODEL.gguf [-p 512] [-n 128] [-r 3] [--fractions 0,0.5]
-       [--slots 4] [--pcie-frac 1] [--synth qwen3-30b-a3b --weight-type q4_0 --routing-skew 1
-       --jobs 16]   (writes the synth model first when MODEL is missing)
-Per cache fraction: pp (one prompt window), tg (one slot decoding), aggregate decode with
---slots slots; the cache filled in layer order and frozen (50% = the experts of the first half
-of the layers in VRAM), then the same decode with the adaptive tier (async) and its hit rate.
+Usage: python tools/bench_offload.py MODEL.gguf [-p 512,4096] [--read-chunk 512] [-n 128]
+       [-r 3] [--fractions 0,0.5] [--slots 4] [--pcie-frac 1] [--stream-rows 32]
+       [--compare-pcie] [--crossover 16,24,32,64] [--whole-window]
+       [--synth qwen3-30b-a3b --weight-type q4_0 --routing-skew 1 --jobs 16]
+       (writes the synth model first when MODEL is missing)
+Per cache fraction: pp (each prompt in windows of --read-chunk rows, as the engine reads it;
+windows of >= --stream-rows rows stream their layers' missing experts into staging slots,
+stream.py; --compare-pcie also times them read over PCIe), tg (one slot decoding), aggregate
+decode with --slots slots; the cache filled in layer order and frozen (50% = the experts of the
+first half of the layers in VRAM), then the same decode with the adaptive tier (async) and its
+hit rate. --crossover: one window of R rows with streaming off and on, ms (the first fraction).
 """
 import argparse
 import os
@@ -21,13 +26,24 @@ from strata.backends.window import Window
 from strata.model.gguf_file import GGUFModel
 
 
-def bench_prompt(model, num_tokens, rng) -> float:
-    """Seconds of one prompt window of num_tokens rows (greedy: no logits copied)."""
+def bench_prompt(model, num_tokens, rng, chunk=None) -> float:
+    """Seconds of a prompt of num_tokens read in windows of `chunk` rows (None: one window;
+    greedy: no logits copied). The arena readies each window as the engine's tier does
+    (streaming staging); the borrowed slots are given back and refilled after, untimed."""
+    arena = model.expert_arena
+    chunk = chunk or num_tokens
     kv = model.new_kv(num_tokens + 1)
     tokens = rng.integers(0, model.spec.vocab, num_tokens).astype(np.int32)
     t0 = time.perf_counter()
-    model.forward_window_greedy(Window.build([(kv, tokens)]))
-    return time.perf_counter() - t0
+    for at in range(0, num_tokens, chunk):
+        part = tokens[at:at + chunk]
+        arena.before_window(len(part))
+        model.forward_window_greedy(Window.build([(kv, part)]))
+    secs = time.perf_counter() - t0
+    arena.before_window(1)  # what the next decode window does: slots back, refills queued
+    arena.streamer.wait_idle(60)
+    arena.before_window(1)
+    return secs
 
 
 def bench_decode(model, num_slots, num_steps, num_prompt, rng) -> float:
@@ -45,12 +61,15 @@ def bench_decode(model, num_slots, num_steps, num_prompt, rng) -> float:
     return time.perf_counter() - t0
 
 
-def tier_decode(tier, model, num_slots, num_steps, num_prompt, rng) -> float:
-    """Seconds of num_steps decode windows of num_slots rows through the expert tier."""
+def tier_decode(tier, model, num_slots, num_steps, num_prompt, rng, after_prompts=None) -> float:
+    """Seconds of num_steps decode windows of num_slots rows through the expert tier, after a
+    prompt of num_prompt tokens per slot (not timed; then `after_prompts()` when given)."""
     kvs = [model.new_kv(num_prompt + num_steps + 1) for _ in range(num_slots)]
     for kv in kvs:
         tier.forward_window(Window.build(
             [(kv, rng.integers(0, model.spec.vocab, num_prompt).astype(np.int32))]))
+    if after_prompts is not None:
+        after_prompts()
     tok = rng.integers(0, model.spec.vocab, num_slots).astype(np.int32)
     t0 = time.perf_counter()
     for _ in range(num_steps):
@@ -63,7 +82,19 @@ def tier_decode(tier, model, num_slots, num_steps, num_prompt, rng) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("-p", "--prompt-tokens", type=int, default=512)
+    ap.add_argument("-p", "--prompt-tokens", default="512",
+                    help="prompt lengths, comma-separated")
+    ap.add_argument("--read-chunk", type=int, default=512,
+                    help="rows per prompt window, as the engine's --read-chunk")
+    ap.add_argument("--whole-window", action="store_true",
+                    help="also one run of each longer prompt as a single window")
+    ap.add_argument("--stream-rows", type=int, default=None,
+                    help="windows of at least this many rows stream (0: off; default "
+                         "stream.STREAM_MIN_ROWS)")
+    ap.add_argument("--compare-pcie", action="store_true",
+                    help="also time the first prompt with streaming off (misses over PCIe)")
+    ap.add_argument("--crossover", default="",
+                    help="window rows to time with streaming off and on (first fraction)")
     ap.add_argument("-n", "--decode-tokens", type=int, default=128)
     ap.add_argument("-r", "--repeats", type=int, default=3)
     ap.add_argument("--fractions", default="0,0.5", help="cache sizes as fractions of experts")
@@ -89,6 +120,10 @@ def main():
     from strata.engine.expert_tier import ExpertTier
     from strata.experts.store import ExpertStore
     from strata.experts.tier import DecayedCountTier
+    from strata.backends.cuda.stream import STREAM_MIN_ROWS
+
+    stream_rows = STREAM_MIN_ROWS if args.stream_rows is None else args.stream_rows
+    prompts = [int(p) for p in args.prompt_tokens.split(",") if p]
 
     t0 = time.perf_counter()
     gguf = GGUFModel.open(args.model)
@@ -107,27 +142,61 @@ def main():
         model.expert_arena = arena
         arena.fill((layer, e) for layer in range(store.n_layers) for e in range(store.n_experts))
         if args.pcie_frac < 1:
-            arena.attach_pool(args.pcie_frac, max_rows=max(args.prompt_tokens, args.slots),
+            arena.attach_pool(args.pcie_frac, max_rows=max(max(prompts), args.slots),
                               threads=args.pool_threads)
             arena.before_window()
+        streamer = arena.streamer
+        streamer.min_rows = stream_rows
         label = f"cache {fraction:.0%} ({n} slots)"
-        bench_prompt(model, args.prompt_tokens, rng)  # warm-up: plans, modules
-        bench_decode(model, 1, 4, 0, rng)
-        figures = {
-            f"pp{args.prompt_tokens}": [args.prompt_tokens / bench_prompt(
-                model, args.prompt_tokens, rng) for _ in range(args.repeats)],
-            f"tg{args.decode_tokens}": [args.decode_tokens / bench_decode(
-                model, 1, args.decode_tokens, 0, rng) for _ in range(args.repeats)],
-        }
-        bench_decode(model, args.slots, 2, 128, rng)
-        steps = args.slot_decode_tokens or args.decode_tokens
-        figures[f"decode x{args.slots} slots ({steps} steps)"] = [
-            args.slots * steps / bench_decode(model, args.slots, steps, 128, rng)
-            for _ in range(args.repeats)]
-        for name, runs in figures.items():
-            rows.append((label, name, statistics.median(runs), runs, ""))
-            print(rows[-1][:3], flush=True)
-        if args.adaptive_steps and 0 < n < total:
+
+        def record(name, runs, note=""):
+            rows.append((label, name, statistics.median(runs), runs, note))
+            print(rows[-1][:3], note, flush=True)
+
+        chunk = min(args.read_chunk, prompts[0])
+        bench_prompt(model, prompts[0], rng, chunk)  # warm-up: plans, modules, staging
+        if args.crossover and not rows:
+            for num_rows in [int(r) for r in args.crossover.split(",") if r]:
+                for on in (False, True):
+                    streamer.min_rows = num_rows if on else 0
+                    bench_prompt(model, num_rows, rng)
+                    record(f"one window of {num_rows} rows, ms, streamed {on}",
+                           [1e3 * bench_prompt(model, num_rows, rng)
+                            for _ in range(args.repeats)])
+            streamer.min_rows = stream_rows
+        for num_tokens in prompts:
+            chunk = min(args.read_chunk, num_tokens)
+            before = streamer.streamed_bytes, streamer.num_windows
+            runs = [num_tokens / bench_prompt(model, num_tokens, rng, chunk)
+                    for _ in range(args.repeats)]
+            num_bytes = (streamer.streamed_bytes - before[0]) / args.repeats
+            record(f"pp{num_tokens} (windows of {chunk}, stream >= {stream_rows} rows)", runs,
+                   f"{num_bytes / 2**30:.2f} GiB streamed per prompt in "
+                   f"{(streamer.num_windows - before[1]) // args.repeats} windows")
+            if args.whole_window and chunk < num_tokens:
+                record(f"pp{num_tokens} (one window)",
+                       [num_tokens / bench_prompt(model, num_tokens, rng)])
+        if args.compare_pcie:
+            streamer.min_rows = 0
+            chunk = min(args.read_chunk, prompts[0])
+            record(f"pp{prompts[0]} (windows of {chunk}, streaming off: misses over PCIe)",
+                   [prompts[0] / bench_prompt(model, prompts[0], rng, chunk)
+                    for _ in range(args.repeats)])
+            streamer.min_rows = stream_rows
+        record("prompt streaming totals", [streamer.streamed_bytes / 2**30],
+               f"GiB streamed in {streamer.num_windows} windows; {streamer.num_borrowed} "
+               f"slots borrowed, {streamer.num_refilled} refilled")
+        if args.decode_tokens:
+            bench_decode(model, 1, 4, 0, rng)
+            record(f"tg{args.decode_tokens}", [args.decode_tokens / bench_decode(
+                model, 1, args.decode_tokens, 0, rng) for _ in range(args.repeats)])
+        if args.decode_tokens and args.slots:
+            bench_decode(model, args.slots, 2, 128, rng)
+            steps = args.slot_decode_tokens or args.decode_tokens
+            record(f"decode x{args.slots} slots ({steps} steps)", [
+                args.slots * steps / bench_decode(model, args.slots, steps, 128, rng)
+                for _ in range(args.repeats)])
+        if args.decode_tokens and args.adaptive_steps and 0 < n < total:
             config = EngineConfig(args.model, n_ctx=2048, expert_cache=n, adapt_every=4)
             tier = ExpertTier(model, store, arena, config)
             tier.start(DecayedCountTier(n))

@@ -96,6 +96,9 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
                                      **expert_config))
     except StrataError as e:
         fail(str(e))
+    plan_text = getattr(engine.model, "plan_text", None)  # a layer split's stages
+    if plan_text:
+        click.echo(plan_text, err=True)
     with engine:
         try:
             if raw:
@@ -212,8 +215,10 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
     config = EngineConfig(model_path, threads=threads, device=device, **(expert_config or {}))
     with GGUFModel.open(model_path) as gguf:
         model = build_model(gguf, config.device, threads,
-                            needs_cpu_experts=config.has_expert_tier)
+                            needs_cpu_experts=config.has_expert_tier, config=config)
         kv_dtype = config.kv_dtype(is_cuda_model(model))
+        if getattr(model, "plan_text", None):  # a layer split's stages
+            click.echo(model.plan_text, err=True)
         tier = _bench_tier(config, gguf, model)
         try:
             rows = _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions,

@@ -49,6 +49,10 @@ EXPERT_OPTION_FIELDS = {
     "adapt_async": "adapt_async",
     "pcie_frac": "pcie_frac",
     "kv": "kv_type",
+    "kv_grow": "kv_grow",
+    "split_device": "split_devices",
+    "layer_split": "layer_split",
+    "batch_groups": "batch_groups",
 }
 
 
@@ -95,11 +99,25 @@ def expert_options(command):
         click.option("--kv", default="auto", show_default=True, type=click.Choice(KV_TYPES),
                      help="KV cell type: auto (CPU f32, CUDA f16), f32, f16, or int8 (CUDA: "
                           "a scale per token and head, half of f16's memory)."),
+        click.option("--kv-grow", default=None, metavar="auto|N",
+                     help="Slots start with N KV cells (auto: --read-chunk's) and borrow "
+                          "expert-cache slots for more while a request needs them, returned "
+                          "and refilled when it ends (needs --expert-cache)."),
         click.option("--pcie-frac", default=None, type=click.FloatRange(0, 1),
                      help="GPU with an expert cache: the share of the misses' routed rows the "
                           "GPU reads over PCIe (the CPU pool computes the rest). Default: the "
                           "`strata-tool calibrate` result for this model, GPU and threads, "
                           "else 0.5."),
+        click.option("--split-device", default=None, metavar="I,J",
+                     help="Split the layers over these GPUs (stages in this order), each with "
+                          "its own expert cache and tier; --vram-budget applies per card."),
+        click.option("--layer-split", default=None, metavar="auto|K1,K2",
+                     help="Layers per GPU of the split (auto: the split with the smallest "
+                          "predicted decode time, printed at start); implies every visible "
+                          "GPU when --split-device is not given."),
+        click.option("--batch-groups", default="auto", show_default=True, metavar="auto|N",
+                     help="Slot groups pipelined over the split's stages (auto: one when "
+                          "pipelining would switch off the asynchronous tier)."),
     ]
     for option in reversed(options):
         with_expert_config = option(with_expert_config)

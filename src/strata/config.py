@@ -67,6 +67,13 @@ class EngineConfig:
     # --kv: KV cell type; auto is the backend's own (CPU float32, CUDA float16), int8 (a scale
     # per token and head) is CUDA's
     kv_type: str = "auto"
+    # --kv-grow auto|N: slots start with N KV cells (auto: --read-chunk's) and borrow expert-cache
+    # slots for more while a request needs them (experts/kv_grow.py); None: n_ctx cells up front
+    kv_grow: str | int | None = None
+    # ---- two or more GPUs: a layer split (strata.backends.split, docs/cuda.md) ----
+    split_devices: str | None = None  # --split-device 0,1: the GPUs of the stages
+    layer_split: str | None = None  # --layer-split auto|K1,K2: layers per stage
+    batch_groups: str | int = "auto"  # --batch-groups auto|N: slot groups pipelined
     # The resolved number of cache slots, set by the engine once the model's expert size is
     # known (the tier policy hook reads it); None while unresolved or without a cache.
     expert_cache_slots: int | None = field(default=None, init=False)
@@ -96,6 +103,22 @@ class EngineConfig:
             raise ConfigError(f"conversation_cache_mib = {mib!r} must be a number >= 0 "
                               "(--conversation-cache-mib; 0 turns parking off)")
         self._check_expert_options()
+        self._check_split_options()
+
+    def _check_split_options(self) -> None:
+        groups = str(self.batch_groups).strip().lower()
+        if groups != "auto" and (not groups.isdigit() or int(groups) < 1):
+            raise ConfigError(f"--batch-groups {self.batch_groups!r}: give auto or a number of "
+                              "slot groups >= 1")
+        self.batch_groups = groups if groups == "auto" else int(groups)
+        if self.is_split and self.device == "cpu":
+            raise ConfigError("--split-device / --layer-split split the layers over GPUs; "
+                              "drop them or use --device cuda (or auto)")
+
+    @property
+    def is_split(self) -> bool:
+        """True when the layers are to be split over GPUs (--split-device / --layer-split)."""
+        return self.split_devices is not None or self.layer_split is not None
 
     def _check_expert_options(self) -> None:
         cache = self.expert_cache
@@ -154,6 +177,7 @@ class EngineConfig:
             else:
                 raise ConfigError(f"adapt_async = {self.adapt_async!r}; give 0 (blocking) or "
                                   "1 (copies land while the next windows run)")
+        self._check_kv_grow()
         if self.kv_type not in KV_TYPES:
             raise ConfigError(f"--kv {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         frac = self.pcie_frac
@@ -168,6 +192,27 @@ class EngineConfig:
                                   "PCIe and the CPU pool; give it with --expert-cache auto|N "
                                   "and --device cuda (or auto)")
             self.pcie_frac = float(frac)
+
+    def _check_kv_grow(self) -> None:
+        grow = self.kv_grow
+        if grow is None:
+            return
+        text = str(grow).strip().lower()
+        if isinstance(grow, bool) or not (text == "auto" or text.isdigit()) or text == "0":
+            raise ConfigError(f"--kv-grow is {grow!r}; give auto (a --read-chunk of cells per "
+                              "slot to start with) or a number of cells >= 1")
+        if self.expert_cache is None:
+            raise ConfigError("--kv-grow lends expert-cache slots to the KV; give --expert-cache "
+                              "auto|N with it")
+        self.kv_grow = "auto" if text == "auto" else int(text)
+
+    def kv_base_cells(self, n_ctx: int) -> int:
+        """KV cells each slot starts with: n_ctx without --kv-grow, else its value (auto: the
+        --read-chunk size), at most n_ctx."""
+        if self.kv_grow is None:
+            return int(n_ctx)
+        base = self.prompt_chunk_tokens if self.kv_grow == "auto" else self.kv_grow
+        return min(int(base), int(n_ctx))
 
     def kv_dtype(self, is_cuda: bool):
         """The dtype to make KV caches with (None: the backend's default); ConfigError when the

@@ -124,19 +124,28 @@ class TierPolicy(Protocol):
 
 @runtime_checkable
 class KVGrow(Protocol):
-    """Lends VRAM expert-cache slots to the KV of a request that needs more cells."""
+    """Lends expert-cache slots to the KV of a request that needs more cells (`--kv-grow`).
+
+    One OPTIONAL method: `attach(view)`, called once when the engine starts, with a
+    `strata.experts.kv_grow.LendView` (the residency table, the slots the arena keeps for
+    itself, the tier policy's scores, the profile rank) for policies that want more than
+    `residency`."""
 
     name: str
 
     def grow(self, slot_index: int, num_cells_needed: int, cells_per_expert_slot: int,
              residency: np.ndarray) -> list[int]:
-        """A request in slot `slot_index` needs `num_cells_needed` more KV cells. Return the
-        expert-cache slots to evict and hand to its KV ([] refuses: the request ends with
-        finish reason "length"). `residency` [L, E] is read-only."""
+        """The KV of slot `slot_index` needs room for `num_cells_needed` cells in all: it moves
+        whole into the lent slots. Return at least ceil(num_cells_needed /
+        cells_per_expert_slot) expert-cache slots forming one run of consecutive slot numbers
+        (ascending), none lent or being copied into; the engine evicts them through the
+        ordered path. [] refuses (a decoding request ends with finish reason "length", a
+        prompt that does not fit fails). `residency` [L, E] is read-only."""
 
     def give_back(self, slot_index: int, expert_slots: Sequence[int]) -> list[tuple[int, int]]:
-        """The request in `slot_index` ended; its borrowed `expert_slots` return to the cache.
-        Return the (layer, expert) to refill each one with, in the same order."""
+        """Slot `slot_index`'s KV no longer uses `expert_slots` (its request ended, or it moved
+        to a larger run); they return to the cache. Return the (layer, expert) to refill each
+        one with, in the same order (experts not resident; a slot without one stays free)."""
 
 
 # ---- chooser hooks: firstresult, called once when the engine is built ------------------------
@@ -175,8 +184,9 @@ def strata_tier_policy(config: Any, spec: Any, num_slots: int) -> TierPolicy | N
 def strata_kv_grow(config: Any, spec: Any, num_slots: int) -> KVGrow | None:
     """Return the KVGrow policy that lends expert-cache slots to a KV that runs out of cells.
 
-    Called once when the engine is built. The first non-None result wins. The built-in default
-    comes with the expert cache; until then no plugin answers and a full KV ends the request.
+    Called once when the engine is built; used with `--kv-grow` (and an expert cache). The first
+    non-None result wins; the built-in default (`least-valued`, strata.experts.kv_grow) answers
+    last.
     """
 
 

@@ -17,11 +17,6 @@ from strata.hookspecs import (CHOOSER_HOOKS, CHOOSER_INTERFACES, OBSERVER_HOOKS,
 ENTRY_POINT_GROUP = "strata"
 AUTOLOAD_OFF_ENV = "STRATA_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_PLUGIN_NAME = "strata.builtin"
-# Hooks whose built-in default arrives with a later part of the engine; until then no plugin
-# answers them and the engine runs without that feature.
-NOT_BUILT_IN_YET = {
-    "strata_kv_grow": "none (built in with the expert cache)",
-}
 
 
 class BuiltinDefaults:
@@ -51,6 +46,14 @@ class BuiltinDefaults:
 
         return DecayedCountTier(getattr(config, "expert_cache_slots", None),
                                 max_swaps=getattr(config, "adapt_swaps", None) or 64)
+
+
+    @hookimpl(trylast=True)
+    def strata_kv_grow(self):
+        """Lends the run of expert-cache slots the tier values least; refills with the best."""
+        from strata.experts.kv_grow import LeastValuedKVGrow
+
+        return LeastValuedKVGrow()
 
 
 def is_autoload_disabled() -> bool:
@@ -177,7 +180,7 @@ def describe_hooks(pm: pluggy.PluginManager) -> list[tuple[str, str]]:
     for hook_name in CHOOSER_HOOKS + OBSERVER_HOOKS:
         impls = implementations_in_call_order(pm, hook_name)
         if not impls:
-            lines.append((hook_name, NOT_BUILT_IN_YET.get(hook_name, "none")))
+            lines.append((hook_name, "none"))
         elif hook_name in CHOOSER_HOOKS:
             lines.append((hook_name, _describe_impl(impls[0])))
         else:

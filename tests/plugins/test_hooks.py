@@ -153,9 +153,10 @@ class LendColdestSlots:
         return [(0, s) for s in expert_slots]
 
 
-def test_strata_kv_grow_is_none_until_a_plugin_answers():
+def test_strata_kv_grow_defaults_to_least_valued_and_a_plugin_overrides_it():
     choosers = resolve_choosers(get_plugin_manager(autoload=False), **CONTEXT)
-    assert choosers.kv_grow is None and choosers.sources["strata_kv_grow"] is None
+    assert choosers.kv_grow.name == "least-valued"
+    assert choosers.sources["strata_kv_grow"] == "strata.builtin"
 
     class Plugin:
         @hookimpl

@@ -143,7 +143,8 @@ def test_listing_names_each_hooks_resolution():
         ("strata_tier_policy", "strata.builtin (BuiltinDefaults.strata_tier_policy): Decayed "
                                "routing counts per (layer, expert): free slots first, then the "
                                "best swaps."),
-        ("strata_kv_grow", "none (built in with the expert cache)"),
+        ("strata_kv_grow", "strata.builtin (BuiltinDefaults.strata_kv_grow): Lends the run of "
+                           "expert-cache slots the tier values least; refills with the best."),
         ("strata_window_done", "none"),
         ("strata_request_done", "none"),
     ]
@@ -162,7 +163,8 @@ def test_plugins_command_lists_plugins_and_hooks(tmp_path, monkeypatch):
                          "'strata')"]
     assert f"  {'strata_slot_picker':<24} first-slot (strata_slot_picker): Test plugin: always " \
            "the first idle slot." in lines
-    assert f"  {'strata_kv_grow':<24} none (built in with the expert cache)" in lines
+    assert f"  {'strata_kv_grow':<24} strata.builtin (BuiltinDefaults.strata_kv_grow): Lends " \
+           "the run of expert-cache slots the tier values least; refills with the best." in lines
     off = CliRunner().invoke(plugins_command, ["--no-autoload"])
     assert "first-slot" not in off.output and "strata.builtin (BuiltinDefaults" in off.output
 

@@ -1,7 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The CUDA driver API opened at run time (dlopen of libcuda.so.1): cubin modules, kernel
-launches from prepared argument buffers (a whole list per call, no Python per launch) and stream
-capture into CUDA graphs. Builds and imports without a driver; using it there says so."""
+launches from prepared argument buffers, events and async host->device copies (a whole list per
+call, no Python per entry) and stream capture into CUDA graphs. Builds and imports without a
+driver; using it there says so."""
 
 from libc.stdint cimport uint64_t, uint32_t, int32_t, int64_t, uintptr_t
 from libc.stdlib cimport malloc, calloc, free
@@ -25,6 +26,7 @@ ctypedef void *CUgraph
 ctypedef void *CUgraphExec
 ctypedef void *CUgraphNode
 ctypedef void *CUcontext
+ctypedef void *CUevent
 ctypedef unsigned long long CUdeviceptr
 
 ctypedef CUresult (*t_init)(unsigned int) noexcept nogil
@@ -47,6 +49,13 @@ ctypedef CUresult (*t_graph_destroy)(CUgraph) noexcept nogil
 ctypedef CUresult (*t_graph_get_nodes)(CUgraph, CUgraphNode *, size_t *) noexcept nogil
 ctypedef CUresult (*t_memset_d8_async)(CUdeviceptr, unsigned char, size_t, CUstream) noexcept nogil
 ctypedef CUresult (*t_stream_synchronize)(CUstream) noexcept nogil
+ctypedef CUresult (*t_event_create)(CUevent *, unsigned int) noexcept nogil
+ctypedef CUresult (*t_event_destroy)(CUevent) noexcept nogil
+ctypedef CUresult (*t_event_record)(CUevent, CUstream) noexcept nogil
+ctypedef CUresult (*t_event_query)(CUevent) noexcept nogil
+ctypedef CUresult (*t_event_synchronize)(CUevent) noexcept nogil
+ctypedef CUresult (*t_stream_wait_event)(CUstream, CUevent, unsigned int) noexcept nogil
+ctypedef CUresult (*t_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream) noexcept nogil
 
 cdef struct Driver:
     t_init init
@@ -67,6 +76,13 @@ cdef struct Driver:
     t_graph_get_nodes graph_get_nodes
     t_memset_d8_async memset_d8_async
     t_stream_synchronize stream_synchronize
+    t_event_create event_create
+    t_event_destroy event_destroy
+    t_event_record event_record
+    t_event_query event_query
+    t_event_synchronize event_synchronize
+    t_stream_wait_event stream_wait_event
+    t_memcpy_htod_async memcpy_htod_async
 
 cdef Driver drv
 cdef bint _loaded = False
@@ -74,6 +90,8 @@ cdef bint _loaded = False
 LIBRARY = "libcuda.so.1"
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CAPTURE_MODE_THREAD_LOCAL = 1
+_EVENT_DISABLE_TIMING = 2
+_ERROR_NOT_READY = 600
 
 
 class CudaUnavailable(ConfigError):
@@ -124,6 +142,13 @@ def load() -> None:
     drv.graph_get_nodes = <t_graph_get_nodes>_sym(lib, "cuGraphGetNodes")
     drv.memset_d8_async = <t_memset_d8_async>_sym(lib, "cuMemsetD8Async")
     drv.stream_synchronize = <t_stream_synchronize>_sym(lib, "cuStreamSynchronize")
+    drv.event_create = <t_event_create>_sym(lib, "cuEventCreate")
+    drv.event_destroy = <t_event_destroy>_sym(lib, "cuEventDestroy_v2")
+    drv.event_record = <t_event_record>_sym(lib, "cuEventRecord")
+    drv.event_query = <t_event_query>_sym(lib, "cuEventQuery")
+    drv.event_synchronize = <t_event_synchronize>_sym(lib, "cuEventSynchronize")
+    drv.stream_wait_event = <t_stream_wait_event>_sym(lib, "cuStreamWaitEvent")
+    drv.memcpy_htod_async = <t_memcpy_htod_async>_sym(lib, "cuMemcpyHtoDAsync_v2")
     _loaded = True
     _check(drv.init(0), "cuInit")
 
@@ -214,12 +239,26 @@ cdef class Kernel:
         return Launch(self, grid, block, fmt, args, shared_bytes)
 
 
+# entry kinds of a LaunchList
+cdef enum:
+    KIND_KERNEL = 0
+    KIND_RECORD = 1     # cuEventRecord(event, stream)
+    KIND_WAIT = 2       # cuStreamWaitEvent(stream, event)
+    KIND_COPY_HTOD = 3  # cuMemcpyHtoDAsync(dst, src, nbytes, stream)
+
+
 cdef struct LaunchRec:
+    int kind
+    CUstream stream  # NULL: the stream the list runs on
     CUfunction fn
     unsigned int grid[3]
     unsigned int block[3]
     unsigned int shared_bytes
     void **params
+    CUevent event
+    CUdeviceptr dst
+    const void *src
+    size_t nbytes
 
 
 cdef class Launch:
@@ -266,6 +305,8 @@ cdef class Launch:
             else:
                 raise ValueError(f"{kernel.name}: unknown argument kind {c!r} in {fmt!r}")
             self.rec.params[i] = &self.values[i]
+        self.rec.kind = KIND_KERNEL
+        self.rec.stream = NULL
         self.rec.fn = kernel.handle
         for i in range(3):
             self.rec.grid[i] = grid[i]
@@ -290,16 +331,114 @@ cdef class Launch:
 
 
 cdef inline CUresult _launch(LaunchRec *r, CUstream stream) noexcept nogil:
-    return drv.launch_kernel(r.fn, r.grid[0], r.grid[1], r.grid[2], r.block[0], r.block[1],
-                             r.block[2], r.shared_bytes, stream, r.params, NULL)
+    if r.stream != NULL:
+        stream = r.stream
+    if r.kind == KIND_KERNEL:
+        return drv.launch_kernel(r.fn, r.grid[0], r.grid[1], r.grid[2], r.block[0], r.block[1],
+                                 r.block[2], r.shared_bytes, stream, r.params, NULL)
+    if r.kind == KIND_RECORD:
+        return drv.event_record(r.event, stream)
+    if r.kind == KIND_WAIT:
+        return drv.stream_wait_event(stream, r.event, 0)
+    return drv.memcpy_htod_async(r.dst, r.src, r.nbytes, stream)
+
+
+cdef class Event:
+    """A driver event (timing off): recorded and waited on by LaunchList entries."""
+
+    cdef CUevent handle
+
+    def __cinit__(self):
+        _need()
+        _check(drv.event_create(&self.handle, _EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def __dealloc__(self):
+        if _loaded and self.handle != NULL:
+            drv.event_destroy(self.handle)
+
+    def query(self) -> bool:
+        """True once the work before its last record has completed (or it was never recorded)."""
+        cdef CUresult rc = drv.event_query(self.handle)
+        if rc == _ERROR_NOT_READY:
+            return False
+        _check(rc, "cuEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        cdef CUresult rc
+        with nogil:
+            rc = drv.event_synchronize(self.handle)
+        _check(rc, "cuEventSynchronize")
+
+
+cdef class StreamOp:
+    """A LaunchList entry that is not a kernel: an event record, a stream's wait on an event,
+    or an async host->device copy (pinned source). Made by record_event / wait_event /
+    copy_htod; `stream` 0 runs it on the list's stream."""
+
+    cdef LaunchRec rec
+    cdef public str name
+    cdef object keep  # the Event it names
+
+    def launch(self, uintptr_t stream) -> None:
+        cdef CUresult rc
+        with nogil:
+            rc = _launch(&self.rec, <CUstream>stream)
+        _check(rc, self.name)
+
+
+cdef StreamOp _op(int kind, str name, uintptr_t stream):
+    _need()
+    op = StreamOp()
+    op.rec.kind = kind
+    op.rec.stream = <CUstream>stream
+    op.rec.fn = NULL
+    op.rec.params = NULL
+    op.rec.event = NULL
+    op.rec.dst = 0
+    op.rec.src = NULL
+    op.rec.nbytes = 0
+    op.name = name
+    return op
+
+
+def record_event(Event event, uintptr_t stream=0) -> StreamOp:
+    """Entry: record `event` on `stream` (0: the list's stream)."""
+    op = _op(KIND_RECORD, "event_record", stream)
+    op.rec.event = event.handle
+    op.keep = event
+    return op
+
+
+def wait_event(Event event, uintptr_t stream=0) -> StreamOp:
+    """Entry: `stream` (0: the list's stream) waits for the last record of `event` issued
+    before this entry."""
+    op = _op(KIND_WAIT, "stream_wait_event", stream)
+    op.rec.event = event.handle
+    op.keep = event
+    return op
+
+
+def copy_htod(uint64_t dst, uint64_t src, size_t num_bytes, uintptr_t stream=0) -> StreamOp:
+    """Entry: copy num_bytes from pinned host address `src` to device address `dst` on
+    `stream` (0: the list's stream), asynchronously (the copy engine)."""
+    if num_bytes == 0 or dst == 0 or src == 0:
+        raise ValueError(f"copy_htod: empty copy (dst {dst:#x}, src {src:#x}, {num_bytes} "
+                         "bytes); give both addresses and a positive size")
+    op = _op(KIND_COPY_HTOD, "copy_htod", stream)
+    op.rec.dst = <CUdeviceptr>dst
+    op.rec.src = <const void *><uintptr_t>src
+    op.rec.nbytes = num_bytes
+    return op
 
 
 cdef class LaunchList:
-    """Prepared launches run in order by one call (a C loop, GIL released)."""
+    """Prepared launches run in order by one call (a C loop, GIL released). Entries may also be
+    StreamOps (event records / waits, async copies), each on its own stream or the list's."""
 
     cdef LaunchRec *recs
     cdef int num, cap
-    cdef list keep  # the Launch objects own the argument buffers
+    cdef list keep  # the Launch / StreamOp objects own argument buffers and events
 
     def __cinit__(self):
         self.keep = []
@@ -310,7 +449,29 @@ cdef class LaunchList:
     def __dealloc__(self):
         free(self.recs)
 
-    def append(self, Launch launch) -> None:
+    def append(self, entry) -> None:
+        """Add a kernel Launch or a StreamOp (event record / wait, async copy)."""
+        cdef LaunchRec rec
+        if isinstance(entry, Launch):
+            rec = (<Launch>entry).rec
+        elif isinstance(entry, StreamOp):
+            rec = (<StreamOp>entry).rec
+        else:
+            raise TypeError(f"a LaunchList takes Launch or StreamOp entries, not "
+                            f"{type(entry).__name__}")
+        self._push(rec, entry)
+
+    def extend(self, LaunchList other, int start=0, int stop=-1) -> None:
+        """Append entries [start, stop) of `other` (stop -1: to its end)."""
+        cdef int i
+        if stop < 0:
+            stop = other.num
+        if not 0 <= start <= stop <= other.num:
+            raise IndexError(f"entries {start}..{stop} of a list of {other.num}")
+        for i in range(start, stop):
+            self._push(other.recs[i], other.keep[i])
+
+    cdef _push(self, LaunchRec rec, object owner):
         cdef LaunchRec *grown
         if self.num == self.cap:
             self.cap = max(64, 2 * self.cap)
@@ -321,8 +482,8 @@ cdef class LaunchList:
                 memcpy(grown, self.recs, self.num * sizeof(LaunchRec))
                 free(self.recs)
             self.recs = grown
-        self.recs[self.num] = launch.rec
-        self.keep.append(launch)
+        self.recs[self.num] = rec
+        self.keep.append(owner)
         self.num += 1
 
     def __len__(self) -> int:
@@ -347,7 +508,7 @@ cdef class LaunchList:
                     failed = i
                     break
         if failed >= 0:
-            _check(rc, f"cuLaunchKernel({self.keep[failed].name}, launch {failed})")
+            _check(rc, f"{self.keep[failed].name} (entry {failed} of the launch list)")
 
 
 cdef class Graph:

@@ -25,15 +25,21 @@ def is_cuda_model(model) -> bool:
 
 
 def build_model(gguf_model, device: str | None = "auto", threads: int | None = None,
-                needs_cpu_experts: bool = False):
+                needs_cpu_experts: bool = False, config=None):
     """The model object for `device`. `needs_cpu_experts`: the expert tier was asked for (an
     expert cache, an expert pack or a routing trace); on the GPU the model then keeps only its
     dense part in VRAM and reads the routed experts through the tier's arena (VRAM slots, the
     rest from pinned RAM over PCIe; backends/cuda/offload.py). `auto` takes the GPU when CUDA
-    works and the model (its dense part, with the tier) fits, else the CPU, and logs why."""
+    works and the model (its dense part, with the tier) fits, else the CPU, and logs why.
+    `config` (an EngineConfig) with --split-device / --layer-split: the layers split over GPUs
+    (backends/cuda/split_model.py), the plan logged."""
     from strata.backends.cpu import CpuModel
 
     device = check_device(device)
+    if config is not None and config.is_split and device != "cpu":
+        from strata.backends.cuda.split_model import build_split_model
+
+        return build_split_model(gguf_model, config, offload=bool(needs_cpu_experts))
     if device == "cpu":
         return CpuModel(gguf_model, num_threads=threads)
     from strata.backends import cuda

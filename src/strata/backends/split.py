@@ -67,6 +67,7 @@ class Card:
     index: int
     free_bytes: int
     budget_bytes: int | None = None
+    cache_budget_bytes: int | None = None  # --vram-budget: the most its expert cache may take
 
     @property
     def usable_bytes(self) -> int:
@@ -256,6 +257,8 @@ def _stages(costs, cards, counts, kv_tokens, bw, freq) -> list[Stage | None]:
             first = stop
             continue
         per_expert = max(costs.expert_bytes[first:stop]) or 1
+        if card.cache_budget_bytes is not None:
+            room = min(room, card.cache_budget_bytes)
         slots = min(room // per_expert, n * costs.n_experts)
         hit = _hit_rate(freq[first:stop], slots)
         K = costs.n_experts_used

@@ -38,7 +38,7 @@ class Engine:
                                                                  self.tokenizer)
             self.n_ctx = config.resolve_n_ctx(self.spec.context_length)
             self.model = build_model(self.gguf, config.device, config.threads,
-                                     needs_cpu_experts=config.has_expert_tier)
+                                     needs_cpu_experts=config.has_expert_tier, config=config)
             # Sets config.expert_cache_slots (read by the tier policy hook) before the choosers.
             self.expert_tier = ExpertTier.build(config, self.gguf, self.model)
             pm = plugin_manager if plugin_manager is not None else get_plugin_manager()

@@ -82,6 +82,7 @@ class ExpertTier:
             self.trace = TraceWriter(config.dump_routing_path, store.n_layers, store.n_experts,
                                      {"model": str(config.model_path), "source": store.source})
         self._copier = None  # the async copier (TierCopier, or the arena's own)
+        self.kv_lender = None  # KV grow's lender (experts/kv_grow.py), set when it is built
         self._before_s = 0.0  # seconds the arena's before_window took (the tier's wait)
         # the tier's wait by window kind: "solo" (one slot) and "batch" (several slots)
         self.wait_by_kind = {"solo": WaitTotals(), "batch": WaitTotals()}
@@ -93,6 +94,9 @@ class ExpertTier:
         `config.expert_cache_slots` to the resolved slot count, which the policy hook reads."""
         if not config.has_expert_tier:
             return None
+        build_split = getattr(model, "build_expert_tier", None)
+        if build_split is not None:  # a layer split: a tier per stage (cuda/split_tier.py)
+            return build_split(config, gguf)
         if config.expert_pack_path is not None:
             store = ExpertStore.from_pack(config.expert_pack_path, gguf)
         else:
@@ -248,13 +252,15 @@ class ExpertTier:
             return "frozen"
         return "async" if self.is_async else "blocking"
 
+    log_prefix = ""  # before each log_group line (a split's stage tier names its stage)
+
     def log_group(self) -> None:
         """INFO: what the cache did since the last such line."""
         now = self.snapshot_totals()
         group = now.minus(self._logged)
         if group.num_windows:
             group.max_wait_s = self._max_wait_since_log
-            log.info("%s; tier wait by window since start: %s, %s",
+            log.info("%s%s; tier wait by window since start: %s, %s", self.log_prefix,
                      format_group(group, self._logged.num_windows, self.mode,
                                   self.arena.misses_on_gpu),
                      self.wait_by_kind["solo"].describe("solo"),
@@ -265,6 +271,12 @@ class ExpertTier:
     # ---- rounds -------------------------------------------------------------------------
     def _round(self) -> int:
         """Ask the policy and start its swaps; return how many were started."""
+        if getattr(self.arena, "is_lending_slots", False):
+            # Slots lent to a prompt chunk's staging (backends/cuda/stream.py) look free to the
+            # policy but are not: skip the round until they are back; the counts stay.
+            with self._lock:
+                self.totals.num_rounds_skipped += 1
+            return 0
         if self._copier is not None and self._copier.is_busy:
             # The previous round is still copying: skip this one rather than make the window
             # wait; its counts stay and go to the next round.
@@ -308,7 +320,8 @@ class ExpertTier:
                 continue
             if swap.evict_layer == FREE_SLOT:
                 if not free:
-                    num_bad += 1
+                    # slots lent to KV grow look free to a policy that counts residents
+                    num_bad += self.kv_lender is None or not self.kv_lender.num_lent_slots
                     continue
                 slot, is_eviction = free.pop(0), False
             else:
@@ -346,6 +359,15 @@ class ExpertTier:
             if stop is not None and stop.is_set():
                 return
             self._count_load(load)
+
+    def refill(self, loads) -> None:
+        """Load (slot, layer, expert)s into free slots (KV grow's returned ones) through the
+        ordered path: by the copier when async, else now."""
+        items = [_Load(slot, layer, expert, False) for slot, layer, expert in loads]
+        if items and self._copier is not None:
+            self._copier.submit(items)
+        elif items:
+            self.apply(items)
 
     def _count_load(self, load: _Load) -> None:
         """Add a landed load to the totals (either thread)."""

@@ -47,6 +47,39 @@ class KVCache:
         """Bytes of the cells (K's last tile is whole even where the capacity ends inside it)."""
         return int(self._k.nbytes + self._v.nbytes)
 
+    @staticmethod
+    def nbytes_for(spec: ModelSpec, capacity_tokens: int, dtype=np.float32) -> int:
+        """Bytes of the cells of a KV of `capacity_tokens` (what `rehome` needs)."""
+        num_tiles = -(-int(capacity_tokens) // KV_KEY_TILE)
+        per_token = spec.n_layers * spec.n_kv_heads * spec.head_dim * np.dtype(dtype).itemsize
+        return per_token * (num_tiles * KV_KEY_TILE + int(capacity_tokens))
+
+    def rehome(self, capacity_tokens: int, memory: np.ndarray | None = None) -> None:
+        """Move the committed cells into new cells of `capacity_tokens`: views of `memory`
+        (uint8, at least `nbytes_for` bytes, e.g. expert-cache slots lent by KV grow), or a new
+        array when None. Cells [0, num_tokens) keep their values exactly."""
+        capacity_tokens = int(capacity_tokens)
+        if not self.num_tokens <= capacity_tokens:
+            raise ValueError(f"cannot move a KV of {self.num_tokens} tokens into "
+                             f"{capacity_tokens} cells")
+        L, KV, D = self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim
+        num_tiles = -(-capacity_tokens // KV_KEY_TILE)
+        k_shape, v_shape = (L, KV, num_tiles, D, KV_KEY_TILE), (L, KV, capacity_tokens, D)
+        if memory is None:
+            k, v = np.zeros(k_shape, dtype=self.dtype), np.zeros(v_shape, dtype=self.dtype)
+        else:
+            k_bytes = int(np.prod(k_shape)) * self.dtype.itemsize
+            need = self.nbytes_for(self.spec, capacity_tokens, self.dtype)
+            if memory.dtype != np.uint8 or memory.ndim != 1 or memory.size < need:
+                raise ValueError(f"rehome needs a flat uint8 region of >= {need} bytes, got "
+                                 f"{memory.dtype} {memory.shape}")
+            k = memory[:k_bytes].view(self.dtype).reshape(k_shape)  # [L, KV, NT, D, TILE]
+            v = memory[k_bytes:need].view(self.dtype).reshape(v_shape)  # [L, KV, C, D]
+        used_tiles = -(-self.num_tokens // KV_KEY_TILE)
+        k[:, :, :used_tiles] = self._k[:, :, :used_tiles]
+        v[:, :, :self.num_tokens] = self._v[:, :, :self.num_tokens]
+        self._k, self._v, self.capacity = k, v, capacity_tokens
+
     @property
     def cells(self) -> tuple[np.ndarray, np.ndarray]:
         """The K [L, KV, NT, D, TILE] and V [L, KV, C, D] cell arrays the native loop writes

@@ -21,6 +21,7 @@ from strata.engine.kv import KVCache
 from strata.engine.sampling import SamplingParams
 from strata.engine.slots import SlotTable, place_request
 from strata.errors import RequestError
+from strata.experts.kv_grow import KVLender
 from strata.hookspecs import WindowStats
 
 log = logging.getLogger("strata.engine")
@@ -91,9 +92,13 @@ class Scheduler:
         self.n_ctx = int(n_ctx)
         self.choosers = choosers
         self.table = SlotTable(num_slots)
-        # KV cells of `kv_dtype` (None: the model's default type)
+        # KV cells of `kv_dtype` (None: the model's default type); with --kv-grow each slot
+        # starts with a base and borrows expert-cache slots for more (experts/kv_grow.py)
         kv_args = {} if kv_dtype is None else {"dtype": kv_dtype}
-        self.kvs: list[KVCache] = [model.new_kv(self.n_ctx, **kv_args) for _ in range(num_slots)]
+        self.kv_lender = (KVLender.build(expert_tier, choosers.kv_grow, model, self.n_ctx,
+                                         kv_dtype) if expert_tier is not None else None)
+        num_cells = self.kv_lender.base_cells if self.kv_lender is not None else self.n_ctx
+        self.kvs: list[KVCache] = [model.new_kv(num_cells, **kv_args) for _ in range(num_slots)]
         self.conversations = ConversationCache(conversation_cache_mib)
         self._queue: deque[RequestHandle] = deque()
         self._active: dict[int, _Active] = {}  # by slot index
@@ -230,6 +235,8 @@ class Scheduler:
         placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
                                   self.conversations)
         index, kv = placement.slot_index, self.kvs[placement.slot_index]
+        if self.kv_lender is not None:
+            self.kv_lender.grow_for_prompt(index, kv, len(prompt))
         # Take the parked entry before parking this slot: parking could evict that very entry.
         restored = (self.conversations.take(placement.parked_key)
                     if placement.parked_key is not None else None)
@@ -237,11 +244,12 @@ class Scheduler:
             self._park(index)
         if restored is not None:
             k, v = restored.kv_arrays  # [L, KV, n, D] each
+            n = min(k.shape[2], kv.capacity)  # (the cells past the prompt are dropped anyway)
             kv.truncate(0)
             for layer in range(k.shape[0]):
-                kv.append(layer, k[layer], v[layer])
-            kv.commit(k.shape[2])
-            self.table.replace_tokens(index, restored.tokens)
+                kv.append(layer, k[layer][:, :n], v[layer][:, :n])
+            kv.commit(n)
+            self.table.replace_tokens(index, restored.tokens[:n])
             how = f"restored a parked conversation of {restored.num_tokens} tokens"
         elif placement.num_reused_tokens > 0:
             how = "kept its KV"
@@ -361,6 +369,9 @@ class Scheduler:
             stats.decode_seconds += seconds
             stats.num_decode_forwards += 1
         kv = self.kvs[active.slot_index]
+        if (self.kv_lender is not None and kv.num_tokens >= kv.capacity
+                and stats.num_generated_tokens + 1 < handle.params.max_tokens):
+            self.kv_lender.grow(active.slot_index, kv, kv.num_tokens + 1)  # refused: "length"
         event = active.decoder.next_event(logits[-1], has_room=kv.num_tokens < kv.capacity)
         handle._events.append(event)
         if event.finish_reason is not None:
@@ -374,6 +385,14 @@ class Scheduler:
             # Cells of an unfinished pass cannot be trusted: the slot starts clean.
             self.kvs[active.slot_index].truncate(0)
             self.table.clear(active.slot_index)
+        if self.kv_lender is not None and self.kv_lender.is_lending(active.slot_index):
+            # KV grow: park the whole conversation first (as the conversation cache rules
+            # allow), then keep the base cells and return the lent expert slots
+            index = active.slot_index
+            if error is None:
+                self._park(index)
+            keep = self.kv_lender.trim(index, self.kvs[index])
+            self.table.replace_tokens(index, self.table.tokens(index)[:keep])
         self.table.release(active.slot_index)
         self._end(active.handle, error)
 

@@ -150,6 +150,25 @@ class ExpertArena(abc.ABC):
     def close(self) -> None:
         """Free what the arena holds beyond Python memory (device slots, pinned memory)."""
 
+    # ---- lending slots to a KV (experts/kv_grow.py) ---------------------------------------
+    def reserved_slots(self) -> frozenset[int]:
+        """Slots the arena may borrow for itself (a device arena's prompt staging): never lent."""
+        return frozenset()
+
+    def lend_slots(self, slots, timeout_s: float | None = None) -> list[tuple[int, int] | None]:
+        """Take `slots` out of the cache through the ordered path: each is claimed and its
+        expert published missing, then the call waits out readers of older versions. The
+        slots stay claimed (no expert lands there) until `unlend`. Returns what each held."""
+        tickets = [self.table.begin_evict(slot) for slot in slots]
+        for ticket in tickets:
+            self.table.wait_overwritable(ticket, timeout_s)
+        return [ticket.evicted for ticket in tickets]
+
+    def unlend(self, slots) -> None:
+        """Give lent `slots` back as free slots (refills then load them the ordered way)."""
+        for slot in slots:
+            self.table.abort(slot)
+
     # ---- hit / miss accounting ----------------------------------------------------------
     def account_routed(self, snap: Snapshot, counts: np.ndarray) -> HitCounts:
         """Count one window's routed entries, given as rows per (layer, expert) `counts`
@@ -223,6 +242,10 @@ class CpuExpertArena(ExpertArena):
         except BaseException:  # also GeneratorExit: a load dropped half-way frees its slot
             self.table.abort(slot)
             raise
+
+    def slot_region(self, first: int, count: int) -> np.ndarray:
+        """The bytes of slots [first, first + count) as one flat uint8 view (lent to a KV)."""
+        return self.buffer[first:first + count].reshape(-1)
 
     # ---- reading ------------------------------------------------------------------------
     def slot_views(self, slot: int, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -84,6 +84,10 @@ class ExpertCacheCollector:
             yield served
             yield _counter("strata_expert_cpu_pool_seconds", "CPU pool compute time",
                            t.pool_s)
+            streamer = getattr(tier.arena, "streamer", None)
+            if streamer is not None:  # prompt chunks' experts copied into staging slots
+                yield _counter("strata_expert_streamed_bytes", "Bytes of experts prompt chunks "
+                               "copied into VRAM staging slots", streamer.streamed_bytes)
         yield _gauge("strata_expert_cache_hit_rate", "Share of routed entries served by the "
                      "cache since start-up", t.hit_rate)
         yield _gauge("strata_expert_cache_slots", "Expert cache slots (one routed expert each)",
@@ -102,6 +106,16 @@ class ExpertCacheCollector:
                        "the tier", t.num_bytes_moved)
         yield _counter("strata_expert_tier_wait_seconds", "Time windows waited for the tier "
                        "outside their forward pass", t.wait_s)
+        lender = getattr(tier, "kv_lender", None)
+        if lender is not None:  # --kv-grow (experts/kv_grow.py)
+            yield _gauge("strata_kv_lent_slots", "Expert-cache slots lent to KV now",
+                         lender.num_lent_slots)
+            yield _counter("strata_kv_grows", "KV grows into lent expert-cache slots",
+                           lender.num_grows)
+            yield _counter("strata_kv_grows_refused", "KV grows the policy refused",
+                           lender.num_refused)
+            yield _counter("strata_kv_trims", "KVs trimmed back to their base cells (lent "
+                           "slots returned)", lender.num_trims)
         optimum = tier.recent.optimum()
         yield _gauge("strata_expert_cache_recent_windows", "Windows the recent hit rates cover "
                      "(the last ones, at most 1024)", optimum.num_windows)

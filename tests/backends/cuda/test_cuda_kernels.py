@@ -1,7 +1,8 @@
 """CUDA kernels against float64 numpy references on fresh random inputs: the product kernels on
-every GGUF type (dense, grouped by expert, gate/up + SiLU), activation quantisation, attention
-over fp16 and int8 KV caches (split over blocks), QK-norm + RoPE + KV append, RMSNorm, the
-combine fused with the next norm, and the one-launch router (product, top-k, grouping)."""
+every GGUF type (dense, grouped by expert, gate/up + SiLU; the decode mv_* kernels on Q4_0 and
+Q8_0), activation quantisation, attention over fp16 and int8 KV caches (split over blocks),
+QK-norm + RoPE + KV append, RMSNorm, the combine fused with the next norm, and the one-launch
+router (product, top-k, grouping)."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -331,3 +332,106 @@ def test_group_pairs_over_several_chunks(runtime):
     np.testing.assert_array_equal(dev.get(groups, (len(want_groups), 3), np.int32), want_groups)
     np.testing.assert_array_equal(dev.get(act_rows, (P,), np.int32), want_act)
     np.testing.assert_array_equal(dev.get(out_rows, (P,), np.int32), want_out)
+
+
+def _mv_blocks(num_outputs: int, num_cols: int) -> int:
+    from strata.backends.cuda.plan import MV_WARPS, mv_outputs_per_warp
+
+    outputs = MV_WARPS * mv_outputs_per_warp(num_cols)
+    return (num_outputs + outputs - 1) // outputs
+
+
+@pytest.mark.parametrize("weight_type", ("q4_0", "q8_0"))
+@pytest.mark.parametrize("num_cols", (64, 512, 2048, 5120))
+def test_decode_products_mv(runtime, weight_type, num_cols):
+    """matvec.cu's mv_* (decode windows) against float64: dense store + bias (weights also at
+    a 2-byte offset), add, q/k/v, grouped gate/up and grouped store through pointer tables with
+    rows gathered and scattered. K covers 8, 16 and 32 lanes per output and rows staged in
+    several rounds; every row equals the same row computed alone, bit for bit."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    E, N, K, T, Nkv = 3, 45, num_cols, 11, 18  # N not a multiple of a block's outputs
+    raws, dense = zip(*[_weights(weight_type, N, K, rng) for _ in range(2 * E)])
+    gate_raw, up_raw = np.stack(raws[:E]), np.stack(raws[E:])  # [E, N, row_bytes]
+    row_bytes = gate_raw.shape[-1]
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    xr = _acts(x, weight_type)  # [T, K] what the kernel multiplies, float64
+    q, d = _q8(x)
+    xq, xd = dev.put(q), dev.put(d)
+    fmt, name, bx = "PPPPqiiPPPPPPPPPi", weight_type, _mv_blocks(N, K)
+    dense_groups = dev.put(np.array([0, 0, T, 1], dtype=np.int32))
+
+    def rel_err(got, want):
+        return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+    bias = rng.standard_normal(N).astype(np.float32)
+    y = dev.empty(4 * T * N)
+    dev.launch(f"mv_store_{name}", (bx, 1), (128,), fmt,
+               [dev.put(gate_raw[0]), 0, 0, 0, row_bytes, N, K, 0, xq, xd, dense_groups,
+                dense_groups + 12, 0, 0, dev.put(bias), y, N])
+    stored = dev.get(y, (T, N), np.float32)
+    assert rel_err(stored, xr @ dense[0].T + bias) < 1e-5
+    shifted = dev.put(np.concatenate([np.zeros(2, np.uint8), gate_raw[0].reshape(-1)])) + 2
+    y_shifted = dev.empty(4 * T * N)
+    dev.launch(f"mv_store_{name}", (bx, 1), (128,), fmt,
+               [shifted, 0, 0, 0, row_bytes, N, K, 0, xq, xd, dense_groups,
+                dense_groups + 12, 0, 0, dev.put(bias), y_shifted, N])
+    np.testing.assert_array_equal(dev.get(y_shifted, (T, N), np.float32), stored)
+    for r in (0, 5, T - 1):  # a row alone: the same bits as inside the window
+        one = dev.put(np.array([0, 0, 1, 1], dtype=np.int32))
+        y_one = dev.empty(4 * N)
+        dev.launch(f"mv_store_{name}", (bx, 1), (128,), fmt,
+                   [dev.put(gate_raw[0]), 0, 0, 0, row_bytes, N, K, 0, dev.put(q[r:r + 1]),
+                    dev.put(d[r:r + 1]), one, one + 12, 0, 0, dev.put(bias), y_one, N])
+        np.testing.assert_array_equal(dev.get(y_one, (N,), np.float32), stored[r])
+
+    dev.launch(f"mv_add_{name}", (bx, 1), (128,), fmt,
+               [dev.put(gate_raw[1]), 0, 0, 0, row_bytes, N, K, 0, xq, xd, dense_groups,
+                dense_groups + 12, 0, 0, 0, y, N])
+    assert rel_err(dev.get(y, (T, N), np.float32),
+                   xr @ dense[0].T + bias + xr @ dense[1].T) < 1e-5
+
+    outs = [dev.empty(4 * T * n) for n in (N, Nkv, Nkv)]
+    biases = [rng.standard_normal(n).astype(np.float32) for n in (N, Nkv, Nkv)]
+    dev.launch(f"mv_qkv_{name}", (bx + 2 * _mv_blocks(Nkv, K), 1), (128,),
+               "PPPqiiiPPPPPPPPPPP",
+               [dev.put(gate_raw[0]), dev.put(gate_raw[1][:Nkv]), dev.put(gate_raw[2][:Nkv]),
+                row_bytes, N, Nkv, K, 0, xq, xd, dense_groups, dense_groups + 12,
+                *[dev.put(b) for b in biases], *outs])
+    for i, (out_ptr, n) in enumerate(zip(outs, (N, Nkv, Nkv))):
+        assert rel_err(dev.get(out_ptr, (T, n), np.float32),
+                       xr @ dense[i][:n].T + biases[i]) < 1e-5
+
+    # grouped: pairs sorted by expert, rows gathered by act_rows, each expert through a
+    # pointer table (separate allocations, as an offload tier has them)
+    experts = rng.integers(0, E, size=T)
+    order = np.argsort(experts, kind="stable")
+    groups = []
+    for e in range(E):
+        members = np.flatnonzero(experts[order] == e)
+        if len(members):
+            groups += [e, int(members[0]), len(members)]
+    num_groups = len(groups) // 3
+    g = dev.put(np.array(groups + [num_groups], dtype=np.int32))
+    tables = [dev.put(np.array([dev.put(m[e]) for e in range(E)], dtype=np.uint64))
+              for m in (gate_raw, up_raw)]
+    act_rows = dev.put(order.astype(np.int32))
+    out = dev.empty(4 * T * N)
+    dev.launch(f"mv_gateup_{name}", (bx, E), (128,), fmt,
+               [0, 0, tables[0], tables[1], row_bytes, N, K, 0, xq, xd,
+                g, g + 12 * num_groups, act_rows, 0, 0, out, N])
+    want = np.empty((T, N))
+    for j, r in enumerate(order):
+        gv = xr[r] @ dense[experts[r]].T
+        uv = xr[r] @ dense[E + experts[r]].T
+        want[j] = gv / (1 + np.exp(-gv)) * uv
+    assert rel_err(dev.get(out, (T, N), np.float32), want) < 1e-5
+
+    scatter = rng.permutation(T).astype(np.int32)  # pair j's output row
+    out = dev.empty(4 * T * N)
+    dev.launch(f"mv_store_{name}", (bx, E), (128,), fmt,
+               [0, 0, tables[1], 0, row_bytes, N, K, 0, xq, xd, g, g + 12 * num_groups,
+                act_rows, dev.put(scatter), 0, out, N])
+    want = np.empty((T, N))
+    for j, r in enumerate(order):
+        want[scatter[j]] = xr[r] @ dense[E + experts[r]].T
+    assert rel_err(dev.get(out, (T, N), np.float32), want) < 1e-5

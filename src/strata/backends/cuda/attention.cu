@@ -152,12 +152,12 @@ __device__ __forceinline__ void attention_body(
     const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
     float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
     const int *__restrict__ pos, const int *__restrict__ cap, int layer, int L, int Q, int KVH,
-    int D, float scale, float *__restrict__ part, int *__restrict__ counts) {
+    int D, float scale, float *__restrict__ part, int *__restrict__ counts, int r) {
     __shared__ float sq[32 * ATT_DMAX];
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][32 * ATT_DMAX];
     __shared__ int s_is_last;
-    const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
+    const int h = blockIdx.y, split = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kvh = h / (Q / KVH), C = cap[r], last = pos[r];
     const KvHead kh = kv_head(kv_base[r], L, layer, 0, KVH, kvh, C, D);
@@ -314,22 +314,51 @@ __device__ __forceinline__ void attention_body(
     }
 }
 
+// attention_body for row r, dispatched on the dims per lane
+__device__ __forceinline__ void attention_row(
+    const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
+    float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
+    const int *__restrict__ pos, const int *__restrict__ cap, int layer, int L, int Q, int KVH,
+    int D, float scale, float *__restrict__ part, int *__restrict__ counts, int r) {
+    const int dims_per_lane = (D + 31) >> 5;
+    if (dims_per_lane == 1)
+        attention_body<1>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
+                          part, counts, r);
+    else if (dims_per_lane == 2)
+        attention_body<2>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
+                          part, counts, r);
+    else if (dims_per_lane <= 4)
+        attention_body<4>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
+                          part, counts, r);
+    else
+        attention_body<8>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
+                          part, counts, r);
+}
+
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 attention(const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
           float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
           const int *__restrict__ pos, const int *__restrict__ cap, int layer, int L, int Q,
           int KVH, int D, float scale, float *__restrict__ part, int *__restrict__ counts) {
-    const int dims_per_lane = (D + 31) >> 5;
-    if (dims_per_lane == 1)
-        attention_body<1>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
-                          part, counts);
-    else if (dims_per_lane == 2)
-        attention_body<2>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
-                          part, counts);
-    else if (dims_per_lane <= 4)
-        attention_body<4>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
-                          part, counts);
-    else
-        attention_body<8>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
-                          part, counts);
+    attention_row(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale, part,
+                  counts, blockIdx.x);
+}
+
+// ---- beside attention_prompt (attention_prompt.cu) in prompt-sized windows: the rows that no
+// neighbour row shares a kv_base with (decode rows), each as `attention` computes it, so a
+// decode row gives the same bits in any window. Block x takes rows x, x + gridDim.x, ...
+// grid (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), block ATT_WARPS * 32.
+#define ATT_SINGLE_BLOCKS 16
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_singles(const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
+                  float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
+                  const int *__restrict__ pos, const int *__restrict__ cap, int R, int layer,
+                  int L, int Q, int KVH, int D, float scale, float *__restrict__ part,
+                  int *__restrict__ counts) {
+    for (int r = blockIdx.x; r < R; r += gridDim.x) {
+        const unsigned long long b = kv_base[r];
+        if ((r > 0 && kv_base[r - 1] == b) || (r + 1 < R && kv_base[r + 1] == b)) continue;
+        attention_row(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale, part,
+                      counts, r);
+    }
 }

@@ -16,13 +16,16 @@ class StreamCopier:
     """The async tier's copies on the arena's side stream, driven from the engine thread before
     each window (`pump`): lands the loads whose copy event completed, claims the slots of new
     loads (evictions published in one upload, event E_pub), enqueues their chunks behind E_pub.
-    `chunks_per_window` (None: all) spreads a load's chunks over several windows."""
+    `chunks_per_window` (None: all) spreads a load's chunks over several windows. Loads into
+    slots the caller already claimed (`submit_claimed`: a prompt chunk's borrowed staging)
+    are copied behind the compute stream's work so far instead."""
 
     def __init__(self, arena: VramExpertArena, on_landed, chunk_bytes: int = COPY_CHUNK_BYTES,
                  chunks_per_window: int | None = None):
         self.arena, self._on_landed = arena, on_landed
         self.chunk_bytes, self.chunks_per_window = chunk_bytes, chunks_per_window
         self._queued: list = []
+        self._claimed: list = []  # loads whose slot the caller claimed (submit_claimed)
         self._flight: list[dict] = []  # {load, at, nbytes, event}
 
     def start(self) -> None:
@@ -30,10 +33,14 @@ class StreamCopier:
 
     @property
     def is_busy(self) -> bool:
-        return bool(self._queued or self._flight)
+        return bool(self._queued or self._claimed or self._flight)
 
     def submit(self, loads) -> None:
         self._queued.extend(loads)
+
+    def submit_claimed(self, loads) -> None:
+        """Loads into slots already claimed (begin_evict done, the eviction published)."""
+        self._claimed.extend(loads)
 
     def pump(self) -> None:
         a, rt, drv = self.arena, self.arena._rt, self.arena._rt.drv
@@ -42,9 +49,13 @@ class StreamCopier:
             for f in list(self._flight):  # 1. land what has arrived
                 if f["event"] is not None and f["event"].query():
                     load = f["load"]
+                    self._flight.remove(f)
+                    if a.table.peek().table[load.layer, load.expert] >= 0:
+                        # another copier loaded it meanwhile (a refill racing a swap)
+                        a.table.abort(load.slot)
+                        continue
                     a.table.land(load.slot, load.layer, load.expert)
                     a._point(load.layer, load.expert, load.slot)
-                    self._flight.remove(f)
                     self._on_landed(load)
                     changed = True
             started = []
@@ -60,6 +71,13 @@ class StreamCopier:
                 if started:
                     a.side_stream.wait_for_event(published)
                 self._flight += started
+            if self._claimed:  # copied behind every kernel issued so far
+                issued = drv.Event()
+                issued.record(rt.stream)
+                a.side_stream.wait_for_event(issued)
+                self._flight += [{"load": load, "at": 0, "event": None,
+                                  "nbytes": a._image_bytes(load.layer)} for load in self._claimed]
+                self._claimed = []
             budget = self.chunks_per_window
             for f in self._flight:  # 3. enqueue copies behind the published evictions
                 load = f["load"]
@@ -88,6 +106,9 @@ class StreamCopier:
         """Drop queued loads; loads in flight finish their copies and are given back free."""
         a = self.arena
         self._queued = []
+        for load in self._claimed:
+            a.table.abort(load.slot)
+        self._claimed = []
         if self._flight:
             with a._rt.active():
                 a.side_stream.synchronize()

@@ -47,6 +47,7 @@ class CudaKV:
         self._shape = (spec.n_layers, 2, spec.n_kv_heads, capacity_tokens, spec.head_dim)
         self._cells_bytes = int(np.prod(self._shape)) * self.dtype.itemsize
         self._buf = runtime.alloc(self.nbytes)
+        self._own_capacity = capacity_tokens  # what _buf holds (rehome goes back to it)
         self.address = int(self._buf)  # device address of cell [0, 0, 0, 0, 0]
         self.base = self.address | int(self.is_int8)
 
@@ -54,6 +55,49 @@ class CudaKV:
     def nbytes(self) -> int:
         scales = 4 * int(np.prod(self._shape[:4])) if self.is_int8 else 0
         return self._cells_bytes + scales
+
+    @staticmethod
+    def nbytes_for(spec: ModelSpec, capacity_tokens: int, dtype=np.float16) -> int:
+        """Bytes of the cells (and int8 scales) of a KV of `capacity_tokens`."""
+        rows = spec.n_layers * 2 * spec.n_kv_heads * int(capacity_tokens)
+        if np.dtype(dtype) == np.int8:
+            return rows * (spec.head_dim + 4)
+        return rows * spec.head_dim * np.dtype(dtype).itemsize
+
+    def rehome(self, capacity_tokens: int, address: int | None = None) -> None:
+        """Move the committed cells into `capacity_tokens` cells at device `address` (at least
+        `nbytes_for` bytes, e.g. expert-cache slots lent by KV grow), or back into the KV's
+        own allocation when None. Copies on the compute stream, after every kernel issued so
+        far (which may still read the old cells); cells [0, num_tokens) are copied exactly."""
+        capacity_tokens = int(capacity_tokens)
+        if address is None:
+            address = int(self._buf)
+            if capacity_tokens > self._own_capacity:
+                raise ValueError(f"the KV's own cells hold {self._own_capacity} tokens, not "
+                                 f"{capacity_tokens}; give an address for more")
+        if not self.num_tokens <= capacity_tokens:
+            raise ValueError(f"cannot move a KV of {self.num_tokens} tokens into "
+                             f"{capacity_tokens} cells")
+        rows = self.spec.n_layers * 2 * self.spec.n_kv_heads  # (layer, K/V, head) rows
+        row_bytes = self.spec.head_dim * self.dtype.itemsize
+        new_cells_bytes = rows * capacity_tokens * row_bytes
+        rt, n = self._rt, self.num_tokens
+        with rt.active():
+            for row in range(rows if n else 0):
+                rt.drv.memcpy_dtod_async(address + row * capacity_tokens * row_bytes,
+                                         self.address + row * self.capacity * row_bytes,
+                                         n * row_bytes, rt.stream)
+                if self.is_int8:
+                    rt.drv.memcpy_dtod_async(
+                        address + new_cells_bytes + 4 * row * capacity_tokens,
+                        self.address + self._cells_bytes + 4 * row * self.capacity, 4 * n,
+                        rt.stream)
+            rt.stream.synchronize()  # the old cells may be reused from here
+        self.capacity = capacity_tokens
+        self._shape = self._shape[:3] + (capacity_tokens,) + self._shape[4:]
+        self._cells_bytes = new_cells_bytes
+        self.address = int(address)
+        self.base = self.address | int(self.is_int8)
 
     @property
     def room_tokens(self) -> int:

@@ -7,18 +7,13 @@
 // Quantised weights meet 8-bit activations (as the CPU backend and llama.cpp's Q8_0): per 32
 // columns dx = max|x| / 127, q = rint(x / dx); a group of 16 columns contributes
 // a * dx * sum(s * q) - b * dx * sum(q) (dp4a). Float weights (F32/F16/BF16) meet float rows.
-#include "common.cuh"
+#include "products.cuh"
 
 #define TR 4            // activation rows per tile: each decoded weight group serves TR rows
 #define MM_WARPS 4      // warps per block
 #define NR 4            // outputs n per warp: each activation load serves NR weight rows
 #define MM_GROUP_UNROLL 2  // 16-column groups decoded together per lane (store / add modes)
 
-#define MODE_STORE 0    // Y = dot (+ bias[n])
-#define MODE_ADD 1      // Y += dot (the residual stream)
-#define MODE_GATEUP 2   // Y = silu(dot(W, x)) * dot(W2, x)
-
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
 // groups: [G, 3] (expert, first pair, pair count) with *num_groups in use. Grouped products find
 // each expert's matrix through wtab[expert] (and W2's through wtab2[expert]): device pointers,
@@ -168,20 +163,8 @@ __device__ __forceinline__ void mm_body(
     }
 }
 
-#define MM_ARGS                                                                                     \
-    const uint8_t *W, const uint8_t *W2, const unsigned long long *wtab,                            \
-        const unsigned long long *wtab2, long long row_bytes, int N, int K, const float *xf,        \
-        const int8_t *xq, const float *xd, const int *groups, const int *num_groups,                \
-        const int *act_rows, const int *out_rows, const float *bias, float *Y, int ldy
 #define MM_PASS W, W2, wtab, wtab2, row_bytes, N, K, xf, xq, xd, groups, num_groups, act_rows,     \
                 out_rows, bias, Y, ldy, blockIdx.x
-// q, k and v projections of the same rows in one launch: blocks [0, nbq) make q, the next
-// nbkv k, the last nbkv v (one weight type, rows of K columns each).
-#define QKV_ARGS                                                                                    \
-    const uint8_t *Wq, const uint8_t *Wk, const uint8_t *Wv, long long row_bytes, int Nq,           \
-        int Nkv, int K, const float *xf, const int8_t *xq, const float *xd, const int *groups,      \
-        const int *num_groups, const float *bq, const float *bk, const float *bv, float *Yq,        \
-        float *Yk, float *Yv
 #define QKV_BODY(QT)                                                                                \
     const int nbq = (Nq + MM_WARPS * NR - 1) / (MM_WARPS * NR);                                     \
     const int nbkv = (Nkv + MM_WARPS * NR - 1) / (MM_WARPS * NR);                                   \
@@ -221,6 +204,7 @@ MM_KERNELS(q4_0, ST_Q4_0)
 MM_KERNELS(q4_k, ST_Q4_K)
 MM_KERNELS(q5_k, ST_Q5_K)
 MM_KERNELS(q6_k, ST_Q6_K)
+
 
 // x [T, K] float -> q [T, K] int8, d [T, K/32]: per 32 columns d = max|x| / 127, q = rint(x / d)
 // (as the CPU's quantize_row). One warp per 32 columns; grid ceil(T*K/32 / 8), block 256.

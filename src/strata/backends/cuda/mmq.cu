@@ -8,7 +8,7 @@
 // is exact, and each output accumulates (float)s * (d_w * d_x) over its blocks in increasing
 // k order in one thread, so a row's result does not depend on the tile it lands in or on the
 // other rows of its window.
-#include "common.cuh"
+#include "products.cuh"
 
 #define MMQ_THREADS 128              // 4 warps: 2 over weight rows x 2 over activation rows
 #define MMQ_BM 64                    // weight rows per tile (gate/up: 32 gate rows + 32 up rows)
@@ -18,11 +18,6 @@
 #define MMF_TILE 32                  // float kernel: 32 outputs x 32 rows x 32 columns per step
 #define MMF_THREADS 256
 
-#define MODE_STORE 0    // Y = dot (+ bias[n])
-#define MODE_ADD 1      // Y += dot (the residual stream)
-#define MODE_GATEUP 2   // Y = silu(dot(W, x)) * dot(W2, x)
-
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
 // d[16x8] = a[16x32] . b[32x8] in int32 (a row-major weight rows, b activation rows)
 __device__ __forceinline__ void mma_s8(int (&d)[4], const int (&a)[4], int b0, int b1) {
@@ -339,38 +334,24 @@ __device__ __forceinline__ void mmf_body(
     }
 }
 
-// matmul.cu's MM_ARGS, so plan.py launches either family with one argument list
-#define MMQ_ARGS                                                                                   \
-    const uint8_t *W, const uint8_t *W2, const unsigned long long *wtab,                            \
-        const unsigned long long *wtab2, long long row_bytes, int N, int K, const float *xf,        \
-        const int8_t *xq, const float *xd, const int *groups, const int *num_groups,                \
-        const int *act_rows, const int *out_rows, const float *bias, float *Y, int ldy
 #define MMQ_PASS W, W2, wtab, wtab2, row_bytes, N, K, xq, xd, groups, num_groups, act_rows,        \
                  out_rows, bias, Y, ldy, blockIdx.x
 #define MMF_PASS W, row_bytes, N, K, xf, groups, num_groups, act_rows, out_rows, bias, Y, ldy
-// q, k and v of the same rows in one launch (matmul.cu's QKV_ARGS): blocks x in [0, nbq) make
-// q, the next nbkv k, the last nbkv v
-#define MMQ_QKV_ARGS                                                                               \
-    const uint8_t *Wq, const uint8_t *Wk, const uint8_t *Wv, long long row_bytes, int Nq,           \
-        int Nkv, int K, const float *xf, const int8_t *xq, const float *xd, const int *groups,      \
-        const int *num_groups, const float *bq, const float *bk, const float *bv, float *Yq,        \
-        float *Yk, float *Yv
-
 // mmq64_*: tiles of 64 activation rows (dense products of long windows); mmq32_*: tiles of 32
 // (grouped experts: ~32 rows per expert in a 512-row prompt of 128 experts, top-8; dense
 // products whose 64-row tiles would leave the GPU's multiprocessors idle)
 #define MMQ_TILE_KERNELS(NAME, QT, BN)                                                              \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_store_##NAME(MMQ_ARGS) {    \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_store_##NAME(MM_ARGS) {    \
         mmq_body<QT, MODE_STORE, BN>(MMQ_PASS);                                                     \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_add_##NAME(MMQ_ARGS) {      \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_add_##NAME(MM_ARGS) {      \
         mmq_body<QT, MODE_ADD, BN>(MMQ_PASS);                                                       \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_gateup_##NAME(MMQ_ARGS) {   \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_gateup_##NAME(MM_ARGS) {   \
         mmq_body<QT, MODE_GATEUP, BN>(MMQ_PASS);                                                    \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                       \
-        mmq##BN##_qkv_##NAME(MMQ_QKV_ARGS) {                                                        \
+        mmq##BN##_qkv_##NAME(QKV_ARGS) {                                                        \
         const int nbq = (Nq + MMQ_BM - 1) / MMQ_BM, nbkv = (Nkv + MMQ_BM - 1) / MMQ_BM;             \
         const int bx = blockIdx.x;                                                                  \
         if (bx < nbq)                                                                               \
@@ -388,10 +369,10 @@ __device__ __forceinline__ void mmf_body(
 #define MMQ_KERNELS(NAME, QT) MMQ_TILE_KERNELS(NAME, QT, 64) MMQ_TILE_KERNELS(NAME, QT, 32)
 
 #define MMF_KERNELS(NAME, QT)                                                                       \
-    extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_store_##NAME(MMQ_ARGS) {          \
+    extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_store_##NAME(MM_ARGS) {          \
         mmf_body<QT, MODE_STORE>(MMF_PASS);                                                         \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_add_##NAME(MMQ_ARGS) {            \
+    extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_add_##NAME(MM_ARGS) {            \
         mmf_body<QT, MODE_ADD>(MMF_PASS);                                                           \
     }
 

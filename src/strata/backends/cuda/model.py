@@ -47,7 +47,16 @@ class CudaModel:
     reads_expert_pointers = False  # the tier's arena keeps the expert tables on the device
 
     def __init__(self, gguf_model: GGUFModel, device: int | None = None,
-                 experts_resident: bool = True):
+                 experts_resident: bool = True, layers: tuple[int, int] | None = None):
+        """`layers` (first, stop): only those layers (a stage of a layer split, stage.py):
+        the first stage embeds the tokens, the last applies the final norm and the head, the
+        others take and give the residual rows [R, H] float32 in the workspace's `x`."""
+        if layers is not None:
+            from strata.backends.cuda.stage import LayerRange
+
+            gguf_model = LayerRange(gguf_model, *layers)
+        self.is_first = getattr(gguf_model, "is_first", True)
+        self.is_last = getattr(gguf_model, "is_last", True)
         self.gguf = gguf_model
         self.spec = spec = gguf_model.spec
         self.runtime = rt = Runtime(device)
@@ -67,12 +76,16 @@ class CudaModel:
             self.expert_tables = rt.alloc(8 * 3 * spec.n_layers * spec.n_experts)
             self.expert_tables_ptr = int(self.expert_tables)
         self.expert_arena = None  # set by new_expert_arena
-        self.embd = DeviceMatrix(rt, gguf_model.tensor("token_embd.weight"))
+        needs_embd = self.is_first or (self.is_last and spec.tied_output)
+        self.embd = (DeviceMatrix(rt, gguf_model.tensor("token_embd.weight")) if needs_embd
+                     else None)
         self.layers = [DeviceLayer(rt, gguf_model, spec, i, self.expert_tables_ptr)
                        for i in range(spec.n_layers)]
-        self.out_norm = DeviceVector(rt, small_values(gguf_model.tensor("output_norm.weight")))
-        head = "token_embd.weight" if spec.tied_output else "output.weight"
-        self.head = self.embd if spec.tied_output else DeviceMatrix(rt, gguf_model.tensor(head))
+        self.out_norm = self.head = None  # on the last stage only
+        if self.is_last:
+            self.out_norm = DeviceVector(rt, small_values(gguf_model.tensor("output_norm.weight")))
+            self.head = self.embd if spec.tied_output else DeviceMatrix(
+                rt, gguf_model.tensor("output.weight"))
         self.shexp_gate_rows = [_GateRow(ly.shexp_gate) if ly.shexp_gate is not None else None
                                 for ly in self.layers]
         # as the CPU backend: inverse frequencies in float32, as torch computes them
@@ -80,7 +93,7 @@ class CudaModel:
         self.inv_freq = DeviceVector(rt, 1.0 / np.power(np.float32(spec.rope_theta), exps))
         self.eps = float(np.float32(spec.rms_eps))
         self.attn_scale = float(np.float32(spec.head_dim ** -0.5))
-        mats = [self.head] + [m for ly in self.layers for m in
+        mats = [m for m in (self.head,) if m is not None] + [m for ly in self.layers for m in
                               (ly.wq, ly.wk, ly.wv, ly.router, ly.gate_exps, ly.shexp_w_gate)
                               if m is not None]
         # the normed rows are also quantised when a product over H reads 8-bit activations

@@ -112,7 +112,9 @@ def auto_budget_bytes(model, config) -> int:
     spec = model.spec
     free, _ = model.runtime.free_bytes()
     n_ctx = config.resolve_n_ctx(spec.context_length)
-    kv_bytes = config.parallel * n_ctx * spec.n_layers * 2 * spec.kv_dim * 2  # fp16 K and V
+    # fp16 K and V of every slot (--kv-grow: the base cells; more are lent by the cache)
+    kv_cells = config.parallel * config.kv_base_cells(n_ctx)
+    kv_bytes = kv_cells * spec.n_layers * 2 * spec.kv_dim * 2
     work_bytes = work_buffer_bytes(spec, AUTO_WINDOW_ROWS)
     room = max(0, free - kv_bytes - work_bytes - VRAM_RESERVE_BYTES)
     budget = config.vram_budget_bytes
@@ -183,6 +185,10 @@ class VramExpertArena(ExpertArena):
         self._where_version = -1
         self._windows_since_where = 0
         self._pool_seq_taken = 0  # the last pool window counted by take_pool_window
+        from strata.backends.cuda.stream import PromptStreamer
+
+        # windows of many rows (prompt chunks) stream their layers' missing experts (stream.py)
+        self.streamer = PromptStreamer(self)
 
     # ---- the CPU pool -------------------------------------------------------------------
     def attach_pool(self, pcie_frac: float, max_rows: int, threads: int | None = None) -> None:
@@ -339,8 +345,40 @@ class VramExpertArena(ExpertArena):
     def before_window(self, num_rows: int = 1) -> None:
         if self.copier is not None:
             self.copier.pump()
+        self.streamer.before_window(num_rows)  # staging for a prompt chunk, or given back
         if self.pool is not None:
             self._set_where(num_rows)
+
+    def reserved_slots(self) -> frozenset[int]:
+        """The slots prompt chunks borrow as staging (stream.py): never lent to a KV."""
+        return self.streamer.reserved_slots()
+
+    @property
+    def is_lending_slots(self) -> bool:
+        """True while slots are lent to a prompt chunk's staging or being refilled after it."""
+        return self.streamer.is_lending
+
+    # ---- lending slots to a KV (experts/kv_grow.py; reserved_slots above) -----------------
+    def lend_slots(self, slots, timeout_s: float | None = None):
+        """As ExpertArena's, with the evicted experts re-pointed at their host copies in one
+        upload on the compute stream before the call returns: the KV's cells are written
+        there (by copies and kernels on that stream) only after it."""
+        rt, tickets = self._rt, []
+        with rt.active():
+            for slot in slots:
+                ticket = self.table.begin_evict(slot)
+                if ticket.evicted is not None:
+                    self._point(*ticket.evicted, -1)
+                tickets.append(ticket)
+            self._publish()
+            rt.synchronize()
+        for ticket in tickets:
+            self.table.wait_overwritable(ticket, timeout_s)
+        return [ticket.evicted for ticket in tickets]
+
+    def slot_region(self, first: int, count: int) -> int:
+        """Device address of slots [first, first + count) (one region, lent to a KV)."""
+        return self.slot_base + first * self.slot_bytes
 
     def new_copier(self, on_landed):
         from strata.backends.cuda.copier import StreamCopier
@@ -349,6 +387,7 @@ class VramExpertArena(ExpertArena):
         return self.copier
 
     def close(self) -> None:
+        self.streamer.close()
         if self.copier is not None:
             self.copier.stop()
         if self.pool is not None:

@@ -5,6 +5,8 @@ launch list or as a captured CUDA graph.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from strata._native import cuda_driver
@@ -20,6 +22,13 @@ MM_ROWS = 16  # outputs per block of the product kernels (MM_WARPS * NR in matmu
 # the kernels' constants: ATT_SPLITS in attention.cu, ROUTER_WARPS, ROUTER_RT and GROUP_CHUNK
 # in router.cu
 ATT_SPLITS, ROUTER_WARPS, ROUTER_RT, GROUP_CHUNK = 4, 4, 8, 1024
+# Prompt-sized windows (>= MMQ_MIN_ROWS rows): attention_prompt.cu's tensor-core attention for
+# rows whose slot has other rows beside them (PA_ROWS rows x up to PA_WARPS heads per block), the
+# other rows by attention.cu's attention_singles (ATT_SINGLE_BLOCKS blocks walk the rows);
+# group_pairs_wide (GROUP_WIDE_THREADS threads) groups the pairs. Head dims the kernel takes:
+PA_ROWS, PA_WARPS, ATT_SINGLE_BLOCKS, GROUP_WIDE_THREADS = 16, 8, 16, 1024
+PA_HEAD_DIMS = (16, 32, 64, 128)  # STRATA_PROMPT_ATTN=old: `attention` for every window
+GROUP_WIDE_MAX_SHARED_BYTES = 48 * 1024
 NORM_MAX_HIDDEN = 8192  # combine_norm / one-pass RMSNorm: hidden % 4 == 0 and at most this
 # Windows of at least MMQ_MIN_ROWS rows (or logit rows, for the head) take mmq.cu's tiled
 # products: int8 tensor cores for these weight types, a shared-memory tiled float kernel for
@@ -35,6 +44,28 @@ MMQ_OUTPUTS = 64
 # blocks) 4.1 ms with 64-row tiles vs 6.5 with 32, the output projection (256) 5.6 vs 5.2.
 MMQ_MIN_BLOCKS_64 = 512
 MMF_TILE = 32  # outputs and rows per block of mmq.cu's float kernel
+# Decode windows' Q4_0 / Q8_0 products but the routed down: matvec.cu's mv_* kernels (weight rows
+# staged by cp.async, MV_WARPS warps per block, mv_outputs_per_warp(K) outputs per warp); the
+# down products keep the dp4a mm_* warps after quantize_q8 (see _build). One family for every
+# decode window, resident or offloaded, so a row's bits never depend on its window or on where
+# its experts live. STRATA_DECODE_MM=dp4a keeps mm_* everywhere (to measure one against the
+# other in one build).
+MV_WARPS = 4
+MV_TYPES = ("q4_0", "q8_0")
+
+
+def mv_outputs_per_warp(num_cols: int) -> int:
+    """Outputs per warp of matvec.cu's mv_* kernels (its mv_lanes_per_output, mirrored)."""
+    num_blocks = num_cols // 32
+    return 32 // (32 if num_blocks >= 32 else 16 if num_blocks >= 12 else 8)
+
+
+def _mv_blocks(w) -> int | None:
+    """Blocks along x of an mv_* launch over matrix w, or None when mm_* should run it."""
+    if w.suffix not in MV_TYPES or os.environ.get("STRATA_DECODE_MM", "mv") == "dp4a":
+        return None
+    outputs = MV_WARPS * mv_outputs_per_warp(w.cols)
+    return (w.rows + outputs - 1) // outputs
 
 
 def _dense_tile_rows(num_out_tiles: int, num_rows: int) -> int:
@@ -138,6 +169,9 @@ class WindowPlan:
                                                 dtype=np.int32))
         self.launches = cuda_driver.LaunchList()
         self.graph = None
+        # per layer (first, stop): the launches that read its routed experts (gate/up .. down);
+        # a prompt window streaming its experts (stream.py) puts its copy waits around them
+        self.expert_spans: list[tuple[int, int]] = []
         self._build()
 
     # ---- helpers --------------------------------------------------------------------------
@@ -152,10 +186,11 @@ class WindowPlan:
 
     def _mm(self, mode: str, w, act: str, out: str, *, w2=None, bias=None,
             grouped: bool = False, out_rows: bool = False, act_rows: bool = False,
-            logit_rows: bool = False) -> None:
+            logit_rows: bool = False, use_mv: bool = True) -> None:
         """Y[out] (mode store/add/gateup) = W x over activation buffer family `act` (float
         `act`, 8-bit `act`q/`act`d, e.g. hf/hq/hd): over the window's R rows (the N logit rows
-        with logit_rows), or per expert group with grouped."""
+        with logit_rows), or per expert group with grouped. use_mv False keeps a decode
+        window's product on the dp4a mm_* warps."""
         ws = self._ws
         xf = ws.ptr(act)
         xq, xd = (ws.ptr({"hf": "hq", "hbuf": "hbq", "sg": "sgq"}[act]),
@@ -174,6 +209,8 @@ class WindowPlan:
                             self.num_rows * self._model.spec.n_experts_used, max_groups)
         if tiled is not None:
             kernel, grid, block = tiled
+        elif use_mv and _mv_blocks(w) is not None and (w2 is None or w2.suffix == w.suffix):
+            kernel, grid = f"mv_{mode}_{w.suffix}", (_mv_blocks(w), max_groups)
         self._add(kernel, grid, block, MM_FMT,
                   [w.ptr, w2.ptr if w2 is not None else 0, w.table_ptr if grouped else 0,
                    w2.table_ptr if grouped and w2 is not None else 0, w.row_bytes, w.rows, w.cols, xf, xq, xd, groups, num_groups,
@@ -191,6 +228,9 @@ class WindowPlan:
         ws, static = self._ws, int(self._static)
         num_blocks = sum((w.rows + MM_ROWS - 1) // MM_ROWS for w in (ly.wq, ly.wk, ly.wv))
         kernel, grid = f"mm_qkv_{ly.wq.suffix}", (num_blocks, 1)
+        if tiled is None and _mv_blocks(ly.wq) is not None:
+            kernel = f"mv_qkv_{ly.wq.suffix}"
+            grid = (sum(_mv_blocks(w) for w in (ly.wq, ly.wk, ly.wv)), 1)
         if tiled is not None:  # q, k and v output tiles along x, row tiles along y
             num_blocks = sum((w.rows + MMQ_OUTPUTS - 1) // MMQ_OUTPUTS
                              for w in (ly.wq, ly.wk, ly.wv))
@@ -209,6 +249,29 @@ class WindowPlan:
                   [ws.ptr("x"), weight_ptr, self._model.eps, H,
                    ws.desc("logit_rows") if gather else 0, ws.ptr("hf"),
                    ws.ptr("hq") if quantize else 0, ws.ptr("hd") if quantize else 0])
+
+    def _attention(self, li: int, fuse_q: bool) -> None:
+        """Attention of every row over its KV into hf [R, Q*D] (+ hq/hd when fuse_q): in
+        prompt-sized windows attention_prompt (rows beside rows of their slot) and
+        attention_singles (the rest, as `attention`), else `attention` for all rows."""
+        ws, spec, R = self._ws, self._model.spec, self.num_rows
+        Q, KVH, D, L = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.n_layers
+        outs = [ws.ptr("qb"), ws.ptr("hf"), ws.ptr("hq") if fuse_q else 0,
+                ws.ptr("hd") if fuse_q else 0, ws.desc("kv"), ws.desc("pos"), ws.desc("cap")]
+        split = [ws.ptr("att_part"), ws.ptr("att_counts")]
+        scale = self._model.attn_scale
+        if (R < MMQ_MIN_ROWS or D not in PA_HEAD_DIMS or Q % KVH
+                or os.environ.get("STRATA_PROMPT_ATTN", "mma") == "old"):
+            self._add("attention", (R, Q, ATT_SPLITS), (128,), "PPPPPPPiiiiifPP",
+                      [*outs, li, L, Q, KVH, D, scale, *split])
+            return
+        group = Q // KVH
+        warps = min(group, PA_WARPS)
+        grid = ((R + PA_ROWS - 1) // PA_ROWS, KVH, (group + warps - 1) // warps)
+        self._add("attention_prompt", grid, (32 * warps,), "PPPPPPPiiiiiif",
+                  [*outs, R, li, L, Q, KVH, D, scale])
+        self._add("attention_singles", (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
+                  "PPPPPPPiiiiiifPP", [*outs, R, li, L, Q, KVH, D, scale, *split])
 
     def _router(self, ly) -> None:
         """Router logits, softmax + top-k and the pairs grouped by expert: one launch for a
@@ -230,6 +293,11 @@ class WindowPlan:
         self._mm("store", w, "hf", "router")  # [R, E] logits
         self._add("router_topk", (R,), (32,), "PiiiPP",
                   [outs[0], E, K, int(spec.norm_topk), outs[1], outs[2]], shared_bytes=4 * E)
+        wide_shared_bytes = 4 * (GROUP_WIDE_THREADS // 32 + 1) * E
+        if R >= MMQ_MIN_ROWS and wide_shared_bytes <= GROUP_WIDE_MAX_SHARED_BYTES:
+            self._add("group_pairs_wide", (1,), (GROUP_WIDE_THREADS,), "PiiiPPPP",
+                      [outs[1], R * K, K, E, *outs[3:]], shared_bytes=wide_shared_bytes)
+            return
         self._add("group_pairs", (1,), (256,), "PiiiPPPP", [outs[1], R * K, K, E, *outs[3:]],
                   shared_bytes=group_shared_bytes)
 
@@ -240,9 +308,10 @@ class WindowPlan:
         H, Q, KVH, D = spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim
         E, K, F = spec.n_experts, spec.n_experts_used, spec.expert_ffn
         P, L = R * K, spec.n_layers
-        emb = m.embd
-        self._add(f"embed_{emb.suffix}", (R,), (256,), "PqiPP",
-                  [emb.ptr, emb.row_bytes, H, ws.desc("tokens"), ws.ptr("x")])
+        if m.is_first:  # later stages of a layer split find x [R, H] copied in
+            emb = m.embd
+            self._add(f"embed_{emb.suffix}", (R,), (256,), "PqiPP",
+                      [emb.ptr, emb.row_bytes, H, ws.desc("tokens"), ws.ptr("x")])
         is_normed = False  # the previous layer's combine_norm already wrote hf (+ hq, hd)
         for li, ly in enumerate(m.layers):
             # -- attention
@@ -256,11 +325,7 @@ class WindowPlan:
                        li, L, Q, KVH, D])
             # hf [R, Q*D]; its 8-bit form in the same kernel when heads are whole blocks of 32
             fuse_q = not ly.wo.is_float and D % 32 == 0
-            self._add("attention", (R, Q, ATT_SPLITS), (128,), "PPPPPPPiiiiifPP",
-                      [ws.ptr("qb"), ws.ptr("hf"), ws.ptr("hq") if fuse_q else 0,
-                       ws.ptr("hd") if fuse_q else 0, ws.desc("kv"), ws.desc("pos"),
-                       ws.desc("cap"), li, L, Q, KVH, D, m.attn_scale, ws.ptr("att_part"),
-                       ws.ptr("att_counts")])
+            self._attention(li, fuse_q)
             if not ly.wo.is_float and not fuse_q:
                 self._quantize("hf", "hq", "hd", R * Q * D)
             self._mm("add", ly.wo, "hf", "x")  # x += attention [R, H]
@@ -270,12 +335,18 @@ class WindowPlan:
             if m.tier is not None:  # counts [E] of this layer; CPU groups out, rows to the pool
                 m.tier.add_after_grouping(self, li)
             # gate/up + SiLU per distinct expert over its rows: hbuf [P (grouped order), F]
+            first_expert_launch = len(self.launches)
             self._mm("gateup", ly.gate_exps, "hf", "hbuf", w2=ly.up_exps, grouped=True,
                      act_rows=True)
             if not ly.down_exps.is_float:
                 self._quantize("hbuf", "hbq", "hbd", P * F)
-            # down per distinct expert: ybuf [P (pair r*K + k), H]
-            self._mm("store", ly.down_exps, "hbuf", "ybuf", grouped=True, out_rows=True)
+            # down per distinct expert: ybuf [P (pair r*K + k), H]. The dp4a warps: an mv kernel
+            # quantising hbuf's rows itself (every warp redoing it) took 1.24 ms per decode token
+            # (H200, qwen3-30b-a3b), these 0.90 with the head + quantize_q8 0.23 in an earlier
+            # build, and its cost grows with the window's pairs (8 slots: 542 vs 633 tokens/s)
+            self._mm("store", ly.down_exps, "hbuf", "ybuf", grouped=True, out_rows=True,
+                     use_mv=False)
+            self.expert_spans.append((first_expert_launch, len(self.launches)))
             shared = (0, 0)
             if ly.shexp_w_gate is not None:
                 S = spec.shared_ffn
@@ -299,6 +370,8 @@ class WindowPlan:
             else:
                 self._add("moe_combine", ((R * H + 255) // 256,), (256,), "PPPiiiPP",
                           [ws.ptr("x"), ws.ptr("ybuf"), ws.ptr("wts"), R, K, H, *shared])
+        if not m.is_last:  # a layer split's next stage takes x [R, H] from here
+            return
         # -- the head over the N logit rows
         self._norm(m.out_norm.ptr, N, quantize=not m.head.is_float, gather=True)
         self._mm("store", m.head, "hf", "logits", logit_rows=True)  # [N, V]
@@ -307,6 +380,10 @@ class WindowPlan:
 
     # ---- running --------------------------------------------------------------------------
     def run(self, stream: int, use_graph: bool) -> None:
+        streamer = getattr(getattr(self._model, "expert_arena", None), "streamer", None)
+        if streamer is not None and streamer.is_ready_for(self.num_rows):
+            streamer.run(self, stream)  # experts copied into staging slots first (stream.py)
+            return
         if use_graph:
             if self.graph is None:
                 self.graph = cuda_driver.Graph(self.launches, stream)

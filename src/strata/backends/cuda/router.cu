@@ -129,6 +129,90 @@ extern "C" __global__ void group_pairs(const int *__restrict__ ids, int P, int K
     group_body(ids, P, K, E, groups, num_groups, act_rows, out_rows, shm_group);
 }
 
+// ---- grouping for prompt-sized windows: a stable counting sort by expert, the same output as
+// group_pairs. Warp w takes a contiguous span of pairs; pass 1 counts its pairs per expert
+// (__match_any_sync: one shared add per distinct expert per 32 pairs), a thread per expert turns
+// the per-warp counts into offsets (warps in order), warp 0 scans the experts (groups, firsts),
+// pass 2 writes each pair at first[e] + its warp's offset + its rank among the equal lanes. So
+// pairs keep their order within an expert. grid 1, block GROUP_WIDE_THREADS, shared ints
+// [(GROUP_WIDE_THREADS / 32 + 1) * E].
+#define GROUP_WIDE_THREADS 1024
+extern "C" __global__ void __launch_bounds__(GROUP_WIDE_THREADS)
+group_pairs_wide(const int *__restrict__ ids, int P, int K, int E, int *__restrict__ groups,
+                 int *__restrict__ num_groups, int *__restrict__ act_rows,
+                 int *__restrict__ out_rows) {
+    extern __shared__ int shm_wide[];
+    const int num_warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int *first = shm_wide;             // [E]: per-expert totals, then first pair index
+    int *offset = shm_wide + E;        // [num_warps, E]: counts, then offsets per warp
+    int *mine = offset + warp * E;     // [E] this warp's row
+    for (int i = threadIdx.x; i < (num_warps + 1) * E; i += blockDim.x) shm_wide[i] = 0;
+    // this warp's pairs [p_begin, p_end): spans of a multiple of 32
+    const int span = (((P + num_warps - 1) / num_warps) + 31) & ~31;
+    const int p_begin = min(P, warp * span), p_end = min(P, p_begin + span);
+    const unsigned lower = (1u << lane) - 1u;  // lanes below this one
+    __syncthreads();
+    for (int p0 = p_begin; p0 < p_end; p0 += 32) {  // pass 1: counts per (warp, expert)
+        const int p = p0 + lane;
+        const int e = p < p_end ? __ldcg(ids + p) : -1;
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0 && (same & lower) == 0) mine[e] += __popc(same);  // the lowest equal lane
+        __syncwarp();
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {  // offsets of each warp within expert e
+        int run = 0;
+        for (int w = 0; w < num_warps; w++) {
+            const int n = offset[w * E + e];
+            offset[w * E + e] = run;
+            run += n;
+        }
+        first[e] = run;
+    }
+    __syncthreads();
+    if (warp == 0) {  // experts in order: first pair index and group index by warp scans
+        int carry = 0, gcarry = 0;
+        for (int e0 = 0; e0 < E; e0 += 32) {
+            const int e = e0 + lane;
+            const int n = e < E ? first[e] : 0, nz = n > 0;
+            int incl = n, gincl = nz;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int a = __shfl_up_sync(0xffffffffu, incl, o);
+                const int b = __shfl_up_sync(0xffffffffu, gincl, o);
+                if (lane >= o) {
+                    incl += a;
+                    gincl += b;
+                }
+            }
+            const int at = carry + incl - n, gi = gcarry + gincl - nz;
+            if (e < E) first[e] = at;
+            if (nz) {
+                groups[3 * gi] = e;
+                groups[3 * gi + 1] = at;
+                groups[3 * gi + 2] = n;
+            }
+            carry += __shfl_sync(0xffffffffu, incl, 31);
+            gcarry += __shfl_sync(0xffffffffu, gincl, 31);
+        }
+        if (lane == 0) *num_groups = gcarry;
+    }
+    __syncthreads();
+    for (int p0 = p_begin; p0 < p_end; p0 += 32) {  // pass 2: scatter in pair order
+        const int p = p0 + lane;
+        const int e = p < p_end ? __ldcg(ids + p) : -1;
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) {
+            const int at = first[e] + mine[e] + __popc(same & lower);
+            act_rows[at] = p / K;
+            out_rows[at] = p;
+        }
+        __syncwarp();
+        if (e >= 0 && (same & lower) == 0) mine[e] += __popc(same);
+        __syncwarp();
+    }
+}
+
 // 4 consecutive weights of a float-type row at column c (c % 4 == 0)
 template <int QT>
 __device__ __forceinline__ float4 load_float4_weight(const uint8_t *row, int c) {
@@ -146,13 +230,72 @@ __device__ __forceinline__ float4 load_float4_weight(const uint8_t *row, int c) 
 // ---- the router in one launch (float router weights): logits [R, E] = W [E, H] x xf [R, H],
 // a warp per expert over ROUTER_RT rows (float4 loads); the last block of a row tile (counter
 // counts[1 + tile]) runs softmax + top-k of its rows (ids, weights [R, K]); the last tile to
-// finish (counts[0]) groups the pairs by expert (group_body). Counters are zero between
+// finish (counts[0]) groups the pairs by expert (group_warp: decode windows have few pairs). Counters are zero between
 // launches. Each logit is summed in one fixed order, so a row's routing never depends on the
 // window. grid (ceil(E / ROUTER_WARPS), ceil(R / ROUTER_RT)), block ROUTER_WARPS * 32, shared
 // floats [ROUTER_WARPS * E] + ints [2E + GROUP_CHUNK]. H % 4 == 0.
 #define ROUTER_WARPS 4
 #define ROUTER_RT 8
-#define ROUTER_UNROLL 8  // float4 weight loads in flight per lane
+#define ROUTER_UNROLL 16  // float4 weight loads in flight per lane: H = 2048 in one round
+
+// group_body's result for the few pairs of a decode window, by one warp: pass 1 counts the pairs
+// per expert (__match_any_sync: one shared add per distinct expert per 32 pairs), a warp scan
+// over the experts gives the groups and each expert's first pair, pass 2 writes each pair at
+// first[e] + its rank among the equal lanes (pairs keep their order within an expert).
+// count: [E] shared ints. ids are read through L2 (other blocks of the launch wrote them).
+__device__ void group_warp(const int *ids, int P, int K, int E, int *__restrict__ groups,
+                           int *__restrict__ num_groups, int *__restrict__ act_rows,
+                           int *__restrict__ out_rows, int *count) {
+    const int lane = threadIdx.x & 31;
+    const unsigned lower = (1u << lane) - 1u;  // lanes below this one
+    for (int e = lane; e < E; e += WARP) count[e] = 0;
+    __syncwarp();
+    for (int p0 = 0; p0 < P; p0 += WARP) {
+        const int e = p0 + lane < P ? __ldcg(ids + p0 + lane) : -1;
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0 && (same & lower) == 0) count[e] += __popc(same);  // the lowest equal lane
+        __syncwarp();
+    }
+    int carry = 0, gcarry = 0;
+    for (int e0 = 0; e0 < E; e0 += WARP) {  // experts in order: first pair, group index
+        const int e = e0 + lane;
+        const int n = e < E ? count[e] : 0, nz = n > 0;
+        int incl = n, gincl = nz;
+#pragma unroll
+        for (int o = 1; o < WARP; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, incl, o);
+            const int b = __shfl_up_sync(0xffffffffu, gincl, o);
+            if (lane >= o) {
+                incl += a;
+                gincl += b;
+            }
+        }
+        const int at = carry + incl - n, gi = gcarry + gincl - nz;
+        if (e < E) count[e] = at;  // now the next free place of expert e
+        if (nz) {
+            groups[3 * gi] = e;
+            groups[3 * gi + 1] = at;
+            groups[3 * gi + 2] = n;
+        }
+        carry += __shfl_sync(0xffffffffu, incl, WARP - 1);
+        gcarry += __shfl_sync(0xffffffffu, gincl, WARP - 1);
+    }
+    if (lane == 0) *num_groups = gcarry;
+    __syncwarp();
+    for (int p0 = 0; p0 < P; p0 += WARP) {
+        const int p = p0 + lane;
+        const int e = p < P ? __ldcg(ids + p) : -1;
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) {
+            const int at = count[e] + __popc(same & lower);
+            act_rows[at] = p / K;
+            out_rows[at] = p;
+        }
+        __syncwarp();
+        if (e >= 0 && (same & lower) == 0) count[e] += __popc(same);
+        __syncwarp();
+    }
+}
 template <int QT>
 __device__ __forceinline__ void router_body(
     const uint8_t *__restrict__ W, long long row_bytes, int E, int H, const float *__restrict__ xf,
@@ -218,8 +361,8 @@ __device__ __forceinline__ void router_body(
         if (s_is_last) counts[0] = 0;
     }
     __syncthreads();
-    if (!s_is_last) return;
-    group_body(ids, R * K, K, E, groups, num_groups, act_rows, out_rows,
+    if (!s_is_last || warp != 0) return;
+    group_warp(ids, R * K, K, E, groups, num_groups, act_rows, out_rows,
                reinterpret_cast<int *>(shm_router + ROUTER_WARPS * E));
 }
 

@@ -15,8 +15,8 @@ from strata._native import cuda_driver
 from strata.errors import ConfigError
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
-MODULES = ("matmul.cu", "mmq.cu", "layer.cu", "attention.cu", "router.cu", "sample.cu",
-           "offload.cu")
+MODULES = ("matmul.cu", "matvec.cu", "mmq.cu", "layer.cu", "attention.cu", "attention_prompt.cu",
+           "router.cu", "sample.cu", "offload.cu")
 _INSTALL_HINT = ("pip install 'strata[cuda]' (PyCUDA; it needs the CUDA toolkit's nvcc and an "
                  "NVIDIA driver), or run with --device cpu")
 _ALIGN_BYTES = 256

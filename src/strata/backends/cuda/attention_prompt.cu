@@ -1,0 +1,331 @@
+// Causal attention of prompt chunks on fp16 tensor cores (flash attention over the KV cache):
+// a block per (16 window rows, KV head, group of up to 8 query heads), so the query heads of a
+// GQA group share each K/V tile, loaded once into shared memory.
+//
+// Legend: R = window rows, Q = query heads, KVH = KV heads, G = Q / KVH heads per KV head,
+// D = head dim, C = a KV's capacity (cells), L = layers, T = PA_CELLS cells of one KV tile.
+// KV cells as in attention.cu: half [L, 2 (K, V), KVH, C, D], or int8 [L, 2, KVH, C, D] followed
+// by float scales [L, 2, KVH, C]; a row's kv_base has bit 0 set for int8 cells.
+#include "common.cuh"
+
+#define PA_ROWS 16   // window rows per block: the M of one mma tile per warp
+#define PA_CELLS 64  // cells per KV tile; tiles start at absolute positions 0, 64, 128, ...
+#define PA_WARPS 8   // warps per block at most: one query head each
+#define LOG2E 1.4426950408889634f
+
+// The cells (and int8 scales) of (layer, kind 0 = K / 1 = V, kv head) of one KV
+struct PaHead {
+    const uint8_t *cells;  // [C, D] half or int8
+    const float *scales;   // [C] (int8 cells only)
+};
+
+__device__ __forceinline__ PaHead pa_head(unsigned long long tagged_base, int L, int layer,
+                                          int kind, int KVH, int kvh, int C, int D) {
+    PaHead k;
+    const bool is_int8 = (tagged_base & 1ull) != 0;
+    const uint8_t *base = reinterpret_cast<const uint8_t *>(tagged_base & ~1ull);
+    const long long head = ((long long)layer * 2 + kind) * KVH + kvh;
+    k.cells = base + head * C * D * (is_int8 ? 1 : 2);
+    k.scales = reinterpret_cast<const float *>(base + (long long)L * 2 * KVH * C * D) + head * C;
+    return k;
+}
+
+// d[16x8] += a[16x16] . b[16x8], fp16 inputs, f32 accumulate (a row-major, b column-major)
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two B fragments (n-tiles n0 and n0 + 8 of a [16 k x 16 n] piece) from a row-major [k][n]
+// half tile: the 4 8x8 matrices transposed (ldmatrix .trans); addr is this lane's row start.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __half *addr) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(addr);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) {
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+// (x, y) as two fp16 pairs hi + lo: hi = fp16(x), lo = fp16(x - hi), together ~22 bits of
+// mantissa, so two fp16 mma steps (hi, then lo) give products as exact as float32 ones
+__device__ __forceinline__ void split_half2(float x, float y, uint32_t &hi, uint32_t &lo) {
+    const __half2 h = __floats2half2_rn(x, y);
+    const float2 hf = __half22float2(h);
+    hi = half2_bits(h);
+    lo = half2_bits(__floats2half2_rn(x - hf.x, y - hf.y));
+}
+
+// 8 int8 cells times their scale -> 8 halves
+__device__ __forceinline__ uint4 int8x8_to_half(uint2 raw, float scale) {
+    const int8_t *b = reinterpret_cast<const int8_t *>(&raw);
+    uint4 o;
+    uint32_t *w = reinterpret_cast<uint32_t *>(&o);
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        w[j] = half2_bits(__floats2half2_rn((float)b[2 * j] * scale, (float)b[2 * j + 1] * scale));
+    return o;
+}
+
+// ---- prompt attention. Rows handled: those in a run (a neighbour row of the window has the same
+// kv_base: the rows of one prompt chunk or of one slot's drafts); the other rows are left to
+// attention_singles. Within the block's 16 rows each run of equal kv_base is a segment: its KV
+// tiles 0 .. max pos / T are loaded in order (cells past the segment's last position as zeros)
+// and every row of the segment updates its own online softmax (cells past its own position, and
+// whole tiles past it, masked: exact no-ops). So a row's sums run over its own cells in a fixed
+// order of absolute-position tiles whatever its window, tile position or neighbours. Warp w
+// holds the rows of query head kvh * G + z * W + w (W = blockDim / 32), mma m16n8k16 fp16 for
+// Q.K^T and P.V with Q and P split into fp16 hi + lo parts (two mma steps each), so scores and
+// sums are as exact as float32 ones (K/V cells are fp16; int8 cells become fp16 after scaling).
+// out [R, Q*D] float; outq / outd (when not NULL; D % 32 == 0) its 8-bit form per 32 dims.
+// grid (ceil(R / 16), KVH, ceil(G / W)), block W * 32 (W = min(G, PA_WARPS)); D in 16..128.
+template <int D>
+__device__ __forceinline__ void prompt_body(
+    const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
+    float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
+    const int *__restrict__ pos, const int *__restrict__ cap, int R, int layer, int L, int Q,
+    int KVH, float scale, __half *sk) {
+    constexpr int KS = D / 16;       // k-steps of Q.K^T
+    constexpr int NT = D / 8;        // n-tiles of P.V
+    constexpr int LDS = D + 8;       // shared row stride (halves): conflict-free fragments
+    constexpr int CH = D / 8;        // 16-byte chunks per cell row
+    __half *sv = sk + PA_CELLS * LDS;  // sk, sv: [T, D] each (rows padded to LDS)
+    __shared__ unsigned long long s_base[PA_ROWS];
+    __shared__ int s_pos[PA_ROWS], s_cap[PA_ROWS], s_run[PA_ROWS];
+    const int G = Q / KVH, W = blockDim.x >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int t0 = blockIdx.x * PA_ROWS, kvh = blockIdx.y;
+    const int hh = blockIdx.z * W + warp;  // this warp's head within the group
+    const bool has_head = hh < G;
+    const int h = kvh * G + (has_head ? hh : 0);
+    if (threadIdx.x < PA_ROWS) {
+        const int r = t0 + threadIdx.x;
+        unsigned long long b = 0;
+        int p = -1, cp = 0, run = 0;
+        if (r < R) {
+            b = kv_base[r];
+            p = pos[r];
+            cp = cap[r];
+            run = (r > 0 && kv_base[r - 1] == b) || (r + 1 < R && kv_base[r + 1] == b);
+        }
+        s_base[threadIdx.x] = b;
+        s_pos[threadIdx.x] = p;
+        s_cap[threadIdx.x] = cp;
+        s_run[threadIdx.x] = run;
+    }
+    // this thread's two rows: a = t0 + g, b = t0 + g + 8; Q as A fragments [KS][4], hi and lo
+    const int ra = t0 + g, rb = t0 + g + 8;
+    uint32_t qh[KS][4], ql[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+        float2 x[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = (i & 1) ? rb : ra, d = 16 * kk + 2 * c + ((i & 2) ? 8 : 0);
+            x[i] = r < R ? *reinterpret_cast<const float2 *>(q + ((long long)r * Q + h) * D + d)
+                         : make_float2(0.f, 0.f);
+            split_half2(x[i].x, x[i].y, qh[kk][i], ql[kk][i]);
+        }
+    }
+    const float sl2 = scale * LOG2E;  // scores in the log2 domain: exp2f
+    float oacc[NT][4];                // [16 rows, D] of P.V: rows g (0, 1), g + 8 (2, 3)
+#pragma unroll
+    for (int n = 0; n < NT; n++) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.0f;
+    float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;  // l: this lane's columns
+    __syncthreads();
+    for (int seg = 0; seg < PA_ROWS;) {
+        if (!s_run[seg]) {  // a single row (or past R): attention_singles has it
+            seg++;
+            continue;
+        }
+        const unsigned long long base = s_base[seg];
+        int end = seg + 1, last = s_pos[seg];
+        while (end < PA_ROWS && s_run[end] && s_base[end] == base) last = max(last, s_pos[end++]);
+        const int lim_a = (g >= seg && g < end) ? s_pos[g] : -1;  // last visible cell per row
+        const int lim_b = (g + 8 >= seg && g + 8 < end) ? s_pos[g + 8] : -1;
+        const bool is_int8 = (base & 1ull) != 0;
+        const PaHead kh = pa_head(base, L, layer, 0, KVH, kvh, s_cap[seg], D);
+        const PaHead vh = pa_head(base, L, layer, 1, KVH, kvh, s_cap[seg], D);
+        for (int kv0 = 0; kv0 <= last; kv0 += PA_CELLS) {
+            __syncthreads();  // the previous tile's fragments are read
+            for (int i = threadIdx.x; i < PA_CELLS * CH; i += blockDim.x) {
+                const int cl = i / CH, ch = i % CH, cell = kv0 + cl;
+                uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;  // zeros past last: finite
+                if (cell <= last) {
+                    const long long at = (long long)cell * D + 8 * ch;
+                    if (!is_int8) {
+                        kq = __ldg(reinterpret_cast<const uint4 *>(kh.cells) + (at >> 3));
+                        vq = __ldg(reinterpret_cast<const uint4 *>(vh.cells) + (at >> 3));
+                    } else {
+                        kq = int8x8_to_half(__ldg(reinterpret_cast<const uint2 *>(kh.cells + at)),
+                                            __ldg(kh.scales + cell));
+                        vq = int8x8_to_half(__ldg(reinterpret_cast<const uint2 *>(vh.cells + at)),
+                                            __ldg(vh.scales + cell));
+                    }
+                }
+                *reinterpret_cast<uint4 *>(sk + cl * LDS + 8 * ch) = kq;
+                *reinterpret_cast<uint4 *>(sv + cl * LDS + 8 * ch) = vq;
+            }
+            __syncthreads();
+            if (!has_head) continue;
+            // S [16, T] = Q . K^T: n-tile j holds cells 8j .. 8j + 7
+            float s[PA_CELLS / 8][4];
+#pragma unroll
+            for (int j = 0; j < PA_CELLS / 8; j++) {
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+                const __half *kr = sk + (8 * j + g) * LDS + 2 * c;
+#pragma unroll
+                for (int kk = 0; kk < KS; kk++) {
+                    const uint32_t b0 = *reinterpret_cast<const uint32_t *>(kr + 16 * kk);
+                    const uint32_t b1 = *reinterpret_cast<const uint32_t *>(kr + 16 * kk + 8);
+                    mma_f16(s[j], qh[kk], b0, b1);
+                    mma_f16(s[j], ql[kk], b0, b1);
+                }
+            }
+            // mask, row maxima (the 4 lanes of a quad share a row)
+            float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < PA_CELLS / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int cell = kv0 + 8 * j + 2 * c + e;
+                    s[j][e] = cell <= lim_a ? s[j][e] * sl2 : -INFINITY;
+                    s[j][2 + e] = cell <= lim_b ? s[j][2 + e] * sl2 : -INFINITY;
+                    mx_a = fmaxf(mx_a, s[j][e]);
+                    mx_b = fmaxf(mx_b, s[j][2 + e]);
+                }
+            }
+#pragma unroll
+            for (int o = 1; o <= 2; o <<= 1) {
+                mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, o));
+                mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, o));
+            }
+            const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+            // a row with nothing visible yet keeps corr 1 and p 0: the tile is an exact no-op
+            const float corr_a = mn_a == -INFINITY ? 1.0f : exp2f(m_a - mn_a);
+            const float corr_b = mn_b == -INFINITY ? 1.0f : exp2f(m_b - mn_b);
+            m_a = mn_a;
+            m_b = mn_b;
+            // P as fp16 hi + lo pairs: p?[j][0] row g, p?[j][1] row g + 8 (cells 8j + 2c, + 1)
+            uint32_t ph[PA_CELLS / 8][2], pl[PA_CELLS / 8][2];
+            float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+            for (int j = 0; j < PA_CELLS / 8; j++) {
+                float p[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    p[e] = s[j][e] == -INFINITY ? 0.0f : exp2f(s[j][e] - (e < 2 ? mn_a : mn_b));
+                sum_a += p[0] + p[1];
+                sum_b += p[2] + p[3];
+                split_half2(p[0], p[1], ph[j][0], pl[j][0]);
+                split_half2(p[2], p[3], ph[j][1], pl[j][1]);
+            }
+            l_a = l_a * corr_a + sum_a;
+            l_b = l_b * corr_b + sum_b;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                oacc[n][0] *= corr_a;
+                oacc[n][1] *= corr_a;
+                oacc[n][2] *= corr_b;
+                oacc[n][3] *= corr_b;
+            }
+            // O [16, D] += P [16, T] . V [T, D]: k-step kk = cells 16kk .. 16kk + 15
+#pragma unroll
+            for (int kk = 0; kk < PA_CELLS / 16; kk++) {
+                const uint32_t a_hi[4] = {ph[2 * kk][0], ph[2 * kk][1], ph[2 * kk + 1][0],
+                                          ph[2 * kk + 1][1]};
+                const uint32_t a_lo[4] = {pl[2 * kk][0], pl[2 * kk][1], pl[2 * kk + 1][0],
+                                          pl[2 * kk + 1][1]};
+                const __half *vr =
+                    sv + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
+#pragma unroll
+                for (int nn = 0; nn < NT / 2; nn++) {
+                    uint32_t b[4];
+                    ldmatrix_x4_trans(b, vr + 16 * nn);
+                    mma_f16(oacc[2 * nn], a_hi, b[0], b[1]);
+                    mma_f16(oacc[2 * nn], a_lo, b[0], b[1]);
+                    mma_f16(oacc[2 * nn + 1], a_hi, b[2], b[3]);
+                    mma_f16(oacc[2 * nn + 1], a_lo, b[2], b[3]);
+                }
+            }
+        }
+        seg = end;
+    }
+    if (!has_head) return;
+    // row sums over the quad's columns, then out = O / l (+ 8-bit form per 32 dims)
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, o);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, o);
+    }
+    const bool write_a = s_run[g] != 0, write_b = s_run[g + 8] != 0;
+    const float inv_a = write_a ? 1.0f / l_a : 0.0f, inv_b = write_b ? 1.0f / l_b : 0.0f;
+    const long long at_a = ((long long)ra * Q + h) * D, at_b = ((long long)rb * Q + h) * D;
+#pragma unroll
+    for (int n0 = 0; n0 < NT; n0 += 4) {  // 4 n-tiles = 32 dims = one quantisation block
+        float oa[4][2], ob[4][2], amax_a = 0.0f, amax_b = 0.0f;
+#pragma unroll
+        for (int n = 0; n < 4 && n0 + n < NT; n++) {
+            oa[n][0] = oacc[n0 + n][0] * inv_a;
+            oa[n][1] = oacc[n0 + n][1] * inv_a;
+            ob[n][0] = oacc[n0 + n][2] * inv_b;
+            ob[n][1] = oacc[n0 + n][3] * inv_b;
+            amax_a = fmaxf(amax_a, fmaxf(fabsf(oa[n][0]), fabsf(oa[n][1])));
+            amax_b = fmaxf(amax_b, fmaxf(fabsf(ob[n][0]), fabsf(ob[n][1])));
+            const int d = 8 * (n0 + n) + 2 * c;
+            if (write_a)
+                *reinterpret_cast<float2 *>(out + at_a + d) = make_float2(oa[n][0], oa[n][1]);
+            if (write_b)
+                *reinterpret_cast<float2 *>(out + at_b + d) = make_float2(ob[n][0], ob[n][1]);
+        }
+        if (outq == nullptr || NT % 4 != 0) continue;
+#pragma unroll
+        for (int o = 1; o <= 2; o <<= 1) {
+            amax_a = fmaxf(amax_a, __shfl_xor_sync(0xffffffffu, amax_a, o));
+            amax_b = fmaxf(amax_b, __shfl_xor_sync(0xffffffffu, amax_b, o));
+        }
+        const float dd_a = amax_a / 127.0f, dd_b = amax_b / 127.0f;
+        const float id_a = dd_a > 0.0f ? 1.0f / dd_a : 0.0f;
+        const float id_b = dd_b > 0.0f ? 1.0f / dd_b : 0.0f;
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            const int d = 8 * (n0 + n) + 2 * c;
+            if (write_a) {
+                outq[at_a + d] = q8_of(oa[n][0], id_a);
+                outq[at_a + d + 1] = q8_of(oa[n][1], id_a);
+            }
+            if (write_b) {
+                outq[at_b + d] = q8_of(ob[n][0], id_b);
+                outq[at_b + d + 1] = q8_of(ob[n][1], id_b);
+            }
+        }
+        if (c == 0 && write_a) outd[(at_a + 8 * n0) >> 5] = dd_a;
+        if (c == 0 && write_b) outd[(at_b + 8 * n0) >> 5] = dd_b;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PA_WARPS * 32)
+attention_prompt(const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
+                 float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
+                 const int *__restrict__ pos, const int *__restrict__ cap, int R, int layer,
+                 int L, int Q, int KVH, int D, float scale) {
+    __shared__ __align__(16) __half kv_tiles[2 * PA_CELLS * (128 + 8)];  // K then V tile
+    if (D == 128)
+        prompt_body<128>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
+                         kv_tiles);
+    else if (D == 64)
+        prompt_body<64>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
+                         kv_tiles);
+    else if (D == 32)
+        prompt_body<32>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
+                         kv_tiles);
+    else if (D == 16)
+        prompt_body<16>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
+                         kv_tiles);
+}

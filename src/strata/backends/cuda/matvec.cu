@@ -1,0 +1,232 @@
+// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0 weights: the mv_* kernels,
+// with matmul.cu's arguments (products.cuh). Legend as matmul.cu: N = weight rows (outputs),
+// K = columns, P = activation rows of a group, G = groups (experts).
+#include "products.cuh"
+
+// ---- decode products on Q4_0 / Q8_0 weights (windows of < MMQ_MIN_ROWS rows): mv_* ----------
+// A decode row is latency-bound: the warps above issue a few 2-byte loads per lane, wait, and
+// repeat. Here a warp computes mv_outputs_per_warp(K) consecutive outputs (32 / that many lanes
+// each); their weight rows are one contiguous byte range, which the warp copies into shared
+// memory with 16-byte cp.async copies, all in flight together (up to MV_CHUNKS per lane per
+// round: rows of up to ~2.5 KiB arrive in one round trip), then decodes from there. Whole
+// 16-byte reads also suit mapped host memory (offloaded experts read over PCIe).
+// Per output and row: each lane sums its quant blocks j = lane, lane + lanes, ... in increasing
+// order as (float)s * (d_w * d_x) (s = the int8 dot of one 32-value block), then the lanes
+// are summed by a butterfly: a fixed order that depends on K only, never on the window.
+// Grid (ceil(N / (MV_WARPS * mv_outputs_per_warp(K))), G), block MV_WARPS * 32 (plan.py
+// mirrors mv_outputs_per_warp and says which products take these kernels).
+#define MV_WARPS 4
+#define MV_CHUNKS 5                          // 16-byte copies in flight per lane per round
+#define MV_STAGE_BYTES (16 * WARP * MV_CHUNKS)  // shared bytes per staged range (2.5 KiB)
+#define MV_TR 4                              // activation rows per register tile
+
+// lanes per output: 32 for rows of >= 32 quant blocks, 16 for >= 12, else 8
+__device__ __forceinline__ int mv_lanes_per_output(int K) {
+    const int num_blocks = K >> 5;
+    return num_blocks >= 32 ? 32 : num_blocks >= 12 ? 16 : 8;
+}
+
+// Copy bytes [src, src + num_bytes) into stage: the 16-byte-aligned chunks that cover them
+// (a chunk holding one wanted byte never crosses a page, so reading it whole is safe), by
+// cp.async, so every load of the warp is in flight at once and none holds a register. Returns
+// the offset of src's first byte in stage. The whole warp calls it; mv_stage_wait() then
+// makes the bytes visible to every lane.
+__device__ __forceinline__ int mv_stage(const uint8_t *src, int num_bytes, int4 *stage) {
+    const int lane = threadIdx.x & 31;
+    const unsigned long long a = reinterpret_cast<unsigned long long>(src);
+    const unsigned long long a0 = a & ~15ull;
+    const int num_chunks = (int)((((a + num_bytes + 15) & ~15ull) - a0) >> 4);
+#pragma unroll
+    for (int c = 0; c < MV_CHUNKS; c++) {
+        const int i = lane + WARP * c;
+        if (i < num_chunks) {
+            const unsigned dst = (unsigned)__cvta_generic_to_shared(stage + i);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                         "l"(a0 + 16ull * i));
+        }
+    }
+    return (int)(a - a0);
+}
+
+__device__ __forceinline__ void mv_stage_wait() {
+    asm volatile("cp.async.wait_all;\n" ::);
+    __syncwarp();
+}
+
+// the int8 dot of one staged Q4_0 / Q8_0 block at p (2-byte aligned) with 32 activations
+// (xa: values 0-15, xb: 16-31); d = the block's scale
+template <int QT>
+__device__ __forceinline__ int mv_block_dot(const uint8_t *p, const int4 &xa, const int4 &xb) {
+    const uint16_t *h = reinterpret_cast<const uint16_t *>(p + 2);
+    if (QT == ST_Q4_0) {  // byte i: value i in the low nibble, value i + 16 in the high one
+        int s = 0;
+        const int xlo[4] = {xa.x, xa.y, xa.z, xa.w}, xhi[4] = {xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t w = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
+            s = __dp4a((int)__vsubss4(w & 0x0F0F0F0Fu, 0x08080808u), xlo[i], s);
+            s = __dp4a((int)__vsubss4((w >> 4) & 0x0F0F0F0Fu, 0x08080808u), xhi[i], s);
+        }
+        return s;
+    } else {  // Q8_0: 32 int8 values
+        const int xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            s = __dp4a((int)((uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16)), xv[i], s);
+        return s;
+    }
+}
+
+template <int QT, int MODE>
+__device__ __forceinline__ void mv_body(
+    const uint8_t *__restrict__ W, const uint8_t *__restrict__ W2,
+    const unsigned long long *__restrict__ wtab, const unsigned long long *__restrict__ wtab2,
+    long long row_bytes, int N, int K, const int8_t *__restrict__ xq,
+    const float *__restrict__ xd, const int *__restrict__ groups,
+    const int *__restrict__ num_groups, const int *__restrict__ act_rows,
+    const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,
+    int ldy, int block_x) {
+    constexpr int block_bytes = QT == ST_Q4_0 ? 18 : 34;
+    constexpr bool is_gateup = MODE == MODE_GATEUP;
+    __shared__ int4 stage_all[MV_WARPS * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16)];
+    const int g = blockIdx.y;
+    if (g >= *num_groups) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int lanes = mv_lanes_per_output(K), outs = WARP / lanes;
+    const int n0 = (block_x * MV_WARPS + warp) * outs;
+    if (n0 >= N) return;  // the warp's work only: no block-wide barrier follows
+    const int num_rows_w = min(outs, N - n0);          // weight rows this warp reads
+    const int o = lane / lanes, sub = lane % lanes;     // this lane's output, its place there
+    const int expert = groups[3 * g], first = groups[3 * g + 1], count = groups[3 * g + 2];
+    const uint8_t *base = wtab ? reinterpret_cast<const uint8_t *>(wtab[expert]) : W;
+    const uint8_t *base2 = !is_gateup ? base
+                           : wtab2 ? reinterpret_cast<const uint8_t *>(wtab2[expert]) : W2;
+    int4 *stage = stage_all + warp * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16);
+    int4 *stage2 = stage + MV_STAGE_BYTES / 16;
+    const int num_blocks = K >> 5;
+    // quant blocks per round: whole rows when a warp has several outputs (they fit), else
+    // as many of the one row as the stage holds
+    const int round_blocks = outs > 1 ? num_blocks
+                             : min(num_blocks, (MV_STAGE_BYTES - 32) / block_bytes);
+    const bool is_one_round = round_blocks == num_blocks;
+    const long long w_off = (long long)n0 * row_bytes;
+    int off = 0, off2 = 0;
+
+    for (int p0 = first; p0 < first + count; p0 += MV_TR) {
+        const int nt = min(MV_TR, first + count - p0);
+        int arow[MV_TR];
+#pragma unroll
+        for (int t = 0; t < MV_TR; t++) {
+            const int p = p0 + (t < nt ? t : 0);
+            arow[t] = act_rows ? act_rows[p] : p;
+        }
+        float acc[MV_TR], acc2[MV_TR];
+#pragma unroll
+        for (int t = 0; t < MV_TR; t++) acc[t] = acc2[t] = 0.0f;
+        for (int s0 = 0; s0 < num_blocks; s0 += round_blocks) {
+            const int nbr = min(round_blocks, num_blocks - s0);
+            if (!is_one_round || p0 == first) {
+                __syncwarp();  // the previous round's reads of the stage are done
+                const int num_bytes = (int)((num_rows_w - 1) * row_bytes) + nbr * block_bytes;
+                off = mv_stage(base + w_off + (long long)s0 * block_bytes, num_bytes, stage);
+                if (is_gateup)
+                    off2 = mv_stage(base2 + w_off + (long long)s0 * block_bytes, num_bytes,
+                                    stage2);
+                mv_stage_wait();
+            }
+            if (o < num_rows_w) {
+                const uint8_t *srow = reinterpret_cast<const uint8_t *>(stage) + off
+                                      + (long long)o * row_bytes;
+                const uint8_t *srow2 = reinterpret_cast<const uint8_t *>(stage2) + off2
+                                       + (long long)o * row_bytes;
+#pragma unroll 2
+                for (int j = sub; j < nbr; j += lanes) {
+                    const int blk = s0 + j;
+                    const uint8_t *pw = srow + j * block_bytes;
+                    const float dw = __half2float(*reinterpret_cast<const __half *>(pw));
+                    float dw2 = 0.0f;
+                    if (is_gateup)
+                        dw2 = __half2float(*reinterpret_cast<const __half *>(srow2 +
+                                                                            j * block_bytes));
+#pragma unroll
+                    for (int t = 0; t < MV_TR; t++) {
+                        if (t < nt) {
+                            // [32] int8 activations of this block, 16-byte aligned
+                            const int4 *xp = reinterpret_cast<const int4 *>(
+                                xq + (long long)arow[t] * K + 32 * blk);
+                            const int4 xa = xp[0], xb = xp[1];
+                            const float dx = xd[(long long)arow[t] * num_blocks + blk];
+                            acc[t] += (float)mv_block_dot<QT>(pw, xa, xb) * (dw * dx);
+                            if (is_gateup)
+                                acc2[t] += (float)mv_block_dot<QT>(srow2 + j * block_bytes, xa,
+                                                                   xb) * (dw2 * dx);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < MV_TR; t++) {
+            if (t < nt) {
+                float s = acc[t], s2 = acc2[t];
+                for (int m = lanes >> 1; m > 0; m >>= 1) {  // every lane takes part
+                    s += __shfl_xor_sync(0xffffffffu, s, m);
+                    if (is_gateup) s2 += __shfl_xor_sync(0xffffffffu, s2, m);
+                }
+                if (sub == 0 && o < num_rows_w) {
+                    const int n = n0 + o, p = p0 + t;
+                    float *y = Y + (long long)(out_rows ? out_rows[p] : p) * ldy + n;
+                    if (MODE == MODE_STORE) *y = bias ? s + bias[n] : s;
+                    else if (MODE == MODE_ADD) *y += s;
+                    else *y = silu(s) * s2;
+                }
+            }
+        }
+    }
+}
+
+#define MV_PASS W, W2, wtab, wtab2, row_bytes, N, K, xq, xd, groups, num_groups, act_rows,         \
+                out_rows, bias, Y, ldy, blockIdx.x
+#define MV_QKV_BODY(QT)                                                                         \
+    const int outs_per_block = MV_WARPS * (WARP / mv_lanes_per_output(K));                      \
+    const int nbq = (Nq + outs_per_block - 1) / outs_per_block;                                 \
+    const int nbkv = (Nkv + outs_per_block - 1) / outs_per_block;                               \
+    const int bx = blockIdx.x;                                                                  \
+    if (bx < nbq)                                                                               \
+        mv_body<QT, MODE_STORE>(Wq, Wq, nullptr, nullptr, row_bytes, Nq, K, xq, xd,      \
+                                       groups, num_groups, nullptr, nullptr, bq, Yq, Nq, bx);   \
+    else if (bx < nbq + nbkv)                                                                   \
+        mv_body<QT, MODE_STORE>(Wk, Wk, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,     \
+                                       groups, num_groups, nullptr, nullptr, bk, Yk, Nkv,       \
+                                       bx - nbq);                                               \
+    else                                                                                        \
+        mv_body<QT, MODE_STORE>(Wv, Wv, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,     \
+                                       groups, num_groups, nullptr, nullptr, bv, Yv, Nkv,       \
+                                       bx - nbq - nbkv);
+
+// (entry points written out: runtime._kernel_names finds them by name; same arguments as mm_*)
+extern "C" __global__ void __launch_bounds__(128) mv_store_q4_0(MM_ARGS) {
+    mv_body<ST_Q4_0, MODE_STORE>(MV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) mv_add_q4_0(MM_ARGS) {
+    mv_body<ST_Q4_0, MODE_ADD>(MV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) mv_gateup_q4_0(MM_ARGS) {
+    mv_body<ST_Q4_0, MODE_GATEUP>(MV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) mv_qkv_q4_0(QKV_ARGS) {
+    MV_QKV_BODY(ST_Q4_0)
+}
+extern "C" __global__ void __launch_bounds__(128) mv_store_q8_0(MM_ARGS) {
+    mv_body<ST_Q8_0, MODE_STORE>(MV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) mv_add_q8_0(MM_ARGS) {
+    mv_body<ST_Q8_0, MODE_ADD>(MV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) mv_gateup_q8_0(MM_ARGS) {
+    mv_body<ST_Q8_0, MODE_GATEUP>(MV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) mv_qkv_q8_0(QKV_ARGS) {
+    MV_QKV_BODY(ST_Q8_0)
+}

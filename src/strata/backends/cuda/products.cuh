@@ -1,0 +1,28 @@
+// What every product family (matmul.cu's dp4a warps, matvec.cu's staged decode warps, mmq.cu's
+// tensor-core tiles) shares: the output modes, SiLU, and one kernel argument list, so plan.py
+// launches any family with the same arguments.
+#pragma once
+#include "common.cuh"
+
+#define MODE_STORE 0    // Y = dot (+ bias[n])
+#define MODE_ADD 1      // Y += dot (the residual stream)
+#define MODE_GATEUP 2   // Y = silu(dot(W, x)) * dot(W2, x)
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+
+// W / W2 [N, row_bytes] (gate/up: W2 the up matrix), wtab / wtab2 [E] device pointers of the
+// grouped experts' matrices (NULL: dense, read W), xf [T, K] float rows or xq [T, K] int8 with
+// xd [T, K/32] scales, groups [G, 3] with *num_groups in use, act_rows / out_rows [P] (NULL:
+// the pair index itself), bias [N] or NULL, Y [., ldy].
+#define MM_ARGS                                                                                     \
+    const uint8_t *W, const uint8_t *W2, const unsigned long long *wtab,                            \
+        const unsigned long long *wtab2, long long row_bytes, int N, int K, const float *xf,        \
+        const int8_t *xq, const float *xd, const int *groups, const int *num_groups,                \
+        const int *act_rows, const int *out_rows, const float *bias, float *Y, int ldy
+// q, k and v projections of the same rows in one launch: blocks [0, nbq) make q, the next
+// nbkv k, the last nbkv v (one weight type, rows of K columns each).
+#define QKV_ARGS                                                                                    \
+    const uint8_t *Wq, const uint8_t *Wk, const uint8_t *Wv, long long row_bytes, int Nq,           \
+        int Nkv, int K, const float *xf, const int8_t *xq, const float *xd, const int *groups,      \
+        const int *num_groups, const float *bq, const float *bk, const float *bv, float *Yq,        \
+        float *Yk, float *Yv

@@ -1,0 +1,233 @@
+"""The expert tier of a layer split: one ExpertTier per stage (its store, VRAM cache, residency
+table, routing counts, policy and copier over its own layers, on its own GPU) behind the one
+object the engine, the CLI and /metrics read (totals summed over the stages).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+
+import numpy as np
+
+from strata.backends.cuda.stage import stage_store
+from strata.engine.expert_tier import ExpertTier, TierWindow
+from strata.engine.tier_stats import OptimumResult, TierTotals
+from strata.errors import ConfigError
+from strata.experts.profile import read_profile
+from strata.experts.store import ExpertStore
+from strata.experts.trace import TraceWriter
+
+log = logging.getLogger("strata.tier")
+
+
+class StageTier(ExpertTier):
+    """An ExpertTier over one stage's layers (local layer i = global first + i), driven in two
+    halves around the split pass: `begin` before it, `end` after it."""
+
+    def __init__(self, model, store, arena, config, index: int, profile_path=None):
+        super().__init__(model, store, arena, config)
+        self.index = index
+        self.first_layer, self.stop_layer = model.first_layer, model.stop_layer
+        self.profile_path = profile_path
+
+    @property
+    def label(self) -> str:
+        return (f"stage {self.index} (GPU {self.model.runtime.index}, layers "
+                f"{self.first_layer}-{self.stop_layer - 1})")
+
+    @property
+    def log_prefix(self) -> str:
+        return f"{self.label}: "
+
+    def _fill_order(self):
+        """The profile's ranking restricted to this stage's layers, else layer order."""
+        if self.profile_path is None:
+            return super()._fill_order()
+        profile = read_profile(self.profile_path)
+        L = self.model.gguf.base.spec.n_layers
+        if (profile.n_layers, profile.n_experts) != (L, self.store.n_experts):
+            raise ConfigError(
+                f"--expert-profile {self.profile_path} ranks {profile.n_layers} layers x "
+                f"{profile.n_experts} experts but the model has {L} x {self.store.n_experts}; "
+                "make a profile from this model's traces (`strata-tool profile`)")
+        ranking = profile.ranking  # [L*E, 2] hottest first
+        mine = ranking[(ranking[:, 0] >= self.first_layer) & (ranking[:, 0] < self.stop_layer)]
+        order = [(int(layer) - self.first_layer, int(e)) for layer, e in mine]
+        return order[:self.arena.n_slots], f"profile {self.profile_path}"
+
+    def begin(self, num_rows: int):
+        """Before the pass: land finished copies, set the PCIe share; the residency snapshot."""
+        self._before_s = 0.0
+        if self.arena is None:
+            return None
+        import time
+
+        t0 = time.perf_counter()
+        self.arena.before_window(num_rows)
+        self._before_s = time.perf_counter() - t0
+        return self.arena.table.snapshot()
+
+    def end(self, snap, counts: np.ndarray, kind: str) -> None:
+        """After the pass: this stage's counts [Ls, E], accounting and (when due) a round."""
+        self._counts[:] = counts
+        self._after_window(snap, kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Facts:
+    """What observers read of the whole split's store and cache (`tier.store`, `tier.arena`)."""
+
+    source: str
+    n_layers: int
+    n_experts: int
+    n_slots: int
+    misses_on_gpu: bool = True
+
+
+class _SplitRecent:
+    """The stages' recent routing as one: accesses summed, hit rates weighted by accesses."""
+
+    def __init__(self, stages):
+        self._stages = stages
+
+    def optimum(self) -> OptimumResult:
+        parts = [t.recent.optimum() for t in self._stages if t.recent is not None]
+        total = sum(p.num_accesses for p in parts)
+
+        def rate(field: str) -> float:
+            return (sum(getattr(p, field) * p.num_accesses for p in parts) / total
+                    if total else 0.0)
+
+        return OptimumResult(min((p.num_windows for p in parts), default=0), total,
+                             rate("cache_hit_rate"), rate("optimum_hit_rate"))
+
+
+class SplitTier:
+    """The tiers of every stage, with ExpertTier's interface for its callers: `start`,
+    `forward_window`, `forward`, `last_window`, `snapshot_totals`, `mode`, `wait_idle`,
+    `close`, and `store` / `arena` / `recent` as facts about the whole split."""
+
+    def __init__(self, model, stages: list[StageTier], config, source: str):
+        self.model, self.stages, self.config = model, stages, config
+        L, E = model.spec.n_layers, model.spec.n_experts
+        slots = sum(t.arena.n_slots for t in stages if t.arena is not None)
+        self.store = _Facts(source, L, E, slots)
+        self.arena = self.store if any(t.arena is not None for t in stages) else None
+        self.recent = _SplitRecent(stages)
+        self.is_async = bool(config.adapt_async)
+        self.last_window = TierWindow()
+        self._counts = np.zeros((L, E), dtype=np.int64)  # [L, E] this window's routed rows
+        self.trace = None
+        if config.dump_routing_path is not None:
+            self.trace = TraceWriter(config.dump_routing_path, L, E,
+                                     {"model": str(config.model_path), "source": source})
+        self._num_windows = 0
+
+    @classmethod
+    def build(cls, config, gguf, model) -> "SplitTier":
+        """A stage tier per stage of `model` (SplitModel): `--vram-budget` applies to each
+        card; `--expert-cache N` is shared by layer count, `auto` sizes each card's own."""
+        if config.expert_pack_path is not None:
+            store = ExpertStore.from_pack(config.expert_pack_path, gguf)
+        else:
+            store = ExpertStore.from_gguf(gguf)
+        L = model.spec.n_layers
+        stages = []
+        given = config.expert_cache
+        num_given = int(given) if given not in (None, "auto") else None
+        for i, stage in enumerate(model.stages):
+            st_config = copy.copy(config)
+            st_config.dump_routing_path = None  # the split records the whole model's routing
+            st_config.expert_profile_path = None  # StageTier reads its layers' part
+            if num_given is not None:
+                first = num_given * stage.first_layer // L
+                st_config.expert_cache = num_given * stage.stop_layer // L - first
+            st_store = stage_store(store, stage.gguf)
+            arena = None
+            if not stage.experts_resident:
+                with stage.runtime.active():  # its free VRAM, its allocations
+                    arena = stage.new_expert_arena(st_store, st_config)
+                st_config.expert_cache_slots = arena.n_slots
+            stages.append(StageTier(stage, st_store, arena, st_config, i,
+                                    config.expert_profile_path))
+        config.expert_cache_slots = sum(t.arena.n_slots for t in stages if t.arena is not None)
+        if getattr(config, "kv_grow", None) is not None:
+            # KV grow lends one cache's slots to one KV; a split's KV spans every stage's cache
+            log.warning("--kv-grow is off on a layer split (not built for several caches yet); "
+                        "every slot gets its KV cells up front")
+            config = copy.copy(config)
+            config.kv_grow = None
+        return cls(model, stages, config, store.source)
+
+    # ---- running ----------------------------------------------------------------------------
+    def start(self, policy) -> None:
+        """Each stage takes its own copy of the policy (its state is per (layer, expert) of its
+        layers; its slot count is the stage's), fills its cache and starts its copier."""
+        for t in self.stages:
+            p = copy.deepcopy(policy) if policy is not None else None
+            if p is not None and hasattr(p, "num_cache_slots") and t.arena is not None:
+                p.num_cache_slots = t.arena.n_slots
+            t.start(p)
+
+    @property
+    def mode(self) -> str:
+        return self.stages[0].mode
+
+    def forward_window(self, window, lazy: bool = False):
+        """The split pass with every stage's tier around it (as ExpertTier.forward_window)."""
+        kind = "batch" if len(window.kvs) > 1 else "solo"
+        snaps = [t.begin(window.num_rows) for t in self.stages]
+        forward = self.model.forward_window_lazy if lazy else self.model.forward_window
+        try:
+            self._counts[:] = 0
+            logits = forward(window, routing_counts=self._counts)
+        finally:
+            for snap in snaps:
+                if snap is not None:
+                    snap.release()  # the slots it showed may be overwritten from now on
+        hits = misses = swaps = 0
+        wait_s = 0.0
+        for t, snap in zip(self.stages, snaps):
+            t.end(snap, self._counts[t.first_layer:t.stop_layer], kind)
+            w = t.last_window
+            hits, misses, swaps = hits + w.num_hits, misses + w.num_misses, swaps + w.num_swaps
+            wait_s += w.wait_s
+        if self.trace is not None:
+            self.trace.record_counts(self._num_windows, self._counts)
+            if (self._num_windows + 1) % 32 == 0:
+                self.trace.flush()
+        self._num_windows += 1
+        self.last_window = TierWindow(hits, misses, swaps, wait_s)
+        return logits
+
+    def forward(self, tokens: np.ndarray, kv, all_logits: bool = False) -> np.ndarray:
+        from strata.backends.window import Window
+
+        return self.forward_window(Window.build([(kv, tokens)],
+                                                logits="all" if all_logits else "last"))
+
+    # ---- what observers read ----------------------------------------------------------------
+    def snapshot_totals(self) -> TierTotals:
+        """The stages' totals summed (windows: each window counted once; the longest wait)."""
+        parts = [t.snapshot_totals() for t in self.stages]
+        out = TierTotals()
+        for f in dataclasses.fields(TierTotals):
+            values = [getattr(p, f.name) for p in parts]
+            setattr(out, f.name, max(values) if f.name in ("max_wait_s", "num_windows")
+                    else sum(values))
+        return out
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        return all([t.wait_idle(timeout_s) for t in self.stages])
+
+    def log_group(self) -> None:
+        for t in self.stages:
+            if t.arena is not None:
+                t.log_group()
+
+    def close(self) -> None:
+        for t in self.stages:
+            t.close()
+        if self.trace is not None:
+            self.trace.close()

@@ -1,0 +1,328 @@
+"""Prompt chunks with experts in RAM (docs/offload.md, "Streaming prompt chunks"): a window of
+many rows copies each layer's non-resident experts host->VRAM with the copy engine into staging
+slots (borrowed from the expert cache, or a dedicated buffer), double-buffered against the
+compute stream, and the same kernels read them there: only the device tables point elsewhere.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from strata._native import cuda_driver
+
+log = logging.getLogger("strata.tier")
+
+# Windows of at least this many rows stream their layers' missing experts; smaller ones read
+# the misses over PCIe from inside the kernels. Measured on the H200 (qwen3-30b-a3b Q4_0, no
+# cache): streaming costs ~296 ms per window whatever its rows (all 6144 experts at 55 GB/s);
+# PCIe reads cost 93 / 132 / 543 ms at 32 / 64 / 512 rows: the two meet near 240 rows.
+STREAM_MIN_ROWS = 256
+NUM_STAGES = 2  # staging sets: the j-th streamed layer of a window is copied into set j % 2
+# staging is borrowed from the cache when it takes at most this share of the slots, else a
+# dedicated buffer holds it
+BORROW_MAX_SHARE = 0.5
+BORROW_TIMEOUT_S = 10.0
+_MAX_LISTS = 8  # streamed launch lists kept (one per plan and residency version)
+COMPUTE, COPY = "compute", "copy"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One entry of a streamed window: `launches` [first, stop) of the plan's list, a `copy`
+    of experts [first, stop) of `layer` into its staging set, or an event `record` / `wait`
+    on the compute or the copy stream."""
+
+    kind: str
+    stream: str
+    first: int = 0
+    stop: int = 0
+    layer: int = -1
+    event: tuple = ()
+
+
+@dataclass(frozen=True)
+class Refill:
+    """A borrowed slot given back: the expert it held, copied in again (a StreamCopier load)."""
+
+    slot: int
+    layer: int
+    expert: int
+    is_eviction: bool = False
+
+
+def copy_runs(missing: np.ndarray) -> list[tuple[int, int]]:
+    """(first, stop) of each run of consecutive True in `missing` [E]: one copy each (expert e
+    sits at slot e of its staging set and of its layer's host copies)."""
+    m = np.concatenate(([False], np.asarray(missing, dtype=bool), [False]))
+    edges = np.flatnonzero(m[1:] != m[:-1])  # starts and stops alternate
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def streamed_layers(residency: np.ndarray) -> list[int]:
+    """Layers with at least one non-resident expert in `residency` [L, E] (slot or -1)."""
+    return [int(layer) for layer in np.flatnonzero((residency < 0).any(axis=1))]
+
+
+def stream_tables(mirror: np.ndarray, residency: np.ndarray, stage_bases, slot_bytes: int,
+                  part_offsets: np.ndarray) -> np.ndarray:
+    """[L, 3, E] uint64, the device tables of a streamed window: the j-th streamed layer's
+    missing experts at their staging slot (set j % 2, expert e at slot e of it), the rest as
+    `mirror` (resident experts: their cache slot)."""
+    out = mirror.copy()
+    for j, layer in enumerate(streamed_layers(residency)):
+        missing = np.flatnonzero(residency[layer] < 0)  # [m]
+        starts = (np.uint64(stage_bases[j % NUM_STAGES])
+                  + missing.astype(np.uint64) * np.uint64(slot_bytes))  # [m]
+        out[layer][:, missing] = starts[None, :] + part_offsets[layer][:, None]
+    return out
+
+
+def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, int]]]) -> list[Op]:
+    """The entries of a streamed window in issue order. `spans[l]` = (first, stop) of layer
+    l's expert launches in the plan's list; `runs[l]` its copies (streamed layers only).
+
+    The copy stream starts after the compute stream's work so far (event start), copies the
+    first two streamed layers, then streamed layer j + 2 once streamed layer j's expert
+    launches are done (event read j: they share a staging set); the compute stream waits for
+    a layer's copies (event copied l) right before its expert launches."""
+    layers = sorted(runs)
+    ops = [Op("record", COMPUTE, event=("start",)), Op("wait", COPY, event=("start",))]
+
+    def copies(layer: int) -> None:
+        ops.extend(Op("copy", COPY, first, stop, layer) for first, stop in runs[layer])
+        ops.append(Op("record", COPY, event=("copied", layer)))
+
+    for layer in layers[:NUM_STAGES]:
+        copies(layer)
+    at = 0
+    for j, layer in enumerate(layers):
+        first, stop = spans[layer]
+        if first > at:
+            ops.append(Op("launches", COMPUTE, at, first))
+        ops.append(Op("wait", COMPUTE, event=("copied", layer)))
+        ops.append(Op("launches", COMPUTE, first, stop))
+        at = stop
+        if j + NUM_STAGES < len(layers):
+            ops += [Op("record", COMPUTE, event=("read", layer)),
+                    Op("wait", COPY, event=("read", layer))]
+            copies(layers[j + NUM_STAGES])
+    if at < num_launches:
+        ops.append(Op("launches", COMPUTE, at, num_launches))
+    return ops
+
+
+class PromptStreamer:
+    """The staging of a VramExpertArena for windows of >= `min_rows` rows (0: never).
+
+    `before_window(num_rows)` (the arena's, engine thread, no window running) readies the
+    staging for such a window: it borrows 2 x E slots at the end of the cache through the
+    ordered path (their experts published missing, so they are streamed too) when that is at
+    most half the cache, else allocates a dedicated buffer once; a smaller window gives the
+    borrowed slots back, refilled with what they held by a StreamCopier on the side stream.
+    `run(plan, stream)` (from WindowPlan.run) points the device tables at the staging for the
+    window, runs the plan with the copies interleaved, and points them back after it."""
+
+    def __init__(self, arena, min_rows: int = STREAM_MIN_ROWS):
+        self.arena, self.min_rows = arena, min_rows
+        self._rt = rt = arena._rt
+        store = arena.store
+        self.num_layers, self.num_experts = store.n_layers, store.n_experts
+        with rt.active():
+            self.copy_stream = rt.drv.Stream()
+            self._table_host = rt.pinned((store.n_layers, 3, store.n_experts), np.uint64)
+        self.copy_stream_handle = int(self.copy_stream.handle)
+        self.stage_bases: list[int] | None = None  # device address of each staging set
+        self._dedicated = None
+        self._borrowed: list[tuple[int, tuple[int, int] | None]] = []  # (slot, what it held)
+        self._refills = None  # StreamCopier of the refills (made on first use)
+        self._lists: OrderedDict = OrderedDict()  # id(plan) -> (plan, key, LaunchList, bytes)
+        self._table_key = None
+        # totals since start-up
+        self.streamed_bytes = self.num_windows = 0
+        self.num_borrowed = self.num_refilled = self.refilled_bytes = 0
+        self._streak_bytes = self._streak_windows = 0
+
+    # ---- between windows ----------------------------------------------------------------
+    def before_window(self, num_rows: int) -> None:
+        if self._refills is not None:
+            self._refills.pump()
+        if self.wants(num_rows):
+            if self.stage_bases is None and self._has_misses():
+                self._ready_staging()
+        elif self._streak_windows or self._borrowed:
+            self.release()
+
+    def wants(self, num_rows: int) -> bool:
+        return bool(self.min_rows) and num_rows >= self.min_rows
+
+    def is_ready_for(self, num_rows: int) -> bool:
+        """True when a window of `num_rows` rows streams (staging ready, something missing)."""
+        return self.wants(num_rows) and self.stage_bases is not None and self._has_misses()
+
+    @property
+    def is_lending(self) -> bool:
+        """Slots borrowed from the cache, or their refills not landed yet."""
+        return bool(self._borrowed) or (self._refills is not None and self._refills.is_busy)
+
+    def _has_misses(self) -> bool:
+        return bool((self.arena.table.peek().table < 0).any())
+
+    def _lends(self) -> bool:
+        """True when the staging is borrowed from the cache (at most half of it)."""
+        return self.arena.n_slots * BORROW_MAX_SHARE >= NUM_STAGES * self.num_experts
+
+    def reserved_slots(self) -> frozenset[int]:
+        """The slots this streamer borrows (the last 2 x E of the cache), or none."""
+        n = self.arena.n_slots
+        return frozenset(range(n - NUM_STAGES * self.num_experts, n)) if self._lends() else (
+            frozenset())
+
+    def _ready_staging(self) -> None:
+        stage_slots = NUM_STAGES * self.num_experts
+        if self._lends():
+            self._borrow(stage_slots)
+        else:
+            self._allocate(stage_slots)
+
+    def _allocate(self, stage_slots: int) -> None:
+        a, rt = self.arena, self._rt
+        nbytes = stage_slots * a.slot_bytes
+        if self._dedicated is None:
+            try:
+                with rt.active():
+                    self._dedicated = rt.alloc(nbytes)
+            except Exception as exc:  # pycuda's MemoryError
+                log.warning("prompt streaming off: no VRAM for its staging buffer (%.2f GiB: "
+                            "%s); prompt chunks read their missing experts over PCIe. Lower "
+                            "--vram-budget or --expert-cache to leave room", nbytes / 2**30, exc)
+                self.min_rows = 0
+                return
+            log.info("prompt streaming: a staging buffer of %d expert slots (%.2f GiB) for "
+                     "windows of >= %d rows (the cache has %d slots, too few to lend them)",
+                     stage_slots, nbytes / 2**30, self.min_rows, a.n_slots)
+        base = int(self._dedicated)
+        self.stage_bases = [base + k * self.num_experts * a.slot_bytes for k in range(NUM_STAGES)]
+
+    def _borrow(self, stage_slots: int) -> None:
+        """Claim the last `stage_slots` slots through the ordered path: each held expert is
+        published missing (its entries back at its host copy) before the slot is overwritten."""
+        a, rt, table = self.arena, self._rt, self.arena.table
+        first = a.n_slots - stage_slots
+        slots = range(first, a.n_slots)
+        if any(table.is_claimed(s) for s in slots):  # a swap or refill is landing there
+            for copier in (a.copier, self._refills):
+                if copier is not None:
+                    copier.wait_idle(BORROW_TIMEOUT_S)
+            if any(table.is_claimed(s) for s in slots):
+                log.warning("prompt streaming skipped this window: slots %d-%d are still being "
+                            "copied into", first, a.n_slots - 1)
+                return
+        tickets = []
+        with rt.active():
+            for slot in slots:
+                ticket = table.begin_evict(slot)
+                if ticket.evicted is not None:
+                    a._point(*ticket.evicted, -1)
+                tickets.append(ticket)
+            a._publish()  # kernels issued from here read those experts from RAM
+        self._borrowed = [(t.slot, t.evicted) for t in tickets]
+        table.wait_overwritable(tickets[-1], BORROW_TIMEOUT_S)  # no host reader pins them
+        base = a.slot_base + first * a.slot_bytes
+        self.stage_bases = [base + k * self.num_experts * a.slot_bytes
+                            for k in range(NUM_STAGES)]
+        self.num_borrowed += len(slots)
+        log.info("prompt streaming: borrowed slots %d-%d as staging (%d experts evicted)",
+                 first, a.n_slots - 1, sum(t.evicted is not None for t in tickets))
+
+    def release(self) -> None:
+        """End of a run of streamed windows: log it; give the borrowed slots back, refilled
+        with what they held (copies on the side stream, landed by later pumps)."""
+        if self._streak_windows:
+            log.info("prompt streaming: %d windows streamed %.2f GiB of experts into staging",
+                     self._streak_windows, self._streak_bytes / 2**30)
+            self._streak_windows = self._streak_bytes = 0
+        if not self._borrowed:
+            return
+        from strata.backends.cuda.copier import StreamCopier
+
+        a, borrowed = self.arena, self._borrowed
+        self._borrowed, self.stage_bases = [], None
+        refills = [Refill(slot, *held) for slot, held in borrowed if held is not None]
+        for slot, held in borrowed:
+            if held is None:
+                a.table.abort(slot)  # it was free: free again
+        if self._refills is None:
+            self._refills = StreamCopier(a, self._refilled)
+        self._refills.submit_claimed(refills)
+        self._refills.pump()
+        log.info("prompt streaming: %d borrowed slots given back, %d being refilled",
+                 len(borrowed), len(refills))
+
+    def _refilled(self, load: Refill) -> None:
+        self.num_refilled += 1
+        self.refilled_bytes += self.arena._image_bytes(load.layer)
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Until every refill landed (tests, benchmarks)."""
+        return self._refills is None or self._refills.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        if self._refills is not None:
+            self._refills.stop()
+        for slot, _ in self._borrowed:
+            self.arena.table.abort(slot)
+        self._borrowed, self.stage_bases = [], None
+        self._lists.clear()
+        self._dedicated = None
+
+    # ---- the window ---------------------------------------------------------------------
+    def run(self, plan, stream: int) -> None:
+        """Run `plan` (a WindowPlan, its descriptor uploaded) with the experts streamed."""
+        a, rt = self.arena, self._rt
+        residency = a.table.peek().table  # [L, E]
+        key = (a.table.version, tuple(self.stage_bases))
+        entry = self._lists.get(id(plan))
+        if entry is None or entry[1] != key:
+            launches, num_bytes = self._build(plan, residency)
+            entry = self._lists[id(plan)] = (plan, key, launches, num_bytes)
+            while len(self._lists) > _MAX_LISTS:
+                self._lists.popitem(last=False)
+        self._lists.move_to_end(id(plan))
+        if self._table_key != key:  # the compute stream is idle: no upload reads it now
+            self._table_host[:] = stream_tables(a._mirror, residency, self.stage_bases,
+                                                a.slot_bytes, a.host.part_offsets)
+            self._table_key = key
+        rt.drv.memcpy_htod_async(a.model.expert_tables_ptr, self._table_host, rt.stream)
+        entry[2].run(stream)
+        a._publish()  # the tables back to the residency's, behind the window's kernels
+        self.streamed_bytes += entry[3]
+        self._streak_bytes += entry[3]
+        self.num_windows += 1
+        self._streak_windows += 1
+
+    def _build(self, plan, residency: np.ndarray):
+        """(LaunchList of the streamed window, bytes it copies)."""
+        a, E, slot_bytes = self.arena, self.num_experts, self.arena.slot_bytes
+        runs = {layer: copy_runs(residency[layer] < 0) for layer in streamed_layers(residency)}
+        stage = {layer: j % NUM_STAGES for j, layer in enumerate(sorted(runs))}
+        out, events, num_bytes = cuda_driver.LaunchList(), {}, 0
+        for op in stream_schedule(len(plan.launches), plan.expert_spans, runs):
+            stream = 0 if op.stream == COMPUTE else self.copy_stream_handle
+            if op.kind == "launches":
+                out.extend(plan.launches, op.first, op.stop)
+            elif op.kind == "copy":
+                nbytes = (op.stop - op.first - 1) * slot_bytes + a._image_bytes(op.layer)
+                out.append(cuda_driver.copy_htod(
+                    self.stage_bases[stage[op.layer]] + op.first * slot_bytes,
+                    a.host.host_base + (op.layer * E + op.first) * slot_bytes, nbytes, stream))
+                num_bytes += nbytes
+            else:
+                event = events.get(op.event)
+                if event is None:
+                    event = events[op.event] = cuda_driver.Event()
+                make = cuda_driver.record_event if op.kind == "record" else cuda_driver.wait_event
+                out.append(make(event, stream))
+        return out, num_bytes

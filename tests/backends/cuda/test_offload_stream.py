@@ -1,0 +1,166 @@
+"""Prompt chunks streaming their layers' missing experts into staging slots (stream.py): logits
+equal the same model's unstreamed pass bit for bit (the same kernels read the same bytes at
+other addresses) with a dedicated staging buffer (cache 0%) and with slots borrowed from a 50%
+cache; exact bytes streamed, slots borrowed and refilled; the residency and device tables back
+where they were; the async tier swapping while chunks stream; the /metrics counter."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata import EngineConfig
+from strata.backends.window import Window
+from strata.engine.expert_tier import ExpertTier
+from strata.experts.store import ExpertStore
+from strata.experts.tier import DecayedCountTier
+from strata.model.gguf_file import GGUFModel
+
+pytestmark = pytest.mark.cuda
+
+N_LAYERS = 8  # tiny: 8 experts per layer, top-2; 64 experts, so a 50% cache can lend 2 x 8
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    from strata.tool.synth import synth_model
+
+    out = tmp_path_factory.mktemp("stream") / "tiny-skew-q8_0.gguf"
+    synth_model(out, shape="tiny", weight_type="q8_0", seed=11, routing_skew=1.0,
+                n_layers=N_LAYERS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resident(path):
+    from strata.backends.cuda import CudaModel
+
+    return CudaModel(GGUFModel.open(path))
+
+
+# per window, the tokens each of 3 slots adds: windows of >= MIN_ROWS rows stream, others not
+MIN_ROWS = 32
+PLANS = [(40, 33, 20), (1, 1, 1), (30, 1, 1), (16, 16, 1), (1, 1, 1), (1, 1, 1)]
+STREAMED = [sum(p) >= MIN_ROWS for p in PLANS]
+
+
+def run(model, plans, forward, seed=3):
+    rng = np.random.default_rng(seed)
+    kvs = [model.new_kv(512) for _ in range(3)]
+    out = []
+    for plan in plans:
+        window = Window.build([(kv, rng.integers(10, 4000, n)) for kv, n in zip(kvs, plan)],
+                              logits="all")
+        out.append(np.array(forward(window)))
+    return out
+
+
+def offload(path, num_slots, **options):
+    from strata.backends.cuda import CudaModel
+
+    gguf = GGUFModel.open(path)
+    model = CudaModel(gguf, experts_resident=False)
+    config = EngineConfig(path, n_ctx=512, parallel=3, expert_cache=num_slots, pcie_frac=1.0,
+                          **options)
+    store = ExpertStore.from_gguf(gguf)
+    arena = model.new_expert_arena(store, config)
+    arena.streamer.min_rows = MIN_ROWS  # tiny windows (the default suits 30B-sized experts)
+    return model, arena, config, store
+
+
+def expected_tables(arena):
+    host = arena.host.pointers(device=True)
+    residency = arena.table.peek().table
+    want = host.copy()
+    for layer, e in zip(*np.nonzero(residency >= 0)):
+        want[layer, :, e] = arena.slot_pointers(int(residency[layer, e]), int(layer))
+    return want
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5], ids=["dedicated", "borrowed"])
+def test_streamed_chunks_equal_the_unstreamed_pass_bit_for_bit(path, resident, fraction):
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    model, arena, _, _ = offload(path, int(fraction * L * E))
+    arena.fill([(layer, e) for layer in range(L) for e in range(E)])  # layer order
+    before = arena.table.peek().table.copy()
+    streamer = arena.streamer
+    lent = []
+
+    def forward(window):
+        arena.before_window(window.num_rows)  # as the tier does: staging readied or given back
+        lent.append(streamer.stage_bases is not None and bool(streamer._borrowed))
+        return model.forward_window(window)
+
+    try:
+        streamer.min_rows = 0  # the reference: every miss read over PCIe by the same kernels
+        want = run(model, PLANS, forward)
+        assert streamer.num_windows == 0 and lent == [False] * len(PLANS)
+        streamer.min_rows, lent[:] = MIN_ROWS, []
+        got = run(model, PLANS, forward)
+        for index, (a, b) in enumerate(zip(want, got)):
+            assert np.array_equal(a, b), f"window {index} differs (cache {fraction:.0%})"
+        # the first window (streamed, a fresh KV) also equals the all-resident model's
+        assert np.array_equal(run(resident, PLANS[:1], resident.forward_window)[0], got[0])
+        assert streamer.num_windows == sum(STREAMED)
+        # bytes: every missing expert of every layer once per streamed window, in runs
+        missing_layers = range(L) if fraction == 0 else range(L // 2 - 2, L)  # + 2 lent
+        per_window = sum((E - 1) * arena.slot_bytes + arena._image_bytes(layer)
+                         for layer in missing_layers)
+        assert streamer.streamed_bytes == sum(STREAMED) * per_window
+        if fraction == 0:
+            assert streamer._borrowed == [] and streamer.num_borrowed == 0
+            assert lent == [False] * len(PLANS)
+        else:
+            assert lent == STREAMED  # lent for the streamed windows only
+            assert streamer.num_borrowed == 2 * E * 2  # two runs of streamed windows
+        assert streamer.wait_idle(30)
+        assert not arena.is_lending_slots
+        assert streamer.num_refilled == (2 * E * 2 if fraction else 0)
+        # the cache holds what it held before, and the device tables say so
+        assert np.array_equal(arena.table.peek().table, before)
+        assert np.array_equal(arena.device_table(), expected_tables(arena))
+    finally:
+        arena.close()
+
+
+def test_async_tier_swaps_while_chunks_stream(path, resident):
+    from strata.server.metrics import ExpertCacheCollector
+
+    rng = np.random.default_rng(9)
+    plans = [tuple(int(n) for n in (rng.integers(12, 40, 3) if w % 3 == 0 else (1, 1, 1)))
+             for w in range(36)]  # every third window streams (36-117 rows)
+    want = run(resident, plans, resident.forward_window, seed=4)
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    model, arena, config, store = offload(path, 40, adapt_every=1, adapt_async=True)
+    tier = ExpertTier(model, store, arena, config)
+    tier.start(DecayedCountTier(40, decay=0.5, hysteresis=0.0))  # swaps on any gain
+    try:
+        got = run(model, plans, tier.forward_window, seed=4)
+        tier.forward_window(Window.build([(model.new_kv(8), [5])]))  # gives the slots back
+        assert tier.wait_idle(30) and arena.streamer.wait_idle(30)
+        totals = tier.snapshot_totals()
+        streamer = arena.streamer
+        for index, (a, b) in enumerate(zip(want, got)):
+            assert np.array_equal(a, b), f"window {index} differs from the frozen pass"
+        assert streamer.num_windows == sum(sum(p) >= MIN_ROWS for p in plans) > 0
+        assert totals.num_swaps > 0 and streamer.num_refilled > 0
+        assert not arena.is_lending_slots
+        assert np.array_equal(arena.device_table(), expected_tables(arena))
+        assert arena.table.num_resident == 40 and arena.table.free_slots() == []
+        metrics = {m.name: m for m in ExpertCacheCollector(lambda: tier).collect()}
+        assert metrics["strata_expert_streamed_bytes"].samples[0].value == \
+            streamer.streamed_bytes > 0
+    finally:
+        tier.close()
+
+
+def test_reserved_slots_are_the_staging_slots(path):
+    model, arena, _, _ = offload(path, 40)
+    try:  # 40 slots lend their last 2 x 8 as staging; a 24-slot cache would lend too much
+        assert arena.reserved_slots() == frozenset(range(24, 40))
+    finally:
+        arena.close()
+    model, arena, _, _ = offload(path, 24)
+    try:
+        assert arena.reserved_slots() == frozenset()
+    finally:
+        arena.close()

@@ -1,0 +1,178 @@
+"""Prompt-window kernels against float64 references on fresh random inputs: the tensor-core
+attention (attention_prompt beside attention_singles; fp16 and int8 KV cells, chunks beside
+decode rows, a row's bits independent of its window), the wide pair grouping, and the plan's
+choice of both from plan.MMQ_MIN_ROWS rows."""
+import numpy as np
+import pytest
+
+from strata.backends.cuda.plan import (ATT_SINGLE_BLOCKS, ATT_SPLITS, GROUP_WIDE_THREADS,
+                                       PA_ROWS, PA_WARPS)
+
+from test_cuda_kernels import _Dev, _q8, attention_reference, grouped_reference, run_attention
+
+pytestmark = pytest.mark.cuda
+
+# Error per output / max |V| of its head. Q and P enter the fp16 mma as hi + lo pairs (~22 bits)
+# and K/V cells are fp16: float32-like sums. int8 cells are dequantised to fp16 in shared memory
+# (relative 2^-12 per value, far below their own 8-bit rounding).
+PROMPT_ATT_TOLERANCE = {False: 1e-4, True: 2e-3}  # by is_int8
+
+
+def _slot_cache(rng, L, KVH, C, D, is_int8):
+    """One KV's device bytes and its float64 cells [L, 2, KVH, C, D] as the kernels read them."""
+    cells = rng.standard_normal((L, 2, KVH, C, D)).astype(np.float32)
+    if not is_int8:
+        half = cells.astype(np.float16)
+        return half.view(np.uint8).reshape(-1), half.astype(np.float64)
+    scales = (np.abs(cells).max(axis=-1) / 127).astype(np.float32)  # [L, 2, KVH, C]
+    codes = np.rint(cells / scales[..., None]).astype(np.int8)
+    raw = np.concatenate([codes.view(np.uint8).reshape(-1), scales.view(np.uint8).reshape(-1)])
+    return raw, codes.astype(np.float64) * scales[..., None].astype(np.float64)
+
+
+def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_heads,
+                         want_q8):
+    """attention_prompt + attention_singles as a prompt-sized window plan launches them;
+    returns (out [R, Q, D], outq [R, Q*D], outd [R, Q*D/32])."""
+    R, Q, D = q.shape
+    group = Q // num_kv_heads
+    warps = min(group, PA_WARPS)
+    out, outq, outd = dev.empty(4 * R * Q * D), dev.empty(R * Q * D), dev.empty(R * Q * D // 8)
+    part = dev.empty(4 * R * Q * ATT_SPLITS * (2 + D))
+    counts = dev.empty(4 * R * Q, fill=0)
+    common = [dev.put(q), out, outq if want_q8 else 0, outd if want_q8 else 0,
+              dev.put(np.array(bases, dtype=np.uint64)), dev.put(positions.astype(np.int32)),
+              dev.put(np.full(R, capacity, dtype=np.int32)), R, layer, num_layers, Q,
+              num_kv_heads, D, D ** -0.5]
+    dev.launch("attention_prompt", ((R + PA_ROWS - 1) // PA_ROWS, num_kv_heads,
+                                    (group + warps - 1) // warps), (32 * warps,),
+               "PPPPPPPiiiiiif", common)
+    dev.launch("attention_singles", (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
+               "PPPPPPPiiiiiifPP", [*common, part, counts])
+    assert not dev.get(counts, (R * Q,), np.int32).any()  # every split merged, counters reset
+    return (dev.get(out, (R, Q, D), np.float32), dev.get(outq, (R, Q * D), np.int8),
+            dev.get(outd, (R, Q * D // 32), np.float32))
+
+
+# (query heads, KV heads, head dim): tiny's shape, GQA 4, Qwen3-30B-A3B's (8 heads a group),
+# and 16 heads a group (two blocks along z)
+SHAPES = [(4, 2, 16), (8, 2, 64), (32, 4, 128), (16, 1, 32)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES)
+def test_prompt_attention_against_float64(runtime, num_heads, num_kv_heads, head_dim):
+    """A window of a 37-row chunk (fp16, after 90 cached cells), a decode row, a 20-row chunk
+    over int8 cells from position 0, a decode row and two draft rows crossing a KV tile: every
+    row near float64; decode rows equal `attention`'s bits; the fused 8-bit form exact."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    Q, KVH, D, L, C, layer = num_heads, num_kv_heads, head_dim, 2, 320, 1
+    # (first position, rows, int8 cells) per slot, in window order
+    slots = [(90, 37, False), (300, 1, False), (0, 20, True), (5, 1, False), (63, 2, False)]
+    bases, positions, cells, rows_of, is_int8_row = [], [], [], [], []
+    for first, n, is_int8 in slots:
+        raw, dense = _slot_cache(rng, L, KVH, C, D, is_int8)
+        base = dev.put(raw) | int(is_int8)
+        rows_of.append(list(range(len(positions), len(positions) + n)))
+        for i in range(n):
+            bases.append(base)
+            positions.append(first + i)
+            cells.append(dense)
+            is_int8_row.append(is_int8)
+    positions = np.array(positions, dtype=np.int32)
+    R = len(positions)
+    q = rng.standard_normal((R, Q, D)).astype(np.float32)
+    want_q8 = D % 32 == 0
+    got, outq, outd = run_prompt_attention(dev, q, bases, positions, C, layer, L, KVH, want_q8)
+    errors = {False: [0.0], True: [0.0]}
+    for r in range(R):
+        for h in range(Q):
+            kvh = h // (Q // KVH)
+            keys = cells[r][layer, 0, kvh, :positions[r] + 1]
+            values = cells[r][layer, 1, kvh, :positions[r] + 1]
+            want = attention_reference(q[r, h], keys, values)
+            errors[is_int8_row[r]].append(np.abs(got[r, h] - want).max() / np.abs(values).max())
+    print(f"prompt attention Q={Q} KVH={KVH} D={D}: max error / max |V|: fp16 cells "
+          f"{max(errors[False]):.1e}, int8 cells {max(errors[True]):.1e}")
+    for is_int8, tolerance in PROMPT_ATT_TOLERANCE.items():
+        assert max(errors[is_int8]) < tolerance
+    singles = rows_of[1] + rows_of[3]
+    alone, _, _ = run_attention(dev, q[singles], [bases[r] for r in singles], positions[singles],
+                                C, layer, L, KVH, want_q8=False)
+    np.testing.assert_array_equal(got[singles], alone)
+    if want_q8:
+        q8, d8 = _q8(got.reshape(R, Q * D))
+        np.testing.assert_array_equal(outq, q8)
+        np.testing.assert_array_equal(outd, d8)
+
+
+def test_prompt_attention_rows_independent_of_window(runtime):
+    """A chunk's rows give the same bits alone, cut short, and shifted inside a window (other
+    tile positions, other neighbours in their 16-row tile)."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    Q, KVH, D, L, C, layer = 32, 4, 128, 1, 256, 0
+    raw_a, _ = _slot_cache(rng, L, KVH, C, D, False)
+    raw_b, _ = _slot_cache(rng, L, KVH, C, D, True)
+    base_a, base_b = dev.put(raw_a), dev.put(raw_b) | 1
+    n, first = 45, 100
+    pos_a = np.arange(first, first + n, dtype=np.int32)
+    q_a = rng.standard_normal((n, Q, D)).astype(np.float32)
+
+    def run(bases, positions, q):
+        return run_prompt_attention(dev, q, bases, np.asarray(positions, dtype=np.int32), C,
+                                    layer, L, KVH, want_q8=True)[0]
+
+    alone = run([base_a] * n, pos_a, q_a)
+    short = run([base_a] * 20, pos_a[:20], q_a[:20])
+    np.testing.assert_array_equal(short, alone[:20])
+    # 5 rows of another (int8) chunk first, a decode row of a third KV after
+    q_b = rng.standard_normal((5, Q, D)).astype(np.float32)
+    q_c = rng.standard_normal((1, Q, D)).astype(np.float32)
+    mixed = run([base_b] * 5 + [base_a] * n + [dev.put(raw_a)],
+                [7, 8, 9, 10, 11] + list(pos_a) + [30], np.concatenate([q_b, q_a, q_c]))
+    np.testing.assert_array_equal(mixed[5:5 + n], alone)
+
+
+def test_plan_takes_prompt_kernels_from_the_threshold(synth_path):
+    """Windows of >= MMQ_MIN_ROWS rows launch attention_prompt + attention_singles and
+    group_pairs_wide in every layer; smaller ones keep `attention` (and the one-launch router)."""
+    from strata.backends.cuda import CudaModel
+    from strata.backends.cuda import plan as cuda_plan
+    from strata.model.gguf_file import GGUFModel
+
+    gpu = CudaModel(GGUFModel.open(synth_path("tiny", "q4_0")))
+    with gpu.runtime.active():
+        small = list(gpu._plan(cuda_plan.MMQ_MIN_ROWS - 1, 1).launches.names())
+        large = list(gpu._plan(cuda_plan.MMQ_MIN_ROWS, 1).launches.names())
+    L = gpu.spec.n_layers
+    assert small.count("attention") == L
+    assert not {"attention_prompt", "attention_singles", "group_pairs_wide"} & set(small)
+    assert large.count("attention_prompt") == large.count("attention_singles") == L
+    assert large.count("group_pairs_wide") == L
+    assert not {"attention", "group_pairs"} & set(large)
+
+
+@pytest.mark.parametrize("num_experts, experts_per_row, num_rows",
+                         [(128, 8, 512), (60, 4, 37), (8, 2, 23), (128, 8, 1), (128, 8, 5000)])
+def test_group_pairs_wide(runtime, num_experts, experts_per_row, num_rows):
+    """Exact grouping (experts ascending, pairs in order within one) over skewed routing, one or
+    many pairs per warp; the same as group_pairs."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    E, K, R = num_experts, experts_per_row, num_rows
+    P = R * K
+    skew = 0.93 ** np.arange(E)  # a few experts take most pairs, as trained routers do
+    ids = np.stack([rng.choice(E, K, replace=False, p=skew / skew.sum())
+                    for _ in range(R)]).astype(np.int32)  # [R, K]
+    want_groups, want_act, want_out = grouped_reference(ids, E)
+    for name, block, shared in (("group_pairs_wide", GROUP_WIDE_THREADS,
+                                 4 * (GROUP_WIDE_THREADS // 32 + 1) * E),
+                                ("group_pairs", 256, 4 * (2 * E + 1024))):
+        groups, num_groups = dev.empty(12 * E), dev.empty(4)
+        act_rows, out_rows = dev.empty(4 * P), dev.empty(4 * P)
+        dev.launch(name, (1,), (block,), "PiiiPPPP",
+                   [dev.put(ids), P, K, E, groups, num_groups, act_rows, out_rows],
+                   shared_bytes=shared)
+        assert dev.get(num_groups, (1,), np.int32)[0] == len(want_groups)
+        np.testing.assert_array_equal(dev.get(groups, (len(want_groups), 3), np.int32),
+                                      want_groups)
+        np.testing.assert_array_equal(dev.get(act_rows, (P,), np.int32), want_act)
+        np.testing.assert_array_equal(dev.get(out_rows, (P,), np.int32), want_out)

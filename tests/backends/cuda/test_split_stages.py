@@ -1,0 +1,222 @@
+"""The layer split on the GPU: stages over layer ranges (two on one GPU, and on two GPUs when
+there are two) give the one-GPU model's logits bit for bit (the same kernels on the same rows);
+several slots, greedy and lazy outputs, park/restore, slot groups pipelined (2 groups equal 1),
+the tier on every stage while its swaps land (each window checked against the frozen pass), and
+the engine's greedy tokens through --split-device / --layer-split."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata import Engine, EngineConfig, SamplingParams
+from strata.backends.window import Window
+from strata.experts.tier import DecayedCountTier
+from strata.model.gguf_file import GGUFModel
+
+pytestmark = pytest.mark.cuda
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _num_gpus() -> int:
+    import pycuda.driver as drv
+
+    drv.init()
+    return drv.Device.count()
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    """tiny Q8_0 with 4 layers and skewed routing (hot experts for the tiers to chase)."""
+    from strata.tool.synth import synth_model
+
+    out = tmp_path_factory.mktemp("split") / "tiny-split-q8_0.gguf"
+    synth_model(out, shape="tiny", weight_type="q8_0", seed=11, routing_skew=1.0, n_layers=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def full(path):
+    from strata.backends.cuda import CudaModel
+
+    model = CudaModel(GGUFModel.open(path))
+    model.enable_routing_counts()
+    return model
+
+
+def make_windows(rng, num_windows: int, chunk_tokens: int = 9):
+    """Per window, per slot (3 slots): the tokens it adds (a chunk every 5th window, else 1)."""
+    return [[rng.integers(10, 4000, chunk_tokens if w % 5 == 0 else 1) for _ in range(3)]
+            for w in range(num_windows)]
+
+
+def run_windows(model, plans, mode="logits", forward=None):
+    """Per window: the output of every row (logits [N, V], or greedy ids [N]) and the routing
+    counts [L, E]."""
+    kvs = [model.new_kv(256) for _ in range(3)]
+    outs, counts = [], []
+    for plan in plans:
+        window = Window.build(list(zip(kvs, plan)), logits="all")
+        c = np.zeros((model.spec.n_layers, model.spec.n_experts), dtype=np.int64)
+        if forward is not None:
+            out = forward(window)
+        elif mode == "greedy":
+            out = model.forward_window_greedy(window, routing_counts=c)
+        elif mode == "lazy":
+            out = np.asarray(model.forward_window_lazy(window, routing_counts=c))
+        else:
+            out = model.forward_window(window, routing_counts=c)
+        outs.append(np.array(out))
+        counts.append(c)
+    return outs, counts
+
+
+def split_model(path, devices, counts, **kwargs):
+    from strata.backends.cuda.split_model import SplitModel
+
+    return SplitModel(GGUFModel.open(path), devices, counts, **kwargs)
+
+
+def _device_sets():
+    sets = [[0, 0]]
+    if _num_gpus() >= 2:
+        sets.append([0, 1])
+    return sets
+
+
+@pytest.mark.parametrize("counts", [[1, 3], [2, 2], [3, 1]])
+@pytest.mark.parametrize("mode", ["logits", "greedy", "lazy"])
+def test_split_equals_the_one_gpu_model_bit_for_bit(path, full, counts, mode):
+    plans = make_windows(np.random.default_rng(3), 8)
+    want, want_counts = run_windows(full, plans, mode)
+    for devices in _device_sets():
+        model = split_model(path, devices, counts)
+        got, got_counts = run_windows(model, plans, mode)
+        for index, (a, b) in enumerate(zip(want, got)):
+            assert np.array_equal(a, b), f"window {index} differs on GPUs {devices} {counts}"
+        for a, b in zip(want_counts, got_counts):
+            assert np.array_equal(a, b)
+
+
+def test_three_stages_and_the_hop_kinds(path, full):
+    plans = make_windows(np.random.default_rng(4), 6)
+    want, _ = run_windows(full, plans)
+    devices = [0, 1, 0] if _num_gpus() >= 2 else [0, 0, 0]
+    model = split_model(path, devices, [1, 2, 1])
+    got, _ = run_windows(model, plans)
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
+    hows = [h.how for h in model.hops]
+    print(model.describe())
+    if devices[1] == 1:
+        assert set(hows) <= {"peer copy", "pinned host buffer"}
+    else:
+        assert hows == ["device-to-device", "device-to-device"]
+
+
+@pytest.mark.parametrize("mode", ["logits", "greedy", "lazy"])
+def test_two_batch_groups_equal_one(path, full, mode):
+    # windows under plan.MMQ_MIN_ROWS rows: a group takes the same kernel family as the whole
+    plans = make_windows(np.random.default_rng(5), 10, chunk_tokens=5)
+    want, want_counts = run_windows(full, plans, mode)
+    for devices in _device_sets():
+        model = split_model(path, devices, [2, 2], batch_groups=2)
+        got, got_counts = run_windows(model, plans, mode)
+        for index, (a, b) in enumerate(zip(want, got)):
+            assert np.array_equal(a, b), f"window {index} differs with 2 groups on {devices}"
+        for a, b in zip(want_counts, got_counts):
+            assert np.array_equal(a, b)
+
+
+def test_park_and_restore_continue_bit_for_bit(path):
+    model = split_model(path, [0, 0], [1, 3])
+    rng = np.random.default_rng(9)
+    prompt, more = rng.integers(10, 4000, 13), rng.integers(10, 4000, 5)
+    kv = model.new_kv(64)
+    model.forward(prompt, kv)
+    L = model.spec.n_layers
+    k = np.stack([kv.keys(layer) for layer in range(L)])  # [L, KV, n, D]
+    v = np.stack([kv.values(layer) for layer in range(L)])
+    want = model.forward(more, kv, all_logits=True)
+    restored = model.new_kv(64)
+    for layer in range(L):
+        restored.append(layer, k[layer], v[layer])
+    restored.commit(k.shape[2])
+    got = model.forward(more, restored, all_logits=True)
+    assert restored.num_tokens == kv.num_tokens == 18
+    assert np.array_equal(want, got)
+
+
+def _split_tier(path, devices, num_slots, **options):
+    from strata.backends.cuda.split_tier import SplitTier
+
+    gguf = GGUFModel.open(path)
+    model = split_model(path, devices, [2, 2], experts_resident=False)
+    config = EngineConfig(path, n_ctx=256, parallel=3, expert_cache=num_slots, pcie_frac=1.0,
+                          **options)
+    return model, SplitTier.build(config, gguf, model)
+
+
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "blocking"])
+def test_every_stage_tier_swaps_while_windows_equal_the_frozen_pass(path, full, is_async):
+    plans = make_windows(np.random.default_rng(5), 60)
+    want, _ = run_windows(full, plans)
+    devices = [0, 1] if _num_gpus() >= 2 else [0, 0]
+    model, tier = _split_tier(path, devices, 10, adapt_every=1, adapt_async=is_async)
+    assert [t.arena.n_slots for t in tier.stages] == [5, 5]
+    for t in tier.stages:
+        t.copy_chunk_bytes = 256
+    tier.start(DecayedCountTier(10, decay=0.5, hysteresis=0.0))
+    if is_async:
+        for t in tier.stages:
+            t._copier.chunk_bytes = 256
+            t._copier.chunks_per_window = 16
+    try:
+        got, _ = run_windows(model, plans, forward=lambda w: tier.forward_window(w))
+        assert tier.wait_idle(30)
+    finally:
+        tier.close()
+    for index, (a, b) in enumerate(zip(want, got)):
+        assert np.array_equal(a, b), f"window {index} differs from the frozen pass"
+    for t in tier.stages:  # every stage's cache moved, and its tables match its residency
+        assert t.totals.num_swaps >= 10, t.label
+        arena = t.arena
+        table, host = arena.device_table(), arena.host.pointers(device=True)
+        residency = arena.table.peek().table
+        for layer in range(t.store.n_layers):
+            for e in range(t.store.n_experts):
+                slot = int(residency[layer, e])
+                ptrs = arena.slot_pointers(slot, layer) if slot >= 0 else host[layer, :, e]
+                assert list(table[layer, :, e]) == list(ptrs)
+    totals = tier.snapshot_totals()
+    assert totals.num_swaps == sum(t.totals.num_swaps for t in tier.stages)
+    assert totals.num_windows == 60
+
+
+def _engine_tokens(path, **options):
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(10, 4000, n)] for n in (40, 9, 25)]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (16, 24, 10)]
+    with Engine(EngineConfig(path, n_ctx=256, parallel=2, prompt_chunk_tokens=16,
+                             device="cuda", **options)) as engine:
+        handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        tokens = [[] for _ in handles]
+        while not all(h.is_finished for h in handles):
+            assert engine.step()
+            for out, h in zip(tokens, handles):
+                out += [e.token_id for e in h.pop_events()]
+        assert all(h.error is None for h in handles)
+        return tokens
+
+
+@pytest.mark.parametrize("options", [
+    dict(layer_split="2,2"),
+    dict(layer_split="auto", batch_groups=2),
+    dict(layer_split="1,3", expert_cache=6, adapt_every=1, adapt_async=False, pcie_frac=1.0),
+    dict(layer_split="3,1", expert_cache=6, adapt_every=1, adapt_async=True, pcie_frac=1.0),
+], ids=["resident", "auto-2-groups", "blocking-tier", "async-tier"])
+def test_engine_on_two_gpus_gives_the_one_gpu_tokens(path, options):
+    if _num_gpus() < 2:
+        pytest.skip("needs two GPUs")
+    want = _engine_tokens(path)
+    got = _engine_tokens(path, split_devices="0,1", **options)
+    assert got == want

@@ -1,0 +1,119 @@
+"""Prompt-chunk streaming logic that runs on any machine (stream.py): copy runs, the window's
+device tables over the staging sets, and the issue order of copies, events and launches, checked
+with the happens-before order CUDA streams and events give."""
+import numpy as np
+import pytest
+
+from strata._native import cuda_driver
+from strata.backends.cuda.stream import (COMPUTE, COPY, NUM_STAGES, copy_runs, stream_schedule,
+                                         stream_tables, streamed_layers)
+
+
+def test_copy_runs_are_the_runs_of_missing_experts():
+    assert copy_runs(np.array([1, 1, 0, 1, 0, 0, 1, 1], bool)) == [(0, 2), (3, 4), (6, 8)]
+    assert copy_runs(np.zeros(5, bool)) == []
+    assert copy_runs(np.ones(4, bool)) == [(0, 4)]
+    assert copy_runs(np.array([0, 1, 0], bool)) == [(1, 2)]
+
+
+def test_streamed_layers_have_a_missing_expert():
+    residency = np.array([[0, 1], [-1, 2], [3, 4], [-1, -1]], dtype=np.int32)
+    assert streamed_layers(residency) == [1, 3]
+
+
+def test_stream_tables_point_missing_experts_at_alternating_staging_sets():
+    L, E, slot_bytes = 4, 3, 1000
+    residency = np.array([[-1, -1, -1], [0, 1, 2], [-1, 3, -1], [4, -1, 5]], dtype=np.int32)
+    mirror = np.arange(L * 3 * E, dtype=np.uint64).reshape(L, 3, E) + np.uint64(7 << 40)
+    part_offsets = np.array([[0, 256, 512]] * L, dtype=np.uint64)
+    bases = [1 << 32, 2 << 32]
+    got = stream_tables(mirror, residency, bases, slot_bytes, part_offsets)
+    want = mirror.copy()
+    # streamed layers 0, 2, 3 -> sets 0, 1, 0; expert e at slot e of its set
+    for layer, stage, missing in ((0, 0, (0, 1, 2)), (2, 1, (0, 2)), (3, 0, (1,))):
+        for e in missing:
+            want[layer, :, e] = [bases[stage] + e * slot_bytes + off for off in (0, 256, 512)]
+    assert np.array_equal(got, want)
+    assert np.array_equal(got[1], mirror[1])  # a resident layer keeps its cache slots
+
+
+def happens_before(ops):
+    """For each op, the set of ops that must complete before it (program order per stream;
+    a wait on an event orders after everything before that event's latest record)."""
+    before, last_on = [], {}  # last_on[stream]: index of the stream's last op
+    recorded = {}  # event -> ops before its latest record (inclusive)
+    for i, op in enumerate(ops):
+        deps = set()
+        prev = last_on.get(op.stream)
+        if prev is not None:
+            deps |= before[prev] | {prev}
+        if op.kind == "wait":
+            assert op.event in recorded, f"wait on {op.event} before any record of it"
+            deps |= recorded[op.event]
+        if op.kind == "record":
+            recorded[op.event] = deps | {i}
+        before.append(deps)
+        last_on[op.stream] = i
+    return before
+
+
+def launch_ops(ops, first, stop):
+    """Indices of the ops that run plan launches in [first, stop)."""
+    return [i for i, op in enumerate(ops)
+            if op.kind == "launches" and op.first < stop and first < op.stop]
+
+
+@pytest.mark.parametrize("streamed", [[0, 1, 2, 3, 4, 5], [3, 4, 5], [0, 2, 5], [4]])
+def test_schedule_orders_copies_and_reads_of_each_staging_set(streamed):
+    L, per_layer = 6, 10
+    spans = [(l * per_layer + 4, l * per_layer + 7) for l in range(L)]  # gate/up .. down
+    num_launches = L * per_layer + 3
+    runs = {l: [(0, 2), (5, 8)] for l in streamed}
+    ops = stream_schedule(num_launches, spans, runs)
+    # every plan launch appears once, in order, on the compute stream
+    ranges = [(op.first, op.stop) for op in ops if op.kind == "launches"]
+    assert all(op.stream == COMPUTE for op in ops if op.kind == "launches")
+    assert [i for a, b in ranges for i in range(a, b)] == list(range(num_launches))
+    assert all(op.stream == COPY for op in ops if op.kind == "copy")
+    hb = happens_before(ops)
+    copies = {l: [i for i, op in enumerate(ops) if op.kind == "copy" and op.layer == l]
+              for l in range(L)}
+    for l in range(L):
+        assert [(ops[i].first, ops[i].stop) for i in copies[l]] == runs.get(l, [])
+    for j, layer in enumerate(streamed):
+        readers = launch_ops(ops, *spans[layer])
+        # a layer's expert launches run after all its copies landed
+        assert all(set(copies[layer]) <= hb[r] for r in readers)
+        # the copies start after every launch issued before the window (event start) ...
+        assert ops[0].kind == "record" and all(0 in hb[c] for c in copies[layer])
+        # ... and after the previous user of the same staging set read it
+        if j >= NUM_STAGES:
+            previous = launch_ops(ops, *spans[streamed[j - NUM_STAGES]])
+            assert all(set(previous) <= hb[c] for c in copies[layer])
+        # the copies do not wait for the layer before (they overlap its compute)
+        if j >= 1:
+            other = launch_ops(ops, *spans[streamed[j - 1]])
+            assert not any(set(other) <= hb[c] for c in copies[layer])
+    # the first two streamed layers' copies are issued before any launch
+    first_launch = min(i for i, op in enumerate(ops) if op.kind == "launches")
+    for layer in streamed[:NUM_STAGES]:
+        assert max(copies[layer]) < first_launch
+
+
+def test_no_streamed_layer_is_the_plain_list():
+    ops = stream_schedule(50, [(10 * l + 4, 10 * l + 7) for l in range(5)], {})
+    assert [(op.kind, op.first, op.stop) for op in ops if op.kind == "launches"] == [
+        ("launches", 0, 50)]
+
+
+def test_launch_list_entries_need_a_driver_and_known_kinds():
+    launches = cuda_driver.LaunchList()
+    with pytest.raises(TypeError, match="Launch or StreamOp"):
+        launches.append(object())
+    with pytest.raises(IndexError):
+        launches.extend(cuda_driver.LaunchList(), 0, 1)
+    if not cuda_driver.is_available():
+        with pytest.raises(cuda_driver.CudaUnavailable):
+            cuda_driver.Event()
+        with pytest.raises(cuda_driver.CudaUnavailable):
+            cuda_driver.copy_htod(1 << 20, 1 << 20, 256)

@@ -1,0 +1,154 @@
+"""KV grow in the engine (CPU): greedy tokens with --kv-grow equal those without it (tier
+frozen), also across a conversation parked at the trim and restored; a refused grow ends a
+decoding request with "length" and fails a prompt that does not fit; and the stress run: tier
+rounds and grow/trim while windows run, every window equal to the frozen-tier run."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from strata import Engine, EngineConfig, SamplingParams, hookimpl
+from strata._native import kernels
+from strata.errors import RequestError
+from strata.plugins import get_plugin_manager
+from strata.tool.synth import synth_model
+
+from kv_grow_stress import assert_windows_equal, run_requests
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """tiny with 32 experts of width 64 (Q8_0, 13056-byte slots: 25 f32 cells each), skewed."""
+    path = tmp_path_factory.mktemp("kvgrow") / "tiny-wide.gguf"
+    synth_model(path, shape="tiny", weight_type="q8_0", seed=5, routing_skew=1.0, n_experts=32,
+                expert_ffn=64)
+    return path
+
+
+def tokens_of(path, prompts, max_tokens, parallel=2, **options):
+    with Engine(EngineConfig(path, n_ctx=512, parallel=parallel, prompt_chunk_tokens=24,
+                             **options)) as engine:
+        handles = [engine.submit(p, SamplingParams(max_tokens=n, **GREEDY))
+                   for p, n in zip(prompts, max_tokens)]
+        out = [[] for _ in handles]
+        while not all(h.is_finished for h in handles):
+            assert engine.step()
+            for tokens, h in zip(out, handles):
+                tokens += [e.token_id for e in h.pop_events()]
+        assert [h.error for h in handles] == [None] * len(handles)
+        lender = engine.scheduler.kv_lender
+        return out, (lender.num_grows, lender.num_trims) if lender is not None else None
+
+
+def test_greedy_tokens_equal_the_run_without_kv_grow(wide):
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(10, 4000, n)] for n in (30, 100, 70)]
+    max_tokens = (120, 40, 90)
+    want, _ = tokens_of(wide, prompts, max_tokens, expert_cache=48, adapt_every=0)
+    got, (grows, trims) = tokens_of(wide, prompts, max_tokens, expert_cache=48, adapt_every=0,
+                                    kv_grow=64)
+    assert got == want
+    assert grows >= 3 and trims == 3
+
+
+def test_a_conversation_parked_at_the_trim_continues_exactly(wide):
+    rng = np.random.default_rng(2)
+    first = [int(t) for t in rng.integers(10, 4000, 50)]
+    extra = [int(t) for t in rng.integers(10, 4000, 5)]
+    results = []
+    for options in (dict(), dict(kv_grow=64)):
+        with Engine(EngineConfig(wide, n_ctx=512, expert_cache=48, adapt_every=0,
+                                 **options)) as engine:
+            one = engine.generate(first, SamplingParams(max_tokens=60, **GREEDY))
+            turn1 = [e.token_id for e in one]
+            second = first + turn1 + extra
+            handle = engine.submit(second, SamplingParams(max_tokens=30, **GREEDY))
+            while not handle.is_finished:
+                engine.step()
+            turn2 = [e.token_id for e in handle.pop_events()]
+            results.append((turn1, turn2, handle.stats.num_cached_tokens))
+    assert results[0] == results[1]
+    assert results[1][2] == 50 + 60 - 1  # the whole first turn came back from host RAM
+
+
+class Refuse:
+    name = "refuse"
+
+    def grow(self, slot_index, num_cells_needed, cells_per_expert_slot, residency):
+        return []
+
+    def give_back(self, slot_index, expert_slots):
+        return []
+
+
+class RefusePlugin:
+    @hookimpl
+    def strata_kv_grow(self):
+        return Refuse()
+
+
+def test_a_refused_grow_ends_decoding_with_length_and_fails_a_long_prompt(wide):
+    pm = get_plugin_manager(autoload=False)
+    pm.register(RefusePlugin(), "refuse")
+    prompt = [int(t) for t in np.random.default_rng(3).integers(10, 4000, 40)]
+    with Engine(EngineConfig(wide, n_ctx=512, expert_cache=48, kv_grow=64),
+                plugin_manager=pm) as engine:
+        events = list(engine.generate(prompt, SamplingParams(max_tokens=100, **GREEDY)))
+        # 64 cells: the prompt's 40, then 24 tokens read back; the 25th cannot be
+        assert len(events) == 25 and events[-1].finish_reason == "length"
+        assert engine.scheduler.kv_lender.num_refused == 1
+        with pytest.raises(RequestError, match="needs 100 KV cells but slot 0 has 64"):
+            list(engine.generate(prompt * 2 + prompt[:20], SamplingParams(max_tokens=4)))
+    with Engine(EngineConfig(wide, n_ctx=64, expert_cache=48)) as plain:
+        want = [e.token_id for e in plain.generate(prompt, SamplingParams(max_tokens=100,
+                                                                          **GREEDY))]
+    assert [e.token_id for e in events] == want
+
+
+@pytest.fixture
+def fine_switching():
+    threads, interval = kernels.get_num_threads(), sys.getswitchinterval()
+    kernels.set_num_threads(1)
+    sys.setswitchinterval(1e-5)  # the copier and the engine thread swap the GIL often
+    yield
+    sys.setswitchinterval(interval)
+    kernels.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "blocking"])
+def test_every_window_equals_the_frozen_run_while_rounds_and_kv_grow_run(wide, fine_switching,
+                                                                         is_async):
+    # f16 cells (51 a slot): three KVs of 256 cells and a move fit a half-lent cache of 32
+    reference, want_tokens, _ = run_requests(wide, expert_cache=32, adapt_every=0, kv_type="f16")
+    got, tokens, facts = run_requests(wide, copy_chunk_bytes=256, expert_cache=32,
+                                      adapt_every=1, adapt_async=is_async, kv_grow=64,
+                                      kv_type="f16")
+    assert_windows_equal(reference, got)
+    assert tokens == want_tokens
+    assert facts["rounds"] > 100 and facts["evictions"] > 100
+    assert facts["grows"] >= 8 and facts["trims"] == 6 and facts["refused"] == 0
+    assert facts["lent_at_end"] == 0 and facts["capacities"] == [64, 64, 64]
+
+
+def test_strata_run_takes_kv_grow(tmp_path):
+    from click.testing import CliRunner
+
+    from strata.cli import main
+
+    path = tmp_path / "tiny.gguf"
+    synth_model(path, shape="tiny", weight_type="f32", seed=5)
+    args = ["run", "--model", str(path), "-n", "40", "--temp", "0", "--raw",
+            "--expert-cache", "12", "Hi there"]
+    plain = CliRunner().invoke(main, args)
+    grown = CliRunner().invoke(main, args + ["--kv-grow", "16"])
+    assert plain.exit_code == grown.exit_code == 0, grown.output
+    assert grown.stdout == plain.stdout and len(plain.stdout) > 1
+    # 3 + 40 tokens: 16 cells grew to 64 in 2 lent slots, refilled at the end (the full cache
+    # has no other free fills)
+    assert "(2 free fills + " in grown.stderr and "(0 free fills + " in plain.stderr
+    refused = CliRunner().invoke(main, args[:-3] + ["--kv-grow", "16", "Hi"])
+    assert refused.exit_code == 2 and "--kv-grow lends expert-cache slots" in refused.output
