@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import gc
 import pathlib
+import re
 import warnings
 
 import numpy as np
@@ -47,10 +48,22 @@ def is_available() -> bool:
     return True
 
 
-def module_source(name: str) -> str:
-    """A `.cu` file with common.cuh inlined (so the compile cache key covers the header too)."""
-    common = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once\n", "")
-    return (KERNEL_DIR / name).read_text().replace('#include "common.cuh"', common)
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[ \t]*$', re.M)
+
+
+def module_source(name: str, _seen: set[str] | None = None) -> str:
+    """A `.cu` file with its local headers (`#include "x.cuh"`, nested ones too) inlined, each
+    once, so the compile needs no include path and its cache key covers the headers."""
+    seen = set() if _seen is None else _seen
+
+    def inline(match: re.Match) -> str:
+        header = match.group(1)
+        if header in seen:
+            return ""
+        seen.add(header)
+        return module_source(header, seen).replace("#pragma once\n", "")
+
+    return _LOCAL_INCLUDE.sub(inline, (KERNEL_DIR / name).read_text())
 
 
 class Runtime:
