@@ -55,6 +55,39 @@ __device__ __forceinline__ void topk_row(const float *x, int E, int K, int norm,
     }
 }
 
+// One warp turns per-expert pair counts [E] (in place) into each expert's first pair index
+// (experts ascending) and writes the non-empty experts' groups [G, 3] = (expert, first, count)
+// and *num_groups = G, by warp scans over 32 experts at a time.
+__device__ __forceinline__ void warp_groups_from_counts(int *counts, int E, int lane,
+                                                        int *__restrict__ groups,
+                                                        int *__restrict__ num_groups) {
+    int carry = 0, gcarry = 0;
+    for (int e0 = 0; e0 < E; e0 += WARP) {
+        const int e = e0 + lane;
+        const int n = e < E ? counts[e] : 0, nz = n > 0;
+        int incl = n, gincl = nz;
+#pragma unroll
+        for (int o = 1; o < WARP; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, incl, o);
+            const int b = __shfl_up_sync(0xffffffffu, gincl, o);
+            if (lane >= o) {
+                incl += a;
+                gincl += b;
+            }
+        }
+        const int at = carry + incl - n, gi = gcarry + gincl - nz;
+        if (e < E) counts[e] = at;
+        if (nz) {
+            groups[3 * gi] = e;
+            groups[3 * gi + 1] = at;
+            groups[3 * gi + 2] = n;
+        }
+        carry += __shfl_sync(0xffffffffu, incl, WARP - 1);
+        gcarry += __shfl_sync(0xffffffffu, gincl, WARP - 1);
+    }
+    if (lane == 0) *num_groups = gcarry;
+}
+
 // The (row, k) pairs grouped by expert (the whole block): experts ascending, pairs in row
 // order within one: groups [G, 3] = (expert, first, count), *num_groups = G, act_rows[j] = the
 // pair's row, out_rows[j] = the pair's index r*K + k. shm: ints [2E + GROUP_CHUNK]. ids are
@@ -170,33 +203,8 @@ group_pairs_wide(const int *__restrict__ ids, int P, int K, int E, int *__restri
         first[e] = run;
     }
     __syncthreads();
-    if (warp == 0) {  // experts in order: first pair index and group index by warp scans
-        int carry = 0, gcarry = 0;
-        for (int e0 = 0; e0 < E; e0 += 32) {
-            const int e = e0 + lane;
-            const int n = e < E ? first[e] : 0, nz = n > 0;
-            int incl = n, gincl = nz;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int a = __shfl_up_sync(0xffffffffu, incl, o);
-                const int b = __shfl_up_sync(0xffffffffu, gincl, o);
-                if (lane >= o) {
-                    incl += a;
-                    gincl += b;
-                }
-            }
-            const int at = carry + incl - n, gi = gcarry + gincl - nz;
-            if (e < E) first[e] = at;
-            if (nz) {
-                groups[3 * gi] = e;
-                groups[3 * gi + 1] = at;
-                groups[3 * gi + 2] = n;
-            }
-            carry += __shfl_sync(0xffffffffu, incl, 31);
-            gcarry += __shfl_sync(0xffffffffu, gincl, 31);
-        }
-        if (lane == 0) *num_groups = gcarry;
-    }
+    if (warp == 0)  // experts in order: first pair index and group index by warp scans
+        warp_groups_from_counts(first, E, lane, groups, num_groups);
     __syncthreads();
     for (int p0 = p_begin; p0 < p_end; p0 += 32) {  // pass 2: scatter in pair order
         const int p = p0 + lane;
@@ -256,31 +264,8 @@ __device__ void group_warp(const int *ids, int P, int K, int E, int *__restrict_
         if (e >= 0 && (same & lower) == 0) count[e] += __popc(same);  // the lowest equal lane
         __syncwarp();
     }
-    int carry = 0, gcarry = 0;
-    for (int e0 = 0; e0 < E; e0 += WARP) {  // experts in order: first pair, group index
-        const int e = e0 + lane;
-        const int n = e < E ? count[e] : 0, nz = n > 0;
-        int incl = n, gincl = nz;
-#pragma unroll
-        for (int o = 1; o < WARP; o <<= 1) {
-            const int a = __shfl_up_sync(0xffffffffu, incl, o);
-            const int b = __shfl_up_sync(0xffffffffu, gincl, o);
-            if (lane >= o) {
-                incl += a;
-                gincl += b;
-            }
-        }
-        const int at = carry + incl - n, gi = gcarry + gincl - nz;
-        if (e < E) count[e] = at;  // now the next free place of expert e
-        if (nz) {
-            groups[3 * gi] = e;
-            groups[3 * gi + 1] = at;
-            groups[3 * gi + 2] = n;
-        }
-        carry += __shfl_sync(0xffffffffu, incl, WARP - 1);
-        gcarry += __shfl_sync(0xffffffffu, gincl, WARP - 1);
-    }
-    if (lane == 0) *num_groups = gcarry;
+    // experts in order: count[e] becomes the next free place of expert e
+    warp_groups_from_counts(count, E, lane, groups, num_groups);
     __syncwarp();
     for (int p0 = 0; p0 < P; p0 += WARP) {
         const int p = p0 + lane;
