@@ -111,6 +111,18 @@ class EngineConfig:
             raise ConfigError(f"--batch-groups {self.batch_groups!r}: give auto or a number of "
                               "slot groups >= 1")
         self.batch_groups = groups if groups == "auto" else int(groups)
+        # the form of the lists now, before a backend is built; counts and GPUs when it is
+        # (backends/split.py knows the model's layers and the visible GPUs)
+        if self.split_devices is not None:
+            parts = [p.strip() for p in str(self.split_devices).split(",")]
+            if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+                raise ConfigError(f"--split-device {self.split_devices!r}: give distinct GPU "
+                                  "indices such as 0,1")
+        if self.layer_split is not None and str(self.layer_split).strip().lower() != "auto":
+            parts = [p.strip() for p in str(self.layer_split).split(",")]
+            if not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ConfigError(f"--layer-split {self.layer_split!r}: give auto or a number "
+                                  "of layers (>= 1) per GPU, such as 24,24")
         if self.is_split and self.device == "cpu":
             raise ConfigError("--split-device / --layer-split split the layers over GPUs; "
                               "drop them or use --device cuda (or auto)")

@@ -1,6 +1,8 @@
 """The CPU side of the layer split: a GGUF seen through a layer range, a stage's expert store,
 the split KV over per-stage parts (park/restore through it), slot groups cut from a window, the
 split options in EngineConfig and on the command line, the per-card cache budget in the plan."""
+import re
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -135,6 +137,20 @@ def test_split_options_in_the_engine_config(tmp_path):
         EngineConfig(path, batch_groups="x")
     with pytest.raises(ConfigError, match="use --device cuda"):
         EngineConfig(path, layer_split="2,2", device="cpu")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"layer_split": "3,x"}, "--layer-split '3,x': give auto or a number of layers"),
+    ({"layer_split": "0,4"}, "--layer-split '0,4'"),
+    ({"split_devices": "0,a"}, "--split-device '0,a': give distinct GPU indices"),
+    ({"split_devices": "1,1"}, "--split-device '1,1'"),
+])
+def test_malformed_split_lists_are_refused_before_a_backend_is_built(tmp_path, options, message):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        EngineConfig(path, **options)
+    EngineConfig(path, layer_split=" Auto ", split_devices="0, 1")  # the well-formed ones pass
 
 
 @pytest.mark.parametrize("command", ["run", "bench"])
