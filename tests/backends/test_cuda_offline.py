@@ -1,6 +1,7 @@
 """CUDA-backend checks that run on any machine: the driver module imports and says clearly when
 there is no driver, and every .cu module compiles with nvcc for sm_90 (skipped without nvcc).
 (Outside tests/backends/cuda/: the root conftest skips every test under a folder named cuda.)"""
+import re
 import shutil
 import subprocess
 
@@ -50,12 +51,47 @@ def test_kernel_names_cover_every_entry_point():
             "group_pairs", "moe_combine", "argmax_rows"} <= names
 
 
+# a PTX instruction that touches memory: its opcode and dotted qualifiers
+_MEMORY_OP = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:ld|ldu|st|atom|red|cp\.async)(?:\.[\w:]+)*)\s")
+_OWN_SPACES = (".param", ".shared", ".local", ".const")  # not written by the previous kernel
+
+
+def _entries(ptx: str) -> dict[str, list[str]]:
+    """PTX text -> {entry name: its body lines}."""
+    found = {}
+    for match in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx):
+        body_start = ptx.index("{", ptx.index(")", match.end()))
+        depth, i = 0, body_start
+        while True:
+            depth += {"{": 1, "}": -1}.get(ptx[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        found[match.group(1)] = ptx[body_start:i].splitlines()
+    return found
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
 @pytest.mark.parametrize("module", cuda_runtime.MODULES)
 def test_cu_module_compiles_for_sm90(module, tmp_path):
+    """nvcc and ptxas accept the module for sm_90, and every kernel waits for the previous
+    kernel (griddepcontrol.wait, common.cuh's kernel_entry) before it reads or writes global
+    memory: the runtime launches them all as programmatic dependent launches there."""
     src = tmp_path / module
     src.write_text(cuda_runtime.module_source(module))
-    out = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-std=c++17", "-O3", str(src),
-                          "-o", str(tmp_path / "out.cubin")], capture_output=True, text=True)
+    ptx = tmp_path / "out.ptx"
+    out = subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "-std=c++17", "-O3", str(src),
+                          "-o", str(ptx)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert (tmp_path / "out.cubin").stat().st_size > 0
+    out = subprocess.run(["ptxas", "-arch=sm_90", str(ptx), "-o", str(tmp_path / "out.cubin")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    entries = _entries(ptx.read_text())
+    assert set(entries) == set(cuda_runtime._kernel_names(src.read_text()))
+    for name, lines in entries.items():
+        waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+        assert waits, f"{name} never waits for the previous kernel (kernel_entry missing)"
+        for line in lines[:waits[0]]:
+            match = _MEMORY_OP.match(line)
+            assert not (match and not any(s in match.group(1) for s in _OWN_SPACES)), \
+                f"{name} touches memory before griddepcontrol.wait: {line.strip()}"

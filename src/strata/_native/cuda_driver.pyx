@@ -6,7 +6,7 @@ driver; using it there says so."""
 
 from libc.stdint cimport uint64_t, uint32_t, int32_t, int64_t, uintptr_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from strata.errors import ConfigError
 
@@ -40,6 +40,24 @@ ctypedef CUresult (*t_func_set_attribute)(CUfunction, int, int) noexcept nogil
 ctypedef CUresult (*t_launch_kernel)(CUfunction, unsigned int, unsigned int, unsigned int,
                                      unsigned int, unsigned int, unsigned int, unsigned int,
                                      CUstream, void **, void **) noexcept nogil
+
+# cuLaunchKernelEx's config with one launch attribute (cuda.h layout: id, 4 bytes of padding, a
+# 64-byte value union whose first int is the programmatic-serialization flag)
+cdef struct CUlaunchAttribute:
+    int id
+    char pad[4]
+    int value[16]
+
+cdef struct CUlaunchConfig:
+    unsigned int gridDimX, gridDimY, gridDimZ
+    unsigned int blockDimX, blockDimY, blockDimZ
+    unsigned int sharedMemBytes
+    CUstream hStream
+    CUlaunchAttribute *attrs
+    unsigned int numAttrs
+
+ctypedef CUresult (*t_launch_kernel_ex)(const CUlaunchConfig *, CUfunction, void **,
+                                        void **) noexcept nogil
 ctypedef CUresult (*t_stream_begin_capture)(CUstream, int) noexcept nogil
 ctypedef CUresult (*t_stream_end_capture)(CUstream, CUgraph *) noexcept nogil
 ctypedef CUresult (*t_graph_instantiate)(CUgraphExec *, CUgraph, unsigned long long) noexcept nogil
@@ -67,6 +85,7 @@ cdef struct Driver:
     t_module_get_function module_get_function
     t_func_set_attribute func_set_attribute
     t_launch_kernel launch_kernel
+    t_launch_kernel_ex launch_kernel_ex  # NULL on drivers without it (programmatic launch off)
     t_stream_begin_capture stream_begin_capture
     t_stream_end_capture stream_end_capture
     t_graph_instantiate graph_instantiate
@@ -89,6 +108,8 @@ cdef bint _loaded = False
 
 LIBRARY = "libcuda.so.1"
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+cdef enum:
+    _LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 _CAPTURE_MODE_THREAD_LOCAL = 1
 _EVENT_DISABLE_TIMING = 2
 _ERROR_NOT_READY = 600
@@ -133,6 +154,7 @@ def load() -> None:
     drv.module_get_function = <t_module_get_function>_sym(lib, "cuModuleGetFunction")
     drv.func_set_attribute = <t_func_set_attribute>_sym(lib, "cuFuncSetAttribute")
     drv.launch_kernel = <t_launch_kernel>_sym(lib, "cuLaunchKernel")
+    drv.launch_kernel_ex = <t_launch_kernel_ex>dlsym(lib, b"cuLaunchKernelEx")
     drv.stream_begin_capture = <t_stream_begin_capture>_sym(lib, "cuStreamBeginCapture_v2")
     drv.stream_end_capture = <t_stream_end_capture>_sym(lib, "cuStreamEndCapture")
     drv.graph_instantiate = <t_graph_instantiate>_sym(lib, "cuGraphInstantiateWithFlags")
@@ -222,21 +244,35 @@ cdef class Module:
         return k
 
 
+def has_programmatic_launch() -> bool:
+    """Whether this driver can launch kernels with programmatic stream serialization."""
+    _need()
+    return drv.launch_kernel_ex != NULL
+
+
 cdef class Kernel:
-    """One __global__ function of a Module."""
+    """One __global__ function of a Module. `programmatic` (set before prepare; only for
+    kernels that begin with griddepcontrol.wait, on cc >= 9.0): its launches may start while
+    the previous kernel in the stream finishes (programmatic dependent launch)."""
 
     cdef CUfunction handle
     cdef public str name
     cdef object module  # keeps the module loaded while the kernel lives
+    cdef public bint programmatic
 
     def set_max_dynamic_shared(self, int num_bytes) -> None:
         _check(drv.func_set_attribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                       num_bytes), f"cuFuncSetAttribute({self.name})")
 
-    def prepare(self, grid, block, str fmt, args, unsigned int shared_bytes=0) -> Launch:
+    def prepare(self, grid, block, str fmt, args, unsigned int shared_bytes=0,
+                programmatic=None) -> Launch:
         """A launch of this kernel with its arguments packed once. fmt has one letter per
-        argument: 'P' a device pointer (int), 'i' int32, 'I' uint32, 'q' int64, 'f' float32."""
-        return Launch(self, grid, block, fmt, args, shared_bytes)
+        argument: 'P' a device pointer (int), 'i' int32, 'I' uint32, 'q' int64, 'f' float32.
+        programmatic False launches it plainly even where the kernel allows more."""
+        cdef Launch launch = Launch(self, grid, block, fmt, args, shared_bytes)
+        if programmatic is not None and not programmatic:
+            launch.rec.programmatic = 0
+        return launch
 
 
 # entry kinds of a LaunchList
@@ -251,6 +287,7 @@ cdef struct LaunchRec:
     int kind
     CUstream stream  # NULL: the stream the list runs on
     CUfunction fn
+    int programmatic  # cuLaunchKernelEx with programmatic stream serialization
     unsigned int grid[3]
     unsigned int block[3]
     unsigned int shared_bytes
@@ -308,6 +345,7 @@ cdef class Launch:
         self.rec.kind = KIND_KERNEL
         self.rec.stream = NULL
         self.rec.fn = kernel.handle
+        self.rec.programmatic = kernel.programmatic and drv.launch_kernel_ex != NULL
         for i in range(3):
             self.rec.grid[i] = grid[i]
             self.rec.block[i] = block[i]
@@ -330,10 +368,27 @@ cdef class Launch:
         _check(rc, f"cuLaunchKernel({self.kernel.name})")
 
 
+cdef inline CUresult _launch_programmatic(LaunchRec *r, CUstream stream) noexcept nogil:
+    cdef CUlaunchAttribute attr
+    cdef CUlaunchConfig config
+    memset(&attr, 0, sizeof(attr))
+    attr.id = _LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value[0] = 1
+    config.gridDimX, config.gridDimY, config.gridDimZ = r.grid[0], r.grid[1], r.grid[2]
+    config.blockDimX, config.blockDimY, config.blockDimZ = r.block[0], r.block[1], r.block[2]
+    config.sharedMemBytes = r.shared_bytes
+    config.hStream = stream
+    config.attrs = &attr
+    config.numAttrs = 1
+    return drv.launch_kernel_ex(&config, r.fn, r.params, NULL)
+
+
 cdef inline CUresult _launch(LaunchRec *r, CUstream stream) noexcept nogil:
     if r.stream != NULL:
         stream = r.stream
     if r.kind == KIND_KERNEL:
+        if r.programmatic:
+            return _launch_programmatic(r, stream)
         return drv.launch_kernel(r.fn, r.grid[0], r.grid[1], r.grid[2], r.block[0], r.block[1],
                                  r.block[2], r.shared_bytes, stream, r.params, NULL)
     if r.kind == KIND_RECORD:
@@ -393,6 +448,7 @@ cdef StreamOp _op(int kind, str name, uintptr_t stream):
     op.rec.kind = kind
     op.rec.stream = <CUstream>stream
     op.rec.fn = NULL
+    op.rec.programmatic = 0
     op.rec.params = NULL
     op.rec.event = NULL
     op.rec.dst = 0

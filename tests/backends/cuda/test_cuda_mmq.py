@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cuda
 
 MMQ_TYPES = ("q4_0", "q8_0")
 FMT = "PPPPqiiPPPPPPPPPi"
-BM, BN, BNG, FT = 64, 64, 32, 32  # mmq.cu's tiles: outputs, rows dense / grouped; float tile
+BM, BN, BNG = 64, 64, 32  # mmq.cu's tiles: outputs, rows dense / grouped
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -165,7 +165,7 @@ def test_row_result_independent_of_tile(runtime, weight_type):
 @pytest.mark.parametrize("num_cols", (2048, 100))
 def test_float_products(runtime, weight_type, num_cols):
     """The tiled float kernel (the F32 router): store + bias and add, K of 2048 and of 100 (a
-    partial 32-column step), N and T not multiples of 32; rows computed alone are the same."""
+    partial 64-column step), N and T not multiples of 32; rows computed alone are the same."""
     dev, rng = _Dev(runtime), np.random.default_rng()
     N, K, T = 130, num_cols, 70
     (raw0, w0), (raw1, w1) = _weights(weight_type, N, K, rng), _weights(weight_type, N, K, rng)
@@ -175,7 +175,8 @@ def test_float_products(runtime, weight_type, num_cols):
 
     def run(kernel, raw, first, count, bias_ptr, y):
         group = dev.put(np.array([0, first, count, 1], dtype=np.int32))
-        dev.launch(kernel, (_cdiv(N, FT), 1, _cdiv(count, FT)), (256,), FMT,
+        dev.launch(kernel, (_cdiv(N, cuda_plan.MMF_OUTS), 1, _cdiv(count, cuda_plan.MMF_ROWS)),
+                   (cuda_plan.MMF_THREADS,), FMT,
                    [dev.put(raw), 0, 0, 0, raw.shape[1], N, K, xf, 0, 0, group, group + 12, 0, 0,
                     bias_ptr, y, N])
 

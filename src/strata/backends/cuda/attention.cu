@@ -39,6 +39,7 @@ extern "C" __global__ void qk_rope_append(
     const float *__restrict__ inv_freq, float eps, const unsigned long long *__restrict__ kv_base,
     const int *__restrict__ pos, const int *__restrict__ cap, int layer, int L, int Q, int KVH,
     int D) {
+    kernel_entry();
     const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
     const int half_d = D >> 1;
     const int C = cap[r], cell = pos[r];
@@ -340,13 +341,16 @@ attention(const float *__restrict__ q, float *__restrict__ out, int8_t *__restri
           float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
           const int *__restrict__ pos, const int *__restrict__ cap, int layer, int L, int Q,
           int KVH, int D, float scale, float *__restrict__ part, int *__restrict__ counts) {
+    kernel_entry();
     attention_row(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale, part,
                   counts, blockIdx.x);
 }
 
 // ---- beside attention_prompt (attention_prompt.cu) in prompt-sized windows: the rows that no
 // neighbour row shares a kv_base with (decode rows), each as `attention` computes it, so a
-// decode row gives the same bits in any window. Block x takes rows x, x + gridDim.x, ...
+// decode row gives the same bits in any window. Block x takes rows x, x + gridDim.x, ...: its
+// threads test blockDim.x of them at once (a prompt chunk has none to take, so the scan must not
+// walk its rows one by one), then the block computes the singles found, one after another.
 // grid (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), block ATT_WARPS * 32.
 #define ATT_SINGLE_BLOCKS 16
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
@@ -355,10 +359,24 @@ attention_singles(const float *__restrict__ q, float *__restrict__ out, int8_t *
                   const int *__restrict__ pos, const int *__restrict__ cap, int R, int layer,
                   int L, int Q, int KVH, int D, float scale, float *__restrict__ part,
                   int *__restrict__ counts) {
-    for (int r = blockIdx.x; r < R; r += gridDim.x) {
-        const unsigned long long b = kv_base[r];
-        if ((r > 0 && kv_base[r - 1] == b) || (r + 1 < R && kv_base[r + 1] == b)) continue;
-        attention_row(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale, part,
-                      counts, r);
+    kernel_entry();
+    __shared__ int s_rows[ATT_WARPS * 32];
+    __shared__ int s_count;
+    const int step = gridDim.x;
+    for (int i0 = 0; blockIdx.x + step * i0 < R; i0 += blockDim.x) {
+        if (threadIdx.x == 0) s_count = 0;
+        __syncthreads();
+        const int r = blockIdx.x + step * (i0 + threadIdx.x);
+        if (r < R) {
+            const unsigned long long b = kv_base[r];
+            if (!((r > 0 && kv_base[r - 1] == b) || (r + 1 < R && kv_base[r + 1] == b)))
+                s_rows[atomicAdd(&s_count, 1)] = r;  // rows are independent: any order
+        }
+        __syncthreads();
+        const int n = s_count;
+        for (int j = 0; j < n; j++)
+            attention_row(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale, part,
+                          counts, s_rows[j]);
+        __syncthreads();  // s_rows and s_count are rewritten by the next scan
     }
 }

@@ -315,6 +315,7 @@ attention_prompt(const float *__restrict__ q, float *__restrict__ out, int8_t *_
                  float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
                  const int *__restrict__ pos, const int *__restrict__ cap, int R, int layer,
                  int L, int Q, int KVH, int D, float scale) {
+    kernel_entry();
     __shared__ __align__(16) __half kv_tiles[2 * PA_CELLS * (128 + 8)];  // K then V tile
     if (D == 128)
         prompt_body<128>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,

@@ -64,6 +64,25 @@ __device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int &sc, i
     }
 }
 
+// Programmatic dependent launch (cc >= 9.0; cuda_driver launches every kernel with it there): a
+// kernel's blocks may be scheduled while the kernel before it in the stream still runs, so every
+// kernel starts here: wait until the previous kernel has finished and its writes are visible,
+// then let the next kernel's blocks be scheduled. On older GPUs, and for a plain launch, this is
+// nothing. tests/backends/test_cuda_offline.py checks it comes before any global memory access.
+__device__ __forceinline__ void kernel_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The low nibble of each byte of v, minus 8, as 4 signed bytes: each byte is raised to 128 + n
+// first so the subtraction never borrows across bytes (3 logic/add ops where __vsubss4 is
+// emulated by more). Q4_0's values.
+__device__ __forceinline__ int nibbles_minus_8(uint32_t v) {
+    return (int)((((v & 0x0F0F0F0Fu) | 0x80808080u) - 0x08080808u) ^ 0x80808080u);
+}
+
 // Group g (columns 16g .. 16g+15) of a quantised row: v[4] holds the 16 int8 s values,
 // w = a * s - b. Bit layouts follow ggml-quants.c (and _native/quant_ref.c).
 template <int QT>
@@ -77,9 +96,7 @@ __device__ __forceinline__ void decode_group(const uint8_t *row, int g, int (&v)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             // 2-byte aligned: read the 4 bytes as two u16
-            uint32_t w = read_u32_a2(blk + 2 + 4 * i);
-            uint32_t nib = (w >> shift) & 0x0F0F0F0Fu;
-            v[i] = (int)__vsubss4(nib, 0x08080808u);
+            v[i] = nibbles_minus_8(read_u32_a2(blk + 2 + 4 * i) >> shift);
         }
     } else if (QT == ST_Q8_0) {
         const uint8_t *blk = row + (g >> 1) * 34;  // fp16 d, 32 int8

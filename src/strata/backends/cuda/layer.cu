@@ -26,6 +26,7 @@ __device__ __forceinline__ void embed_body(const uint8_t *table, long long row_b
 #define EMBED_KERNEL(NAME, QT)                                                                \
     extern "C" __global__ void embed_##NAME(const uint8_t *table, long long row_bytes, int H, \
                                             const int *tokens, float *x) {                    \
+        kernel_entry();                                                                       \
         embed_body<QT>(table, row_bytes, H, tokens, x);                                       \
     }
 EMBED_KERNEL(f32, ST_F32)
@@ -98,6 +99,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_q8(const float *__restrict__ x, const float *__restrict__ w, float eps, int H,
            const int *__restrict__ rows, float *__restrict__ out, int8_t *__restrict__ q,
            float *__restrict__ d) {
+    kernel_entry();
     __shared__ float scratch[32];
     const int r = blockIdx.x;
     const float *xr = x + (long long)(rows ? rows[r] : r) * H;  // [H]
@@ -147,6 +149,7 @@ combine_norm(float *__restrict__ x, const float *__restrict__ Y, const float *__
              int K, int H, const float *__restrict__ S, const float *__restrict__ gate_logit,
              const float *__restrict__ nw, float eps, float *__restrict__ out,
              int8_t *__restrict__ q, float *__restrict__ d) {
+    kernel_entry();
     __shared__ float scratch[32];
     const int r = blockIdx.x;
     float *xr = x + (long long)r * H;  // [H]
@@ -190,6 +193,7 @@ extern "C" __global__ void moe_combine(float *__restrict__ x, const float *__res
                                        const float *__restrict__ w, int R, int K, int H,
                                        const float *__restrict__ S,
                                        const float *__restrict__ gate_logit) {
+    kernel_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)R * H) return;
     const int r = (int)(i / H), c = (int)(i % H);
@@ -205,6 +209,7 @@ extern "C" __global__ void moe_combine(float *__restrict__ x, const float *__res
 // ---- greedy choice: out[n] = argmax_v logits[n, v] (lowest id on ties); grid N, block 1024 --
 extern "C" __global__ void __launch_bounds__(1024)
 argmax_rows(const float *__restrict__ logits, int V, int *__restrict__ out) {
+    kernel_entry();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float *x = logits + (long long)blockIdx.x * V;

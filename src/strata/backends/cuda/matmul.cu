@@ -184,15 +184,19 @@ __device__ __forceinline__ void mm_body(
 
 #define MM_KERNELS(NAME, QT)                                                                        \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) mm_store_##NAME(MM_ARGS) {          \
+        kernel_entry();                                                                             \
         mm_body<QT, MODE_STORE>(MM_PASS);                                                           \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) mm_add_##NAME(MM_ARGS) {            \
+        kernel_entry();                                                                             \
         mm_body<QT, MODE_ADD>(MM_PASS);                                                             \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) mm_gateup_##NAME(MM_ARGS) {         \
+        kernel_entry();                                                                             \
         mm_body<QT, MODE_GATEUP>(MM_PASS);                                                          \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) mm_qkv_##NAME(QKV_ARGS) {           \
+        kernel_entry();                                                                             \
         QKV_BODY(QT)                                                                                \
     }
 
@@ -210,6 +214,7 @@ MM_KERNELS(q6_k, ST_Q6_K)
 // (as the CPU's quantize_row). One warp per 32 columns; grid ceil(T*K/32 / 8), block 256.
 extern "C" __global__ void quantize_q8(const float *__restrict__ x, long long num_blocks,
                                        int8_t *__restrict__ q, float *__restrict__ d) {
+    kernel_entry();
     const long long blk = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
     if (blk >= num_blocks) return;
     const int lane = threadIdx.x & 31;

@@ -64,8 +64,8 @@ __device__ __forceinline__ int mv_block_dot(const uint8_t *p, const int4 &xa, co
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const uint32_t w = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
-            s = __dp4a((int)__vsubss4(w & 0x0F0F0F0Fu, 0x08080808u), xlo[i], s);
-            s = __dp4a((int)__vsubss4((w >> 4) & 0x0F0F0F0Fu, 0x08080808u), xhi[i], s);
+            s = __dp4a(nibbles_minus_8(w), xlo[i], s);
+            s = __dp4a(nibbles_minus_8(w >> 4), xhi[i], s);
         }
         return s;
     } else {  // Q8_0: 32 int8 values
@@ -207,26 +207,34 @@ __device__ __forceinline__ void mv_body(
 
 // (entry points written out: runtime._kernel_names finds them by name; same arguments as mm_*)
 extern "C" __global__ void __launch_bounds__(128) mv_store_q4_0(MM_ARGS) {
+    kernel_entry();
     mv_body<ST_Q4_0, MODE_STORE>(MV_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) mv_add_q4_0(MM_ARGS) {
+    kernel_entry();
     mv_body<ST_Q4_0, MODE_ADD>(MV_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) mv_gateup_q4_0(MM_ARGS) {
+    kernel_entry();
     mv_body<ST_Q4_0, MODE_GATEUP>(MV_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) mv_qkv_q4_0(QKV_ARGS) {
+    kernel_entry();
     MV_QKV_BODY(ST_Q4_0)
 }
 extern "C" __global__ void __launch_bounds__(128) mv_store_q8_0(MM_ARGS) {
+    kernel_entry();
     mv_body<ST_Q8_0, MODE_STORE>(MV_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) mv_add_q8_0(MM_ARGS) {
+    kernel_entry();
     mv_body<ST_Q8_0, MODE_ADD>(MV_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) mv_gateup_q8_0(MM_ARGS) {
+    kernel_entry();
     mv_body<ST_Q8_0, MODE_GATEUP>(MV_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) mv_qkv_q8_0(QKV_ARGS) {
+    kernel_entry();
     MV_QKV_BODY(ST_Q8_0)
 }

@@ -15,8 +15,10 @@
 #define MMQ_KB 8                     // quant blocks per k-tile (256 columns)
 // bytes per shared row; the +16 puts the 8 rows of one fragment load on distinct banks
 #define MMQ_LDS (MMQ_KB * 32 + 16)
-#define MMF_TILE 32                  // float kernel: 32 outputs x 32 rows x 32 columns per step
-#define MMF_THREADS 256
+#define MMF_OUTS 32                  // float kernel: 32 outputs x 16 rows per block,
+#define MMF_ROWS 16                  // 64 columns per step
+#define MMF_KC 64
+#define MMF_THREADS 128
 
 
 // d[16x8] = a[16x32] . b[32x8] in int32 (a row-major weight rows, b activation rows)
@@ -26,6 +28,12 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const int (&a)[4], int b0, i
         "{%8,%9}, {%10,%10,%10,%10};\n"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+}
+
+// int32 -> float for |s| < 2^22 (a block's sum: at most 32 x 127 x 127) without the conversion
+// unit: s lands in the mantissa of 1.5 * 2^23, whose value then goes. Same bits as (float)s.
+__device__ __forceinline__ float exact_float(int s) {
+    return __int_as_float(0x4B400000 + s) - 12582912.0f;
 }
 
 template <int QT> struct BlockBytes;
@@ -167,8 +175,8 @@ __device__ __forceinline__ void mmq_body(
                     int lo[4], hi[4];
 #pragma unroll
                     for (int w = 0; w < 4; w++) {
-                        lo[w] = (int)__vsubss4(wraw[i][w] & 0x0F0F0F0Fu, 0x08080808u);
-                        hi[w] = (int)__vsubss4((wraw[i][w] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+                        lo[w] = nibbles_minus_8(wraw[i][w]);
+                        hi[w] = nibbles_minus_8(wraw[i][w] >> 4);
                     }
                     dst[0] = make_int4(lo[0], lo[1], lo[2], lo[3]);
                     dst[1] = make_int4(hi[0], hi[1], hi[2], hi[3]);
@@ -228,10 +236,10 @@ __device__ __forceinline__ void mmq_body(
                     int s[4];
                     mma_s8(s, a[i], b0, b1);
                     // s[0]: (row gid, col 2t), s[1]: (gid, 2t+1), s[2]/s[3]: rows gid + 8
-                    acc[i][j][0] = fmaf((float)s[0], dw[i][0] * dx0, acc[i][j][0]);
-                    acc[i][j][1] = fmaf((float)s[1], dw[i][0] * dx1, acc[i][j][1]);
-                    acc[i][j][2] = fmaf((float)s[2], dw[i][1] * dx0, acc[i][j][2]);
-                    acc[i][j][3] = fmaf((float)s[3], dw[i][1] * dx1, acc[i][j][3]);
+                    acc[i][j][0] = fmaf(exact_float(s[0]), dw[i][0] * dx0, acc[i][j][0]);
+                    acc[i][j][1] = fmaf(exact_float(s[1]), dw[i][0] * dx1, acc[i][j][1]);
+                    acc[i][j][2] = fmaf(exact_float(s[2]), dw[i][1] * dx0, acc[i][j][2]);
+                    acc[i][j][3] = fmaf(exact_float(s[3]), dw[i][1] * dx1, acc[i][j][3]);
                 }
             }
         }
@@ -267,8 +275,11 @@ __device__ __forceinline__ void mmq_body(
     }
 }
 
-// Float weights (F32 / F16 / BF16) meet float rows: a 32 x 32 tile of (output, row) per block,
-// 2 x 2 per thread, 32 columns staged per step; each output sums its columns in order.
+// Float weights (F32 / F16 / BF16) meet float rows (the router of a quantised model): a tile of
+// MMF_OUTS outputs x MMF_ROWS rows per block, 2 x 2 per thread, MMF_KC columns staged per step
+// while the next step's columns are read into registers; each output sums its columns in
+// increasing order from zero in one thread (its bits do not depend on the tile). Small tiles so
+// a router's 128 outputs x 512 rows still make 128 blocks.
 template <int QT, int MODE>
 __device__ __forceinline__ void mmf_body(
     const uint8_t *__restrict__ W, long long row_bytes, int N, int K,
@@ -276,57 +287,78 @@ __device__ __forceinline__ void mmf_body(
     const int *__restrict__ num_groups, const int *__restrict__ act_rows,
     const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,
     int ldy) {
-    __shared__ float sw[MMF_TILE][MMF_TILE + 1], sx[MMF_TILE][MMF_TILE + 1];  // [32, 32] each
+    __shared__ float sw[MMF_OUTS][MMF_KC + 1], sx[MMF_ROWS][MMF_KC + 1];  // [32, 64], [16, 64]
+    constexpr int WU = MMF_OUTS * MMF_KC / MMF_THREADS, XU = MMF_ROWS * MMF_KC / MMF_THREADS;
+    constexpr int RSTEP = MMF_THREADS / MMF_KC;  // rows staged per pass
     const int g = blockIdx.y;
     if (g >= *num_groups) return;
     const int first = groups[3 * g + 1], count = groups[3 * g + 2];
-    const int row0 = blockIdx.z * MMF_TILE, n0 = blockIdx.x * MMF_TILE;
+    const int row0 = blockIdx.z * MMF_ROWS, n0 = blockIdx.x * MMF_OUTS;
     if (row0 >= count || n0 >= N) return;
-    const int num_rows = min(MMF_TILE, count - row0), p0 = first + row0;
-    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
-    // staging: thread loads column tid & 31 of rows (tid >> 5) + 8 i
-    const int sc = tid & 31;
-    const uint8_t *wsrc[MMF_TILE * MMF_TILE / MMF_THREADS];
-    long long xrow[MMF_TILE * MMF_TILE / MMF_THREADS];
+    const int num_rows = min(MMF_ROWS, count - row0), p0 = first + row0;
+    const int tid = threadIdx.x, tx = tid % (MMF_OUTS / 2), ty = tid / (MMF_OUTS / 2);
+    // staging: thread reads column tid % MMF_KC of rows tid / MMF_KC + RSTEP * i
+    const int sc = tid % MMF_KC, sr = tid / MMF_KC;
+    const uint8_t *wsrc[WU];
+    long long xrow[XU];
 #pragma unroll
-    for (int i = 0; i < MMF_TILE * MMF_TILE / MMF_THREADS; i++) {
-        const int r = (tid >> 5) + 8 * i;
-        wsrc[i] = W + (long long)min(n0 + r, N - 1) * row_bytes;
-        const int p = p0 + min(r, num_rows - 1);
+    for (int i = 0; i < WU; i++)
+        wsrc[i] = W + (long long)min(n0 + sr + RSTEP * i, N - 1) * row_bytes;
+#pragma unroll
+    for (int i = 0; i < XU; i++) {
+        const int p = p0 + min(sr + RSTEP * i, num_rows - 1);
         xrow[i] = (act_rows ? act_rows[p] : p) * (long long)K;
     }
-    float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-    for (int k0 = 0; k0 < K; k0 += MMF_TILE) {
-        const int kc = min(MMF_TILE, K - k0);
+    float wr[WU], xr[XU];
+    auto load = [&](int k0) {
+        const int col = k0 + sc;
+        const bool in = col < K;
 #pragma unroll
-        for (int i = 0; i < MMF_TILE * MMF_TILE / MMF_THREADS; i++) {
-            const int r = (tid >> 5) + 8 * i;
-            if (sc < kc) {
-                sw[r][sc] = load_float_weight<QT>(wsrc[i], k0 + sc);
-                sx[r][sc] = xf[xrow[i] + k0 + sc];
-            }
-        }
+        for (int i = 0; i < WU; i++) wr[i] = in ? load_float_weight<QT>(wsrc[i], col) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < XU; i++) xr[i] = in ? xf[xrow[i] + col] : 0.0f;
+    };
+    float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    load(0);
+    for (int k0 = 0; k0 < K; k0 += MMF_KC) {
+        const int kc = min(MMF_KC, K - k0);
+#pragma unroll
+        for (int i = 0; i < WU; i++) sw[sr + RSTEP * i][sc] = wr[i];
+#pragma unroll
+        for (int i = 0; i < XU; i++) sx[sr + RSTEP * i][sc] = xr[i];
         __syncthreads();
-#pragma unroll 8
-        for (int c = 0; c < kc; c++) {
-            const float w0 = sw[tx][c], w1 = sw[tx + 16][c];
-            const float x0 = sx[ty][c], x1 = sx[ty + 16][c];
-            acc[0][0] = fmaf(w0, x0, acc[0][0]);
-            acc[0][1] = fmaf(w0, x1, acc[0][1]);
-            acc[1][0] = fmaf(w1, x0, acc[1][0]);
-            acc[1][1] = fmaf(w1, x1, acc[1][1]);
+        if (k0 + MMF_KC < K) load(k0 + MMF_KC);
+        if (kc == MMF_KC) {
+#pragma unroll 16
+            for (int c = 0; c < MMF_KC; c++) {
+                const float w0 = sw[tx][c], w1 = sw[tx + MMF_OUTS / 2][c];
+                const float x0 = sx[ty][c], x1 = sx[ty + MMF_ROWS / 2][c];
+                acc[0][0] = fmaf(w0, x0, acc[0][0]);
+                acc[0][1] = fmaf(w0, x1, acc[0][1]);
+                acc[1][0] = fmaf(w1, x0, acc[1][0]);
+                acc[1][1] = fmaf(w1, x1, acc[1][1]);
+            }
+        } else {
+            for (int c = 0; c < kc; c++) {
+                const float w0 = sw[tx][c], w1 = sw[tx + MMF_OUTS / 2][c];
+                const float x0 = sx[ty][c], x1 = sx[ty + MMF_ROWS / 2][c];
+                acc[0][0] = fmaf(w0, x0, acc[0][0]);
+                acc[0][1] = fmaf(w0, x1, acc[0][1]);
+                acc[1][0] = fmaf(w1, x0, acc[1][0]);
+                acc[1][1] = fmaf(w1, x1, acc[1][1]);
+            }
         }
         __syncthreads();
     }
 #pragma unroll
     for (int j = 0; j < 2; j++) {
-        const int local = ty + 16 * j;
+        const int local = ty + (MMF_ROWS / 2) * j;
         if (local >= num_rows) continue;
         const int p = p0 + local;
         float *y = Y + (long long)(out_rows ? out_rows[p] : p) * ldy;
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const int n = n0 + tx + 16 * i;
+            const int n = n0 + tx + (MMF_OUTS / 2) * i;
             if (n >= N) continue;
             if (MODE == MODE_STORE) y[n] = bias ? acc[i][j] + bias[n] : acc[i][j];
             else y[n] += acc[i][j];
@@ -341,17 +373,21 @@ __device__ __forceinline__ void mmf_body(
 // (grouped experts: ~32 rows per expert in a 512-row prompt of 128 experts, top-8; dense
 // products whose 64-row tiles would leave the GPU's multiprocessors idle)
 #define MMQ_TILE_KERNELS(NAME, QT, BN)                                                              \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_store_##NAME(MM_ARGS) {    \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_store_##NAME(MM_ARGS) {     \
+        kernel_entry();                                                                             \
         mmq_body<QT, MODE_STORE, BN>(MMQ_PASS);                                                     \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_add_##NAME(MM_ARGS) {      \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_add_##NAME(MM_ARGS) {       \
+        kernel_entry();                                                                             \
         mmq_body<QT, MODE_ADD, BN>(MMQ_PASS);                                                       \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_gateup_##NAME(MM_ARGS) {   \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_gateup_##NAME(MM_ARGS) {    \
+        kernel_entry();                                                                             \
         mmq_body<QT, MODE_GATEUP, BN>(MMQ_PASS);                                                    \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                       \
-        mmq##BN##_qkv_##NAME(QKV_ARGS) {                                                        \
+        mmq##BN##_qkv_##NAME(QKV_ARGS) {                                                            \
+        kernel_entry();                                                                             \
         const int nbq = (Nq + MMQ_BM - 1) / MMQ_BM, nbkv = (Nkv + MMQ_BM - 1) / MMQ_BM;             \
         const int bx = blockIdx.x;                                                                  \
         if (bx < nbq)                                                                               \
@@ -369,10 +405,12 @@ __device__ __forceinline__ void mmf_body(
 #define MMQ_KERNELS(NAME, QT) MMQ_TILE_KERNELS(NAME, QT, 64) MMQ_TILE_KERNELS(NAME, QT, 32)
 
 #define MMF_KERNELS(NAME, QT)                                                                       \
-    extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_store_##NAME(MM_ARGS) {          \
+    extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_store_##NAME(MM_ARGS) {           \
+        kernel_entry();                                                                             \
         mmf_body<QT, MODE_STORE>(MMF_PASS);                                                         \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_add_##NAME(MM_ARGS) {            \
+    extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_add_##NAME(MM_ARGS) {             \
+        kernel_entry();                                                                             \
         mmf_body<QT, MODE_ADD>(MMF_PASS);                                                           \
     }
 

@@ -25,6 +25,7 @@ __device__ __forceinline__ bool has_cpu_experts(const uint8_t *__restrict__ wher
 extern "C" __global__ void tier_groups(int *__restrict__ groups, int *__restrict__ num_groups,
                                        int E, int *__restrict__ counts,
                                        const uint8_t *__restrict__ where) {
+    kernel_entry();
     for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
     __syncthreads();
     if (threadIdx.x != 0) return;
@@ -52,6 +53,7 @@ extern "C" __global__ void pool_publish(const float *__restrict__ hf, const int 
                                         const long long *__restrict__ seq, float *ex_x,
                                         int *ex_ids, float *ex_wts, long long *ready,
                                         unsigned int *arrived) {
+    kernel_entry();
     __shared__ bool copy_x, last;
     if (threadIdx.x == 0) copy_x = has_cpu_experts(where, E);
     __syncthreads();
@@ -86,6 +88,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
 extern "C" __global__ void pool_wait(const long long *done, const uint8_t *__restrict__ where,
                                      int E, int layer, const long long *__restrict__ seq,
                                      long long *status) {
+    kernel_entry();
     volatile long long *st = status;
     if (st[0] != 0) return;
     const long long want = *seq;
@@ -117,6 +120,7 @@ extern "C" __global__ void moe_combine_pool(float *__restrict__ x, const float *
                                             const float *__restrict__ gate_logit,
                                             const uint8_t *__restrict__ where, int E,
                                             const float *ex_y) {
+    kernel_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)R * H) return;
     const int r = (int)(i / H), c = (int)(i % H);

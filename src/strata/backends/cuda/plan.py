@@ -43,7 +43,7 @@ MMQ_OUTPUTS = 64
 # multiprocessors), else 32-row ones; grouped experts always take 32. At 512 rows: q/k/v (640
 # blocks) 4.1 ms with 64-row tiles vs 6.5 with 32, the output projection (256) 5.6 vs 5.2.
 MMQ_MIN_BLOCKS_64 = 512
-MMF_TILE = 32  # outputs and rows per block of mmq.cu's float kernel
+MMF_OUTS, MMF_ROWS, MMF_THREADS = 32, 16, 128  # outputs x rows per block of mmq.cu's float kernel
 # Decode windows' Q4_0 / Q8_0 products but the routed down: matvec.cu's mv_* kernels (weight rows
 # staged by cp.async, MV_WARPS warps per block, mv_outputs_per_warp(K) outputs per warp); the
 # down products keep the dp4a mm_* warps after quantize_q8 (see _build). One family for every
@@ -51,6 +51,11 @@ MMF_TILE = 32  # outputs and rows per block of mmq.cu's float kernel
 # its experts live. STRATA_DECODE_MM=dp4a keeps mm_* everywhere (to measure one against the
 # other in one build).
 MV_WARPS = 4
+# Programmatic dependent launch (runtime.py; cc >= 9.0) for windows of at most this many rows:
+# on the H200 (qwen3-30b-a3b Q4_0, one build, STRATA_PDL=0 against it) decode of 1 / 4 slots
+# 300.9 / 636.2 tokens/s with it vs 288.7 / 626.9 without, but 8 slots 752.7 vs 770.6 and pp512
+# 10,903 vs 11,499: the waiting blocks of the next kernel cost the wide windows more.
+PDL_MAX_ROWS = 4
 MV_TYPES = ("q4_0", "q8_0")
 
 
@@ -90,8 +95,8 @@ def _mmq_kernel(mode: str, w, w2, grouped: bool, num_rows: int, num_pairs: int =
         return f"mmq{tile_rows}_{mode}_{w.suffix}", (num_out_tiles, slots), (128,)
     if w.is_float and not grouped and mode != "gateup":
         return (f"mmf_{mode}_{w.suffix}",
-                ((w.rows + MMF_TILE - 1) // MMF_TILE, 1, (num_rows + MMF_TILE - 1) // MMF_TILE),
-                (256,))
+                ((w.rows + MMF_OUTS - 1) // MMF_OUTS, 1, (num_rows + MMF_ROWS - 1) // MMF_ROWS),
+                (MMF_THREADS,))
     return None
 
 
@@ -177,7 +182,8 @@ class WindowPlan:
     # ---- helpers --------------------------------------------------------------------------
     def _add(self, kernel: str, grid, block, fmt: str, args, shared_bytes: int = 0) -> None:
         k = self._rt.kernel(kernel)
-        self.launches.append(k.prepare(grid, block, fmt, args, shared_bytes))
+        self.launches.append(k.prepare(grid, block, fmt, args, shared_bytes,
+                                       programmatic=self.num_rows <= PDL_MAX_ROWS))
 
     def _quantize(self, src: str, dst_q: str, dst_d: str, num_values: int) -> None:
         num_blocks = num_values // 32

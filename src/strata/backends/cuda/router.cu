@@ -149,6 +149,7 @@ __device__ void group_body(const int *ids, int P, int K, int E, int *__restrict_
 // grid R, block 32, shared E floats -----------------------------------------------------------
 extern "C" __global__ void router_topk(const float *__restrict__ logits, int E, int K, int norm,
                                        int *__restrict__ ids, float *__restrict__ weights) {
+    kernel_entry();
     extern __shared__ float probs[];  // [E]
     const int r = blockIdx.x;
     topk_row(logits + (long long)r * E, E, K, norm, probs, ids + r * K, weights + r * K);
@@ -158,6 +159,7 @@ extern "C" __global__ void router_topk(const float *__restrict__ logits, int E, 
 extern "C" __global__ void group_pairs(const int *__restrict__ ids, int P, int K, int E,
                                        int *__restrict__ groups, int *__restrict__ num_groups,
                                        int *__restrict__ act_rows, int *__restrict__ out_rows) {
+    kernel_entry();
     extern __shared__ int shm_group[];
     group_body(ids, P, K, E, groups, num_groups, act_rows, out_rows, shm_group);
 }
@@ -174,6 +176,7 @@ extern "C" __global__ void __launch_bounds__(GROUP_WIDE_THREADS)
 group_pairs_wide(const int *__restrict__ ids, int P, int K, int E, int *__restrict__ groups,
                  int *__restrict__ num_groups, int *__restrict__ act_rows,
                  int *__restrict__ out_rows) {
+    kernel_entry();
     extern __shared__ int shm_wide[];
     const int num_warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int *first = shm_wide;             // [E]: per-expert totals, then first pair index
@@ -359,11 +362,14 @@ __device__ __forceinline__ void router_body(
 #define ROUTER_PASS W, row_bytes, E, H, xf, R, K, norm, logits, ids, weights, groups,          \
                     num_groups, act_rows, out_rows, counts
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_f32(ROUTER_ARGS) {
+    kernel_entry();
     router_body<ST_F32>(ROUTER_PASS);
 }
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_f16(ROUTER_ARGS) {
+    kernel_entry();
     router_body<ST_F16>(ROUTER_PASS);
 }
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_bf16(ROUTER_ARGS) {
+    kernel_entry();
     router_body<ST_BF16>(ROUTER_PASS);
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import os
 import pathlib
 import re
 import warnings
@@ -89,10 +90,17 @@ class Runtime:
         self.stream = drv.Stream()
         self.stream_handle = int(self.stream.handle)
         self._kernels: dict[str, cuda_driver.Kernel] = {}
+        # Programmatic dependent launch (cc >= 9.0): every kernel begins with common.cuh's
+        # kernel_entry(), so its blocks may be scheduled while the kernel before it finishes.
+        # STRATA_PDL=0 launches them plainly (to measure one against the other in one build).
+        self.programmatic = (major >= 9 and os.environ.get("STRATA_PDL", "1") != "0"
+                             and cuda_driver.has_programmatic_launch())
         for name in MODULES:
             module = cuda_driver.Module(self.compile(name))  # each Kernel keeps its module
             for fn in _kernel_names(module_source(name)):
-                self._kernels[fn] = module.function(fn)
+                kernel = module.function(fn)
+                kernel.programmatic = self.programmatic
+                self._kernels[fn] = kernel
 
     def compile(self, name: str) -> bytes:
         """The cubin of kernel module `name` for this GPU (PyCUDA caches it on disk)."""

@@ -31,6 +31,7 @@ logit_candidates(const float *__restrict__ logits, int V, int VV, const int *__r
                  float *__restrict__ scratch, int *__restrict__ out_ids,
                  float *__restrict__ out_x, double *__restrict__ out_mass,
                  int *__restrict__ out_nan) {
+    kernel_entry();
     __shared__ unsigned hist[256];
     __shared__ unsigned long long cand[CAND_MAX];  // (key << 32) | (~id): larger = better
     __shared__ unsigned s_prefix, s_mask, s_need, s_count, s_running;
