@@ -51,10 +51,11 @@ MMF_OUTS, MMF_ROWS, MMF_THREADS = 32, 16, 128  # outputs x rows per block of mmq
 # its experts live. STRATA_DECODE_MM=dp4a keeps mm_* everywhere (to measure one against the
 # other in one build).
 MV_WARPS = 4
-# Programmatic dependent launch (runtime.py; cc >= 9.0) for windows of at most this many rows:
-# on the H200 (qwen3-30b-a3b Q4_0, one build, STRATA_PDL=0 against it) decode of 1 / 4 slots
-# 300.9 / 636.2 tokens/s with it vs 288.7 / 626.9 without, but 8 slots 752.7 vs 770.6 and pp512
-# 10,903 vs 11,499: the waiting blocks of the next kernel cost the wide windows more.
+# Programmatic dependent launch (runtime.py; cc >= 9.0, STRATA_PDL=1) for windows of at most
+# this many rows. H200, qwen3-30b-a3b Q4_0, tokens/s with / without it in one build: every
+# window: decode 1 / 4 / 8 slots 300.9 / 636.2 / 752.7 vs 288.7 / 626.9 / 770.6, pp512 10,903
+# vs 11,499 (hence the row limit); windows <= 4 rows, another machine: 291.3 / 611.1 vs
+# 289.2 / 630.3. Within run-to-run spread, so it stays opt-in.
 PDL_MAX_ROWS = 4
 MV_TYPES = ("q4_0", "q8_0")
 
