@@ -1,0 +1,57 @@
+#!/bin/bash
+# The GPU checks of one device call, each part with its own time limit, logs under $OUT (or
+# ./device-logs): the CUDA tests file by file in risk order, then the benchmarks of the CUDA
+# backend with its opt-in / opt-out switches. Run on the device machine from the repository
+# root after `source .device/setup.sh` (docs/DEVELOPING.md):
+#   tools/device_check.sh tests [FILE ...]   the CUDA test files (default: all, in risk order)
+#   tools/device_check.sh bench              bench_cuda.py pp512 / tg128 / 1,2,4,8 slots, with
+#                                            and without each switch, and the mmq profile
+#   tools/device_check.sh all                both
+# The synth model /tmp/q.gguf (qwen3-30b-a3b, Q4_0) is written first when missing (~50 s).
+set -u
+OUT="${OUT:-./device-logs}"
+mkdir -p "$OUT"
+MODEL=/tmp/q.gguf
+TESTS=(test_cuda_kernels test_cuda_mmq test_prompt_kernels test_cuda_parity test_cuda_sample
+       test_cuda_kv_int8 test_cuda_offload test_offload_stream test_cuda_pool test_cuda_kv_grow
+       test_split_stages)
+
+part() {  # part SECONDS NAME COMMAND...: run with a limit, log to $OUT/NAME.log, print its tail
+    local limit=$1 name=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc in $((SECONDS - t0)) s (limit $limit)"
+    tail -n 4 "$OUT/$name.log"
+}
+
+synth() {
+    [ -f "$MODEL" ] || part 120 synth python3 tools/bench_cuda.py "$MODEL" --synth qwen3-30b-a3b \
+        --weight-type q4_0 --jobs "$(nproc)" --synth-only
+}
+
+run_tests() {
+    local files=("$@")
+    [ ${#files[@]} -gt 0 ] || files=("${TESTS[@]}")
+    for f in "${files[@]}"; do
+        part 150 "$f" python3 -m pytest -q -p no:cacheprovider "tests/backends/cuda/$f.py"
+    done
+}
+
+run_bench() {
+    synth
+    part 150 bench python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 -r 3 --slots 1,2,4,8 --profile
+    part 90 bench_old_kernels env STRATA_DECODE_MM=dp4a STRATA_PROMPT_ATTN=old \
+        python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 -r 3 --slots 1,4,8
+    part 90 bench_pdl env STRATA_PDL=1 \
+        python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 -r 3 --slots 1,4,8
+    part 90 mmq python3 tools/bench_mmq.py "$MODEL" --rows 512 -r 5 --profile
+}
+
+case "${1:-all}" in
+    tests) shift; run_tests "$@" ;;
+    bench) run_bench ;;
+    all) run_tests; run_bench ;;
+    *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all" >&2; exit 2 ;;
+esac
