@@ -328,25 +328,19 @@ __device__ __forceinline__ void mmf_body(
         for (int i = 0; i < XU; i++) sx[sr + RSTEP * i][sc] = xr[i];
         __syncthreads();
         if (k0 + MMF_KC < K) load(k0 + MMF_KC);
+        auto column = [&](int c) {  // column c of the step into the 2 x 2 sums
+            const float w0 = sw[tx][c], w1 = sw[tx + MMF_OUTS / 2][c];
+            const float x0 = sx[ty][c], x1 = sx[ty + MMF_ROWS / 2][c];
+            acc[0][0] = fmaf(w0, x0, acc[0][0]);
+            acc[0][1] = fmaf(w0, x1, acc[0][1]);
+            acc[1][0] = fmaf(w1, x0, acc[1][0]);
+            acc[1][1] = fmaf(w1, x1, acc[1][1]);
+        };
         if (kc == MMF_KC) {
 #pragma unroll 16
-            for (int c = 0; c < MMF_KC; c++) {
-                const float w0 = sw[tx][c], w1 = sw[tx + MMF_OUTS / 2][c];
-                const float x0 = sx[ty][c], x1 = sx[ty + MMF_ROWS / 2][c];
-                acc[0][0] = fmaf(w0, x0, acc[0][0]);
-                acc[0][1] = fmaf(w0, x1, acc[0][1]);
-                acc[1][0] = fmaf(w1, x0, acc[1][0]);
-                acc[1][1] = fmaf(w1, x1, acc[1][1]);
-            }
+            for (int c = 0; c < MMF_KC; c++) column(c);
         } else {
-            for (int c = 0; c < kc; c++) {
-                const float w0 = sw[tx][c], w1 = sw[tx + MMF_OUTS / 2][c];
-                const float x0 = sx[ty][c], x1 = sx[ty + MMF_ROWS / 2][c];
-                acc[0][0] = fmaf(w0, x0, acc[0][0]);
-                acc[0][1] = fmaf(w0, x1, acc[0][1]);
-                acc[1][0] = fmaf(w1, x0, acc[1][0]);
-                acc[1][1] = fmaf(w1, x1, acc[1][1]);
-            }
+            for (int c = 0; c < kc; c++) column(c);
         }
         __syncthreads();
     }
