@@ -10,6 +10,8 @@
 # The synth model /tmp/q.gguf (qwen3-30b-a3b, Q4_0) is written first when missing (~50 s).
 set -u
 OUT="${OUT:-./device-logs}"
+# cubins built here by tools/precompile_cubins.py --out .device/cubins: no compile on the device
+[ -d .device/cubins ] && export STRATA_CUBIN_DIR="${STRATA_CUBIN_DIR:-$PWD/.device/cubins}"
 mkdir -p "$OUT"
 MODEL=/tmp/q.gguf
 TESTS=(test_cuda_kernels test_cuda_mmq test_prompt_kernels test_cuda_parity test_cuda_sample

@@ -95,3 +95,24 @@ def test_cu_module_compiles_for_sm90(module, tmp_path):
             match = _MEMORY_OP.match(line)
             assert not (match and not any(s in match.group(1) for s in _OWN_SPACES)), \
                 f"{name} touches memory before griddepcontrol.wait: {line.strip()}"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+def test_prebuilt_cubins_are_found_by_source_and_arch(tmp_path, monkeypatch):
+    """A cubin built here for STRATA_CUBIN_DIR is what the runtime's lookup returns for the same
+    module and arch; another arch, another source or no folder find none."""
+    from strata.backends.cuda import cubins
+
+    built = cubins.compile_with_nvcc("sample.cu", "sm_90")
+    assert built[:4] == b"\x7fELF"  # a cubin is an ELF image
+    (tmp_path / cubins.cubin_file_name("sample.cu", "sm_90")).write_bytes(built)
+    monkeypatch.setenv(cubins.ENV_DIR, str(tmp_path))
+    assert cubins.prebuilt_cubin("sample.cu", "sm_90") == built
+    assert cubins.prebuilt_cubin("sample.cu", "sm_86") is None
+    assert cubins.prebuilt_cubin("offload.cu", "sm_90") is None
+    source = cuda_runtime.module_source("sample.cu")
+    monkeypatch.setattr(cubins, "module_source", lambda name: source + "\n// edited\n")
+    assert cubins.prebuilt_cubin("sample.cu", "sm_90") is None  # the digest follows the source
+    monkeypatch.delenv(cubins.ENV_DIR)
+    monkeypatch.setattr(cubins, "module_source", cuda_runtime.module_source)
+    assert cubins.prebuilt_cubin("sample.cu", "sm_90") is None

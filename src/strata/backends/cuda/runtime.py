@@ -97,15 +97,31 @@ class Runtime:
         self.programmatic = (major >= 9 and os.environ.get("STRATA_PDL", "0") == "1"
                              and cuda_driver.has_programmatic_launch())
         for name in MODULES:
-            module = cuda_driver.Module(self.compile(name))  # each Kernel keeps its module
+            module = self._load_module(name)  # each Kernel keeps its module
             for fn in _kernel_names(module_source(name)):
                 kernel = module.function(fn)
                 kernel.programmatic = self.programmatic
                 self._kernels[fn] = kernel
 
+    def _load_module(self, name: str) -> cuda_driver.Module:
+        """Module `name` from STRATA_CUBIN_DIR's prebuilt cubin (cubins.py) when there is one
+        for this source and GPU and the driver takes it, else compiled here."""
+        from strata.backends.cuda.cubins import ENV_DIR, prebuilt_cubin
+
+        prebuilt = prebuilt_cubin(name, self.arch)
+        if prebuilt is not None:
+            try:
+                return cuda_driver.Module(prebuilt)
+            except cuda_driver.CudaError as exc:
+                warnings.warn(f"the prebuilt cubin of {name} in {ENV_DIR} was refused ({exc}); "
+                              "compiling it here")
+        return cuda_driver.Module(self.compile(name))
+
     def compile(self, name: str) -> bytes:
         """The cubin of kernel module `name` for this GPU (PyCUDA caches it on disk)."""
         from pycuda.compiler import compile as nvcc_compile
+
+        from strata.backends.cuda.cubins import NVCC_OPTIONS
 
         try:
             with warnings.catch_warnings():
@@ -113,7 +129,7 @@ class Runtime:
                 warnings.simplefilter("ignore", UserWarning)
                 warnings.simplefilter("ignore", ResourceWarning)
                 cubin = nvcc_compile(module_source(name), no_extern_c=True, arch=self.arch,
-                                     options=["-std=c++17", "-O3"])
+                                     options=list(NVCC_OPTIONS))
                 gc.collect()
             return cubin
         except Exception as exc:  # CompileError or a missing nvcc

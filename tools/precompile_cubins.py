@@ -1,0 +1,46 @@
+"""Build the CUDA backend's kernel modules into cubins on a machine with nvcc (no GPU needed), for
+STRATA_CUBIN_DIR: a GPU machine then loads them instead of compiling (~60 s of a cold start
+there: carry the folder to the device and point STRATA_CUBIN_DIR at it).
+
+Usage: python tools/precompile_cubins.py --out .device/cubins [--arch sm_90] [-j 2]
+File names carry a digest of each module's source and nvcc options (backends/cuda/cubins.py), so
+after a kernel edit only that module's cubin is missing: run this again before the device call.
+"""
+import argparse
+import os
+import pathlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from strata.backends.cuda.cubins import compile_with_nvcc, cubin_file_name
+from strata.backends.cuda.runtime import MODULES
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for the cubins (made if missing)")
+    ap.add_argument("--arch", default="sm_90", help="GPU architecture, e.g. sm_86, sm_90")
+    ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = {name: out / cubin_file_name(name, args.arch) for name in MODULES}
+    for stale in out.glob(f"*-{args.arch}-*.cubin"):  # earlier sources of these modules
+        if stale not in wanted.values():
+            stale.unlink()
+    todo = [name for name, path in wanted.items() if not path.is_file()]
+    t0 = time.perf_counter()
+
+    def build(name):
+        wanted[name].write_bytes(compile_with_nvcc(name, args.arch))
+        return name
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for name in pool.map(build, todo):
+            print(f"built {wanted[name].name}", flush=True)
+    print(f"{len(todo)} of {len(MODULES)} modules built for {args.arch} in "
+          f"{time.perf_counter() - t0:.0f} s; the others were current ({out})")
+
+
+if __name__ == "__main__":
+    main()
