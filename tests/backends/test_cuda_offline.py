@@ -46,6 +46,8 @@ def test_kernel_names_cover_every_entry_point():
     for suffix in ("q4_0", "q8_0"):  # mmq.cu: int8 tensor-core tiles of 64 and 32 rows
         assert {f"mmq{rows}_{kind}_{suffix}" for rows in (64, 32)
                 for kind in ("store", "add", "gateup", "qkv")} <= names
+    assert {f"mmq{rows}r_{kind}_q4_0" for rows in (64, 32)  # RAW staging: Q4_0 only
+            for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {"mmf_store_f32", "mmf_add_f32", "mmf_store_f16", "mmf_store_bf16"} <= names
     assert {"quantize_q8", "rmsnorm_q8", "qk_rope_append", "attention", "router_topk",
             "group_pairs", "moe_combine", "argmax_rows"} <= names

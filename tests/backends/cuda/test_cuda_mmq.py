@@ -84,6 +84,92 @@ def test_fused_qkv(runtime, weight_type, tile_rows):
         assert _rel(dev.get(out, (T, n), np.float32), xr @ w.T + b) < 1e-5
 
 
+@pytest.mark.parametrize("tile_rows", (64, 32))
+@pytest.mark.parametrize("num_out, num_cols, num_rows", [(200, 768, 100), (72, 2048, 17),
+                                                         (130, 256, 70)])
+def test_raw_staging_equals_word_staging(runtime, num_out, num_cols, num_rows, tile_rows):
+    """Q4_0 rows of a multiple of 256 columns: the RAW kernels (mmq64r_* / mmq32r_*: 16-byte
+    loads of each row's k-tile, unpacked in shared memory) give the word-staged kernels' bits,
+    for store + bias, add, gate/up and the fused q/k/v."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    N, K, T = num_out, num_cols, num_rows
+    (raw0, w0), (raw1, w1) = _weights("q4_0", N, K, rng), _weights("q4_0", N, K, rng)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    xr, (q, d) = _acts(x, "q4_0"), _q8(x)
+    xq, xd = dev.put(q), dev.put(d)
+    group = dev.put(np.array([0, 0, T, 1], dtype=np.int32))
+    bias = dev.put(rng.standard_normal(N).astype(np.float32))
+    w0d, w1d = dev.put(raw0), dev.put(raw1)
+
+    def run(tag, kind, w, w2, b, out):
+        outputs = BM // 2 if kind == "gateup" else BM
+        dev.launch(f"mmq{tile_rows}{tag}_{kind}_q4_0", (_cdiv(N, outputs), _cdiv(T, tile_rows)),
+                   (128,), FMT, [w, w2, 0, 0, raw0.shape[1], N, K, 0, xq, xd, group,
+                                 group + 12, 0, 0, b, out, N])
+
+    got = {}
+    for tag in ("r", ""):
+        y, h = dev.empty(4 * T * N), dev.empty(4 * T * N)
+        run(tag, "store", w0d, 0, bias, y)
+        run(tag, "add", w1d, 0, 0, y)
+        run(tag, "gateup", w0d, w1d, 0, h)
+        got[tag] = (dev.get(y, (T, N), np.float32), dev.get(h, (T, N), np.float32))
+    for raw_out, word_out in zip(got["r"], got[""]):
+        np.testing.assert_array_equal(raw_out, word_out)
+    want_y = xr @ w0.T + dev.get(bias, (N,), np.float32) + xr @ w1.T
+    assert _rel(got["r"][0], want_y) < 1e-5
+    assert _rel(got["r"][1], _silu(xr @ w0.T) * (xr @ w1.T)) < 1e-5
+
+    Nq, Nkv = N, 40
+    mats = [_weights("q4_0", n, K, rng) for n in (Nq, Nkv, Nkv)]
+    ptrs = [dev.put(raw) for raw, _ in mats]
+    qkv = {}
+    for tag in ("r", ""):
+        outs = [dev.empty(4 * T * n) for n in (Nq, Nkv, Nkv)]
+        dev.launch(f"mmq{tile_rows}{tag}_qkv_q4_0",
+                   (_cdiv(Nq, BM) + 2 * _cdiv(Nkv, BM), _cdiv(T, tile_rows)), (128,),
+                   "PPPqiiiPPPPPPPPPPP", [*ptrs, mats[0][0].shape[1], Nq, Nkv, K, 0, xq, xd,
+                                          group, group + 12, 0, 0, 0, *outs])
+        qkv[tag] = [dev.get(o, (T, n), np.float32) for o, n in zip(outs, (Nq, Nkv, Nkv))]
+    for raw_out, word_out, (_, w) in zip(qkv["r"], qkv[""], mats):
+        np.testing.assert_array_equal(raw_out, word_out)
+        assert _rel(raw_out, xr @ w.T) < 1e-5
+
+
+def test_raw_staging_grouped_experts(runtime):
+    """The grouped RAW kernels read experts through pointer tables (separate allocations) and
+    give the word-staged kernels' bits: gate/up over gathered rows, down scattered."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    E, T, F, H = 5, 160, 72, 512
+    groups, act_rows, experts = _uneven_groups(rng, T)
+    G, P = len(groups) // 3, len(act_rows)
+    g = dev.put(np.concatenate([groups, [G]]).astype(np.int32))
+    gate, up = [[_weights("q4_0", F, H, rng) for _ in range(E)] for _ in range(2)]
+    tables = [dev.put(np.array([dev.put(m[e][0]) for e in range(E)], dtype=np.uint64))
+              for m in (gate, up)]
+    q, d = _q8(rng.standard_normal((T, H)).astype(np.float32))
+    outs = {}
+    for tag in ("r", ""):
+        hbuf = dev.empty(4 * P * F)
+        dev.launch(f"mmq32{tag}_gateup_q4_0", (_cdiv(F, BM // 2), _cdiv(P, BNG) + E), (128,),
+                   FMT, [0, 0, tables[0], tables[1], gate[0][0].shape[1], F, H, 0, dev.put(q),
+                         dev.put(d), g, g + 12 * G, dev.put(act_rows), 0, 0, hbuf, F])
+        outs[tag] = dev.get(hbuf, (P, F), np.float32)
+    np.testing.assert_array_equal(outs["r"], outs[""])
+    N2, K2 = 136, 768
+    down = [_weights("q4_0", N2, K2, rng) for _ in range(E)]
+    table = dev.put(np.array([dev.put(down[e][0]) for e in range(E)], dtype=np.uint64))
+    hq, hd = _q8(rng.standard_normal((P, K2)).astype(np.float32))
+    out_rows = dev.put(rng.permutation(P).astype(np.int32))
+    for tag in ("r", ""):
+        y = dev.empty(4 * P * N2)
+        dev.launch(f"mmq32{tag}_store_q4_0", (_cdiv(N2, BM), _cdiv(P, BNG) + E), (128,), FMT,
+                   [0, 0, table, 0, down[0][0].shape[1], N2, K2, 0, dev.put(hq), dev.put(hd),
+                    g, g + 12 * G, 0, out_rows, 0, y, N2])
+        outs[tag] = dev.get(y, (P, N2), np.float32)
+    np.testing.assert_array_equal(outs["r"], outs[""])
+
+
 def _uneven_groups(rng, num_rows: int):
     """Expert groups of 1, 0, 150 (> 128), 37 and 9 rows: (groups [G, 3], act_rows, experts)
     in grouped order; each expert's rows distinct, as top-k routing gives."""

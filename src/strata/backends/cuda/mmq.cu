@@ -15,6 +15,7 @@
 #define MMQ_KB 8                     // quant blocks per k-tile (256 columns)
 // bytes per shared row; the +16 puts the 8 rows of one fragment load on distinct banks
 #define MMQ_LDS (MMQ_KB * 32 + 16)
+#define MMQ_RAW_ROW (MMQ_KB * 18)    // bytes of one weight row's k-tile of Q4_0 blocks (RAW)
 #define MMF_OUTS 32                  // float kernel: 32 outputs x 16 rows per block,
 #define MMF_ROWS 16                  // 64 columns per step
 #define MMF_KC 64
@@ -80,7 +81,7 @@ __device__ __forceinline__ bool find_tile(const int *__restrict__ groups, int nu
 // and writes output row out_rows[p] (p when NULL). Warp (wm, wn) computes two m16 tiles of weight
 // rows x BN/2 activation rows; gate/up tiles hold 32 gate rows then the same 32 up rows, and a
 // warp's two m-tiles are one gate and one up tile, so SiLU(gate) * up happens in registers.
-template <int QT, int MODE, int BN>
+template <int QT, int MODE, int BN, bool RAW>
 __device__ __forceinline__ void mmq_body(
     const uint8_t *__restrict__ W, const uint8_t *__restrict__ W2,
     const unsigned long long *__restrict__ wtab, const unsigned long long *__restrict__ wtab2,
@@ -95,6 +96,9 @@ __device__ __forceinline__ void mmq_body(
     __shared__ __align__(16) int8_t sw[MMQ_BM * MMQ_LDS];  // [BM, KB * 32] weights as int8
     __shared__ __align__(16) int8_t sx[BN * MMQ_LDS];      // [BN, KB * 32] activations
     __shared__ float swd[MMQ_BM * MMQ_KB], sxd[BN * MMQ_KB];  // their block scales
+    // RAW (Q4_0, K % 256 == 0): each weight row's k-tile (MMQ_KB blocks, MMQ_RAW_ROW bytes,
+    // 16-byte aligned) lands here by 16-byte loads, then is unpacked into sw
+    __shared__ __align__(16) int8_t sraw[RAW ? MMQ_BM * MMQ_RAW_ROW : 16];
 
     int g, row0;
     const int n0 = block_x * OUTS;
@@ -111,14 +115,25 @@ __device__ __forceinline__ void mmq_body(
     const int wm = warp & 1, wn = warp >> 1, gid = lane >> 2, tig = lane & 3;
     const int num_kblocks = K >> 5;
 
-    // rows of this thread's staging work, fixed over k: weight rows and activation rows
-    const uint8_t *wsrc[MMQ_BM * MMQ_KB / MMQ_THREADS];
-#pragma unroll
-    for (int i = 0; i < MMQ_BM * MMQ_KB / MMQ_THREADS; i++) {
-        const int r = (tid + i * MMQ_THREADS) / MMQ_KB;
+    // rows of this thread's staging work, fixed over k: weight rows and activation rows.
+    // Not RAW: unit u = (row u / KB, block u % KB). RAW: unit u = (row u / PIECES, 16-byte
+    // piece u % PIECES of the row's k-tile).
+    auto weight_row = [&](int r) {
         const int local = MODE == MODE_GATEUP ? r % OUTS : r;
         const uint8_t *m = MODE == MODE_GATEUP && r >= OUTS ? base2 : base;
-        wsrc[i] = m + (long long)min(n0 + local, N - 1) * row_bytes;
+        return m + (long long)min(n0 + local, N - 1) * row_bytes;
+    };
+    constexpr int PIECES = MMQ_RAW_ROW / 16;
+    constexpr int RU = (MMQ_BM * PIECES + MMQ_THREADS - 1) / MMQ_THREADS;  // pieces per thread
+    constexpr int SRC = RAW ? RU : MMQ_BM * MMQ_KB / MMQ_THREADS;
+    const uint8_t *wsrc[SRC];
+#pragma unroll
+    for (int i = 0; i < SRC; i++) {
+        const int u = tid + i * MMQ_THREADS;
+        if (RAW)
+            wsrc[i] = weight_row(min(u / PIECES, MMQ_BM - 1)) + 16 * (u % PIECES);
+        else
+            wsrc[i] = weight_row(u / MMQ_KB);
     }
     long long xrow[BN * MMQ_KB / MMQ_THREADS];
 #pragma unroll
@@ -139,18 +154,27 @@ __device__ __forceinline__ void mmq_body(
     // latency overlaps the mma work: raw weight words + scale, activation int4s + scale.
     constexpr int WU = MMQ_BM * MMQ_KB / MMQ_THREADS, XU = BN * MMQ_KB / MMQ_THREADS;
     constexpr int WWORDS = (QB - 2) / 4;  // 4 words of nibbles (Q4_0), 8 of int8 (Q8_0)
-    uint32_t wraw[WU][WWORDS];
+    uint32_t wraw[RAW ? 1 : WU][WWORDS];
+    int4 wpiece[RAW ? RU : 1];
     float wdr[WU], xdr[XU];
     int4 xraw[XU][2];
     auto load = [&](int kb0, int nkb) {
+        if constexpr (RAW) {  // nkb == MMQ_KB: K % 256 == 0
 #pragma unroll
-        for (int i = 0; i < WU; i++) {
-            const int b = (tid + i * MMQ_THREADS) % MMQ_KB;
-            if (b < nkb) {
-                const uint8_t *blk = wsrc[i] + (long long)(kb0 + b) * QB;
-                wdr[i] = read_f16(blk);
+            for (int i = 0; i < RU; i++)
+                if (tid + i * MMQ_THREADS < MMQ_BM * PIECES)
+                    wpiece[i] = __ldg(
+                        reinterpret_cast<const int4 *>(wsrc[i] + (long long)kb0 * QB));
+        } else {
 #pragma unroll
-                for (int w = 0; w < WWORDS; w++) wraw[i][w] = read_u32_a2(blk + 2 + 4 * w);
+            for (int i = 0; i < WU; i++) {
+                const int b = (tid + i * MMQ_THREADS) % MMQ_KB;
+                if (b < nkb) {
+                    const uint8_t *blk = wsrc[i] + (long long)(kb0 + b) * QB;
+                    wdr[i] = read_f16(blk);
+#pragma unroll
+                    for (int w = 0; w < WWORDS; w++) wraw[i][w] = read_u32_a2(blk + 2 + 4 * w);
+                }
             }
         }
 #pragma unroll
@@ -165,27 +189,56 @@ __device__ __forceinline__ void mmq_body(
             }
         }
     };
-    auto store = [&](int nkb) {
+    // block b of weight row r into sw / swd from its scale and 16 bytes of nibbles (Q4_0)
+    auto put_q4 = [&](int r, int b, float d, const uint32_t (&w4)[4]) {
+        int4 *dst = reinterpret_cast<int4 *>(sw + r * MMQ_LDS + 32 * b);
+        int lo[4], hi[4];  // low nibbles: columns 0-15, high: 16-31; value - 8
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            lo[w] = nibbles_minus_8(w4[w]);
+            hi[w] = nibbles_minus_8(w4[w] >> 4);
+        }
+        dst[0] = make_int4(lo[0], lo[1], lo[2], lo[3]);
+        dst[1] = make_int4(hi[0], hi[1], hi[2], hi[3]);
+        swd[r * MMQ_KB + b] = d;
+    };
+    // RAW: the staged k-tile -> sw / swd (between two barriers)
+    auto unpack_raw = [&]() {
 #pragma unroll
         for (int i = 0; i < WU; i++) {
             const int u = tid + i * MMQ_THREADS, r = u / MMQ_KB, b = u % MMQ_KB;
-            if (b < nkb) {
-                int4 *dst = reinterpret_cast<int4 *>(sw + r * MMQ_LDS + 32 * b);
-                if (QT == ST_Q4_0) {  // low nibbles: columns 0-15, high: 16-31; value - 8
-                    int lo[4], hi[4];
+            const uint16_t *h =  // the block: fp16 scale, 16 bytes of nibbles (2-byte aligned)
+                reinterpret_cast<const uint16_t *>(sraw + r * MMQ_RAW_ROW + QB * b);
+            uint32_t w4[4];
 #pragma unroll
-                    for (int w = 0; w < 4; w++) {
-                        lo[w] = nibbles_minus_8(wraw[i][w]);
-                        hi[w] = nibbles_minus_8(wraw[i][w] >> 4);
-                    }
-                    dst[0] = make_int4(lo[0], lo[1], lo[2], lo[3]);
-                    dst[1] = make_int4(hi[0], hi[1], hi[2], hi[3]);
+            for (int w = 0; w < 4; w++)
+                w4[w] = (uint32_t)h[1 + 2 * w] | ((uint32_t)h[2 + 2 * w] << 16);
+            put_q4(r, b, __half2float(*reinterpret_cast<const __half *>(h)), w4);
+        }
+    };
+    auto store = [&](int nkb) {
+        if constexpr (RAW) {
+#pragma unroll
+            for (int i = 0; i < RU; i++) {
+                const int u = tid + i * MMQ_THREADS;
+                if (u < MMQ_BM * PIECES)
+                    *reinterpret_cast<int4 *>(sraw + (u / PIECES) * MMQ_RAW_ROW +
+                                              16 * (u % PIECES)) = wpiece[i];
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < WU; i++) {
+                const int u = tid + i * MMQ_THREADS, r = u / MMQ_KB, b = u % MMQ_KB;
+                if (b >= nkb) continue;
+                if constexpr (QT == ST_Q4_0) {
+                    put_q4(r, b, wdr[i], wraw[i]);
                 } else {
+                    int4 *dst = reinterpret_cast<int4 *>(sw + r * MMQ_LDS + 32 * b);
                     dst[0] = make_int4(wraw[i][0], wraw[i][1], wraw[i][2], wraw[i][3]);
                     dst[1] = make_int4(wraw[i][WWORDS - 4], wraw[i][WWORDS - 3],
                                        wraw[i][WWORDS - 2], wraw[i][WWORDS - 1]);
+                    swd[r * MMQ_KB + b] = wdr[i];
                 }
-                swd[r * MMQ_KB + b] = wdr[i];
             }
         }
 #pragma unroll
@@ -205,6 +258,10 @@ __device__ __forceinline__ void mmq_body(
         const int nkb = min(MMQ_KB, num_kblocks - kb0);
         store(nkb);
         __syncthreads();
+        if constexpr (RAW) {  // sraw -> sw, which the previous tile's mma no longer reads
+            unpack_raw();
+            __syncthreads();
+        }
         if (kb0 + MMQ_KB < num_kblocks)
             load(kb0 + MMQ_KB, min(MMQ_KB, num_kblocks - kb0 - MMQ_KB));
         // ---- one mma per (m-tile, n-tile) and block, scaled into the float sums
@@ -366,37 +423,41 @@ __device__ __forceinline__ void mmf_body(
 // mmq64_*: tiles of 64 activation rows (dense products of long windows); mmq32_*: tiles of 32
 // (grouped experts: ~32 rows per expert in a 512-row prompt of 128 experts, top-8; dense
 // products whose 64-row tiles would leave the GPU's multiprocessors idle)
-#define MMQ_TILE_KERNELS(NAME, QT, BN)                                                              \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_store_##NAME(MM_ARGS) {     \
+#define MMQ_TILE_KERNELS(NAME, QT, BN, TAG, RAW)                                                    \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                       \
+        mmq##BN##TAG##_store_##NAME(MM_ARGS) {                                                      \
         kernel_entry();                                                                             \
-        mmq_body<QT, MODE_STORE, BN>(MMQ_PASS);                                                     \
+        mmq_body<QT, MODE_STORE, BN, RAW>(MMQ_PASS);                                                \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_add_##NAME(MM_ARGS) {       \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##TAG##_add_##NAME(MM_ARGS) {  \
         kernel_entry();                                                                             \
-        mmq_body<QT, MODE_ADD, BN>(MMQ_PASS);                                                       \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##_gateup_##NAME(MM_ARGS) {    \
-        kernel_entry();                                                                             \
-        mmq_body<QT, MODE_GATEUP, BN>(MMQ_PASS);                                                    \
+        mmq_body<QT, MODE_ADD, BN, RAW>(MMQ_PASS);                                                  \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                       \
-        mmq##BN##_qkv_##NAME(QKV_ARGS) {                                                            \
+        mmq##BN##TAG##_gateup_##NAME(MM_ARGS) {                                                     \
+        kernel_entry();                                                                             \
+        mmq_body<QT, MODE_GATEUP, BN, RAW>(MMQ_PASS);                                               \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                       \
+        mmq##BN##TAG##_qkv_##NAME(QKV_ARGS) {                                                       \
         kernel_entry();                                                                             \
         const int nbq = (Nq + MMQ_BM - 1) / MMQ_BM, nbkv = (Nkv + MMQ_BM - 1) / MMQ_BM;             \
         const int bx = blockIdx.x;                                                                  \
         if (bx < nbq)                                                                               \
-            mmq_body<QT, MODE_STORE, BN>(Wq, Wq, nullptr, nullptr, row_bytes, Nq, K, xq, xd,        \
+            mmq_body<QT, MODE_STORE, BN, RAW>(Wq, Wq, nullptr, nullptr, row_bytes, Nq, K, xq, xd,   \
                                          groups, num_groups, nullptr, nullptr, bq, Yq, Nq, bx);     \
         else if (bx < nbq + nbkv)                                                                   \
-            mmq_body<QT, MODE_STORE, BN>(Wk, Wk, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,       \
+            mmq_body<QT, MODE_STORE, BN, RAW>(Wk, Wk, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,  \
                                          groups, num_groups, nullptr, nullptr, bk, Yk, Nkv,         \
                                          bx - nbq);                                                 \
         else                                                                                        \
-            mmq_body<QT, MODE_STORE, BN>(Wv, Wv, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,       \
+            mmq_body<QT, MODE_STORE, BN, RAW>(Wv, Wv, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,  \
                                          groups, num_groups, nullptr, nullptr, bv, Yv, Nkv,         \
                                          bx - nbq - nbkv);                                          \
     }
-#define MMQ_KERNELS(NAME, QT) MMQ_TILE_KERNELS(NAME, QT, 64) MMQ_TILE_KERNELS(NAME, QT, 32)
+#define MMQ_KERNELS(NAME, QT)                                                                       \
+    MMQ_TILE_KERNELS(NAME, QT, 64, , false) MMQ_TILE_KERNELS(NAME, QT, 32, , false)
+// mmq64r_* / mmq32r_*: the same with RAW staging (Q4_0 weights whose K is a multiple of 256)
 
 #define MMF_KERNELS(NAME, QT)                                                                       \
     extern "C" __global__ void __launch_bounds__(MMF_THREADS) mmf_store_##NAME(MM_ARGS) {           \
@@ -409,6 +470,8 @@ __device__ __forceinline__ void mmf_body(
     }
 
 MMQ_KERNELS(q4_0, ST_Q4_0)
+MMQ_TILE_KERNELS(q4_0, ST_Q4_0, 64, r, true)
+MMQ_TILE_KERNELS(q4_0, ST_Q4_0, 32, r, true)
 MMQ_KERNELS(q8_0, ST_Q8_0)
 MMF_KERNELS(f32, ST_F32)
 MMF_KERNELS(f16, ST_F16)

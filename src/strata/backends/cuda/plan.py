@@ -43,6 +43,11 @@ MMQ_OUTPUTS = 64
 # multiprocessors), else 32-row ones; grouped experts always take 32. At 512 rows: q/k/v (640
 # blocks) 4.1 ms with 64-row tiles vs 6.5 with 32, the output projection (256) 5.6 vs 5.2.
 MMQ_MIN_BLOCKS_64 = 512
+# Q4_0 weights whose rows hold a multiple of MMQ_RAW_COLS columns take mmq.cu's RAW kernels
+# (mmq64r_* / mmq32r_*): each row's k-tile read by 16-byte loads into shared memory, then
+# unpacked there (the 2-byte reads of 18-byte blocks kept the L1 93% busy, Nsight Compute).
+# STRATA_MMQ_STAGE=words keeps the word-by-word staging (to measure one against the other).
+MMQ_RAW_COLS = 256
 MMF_OUTS, MMF_ROWS, MMF_THREADS = 32, 16, 128  # outputs x rows per block of mmq.cu's float kernel
 # Decode windows' Q4_0 / Q8_0 products but the routed down: matvec.cu's mv_* kernels (weight rows
 # staged by cp.async, MV_WARPS warps per block, mv_outputs_per_warp(K) outputs per warp); the
@@ -93,7 +98,10 @@ def _mmq_kernel(mode: str, w, w2, grouped: bool, num_rows: int, num_pairs: int =
         else:
             tile_rows = _dense_tile_rows(num_out_tiles, num_rows)
             slots = (num_rows + tile_rows - 1) // tile_rows
-        return f"mmq{tile_rows}_{mode}_{w.suffix}", (num_out_tiles, slots), (128,)
+        raw = (w.suffix == "q4_0" and w.cols % MMQ_RAW_COLS == 0
+               and os.environ.get("STRATA_MMQ_STAGE", "raw") != "words")
+        name = f"mmq{tile_rows}{'r' if raw else ''}_{mode}_{w.suffix}"
+        return name, (num_out_tiles, slots), (128,)
     if w.is_float and not grouped and mode != "gateup":
         return (f"mmf_{mode}_{w.suffix}",
                 ((w.rows + MMF_OUTS - 1) // MMF_OUTS, 1, (num_rows + MMF_ROWS - 1) // MMF_ROWS),

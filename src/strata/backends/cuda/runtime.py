@@ -189,6 +189,10 @@ def _kernel_names(source: str) -> list[str]:
                             ("MMF_KERNELS", ("mmf_store_", "mmf_add_"))):
         for type_name in re.findall(rf"^{macro}\((\w+),", source, flags=re.M):
             names += [p + type_name for p in prefixes]
+    # MMQ_TILE_KERNELS(NAME, QT, BN, TAG, RAW) at the top level: mmq{BN}{TAG}_{kind}_{NAME}
+    for type_name, rows, tag in re.findall(r"^MMQ_TILE_KERNELS\((\w+), \w+, (\d+), (\w*),",
+                                           source, flags=re.M):
+        names += [f"mmq{rows}{tag}_{kind}_{type_name}" for kind in ("store", "add", "gateup", "qkv")]
     return [n for n in names if not n.startswith("__")]
 
 
