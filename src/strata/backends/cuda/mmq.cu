@@ -163,8 +163,8 @@ __device__ __forceinline__ void mmq_body(
 #pragma unroll
             for (int i = 0; i < RU; i++)
                 if (tid + i * MMQ_THREADS < MMQ_BM * PIECES)
-                    wpiece[i] = __ldg(
-                        reinterpret_cast<const int4 *>(wsrc[i] + (long long)kb0 * QB));
+                    wpiece[i] =  // a plain load: experts may sit in mapped host memory
+                        *reinterpret_cast<const int4 *>(wsrc[i] + (long long)kb0 * QB);
         } else {
 #pragma unroll
             for (int i = 0; i < WU; i++) {
