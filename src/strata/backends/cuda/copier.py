@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from strata._native import cuda_driver
 from strata.experts.arena import COPY_CHUNK_BYTES
 
 if TYPE_CHECKING:
@@ -15,8 +16,9 @@ if TYPE_CHECKING:
 class StreamCopier:
     """The async tier's copies on the arena's side stream, driven from the engine thread before
     each window (`pump`): lands the loads whose copy event completed, claims the slots of new
-    loads (evictions published in one upload, event E_pub), enqueues their chunks behind E_pub.
-    `chunks_per_window` (None: all) spreads a load's chunks over several windows. Loads into
+    loads (evictions published in one upload, event E_pub), enqueues their copies behind E_pub
+    (one cuda_driver list per pump, one event per pump for the loads it completes).
+    `chunks_per_window` (None: whole loads) spreads a load's chunks over several windows. Loads into
     slots the caller already claimed (`submit_claimed`: a prompt chunk's borrowed staging)
     are copied behind the compute stream's work so far instead."""
 
@@ -78,19 +80,31 @@ class StreamCopier:
                 self._flight += [{"load": load, "at": 0, "event": None,
                                   "nbytes": a._image_bytes(load.layer)} for load in self._claimed]
                 self._claimed = []
-            budget = self.chunks_per_window
-            for f in self._flight:  # 3. enqueue copies behind the published evictions
+            # 3. enqueue copies behind the published evictions: one list run by one call (no
+            # Python per driver call), a whole load per copy unless chunks_per_window spreads
+            # it, and one event after the copies for every load they complete
+            budget, side = self.chunks_per_window, int(a.side_stream.handle)
+            step = self.chunk_bytes if budget is not None else None
+            copies, completed = cuda_driver.LaunchList(), []
+            for f in self._flight:
                 load = f["load"]
-                src = a.host.expert_bytes(load.layer, load.expert)
+                src = a.host.host_base + a.host.index(load.layer, load.expert) * a.host.slot_bytes
+                dst = a.slot_base + load.slot * a.slot_bytes
                 while f["at"] < f["nbytes"] and (budget is None or budget > 0):
-                    at, end = f["at"], min(f["at"] + self.chunk_bytes, f["nbytes"])
-                    drv.memcpy_htod_async(a.slot_base + load.slot * a.slot_bytes + at,
-                                          src[at:end], a.side_stream)
+                    at = f["at"]
+                    end = f["nbytes"] if step is None else min(at + step, f["nbytes"])
+                    copies.append(cuda_driver.copy_htod(dst + at, src + at, end - at, side))
                     f["at"] = end
                     budget = None if budget is None else budget - 1
                 if f["at"] >= f["nbytes"] and f["event"] is None:
-                    f["event"] = drv.Event()
-                    f["event"].record(a.side_stream)
+                    completed.append(f)
+            if completed:
+                event = cuda_driver.Event()
+                copies.append(cuda_driver.record_event(event, side))
+                for f in completed:
+                    f["event"] = event
+            if len(copies):
+                copies.run(side)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Pump until every submitted load landed (engine thread, no window running)."""
