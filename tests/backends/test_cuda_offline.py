@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from strata._native import cuda_driver
+from strata.backends.cuda import plan as cuda_plan
 from strata.backends.cuda import runtime as cuda_runtime
 from strata.errors import ConfigError
 
@@ -49,8 +50,10 @@ def test_kernel_names_cover_every_entry_point():
     assert {f"mmq{rows}r_{kind}_q4_0" for rows in (64, 32)  # RAW staging: Q4_0 only
             for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {"mmf_store_f32", "mmf_add_f32", "mmf_store_f16", "mmf_store_bf16"} <= names
-    assert {"quantize_q8", "rmsnorm_q8", "qk_rope_append", "attention", "router_topk",
-            "group_pairs", "moe_combine", "argmax_rows"} <= names
+    assert {"quantize_q8", "rmsnorm_q8", "qk_rope_append", "router_topk", "group_pairs",
+            "moe_combine", "argmax_rows"} <= names
+    for head_dim in (16, 64, 128, 256):  # attention.cu: a kernel per dims per lane
+        assert set(cuda_plan.attention_kernels(head_dim)) <= names
 
 
 # a PTX instruction that touches memory: its opcode and dotted qualifiers

@@ -8,6 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from strata._native import kernels
+from strata.backends.cuda.plan import attention_kernels
 from strata.tool.synth import random_blocks
 
 from cuda_synth import TYPES
@@ -158,7 +159,7 @@ ATT_SPLITS = 4  # attention.cu's ATT_SPLITS (blocks per (row, head))
 
 def run_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_heads,
                   want_q8=True, num_launches=1):
-    """Launch `attention` over rows with KVs at `bases` (tagged addresses); returns
+    """Launch attention_d* (for D) over rows with KVs at `bases` (tagged addresses); returns
     (out [R, Q, D], outq, outd) after the last of `num_launches` identical launches."""
     R, Q, D = q.shape
     out, outq, outd = dev.empty(4 * R * Q * D), dev.empty(R * Q * D), dev.empty(R * Q * D // 8)
@@ -170,7 +171,7 @@ def run_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_
             D, D ** -0.5, part, counts]
     results = []
     for _ in range(num_launches):
-        dev.launch("attention", (R, Q, ATT_SPLITS), (128,), "PPPPPPPiiiiifPP", args)
+        dev.launch(attention_kernels(D)[0], (R, Q, ATT_SPLITS), (128,), "PPPPPPPiiiiifPP", args)
         results.append(dev.get(out, (R, Q, D), np.float32))
     for other in results[:-1]:  # the counters were left at zero: every launch merged
         np.testing.assert_array_equal(other, results[-1])
@@ -186,21 +187,25 @@ def attention_reference(q, keys, values):
     return (p / p.sum()) @ values.astype(np.float64)
 
 
-def test_attention_over_fp16_cache(runtime):
-    """Rows at positions inside the first chunk, across chunks and across all splits (and
-    their second round), relaunched: counters reset, results equal bit for bit."""
+@pytest.mark.parametrize("head_dim", (64, 80, 128, 256))  # dims per lane 2, 4 (20 lanes), 4, 8
+def test_attention_over_fp16_cache(runtime, head_dim):
+    """Rows at positions inside the first chunk, inside block 0 (written by it alone), across
+    chunks and across all splits (and their second round), relaunched: counters reset, results
+    equal bit for bit."""
     dev, rng = _Dev(runtime), np.random.default_rng()
-    L, KVH, Q, D, C = 2, 2, 4, 64, 1200
-    layer, positions = 1, np.array([0, 7, 31, 32, 149, 511, 512, 1199], dtype=np.int32)
+    L, KVH, Q, D, C = 2, 2, 4, head_dim, 1200
+    layer, positions = 1, np.array([0, 7, 31, 32, 127, 149, 512, 1199], dtype=np.int32)
     R = len(positions)
     cache = (rng.standard_normal((R, L, 2, KVH, C, D)) * 2).astype(np.float16)
     bases = [dev.put(cache[r]) for r in range(R)]
     q = rng.standard_normal((R, Q, D)).astype(np.float32)
-    got, outq, outd = run_attention(dev, q, bases, positions, C, layer, L, KVH, num_launches=2)
-    # the fused 8-bit form equals quantising the float output
-    q8, d8 = _q8(got.reshape(R, Q * D))
-    np.testing.assert_array_equal(outq, q8)
-    np.testing.assert_array_equal(outd, d8)
+    fused_q8 = D % 32 == 0  # the 8-bit form is fused when heads are whole blocks of 32
+    got, outq, outd = run_attention(dev, q, bases, positions, C, layer, L, KVH,
+                                    want_q8=fused_q8, num_launches=2)
+    if fused_q8:  # the fused 8-bit form equals quantising the float output
+        q8, d8 = _q8(got.reshape(R, Q * D))
+        np.testing.assert_array_equal(outq, q8)
+        np.testing.assert_array_equal(outd, d8)
     for r, pos in enumerate(positions):
         for h in range(Q):
             kvh = h // (Q // KVH)
@@ -208,8 +213,10 @@ def test_attention_over_fp16_cache(runtime):
                                        cache[r, layer, 1, kvh, :pos + 1])
             np.testing.assert_allclose(got[r, h], want, rtol=1e-4, atol=1e-5)
     # a row alone gives the same bits as inside the window
-    alone, _, _ = run_attention(dev, q[5:6], bases[5:6], positions[5:6], C, layer, L, KVH)
-    np.testing.assert_array_equal(alone[0], got[5])
+    for r in (4, 5):  # one inside block 0, one across splits
+        alone, _, _ = run_attention(dev, q[r:r + 1], bases[r:r + 1], positions[r:r + 1], C,
+                                    layer, L, KVH, want_q8=fused_q8)
+        np.testing.assert_array_equal(alone[0], got[r])
 
 
 def test_rmsnorm_one_pass_and_fallback(runtime):

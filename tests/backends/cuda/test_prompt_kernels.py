@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from strata.backends.cuda.plan import (ATT_SINGLE_BLOCKS, ATT_SPLITS, GROUP_WIDE_THREADS,
-                                       PA_ROWS, PA_WARPS)
+                                       PA_ROWS, PA_WARPS, attention_kernels)
 
 from test_cuda_kernels import _Dev, _q8, attention_reference, grouped_reference, run_attention
 
@@ -32,7 +32,7 @@ def _slot_cache(rng, L, KVH, C, D, is_int8):
 
 def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_heads,
                          want_q8):
-    """attention_prompt + attention_singles as a prompt-sized window plan launches them;
+    """attention_prompt + attention_singles_d* as a prompt-sized window plan launches them;
     returns (out [R, Q, D], outq [R, Q*D], outd [R, Q*D/32])."""
     R, Q, D = q.shape
     group = Q // num_kv_heads
@@ -47,7 +47,7 @@ def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, 
     dev.launch("attention_prompt", ((R + PA_ROWS - 1) // PA_ROWS, num_kv_heads,
                                     (group + warps - 1) // warps), (32 * warps,),
                "PPPPPPPiiiiiif", common)
-    dev.launch("attention_singles", (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
+    dev.launch(attention_kernels(D)[1], (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
                "PPPPPPPiiiiiifPP", [*common, part, counts])
     assert not dev.get(counts, (R * Q,), np.int32).any()  # every split merged, counters reset
     return (dev.get(out, (R, Q, D), np.float32), dev.get(outq, (R, Q * D), np.int8),
@@ -133,8 +133,9 @@ def test_prompt_attention_rows_independent_of_window(runtime):
 
 
 def test_plan_takes_prompt_kernels_from_the_threshold(synth_path):
-    """Windows of >= MMQ_MIN_ROWS rows launch attention_prompt + attention_singles and
-    group_pairs_wide in every layer; smaller ones keep `attention` (and the one-launch router)."""
+    """Windows of >= MMQ_MIN_ROWS rows launch attention_prompt + attention_singles_d* and
+    group_pairs_wide in every layer; smaller ones keep attention_d* (and the one-launch
+    router)."""
     from strata.backends.cuda import CudaModel
     from strata.backends.cuda import plan as cuda_plan
     from strata.model.gguf_file import GGUFModel
@@ -144,11 +145,12 @@ def test_plan_takes_prompt_kernels_from_the_threshold(synth_path):
         small = list(gpu._plan(cuda_plan.MMQ_MIN_ROWS - 1, 1).launches.names())
         large = list(gpu._plan(cuda_plan.MMQ_MIN_ROWS, 1).launches.names())
     L = gpu.spec.n_layers
-    assert small.count("attention") == L
-    assert not {"attention_prompt", "attention_singles", "group_pairs_wide"} & set(small)
-    assert large.count("attention_prompt") == large.count("attention_singles") == L
+    decode, singles = cuda_plan.attention_kernels(gpu.spec.head_dim)
+    assert small.count(decode) == L
+    assert not {"attention_prompt", singles, "group_pairs_wide"} & set(small)
+    assert large.count("attention_prompt") == large.count(singles) == L
     assert large.count("group_pairs_wide") == L
-    assert not {"attention", "group_pairs"} & set(large)
+    assert not {decode, "group_pairs"} & set(large)
 
 
 @pytest.mark.parametrize("num_experts, experts_per_row, num_rows",

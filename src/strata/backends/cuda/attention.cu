@@ -135,20 +135,126 @@ extern "C" __global__ void qk_rope_append(
     if (lane == 0) const_cast<float *>(dst.scales)[cell] = dd;
 }
 
+// Dim e (< D, or a lane past it) of output row rh (= r * Q + h) of attention: the float value
+// and, when outq is not NULL (D % 32 == 0: a warp's 32 dims are one block), its 8-bit form.
+// Called by a whole warp.
+__device__ __forceinline__ void attention_store(float o, int e, int D, long long rh,
+                                                float *__restrict__ out, int8_t *__restrict__ outq,
+                                                float *__restrict__ outd) {
+    const long long at = rh * D + e;
+    if (e < D) out[at] = o;
+    if (outq != nullptr) {
+        const float amax = warp_max(fabsf(o));
+        const float dd = amax / 127.0f;
+        const float id = dd > 0.0f ? 1.0f / dd : 0.0f;
+        outq[at] = q8_of(o, id);
+        if ((threadIdx.x & 31) == 0) outd[at >> 5] = dd;
+    }
+}
+
 // ---- causal attention of row r, query head h, over cells [0, pos[r]] of its KV, split over
 // ATT_SPLITS blocks (flash-decoding). Cells go in chunks of 32 at fixed absolute positions:
-// chunk i belongs to warp i % ATT_WARPS of block i / ATT_WARPS % ATT_SPLITS. In a chunk lane j
-// scores cell 32i + j (its whole K row), the chunk updates the warp's online softmax, and the
-// chunk's V rows are accumulated with each lane holding dims lane + 32 j. A block merges its
-// warps into a partial (m, l, acc[D]) in part [R, Q, ATT_SPLITS, 2 + D]; the last block of
-// (r, h) to finish (counter in counts [R*Q], zero between launches) merges the partials in
-// split order. So a row's result depends only on its own cells and position, never on the
-// window. out [R, Q*D] float; when outq is not NULL (D % 32 == 0) also its 8-bit form for the
-// output projection. grid (R, Q, ATT_SPLITS), block ATT_WARPS * 32; D % 8 == 0, D <= 256.
+// chunk i belongs to warp i % ATT_WARPS of block i / ATT_WARPS % ATT_SPLITS. A chunk's loads
+// are issued together (lane j: the whole K row of cell 32i + j; every lane: its DM dims
+// [DM lane, DM lane + DM) of the chunk's V rows), the first chunk's before q reaches shared
+// memory, so a short context costs one memory round trip, not one per load batch. Lane j scores
+// its cell, the chunk updates the warp's online softmax and accumulates its V rows. A block
+// merges its warps into a partial (m, l, acc[D]) in part [R, Q, ATT_SPLITS, 2 + D]; the last
+// block of (r, h) to finish (counter in counts [R*Q], zero between launches) merges the partials
+// in split order. When every cell is block 0's (pos[r] < 32 * ATT_WARPS) block 0 writes the
+// output itself and the other blocks return at once: the same bits as the merge, whose empty
+// splits add exact zeros. So a row's result depends only on its own cells and position, never
+// on the window. out [R, Q*D] float; when outq is not NULL (D % 32 == 0) also its 8-bit form
+// for the output projection. grid (R, Q, ATT_SPLITS), block ATT_WARPS * 32; D % 8 == 0,
+// D <= 256.
 #define ATT_WARPS 4
 #define ATT_SPLITS 4
-#define ATT_VBATCH 8  // V rows loaded together before their FMAs (latency, not bandwidth)
-template <int DM>     // dims per lane: ceil(D / 32)
+
+// One chunk's loads in a lane's registers. DM: dims per lane (1, 2, 4, 8), so D <= 32 DM.
+template <int DM>
+struct AttChunk {
+    static constexpr int VROWS = DM <= 4 ? 32 : 8;  // V rows held at once (registers)
+    uint4 k[4 * DM];             // this lane's cell's K row: D / 8 words (int8: .x, .y of each)
+    uint32_t v[VROWS][(DM + 1) / 2];  // this lane's dims of V rows: fp16 pairs or int8 quads
+    float kscale, vscale;        // int8 cells: this lane's cell's K and V scales
+};
+
+// V row `row` (cell * D + d0) of this lane: DM fp16 or int8 values into words w
+template <int DM>
+__device__ __forceinline__ void att_load_v(const KvHead &vh, long long row, uint32_t *w) {
+    if (!vh.is_int8) {
+        const __half *p = reinterpret_cast<const __half *>(vh.cells) + row;
+        if (DM == 1) w[0] = __ldg(reinterpret_cast<const unsigned short *>(p));
+        if (DM == 2) w[0] = __ldg(reinterpret_cast<const unsigned int *>(p));
+        if (DM == 4) {
+            const uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
+            w[0] = r.x;
+            w[1] = r.y;
+        }
+        if (DM == 8) {
+            const uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
+            w[0] = r.x;
+            w[1] = r.y;
+            w[2] = r.z;
+            w[3] = r.w;
+        }
+        return;
+    }
+    const uint8_t *p = vh.cells + row;
+    if (DM == 1) w[0] = __ldg(p);
+    if (DM == 2) w[0] = __ldg(reinterpret_cast<const unsigned short *>(p));
+    if (DM == 4) w[0] = __ldg(reinterpret_cast<const unsigned int *>(p));
+    if (DM == 8) {
+        const uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
+        w[0] = r.x;
+        w[1] = r.y;
+    }
+}
+
+// value i of a lane's V words (fp16 pairs or int8 quads)
+template <int DM>
+__device__ __forceinline__ float att_v_value(const uint32_t *w, int i, bool is_int8) {
+    if (!is_int8)
+        return __half2float(__ushort_as_half((unsigned short)(w[i >> 1] >> (16 * (i & 1)))));
+    return (float)(int8_t)(w[i >> 2] >> (8 * (i & 3)));
+}
+
+// Issue the loads of the chunk at c0: lane's K row (cell min(c0 + lane, last)), V rows
+// [c0 + j0, c0 + j0 + VROWS) (past last: row last, weighted 0 later) when the lane has dims.
+template <int DM>
+__device__ __forceinline__ void att_load_chunk(AttChunk<DM> &ch, const KvHead &kh,
+                                               const KvHead &vh, int c0, int j0, int last,
+                                               int D, int d0, bool with_k) {
+    const int lane = threadIdx.x & 31;
+    if (with_k) {
+        const int cell = min(c0 + lane, last);
+        if (!kh.is_int8) {
+            const uint4 *kc = reinterpret_cast<const uint4 *>(kh.cells + (long long)cell * D * 2);
+#pragma unroll
+            for (int i = 0; i < 4 * DM; i++)
+                if (i < (D >> 3)) ch.k[i] = __ldg(kc + i);
+        } else {
+            const uint2 *kc = reinterpret_cast<const uint2 *>(kh.cells + (long long)cell * D);
+#pragma unroll
+            for (int i = 0; i < 4 * DM; i++) {
+                if (i < (D >> 3)) {
+                    const uint2 raw = __ldg(kc + i);
+                    ch.k[i].x = raw.x;
+                    ch.k[i].y = raw.y;
+                }
+            }
+            ch.kscale = __ldg(kh.scales + cell);
+            ch.vscale = __ldg(vh.scales + cell);
+        }
+    }
+    if (d0 < D) {
+#pragma unroll
+        for (int j = 0; j < AttChunk<DM>::VROWS; j++)
+            att_load_v<DM>(vh, (long long)min(c0 + j0 + j, last) * D + d0, ch.v[j]);
+    }
+}
+
+template <int DM>  // dims per lane: ceil(D / 32) rounded up to 1, 2, 4 or 8
 __device__ __forceinline__ void attention_body(
     const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
     float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
@@ -158,49 +264,53 @@ __device__ __forceinline__ void attention_body(
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][32 * ATT_DMAX];
     __shared__ int s_is_last;
+    constexpr int VROWS = AttChunk<DM>::VROWS;
     const int h = blockIdx.y, split = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kvh = h / (Q / KVH), C = cap[r], last = pos[r];
+    const bool solo = last < 32 * ATT_WARPS;  // every chunk is block 0's
+    if (solo && split > 0) return;            // the whole block: no barrier is left waiting
     const KvHead kh = kv_head(kv_base[r], L, layer, 0, KVH, kvh, C, D);
     const KvHead vh = kv_head(kv_base[r], L, layer, 1, KVH, kvh, C, D);
+    const int d0 = DM * lane;  // this lane's dims [d0, d0 + DM) of V and acc (d0 < D: all of them)
+    const int stride = 32 * ATT_WARPS * ATT_SPLITS;
+    int c0 = 32 * (split * ATT_WARPS + warp);
+    AttChunk<DM> ch;
+    if (c0 <= last) att_load_chunk<DM>(ch, kh, vh, c0, 0, last, D, d0, true);  // in flight ...
     for (int i = threadIdx.x; i < D; i += blockDim.x) sq[i] = q[((long long)r * Q + h) * D + i];
-    __syncthreads();
-    int dim[DM];  // this lane's dims lane + 32 i, clamped to D - 1 (the extra ones are unused)
-#pragma unroll
-    for (int i = 0; i < DM; i++) dim[i] = min(lane + 32 * i, D - 1);
+    __syncthreads();  // ... while q lands in shared memory
     float m = -INFINITY, l = 0.0f, acc[DM];
 #pragma unroll
     for (int i = 0; i < DM; i++) acc[i] = 0.0f;
-    for (int c0 = 32 * (split * ATT_WARPS + warp); c0 <= last; c0 += 32 * ATT_WARPS * ATT_SPLITS) {
+    while (c0 <= last) {
         const int c = c0 + lane;
-        const int cell = min(c, last);  // loads stay unconditional; cells past last score -inf
-        float s, vscale = 1.0f;
-        float dot = 0.0f;
+        float dot = 0.0f, s;
         if (!kh.is_int8) {
-            const uint4 *kc = reinterpret_cast<const uint4 *>(kh.cells + (long long)cell * D * 2);
-#pragma unroll 8
-            for (int i = 0; i < (D >> 3); i++) {
-                const uint4 raw = __ldg(kc + i);
-                const __half2 *hp = reinterpret_cast<const __half2 *>(&raw);
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float2 f = __half22float2(hp[j]);
-                    dot = fmaf(sq[8 * i + 2 * j], f.x, dot);
-                    dot = fmaf(sq[8 * i + 2 * j + 1], f.y, dot);
+            for (int i = 0; i < 4 * DM; i++) {
+                if (i < (D >> 3)) {
+                    const __half2 *hp = reinterpret_cast<const __half2 *>(&ch.k[i]);
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const float2 f = __half22float2(hp[j]);
+                        dot = fmaf(sq[8 * i + 2 * j], f.x, dot);
+                        dot = fmaf(sq[8 * i + 2 * j + 1], f.y, dot);
+                    }
                 }
             }
             s = dot * scale;
         } else {
-            const uint2 *kc = reinterpret_cast<const uint2 *>(kh.cells + (long long)cell * D);
-#pragma unroll 8
-            for (int i = 0; i < (D >> 3); i++) {
-                const uint2 raw = __ldg(kc + i);
-                const int8_t *b = reinterpret_cast<const int8_t *>(&raw);
 #pragma unroll
-                for (int j = 0; j < 8; j++) dot = fmaf(sq[8 * i + j], (float)b[j], dot);
+            for (int i = 0; i < 4 * DM; i++) {
+                if (i < (D >> 3)) {
+                    const uint32_t words[2] = {ch.k[i].x, ch.k[i].y};
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        dot = fmaf(sq[8 * i + j], (float)(int8_t)(words[j >> 2] >> (8 * (j & 3))),
+                                   dot);
+                }
             }
-            s = (dot * __ldg(kh.scales + cell)) * scale;
-            vscale = __ldg(vh.scales + cell);
+            s = (dot * ch.kscale) * scale;
         }
         if (c > last) s = -INFINITY;
         const float m_new = fmaxf(m, warp_max(s));
@@ -209,47 +319,35 @@ __device__ __forceinline__ void attention_body(
         l = l * corr + warp_sum(p);
 #pragma unroll
         for (int i = 0; i < DM; i++) acc[i] *= corr;
-        // V rows in batches of ATT_VBATCH cells, loads first; a cell past last has p = 0 and
-        // reads cell `last` instead (finite), so it adds exactly nothing
-        const float pv = p * vscale;  // the cell's probability (times its V scale for int8)
+        // the cell's probability (times its V scale for int8); a row past last adds 0 x finite
+        const float pv = kh.is_int8 ? p * ch.vscale : p;
 #pragma unroll
-        for (int j0 = 0; j0 < 32; j0 += ATT_VBATCH) {
-            if (c0 + j0 > last) break;  // the same in every lane
-            float vv[ATT_VBATCH][DM];
-            if (!vh.is_int8) {  // one straight run of loads per cell type
-                const __half *values = reinterpret_cast<const __half *>(vh.cells);
-#pragma unroll
-                for (int jj = 0; jj < ATT_VBATCH; jj++) {
-                    const long long row = (long long)min(c0 + j0 + jj, last) * D;
-#pragma unroll
-                    for (int i = 0; i < DM; i++)
-                        vv[jj][i] = __half2float(__ldg(values + row + dim[i]));
-                }
-            } else {
-                const signed char *values = reinterpret_cast<const signed char *>(vh.cells);
-#pragma unroll
-                for (int jj = 0; jj < ATT_VBATCH; jj++) {
-                    const long long row = (long long)min(c0 + j0 + jj, last) * D;
-#pragma unroll
-                    for (int i = 0; i < DM; i++) vv[jj][i] = (float)__ldg(values + row + dim[i]);
-                }
+        for (int j0 = 0; j0 < 32; j0 += VROWS) {
+            if (j0 > 0) {  // DM == 8: the chunk's second half of V rows
+                if (c0 + j0 > last) break;  // the same in every lane
+                att_load_chunk<DM>(ch, kh, vh, c0, j0, last, D, d0, false);
             }
 #pragma unroll
-            for (int jj = 0; jj < ATT_VBATCH; jj++) {
+            for (int jj = 0; jj < VROWS; jj++) {
                 const float pj = __shfl_sync(0xffffffffu, pv, j0 + jj);
 #pragma unroll
-                for (int i = 0; i < DM; i++) acc[i] = fmaf(pj, vv[jj][i], acc[i]);
+                for (int i = 0; i < DM; i++)
+                    acc[i] = fmaf(pj, att_v_value<DM>(ch.v[jj], i, vh.is_int8), acc[i]);
             }
         }
         m = m_new;
+        c0 += stride;
+        if (c0 <= last) att_load_chunk<DM>(ch, kh, vh, c0, 0, last, D, d0, true);
     }
     // this block's partial: its warps merged
     if (lane == 0) {
         sm[warp] = m;
         sl[warp] = l;
     }
+    if (d0 < D) {
 #pragma unroll
-    for (int i = 0; i < DM; i++) sacc[warp][lane + 32 * i] = acc[i];
+        for (int i = 0; i < DM; i++) sacc[warp][d0 + i] = acc[i];
+    }
     __syncthreads();
     float mx = -INFINITY;
 #pragma unroll
@@ -261,6 +359,20 @@ __device__ __forceinline__ void attention_body(
         total += sl[w] * wf[w];
     }
     const long long rh = (long long)r * Q + h;
+    // warp w takes dims [32b, 32b + 32) for b = w, w + ATT_WARPS, ... (one quantisation block)
+    const int num_dim_blocks = (D + 31) >> 5;
+    if (solo) {  // block 0 holds every cell: its partial is the result
+        for (int b = warp; b < num_dim_blocks; b += ATT_WARPS) {
+            const int e = 32 * b + lane;
+            float a = 0.0f;
+            if (e < D) {
+#pragma unroll
+                for (int w = 0; w < ATT_WARPS; w++) a += sacc[w][e] * wf[w];
+            }
+            attention_store(a / total, e, D, rh, out, outq, outd);
+        }
+        return;
+    }
     float *mine = part + (rh * ATT_SPLITS + split) * (2 + D);  // [2 + D]
     for (int e = threadIdx.x; e < D; e += blockDim.x) {
         float a = 0.0f;
@@ -294,72 +406,35 @@ __device__ __forceinline__ void attention_body(
         pf[s] = pm[s] == -INFINITY ? 0.0f : expf(pm[s] - gmx);
         gtotal += __ldcg(parts + s * (2 + D) + 1) * pf[s];
     }
-    // warp w writes dims [32b, 32b + 32) for b = w, w + ATT_WARPS, ...
-    for (int b = warp; b < ((D + 31) >> 5); b += ATT_WARPS) {
+    for (int b = warp; b < num_dim_blocks; b += ATT_WARPS) {
         const int e = 32 * b + lane;
         float o = 0.0f;
         if (e < D) {
 #pragma unroll
             for (int s = 0; s < ATT_SPLITS; s++) o += __ldcg(parts + s * (2 + D) + 2 + e) * pf[s];
         }
-        o = o / gtotal;
-        const long long at = rh * D + e;
-        if (e < D) out[at] = o;
-        if (outq != nullptr) {  // D % 32 == 0: this warp's 32 dims are one quantisation block
-            const float amax = warp_max(fabsf(o));
-            const float dd = amax / 127.0f;
-            const float id = dd > 0.0f ? 1.0f / dd : 0.0f;
-            outq[at] = q8_of(o, id);
-            if (lane == 0) outd[at >> 5] = dd;
-        }
+        attention_store(o / gtotal, e, D, rh, out, outq, outd);
     }
 }
 
-// attention_body for row r, dispatched on the dims per lane
-__device__ __forceinline__ void attention_row(
-    const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
-    float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
-    const int *__restrict__ pos, const int *__restrict__ cap, int layer, int L, int Q, int KVH,
-    int D, float scale, float *__restrict__ part, int *__restrict__ counts, int r) {
-    const int dims_per_lane = (D + 31) >> 5;
-    if (dims_per_lane == 1)
-        attention_body<1>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
-                          part, counts, r);
-    else if (dims_per_lane == 2)
-        attention_body<2>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
-                          part, counts, r);
-    else if (dims_per_lane <= 4)
-        attention_body<4>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
-                          part, counts, r);
-    else
-        attention_body<8>(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale,
-                          part, counts, r);
-}
-
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention(const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
-          float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
-          const int *__restrict__ pos, const int *__restrict__ cap, int layer, int L, int Q,
-          int KVH, int D, float scale, float *__restrict__ part, int *__restrict__ counts) {
-    kernel_entry();
-    attention_row(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale, part,
-                  counts, blockIdx.x);
-}
+#define ATTENTION_ARGS                                                                          \
+    const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,            \
+        float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,               \
+        const int *__restrict__ pos, const int *__restrict__ cap
+#define ATTENTION_PASS q, out, outq, outd, kv_base, pos, cap
 
 // ---- beside attention_prompt (attention_prompt.cu) in prompt-sized windows: the rows that no
-// neighbour row shares a kv_base with (decode rows), each as `attention` computes it, so a
+// neighbour row shares a kv_base with (decode rows), each as `attention_d*` computes it, so a
 // decode row gives the same bits in any window. Block x takes rows x, x + gridDim.x, ...: its
 // threads test blockDim.x of them at once (a prompt chunk has none to take, so the scan must not
 // walk its rows one by one), then the block computes the singles found, one after another.
 // grid (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), block ATT_WARPS * 32.
 #define ATT_SINGLE_BLOCKS 16
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention_singles(const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
-                  float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
-                  const int *__restrict__ pos, const int *__restrict__ cap, int R, int layer,
-                  int L, int Q, int KVH, int D, float scale, float *__restrict__ part,
-                  int *__restrict__ counts) {
-    kernel_entry();
+template <int DM>
+__device__ __forceinline__ void attention_singles_body(ATTENTION_ARGS, int R, int layer, int L,
+                                                       int Q, int KVH, int D, float scale,
+                                                       float *__restrict__ part,
+                                                       int *__restrict__ counts) {
     __shared__ int s_rows[ATT_WARPS * 32];
     __shared__ int s_count;
     const int step = gridDim.x;
@@ -375,8 +450,31 @@ attention_singles(const float *__restrict__ q, float *__restrict__ out, int8_t *
         __syncthreads();
         const int n = s_count;
         for (int j = 0; j < n; j++)
-            attention_row(q, out, outq, outd, kv_base, pos, cap, layer, L, Q, KVH, D, scale, part,
-                          counts, s_rows[j]);
+            attention_body<DM>(ATTENTION_PASS, layer, L, Q, KVH, D, scale, part, counts,
+                               s_rows[j]);
         __syncthreads();  // s_rows and s_count are rewritten by the next scan
     }
 }
+
+// The entry points of one dims-per-lane DM (plan.attention_kernel picks it from D; each is a
+// kernel of its own, so each gets its own registers): attention_d<DM>, grid (R, Q, ATT_SPLITS),
+// and attention_singles_d<DM>, both block ATT_WARPS * 32.
+#define ATTENTION_KERNELS(DM)                                                                   \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_d##DM(              \
+        ATTENTION_ARGS, int layer, int L, int Q, int KVH, int D, float scale,                   \
+        float *__restrict__ part, int *__restrict__ counts) {                                   \
+        kernel_entry();                                                                         \
+        attention_body<DM>(ATTENTION_PASS, layer, L, Q, KVH, D, scale, part, counts,           \
+                           blockIdx.x);                                                         \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_singles_d##DM(      \
+        ATTENTION_ARGS, int R, int layer, int L, int Q, int KVH, int D, float scale,            \
+        float *__restrict__ part, int *__restrict__ counts) {                                   \
+        kernel_entry();                                                                         \
+        attention_singles_body<DM>(ATTENTION_PASS, R, layer, L, Q, KVH, D, scale, part,         \
+                                   counts);                                                     \
+    }
+ATTENTION_KERNELS(1)
+ATTENTION_KERNELS(2)
+ATTENTION_KERNELS(4)
+ATTENTION_KERNELS(8)

@@ -27,7 +27,7 @@ ATT_SPLITS, ROUTER_WARPS, ROUTER_RT, GROUP_CHUNK = 4, 4, 8, 1024
 # other rows by attention.cu's attention_singles (ATT_SINGLE_BLOCKS blocks walk the rows);
 # group_pairs_wide (GROUP_WIDE_THREADS threads) groups the pairs. Head dims the kernel takes:
 PA_ROWS, PA_WARPS, ATT_SINGLE_BLOCKS, GROUP_WIDE_THREADS = 16, 8, 16, 1024
-PA_HEAD_DIMS = (16, 32, 64, 128)  # STRATA_PROMPT_ATTN=old: `attention` for every window
+PA_HEAD_DIMS = (16, 32, 64, 128)  # STRATA_PROMPT_ATTN=old: attention_d* for every window
 GROUP_WIDE_MAX_SHARED_BYTES = 48 * 1024
 NORM_MAX_HIDDEN = 8192  # combine_norm / one-pass RMSNorm: hidden % 4 == 0 and at most this
 # Windows of at least MMQ_MIN_ROWS rows (or logit rows, for the head) take mmq.cu's tiled
@@ -63,6 +63,13 @@ MV_WARPS = 4
 # 289.2 / 630.3. Within run-to-run spread, so it stays opt-in.
 PDL_MAX_ROWS = 4
 MV_TYPES = ("q4_0", "q8_0")
+
+
+def attention_kernels(head_dim: int) -> tuple[str, str]:
+    """attention.cu's decode and singles kernels for this head dim: the dims per lane
+    ceil(D / 32) rounded up to 1, 2, 4 or 8 (D <= 256)."""
+    per_lane = next(n for n in (1, 2, 4, 8) if 32 * n >= head_dim)
+    return f"attention_d{per_lane}", f"attention_singles_d{per_lane}"
 
 
 def mv_outputs_per_warp(num_cols: int) -> int:
@@ -268,16 +275,17 @@ class WindowPlan:
     def _attention(self, li: int, fuse_q: bool) -> None:
         """Attention of every row over its KV into hf [R, Q*D] (+ hq/hd when fuse_q): in
         prompt-sized windows attention_prompt (rows beside rows of their slot) and
-        attention_singles (the rest, as `attention`), else `attention` for all rows."""
+        attention_singles_d* (the rest, as attention_d*), else attention_d* for all rows."""
         ws, spec, R = self._ws, self._model.spec, self.num_rows
         Q, KVH, D, L = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.n_layers
         outs = [ws.ptr("qb"), ws.ptr("hf"), ws.ptr("hq") if fuse_q else 0,
                 ws.ptr("hd") if fuse_q else 0, ws.desc("kv"), ws.desc("pos"), ws.desc("cap")]
         split = [ws.ptr("att_part"), ws.ptr("att_counts")]
         scale = self._model.attn_scale
+        decode, singles = attention_kernels(D)
         if (R < MMQ_MIN_ROWS or D not in PA_HEAD_DIMS or Q % KVH
                 or os.environ.get("STRATA_PROMPT_ATTN", "mma") == "old"):
-            self._add("attention", (R, Q, ATT_SPLITS), (128,), "PPPPPPPiiiiifPP",
+            self._add(decode, (R, Q, ATT_SPLITS), (128,), "PPPPPPPiiiiifPP",
                       [*outs, li, L, Q, KVH, D, scale, *split])
             return
         group = Q // KVH
@@ -285,7 +293,7 @@ class WindowPlan:
         grid = ((R + PA_ROWS - 1) // PA_ROWS, KVH, (group + warps - 1) // warps)
         self._add("attention_prompt", grid, (32 * warps,), "PPPPPPPiiiiiif",
                   [*outs, R, li, L, Q, KVH, D, scale])
-        self._add("attention_singles", (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
+        self._add(singles, (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
                   "PPPPPPPiiiiiifPP", [*outs, R, li, L, Q, KVH, D, scale, *split])
 
     def _router(self, ly) -> None:

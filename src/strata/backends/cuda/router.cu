@@ -36,12 +36,24 @@ __device__ __forceinline__ void topk_row(const float *x, int E, int K, int norm,
             const float p = probs[e];
             if (p > best) { best = p; best_id = e; }  // ascending e: ties keep the lowest
         }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        {  // two warp reductions: the largest key (probabilities >= 0 order as their bits;
+           // taken and empty lanes, < 0, as 0), then the lowest id among the lanes holding it
+            const unsigned key = best >= 0.0f ? __float_as_uint(best) + 1u : 0u;
+            const unsigned top = __reduce_max_sync(0xffffffffu, key);
+            best_id = (int)__reduce_min_sync(0xffffffffu,
+                                             key == top ? (unsigned)best_id : 0x7fffffffu);
+            best = __shfl_sync(0xffffffffu, best, __ffs(__ballot_sync(0xffffffffu,
+                                                                      key == top)) - 1);
+        }
+#else
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const float ob = __shfl_xor_sync(0xffffffffu, best, o);
             const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
             if (ob > best || (ob == best && oi < best_id)) { best = ob; best_id = oi; }
         }
+#endif
         if (lane == 0) {
             ids[k] = best_id;
             weights[k] = best;
@@ -241,7 +253,8 @@ __device__ __forceinline__ float4 load_float4_weight(const uint8_t *row, int c) 
 // ---- the router in one launch (float router weights): logits [R, E] = W [E, H] x xf [R, H],
 // a warp per expert over ROUTER_RT rows (float4 loads); the last block of a row tile (counter
 // counts[1 + tile]) runs softmax + top-k of its rows (ids, weights [R, K]); the last tile to
-// finish (counts[0]) groups the pairs by expert (group_warp: decode windows have few pairs). Counters are zero between
+// finish (counts[0]) groups the pairs by expert (group_warp: decode windows have few pairs),
+// and with one tile (R <= ROUTER_RT) its last block does so at once. Counters are zero between
 // launches. Each logit is summed in one fixed order, so a row's routing never depends on the
 // window. grid (ceil(E / ROUTER_WARPS), ceil(R / ROUTER_RT)), block ROUTER_WARPS * 32, shared
 // floats [ROUTER_WARPS * E] + ints [2E + GROUP_CHUNK]. H % 4 == 0.
@@ -342,6 +355,13 @@ __device__ __forceinline__ void router_body(
     for (int t = warp; t < nt; t += ROUTER_WARPS)
         topk_row(logits + (long long)(r0 + t) * E, E, K, norm, shm_router + warp * E,
                  ids + (r0 + t) * K, weights + (r0 + t) * K);
+    if (gridDim.y == 1) {  // one row tile (decode windows): this block has every row's top-k
+        __syncthreads();    // the other warps' ids are visible to warp 0
+        if (warp == 0)
+            group_warp(ids, R * K, K, E, groups, num_groups, act_rows, out_rows,
+                       reinterpret_cast<int *>(shm_router + ROUTER_WARPS * E));
+        return;
+    }
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {

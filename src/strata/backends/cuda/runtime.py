@@ -186,8 +186,9 @@ def _kernel_names(source: str) -> list[str]:
                             ("EMBED_KERNEL", ("embed_",)),
                             ("MMQ_KERNELS", tuple(f"mmq{rows}_{kind}_" for rows in (64, 32)
                                                   for kind in ("store", "add", "gateup", "qkv"))),
-                            ("MMF_KERNELS", ("mmf_store_", "mmf_add_"))):
-        for type_name in re.findall(rf"^{macro}\((\w+),", source, flags=re.M):
+                            ("MMF_KERNELS", ("mmf_store_", "mmf_add_")),
+                            ("ATTENTION_KERNELS", ("attention_d", "attention_singles_d"))):
+        for type_name in re.findall(rf"^{macro}\((\w+)[,)]", source, flags=re.M):
             names += [p + type_name for p in prefixes]
     # MMQ_TILE_KERNELS(NAME, QT, BN, TAG, RAW) at the top level: mmq{BN}{TAG}_{kind}_{NAME}
     for type_name, rows, tag in re.findall(r"^MMQ_TILE_KERNELS\((\w+), \w+, (\d+), (\w*),",

@@ -1,0 +1,112 @@
+"""Where a decode step's time goes on the CUDA backend: the whole step as `strata bench` times it
+(host preparation, graph launch, argmax read back), the captured graph replayed back to back
+(device time per window), and with --ncu-csv the kernels' own durations from Nsight Compute,
+summed per kernel name. step - graph is host time; graph - kernels is the gaps between kernels.
+
+Usage, on the GPU machine:
+  python tools/decode_breakdown.py MODEL.gguf [--rows 1] [--context 128]
+  ncu --profile-from-start off --metrics gpu__time_duration.sum --csv \\
+      python tools/decode_breakdown.py MODEL.gguf --ncu > ncu.csv
+  python tools/decode_breakdown.py MODEL.gguf --ncu-csv ncu.csv   (no GPU needed for this part)
+--ncu runs one decode window launch by one between cuProfilerStart and cuProfilerStop.
+"""
+import argparse
+import csv
+import ctypes
+import io
+import statistics
+import time
+
+import numpy as np
+
+
+def _kernel_table(path: str) -> None:
+    """Per kernel name: launches and summed gpu__time_duration from ncu's --csv output."""
+    with open(path) as f:
+        text = f.read()
+    start = text.find('"ID"')
+    if start < 0:
+        raise SystemExit(f"{path}: no ncu CSV table in it")
+    sums: dict[str, list[float]] = {}
+    for row in csv.DictReader(io.StringIO(text[start:])):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        value = float(row["Metric Value"].replace(",", ""))
+        scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
+                 "ms": 1e3}[row["Metric Unit"]]
+        name = row["Kernel Name"].split("(")[0]
+        sums.setdefault(name, []).append(value * scale)
+    total = sum(sum(v) for v in sums.values())
+    count = sum(len(v) for v in sums.values())
+    print(f"kernels: {count} launches, {total / 1000:.3f} ms of kernel time per window")
+    print("| kernel | launches | us total | us each (median) | share |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, us in sorted(sums.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {name} | {len(us)} | {sum(us):.1f} | {statistics.median(us):.2f} | "
+              f"{100 * sum(us) / total:.1f}% |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--rows", type=int, default=1, help="decode rows (slots) per window")
+    ap.add_argument("--context", type=int, default=128, help="cells in each KV before the step")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--ncu", action="store_true", help="profile one window for ncu and stop")
+    ap.add_argument("--ncu-csv", default=None, help="summarise this ncu --csv output")
+    args = ap.parse_args()
+    if args.ncu_csv:
+        _kernel_table(args.ncu_csv)
+        return
+
+    from strata.backends.cuda import CudaModel
+    from strata.backends.window import Window
+    from strata.model.gguf_file import GGUFModel
+
+    model = CudaModel(GGUFModel.open(args.model))
+    rng = np.random.default_rng(0)
+    V = model.spec.vocab
+    kvs = [model.new_kv(args.context + 2 * args.steps + 8, dtype=np.float16)
+           for _ in range(args.rows)]
+    for kv in kvs:
+        model.forward_window_greedy(Window.build(
+            [(kv, rng.integers(0, V, args.context).astype(np.int32))]))
+
+    def window(tokens):
+        return Window.build([(kv, tokens[i:i + 1]) for i, kv in enumerate(kvs)])
+
+    tok = rng.integers(0, V, args.rows).astype(np.int32)
+    for _ in range(4):  # plans, graph capture
+        tok = model.forward_window_greedy(window(tok))
+    if args.ncu:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda.cuProfilerStart()
+        model.profile_window(window(tok))
+        cuda.cuProfilerStop()
+        return
+    step = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        tok = model.forward_window_greedy(window(tok))
+        step.append(time.perf_counter() - t0)
+    # the graph of this window shape replayed back to back: device time per window
+    rt = model.runtime
+    plan = model._plan(args.rows, args.rows)
+    with rt.active():
+        model._prepare(window(tok))  # descriptor of a window at the current positions
+        start, stop = rt.drv.Event(), rt.drv.Event()
+        plan.run(rt.stream_handle, True)
+        start.record(rt.stream)
+        for _ in range(args.steps):
+            plan.run(rt.stream_handle, True)
+        stop.record(rt.stream)
+        stop.synchronize()
+        graph_ms = start.time_till(stop) / args.steps
+    step_ms = 1000 * statistics.median(step)
+    print(f"{args.rows} rows at context {args.context}: step {step_ms:.3f} ms "
+          f"({args.rows / step_ms * 1000:.1f} tokens/s), graph replay {graph_ms:.3f} ms per "
+          f"window, host {step_ms - graph_ms:.3f} ms; {len(plan.launches.names())} launches")
+
+
+if __name__ == "__main__":
+    main()
