@@ -49,12 +49,12 @@ MMQ_MIN_BLOCKS_64 = 512
 # STRATA_MMQ_STAGE=words keeps the word-by-word staging (to measure one against the other).
 MMQ_RAW_COLS = 256
 MMF_OUTS, MMF_ROWS, MMF_THREADS = 32, 16, 128  # outputs x rows per block of mmq.cu's float kernel
-# Decode windows' Q4_0 / Q8_0 products but the routed down: matvec.cu's mv_* kernels (weight rows
-# staged by cp.async, MV_WARPS warps per block, mv_outputs_per_warp(K) outputs per warp); the
-# down products keep the dp4a mm_* warps after quantize_q8 (see _build). One family for every
-# decode window, resident or offloaded, so a row's bits never depend on its window or on where
-# its experts live. STRATA_DECODE_MM=dp4a keeps mm_* everywhere (to measure one against the
-# other in one build).
+# Decode windows' Q4_0 / Q8_0 products: matvec.cu's mv_* kernels (weight rows staged by
+# cp.async, MV_WARPS warps per block, mv_outputs_per_warp(K) outputs per warp), the routed down
+# too, over hbuf quantised by quantize_q8 (see _build). One family for every decode window,
+# resident or offloaded, so a row's bits never depend on its window or on where its experts
+# live. STRATA_DECODE_MM=dp4a keeps mm_* everywhere, STRATA_DECODE_DOWN=mm for the routed down
+# only (to measure one against the other in one build).
 MV_WARPS = 4
 # Programmatic dependent launch (runtime.py; cc >= 9.0, STRATA_PDL=1) for windows of at most
 # this many rows. H200, qwen3-30b-a3b Q4_0, tokens/s with / without it in one build: every
@@ -363,12 +363,13 @@ class WindowPlan:
                      act_rows=True)
             if not ly.down_exps.is_float:
                 self._quantize("hbuf", "hbq", "hbd", P * F)
-            # down per distinct expert: ybuf [P (pair r*K + k), H]. The dp4a warps: an mv kernel
-            # quantising hbuf's rows itself (every warp redoing it) took 1.24 ms per decode token
-            # (H200, qwen3-30b-a3b), these 0.90 with the head + quantize_q8 0.23 in an earlier
-            # build, and its cost grows with the window's pairs (8 slots: 542 vs 633 tokens/s)
+            # down per distinct expert: ybuf [P (pair r*K + k), H]. mv over the quantize_q8
+            # rows: H200, qwen3-30b-a3b Q4_0, tokens/s 1 / 4 / 8 slots 344.5 / 771.7 / 923.7 vs
+            # 318.3 / 665.9 / 795.3 on the dp4a mm_* warps (9.2 vs 13.9 us per layer, ncu: the
+            # mm grid of 1,024 blocks at 127 registers took two waves). An mv kernel quantising
+            # hbuf's rows itself (every warp redoing it) was slower than both in an earlier build.
             self._mm("store", ly.down_exps, "hbuf", "ybuf", grouped=True, out_rows=True,
-                     use_mv=False)
+                     use_mv=os.environ.get("STRATA_DECODE_DOWN", "mv") != "mm")
             self.expert_spans.append((first_expert_launch, len(self.launches)))
             shared = (0, 0)
             if ly.shexp_w_gate is not None:
