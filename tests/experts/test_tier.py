@@ -4,8 +4,10 @@ import types
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from strata.experts.tier import FREE_SLOT, DecayedCountTier
+from strata.experts.tier import FREE_SLOT, DecayedCountTier, plan_by_scores, smallest_first
 from strata.hookspecs import ExpertSwap, TierPolicy
 from strata.plugins import BUILTIN_PLUGIN_NAME, get_plugin_manager, resolve_choosers
 
@@ -156,6 +158,54 @@ def test_arguments_are_not_modified():
     tier.plan_swaps(counts, residency, 0.0)
     tier.plan_swaps(counts, residency, 0.0)
     assert counts.tolist() == [[1, 5, 2]] and residency.tolist() == [[0, -1, -1]]
+
+
+def _plan_by_full_sort(scores, residency, num_cache_slots, max_swaps, min_gain, hysteresis):
+    """plan_by_scores' rule with both candidate lists fully sorted (stable): the reference."""
+    flat, E = scores.reshape(-1), scores.shape[1]
+    is_resident = residency.reshape(-1) >= 0
+    missing, resident = np.flatnonzero(~is_resident), np.flatnonzero(is_resident)
+    missing = missing[np.argsort(-flat[missing], kind="stable")]
+    resident = resident[np.argsort(flat[resident], kind="stable")]
+    swaps, at = [], 0
+    num_free = 0 if num_cache_slots is None else num_cache_slots - len(resident)
+    while (len(swaps) < min(num_free, max_swaps) and at < len(missing)
+           and flat[missing[at]] > min_gain):
+        swaps.append(ExpertSwap(*divmod(int(missing[at]), E), FREE_SLOT, FREE_SLOT))
+        at += 1
+    for victim in resident:
+        if len(swaps) >= max_swaps or at >= len(missing):
+            break
+        if flat[missing[at]] - flat[victim] <= min_gain + hysteresis * flat[victim]:
+            break
+        swaps.append(ExpertSwap(*divmod(int(missing[at]), E), *divmod(int(victim), E)))
+        at += 1
+    return swaps
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 24), st.integers(0, 2**32 - 1), st.booleans(),
+       st.integers(1, 9), st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from([0.0, 0.5]),
+       st.integers(-1, 4))
+def test_partial_sort_plans_as_a_full_sort(num_layers, num_experts, seed, ties, max_swaps,
+                                           min_gain, hysteresis, extra_slots):
+    """plan_by_scores sorts only the max_swaps best missing / worst resident experts
+    (smallest_first): the same swaps as fully sorted lists, ties (few distinct scores) too."""
+    rng = np.random.default_rng(seed)
+    n = num_layers * num_experts
+    num_resident = int(rng.integers(0, n + 1))
+    residency = np.full(n, -1)
+    residency[rng.permutation(n)[:num_resident]] = np.arange(num_resident)
+    residency = residency.reshape(num_layers, num_experts)
+    shape = (num_layers, num_experts)
+    scores = rng.integers(0, 4, shape).astype(float) if ties else rng.random(shape)
+    slots = None if extra_slots < 0 else num_resident + extra_slots
+    assert plan_by_scores(scores, residency, slots, max_swaps, min_gain, hysteresis) == \
+        _plan_by_full_sort(scores, residency, slots, max_swaps, min_gain, hysteresis)
+    keys = -scores.reshape(-1)
+    candidates = np.flatnonzero(residency.reshape(-1) < 0)
+    full = candidates[np.argsort(keys[candidates], kind="stable")]
+    np.testing.assert_array_equal(smallest_first(candidates, keys, max_swaps), full[:max_swaps])
 
 
 @pytest.mark.parametrize("knobs, message", [

