@@ -90,6 +90,42 @@ def test_order_violations_are_refused():
         ResidencyTable(2, 0, 1)
 
 
+def test_batched_claims_and_lands_publish_one_version_each():
+    """begin_evict_many / land_many: the tables of the one-by-one path, one version per batch,
+    every load checked before any is published, and an older reader still holds the batch."""
+    table = make_table(n_slots=4)
+    assert table.begin_evict_many([]) == [] and table.version == 0  # nothing: no version
+    tickets = table.begin_evict_many([0, 1, 2])
+    assert tickets == [EvictTicket(0, 1, None), EvictTicket(1, 1, None), EvictTicket(2, 1, None)]
+    assert table.land_many([(0, 0, 1), (1, 1, 3), (2, 0, 0)]) == 2
+    assert np.array_equal(table.peek().table,
+                          expected_table(2, 4, {(0, 1): 0, (1, 3): 1, (0, 0): 2}))
+    reader = table.snapshot()  # version 2: shows (0, 1) in slot 0 and (1, 3) in slot 1
+    tickets = table.begin_evict_many([1, 0, 3])
+    assert [t.evicted for t in tickets] == [(1, 3), (0, 1), None]
+    assert {t.version for t in tickets} == {3} and table.version == 3
+    assert np.array_equal(table.peek().table, expected_table(2, 4, {(0, 0): 2}))
+    assert not any(table.is_overwritable(t) for t in tickets)
+    with pytest.raises(RuntimeError, match="still pins version 2"):
+        table.land_many([(1, 1, 0)])
+    reader.release()
+    with pytest.raises(ValueError, match=r"\(0, 0\) is already resident in slot 2"):
+        table.land_many([(1, 1, 0), (0, 0, 0)])  # the bad load stops the whole batch
+    assert table.version == 3 and table.is_claimed(1) and table.is_claimed(0)
+    with pytest.raises(ValueError, match="repeats"):
+        table.land_many([(1, 1, 0), (0, 1, 0)])
+    with pytest.raises(RuntimeError, match="without begin_evict"):
+        table.land_many([(1, 1, 0), (2, 1, 1)])
+    with pytest.raises(RuntimeError, match="already claimed"):
+        table.begin_evict_many([3])
+    with pytest.raises(ValueError, match="repeat"):
+        table.begin_evict_many([2, 2])
+    assert table.land_many([(1, 1, 0), (0, 1, 1), (3, 0, 3)]) == 4
+    assert np.array_equal(table.peek().table,
+                          expected_table(2, 4, {(1, 0): 1, (1, 1): 0, (0, 0): 2, (0, 3): 3}))
+    assert [table.slot_owner(s) for s in range(4)] == [(1, 1), (1, 0), (0, 0), (0, 3)]
+
+
 def test_snapshot_never_changes_and_is_read_only():
     table = make_table()
     make_resident(table, 0, 1, 1)

@@ -155,6 +155,37 @@ class ResidencyTable:
             self._published = (version, table)
         return EvictTicket(slot, version, evicted)
 
+    def begin_evict_many(self, slots) -> list[EvictTicket]:
+        """begin_evict of each of `slots` (distinct), published as one version: one table copy
+        for the batch (the async copier claims a round's slots at once)."""
+        idx = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if idx.size == 0:
+            return []
+        if idx.min() < 0 or idx.max() >= self.n_slots:
+            bad = int(idx[(idx < 0) | (idx >= self.n_slots)][0])
+            raise IndexError(f"slot {bad} is out of range: the cache has {self.n_slots} slots")
+        if np.unique(idx).size != idx.size:
+            raise ValueError(f"begin_evict_many: slots repeat in {idx.tolist()}")
+        with self._lock:
+            keys = self._owners[idx]
+            if (keys == CLAIMED).any():
+                slot = int(idx[keys == CLAIMED][0])
+                raise RuntimeError(f"slot {slot} is already claimed by begin_evict and not yet "
+                                   "landed or aborted; one change per slot at a time")
+            version, table = self._published
+            version += 1
+            held = keys >= 0
+            if held.any():
+                table = table.copy()
+                table.reshape(-1)[keys[held]] = MISSING
+                table.flags.writeable = False
+            self._owners[idx] = CLAIMED
+            self._claim_version[idx] = version
+            self._published = (version, table)
+        E = self.n_experts
+        return [EvictTicket(slot, version, (key // E, key % E) if key >= 0 else None)
+                for slot, key in zip(idx.tolist(), keys.tolist())]
+
     def is_overwritable(self, ticket: EvictTicket) -> bool:
         """True once no reader pins a version older than the ticket's."""
         with self._lock:
@@ -195,6 +226,54 @@ class ResidencyTable:
             table[layer, expert] = slot
             table.flags.writeable = False
             self._owners[slot] = layer * self.n_experts + expert
+            self._published = (version + 1, table)
+            return version + 1
+
+    def land_many(self, loads) -> int:
+        """land() of each (slot, layer, expert) in `loads`, published as one version (one table
+        copy); every load is checked before any is published. Returns the new version."""
+        arr = np.asarray(loads, dtype=np.int64).reshape(-1, 3)
+        slots, layers, experts = arr[:, 0], arr[:, 1], arr[:, 2]
+        if len(arr) and (slots.min() < 0 or slots.max() >= self.n_slots):
+            bad = int(slots[(slots < 0) | (slots >= self.n_slots)][0])
+            raise IndexError(f"slot {bad} is out of range: the cache has {self.n_slots} slots")
+        outside = (layers < 0) | (layers >= self.n_layers) | (experts < 0) | \
+            (experts >= self.n_experts)
+        if outside.any():
+            at = int(np.flatnonzero(outside)[0])
+            raise IndexError(f"expert ({int(layers[at])}, {int(experts[at])}) is out of range "
+                             f"for a table of {self.n_layers} layers x {self.n_experts} experts")
+        keys = layers * self.n_experts + experts
+        if np.unique(slots).size != len(arr) or np.unique(keys).size != len(arr):
+            raise ValueError(f"land_many: a slot or an expert repeats in {arr.tolist()}")
+        with self._lock:
+            version, table = self._published
+            if not len(arr):
+                return version
+            unclaimed = self._owners[slots] != CLAIMED
+            if unclaimed.any():
+                slot = int(slots[unclaimed][0])
+                raise RuntimeError(f"land(slot {slot}) without begin_evict({slot}): a slot must "
+                                   "be claimed (its old expert published missing) first")
+            oldest = self._oldest_pin_locked()
+            early = self._claim_version[slots] > oldest
+            if early.any():
+                slot = int(slots[early][0])
+                raise RuntimeError(
+                    f"land(slot {slot}) while a reader still pins version {oldest} < "
+                    f"{int(self._claim_version[slot])}: its bytes were overwritten too early; "
+                    "wait_overwritable(ticket) before copying")
+            flat = table.reshape(-1)
+            taken = flat[keys] != MISSING
+            if taken.any():
+                at = int(np.flatnonzero(taken)[0])
+                raise ValueError(f"expert ({int(layers[at])}, {int(experts[at])}) is already "
+                                 f"resident in slot {int(flat[keys[at]])}; abort slot "
+                                 f"{int(slots[at])} instead")
+            table = table.copy()
+            table.reshape(-1)[keys] = slots
+            table.flags.writeable = False
+            self._owners[slots] = keys
             self._published = (version + 1, table)
             return version + 1
 

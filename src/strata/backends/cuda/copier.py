@@ -47,26 +47,40 @@ class StreamCopier:
     def pump(self) -> None:
         a, rt, drv = self.arena, self.arena._rt, self.arena._rt.drv
         with rt.active():
-            changed = False
-            for f in list(self._flight):  # 1. land what has arrived
-                if f["event"] is not None and f["event"].query():
-                    load = f["load"]
-                    self._flight.remove(f)
-                    if a.table.peek().table[load.layer, load.expert] >= 0:
-                        # another copier loaded it meanwhile (a refill racing a swap)
-                        a.table.abort(load.slot)
-                        continue
-                    a.table.land(load.slot, load.layer, load.expert)
-                    a._point(load.layer, load.expert, load.slot)
+            # 1. land what has arrived, one table version for all of them (an event is shared
+            # by the loads one pump completed: query it once)
+            landing, arrived, resident = [], {}, a.table.peek().table
+            for f in self._flight:
+                event = f["event"]
+                if event is None:
+                    continue
+                if id(event) not in arrived:
+                    arrived[id(event)] = event.query()
+                if arrived[id(event)]:
+                    landing.append(f)
+            landed, seen = [], set()
+            for f in landing:
+                load = f["load"]
+                self._flight.remove(f)
+                if resident[load.layer, load.expert] >= 0 or (load.layer, load.expert) in seen:
+                    # another copier loaded it meanwhile (a refill racing a swap)
+                    a.table.abort(load.slot)
+                    continue
+                seen.add((load.layer, load.expert))
+                landed.append(load)
+            changed = bool(landed)
+            if landed:
+                a.table.land_many([(ld.slot, ld.layer, ld.expert) for ld in landed])
+                a._point_many([ld.layer for ld in landed], [ld.expert for ld in landed],
+                              [ld.slot for ld in landed])
+                for load in landed:
                     self._on_landed(load)
-                    changed = True
-            started = []
-            for load in self._queued:  # 2. claim the slots of new loads
-                ticket = a.table.begin_evict(load.slot)
-                if ticket.evicted is not None:
-                    a._point(*ticket.evicted, -1)
-                started.append({"load": load, "at": 0, "event": None,
-                                "nbytes": a._image_bytes(load.layer)})
+            # 2. claim the slots of new loads (their evictions in one table version)
+            tickets = a.table.begin_evict_many([load.slot for load in self._queued])
+            evicted = [t.evicted for t in tickets if t.evicted is not None]
+            a._point_many([e[0] for e in evicted], [e[1] for e in evicted], [-1] * len(evicted))
+            started = [{"load": load, "at": 0, "event": None, "nbytes": a._image_bytes(load.layer)}
+                       for load in self._queued]
             self._queued = []
             if changed or started:
                 published = a._publish()
