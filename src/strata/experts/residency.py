@@ -62,6 +62,14 @@ class Snapshot:
         return f"Snapshot(version={self.version}, resident={int((self.table >= 0).sum())})"
 
 
+def _repeats(values: np.ndarray) -> bool:
+    """True when a value occurs twice. A sort, not np.unique: np.unique's first call in a
+    process takes ~15 ms here (lazy imports), and with it the H200's first async tier window
+    waited 50 ms once (not re-measured since; the engine thread pays such costs in a window)."""
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 class ResidencyTable:
     """Host residency table of an expert cache with `n_slots` slots.
 
@@ -164,7 +172,7 @@ class ResidencyTable:
         if idx.min() < 0 or idx.max() >= self.n_slots:
             bad = int(idx[(idx < 0) | (idx >= self.n_slots)][0])
             raise IndexError(f"slot {bad} is out of range: the cache has {self.n_slots} slots")
-        if np.unique(idx).size != idx.size:
+        if _repeats(idx):
             raise ValueError(f"begin_evict_many: slots repeat in {idx.tolist()}")
         with self._lock:
             keys = self._owners[idx]
@@ -244,7 +252,7 @@ class ResidencyTable:
             raise IndexError(f"expert ({int(layers[at])}, {int(experts[at])}) is out of range "
                              f"for a table of {self.n_layers} layers x {self.n_experts} experts")
         keys = layers * self.n_experts + experts
-        if np.unique(slots).size != len(arr) or np.unique(keys).size != len(arr):
+        if _repeats(slots) or _repeats(keys):
             raise ValueError(f"land_many: a slot or an expert repeats in {arr.tolist()}")
         with self._lock:
             version, table = self._published
