@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from strata.engine.interleave import HalfRateInterleave, PendingRead, ReadPlan, WindowTiming
@@ -83,6 +83,7 @@ def test_a_larger_share_needs_more_windows():
     assert plan.decode_share == pytest.approx(0.192 / 0.256)
 
 
+@example(window_s=1.0, per_token_s=5e-324, chunk=1, left=1, share=0.25)
 @given(window_s=st.floats(1e-5, 10.0), per_token_s=st.floats(0.0, 1.0),
        chunk=st.integers(1, 4096), left=st.integers(1, 100_000),
        share=st.sampled_from([0.0, 0.25, 0.5, 0.9]))
@@ -94,7 +95,11 @@ def test_decode_share_always_holds_and_the_window_count_is_minimal(window_s, per
     chunk_s = plan.chunk_tokens * per_token_s
     k = plan.num_decode_windows_after
     assert k * window_s * (1 - share) >= share * chunk_s
-    if k > 0:
+    # no windows exactly when none are needed; one more than k - 1 only where k - 1 falls short
+    # (k = 1 is the least for any positive share of a positive chunk, even when the float
+    # product share * chunk_s underflows to 0: hypothesis found per_token_s = 5e-324)
+    assert (k == 0) == (share == 0 or chunk_s == 0)
+    if k > 1:
         assert (k - 1) * window_s * (1 - share) < share * chunk_s
     assert plan.decode_share >= share - 1e-9
 

@@ -93,16 +93,17 @@ class HalfRateInterleave:
         return reads[0]
 
     def num_decode_windows(self, chunk_seconds: float, window_seconds: float) -> int:
-        """Smallest k >= 0 with k * window * (1 - s) >= s * chunk."""
+        """Smallest k >= 0 with k * window * (1 - s) >= s * chunk: 0 when s or the chunk is 0,
+        else at least 1 (s * chunk > 0, even where the float product underflows to 0)."""
         s = self.min_decode_share
-        need = s * chunk_seconds
-        if need <= 0:
+        if s == 0 or chunk_seconds <= 0:
             return 0
-        k = math.ceil(need / ((1.0 - s) * window_seconds))
+        need = s * chunk_seconds
+        k = max(1, math.ceil(need / ((1.0 - s) * window_seconds)))
         # Float rounding can put ceil() one off either way; settle on the exact inequality.
         while k * window_seconds * (1.0 - s) < need:
             k += 1
-        while k > 0 and (k - 1) * window_seconds * (1.0 - s) >= need:
+        while k > 1 and (k - 1) * window_seconds * (1.0 - s) >= need:
             k -= 1
         return k
 
