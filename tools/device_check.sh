@@ -7,6 +7,10 @@
 #   tools/device_check.sh bench              bench_cuda.py pp512 / tg128 / 1,2,4,8 slots, with
 #                                            and without each switch, and the mmq profile
 #   tools/device_check.sh all                both
+#   tools/device_check.sh ab                 the working tree against the revision that
+#                                            tools/prepare_ab.sh REV packed (run here first):
+#                                            bench_cuda.py twice each, interleaved, and
+#                                            decode_breakdown.py for both
 # The synth model /tmp/q.gguf (qwen3-30b-a3b, Q4_0) is written first when missing (~50 s).
 set -u
 OUT="${OUT:-./device-logs}"
@@ -51,9 +55,32 @@ run_bench() {
     part 90 mmq python3 tools/bench_mmq.py "$MODEL" --rows 512 -r 5 --profile
 }
 
+run_ab() {  # NEW: the working tree (setup.sh's /tmp/site); OLD: .device/old.tar.gz
+    if [ ! -f .device/old.tar.gz ] || [ ! -d .device/cubins_old ]; then
+        echo "no .device/old.tar.gz or .device/cubins_old: run tools/prepare_ab.sh REV here" >&2
+        return 2
+    fi
+    echo "== working tree against $(cat .device/old.rev 2>/dev/null || echo '?')"
+    synth
+    rm -rf /tmp/old /tmp/site_old && mkdir -p /tmp/old && tar -xzf .device/old.tar.gz -C /tmp/old
+    part 150 old_build bash -c "cd /tmp/old && python3 -m pip install -q --no-index --no-deps \
+        --no-build-isolation --target /tmp/site_old ."
+    local new=(env PYTHONPATH=/tmp/site STRATA_CUBIN_DIR="$PWD/.device/cubins")
+    local old=(env PYTHONPATH=/tmp/site_old:/tmp/site STRATA_CUBIN_DIR="$PWD/.device/cubins_old")
+    for round in 1 2; do
+        part 90 "bench_new_$round" "${new[@]}" python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 \
+            -r 3 --slots 1,4,8
+        part 90 "bench_old_$round" "${old[@]}" python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 \
+            -r 3 --slots 1,4,8
+    done
+    part 60 breakdown_new "${new[@]}" python3 tools/decode_breakdown.py "$MODEL"
+    part 60 breakdown_old "${old[@]}" python3 tools/decode_breakdown.py "$MODEL"
+}
+
 case "${1:-all}" in
     tests) shift; run_tests "$@" ;;
     bench) run_bench ;;
     all) run_tests; run_bench ;;
-    *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all" >&2; exit 2 ;;
+    ab) run_ab ;;
+    *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all | ab" >&2; exit 2 ;;
 esac

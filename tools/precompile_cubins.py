@@ -3,6 +3,7 @@ STRATA_CUBIN_DIR: a GPU machine then loads them instead of compiling (~60 s of a
 there: carry the folder to the device and point STRATA_CUBIN_DIR at it).
 
 Usage: python tools/precompile_cubins.py --out .device/cubins [--arch sm_90] [-j 2]
+       [--kernel-dir DIR]  (another tree's backends/cuda: tools/prepare_ab.sh uses it)
 File names carry a digest of each module's source and nvcc options (backends/cuda/cubins.py), so
 after a kernel edit only that module's cubin is missing: run this again before the device call.
 """
@@ -21,10 +22,14 @@ def main():
     ap.add_argument("--out", required=True, help="folder for the cubins (made if missing)")
     ap.add_argument("--arch", default="sm_90", help="GPU architecture, e.g. sm_86, sm_90")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--kernel-dir", default=None,
+                    help="build the .cu modules of this folder instead of this package's")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    wanted = {name: out / cubin_file_name(name, args.arch) for name in MODULES}
+    modules = [name for name in MODULES
+               if args.kernel_dir is None or (pathlib.Path(args.kernel_dir) / name).is_file()]
+    wanted = {name: out / cubin_file_name(name, args.arch, args.kernel_dir) for name in modules}
     for stale in out.glob(f"*-{args.arch}-*.cubin"):  # earlier sources of these modules
         if stale not in wanted.values():
             stale.unlink()
@@ -32,13 +37,13 @@ def main():
     t0 = time.perf_counter()
 
     def build(name):
-        wanted[name].write_bytes(compile_with_nvcc(name, args.arch))
+        wanted[name].write_bytes(compile_with_nvcc(name, args.arch, args.kernel_dir))
         return name
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         for name in pool.map(build, todo):
             print(f"built {wanted[name].name}", flush=True)
-    print(f"{len(todo)} of {len(MODULES)} modules built for {args.arch} in "
+    print(f"{len(todo)} of {len(modules)} modules built for {args.arch} in "
           f"{time.perf_counter() - t0:.0f} s; the others were current ({out})")
 
 

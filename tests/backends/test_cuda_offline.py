@@ -116,8 +116,16 @@ def test_prebuilt_cubins_are_found_by_source_and_arch(tmp_path, monkeypatch):
     assert cubins.prebuilt_cubin("sample.cu", "sm_86") is None
     assert cubins.prebuilt_cubin("offload.cu", "sm_90") is None
     source = cuda_runtime.module_source("sample.cu")
-    monkeypatch.setattr(cubins, "module_source", lambda name: source + "\n// edited\n")
+    monkeypatch.setattr(cubins, "module_source", lambda name, **_: source + "\n// edited\n")
     assert cubins.prebuilt_cubin("sample.cu", "sm_90") is None  # the digest follows the source
+    monkeypatch.setattr(cubins, "module_source", cuda_runtime.module_source)
+    # another tree's kernels (tools/prepare_ab.sh): same files, same name; an edit, another
+    other = tmp_path / "other"
+    shutil.copytree(cuda_runtime.KERNEL_DIR, other, ignore=shutil.ignore_patterns("*.py*"))
+    name = cubins.cubin_file_name("sample.cu", "sm_90")
+    assert cubins.cubin_file_name("sample.cu", "sm_90", kernel_dir=other) == name
+    (other / "common.cuh").write_text((other / "common.cuh").read_text() + "\n// edited\n")
+    assert cubins.cubin_file_name("sample.cu", "sm_90", kernel_dir=other) != name
     monkeypatch.delenv(cubins.ENV_DIR)
     monkeypatch.setattr(cubins, "module_source", cuda_runtime.module_source)
     assert cubins.prebuilt_cubin("sample.cu", "sm_90") is None

@@ -19,10 +19,11 @@ NVCC_OPTIONS = ("-std=c++17", "-O3")
 ENV_DIR = "STRATA_CUBIN_DIR"
 
 
-def cubin_file_name(name: str, arch: str) -> str:
+def cubin_file_name(name: str, arch: str, kernel_dir=None) -> str:
     """`{module}-{arch}-{digest}.cubin`: the digest covers the module's source with its headers
-    inlined, the arch and the nvcc options."""
-    digest = hashlib.sha256("\0".join((module_source(name), arch, *NVCC_OPTIONS)).encode())
+    inlined (from kernel_dir when given, see module_source), the arch and the nvcc options."""
+    source = module_source(name, kernel_dir=kernel_dir)
+    digest = hashlib.sha256("\0".join((source, arch, *NVCC_OPTIONS)).encode())
     return f"{pathlib.Path(name).stem}-{arch}-{digest.hexdigest()[:20]}.cubin"
 
 
@@ -35,11 +36,12 @@ def prebuilt_cubin(name: str, arch: str) -> bytes | None:
     return path.read_bytes() if path.is_file() else None
 
 
-def compile_with_nvcc(name: str, arch: str) -> bytes:
-    """Module `name` compiled for `arch` by the nvcc on PATH (no GPU needed)."""
+def compile_with_nvcc(name: str, arch: str, kernel_dir=None) -> bytes:
+    """Module `name` (from kernel_dir when given) compiled for `arch` by the nvcc on PATH (no
+    GPU needed)."""
     with tempfile.TemporaryDirectory() as tmp:
         src, out = pathlib.Path(tmp) / name, pathlib.Path(tmp) / "out.cubin"
-        src.write_text(module_source(name))
+        src.write_text(module_source(name, kernel_dir=kernel_dir))
         try:
             done = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", *NVCC_OPTIONS, str(src),
                                    "-o", str(out)], capture_output=True, text=True)

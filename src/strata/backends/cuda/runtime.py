@@ -52,19 +52,21 @@ def is_available() -> bool:
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[ \t]*$', re.M)
 
 
-def module_source(name: str, _seen: set[str] | None = None) -> str:
+def module_source(name: str, _seen: set[str] | None = None, kernel_dir=None) -> str:
     """A `.cu` file with its local headers (`#include "x.cuh"`, nested ones too) inlined, each
-    once, so the compile needs no include path and its cache key covers the headers."""
+    once, so the compile needs no include path and its cache key covers the headers. From
+    `kernel_dir` when given (another tree's kernels), else this package's."""
     seen = set() if _seen is None else _seen
+    folder = KERNEL_DIR if kernel_dir is None else pathlib.Path(kernel_dir)
 
     def inline(match: re.Match) -> str:
         header = match.group(1)
         if header in seen:
             return ""
         seen.add(header)
-        return module_source(header, seen).replace("#pragma once\n", "")
+        return module_source(header, seen, folder).replace("#pragma once\n", "")
 
-    return _LOCAL_INCLUDE.sub(inline, (KERNEL_DIR / name).read_text())
+    return _LOCAL_INCLUDE.sub(inline, (folder / name).read_text())
 
 
 class Runtime:

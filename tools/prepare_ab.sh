@@ -1,0 +1,19 @@
+#!/bin/bash
+# Prepare a device call that measures the working tree against an earlier revision in one run
+# (tools/device_check.sh ab): REV's tree as .device/old.tar.gz, its kernels built into
+# .device/cubins_old and the working tree's into .device/cubins (nvcc here, no GPU needed).
+# Usage, from the repository root with the dev venv active: tools/prepare_ab.sh REV [ARCH]
+set -euo pipefail
+rev=${1:?usage: tools/prepare_ab.sh REV [sm_90]}
+arch=${2:-sm_90}
+git rev-parse --verify --quiet "$rev^{commit}" > /dev/null || { echo "no commit $rev" >&2; exit 2; }
+mkdir -p .device
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+git archive --format=tar.gz -o .device/old.tar.gz "$rev"
+git archive "$rev" src/strata/backends/cuda | tar -x -C "$tmp"
+python tools/precompile_cubins.py --out .device/cubins_old --arch "$arch" \
+    --kernel-dir "$tmp/src/strata/backends/cuda"
+python tools/precompile_cubins.py --out .device/cubins --arch "$arch"
+git rev-parse --short "$rev" > .device/old.rev
+echo "ready: working tree against $(cat .device/old.rev); carry .device, run tools/device_check.sh ab"
