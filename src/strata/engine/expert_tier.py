@@ -84,6 +84,11 @@ class ExpertTier:
         self._copier = None  # the async copier (TierCopier, or the arena's own)
         self.kv_lender = None  # KV grow's lender (experts/kv_grow.py), set when it is built
         self._before_s = 0.0  # seconds the arena's before_window took (the tier's wait)
+        # A device arena's pump and the rounds run while the window's GPU work runs (the model's
+        # while_running) instead of between windows: see _during_window
+        self.overlaps_window = bool(arena is not None and arena.overlaps_window
+                                    and getattr(model, "runs_while_window", False))
+        self._during = (0, 0.0)  # (swaps started, seconds of wait) by the last _during_window
         # the tier's wait by window kind: "solo" (one slot) and "batch" (several slots)
         self.wait_by_kind = {"solo": WaitTotals(), "batch": WaitTotals()}
 
@@ -164,17 +169,20 @@ class ExpertTier:
         the device with `lazy` when the model can: see CudaModel.forward_window_lazy)."""
         forward = getattr(self.model, "forward_window_lazy", None) if lazy else None
         self._before_s = 0.0
+        self._during = (0, 0.0)
         if self.arena is not None:
             t0 = time.perf_counter()
-            # a device arena lands finished copies here and sets the window's PCIe share
-            self.arena.before_window(window.num_rows)
+            # a device arena lands finished copies here (or, overlapping, while the window
+            # runs) and sets the window's PCIe share
+            self.arena.before_window(window.num_rows, pump=not self.overlaps_window)
             self._before_s = time.perf_counter() - t0
         snap = self.arena.table.snapshot() if self.arena is not None else None
         try:
             pointers = self._pointers_for(snap) if self._reads_pointers else None
             self._counts[:] = 0
+            extra = {"while_running": self._during_window} if self.overlaps_window else {}
             logits = (forward or self.model.forward_window)(
-                window, expert_pointers=pointers, routing_counts=self._counts)
+                window, expert_pointers=pointers, routing_counts=self._counts, **extra)
         finally:
             if snap is not None:
                 snap.release()  # the slots it showed may be overwritten from now on
@@ -215,8 +223,9 @@ class ExpertTier:
         if observe is not None and self.mode != "frozen":
             observe(counts)  # [L, E] this window's rows, read only: the array is reused
         self._windows_since_round += 1
-        num_swaps, wait_s = 0, self._before_s
-        if self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
+        num_swaps, wait_s = self._during[0], self._before_s + self._during[1]
+        if (not self.overlaps_window and self.mode != "frozen"
+                and self._windows_since_round >= self.config.adapt_every):
             t0 = time.perf_counter()
             num_swaps = self._round()
             wait_s += time.perf_counter() - t0
@@ -267,6 +276,23 @@ class ExpertTier:
                      self.wait_by_kind["batch"].describe("batch"))
         self._logged = now
         self._max_wait_since_log = 0.0
+
+    def _during_window(self, is_done) -> None:
+        """While a window's GPU work runs (overlaps_window): the arena's pump, then the round
+        when one is due, from the counts of the windows before this one (a round starts one
+        window later than between windows). Its time counts as the window's wait only when the
+        GPU had finished before it did (`is_done()`): otherwise it was hidden behind the GPU."""
+        t0 = time.perf_counter()
+        num_swaps = 0
+        try:
+            self.arena.during_window()
+            if self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
+                num_swaps = self._round()
+        except Exception:  # noqa: BLE001 - the window's requests must still get their tokens
+            log.exception("the tier's pump or round failed while a window ran; the window "
+                          "goes on, the next one pumps again")
+        spent = time.perf_counter() - t0
+        self._during = (num_swaps, spent if is_done() else 0.0)
 
     # ---- rounds -------------------------------------------------------------------------
     def _round(self) -> int:

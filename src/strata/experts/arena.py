@@ -129,9 +129,15 @@ class ExpertArena(abc.ABC):
             loaded += 1
         return loaded
 
-    def before_window(self, num_rows: int = 1) -> None:
+    overlaps_window = False  # True: the tier may call during_window while a window runs
+
+    def before_window(self, num_rows: int = 1, pump: bool = True) -> None:
         """Called by the tier before each window of `num_rows` rows (a device arena lands
-        finished copies here and sets the window's PCIe share)."""
+        finished copies here, unless pump is False, and sets the window's PCIe share)."""
+
+    def during_window(self) -> None:
+        """Called by the tier while a window runs, when overlaps_window (a device arena's
+        copier pump, moved there from before_window)."""
 
     #: True when the misses are read over PCIe by the GPU or computed by a CPU pool (the offload
     #: tiers): logs and metrics split them

@@ -181,29 +181,39 @@ class CudaModel:
         window = Window.build([(kv, tokens)], logits="all" if all_logits else "last")
         return self.forward_window(window)
 
+    # the forward_window* methods take while_running: engine/expert_tier.py checks this flag
+    runs_while_window = True
+
     def forward_window(self, window: Window, expert_pointers=None,
-                       routing_counts: np.ndarray | None = None) -> np.ndarray:
+                       routing_counts: np.ndarray | None = None,
+                       while_running=None) -> np.ndarray:
         """One pass over the rows of `window`; returns the logits [N, V] of its logit rows as
         float32 (`window.logits_of(logits, slot)` picks a slot's). `routing_counts` [L, E]
         int64, when given, gets the rows routed to each (layer, expert) added to it.
-        `expert_pointers` is the CPU backend's (host pointers): the CUDA model takes None."""
+        `expert_pointers` is the CPU backend's (host pointers): the CUDA model takes None.
+        `while_running(is_done)`, when given, is called once the window's work is queued and
+        before waiting for it (host work that overlaps the GPU's; `is_done()` tells whether the
+        GPU has finished the window); what it queues on the compute stream comes after the
+        window's kernels."""
         return self._run(window, want_logits=True, expert_pointers=expert_pointers,
-                         routing_counts=routing_counts)
+                         routing_counts=routing_counts, while_running=while_running)
 
     def forward_window_greedy(self, window: Window, expert_pointers=None,
-                              routing_counts: np.ndarray | None = None) -> np.ndarray:
+                              routing_counts: np.ndarray | None = None,
+                              while_running=None) -> np.ndarray:
         """As forward_window, but returns only the greedy token [N] of each logit row (argmax
         on the device: no logits cross PCIe)."""
         return self._run(window, want_logits=False, expert_pointers=expert_pointers,
-                         routing_counts=routing_counts)
+                         routing_counts=routing_counts, while_running=while_running)
 
     def forward_window_lazy(self, window: Window, expert_pointers=None,
-                            routing_counts: np.ndarray | None = None) -> DeviceLogits:
+                            routing_counts: np.ndarray | None = None,
+                            while_running=None) -> DeviceLogits:
         """As forward_window, but the logits [N, V] stay on the device until the next pass:
         the sampler takes each row's best candidates from there (backends/cuda/logits.py) and
         `np.asarray` copies them when wanted."""
         return self._run(window, want_logits=False, expert_pointers=expert_pointers,
-                         routing_counts=routing_counts, lazy=True)
+                         routing_counts=routing_counts, lazy=True, while_running=while_running)
 
     def profile_window(self, window: Window) -> dict[str, float]:
         """Run `window` launch by launch with CUDA events between them; returns the device
@@ -252,7 +262,8 @@ class CudaModel:
         return plan
 
     def _run(self, window: Window, want_logits: bool, expert_pointers=None,
-             routing_counts: np.ndarray | None = None, lazy: bool = False):
+             routing_counts: np.ndarray | None = None, lazy: bool = False,
+             while_running=None):
         if expert_pointers is not None:
             raise ValueError("the CUDA model reads experts through its device tables; pass "
                              "expert_pointers=None (an expert cache is an arena on the device)")
@@ -284,6 +295,8 @@ class CudaModel:
             else:
                 out = ws.host_argmax[:max(N, 1)]  # [N]
                 rt.drv.memcpy_dtoh_async(out, ws.ptr("argmax"), rt.stream)
+            if while_running is not None:  # the GPU runs the window meanwhile
+                while_running(rt.stream.is_done)
             rt.stream.synchronize()
             if tier is not None:
                 tier.finish(routing_counts)

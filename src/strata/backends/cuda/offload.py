@@ -351,12 +351,23 @@ class VramExpertArena(ExpertArena):
         self._pool_seq_taken = stats.seq
         return stats.num_entries, stats.pool_ms / 1e3
 
-    def before_window(self, num_rows: int = 1) -> None:
-        if self.copier is not None:
+    # the tier may pump the copier while a window runs (during_window) instead of before it
+    overlaps_window = True
+
+    def before_window(self, num_rows: int = 1, pump: bool = True) -> None:
+        if pump and self.copier is not None:
             self.copier.pump()
         self.streamer.before_window(num_rows)  # staging for a prompt chunk, or given back
         if self.pool is not None:
             self._set_where(num_rows)
+
+    def during_window(self) -> None:
+        """The copier's pump while a window runs (engine thread, from the model's
+        while_running): loads that landed are published for the next window and new copies
+        queued; its uploads go on the compute stream behind the running window's kernels, and
+        the side stream's copies wait for them, so the running window is never touched."""
+        if self.copier is not None:
+            self.copier.pump()
 
     def reserved_slots(self) -> frozenset[int]:
         """The slots prompt chunks borrow as staging (stream.py): never lent to a KV."""

@@ -27,6 +27,8 @@ class StageTier(ExpertTier):
 
     def __init__(self, model, store, arena, config, index: int, profile_path=None):
         super().__init__(model, store, arena, config)
+        # the split pass drives the stages itself (begin / end): pump and round between windows
+        self.overlaps_window = False
         self.index = index
         self.first_layer, self.stop_layer = model.first_layer, model.stop_layer
         self.profile_path = profile_path

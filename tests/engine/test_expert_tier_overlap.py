@@ -1,0 +1,162 @@
+"""The tier's host work while a window runs (ExpertTier.overlaps_window): with a model that takes
+`while_running` and an arena that pumps in `during_window` (the CUDA backend's pair), the pump
+and the due round run inside the window, the round one window later than between windows and
+from the windows before it, and their time counts as wait only when the GPU was done first.
+Here a CPU model stands in for the GPU (its forward runs after while_running returns)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata.backends.cpu import CpuModel
+from strata.backends.window import Window
+from strata.config import EngineConfig
+from strata.engine.expert_tier import ExpertTier
+from strata.experts.arena import CpuExpertArena
+from strata.experts.tier import DecayedCountTier
+from strata.model.gguf_file import GGUFModel
+
+
+@pytest.fixture(scope="module")
+def skewed_q8(tmp_path_factory):
+    from strata.tool.synth import synth_model
+
+    path = tmp_path_factory.mktemp("overlap") / "tiny-skew.gguf"
+    synth_model(path, shape="tiny", weight_type="q8_0", seed=11, routing_skew=1.0)
+    return path
+
+
+class _OverlapModel:
+    """The CPU model, taking while_running as the CUDA model does: called before the forward
+    (the 'GPU' runs meanwhile), with is_done answering `gpu_done`."""
+
+    runs_while_window = True
+
+    def __init__(self, model, events):
+        self.model, self.events, self.gpu_done = model, events, False
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward_window(self, window, expert_pointers=None, routing_counts=None,
+                       while_running=None):
+        self.events.append("launch")
+        if while_running is not None:
+            while_running(lambda: self.gpu_done)
+        self.events.append("sync")
+        return self.model.forward_window(window, expert_pointers=expert_pointers,
+                                         routing_counts=routing_counts)
+
+
+class _PumpArena(CpuExpertArena):
+    """The CPU arena, recording where the tier pumps it."""
+
+    overlaps_window = True
+    events: list
+
+    def before_window(self, num_rows: int = 1, pump: bool = True) -> None:
+        self.events.append("before+pump" if pump else "before")
+
+    def during_window(self) -> None:
+        self.events.append("pump")
+
+
+class _RecordingPolicy(DecayedCountTier):
+    def __init__(self, events, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events, self.round_counts = events, []
+
+    def plan_swaps(self, counts, residency, min_gain):
+        self.events.append("round")
+        self.round_counts.append(counts.copy())
+        return super().plan_swaps(counts, residency, min_gain)
+
+
+def _tier(path, gguf, model, events, overlap: bool, adapt_every=2):
+    config = EngineConfig(path, expert_cache=3, adapt_every=adapt_every, adapt_async=True)
+    tier = ExpertTier.build(config, gguf, _OverlapModel(model, events) if overlap else model)
+    if overlap:
+        tier.arena.__class__ = _PumpArena
+        tier.arena.events = events
+        tier.overlaps_window = True  # as ExpertTier.__init__ decides for the CUDA pair
+    policy = _RecordingPolicy(events, 3, decay=0.5, hysteresis=0.0)
+    tier.start(policy)
+    return tier, policy
+
+
+def _windows(rng, kvs, num_windows):
+    for w in range(num_windows):
+        num_slots = 1 if w % 3 else len(kvs)
+        yield Window.build([(kv, rng.integers(10, 4000, 2)) for kv in kvs[:num_slots]])
+
+
+def test_pump_and_round_run_inside_the_window_one_window_later(skewed_q8):
+    with GGUFModel.open(skewed_q8) as gguf:
+        model = CpuModel(gguf, num_threads=1)
+        events: list[str] = []
+        tier, policy = _tier(skewed_q8, gguf, model, events, overlap=True)
+        assert tier.overlaps_window
+        kvs = [model.new_kv(256) for _ in range(2)]
+        counts = []
+        try:
+            for window in _windows(np.random.default_rng(3), kvs, 7):
+                tier.forward_window(window)
+                counts.append(tier._counts.copy())
+                assert tier.wait_idle(30)  # no round is skipped for a busy copier
+        finally:
+            tier.close()
+    per_window = "|".join(events).split("|before|")
+    # every window: no pump before it, one pump while it runs; rounds (adapt_every 2) inside
+    # windows 3, 5, 7: after two windows each, from the counts of the windows before
+    assert events[0] == "before" and len(per_window) == 7
+    for w, part in enumerate(per_window):
+        want = ["launch", "pump"] + (["round"] if w in (2, 4, 6) else []) + ["sync"]
+        assert part.removeprefix("before|").split("|") == want, (w, part)
+    assert len(policy.round_counts) == 3
+    np.testing.assert_array_equal(policy.round_counts[0], counts[0] + counts[1])
+    np.testing.assert_array_equal(policy.round_counts[1], counts[2] + counts[3])
+    np.testing.assert_array_equal(policy.round_counts[2], counts[4] + counts[5])
+
+
+@pytest.mark.parametrize("gpu_done", [False, True])
+def test_overlapped_time_is_wait_only_when_the_gpu_finished_first(skewed_q8, gpu_done):
+    with GGUFModel.open(skewed_q8) as gguf:
+        model = CpuModel(gguf, num_threads=1)
+        tier, _ = _tier(skewed_q8, gguf, model, [], overlap=True, adapt_every=1)
+        tier.model.gpu_done = gpu_done
+        kvs = [model.new_kv(256) for _ in range(2)]
+        try:
+            for window in _windows(np.random.default_rng(5), kvs, 4):
+                tier.forward_window(window)
+                before, (swaps, during) = tier._before_s, tier._during
+                assert tier.last_window.wait_s == pytest.approx(before + during)
+                assert tier.last_window.num_swaps == swaps
+                assert (during > 0) == gpu_done
+        finally:
+            tier.close()
+
+
+def test_overlap_gives_the_tokens_of_the_tier_between_windows(skewed_q8):
+    """Greedy tokens do not depend on residency: the overlapped tier, the tier between windows
+    and no tier give the same tokens."""
+    def greedy(mode):
+        with GGUFModel.open(skewed_q8) as gguf:
+            model = CpuModel(gguf, num_threads=1)
+            tier = None
+            if mode != "none":
+                tier, _ = _tier(skewed_q8, gguf, model, [], overlap=mode == "overlap",
+                                adapt_every=1)
+            kv, out = model.new_kv(256), []
+            token = np.array([17, 99, 1234], dtype=np.int32)
+            try:
+                for _ in range(12):
+                    window = Window.build([(kv, token)])
+                    logits = (tier or model).forward_window(window)
+                    token = np.array([int(np.argmax(logits[-1]))], dtype=np.int32)
+                    out.append(int(token[0]))
+            finally:
+                if tier is not None:
+                    tier.close()
+            return out
+
+    assert greedy("overlap") == greedy("between") == greedy("none")
