@@ -11,8 +11,8 @@ Per cache fraction: pp (each prompt in windows of --read-chunk rows, as the engi
 windows of >= --stream-rows rows stream their layers' missing experts into staging slots,
 stream.py; --compare-pcie also times them read over PCIe), tg (one slot decoding), aggregate
 decode with --slots slots; the cache filled in layer order and frozen (50% = the experts of the
-first half of the layers in VRAM), then the same decode with the adaptive tier (async) and its
-hit rate. --crossover: one window of R rows with streaming off and on, ms (the first fraction).
+first half of the layers in VRAM), then the same decodes (1 and --slots slots) with the adaptive
+tier (async), after --adaptive-warm windows of it, and their hit rate. --crossover: one window of R rows with streaming off and on, ms (the first fraction).
 """
 import argparse
 import os
@@ -104,6 +104,8 @@ def main():
     ap.add_argument("--pcie-frac", type=float, default=1.0,
                     help="share of the misses read over PCIe (< 1: a CPU pool does the rest)")
     ap.add_argument("--pool-threads", type=int, default=None)
+    ap.add_argument("--adaptive-warm", type=int, default=64,
+                    help="decode windows the adaptive tier runs before its timed runs")
     ap.add_argument("--adaptive-steps", type=int, default=128,
                     help="decode windows through the adaptive tier (0: skip)")
     ap.add_argument("--synth", default=None)
@@ -200,17 +202,23 @@ def main():
             config = EngineConfig(args.model, n_ctx=2048, expert_cache=n, adapt_every=4)
             tier = ExpertTier(model, store, arena, config)
             tier.start(DecayedCountTier(n))
-            secs = tier_decode(tier, model, 1, args.adaptive_steps, 128, rng)
-            totals = tier.snapshot_totals()
+            tier_decode(tier, model, 1, args.adaptive_warm, 128, rng)  # the tier adapts
+            for num_slots in sorted({1, args.slots} - {0}):
+                steps = args.adaptive_steps if num_slots == 1 else \
+                    (args.slot_decode_tokens or args.adaptive_steps)
+                runs, before = [], tier.snapshot_totals()
+                for _ in range(args.repeats):
+                    runs.append(num_slots * steps / tier_decode(tier, model, num_slots, steps,
+                                                                128, rng))
+                after = tier.snapshot_totals()
+                hits, misses = after.num_hits - before.num_hits, after.num_misses - before.num_misses
+                num_windows = max(after.num_windows - before.num_windows, 1)
+                record(f"adaptive tier (async, every 4), {num_slots} slot(s) x {steps} steps",
+                       runs, f"after {args.adaptive_warm} warm-up windows: hit rate "
+                       f"{hits / max(hits + misses, 1):.1%}, "
+                       f"{after.num_swaps - before.num_swaps} swaps, tier wait "
+                       f"{(after.wait_s - before.wait_s) / num_windows * 1e3:.2f} ms/window")
             tier.wait_idle(60)
-            num_windows = max(totals.num_windows, 1)
-            hit = totals.num_hits / max(totals.num_hits + totals.num_misses, 1)
-            rows.append((label, f"tg{args.adaptive_steps}, adaptive tier (async, every 4)",
-                         args.adaptive_steps / secs, [args.adaptive_steps / secs],
-                         f"hit rate {hit:.1%}, {totals.num_swaps} swaps, "
-                         f"{totals.num_bytes_moved / 2**30:.2f} GiB moved, tier wait "
-                         f"{totals.wait_s / num_windows * 1e3:.2f} ms/window"))
-            print(rows[-1][:3], rows[-1][4], flush=True)
             tier.close()  # stops its copier (and closes the arena: again below, harmless)
         arena.close()
         model.expert_arena = None

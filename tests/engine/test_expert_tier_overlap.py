@@ -72,13 +72,12 @@ class _RecordingPolicy(DecayedCountTier):
         return super().plan_swaps(counts, residency, min_gain)
 
 
-def _tier(path, gguf, model, events, overlap: bool, adapt_every=2):
-    config = EngineConfig(path, expert_cache=3, adapt_every=adapt_every, adapt_async=True)
+def _tier(path, gguf, model, events, overlap: bool, adapt_every=2, is_async=True):
+    config = EngineConfig(path, expert_cache=3, adapt_every=adapt_every, adapt_async=is_async)
     tier = ExpertTier.build(config, gguf, _OverlapModel(model, events) if overlap else model)
     if overlap:
-        tier.arena.__class__ = _PumpArena
+        tier.arena.__class__ = _PumpArena  # start() then sees the CUDA pair's flags
         tier.arena.events = events
-        tier.overlaps_window = True  # as ExpertTier.__init__ decides for the CUDA pair
     policy = _RecordingPolicy(events, 3, decay=0.5, hysteresis=0.0)
     tier.start(policy)
     return tier, policy
@@ -116,6 +115,37 @@ def test_pump_and_round_run_inside_the_window_one_window_later(skewed_q8):
     np.testing.assert_array_equal(policy.round_counts[0], counts[0] + counts[1])
     np.testing.assert_array_equal(policy.round_counts[1], counts[2] + counts[3])
     np.testing.assert_array_equal(policy.round_counts[2], counts[4] + counts[5])
+
+
+def test_a_blocking_tier_keeps_its_rounds_between_windows(skewed_q8):
+    """A blocking round waits for readers of the table version it replaces, the running window
+    among them: it must not run inside the window (on the GPU that deadlocked for 120 s)."""
+    with GGUFModel.open(skewed_q8) as gguf:
+        model = CpuModel(gguf, num_threads=1)
+        events: list[str] = []
+        tier, policy = _tier(skewed_q8, gguf, model, events, overlap=True, is_async=False)
+        assert tier.mode == "blocking" and not tier.overlaps_window
+        kvs = [model.new_kv(256) for _ in range(2)]
+        try:
+            for window in _windows(np.random.default_rng(3), kvs, 5):
+                tier.forward_window(window)
+        finally:
+            tier.close()
+    per_window = "|".join(events).split("before+pump|")[1:]
+    assert len(per_window) == 5 and len(policy.round_counts) == 2
+    for w, part in enumerate(per_window):  # rounds after windows 2 and 4, outside them
+        want = ["launch", "sync"] + (["round"] if w in (1, 3) else [])
+        assert part.rstrip("|").split("|") == want, (w, part)
+
+
+def test_a_frozen_tier_does_not_overlap(skewed_q8):
+    with GGUFModel.open(skewed_q8) as gguf:
+        model = CpuModel(gguf, num_threads=1)
+        tier, _ = _tier(skewed_q8, gguf, model, [], overlap=True, adapt_every=0)
+        try:
+            assert tier.mode == "frozen" and not tier.overlaps_window
+        finally:
+            tier.close()
 
 
 @pytest.mark.parametrize("gpu_done", [False, True])

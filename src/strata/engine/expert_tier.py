@@ -84,10 +84,9 @@ class ExpertTier:
         self._copier = None  # the async copier (TierCopier, or the arena's own)
         self.kv_lender = None  # KV grow's lender (experts/kv_grow.py), set when it is built
         self._before_s = 0.0  # seconds the arena's before_window took (the tier's wait)
-        # A device arena's pump and the rounds run while the window's GPU work runs (the model's
-        # while_running) instead of between windows: see _during_window
-        self.overlaps_window = bool(arena is not None and arena.overlaps_window
-                                    and getattr(model, "runs_while_window", False))
+        # Set by start(): an asynchronous tier over a device arena pumps and starts its rounds
+        # while the window's GPU work runs (the model's while_running): see _during_window
+        self.overlaps_window = False
         self._during = (0, 0.0)  # (swaps started, seconds of wait) by the last _during_window
         # the tier's wait by window kind: "solo" (one slot) and "batch" (several slots)
         self.wait_by_kind = {"solo": WaitTotals(), "batch": WaitTotals()}
@@ -146,6 +145,11 @@ class ExpertTier:
         if self.is_async and not is_frozen:
             self._copier = self.arena.new_copier(self._count_load) or TierCopier(self.apply)
             self._copier.start()
+        # Only asynchronous rounds may run inside a window: a blocking round waits until no
+        # reader holds the table version its evictions replace, and the running window is one.
+        self.overlaps_window = bool(
+            self.mode == "async" and arena.overlaps_window
+            and getattr(self.model, "runs_while_window", False))
 
     def _fill_order(self):
         """(iterable of (layer, expert) best first, what it came from)."""

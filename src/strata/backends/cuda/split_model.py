@@ -147,19 +147,23 @@ class SplitModel:
         return self.forward_window(window)
 
     def forward_window(self, window: Window, expert_pointers=None,
-                       routing_counts: np.ndarray | None = None) -> np.ndarray:
-        """Logits [N, V] float32 of the window's logit rows (as CudaModel.forward_window)."""
-        return self._run(window, "logits", expert_pointers, routing_counts)
+                       routing_counts: np.ndarray | None = None,
+                       while_running=None) -> np.ndarray:
+        """Logits [N, V] float32 of the window's logit rows (as CudaModel.forward_window;
+        `while_running(is_done)` runs once every stage's work is queued, before the waits)."""
+        return self._run(window, "logits", expert_pointers, routing_counts, while_running)
 
     def forward_window_greedy(self, window: Window, expert_pointers=None,
-                              routing_counts: np.ndarray | None = None) -> np.ndarray:
+                              routing_counts: np.ndarray | None = None,
+                              while_running=None) -> np.ndarray:
         """The greedy token [N] of each logit row (argmax on the last GPU)."""
-        return self._run(window, "greedy", expert_pointers, routing_counts)
+        return self._run(window, "greedy", expert_pointers, routing_counts, while_running)
 
     def forward_window_lazy(self, window: Window, expert_pointers=None,
-                            routing_counts: np.ndarray | None = None) -> DeviceLogits:
+                            routing_counts: np.ndarray | None = None,
+                            while_running=None) -> DeviceLogits:
         """Logits [N, V] left on the last GPU until the next pass (CudaModel's lazy form)."""
-        return self._run(window, "lazy", expert_pointers, routing_counts)
+        return self._run(window, "lazy", expert_pointers, routing_counts, while_running)
 
     def _check(self, window: Window, expert_pointers, routing_counts) -> None:
         if expert_pointers is not None:
@@ -191,7 +195,19 @@ class SplitModel:
             return 1
         return max(1, min(self.batch_groups, window.num_slots))
 
-    def _run(self, window: Window, mode: str, expert_pointers, routing_counts):
+    # the forward_window* methods take while_running, as CudaModel's
+    runs_while_window = True
+
+    def _is_done(self) -> bool:
+        """Has every stage's stream finished its queued work?"""
+        for stage in self.stages:
+            with stage.runtime.active():
+                if not stage.runtime.stream.is_done():
+                    return False
+        return True
+
+    def _run(self, window: Window, mode: str, expert_pointers, routing_counts,
+             while_running=None):
         self._check(window, expert_pointers, routing_counts)
         window.check_current()
         groups = group_windows(window, self.num_groups_for(window))
@@ -202,6 +218,8 @@ class SplitModel:
         host_argmax = self._argmax_rows(max(N, 1)) if mode == "greedy" else None
         try:
             self._queue(window, groups, mode, host_argmax, routing_counts is not None)
+            if while_running is not None:  # the GPUs run the window meanwhile
+                while_running(self._is_done)
             for stage in self.stages:
                 with stage.runtime.active():
                     stage.runtime.stream.synchronize()

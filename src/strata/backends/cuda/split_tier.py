@@ -27,8 +27,6 @@ class StageTier(ExpertTier):
 
     def __init__(self, model, store, arena, config, index: int, profile_path=None):
         super().__init__(model, store, arena, config)
-        # the split pass drives the stages itself (begin / end): pump and round between windows
-        self.overlaps_window = False
         self.index = index
         self.first_layer, self.stop_layer = model.first_layer, model.stop_layer
         self.profile_path = profile_path
@@ -59,16 +57,24 @@ class StageTier(ExpertTier):
         return order[:self.arena.n_slots], f"profile {self.profile_path}"
 
     def begin(self, num_rows: int):
-        """Before the pass: land finished copies, set the PCIe share; the residency snapshot."""
+        """Before the pass: land finished copies (unless the pump runs during the pass, see
+        during), set the PCIe share; the residency snapshot."""
         self._before_s = 0.0
+        self._during = (0, 0.0)
         if self.arena is None:
             return None
         import time
 
         t0 = time.perf_counter()
-        self.arena.before_window(num_rows)
+        self.arena.before_window(num_rows, pump=not self.overlaps_window)
         self._before_s = time.perf_counter() - t0
         return self.arena.table.snapshot()
+
+    def during(self, is_done) -> None:
+        """While the split pass runs (overlaps_window): this stage's pump and due round, on its
+        GPU; `is_done()` tells whether every stage has finished."""
+        with self.model.runtime.active():
+            self._during_window(is_done)
 
     def end(self, snap, counts: np.ndarray, kind: str) -> None:
         """After the pass: this stage's counts [Ls, E], accounting and (when due) a round."""
@@ -181,9 +187,16 @@ class SplitTier:
         kind = "batch" if len(window.kvs) > 1 else "solo"
         snaps = [t.begin(window.num_rows) for t in self.stages]
         forward = self.model.forward_window_lazy if lazy else self.model.forward_window
+        overlapping = [t for t in self.stages if t.overlaps_window]
+        extra = {}
+        if overlapping:  # their pumps and rounds run while the GPUs run the pass
+            def while_running(is_done):
+                for t in overlapping:
+                    t.during(is_done)
+            extra["while_running"] = while_running
         try:
             self._counts[:] = 0
-            logits = forward(window, routing_counts=self._counts)
+            logits = forward(window, routing_counts=self._counts, **extra)
         finally:
             for snap in snaps:
                 if snap is not None:
