@@ -60,6 +60,9 @@ class _PumpArena(CpuExpertArena):
     def during_window(self) -> None:
         self.events.append("pump")
 
+    def prepare_next_window(self) -> None:
+        self.events.append("prepare")
+
 
 class _RecordingPolicy(DecayedCountTier):
     def __init__(self, events, *args, **kwargs):
@@ -106,10 +109,11 @@ def test_pump_and_round_run_inside_the_window_one_window_later(skewed_q8):
             tier.close()
     per_window = "|".join(events).split("|before|")
     # every window: no pump before it, one pump while it runs; rounds (adapt_every 2) inside
-    # windows 3, 5, 7: after two windows each, from the counts of the windows before
+    # windows 3, 5, 7: after two windows each, from the counts of the windows before; then the
+    # arena prepares the next window
     assert events[0] == "before" and len(per_window) == 7
     for w, part in enumerate(per_window):
-        want = ["launch", "pump"] + (["round"] if w in (2, 4, 6) else []) + ["sync"]
+        want = ["launch", "pump"] + (["round"] if w in (2, 4, 6) else []) + ["prepare", "sync"]
         assert part.removeprefix("before|").split("|") == want, (w, part)
     assert len(policy.round_counts) == 3
     np.testing.assert_array_equal(policy.round_counts[0], counts[0] + counts[1])

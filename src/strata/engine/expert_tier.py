@@ -292,6 +292,7 @@ class ExpertTier:
             self.arena.during_window()
             if self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
                 num_swaps = self._round()
+            self.arena.prepare_next_window()
         except Exception:  # noqa: BLE001 - the window's requests must still get their tokens
             log.exception("the tier's pump or round failed while a window ran; the window "
                           "goes on, the next one pumps again")

@@ -139,6 +139,10 @@ class ExpertArena(abc.ABC):
         """Called by the tier while a window runs, when overlaps_window (a device arena's
         copier pump, moved there from before_window)."""
 
+    def prepare_next_window(self) -> None:
+        """Called by the tier while a window runs, after during_window and the round (host work
+        the next window's before_window would otherwise do: a device arena's where table)."""
+
     #: True when the misses are read over PCIe by the GPU or computed by a CPU pool (the offload
     #: tiers): logs and metrics split them
     misses_on_gpu = False

@@ -184,6 +184,8 @@ class VramExpertArena(ExpertArena):
         self._expected = np.zeros((store.n_layers, store.n_experts))  # [L, E] decayed rows
         self._where_version = -1
         self._windows_since_where = 0
+        self._where_share = 1.0  # the share of the last window (during_window's guess)
+        self._pending_where = None  # (key, where [L, E]) computed while a window ran
         self._pool_seq_taken = 0  # the last pool window counted by take_pool_window
         from strata.backends.cuda.stream import PromptStreamer
 
@@ -225,16 +227,31 @@ class VramExpertArena(ExpertArena):
         windows (`window_share`: prompt chunks read every miss over PCIe)."""
         from strata.backends.cuda.share import assign_where, window_share
 
-        share = window_share(self.pcie_frac, num_rows)
+        share = self._where_share = window_share(self.pcie_frac, num_rows)
         key = (self.table.version, share)
         self._windows_since_where += 1
+        pending, self._pending_where = self._pending_where, None
         if key == self._where_version and self._windows_since_where < 8:
             return
-        where = assign_where(self.table.peek().table, share, self._expected)
+        if pending is not None and pending[0] == key:
+            where = pending[1]  # computed while the last window ran (_prepare_where)
+        else:
+            where = assign_where(self.table.peek().table, share, self._expected)
         with self._rt.active():
             self.model.tier.set_where(where)
         self.pool.set_where(where)
         self._where_version, self._windows_since_where = key, 0
+
+    def _prepare_where(self) -> None:
+        """While a window runs, after the pump: the where table the next window will need when
+        it has the last window's share (the common case), so that before_window only uploads
+        it. Not set here: the pool reads the current one during the window."""
+        from strata.backends.cuda.share import assign_where
+
+        key = (self.table.version, self._where_share)
+        if key != self._where_version or self._windows_since_where + 1 >= 8:
+            self._pending_where = (key, assign_where(self.table.peek().table,
+                                                     self._where_share, self._expected))
 
     def account_routed(self, snap, counts: np.ndarray):
         self._expected *= 0.8
@@ -368,6 +385,12 @@ class VramExpertArena(ExpertArena):
         the side stream's copies wait for them, so the running window is never touched."""
         if self.copier is not None:
             self.copier.pump()
+
+    def prepare_next_window(self) -> None:
+        """While a window runs, after the pump and the tier's round: with a CPU pool, the next
+        window's where table (_prepare_where)."""
+        if self.pool is not None:
+            self._prepare_where()
 
     def reserved_slots(self) -> frozenset[int]:
         """The slots prompt chunks borrow as staging (stream.py): never lent to a KV."""
