@@ -11,7 +11,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from strata.cli_options import device_option, expert_options, slot_options
+from strata.cli_options import (ReadChunk, device_option, expert_options, read_chunk_fields,
+                                slot_options)
 from strata.errors import StrataError
 
 MODEL_ENV = "STRATA_MODEL"
@@ -91,7 +92,7 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
                                 seed=seed)
         engine = Engine(EngineConfig(path, n_ctx=ctx_size, threads=threads, seed=seed,
                                      device=device, parallel=parallel,
-                                     prompt_chunk_tokens=read_chunk,
+                                     **read_chunk_fields(read_chunk),
                                      conversation_cache_mib=conversation_cache_mib,
                                      **expert_config))
     except StrataError as e:
@@ -204,7 +205,7 @@ def tier_summary(tier) -> dict:
 
 
 def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
-              threads: int | None, chunk_tokens: int, seed: int = 0,
+              threads: int | None, chunk_tokens: int | str, seed: int = 0,
               expert_config: dict | None = None, device: str = "cpu") -> list[dict]:
     """One row per test (pp<n_prompt>, tg<n_gen>) with tokens/s of every repetition; with an
     expert cache each row also has its totals (`expert_cache`, over the whole run)."""
@@ -212,7 +213,8 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
     from strata.config import EngineConfig
     from strata.model.gguf_file import GGUFModel
 
-    config = EngineConfig(model_path, threads=threads, device=device, **(expert_config or {}))
+    config = EngineConfig(model_path, threads=threads, device=device,
+                          **read_chunk_fields(chunk_tokens), **(expert_config or {}))
     with GGUFModel.open(model_path) as gguf:
         model = build_model(gguf, config.device, threads,
                             needs_cpu_experts=config.has_expert_tier, config=config)
@@ -220,6 +222,10 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
         if getattr(model, "plan_text", None):  # a layer split's stages
             click.echo(model.plan_text, err=True)
         tier = _bench_tier(config, gguf, model)
+        # the prompt test reads with no other slot decoding: the solo chunk (auto: larger
+        # where prompt windows stream their experts, as the engine reads them)
+        chunk_tokens = config.resolve_solo_chunk(tier is not None
+                                                 and tier.streams_prompt_experts)
         try:
             rows = _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions,
                                threads, chunk_tokens, seed,
@@ -300,15 +306,16 @@ def format_table(rows: list[dict]) -> str:
               help="Tokens to generate one at a time (0 skips the test).")
 @click.option("-r", "--repetitions", default=5, show_default=True, help="Timed runs per test.")
 @click.option("--threads", "-t", default=None, type=int, help="CPU threads (default: all).")
-@click.option("--chunk", default=512, show_default=True,
-              help="Prompt tokens per forward pass.")
+@click.option("--chunk", default="auto", show_default=True, type=ReadChunk(),
+              help="Prompt tokens per forward pass (auto: as the engine reads a prompt while "
+                   "no other slot decodes, see --read-chunk).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @device_option
 @expert_options
 def bench(model, n_prompt, n_gen, repetitions, threads, chunk, as_json, device, expert_config):
     """Time prompt processing (pp) and text generation (tg) on random tokens."""
     for name, value, minimum in (("-p", n_prompt, 0), ("-n", n_gen, 0),
-                                 ("-r", repetitions, 1), ("--chunk", chunk, 1)):
+                                 ("-r", repetitions, 1)):
         if value < minimum:
             raise click.BadParameter(f"{value} must be >= {minimum}", param_hint=name)
     path = resolve_model(model)

@@ -18,6 +18,31 @@ def device_option(command):
              "(the GPU when CUDA works and the model fits, else the CPU).")(command)
 
 
+class ReadChunk(click.ParamType):
+    """--read-chunk auto|N (N >= 1)."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+        self.fail(f"{value!r}: give auto or a number of tokens >= 1", param, ctx)
+
+
+def read_chunk_fields(read_chunk) -> dict:
+    """EngineConfig fields for --read-chunk: auto lets the engine pick the solo chunk; N reads
+    every prompt window in at most N tokens."""
+    if read_chunk == "auto":
+        from strata.config import EngineConfig
+
+        return dict(prompt_chunk_tokens=EngineConfig.prompt_chunk_tokens,
+                    solo_chunk_tokens="auto")
+    return dict(prompt_chunk_tokens=int(read_chunk), solo_chunk_tokens=None)
+
+
 def slot_options(command):
     """Add --parallel, --read-chunk and --conversation-cache-mib (passed as `parallel`,
     `read_chunk` and `conversation_cache_mib`)."""
@@ -26,8 +51,10 @@ def slot_options(command):
         type=click.FloatRange(min=0),
         help="Host RAM for KV of conversations moved out of their slot (0: none kept).")(command)
     command = click.option(
-        "--read-chunk", default=512, show_default=True, type=click.IntRange(min=1),
-        help="Prompt tokens read per window; other slots decode between chunks.")(command)
+        "--read-chunk", default="auto", show_default=True, type=ReadChunk(),
+        help="Prompt tokens read per window; other slots decode between chunks. auto: 512, "
+             "and 4096 while no other slot decodes when prompt windows stream their experts "
+             "from RAM (GPU with an expert cache).")(command)
     command = click.option(
         "--parallel", "-np", default=1, show_default=True,
         type=click.IntRange(1, MAX_PARALLEL),

@@ -15,6 +15,10 @@ DEFAULT_MAX_CTX_TOKENS = 8192
 MAX_PARALLEL = 8  # the slot table's limit (strata.engine.slots.MAX_SLOTS)
 DEFAULT_ADAPT_EVERY = 4
 KV_TYPES = ("auto", "f32", "f16", "int8")  # --kv
+# --read-chunk auto: prompt windows that stream their experts from RAM (CUDA offload) read this
+# many tokens while no slot decodes: one pass over the experts serves 8x the tokens of a
+# 512-token window (H200, experts in RAM: pp4096 1,700 -> 10,000 tokens/s, docs/offload.md)
+SOLO_STREAMED_CHUNK_TOKENS = 4096
 # Size suffixes: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000.
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -47,6 +51,10 @@ class EngineConfig:
     n_ctx: int | None = None
     threads: int | None = None
     prompt_chunk_tokens: int = 512  # --read-chunk: prompt tokens per window
+    # Prompt tokens per window while no slot decodes: None is prompt_chunk_tokens; "auto" (the
+    # CLI's --read-chunk auto) lets the engine take SOLO_STREAMED_CHUNK_TOKENS when prompt
+    # windows stream their experts from RAM (CUDA offload), else prompt_chunk_tokens
+    solo_chunk_tokens: int | str | None = None
     seed: int | None = None
     parallel: int = 1  # --parallel: slots (sequences decoded together)
     conversation_cache_mib: float = 2048  # parked KVs in host RAM; 0 turns parking off
@@ -92,6 +100,8 @@ class EngineConfig:
         self._check_int("threads", allow_none=True, minimum=1)
         self.device = check_device(self.device)
         self._check_int("prompt_chunk_tokens", allow_none=False, minimum=1)
+        if self.solo_chunk_tokens != "auto":
+            self._check_int("solo_chunk_tokens", allow_none=True, minimum=1)
         self._check_int("seed", allow_none=True, minimum=0)
         self._check_int("parallel", allow_none=False, minimum=1)
         if self.parallel > MAX_PARALLEL:
@@ -225,6 +235,23 @@ class EngineConfig:
             return int(n_ctx)
         base = self.prompt_chunk_tokens if self.kv_grow == "auto" else self.kv_grow
         return min(int(base), int(n_ctx))
+
+    def max_prompt_window_tokens(self) -> int:
+        """The most prompt tokens one window may read (what buffers sized for windows, such as
+        the CPU pool's exchange, must hold): the solo chunk when set ("auto": its largest)."""
+        solo = self.solo_chunk_tokens
+        if solo == "auto":
+            solo = SOLO_STREAMED_CHUNK_TOKENS
+        return max(self.prompt_chunk_tokens, solo or 0)
+
+    def resolve_solo_chunk(self, streams_prompt_experts: bool) -> int:
+        """Resolve solo_chunk_tokens (engine start, once the model is built) and return it."""
+        if self.solo_chunk_tokens == "auto":
+            self.solo_chunk_tokens = (max(self.prompt_chunk_tokens, SOLO_STREAMED_CHUNK_TOKENS)
+                                      if streams_prompt_experts else self.prompt_chunk_tokens)
+        elif self.solo_chunk_tokens is None:
+            self.solo_chunk_tokens = self.prompt_chunk_tokens
+        return int(self.solo_chunk_tokens)
 
     def kv_dtype(self, is_cuda: bool):
         """The dtype to make KV caches with (None: the backend's default); ConfigError when the

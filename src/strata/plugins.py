@@ -35,7 +35,11 @@ class BuiltinDefaults:
         from strata.engine.interleave import HalfRateInterleave
 
         chunk = getattr(config, "prompt_chunk_tokens", None)
-        return HalfRateInterleave() if chunk is None else HalfRateInterleave(chunk)
+        if chunk is None:
+            return HalfRateInterleave()
+        solo = getattr(config, "solo_chunk_tokens", None)  # resolved by the engine: an int
+        return HalfRateInterleave(chunk, solo_chunk_tokens=solo if isinstance(solo, int)
+                                  else None)
 
     @hookimpl(trylast=True)
     def strata_tier_policy(self, config):

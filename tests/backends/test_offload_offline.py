@@ -56,3 +56,11 @@ def test_work_buffer_estimate_grows_with_rows(tmp_path):
     one, many = work_buffer_bytes(spec, 1), work_buffer_bytes(spec, 512)
     assert many == 512 * one
     assert one >= 4 * spec.vocab + spec.n_experts_used * 4 * spec.hidden  # logits + ybuf rows
+
+
+def test_work_buffer_estimate_counts_logits_for_logit_rows_only(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    spec = synth_model(path, shape="tiny", weight_type="f32", n_layers=2)
+    all_rows, one_row = work_buffer_bytes(spec, 4096), work_buffer_bytes(spec, 4096, 1)
+    assert all_rows - one_row == 4095 * 4 * spec.vocab
+    assert work_buffer_bytes(spec, 8, 64) == work_buffer_bytes(spec, 8)  # capped at the rows

@@ -125,3 +125,19 @@ def test_bad_share_is_a_config_error(share):
 def test_bad_timings_are_reported_by_name(timing, name):
     with pytest.raises(ValueError, match=name):
         HalfRateInterleave(64).plan(make_reads((0, 100, 0)), 1, timing)
+
+
+def test_alone_it_reads_solo_chunks_and_with_others_decoding_read_chunks():
+    policy = HalfRateInterleave(64, solo_chunk_tokens=4096)
+    assert policy.plan(make_reads((1, 5000, 0)), 0, None) == ReadPlan(1, 4096, 0, None)
+    assert policy.plan(make_reads((1, 900, 4100)), 0, None) == ReadPlan(1, 900, 0, None)
+    plan = policy.plan(make_reads((1, 5000, 0)), 2, WindowTiming(0.01, 0.001))
+    assert (plan.chunk_tokens, plan.num_decode_windows_after) == (64, 7)
+    # without a solo size the read chunk serves both
+    assert HalfRateInterleave(64).solo_chunk_tokens == 64
+
+
+@pytest.mark.parametrize("solo", [0, -5, 2.5, True, "4096"])
+def test_bad_solo_chunk_is_a_config_error(solo):
+    with pytest.raises(ConfigError, match="solo_chunk_tokens"):
+        HalfRateInterleave(64, solo_chunk_tokens=solo)

@@ -3,6 +3,7 @@ and submit/step for a caller that runs many requests at once (the server's engin
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -16,6 +17,8 @@ from strata.model.chat import ChatTemplate
 from strata.model.gguf_file import GGUFModel
 from strata.model.tokenizer import Tokenizer
 from strata.plugins import get_plugin_manager, resolve_choosers
+
+log = logging.getLogger("strata.engine")
 
 
 class Engine:
@@ -41,6 +44,13 @@ class Engine:
                                      needs_cpu_experts=config.has_expert_tier, config=config)
             # Sets config.expert_cache_slots (read by the tier policy hook) before the choosers.
             self.expert_tier = ExpertTier.build(config, self.gguf, self.model)
+            streams = bool(self.expert_tier is not None
+                           and self.expert_tier.streams_prompt_experts)
+            solo = config.resolve_solo_chunk(streams)
+            if solo != config.prompt_chunk_tokens:
+                log.info("prompt windows stream their experts from RAM: prompts read %d "
+                         "tokens per window while no other slot decodes, else %d "
+                         "(--read-chunk auto)", solo, config.prompt_chunk_tokens)
             pm = plugin_manager if plugin_manager is not None else get_plugin_manager()
             choosers = resolve_choosers(pm, config=config, spec=self.spec,
                                         num_slots=config.parallel)

@@ -257,6 +257,14 @@ class ExpertTier:
                 self.log_group()
 
     @property
+    def streams_prompt_experts(self) -> bool:
+        """Do prompt windows stream the experts they read from RAM (a device arena with a
+        streamer that does not hold every expert: backends/cuda/stream.py)?"""
+        arena = self.arena
+        return bool(arena is not None and getattr(arena, "streamer", None) is not None
+                    and arena.n_slots < self.store.n_layers * self.store.n_experts)
+
+    @property
     def mode(self) -> str:
         """"frozen" (no rounds: no cache slots, no policy or --adapt-every 0), "async" or
         "blocking"."""

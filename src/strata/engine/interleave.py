@@ -47,6 +47,9 @@ class HalfRateInterleave:
     before reads that do not, earliest arrival first; otherwise the earliest read continues. A
     short prompt arriving during a long read is thus answered after at most one chunk.
 
+    Size: `read_chunk_tokens` while other slots decode, `solo_chunk_tokens` (default the
+    same) while none does.
+
     Share: with chunk time c = chunk_tokens x seconds per token and decode window time d, a cycle
     of one chunk and k decode windows gives each decoding slot k tokens in k*d + c seconds
     instead of k tokens in k*d. Keeping a share s of the solo rate needs k*d*(1 - s) >= s*c; the
@@ -57,14 +60,21 @@ class HalfRateInterleave:
 
     name = "half-rate"
 
-    def __init__(self, read_chunk_tokens: int = 512, min_decode_share: float = 0.5):
-        if isinstance(read_chunk_tokens, bool) or not isinstance(read_chunk_tokens, int) \
-                or read_chunk_tokens < 1:
-            raise ConfigError(f"--read-chunk {read_chunk_tokens!r} must be an integer >= 1")
+    def __init__(self, read_chunk_tokens: int = 512, min_decode_share: float = 0.5,
+                 solo_chunk_tokens: int | None = None):
+        for name, value in (("--read-chunk", read_chunk_tokens),
+                            ("solo_chunk_tokens", solo_chunk_tokens)):
+            if value is None and name != "--read-chunk":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} {value!r} must be an integer >= 1")
         if not 0.0 <= min_decode_share < 1.0:
             raise ConfigError(f"min_decode_share = {min_decode_share!r} must be in [0, 1): a "
                               "share of 1 would never let a prompt be read")
         self.read_chunk_tokens = read_chunk_tokens
+        # chunks while no slot decodes (--read-chunk auto: larger where prompt windows stream
+        # their experts from RAM, config.SOLO_STREAMED_CHUNK_TOKENS)
+        self.solo_chunk_tokens = solo_chunk_tokens or read_chunk_tokens
         self.min_decode_share = float(min_decode_share)
 
     def plan(self, reads: Sequence[PendingRead], num_decoding_slots: int,
@@ -72,9 +82,10 @@ class HalfRateInterleave:
         if not reads:
             return None
         read = self.next_read(reads)
-        chunk_tokens = min(self.read_chunk_tokens, read.num_tokens_left)
         if num_decoding_slots <= 0:
-            return ReadPlan(read.slot_index, chunk_tokens, 0, None)
+            return ReadPlan(read.slot_index, min(self.solo_chunk_tokens, read.num_tokens_left),
+                            0, None)
+        chunk_tokens = min(self.read_chunk_tokens, read.num_tokens_left)
         if timing is None:
             return ReadPlan(read.slot_index, chunk_tokens, 1, None)
         chunk_seconds = chunk_tokens * _check_seconds(timing.prompt_seconds_per_token,

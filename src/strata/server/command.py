@@ -9,7 +9,8 @@ import threading
 
 import click
 
-from strata.cli_options import device_option, expert_options, slot_options
+from strata.cli_options import (device_option, expert_options, read_chunk_fields,
+                                slot_options)
 from strata.server.app import ServerConfig, create_app
 
 DEFAULT_HTTP_THREADS = 8
@@ -81,7 +82,7 @@ def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_thre
     try:
         engine_config = EngineConfig(path, n_ctx=ctx_size, threads=threads, device=device,
                                      parallel=parallel,
-                                     prompt_chunk_tokens=read_chunk,
+                                     **read_chunk_fields(read_chunk),
                                      conversation_cache_mib=conversation_cache_mib,
                                      **expert_config)
     except StrataError as e:

@@ -22,6 +22,11 @@ from strata.model.gguf_file import GGUFModel
 
 GRAPH_MAX_ROWS = 16      # windows of at most this many rows replay a captured graph
 _MIN_WORKSPACE_ROWS = 64
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 _MAX_PLANS = 32          # window shapes whose launches (and graphs) are kept
 _VRAM_RESERVE_BYTES = 512 << 20  # left free for the workspace, KV and the driver
 
@@ -155,11 +160,15 @@ class CudaModel:
 
     # ---- plans --------------------------------------------------------------------------------
     def _plan(self, num_rows: int, num_logit_rows: int) -> WindowPlan:
-        if self._ws is None or self._ws.max_rows < num_rows:
-            rows = max(_MIN_WORKSPACE_ROWS, 1 << (num_rows - 1).bit_length())
+        ws = self._ws
+        if ws is None or ws.max_rows < num_rows or ws.max_logit_rows < num_logit_rows:
+            rows = max(_MIN_WORKSPACE_ROWS, _pow2(num_rows), ws.max_rows if ws else 0)
+            # logits only for the logit rows: prompt windows have one or none
+            logit_rows = min(rows, max(_MIN_WORKSPACE_ROWS, _pow2(num_logit_rows),
+                                       ws.max_logit_rows if ws else 0))
             self._plans.clear()  # their addresses point into the old workspace
-            self._ws = None
-            self._ws = Workspace(self.runtime, self.spec, rows)
+            self._ws = ws = None
+            self._ws = Workspace(self.runtime, self.spec, rows, logit_rows)
         key = (num_rows, num_logit_rows)
         plan = self._plans.get(key)
         if plan is None:

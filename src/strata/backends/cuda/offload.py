@@ -17,7 +17,6 @@ log = logging.getLogger("strata.tier")
 
 PART_ALIGN_BYTES = 256      # gate, up and down each start on 256 bytes inside a slot
 VRAM_RESERVE_BYTES = 1 << 30  # `auto` leaves this free for the driver, graphs and growth
-AUTO_WINDOW_ROWS = 512      # `auto` keeps room for the work buffers of windows this large
 
 
 def slot_layout(store: ExpertStore) -> tuple[np.ndarray, int]:
@@ -96,14 +95,16 @@ class HostExperts:
         return self.buffer[self.index(layer, expert)]
 
 
-def work_buffer_bytes(spec, num_rows: int) -> int:
-    """About the bytes of plan.Workspace for windows of `num_rows` rows (its largest buffers:
-    per row the residual, normed rows, q/k/v, router and logits; per pair the expert buffers)."""
+def work_buffer_bytes(spec, num_rows: int, num_logit_rows: int | None = None) -> int:
+    """About the bytes of plan.Workspace for windows of `num_rows` rows, `num_logit_rows` of
+    them with logits (default all; its largest buffers: per row the residual, normed rows,
+    q/k/v and router; per pair the expert buffers; per logit row the logits)."""
     wide = max(spec.hidden, spec.q_dim)
     per_row = 4 * (3 * spec.hidden + 3 * wide + spec.q_dim + 2 * spec.kv_dim + spec.n_experts
-                   + 2 * max(spec.shared_ffn, 1) + spec.vocab)
+                   + 2 * max(spec.shared_ffn, 1))
     per_pair = 16 + 5 * spec.expert_ffn + 4 * spec.hidden
-    return num_rows * (per_row + spec.n_experts_used * per_pair)
+    num_logit_rows = num_rows if num_logit_rows is None else min(num_logit_rows, num_rows)
+    return num_rows * (per_row + spec.n_experts_used * per_pair) + num_logit_rows * 4 * spec.vocab
 
 
 def auto_budget_bytes(model, config) -> int:
@@ -115,7 +116,10 @@ def auto_budget_bytes(model, config) -> int:
     # fp16 K and V of every slot (--kv-grow: the base cells; more are lent by the cache)
     kv_cells = config.parallel * config.kv_base_cells(n_ctx)
     kv_bytes = kv_cells * spec.n_layers * 2 * spec.kv_dim * 2
-    work_bytes = work_buffer_bytes(spec, AUTO_WINDOW_ROWS)
+    # the largest window: a prompt chunk (--read-chunk auto: the streamed solo chunk) and the
+    # other slots' decode rows; logits for the decode rows only
+    num_rows = config.max_prompt_window_tokens() + 16 * config.parallel
+    work_bytes = work_buffer_bytes(spec, num_rows, min(num_rows, 64 + 16 * config.parallel))
     room = max(0, free - kv_bytes - work_bytes - VRAM_RESERVE_BYTES)
     budget = config.vram_budget_bytes
     return room if budget is None else min(room, int(budget))
@@ -142,7 +146,7 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     if pcie_frac < 1:
         # an engine window holds one prompt chunk and the decode rows of the other slots
         # (with room for draft tokens)
-        arena.attach_pool(pcie_frac, config.prompt_chunk_tokens + 16 * config.parallel,
+        arena.attach_pool(pcie_frac, config.max_prompt_window_tokens() + 16 * config.parallel,
                           threads=config.threads)
     log.info("VRAM expert cache: %d slots of %d bytes (%.2f GiB; %.2f GiB free for it), %d "
              "experts pinned in RAM (%.2f GiB); misses: %s", n, slot_bytes,

@@ -117,14 +117,18 @@ def _mmq_kernel(mode: str, w, w2, grouped: bool, num_rows: int, num_pairs: int =
 
 
 class Workspace:
-    """Device buffers for windows of up to `max_rows` rows, carved from one allocation, and
-    the pinned host descriptor mirrored into the device descriptor."""
+    """Device buffers for windows of up to `max_rows` rows of which up to `max_logit_rows`
+    (default: all) want logits, carved from one allocation, and the pinned host descriptor
+    mirrored into the device descriptor. Logits are [N, V]: a 4096-row prompt window with one
+    logit row needs 0.6 MB of them, not 2.5 GB (Qwen3's vocabulary)."""
 
-    def __init__(self, runtime, spec: ModelSpec, max_rows: int):
+    def __init__(self, runtime, spec: ModelSpec, max_rows: int,
+                 max_logit_rows: int | None = None):
         R, H, K = max_rows, spec.hidden, spec.n_experts_used
         P, F, S, V = R * K, spec.expert_ffn, max(spec.shared_ffn, 1), spec.vocab
+        N = R if max_logit_rows is None else max(1, min(int(max_logit_rows), R))
         wide = max(H, spec.q_dim)
-        self.max_rows = R
+        self.max_rows, self.max_logit_rows = R, N
         f4, i4, i1 = 4, 4, 1
         sizes = {
             # descriptor: kv_base u64 [R], then tokens, pos, cap, logit_rows int32 [R] each
@@ -144,7 +148,7 @@ class Workspace:
             "ybuf": f4 * P * H,               # [P, H] each pair's down product
             "sg": f4 * R * S, "sgq": i1 * R * S, "sgd": f4 * R * S // 32 + 4,  # [R, S]
             "so": f4 * R * H, "sl": f4 * R,   # shared expert output [R, H], gate logit [R]
-            "logits": f4 * R * V,             # [N <= R, V]
+            "logits": f4 * N * V,             # [N <= max_logit_rows, V]
             "argmax": i4 * R,
             # attention partials per split [R, Q, ATT_SPLITS, 2 + D] (m, l, acc[D])
             "att_part": f4 * R * spec.n_heads * ATT_SPLITS * (2 + spec.head_dim),
@@ -167,7 +171,7 @@ class Workspace:
         ints = self.host_desc[8 * R:].view(np.int32)
         self.host_tokens, self.host_pos = ints[:R], ints[R:2 * R]
         self.host_cap, self.host_logit_rows = ints[2 * R:3 * R], ints[3 * R:4 * R]
-        self.host_logits = runtime.pinned((R, V), np.float32)  # [N <= R, V] read back
+        self.host_logits = runtime.pinned((N, V), np.float32)  # [N, V] read back
         self.host_argmax = runtime.pinned((R,), np.int32)
 
     def ptr(self, name: str) -> int:

@@ -182,6 +182,10 @@ class SplitTier:
     def mode(self) -> str:
         return self.stages[0].mode
 
+    @property
+    def streams_prompt_experts(self) -> bool:
+        return any(t.streams_prompt_experts for t in self.stages)
+
     def forward_window(self, window, lazy: bool = False):
         """The split pass with every stage's tier around it (as ExpertTier.forward_window)."""
         kind = "batch" if len(window.kvs) > 1 else "solo"
