@@ -45,3 +45,16 @@ def test_data_files_are_installed():
     for path in (SRC / "data").iterdir():
         if path.is_file() and path.suffix != ".py" and path.name != "meson.build":
             assert (data / path.name).is_file(), f"{path.name} is not installed"
+
+
+def test_python_dash_m_runs_both_commands():
+    """`python -m strata` and `python -m strata.tool`: where pip put no console scripts on PATH
+    (pip --target into a folder that has a bin/ already, as on the GPU machine)."""
+    import subprocess
+    import sys
+
+    for module, words in (("strata", "run"), ("strata.tool", "calibrate")):
+        done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert words in done.stdout
