@@ -206,18 +206,25 @@ def main():
             for num_slots in sorted({1, args.slots} - {0}):
                 steps = args.adaptive_steps if num_slots == 1 else \
                     (args.slot_decode_tokens or args.adaptive_steps)
-                runs, before = [], tier.snapshot_totals()
+                runs, parts = [], []  # the totals' change over each run's decode windows
+
+                def mark():  # after the run's prompts: its decode windows only are counted
+                    parts.append(tier.snapshot_totals())
+
                 for _ in range(args.repeats):
                     runs.append(num_slots * steps / tier_decode(tier, model, num_slots, steps,
-                                                                128, rng))
-                after = tier.snapshot_totals()
-                hits, misses = after.num_hits - before.num_hits, after.num_misses - before.num_misses
-                num_windows = max(after.num_windows - before.num_windows, 1)
+                                                                128, rng, after_prompts=mark))
+                    parts.append(tier.snapshot_totals())
+                pairs = list(zip(parts[::2], parts[1::2]))
+                hits = sum(b.num_hits - a.num_hits for a, b in pairs)
+                misses = sum(b.num_misses - a.num_misses for a, b in pairs)
+                swaps = sum(b.num_swaps - a.num_swaps for a, b in pairs)
+                wait_s = sum(b.wait_s - a.wait_s for a, b in pairs)
+                num_windows = max(sum(b.num_windows - a.num_windows for a, b in pairs), 1)
                 record(f"adaptive tier (async, every 4), {num_slots} slot(s) x {steps} steps",
-                       runs, f"after {args.adaptive_warm} warm-up windows: hit rate "
-                       f"{hits / max(hits + misses, 1):.1%}, "
-                       f"{after.num_swaps - before.num_swaps} swaps, tier wait "
-                       f"{(after.wait_s - before.wait_s) / num_windows * 1e3:.2f} ms/window")
+                       runs, f"after {args.adaptive_warm} warm-up windows, decode windows only: "
+                       f"hit rate {hits / max(hits + misses, 1):.1%}, {swaps} swaps, tier wait "
+                       f"{wait_s / num_windows * 1e3:.2f} ms/window")
             tier.wait_idle(60)
             tier.close()  # stops its copier (and closes the arena: again below, harmless)
         arena.close()
