@@ -76,3 +76,66 @@ def test_cli_device_option(tiny_path):
     header = ok.output.splitlines()[0]
     assert "| backend |" in header
     assert "| cpu " in ok.output.splitlines()[2]
+
+
+class _FakeRuntime:
+    name = "Fake GPU"
+
+
+def _fake_cuda(monkeypatch, dense_fits: bool):
+    """CUDA 'available' with a GPU that cannot hold the whole model; its dense part fits when
+    `dense_fits`. Records the CudaModel calls."""
+    calls = []
+
+    class FakeCudaModel:
+        def __init__(self, gguf_model, experts_resident=True):
+            calls.append(experts_resident)
+            if experts_resident or not dense_fits:
+                what = "the model's tensors" if experts_resident else "the dense part"
+                raise ConfigError(f"{what} need 40.00 GiB of VRAM but Fake GPU has 8.00 GiB free")
+            self.experts_resident, self.runtime = experts_resident, _FakeRuntime()
+
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "CudaModel", FakeCudaModel)
+    return calls
+
+
+def test_auto_puts_a_moe_model_too_large_for_the_gpu_there_with_its_experts_in_ram(
+        tiny_path, monkeypatch, caplog):
+    calls = _fake_cuda(monkeypatch, dense_fits=True)
+    config = EngineConfig(tiny_path)
+    assert config.expert_cache is None
+    with caplog.at_level(logging.INFO, logger="strata.engine"), GGUFModel.open(tiny_path) as gguf:
+        model = build_model(gguf, "auto", config=config)
+    assert calls == [True, False] and model.experts_resident is False
+    assert config.expert_cache == "auto" and config.has_expert_tier  # the engine builds the tier
+    assert "the GPU (Fake GPU) with the routed experts in pinned RAM" in caplog.text
+    assert "--expert-cache auto" in caplog.text and "40.00 GiB" in caplog.text
+
+
+def test_auto_runs_on_the_cpu_when_not_even_the_dense_part_fits(tiny_path, monkeypatch, caplog):
+    calls = _fake_cuda(monkeypatch, dense_fits=False)
+    config = EngineConfig(tiny_path)
+    with caplog.at_level(logging.INFO, logger="strata.engine"), GGUFModel.open(tiny_path) as gguf:
+        assert isinstance(build_model(gguf, "auto", config=config), CpuModel)
+    assert calls == [True, False] and config.expert_cache is None
+    assert "the CPU, since the GPU cannot hold the model" in caplog.text
+
+
+@pytest.mark.parametrize("device, offload, with_config", [
+    ("cuda", False, True),    # asked for the GPU as it is: its error, unchanged
+    ("auto", True, True),     # the expert options asked already: no second try
+    ("auto", False, False),   # no config to carry --expert-cache auto to the engine
+])
+def test_no_automatic_offload_otherwise(tiny_path, monkeypatch, device, offload, with_config):
+    calls = _fake_cuda(monkeypatch, dense_fits=offload)
+    config = EngineConfig(tiny_path) if with_config else None
+    with GGUFModel.open(tiny_path) as gguf:
+        if device == "cuda":
+            with pytest.raises(ConfigError, match="40.00 GiB"):
+                build_model(gguf, device, needs_cpu_experts=offload, config=config)
+        else:
+            model = build_model(gguf, device, needs_cpu_experts=offload, config=config)
+            assert (model.experts_resident is False) if offload else isinstance(model, CpuModel)
+    assert calls == [not offload]
+    assert config is None or config.expert_cache is None

@@ -71,11 +71,13 @@ class CudaModel:
         if need + _VRAM_RESERVE_BYTES > free:
             what = "the model's tensors need" if experts_resident else (
                 "the model's dense part (everything but the routed experts) needs")
+            offload = ("keep the routed experts in RAM behind a VRAM cache (--expert-cache "
+                       "auto), " if experts_resident and spec.n_experts else "")
             raise ConfigError(
                 f"{what} {need / 2**30:.2f} GiB of VRAM (+ "
                 f"{_VRAM_RESERVE_BYTES >> 20} MiB for work buffers) but {rt.name} has "
-                f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; use a smaller "
-                "quantisation, free the GPU, or run with --device cpu")
+                f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; {offload}use a "
+                "smaller quantisation, free the GPU, or run with --device cpu")
         self.expert_tables, self.expert_tables_ptr = None, 0
         if not experts_resident:
             self.expert_tables = rt.alloc(8 * 3 * spec.n_layers * spec.n_experts)
