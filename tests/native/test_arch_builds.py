@@ -48,6 +48,8 @@ def _arm_variant(march):
     _x86_variant("haswell", {"avx2", "fma", "f16c"}),                   # AVX2
     _x86_variant("alderlake", {"avx2", "fma", "f16c", "avx_vnni"}),     # AVX2 + AVX-VNNI
     _x86_variant("skylake-avx512", {"avx512f", "avx512bw", "f16c"}),    # AVX-512, no VNNI
+    # AVX-512 VNNI without VBMI: fused.c's two-block Q4_0 path, not the vpermb one
+    _x86_variant("cascadelake", {"avx512f", "avx512bw", "avx512_vnni", "f16c"}),
     _arm_variant("armv8-a"),                                            # NEON
     _arm_variant("armv8.2-a+dotprod"),                                  # NEON vdotq
 ])
@@ -63,6 +65,6 @@ def test_other_instruction_sets(variant, tmp_path):
     run = subprocess.run([runner, str(exe)] if runner else [str(exe)], capture_output=True,
                          text=True, timeout=300)
     expected_level = {"x86-64": "scalar", "haswell": "avx2", "alderlake": "avx2",
-                      "skylake-avx512": "avx512"}
+                      "skylake-avx512": "avx512", "cascadelake": "avx512"}
     assert run.stdout.splitlines()[0] == f"simd={expected_level.get(march, 'neon')}"
     assert run.returncode == 0 and run.stdout.rstrip().endswith("PASSED"), run.stdout

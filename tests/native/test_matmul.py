@@ -108,6 +108,22 @@ def test_row_bytes_and_type_table():
     assert kernels.simd_level() in ("avx512", "avx2", "neon", "scalar")
 
 
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0,
+                                   gguf.GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 4, 7, 21])
+def test_decode_rows_match_the_tiles_at_an_odd_block_count(qtype, rows):
+    """The fused decode path takes 4 weight rows and 2 blocks at a time: with 3 blocks (96
+    columns, padded to 128) and row counts around 4, the last pair and the last rows are partial,
+    and a token's result is still the batched one, bit for bit."""
+    rng = np.random.default_rng(7 + rows)
+    w = random_weight(rng, qtype, rows, 96)
+    x = rng.standard_normal((6, 96)).astype(np.float32)
+    batched = kernels.matmul(w, int(qtype), x)
+    for lo, hi in ((0, 1), (1, 3), (3, 6)):
+        alone = kernels.matmul(w, int(qtype), np.ascontiguousarray(x[lo:hi]))
+        assert np.array_equal(alone, batched[lo:hi])
+
+
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_a_token_does_not_depend_on_its_batch(qtype):
     """Decode (fused, 1-3 tokens) and batched (tiled) paths give a token the same result: bit

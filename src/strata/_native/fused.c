@@ -35,8 +35,8 @@ static inline __m512i q8_0_pair(const uint8_t *blk0, int has_second) {
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int cols,
-                             const st_act *act, const int64_t *tr, float *res) {
+ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_t ahead,
+                             int cols, const st_act *act, const int64_t *tr, float *res) {
     const int ncp = act->cols_pad;
     const int is_q4 = qtype == ST_Q4_0;
     const int block_bytes = is_q4 ? 18 : 34;
@@ -53,6 +53,7 @@ ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int co
     }
     for (int ib = 0; ib < num_blocks; ib += 2) {
         const uint8_t *blk = row + (int64_t)ib * block_bytes;
+        __builtin_prefetch(blk + ahead, 0, 3);
         const int has_second = ib + 1 < num_blocks;
         __m512i u = is_q4 ? q4_0_pair(blk, has_second) : q8_0_pair(blk, has_second);
         float d1 = has_second ? fp16_at(blk + block_bytes) : 0.0f;
@@ -69,6 +70,98 @@ ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int co
     for (int c = 0; c < NC; c++) res[c] = _mm512_reduce_add_ps(acc[c]);
 }
 
+#if defined(__AVX512VBMI__)
+#define ST_FUSED_Q4_ROWS 1
+/* Q4_0 for NR (1 or 4) weight rows at once, the activation loads shared between the rows: a
+ * pair of blocks (64 columns, 36 bytes) comes in with one masked load (nothing read past the
+ * pair), one vpermb puts each block's 16 quant bytes twice (for its low and its high nibbles),
+ * one variable shift and a mask give the same unsigned values as q4_0_pair, and one vpermw +
+ * vcvtph2ps the same scale lanes. The arithmetic after that is fused_row's, lane for lane, so
+ * results are bit for bit those of fused_row and of the tiles. About half the vector uops per
+ * byte of fused_row: the CPU pool's decode is compute bound without it. */
+ALWAYS_INLINE void fused_q4_0_rows(const int NR, const int NC, const uint8_t *const *rows,
+                                   int64_t ahead, int cols, const st_act *act,
+                                   const int64_t *tr, float *res) {
+    const int ncp = act->cols_pad;
+    const int num_blocks = cols / 32;
+    /* output byte i of a pair: quant byte (i % 16) of block (i / 32), at 2 + 18 * (i / 32) */
+    const __m512i pick = _mm512_set_epi8(
+        35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20,
+        35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20,
+        17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+        17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2);
+    /* 16-bit shifts: 0 for the low-nibble quarters, 4 for the high ones */
+    const __m512i shift = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+    /* scale words: block 0's (word 0) for lanes 0-7, block 1's (word 9) for lanes 8-15 */
+    const __m512i scale_pick = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                9, 9, 9, 9, 9, 9, 9, 9, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[4][3];
+    const int8_t *q[3];
+    const int32_t *xc[3];
+    const float *dx[3];
+    for (int c = 0; c < NC; c++) {
+        q[c] = act->q + tr[c] * ncp;
+        xc[c] = act->xc + tr[c] * (ncp / ST_LANE);
+        dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
+        for (int r = 0; r < NR; r++) acc[r][c] = _mm512_setzero_ps();
+    }
+    for (int ib = 0; ib < num_blocks; ib += 2) {
+        /* the last pair of an odd count is one block: its second half reads as zeros */
+        const __mmask64 bytes = ib + 1 < num_blocks ? (__mmask64)0xFFFFFFFFFULL   /* 36 */
+                                                    : (__mmask64)0x3FFFFULL;      /* 18 */
+        const int k = ib * 32, lane = k / ST_LANE;
+        __m512i corr[3], qc[3];
+        __m512 dxc[3];
+        for (int c = 0; c < NC; c++) {
+            corr[c] = _mm512_srai_epi32(_mm512_loadu_si512((const void *)(xc[c] + lane)), 4);
+            qc[c] = _mm512_loadu_si512((const void *)(q[c] + k));              /* [64] int8 */
+            dxc[c] = _mm512_loadu_ps(dx[c] + lane);                             /* [16] */
+        }
+        for (int r = 0; r < NR; r++) {
+            __builtin_prefetch(rows[r] + ahead + (int64_t)ib * 18, 0, 3);
+            __m512i raw = _mm512_maskz_loadu_epi8(bytes, rows[r] + (int64_t)ib * 18);
+            __m512i u = _mm512_and_si512(
+                _mm512_srlv_epi16(_mm512_permutexvar_epi8(pick, raw), shift), low4);
+            __m512 dw = _mm512_cvtph_ps(
+                _mm512_castsi512_si256(_mm512_permutexvar_epi16(scale_pick, raw)));  /* [16] */
+            for (int c = 0; c < NC; c++) {
+                __m512i isum = _mm512_dpbusd_epi32(corr[c], u, qc[c]);
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dxc[c]),
+                                            acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) res[r * 3 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+static void q4_0_rows(const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
+                      const st_act *act, const int64_t *tr, int64_t n_tok, float *out,
+                      int64_t ld_out) {
+    const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
+    float res[12];                                               /* [4 rows, 3 tokens] */
+    int i = 0;
+    for (; i + 4 <= nr; i += 4) {
+        const uint8_t *rows[4];
+        for (int r = 0; r < 4; r++) rows[r] = w + (rb + i + r) * row_bytes;
+        if (n_tok == 1) fused_q4_0_rows(4, 1, rows, ahead, cols, act, tr, res);
+        else if (n_tok == 2) fused_q4_0_rows(4, 2, rows, ahead, cols, act, tr, res);
+        else fused_q4_0_rows(4, 3, rows, ahead, cols, act, tr, res);
+        for (int r = 0; r < 4; r++)
+            for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i + r] = res[r * 3 + j];
+    }
+    for (; i < nr; i++) {
+        const uint8_t *rows[1] = {w + (rb + i) * row_bytes};
+        if (n_tok == 1) fused_q4_0_rows(1, 1, rows, ahead, cols, act, tr, res);
+        else if (n_tok == 2) fused_q4_0_rows(1, 2, rows, ahead, cols, act, tr, res);
+        else fused_q4_0_rows(1, 3, rows, ahead, cols, act, tr, res);
+        for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
+    }
+}
+#endif
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <string.h>
 #include <immintrin.h>
@@ -81,8 +174,8 @@ static inline float fp16_at(const uint8_t *p) {
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int cols,
-                             const st_act *act, const int64_t *tr, float *res) {
+ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_t ahead,
+                             int cols, const st_act *act, const int64_t *tr, float *res) {
     const int ncp = act->cols_pad;
     const int is_q4 = qtype == ST_Q4_0;
     const int block_bytes = is_q4 ? 18 : 34;
@@ -98,6 +191,7 @@ ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int co
     }
     for (int ib = 0; ib < cols / 32; ib++) {
         const uint8_t *blk = row + (int64_t)ib * block_bytes;
+        __builtin_prefetch(blk + ahead, 0, 3);
         __m256i s;                                                          /* [32] int8 */
         if (is_q4) {
             __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
@@ -140,18 +234,25 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
     if (qtype == ST_Q4_K || qtype == ST_Q5_K || qtype == ST_Q6_K) {
         /* fused_k.c; returns 0 for every row when this build has no such path */
         for (int i = 0; i < nr; i++) {
-            if (!st_fused_k_row(qtype, w + (rb + i) * row_bytes, cols, act, tr, (int)n_tok, res))
+            if (!st_fused_k_row(qtype, w + (rb + i) * row_bytes, ST_PREFETCH_ROWS * row_bytes,
+                                cols, act, tr, (int)n_tok, res))
                 return 0;
             for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
         }
         return 1;
     }
     if (qtype != ST_Q4_0 && qtype != ST_Q8_0) return 0;
+#if defined(ST_FUSED_Q4_ROWS)
+    if (qtype == ST_Q4_0) {
+        q4_0_rows(w, row_bytes, cols, rb, nr, act, tr, n_tok, out, ld_out);
+        return 1;
+    }
+#endif
     for (int i = 0; i < nr; i++) {
         const uint8_t *row = w + (rb + i) * row_bytes;
-        if (n_tok == 1) fused_row(1, qtype, row, cols, act, tr, res);
-        else if (n_tok == 2) fused_row(2, qtype, row, cols, act, tr, res);
-        else fused_row(3, qtype, row, cols, act, tr, res);
+        if (n_tok == 1) fused_row(1, qtype, row, ST_PREFETCH_ROWS * row_bytes, cols, act, tr, res);
+        else if (n_tok == 2) fused_row(2, qtype, row, ST_PREFETCH_ROWS * row_bytes, cols, act, tr, res);
+        else fused_row(3, qtype, row, ST_PREFETCH_ROWS * row_bytes, cols, act, tr, res);
         for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
     }
     return 1;

@@ -41,8 +41,8 @@ static inline __m512i join256(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int cols,
-                            const act_rows *a, float *res) {
+ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t ahead,
+                            int cols, const act_rows *a, float *res) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
     /* lanes of a 64-column chunk: 8 of sub-block 2j, then 8 of 2j + 1 */
     const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -53,6 +53,7 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int col
     for (int c = 0; c < NC; c++) acc[c] = min_acc[c] = _mm512_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * (is_q5 ? 176 : 144);
+        st_prefetch(blk + ahead, is_q5 ? 176 : 144);
         const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
         const uint8_t *qs = blk + (is_q5 ? 48 : 16);
         const __m256i qh = is_q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16))
@@ -95,8 +96,8 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int col
         res[c] = _mm512_reduce_add_ps(acc[c]) - _mm512_reduce_add_ps(min_acc[c]);
 }
 
-ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int cols, const act_rows *a,
-                           float *res) {
+ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int64_t ahead, int cols,
+                           const act_rows *a, float *res) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
     /* lane l of a 64-column chunk belongs to group l / 4 */
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -104,6 +105,7 @@ ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int cols, const act
     for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * 210;
+        st_prefetch(blk + ahead, 210);
         const int8_t *scales = (const int8_t *)(blk + 192);
         const __m512 d = _mm512_set1_ps(fp16_at(blk + 208));
         /* [16] group scales d * sc[g] */
@@ -132,7 +134,7 @@ ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int cols, const act
     for (int c = 0; c < NC; c++) res[c] = _mm512_reduce_add_ps(acc[c]);
 }
 
-int st_fused_k_row(int qtype, const uint8_t *row, int cols, const st_act *act,
+int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
                    const int64_t *tr, int n_tok, float *res) {
     const int ncp = act->cols_pad;
     act_rows a;
@@ -144,15 +146,15 @@ int st_fused_k_row(int qtype, const uint8_t *row, int cols, const st_act *act,
     }
     if (qtype == ST_Q4_K || qtype == ST_Q5_K) {
         int is_q5 = qtype == ST_Q5_K;
-        if (n_tok == 1) row_q45k(1, is_q5, row, cols, &a, res);
-        else if (n_tok == 2) row_q45k(2, is_q5, row, cols, &a, res);
-        else row_q45k(3, is_q5, row, cols, &a, res);
+        if (n_tok == 1) row_q45k(1, is_q5, row, ahead, cols, &a, res);
+        else if (n_tok == 2) row_q45k(2, is_q5, row, ahead, cols, &a, res);
+        else row_q45k(3, is_q5, row, ahead, cols, &a, res);
         return 1;
     }
     if (qtype == ST_Q6_K) {
-        if (n_tok == 1) row_q6k(1, row, cols, &a, res);
-        else if (n_tok == 2) row_q6k(2, row, cols, &a, res);
-        else row_q6k(3, row, cols, &a, res);
+        if (n_tok == 1) row_q6k(1, row, ahead, cols, &a, res);
+        else if (n_tok == 2) row_q6k(2, row, ahead, cols, &a, res);
+        else row_q6k(3, row, ahead, cols, &a, res);
         return 1;
     }
     return 0;
@@ -160,9 +162,9 @@ int st_fused_k_row(int qtype, const uint8_t *row, int cols, const st_act *act,
 
 #else
 
-int st_fused_k_row(int qtype, const uint8_t *row, int cols, const st_act *act,
+int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
                    const int64_t *tr, int n_tok, float *res) {
-    (void)qtype; (void)row; (void)cols; (void)act; (void)tr; (void)n_tok; (void)res;
+    (void)qtype; (void)row; (void)ahead; (void)cols; (void)act; (void)tr; (void)n_tok; (void)res;
     return 0;
 }
 

@@ -1,0 +1,82 @@
+"""The CPU pool's kernel (moe_ffn_ptrs) on decode rows, experts read from RAM or from the caches,
+at Qwen3-30B-A3B's expert shape (hidden 2048, width 768, top-8), per weight type and thread
+count: the figure `strata-tool calibrate` turns into --pcie-frac, without a model file.
+
+Usage: python tools/bench_pool_kernel.py [--threads 1,2] [--types Q4_0,Q8_0,Q4_K,Q6_K]
+                                         [--experts 512] [--rows 1] [--seconds 3] [--repeats 3]
+Each call is one layer's window: `rows` rows routed to top-8 experts no other row shares, taken
+in turn from a set of --experts experts (512 x 2.5 MiB of Q4_0 is far more than the L3 cache:
+"from RAM"; --experts 8 keeps them in cache). Prints distinct experts per second and GB/s of
+expert bytes, medians of --repeats runs (and the spread).
+"""
+import argparse
+import statistics
+import time
+
+import gguf
+import numpy as np
+
+from bench_kernels import random_weight
+from strata._native import kernels
+
+T = gguf.GGMLQuantizationType
+HIDDEN, EXPERT_WIDTH, TOP_K = 2048, 768, 8
+
+
+def make_experts(rng, qtype, n):
+    """[3, n] uint64 pointers to n experts' gate, up [F, H] and down [H, F] matrices, the
+    arrays that own them and one expert's bytes."""
+    mats = [(random_weight(rng, qtype, EXPERT_WIDTH, HIDDEN),
+             random_weight(rng, qtype, EXPERT_WIDTH, HIDDEN),
+             random_weight(rng, qtype, HIDDEN, EXPERT_WIDTH)) for _ in range(n)]
+    pointers = np.array([[m[p].ctypes.data for m in mats] for p in range(3)], dtype=np.uint64)
+    return pointers, mats, sum(m.nbytes for m in mats[0])
+
+
+def run(pointers, qtype, n, rows, seconds, rng):
+    """Distinct experts per second over `seconds` of one-layer windows."""
+    x = rng.standard_normal((rows, HIDDEN)).astype(np.float32)            # [R, H]
+    wts = rng.random((rows, TOP_K)).astype(np.float32)                    # [R, K]
+    out = np.zeros((rows, HIDDEN), dtype=np.float32)
+    per_call = rows * TOP_K
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        first = calls * per_call % n
+        ids = ((np.arange(per_call) + first) % n).astype(np.int32).reshape(rows, TOP_K)
+        kernels.moe_ffn_ptrs(x, pointers, int(qtype), int(qtype), int(qtype), EXPERT_WIDTH,
+                             ids, wts, out)
+        calls += 1
+    return calls * per_call / elapsed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K")
+    parser.add_argument("--experts", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.rows * TOP_K > args.experts:
+        parser.error(f"--rows {args.rows} x top-{TOP_K} needs at least that many --experts")
+    rng = np.random.default_rng(0)
+    before = kernels.get_num_threads()
+    print(f"simd {kernels.simd_level()}, {args.experts} experts, {args.rows} row(s) per window")
+    for name in args.types.split(","):
+        qtype = T[name.strip()]
+        pointers, owners, expert_bytes = make_experts(rng, qtype, args.experts)
+        for threads in (int(t) for t in args.threads.split(",")):
+            kernels.set_num_threads(threads)
+            rates = [run(pointers, qtype, args.experts, args.rows, args.seconds, rng)
+                     for _ in range(args.repeats)]
+            mid = statistics.median(rates)
+            print(f"{qtype.name:5s} threads {threads:3d}: {mid:9,.0f} experts/s "
+                  f"({min(rates):,.0f}-{max(rates):,.0f}), {mid * expert_bytes / 1e9:6.2f} GB/s",
+                  flush=True)
+        del owners
+    kernels.set_num_threads(before)
+
+
+if __name__ == "__main__":
+    main()
