@@ -248,11 +248,12 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
         return 1;
     }
 #endif
+    const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
     for (int i = 0; i < nr; i++) {
         const uint8_t *row = w + (rb + i) * row_bytes;
-        if (n_tok == 1) fused_row(1, qtype, row, ST_PREFETCH_ROWS * row_bytes, cols, act, tr, res);
-        else if (n_tok == 2) fused_row(2, qtype, row, ST_PREFETCH_ROWS * row_bytes, cols, act, tr, res);
-        else fused_row(3, qtype, row, ST_PREFETCH_ROWS * row_bytes, cols, act, tr, res);
+        if (n_tok == 1) fused_row(1, qtype, row, ahead, cols, act, tr, res);
+        else if (n_tok == 2) fused_row(2, qtype, row, ahead, cols, act, tr, res);
+        else fused_row(3, qtype, row, ahead, cols, act, tr, res);
         for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
     }
     return 1;
