@@ -1,5 +1,6 @@
 """`strata-tool calibrate MODEL`: measure the GPU's reach over PCIe and the CPU pool's expert
-throughput on this machine, and store the PCIe share of cache misses they give (share.py).
+throughput on this machine, time decode at each PCIe share of the cache misses (share_sweep.py),
+and store the fastest share (share.py).
 """
 from __future__ import annotations
 
@@ -116,10 +117,14 @@ def measure_gpu_reach(device_index: int = 0, num_bytes: int = 256 << 20,
               help="Rows per timed CPU window (1: decode), each with its own top-K experts.")
 @click.option("--device-index", default=0, show_default=True, type=click.IntRange(min=0),
               help="Which GPU.")
-def calibrate(model_path, threads, seconds, rows, device_index):
+@click.option("--sweep/--no-sweep", default=True, show_default=True,
+              help="Time decode windows of MODEL at each share and store the fastest (needs "
+                   "the dense part in VRAM and every expert pinned in RAM); --no-sweep stores "
+                   "the share the two rates suggest.")
+def calibrate(model_path, threads, seconds, rows, device_index, sweep):
     """Measure how fast the GPU reads missing experts over PCIe and how fast the CPU pool computes
-    them, and store the PCIe share of cache misses (`--pcie-frac` unset reads it) for MODEL, this
-    GPU and the thread count."""
+    them, time decode at each PCIe share of the misses, and store the fastest share
+    (`--pcie-frac` unset reads it) for MODEL, this GPU and the thread count."""
     from strata.backends.cuda.cpu_pool import default_pool_threads
     from strata.backends.cuda.share import share_from_rates, store_calibration
     from strata.experts.store import ExpertStore
@@ -149,10 +154,27 @@ def calibrate(model_path, threads, seconds, rows, device_index):
     gpu_experts_per_s = gpu["gpu_reach_bytes_per_s"] / expert_nbytes
     click.echo(f"GPU reach ({gpu['gpu']}): {gpu['gpu_reach_bytes_per_s'] / 1e9:.1f} GB/s from "
                f"mapped pinned RAM = {gpu_experts_per_s:,.0f} experts/s")
-    frac = share_from_rates(gpu_experts_per_s, cpu["cpu_experts_per_s"])
-    path = store_calibration(model_path, gpu["gpu"], threads, frac,
-                             {**cpu, **gpu, "expert_bytes": expert_nbytes,
-                              "gpu_experts_per_s": gpu_experts_per_s})
+    frac = rates_frac = share_from_rates(gpu_experts_per_s, cpu["cpu_experts_per_s"])
+    details = {**cpu, **gpu, "expert_bytes": expert_nbytes,
+               "gpu_experts_per_s": gpu_experts_per_s, "rates_pcie_frac": rates_frac}
+    click.echo(f"the two rates suggest a PCIe share of {rates_frac:.3f}")
+    if sweep:
+        from strata.tool.share_sweep import sweep_shares
+
+        try:
+            timed = sweep_shares(model_path, threads, device_index)
+        except StrataError as exc:
+            _fail(f"timing decode at each share: {exc} (--no-sweep stores the rates' share)")
+        click.echo("decode tokens/s, every routed expert a miss, by PCIe share:")
+        click.echo("share  " + "  ".join(f"{n} slot{'s' if n > 1 else ''}".rjust(9)
+                                         for n in timed["tokens_per_s"]))
+        for i, share in enumerate(timed["shares"]):
+            click.echo(f"{share:5.2f}  " + "  ".join(f"{v[i]:9.1f}"
+                                                    for v in timed["tokens_per_s"].values()))
+        frac = timed["best"]
+        details["sweep"] = {"shares": timed["shares"],
+                            "tokens_per_s": {str(k): v for k, v in timed["tokens_per_s"].items()}}
+    path = store_calibration(model_path, gpu["gpu"], threads, frac, details)
     click.echo(f"PCIe share of cache misses: {frac:.3f} (CPU pool {1 - frac:.3f}); stored in "
                f"{path}")
 

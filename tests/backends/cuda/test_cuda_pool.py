@@ -125,15 +125,31 @@ def test_calibrate_stores_a_measured_share(pool_path, tmp_path, monkeypatch):
     from strata.backends.cuda.share import load_calibration
     from strata.tool.calibrate import measure_gpu_reach
     from strata.tool.cli import main
+    from strata.tool.share_sweep import SHARES
 
     reach = measure_gpu_reach(num_bytes=64 << 20, repeats=2)
     assert reach["gpu_reach_bytes_per_s"] > 1e9  # PCIe 3 x16 and newer read far above 1 GB/s
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
-    res = CliRunner().invoke(main, ["calibrate", str(pool_path), "-t", "2", "--seconds", "0.2"])
+    # --no-sweep: the share the two rates suggest
+    res = CliRunner().invoke(main, ["calibrate", str(pool_path), "-t", "2", "--seconds", "0.2",
+                                    "--no-sweep"])
     assert res.exit_code == 0, res.output
-    print(res.stdout)
     entry = load_calibration(pool_path, reach["gpu"], 2)
     assert 0 < entry["pcie_frac"] < 1
     assert entry["pcie_frac"] == pytest.approx(
         entry["gpu_experts_per_s"] / (entry["gpu_experts_per_s"] + entry["cpu_experts_per_s"]))
+    assert "sweep" not in entry
+    # the default: decode timed at every share, the fastest stored
+    res = CliRunner().invoke(main, ["calibrate", str(pool_path), "-t", "2", "--seconds", "0.2"])
+    assert res.exit_code == 0, res.output
+    print(res.stdout)
+    entry = load_calibration(pool_path, reach["gpu"], 2)
+    speeds = entry["sweep"]["tokens_per_s"]
+    assert entry["sweep"]["shares"] == list(SHARES) and sorted(speeds) == ["1", "4"]
+    assert all(len(v) == len(SHARES) and min(v) > 0 for v in speeds.values())
+    relative = np.mean([np.array(v) / max(v) for v in speeds.values()], axis=0)
+    assert entry["pcie_frac"] == SHARES[int(np.argmax(relative))]
+    assert entry["rates_pcie_frac"] == pytest.approx(
+        entry["gpu_experts_per_s"] / (entry["gpu_experts_per_s"] + entry["cpu_experts_per_s"]))
+    assert "decode tokens/s" in res.stdout
     assert json.loads((tmp_path / "pcie-share.json").read_text())

@@ -1,0 +1,77 @@
+"""The PCIe share that decodes fastest, timed: `strata-tool calibrate`'s sweep.
+
+The two rates `calibrate` measures apart (the pool's kernel alone, a long streaming read over
+PCIe alone) suggest a share, but a decode window reads a few experts per layer on each side at
+once, and both sides draw on the same RAM: on the H200 machine the rates suggested 0.46 while
+0.3 decoded 17% faster (docs/offload.md, "CPU pool"). So calibrate times the real thing: the
+model on the GPU with no expert cache (every routed expert a miss), decode windows of 1 and of
+4 slots, the misses split at each share in turn, and keeps the share with the best speed.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+SHARES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
+
+
+def sweep_shares(model_path, threads: int, device_index: int = 0, shares=SHARES,
+                 slot_counts=(1, 4), steps: int = 8, passes: int = 3, seed: int = 0,
+                 progress: bool = True) -> dict:
+    """Decode tokens/s at each PCIe share for each slot count: `passes` rounds over the shares
+    (interleaved, so drift of the machine spreads over all of them), each `steps` timed windows
+    after one untimed; the median window time per share. Returns {"shares", "tokens_per_s":
+    {slots: [per share]}, "best": the share with the highest mean speed relative to each slot
+    count's best}."""
+    from tqdm import tqdm
+
+    from strata.backends.cuda import CudaModel
+    from strata.backends.cuda.offload import HostExperts, VramExpertArena, slot_layout
+    from strata.backends.window import Window
+    from strata.experts.store import ExpertStore
+    from strata.model.gguf_file import GGUFModel
+
+    gguf = GGUFModel.open(model_path)
+    model = CudaModel(gguf, device=device_index, experts_resident=False)
+    store = ExpertStore.from_gguf(gguf)
+    offsets, slot_bytes = slot_layout(store)
+    host = HostExperts(model.runtime, store, offsets, slot_bytes, progress=progress)
+    arena = VramExpertArena(model, store, 0, host)  # no cache: every routed expert a miss
+    model.expert_arena = arena
+    rng = np.random.default_rng(seed)
+    spec = model.spec
+    counts = np.zeros((store.n_layers, store.n_experts), dtype=np.int64)
+    speeds = {}
+    try:
+        arena.attach_pool(0.5, max_rows=max(slot_counts), threads=threads)
+        windows = len(slot_counts) * passes * len(shares) * (steps + 1)
+        bar = tqdm(total=windows, desc="timing PCIe shares", unit="window", disable=not progress)
+        for num_slots in slot_counts:
+            kvs = [model.new_kv(passes * len(shares) * (steps + 1) + 2) for _ in range(num_slots)]
+            tok = rng.integers(0, spec.vocab, num_slots).astype(np.int32)
+            seconds = {share: [] for share in shares}
+            for _ in range(passes):
+                for share in shares:
+                    arena.pcie_frac = share
+                    for step in range(steps + 1):
+                        counts[:] = 0
+                        arena.before_window(num_slots)
+                        t0 = time.perf_counter()
+                        tok = model.forward_window_greedy(
+                            Window.build([(kv, tok[i:i + 1]) for i, kv in enumerate(kvs)]),
+                            routing_counts=counts)
+                        if step:  # the first window of a share sets its where table up
+                            seconds[share].append(time.perf_counter() - t0)
+                        arena.account_routed(arena.table.peek(), counts)  # expected rows
+                        bar.update()
+            speeds[num_slots] = [num_slots / statistics.median(seconds[s]) for s in shares]
+            del kvs
+        bar.close()
+    finally:
+        arena.close()
+        model.expert_arena = None
+    relative = np.mean([np.array(v) / max(v) for v in speeds.values()], axis=0)
+    return {"shares": list(shares), "tokens_per_s": speeds,
+            "best": float(shares[int(np.argmax(relative))])}
