@@ -3,9 +3,11 @@ at Qwen3-30B-A3B's expert shape (hidden 2048, width 768, top-8), per weight type
 count: the figure `strata-tool calibrate` turns into --pcie-frac, without a model file.
 
 Usage: python tools/bench_pool_kernel.py [--threads 1,2] [--types Q4_0,Q8_0,Q4_K,Q6_K]
-                                         [--experts 512] [--rows 1] [--seconds 3] [--repeats 3]
-Each call is one layer's window: `rows` rows routed to top-8 experts no other row shares, taken
-in turn from a set of --experts experts (512 x 2.5 MiB of Q4_0 is far more than the L3 cache:
+                                         [--experts 512] [--rows 1] [--per-window 8]
+                                         [--seconds 3] [--repeats 3]
+Each call is one layer's window: `rows` rows routed to --per-window experts in all (top-8 each
+by default; fewer: the pool's part of a layer's misses, e.g. 4 at --pcie-frac 0.5), no expert
+shared between rows, taken in turn from a set of --experts experts (512 x 2.5 MiB of Q4_0 is far more than the L3 cache:
 "from RAM"; --experts 8 keeps them in cache). Prints distinct experts per second and GB/s of
 expert bytes, medians of --repeats runs (and the spread).
 """
@@ -33,16 +35,18 @@ def make_experts(rng, qtype, n):
     return pointers, mats, sum(m.nbytes for m in mats[0])
 
 
-def run(pointers, qtype, n, rows, seconds, rng):
-    """Distinct experts per second over `seconds` of one-layer windows."""
+def run(pointers, qtype, n, rows, per_call, seconds, rng):
+    """Distinct experts per second over `seconds` of one-layer windows of `per_call` experts
+    (the rest of each row's top-K slots are -1: another side's)."""
     x = rng.standard_normal((rows, HIDDEN)).astype(np.float32)            # [R, H]
     wts = rng.random((rows, TOP_K)).astype(np.float32)                    # [R, K]
     out = np.zeros((rows, HIDDEN), dtype=np.float32)
-    per_call = rows * TOP_K
+    mine = np.arange(rows * TOP_K) < per_call                             # [R * K]
     calls, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         first = calls * per_call % n
-        ids = ((np.arange(per_call) + first) % n).astype(np.int32).reshape(rows, TOP_K)
+        ids = np.where(mine, (np.arange(rows * TOP_K) + first) % n, -1)
+        ids = ids.astype(np.int32).reshape(rows, TOP_K)
         kernels.moe_ffn_ptrs(x, pointers, int(qtype), int(qtype), int(qtype), EXPERT_WIDTH,
                              ids, wts, out)
         calls += 1
@@ -55,20 +59,25 @@ def main():
     parser.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K")
     parser.add_argument("--experts", type=int, default=512)
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--per-window", type=int, default=None,
+                        help="distinct experts per window (default: rows x top-8)")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    if args.rows * TOP_K > args.experts:
-        parser.error(f"--rows {args.rows} x top-{TOP_K} needs at least that many --experts")
+    per_call = args.per_window or args.rows * TOP_K
+    if not 0 < per_call <= args.rows * TOP_K or per_call > args.experts:
+        parser.error(f"--per-window {per_call} must be in 1..rows x top-{TOP_K} and at most "
+                     f"--experts")
     rng = np.random.default_rng(0)
     before = kernels.get_num_threads()
-    print(f"simd {kernels.simd_level()}, {args.experts} experts, {args.rows} row(s) per window")
+    print(f"simd {kernels.simd_level()}, {args.experts} experts, {args.rows} row(s) and "
+          f"{per_call} experts per window")
     for name in args.types.split(","):
         qtype = T[name.strip()]
         pointers, owners, expert_bytes = make_experts(rng, qtype, args.experts)
         for threads in (int(t) for t in args.threads.split(",")):
             kernels.set_num_threads(threads)
-            rates = [run(pointers, qtype, args.experts, args.rows, args.seconds, rng)
+            rates = [run(pointers, qtype, args.experts, args.rows, per_call, args.seconds, rng)
                      for _ in range(args.repeats)]
             mid = statistics.median(rates)
             print(f"{qtype.name:5s} threads {threads:3d}: {mid:9,.0f} experts/s "
