@@ -8,7 +8,7 @@
 /* Legend: T = tokens, K = experts per token, E = experts, H = hidden, F = expert width,
  * P = routed (token, k) pairs with an expert id >= 0. */
 
-#define ITEM_ROWS 16   /* weight rows per work item (one ROW_BLOCK of matmul.c) */
+#define ITEM_ROWS 64   /* weight rows per work item */
 
 static void *alloc64(size_t num_bytes) {
     size_t rounded = (num_bytes + 63) / 64 * 64;
@@ -109,18 +109,7 @@ int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
         if (!shared_x) st_act_fill(&act_up, x, H, 0, T);
     }
     const int is_parallel = (double)P * 3.0 * F * H >= ST_MIN_PARALLEL_MACS;
-    /* Decode-shaped calls (every expert has 1-3 rows: the fused path) only stream weights:
-     * each thread takes one contiguous run of items, so its reads stay sequential and the fused
-     * kernels' prefetch lands in its own next rows, and the runs are as even as 16-row items
-     * allow (the CPU pool's share of a layer is often 4 experts: 192 gate/up items for 15
-     * threads). Larger products take one item at a time, their cost varying with the rows. */
-    const int num_threads = is_parallel ? st_get_num_threads() : 1;
-    int64_t max_count = 0;
-    for (int e = 0; e < E; e++) max_count = count[e] > max_count ? count[e] : max_count;
-    const int is_streaming = max_count <= 3;
-    const int64_t chunk_1 = is_streaming ? (num_items_1 + num_threads - 1) / num_threads : 1;
-    const int64_t chunk_2 = is_streaming ? (num_items_2 + num_threads - 1) / num_threads : 1;
-    #pragma omp parallel num_threads(num_threads) reduction(|:failed) if (is_parallel)
+    #pragma omp parallel num_threads(st_get_num_threads()) reduction(|:failed) if (is_parallel)
     {
         void *scratch = alloc64(scratch_bytes);
         if (!scratch) failed = 1;
@@ -132,7 +121,7 @@ int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
             }
         }
         /* ---- gate and up: G[p, f], U[p, f] for every expert's pairs ---- */
-        #pragma omp for schedule(dynamic, chunk_1)
+        #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < num_items_1; it++) {
             if (!scratch) continue;
             int e = items[it].expert;
@@ -153,7 +142,7 @@ int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) st_act_fill(&act_h, G, F, p, p + 1);
         /* ---- down: Y[p, h] ---- */
-        #pragma omp for schedule(dynamic, chunk_2)
+        #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < num_items_2; it++) {
             if (!scratch) continue;
             int e = items_2[it].expert;
