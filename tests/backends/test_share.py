@@ -67,6 +67,37 @@ def test_assign_where_extremes_and_no_information():
     assert abs(pcie_share(first, cnt) - 0.63) < 0.05
 
 
+def test_expected_reads_counts_an_expert_once_per_window():
+    from strata.backends.cuda.share import expected_reads
+
+    m = np.array([[0.0, 0.25, 1.0, 2.0, 6.0]])        # expected routed rows per window
+    # one row: the chance is the expected rows themselves, capped at 1
+    np.testing.assert_allclose(expected_reads(m, 1), [[0.0, 0.25, 1.0, 1.0, 1.0]])
+    # four rows: 1 - (1 - m / 4) ** 4; an expert expected in every row is read once
+    np.testing.assert_allclose(expected_reads(m, 4),
+                               [[0.0, 1 - 0.9375 ** 4, 1 - 0.75 ** 4, 0.9375, 1.0]])
+    # a window of no rows counts as one
+    np.testing.assert_allclose(expected_reads(m, 0), expected_reads(m, 1))
+
+
+def test_assign_where_by_reads_balances_the_bytes_of_a_batch_window():
+    """4 rows: one expert routed in every row and four routed once. By rows PCIe takes the hot
+    one (4 of 8 rows) and the pool four experts' bytes; by reads (1 + 4 x 0.68) the split
+    gives each side two or three experts."""
+    from strata.backends.cuda.share import expected_reads
+
+    residency = -np.ones((1, 5), dtype=np.int64)
+    rows = np.array([[4.0, 1.0, 1.0, 1.0, 1.0]])
+    by_rows = assign_where(residency, 0.5, rows)
+    np.testing.assert_array_equal(by_rows, [[P, C, C, C, C]])
+    by_reads = assign_where(residency, 0.5, expected_reads(rows, 4))
+    np.testing.assert_array_equal(by_reads, [[P, P, C, C, C]])
+    # one row per window: reads are the rows, the split is the same
+    one = np.array([[0.9, 0.5, 0.3, 0.2, 0.1]])
+    np.testing.assert_array_equal(assign_where(residency, 0.4, one),
+                                  assign_where(residency, 0.4, expected_reads(one, 1)))
+
+
 def test_assign_where_refuses_bad_tables():
     with pytest.raises(ConfigError, match=r"must both be \[layers, experts\]"):
         assign_where(np.zeros((2, 4)), 0.5, np.zeros((2, 3)))

@@ -17,6 +17,7 @@ log = logging.getLogger("strata.tier")
 
 PART_ALIGN_BYTES = 256      # gate, up and down each start on 256 bytes inside a slot
 VRAM_RESERVE_BYTES = 1 << 30  # `auto` leaves this free for the driver, graphs and growth
+EXPECTED_DECAY = 0.8         # the where table's routing counts: each window, old counts x this
 
 
 def slot_layout(store: ExpertStore) -> tuple[np.ndarray, int]:
@@ -189,6 +190,7 @@ class VramExpertArena(ExpertArena):
         self._where_version = -1
         self._windows_since_where = 0
         self._where_share = 1.0  # the share of the last window (during_window's guess)
+        self._where_rows = 1  # and its rows
         self._pending_where = None  # (key, where [L, E]) computed while a window ran
         self._pool_seq_taken = 0  # the last pool window counted by take_pool_window
         from strata.backends.cuda.stream import PromptStreamer
@@ -226,13 +228,15 @@ class VramExpertArena(ExpertArena):
         self._set_where()
 
     def _set_where(self, num_rows: int = 1) -> None:
-        """where [L, E] from the published residency and the expected rows (share.py), on the
-        device and in the pool, when residency or the window's share changed, or every 8
-        windows (`window_share`: prompt chunks read every miss over PCIe)."""
+        """where [L, E] from the published residency and the expected reads in a window of this
+        many rows (share.py), on the device and in the pool, when residency, the window's share
+        or its rows changed, or every 8 windows (`window_share`: prompt chunks read every miss
+        over PCIe)."""
         from strata.backends.cuda.share import assign_where, window_share
 
         share = self._where_share = window_share(self.pcie_frac, num_rows)
-        key = (self.table.version, share)
+        self._where_rows = num_rows if share < 1.0 else 0  # rows matter only to a split
+        key = (self.table.version, share, self._where_rows)
         self._windows_since_where += 1
         pending, self._pending_where = self._pending_where, None
         if key == self._where_version and self._windows_since_where < 8:
@@ -240,7 +244,7 @@ class VramExpertArena(ExpertArena):
         if pending is not None and pending[0] == key:
             where = pending[1]  # computed while the last window ran (_prepare_where)
         else:
-            where = assign_where(self.table.peek().table, share, self._expected)
+            where = assign_where(self.table.peek().table, share, self._reads(self._where_rows))
         with self._rt.active():
             self.model.tier.set_where(where)
         self.pool.set_where(where)
@@ -252,13 +256,21 @@ class VramExpertArena(ExpertArena):
         it. Not set here: the pool reads the current one during the window."""
         from strata.backends.cuda.share import assign_where
 
-        key = (self.table.version, self._where_share)
+        key = (self.table.version, self._where_share, self._where_rows)
         if key != self._where_version or self._windows_since_where + 1 >= 8:
             self._pending_where = (key, assign_where(self.table.peek().table,
-                                                     self._where_share, self._expected))
+                                                     self._where_share,
+                                                     self._reads(self._where_rows)))
+
+    def _reads(self, num_rows: int) -> np.ndarray:
+        """[L, E] the chance each expert is read in a window of num_rows rows (share.py), from
+        the decayed routing counts (in steady state 1 / (1 - EXPECTED_DECAY) windows' rows)."""
+        from strata.backends.cuda.share import expected_reads
+
+        return expected_reads(self._expected * (1.0 - EXPECTED_DECAY), num_rows)
 
     def account_routed(self, snap, counts: np.ndarray):
-        self._expected *= 0.8
+        self._expected *= EXPECTED_DECAY
         self._expected += counts
         return super().account_routed(snap, counts)
 

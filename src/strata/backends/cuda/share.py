@@ -40,11 +40,25 @@ def window_share(pcie_frac: float, num_rows: int) -> float:
     return pcie_frac if num_rows <= POOL_MAX_ROWS else 1.0
 
 
+def expected_reads(rows_per_window: np.ndarray, num_rows: int) -> np.ndarray:
+    """The chance each expert is read at all in a window of `num_rows` rows, from the routed
+    rows it is expected to get per window ([L, E] float64): a row routes to an expert at most
+    once, so with m expected rows over R rows, 1 - (1 - m / R) ** R (m itself, capped at 1, for
+    one row). A window reads a routed expert's bytes once for all its rows, over PCIe or in
+    the pool alike, so this is what a decode window's split balances: by rows, 4 slots gave
+    PCIe the few hot experts and the pool most of the distinct ones (more bytes than its share).
+    """
+    r = max(int(num_rows), 1)
+    p = np.clip(np.asarray(rows_per_window, dtype=np.float64) / r, 0.0, 1.0)
+    return 1.0 - (1.0 - p) ** r
+
+
 def assign_where(residency: np.ndarray, pcie_frac: float,
                  expected_counts: np.ndarray) -> np.ndarray:
     """where [L, E] uint8: 0 (VRAM) for resident experts (residency >= 0, a slot), and per layer
     the missing ones split so that the PCIe side (1) gets about `pcie_frac` of their expected
-    routed rows, the CPU pool (2) the rest.
+    weight, the CPU pool (2) the rest. The arena gives expected reads (`expected_reads`); any
+    per-expert weight works, routed rows included (the docs below say rows).
 
     Per layer, missing experts with expected rows > 0 are taken hottest first (ties: lower id
     first); one goes to PCIe when that keeps the PCIe rows nearer the target (pcie + c / 2 <
