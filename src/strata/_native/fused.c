@@ -62,9 +62,9 @@ ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_
         for (int c = 0; c < NC; c++) {
             __m512i corr = _mm512_loadu_si512((const void *)(xc[c] + lane));   /* -128 sum q */
             if (is_q4) corr = _mm512_srai_epi32(corr, 4);                      /* -8 sum q */
-            __m512i isum = _mm512_dpbusd_epi32(corr, u, _mm512_loadu_si512((const void *)(q[c] + k)));
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                                     _mm512_mul_ps(dw, _mm512_loadu_ps(dx[c] + lane)), acc[c]);
+            acc[c] = st_vnni_lane_acc(acc[c], corr, u,
+                                      _mm512_loadu_si512((const void *)(q[c] + k)), dw,
+                                      _mm512_loadu_ps(dx[c] + lane));
         }
     }
     for (int c = 0; c < NC; c++) res[c] = _mm512_reduce_add_ps(acc[c]);
@@ -126,11 +126,8 @@ ALWAYS_INLINE void fused_q4_0_rows(const int NR, const int NC, const uint8_t *co
                 _mm512_srlv_epi16(_mm512_permutexvar_epi8(pick, raw), shift), low4);
             __m512 dw = _mm512_cvtph_ps(
                 _mm512_castsi512_si256(_mm512_permutexvar_epi16(scale_pick, raw)));  /* [16] */
-            for (int c = 0; c < NC; c++) {
-                __m512i isum = _mm512_dpbusd_epi32(corr[c], u, qc[c]);
-                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dxc[c]),
-                                            acc[r][c]);
-            }
+            for (int c = 0; c < NC; c++)
+                acc[r][c] = st_vnni_lane_acc(acc[r][c], corr[c], u, qc[c], dw, dxc[c]);
         }
     }
     for (int r = 0; r < NR; r++)

@@ -31,9 +31,8 @@ ALWAYS_INLINE void chunk(const int NC, __m512i u, __m512 scale, int k, int corr_
         if (corr_shift >= 0)
             init = _mm512_srai_epi32(_mm512_loadu_si512((const void *)(a->xc[c] + lane)),
                                      corr_shift);
-        __m512i isum = _mm512_dpbusd_epi32(init, u, _mm512_loadu_si512((const void *)(a->q[c] + k)));
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                                 _mm512_mul_ps(scale, _mm512_loadu_ps(a->dx[c] + lane)), acc[c]);
+        acc[c] = st_vnni_lane_acc(acc[c], init, u, _mm512_loadu_si512((const void *)(a->q[c] + k)),
+                                  scale, _mm512_loadu_ps(a->dx[c] + lane));
     }
 }
 

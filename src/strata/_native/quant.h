@@ -134,3 +134,16 @@ void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, flo
 
 void st_set_num_threads(int n);
 int st_get_num_threads(void);
+
+#if defined(ST_USE_VNNI512)
+#include <immintrin.h>
+/* The lane arithmetic of every AVX-512 VNNI dot product here (tiles.c, fused.c, fused_k.c), in
+ * one place: a token's result must not depend on which of them computed it (test_matmul: alone
+ * = batched, bit for bit). 16 int32 lanes of 4 columns each:
+ * acc += float(corr + sum(u * q)) * (scale * dx), u unsigned weight bytes, q int8 activations. */
+static inline __attribute__((always_inline)) __m512 st_vnni_lane_acc(
+        __m512 acc, __m512i corr, __m512i u, __m512i q, __m512 scale, __m512 dx) {
+    __m512i isum = _mm512_dpbusd_epi32(corr, u, q);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, dx), acc);
+}
+#endif

@@ -45,9 +45,7 @@ ALWAYS_INLINE void qtile_impl(const int NR, const int NC, const st_qtile *t, flo
             __m512 a = _mm512_loadu_ps(t->A[r] + lane);                   /* [16] */
             for (int c = 0; c < NC; c++) {
                 /* xc holds -128 * sum(q) per lane, undoing the +128 bias of s exactly */
-                __m512i isum = _mm512_dpbusd_epi32(xc[c], s, q[c]);
-                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(a, dx[c]),
-                                            acc[r][c]);
+                acc[r][c] = st_vnni_lane_acc(acc[r][c], xc[c], s, q[c], a, dx[c]);
             }
         }
     }
