@@ -187,9 +187,13 @@ static void gemm_block(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
     uint8_t *s = scratch;                                        /* [ROW_BLOCK, ncp] */
     float *A = (float *)(s + (size_t)ROW_BLOCK * ncp);           /* [ROW_BLOCK, ncp / 4] */
     float *B = A + (size_t)ROW_BLOCK * ncp / ST_LANE;            /* [ROW_BLOCK, ncp / 16] */
-    for (int i = 0; i < nr; i++)
+    for (int i = 0; i < nr; i++) {
+        /* decode on a path with no fused kernel (K-quants without AVX-512 VNNI) reads from RAM
+         * as the fused kernels do: ask for the row ST_PREFETCH_ROWS ahead */
+        st_prefetch(w + (rb + i + ST_PREFETCH_ROWS) * row_bytes, row_bytes);
         st_unpack_row(qtype, w + (rb + i) * row_bytes, cols, ncp, s + (size_t)i * ncp,
                       A + (size_t)i * ncp / ST_LANE, B + (size_t)i * ncp / ST_GROUP);
+    }
     st_qtile t;
     t.cols_pad = ncp;
     t.has_min = qtype == ST_Q4_K || qtype == ST_Q5_K;
