@@ -4,50 +4,25 @@
 # Legend: L = layers, R = rows of the window, K = experts per row, H = hidden, E = experts,
 # F = expert width.
 
-cdef extern from "pool_sync.h" nogil:
-    int64_t st_load_acquire_i64(const int64_t *p)
-    void st_store_release_i64(int64_t *p, int64_t value)
-    void st_cpu_relax()
-    int64_t st_now_ns()
-    void st_sleep_ns(int64_t ns)
+cdef extern from "pool_window.h" nogil:
+    int st_pool_run_window(const int64_t *ready, int64_t *done, const float *x,
+                           const int32_t *ids, const float *wts, float *y, int64_t seq,
+                           int64_t num_rows, const uint8_t *where, const uint64_t *pointers,
+                           const int32_t *types, const int64_t *row_bytes, int L, int H, int K,
+                           int E, int F, int64_t timeout_ns, const int64_t *abort_flag,
+                           int64_t *stats)
 
 
 cdef enum:
-    # pool_run_window's status codes
+    # pool_run_window's status codes (pool_window.c)
     ST_POOL_OK = 0
     ST_POOL_TIMEOUT = 1
     ST_POOL_ABORTED = 2
     ST_POOL_NO_MEMORY = 3
     ST_WHERE_CPU = 2                # the where table's code for "the CPU pool computes it"
-    ST_SPIN_NS = 2000000            # 2 ms of pause instructions, then short sleeps
-    ST_SLEEP_NS = 20000
-    ST_CHECK_EVERY = 64             # spins between looks at the clock and the abort flag
 
 POOL_OK, POOL_TIMEOUT, POOL_ABORTED, POOL_NO_MEMORY = (ST_POOL_OK, ST_POOL_TIMEOUT,
                                                        ST_POOL_ABORTED, ST_POOL_NO_MEMORY)
-
-
-cdef int _wait_ready(const int64_t *ready, int64_t seq, int64_t deadline_ns,
-                     const int64_t *abort_flag) noexcept nogil:
-    """0 when ready == seq, ST_POOL_TIMEOUT past the deadline, ST_POOL_ABORTED when asked to
-    stop. Spins (pause) for the first ST_SPIN_NS: the GPU's dense part between two layers takes
-    less, and a sleep would add its wake-up latency to every layer; then sleeps in short steps."""
-    cdef int64_t spins = 0, now, spin_until_ns = st_now_ns() + ST_SPIN_NS
-    cdef int is_spinning = 1
-    while st_load_acquire_i64(ready) != seq:
-        spins += 1
-        if spins % ST_CHECK_EVERY == 0:
-            if st_load_acquire_i64(abort_flag) != 0:
-                return ST_POOL_ABORTED
-            now = st_now_ns()
-            if now > deadline_ns:
-                return ST_POOL_TIMEOUT
-            is_spinning = now < spin_until_ns
-        if is_spinning:
-            st_cpu_relax()
-        else:
-            st_sleep_ns(ST_SLEEP_NS)
-    return 0
 
 
 def pool_row_bytes(types, int H, int F):
@@ -127,58 +102,13 @@ def pool_run_window(ready, done, x, ids, wts, y, int64_t seq, int64_t num_rows, 
     cdef const uint64_t[:, :, ::1] pv = pointers
     cdef const int32_t[:, ::1] tv = types
     cdef const int64_t[::1] av = abort_flag
-    cdef int32_t *masked = <int32_t *>malloc(<size_t>(num_rows * K + 1) * sizeof(int32_t))
-    cdef uint8_t *seen = <uint8_t *>malloc(<size_t>E)
-    if masked == NULL or seen == NULL:
-        free(masked)
-        free(seen)
-        raise MemoryError("the CPU pool could not allocate its routing buffers")
-    cdef int64_t deadline_ns, t0, t1, wait_ns = 0, compute_ns = 0, entries = 0, experts = 0
-    cdef int64_t timeout_ns = <int64_t>(timeout_s * 1e9), i, n_cpu
-    cdef int l, e, status = ST_POOL_OK, rc, failed_layer = -1
+    cdef int64_t stats[6]
+    cdef int64_t timeout_ns = <int64_t>(timeout_s * 1e9)
+    cdef int rc
     with nogil:
-        for l in range(L):
-            t0 = st_now_ns()
-            status = _wait_ready(&rv[l], seq, t0 + timeout_ns, &av[0])
-            t1 = st_now_ns()
-            wait_ns += t1 - t0
-            if status != ST_POOL_OK:
-                failed_layer = l
-                break
-            # ---- the pairs this layer's where table gives the CPU: ids masked [R, K] ----
-            memset(seen, 0, <size_t>E)
-            n_cpu = 0
-            for i in range(num_rows * K):
-                e = iv[i // K, i % K]
-                if 0 <= e < E and whv[l, e] == ST_WHERE_CPU:
-                    masked[i] = e
-                    n_cpu += 1
-                    if not seen[e]:
-                        seen[e] = 1
-                        experts += 1
-                else:
-                    masked[i] = -1
-            entries += n_cpu
-            if num_rows > 0:
-                memset(&yv[0, 0], 0, <size_t>(num_rows * H) * sizeof(float))    # [R, H]
-            rc = 0
-            if n_cpu > 0:
-                rc = st_moe_ffn_ptrs(&xv[0, 0], num_rows, H, F, E, K,
-                                     <const uint8_t *const *>&pv[l, 0, 0], tv[l, 0],
-                                     row_bytes_v[l * 3],
-                                     <const uint8_t *const *>&pv[l, 1, 0], tv[l, 1],
-                                     row_bytes_v[l * 3 + 1],
-                                     <const uint8_t *const *>&pv[l, 2, 0], tv[l, 2],
-                                     row_bytes_v[l * 3 + 2],
-                                     masked, &wv[0, 0], &yv[0, 0], NULL)
-            compute_ns += st_now_ns() - t1
-            if rc != 0:
-                status = ST_POOL_NO_MEMORY
-                failed_layer = l
-                break
-            st_store_release_i64(&dv[l], seq)
-        if status != ST_POOL_OK:
-            st_store_release_i64(&dv[failed_layer], -seq)
-    free(masked)
-    free(seen)
-    return status, failed_layer, entries, experts, wait_ns, compute_ns
+        rc = st_pool_run_window(&rv[0], &dv[0], &xv[0, 0], &iv[0, 0], &wv[0, 0], &yv[0, 0], seq,
+                                num_rows, &whv[0, 0], &pv[0, 0, 0], &tv[0, 0], &row_bytes_v[0],
+                                L, H, K, E, F, timeout_ns, &av[0], stats)
+    if rc != 0:
+        raise MemoryError("the CPU pool could not allocate its routing buffers")
+    return (int(stats[0]), int(stats[1]), stats[2], stats[3], stats[4], stats[5])

@@ -3,7 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include "quant.h"
+#include "moe_call.h"
 
 /* Legend: T = tokens, K = experts per token, E = experts, H = hidden, F = expert width,
  * P = routed (token, k) pairs with an expert id >= 0. */
@@ -16,9 +16,6 @@ static void *alloc64(size_t num_bytes) {
 }
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
-
-/* Work items (expert, row block) over the experts that have rows. */
-typedef struct { int32_t expert; int32_t r0; } moe_item;
 
 static int64_t build_items(const int64_t *count, int E, int rows, moe_item *items) {
     int64_t n = 0;
@@ -33,6 +30,158 @@ static int64_t build_items(const int64_t *count, int E, int rows, moe_item *item
     return n;
 }
 
+void st_moe_teardown(moe_call *c) {
+    st_act_free(&c->act_gate);
+    st_act_free(&c->act_up);
+    st_act_free(&c->act_h);
+    free(c->G); free(c->U); free(c->Y);
+    free(c->count); free(c->offset); free(c->pair_of); free(c->pair_tok); free(c->pair_ids);
+    free(c->items); free(c->items_2);
+    memset(c, 0, sizeof(*c));
+}
+
+int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, int K,
+                 const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
+                 const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
+                 const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
+                 const int32_t *experts, const float *weights, float *out,
+                 int64_t *routed_rows) {
+    memset(c, 0, sizeof(*c));
+    c->x = x; c->T = T; c->H = H; c->F = F; c->E = E; c->K = K;
+    c->gate_ptrs = gate_ptrs; c->up_ptrs = up_ptrs; c->down_ptrs = down_ptrs;
+    c->gate_type = gate_type; c->up_type = up_type; c->down_type = down_type;
+    c->gate_row_bytes = gate_row_bytes; c->up_row_bytes = up_row_bytes;
+    c->down_row_bytes = down_row_bytes;
+    c->weights = weights; c->out = out;
+    const size_t num_pairs = (size_t)(T * K > 0 ? T * K : 1);
+    c->count = calloc((size_t)E + 1, sizeof(int64_t));
+    c->offset = calloc((size_t)E + 1, sizeof(int64_t));
+    c->pair_of = malloc(num_pairs * sizeof(int32_t));
+    c->pair_tok = malloc(num_pairs * sizeof(int32_t));
+    c->pair_ids = malloc(num_pairs * sizeof(int32_t));
+    const int max_rows = F > H ? F : H;
+    const int64_t max_items = (int64_t)E * ((max_rows + ITEM_ROWS - 1) / ITEM_ROWS) + 1;
+    c->items = malloc((size_t)max_items * sizeof(moe_item));
+    c->items_2 = malloc((size_t)max_items * sizeof(moe_item));
+    int64_t *fill = calloc((size_t)E + 1, sizeof(int64_t));
+    if (!c->count || !c->offset || !c->pair_of || !c->pair_tok || !c->pair_ids || !c->items
+            || !c->items_2 || !fill) {
+        free(fill);
+        st_moe_teardown(c);
+        return -1;
+    }
+
+    /* ---- group the (token, k) pairs by expert (counting sort keeps token order) ---- */
+    for (int64_t i = 0; i < T * K; i++)
+        if (experts[i] >= 0) c->count[experts[i]]++;
+    for (int e = 0; e < E; e++) c->offset[e + 1] = c->offset[e] + c->count[e];
+    const int64_t P = c->P = c->offset[E];
+    if (routed_rows)
+        for (int e = 0; e < E; e++) routed_rows[e] += c->count[e];
+    for (int64_t i = 0; i < T * K; i++) {
+        int32_t e = experts[i];
+        if (e < 0) { c->pair_of[i] = -1; continue; }
+        int64_t p = c->offset[e] + fill[e]++;
+        c->pair_of[i] = (int32_t)p;
+        c->pair_tok[p] = (int32_t)(i / K);
+    }
+    free(fill);
+    for (int64_t p = 0; p < P; p++) c->pair_ids[p] = (int32_t)p;
+    if (P == 0) return 0;
+
+    c->G = alloc64((size_t)P * F * sizeof(float));    /* [P, F] gate, then SiLU(gate) * up */
+    c->U = alloc64((size_t)P * F * sizeof(float));    /* [P, F] */
+    c->Y = alloc64((size_t)P * H * sizeof(float));    /* [P, H] */
+    const int gate_quant = !st_is_float_type(gate_type);
+    const int up_quant = !st_is_float_type(up_type);
+    c->shared_x = gate_quant == up_quant;
+    if (!c->G || !c->U || !c->Y || st_act_alloc(&c->act_gate, T, H, gate_quant) != 0
+            || (!c->shared_x && st_act_alloc(&c->act_up, T, H, up_quant) != 0)
+            || st_act_alloc(&c->act_h, P, F, !st_is_float_type(down_type)) != 0) {
+        st_moe_teardown(c);
+        return -1;
+    }
+    size_t scratch_bytes = st_scratch_bytes(gate_type, H);
+    size_t sb = st_scratch_bytes(up_type, H);
+    if (sb > scratch_bytes) scratch_bytes = sb;
+    sb = st_scratch_bytes(down_type, F);
+    c->scratch_bytes = sb > scratch_bytes ? sb : scratch_bytes;
+    c->num_items_1 = build_items(c->count, E, F, c->items);
+    c->num_items_2 = build_items(c->count, E, H, c->items_2);
+    /* a few rows are quicker filled here than behind one more barrier of the team */
+    c->is_small = T * (int64_t)H <= 16384;
+    if (c->is_small) {
+        st_act_fill(&c->act_gate, x, H, 0, T);
+        if (!c->shared_x) st_act_fill(&c->act_up, x, H, 0, T);
+    }
+    c->is_parallel = (double)P * 3.0 * F * H >= ST_MIN_PARALLEL_MACS;
+    return 0;
+}
+
+void st_moe_compute(moe_call *c) {
+    const int64_t T = c->T, P = c->P;
+    const int H = c->H, F = c->F, K = c->K;
+    const int64_t *offset = c->offset, *count = c->count;
+    void *scratch = alloc64(c->scratch_bytes);
+    if (!scratch) {
+        #pragma omp atomic write
+        c->failed = 1;
+    }
+    const st_act *ax_up = c->shared_x ? &c->act_gate : &c->act_up;
+    if (!c->is_small) {
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            st_act_fill(&c->act_gate, c->x, H, t, t + 1);
+            if (!c->shared_x) st_act_fill(&c->act_up, c->x, H, t, t + 1);
+        }
+    }
+    /* ---- gate and up: G[p, f], U[p, f] for every expert's pairs ---- */
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < c->num_items_1; it++) {
+        if (!scratch) continue;
+        int e = c->items[it].expert;
+        int r0 = c->items[it].r0;
+        int r1 = r0 + ITEM_ROWS < F ? r0 + ITEM_ROWS : F;
+        int64_t p0 = offset[e], n = count[e];
+        st_gemm_rows(c->gate_type, c->gate_ptrs[e], c->gate_row_bytes, H,
+                     r0, r1, &c->act_gate, c->pair_tok + p0, n, c->G + p0 * F + r0, F, scratch);
+        st_gemm_rows(c->up_type, c->up_ptrs[e], c->up_row_bytes, H,
+                     r0, r1, ax_up, c->pair_tok + p0, n, c->U + p0 * F + r0, F, scratch);
+        for (int64_t p = p0; p < p0 + n; p++) {
+            float *g = c->G + p * F;                           /* [F] */
+            const float *u = c->U + p * F;
+            for (int f = r0; f < r1; f++) g[f] = silu(g[f]) * u[f];
+        }
+    }
+    /* ---- the activation rows of the down projection: SiLU(gate) * up ---- */
+    #pragma omp for schedule(static)
+    for (int64_t p = 0; p < P; p++) st_act_fill(&c->act_h, c->G, F, p, p + 1);
+    /* ---- down: Y[p, h] ---- */
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < c->num_items_2; it++) {
+        if (!scratch) continue;
+        int e = c->items_2[it].expert;
+        int r0 = c->items_2[it].r0;
+        int r1 = r0 + ITEM_ROWS < H ? r0 + ITEM_ROWS : H;
+        int64_t p0 = offset[e], n = count[e];
+        st_gemm_rows(c->down_type, c->down_ptrs[e], c->down_row_bytes, F,
+                     r0, r1, &c->act_h, c->pair_ids + p0, n, c->Y + p0 * H + r0, H, scratch);
+    }
+    /* ---- out[t] += sum_k weights[t, k] * Y[pair(t, k)], in k order (deterministic) ---- */
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *o = c->out + t * H;                             /* [H] */
+        for (int k = 0; k < K; k++) {
+            int32_t p = c->pair_of[t * K + k];
+            if (p < 0) continue;
+            float wk = c->weights[t * K + k];
+            const float *y = c->Y + (int64_t)p * H;
+            for (int h = 0; h < H; h++) o[h] += wk * y[h];
+        }
+    }
+    free(scratch);
+}
+
 /* Each expert's three matrices come through pointer tables [E] (gate and up [F, H] rows, down
  * [H, F] rows): an expert may sit in the GGUF mapping, an expert pack or a cache slot. When
  * routed_rows is not NULL, routed_rows[e] += the rows routed to expert e. */
@@ -42,139 +191,17 @@ int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
                     const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                     const int32_t *experts, const float *weights, float *out,
                     int64_t *routed_rows) {
-    int rc = -1;
-    int64_t *count = calloc((size_t)E + 1, sizeof(int64_t));
-    int64_t *offset = calloc((size_t)E + 1, sizeof(int64_t));
-    int32_t *pair_of = malloc((size_t)(T * K > 0 ? T * K : 1) * sizeof(int32_t));   /* [T, K] */
-    int32_t *pair_tok = malloc((size_t)(T * K > 0 ? T * K : 1) * sizeof(int32_t));  /* [P] */
-    int32_t *pair_ids = malloc((size_t)(T * K > 0 ? T * K : 1) * sizeof(int32_t));  /* [P] */
-    const int max_rows = F > H ? F : H;
-    const int64_t max_items = (int64_t)E * ((max_rows + ITEM_ROWS - 1) / ITEM_ROWS) + 1;
-    moe_item *items = malloc((size_t)max_items * sizeof(moe_item));      /* gate / up */
-    moe_item *items_2 = malloc((size_t)max_items * sizeof(moe_item));    /* down */
-    float *G = NULL, *U = NULL, *Y = NULL;
-    st_act act_gate, act_up, act_h;
-    memset(&act_gate, 0, sizeof(act_gate));
-    memset(&act_up, 0, sizeof(act_up));
-    memset(&act_h, 0, sizeof(act_h));
-    if (!count || !offset || !pair_of || !pair_tok || !pair_ids || !items || !items_2) goto done;
-
-    /* ---- group the (token, k) pairs by expert (counting sort keeps token order) ---- */
-    for (int64_t i = 0; i < T * K; i++)
-        if (experts[i] >= 0) count[experts[i]]++;
-    for (int e = 0; e < E; e++) offset[e + 1] = offset[e] + count[e];
-    const int64_t P = offset[E];
-    if (routed_rows)
-        for (int e = 0; e < E; e++) routed_rows[e] += count[e];
-    {
-        int64_t *fill = calloc((size_t)E + 1, sizeof(int64_t));
-        if (!fill) goto done;
-        for (int64_t i = 0; i < T * K; i++) {
-            int32_t e = experts[i];
-            if (e < 0) { pair_of[i] = -1; continue; }
-            int64_t p = offset[e] + fill[e]++;
-            pair_of[i] = (int32_t)p;
-            pair_tok[p] = (int32_t)(i / K);
-        }
-        free(fill);
+    moe_call c;
+    if (st_moe_setup(&c, x, T, H, F, E, K, gate_ptrs, gate_type, gate_row_bytes, up_ptrs, up_type,
+                  up_row_bytes, down_ptrs, down_type, down_row_bytes, experts, weights, out,
+                  routed_rows) != 0)
+        return -1;
+    if (c.P > 0) {
+        #pragma omp parallel num_threads(st_get_num_threads()) if (c.is_parallel)
+        st_moe_compute(&c);
     }
-    for (int64_t p = 0; p < P; p++) pair_ids[p] = (int32_t)p;
-    if (P == 0) { rc = 0; goto done; }
-
-    G = alloc64((size_t)P * F * sizeof(float));    /* [P, F] gate, then SiLU(gate) * up */
-    U = alloc64((size_t)P * F * sizeof(float));    /* [P, F] */
-    Y = alloc64((size_t)P * H * sizeof(float));    /* [P, H] */
-    if (!G || !U || !Y) goto done;
-    const int gate_quant = !st_is_float_type(gate_type);
-    const int up_quant = !st_is_float_type(up_type);
-    const int shared_x = gate_quant == up_quant;
-    if (st_act_alloc(&act_gate, T, H, gate_quant) != 0) goto done;
-    if (!shared_x && st_act_alloc(&act_up, T, H, up_quant) != 0) goto done;
-    if (st_act_alloc(&act_h, P, F, !st_is_float_type(down_type)) != 0) goto done;
-    const st_act *ax_up = shared_x ? &act_gate : &act_up;
-
-    size_t scratch_bytes = st_scratch_bytes(gate_type, H);
-    size_t sb = st_scratch_bytes(up_type, H);
-    if (sb > scratch_bytes) scratch_bytes = sb;
-    sb = st_scratch_bytes(down_type, F);
-    if (sb > scratch_bytes) scratch_bytes = sb;
-    const int64_t num_items_1 = build_items(count, E, F, items);
-    const int64_t num_items_2 = build_items(count, E, H, items_2);
-    int failed = 0;
-
-    /* a few rows are quicker filled here than behind one more barrier of the team */
-    const int is_small = T * (int64_t)H <= 16384;
-    if (is_small) {
-        st_act_fill(&act_gate, x, H, 0, T);
-        if (!shared_x) st_act_fill(&act_up, x, H, 0, T);
-    }
-    const int is_parallel = (double)P * 3.0 * F * H >= ST_MIN_PARALLEL_MACS;
-    #pragma omp parallel num_threads(st_get_num_threads()) reduction(|:failed) if (is_parallel)
-    {
-        void *scratch = alloc64(scratch_bytes);
-        if (!scratch) failed = 1;
-        if (!is_small) {
-            #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) {
-                st_act_fill(&act_gate, x, H, t, t + 1);
-                if (!shared_x) st_act_fill(&act_up, x, H, t, t + 1);
-            }
-        }
-        /* ---- gate and up: G[p, f], U[p, f] for every expert's pairs ---- */
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < num_items_1; it++) {
-            if (!scratch) continue;
-            int e = items[it].expert;
-            int r0 = items[it].r0;
-            int r1 = r0 + ITEM_ROWS < F ? r0 + ITEM_ROWS : F;
-            int64_t p0 = offset[e], n = count[e];
-            st_gemm_rows(gate_type, gate_ptrs[e], gate_row_bytes, H,
-                         r0, r1, &act_gate, pair_tok + p0, n, G + p0 * F + r0, F, scratch);
-            st_gemm_rows(up_type, up_ptrs[e], up_row_bytes, H,
-                         r0, r1, ax_up, pair_tok + p0, n, U + p0 * F + r0, F, scratch);
-            for (int64_t p = p0; p < p0 + n; p++) {
-                float *g = G + p * F;                              /* [F] */
-                const float *u = U + p * F;
-                for (int f = r0; f < r1; f++) g[f] = silu(g[f]) * u[f];
-            }
-        }
-        /* ---- the activation rows of the down projection: SiLU(gate) * up ---- */
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; p++) st_act_fill(&act_h, G, F, p, p + 1);
-        /* ---- down: Y[p, h] ---- */
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < num_items_2; it++) {
-            if (!scratch) continue;
-            int e = items_2[it].expert;
-            int r0 = items_2[it].r0;
-            int r1 = r0 + ITEM_ROWS < H ? r0 + ITEM_ROWS : H;
-            int64_t p0 = offset[e], n = count[e];
-            st_gemm_rows(down_type, down_ptrs[e], down_row_bytes, F,
-                         r0, r1, &act_h, pair_ids + p0, n, Y + p0 * H + r0, H, scratch);
-        }
-        /* ---- out[t] += sum_k weights[t, k] * Y[pair(t, k)], in k order (deterministic) ---- */
-        #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            float *o = out + t * H;                                /* [H] */
-            for (int k = 0; k < K; k++) {
-                int32_t p = pair_of[t * K + k];
-                if (p < 0) continue;
-                float wk = weights[t * K + k];
-                const float *y = Y + (int64_t)p * H;
-                for (int h = 0; h < H; h++) o[h] += wk * y[h];
-            }
-        }
-        free(scratch);
-    }
-    rc = failed ? -1 : 0;
-
-done:
-    st_act_free(&act_gate);
-    st_act_free(&act_up);
-    st_act_free(&act_h);
-    free(G); free(U); free(Y);
-    free(count); free(offset); free(pair_of); free(pair_tok); free(pair_ids); free(items);
-    free(items_2);
+    int rc = c.failed ? -1 : 0;
+    st_moe_teardown(&c);
     return rc;
 }
 

@@ -1,0 +1,37 @@
+/* One routed-expert call split in three (moe.c), so that a caller's own OpenMP team can run the
+ * products (the CPU pool's window-long team, pool_window.c): st_moe_setup on one thread groups
+ * the pairs and sizes the buffers, st_moe_compute on EVERY thread of the team runs the products
+ * (orphaned worksharing; it ends with the team past a barrier), st_moe_teardown on one frees.
+ * st_moe_ffn_ptrs is the three around a region of its own. Legend as moe.c. */
+#pragma once
+#include "quant.h"
+
+/* Work items (expert, row block) over the experts that have rows. */
+typedef struct { int32_t expert; int32_t r0; } moe_item;
+
+typedef struct {
+    const float *x; int64_t T; int H, F, E, K;
+    const uint8_t *const *gate_ptrs, *const *up_ptrs, *const *down_ptrs;
+    int gate_type, up_type, down_type;
+    int64_t gate_row_bytes, up_row_bytes, down_row_bytes;
+    const float *weights; float *out;
+    int64_t *count, *offset;                       /* [E + 1] */
+    int32_t *pair_of, *pair_tok, *pair_ids;        /* [T, K], [P], [P] */
+    moe_item *items, *items_2;                     /* gate / up, down */
+    int64_t P, num_items_1, num_items_2;
+    float *G, *U, *Y;                              /* [P, F], [P, F], [P, H] */
+    st_act act_gate, act_up, act_h;
+    int shared_x, is_small, is_parallel;
+    size_t scratch_bytes;
+    int failed;                                    /* a thread ran out of memory */
+} moe_call;
+
+/* 0, or -1 on allocation failure (c is then torn down); c->P == 0 leaves nothing to compute. */
+int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, int K,
+                 const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
+                 const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
+                 const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
+                 const int32_t *experts, const float *weights, float *out,
+                 int64_t *routed_rows);
+void st_moe_compute(moe_call *c);
+void st_moe_teardown(moe_call *c);
