@@ -216,6 +216,19 @@ def test_bench_reports_the_expert_cache(tiny):
     assert table.stdout.strip().splitlines()[-1].startswith("expert cache: 4 of 16 experts")
 
 
+def test_tier_summary_line_names_the_cpu_pool():
+    from strata.cli import format_tier_summary
+
+    s = dict(slots=0, experts=16, windows=5, hit_rate=0.0, hits=0, misses=40,
+             access_hit_rate=0.0, optimum_access_hit_rate_recent=0.0, rounds=0, fills=0,
+             evictions=0, mib_moved=0.0, tier_wait_ms=1.25)
+    assert "CPU pool" not in format_tier_summary(s)
+    s.update(pool_entries=24, pool_windows=4, pool_compute_ms=1.5, pool_wait_ms=0.25)
+    assert format_tier_summary(s).endswith(
+        "tier wait 1.2 ms; CPU pool: 24 routed entries in 4 windows, per window 1.50 ms "
+        "computing and 0.25 ms waiting for the GPU")
+
+
 def test_help_lists_the_expert_options():
     for command in ("run", "bench", "serve"):
         res = runner().invoke(main, [command, "--help"])

@@ -201,6 +201,11 @@ def tier_summary(tier) -> dict:
                    rounds=t.num_rounds, rounds_skipped=t.num_rounds_skipped,
                    fills=t.num_fills, evictions=t.num_evictions,
                    mib_moved=t.num_bytes_moved / 2**20, tier_wait_ms=t.wait_s * 1e3)
+        pool = getattr(tier.arena, "pool", None)
+        if pool is not None and pool.busy_windows:
+            out.update(pool_entries=t.num_pool_entries, pool_windows=pool.busy_windows,
+                       pool_compute_ms=pool.busy_pool_ms / pool.busy_windows,
+                       pool_wait_ms=pool.busy_wait_ms / pool.busy_windows)
     return out
 
 
@@ -230,12 +235,13 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
             rows = _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions,
                                threads, chunk_tokens, seed,
                                {} if kv_dtype is None else {"dtype": kv_dtype})
+            if tier is not None:  # before close: that stops the CPU pool
+                summary = tier_summary(tier)
+                for row in rows:
+                    row["expert_cache"] = summary
         finally:
             if tier is not None:
                 tier.close()
-        if tier is not None:
-            for row in rows:
-                row["expert_cache"] = tier_summary(tier)
     return rows
 
 
@@ -338,7 +344,11 @@ def format_tier_summary(s: dict) -> str:
             f"accesses {s['access_hit_rate']:.1%} hit (Belady on the last windows: "
             f"{s['optimum_access_hit_rate_recent']:.1%}), {s['rounds']} rounds, "
             f"{s['fills'] + s['evictions']} swaps ({s['fills']} free fills + {s['evictions']} "
-            f"evictions), {s['mib_moved']:.1f} MiB moved, tier wait {s['tier_wait_ms']:.1f} ms")
+            f"evictions), {s['mib_moved']:.1f} MiB moved, tier wait {s['tier_wait_ms']:.1f} ms"
+            + (f"; CPU pool: {s['pool_entries']} routed entries in {s['pool_windows']} windows, "
+               f"per window {s['pool_compute_ms']:.2f} ms computing and {s['pool_wait_ms']:.2f} "
+               "ms waiting for the GPU"
+               if "pool_entries" in s else ""))
 
 
 # ---- serve (defined with the server; it uses resolve_model and fail from above) -----------

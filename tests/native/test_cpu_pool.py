@@ -116,6 +116,7 @@ def test_pool_serves_cpu_pairs_layer_by_layer():
             where[1] = WHERE_VRAM
             pool.set_where(where)
         assert pool.num_windows == 3 and pool.last_stats.seq == 3
+        assert pool.busy_windows == 3 and pool.busy_pool_ms == pytest.approx(pool.total_pool_ms)
         assert pool.total_entries >= pool.total_experts > 0
 
 
@@ -133,6 +134,7 @@ def test_pool_with_nothing_routed_to_it_zeroes_y():
         stats = pool.wait()
         device.join()
     assert (stats.num_entries, stats.num_experts) == (0, 0)
+    assert (pool.num_windows, pool.busy_windows, pool.busy_wait_ms) == (1, 0, 0.0)
     assert all(np.all(y == 0.0) for y in device.outputs)
 
 
@@ -190,25 +192,32 @@ def test_pool_refuses_misuse():
             pool.wait()
     bad = pointers.copy()
     bad[1, 2, 5] = 0
-    args = (ex.ready, ex.done, ex.x, ex.ids, ex.wts, ex.y, 1, 1)
     where = np.full((L, E), WHERE_CPU, np.uint8)
-    abort = np.zeros(1, np.int64)
     rb = kernels.pool_row_bytes(types, H, F)
     assert rb[0].tolist() == [H // 32 * 34, H // 32 * 34, F // 32 * 34]   # Q8_0
     assert rb[1].tolist() == [H // 32 * 18, H * 2, F // 32 * 34]         # Q4_0, F16, Q8_0
     with pytest.raises(ValueError, match="null address for an expert the where table gives"):
-        kernels.pool_run_window(*args, where, bad, types, rb, F, 1.0, abort)
+        kernels.pool_check_where(where, bad)
+    with pytest.raises(Exception, match="null address for an expert the where table gives"):
+        CpuPool(ex, bad, types, F)
     where[1, 5] = WHERE_VRAM
-    ex.ready[:] = 0  # passes the checks, then times out at layer 0
-    status, layer, *_ = kernels.pool_run_window(*args, where, bad, types, rb, F, 0.01, abort)
-    assert (status, layer) == (kernels.POOL_TIMEOUT, 0)
+    kernels.pool_check_where(where, bad)  # the null expert is not the CPU's
+    ctl = np.zeros(kernels.POOL_CTL_WORDS, np.int64)
+    args = (ex.ready, ex.done, ex.x, ex.ids, ex.wts, ex.y)
     with pytest.raises(ValueError, match=r"must be \[L, 3, E\]"):
-        kernels.pool_run_window(*args, where, np.ascontiguousarray(pointers[:, :2]), types, rb,
-                                F, 1.0, abort)
-    with pytest.raises(ValueError, match="seq = 0 must be > 0"):
-        kernels.pool_run_window(*args[:6], 0, 1, where, pointers, types, rb, F, 1.0, abort)
+        kernels.pool_serve(ctl, *args, where, np.ascontiguousarray(pointers[:, :2]), types, rb,
+                           F, 1.0)
     with pytest.raises(ValueError, match=r"must be pool_row_bytes\(types, H, F\)"):
-        kernels.pool_run_window(*args, where, pointers, types, rb[:2].copy(), F, 1.0, abort)
+        kernels.pool_serve(ctl, *args, where, pointers, types, rb[:2].copy(), F, 1.0)
+    with pytest.raises(ValueError, match="POOL_CTL_WORDS"):
+        kernels.pool_serve(ctl[:3].copy(), *args, where, pointers, types, rb, F, 1.0)
+    kernels.pool_post(ctl, 4, 1)
+    with pytest.raises(ValueError, match=r"seq = 4 must be > the last posted window's \(4\)"):
+        kernels.pool_post(ctl, 4, 1)
+    # nothing serves ctl: the wait times out, and ends at once once the loop has exited
+    assert kernels.pool_wait_served(ctl, 4, 0.01)[0] == kernels.POOL_TIMEOUT
+    ctl[kernels.POOL_CTL_EXITED] = 1
+    assert kernels.pool_wait_served(ctl, 4, 10.0)[0] == kernels.POOL_ABORTED
     with pytest.raises(ValueError, match="expert type 7"):
         kernels.pool_row_bytes(np.full((1, 3), 7, np.int32), H, F)
 

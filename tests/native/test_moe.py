@@ -116,6 +116,30 @@ def test_moe_ffn_threads_agree():
     assert np.array_equal(results[0], results[1])
 
 
+def test_moe_ffn_token_alone_equals_its_batch():
+    # a decode call (few pairs: the down items wait per expert, no barrier between the products)
+    # gives each token the bits it gets in a 40-token call (quantized behind a team barrier)
+    rng = np.random.default_rng(10)
+    E, H, F, T_, K = 8, 128, 192, 40, 4
+    gate, up, down = make_moe(rng, (2, 8, 2), E, H, F)
+    x = scaled_x(rng, T_, H, gate, 2)
+    experts = np.stack([rng.permutation(E)[:K] for _ in range(T_)]).astype(np.int32)
+    weights = rng.random((T_, K)).astype(np.float32)
+    batch = np.zeros((T_, H), dtype=np.float32)
+    kernels.moe_ffn(x, gate, 2, up, 8, down, 2, experts, weights, batch)
+    saved = kernels.get_num_threads()
+    try:
+        for n in (1, 2):
+            kernels.set_num_threads(n)
+            for t in (0, 17, 39):
+                alone = np.zeros((1, H), dtype=np.float32)
+                kernels.moe_ffn(x[t:t + 1], gate, 2, up, 8, down, 2, experts[t:t + 1],
+                                weights[t:t + 1], alone)
+                assert np.array_equal(alone[0], batch[t]), (n, t)
+    finally:
+        kernels.set_num_threads(saved)
+
+
 @settings(max_examples=20, deadline=None)
 @given(qtype=st.sampled_from((0, 2, 8)), num_experts=st.integers(1, 5), K=st.integers(1, 8),
        num_tokens=st.integers(1, 12), hidden_blocks=st.integers(1, 3),

@@ -3,26 +3,46 @@
 # exchange.py has the protocol). Included by kernels.pyx (one module, one thread setting).
 # Legend: L = layers, R = rows of the window, K = experts per row, H = hidden, E = experts,
 # F = expert width.
+from libc.math cimport floor
 
 cdef extern from "pool_window.h" nogil:
-    int st_pool_run_window(const int64_t *ready, int64_t *done, const float *x,
-                           const int32_t *ids, const float *wts, float *y, int64_t seq,
-                           int64_t num_rows, const uint8_t *where, const uint64_t *pointers,
-                           const int32_t *types, const int64_t *row_bytes, int L, int H, int K,
-                           int E, int F, int64_t timeout_ns, const int64_t *abort_flag,
-                           int64_t *stats)
+    int st_pool_serve(int64_t *ctl, const int64_t *ready, int64_t *done, const float *x,
+                      const int32_t *ids, const float *wts, float *y, int64_t max_rows,
+                      const uint8_t *where, const uint64_t *pointers, const int32_t *types,
+                      const int64_t *row_bytes, int L, int H, int K, int E, int F,
+                      int64_t timeout_ns)
+    void st_pool_post(int64_t *ctl, int64_t seq, int64_t num_rows)
+    int st_pool_wait_served(const int64_t *ctl, int64_t seq, int64_t timeout_ns)
+    enum:
+        ST_POOL_OK "POOL_OK"
+        ST_POOL_TIMEOUT "POOL_TIMEOUT"
+        ST_POOL_ABORTED "POOL_ABORTED"
+        ST_POOL_NO_MEMORY "POOL_NO_MEMORY"
+        ST_CTL_SEQ "POOL_CTL_SEQ"
+        ST_CTL_ROWS "POOL_CTL_ROWS"
+        ST_CTL_POSTED_NS "POOL_CTL_POSTED_NS"
+        ST_CTL_STOP "POOL_CTL_STOP"
+        ST_CTL_SERVED "POOL_CTL_SERVED"
+        ST_CTL_STATUS "POOL_CTL_STATUS"
+        ST_CTL_LAYER "POOL_CTL_LAYER"
+        ST_CTL_ENTRIES "POOL_CTL_ENTRIES"
+        ST_CTL_EXPERTS "POOL_CTL_EXPERTS"
+        ST_CTL_WAIT_NS "POOL_CTL_WAIT_NS"
+        ST_CTL_COMPUTE_NS "POOL_CTL_COMPUTE_NS"
+        ST_CTL_START_NS "POOL_CTL_START_NS"
+        ST_CTL_END_NS "POOL_CTL_END_NS"
+        ST_CTL_EXITED "POOL_CTL_EXITED"
+        ST_CTL_WORDS "POOL_CTL_WORDS"
 
 
 cdef enum:
-    # pool_run_window's status codes (pool_window.c)
-    ST_POOL_OK = 0
-    ST_POOL_TIMEOUT = 1
-    ST_POOL_ABORTED = 2
-    ST_POOL_NO_MEMORY = 3
     ST_WHERE_CPU = 2                # the where table's code for "the CPU pool computes it"
 
 POOL_OK, POOL_TIMEOUT, POOL_ABORTED, POOL_NO_MEMORY = (ST_POOL_OK, ST_POOL_TIMEOUT,
                                                        ST_POOL_ABORTED, ST_POOL_NO_MEMORY)
+POOL_CTL_WORDS = ST_CTL_WORDS
+POOL_CTL_SEQ, POOL_CTL_ROWS, POOL_CTL_STOP, POOL_CTL_SERVED, POOL_CTL_EXITED = (
+    ST_CTL_SEQ, ST_CTL_ROWS, ST_CTL_STOP, ST_CTL_SERVED, ST_CTL_EXITED)
 
 
 def pool_row_bytes(types, int H, int F):
@@ -39,17 +59,32 @@ def pool_row_bytes(types, int H, int F):
     return out
 
 
-def pool_run_window(ready, done, x, ids, wts, y, int64_t seq, int64_t num_rows, where,
-                    pointers, types, row_bytes_table, int F, double timeout_s, abort_flag):
-    """Serve one window's CPU-assigned pairs, layer by layer: wait for ready[l] == seq, y[:R] =
-    the weighted sum of each row's pairs whose expert has where[l, e] == 2 (each distinct expert
-    once over all its rows; rows without one get zeros), then done[l] = seq (release).
-    ready/done int64 [L]; x/y float32 [R_max, H]; ids int32 / wts float32 [R_max, K]; where uint8
-    [L, E]; pointers uint64 [L, 3, E] (gate, up, down of every expert in host RAM); types int32
-    [L, 3] and row_bytes_table = pool_row_bytes(types, H, F); abort_flag int64 [1] (nonzero:
-    stop waiting). Returns (status, layer, entries,
-    experts, wait_ns, compute_ns): status POOL_OK or the code that stopped it at `layer` (on
-    failure done[layer] = -seq, so the device can stop waiting)."""
+def pool_check_where(where, pointers):
+    """ValueError unless every expert the where table [L, E] gives the CPU has its three
+    matrices in pointers [L, 3, E] (no null address)."""
+    _check_array("where", where, np.uint8, 2)
+    _check_array("pointers", pointers, np.uint64, 3)
+    if pointers.shape[1] != 3 or where.shape != (pointers.shape[0], pointers.shape[2]):
+        raise ValueError(f"pointers must be [L, 3, E] and where [L, E]; got {pointers.shape}, "
+                         f"{where.shape}")
+    if (pointers.transpose(1, 0, 2)[:, where == ST_WHERE_CPU] == 0).any():     # [3, n]
+        raise ValueError("pointers holds a null address for an expert the where table gives "
+                         "the CPU; every CPU-assigned expert needs its three matrices in RAM")
+
+
+def pool_serve(ctl, ready, done, x, ids, wts, y, where, pointers, types, row_bytes_table,
+               int F, double timeout_s):
+    """Serve the CPU pool's windows until ctl[POOL_CTL_STOP] != 0 (run it on a thread of its
+    own; it holds no GIL). A window is posted by pool_post(ctl, seq, rows) and served layer by
+    layer: wait for ready[l] == seq (up to timeout_s), y[:R] = the weighted sum of each row's
+    pairs whose expert has where[l, e] == 2 (each distinct expert once over all its rows; rows
+    without one get zeros), then done[l] = seq (release); pool_wait_served gives its stats.
+    ctl int64 [POOL_CTL_WORDS]; ready/done int64 [L]; x/y float32 [R_max, H]; ids int32 / wts
+    float32 [R_max, K]; where uint8 [L, E] (read during each window: change it between windows
+    only; pool_check_where first); pointers uint64 [L, 3, E] (gate, up, down of every expert in
+    host RAM); types int32 [L, 3] and row_bytes_table = pool_row_bytes(types, H, F). Sets
+    ctl[POOL_CTL_EXITED] when it returns; MemoryError when its buffers cannot be allocated."""
+    _check_array("ctl", ctl, np.int64, 1, writable=True)
     _check_array("ready", ready, np.int64, 1)
     _check_array("done", done, np.int64, 1, writable=True)
     _check_array("x", x, np.float32, 2)
@@ -59,7 +94,8 @@ def pool_run_window(ready, done, x, ids, wts, y, int64_t seq, int64_t num_rows, 
     _check_array("where", where, np.uint8, 2)
     _check_array("pointers", pointers, np.uint64, 3)
     _check_array("types", types, np.int32, 2)
-    _check_array("abort_flag", abort_flag, np.int64, 1)
+    if ctl.shape[0] != ST_CTL_WORDS:
+        raise ValueError(f"ctl must hold POOL_CTL_WORDS = {ST_CTL_WORDS} int64, got {ctl.shape}")
     cdef int L = ready.shape[0], H = x.shape[1], K = ids.shape[1], E = pointers.shape[2]
     cdef int64_t R_max = x.shape[0]
     if done.shape[0] != L or where.shape[0] != L or pointers.shape[0] != L \
@@ -72,26 +108,18 @@ def pool_run_window(ready, done, x, ids, wts, y, int64_t seq, int64_t num_rows, 
     if pointers.shape[1] != 3 or where.shape[1] != E or types.shape[1] != 3:
         raise ValueError(f"pointers must be [L, 3, E], where [L, E] and types [L, 3]; got "
                          f"{pointers.shape}, {where.shape}, {types.shape}")
-    if not 0 <= num_rows <= R_max:
-        raise ValueError(f"num_rows = {num_rows} must be in [0, {R_max}] (the exchange's rows)")
-    if seq <= 0:
-        raise ValueError(f"seq = {seq} must be > 0 (0 marks a word never written)")
     if F <= 0:
         raise ValueError(f"F (the expert width) must be positive, got {F}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s = {timeout_s} must be > 0")
-    if abort_flag.shape[0] < 1:
-        raise ValueError("abort_flag must hold one int64")
-    cpu_pointers = pointers.transpose(1, 0, 2)[:, where == ST_WHERE_CPU]    # [3, n]
-    if (cpu_pointers == 0).any():
-        raise ValueError("pointers holds a null address for an expert the where table gives "
-                         "the CPU; every CPU-assigned expert needs its three matrices in RAM")
+    pool_check_where(where, pointers)
     _check_array("row_bytes_table", row_bytes_table, np.int64, 2)
     if row_bytes_table.shape != (L, 3) or (row_bytes_table <= 0).any():
         raise ValueError(f"row_bytes_table {row_bytes_table.shape} must be pool_row_bytes(types, "
                          f"H, F): [{L}, 3], every entry > 0")
     cdef const int64_t[::1] row_bytes_v = row_bytes_table.reshape(-1)   # [L * 3]
 
+    cdef int64_t[::1] cv = ctl
     cdef const int64_t[::1] rv = ready
     cdef int64_t[::1] dv = done
     cdef const float[:, ::1] xv = x
@@ -101,14 +129,102 @@ def pool_run_window(ready, done, x, ids, wts, y, int64_t seq, int64_t num_rows, 
     cdef const uint8_t[:, ::1] whv = where
     cdef const uint64_t[:, :, ::1] pv = pointers
     cdef const int32_t[:, ::1] tv = types
-    cdef const int64_t[::1] av = abort_flag
-    cdef int64_t stats[6]
     cdef int64_t timeout_ns = <int64_t>(timeout_s * 1e9)
     cdef int rc
     with nogil:
-        rc = st_pool_run_window(&rv[0], &dv[0], &xv[0, 0], &iv[0, 0], &wv[0, 0], &yv[0, 0], seq,
-                                num_rows, &whv[0, 0], &pv[0, 0, 0], &tv[0, 0], &row_bytes_v[0],
-                                L, H, K, E, F, timeout_ns, &av[0], stats)
+        rc = st_pool_serve(&cv[0], &rv[0], &dv[0], &xv[0, 0], &iv[0, 0], &wv[0, 0], &yv[0, 0],
+                           R_max, &whv[0, 0], &pv[0, 0, 0], &tv[0, 0], &row_bytes_v[0],
+                           L, H, K, E, F, timeout_ns)
     if rc != 0:
         raise MemoryError("the CPU pool could not allocate its routing buffers")
-    return (int(stats[0]), int(stats[1]), stats[2], stats[3], stats[4], stats[5])
+
+
+def pool_post(ctl, int64_t seq, int64_t num_rows):
+    """Post window `seq` (> every earlier one) of num_rows rows to pool_serve's loop."""
+    _check_array("ctl", ctl, np.int64, 1, writable=True)
+    if ctl.shape[0] != ST_CTL_WORDS:
+        raise ValueError(f"ctl must hold POOL_CTL_WORDS = {ST_CTL_WORDS} int64, got {ctl.shape}")
+    if seq <= ctl[ST_CTL_SEQ]:
+        raise ValueError(f"seq = {seq} must be > the last posted window's "
+                         f"({ctl[ST_CTL_SEQ]}); 0 marks a word never written")
+    cdef int64_t[::1] cv = ctl
+    st_pool_post(&cv[0], seq, num_rows)
+
+
+def pool_wait_served(ctl, int64_t seq, double timeout_s):
+    """Wait (no GIL) until pool_serve has served window seq: (status, layer, entries, experts,
+    wait_ns, compute_ns, start_lag_ns, end_ns) with status POOL_OK or the code that stopped it
+    at `layer` (then done[layer] = -seq); status POOL_TIMEOUT when it has not within timeout_s,
+    POOL_ABORTED when the loop has exited (stats then all -1)."""
+    _check_array("ctl", ctl, np.int64, 1)
+    if ctl.shape[0] != ST_CTL_WORDS:
+        raise ValueError(f"ctl must hold POOL_CTL_WORDS = {ST_CTL_WORDS} int64, got {ctl.shape}")
+    cdef const int64_t[::1] cv = ctl
+    cdef int64_t timeout_ns = <int64_t>(timeout_s * 1e9)
+    cdef int rc
+    with nogil:
+        rc = st_pool_wait_served(&cv[0], seq, timeout_ns)
+    if rc != ST_POOL_OK:
+        return (rc, -1, -1, -1, -1, -1, -1, -1)
+    return (int(cv[ST_CTL_STATUS]), int(cv[ST_CTL_LAYER]), cv[ST_CTL_ENTRIES],
+            cv[ST_CTL_EXPERTS], cv[ST_CTL_WAIT_NS], cv[ST_CTL_COMPUTE_NS],
+            cv[ST_CTL_START_NS] - cv[ST_CTL_POSTED_NS], cv[ST_CTL_END_NS])
+
+
+# ---- the where table (backends/cuda/share.py's assign_where runs this) ---------------------
+def pool_assign_where(residency, double pcie_frac, weights, order, where):
+    """where [L, E] uint8 (written): 0 for resident experts (residency [L, E] int32 >= 0), and
+    per layer the missing ones split so that PCIe (1) gets about pcie_frac of their weight
+    ([L, E] float64, >= 0), the CPU pool (2) the rest: those of weight > 0 hottest first (ties:
+    lower id; order [L, E] int64 = each layer's ids in that order, a stable argsort of -weights),
+    each to PCIe when pcie + w / 2 < pcie_frac * (the layer's missing weight), else to the CPU;
+    those of weight 0 by number, the lowest floor(pcie_frac * n + 0.5) ids to PCIe. Checks of
+    the values are the caller's (share.py)."""
+    _check_array("residency", residency, np.int32, 2)
+    _check_array("weights", weights, np.float64, 2)
+    _check_array("order", order, np.int64, 2)
+    _check_array("where", where, np.uint8, 2, writable=True)
+    if weights.shape != residency.shape or where.shape != residency.shape \
+            or order.shape != residency.shape:
+        raise ValueError(f"residency {residency.shape}, weights {weights.shape}, order "
+                         f"{order.shape} and where {where.shape} must have one shape")
+    cdef const int32_t[:, ::1] rv = residency
+    cdef const double[:, ::1] wv = weights
+    cdef const int64_t[:, ::1] ov = order
+    cdef uint8_t[:, ::1] out = where
+    cdef int L = residency.shape[0], E = residency.shape[1]
+    cdef int l, e, i, n_cold, n_cold_pcie
+    cdef double target, pcie
+    for l in range(L):
+        for i in range(E):
+            if not 0 <= ov[l, i] < E:
+                raise ValueError(f"order[{l}, {i}] = {ov[l, i]} is not an expert id")
+    with nogil:
+        for l in range(L):
+            n_cold = 0
+            target = 0.0
+            for e in range(E):
+                if rv[l, e] >= 0:
+                    out[l, e] = 0
+                elif wv[l, e] > 0.0:
+                    target += wv[l, e]
+                else:
+                    n_cold += 1
+            target *= pcie_frac
+            pcie = 0.0
+            for i in range(E):     # hottest first
+                e = ov[l, i]
+                if rv[l, e] >= 0 or not wv[l, e] > 0.0:
+                    continue
+                if pcie + wv[l, e] / 2 < target:
+                    out[l, e] = 1
+                    pcie += wv[l, e]
+                else:
+                    out[l, e] = 2
+            n_cold_pcie = <int>floor(pcie_frac * n_cold + 0.5)
+            i = 0
+            for e in range(E):     # no weight: the lowest ids to PCIe
+                if rv[l, e] < 0 and not wv[l, e] > 0.0:
+                    out[l, e] = 1 if i < n_cold_pcie else 2
+                    i += 1
+    return where

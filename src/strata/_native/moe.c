@@ -4,11 +4,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include "moe_call.h"
+#include "pool_sync.h"
 
 /* Legend: T = tokens, K = experts per token, E = experts, H = hidden, F = expert width,
  * P = routed (token, k) pairs with an expert id >= 0. */
 
 #define ITEM_ROWS 64   /* weight rows per work item */
+/* Up to this many pairs (decode windows), the thread that finishes an expert's last gate/up item
+ * quantizes its SiLU(gate) * up rows and the down items wait for that expert alone: no barrier
+ * between the two products. Bigger calls quantize every row on the team behind a barrier. */
+#define FILL_BY_LAST_PAIRS 64
 
 static void *alloc64(size_t num_bytes) {
     size_t rounded = (num_bytes + 63) / 64 * 64;
@@ -36,7 +41,7 @@ void st_moe_teardown(moe_call *c) {
     st_act_free(&c->act_h);
     free(c->G); free(c->U); free(c->Y);
     free(c->count); free(c->offset); free(c->pair_of); free(c->pair_tok); free(c->pair_ids);
-    free(c->items); free(c->items_2);
+    free(c->items); free(c->items_2); free(c->left); free(c->h_ready);
     memset(c, 0, sizeof(*c));
 }
 
@@ -63,9 +68,11 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     const int64_t max_items = (int64_t)E * ((max_rows + ITEM_ROWS - 1) / ITEM_ROWS) + 1;
     c->items = malloc((size_t)max_items * sizeof(moe_item));
     c->items_2 = malloc((size_t)max_items * sizeof(moe_item));
+    c->left = malloc(((size_t)E + 1) * sizeof(int32_t));
+    c->h_ready = calloc((size_t)E + 1, sizeof(int32_t));
     int64_t *fill = calloc((size_t)E + 1, sizeof(int64_t));
     if (!c->count || !c->offset || !c->pair_of || !c->pair_tok || !c->pair_ids || !c->items
-            || !c->items_2 || !fill) {
+            || !c->items_2 || !c->left || !c->h_ready || !fill) {
         free(fill);
         st_moe_teardown(c);
         return -1;
@@ -108,6 +115,9 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     c->scratch_bytes = sb > scratch_bytes ? sb : scratch_bytes;
     c->num_items_1 = build_items(c->count, E, F, c->items);
     c->num_items_2 = build_items(c->count, E, H, c->items_2);
+    for (int e = 0; e < E; e++)
+        c->left[e] = c->count[e] > 0 ? (F + ITEM_ROWS - 1) / ITEM_ROWS : 0;
+    c->fill_by_last = P <= FILL_BY_LAST_PAIRS;
     /* a few rows are quicker filled here than behind one more barrier of the team */
     c->is_small = T * (int64_t)H <= 16384;
     if (c->is_small) {
@@ -118,9 +128,17 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     return 0;
 }
 
-void st_moe_compute(moe_call *c) {
+/* SiLU(gate) * up of an expert's pairs, quantized for the down product, and the flag its down
+ * items wait on (fill_by_last). */
+static void fill_expert_rows(moe_call *c, int e) {
+    const int64_t p0 = c->offset[e], n = c->count[e];
+    for (int64_t p = p0; p < p0 + n; p++) st_act_fill(&c->act_h, c->G, c->F, p, p + 1);
+    __atomic_store_n(&c->h_ready[e], 1, __ATOMIC_RELEASE);
+}
+
+void st_moe_products(moe_call *c) {
     const int64_t T = c->T, P = c->P;
-    const int H = c->H, F = c->F, K = c->K;
+    const int H = c->H, F = c->F;
     const int64_t *offset = c->offset, *count = c->count;
     void *scratch = alloc64(c->scratch_bytes);
     if (!scratch) {
@@ -136,40 +154,53 @@ void st_moe_compute(moe_call *c) {
         }
     }
     /* ---- gate and up: G[p, f], U[p, f] for every expert's pairs ---- */
-    #pragma omp for schedule(dynamic, 1)
+    #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < c->num_items_1; it++) {
-        if (!scratch) continue;
         int e = c->items[it].expert;
         int r0 = c->items[it].r0;
         int r1 = r0 + ITEM_ROWS < F ? r0 + ITEM_ROWS : F;
         int64_t p0 = offset[e], n = count[e];
-        st_gemm_rows(c->gate_type, c->gate_ptrs[e], c->gate_row_bytes, H,
-                     r0, r1, &c->act_gate, c->pair_tok + p0, n, c->G + p0 * F + r0, F, scratch);
-        st_gemm_rows(c->up_type, c->up_ptrs[e], c->up_row_bytes, H,
-                     r0, r1, ax_up, c->pair_tok + p0, n, c->U + p0 * F + r0, F, scratch);
-        for (int64_t p = p0; p < p0 + n; p++) {
-            float *g = c->G + p * F;                           /* [F] */
-            const float *u = c->U + p * F;
-            for (int f = r0; f < r1; f++) g[f] = silu(g[f]) * u[f];
+        if (scratch) {
+            st_gemm_rows(c->gate_type, c->gate_ptrs[e], c->gate_row_bytes, H, r0, r1,
+                         &c->act_gate, c->pair_tok + p0, n, c->G + p0 * F + r0, F, scratch);
+            st_gemm_rows(c->up_type, c->up_ptrs[e], c->up_row_bytes, H, r0, r1, ax_up,
+                         c->pair_tok + p0, n, c->U + p0 * F + r0, F, scratch);
+            for (int64_t p = p0; p < p0 + n; p++) {
+                float *g = c->G + p * F;                           /* [F] */
+                const float *u = c->U + p * F;
+                for (int f = r0; f < r1; f++) g[f] = silu(g[f]) * u[f];
+            }
         }
+        /* the last of the expert's items (every thread's G writes before it: acq_rel) */
+        if (c->fill_by_last && __atomic_sub_fetch(&c->left[e], 1, __ATOMIC_ACQ_REL) == 0)
+            fill_expert_rows(c, e);
     }
-    /* ---- the activation rows of the down projection: SiLU(gate) * up ---- */
-    #pragma omp for schedule(static)
-    for (int64_t p = 0; p < P; p++) st_act_fill(&c->act_h, c->G, F, p, p + 1);
+    if (!c->fill_by_last) {
+        /* ---- the activation rows of the down projection: SiLU(gate) * up ---- */
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) st_act_fill(&c->act_h, c->G, F, p, p + 1);
+    }
     /* ---- down: Y[p, h] ---- */
     #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < c->num_items_2; it++) {
-        if (!scratch) continue;
         int e = c->items_2[it].expert;
         int r0 = c->items_2[it].r0;
         int r1 = r0 + ITEM_ROWS < H ? r0 + ITEM_ROWS : H;
         int64_t p0 = offset[e], n = count[e];
+        if (c->fill_by_last)     /* every gate/up item is taken before any down item */
+            while (!__atomic_load_n(&c->h_ready[e], __ATOMIC_ACQUIRE)) st_cpu_relax();
+        if (!scratch) continue;
         st_gemm_rows(c->down_type, c->down_ptrs[e], c->down_row_bytes, F,
                      r0, r1, &c->act_h, c->pair_ids + p0, n, c->Y + p0 * H + r0, H, scratch);
     }
-    /* ---- out[t] += sum_k weights[t, k] * Y[pair(t, k)], in k order (deterministic) ---- */
-    #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; t++) {
+    free(scratch);
+}
+
+/* out[t] += sum_k weights[t, k] * Y[pair(t, k)], in k order (deterministic), rows [t0, t1). */
+void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1) {
+    const int H = c->H, K = c->K;
+    for (int64_t t = t0; t < t1; t++) {
         float *o = c->out + t * H;                             /* [H] */
         for (int k = 0; k < K; k++) {
             int32_t p = c->pair_of[t * K + k];
@@ -179,7 +210,12 @@ void st_moe_compute(moe_call *c) {
             for (int h = 0; h < H; h++) o[h] += wk * y[h];
         }
     }
-    free(scratch);
+}
+
+void st_moe_compute(moe_call *c) {
+    st_moe_products(c);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < c->T; t++) st_moe_sum(c, t, t + 1);
 }
 
 /* Each expert's three matrices come through pointer tables [E] (gate and up [F, H] rows, down

@@ -1,8 +1,10 @@
 /* One routed-expert call split in three (moe.c), so that a caller's own OpenMP team can run the
  * products (the CPU pool's window-long team, pool_window.c): st_moe_setup on one thread groups
  * the pairs and sizes the buffers, st_moe_compute on EVERY thread of the team runs the products
- * (orphaned worksharing; it ends with the team past a barrier), st_moe_teardown on one frees.
- * st_moe_ffn_ptrs is the three around a region of its own. Legend as moe.c. */
+ * and the weighted sum (orphaned worksharing; it ends with the team past a barrier),
+ * st_moe_teardown on one frees. st_moe_products is st_moe_compute without the sum, which
+ * st_moe_sum then does for rows [t0, t1) on any one thread. st_moe_ffn_ptrs is the three around
+ * a region of its own. Legend as moe.c. */
 #pragma once
 #include "quant.h"
 
@@ -21,7 +23,8 @@ typedef struct {
     int64_t P, num_items_1, num_items_2;
     float *G, *U, *Y;                              /* [P, F], [P, F], [P, H] */
     st_act act_gate, act_up, act_h;
-    int shared_x, is_small, is_parallel;
+    int32_t *left, *h_ready;                       /* [E]: gate/up items to go; act_h rows set */
+    int shared_x, is_small, is_parallel, fill_by_last;
     size_t scratch_bytes;
     int failed;                                    /* a thread ran out of memory */
 } moe_call;
@@ -34,4 +37,6 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
                  const int32_t *experts, const float *weights, float *out,
                  int64_t *routed_rows);
 void st_moe_compute(moe_call *c);
+void st_moe_products(moe_call *c);
+void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1);
 void st_moe_teardown(moe_call *c);

@@ -165,15 +165,23 @@ def calibrate(model_path, threads, seconds, rows, device_index, sweep):
             timed = sweep_shares(model_path, threads, device_index)
         except StrataError as exc:
             _fail(f"timing decode at each share: {exc} (--no-sweep stores the rates' share)")
-        click.echo("decode tokens/s, every routed expert a miss, by PCIe share:")
-        click.echo("share  " + "  ".join(f"{n} slot{'s' if n > 1 else ''}".rjust(9)
-                                         for n in timed["tokens_per_s"]))
+        click.echo("decode tokens/s, every routed expert a miss, by PCIe share (in brackets, ms "
+                   "per window: the CPU pool's compute / wait for the GPU / start after the "
+                   "post):")
+        speeds = timed["tokens_per_s"]
+        click.echo("share  " + "  ".join(f"{n} slot{'s' if n > 1 else ''}".rjust(32)
+                                         for n in speeds))
         for i, share in enumerate(timed["shares"]):
-            click.echo(f"{share:5.2f}  " + "  ".join(f"{v[i]:9.1f}"
-                                                    for v in timed["tokens_per_s"].values()))
+            click.echo(f"{share:5.2f}  " + "  ".join(
+                f"{speeds[n][i]:9.1f} ({timed['pool_ms'][n][i]:5.2f} / "
+                f"{timed['wait_ms'][n][i]:5.2f} / {timed['lag_ms'][n][i]:5.3f})"
+                for n in speeds))
         frac = timed["best"]
         details["sweep"] = {"shares": timed["shares"],
-                            "tokens_per_s": {str(k): v for k, v in timed["tokens_per_s"].items()}}
+                            "tokens_per_s": {str(k): v for k, v in timed["tokens_per_s"].items()},
+                            "pool_ms": {str(k): v for k, v in timed["pool_ms"].items()},
+                            "wait_ms": {str(k): v for k, v in timed["wait_ms"].items()},
+                            "lag_ms": {str(k): v for k, v in timed["lag_ms"].items()}}
     path = store_calibration(model_path, gpu["gpu"], threads, frac, details)
     click.echo(f"PCIe share of cache misses: {frac:.3f} (CPU pool {1 - frac:.3f}); stored in "
                f"{path}")

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-SHARES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
+SHARES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 
 
 def sweep_shares(model_path, threads: int, device_index: int = 0, shares=SHARES,
@@ -24,7 +24,11 @@ def sweep_shares(model_path, threads: int, device_index: int = 0, shares=SHARES,
     (interleaved, so drift of the machine spreads over all of them), each `steps` timed windows
     after one untimed; the median window time per share. Returns {"shares", "tokens_per_s":
     {slots: [per share]}, "best": the share with the highest mean speed relative to each slot
-    count's best}."""
+    count's best, "pool_ms" / "wait_ms" / "lag_ms": {slots: [per share]}: the pool's median
+    compute, wait for the GPU and start after the window's post, per window}. A window's time
+    is about the pool's compute plus its wait: at share 0 the wait is the GPU's serial part
+    (dense work and the per-layer hand-offs), and where the wait grows with the share, the
+    GPU's reads are what the pool waits for."""
     from tqdm import tqdm
 
     from strata.backends.cuda import CudaModel
@@ -43,7 +47,7 @@ def sweep_shares(model_path, threads: int, device_index: int = 0, shares=SHARES,
     rng = np.random.default_rng(seed)
     spec = model.spec
     counts = np.zeros((store.n_layers, store.n_experts), dtype=np.int64)
-    speeds = {}
+    speeds, pool_ms, wait_ms, lag_ms = {}, {}, {}, {}
     try:
         arena.attach_pool(0.5, max_rows=max(slot_counts), threads=threads)
         windows = len(slot_counts) * passes * len(shares) * (steps + 1)
@@ -52,6 +56,7 @@ def sweep_shares(model_path, threads: int, device_index: int = 0, shares=SHARES,
             kvs = [model.new_kv(passes * len(shares) * (steps + 1) + 2) for _ in range(num_slots)]
             tok = rng.integers(0, spec.vocab, num_slots).astype(np.int32)
             seconds = {share: [] for share in shares}
+            pool = {share: [] for share in shares}    # (compute, wait, lag) ms per window
             for _ in range(passes):
                 for share in shares:
                     arena.pcie_frac = share
@@ -64,14 +69,18 @@ def sweep_shares(model_path, threads: int, device_index: int = 0, shares=SHARES,
                             routing_counts=counts)
                         if step:  # the first window of a share sets its where table up
                             seconds[share].append(time.perf_counter() - t0)
+                            stats = arena.pool.last_stats
+                            pool[share].append((stats.pool_ms, stats.wait_ms, stats.start_lag_ms))
                         arena.account_routed(arena.table.peek(), counts)  # expected rows
                         bar.update()
             speeds[num_slots] = [num_slots / statistics.median(seconds[s]) for s in shares]
+            for i, table in enumerate((pool_ms, wait_ms, lag_ms)):
+                table[num_slots] = [statistics.median(v[i] for v in pool[s]) for s in shares]
             del kvs
         bar.close()
     finally:
         arena.close()
         model.expert_arena = None
     relative = np.mean([np.array(v) / max(v) for v in speeds.values()], axis=0)
-    return {"shares": list(shares), "tokens_per_s": speeds,
-            "best": float(shares[int(np.argmax(relative))])}
+    return {"shares": list(shares), "tokens_per_s": speeds, "pool_ms": pool_ms,
+            "wait_ms": wait_ms, "lag_ms": lag_ms, "best": float(shares[int(np.argmax(relative))])}

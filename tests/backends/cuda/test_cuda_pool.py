@@ -149,6 +149,11 @@ def test_calibrate_stores_a_measured_share(pool_path, tmp_path, monkeypatch):
     assert all(len(v) == len(SHARES) and min(v) > 0 for v in speeds.values())
     relative = np.mean([np.array(v) / max(v) for v in speeds.values()], axis=0)
     assert entry["pcie_frac"] == SHARES[int(np.argmax(relative))]
+    # the pool computes every miss at share 0 and none at 1; its wait is the GPU's part
+    for n in ("1", "4"):
+        pool_ms, wait_ms = entry["sweep"]["pool_ms"][n], entry["sweep"]["wait_ms"][n]
+        assert len(pool_ms) == len(wait_ms) == len(SHARES) and min(wait_ms) >= 0
+        assert pool_ms[0] > pool_ms[SHARES.index(1.0)]
     assert entry["rates_pcie_frac"] == pytest.approx(
         entry["gpu_experts_per_s"] / (entry["gpu_experts_per_s"] + entry["cpu_experts_per_s"]))
     assert "decode tokens/s" in res.stdout

@@ -1,5 +1,7 @@
 """The CPU pool: a thread that serves, beside each GPU window, the routed pairs whose expert the
-where table gives the CPU, through the exchange buffer (native loop: _native/cpu_pool.pxi).
+where table gives the CPU, through the exchange buffer. The thread stays in one native loop
+(_native/pool_window.c) for the pool's life: a window is posted and waited for through control
+words, so neither side needs the GIL or a lock between the GPU's launch and the pool's start.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ class CpuPoolError(StrataError):
 @dataclass(frozen=True)
 class PoolWindowStats:
     """What the pool did for one window: routed entries ((row, top-k pick) pairs) and distinct
-    (layer, expert)s it computed, its compute time, and its time spent waiting for the GPU."""
+    (layer, expert)s it computed, its compute time, its time spent waiting for the GPU, and how
+    long after the post it saw the window."""
 
     seq: int
     num_rows: int
@@ -38,6 +41,7 @@ class PoolWindowStats:
     num_experts: int
     pool_ms: float
     wait_ms: float
+    start_lag_ms: float = 0.0
 
 
 class CpuPool:
@@ -71,19 +75,25 @@ class CpuPool:
         self.timeout_s = float(timeout_s)
         self.num_experts = pointers.shape[2]
         self._where = np.full((layout.num_layers, self.num_experts), WHERE_CPU, dtype=np.uint8)
-        self._abort = np.zeros(1, dtype=np.int64)
-        self._cond = threading.Condition()
-        self._job: tuple[int, int] | None = None
-        self._result = None
+        try:
+            kernels.pool_check_where(self._where, pointers)
+        except ValueError as exc:
+            raise ConfigError(f"the CPU pool cannot read these experts: {exc}") from None
+        self._ctl = np.zeros(kernels.POOL_CTL_WORDS, dtype=np.int64)
+        self._seq = 0                      # the window in flight (posted, not yet waited for)
         self._in_flight = False
-        self._stopping = False
         self._thread: threading.Thread | None = None
-        # totals since construction, for logs and metrics; last_stats: the last served window
+        self._error: BaseException | None = None
+        # totals since construction, for logs and metrics (busy_*: over the windows that gave
+        # the pool work); last_stats: the last served window
         self.num_windows = 0
         self.total_entries = 0
         self.total_experts = 0
         self.total_pool_ms = 0.0
         self.total_wait_ms = 0.0
+        self.busy_windows = 0
+        self.busy_pool_ms = 0.0
+        self.busy_wait_ms = 0.0
         self.last_stats: PoolWindowStats | None = None
 
     # ---- between windows ------------------------------------------------------------------
@@ -92,24 +102,31 @@ class CpuPool:
         return self._where
 
     def set_where(self, where: np.ndarray) -> None:
-        """Which experts are the pool's (where[l, e] == 2); copied, used from the next window."""
+        """Which experts are the pool's (where[l, e] == 2); copied in place (the loop reads it
+        during each window), used from the next window."""
         where = np.ascontiguousarray(where, dtype=np.uint8)
         if where.shape != self._where.shape:
             raise ConfigError(f"the where table {where.shape} must be {self._where.shape} "
                               "(layers x experts)")
         if self._in_flight:
-            raise CpuPoolError("set_where during a window: the pool is serving window "
-                               f"{self._job[0] if self._job else '?'}; call it after wait()")
-        self._where = where.copy()
+            raise CpuPoolError(f"set_where during a window: the pool is serving window "
+                               f"{self._seq}; call it after wait()")
+        try:
+            kernels.pool_check_where(where, self.pointers)
+        except ValueError as exc:
+            raise ConfigError(f"the CPU pool's where table: {exc}") from None
+        self._where[...] = where
 
     # ---- the thread -----------------------------------------------------------------------
     def start(self) -> "CpuPool":
         if self._thread is not None:
             return self
         self._threads_before = kernels.get_num_threads()
-        kernels.set_num_threads(self.threads)
-        self._abort[0] = 0
-        self._stopping = False
+        kernels.set_num_threads(self.threads)   # the loop's team takes this many at its start
+        ctl = self._ctl
+        ctl[kernels.POOL_CTL_STOP] = ctl[kernels.POOL_CTL_EXITED] = 0
+        ctl[kernels.POOL_CTL_SERVED] = ctl[kernels.POOL_CTL_SEQ]   # nothing left pending
+        self._error = None
         self._thread = threading.Thread(target=self._run, name="strata-cpu-pool", daemon=True)
         self._thread.start()
         return self
@@ -120,30 +137,59 @@ class CpuPool:
         if self._thread is None:
             raise CpuPoolError("submit before start(): start the CPU pool first")
         if self._in_flight:
-            raise CpuPoolError(f"submit({seq}) while window {self._job[0]} is in flight; "
+            raise CpuPoolError(f"submit({seq}) while window {self._seq} is in flight; "
                                "wait() for it first")
         if not 0 <= num_rows <= self.exchange.layout.max_rows:
             raise CpuPoolError(f"a window of {num_rows} rows does not fit the exchange's "
                                f"{self.exchange.layout.max_rows}")
-        with self._cond:
-            self._job = (int(seq), int(num_rows))
-            self._result = None
-            self._in_flight = True
-            self._cond.notify_all()
+        try:
+            kernels.pool_post(self._ctl, int(seq), int(num_rows))
+        except ValueError as exc:
+            raise CpuPoolError(f"window {seq}: {exc}") from None
+        self._seq, self._in_flight = int(seq), True
 
     def wait(self) -> PoolWindowStats:
         """The submitted window's stats once the pool has served every layer; CpuPoolError when
         it could not."""
-        with self._cond:
-            while self._result is None:
-                if self._thread is None:
-                    raise CpuPoolError("wait() with no window submitted to a running pool")
-                self._cond.wait()
-            result, self._result, self._job = self._result, None, None
+        if not self._in_flight:
+            raise CpuPoolError("wait() with no window submitted to a running pool")
+        seq, num_rows = self._seq, int(self._ctl[kernels.POOL_CTL_ROWS])
+        layers = self.exchange.layout.num_layers
+        try:
+            status, layer, entries, experts, wait_ns, compute_ns, lag_ns, _ = \
+                kernels.pool_wait_served(self._ctl, seq, self.timeout_s * (layers + 1) + 10.0)
+        finally:
             self._in_flight = False
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        if status == kernels.POOL_TIMEOUT and layer < 0:
+            raise CpuPoolError(f"the CPU pool did not finish window {seq} in "
+                               f"{self.timeout_s * (layers + 1) + 10.0:g} s")
+        if status == kernels.POOL_TIMEOUT:
+            raise CpuPoolError(
+                f"the CPU pool waited {self.timeout_s:g} s for the GPU to publish layer {layer} "
+                f"of window {seq} and gave up: the GPU window failed or stalled (see the "
+                "device's error), or the exchange buffer is not the one the device writes")
+        if status == kernels.POOL_ABORTED and layer < 0:
+            raise CpuPoolError(f"the CPU pool stopped before serving window {seq}"
+                               + (f": {self._error}" if self._error else ""))
+        if status == kernels.POOL_ABORTED:
+            raise CpuPoolError(f"the CPU pool was stopped while waiting for layer {layer} of "
+                               f"window {seq}")
+        if status == kernels.POOL_NO_MEMORY:
+            raise CpuPoolError(f"the CPU pool ran out of memory computing layer {layer} of "
+                               f"window {seq} ({num_rows} rows); free RAM or lower --parallel")
+        stats = PoolWindowStats(seq, num_rows, int(entries), int(experts), compute_ns / 1e6,
+                                wait_ns / 1e6, lag_ns / 1e6)
+        self.num_windows += 1
+        self.total_entries += stats.num_entries
+        self.total_experts += stats.num_experts
+        self.total_pool_ms += stats.pool_ms
+        self.total_wait_ms += stats.wait_ms
+        if stats.num_entries:
+            self.busy_windows += 1
+            self.busy_pool_ms += stats.pool_ms
+            self.busy_wait_ms += stats.wait_ms
+        self.last_stats = stats
+        return stats
 
     def stop(self) -> None:
         """Stop the thread (a window still waiting for the device is abandoned) and give the
@@ -151,15 +197,11 @@ class CpuPool:
         thread = self._thread
         if thread is None:
             return
-        self._abort[0] = 1
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self._ctl[kernels.POOL_CTL_STOP] = 1
         thread.join()
         kernels.set_num_threads(self._threads_before)
         self._thread = None
         self._in_flight = False
-        self._job = self._result = None
 
     def __enter__(self) -> "CpuPool":
         return self.start()
@@ -168,45 +210,11 @@ class CpuPool:
         self.stop()
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and (self._job is None or self._result is not None):
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                seq, num_rows = self._job
-            try:
-                result = self._serve(seq, num_rows)
-            except BaseException as exc:  # handed to wait() in the engine thread
-                result = exc
-            with self._cond:
-                self._result = result
-                self._cond.notify_all()
-
-    def _serve(self, seq: int, num_rows: int) -> PoolWindowStats:
         ex = self.exchange
-        status, layer, entries, experts, wait_ns, compute_ns = kernels.pool_run_window(
-            ex.ready, ex.done, ex.x, ex.ids, ex.wts, ex.y, seq, num_rows, self._where,
-            self.pointers, self.types, self.row_bytes, self.expert_width, self.timeout_s,
-            self._abort)
-        if status == kernels.POOL_TIMEOUT:
-            raise CpuPoolError(
-                f"the CPU pool waited {self.timeout_s:g} s for the GPU to publish layer {layer} "
-                f"of window {seq} and gave up: the GPU window failed or stalled (see the "
-                "device's error), or the exchange buffer is not the one the device writes")
-        if status == kernels.POOL_ABORTED:
-            raise CpuPoolError(f"the CPU pool was stopped while waiting for layer {layer} of "
-                               f"window {seq}")
-        if status == kernels.POOL_NO_MEMORY:
-            raise CpuPoolError(f"the CPU pool ran out of memory computing layer {layer} of "
-                               f"window {seq} ({num_rows} rows); free RAM or lower --parallel")
-        stats = PoolWindowStats(seq, num_rows, int(entries), int(experts),
-                                compute_ns / 1e6, wait_ns / 1e6)
-        self.num_windows += 1
-        self.total_entries += stats.num_entries
-        self.total_experts += stats.num_experts
-        self.total_pool_ms += stats.pool_ms
-        self.total_wait_ms += stats.wait_ms
-        self.last_stats = stats
-        return stats
-
+        try:
+            kernels.pool_serve(self._ctl, ex.ready, ex.done, ex.x, ex.ids, ex.wts, ex.y,
+                               self._where, self.pointers, self.types, self.row_bytes,
+                               self.expert_width, self.timeout_s)
+        except BaseException as exc:  # wait() names it
+            self._error = exc
+            self._ctl[kernels.POOL_CTL_EXITED] = 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -73,29 +72,18 @@ def assign_where(residency: np.ndarray, pcie_frac: float,
     if (counts < 0).any() or not np.isfinite(counts).all():
         raise ConfigError("expected routed rows must be finite and >= 0")
     frac = check_pcie_frac(pcie_frac, "pcie_frac")
-    where = np.full(residency.shape, WHERE_VRAM, dtype=np.uint8)
-    for layer in range(residency.shape[0]):
-        missing = np.flatnonzero(residency[layer] < 0)
-        if missing.size == 0:
-            continue
-        if frac >= 1.0 or frac <= 0.0:
-            where[layer, missing] = WHERE_PCIE if frac >= 1.0 else WHERE_CPU
-            continue
-        c = counts[layer, missing]
-        hot, cold = missing[c > 0], missing[c == 0]
-        target = frac * c.sum()
-        pcie_rows = 0.0
-        for e in hot[np.lexsort((hot, -counts[layer, hot]))]:  # hottest first, ties by id
-            rows = counts[layer, e]
-            if pcie_rows + rows / 2 < target:
-                where[layer, e] = WHERE_PCIE
-                pcie_rows += rows
-            else:
-                where[layer, e] = WHERE_CPU
-        num_cold_pcie = math.floor(frac * cold.size + 0.5)
-        where[layer, cold[:num_cold_pcie]] = WHERE_PCIE
-        where[layer, cold[num_cold_pcie:]] = WHERE_CPU
-    return where
+    if frac >= 1.0 or frac <= 0.0:
+        return np.where(residency >= 0, WHERE_VRAM,
+                        WHERE_PCIE if frac >= 1.0 else WHERE_CPU).astype(np.uint8)
+    from strata._native import kernels
+
+    # the split runs every few windows on the engine thread: one sort and a native pass (a
+    # Python loop per expert took 3 ms at 48 x 128 on the H200 host)
+    counts = np.ascontiguousarray(counts)
+    order = np.argsort(-counts, axis=1, kind="stable")  # hottest first, ties: lower id
+    where = np.empty(residency.shape, dtype=np.uint8)
+    return kernels.pool_assign_where(np.ascontiguousarray(residency, dtype=np.int32), frac,
+                                     counts, order.astype(np.int64, copy=False), where)
 
 
 def pcie_share(where: np.ndarray, counts: np.ndarray) -> float:
