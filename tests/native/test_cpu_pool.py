@@ -173,6 +173,32 @@ def test_pool_stop_abandons_a_waiting_window():
     assert ex.done[0] == -3
 
 
+def test_pool_serves_after_a_long_idle_and_stops_at_once():
+    # past 1 s without a window the loop naps 1 ms at a time: it still serves the next window,
+    # and stop() does not wait out a series of naps
+    rng = np.random.default_rng(78)
+    layers, pointers, types = make_experts(rng)
+    ex = Exchange.in_host_memory(ExchangeLayout(L, R_MAX, K, H))
+    where = np.full((L, E), WHERE_CPU, np.uint8)
+    pool = CpuPool(ex, pointers, types, F).start()
+    try:
+        pool.set_where(where)
+        time.sleep(1.2)
+        inputs = window_inputs(rng, layers, 2)
+        device = FakeDevice(ex, 1, 2, inputs, delay_s=0)
+        pool.submit(1, 2)
+        device.start()
+        stats = pool.wait()
+        device.join()
+        assert device.error is None and stats.start_lag_ms < 50
+        assert check_window(layers, where, inputs, device.outputs)[0] == stats.num_entries
+        time.sleep(1.2)
+    finally:
+        start = time.monotonic()
+        pool.stop()
+    assert time.monotonic() - start < 0.5
+
+
 def test_pool_refuses_misuse():
     rng = np.random.default_rng(75)
     _, pointers, types = make_experts(rng)

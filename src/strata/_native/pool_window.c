@@ -18,13 +18,16 @@
 #define SLEEP_NS 20000LL
 #define IDLE_NS 50000000LL        /* after 50 ms without a window, longer sleeps */
 #define IDLE_SLEEP_NS 200000LL
+#define ASLEEP_NS 1000000000LL    /* after 1 s, 1 ms ones: an idle server wakes 1000 times a s */
+#define ASLEEP_SLEEP_NS 1000000LL
 #define CHECK_EVERY 64            /* spins between looks at the clock and the stop word */
 #define SERIAL_SUM_ROWS 4         /* up to this many rows, the weighted sum runs in the single */
 
 /* Spins (pause) for the first SPIN_NS: the GPU's dense part between two layers and the engine's
  * host work between two windows take less, and a sleep would add its wake-up latency; then
- * sleeps in short steps (longer ones once idle). 0 when *word reaches `want` (>= want when
- * at_least), POOL_TIMEOUT past the deadline (<= 0: none), POOL_ABORTED when asked to stop. */
+ * sleeps in short steps (longer ones once idle: a window after a long pause starts up to 1 ms
+ * late, and an idle server's pool costs next to nothing). 0 when *word reaches `want` (>= want
+ * when at_least), POOL_TIMEOUT past the deadline (<= 0: none), POOL_ABORTED when asked to stop. */
 static int wait_word(const int64_t *word, int64_t want, int at_least, int64_t deadline_ns,
                      const int64_t *stop) {
     int64_t spins = 0, start = st_now_ns();
@@ -32,12 +35,13 @@ static int wait_word(const int64_t *word, int64_t want, int at_least, int64_t de
     for (;;) {
         int64_t v = st_load_acquire_i64(word);
         if (at_least ? v >= want : v == want) return POOL_OK;
-        if (++spins % CHECK_EVERY == 0) {
+        if (sleep_ns || ++spins % CHECK_EVERY == 0) {   /* asleep: look after every nap */
             if (st_load_acquire_i64(stop) != 0) return POOL_ABORTED;
             int64_t now = st_now_ns();
             if (deadline_ns > 0 && now > deadline_ns) return POOL_TIMEOUT;
-            sleep_ns = now - start < SPIN_NS ? 0 : now - start < IDLE_NS ? SLEEP_NS
-                                                                        : IDLE_SLEEP_NS;
+            int64_t waited = now - start;
+            sleep_ns = waited < SPIN_NS ? 0 : waited < IDLE_NS ? SLEEP_NS
+                     : waited < ASLEEP_NS ? IDLE_SLEEP_NS : ASLEEP_SLEEP_NS;
         }
         if (sleep_ns) st_sleep_ns(sleep_ns);
         else st_cpu_relax();
