@@ -69,6 +69,18 @@ def window_inputs(rng, layers, num_rows):
     return inputs
 
 
+def serve(pool, ex, seq, inputs, num_rows, delay_s=0.0):
+    """One window: the fake device publishes `inputs` layer by layer while the pool serves it;
+    (the pool's stats, y of every layer)."""
+    device = FakeDevice(ex, seq, num_rows, inputs, delay_s=delay_s)
+    pool.submit(seq, num_rows)
+    device.start()
+    stats = pool.wait()
+    device.join()
+    assert device.error is None
+    return stats, device.outputs
+
+
 def check_window(layers, where, inputs, outputs):
     """y equals the float64 reference over the CPU-assigned pairs, and is exactly 0 in rows
     without one. Returns (entries, distinct experts) the pool should have counted."""
@@ -99,18 +111,13 @@ def test_pool_serves_cpu_pairs_layer_by_layer():
         pool.set_where(where)
         for seq, num_rows in ((1, 5), (2, R_MAX), (3, 1)):
             inputs = window_inputs(rng, layers, num_rows)
-            device = FakeDevice(ex, seq, num_rows, inputs)
-            pool.submit(seq, num_rows)
-            device.start()
-            stats = pool.wait()
-            device.join()
-            assert device.error is None
+            stats, outputs = serve(pool, ex, seq, inputs, num_rows, delay_s=0.002)
             assert np.array_equal(ex.done, np.full(L, seq))
-            entries, experts = check_window(layers, where, inputs, device.outputs)
+            entries, experts = check_window(layers, where, inputs, outputs)
             assert (stats.seq, stats.num_rows) == (seq, num_rows)
             assert (stats.num_entries, stats.num_experts) == (entries, experts)
             assert stats.wait_ms > 0 and stats.pool_ms >= 0
-            assert np.all(device.outputs[1] == 0.0)
+            assert np.all(outputs[1] == 0.0)
             # a new where table between windows
             where = np.roll(where, 1, axis=1)
             where[1] = WHERE_VRAM
@@ -128,14 +135,10 @@ def test_pool_with_nothing_routed_to_it_zeroes_y():
     with CpuPool(ex, pointers, types, F) as pool:
         pool.set_where(np.full((L, E), WHERE_PCIE, np.uint8))
         inputs = window_inputs(rng, layers, 4)
-        device = FakeDevice(ex, 5, 4, inputs, delay_s=0)
-        pool.submit(5, 4)
-        device.start()
-        stats = pool.wait()
-        device.join()
+        stats, outputs = serve(pool, ex, 5, inputs, 4)
     assert (stats.num_entries, stats.num_experts) == (0, 0)
     assert (pool.num_windows, pool.busy_windows, pool.busy_wait_ms) == (1, 0, 0.0)
-    assert all(np.all(y == 0.0) for y in device.outputs)
+    assert all(np.all(y == 0.0) for y in outputs)
 
 
 def test_pool_times_out_when_ready_never_comes():
@@ -185,13 +188,9 @@ def test_pool_serves_after_a_long_idle_and_stops_at_once():
         pool.set_where(where)
         time.sleep(1.2)
         inputs = window_inputs(rng, layers, 2)
-        device = FakeDevice(ex, 1, 2, inputs, delay_s=0)
-        pool.submit(1, 2)
-        device.start()
-        stats = pool.wait()
-        device.join()
-        assert device.error is None and stats.start_lag_ms < 50
-        assert check_window(layers, where, inputs, device.outputs)[0] == stats.num_entries
+        stats, outputs = serve(pool, ex, 1, inputs, 2)
+        assert stats.start_lag_ms < 50
+        assert check_window(layers, where, inputs, outputs)[0] == stats.num_entries
         time.sleep(1.2)
     finally:
         start = time.monotonic()
@@ -298,12 +297,8 @@ def test_pool_skips_ids_outside_the_experts():
         ids[0, 0], ids[1, 1], ids[2, :] = -1, E + 90, -1
     with CpuPool(ex, pointers, types, F) as pool:
         pool.set_where(where)
-        device = FakeDevice(ex, 4, 3, inputs, delay_s=0)
-        pool.submit(4, 3)
-        device.start()
-        stats = pool.wait()
-        device.join()
+        stats, outputs = serve(pool, ex, 4, inputs, 3)
     for _, ids, _ in inputs:
         ids[ids >= E] = -1
-    entries, _ = check_window(layers, where, inputs, device.outputs)
+    entries, _ = check_window(layers, where, inputs, outputs)
     assert stats.num_entries == entries == L * (3 * K - 2 - K)

@@ -96,13 +96,20 @@ def test_moe_ffn_mixed_types_and_all_skipped():
     assert np.array_equal(out, before)
 
 
-def test_moe_ffn_threads_agree():
-    rng = np.random.default_rng(9)
-    E, H, F, T_, K = 8, 128, 128, 40, 8
-    gate, up, down = make_moe(rng, (2, 2, 2), E, H, F)
-    x = scaled_x(rng, T_, H, gate, 2)
+def routed_layer(rng, qtypes, E, H, F, T_, K):
+    """A layer's experts and T_ tokens routed to K distinct experts each: gate, up, down, x,
+    experts [T_, K] int32, weights [T_, K] float32."""
+    gate, up, down = make_moe(rng, qtypes, E, H, F)
+    x = scaled_x(rng, T_, H, gate, qtypes[0])
     experts = np.stack([rng.permutation(E)[:K] for _ in range(T_)]).astype(np.int32)
     weights = rng.random((T_, K)).astype(np.float32)
+    return gate, up, down, x, experts, weights
+
+
+def test_moe_ffn_threads_agree():
+    T_, H = 40, 128
+    gate, up, down, x, experts, weights = routed_layer(np.random.default_rng(9), (2, 2, 2), E=8,
+                                                       H=H, F=128, T_=T_, K=8)
     saved = kernels.get_num_threads()
     results = []
     try:
@@ -119,12 +126,9 @@ def test_moe_ffn_threads_agree():
 def test_moe_ffn_token_alone_equals_its_batch():
     # a decode call (few pairs: the down items wait per expert, no barrier between the products)
     # gives each token the bits it gets in a 40-token call (quantized behind a team barrier)
-    rng = np.random.default_rng(10)
-    E, H, F, T_, K = 8, 128, 192, 40, 4
-    gate, up, down = make_moe(rng, (2, 8, 2), E, H, F)
-    x = scaled_x(rng, T_, H, gate, 2)
-    experts = np.stack([rng.permutation(E)[:K] for _ in range(T_)]).astype(np.int32)
-    weights = rng.random((T_, K)).astype(np.float32)
+    T_, H = 40, 128
+    gate, up, down, x, experts, weights = routed_layer(np.random.default_rng(10), (2, 8, 2), E=8,
+                                                       H=H, F=192, T_=T_, K=4)
     batch = np.zeros((T_, H), dtype=np.float32)
     kernels.moe_ffn(x, gate, 2, up, 8, down, 2, experts, weights, batch)
     saved = kernels.get_num_threads()
