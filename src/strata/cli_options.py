@@ -134,7 +134,7 @@ def expert_options(command):
                      help="GPU with an expert cache: the share of the misses' routed rows the "
                           "GPU reads over PCIe (the CPU pool computes the rest). Default: the "
                           "`strata-tool calibrate` result for this model, GPU and threads, "
-                          "else 0.5."),
+                          "else 0.4."),
         click.option("--split-device", default=None, metavar="I,J",
                      help="Split the layers over these GPUs (stages in this order), each with "
                           "its own expert cache and tier; --vram-budget applies per card."),

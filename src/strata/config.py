@@ -70,7 +70,7 @@ class EngineConfig:
     adapt_swaps: int | None = None  # most swaps per round; None: the policy's default
     adapt_async: bool = True  # copies land while the next windows run
     # --pcie-frac: share of the cache misses' routed rows the GPU reads over PCIe, the rest go to
-    # the CPU pool; None: the stored `strata-tool calibrate` result, else 0.5
+    # the CPU pool; None: the stored `strata-tool calibrate` result, else 0.4
     pcie_frac: float | None = None
     # --kv: KV cell type; auto is the backend's own (CPU float32, CUDA float16), int8 (a scale
     # per token and head) is CUDA's

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from strata.backends.cuda.share import (CALIBRATION_FILE, assign_where, load_calibration,
-                                        pcie_share, resolve_pcie_frac, share_from_rates,
-                                        store_calibration)
+from strata.backends.cuda.share import (CALIBRATION_FILE, DEFAULT_PCIE_FRAC, assign_where,
+                                        load_calibration, pcie_share, resolve_pcie_frac,
+                                        share_from_rates, store_calibration)
 from strata.config import EngineConfig
 from strata.errors import ConfigError
 
@@ -124,7 +124,7 @@ def test_calibration_store_load_round_trip(tiny, tmp_path, monkeypatch, caplog):
         assert resolve_pcie_frac(None, tiny, "GPU A", 8)[0] == 0.75
         assert resolve_pcie_frac(0.2, tiny, "GPU A", 8) == (0.2, "--pcie-frac")
         frac, source = resolve_pcie_frac(None, tiny, "GPU B", 8)
-    assert frac == 0.5 and f"strata-tool calibrate {tiny} --threads 8" in source
+    assert frac == DEFAULT_PCIE_FRAC == 0.4 and f"strata-tool calibrate {tiny} --threads 8" in source
     assert "PCIe share of cache misses 0.75" in caplog.text
     # an unreadable file counts as no calibration, and the next store rewrites it
     path.write_text("{not json")

@@ -137,7 +137,7 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     arena = VramExpertArena(model, store, n, host)
     from strata.backends.cuda.share import resolve_pcie_frac
 
-    # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.5 (logged)
+    # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.4 (logged)
     from strata.backends.cuda.cpu_pool import default_pool_threads
 
     # the pool's thread count, as `strata-tool calibrate` keys its stored share
