@@ -17,15 +17,16 @@ def test_cpu_arena_line():
 
 
 def test_offload_line_splits_the_misses():
-    line = format_group(_totals(num_pool_entries=40, pool_s=0.0125), 0, "blocking",
-                        misses_on_gpu=True)
+    line = format_group(_totals(num_pool_entries=40, pool_s=0.0125, pool_wait_s=0.0031), 0,
+                        "blocking", misses_on_gpu=True)
     assert line.startswith("expert cache, windows 0-31: 400 routed entries = 300 VRAM + 60 "
-                           "PCIe + 40 CPU pool (pool 12.5 ms) (75.0% hit), 8 rounds")
+                           "PCIe + 40 CPU pool (pool 12.5 ms computing, 3.1 ms waiting for the "
+                           "GPU) (75.0% hit), 8 rounds")
 
 
 def test_minus_keeps_the_pool_fields():
-    later = _totals(num_pool_entries=40, pool_s=0.5, num_windows=40)
-    earlier = _totals(num_pool_entries=10, pool_s=0.2, num_windows=32)
+    later = _totals(num_pool_entries=40, pool_s=0.5, pool_wait_s=0.25, num_windows=40)
+    earlier = _totals(num_pool_entries=10, pool_s=0.2, pool_wait_s=0.05, num_windows=32)
     group = later.minus(earlier)
     assert (group.num_windows, group.num_pool_entries) == (8, 30)
-    assert abs(group.pool_s - 0.3) < 1e-12
+    assert abs(group.pool_s - 0.3) < 1e-12 and abs(group.pool_wait_s - 0.2) < 1e-12

@@ -211,12 +211,12 @@ class ExpertTier:
         counts = self._counts
         window_index = self.totals.num_windows
         hits = misses = 0
-        pool_entries, pool_s = 0, 0.0
+        pool_entries, pool_s, pool_wait_s = 0, 0.0, 0.0
         if snap is not None:
             served = self.arena.account_routed(snap, counts)
             self.arena.take_window()
             hits, misses = served.hits, served.misses
-            pool_entries, pool_s = self.arena.take_pool_window()
+            pool_entries, pool_s, pool_wait_s = self.arena.take_pool_window()
             keys = np.flatnonzero(counts)  # [n] layer * E + expert, ascending
             num_access_hits = int((snap.table.reshape(-1)[keys] >= 0).sum())
             self.recent.append(keys, num_access_hits)
@@ -240,6 +240,7 @@ class ExpertTier:
             t.num_misses += misses
             t.num_pool_entries += pool_entries
             t.pool_s += pool_s
+            t.pool_wait_s += pool_wait_s
             if snap is not None:
                 t.num_accesses += len(keys)
                 t.num_access_hits += num_access_hits

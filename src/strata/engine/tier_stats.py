@@ -24,9 +24,11 @@ class TierTotals:
     num_hits: int = 0  # routed entries whose expert was resident (served by the cache)
     num_misses: int = 0  # routed entries served from the store
     # of the misses, on the GPU with a CPU pool: the entries the pool computed (the rest were
-    # read over PCIe) and the pool's compute seconds
+    # read over PCIe), the pool's compute seconds and its seconds waiting for the GPU to publish
+    # a layer (its share of the window's time the GPU's dense work and reads took)
     num_pool_entries: int = 0
     pool_s: float = 0.0
+    pool_wait_s: float = 0.0
     num_access_hits: int = 0
     num_accesses: int = 0
     num_rounds: int = 0  # rounds that asked the policy
@@ -67,7 +69,8 @@ def format_group(totals: TierTotals, first_window: int, mode: str,
     if misses_on_gpu:
         served = (f"{totals.num_hits} VRAM + {totals.num_misses - totals.num_pool_entries} "
                   f"PCIe + {totals.num_pool_entries} CPU pool (pool "
-                  f"{totals.pool_s * 1e3:.1f} ms)")
+                  f"{totals.pool_s * 1e3:.1f} ms computing, {totals.pool_wait_s * 1e3:.1f} ms "
+                  "waiting for the GPU)")
     return (f"expert cache, windows {first_window}-{first_window + totals.num_windows - 1}: "
             f"{num_routed} routed entries = {served} "
             f"({totals.hit_rate:.1%} hit), {totals.num_rounds} rounds{skipped}, "

@@ -147,10 +147,10 @@ class ExpertArena(abc.ABC):
     #: tiers): logs and metrics split them
     misses_on_gpu = False
 
-    def take_pool_window(self) -> tuple[int, float]:
-        """(routed entries, seconds) the CPU pool served in the window just run; (0, 0.0) with
-        no pool."""
-        return 0, 0.0
+    def take_pool_window(self) -> tuple[int, float, float]:
+        """(routed entries, compute seconds, seconds waiting for the GPU) of the CPU pool in the
+        window just run; (0, 0.0, 0.0) with no pool."""
+        return 0, 0.0, 0.0
 
     def new_copier(self, on_landed):
         """The async copier of this arena, or None for the tier's copier thread (which runs

@@ -84,6 +84,9 @@ class ExpertCacheCollector:
             yield served
             yield _counter("strata_expert_cpu_pool_seconds", "CPU pool compute time",
                            t.pool_s)
+            yield _counter("strata_expert_cpu_pool_wait_seconds", "CPU pool time waiting for "
+                           "the GPU to publish a layer (its dense work and PCIe reads)",
+                           t.pool_wait_s)
             streamer = getattr(tier.arena, "streamer", None)
             if streamer is not None:  # prompt chunks' experts copied into staging slots
                 yield _counter("strata_expert_streamed_bytes", "Bytes of experts prompt chunks "

@@ -377,12 +377,12 @@ class VramExpertArena(ExpertArena):
             rt.synchronize()
         return len(placed)
 
-    def take_pool_window(self) -> tuple[int, float]:
+    def take_pool_window(self) -> tuple[int, float, float]:
         stats = self.pool.last_stats if self.pool is not None else None
         if stats is None or stats.seq == self._pool_seq_taken:
-            return 0, 0.0
+            return 0, 0.0, 0.0
         self._pool_seq_taken = stats.seq
-        return stats.num_entries, stats.pool_ms / 1e3
+        return stats.num_entries, stats.pool_ms / 1e3, stats.wait_ms / 1e3
 
     # the tier may pump the copier while a window runs (during_window) instead of before it
     overlaps_window = True
