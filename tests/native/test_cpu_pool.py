@@ -127,6 +127,27 @@ def test_pool_serves_cpu_pairs_layer_by_layer():
         assert pool.total_entries >= pool.total_experts > 0
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pool_serves_many_windows_of_every_size(threads):
+    # the serve loop's team keeps each layer's call by parity and crosses 3 barriers per layer:
+    # windows of every size (the weighted sum in the single and on the team), where tables that
+    # leave layers empty, and a device that is sometimes late, all checked against the reference
+    rng = np.random.default_rng(79 + threads)
+    layers, pointers, types = make_experts(rng)
+    ex = Exchange.in_host_memory(ExchangeLayout(L, R_MAX, K, H))
+    with CpuPool(ex, pointers, types, F, threads=threads) as pool:
+        for seq in range(1, 41):
+            where = rng.choice([WHERE_PCIE, WHERE_CPU], size=(L, E)).astype(np.uint8)
+            where[rng.integers(L)] = WHERE_VRAM
+            pool.set_where(where)
+            num_rows = int(rng.integers(1, R_MAX + 1))
+            inputs = window_inputs(rng, layers, num_rows)
+            delay = float(rng.choice([0.0, 0.0005]))
+            stats, outputs = serve(pool, ex, seq, inputs, num_rows, delay_s=delay)
+            entries, experts = check_window(layers, where, inputs, outputs)
+            assert (stats.num_entries, stats.num_experts) == (entries, experts), seq
+
+
 def test_pool_with_nothing_routed_to_it_zeroes_y():
     rng = np.random.default_rng(72)
     layers, pointers, types = make_experts(rng)
