@@ -4,7 +4,8 @@
  * device's ready[l] == seq, compute the routed pairs whose expert the where table gives the CPU,
  * write y and done[l] = seq; then the window's stats and served = seq.
  * Barriers per layer: the end of the down items and one `single` (finish layer l, then wait for
- * and set up layer l + 1); gate/up and down share no barrier in decode windows (moe.c).
+ * and set up layer l + 1), one more past SERIAL_SUM_ROWS rows (the team's weighted sum); gate/up
+ * and down share no barrier in decode windows (moe.c).
  * Legend: L = layers, R = rows of the window, K = experts per row, H = hidden, E = experts,
  * F = expert width. */
 #include <stdlib.h>
