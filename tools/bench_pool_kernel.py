@@ -4,12 +4,15 @@ count: the figure `strata-tool calibrate` turns into --pcie-frac, without a mode
 
 Usage: python tools/bench_pool_kernel.py [--threads 1,2] [--types Q4_0,Q8_0,Q4_K,Q6_K]
                                          [--experts 512] [--rows 1] [--per-window 8]
-                                         [--seconds 3] [--repeats 3]
+                                         [--rows-per-expert 1,4,16] [--seconds 3] [--repeats 3]
 Each call is one layer's window: `rows` rows routed to --per-window experts in all (top-8 each
 by default; fewer: the pool's part of a layer's misses, e.g. 4 at --pcie-frac 0.5), no expert
 shared between rows, taken in turn from a set of --experts experts (512 x 2.5 MiB of Q4_0 is far more than the L3 cache:
 "from RAM"; --experts 8 keeps them in cache). Prints distinct experts per second and GB/s of
 expert bytes, medians of --repeats runs (and the spread).
+--rows-per-expert N,..: prompt-shaped calls instead: N rows, each routed to the same 8 experts,
+so every expert is read once for N rows (what the pool's part of a streamed prompt window costs
+per expert: share.PROMPT_ROWS_PER_READ); prints experts/s and routed rows/s per N.
 """
 import argparse
 import statistics
@@ -35,9 +38,10 @@ def make_experts(rng, qtype, n):
     return pointers, mats, sum(m.nbytes for m in mats[0])
 
 
-def run(pointers, qtype, n, rows, per_call, seconds, rng):
+def run(pointers, qtype, n, rows, per_call, seconds, rng, shared=False):
     """Distinct experts per second over `seconds` of one-layer windows of `per_call` experts
-    (the rest of each row's top-K slots are -1: another side's)."""
+    (the rest of each row's top-K slots are -1: another side's). shared: every row routed to
+    the same TOP_K experts (per_call = TOP_K)."""
     x = rng.standard_normal((rows, HIDDEN)).astype(np.float32)            # [R, H]
     wts = rng.random((rows, TOP_K)).astype(np.float32)                    # [R, K]
     out = np.zeros((rows, HIDDEN), dtype=np.float32)
@@ -45,8 +49,11 @@ def run(pointers, qtype, n, rows, per_call, seconds, rng):
     calls, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         first = calls * per_call % n
-        ids = np.where(mine, (np.arange(rows * TOP_K) + first) % n, -1)
-        ids = ids.astype(np.int32).reshape(rows, TOP_K)
+        if shared:
+            ids = np.tile((np.arange(TOP_K) + first) % n, (rows, 1)).astype(np.int32)  # [R, K]
+        else:
+            ids = np.where(mine, (np.arange(rows * TOP_K) + first) % n, -1)
+            ids = ids.astype(np.int32).reshape(rows, TOP_K)
         kernels.moe_ffn_ptrs(x, pointers, int(qtype), int(qtype), int(qtype), EXPERT_WIDTH,
                              ids, wts, out)
         calls += 1
@@ -61,6 +68,8 @@ def main():
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--per-window", type=int, default=None,
                         help="distinct experts per window (default: rows x top-8)")
+    parser.add_argument("--rows-per-expert", default=None,
+                        help="comma list: prompt-shaped calls, each expert read once for N rows")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -77,6 +86,16 @@ def main():
         pointers, owners, expert_bytes = make_experts(rng, qtype, args.experts)
         for threads in (int(t) for t in args.threads.split(",")):
             kernels.set_num_threads(threads)
+            if args.rows_per_expert:
+                for shared_rows in (int(r) for r in args.rows_per_expert.split(",")):
+                    rates = [run(pointers, qtype, args.experts, shared_rows, TOP_K, args.seconds,
+                                 rng, shared=True) for _ in range(args.repeats)]
+                    mid = statistics.median(rates)
+                    print(f"{qtype.name:5s} threads {threads:3d} rows/expert {shared_rows:4d}: "
+                          f"{mid:9,.0f} experts/s ({min(rates):,.0f}-{max(rates):,.0f}), "
+                          f"{mid * shared_rows:10,.0f} rows/s, {mid * expert_bytes / 1e9:6.2f} "
+                          "GB/s", flush=True)
+                continue
             rates = [run(pointers, qtype, args.experts, args.rows, per_call, args.seconds, rng)
                      for _ in range(args.repeats)]
             mid = statistics.median(rates)
