@@ -206,6 +206,12 @@ def tier_summary(tier) -> dict:
             out.update(pool_entries=t.num_pool_entries, pool_windows=pool.busy_windows,
                        pool_compute_ms=pool.busy_pool_ms / pool.busy_windows,
                        pool_wait_ms=pool.busy_wait_ms / pool.busy_windows)
+        streamer = getattr(tier.arena, "streamer", None)
+        if streamer is not None and streamer.num_windows:
+            out.update(streamed_windows=streamer.num_windows,
+                       streamed_gib=streamer.streamed_bytes / 2**30,
+                       streamed_left=streamer.num_left / streamer.num_windows
+                       / max(1, streamer.num_layers))
     return out
 
 
@@ -348,7 +354,10 @@ def format_tier_summary(s: dict) -> str:
             + (f"; CPU pool: {s['pool_entries']} routed entries in {s['pool_windows']} windows, "
                f"per window {s['pool_compute_ms']:.2f} ms computing and {s['pool_wait_ms']:.2f} "
                "ms waiting for the GPU"
-               if "pool_entries" in s else ""))
+               if "pool_entries" in s else "")
+            + (f"; prompt windows: {s['streamed_windows']} streamed {s['streamed_gib']:.2f} GiB "
+               f"of experts, {s['streamed_left']:.1f} rare ones per layer left to PCIe reads"
+               if "streamed_windows" in s else ""))
 
 
 # ---- serve (defined with the server; it uses resolve_model and fail from above) -----------

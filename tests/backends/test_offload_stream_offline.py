@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from strata._native import cuda_driver
-from strata.backends.cuda.stream import (COMPUTE, COPY, NUM_STAGES, copy_runs, stream_schedule,
-                                         stream_tables, streamed_layers)
+from strata.backends.cuda.stream import (COMPUTE, COPY, NUM_STAGES, REACH_COST, copy_runs,
+                                         rare_experts, stream_schedule, stream_tables,
+                                         streamed_layers)
 
 
 def test_copy_runs_are_the_runs_of_missing_experts():
@@ -35,6 +36,45 @@ def test_stream_tables_point_missing_experts_at_alternating_staging_sets():
             want[layer, :, e] = [bases[stage] + e * slot_bytes + off for off in (0, 256, 512)]
     assert np.array_equal(got, want)
     assert np.array_equal(got[1], mirror[1])  # a resident layer keeps its cache slots
+
+
+def test_stream_tables_leave_rare_experts_at_their_host_copies():
+    L, E, slot_bytes = 2, 4, 1000
+    residency = np.array([[-1, -1, -1, -1], [-1, 0, -1, -1]], dtype=np.int32)
+    rare = np.array([[0, 1, 0, 1], [0, 0, 0, 1]], dtype=bool)
+    mirror = np.arange(L * 3 * E, dtype=np.uint64).reshape(L, 3, E) + np.uint64(7 << 40)
+    part_offsets = np.array([[0, 256, 512]] * L, dtype=np.uint64)
+    bases = [1 << 32, 2 << 32]
+    got = stream_tables(mirror, residency, bases, slot_bytes, part_offsets, rare)
+    want = mirror.copy()  # rare and resident experts: as the mirror has them
+    for layer, e in ((0, 0), (0, 2), (1, 0), (1, 2)):  # copied: at slot e of set `layer`
+        want[layer, :, e] = [bases[layer] + e * slot_bytes + off for off in (0, 256, 512)]
+    assert np.array_equal(got, want)
+
+
+def test_rare_experts_are_missing_ones_seldom_read_once_the_counts_say_so():
+    L, E, R, K = 2, 64, 512, 8
+    residency = np.full((L, E), -1, dtype=np.int32)
+    residency[1, :4] = np.arange(4)
+    # no counts yet: every expert expects R * K / E = 64 rows, none rare
+    assert not rare_experts(residency, np.zeros((L, E)), R, K).any()
+    # 40 windows of 512 rows in which experts 48.. never appeared and the rest shared the pairs
+    routed = np.zeros((L, E))
+    routed[:, :48] = 40 * R * K / 48
+    rare = rare_experts(residency, routed, R, K)
+    assert (rare[0] == (np.arange(E) >= 48)).all()
+    assert (rare[1] == (np.arange(E) >= 48)).all()  # resident experts are never rare
+    # after one window an unseen expert still expects ~1 row (0.63 chance of a read): rare at
+    # a reach cost of 1.5, not at 2...
+    one = np.zeros((L, E))
+    one[:, :48] = R * K / 48
+    assert rare_experts(residency, one, R, K, reach_cost=1.5)[0, 48:].all()
+    assert not rare_experts(residency, one, R, K, reach_cost=2.0).any()
+    # ...and at 2 for a window of 16 rows (each expert's chance of a read is smaller)
+    assert rare_experts(residency, one, 16, K, reach_cost=2.0)[0, 48:].all()
+    # the cost of a read from inside the kernels sets the bar: 0 leaves every expert rare
+    assert rare_experts(residency, one, R, K, reach_cost=0.0).sum() == (residency < 0).sum()
+    assert REACH_COST >= 1.0
 
 
 def happens_before(ops):

@@ -91,6 +91,10 @@ class ExpertCacheCollector:
             if streamer is not None:  # prompt chunks' experts copied into staging slots
                 yield _counter("strata_expert_streamed_bytes", "Bytes of experts prompt chunks "
                                "copied into VRAM staging slots", streamer.streamed_bytes)
+                yield _counter("strata_expert_stream_rare_experts", "Rarely routed missing "
+                               "experts prompt chunks left at their host copies (read over PCIe "
+                               "only when routed) instead of copying them",
+                               streamer.num_left)
         yield _gauge("strata_expert_cache_hit_rate", "Share of routed entries served by the "
                      "cache since start-up", t.hit_rate)
         yield _gauge("strata_expert_cache_slots", "Expert cache slots (one routed expert each)",

@@ -122,6 +122,37 @@ def test_streamed_chunks_equal_the_unstreamed_pass_bit_for_bit(path, resident, f
         arena.close()
 
 
+def test_rare_experts_are_read_over_pcie_not_copied(path, resident):
+    """Experts the routing counts call rare (stream.rare_experts) stay at their host copies in
+    a streamed window: not copied, read over PCIe by the same kernels when routed after all, so
+    the logits still equal the all-resident model's bit for bit."""
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    model, arena, _, _ = offload(path, 0)
+    streamer = arena.streamer
+    counts = np.zeros((L, E))
+    counts[:, : E // 2] = 10_000.0  # the upper half of each layer never routed so far
+    streamer.account(counts)
+
+    def forward(window):
+        arena.before_window(window.num_rows)
+        return model.forward_window(window)
+
+    try:
+        plans = [(40, 33, 20), (30, 1, 1)]  # both stream (>= MIN_ROWS rows)
+        got = run(model, plans, forward)
+        want = run(resident, plans, resident.forward_window)
+        for index, (a, b) in enumerate(zip(want, got)):
+            assert np.array_equal(a, b), f"window {index} differs"
+        assert streamer.num_windows == 2 and streamer.num_left == 2 * L * (E // 2)
+        # per layer one run: the lower half of its experts
+        per_window = sum((E // 2 - 1) * arena.slot_bytes + arena._image_bytes(layer)
+                         for layer in range(L))
+        assert streamer.streamed_bytes == 2 * per_window
+        assert np.array_equal(arena.device_table(), expected_tables(arena))
+    finally:
+        arena.close()
+
+
 def test_async_tier_swaps_while_chunks_stream(path, resident):
     from strata.server.metrics import ExpertCacheCollector
 
@@ -149,6 +180,8 @@ def test_async_tier_swaps_while_chunks_stream(path, resident):
         metrics = {m.name: m for m in ExpertCacheCollector(lambda: tier).collect()}
         assert metrics["strata_expert_streamed_bytes"].samples[0].value == \
             streamer.streamed_bytes > 0
+        assert metrics["strata_expert_stream_rare_experts"].samples[0].value == \
+            streamer.num_left
     finally:
         tier.close()
 

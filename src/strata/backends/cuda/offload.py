@@ -272,6 +272,7 @@ class VramExpertArena(ExpertArena):
     def account_routed(self, snap, counts: np.ndarray):
         self._expected *= EXPECTED_DECAY
         self._expected += counts
+        self.streamer.account(counts)  # which experts prompt windows need not copy
         return super().account_routed(snap, counts)
 
     # ---- the device tables --------------------------------------------------------------

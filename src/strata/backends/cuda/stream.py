@@ -27,6 +27,23 @@ BORROW_MAX_SHARE = 0.5
 BORROW_TIMEOUT_S = 10.0
 _MAX_LISTS = 8  # streamed launch lists kept (one per plan and residency version)
 COMPUTE, COPY = "compute", "copy"
+# A streamed window copies a missing expert whether or not the window routes to it. One it
+# routes to rarely stays at its host copy instead (GPU reach: the kernels read it over PCIe only
+# when routed): when its chance of being read in the window times REACH_COST is below 1. A read
+# from inside the kernels costs more than a copy: the copies run ahead of the compute stream,
+# while the products wait for such a read, done by the few blocks of one expert. Measured on the
+# H200 (synth qwen3-30b-a3b Q4_0, routing skew 1, docs/offload.md): pp512 at 0% cache 1,707 ->
+# 2,940 / 3,043 tokens/s at a cost of 2 / 1.5, 1,709 at 4 (too few windows for the counts to
+# call an expert rare); at 1.5 the first window after a single 2048-row window lost 12%.
+REACH_COST = 2.0
+# Only windows of at most this many rows leave experts: 4096-row windows took longer than their
+# copies (compute-bound: 10,528 tokens/s at 0% against 16 GB copied at 55 GB/s in 300 ms), so
+# leaving copies saved them nothing and the reads cost them 7% (1.5: 9,815-9,849 tokens/s).
+RARE_MAX_ROWS = 2048
+# The routing counts behind that chance: pairs routed per (layer, expert), halved every
+# COUNT_HALF_LIFE_ROWS window rows (prompts weigh as much as their rows, decode tokens little),
+# read with one pseudo-pair per expert, so that an expert is called rare only after enough rows.
+COUNT_HALF_LIFE_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -66,14 +83,32 @@ def streamed_layers(residency: np.ndarray) -> list[int]:
     return [int(layer) for layer in np.flatnonzero((residency < 0).any(axis=1))]
 
 
+def rare_experts(residency: np.ndarray, routed: np.ndarray, num_rows: int, top_k: int,
+                 reach_cost: float | None = None) -> np.ndarray:
+    """[L, E] bool: the missing experts a streamed window of `num_rows` rows leaves at their
+    host copies (read over PCIe from inside the kernels if routed after all): those whose chance
+    of being read, times `reach_cost` (None: REACH_COST), is below 1. Expected rows of expert e:
+    (routed[e] + 1) / (sum(routed) + E) x num_rows x top_k, from `routed` [L, E] (decayed pairs),
+    so that with few counts no expert looks rare."""
+    from strata.backends.cuda.share import expected_reads
+
+    routed = np.asarray(routed, dtype=np.float64)
+    cost = REACH_COST if reach_cost is None else float(reach_cost)
+    E = routed.shape[1]
+    spread = (routed + 1.0) / (routed.sum(axis=1, keepdims=True) + E)  # [L, E]
+    reads = expected_reads(spread * max(int(num_rows), 1) * int(top_k), num_rows)
+    return (np.asarray(residency) < 0) & (reads * cost < 1.0)
+
+
 def stream_tables(mirror: np.ndarray, residency: np.ndarray, stage_bases, slot_bytes: int,
-                  part_offsets: np.ndarray) -> np.ndarray:
+                  part_offsets: np.ndarray, rare: np.ndarray | None = None) -> np.ndarray:
     """[L, 3, E] uint64, the device tables of a streamed window: the j-th streamed layer's
     missing experts at their staging slot (set j % 2, expert e at slot e of it), the rest as
-    `mirror` (resident experts: their cache slot)."""
+    `mirror` (resident experts: their cache slot; `rare` [L, E] ones: their host copy)."""
     out = mirror.copy()
     for j, layer in enumerate(streamed_layers(residency)):
-        missing = np.flatnonzero(residency[layer] < 0)  # [m]
+        copied = residency[layer] < 0 if rare is None else (residency[layer] < 0) & ~rare[layer]
+        missing = np.flatnonzero(copied)  # [m]
         starts = (np.uint64(stage_bases[j % NUM_STAGES])
                   + missing.astype(np.uint64) * np.uint64(slot_bytes))  # [m]
         out[layer][:, missing] = starts[None, :] + part_offsets[layer][:, None]
@@ -143,7 +178,10 @@ class PromptStreamer:
         # totals since start-up
         self.streamed_bytes = self.num_windows = 0
         self.num_borrowed = self.num_refilled = self.refilled_bytes = 0
-        self._streak_bytes = self._streak_windows = 0
+        self.num_left = 0  # missing experts left at their host copies (rare_experts), all windows
+        self._streak_bytes = self._streak_windows = self._streak_left = 0
+        self._routed = np.zeros((store.n_layers, store.n_experts))  # [L, E] decayed pairs
+        self._top_k = arena.model.spec.n_experts_used
 
     # ---- between windows ----------------------------------------------------------------
     def before_window(self, num_rows: int) -> None:
@@ -154,6 +192,13 @@ class PromptStreamer:
                 self._ready_staging()
         elif self._streak_windows or self._borrowed:
             self.release()
+
+    def account(self, counts: np.ndarray) -> None:
+        """A window's routed pairs [L, E] (the arena's account_routed): into the decayed counts
+        rare_experts reads."""
+        rows = counts.sum() / max(1, self.num_layers * self._top_k)
+        self._routed *= 0.5 ** (rows / COUNT_HALF_LIFE_ROWS)
+        self._routed += counts
 
     def wants(self, num_rows: int) -> bool:
         return bool(self.min_rows) and num_rows >= self.min_rows
@@ -241,9 +286,11 @@ class PromptStreamer:
         """End of a run of streamed windows: log it; give the borrowed slots back, refilled
         with what they held (copies on the side stream, landed by later pumps)."""
         if self._streak_windows:
-            log.info("prompt streaming: %d windows streamed %.2f GiB of experts into staging",
-                     self._streak_windows, self._streak_bytes / 2**30)
-            self._streak_windows = self._streak_bytes = 0
+            log.info("prompt streaming: %d windows streamed %.2f GiB of experts into staging; "
+                     "%.1f rarely routed missing experts per layer and window left to PCIe reads",
+                     self._streak_windows, self._streak_bytes / 2**30,
+                     self._streak_left / self._streak_windows / self.num_layers)
+            self._streak_windows = self._streak_bytes = self._streak_left = 0
         if not self._borrowed:
             return
         from strata.backends.cuda.copier import StreamCopier
@@ -283,17 +330,21 @@ class PromptStreamer:
         """Run `plan` (a WindowPlan, its descriptor uploaded) with the experts streamed."""
         a, rt = self.arena, self._rt
         residency = a.table.peek().table  # [L, E]
-        key = (a.table.version, tuple(self.stage_bases))
+        if plan.num_rows <= RARE_MAX_ROWS:
+            rare = rare_experts(residency, self._routed, plan.num_rows, self._top_k)  # [L, E]
+        else:
+            rare = np.zeros_like(residency, dtype=bool)
+        key = (a.table.version, tuple(self.stage_bases), np.packbits(rare).tobytes())
         entry = self._lists.get(id(plan))
         if entry is None or entry[1] != key:
-            launches, num_bytes = self._build(plan, residency)
+            launches, num_bytes = self._build(plan, residency, rare)
             entry = self._lists[id(plan)] = (plan, key, launches, num_bytes)
             while len(self._lists) > _MAX_LISTS:
                 self._lists.popitem(last=False)
         self._lists.move_to_end(id(plan))
         if self._table_key != key:  # the compute stream is idle: no upload reads it now
             self._table_host[:] = stream_tables(a._mirror, residency, self.stage_bases,
-                                                a.slot_bytes, a.host.part_offsets)
+                                                a.slot_bytes, a.host.part_offsets, rare)
             self._table_key = key
         rt.drv.memcpy_htod_async(a.model.expert_tables_ptr, self._table_host, rt.stream)
         entry[2].run(stream)
@@ -302,11 +353,16 @@ class PromptStreamer:
         self._streak_bytes += entry[3]
         self.num_windows += 1
         self._streak_windows += 1
+        left = int(rare.sum())
+        self.num_left += left
+        self._streak_left += left
 
-    def _build(self, plan, residency: np.ndarray):
-        """(LaunchList of the streamed window, bytes it copies)."""
+    def _build(self, plan, residency: np.ndarray, rare: np.ndarray | None = None):
+        """(LaunchList of the streamed window, bytes it copies); `rare` [L, E]: missing experts
+        not copied (rare_experts)."""
         a, E, slot_bytes = self.arena, self.num_experts, self.arena.slot_bytes
-        runs = {layer: copy_runs(residency[layer] < 0) for layer in streamed_layers(residency)}
+        copied = residency < 0 if rare is None else (residency < 0) & ~rare  # [L, E]
+        runs = {layer: copy_runs(copied[layer]) for layer in streamed_layers(residency)}
         stage = {layer: j % NUM_STAGES for j, layer in enumerate(sorted(runs))}
         out, events, num_bytes = cuda_driver.LaunchList(), {}, 0
         for op in stream_schedule(len(plan.launches), plan.expert_spans, runs):
