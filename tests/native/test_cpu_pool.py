@@ -148,6 +148,28 @@ def test_pool_serves_many_windows_of_every_size(threads):
             assert (stats.num_entries, stats.num_experts) == (entries, experts), seq
 
 
+def test_pool_leaves_zeros_in_rows_without_its_pairs_across_windows_and_layers():
+    # y is zeroed only where it may be non-zero (layer_begin's y_dirty) or set by the team's sum:
+    # windows of many rows with the pool's pairs in a few of them, layers with none, a small
+    # window after a big one and the reverse; every output checked, zeros included
+    rng = np.random.default_rng(73)
+    layers, pointers, types = make_experts(rng)
+    ex = Exchange.in_host_memory(ExchangeLayout(L, R_MAX, K, H))
+    ex.y[:] = 3.0
+    with CpuPool(ex, pointers, types, F, threads=2) as pool:
+        for seq, num_rows, cpu_experts in ((1, R_MAX, 1), (2, 2, 3), (3, R_MAX, 0), (4, 5, 1),
+                                           (5, R_MAX, E), (6, 1, 0), (7, R_MAX, 2)):
+            where = np.full((L, E), WHERE_PCIE, np.uint8)
+            where[:, :cpu_experts] = WHERE_CPU
+            where[seq % L] = WHERE_VRAM  # one layer with nothing for the pool
+            pool.set_where(where)
+            inputs = window_inputs(rng, layers, num_rows)
+            stats, outputs = serve(pool, ex, seq, inputs, num_rows)
+            entries, experts = check_window(layers, where, inputs, outputs)
+            assert (stats.num_entries, stats.num_experts) == (entries, experts), seq
+            assert np.all(outputs[seq % L] == 0.0)
+
+
 def test_pool_with_nothing_routed_to_it_zeroes_y():
     rng = np.random.default_rng(72)
     layers, pointers, types = make_experts(rng)

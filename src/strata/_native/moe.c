@@ -128,6 +128,12 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     return 0;
 }
 
+static inline int has_pair(const moe_call *c, int64_t t) {
+    for (int k = 0; k < c->K; k++)
+        if (c->pair_of[t * c->K + k] >= 0) return 1;
+    return 0;
+}
+
 /* SiLU(gate) * up of an expert's pairs, quantized for the down product, and the flag its down
  * items wait on (fill_by_last). */
 static void fill_expert_rows(moe_call *c, int e) {
@@ -147,8 +153,10 @@ void st_moe_products(moe_call *c) {
     }
     const st_act *ax_up = c->shared_x ? &c->act_gate : &c->act_up;
     if (!c->is_small) {
+        /* only rows routed to one of the call's experts (the pool's call masks the others) */
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
+            if (!has_pair(c, t)) continue;
             st_act_fill(&c->act_gate, c->x, H, t, t + 1);
             if (!c->shared_x) st_act_fill(&c->act_up, c->x, H, t, t + 1);
         }
@@ -197,11 +205,13 @@ void st_moe_products(moe_call *c) {
     free(scratch);
 }
 
-/* out[t] += sum_k weights[t, k] * Y[pair(t, k)], in k order (deterministic), rows [t0, t1). */
-void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1) {
+/* out[t] += sum_k weights[t, k] * Y[pair(t, k)], in k order (deterministic), rows [t0, t1);
+ * with `set`, out[t] = that sum (0 for a row without pairs). */
+void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1, int set) {
     const int H = c->H, K = c->K;
     for (int64_t t = t0; t < t1; t++) {
         float *o = c->out + t * H;                             /* [H] */
+        if (set) memset(o, 0, (size_t)H * sizeof(float));
         for (int k = 0; k < K; k++) {
             int32_t p = c->pair_of[t * K + k];
             if (p < 0) continue;
@@ -215,7 +225,7 @@ void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1) {
 void st_moe_compute(moe_call *c) {
     st_moe_products(c);
     #pragma omp for schedule(static)
-    for (int64_t t = 0; t < c->T; t++) st_moe_sum(c, t, t + 1);
+    for (int64_t t = 0; t < c->T; t++) st_moe_sum(c, t, t + 1, 0);
 }
 
 /* Each expert's three matrices come through pointer tables [E] (gate and up [F, H] rows, down

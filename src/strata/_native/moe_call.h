@@ -38,5 +38,5 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
                  int64_t *routed_rows);
 void st_moe_compute(moe_call *c);
 void st_moe_products(moe_call *c);
-void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1);
+void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1, int set);
 void st_moe_teardown(moe_call *c);

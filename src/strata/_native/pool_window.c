@@ -60,6 +60,7 @@ typedef struct {
     int64_t timeout_ns;
     int32_t *masked;                /* [R_max, K] this layer's ids, -1 where not the CPU's */
     uint8_t *seen;                  /* [E] */
+    int64_t y_dirty;                /* rows [0, y_dirty) of y may hold non-zero values */
     /* the window */
     int64_t seq, rows, entries, experts, wait_ns, compute_ns, t_layer, t_start;
     int status, failed_layer;
@@ -70,7 +71,11 @@ typedef struct {
     int active[2], go[2];
 } pool_state;
 
-/* (single) Wait for ready[l], mask its ids to the CPU's experts, zero y and set up its call. */
+/* (single) Wait for ready[l], mask its ids to the CPU's experts, set up its call, and zero
+ * the rows of y [rows, H] that the team's weighted sum will not set and that may be non-zero
+ * (the device adds every row, so a layer without CPU pairs must leave zeros): this one thread
+ * no longer clears all of y for every layer (4 MB per layer in a 512-row prompt window, where
+ * the pool has no experts but still walks the layers). */
 static void layer_begin(pool_state *s, int l) {
     const int p = l & 1;
     int64_t t0 = st_now_ns();
@@ -98,7 +103,6 @@ static void layer_begin(pool_state *s, int l) {
         }
     }
     s->entries += n_cpu;
-    if (s->rows > 0) memset(s->y, 0, (size_t)(s->rows * s->H) * sizeof(float));
     if (n_cpu > 0) {
         const uint64_t *pl = s->pointers + (int64_t)l * 3 * E;    /* [3, E] */
         const int32_t *tl = s->types + 3 * l;
@@ -117,6 +121,13 @@ static void layer_begin(pool_state *s, int l) {
         s->active[p] = c->P > 0;
         if (!s->active[p]) st_moe_teardown(c);
     }
+    const int64_t n = s->rows;
+    if (!(s->active[p] && n > SERIAL_SUM_ROWS)) {   /* else the team's sum sets every row */
+        const int64_t zero = n < s->y_dirty ? n : s->y_dirty;
+        if (zero > 0) memset(s->y, 0, (size_t)(zero * s->H) * sizeof(float));
+        if (!s->active[p] && s->y_dirty <= n) s->y_dirty = 0;
+    }
+    if (s->active[p] && s->y_dirty < n) s->y_dirty = n;
     s->go[p] = 1;
 }
 
@@ -125,7 +136,7 @@ static void layer_end(pool_state *s, int l) {
     const int p = l & 1;
     if (s->active[p]) {
         moe_call *c = &s->calls[p];
-        if (c->T <= SERIAL_SUM_ROWS) st_moe_sum(c, 0, c->T);
+        if (c->T <= SERIAL_SUM_ROWS) st_moe_sum(c, 0, c->T, 0);   /* y zeroed in layer_begin */
         if (c->failed) {
             s->status = POOL_NO_MEMORY;
             s->failed_layer = l;
@@ -182,6 +193,7 @@ int st_pool_serve(int64_t *ctl, const int64_t *ready, int64_t *done, const float
     s.ctl = ctl; s.ready = ready; s.done = done; s.x = x; s.ids = ids; s.wts = wts; s.y = y;
     s.where = where; s.pointers = pointers; s.types = types; s.row_bytes = row_bytes;
     s.L = L; s.H = H; s.K = K; s.E = E; s.F = F; s.timeout_ns = timeout_ns;
+    s.y_dirty = max_rows;   /* the exchange's y starts as whatever the allocation held */
     s.masked = malloc((size_t)(max_rows * K + 1) * sizeof(int32_t));
     s.seen = malloc((size_t)E + 1);
     if (!s.masked || !s.seen) {
@@ -206,7 +218,7 @@ int st_pool_serve(int64_t *ctl, const int64_t *ready, int64_t *done, const float
                     if (s.calls[p].T > SERIAL_SUM_ROWS) {
                         const moe_call *c = &s.calls[p];
                         #pragma omp for schedule(static)
-                        for (int64_t t = 0; t < c->T; t++) st_moe_sum(c, t, t + 1);
+                        for (int64_t t = 0; t < c->T; t++) st_moe_sum(c, t, t + 1, 1);
                     }
                 }
                 #pragma omp single
