@@ -114,12 +114,13 @@ def test_row_bytes_and_type_table():
 def test_decode_rows_match_the_tiles_at_an_odd_block_count(qtype, rows):
     """The fused decode path takes 4 weight rows and 2 blocks at a time: with 3 blocks (96
     columns, padded to 128) and row counts around 4, the last pair and the last rows are partial,
-    and a token's result is still the batched one, bit for bit."""
+    and a token's result is still the batched one (12 tokens: the tiles), bit for bit, alone or
+    in a group of up to 8 (the fused kernels, 3 tokens a call)."""
     rng = np.random.default_rng(7 + rows)
     w = random_weight(rng, qtype, rows, 96)
-    x = rng.standard_normal((6, 96)).astype(np.float32)
+    x = rng.standard_normal((12, 96)).astype(np.float32)
     batched = kernels.matmul(w, int(qtype), x)
-    for lo, hi in ((0, 1), (1, 3), (3, 6)):
+    for lo, hi in ((0, 1), (1, 3), (3, 7), (4, 12)):
         alone = kernels.matmul(w, int(qtype), np.ascontiguousarray(x[lo:hi]))
         assert np.array_equal(alone, batched[lo:hi])
 
@@ -131,9 +132,9 @@ def test_a_token_does_not_depend_on_its_batch(qtype):
     rng = np.random.default_rng(50 + int(qtype))
     rows, cols = 21, 2 * max(block_size(qtype), 128)
     w = random_weight(rng, qtype, rows, cols)
-    x = rng.standard_normal((9, cols)).astype(np.float32)
+    x = rng.standard_normal((12, cols)).astype(np.float32)
     batched = kernels.matmul(w, int(qtype), x)
-    for lo, hi in ((0, 1), (1, 3), (6, 9)):
+    for lo, hi in ((0, 1), (1, 3), (6, 9), (2, 7), (4, 12)):
         alone = kernels.matmul(w, int(qtype), np.ascontiguousarray(x[lo:hi]))
         if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
             w64 = dequant64(w, qtype)

@@ -10,6 +10,9 @@
 #endif
 
 #define ROW_BLOCK 16        /* weight rows unpacked together (they stay in L1 across tokens) */
+/* Fewer tokens than this take the fused kernels in groups of 3 (fused_groups) instead of
+ * unpacking the row block into tiles. */
+#define FUSED_MAX_TOKENS 9
 #define TOKEN_CHUNK 128     /* activation rows per work item when T is large */
 
 static int g_num_threads = 0;   /* 0: OpenMP's default */
@@ -127,6 +130,22 @@ static inline int64_t tok_row(const int32_t *tok, int64_t tok0, int64_t j) {
     return tok ? (int64_t)tok[j] : tok0 + j;
 }
 
+/* Tokens [0, n_tok) through the fused kernels (1-3 tokens a call, straight from the blocks), in
+ * groups of 3: the first group reads the row block from RAM, the others from L1. 0 when this
+ * type or build has no fused path (known from the first call: the same type every call). The
+ * lane arithmetic is the tiles' (quant.h), so the grouping does not change a token's result. */
+static int fused_groups(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
+                        int nr, const st_act *act, const int32_t *tok, int64_t tok0,
+                        int64_t n_tok, float *out, int64_t ld_out) {
+    for (int64_t j = 0; j < n_tok; j += 3) {
+        const int64_t g = n_tok - j < 3 ? n_tok - j : 3;
+        if (!st_fused_rows(qtype, w, row_bytes, cols, rb, nr, act, tok ? tok + j : NULL,
+                           tok0 + j, g, out + j * ld_out, ld_out))
+            return 0;
+    }
+    return 1;
+}
+
 /* Rows [rb, rb + nr) (nr <= ROW_BLOCK) against tokens j in [0, n_tok):
  * out[j * ld_out + i] for row rb + i. */
 static void gemm_block(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
@@ -181,8 +200,8 @@ static void gemm_block(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
         return;
     }
 
-    if (n_tok < 4 && st_fused_rows(qtype, w, row_bytes, cols, rb, nr, act, tok, tok0, n_tok,
-                                   out, ld_out))
+    if (n_tok < FUSED_MAX_TOKENS && fused_groups(qtype, w, row_bytes, cols, rb, nr, act, tok,
+                                                 tok0, n_tok, out, ld_out))
         return;
     uint8_t *s = scratch;                                        /* [ROW_BLOCK, ncp] */
     float *A = (float *)(s + (size_t)ROW_BLOCK * ncp);           /* [ROW_BLOCK, ncp / 4] */
