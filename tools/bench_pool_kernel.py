@@ -11,8 +11,9 @@ shared between rows, taken in turn from a set of --experts experts (512 x 2.5 Mi
 "from RAM"; --experts 8 keeps them in cache). Prints distinct experts per second and GB/s of
 expert bytes, medians of --repeats runs (and the spread).
 --rows-per-expert N,..: prompt-shaped calls instead: N rows, each routed to the same 8 experts,
-so every expert is read once for N rows (what the pool's part of a streamed prompt window costs
-per expert: share.PROMPT_ROWS_PER_READ); prints experts/s and routed rows/s per N.
+so every expert is read once for N rows (what an expert with N rows in a prompt window would
+cost the pool: docs/offload.md, "Tried and dropped"; where the fused kernels give way to the
+tiles: matmul.c's FUSED_MAX_TOKENS); prints experts/s and routed rows/s per N.
 """
 import argparse
 import statistics
