@@ -6,8 +6,8 @@ import pytest
 
 from strata._native import cuda_driver
 from strata.backends.cuda.stream import (COMPUTE, COPY, NUM_STAGES, REACH_COST, copy_runs,
-                                         rare_experts, stream_schedule, stream_tables,
-                                         streamed_layers)
+                                         decay_counts, rare_experts, seeded_counts,
+                                         stream_schedule, stream_tables, streamed_layers)
 
 
 def test_copy_runs_are_the_runs_of_missing_experts():
@@ -157,3 +157,27 @@ def test_launch_list_entries_need_a_driver_and_known_kinds():
             cuda_driver.Event()
         with pytest.raises(cuda_driver.CudaUnavailable):
             cuda_driver.copy_htod(1 << 20, 1 << 20, 256)
+
+
+def test_seeded_counts_are_the_steady_state_of_the_decay():
+    """A profile's rows, seeded, give the counts (and so the rare experts) that many windows
+    routed in the same shares would reach; a layer the profile never saw calls nothing rare."""
+    rng = np.random.default_rng(5)
+    L, E, K, rows_per_window = 3, 16, 2, 512
+    share = rng.dirichlet(np.full(E, 0.3), size=L)  # [L, E] skewed routing
+    profile_rows = share * 1000.0
+    profile_rows[2] = 0.0  # a layer the profile saw nothing of
+    seeded = seeded_counts(profile_rows, K)
+    per_window = share * rows_per_window * K  # [L, E] pairs a window routes
+    routed = np.zeros((L, E))
+    for _ in range(400):  # 50 half-lives
+        decay_counts(routed, per_window, K)
+    # the same total per layer within the discrete steps' 4% (halving per 512 rows vs smooth)
+    assert np.allclose(seeded[:2].sum(axis=1), routed[:2].sum(axis=1), rtol=0.05)
+    assert np.allclose(seeded[:2], routed[:2] * seeded[:2].sum() / routed[:2].sum())
+    missing = np.full((L, E), -1)
+    rare = rare_experts(missing, seeded, rows_per_window, K)
+    assert rare[:2].any() and not rare[2].any()
+    # the steady state's ~4% more pairs move no expert across the threshold here
+    assert np.array_equal(rare[:2], rare_experts(missing, routed, rows_per_window, K)[:2])
+    assert np.array_equal(seeded[2], np.zeros(E))

@@ -130,18 +130,25 @@ class ExpertTier:
                      if self.trace is not None else "")
             return
         t0 = time.perf_counter()
-        order, source = self._fill_order()
+        profile = self._read_profile()
+        order, source = self._fill_order(profile)
         num_filled = self.arena.fill(order)
         arena = self.arena
         is_frozen = self.mode == "frozen"
-        log.info("expert cache: %d slots x %d bytes (%.1f MiB) of %d experts, experts from the "
-                 "%s; filled %d from %s in %.0f ms; tier %s", arena.n_slots, arena.slot_bytes,
+        log.info("%sexpert cache: %d slots x %d bytes (%.1f MiB) of %d experts, experts from "
+                 "the %s; filled %d from %s in %.0f ms; tier %s", self.log_prefix,
+                 arena.n_slots, arena.slot_bytes,
                  arena.n_slots * arena.slot_bytes / 2**20, self.store.n_layers
                  * self.store.n_experts, self.store.source, num_filled, source,
                  (time.perf_counter() - t0) * 1e3,
                  "frozen" if is_frozen else
                  f"{getattr(policy, 'name', type(policy).__name__)} every "
                  f"{self.config.adapt_every} windows ({self.mode})")
+        seed = getattr(arena, "seed_routing", None)
+        if profile is not None and seed is not None:
+            # a device arena's prompt streaming starts from the profile's routing (stream.py)
+            first, stop = self.profile_layers
+            seed(profile.rows_by_expert()[first:stop])
         if self.is_async and not is_frozen:
             self._copier = self.arena.new_copier(self._count_load) or TierCopier(self.apply)
             self._copier.start()
@@ -151,20 +158,51 @@ class ExpertTier:
             self.mode == "async" and arena.overlaps_window
             and getattr(self.model, "runs_while_window", False))
 
-    def _fill_order(self):
-        """(iterable of (layer, expert) best first, what it came from)."""
-        path = self.config.expert_profile_path
-        n_layers, n_experts = self.store.n_layers, self.store.n_experts
+    # ---- the profile --------------------------------------------------------------------
+    @property
+    def profile_path(self):
+        """The --expert-profile this tier fills from (None: layer order)."""
+        return self.config.expert_profile_path
+
+    @property
+    def profile_layers(self) -> tuple[int, int]:
+        """(first, stop): the model's layers this tier's local layers 0.. are (a split's stage
+        holds a range of them)."""
+        return 0, self.store.n_layers
+
+    def _read_profile(self):
+        """The RoutingProfile of `profile_path`, checked against the whole model (None without
+        one)."""
+        path = self.profile_path
         if path is None:
-            return ((layer, e) for layer in range(n_layers) for e in range(n_experts)), \
-                "layer order"
+            return None
         profile = read_profile(path)
-        if (profile.n_layers, profile.n_experts) != (n_layers, n_experts):
+        n_layers = self.profile_model_layers
+        if (profile.n_layers, profile.n_experts) != (n_layers, self.store.n_experts):
             raise ConfigError(
                 f"--expert-profile {path} ranks {profile.n_layers} layers x "
-                f"{profile.n_experts} experts but the model has {n_layers} x {n_experts}; "
-                "make a profile from this model's traces (`strata-tool profile`)")
-        return profile.top(self.arena.n_slots), f"profile {path}"
+                f"{profile.n_experts} experts but the model has {n_layers} x "
+                f"{self.store.n_experts}; make a profile from this model's traces "
+                "(`strata-tool profile`)")
+        return profile
+
+    @property
+    def profile_model_layers(self) -> int:
+        """The layer count of the whole model (the profile ranks all of them)."""
+        return self.store.n_layers
+
+    def _fill_order(self, profile):
+        """(iterable of (layer, expert) best first, what it came from): the profile's ranking
+        of this tier's layers, else layer order."""
+        n_layers, n_experts = self.store.n_layers, self.store.n_experts
+        if profile is None:
+            return ((layer, e) for layer in range(n_layers) for e in range(n_experts)), \
+                "layer order"
+        first, stop = self.profile_layers
+        ranking = profile.ranking  # [L*E, 2] hottest first
+        mine = ranking[(ranking[:, 0] >= first) & (ranking[:, 0] < stop)]
+        order = [(int(layer) - first, int(e)) for layer, e in mine[:self.arena.n_slots]]
+        return order, f"profile {self.profile_path}"
 
     # ---- the window ---------------------------------------------------------------------
     def forward_window(self, window, lazy: bool = False) -> np.ndarray:

@@ -29,6 +29,12 @@ class RoutingProfile:
         """The `num_slots` hottest (layer, expert) pairs."""
         return [(int(layer), int(expert)) for layer, expert in self.ranking[:num_slots]]
 
+    def rows_by_expert(self) -> np.ndarray:
+        """[L, E] int64: the rows routed to each (layer, expert)."""
+        out = np.zeros((self.n_layers, self.n_experts), dtype=np.int64)
+        out[self.ranking[:, 0], self.ranking[:, 1]] = self.rows
+        return out
+
 
 def build_profile(traces: RoutingTrace | list[RoutingTrace]) -> RoutingProfile:
     """Rank every (layer, expert) by window accesses, then rows, then (layer, expert) order."""

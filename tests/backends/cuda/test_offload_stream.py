@@ -153,6 +153,38 @@ def test_rare_experts_are_read_over_pcie_not_copied(path, resident):
         arena.close()
 
 
+def test_profile_seeds_the_rare_experts_of_the_first_prompt(path, resident, tmp_path):
+    """With --expert-profile the streamer's counts start from the profile's rows: the first
+    streamed window of a fresh tier already leaves the experts the profile never saw routed,
+    and its logits still equal the all-resident model's."""
+    from strata.backends.cuda.stream import seeded_counts
+    from strata.experts.profile import RoutingProfile, write_profile
+
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    rows = np.zeros((L, E), dtype=np.int64)
+    rows[:, : E // 2] = 1000  # the profile saw only the lower half of each layer routed
+    flat = np.arange(L * E)
+    order = np.lexsort((flat, -rows.reshape(-1)))
+    profile_path = tmp_path / "half.profile"
+    write_profile(profile_path, RoutingProfile(L, E, np.stack(np.divmod(flat[order], E), 1),
+                                               (rows.reshape(-1) > 0)[order].astype(np.int64),
+                                               rows.reshape(-1)[order]))
+    model, arena, config, store = offload(path, 0, expert_profile_path=profile_path,
+                                          adapt_every=0)
+    tier = ExpertTier(model, store, arena, config)
+    tier.start(None)
+    try:
+        streamer = arena.streamer
+        assert np.array_equal(streamer._routed, seeded_counts(rows, resident.spec.n_experts_used))
+        plans = [(40, 33, 20)]
+        got = run(model, plans, tier.forward_window)
+        want = run(resident, plans, resident.forward_window)
+        assert np.array_equal(want[0], got[0])
+        assert streamer.num_windows == 1 and streamer.num_left == L * (E // 2)
+    finally:
+        tier.close()
+
+
 def test_async_tier_swaps_while_chunks_stream(path, resident):
     from strata.server.metrics import ExpertCacheCollector
 

@@ -269,6 +269,11 @@ class VramExpertArena(ExpertArena):
 
         return expected_reads(self._expected * (1.0 - EXPECTED_DECAY), num_rows)
 
+    def seed_routing(self, rows: np.ndarray) -> None:
+        """The profile's rows [L, E] (ExpertTier.start, with --expert-profile): the prompt
+        streamer's counts start from them."""
+        self.streamer.seed(rows)
+
     def account_routed(self, snap, counts: np.ndarray):
         self._expected *= EXPECTED_DECAY
         self._expected += counts

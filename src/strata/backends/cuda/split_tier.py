@@ -13,8 +13,6 @@ import numpy as np
 from strata.backends.cuda.stage import stage_store
 from strata.engine.expert_tier import ExpertTier, TierWindow
 from strata.engine.tier_stats import OptimumResult, TierTotals
-from strata.errors import ConfigError
-from strata.experts.profile import read_profile
 from strata.experts.store import ExpertStore
 from strata.experts.trace import TraceWriter
 
@@ -29,7 +27,7 @@ class StageTier(ExpertTier):
         super().__init__(model, store, arena, config)
         self.index = index
         self.first_layer, self.stop_layer = model.first_layer, model.stop_layer
-        self.profile_path = profile_path
+        self._profile_path = profile_path
 
     @property
     def label(self) -> str:
@@ -40,21 +38,18 @@ class StageTier(ExpertTier):
     def log_prefix(self) -> str:
         return f"{self.label}: "
 
-    def _fill_order(self):
-        """The profile's ranking restricted to this stage's layers, else layer order."""
-        if self.profile_path is None:
-            return super()._fill_order()
-        profile = read_profile(self.profile_path)
-        L = self.model.gguf.base.spec.n_layers
-        if (profile.n_layers, profile.n_experts) != (L, self.store.n_experts):
-            raise ConfigError(
-                f"--expert-profile {self.profile_path} ranks {profile.n_layers} layers x "
-                f"{profile.n_experts} experts but the model has {L} x {self.store.n_experts}; "
-                "make a profile from this model's traces (`strata-tool profile`)")
-        ranking = profile.ranking  # [L*E, 2] hottest first
-        mine = ranking[(ranking[:, 0] >= self.first_layer) & (ranking[:, 0] < self.stop_layer)]
-        order = [(int(layer) - self.first_layer, int(e)) for layer, e in mine]
-        return order[:self.arena.n_slots], f"profile {self.profile_path}"
+    # the whole model's profile, restricted to this stage's layers
+    @property
+    def profile_path(self):
+        return self._profile_path
+
+    @property
+    def profile_layers(self) -> tuple[int, int]:
+        return self.first_layer, self.stop_layer
+
+    @property
+    def profile_model_layers(self) -> int:
+        return self.model.gguf.base.spec.n_layers
 
     def begin(self, num_rows: int):
         """Before the pass: land finished copies (unless the pump runs during the pass, see

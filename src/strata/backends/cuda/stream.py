@@ -6,6 +6,7 @@ compute stream, and the same kernels read them there: only the device tables poi
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -98,6 +99,25 @@ def rare_experts(residency: np.ndarray, routed: np.ndarray, num_rows: int, top_k
     spread = (routed + 1.0) / (routed.sum(axis=1, keepdims=True) + E)  # [L, E]
     reads = expected_reads(spread * max(int(num_rows), 1) * int(top_k), num_rows)
     return (np.asarray(residency) < 0) & (reads * cost < 1.0)
+
+
+def decay_counts(routed: np.ndarray, counts: np.ndarray, top_k: int) -> None:
+    """Into `routed` [L, E] (decayed pairs), a window's routed pairs `counts` [L, E]: the old
+    ones halved every COUNT_HALF_LIFE_ROWS of the window's rows, then the new ones added."""
+    rows = counts.sum() / max(1, routed.shape[0] * int(top_k))
+    routed *= 0.5 ** (rows / COUNT_HALF_LIFE_ROWS)
+    routed += counts
+
+
+def seeded_counts(rows: np.ndarray, top_k: int) -> np.ndarray:
+    """[L, E] decayed pairs to start from, from a profile's `rows` [L, E]: each layer's rows
+    shared out over the counts' steady state, COUNT_HALF_LIFE_ROWS x top_k / ln 2 pairs (the
+    sum of top_k pairs a row halved every COUNT_HALF_LIFE_ROWS rows); a layer the profile saw
+    nothing of stays at zero (no expert of it looks rare)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    total = rows.sum(axis=1, keepdims=True)  # [L, 1]
+    steady = COUNT_HALF_LIFE_ROWS * int(top_k) / math.log(2)
+    return rows * np.where(total > 0, steady / np.maximum(total, 1.0), 0.0)
 
 
 def stream_tables(mirror: np.ndarray, residency: np.ndarray, stage_bases, slot_bytes: int,
@@ -196,9 +216,16 @@ class PromptStreamer:
     def account(self, counts: np.ndarray) -> None:
         """A window's routed pairs [L, E] (the arena's account_routed): into the decayed counts
         rare_experts reads."""
-        rows = counts.sum() / max(1, self.num_layers * self._top_k)
-        self._routed *= 0.5 ** (rows / COUNT_HALF_LIFE_ROWS)
-        self._routed += counts
+        decay_counts(self._routed, counts, self._top_k)
+
+    def seed(self, rows: np.ndarray) -> None:
+        """Start the counts from a profile's rows [L, E] (seeded_counts), so that a fresh server
+        leaves rare experts from its first prompt instead of after ~2 windows of its size."""
+        self._routed[:] = seeded_counts(rows, self._top_k)
+        left = rare_experts(np.full(self._routed.shape, -1), self._routed, 512, self._top_k)
+        log.info("prompt streaming: routing counts seeded from the profile; a 512-row window "
+                 "with no expert cached would leave %.1f of %d experts per layer to PCIe reads",
+                 left.sum() / max(1, self.num_layers), self.num_experts)
 
     def wants(self, num_rows: int) -> bool:
         return bool(self.min_rows) and num_rows >= self.min_rows
