@@ -106,7 +106,9 @@ def expert_options(command):
                           "it was written for another model)."),
         click.option("--expert-profile", default=None, metavar="FILE",
                      help="Fill the cache at start-up from this routing profile "
-                          "(`strata-tool profile`), hottest first; default: layer order."),
+                          "(`strata-tool profile`), hottest first; default: layer order. On "
+                          "the GPU, prompt windows also leave the experts it shows as rarely "
+                          "routed in RAM from the first prompt."),
         click.option("--dump-routing", default=None, metavar="FILE",
                      help="Record every window's routing (window, layer, expert, rows) to FILE "
                           "for `strata-tool profile`, `replay` and `inspect --routing`."),
