@@ -4,7 +4,8 @@ async tier on, with 1/2/4 slots and --batch-groups 1 / 2 / auto; medians of -r r
 hit rate and its wait per window on each stage.
 
 Usage: python tools/bench_split.py MODEL.gguf [-n 32] [-r 3] [--slots 1,2,4] [--warm 64]
-       [--devices 0,1] [--layer-split auto] [--synth qwen3-30b-a3b --weight-type q4_0
+       [--devices 0,1] [--layer-split auto] [--expert-profile FILE]
+       [--synth qwen3-30b-a3b --weight-type q4_0
        --routing-skew 1 --jobs 16]   (writes the synth model first when MODEL is missing)
 Misses are read over PCIe (--pcie-frac 1: no CPU pool, which would keep one group).
 """
@@ -45,7 +46,8 @@ def run_setting(args, label, options, rows, rng):
     gguf = GGUFModel.open(args.model)
     config = EngineConfig(args.model, n_ctx=1024, parallel=max(args.slot_counts),
                           device="cuda", expert_cache="auto", vram_budget_bytes=args.budget,
-                          pcie_frac=1.0, adapt_every=4, adapt_async=True, **options)
+                          pcie_frac=1.0, adapt_every=4, adapt_async=True,
+                          expert_profile_path=args.expert_profile, **options)
     t0 = time.perf_counter()
     model = build_model(gguf, "cuda", needs_cpu_experts=True, config=config)
     tier = ExpertTier.build(config, gguf, model)
@@ -76,6 +78,8 @@ def main():
     ap.add_argument("--devices", default="0,1")
     ap.add_argument("--layer-split", default="auto")
     ap.add_argument("--groups", default="1,2,auto", help="--batch-groups values of the split")
+    ap.add_argument("--expert-profile", default=None,
+                    help="fill every cache from this routing profile (default: layer order)")
     ap.add_argument("--synth", default=None)
     ap.add_argument("--weight-type", default="q4_0")
     ap.add_argument("--routing-skew", type=float, default=1.0)
