@@ -5,6 +5,7 @@ hit rate and its wait per window on each stage.
 
 Usage: python tools/bench_split.py MODEL.gguf [-n 32] [-r 3] [--slots 1,2,4] [--warm 64]
        [--devices 0,1] [--layer-split auto] [--expert-profile FILE]
+       [--policy decayed-count|window-score]
        [--synth qwen3-30b-a3b --weight-type q4_0
        --routing-skew 1 --jobs 16]   (writes the synth model first when MODEL is missing)
 Misses are read over PCIe (--pcie-frac 1: no CPU pool, which would keep one group).
@@ -33,7 +34,7 @@ def stage_waits(tier) -> str:
         hit = tot.num_hits / max(tot.num_hits + tot.num_misses, 1)
         wait_ms = tot.wait_s / max(tot.num_windows, 1) * 1e3
         parts.append(f"stage {i}: hit {hit:.1%}, wait {wait_ms:.2f} ms/window, "
-                     f"{tot.num_swaps} swaps")
+                     f"{tot.num_swaps} swaps ({tot.num_admissions} admissions)")
     return "; ".join(parts)
 
 
@@ -42,6 +43,7 @@ def run_setting(args, label, options, rows, rng):
     from strata.config import EngineConfig
     from strata.engine.expert_tier import ExpertTier
     from strata.experts.tier import DecayedCountTier
+    from strata.experts.tier_window import WindowScoreTier
 
     gguf = GGUFModel.open(args.model)
     config = EngineConfig(args.model, n_ctx=1024, parallel=max(args.slot_counts),
@@ -51,9 +53,14 @@ def run_setting(args, label, options, rows, rng):
     t0 = time.perf_counter()
     model = build_model(gguf, "cuda", needs_cpu_experts=True, config=config)
     tier = ExpertTier.build(config, gguf, model)
-    tier.start(DecayedCountTier(config.expert_cache_slots, max_swaps=64))
+    if args.policy == "window-score":  # its `admit`: missed experts kept (free admission)
+        policy = WindowScoreTier(config.expert_cache_slots, max_swaps=64)
+    else:
+        policy = DecayedCountTier(config.expert_cache_slots, max_swaps=64)
+    tier.start(policy)
     print(f"{label}: built in {time.perf_counter() - t0:.1f} s, {tier.arena.n_slots} slots, "
-          f"tier {tier.mode}", flush=True)
+          f"tier {tier.mode}, policy {policy.name}, free admission "
+          f"{[t.admits for t in getattr(tier, 'stages', [tier])]}", flush=True)
     try:
         for num_slots in args.slot_counts:
             tier_decode(tier, model, num_slots, args.warm, 64, rng)  # plans, graphs, the tier warms
@@ -78,6 +85,9 @@ def main():
     ap.add_argument("--devices", default="0,1")
     ap.add_argument("--layer-split", default="auto")
     ap.add_argument("--groups", default="1,2,auto", help="--batch-groups values of the split")
+    ap.add_argument("--policy", default="decayed-count", choices=["decayed-count",
+                                                                  "window-score"],
+                    help="tier policy (window-score also keeps missed experts: free admission)")
     ap.add_argument("--expert-profile", default=None,
                     help="fill every cache from this routing profile (default: layer order)")
     ap.add_argument("--synth", default=None)

@@ -199,7 +199,7 @@ def tier_summary(tier) -> dict:
                    access_hit_rate=t.num_access_hits / max(1, t.num_accesses),
                    optimum_access_hit_rate_recent=optimum.optimum_hit_rate,
                    rounds=t.num_rounds, rounds_skipped=t.num_rounds_skipped,
-                   fills=t.num_fills, evictions=t.num_evictions,
+                   fills=t.num_fills, evictions=t.num_evictions, admissions=t.num_admissions,
                    mib_moved=t.num_bytes_moved / 2**20, tier_wait_ms=t.wait_s * 1e3)
         pool = getattr(tier.arena, "pool", None)
         if pool is not None and pool.busy_windows:

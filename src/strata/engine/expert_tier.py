@@ -25,6 +25,10 @@ from strata.engine.tier_stats import RecentRouting, TierTotals, WaitTotals, form
 log = logging.getLogger("strata.tier")
 
 LOG_EVERY_WINDOWS = 32  # windows per INFO summary line
+# Free admission (a policy with `admit`, an arena whose misses crossed the link anyway): at
+# most this many missed experts kept after one window, copied on the side stream while the
+# next window runs (each ~50 us of the link for a 30B-A3B expert: a decode window's slack).
+ADMIT_MAX_PER_WINDOW = 16
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,8 @@ class ExpertTier:
         # while the window's GPU work runs (the model's while_running): see _during_window
         self.overlaps_window = False
         self._during = (0, 0.0)  # (swaps started, seconds of wait) by the last _during_window
+        self.admits = False  # set by start(): missed experts kept after each window (_admit)
+        self._admit_counts = None  # [L, E] the last window's rows, for _during_window's _admit
         # the tier's wait by window kind: "solo" (one slot) and "batch" (several slots)
         self.wait_by_kind = {"solo": WaitTotals(), "batch": WaitTotals()}
 
@@ -157,6 +163,15 @@ class ExpertTier:
         self.overlaps_window = bool(
             self.mode == "async" and arena.overlaps_window
             and getattr(self.model, "runs_while_window", False))
+        # Free admission: where a miss already moved the expert's bytes over the link (GPU
+        # reach), a policy with `admit` keeps missed experts; only asynchronous (a blocking
+        # tier would make every window wait for the copies)
+        self.admits = bool(self.mode == "async" and getattr(arena, "admits_misses", False)
+                           and callable(getattr(policy, "admit", None)))
+        if self.admits:
+            log.info("%sfree admission: up to %d experts a window missed are kept after it "
+                     "(policy %s)", self.log_prefix, ADMIT_MAX_PER_WINDOW,
+                     getattr(policy, "name", type(policy).__name__))
 
     # ---- the profile --------------------------------------------------------------------
     @property
@@ -266,10 +281,16 @@ class ExpertTier:
             observe(counts)  # [L, E] this window's rows, read only: the array is reused
         self._windows_since_round += 1
         num_swaps, wait_s = self._during[0], self._before_s + self._during[1]
-        if (not self.overlaps_window and self.mode != "frozen"
-                and self._windows_since_round >= self.config.adapt_every):
+        if self.overlaps_window:
+            if self.admits:  # kept for the next window's _during_window
+                self._admit_counts = counts.copy()
+        elif self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
             t0 = time.perf_counter()
             num_swaps = self._round()
+            wait_s += time.perf_counter() - t0
+        elif self.admits:
+            t0 = time.perf_counter()
+            num_swaps = self._admit(counts)
             wait_s += time.perf_counter() - t0
         with self._lock:
             t = self.totals
@@ -337,8 +358,13 @@ class ExpertTier:
         num_swaps = 0
         try:
             self.arena.during_window()
+            counts, self._admit_counts = self._admit_counts, None
             if self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
                 num_swaps = self._round()
+            elif counts is not None:
+                num_swaps = self._admit(counts)
+                if num_swaps:
+                    self.arena.during_window()  # their copies start behind this window's
             self.arena.prepare_next_window()
         except Exception:  # noqa: BLE001 - the window's requests must still get their tokens
             log.exception("the tier's pump or round failed while a window ran; the window "
@@ -378,6 +404,41 @@ class ExpertTier:
         loads = self._resolve(swaps, residency)
         if not loads:
             return 0
+        if self._copier is not None:
+            self._copier.submit(loads)
+        else:
+            self.apply(loads)
+        return len(loads)
+
+    def _admit(self, counts: np.ndarray) -> int:
+        """Free admission after a window whose routed rows were `counts` [L, E]: the policy's
+        `admit` swaps (each load an expert the window routed to and missed, each eviction one
+        it did not route to), the first ADMIT_MAX_PER_WINDOW of them started as a round's are.
+        Skipped while the copier is busy (one set of loads in flight: their victims were
+        chosen from one table) or slots are lent to a prompt chunk. Returns how many
+        started."""
+        if getattr(self.arena, "is_lending_slots", False) or (
+                self._copier is not None and self._copier.is_busy):
+            return 0
+        residency = self.arena.table.peek().table  # [L, E] read-only
+        try:
+            swaps = self.policy.admit(counts.copy(), residency.copy())
+        except Exception:  # noqa: BLE001 - a faulty plugin must not fail the window's requests
+            log.exception("tier policy %r failed to admit; nothing admitted: fix the plugin",
+                          getattr(self.policy, "name", type(self.policy).__name__))
+            return 0
+        kept = [s for s in swaps if counts[s.load_layer, s.load_expert] > 0 and (
+            s.evict_layer == FREE_SLOT or counts[s.evict_layer, s.evict_expert] == 0)]
+        if len(kept) < len(swaps):
+            log.warning("tier policy %r admitted %d experts the window did not route to (or "
+                        "evicted ones it did); they were skipped: fix the plugin",
+                        getattr(self.policy, "name", type(self.policy).__name__),
+                        len(swaps) - len(kept))
+        loads = self._resolve(kept[:ADMIT_MAX_PER_WINDOW], residency)
+        if not loads:
+            return 0
+        with self._lock:
+            self.totals.num_admissions += len(loads)
         if self._copier is not None:
             self._copier.submit(loads)
         else:

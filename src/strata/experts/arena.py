@@ -146,6 +146,9 @@ class ExpertArena(abc.ABC):
     #: True when the misses are read over PCIe by the GPU or computed by a CPU pool (the offload
     #: tiers): logs and metrics split them
     misses_on_gpu = False
+    # a miss moves the expert's bytes over the link anyway (GPU reach), so a tier policy with
+    # `admit` may keep it (ExpertTier._admit); the CPU arena's misses copy nothing
+    admits_misses = False
 
     def take_pool_window(self) -> tuple[int, float, float]:
         """(routed entries, compute seconds, seconds waiting for the GPU) of the CPU pool in the

@@ -15,6 +15,7 @@ from strata.backends.window import Window
 from strata.engine.expert_tier import ExpertTier
 from strata.experts.store import ExpertStore
 from strata.experts.tier import DecayedCountTier
+from strata.experts.tier_window import WindowScoreTier
 from strata.model.gguf_file import GGUFModel
 
 pytestmark = pytest.mark.cuda
@@ -115,16 +116,21 @@ def test_routing_counts_equal_the_cpu_backends(skewed_path, resident):
     assert all(np.array_equal(a, b) for a, b in zip(want, got))
 
 
-@pytest.mark.parametrize("is_async", [True, False], ids=["async", "blocking"])
-def test_every_window_equals_the_frozen_pass_while_swaps_land(skewed_path, resident, is_async):
+@pytest.mark.parametrize("is_async,admit", [(True, False), (False, False), (True, True)],
+                         ids=["async", "blocking", "async-free-admission"])
+def test_every_window_equals_the_frozen_pass_while_swaps_land(skewed_path, resident, is_async,
+                                                              admit):
     gguf, full = resident
     plans = make_windows(np.random.default_rng(5), 60)
     want, _ = run_windows(full, lambda w, c: full.forward_window(w), plans)
-    model, arena, config, store = offload_model(skewed_path, 5, adapt_every=1,
+    # free admission: rounds every 3 windows, the policy keeping missed experts in between
+    model, arena, config, store = offload_model(skewed_path, 5, adapt_every=3 if admit else 1,
                                                 adapt_async=is_async)
     tier = ExpertTier(model, store, arena, config)
     tier.copy_chunk_bytes = 256  # blocking: each expert copied in many small steps
-    tier.start(DecayedCountTier(5, decay=0.5, hysteresis=0.0))  # swaps on any gain
+    tier.start(WindowScoreTier(5, hysteresis=0.0) if admit else
+               DecayedCountTier(5, decay=0.5, hysteresis=0.0))  # swaps on any gain
+    assert tier.admits == admit
     in_flight = []
     if is_async:
         tier._copier.chunk_bytes = 256
@@ -144,6 +150,7 @@ def test_every_window_equals_the_frozen_pass_while_swaps_land(skewed_path, resid
         assert np.array_equal(a, b), f"window {index} differs from the frozen pass"
     totals = tier.totals
     assert totals.num_swaps >= 20  # the cache really moved
+    assert (totals.num_admissions >= 10) == admit
     assert totals.num_hits > 0 and totals.num_misses > 0
     if is_async:
         assert sum(n > 0 for n in in_flight) >= 10  # copies were landing while windows ran

@@ -170,6 +170,7 @@ class VramExpertArena(ExpertArena):
 
     reads_host_pointers = False
     misses_on_gpu = True
+    admits_misses = True  # misses cross PCIe: free admission keeps them (ExpertTier._admit)
 
     def __init__(self, model, store: ExpertStore, n_slots: int, host: HostExperts):
         super().__init__(store, n_slots, host.slot_bytes)
