@@ -108,8 +108,11 @@ class TierPolicy(Protocol):
       misses move an expert's bytes over the link anyway (GPU reach over PCIe): after a window
       (after `observe`), which experts it missed to keep, each load an expert that window
       routed to and missed, each eviction FREE_SLOT (-1) or an expert it did not route to.
-      `strata.experts.replay.replay_tier(free_admission=True)` calls it; the CPU engine does
-      not (its misses copy nothing). Must not modify its arguments.
+      `strata.experts.replay.replay_tier(free_admission=True)` calls it, and so does the
+      engine's asynchronous tier over an arena whose misses cross the link (the CUDA offload:
+      `ExpertArena.admits_misses`), starting at most ADMIT_MAX_PER_WINDOW of its swaps while
+      no other copies are in flight; the CPU arena's misses copy nothing, so not there. Must
+      not modify its arguments.
     """
 
     name: str

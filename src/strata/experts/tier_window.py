@@ -32,8 +32,8 @@ class WindowScoreTier:
     just-routed expert always scores higher, so it admits every miss it has a victim for and
     evicts the least frequent unrouted expert (a TinyLFU-style filter on frequency alone,
     admitting only a miss more frequent than its victim, replayed worse: docs/tier.md). Only
-    worth calling where the miss already moved the bytes (GPU reach over PCIe); the CPU engine
-    does not call it.
+    worth calling where the miss already moved the bytes (GPU reach over PCIe): the CUDA
+    offload's asynchronous tier calls it (ExpertTier._admit), the CPU engine does not.
     """
 
     name = "window-score"
