@@ -32,6 +32,7 @@ class DeviceTier:
         self._arrived = rt.alloc(4 * L)
         rt.drv.memset_d32(self._arrived, 0, L)
         self.pool = None
+        self._pool_window = False  # did the running window hand rows to the pool (before_run)
         self.exchange = None
         self._exchange_device = 0
 
@@ -80,14 +81,24 @@ class DeviceTier:
             self._exchange_device = 0
             self.model.drop_plans()
 
+    def pools(self, num_rows: int) -> bool:
+        """Does a window of `num_rows` rows hand rows to the CPU pool? With a pool, up to
+        share.POOL_MAX_ROWS rows; a larger window has no CPU-assigned expert (window_share), so
+        its plan has no hand-off at all: no publish, no wait for the pool, the plain (fused)
+        combine instead of one reading the pool's y [R, H] over PCIe every layer."""
+        from strata.backends.cuda.share import POOL_MAX_ROWS
+
+        return self.pool is not None and num_rows <= POOL_MAX_ROWS
+
     def add_after_grouping(self, plan, layer: int) -> None:
         """Launches after group_pairs: the layer's counts (and CPU groups out), rows to the pool."""
         ws, R, E = plan._ws, plan.num_rows, self.num_experts
         spec = self.model.spec
+        pooled = self.pools(R)
         plan._add("tier_groups", (1,), (256,), "PPiPP",
                   [ws.ptr("groups"), ws.ptr("num_groups"), E, self.counts_ptr(layer),
-                   self.where_ptr(layer) if self.has_pool else 0])
-        if not self.has_pool:
+                   self.where_ptr(layer) if pooled else 0])
+        if not pooled:
             return
         if R > self.exchange.layout.max_rows:
             raise ConfigError(f"a window of {R} rows exceeds the CPU pool's exchange buffer of "
@@ -112,8 +123,10 @@ class DeviceTier:
 
     # ---- per window ---------------------------------------------------------------------
     def before_run(self, num_rows: int) -> None:
-        """Upload the window's seq and start the pool on it (compute stream, before the plan)."""
-        if not self.has_pool:
+        """Upload the window's seq and start the pool on it (compute stream, before the plan),
+        when the window hands rows to the pool (pools)."""
+        self._pool_window = self.pools(num_rows)
+        if not self._pool_window:
             return
         self.seq_host[0] += 1
         self._rt.drv.memcpy_htod_async(self._seq, self.seq_host, self._rt.stream)
@@ -127,7 +140,7 @@ class DeviceTier:
         """After the synchronize: add the counts, wait for the pool, raise on a failed hand-off."""
         if routing_counts is not None:
             routing_counts += self.counts_host
-        if not self.has_pool:
+        if not self._pool_window:
             return
         from strata.backends.cuda.cpu_pool import CpuPoolError
 

@@ -135,7 +135,7 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
                       room, slot_bytes, total)
     host = HostExperts(model.runtime, store, part_offsets, slot_bytes)
     arena = VramExpertArena(model, store, n, host)
-    from strata.backends.cuda.share import resolve_pcie_frac
+    from strata.backends.cuda.share import POOL_MAX_ROWS, resolve_pcie_frac
 
     # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.4 (logged)
     from strata.backends.cuda.cpu_pool import default_pool_threads
@@ -145,10 +145,11 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     pcie_frac, _ = resolve_pcie_frac(config.pcie_frac, config.model_path, model.runtime.name,
                                      threads)
     if pcie_frac < 1:
-        # an engine window holds one prompt chunk and the decode rows of the other slots
-        # (with room for draft tokens)
-        arena.attach_pool(pcie_frac, config.max_prompt_window_tokens() + 16 * config.parallel,
-                          threads=config.threads)
+        # only windows of up to POOL_MAX_ROWS rows hand rows to the pool (DeviceTier.pools),
+        # so its exchange holds that many (an engine window: a prompt chunk and the decode rows
+        # of the other slots, with room for draft tokens, may be smaller)
+        arena.attach_pool(pcie_frac, min(POOL_MAX_ROWS, config.max_prompt_window_tokens()
+                                         + 16 * config.parallel), threads=config.threads)
     log.info("VRAM expert cache: %d slots of %d bytes (%.2f GiB; %.2f GiB free for it), %d "
              "experts pinned in RAM (%.2f GiB); misses: %s", n, slot_bytes,
              n * slot_bytes / 2**30, room / 2**30, total, host.nbytes / 2**30,

@@ -384,7 +384,7 @@ class WindowPlan:
                 self._mm("store", ly.shexp_w_down, "sg", "so")  # [R, H]
                 self._mm("store", m.shexp_gate_rows[li], "hf", "sl")  # [R, 1]
                 shared = (ws.ptr("so"), ws.ptr("sl"))
-            is_pooled = m.tier is not None and m.tier.has_pool
+            is_pooled = m.tier is not None and m.tier.pools(R)
             is_normed = (li + 1 < len(m.layers) and H % 4 == 0 and H <= NORM_MAX_HIDDEN
                          and not is_pooled)
             if is_pooled:  # wait for the CPU pool; its y added, CPU pairs left out

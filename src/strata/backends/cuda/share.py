@@ -29,10 +29,11 @@ def check_pcie_frac(value, what: str = "--pcie-frac") -> float:
     return float(value)
 
 
-# Windows of more rows read every miss over PCIe (no CPU pool share): the GPU reads a missing
-# expert once for all its rows, while the pool's time grows with them. Measured on the H200 at
-# --pcie-frac 0.5: the pool lifts 1- and 4-row decode windows 1.45-1.58x and halves a 512-row
-# prompt chunk; 16 lies between and is not measured (docs/offload.md).
+# Windows of more rows read every miss over PCIe (no CPU pool share) and their plans have no
+# hand-off to the pool (DeviceTier.pools): the GPU reads a missing expert once for all its
+# rows, while the pool's time grows with them. Measured on the H200 at --pcie-frac 0.5: the
+# pool lifts 1- and 4-row decode windows 1.45-1.58x and halves a 512-row prompt chunk; 16 lies
+# between and is not measured (docs/offload.md).
 POOL_MAX_ROWS = 16
 
 
