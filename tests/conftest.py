@@ -6,6 +6,18 @@ import pytest
 os.environ.setdefault("STRATA_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 
+@pytest.fixture(scope="module")
+def one_kernel_thread():
+    """One CPU kernel thread for the module's tests (fast and steady on a busy shared machine);
+    a module asks for it with `pytestmark = pytest.mark.usefixtures("one_kernel_thread")`."""
+    from strata._native import kernels
+
+    before = kernels.get_num_threads()
+    kernels.set_num_threads(1)
+    yield
+    kernels.set_num_threads(before)
+
+
 def _has_cuda() -> bool:
     try:
         import pycuda.driver as drv

@@ -10,7 +10,6 @@ import logging
 import numpy as np
 import pytest
 
-from strata._native import kernels
 from strata.backends.cpu import CpuModel
 from strata.backends.window import Window
 from strata.config import EngineConfig
@@ -19,6 +18,8 @@ from strata.experts.tier import FREE_SLOT
 from strata.experts.tier_window import WindowScoreTier
 from strata.hookspecs import ExpertSwap
 from strata.model.gguf_file import GGUFModel
+
+pytestmark = pytest.mark.usefixtures("one_kernel_thread")
 
 NUM_SLOTS = 6  # of 2 layers x 8 experts
 
@@ -30,14 +31,6 @@ def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("admit") / "tiny-skew.gguf"
     synth_model(path, shape="tiny", weight_type="f32", seed=6, routing_skew=1.0)
     return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = kernels.get_num_threads()
-    kernels.set_num_threads(1)
-    yield
-    kernels.set_num_threads(before)
 
 
 def make_tier(model_path, gguf, policy, admits=True, adapt_async=True):

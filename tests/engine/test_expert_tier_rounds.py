@@ -9,7 +9,6 @@ import time
 import numpy as np
 import pytest
 
-from strata._native import kernels
 from strata.backends.cpu import CpuModel
 from strata.backends.window import Window
 from strata.config import EngineConfig
@@ -17,6 +16,8 @@ from strata.engine.expert_tier import ExpertTier
 from strata.experts.tier import FREE_SLOT
 from strata.hookspecs import ExpertSwap
 from strata.model.gguf_file import GGUFModel
+
+pytestmark = pytest.mark.usefixtures("one_kernel_thread")
 
 N_LAYERS, N_EXPERTS = 2, 8
 
@@ -43,14 +44,6 @@ def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("rounds") / "tiny.gguf"
     synth_model(path, shape="tiny", weight_type="f32", seed=8)
     return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = kernels.get_num_threads()
-    kernels.set_num_threads(1)
-    yield
-    kernels.set_num_threads(before)
 
 
 def make_tier(model_path, gguf, policy, **options):

@@ -4,7 +4,6 @@ window with exactly that window's routed rows (as the trace records them), befor
 import numpy as np
 import pytest
 
-from strata._native import kernels
 from strata.backends.cpu import CpuModel
 from strata.backends.window import Window
 from strata.config import EngineConfig
@@ -12,6 +11,8 @@ from strata.engine.expert_tier import ExpertTier
 from strata.experts.tier_window import WindowScoreTier
 from strata.experts.trace import read_trace
 from strata.model.gguf_file import GGUFModel
+
+pytestmark = pytest.mark.usefixtures("one_kernel_thread")
 
 PROMPTS = [(11, 12, 13), (40, 2), (7, 7, 7, 7), (99,)]
 
@@ -39,14 +40,6 @@ def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("observe") / "tiny.gguf"
     synth_model(path, shape="tiny", weight_type="f32", seed=8)
     return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = kernels.get_num_threads()
-    kernels.set_num_threads(1)
-    yield
-    kernels.set_num_threads(before)
 
 
 def run_windows(model_path, policy, **options):
