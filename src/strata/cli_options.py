@@ -104,11 +104,13 @@ def expert_options(command):
         click.option("--expert-pack", default=None, metavar="PATH",
                      help="Serve the experts from this `strata-tool pack` file (refused when "
                           "it was written for another model)."),
-        click.option("--expert-profile", default=None, metavar="FILE",
+        click.option("--expert-profile", default=None, metavar="FILE|auto",
                      help="Fill the cache at start-up from this routing profile "
                           "(`strata-tool profile`), hottest first; default: layer order. On "
                           "the GPU, prompt windows also leave the experts it shows as rarely "
-                          "routed in RAM from the first prompt."),
+                          "routed in RAM from the first prompt. auto: the profile Strata "
+                          "stores for this model in its cache folder, updated from the "
+                          "routing each run sees (written when the run ends)."),
         click.option("--dump-routing", default=None, metavar="FILE",
                      help="Record every window's routing (window, layer, expert, rows) to FILE "
                           "for `strata-tool profile`, `replay` and `inspect --routing`."),

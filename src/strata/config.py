@@ -64,6 +64,9 @@ class EngineConfig:
     vram_budget_bytes: int | str | None = None  # --vram-budget (bytes, or "8G"-style text)
     expert_pack_path: str | os.PathLike | None = None  # --expert-pack: experts from a pack
     expert_profile_path: str | os.PathLike | None = None  # --expert-profile: start-up fill
+    # --expert-profile auto sets this: where the run's routing is stored at close (the user
+    # cache folder, experts/profile.py); expert_profile_path is then that file if it exists
+    expert_profile_save: str | os.PathLike | None = None
     dump_routing_path: str | os.PathLike | None = None  # --dump-routing: routing trace file
     adapt_every: int = DEFAULT_ADAPT_EVERY  # windows per tier round; 0 freezes the cache
     adapt_min_gain: float = 0.0  # a swap's expected gain (routed rows) must exceed this
@@ -168,6 +171,12 @@ class EngineConfig:
             raise ConfigError("--expert-cache auto needs --vram-budget (the bytes the cache may "
                               "use), e.g. --vram-budget 8G; or give a slot count, e.g. "
                               "--expert-cache 64")
+        if str(self.expert_profile_path).strip().lower() == "auto":
+            from strata.experts.profile import stored_profile_path
+
+            stored = stored_profile_path(self.model_path)
+            self.expert_profile_save = stored
+            self.expert_profile_path = stored if stored.is_file() else None
         for name, option in (("expert_pack_path", "--expert-pack"),
                              ("expert_profile_path", "--expert-profile")):
             value = getattr(self, name)
@@ -177,7 +186,8 @@ class EngineConfig:
             if not path.is_file():
                 raise ConfigError(f"{option} {str(path)!r} is not a file; check the path")
             setattr(self, name, path)
-        if self.expert_profile_path is not None and cache is None:
+        if (self.expert_profile_path is not None or self.expert_profile_save is not None) \
+                and cache is None:
             raise ConfigError("--expert-profile fills the expert cache at start-up; give "
                               "--expert-cache auto|N with it")
         if self.dump_routing_path is not None:

@@ -321,12 +321,12 @@ def test_a_refused_doubling_falls_back_to_just_enough(tiny):
         tier.close()
 
 
-def test_profile_rank_reads_the_profile_order(tmp_path):
+def test_profile_rank_is_the_profile_order(tmp_path):
     from strata.experts.kv_grow import profile_rank
-    from strata.experts.profile import RoutingProfile, write_profile
+    from strata.experts.profile import RoutingProfile, read_profile, write_profile
 
     ranking = np.array([[1, 2], [0, 0], [1, 0], [0, 2], [0, 1], [1, 1]])
     path = tmp_path / "p.profile"
     write_profile(path, RoutingProfile(2, 3, ranking, np.zeros(6, int), np.zeros(6, int)))
-    assert profile_rank(path, 2, 3).tolist() == [[1, 4, 3], [2, 5, 0]]
+    assert profile_rank(read_profile(path), 2, 3).tolist() == [[1, 4, 3], [2, 5, 0]]
     assert profile_rank(None, 2, 3) is None

@@ -9,13 +9,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from strata.errors import ConfigError
+from strata.errors import ConfigError, ModelFormatError
 from strata.experts.arena import (COPY_CHUNK_BYTES, SLOT_ALIGN_BYTES, CpuExpertArena,
                                   ExpertArena, num_slots_for)
-from strata.experts.profile import read_profile
+from strata.experts.profile import StoredProfileRecorder, read_profile
 from strata.experts.store import ExpertStore
 from strata.experts.tier import FREE_SLOT
 from strata.experts.trace import TraceWriter
@@ -81,6 +82,12 @@ class ExpertTier:
         self.last_window = TierWindow()
         self.recent = (RecentRouting(store.n_layers, store.n_experts, arena.n_slots)
                        if arena is not None else None)
+        self.profile = None  # the RoutingProfile the cache was filled from (start)
+        # --expert-profile auto: this run's routing, folded into the stored profile at close
+        self.profile_recorder = None
+        if getattr(config, "expert_profile_save", None) is not None and arena is not None:
+            self.profile_recorder = StoredProfileRecorder(config.expert_profile_save,
+                                                          store.n_layers, store.n_experts)
         self.trace = None
         if config.dump_routing_path is not None:
             self.trace = TraceWriter(config.dump_routing_path, store.n_layers, store.n_experts,
@@ -136,7 +143,7 @@ class ExpertTier:
                      if self.trace is not None else "")
             return
         t0 = time.perf_counter()
-        profile = self._read_profile()
+        self.profile = profile = self._read_profile()  # KV grow's refills rank by it too
         order, source = self._fill_order(profile)
         num_filled = self.arena.fill(order)
         arena = self.arena
@@ -187,19 +194,38 @@ class ExpertTier:
 
     def _read_profile(self):
         """The RoutingProfile of `profile_path`, checked against the whole model (None without
-        one)."""
+        one). A stored profile (--expert-profile auto) that is damaged or does not fit is
+        skipped with a warning (the run stores a new one), a given one fails the start."""
         path = self.profile_path
         if path is None:
+            if getattr(self.config, "expert_profile_save", None) is not None:
+                log.info("%sno stored routing profile for this model yet: the cache fills in "
+                         "layer order; this run's routing is stored in %s at close",
+                         self.log_prefix, self.config.expert_profile_save)
             return None
-        profile = read_profile(path)
-        n_layers = self.profile_model_layers
-        if (profile.n_layers, profile.n_experts) != (n_layers, self.store.n_experts):
-            raise ConfigError(
-                f"--expert-profile {path} ranks {profile.n_layers} layers x "
-                f"{profile.n_experts} experts but the model has {n_layers} x "
-                f"{self.store.n_experts}; make a profile from this model's traces "
-                "(`strata-tool profile`)")
+        try:
+            profile = read_profile(path)
+            n_layers = self.profile_model_layers
+            if (profile.n_layers, profile.n_experts) != (n_layers, self.store.n_experts):
+                raise ConfigError(
+                    f"--expert-profile {path} ranks {profile.n_layers} layers x "
+                    f"{profile.n_experts} experts but the model has {n_layers} x "
+                    f"{self.store.n_experts}; make a profile from this model's traces "
+                    "(`strata-tool profile`)")
+        except (ConfigError, ModelFormatError, OSError) as exc:
+            if not self.profile_is_stored:
+                raise
+            log.warning("%sthe stored routing profile is not usable (%s); the cache fills in "
+                        "layer order and this run stores a new one", self.log_prefix, exc)
+            return None
         return profile
+
+    @property
+    def profile_is_stored(self) -> bool:
+        """Is profile_path the profile --expert-profile auto stored (not one the user gave)?"""
+        save = getattr(self.config, "expert_profile_save", None)
+        return save is not None and self.profile_path is not None and \
+            Path(self.profile_path) == Path(save)
 
     @property
     def profile_model_layers(self) -> int:
@@ -275,6 +301,8 @@ class ExpertTier:
             self.recent.append(keys, num_access_hits)
         if self.trace is not None:
             self.trace.record_counts(window_index, counts)
+        if self.profile_recorder is not None:
+            self.profile_recorder.add(counts)
         self._round_counts += counts
         observe = getattr(self.policy, "observe", None)  # optional per-window TierPolicy hook
         if observe is not None and self.mode != "frozen":
@@ -536,6 +564,8 @@ class ExpertTier:
             self._copier = None
         if self.trace is not None:
             self.trace.close()
+        if self.profile_recorder is not None:
+            self.profile_recorder.save()
         if self.arena is not None and self.totals.num_windows > self._logged.num_windows:
             self.log_group()
         if self.arena is not None:

@@ -107,13 +107,11 @@ class LeastValuedKVGrow:
         return [divmod(key, E) for key in best[:len(expert_slots)]]
 
 
-def profile_rank(path, n_layers: int, n_experts: int) -> np.ndarray | None:
-    """[L, E] int64: each expert's place in the profile (0 = hottest; unranked: L * E)."""
-    if path is None:
+def profile_rank(profile, n_layers: int, n_experts: int) -> np.ndarray | None:
+    """[L, E] int64: each expert's place in `profile` (a RoutingProfile; 0 = hottest; unranked:
+    L * E), or None without one."""
+    if profile is None:
         return None
-    from strata.experts.profile import read_profile
-
-    profile = read_profile(path)
     rank = np.full((n_layers, n_experts), n_layers * n_experts, dtype=np.int64)
     for place, (layer, expert) in enumerate(profile.top(n_layers * n_experts)):
         if layer < n_layers and expert < n_experts:
@@ -146,7 +144,7 @@ class KVLender:
             store = tier.store
             attach(LendView(self.arena.table, self.arena.reserved_slots(),
                             lambda: getattr(tier.policy, "scores", None),
-                            profile_rank(tier.config.expert_profile_path, store.n_layers,
+                            profile_rank(getattr(tier, "profile", None), store.n_layers,
                                          store.n_experts)))
 
     @classmethod

@@ -3,8 +3,10 @@ hottest first, in a small text file the expert cache fills its slots from at sta
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -31,20 +33,34 @@ class RoutingProfile:
 
     def rows_by_expert(self) -> np.ndarray:
         """[L, E] int64: the rows routed to each (layer, expert)."""
+        return self._by_expert(self.rows)
+
+    def accesses_by_expert(self) -> np.ndarray:
+        """[L, E] int64: the windows that routed to each (layer, expert)."""
+        return self._by_expert(self.accesses)
+
+    def _by_expert(self, values: np.ndarray) -> np.ndarray:
         out = np.zeros((self.n_layers, self.n_experts), dtype=np.int64)
-        out[self.ranking[:, 0], self.ranking[:, 1]] = self.rows
+        out[self.ranking[:, 0], self.ranking[:, 1]] = values
         return out
 
 
 def build_profile(traces: RoutingTrace | list[RoutingTrace]) -> RoutingProfile:
     """Rank every (layer, expert) by window accesses, then rows, then (layer, expert) order."""
     trace = merge_traces(traces) if isinstance(traces, list) else traces
-    accesses = trace.accesses_per_expert().reshape(-1)  # [L*E]
-    rows = trace.rows_per_expert().reshape(-1)
-    flat = np.arange(trace.n_layers * trace.n_experts)
+    return profile_from_counts(trace.accesses_per_expert(), trace.rows_per_expert())
+
+
+def profile_from_counts(accesses: np.ndarray, rows: np.ndarray) -> RoutingProfile:
+    """The profile of `accesses` (windows routed to each expert) and `rows` [L, E]: ranked by
+    accesses, then rows, then (layer, expert) order."""
+    n_layers, n_experts = accesses.shape
+    accesses = np.asarray(accesses, dtype=np.int64).reshape(-1)  # [L*E]
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    flat = np.arange(n_layers * n_experts)
     order = np.lexsort((flat, -rows, -accesses))  # the last key is the primary one
-    ranking = np.stack(np.divmod(flat[order], trace.n_experts), axis=1)
-    return RoutingProfile(trace.n_layers, trace.n_experts, ranking, accesses[order], rows[order])
+    ranking = np.stack(np.divmod(flat[order], n_experts), axis=1)
+    return RoutingProfile(n_layers, n_experts, ranking, accesses[order], rows[order])
 
 
 def write_profile(path: str | os.PathLike, profile: RoutingProfile) -> None:
@@ -77,3 +93,75 @@ def read_profile(path: str | os.PathLike) -> RoutingProfile:
                                "`strata-tool profile`")
     return RoutingProfile(n_layers, n_experts, table[:, 1:3].copy(), table[:, 3].copy(),
                           table[:, 4].copy())
+
+
+# ---- the stored profile (`--expert-profile auto`) ---------------------------------------------
+# At each save the stored counts are multiplied by this before this run's are added, so the
+# profile follows what the server is used for now: a run's traffic weighs half at the next save.
+STORED_KEEP = 0.5
+
+
+def stored_profile_path(model_path) -> Path:
+    """Where `--expert-profile auto` keeps the routing profile of this model file: the user cache
+    folder (strata.user_cache), named by the file's name and a digest of its resolved path and
+    size."""
+    from strata.user_cache import cache_dir
+
+    path = Path(model_path).resolve()
+    digest = hashlib.sha256(f"{path}|{path.stat().st_size}".encode()).hexdigest()[:16]
+    return cache_dir() / "profiles" / f"{path.stem}-{digest}.profile"
+
+
+def save_stored_profile(path, accesses: np.ndarray, rows: np.ndarray) -> RoutingProfile:
+    """Fold this run's `accesses` and `rows` [L, E] into the stored profile at `path` (its counts
+    x STORED_KEEP first; a missing, damaged or other-shaped one counts as empty) and write it
+    whole (a reader never sees half a file). Returns what was written."""
+    path = Path(path)
+    accesses = np.asarray(accesses, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    try:
+        old = read_profile(path)
+    except (OSError, ModelFormatError):
+        old = None
+    if old is not None and (old.n_layers, old.n_experts) == accesses.shape:
+        accesses = accesses + np.floor(old.accesses_by_expert() * STORED_KEEP).astype(np.int64)
+        rows = rows + np.floor(old.rows_by_expert() * STORED_KEEP).astype(np.int64)
+    profile = profile_from_counts(accesses, rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    write_profile(tmp, profile)
+    os.replace(tmp, path)
+    return profile
+
+
+class StoredProfileRecorder:
+    """The routing of a run, for `--expert-profile auto`: `add(counts)` after every window (its
+    rows [L, E]); `save()` at close folds it into the stored profile (save_stored_profile) and
+    logs where, or why not (a folder it cannot write: the run is not failed for it)."""
+
+    def __init__(self, path, n_layers: int, n_experts: int):
+        self.path = Path(path)
+        self.accesses = np.zeros((n_layers, n_experts), dtype=np.int64)
+        self.rows = np.zeros((n_layers, n_experts), dtype=np.int64)
+        self.num_windows = 0
+
+    def add(self, counts: np.ndarray) -> None:
+        self.rows += counts
+        self.accesses += counts > 0
+        self.num_windows += 1
+
+    def save(self) -> None:
+        import logging
+
+        log = logging.getLogger("strata.tier")
+        if not self.num_windows:
+            return
+        try:
+            save_stored_profile(self.path, self.accesses, self.rows)
+        except OSError as exc:
+            log.warning("routing profile not stored (%s: %s); the next start fills the cache "
+                        "as this one did", self.path, exc.strerror or exc)
+            return
+        log.info("routing profile stored in %s (this run's %d windows added to it); "
+                 "--expert-profile auto fills the cache from it at the next start", self.path,
+                 self.num_windows)

@@ -13,6 +13,7 @@ import numpy as np
 
 from strata.backends.cuda.exchange import WHERE_CPU, WHERE_PCIE, WHERE_VRAM
 from strata.errors import ConfigError
+from strata.user_cache import cache_dir
 
 # With no calibration: the share that decoded fastest with the pool's serve loop on the H200
 # machine (1 and 4 slots, calibrate's sweep, docs/offload.md); consumer cards read PCIe slower
@@ -102,14 +103,6 @@ def pcie_share(where: np.ndarray, counts: np.ndarray) -> float:
 # ---- the stored calibration (`strata-tool calibrate`) -----------------------------------------
 CALIBRATION_FILE = "pcie-share.json"
 _log = logging.getLogger("strata.pool")
-
-
-def cache_dir() -> Path:
-    """$STRATA_CACHE_DIR, else $XDG_CACHE_HOME/strata, else ~/.cache/strata."""
-    if os.environ.get("STRATA_CACHE_DIR"):
-        return Path(os.environ["STRATA_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "strata"
 
 
 def calibration_key(model_path, gpu_name: str, threads: int) -> str:

@@ -13,6 +13,7 @@ import numpy as np
 from strata.backends.cuda.stage import stage_store
 from strata.engine.expert_tier import ExpertTier, TierWindow
 from strata.engine.tier_stats import OptimumResult, TierTotals
+from strata.experts.profile import StoredProfileRecorder
 from strata.experts.store import ExpertStore
 from strata.experts.trace import TraceWriter
 
@@ -23,11 +24,13 @@ class StageTier(ExpertTier):
     """An ExpertTier over one stage's layers (local layer i = global first + i), driven in two
     halves around the split pass: `begin` before it, `end` after it."""
 
-    def __init__(self, model, store, arena, config, index: int, profile_path=None):
+    def __init__(self, model, store, arena, config, index: int, profile_path=None,
+                 profile_is_stored: bool = False):
         super().__init__(model, store, arena, config)
         self.index = index
         self.first_layer, self.stop_layer = model.first_layer, model.stop_layer
         self._profile_path = profile_path
+        self._profile_is_stored = profile_is_stored and profile_path is not None
 
     @property
     def label(self) -> str:
@@ -50,6 +53,10 @@ class StageTier(ExpertTier):
     @property
     def profile_model_layers(self) -> int:
         return self.model.gguf.base.spec.n_layers
+
+    @property
+    def profile_is_stored(self) -> bool:
+        return self._profile_is_stored
 
     def begin(self, num_rows: int):
         """Before the pass: land finished copies (unless the pump runs during the pass, see
@@ -126,6 +133,14 @@ class SplitTier:
             self.trace = TraceWriter(config.dump_routing_path, L, E,
                                      {"model": str(config.model_path), "source": source})
         self._num_windows = 0
+        # --expert-profile auto: the whole model's routing, stored at close
+        self.profile_recorder = None
+        if getattr(config, "expert_profile_save", None) is not None and self.arena is not None:
+            self.profile_recorder = StoredProfileRecorder(config.expert_profile_save, L, E)
+            if config.expert_profile_path is None:
+                log.info("no stored routing profile for this model yet: the caches fill in "
+                         "layer order; this run's routing is stored in %s at close",
+                         config.expert_profile_save)
 
     @classmethod
     def build(cls, config, gguf, model) -> "SplitTier":
@@ -143,6 +158,7 @@ class SplitTier:
             st_config = copy.copy(config)
             st_config.dump_routing_path = None  # the split records the whole model's routing
             st_config.expert_profile_path = None  # StageTier reads its layers' part
+            st_config.expert_profile_save = None  # the split stores the whole model's routing
             if num_given is not None:
                 first = num_given * stage.first_layer // L
                 st_config.expert_cache = num_given * stage.stop_layer // L - first
@@ -153,7 +169,8 @@ class SplitTier:
                     arena = stage.new_expert_arena(st_store, st_config)
                 st_config.expert_cache_slots = arena.n_slots
             stages.append(StageTier(stage, st_store, arena, st_config, i,
-                                    config.expert_profile_path))
+                                    config.expert_profile_path,
+                                    config.expert_profile_save is not None))
         config.expert_cache_slots = sum(t.arena.n_slots for t in stages if t.arena is not None)
         if getattr(config, "kv_grow", None) is not None:
             # KV grow lends one cache's slots to one KV; a split's KV spans every stage's cache
@@ -211,6 +228,8 @@ class SplitTier:
             self.trace.record_counts(self._num_windows, self._counts)
             if (self._num_windows + 1) % 32 == 0:
                 self.trace.flush()
+        if self.profile_recorder is not None:
+            self.profile_recorder.add(self._counts)
         self._num_windows += 1
         self.last_window = TierWindow(hits, misses, swaps, wait_s)
         return logits
@@ -245,3 +264,5 @@ class SplitTier:
             t.close()
         if self.trace is not None:
             self.trace.close()
+        if self.profile_recorder is not None:
+            self.profile_recorder.save()
