@@ -220,3 +220,31 @@ def test_engine_on_two_gpus_gives_the_one_gpu_tokens(path, options):
     want = _engine_tokens(path)
     got = _engine_tokens(path, split_devices="0,1", **options)
     assert got == want
+
+
+def test_engine_split_stores_the_whole_models_profile(path, full, tmp_path, monkeypatch,
+                                                      caplog):
+    """--expert-profile auto on a split: the run's routing of every layer is stored at close
+    (one profile of the whole model) and the next start fills each stage from its layers'
+    part; tokens do not change."""
+    import logging
+
+    from strata.experts.profile import read_profile, stored_profile_path
+
+    if _num_gpus() < 2:
+        pytest.skip("needs two GPUs")
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    options = dict(split_devices="0,1", layer_split="2,2", expert_cache=6, pcie_frac=1.0,
+                   expert_profile_path="auto")
+    first = _engine_tokens(path, **options)
+    profile = read_profile(stored_profile_path(path))
+    spec = full.spec
+    assert (profile.n_layers, profile.n_experts) == (spec.n_layers, spec.n_experts)
+    num_rows = sum((40, 9, 25)) + sum(n - 1 for n in (16, 24, 10))
+    assert profile.rows_by_expert().sum() == num_rows * spec.n_experts_used * spec.n_layers
+    assert (profile.rows_by_expert().sum(axis=1) > 0).all()  # both stages' layers counted
+    with caplog.at_level(logging.INFO, logger="strata.tier"):
+        assert _engine_tokens(path, **options) == first
+    for stage in (0, 1):
+        assert any(f"stage {stage} " in r.getMessage() and "from profile" in r.getMessage()
+                   for r in caplog.records)
