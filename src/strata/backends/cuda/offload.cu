@@ -3,9 +3,9 @@
 // of a layer's rows to the CPU pool through a mapped host exchange buffer.
 //
 // Legend: R = rows of the window, K = experts per row, H = hidden, E = experts, G = groups.
-// where [E] uint8 per layer: 0 = VRAM slot, 1 = PCIe (mapped host copy), 2 = CPU pool. With a
-// pool attached every layer hands off (the pool walks all layers); a layer without CPU-assigned
-// experts skips only the copy of its rows (the pool reads x only for CPU pairs).
+// where [E] uint8 per layer: 0 = VRAM slot, 1 = PCIe (mapped host copy), 2 = CPU pool. In a
+// window that hands off (DeviceTier.pools) every layer does (the pool walks all layers); only
+// rows with a CPU pair cross, each way (the pool reads x and sets y for those rows only).
 #include "common.cuh"
 
 #define WHERE_CPU 2
@@ -16,6 +16,14 @@
 __device__ __forceinline__ bool has_cpu_experts(const uint8_t *__restrict__ where, int E) {
     for (int e = 0; e < E; e++)
         if (where[e] == WHERE_CPU) return true;
+    return false;
+}
+
+// Does row r route to a CPU-assigned expert? Only such rows cross to the pool and back.
+__device__ __forceinline__ bool row_has_cpu_pair(const int *__restrict__ ids, int r, int K,
+                                                 const uint8_t *__restrict__ where) {
+    for (int k = 0; k < K; k++)
+        if (where[ids[r * K + k]] == WHERE_CPU) return true;
     return false;
 }
 
@@ -43,10 +51,11 @@ extern "C" __global__ void tier_groups(int *__restrict__ groups, int *__restrict
     *num_groups = kept;
 }
 
-// Copy the layer's normed rows hf [R, H], ids [R, K] and wts [R, K] into the mapped exchange
-// buffer (x only when the layer has CPU-assigned experts), then (the last block to finish)
-// ready[layer] = *seq after a system-wide fence. Grid ceil(R*H / 256), block 256; arrived: one
-// int per layer, zero between launches (the last block resets it).
+// Copy the layer's ids [R, K] and wts [R, K] into the mapped exchange buffer, and of the normed
+// rows hf [R, H] those with a CPU pair (the pool reads no other row of x: a prompt window moves
+// a few rows over PCIe, not all R), then (the last block to finish) ready[layer] = *seq after a
+// system-wide fence. Grid ceil(R*H / 256), block 256; arrived: one int per layer, zero between
+// launches (the last block resets it).
 extern "C" __global__ void pool_publish(const float *__restrict__ hf, const int *__restrict__ ids,
                                         const float *__restrict__ wts, int R, int K, int H,
                                         const uint8_t *__restrict__ where, int E, int layer,
@@ -58,7 +67,8 @@ extern "C" __global__ void pool_publish(const float *__restrict__ hf, const int 
     if (threadIdx.x == 0) copy_x = has_cpu_experts(where, E);
     __syncthreads();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (copy_x && i < (long long)R * H) ex_x[i] = hf[i];
+    if (copy_x && i < (long long)R * H && row_has_cpu_pair(ids, (int)(i / H), K, where))
+        ex_x[i] = hf[i];
     if (i < (long long)R * K) {
         ex_ids[i] = ids[i];
         ex_wts[i] = wts[i];
@@ -112,7 +122,8 @@ extern "C" __global__ void pool_wait(const long long *done, const uint8_t *__res
 
 // x[r] += sum over the GPU's pairs k of w[r,k] * Y[r*K + k] (+ the shared expert) + ex_y[r]:
 // moe_combine with CPU-assigned pairs (whose Y rows were not written) left out and the pool's
-// weighted sum (zero for rows without CPU pairs) added. Grid ceil(R*H / 256), block 256.
+// weighted sum added, read over PCIe only for rows with a CPU pair. Grid ceil(R*H / 256),
+// block 256.
 extern "C" __global__ void moe_combine_pool(float *__restrict__ x, const float *__restrict__ Y,
                                             const float *__restrict__ w,
                                             const int *__restrict__ ids, int R, int K, int H,
@@ -125,14 +136,18 @@ extern "C" __global__ void moe_combine_pool(float *__restrict__ x, const float *
     if (i >= (long long)R * H) return;
     const int r = (int)(i / H), c = (int)(i % H);
     float acc = 0.0f;
+    bool cpu_row = false;
     for (int k = 0; k < K; k++) {
-        if (where[ids[r * K + k]] == WHERE_CPU) continue;
+        if (where[ids[r * K + k]] == WHERE_CPU) {
+            cpu_row = true;
+            continue;
+        }
         acc = fmaf(w[r * K + k], Y[((long long)r * K + k) * H + c], acc);
     }
     if (S != nullptr) {
         const float g = 1.0f / (1.0f + expf(-gate_logit[r]));
         acc = fmaf(g, S[(long long)r * H + c], acc);
     }
-    acc += reinterpret_cast<volatile const float *>(ex_y)[i];
+    if (cpu_row) acc += reinterpret_cast<volatile const float *>(ex_y)[i];
     x[i] += acc;
 }
