@@ -33,7 +33,6 @@ class DeviceTier:
         rt.drv.memset_d32(self._arrived, 0, L)
         self.pool = None
         self._pool_window = False  # did the running window hand rows to the pool (before_run)
-        self._pools_rows: dict[int, bool] = {}  # rows -> pools(rows), until the pool changes
         self.exchange = None
         self._exchange_device = 0
 
@@ -73,7 +72,6 @@ class DeviceTier:
         self.pool, self.exchange = pool, exchange
         self._exchange_device = int(exchange_device_ptr)
         exchange.reset()
-        self._pools_rows.clear()
         self.model.drop_plans()
 
     def detach_pool(self) -> None:
@@ -81,28 +79,16 @@ class DeviceTier:
         if self.pool is not None:
             self.pool = self.exchange = None
             self._exchange_device = 0
-            self._pools_rows.clear()
             self.model.drop_plans()
 
     def pools(self, num_rows: int) -> bool:
-        """Does a window of `num_rows` rows hand rows to the CPU pool? With a pool: decode
-        windows (up to share.POOL_MAX_ROWS rows; window_share) and streamed prompt windows whose
-        rarely routed experts the pool computes (the arena's `pools_rows`). Any other window has
-        no CPU-assigned expert, so its plan has no hand-off at all: no publish, no wait for the
-        pool, the fused combine + norm. Decided once per row count (the plans are cached by it,
-        and before_run must agree with the plan), again after attach / detach."""
-        if self.pool is None:
-            return False
-        decided = self._pools_rows.get(num_rows)
-        if decided is None:
-            from strata.backends.cuda.share import POOL_MAX_ROWS
+        """Does a window of `num_rows` rows hand rows to the CPU pool? With a pool, up to
+        share.POOL_MAX_ROWS rows; a larger window has no CPU-assigned expert (window_share), so
+        its plan has no hand-off at all: no publish, no wait for the pool, the plain (fused)
+        combine instead of one reading the pool's y [R, H] over PCIe every layer."""
+        from strata.backends.cuda.share import POOL_MAX_ROWS
 
-            arena = getattr(self.model, "expert_arena", None)
-            decided = num_rows <= POOL_MAX_ROWS or bool(
-                arena is not None and num_rows <= self.exchange.layout.max_rows
-                and arena.pools_rows(num_rows))
-            self._pools_rows[num_rows] = decided
-        return decided
+        return self.pool is not None and num_rows <= POOL_MAX_ROWS
 
     def add_after_grouping(self, plan, layer: int) -> None:
         """Launches after group_pairs: the layer's counts (and CPU groups out), rows to the pool."""

@@ -227,20 +227,6 @@ class PromptStreamer:
                  "with no expert cached would leave %.1f of %d experts per layer to PCIe reads",
                  left.sum() / max(1, self.num_layers), self.num_experts)
 
-    def leaves_rare(self, num_rows: int) -> bool:
-        """Does a window of `num_rows` rows, when it streams, leave rare experts at their host
-        copies (windows of min_rows to RARE_MAX_ROWS rows)?"""
-        return self.wants(num_rows) and num_rows <= RARE_MAX_ROWS
-
-    def rare_for(self, num_rows: int) -> np.ndarray:
-        """[L, E] bool: the missing experts a streamed window of `num_rows` rows leaves at their
-        host copies now (rare_experts on the published residency and the counts; none past
-        RARE_MAX_ROWS). The same before the window (the arena's where table) and in run()."""
-        residency = self.arena.table.peek().table  # [L, E]
-        if num_rows <= RARE_MAX_ROWS:
-            return rare_experts(residency, self._routed, num_rows, self._top_k)
-        return np.zeros(residency.shape, dtype=bool)
-
     def wants(self, num_rows: int) -> bool:
         return bool(self.min_rows) and num_rows >= self.min_rows
 
@@ -371,7 +357,10 @@ class PromptStreamer:
         """Run `plan` (a WindowPlan, its descriptor uploaded) with the experts streamed."""
         a, rt = self.arena, self._rt
         residency = a.table.peek().table  # [L, E]
-        rare = self.rare_for(plan.num_rows)  # [L, E]
+        if plan.num_rows <= RARE_MAX_ROWS:
+            rare = rare_experts(residency, self._routed, plan.num_rows, self._top_k)  # [L, E]
+        else:
+            rare = np.zeros_like(residency, dtype=bool)
         key = (a.table.version, tuple(self.stage_bases), np.packbits(rare).tobytes())
         entry = self._lists.get(id(plan))
         if entry is None or entry[1] != key:
