@@ -122,6 +122,32 @@ def test_bench_json(tiny):
     assert rows[0]["n_tokens"] == 8 and rows[0]["type"] == "F32"
 
 
+def test_bench_parallel_rows_are_aggregate_decodes_through_the_tier(tiny):
+    res = runner().invoke(main, ["bench", "--model", tiny, "-p", "0", "-n", "4", "-r", "2",
+                                 "--parallel", "1,3", "--json", "--expert-cache", "4"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert [(r["test"], r["slots"], r["n_tokens"]) for r in rows] == [("tg4", 1, 4),
+                                                                      ("tg4 x3", 3, 4)]
+    assert all(len(r["tokens_per_s"]) == 2 and min(r["tokens_per_s"]) > 0 for r in rows)
+    cache = rows[0]["expert_cache"]
+    # warm-up + 2 repetitions, 4 windows each: of 1 row (tg4), then of 3 rows (tg4 x3)
+    assert cache["windows"] == 3 * 4 + 3 * 4
+    assert cache["hits"] + cache["misses"] == (3 * 4 + 3 * 4 * 3) * 2 * 2
+    table = runner().invoke(main, ["bench", "--model", tiny, "-p", "0", "-n", "2", "-r", "1",
+                                   "-np", "2"])
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.strip().splitlines()
+    assert len(lines) == 3 and "| tg2 x2 " in lines[2]  # only the 2-slot row
+
+
+@pytest.mark.parametrize("value", ["0", "2,x", ""])
+def test_bench_bad_parallel(tiny, value):
+    res = runner().invoke(main, ["bench", "--model", tiny, "--parallel", value])
+    assert res.exit_code == 2
+    assert "--parallel" in res.output and "slot counts" in res.output
+
+
 def test_bench_bad_repetitions(tiny):
     res = runner().invoke(main, ["bench", "--model", tiny, "-r", "0"])
     assert res.exit_code == 2

@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from strata.cli_options import (ReadChunk, device_option, expert_options, read_chunk_fields,
-                                slot_options)
+from strata.cli_options import (ReadChunk, SlotCounts, device_option, expert_options,
+                                read_chunk_fields, slot_options)
 from strata.errors import StrataError
 
 MODEL_ENV = "STRATA_MODEL"
@@ -174,6 +174,21 @@ def _time_decode(model, tokens: np.ndarray, forward=None, kv_args: dict | None =
     return time.perf_counter() - t0
 
 
+def _time_slots(model, tokens: np.ndarray, forward_window=None,
+                kv_args: dict | None = None) -> float:
+    """Seconds for T decode windows of S rows, one token per slot, from S empty KVs: tokens
+    [T, S] (slot s reads column s)."""
+    from strata.backends.window import Window
+
+    forward_window = forward_window or model.forward_window
+    T, S = tokens.shape
+    kvs = [model.new_kv(T, **(kv_args or {})) for _ in range(S)]
+    t0 = time.perf_counter()
+    for t in range(T):
+        forward_window(Window.build([(kv, tokens[t, s:s + 1]) for s, kv in enumerate(kvs)]))
+    return time.perf_counter() - t0
+
+
 def _bench_tier(config, gguf, model):
     """The expert tier for `strata bench` (None when no option asks for one)."""
     from strata.engine.expert_tier import ExpertTier
@@ -217,9 +232,12 @@ def tier_summary(tier) -> dict:
 
 def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
               threads: int | None, chunk_tokens: int | str, seed: int = 0,
-              expert_config: dict | None = None, device: str = "cpu") -> list[dict]:
-    """One row per test (pp<n_prompt>, tg<n_gen>) with tokens/s of every repetition; with an
-    expert cache each row also has its totals (`expert_cache`, over the whole run)."""
+              expert_config: dict | None = None, device: str = "cpu",
+              slot_counts: tuple[int, ...] = (1,)) -> list[dict]:
+    """One row per test (pp<n_prompt>, tg<n_gen>, and tg<n_gen> x<S> for each slot count S > 1
+    in `slot_counts`: S slots decoding together, aggregate tokens/s) with tokens/s of every
+    repetition; with an expert cache each row also has its totals (`expert_cache`, over the
+    whole run)."""
     from strata.backends.select import build_model, is_cuda_model
     from strata.config import EngineConfig
     from strata.model.gguf_file import GGUFModel
@@ -240,7 +258,7 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
         try:
             rows = _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions,
                                threads, chunk_tokens, seed,
-                               {} if kv_dtype is None else {"dtype": kv_dtype})
+                               {} if kv_dtype is None else {"dtype": kv_dtype}, slot_counts)
             if tier is not None:  # before close: that stops the CPU pool
                 summary = tier_summary(tier)
                 for row in rows:
@@ -252,10 +270,11 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
 
 
 def _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions, threads,
-                chunk_tokens, seed, kv_args) -> list[dict]:
+                chunk_tokens, seed, kv_args, slot_counts=(1,)) -> list[dict]:
     """The timed tests, each forward through `tier` when there is one."""
     rows = []
     forward = tier.forward if tier is not None else None
+    forward_window = tier.forward_window if tier is not None else None
     spec = gguf.spec
     rng = np.random.default_rng(seed)
     info = {
@@ -265,23 +284,29 @@ def _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions, thr
         "threads": threads if threads is not None else _default_threads(),
         "backend": "cuda" if type(model).__name__ == "CudaModel" else "cpu",
     }
-    tests = []
+    tests = []  # (name, tokens per slot, slots, timer of a [tokens] or [tokens, slots] draw)
     if n_prompt > 0:
-        tests.append((f"pp{n_prompt}", n_prompt,
+        tests.append((f"pp{n_prompt}", n_prompt, 1,
                       lambda toks: _time_prompt(model, toks, chunk_tokens, forward, kv_args)))
     if n_gen > 0:
-        tests.append((f"tg{n_gen}", n_gen,
-                      lambda toks: _time_decode(model, toks, forward, kv_args)))
-    for name, n_tokens, timer in tests:
+        for slots in slot_counts:
+            if slots == 1:
+                tests.append((f"tg{n_gen}", n_gen, 1,
+                              lambda toks: _time_decode(model, toks, forward, kv_args)))
+            else:  # aggregate: slots x n_gen tokens per run
+                tests.append((f"tg{n_gen} x{slots}", n_gen, slots,
+                              lambda toks: _time_slots(model, toks, forward_window, kv_args)))
+    for name, n_tokens, slots, timer in tests:
         if n_tokens > spec.context_length:
             raise click.UsageError(f"{name} needs {n_tokens} tokens but the model's "
                                    f"context is {spec.context_length}")
-        timer(rng.integers(0, spec.vocab, n_tokens, dtype=np.int32))  # warm-up
+        shape = n_tokens if slots == 1 else (n_tokens, slots)
+        timer(rng.integers(0, spec.vocab, shape, dtype=np.int32))  # warm-up
         speeds = []
         for _ in range(repetitions):
-            seconds = timer(rng.integers(0, spec.vocab, n_tokens, dtype=np.int32))
-            speeds.append(n_tokens / seconds)
-        rows.append(dict(info, test=name, n_tokens=n_tokens, tokens_per_s=speeds,
+            seconds = timer(rng.integers(0, spec.vocab, shape, dtype=np.int32))
+            speeds.append(slots * n_tokens / seconds)
+        rows.append(dict(info, test=name, n_tokens=n_tokens, slots=slots, tokens_per_s=speeds,
                          median_tokens_per_s=statistics.median(speeds),
                          stdev_tokens_per_s=(statistics.stdev(speeds)
                                              if len(speeds) > 1 else 0.0)))
@@ -321,10 +346,16 @@ def format_table(rows: list[dict]) -> str:
 @click.option("--chunk", default="auto", show_default=True, type=ReadChunk(),
               help="Prompt tokens per forward pass (auto: as the engine reads a prompt while "
                    "no other slot decodes, see --read-chunk).")
+@click.option("--parallel", "-np", "slot_counts", default="1", show_default=True,
+              type=SlotCounts(),
+              help="Slot counts for the tg test: S > 1 decodes S slots together, one token "
+                   "each per window, and reports their aggregate tokens/s (tg<n> x<S>); "
+                   "several, e.g. 1,4,8, give a row each.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @device_option
 @expert_options
-def bench(model, n_prompt, n_gen, repetitions, threads, chunk, as_json, device, expert_config):
+def bench(model, n_prompt, n_gen, repetitions, threads, chunk, slot_counts, as_json, device,
+          expert_config):
     """Time prompt processing (pp) and text generation (tg) on random tokens."""
     for name, value, minimum in (("-p", n_prompt, 0), ("-n", n_gen, 0),
                                  ("-r", repetitions, 1)):
@@ -333,7 +364,7 @@ def bench(model, n_prompt, n_gen, repetitions, threads, chunk, as_json, device, 
     path = resolve_model(model)
     try:
         rows = run_bench(path, n_prompt, n_gen, repetitions, threads, chunk,
-                         expert_config=expert_config, device=device)
+                         expert_config=expert_config, device=device, slot_counts=slot_counts)
     except StrataError as e:
         fail(str(e))
     if as_json:

@@ -32,6 +32,21 @@ class ReadChunk(click.ParamType):
         self.fail(f"{value!r}: give auto or a number of tokens >= 1", param, ctx)
 
 
+class SlotCounts(click.ParamType):
+    """N[,M...]: slot counts >= 1 (strata bench --parallel)."""
+
+    name = "N[,M...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        parts = [p.strip() for p in str(value).split(",")]
+        if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            self.fail(f"{value!r}: give slot counts >= 1 separated by commas, e.g. 1,4", param,
+                      ctx)
+        return tuple(dict.fromkeys(int(p) for p in parts))  # in order, each once
+
+
 def read_chunk_fields(read_chunk) -> dict:
     """EngineConfig fields for --read-chunk: auto lets the engine pick the solo chunk; N reads
     every prompt window in at most N tokens."""
