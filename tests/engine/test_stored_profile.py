@@ -111,3 +111,15 @@ def test_stored_counts_fold_earlier_runs_at_half_weight(tmp_path):
     # a profile of another shape (the model changed under the same name) is replaced
     save_stored_profile(path, np.ones((1, 3), np.int64), np.ones((1, 3), np.int64))
     assert read_profile(path).rows_by_expert().tolist() == [[1, 1, 1]]
+
+
+def test_a_cache_folder_that_cannot_be_written_costs_a_warning(tiny_model_path, tmp_path,
+                                                               monkeypatch, caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(blocker))
+    with caplog.at_level(logging.WARNING, logger="strata.tier"):
+        with new_engine(tiny_model_path) as engine:
+            serve_some(engine, 4)
+    assert "routing profile not stored" in caplog.text
+    assert blocker.read_text().startswith("a file")
