@@ -4,8 +4,9 @@ async tier on, with 1/2/4 slots and --batch-groups 1 / 2 / auto; medians of -r r
 hit rate and its wait per window on each stage.
 
 Usage: python tools/bench_split.py MODEL.gguf [-n 32] [-r 3] [--slots 1,2,4] [--warm 64]
-       [--devices 0,1] [--layer-split auto] [--expert-profile FILE]
-       [--policy decayed-count|window-score]
+       [--devices 0,1] [--layer-split auto] [--groups 1,2,auto ("": one card only)]
+       [--cache-share 0.25] [--expert-profile FILE]
+       [--policy decayed-count|window-score] [--no-admission]
        [--synth qwen3-30b-a3b --weight-type q4_0
        --routing-skew 1 --jobs 16]   (writes the synth model first when MODEL is missing)
 Misses are read over PCIe (--pcie-frac 1: no CPU pool, which would keep one group).
@@ -53,8 +54,10 @@ def run_setting(args, label, options, rows, rng):
     t0 = time.perf_counter()
     model = build_model(gguf, "cuda", needs_cpu_experts=True, config=config)
     tier = ExpertTier.build(config, gguf, model)
-    if args.policy == "window-score":  # its `admit`: missed experts kept (free admission)
+    if args.policy == "window-score":  # its `victims`: windows keep misses (free admission)
         policy = WindowScoreTier(config.expert_cache_slots, max_swaps=64)
+        if args.no_admission:
+            policy.victims = None  # the engine keeps misses only for a policy with victims
     else:
         policy = DecayedCountTier(config.expert_cache_slots, max_swaps=64)
     tier.start(policy)
@@ -84,10 +87,16 @@ def main():
     ap.add_argument("--warm", type=int, default=64, help="decode windows before timing")
     ap.add_argument("--devices", default="0,1")
     ap.add_argument("--layer-split", default="auto")
-    ap.add_argument("--groups", default="1,2,auto", help="--batch-groups values of the split")
+    ap.add_argument("--groups", default="1,2,auto",
+                    help="--batch-groups values of the split (\"\": one card only)")
+    ap.add_argument("--cache-share", type=float, default=0.25,
+                    help="each card's cache budget as a share of all experts")
     ap.add_argument("--policy", default="decayed-count", choices=["decayed-count",
                                                                   "window-score"],
-                    help="tier policy (window-score also keeps missed experts: free admission)")
+                    help="tier policy (with window-score windows keep their misses: free "
+                         "admission)")
+    ap.add_argument("--no-admission", action="store_true",
+                    help="window-score without free admission (its rounds only)")
     ap.add_argument("--expert-profile", default=None,
                     help="fill every cache from this routing profile (default: layer order)")
     ap.add_argument("--synth", default=None)
@@ -104,14 +113,14 @@ def main():
     with GGUFModel.open(args.model) as gguf:
         store = ExpertStore.from_gguf(gguf)
         _, slot_bytes = slot_layout(store)
-        quarter = store.n_layers * store.n_experts // 4
-    args.budget = quarter * slot_bytes  # per card: a quarter of all experts
+        share = int(store.n_layers * store.n_experts * args.cache_share)
+    args.budget = share * slot_bytes  # per card: --cache-share of all experts
     args.slot_counts = [int(s) for s in args.slots.split(",")]
-    print(f"budget per card {args.budget / 2**30:.2f} GiB = {quarter} expert slots", flush=True)
+    print(f"budget per card {args.budget / 2**30:.2f} GiB = {share} expert slots", flush=True)
     rng = np.random.default_rng(0)
     rows = []
     run_setting(args, "one card", {}, rows, rng)
-    for groups in args.groups.split(","):
+    for groups in [g for g in args.groups.split(",") if g]:
         run_setting(args, f"split {args.devices}, groups {groups}",
                     dict(split_devices=args.devices, layer_split=args.layer_split,
                          batch_groups=groups), rows, rng)

@@ -99,7 +99,7 @@ class ReadInterleave(Protocol):
 class TierPolicy(Protocol):
     """Moves routed experts into and out of the VRAM expert cache as the routing changes.
 
-    Two OPTIONAL methods (not part of the protocol check; a policy without them keeps working):
+    Three OPTIONAL methods (not part of the protocol check; a policy without them keeps working):
     - `observe(counts) -> None`: called by the engine after every window (before that window's
       `plan_swaps` when a round is due; not while the tier is frozen) with `counts` [L, E]
       int64, the rows each expert took in that window. Read only and reused by the caller:
@@ -108,11 +108,16 @@ class TierPolicy(Protocol):
       misses move an expert's bytes over the link anyway (GPU reach over PCIe): after a window
       (after `observe`), which experts it missed to keep, each load an expert that window
       routed to and missed, each eviction FREE_SLOT (-1) or an expert it did not route to.
-      `strata.experts.replay.replay_tier(free_admission=True)` calls it, and so does the
-      engine's asynchronous tier over an arena whose misses cross the link (the CUDA offload:
-      `ExpertArena.admits_misses`), starting at most ADMIT_MAX_PER_WINDOW of its swaps while
-      no other copies are in flight; the CPU arena's misses copy nothing, so not there. Must
-      not modify its arguments.
+      `strata.experts.replay.replay_tier(free_admission=True)` calls it. Must not modify its
+      arguments.
+    - `victims(residency, n) -> list[tuple[int, int]]`: free admission in the engine: up to
+      `n` resident (layer, expert)s whose slots the next window may take for experts it misses
+      and reads over PCIe, worst first (after `observe` of the window before). The engine's
+      asynchronous tier over an arena whose misses cross the link (the CUDA offload,
+      `ExpertArena.keeps_misses`) asks before every decode window; the window's kernels keep up
+      to 2 misses per layer, in the order offered, and skip a victim that layer routes to
+      (docs/offload.md). The CPU arena's misses copy nothing, so not there. Must not modify
+      its argument.
     """
 
     name: str

@@ -146,6 +146,19 @@ def test_admit_without_a_slot_count_only_swaps():
         ExpertSwap(0, 1, 0, 0)]
 
 
+def test_victims_are_the_lowest_scored_residents():
+    tier = WindowScoreTier(4)
+    assert tier.victims(make_residency(1, 4, [(0, 0)]), 2) == []  # no scores yet
+    tier.observe(np.array([[3, 0, 1, 0]]))
+    tier.observe(np.array([[0, 2, 0, 0]]))
+    # scores 0.98, 2.02, 0.98, 0 (frequency + the last window's rows): ties in key order
+    residency = make_residency(1, 4, [(0, 0), (0, 1), (0, 2), (0, 3)])
+    assert tier.victims(residency, 3) == [(0, 3), (0, 0), (0, 2)]
+    assert tier.victims(residency, 0) == []
+    residency = make_residency(1, 4, [(0, 1), (0, 2)])  # only residents are named
+    assert tier.victims(residency, 8) == [(0, 2), (0, 1)]
+
+
 @pytest.mark.parametrize("knobs, message", [
     ({"decay": 1.0}, "decay must lie in"), ({"recency_weight": -1.0}, "recency_weight"),
     ({"hysteresis": -1.0}, "hysteresis"), ({"max_swaps": 0}, "max_swaps"),

@@ -26,10 +26,6 @@ from strata.engine.tier_stats import RecentRouting, TierTotals, WaitTotals, form
 log = logging.getLogger("strata.tier")
 
 LOG_EVERY_WINDOWS = 32  # windows per INFO summary line
-# Free admission (a policy with `admit`, an arena whose misses crossed the link anyway): at
-# most this many missed experts kept after one window, copied on the side stream while the
-# next window runs (each ~50 us of the link for a 30B-A3B expert: a decode window's slack).
-ADMIT_MAX_PER_WINDOW = 16
 
 
 @dataclass(frozen=True)
@@ -99,8 +95,7 @@ class ExpertTier:
         # while the window's GPU work runs (the model's while_running): see _during_window
         self.overlaps_window = False
         self._during = (0, 0.0)  # (swaps started, seconds of wait) by the last _during_window
-        self.admits = False  # set by start(): missed experts kept after each window (_admit)
-        self._admit_counts = None  # [L, E] the last window's rows, for _during_window's _admit
+        self.admits = False  # set by start(): windows keep the misses they read (keep_misses)
         # the tier's wait by window kind: "solo" (one slot) and "batch" (several slots)
         self.wait_by_kind = {"solo": WaitTotals(), "batch": WaitTotals()}
 
@@ -170,14 +165,15 @@ class ExpertTier:
         self.overlaps_window = bool(
             self.mode == "async" and arena.overlaps_window
             and getattr(self.model, "runs_while_window", False))
-        # Free admission: where a miss already moved the expert's bytes over the link (GPU
-        # reach), a policy with `admit` keeps missed experts; only asynchronous (a blocking
-        # tier would make every window wait for the copies)
-        self.admits = bool(self.mode == "async" and getattr(arena, "admits_misses", False)
-                           and callable(getattr(policy, "admit", None)))
+        # Free admission: where a miss already moves the expert's bytes over the link (GPU
+        # reach), the window's kernels keep it in the slot of a resident expert the policy's
+        # `victims` gives up; with the asynchronous tier only, as its rounds' copies
+        self.admits = bool(self.mode == "async" and arena.keeps_misses
+                           and callable(getattr(policy, "victims", None))
+                           and arena.keep_misses(self._victims))
         if self.admits:
-            log.info("%sfree admission: up to %d experts a window missed are kept after it "
-                     "(policy %s)", self.log_prefix, ADMIT_MAX_PER_WINDOW,
+            log.info("%sfree admission: decode windows keep the experts they read over PCIe "
+                     "in the slots of those policy %s ranks lowest", self.log_prefix,
                      getattr(policy, "name", type(policy).__name__))
 
     # ---- the profile --------------------------------------------------------------------
@@ -310,18 +306,15 @@ class ExpertTier:
         self._windows_since_round += 1
         num_swaps, wait_s = self._during[0], self._before_s + self._during[1]
         if self.overlaps_window:
-            if self.admits:  # kept for the next window's _during_window
-                self._admit_counts = counts.copy()
+            pass  # the round ran while the window did (_during_window)
         elif self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
             t0 = time.perf_counter()
             num_swaps = self._round()
             wait_s += time.perf_counter() - t0
-        elif self.admits:
-            t0 = time.perf_counter()
-            num_swaps = self._admit(counts)
-            wait_s += time.perf_counter() - t0
+        num_kept = self.arena.take_admitted() if self.admits else 0
         with self._lock:
             t = self.totals
+            t.num_admissions += num_kept
             t.num_windows += 1
             t.num_hits += hits
             t.num_misses += misses
@@ -386,13 +379,8 @@ class ExpertTier:
         num_swaps = 0
         try:
             self.arena.during_window()
-            counts, self._admit_counts = self._admit_counts, None
             if self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
                 num_swaps = self._round()
-            elif counts is not None:
-                num_swaps = self._admit(counts)
-                if num_swaps:
-                    self.arena.during_window()  # their copies start behind this window's
             self.arena.prepare_next_window()
         except Exception:  # noqa: BLE001 - the window's requests must still get their tokens
             log.exception("the tier's pump or round failed while a window ran; the window "
@@ -438,46 +426,20 @@ class ExpertTier:
             self.apply(loads)
         return len(loads)
 
-    def _admit(self, counts: np.ndarray) -> int:
-        """Free admission after a window whose routed rows were `counts` [L, E]: the policy's
-        `admit` swaps (each load an expert the window routed to and missed, each eviction one
-        it did not route to), the first ADMIT_MAX_PER_WINDOW of them started as a round's are.
-        Skipped while the copier is busy (one set of loads in flight: their victims were
-        chosen from one table) or slots are lent to a prompt chunk. Returns how many
-        started."""
-        if getattr(self.arena, "is_lending_slots", False) or (
-                self._copier is not None and self._copier.is_busy):
-            return 0
-        residency = self.arena.table.peek().table  # [L, E] read-only
+    def _victims(self, residency: np.ndarray, n: int) -> list[tuple[int, int]]:
+        """The policy's `victims` for free admission (keep_misses), none when it fails."""
         try:
-            swaps = self.policy.admit(counts.copy(), residency.copy())
+            return list(self.policy.victims(residency.copy(), n))
         except Exception:  # noqa: BLE001 - a faulty plugin must not fail the window's requests
-            log.exception("tier policy %r failed to admit; nothing admitted: fix the plugin",
+            log.exception("tier policy %r failed to name victims; nothing kept: fix the plugin",
                           getattr(self.policy, "name", type(self.policy).__name__))
-            return 0
-        kept = [s for s in swaps if counts[s.load_layer, s.load_expert] > 0 and (
-            s.evict_layer == FREE_SLOT or counts[s.evict_layer, s.evict_expert] == 0)]
-        if len(kept) < len(swaps):
-            log.warning("tier policy %r admitted %d experts the window did not route to (or "
-                        "evicted ones it did); they were skipped: fix the plugin",
-                        getattr(self.policy, "name", type(self.policy).__name__),
-                        len(swaps) - len(kept))
-        loads = self._resolve(kept[:ADMIT_MAX_PER_WINDOW], residency)
-        if not loads:
-            return 0
-        with self._lock:
-            self.totals.num_admissions += len(loads)
-        if self._copier is not None:
-            self._copier.submit(loads)
-        else:
-            self.apply(loads)
-        return len(loads)
+            return []
 
     def _resolve(self, swaps, residency: np.ndarray) -> list[_Load]:
         """The slot of each swap: a free one for FREE_SLOT, else the evicted expert's. Swaps
         that cannot be applied (a faulty plugin) are dropped with a warning."""
         free = self.arena.table.free_slots()
-        taken: set[int] = set()
+        taken: set[int] = set(self.arena.offered_slots)  # the running window may take them
         loaded: set[tuple[int, int]] = set()
         loads, num_bad = [], 0
         for swap in swaps:
@@ -485,6 +447,9 @@ class ExpertTier:
             if residency[target] >= 0 or target in loaded:
                 num_bad += 1
                 continue
+            if swap.evict_layer != FREE_SLOT and int(
+                    residency[swap.evict_layer, swap.evict_expert]) in self.arena.offered_slots:
+                continue  # offered to the running window (free admission): next round
             if swap.evict_layer == FREE_SLOT:
                 if not free:
                     # slots lent to KV grow look free to a policy that counts residents

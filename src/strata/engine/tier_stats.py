@@ -35,7 +35,7 @@ class TierTotals:
     num_rounds_skipped: int = 0  # async rounds skipped: the previous one was still copying
     num_fills: int = 0  # swaps into a free slot (nothing evicted)
     num_evictions: int = 0  # swaps that evicted a resident expert
-    num_admissions: int = 0  # of the swaps, free admissions started (missed experts kept)
+    num_admissions: int = 0  # misses kept by their window's kernels (free admission)
     num_bytes_moved: int = 0  # bytes copied into cache slots by swaps
     wait_s: float = 0.0  # time windows spent waiting for the tier (outside the forward pass)
     max_wait_s: float = 0.0  # the longest wait of one window
@@ -67,7 +67,7 @@ def format_group(totals: TierTotals, first_window: int, mode: str,
     num_routed = totals.num_hits + totals.num_misses
     skipped = f" ({totals.num_rounds_skipped} skipped)" if totals.num_rounds_skipped else ""
     served = f"{totals.num_hits} cache + {totals.num_misses} miss"
-    admitted = (f"; {totals.num_admissions} of them admissions started"
+    admitted = (f", {totals.num_admissions} misses kept by their window (no copy)"
                 if totals.num_admissions else "")
     if misses_on_gpu:
         served = (f"{totals.num_hits} VRAM + {totals.num_misses - totals.num_pool_entries} "
@@ -78,7 +78,7 @@ def format_group(totals: TierTotals, first_window: int, mode: str,
             f"{num_routed} routed entries = {served} "
             f"({totals.hit_rate:.1%} hit), {totals.num_rounds} rounds{skipped}, "
             f"{totals.num_swaps} swaps ({totals.num_fills} free fills + {totals.num_evictions} "
-            f"evictions{admitted}), {totals.num_bytes_moved / 2**20:.1f} MiB moved, tier wait "
+            f"evictions){admitted}, {totals.num_bytes_moved / 2**20:.1f} MiB moved, tier wait "
             f"{totals.wait_s * 1e3:.2f} ms ({mode}; at most {totals.max_wait_s * 1e3:.2f} ms "
             "in one window)")
 

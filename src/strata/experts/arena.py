@@ -146,9 +146,21 @@ class ExpertArena(abc.ABC):
     #: True when the misses are read over PCIe by the GPU or computed by a CPU pool (the offload
     #: tiers): logs and metrics split them
     misses_on_gpu = False
-    # a miss moves the expert's bytes over the link anyway (GPU reach), so a tier policy with
-    # `admit` may keep it (ExpertTier._admit); the CPU arena's misses copy nothing
-    admits_misses = False
+    # a miss moves the expert's bytes over the link anyway (GPU reach), so a window can keep
+    # it in the slot of a resident expert the policy gives up (keep_misses: free admission);
+    # the CPU arena's misses copy nothing
+    keeps_misses = False
+    # the slots offered to the running window's kernels (keep_misses): rounds leave them be
+    offered_slots: frozenset = frozenset()
+
+    def keep_misses(self, victims) -> bool:
+        """Let windows keep their misses in the slots of `victims(residency, n)` (worst
+        first); False where this arena cannot."""
+        return False
+
+    def take_admitted(self) -> int:
+        """After a window: publish the misses it kept; how many since the last call."""
+        return 0
 
     def take_pool_window(self) -> tuple[int, float, float]:
         """(routed entries, compute seconds, seconds waiting for the GPU) of the CPU pool in the

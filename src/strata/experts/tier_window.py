@@ -32,8 +32,9 @@ class WindowScoreTier:
     just-routed expert always scores higher, so it admits every miss it has a victim for and
     evicts the least frequent unrouted expert (a TinyLFU-style filter on frequency alone,
     admitting only a miss more frequent than its victim, replayed worse: docs/tier.md). Only
-    worth calling where the miss already moved the bytes (GPU reach over PCIe): the CUDA
-    offload's asynchronous tier calls it (ExpertTier._admit), the CPU engine does not.
+    worth calling where the miss already moved the bytes (GPU reach over PCIe). `victims` is
+    its form in the engine, where the kernels keep misses as they read them and so need the
+    slots before the window: the lowest-scored residents, which `admit` would evict first.
     """
 
     name = "window-score"
@@ -102,3 +103,19 @@ class WindowScoreTier:
             swaps.append(ExpertSwap(*divmod(int(load), n_experts), *divmod(int(victim),
                                                                           n_experts)))
         return swaps
+
+    def victims(self, residency: np.ndarray, n: int) -> list[tuple[int, int]]:
+        """Up to `n` resident (layer, expert)s, lowest score first: whose slots a window may
+        take for the experts it misses (free admission in the engine). None before the first
+        observed window (no scores yet)."""
+        if self.frequency is None or n <= 0:
+            return []
+        resident = np.flatnonzero(residency.reshape(-1) >= 0)
+        scores = self.scores.reshape(-1)[resident]
+        if n < len(resident):  # the n lowest (ties by key), then in order
+            cut = np.partition(scores, n - 1)[n - 1]
+            pick = np.flatnonzero(scores <= cut)
+            resident, scores = resident[pick], scores[pick]
+        worst = resident[np.argsort(scores, kind="stable")[:n]]
+        n_experts = residency.shape[1]
+        return [divmod(int(key), n_experts) for key in worst]

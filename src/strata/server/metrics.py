@@ -103,8 +103,8 @@ class ExpertCacheCollector:
                        t.num_rounds)
         yield _counter("strata_expert_cache_rounds_skipped", "Async tier rounds skipped "
                        "because the previous round was still copying", t.num_rounds_skipped)
-        yield _counter("strata_expert_cache_admissions", "Missed experts the tier kept after "
-                       "their window (free admission), started", t.num_admissions)
+        yield _counter("strata_expert_cache_admissions", "Missed experts their window's kernels "
+                       "kept in cache slots as they read them (free admission)", t.num_admissions)
         swaps = CounterMetricFamily("strata_expert_cache_swaps", "Experts copied into the "
                                     "cache by the tier, into a free slot or evicting one",
                                     labels=["kind"])

@@ -91,7 +91,7 @@ def test_dense_and_grouped_products(runtime, weight_type):
     xr = _acts(x, weight_type)  # [T, K] what the kernel multiplies, float64
     q, d = _q8(x)
     xf, xq, xd = dev.put(x), dev.put(q), dev.put(d)
-    fmt = "PPPPqiiPPPPPPPPPi"
+    fmt = "PPPPqiiPPPPPPPPPiPP"
     name = weight_type
 
     # dense: one group of all T rows, plus a bias
@@ -100,7 +100,7 @@ def test_dense_and_grouped_products(runtime, weight_type):
     dense_groups = dev.put(np.array([0, 0, T, 1], dtype=np.int32))
     dev.launch(f"mm_store_{name}", ((N + 15) // 16, 1), (128,), fmt,
                [dev.put(gate_raw[0]), 0, 0, 0, row_bytes, N, K, xf, xq, xd, dense_groups,
-                dense_groups + 12, 0, 0, dev.put(bias), y, N])
+                dense_groups + 12, 0, 0, dev.put(bias), y, N, 0, 0])
     want = xr @ dense[0].T + bias
     got = dev.get(y, (T, N), np.float32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
@@ -108,7 +108,7 @@ def test_dense_and_grouped_products(runtime, weight_type):
     # add mode accumulates into y
     dev.launch(f"mm_add_{name}", ((N + 15) // 16, 1), (128,), fmt,
                [dev.put(gate_raw[1]), 0, 0, 0, row_bytes, N, K, xf, xq, xd, dense_groups,
-                dense_groups + 12, 0, 0, 0, y, N])
+                dense_groups + 12, 0, 0, 0, y, N, 0, 0])
     want = want + xr @ dense[1].T
     got = dev.get(y, (T, N), np.float32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
@@ -143,7 +143,7 @@ def test_dense_and_grouped_products(runtime, weight_type):
               for m in (gate_raw, up_raw)]
     dev.launch(f"mm_gateup_{name}", ((N + 15) // 16, E), (128,), fmt,
                [0, 0, tables[0], tables[1], row_bytes, N, K, xf, xq, xd,
-                g, g + 12 * num_groups, dev.put(order.astype(np.int32)), 0, 0, out, N])
+                g, g + 12 * num_groups, dev.put(order.astype(np.int32)), 0, 0, out, N, 0, 0])
     got = dev.get(out, (T, N), np.float32)
     want = np.empty((T, N))
     for j, r in enumerate(order):
@@ -364,7 +364,7 @@ def test_decode_products_mv(runtime, weight_type, num_cols):
     xr = _acts(x, weight_type)  # [T, K] what the kernel multiplies, float64
     q, d = _q8(x)
     xq, xd = dev.put(q), dev.put(d)
-    fmt, name, bx = "PPPPqiiPPPPPPPPPi", weight_type, _mv_blocks(N, K)
+    fmt, name, bx = "PPPPqiiPPPPPPPPPiPP", weight_type, _mv_blocks(N, K)
     dense_groups = dev.put(np.array([0, 0, T, 1], dtype=np.int32))
 
     def rel_err(got, want):
@@ -374,26 +374,26 @@ def test_decode_products_mv(runtime, weight_type, num_cols):
     y = dev.empty(4 * T * N)
     dev.launch(f"mv_store_{name}", (bx, 1), (128,), fmt,
                [dev.put(gate_raw[0]), 0, 0, 0, row_bytes, N, K, 0, xq, xd, dense_groups,
-                dense_groups + 12, 0, 0, dev.put(bias), y, N])
+                dense_groups + 12, 0, 0, dev.put(bias), y, N, 0, 0])
     stored = dev.get(y, (T, N), np.float32)
     assert rel_err(stored, xr @ dense[0].T + bias) < 1e-5
     shifted = dev.put(np.concatenate([np.zeros(2, np.uint8), gate_raw[0].reshape(-1)])) + 2
     y_shifted = dev.empty(4 * T * N)
     dev.launch(f"mv_store_{name}", (bx, 1), (128,), fmt,
                [shifted, 0, 0, 0, row_bytes, N, K, 0, xq, xd, dense_groups,
-                dense_groups + 12, 0, 0, dev.put(bias), y_shifted, N])
+                dense_groups + 12, 0, 0, dev.put(bias), y_shifted, N, 0, 0])
     np.testing.assert_array_equal(dev.get(y_shifted, (T, N), np.float32), stored)
     for r in (0, 5, T - 1):  # a row alone: the same bits as inside the window
         one = dev.put(np.array([0, 0, 1, 1], dtype=np.int32))
         y_one = dev.empty(4 * N)
         dev.launch(f"mv_store_{name}", (bx, 1), (128,), fmt,
                    [dev.put(gate_raw[0]), 0, 0, 0, row_bytes, N, K, 0, dev.put(q[r:r + 1]),
-                    dev.put(d[r:r + 1]), one, one + 12, 0, 0, dev.put(bias), y_one, N])
+                    dev.put(d[r:r + 1]), one, one + 12, 0, 0, dev.put(bias), y_one, N, 0, 0])
         np.testing.assert_array_equal(dev.get(y_one, (N,), np.float32), stored[r])
 
     dev.launch(f"mv_add_{name}", (bx, 1), (128,), fmt,
                [dev.put(gate_raw[1]), 0, 0, 0, row_bytes, N, K, 0, xq, xd, dense_groups,
-                dense_groups + 12, 0, 0, 0, y, N])
+                dense_groups + 12, 0, 0, 0, y, N, 0, 0])
     assert rel_err(dev.get(y, (T, N), np.float32),
                    xr @ dense[0].T + bias + xr @ dense[1].T) < 1e-5
 
@@ -425,7 +425,7 @@ def test_decode_products_mv(runtime, weight_type, num_cols):
     out = dev.empty(4 * T * N)
     dev.launch(f"mv_gateup_{name}", (bx, E), (128,), fmt,
                [0, 0, tables[0], tables[1], row_bytes, N, K, 0, xq, xd,
-                g, g + 12 * num_groups, act_rows, 0, 0, out, N])
+                g, g + 12 * num_groups, act_rows, 0, 0, out, N, 0, 0])
     want = np.empty((T, N))
     for j, r in enumerate(order):
         gv = xr[r] @ dense[experts[r]].T
@@ -437,7 +437,7 @@ def test_decode_products_mv(runtime, weight_type, num_cols):
     out = dev.empty(4 * T * N)
     dev.launch(f"mv_store_{name}", (bx, E), (128,), fmt,
                [0, 0, tables[1], 0, row_bytes, N, K, 0, xq, xd, g, g + 12 * num_groups,
-                act_rows, dev.put(scatter), 0, out, N])
+                act_rows, dev.put(scatter), 0, out, N, 0, 0])
     want = np.empty((T, N))
     for j, r in enumerate(order):
         want[scatter[j]] = xr[r] @ dense[E + experts[r]].T

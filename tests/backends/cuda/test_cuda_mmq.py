@@ -14,7 +14,7 @@ from test_cuda_kernels import _Dev, _acts, _q8, _weights
 pytestmark = pytest.mark.cuda
 
 MMQ_TYPES = ("q4_0", "q8_0")
-FMT = "PPPPqiiPPPPPPPPPi"
+FMT = "PPPPqiiPPPPPPPPPiPP"
 BM, BN, BNG = 64, 64, 32  # mmq.cu's tiles: outputs, rows dense / grouped
 
 
@@ -50,7 +50,7 @@ def test_dense_products(runtime, weight_type, num_out, num_cols, num_rows, tile_
     def run(kernel, raw, raw2, bias_ptr, out, num_out_tiles):
         dev.launch(kernel, (num_out_tiles, _cdiv(T, tile_rows)), (128,), FMT,
                    [dev.put(raw), dev.put(raw2) if raw2 is not None else 0, 0, 0,
-                    raw.shape[1], N, K, 0, xq, xd, group, group + 12, 0, 0, bias_ptr, out, N])
+                    raw.shape[1], N, K, 0, xq, xd, group, group + 12, 0, 0, bias_ptr, out, N, 0, 0])
 
     run(f"mmq{tile_rows}_store_{weight_type}", raw0, None, dev.put(bias), y, _cdiv(N, BM))
     want = xr @ w0.T + bias
@@ -105,7 +105,7 @@ def test_raw_staging_equals_word_staging(runtime, num_out, num_cols, num_rows, t
         outputs = BM // 2 if kind == "gateup" else BM
         dev.launch(f"mmq{tile_rows}{tag}_{kind}_q4_0", (_cdiv(N, outputs), _cdiv(T, tile_rows)),
                    (128,), FMT, [w, w2, 0, 0, raw0.shape[1], N, K, 0, xq, xd, group,
-                                 group + 12, 0, 0, b, out, N])
+                                 group + 12, 0, 0, b, out, N, 0, 0])
 
     got = {}
     for tag in ("r", ""):
@@ -153,7 +153,7 @@ def test_raw_staging_grouped_experts(runtime):
         hbuf = dev.empty(4 * P * F)
         dev.launch(f"mmq32{tag}_gateup_q4_0", (_cdiv(F, BM // 2), _cdiv(P, BNG) + E), (128,),
                    FMT, [0, 0, tables[0], tables[1], gate[0][0].shape[1], F, H, 0, dev.put(q),
-                         dev.put(d), g, g + 12 * G, dev.put(act_rows), 0, 0, hbuf, F])
+                         dev.put(d), g, g + 12 * G, dev.put(act_rows), 0, 0, hbuf, F, 0, 0])
         outs[tag] = dev.get(hbuf, (P, F), np.float32)
     np.testing.assert_array_equal(outs["r"], outs[""])
     N2, K2 = 136, 768
@@ -165,7 +165,7 @@ def test_raw_staging_grouped_experts(runtime):
         y = dev.empty(4 * P * N2)
         dev.launch(f"mmq32{tag}_store_q4_0", (_cdiv(N2, BM), _cdiv(P, BNG) + E), (128,), FMT,
                    [0, 0, table, 0, down[0][0].shape[1], N2, K2, 0, dev.put(hq), dev.put(hd),
-                    g, g + 12 * G, 0, out_rows, 0, y, N2])
+                    g, g + 12 * G, 0, out_rows, 0, y, N2, 0, 0])
         outs[tag] = dev.get(y, (P, N2), np.float32)
     np.testing.assert_array_equal(outs["r"], outs[""])
 
@@ -204,7 +204,7 @@ def test_grouped_experts(runtime, weight_type):
     # tile slots: every tile the groups need (9 here) and E spare ones that find no tile
     dev.launch(f"mmq32_gateup_{weight_type}", (_cdiv(F, BM // 2), _cdiv(P, BNG) + E), (128,), FMT,
                [0, 0, tables[0], tables[1], gate[0][0].shape[1], F, H, 0, dev.put(q),
-                dev.put(d), g, g + 12 * G, dev.put(act_rows), 0, 0, hbuf, F])
+                dev.put(d), g, g + 12 * G, dev.put(act_rows), 0, 0, hbuf, F, 0, 0])
     want = np.stack([_silu(xr[r] @ gate[e][1].T) * (xr[r] @ up[e][1].T)
                      for r, e in zip(act_rows, experts)])  # [P, F]
     assert _rel(dev.get(hbuf, (P, F), np.float32), want) < 1e-5
@@ -219,7 +219,7 @@ def test_grouped_experts(runtime, weight_type):
     y = dev.empty(4 * P * N2)
     dev.launch(f"mmq32_store_{weight_type}", (_cdiv(N2, BM), _cdiv(P, BNG) + E), (128,), FMT,
                [0, 0, table, 0, down[0][0].shape[1], N2, K2, 0, dev.put(hq), dev.put(hd),
-                g, g + 12 * G, 0, dev.put(out_rows), 0, y, N2])
+                g, g + 12 * G, 0, dev.put(out_rows), 0, y, N2, 0, 0])
     want = np.empty((P, N2))
     for p, e in enumerate(experts):
         want[out_rows[p]] = hr[p] @ down[e][1].T
@@ -241,7 +241,7 @@ def test_row_result_independent_of_tile(runtime, weight_type):
         group = dev.put(np.array([0, first, count, 1], dtype=np.int32))
         y = dev.empty(4 * T * N)
         dev.launch(f"{kernel}_{weight_type}", (_cdiv(N, BM), _cdiv(count, tile)), (128,),
-                   FMT, args + [group, group + 12, 0, 0, 0, y, N])
+                   FMT, args + [group, group + 12, 0, 0, 0, y, N, 0, 0])
         outs.append(dev.get(y, (T, N), np.float32)[37:87])
     np.testing.assert_array_equal(outs[1], outs[0])
     np.testing.assert_array_equal(outs[2], outs[0])
@@ -264,7 +264,7 @@ def test_float_products(runtime, weight_type, num_cols):
         dev.launch(kernel, (_cdiv(N, cuda_plan.MMF_OUTS), 1, _cdiv(count, cuda_plan.MMF_ROWS)),
                    (cuda_plan.MMF_THREADS,), FMT,
                    [dev.put(raw), 0, 0, 0, raw.shape[1], N, K, xf, 0, 0, group, group + 12, 0, 0,
-                    bias_ptr, y, N])
+                    bias_ptr, y, N, 0, 0])
 
     y = dev.empty(4 * T * N)
     run(f"mmf_store_{weight_type}", raw0, 0, T, dev.put(bias), y)

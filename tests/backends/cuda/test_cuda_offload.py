@@ -123,7 +123,7 @@ def test_every_window_equals_the_frozen_pass_while_swaps_land(skewed_path, resid
     gguf, full = resident
     plans = make_windows(np.random.default_rng(5), 60)
     want, _ = run_windows(full, lambda w, c: full.forward_window(w), plans)
-    # free admission: rounds every 3 windows, the policy keeping missed experts in between
+    # free admission: rounds every 3 windows; every decode window keeps misses it reads
     model, arena, config, store = offload_model(skewed_path, 5, adapt_every=3 if admit else 1,
                                                 adapt_async=is_async)
     tier = ExpertTier(model, store, arena, config)
@@ -135,8 +135,7 @@ def test_every_window_equals_the_frozen_pass_while_swaps_land(skewed_path, resid
     if is_async and not admit:
         tier._copier.chunk_bytes = 256
         tier._copier.chunks_per_window = 16  # a ~30 KiB expert lands over several windows
-    # (with free admission whole experts: an admission waits until the copier is idle, so
-    # copies spread over many windows would leave it few chances)
+    # (with free admission whole experts: rounds then leave more victims to the windows)
 
     def forward(window, counts):
         if is_async:
@@ -164,6 +163,25 @@ def test_every_window_equals_the_frozen_pass_while_swaps_land(skewed_path, resid
             slot = int(residency[layer, e])
             want_ptrs = arena.slot_pointers(slot, layer) if slot >= 0 else host[layer, :, e]
             assert list(table[layer, :, e]) == list(want_ptrs)
+    assert_slots_hold_their_experts(arena)
+
+
+def assert_slots_hold_their_experts(arena) -> None:
+    """Every resident expert's slot holds its host image byte for byte (copied by a round, or
+    written by the kernels that read it: free admission)."""
+    rt, residency = arena._rt, arena.table.peek().table
+    with rt.active():
+        rt.synchronize()
+        for layer, e in np.argwhere(residency >= 0):
+            slot, nbytes = int(residency[layer, e]), arena._image_bytes(int(layer))
+            got = np.empty(nbytes, dtype=np.uint8)
+            rt.drv.memcpy_dtoh(got, arena.slot_base + slot * arena.slot_bytes)
+            want = arena.host.expert_bytes(int(layer), int(e))[:nbytes]
+            parts = arena.store.layouts[int(layer)].parts
+            for part, p in enumerate(parts):  # the parts' bytes (not the padding between)
+                at = int(arena.host.part_offsets[layer, part])
+                assert np.array_equal(got[at:at + p.nbytes], want[at:at + p.nbytes]), \
+                    f"slot {slot} ({layer}, {e}) part {part} differs from the host copy"
 
 
 @pytest.mark.parametrize("pcie_frac", [0.0, 0.5])

@@ -40,6 +40,10 @@ class StreamCopier:
     def submit(self, loads) -> None:
         self._queued.extend(loads)
 
+    def queued_slots(self) -> frozenset[int]:
+        """Slots of submitted loads not yet claimed (the next pump claims them)."""
+        return frozenset(load.slot for load in self._queued)
+
     def submit_claimed(self, loads) -> None:
         """Loads into slots already claimed (begin_evict done, the eviction published)."""
         self._claimed.extend(loads)

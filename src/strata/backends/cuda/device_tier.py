@@ -1,6 +1,7 @@
 """The tier's part of a CUDA window: routing counts per (layer, expert) gathered on the device
 after the pair grouping, the where table (VRAM / PCIe / CPU pool) that takes CPU-assigned experts
-out of the grouped products, and the hand-off of those experts' rows to the CPU pool (offload.cu).
+out of the grouped products, the hand-off of those experts' rows to the CPU pool, and free
+admission: misses read over PCIe kept in slots the host offered (offload.cu).
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ class DeviceTier:
         self._pool_window = False  # did the running window hand rows to the pool (before_run)
         self.exchange = None
         self._exchange_device = 0
+        self.admission_on = False  # enable_admission: decode windows keep their PCIe misses
+        self._offered = 0  # candidates offered for the next window (offer)
+        self._kept_run = False  # did the running window take the offer (before_run)
+        self.kept = None  # after it: (candidates [n, 3], log [n]) for the arena (take_kept)
 
     # ---- pointers the plan's launches take ----------------------------------------------
     def counts_ptr(self, layer: int) -> int:
@@ -61,6 +66,56 @@ class DeviceTier:
             return
         self.where_host[:] = where
         self._rt.drv.memcpy_htod_async(self._where, self.where_host, self._rt.stream)
+
+    # ---- free admission -----------------------------------------------------------------
+    def enable_admission(self, part_offsets: np.ndarray, host_base: int, host_end: int,
+                         slot_base: int, slot_bytes: int, per_layer: int) -> int:
+        """Let decode windows keep up to `per_layer` of each layer's misses read over PCIe in
+        slots offered before the window (offer; offload.cu's keep_misses, the mv_* kernels
+        writing what they stage). part_offsets [L, 3] uint64: the slot image layout, the same
+        in VRAM slots and host copies [host_base, host_end). Returns the most candidates a
+        window can take (L * per_layer). The plans are rebuilt with the admission launches."""
+        rt, L, E = self._rt, self.num_layers, self.num_experts
+        C = L * per_layer
+        self._atab = rt.alloc(8 * 3 * L * E)  # [L, 3, E] uint64: where a miss is kept, 0 none
+        rt.drv.memset_d32(self._atab, 0, 6 * L * E)
+        self._part_off = rt.upload(np.ascontiguousarray(part_offsets, dtype=np.uint64))
+        self._cands = rt.alloc(4 * 3 * C)  # [C, 3] int32 (slot, victim layer, victim expert)
+        self.cands_host = rt.pinned((C, 3), np.int32)
+        self._state = rt.alloc(8)  # (offered, next) int32
+        rt.drv.memset_d32(self._state, 0, 2)
+        self.state_host = rt.pinned((2,), np.int32)
+        self._log = rt.alloc(4 * C)  # [C] int32
+        self.log_host = rt.pinned((C,), np.int32)
+        self._keep_args = (int(host_base), int(host_end), int(slot_base), int(slot_bytes))
+        self.admit_per_layer, self.admit_capacity = int(per_layer), C
+        self.admission_on = True
+        self.model.drop_plans()
+        return C
+
+    def disable_admission(self) -> None:
+        if self.admission_on:
+            self.admission_on = False
+            self._offered = 0
+            self.model.drop_plans()
+
+    def keep_tables(self, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((gate, up), (down, 0)): the layer's admission tables [E] uint64 the expert
+        products read (an expert whose entry is not 0 is written there as it is read)."""
+        row = 8 * self.num_experts
+        at = int(self._atab) + 3 * layer * row
+        return (at, at + row), (at + 2 * row, 0)
+
+    def offer(self, candidates: np.ndarray) -> None:
+        """Candidates [n, 3] int32 (slot, layer, expert of the resident victim) for the next
+        window, best to give up first; n <= admit_capacity. Taken by before_run when that
+        window keeps misses (plan.keeps_misses), else dropped."""
+        n = len(candidates)
+        if n > self.admit_capacity:
+            raise ValueError(f"{n} candidates offered, the window takes at most "
+                             f"{self.admit_capacity}")
+        self.cands_host[:n] = candidates
+        self._offered = n
 
     # ---- the CPU pool -------------------------------------------------------------------
     def attach_pool(self, pool, exchange, exchange_device_ptr: int) -> None:
@@ -95,9 +150,15 @@ class DeviceTier:
         ws, R, E = plan._ws, plan.num_rows, self.num_experts
         spec = self.model.spec
         pooled = self.pools(R)
-        plan._add("tier_groups", (1,), (256,), "PPiPP",
-                  [ws.ptr("groups"), ws.ptr("num_groups"), E, self.counts_ptr(layer),
-                   self.where_ptr(layer) if pooled else 0])
+        grouping = [ws.ptr("groups"), ws.ptr("num_groups"), E, self.counts_ptr(layer),
+                    self.where_ptr(layer) if pooled else 0]
+        if plan.keeps_misses:  # and the misses this layer keeps (free admission)
+            plan._add("tier_groups_keep", (1,), (256,), "PPiPPPPPPPPiiPPPP",
+                      [*grouping, self.model.expert_tables_ptr, int(self._atab),
+                       int(self._part_off), int(self._cands), int(self._state), int(self._log),
+                       layer, self.admit_per_layer, *self._keep_args])
+        else:
+            plan._add("tier_groups", (1,), (256,), "PPiPP", grouping)
         if not pooled:
             return
         if R > self.exchange.layout.max_rows:
@@ -123,23 +184,63 @@ class DeviceTier:
 
     # ---- per window ---------------------------------------------------------------------
     def before_run(self, num_rows: int) -> None:
-        """Upload the window's seq and start the pool on it (compute stream, before the plan),
-        when the window hands rows to the pool (pools)."""
+        """Compute stream, before the plan: the offered candidates when the window keeps its
+        misses; the window's seq and the pool started on it when it hands rows to the pool."""
+        from strata.backends.cuda.plan import keeps_misses
+
+        drv, stream = self._rt.drv, self._rt.stream
+        self._kept_run = bool(self._offered and keeps_misses(self.model, num_rows))
+        if self._kept_run:
+            n = self._offered
+            self.state_host[:] = (n, 0)
+            self.log_host[:n] = -1
+            drv.memcpy_htod_async(self._cands, self.cands_host[:n], stream)
+            drv.memcpy_htod_async(self._log, self.log_host[:n], stream)
+            drv.memcpy_htod_async(self._state, self.state_host, stream)
+        self._offered = 0
         self._pool_window = self.pools(num_rows)
         if not self._pool_window:
             return
         self.seq_host[0] += 1
-        self._rt.drv.memcpy_htod_async(self._seq, self.seq_host, self._rt.stream)
+        drv.memcpy_htod_async(self._seq, self.seq_host, stream)
         self.pool.submit(int(self.seq_host[0]), num_rows)
 
     def after_run(self) -> None:
-        """Queue the counts' read-back behind the plan (before the window's synchronize)."""
-        self._rt.drv.memcpy_dtoh_async(self.counts_host, self._counts, self._rt.stream)
+        """Queue the counts' read-back behind the plan (before the window's synchronize), and
+        after a window that kept misses its log, then no candidates for the windows after it
+        (a split's pipelined groups run plans without before_run)."""
+        drv, stream = self._rt.drv, self._rt.stream
+        drv.memcpy_dtoh_async(self.counts_host, self._counts, stream)
+        if self._kept_run:
+            drv.memcpy_dtoh_async(self.log_host, self._log, stream)
+            drv.memset_d32_async(self._state, 0, 2, stream)
+
+    def take_kept(self):
+        """(candidates [n, 3], log [n]) of the last window that kept misses (log: layer * E +
+        expert kept in the candidate's slot, -2 skipped, -1 not reached), once; else None.
+        A window that kept misses but never reached finish (it failed) is waited for and its
+        log read here: the device tables already show what its kernels did."""
+        if self._kept_run:
+            rt = self._rt
+            rt.synchronize()
+            rt.drv.memcpy_dtoh(self.log_host, self._log)
+            rt.drv.memset_d32(self._state, 0, 2)
+            self._collect_kept()
+        kept, self.kept = self.kept, None
+        return kept
+
+    def _collect_kept(self) -> None:
+        n = int(self.state_host[0])
+        self.kept = (self.cands_host[:n].copy(), self.log_host[:n].copy())
+        self._kept_run = False
 
     def finish(self, routing_counts: np.ndarray | None) -> None:
-        """After the synchronize: add the counts, wait for the pool, raise on a failed hand-off."""
+        """After the synchronize: add the counts, keep the admission log for the arena, wait
+        for the pool, raise on a failed hand-off."""
         if routing_counts is not None:
             routing_counts += self.counts_host
+        if self._kept_run:
+            self._collect_kept()
         if not self._pool_window:
             return
         from strata.backends.cuda.cpu_pool import CpuPoolError

@@ -53,6 +53,19 @@ __device__ __forceinline__ void mv_stage_wait() {
     __syncwarp();
 }
 
+// Free admission: write the chunks mv_stage staged for [src, src + num_bytes) to the same
+// bytes at dst, whose offset within 16 bytes is src's (slot images and host copies share one
+// 256-byte part layout, offload.py). The edge chunks carry bytes of the neighbouring rows or
+// the part's padding: the same values as the source, which the warps reading them write too.
+__device__ __forceinline__ void mv_keep(const uint8_t *src, int num_bytes, const int4 *stage,
+                                        uint8_t *dst) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(src);
+    const unsigned long long a0 = a & ~15ull;
+    const int num_chunks = (int)((((a + num_bytes + 15) & ~15ull) - a0) >> 4);
+    int4 *d0 = reinterpret_cast<int4 *>(dst - (a - a0));
+    for (int i = threadIdx.x & 31; i < num_chunks; i += WARP) d0[i] = stage[i];
+}
+
 // the int8 dot of one staged Q4_0 / Q8_0 block at p (2-byte aligned) with 32 activations
 // (xa: values 0-15, xb: 16-31); d = the block's scale
 template <int QT>
@@ -86,7 +99,8 @@ __device__ __forceinline__ void mv_body(
     const float *__restrict__ xd, const int *__restrict__ groups,
     const int *__restrict__ num_groups, const int *__restrict__ act_rows,
     const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,
-    int ldy, int block_x) {
+    int ldy, int block_x, const unsigned long long *__restrict__ atab,
+    const unsigned long long *__restrict__ atab2) {
     constexpr int block_bytes = QT == ST_Q4_0 ? 18 : 34;
     constexpr bool is_gateup = MODE == MODE_GATEUP;
     __shared__ int4 stage_all[MV_WARPS * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16)];
@@ -102,6 +116,9 @@ __device__ __forceinline__ void mv_body(
     const uint8_t *base = wtab ? reinterpret_cast<const uint8_t *>(wtab[expert]) : W;
     const uint8_t *base2 = !is_gateup ? base
                            : wtab2 ? reinterpret_cast<const uint8_t *>(wtab2[expert]) : W2;
+    // free admission: where this expert's bytes are kept as they are staged (nullptr: nowhere)
+    uint8_t *keep = atab ? reinterpret_cast<uint8_t *>(atab[expert]) : nullptr;
+    uint8_t *keep2 = is_gateup && atab2 ? reinterpret_cast<uint8_t *>(atab2[expert]) : nullptr;
     int4 *stage = stage_all + warp * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16);
     int4 *stage2 = stage + MV_STAGE_BYTES / 16;
     const int num_blocks = K >> 5;
@@ -134,6 +151,12 @@ __device__ __forceinline__ void mv_body(
                     off2 = mv_stage(base2 + w_off + (long long)s0 * block_bytes, num_bytes,
                                     stage2);
                 mv_stage_wait();
+                if (keep != nullptr && p0 == first)  // each byte once: the first row tile's
+                    mv_keep(base + w_off + (long long)s0 * block_bytes, num_bytes, stage,
+                            keep + w_off + (long long)s0 * block_bytes);
+                if (keep2 != nullptr && p0 == first)
+                    mv_keep(base2 + w_off + (long long)s0 * block_bytes, num_bytes, stage2,
+                            keep2 + w_off + (long long)s0 * block_bytes);
             }
             if (o < num_rows_w) {
                 const uint8_t *srow = reinterpret_cast<const uint8_t *>(stage) + off
@@ -186,24 +209,24 @@ __device__ __forceinline__ void mv_body(
     }
 }
 
-#define MV_PASS W, W2, wtab, wtab2, row_bytes, N, K, xq, xd, groups, num_groups, act_rows,         \
-                out_rows, bias, Y, ldy, blockIdx.x
+#define MV_PASS W, W2, wtab, wtab2, row_bytes, N, K, xq, xd, groups, num_groups, act_rows,       \
+                out_rows, bias, Y, ldy, blockIdx.x, atab, atab2
 #define MV_QKV_BODY(QT)                                                                         \
     const int outs_per_block = MV_WARPS * (WARP / mv_lanes_per_output(K));                      \
     const int nbq = (Nq + outs_per_block - 1) / outs_per_block;                                 \
     const int nbkv = (Nkv + outs_per_block - 1) / outs_per_block;                               \
     const int bx = blockIdx.x;                                                                  \
     if (bx < nbq)                                                                               \
-        mv_body<QT, MODE_STORE>(Wq, Wq, nullptr, nullptr, row_bytes, Nq, K, xq, xd,      \
-                                       groups, num_groups, nullptr, nullptr, bq, Yq, Nq, bx);   \
+        mv_body<QT, MODE_STORE>(Wq, Wq, nullptr, nullptr, row_bytes, Nq, K, xq, xd, groups,     \
+                                num_groups, nullptr, nullptr, bq, Yq, Nq, bx, nullptr, nullptr);\
     else if (bx < nbq + nbkv)                                                                   \
-        mv_body<QT, MODE_STORE>(Wk, Wk, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,     \
-                                       groups, num_groups, nullptr, nullptr, bk, Yk, Nkv,       \
-                                       bx - nbq);                                               \
+        mv_body<QT, MODE_STORE>(Wk, Wk, nullptr, nullptr, row_bytes, Nkv, K, xq, xd, groups,    \
+                                num_groups, nullptr, nullptr, bk, Yk, Nkv, bx - nbq, nullptr,   \
+                                nullptr);                                                       \
     else                                                                                        \
-        mv_body<QT, MODE_STORE>(Wv, Wv, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,     \
-                                       groups, num_groups, nullptr, nullptr, bv, Yv, Nkv,       \
-                                       bx - nbq - nbkv);
+        mv_body<QT, MODE_STORE>(Wv, Wv, nullptr, nullptr, row_bytes, Nkv, K, xq, xd, groups,    \
+                                num_groups, nullptr, nullptr, bv, Yv, Nkv, bx - nbq - nbkv,     \
+                                nullptr, nullptr);
 
 // (entry points written out: runtime._kernel_names finds them by name; same arguments as mm_*)
 extern "C" __global__ void __launch_bounds__(128) mv_store_q4_0(MM_ARGS) {

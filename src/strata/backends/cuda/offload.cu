@@ -29,11 +29,11 @@ __device__ __forceinline__ bool row_has_cpu_pair(const int *__restrict__ ids, in
 
 // After group_pairs: counts [E] int32 = pairs routed to each expert this window (0 for the
 // others), and (with where) the groups of CPU-assigned experts removed from groups [G, 3] in
-// place, keeping the order of the rest, so the grouped products skip them. Grid 1, block 256.
-extern "C" __global__ void tier_groups(int *__restrict__ groups, int *__restrict__ num_groups,
-                                       int E, int *__restrict__ counts,
-                                       const uint8_t *__restrict__ where) {
-    kernel_entry();
+// place, keeping the order of the rest, so the grouped products skip them. The whole block
+// calls it; thread 0 does the walk.
+__device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__restrict__ num_groups,
+                                             int E, int *__restrict__ counts,
+                                             const uint8_t *__restrict__ where) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
     __syncthreads();
     if (threadIdx.x != 0) return;
@@ -49,6 +49,14 @@ extern "C" __global__ void tier_groups(int *__restrict__ groups, int *__restrict
         kept++;
     }
     *num_groups = kept;
+}
+
+// count_groups as a launch. Grid 1, block 256.
+extern "C" __global__ void tier_groups(int *__restrict__ groups, int *__restrict__ num_groups,
+                                       int E, int *__restrict__ counts,
+                                       const uint8_t *__restrict__ where) {
+    kernel_entry();
+    count_groups(groups, num_groups, E, counts, where);
 }
 
 // Copy the layer's ids [R, K] and wts [R, K] into the mapped exchange buffer, and of the normed
@@ -150,4 +158,101 @@ extern "C" __global__ void moe_combine_pool(float *__restrict__ x, const float *
     }
     if (cpu_row) acc += reinterpret_cast<volatile const float *>(ex_y)[i];
     x[i] += acc;
+}
+
+// Free admission (docs/offload.md, "Admission in the window"): experts this layer reads over
+// PCIe in this window are kept in cache slots the host offered, at no extra copy: the mv_*
+// products write each byte they stage to the slot (atab). pool [C, 3] int32: (slot, victim
+// layer, victim expert) per candidate, the victims resident in those slots; state [2] int32:
+// (candidates offered, next to take), both set by the host before the window (0 offered: no
+// admission, atab only cleared); log [C] int32 per candidate: layer * E + expert admitted into
+// its slot, -2 skipped (its victim is routed in this layer), -1 left. For each missed expert
+// of the layer (group order, at most cap) the next usable candidate: its victim's table
+// entries [3] re-pointed at the victim's host copy (a later layer of the window reads it from
+// there; an earlier one has finished), then atab[layer][p][e] = the slot's part p. tables and
+// atab [L, 3, E] uint64; part_off [L, 3] uint64 (slot image offsets of gate, up, down).
+// One warp calls it.
+__device__ __forceinline__ void keep_misses(const int *__restrict__ groups,
+                                            const int *__restrict__ num_groups,
+                                            const int *__restrict__ counts,
+                                            unsigned long long *tables, unsigned long long *atab,
+                                            const unsigned long long *__restrict__ part_off,
+                                            const int *__restrict__ pool, int *state, int *log,
+                                            int layer, int E, int cap,
+                                            unsigned long long host_base,
+                                            unsigned long long host_end,
+                                            unsigned long long slot_base,
+                                            unsigned long long slot_bytes) {
+    const int lane = threadIdx.x & 31;
+    unsigned long long *mine = atab + 3LL * layer * E;  // [3, E]
+    for (int i = lane; i < 3 * E; i += WARP) mine[i] = 0ull;
+    __syncwarp();  // cleared before lane 0 sets its entries
+    const int C = state[0];
+    if (C == 0) return;
+    const unsigned long long *gate = tables + 3LL * layer * E;  // [E]: slot or host copy
+    const int G = *num_groups;
+    int next = state[1], taken = 0;  // lane 0's copy is the one written back
+    bool left = true;                 // candidates remain (lane 0 decides, all lanes follow)
+    for (int g0 = 0; g0 < G && taken < cap && left; g0 += WARP) {
+        const int g = g0 + lane;
+        int e = -1;
+        bool miss = false;
+        if (g < G) {
+            e = groups[3 * g];
+            const unsigned long long p = gate[e];
+            miss = p >= host_base && p < host_end;
+        }
+        unsigned ballot = __ballot_sync(0xffffffffu, miss);
+        while (ballot != 0u && taken < cap && left) {
+            const int src = __ffs(ballot) - 1;
+            ballot &= ballot - 1u;
+            const int ex = __shfl_sync(0xffffffffu, e, src);
+            int claimed = 0;
+            if (lane == 0) {
+                while (next < C && !claimed) {
+                    const int j = next++;
+                    const int slot = pool[3 * j], lv = pool[3 * j + 1], ev = pool[3 * j + 2];
+                    if (lv == layer && counts[ev] > 0) {  // read by this layer: keep it
+                        log[j] = -2;
+                        continue;
+                    }
+                    unsigned long long *victim = tables + 3LL * lv * E + ev;  // stride E
+                    const unsigned long long hb = host_base
+                        + ((unsigned long long)lv * E + ev) * slot_bytes;
+                    const unsigned long long sb = slot_base + (unsigned long long)slot * slot_bytes;
+                    for (int p = 0; p < 3; p++) {
+                        victim[(long long)p * E] = hb + part_off[3 * lv + p];
+                        mine[(long long)p * E + ex] = sb + part_off[3 * layer + p];
+                    }
+                    log[j] = layer * E + ex;
+                    claimed = 1;
+                }
+            }
+            claimed = __shfl_sync(0xffffffffu, claimed, 0);
+            left = claimed != 0;
+            taken += claimed;
+        }
+    }
+    if (lane == 0) state[1] = next;
+}
+
+// count_groups, then (warp 0) keep_misses: the layer's tier launch in a window that keeps its
+// misses (plan.keeps_misses), one launch instead of two. Grid 1, block 256.
+extern "C" __global__ void tier_groups_keep(int *__restrict__ groups,
+                                            int *__restrict__ num_groups, int E,
+                                            int *__restrict__ counts,
+                                            const uint8_t *__restrict__ where,
+                                            unsigned long long *tables, unsigned long long *atab,
+                                            const unsigned long long *__restrict__ part_off,
+                                            const int *__restrict__ pool, int *state, int *log,
+                                            int layer, int cap, unsigned long long host_base,
+                                            unsigned long long host_end,
+                                            unsigned long long slot_base,
+                                            unsigned long long slot_bytes) {
+    kernel_entry();
+    count_groups(groups, num_groups, E, counts, where);
+    __syncthreads();  // counts and the kept groups are in place
+    if (threadIdx.x < WARP)
+        keep_misses(groups, num_groups, counts, tables, atab, part_off, pool, state, log, layer,
+                    E, cap, host_base, host_end, slot_base, slot_bytes);
 }

@@ -16,6 +16,9 @@ from strata.experts.store import ExpertStore
 log = logging.getLogger("strata.tier")
 
 PART_ALIGN_BYTES = 256      # gate, up and down each start on 256 bytes inside a slot
+# Free admission (keep_misses): a decode window keeps up to this many of each layer's misses
+# read over PCIe, in slots of the lowest-ranked resident experts offered before it
+KEEP_PER_LAYER = 2
 VRAM_RESERVE_BYTES = 1 << 30  # `auto` leaves this free for the driver, graphs and growth
 EXPECTED_DECAY = 0.8         # the where table's routing counts: each window, old counts x this
 
@@ -171,7 +174,8 @@ class VramExpertArena(ExpertArena):
 
     reads_host_pointers = False
     misses_on_gpu = True
-    admits_misses = True  # misses cross PCIe: free admission keeps them (ExpertTier._admit)
+    # misses cross PCIe: decode windows can keep them as they read them (keep_misses)
+    keeps_misses = True
 
     def __init__(self, model, store: ExpertStore, n_slots: int, host: HostExperts):
         super().__init__(store, n_slots, host.slot_bytes)
@@ -195,10 +199,109 @@ class VramExpertArena(ExpertArena):
         self._where_rows = 1  # and its rows
         self._pending_where = None  # (key, where [L, E]) computed while a window ran
         self._pool_seq_taken = 0  # the last pool window counted by take_pool_window
+        self._victims = None  # keep_misses: the tier's victims(residency, n), worst first
+        self._ranked_victims = None  # [m, 2] ranked while the last window ran, for _offer
+        self.offered_slots: frozenset[int] = frozenset()  # offered to the running window
+        self._num_kept = 0  # experts kept since the last take_admitted
         from strata.backends.cuda.stream import PromptStreamer
 
         # windows of many rows (prompt chunks) stream their layers' missing experts (stream.py)
         self.streamer = PromptStreamer(self)
+
+    # ---- free admission -----------------------------------------------------------------
+    def keep_misses(self, victims) -> bool:
+        """From now on a decode window keeps up to KEEP_PER_LAYER of each layer's misses read
+        over PCIe, in the slots of resident experts `victims(residency [L, E], n)` names
+        (worst first) before it: the window's kernels re-point such a victim at its host copy
+        on the device and write the missed expert into its slot as they read it, so nothing
+        is copied twice (offload.cu's keep_misses, matvec.cu's mv_keep). After the window,
+        take_admitted publishes the changes through the table. False (nothing changes) where
+        the expert products cannot (types other than Q4_0 / Q8_0)."""
+        from strata.backends.cuda.plan import experts_can_keep
+
+        if not experts_can_keep(self.model):
+            return False
+        rt, host = self._rt, self.host
+        with rt.active():
+            self.model.tier.enable_admission(host.part_offsets, host.device_base,
+                                             host.device_base + host.nbytes, self.slot_base,
+                                             self.slot_bytes, KEEP_PER_LAYER)
+        self._victims = victims
+        return True
+
+    def _offer(self, num_rows: int) -> None:
+        """Before a window: the victims' slots its kernels may take (none for windows that do
+        not keep misses). Slots a queued copy will claim are never offered, and the offered
+        ones are left alone by rounds planned while the window runs (offered_slots)."""
+        from strata.backends.cuda.plan import keeps_misses
+
+        self.offered_slots = frozenset()
+        if self._victims is None:
+            return
+        tier = self.model.tier
+        with self._rt.active():
+            tier.offer(np.empty((0, 3), dtype=np.int32))  # none unless offered below
+        ranked, self._ranked_victims = self._ranked_victims, None
+        if not keeps_misses(self.model, num_rows):
+            return
+        limit = self._offer_limit()
+        queued = self.copier.queued_slots() if self.copier is not None else frozenset()
+        residency = self.table.peek().table  # [L, E]
+        if ranked is None:  # none ranked while the last window ran (prepare_next_window)
+            ranked = self._rank_victims(limit + len(queued))
+        if not len(ranked):
+            return
+        slots = residency[ranked[:, 0], ranked[:, 1]]  # still resident, not about to be copied
+        usable = (slots >= 0) & ~np.isin(slots, np.fromiter(queued, np.int64, len(queued)))
+        rows = np.column_stack([slots, ranked])[usable][:limit].astype(np.int32)
+        if len(rows):
+            with self._rt.active():
+                tier.offer(rows)
+            self.offered_slots = frozenset(rows[:, 0].tolist())
+
+    def _offer_limit(self) -> int:
+        return min(self.model.tier.admit_capacity, self.n_slots // 4)
+
+    def _rank_victims(self, n: int) -> np.ndarray:
+        """[m, 2] (layer, expert): the policy's victims now, worst first."""
+        ranked = self._victims(self.table.peek().table, n)
+        return np.array(ranked, dtype=np.int64).reshape(-1, 2)
+
+    def take_admitted(self) -> int:
+        """After a window (engine thread): publish what its kernels kept, each victim missing
+        and the kept expert resident in its slot, through the table's ordered path (the
+        bytes have landed: the window finished), then the device tables; return how many
+        were kept since the last call. A kept expert that a copy made resident meanwhile
+        gives its slot back free (its victim is gone either way)."""
+        self.offered_slots = frozenset()
+        if self._victims is None:
+            return 0
+        with self._rt.active():
+            kept = self.model.tier.take_kept()
+        if kept is not None:
+            self._num_kept += self._publish_kept(*kept)
+        num, self._num_kept = self._num_kept, 0
+        return num
+
+    def _publish_kept(self, candidates: np.ndarray, log: np.ndarray) -> int:
+        taken = log >= 0
+        if not taken.any():
+            return 0
+        slots = candidates[taken, 0].astype(np.int64)
+        layers, experts = np.divmod(log[taken].astype(np.int64), self.store.n_experts)
+        tickets = self.table.begin_evict_many(slots)  # the victims, published missing
+        gone = [t.evicted for t in tickets if t.evicted is not None]
+        resident = self.table.peek().table
+        dup = resident[layers, experts] >= 0
+        for slot in slots[dup]:
+            self.table.abort(int(slot))
+        keep = ~dup
+        self.table.land_many(np.stack([slots[keep], layers[keep], experts[keep]], axis=1))
+        with self._rt.active():
+            self._point_many([g[0] for g in gone], [g[1] for g in gone], [-1] * len(gone))
+            self._point_many(layers[keep], experts[keep], slots[keep])
+            self._publish()
+        return int(keep.sum())
 
     # ---- the CPU pool -------------------------------------------------------------------
     def attach_pool(self, pcie_frac: float, max_rows: int, threads: int | None = None) -> None:
@@ -396,11 +499,17 @@ class VramExpertArena(ExpertArena):
     overlaps_window = True
 
     def before_window(self, num_rows: int = 1, pump: bool = True) -> None:
+        if self._victims is not None:  # what a window that failed before take_admitted kept
+            with self._rt.active():
+                kept = self.model.tier.take_kept()
+            if kept is not None:
+                self._num_kept += self._publish_kept(*kept)
         if pump and self.copier is not None:
             self.copier.pump()
         self.streamer.before_window(num_rows)  # staging for a prompt chunk, or given back
         if self.pool is not None:
             self._set_where(num_rows)
+        self._offer(num_rows)
 
     def during_window(self) -> None:
         """The copier's pump while a window runs (engine thread, from the model's
@@ -412,9 +521,12 @@ class VramExpertArena(ExpertArena):
 
     def prepare_next_window(self) -> None:
         """While a window runs, after the pump and the tier's round: with a CPU pool, the next
-        window's where table (_prepare_where)."""
+        window's where table (_prepare_where); with free admission the victims the next
+        window may be offered (twice its share: some will be taken or copied over)."""
         if self.pool is not None:
             self._prepare_where()
+        if self._victims is not None:
+            self._ranked_victims = self._rank_victims(2 * self._offer_limit())
 
     def reserved_slots(self) -> frozenset[int]:
         """The slots prompt chunks borrow as staging (stream.py): never lent to a KV."""

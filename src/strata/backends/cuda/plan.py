@@ -17,7 +17,7 @@ from strata.model.arch import ModelSpec
 # H = hidden, Q/KVH = heads, D = head dim, E = experts, K = experts per row, F = expert width,
 # S = shared-expert width, V = vocabulary, G = groups (distinct experts) at most min(E, P).
 
-MM_FMT = "PPPPqiiPPPPPPPPPi"
+MM_FMT = "PPPPqiiPPPPPPPPPiPP"  # products.cuh MM_ARGS
 MM_ROWS = 16  # outputs per block of the product kernels (MM_WARPS * NR in matmul.cu)
 # the kernels' constants: ATT_SPLITS in attention.cu, ROUTER_WARPS, ROUTER_RT and GROUP_CHUNK
 # in router.cu
@@ -84,6 +84,23 @@ def _mv_blocks(w) -> int | None:
         return None
     outputs = MV_WARPS * mv_outputs_per_warp(w.cols)
     return (w.rows + outputs - 1) // outputs
+
+
+def keeps_misses(model, num_rows: int) -> bool:
+    """Do windows of num_rows rows keep the experts they read over PCIe (free admission,
+    offload.cu's keep_misses)? Decode-sized windows once the tier turned it on (it checked
+    experts_can_keep). Called before every window: no more than two comparisons."""
+    tier = model.tier
+    return tier is not None and tier.admission_on and num_rows < MMQ_MIN_ROWS
+
+
+def experts_can_keep(model) -> bool:
+    """Does every routed product of a decode window run an mv_* kernel (Q4_0 / Q8_0 experts;
+    they write what they stage), so that such windows can keep their misses?"""
+    if os.environ.get("STRATA_DECODE_DOWN", "mv") == "mm":
+        return False
+    return all(_mv_blocks(w) is not None and ly.gate_exps.suffix == ly.up_exps.suffix
+               for ly in model.layers for w in (ly.gate_exps, ly.down_exps))
 
 
 def _dense_tile_rows(num_out_tiles: int, num_rows: int) -> int:
@@ -197,6 +214,8 @@ class WindowPlan:
         # per layer (first, stop): the launches that read its routed experts (gate/up .. down);
         # a prompt window streaming its experts (stream.py) puts its copy waits around them
         self.expert_spans: list[tuple[int, int]] = []
+        # free admission: its expert products write the misses they read into offered slots
+        self.keeps_misses = keeps_misses(model, num_rows)
         self._build()
 
     # ---- helpers --------------------------------------------------------------------------
@@ -212,11 +231,13 @@ class WindowPlan:
 
     def _mm(self, mode: str, w, act: str, out: str, *, w2=None, bias=None,
             grouped: bool = False, out_rows: bool = False, act_rows: bool = False,
-            logit_rows: bool = False, use_mv: bool = True) -> None:
+            logit_rows: bool = False, use_mv: bool = True,
+            keep: tuple[int, int] = (0, 0)) -> None:
         """Y[out] (mode store/add/gateup) = W x over activation buffer family `act` (float
         `act`, 8-bit `act`q/`act`d, e.g. hf/hq/hd): over the window's R rows (the N logit rows
         with logit_rows), or per expert group with grouped. use_mv False keeps a decode
-        window's product on the dp4a mm_* warps."""
+        window's product on the dp4a mm_* warps. keep: the free-admission tables of W and W2
+        (device_tier.py; only an mv_* kernel reads them, and only they are asked to)."""
         ws = self._ws
         xf = ws.ptr(act)
         xq, xd = (ws.ptr({"hf": "hq", "hbuf": "hbq", "sg": "sgq"}[act]),
@@ -237,11 +258,13 @@ class WindowPlan:
             kernel, grid, block = tiled
         elif use_mv and _mv_blocks(w) is not None and (w2 is None or w2.suffix == w.suffix):
             kernel, grid = f"mv_{mode}_{w.suffix}", (_mv_blocks(w), max_groups)
+        if keep != (0, 0) and not kernel.startswith("mv_"):
+            raise RuntimeError(f"{kernel} cannot keep the experts it reads (only mv_* can)")
         self._add(kernel, grid, block, MM_FMT,
                   [w.ptr, w2.ptr if w2 is not None else 0, w.table_ptr if grouped else 0,
                    w2.table_ptr if grouped and w2 is not None else 0, w.row_bytes, w.rows, w.cols, xf, xq, xd, groups, num_groups,
                    ws.ptr("act_rows") if act_rows else 0, ws.ptr("out_rows") if out_rows else 0,
-                   bias.ptr if bias is not None else 0, ws.ptr(out), w.rows])
+                   bias.ptr if bias is not None else 0, ws.ptr(out), w.rows, *keep])
 
     def _qkv(self, ly) -> None:
         """The q, k, v projections: one launch when the three share a type, else three."""
@@ -360,11 +383,12 @@ class WindowPlan:
             self._norm(ly.ffn_norm.ptr, R, quantize=m.quantize_h)
             self._router(ly)  # router [R, E], ids / wts [R, K], the pairs grouped by expert
             if m.tier is not None:  # counts [E] of this layer; CPU groups out, rows to the pool
-                m.tier.add_after_grouping(self, li)
+                m.tier.add_after_grouping(self, li)  # (and the misses it keeps: keeps_misses)
+            keep = m.tier.keep_tables(li) if self.keeps_misses else ((0, 0), (0, 0))
             # gate/up + SiLU per distinct expert over its rows: hbuf [P (grouped order), F]
             first_expert_launch = len(self.launches)
             self._mm("gateup", ly.gate_exps, "hf", "hbuf", w2=ly.up_exps, grouped=True,
-                     act_rows=True)
+                     act_rows=True, keep=keep[0])
             if not ly.down_exps.is_float:
                 self._quantize("hbuf", "hbq", "hbd", P * F)
             # down per distinct expert: ybuf [P (pair r*K + k), H]. mv over the quantize_q8
@@ -373,7 +397,7 @@ class WindowPlan:
             # mm grid of 1,024 blocks at 127 registers took two waves). An mv kernel quantising
             # hbuf's rows itself (every warp redoing it) was slower than both in an earlier build.
             self._mm("store", ly.down_exps, "hbuf", "ybuf", grouped=True, out_rows=True,
-                     use_mv=os.environ.get("STRATA_DECODE_DOWN", "mv") != "mm")
+                     use_mv=os.environ.get("STRATA_DECODE_DOWN", "mv") != "mm", keep=keep[1])
             self.expert_spans.append((first_expert_launch, len(self.launches)))
             shared = (0, 0)
             if ly.shexp_w_gate is not None:

@@ -13,12 +13,15 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 // W / W2 [N, row_bytes] (gate/up: W2 the up matrix), wtab / wtab2 [E] device pointers of the
 // grouped experts' matrices (NULL: dense, read W), xf [T, K] float rows or xq [T, K] int8 with
 // xd [T, K/32] scales, groups [G, 3] with *num_groups in use, act_rows / out_rows [P] (NULL:
-// the pair index itself), bias [N] or NULL, Y [., ldy].
+// the pair index itself), bias [N] or NULL, Y [., ldy], atab / atab2 [E] where an expert read
+// is also written (0: nowhere; free admission, offload.cu's keep_misses: only the mv_*
+// kernels honour them, and plan.py passes them only to those).
 #define MM_ARGS                                                                                     \
     const uint8_t *W, const uint8_t *W2, const unsigned long long *wtab,                            \
         const unsigned long long *wtab2, long long row_bytes, int N, int K, const float *xf,        \
         const int8_t *xq, const float *xd, const int *groups, const int *num_groups,                \
-        const int *act_rows, const int *out_rows, const float *bias, float *Y, int ldy
+        const int *act_rows, const int *out_rows, const float *bias, float *Y, int ldy,             \
+        const unsigned long long *atab, const unsigned long long *atab2
 // q, k and v projections of the same rows in one launch: blocks [0, nbq) make q, the next
 // nbkv k, the last nbkv v (one weight type, rows of K columns each).
 #define QKV_ARGS                                                                                    \
