@@ -61,9 +61,11 @@ def bench_decode(model, num_slots, num_steps, num_prompt, rng) -> float:
     return time.perf_counter() - t0
 
 
-def tier_decode(tier, model, num_slots, num_steps, num_prompt, rng, after_prompts=None) -> float:
-    """Seconds of num_steps decode windows of num_slots rows through the expert tier, after a
-    prompt of num_prompt tokens per slot (not timed; then `after_prompts()` when given)."""
+def tier_decode(tier, model, num_slots, num_steps, num_prompt, rng, after_prompts=None,
+                full_logits=False) -> float:
+    """Seconds of num_steps greedy decode windows of num_slots rows through the expert tier
+    (argmax on the device; `full_logits`: every row's logits copied and argmax on the host),
+    after a prompt of num_prompt tokens per slot (not timed; then `after_prompts()`)."""
     kvs = [model.new_kv(num_prompt + num_steps + 1) for _ in range(num_slots)]
     for kv in kvs:
         tier.forward_window(Window.build(
@@ -73,9 +75,11 @@ def tier_decode(tier, model, num_slots, num_steps, num_prompt, rng, after_prompt
     tok = rng.integers(0, model.spec.vocab, num_slots).astype(np.int32)
     t0 = time.perf_counter()
     for _ in range(num_steps):
-        logits = tier.forward_window(Window.build(
-            [(kv, tok[i:i + 1]) for i, kv in enumerate(kvs)]))
-        tok = np.argmax(logits, axis=1).astype(np.int32)
+        window = Window.build([(kv, tok[i:i + 1]) for i, kv in enumerate(kvs)])
+        if full_logits:
+            tok = np.argmax(tier.forward_window(window), axis=1).astype(np.int32)
+        else:
+            tok = np.asarray(tier.forward_window(window, greedy=True), dtype=np.int32)
     return time.perf_counter() - t0
 
 

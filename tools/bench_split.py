@@ -6,7 +6,7 @@ hit rate and its wait per window on each stage.
 Usage: python tools/bench_split.py MODEL.gguf [-n 32] [-r 3] [--slots 1,2,4] [--warm 64]
        [--devices 0,1] [--layer-split auto] [--groups 1,2,auto ("": one card only)]
        [--cache-share 0.25] [--expert-profile FILE]
-       [--policy decayed-count|window-score] [--no-admission]
+       [--policy decayed-count|window-score] [--no-admission] [--full-logits]
        [--synth qwen3-30b-a3b --weight-type q4_0
        --routing-skew 1 --jobs 16]   (writes the synth model first when MODEL is missing)
 Misses are read over PCIe (--pcie-frac 1: no CPU pool, which would keep one group).
@@ -66,9 +66,11 @@ def run_setting(args, label, options, rows, rng):
           f"{[t.admits for t in getattr(tier, 'stages', [tier])]}", flush=True)
     try:
         for num_slots in args.slot_counts:
-            tier_decode(tier, model, num_slots, args.warm, 64, rng)  # plans, graphs, the tier warms
+            full = args.full_logits
+            tier_decode(tier, model, num_slots, args.warm, 64, rng,  # plans, graphs, the tier
+                        full_logits=full)
             runs = [num_slots * args.decode_tokens / tier_decode(
-                tier, model, num_slots, args.decode_tokens, 64, rng)
+                tier, model, num_slots, args.decode_tokens, 64, rng, full_logits=full)
                 for _ in range(args.repeats)]
             rows.append((label, num_slots, statistics.median(runs), runs, stage_waits(tier)))
             print(rows[-1], flush=True)
@@ -99,6 +101,9 @@ def main():
                     help="window-score without free admission (its rounds only)")
     ap.add_argument("--expert-profile", default=None,
                     help="fill every cache from this routing profile (default: layer order)")
+    ap.add_argument("--full-logits", action="store_true",
+                    help="copy every row's logits and take the argmax on the host (default: "
+                         "greedy ids from the device, as the engine's greedy rows)")
     ap.add_argument("--synth", default=None)
     ap.add_argument("--weight-type", default="q4_0")
     ap.add_argument("--routing-skew", type=float, default=1.0)

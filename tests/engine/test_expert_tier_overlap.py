@@ -53,9 +53,16 @@ class _PumpArena(CpuExpertArena):
 
     overlaps_window = True
     events: list
+    prompt_rows = 10 ** 9  # windows of at least this many rows read the routing before them
 
     def before_window(self, num_rows: int = 1, pump: bool = True) -> None:
         self.events.append("before+pump" if pump else "before")
+
+    def fold_routed(self, counts) -> None:
+        self.events.append("fold")
+
+    def reads_routing_before(self, num_rows: int) -> bool:
+        return num_rows >= self.prompt_rows
 
     def during_window(self) -> None:
         self.events.append("pump")
@@ -67,7 +74,10 @@ class _PumpArena(CpuExpertArena):
 class _RecordingPolicy(DecayedCountTier):
     def __init__(self, events, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.events, self.round_counts = events, []
+        self.events, self.round_counts, self.observed = events, [], []
+
+    def observe(self, counts):
+        self.observed.append(counts.copy())
 
     def plan_swaps(self, counts, residency, min_gain):
         self.events.append("round")
@@ -108,13 +118,18 @@ def test_pump_and_round_run_inside_the_window_one_window_later(skewed_q8):
         finally:
             tier.close()
     per_window = "|".join(events).split("|before|")
-    # every window: no pump before it, one pump while it runs; rounds (adapt_every 2) inside
-    # windows 3, 5, 7: after two windows each, from the counts of the windows before; then the
-    # arena prepares the next window
+    # every window: no pump before it; while it runs the last window's routing folded in, one
+    # pump; rounds (adapt_every 2) inside windows 3, 5, 7: after two windows each, from the
+    # counts of the windows before; then the arena prepares the next window. The last window's
+    # routing is folded in at close.
     assert events[0] == "before" and len(per_window) == 7
     for w, part in enumerate(per_window):
-        want = ["launch", "pump"] + (["round"] if w in (2, 4, 6) else []) + ["prepare", "sync"]
+        want = (["launch"] + ["fold"] * (w > 0) + ["pump"] + ["round"] * (w in (2, 4, 6))
+                + ["prepare", "sync"] + ["fold"] * (w == 6))
         assert part.removeprefix("before|").split("|") == want, (w, part)
+    assert len(policy.observed) == 7
+    for seen, window_counts in zip(policy.observed, counts):
+        np.testing.assert_array_equal(seen, window_counts)
     assert len(policy.round_counts) == 3
     np.testing.assert_array_equal(policy.round_counts[0], counts[0] + counts[1])
     np.testing.assert_array_equal(policy.round_counts[1], counts[2] + counts[3])
@@ -138,7 +153,7 @@ def test_a_blocking_tier_keeps_its_rounds_between_windows(skewed_q8):
     per_window = "|".join(events).split("before+pump|")[1:]
     assert len(per_window) == 5 and len(policy.round_counts) == 2
     for w, part in enumerate(per_window):  # rounds after windows 2 and 4, outside them
-        want = ["launch", "sync"] + (["round"] if w in (1, 3) else [])
+        want = ["launch", "sync", "fold"] + (["round"] if w in (1, 3) else [])
         assert part.rstrip("|").split("|") == want, (w, part)
 
 
@@ -194,3 +209,64 @@ def test_overlap_gives_the_tokens_of_the_tier_between_windows(skewed_q8):
             return out
 
     assert greedy("overlap") == greedy("between") == greedy("none")
+
+
+def test_a_window_that_reads_the_routing_gets_it_folded_in_before_it(skewed_q8, tmp_path):
+    """Deferred routing (overlaps_window) is folded in before a window the arena plans from it
+    (reads_routing_before: prompt streaming, a CPU pool), and the trace at close holds every
+    window in order, as between windows."""
+    def run(overlap):
+        with GGUFModel.open(skewed_q8) as gguf:
+            model = CpuModel(gguf, num_threads=1)
+            events: list[str] = []
+            config = EngineConfig(skewed_q8, expert_cache=3, adapt_every=2, adapt_async=True,
+                                  dump_routing_path=tmp_path / f"{overlap}.trace")
+            tier = ExpertTier.build(config, gguf,
+                                    _OverlapModel(model, events) if overlap else model)
+            if overlap:
+                tier.arena.__class__ = _PumpArena
+                tier.arena.events, tier.arena.prompt_rows = events, 5
+            tier.start(_RecordingPolicy(events, 3, decay=0.5, hysteresis=0.0))
+            kvs = [model.new_kv(256) for _ in range(2)]
+            rng = np.random.default_rng(8)
+            try:
+                for w in range(6):  # windows 2 and 5 of 6 rows: prompt-sized
+                    rows = 6 if w in (2, 5) else 1
+                    tier.forward_window(Window.build(
+                        [(kv, rng.integers(10, 4000, rows)) for kv in kvs[:1 + w % 2]]))
+                    assert tier.wait_idle(30)
+            finally:
+                tier.close()
+            return events, tier.policy.observed
+
+    events, observed = run(True)
+    parts = "|".join(events).split("|launch|")
+    # the fold of window 1 comes before window 2's before_window; of window 4 before window 5's
+    assert parts[2].endswith("fold|before") and parts[5].endswith("fold|before"), parts
+    assert parts[1].endswith("sync|before") and parts[3].endswith("sync|before"), parts
+    _, between = run(False)
+    assert len(observed) == len(between) == 6
+    for a, b in zip(observed, between):
+        np.testing.assert_array_equal(a, b)
+    from strata.experts.trace import read_trace
+
+    ours, theirs = read_trace(tmp_path / "True.trace"), read_trace(tmp_path / "False.trace")
+    assert ours.num_windows == theirs.num_windows == 6
+    np.testing.assert_array_equal(ours.records, theirs.records)
+
+
+def test_greedy_forward_gives_the_argmax_of_the_logits(skewed_q8):
+    with GGUFModel.open(skewed_q8) as gguf:
+        model = CpuModel(gguf, num_threads=1)
+        tier, _ = _tier(skewed_q8, gguf, model, [], overlap=True, adapt_every=0)
+        kvs = [model.new_kv(64) for _ in range(2)]
+        kvs2 = [model.new_kv(64) for _ in range(2)]
+        try:
+            for step in range(3):
+                tokens = [np.array([17 + step, 90], dtype=np.int32), np.array([5], np.int32)]
+                ids = tier.forward_window(Window.build(list(zip(kvs, tokens))), greedy=True)
+                logits = tier.forward_window(Window.build(list(zip(kvs2, tokens))))
+                np.testing.assert_array_equal(ids, np.argmax(logits, axis=-1))
+                assert ids.dtype == np.int32 and ids.shape == (2,)
+        finally:
+            tier.close()

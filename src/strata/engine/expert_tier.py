@@ -47,6 +47,21 @@ class _Load:
     is_eviction: bool
 
 
+def model_forward(model, lazy: bool = False, greedy: bool = False):
+    """The model's pass for a tier's forward_window: lazy logits or greedy ids where the model
+    has them (CudaModel, SplitModel), else forward_window (greedy: argmax of its logits)."""
+    if greedy:
+        fn = getattr(model, "forward_window_greedy", None)
+        if fn is not None:
+            return fn
+
+        def argmax_of_logits(window, **kwargs):
+            return np.argmax(model.forward_window(window, **kwargs), axis=-1).astype(np.int32)
+        return argmax_of_logits
+    fn = getattr(model, "forward_window_lazy", None) if lazy else None
+    return fn or model.forward_window
+
+
 class ExpertTier:
     """Owns the expert store (GGUF or pack), the arena (None without `--expert-cache`), the
     policy, the routing counts and the trace. Build with `build()`, then `start(policy)`; the
@@ -95,6 +110,10 @@ class ExpertTier:
         # while the window's GPU work runs (the model's while_running): see _during_window
         self.overlaps_window = False
         self._during = (0, 0.0)  # (swaps started, seconds of wait) by the last _during_window
+        # (window index, counts [L, E]) of the last window, folded in while the next one runs
+        # (overlaps_window: _fold_routing is off the path between windows); one at most
+        self._pending = None
+        self._pending_counts = np.zeros(shape, dtype=np.int64)
         self.admits = False  # set by start(): windows keep the misses they read (keep_misses)
         # the tier's wait by window kind: "solo" (one slot) and "batch" (several slots)
         self.wait_by_kind = {"solo": WaitTotals(), "batch": WaitTotals()}
@@ -242,13 +261,15 @@ class ExpertTier:
         return order, f"profile {self.profile_path}"
 
     # ---- the window ---------------------------------------------------------------------
-    def forward_window(self, window, lazy: bool = False) -> np.ndarray:
+    def forward_window(self, window, lazy: bool = False, greedy: bool = False) -> np.ndarray:
         """The model's forward pass over `window` with the experts read through the cache;
         then the accounting, the trace and (when due) a round. Returns the logits (left on
-        the device with `lazy` when the model can: see CudaModel.forward_window_lazy)."""
-        forward = getattr(self.model, "forward_window_lazy", None) if lazy else None
+        the device with `lazy` when the model can: see CudaModel.forward_window_lazy), or with
+        `greedy` each logit row's argmax [N] (on the device when the model can)."""
+        forward = model_forward(self.model, lazy, greedy)
         self._before_s = 0.0
         self._during = (0, 0.0)
+        self._fold_pending_before(window.num_rows)
         if self.arena is not None:
             t0 = time.perf_counter()
             # a device arena lands finished copies here (or, overlapping, while the window
@@ -260,8 +281,8 @@ class ExpertTier:
             pointers = self._pointers_for(snap) if self._reads_pointers else None
             self._counts[:] = 0
             extra = {"while_running": self._during_window} if self.overlaps_window else {}
-            logits = (forward or self.model.forward_window)(
-                window, expert_pointers=pointers, routing_counts=self._counts, **extra)
+            logits = forward(window, expert_pointers=pointers, routing_counts=self._counts,
+                             **extra)
         finally:
             if snap is not None:
                 snap.release()  # the slots it showed may be overwritten from now on
@@ -283,31 +304,32 @@ class ExpertTier:
         return self._pointers
 
     def _after_window(self, snap, kind: str = "solo") -> None:
+        """Between windows: the window's hits and misses, admissions and wait (what the engine
+        and /metrics read now); its routing folded in now, or while the next window runs."""
         counts = self._counts
         window_index = self.totals.num_windows
+        self._fold_routing_pending()  # a window that did not run while_running (it failed)
         hits = misses = 0
         pool_entries, pool_s, pool_wait_s = 0, 0.0, 0.0
         if snap is not None:
-            served = self.arena.account_routed(snap, counts)
+            served = self.arena.count_routed(snap, counts)
             self.arena.take_window()
             hits, misses = served.hits, served.misses
             pool_entries, pool_s, pool_wait_s = self.arena.take_pool_window()
             keys = np.flatnonzero(counts)  # [n] layer * E + expert, ascending
             num_access_hits = int((snap.table.reshape(-1)[keys] >= 0).sum())
             self.recent.append(keys, num_access_hits)
-        if self.trace is not None:
-            self.trace.record_counts(window_index, counts)
-        if self.profile_recorder is not None:
-            self.profile_recorder.add(counts)
-        self._round_counts += counts
-        observe = getattr(self.policy, "observe", None)  # optional per-window TierPolicy hook
-        if observe is not None and self.mode != "frozen":
-            observe(counts)  # [L, E] this window's rows, read only: the array is reused
-        self._windows_since_round += 1
         num_swaps, wait_s = self._during[0], self._before_s + self._during[1]
         if self.overlaps_window:
-            pass  # the round ran while the window did (_during_window)
-        elif self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
+            # the round ran while the window did (_during_window); the routing is folded in
+            # while the next one runs, before its round: the same order, off the host's path
+            # between windows (~0.1 ms per tier on the GPU machine)
+            self._pending_counts[:] = counts
+            self._pending = (window_index, self._pending_counts)
+        else:
+            self._fold_routing(window_index, counts)
+        if (not self.overlaps_window and self.mode != "frozen"
+                and self._windows_since_round >= self.config.adapt_every):
             t0 = time.perf_counter()
             num_swaps = self._round()
             wait_s += time.perf_counter() - t0
@@ -370,14 +392,45 @@ class ExpertTier:
         self._logged = now
         self._max_wait_since_log = 0.0
 
+    def _fold_routing(self, window_index: int, counts: np.ndarray) -> None:
+        """A window's routed rows [L, E] into what later windows and rounds read: the arena's
+        decayed counts, the trace, the stored profile, the round's counts, the policy's
+        `observe`."""
+        if self.arena is not None:
+            self.arena.fold_routed(counts)
+        if self.trace is not None:
+            self.trace.record_counts(window_index, counts)
+        if self.profile_recorder is not None:
+            self.profile_recorder.add(counts)
+        self._round_counts += counts
+        observe = getattr(self.policy, "observe", None)  # optional per-window TierPolicy hook
+        if observe is not None and self.mode != "frozen":
+            observe(counts)  # [L, E] this window's rows, read only: the array is reused
+        self._windows_since_round += 1
+
+    def _fold_routing_pending(self) -> None:
+        """Fold in the last window's routing if it is still pending."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._fold_routing(*pending)
+
+    def _fold_pending_before(self, num_rows: int) -> None:
+        """Before a window: fold in the last one's routing now when this one reads it before it
+        runs (arena.reads_routing_before: a CPU pool's where table, prompt streaming)."""
+        if self._pending is not None and self.arena is not None \
+                and self.arena.reads_routing_before(num_rows):
+            self._fold_routing_pending()
+
     def _during_window(self, is_done) -> None:
-        """While a window's GPU work runs (overlaps_window): the arena's pump, then the round
-        when one is due, from the counts of the windows before this one (a round starts one
-        window later than between windows). Its time counts as the window's wait only when the
-        GPU had finished before it did (`is_done()`): otherwise it was hidden behind the GPU."""
+        """While a window's GPU work runs (overlaps_window): the last window's routing folded
+        in, the arena's pump, then the round when one is due, from the counts of the windows
+        before this one (a round starts one window later than between windows). Its time
+        counts as the window's wait only when the GPU had finished before it did
+        (`is_done()`): otherwise it was hidden behind the GPU."""
         t0 = time.perf_counter()
         num_swaps = 0
         try:
+            self._fold_routing_pending()
             self.arena.during_window()
             if self.mode != "frozen" and self._windows_since_round >= self.config.adapt_every:
                 num_swaps = self._round()
@@ -527,6 +580,7 @@ class ExpertTier:
         if self._copier is not None:
             self._copier.stop()
             self._copier = None
+        self._fold_routing_pending()  # the last window's routing, for the trace and profile
         if self.trace is not None:
             self.trace.close()
         if self.profile_recorder is not None:

@@ -196,6 +196,22 @@ class ExpertArena(abc.ABC):
 
     # ---- hit / miss accounting ----------------------------------------------------------
     def account_routed(self, snap: Snapshot, counts: np.ndarray) -> HitCounts:
+        """count_routed, then fold_routed: one window's routing counted and kept."""
+        result = self.count_routed(snap, counts)
+        self.fold_routed(counts)
+        return result
+
+    def fold_routed(self, counts: np.ndarray) -> None:
+        """Keep what later windows read of a window's routed rows `counts` [L, E] (nothing
+        here; the CUDA arena's decayed counts). The tier may call it while the next window
+        runs, unless reads_routing_before says that window reads them."""
+
+    def reads_routing_before(self, num_rows: int) -> bool:
+        """Does a window of `num_rows` rows read, before it starts, what fold_routed kept of
+        the window before it?"""
+        return False
+
+    def count_routed(self, snap: Snapshot, counts: np.ndarray) -> HitCounts:
         """Count one window's routed entries, given as rows per (layer, expert) `counts`
         [L, E], as hits or misses against `snap`, into the current window; return them."""
         hits = int(counts[snap.table >= 0].sum())

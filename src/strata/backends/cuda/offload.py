@@ -379,11 +379,15 @@ class VramExpertArena(ExpertArena):
         streamer's counts start from them."""
         self.streamer.seed(rows)
 
-    def account_routed(self, snap, counts: np.ndarray):
-        self._expected *= EXPECTED_DECAY
+    def fold_routed(self, counts: np.ndarray) -> None:
+        self._expected *= EXPECTED_DECAY  # the CPU pool's where table (_reads)
         self._expected += counts
         self.streamer.account(counts)  # which experts prompt windows need not copy
-        return super().account_routed(snap, counts)
+
+    def reads_routing_before(self, num_rows: int) -> bool:
+        """A window the CPU pool shares (its where table) or that streams its experts (the
+        streamer's counts) is planned from the routing of the windows before it."""
+        return self.pool is not None or self.streamer.wants(num_rows)
 
     # ---- the device tables --------------------------------------------------------------
     def slot_pointers(self, slot: int, layer: int) -> np.ndarray:

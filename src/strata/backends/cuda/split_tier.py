@@ -11,7 +11,7 @@ import logging
 import numpy as np
 
 from strata.backends.cuda.stage import stage_store
-from strata.engine.expert_tier import ExpertTier, TierWindow
+from strata.engine.expert_tier import ExpertTier, TierWindow, model_forward
 from strata.engine.tier_stats import OptimumResult, TierTotals
 from strata.experts.profile import StoredProfileRecorder
 from strata.experts.store import ExpertStore
@@ -63,6 +63,7 @@ class StageTier(ExpertTier):
         during), set the PCIe share; the residency snapshot."""
         self._before_s = 0.0
         self._during = (0, 0.0)
+        self._fold_pending_before(num_rows)
         if self.arena is None:
             return None
         import time
@@ -128,6 +129,10 @@ class SplitTier:
         self.is_async = bool(config.adapt_async)
         self.last_window = TierWindow()
         self._counts = np.zeros((L, E), dtype=np.int64)  # [L, E] this window's routed rows
+        # the last window's counts for the trace and the stored profile, recorded while the
+        # next window runs when a stage overlaps (as each stage's own routing: StageTier)
+        self._pending = None
+        self._pending_counts = np.zeros((L, E), dtype=np.int64)
         self.trace = None
         if config.dump_routing_path is not None:
             self.trace = TraceWriter(config.dump_routing_path, L, E,
@@ -198,15 +203,16 @@ class SplitTier:
     def streams_prompt_experts(self) -> bool:
         return any(t.streams_prompt_experts for t in self.stages)
 
-    def forward_window(self, window, lazy: bool = False):
+    def forward_window(self, window, lazy: bool = False, greedy: bool = False):
         """The split pass with every stage's tier around it (as ExpertTier.forward_window)."""
         kind = "batch" if len(window.kvs) > 1 else "solo"
         snaps = [t.begin(window.num_rows) for t in self.stages]
-        forward = self.model.forward_window_lazy if lazy else self.model.forward_window
+        forward = model_forward(self.model, lazy, greedy)
         overlapping = [t for t in self.stages if t.overlaps_window]
         extra = {}
         if overlapping:  # their pumps and rounds run while the GPUs run the pass
             def while_running(is_done):
+                self._record_pending()
                 for t in overlapping:
                     t.during(is_done)
             extra["while_running"] = while_running
@@ -224,15 +230,29 @@ class SplitTier:
             w = t.last_window
             hits, misses, swaps = hits + w.num_hits, misses + w.num_misses, swaps + w.num_swaps
             wait_s += w.wait_s
-        if self.trace is not None:
-            self.trace.record_counts(self._num_windows, self._counts)
-            if (self._num_windows + 1) % 32 == 0:
-                self.trace.flush()
-        if self.profile_recorder is not None:
-            self.profile_recorder.add(self._counts)
+        self._record_pending()  # a pass that did not run while_running
+        if overlapping:
+            self._pending_counts[:] = self._counts
+            self._pending = (self._num_windows, self._pending_counts)
+        else:
+            self._record(self._num_windows, self._counts)
         self._num_windows += 1
         self.last_window = TierWindow(hits, misses, swaps, wait_s)
         return logits
+
+    def _record(self, window_index: int, counts: np.ndarray) -> None:
+        """A window's routing [L, E] into the trace and the stored profile."""
+        if self.trace is not None:
+            self.trace.record_counts(window_index, counts)
+            if (window_index + 1) % 32 == 0:
+                self.trace.flush()
+        if self.profile_recorder is not None:
+            self.profile_recorder.add(counts)
+
+    def _record_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._record(*pending)
 
     def forward(self, tokens: np.ndarray, kv, all_logits: bool = False) -> np.ndarray:
         from strata.backends.window import Window
@@ -262,6 +282,7 @@ class SplitTier:
     def close(self) -> None:
         for t in self.stages:
             t.close()
+        self._record_pending()
         if self.trace is not None:
             self.trace.close()
         if self.profile_recorder is not None:
