@@ -9,7 +9,8 @@ Usage: python tools/bench_split.py MODEL.gguf [-n 32] [-r 3] [--slots 1,2,4] [--
        [--policy decayed-count|window-score] [--no-admission] [--full-logits]
        [--synth qwen3-30b-a3b --weight-type q4_0
        --routing-skew 1 --jobs 16]   (writes the synth model first when MODEL is missing)
-Misses are read over PCIe (--pcie-frac 1: no CPU pool, which would keep one group).
+Misses are read over PCIe (--pcie-frac 1: no CPU pool, which would keep one group). With more
+than one group the decode windows are pipelined as the engine's scheduler runs them.
 """
 import argparse
 import logging
@@ -37,6 +38,40 @@ def stage_waits(tier) -> str:
         parts.append(f"stage {i}: hit {hit:.1%}, wait {wait_ms:.2f} ms/window, "
                      f"{tot.num_swaps} swaps ({tot.num_admissions} admissions)")
     return "; ".join(parts)
+
+
+def pipelined_decode(tier, model, num_slots, num_steps, num_prompt, rng, num_groups) -> float:
+    """Seconds of num_steps greedy decode windows per slot group, the groups' windows
+    pipelined as the engine's scheduler runs them (slot i in group i % num_groups; a group's
+    next window starts as soon as its last one finished, while the others are in flight),
+    after a prompt of num_prompt tokens per slot (not timed)."""
+    from collections import deque
+
+    from strata.backends.window import Window
+
+    kvs = [model.new_kv(num_prompt + num_steps + 1) for _ in range(num_slots)]
+    for kv in kvs:
+        tier.forward_window(Window.build(
+            [(kv, rng.integers(0, model.spec.vocab, num_prompt).astype(np.int32))]))
+    tok = rng.integers(0, model.spec.vocab, num_slots).astype(np.int32)
+    lanes = [[i for i in range(num_slots) if i % num_groups == g] for g in range(num_groups)]
+    left = [num_steps] * num_groups
+    flying = deque()
+
+    def start(g):
+        window = Window.build([(kvs[i], tok[i:i + 1]) for i in lanes[g]])
+        flying.append((g, tier.start_window(window, g, "greedy")))
+        left[g] -= 1
+
+    t0 = time.perf_counter()
+    for g in range(num_groups):
+        start(g)
+    while flying:
+        g, ticket = flying.popleft()
+        tok[lanes[g]] = tier.finish_window(ticket)
+        if left[g]:
+            start(g)
+    return time.perf_counter() - t0
 
 
 def run_setting(args, label, options, rows, rng):
@@ -67,12 +102,20 @@ def run_setting(args, label, options, rows, rng):
     try:
         for num_slots in args.slot_counts:
             full = args.full_logits
-            tier_decode(tier, model, num_slots, args.warm, 64, rng,  # plans, graphs, the tier
-                        full_logits=full)
-            runs = [num_slots * args.decode_tokens / tier_decode(
-                tier, model, num_slots, args.decode_tokens, 64, rng, full_logits=full)
-                for _ in range(args.repeats)]
-            rows.append((label, num_slots, statistics.median(runs), runs, stage_waits(tier)))
+            groups = min(getattr(model, "batch_groups", 1), num_slots)
+            if groups > 1 and getattr(tier, "pipelines", False) and not full:
+                def decode(steps, tier=tier, model=model):  # the scheduler's pipelined decode
+                    return pipelined_decode(tier, model, num_slots, steps, 64, rng, groups)
+                label_n = f"{label} (pipelined)"
+            else:
+                def decode(steps, tier=tier, model=model):
+                    return tier_decode(tier, model, num_slots, steps, 64, rng,
+                                       full_logits=full)
+                label_n = label
+            decode(args.warm)  # plans, graphs, the tier warms
+            runs = [num_slots * args.decode_tokens / decode(args.decode_tokens)
+                    for _ in range(args.repeats)]
+            rows.append((label_n, num_slots, statistics.median(runs), runs, stage_waits(tier)))
             print(rows[-1], flush=True)
     finally:
         tier.close()

@@ -177,16 +177,50 @@ def _time_decode(model, tokens: np.ndarray, forward=None, kv_args: dict | None =
 def _time_slots(model, tokens: np.ndarray, forward_window=None,
                 kv_args: dict | None = None) -> float:
     """Seconds for T decode windows of S rows, one token per slot, from S empty KVs: tokens
-    [T, S] (slot s reads column s)."""
+    [T, S] (slot s reads column s); on a layer split with batch groups the groups' windows
+    pipelined, as the engine's scheduler runs them."""
     from strata.backends.window import Window
 
-    forward_window = forward_window or model.forward_window
     T, S = tokens.shape
     kvs = [model.new_kv(T, **(kv_args or {})) for _ in range(S)]
+    forwarder = getattr(forward_window, "__self__", None) or model
+    groups = min(int(getattr(model, "batch_groups", 1) or 1), S)
     t0 = time.perf_counter()
+    if groups > 1 and callable(getattr(forwarder, "start_window", None)) and getattr(
+            forwarder, "pipelines", True):
+        _pipelined_slots(forwarder, kvs, tokens, groups)
+        return time.perf_counter() - t0
+    forward_window = forward_window or model.forward_window
     for t in range(T):
         forward_window(Window.build([(kv, tokens[t, s:s + 1]) for s, kv in enumerate(kvs)]))
     return time.perf_counter() - t0
+
+
+def _pipelined_slots(forwarder, kvs, tokens: np.ndarray, groups: int) -> None:
+    """The windows of _time_slots as the scheduler pipelines them on a layer split (slot s in
+    group s % groups; a group's next window starts once its last one finished, while the
+    others are in flight)."""
+    from collections import deque
+
+    from strata.backends.window import Window
+
+    T, S = tokens.shape
+    lanes = [[s for s in range(S) if s % groups == g] for g in range(groups)]
+    step = [0] * groups
+    flying = deque()
+
+    def start(g: int) -> None:
+        window = Window.build([(kvs[s], tokens[step[g], s:s + 1]) for s in lanes[g]])
+        flying.append((g, forwarder.start_window(window, g, "logits")))
+        step[g] += 1
+
+    for g in range(groups):
+        start(g)
+    while flying:
+        g, ticket = flying.popleft()
+        forwarder.finish_window(ticket)
+        if step[g] < T:
+            start(g)
 
 
 def _bench_tier(config, gguf, model):
@@ -242,7 +276,10 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
     from strata.config import EngineConfig
     from strata.model.gguf_file import GGUFModel
 
+    # slots: the most any test decodes together (a layer split's --batch-groups auto
+    # pipelines slot groups from that many)
     config = EngineConfig(model_path, threads=threads, device=device,
+                          parallel=max(slot_counts, default=1),
                           **read_chunk_fields(chunk_tokens), **(expert_config or {}))
     with GGUFModel.open(model_path) as gguf:
         model = build_model(gguf, config.device, threads,
@@ -272,6 +309,8 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
 def _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions, threads,
                 chunk_tokens, seed, kv_args, slot_counts=(1,)) -> list[dict]:
     """The timed tests, each forward through `tier` when there is one."""
+    from strata.backends.select import is_cuda_model
+
     rows = []
     forward = tier.forward if tier is not None else None
     forward_window = tier.forward_window if tier is not None else None
@@ -282,7 +321,7 @@ def _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions, thr
         "size_bytes": model_path.stat().st_size,
         "type": _weight_type(gguf),
         "threads": threads if threads is not None else _default_threads(),
-        "backend": "cuda" if type(model).__name__ == "CudaModel" else "cpu",
+        "backend": "cuda" if is_cuda_model(model) else "cpu",
     }
     tests = []  # (name, tokens per slot, slots, timer of a [tokens] or [tokens, slots] draw)
     if n_prompt > 0:

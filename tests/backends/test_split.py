@@ -112,23 +112,26 @@ def test_slower_miss_bandwidth_predicts_more_time():
     assert slow.predicted_ms > fast.predicted_ms
 
 
-@pytest.mark.parametrize("value,stages,slots,adapt_async,want", [
+@pytest.mark.parametrize("value,stages,slots,blocking,want", [
     ("auto", 2, 4, False, 2), ("auto", 2, 4, True, 1), ("auto", 1, 4, False, 1),
-    ("auto", 2, 1, False, 1), ("3", 2, 4, True, 3), ("1", 2, 4, False, 1)])
-def test_batch_groups(value, stages, slots, adapt_async, want):
-    groups, line = choose_batch_groups(value, stages, slots, adapt_async=adapt_async)
+    ("auto", 2, 1, False, 1), ("3", 2, 4, True, 3), ("1", 2, 4, False, 1),
+    ("auto", 2, 2, False, 2)])
+def test_batch_groups(value, stages, slots, blocking, want):
+    groups, line = choose_batch_groups(value, stages, slots, blocking_tier=blocking)
     assert groups == want
-    if value == "auto" and adapt_async and stages > 1 and slots > 1:
-        assert "would switch off the asynchronous tier" in line
+    if value == "auto" and blocking and stages > 1 and slots > 1:
+        assert "would switch off the blocking tier" in line
     if value == "3":
-        assert "turns off the asynchronous tier" in line
+        assert "turns off the blocking tier" in line
+    if value == "auto" and want > 1:
+        assert "pipelined over" in line
 
 
 def test_batch_groups_errors():
     with pytest.raises(ConfigError, match="more than the 2 slots"):
-        choose_batch_groups("3", 2, 2, adapt_async=False)
+        choose_batch_groups("3", 2, 2)
     with pytest.raises(ConfigError, match="give auto or a number"):
-        choose_batch_groups("0", 2, 2, adapt_async=False)
+        choose_batch_groups("0", 2, 2)
 
 
 def test_layer_costs_of_a_synth_model(tmp_path):

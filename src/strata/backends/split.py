@@ -200,11 +200,15 @@ def plan_split(costs: LayerCosts, cards: list[Card], counts: list[int] | None = 
 
 
 def choose_batch_groups(value: str | int | None, num_stages: int, num_slots: int, *,
-                        adapt_async: bool, drafts: bool = False) -> tuple[int, str]:
-    """(slot groups pipelined over the stages, the log line saying why). `auto` takes one group
-    where pipelining would switch off something asked for (the asynchronous tier, drafts);
-    an explicit N is honoured and the line says what it turned off."""
-    wanted_off = [what for what, on in (("the asynchronous tier (--adapt-async 1)", adapt_async),
+                        blocking_tier: bool = False,
+                        drafts: bool = False) -> tuple[int, str]:
+    """(slot groups pipelined over the stages, the log line saying why). With N groups slot i
+    belongs to group i % N and the scheduler keeps one decode window per group in flight, so
+    group A's rows run on stage 2 while group B's run on stage 1. `auto` takes one group
+    where pipelining would switch off something asked for (a blocking tier, whose rounds wait
+    until no window holds the table they replace; draft tokens); an explicit N is honoured
+    and the line says what it turned off."""
+    wanted_off = [what for what, on in (("the blocking tier (--adapt-async 0)", blocking_tier),
                                         ("draft tokens", drafts)) if on]
     if value is None or str(value).strip().lower() == "auto":
         if num_stages < 2 or num_slots < 2:
@@ -213,7 +217,8 @@ def choose_batch_groups(value: str | int | None, num_stages: int, num_slots: int
             return 1, ("batch groups: 1, since pipelining would switch off "
                        + " and ".join(wanted_off))
         groups = min(num_stages, num_slots)
-        return groups, f"batch groups: {groups} (slot groups pipelined over {num_stages} stages)"
+        return groups, (f"batch groups: {groups} (decode windows of slot groups pipelined over "
+                        f"{num_stages} stages)")
     text = str(value).strip()
     if not text.isdigit() or int(text) < 1:
         raise ConfigError(f"--batch-groups {value!r}: give auto or a number of groups >= 1")

@@ -162,8 +162,11 @@ class Engine:
         return self.scheduler.kvs[self.scheduler.last_slot_index]
 
     def close(self) -> None:
-        if self.expert_tier is not None:
-            self.expert_tier.close()
+        try:
+            self.scheduler.drain()  # pipelined windows still in flight
+        finally:
+            if self.expert_tier is not None:
+                self.expert_tier.close()
         self.gguf.close()
 
     def __enter__(self) -> "Engine":

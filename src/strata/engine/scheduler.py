@@ -78,9 +78,28 @@ class _Active:
     arrival: int = 0  # order of placement: reads go first come first served
 
 
+@dataclass
+class _Flight:
+    """A pipelined decode window in flight: its slot group (lane), the forwarder's ticket, the
+    window with its runs and kinds, when it was started."""
+
+    group: int
+    ticket: object
+    window: Window
+    runs: list
+    kinds: list
+    started_at: float
+
+
 class Scheduler:
     """Owns the slots of one model. Not thread-safe: one thread calls submit/step; only
-    `RequestHandle.cancel` may come from another thread."""
+    `RequestHandle.cancel` may come from another thread.
+
+    Pipelined decode (a layer split with --batch-groups N > 1): slot i belongs to group i % N;
+    while every running request decodes, each group's window is started as soon as its last
+    one finished, so group A's rows run on stage 2 while group B's run on stage 1, and each
+    step finishes the oldest window in flight. A prompt to read, a request to place or a
+    cancel drains the windows in flight first; then windows hold every slot again."""
 
     def __init__(self, model, tokenizer, n_ctx: int, num_slots: int, choosers,
                  conversation_cache_mib: float = 2048, expert_tier=None, kv_dtype=None):
@@ -109,6 +128,19 @@ class Scheduler:
         self._decode_window_s: float | None = None
         self._prompt_s_per_token: float | None = None
         self.last_slot_index = 0
+        # pipelined decode: the model's slot groups and what starts / finishes their windows
+        # (the split's tier, else the split model itself)
+        self._forwarder = expert_tier if expert_tier is not None else model
+        self._num_groups = int(getattr(model, "batch_groups", 1) or 1)
+        if not callable(getattr(self._forwarder, "start_window", None)):
+            self._num_groups = 1
+        self._in_flight: deque[_Flight] = deque()
+        self._next_group = 0
+        if self._num_groups > 1 and not getattr(self._forwarder, "pipelines", True):
+            log.info("batch groups: %d, but decode windows run one at a time: a stage's tier "
+                     "keeps one window at a time (free admission, or a CPU pool: --pcie-frac "
+                     "< 1)", self._num_groups)
+            self._num_groups = 1
 
     # ---- what the engine and the server see -----------------------------------------------
     @property
@@ -166,6 +198,8 @@ class Scheduler:
     def drop_cancelled(self) -> None:
         """End the requests whose cancel was asked: queued ones leave the queue, placed ones
         free their slot (their KV cells stay for reuse)."""
+        if self._in_flight and any(a.handle.is_cancel_asked for a in self._active.values()):
+            self.drain()  # a cancelled slot's window may be in flight
         for handle in [h for h in self._queue if h.is_cancel_asked]:
             self._queue.remove(handle)
             self._end(handle, None)
@@ -184,7 +218,12 @@ class Scheduler:
         self.conversations.clear()
 
     def step(self) -> bool:
-        """Place queued requests, then run one window. False when there was nothing to run."""
+        """Place queued requests, then run one window (pipelined: start the idle groups' decode
+        windows and finish the oldest in flight). False when there was nothing to run."""
+        if self._pipelines_now():
+            self._pipelined_step()
+            return True
+        self.drain()
         self.drop_cancelled()
         self._place_queued()
         if not self._active:
@@ -200,13 +239,81 @@ class Scheduler:
             else:
                 logits = self.expert_tier.forward_window(window, lazy=True)
         except BaseException as exc:
-            # A failed pass commits nothing, but fail every request in it rather than retry.
-            for slot_index, _ in kinds:
-                self._release(self._active[slot_index], exc)
-            if not isinstance(exc, Exception):
-                raise
+            self._fail_window(kinds, exc)
             return True
-        seconds = time.perf_counter() - t0
+        self._after_window(window, runs, kinds, logits, time.perf_counter() - t0)
+        return True
+
+    # ---- pipelined decode ---------------------------------------------------------------
+    def _decoding_groups(self) -> dict[int, list[_Active]]:
+        """Slot group -> its decoding requests (slot order); groups without any left out."""
+        groups: dict[int, list[_Active]] = {}
+        for active in sorted(self._active.values(), key=lambda a: a.slot_index):
+            if active.handle.state == STATE_DECODING:
+                groups.setdefault(active.slot_index % self._num_groups, []).append(active)
+        return groups
+
+    def _pipelines_now(self) -> bool:
+        """Pipelined decode this step: groups > 1, the forwarder able to keep several windows
+        in flight now (SplitTier.pipelines), every running request decoding and none to
+        cancel, no queued request that a free slot could take, and at least two groups with
+        decoding slots (or windows still in flight)."""
+        if self._num_groups < 2 or not getattr(self._forwarder, "pipelines", True):
+            return False
+        if (self._queue and self.table.has_idle()) or any(
+                h.is_cancel_asked for h in self._queue):
+            return False
+        if any(a.handle.state != STATE_DECODING or a.handle.is_cancel_asked
+               for a in self._active.values()):
+            return False
+        return len(self._decoding_groups()) >= 2
+
+    def _pipelined_step(self) -> None:
+        groups = self._decoding_groups()
+        busy = {flight.group for flight in self._in_flight}
+        for g in sorted(groups, key=lambda g: (g - self._next_group) % self._num_groups):
+            if g not in busy:
+                self._start_group(g, groups[g])
+        self._next_group = (self._next_group + 1) % self._num_groups
+        if self._in_flight:
+            self._finish_flight(self._in_flight.popleft())
+
+    def _start_group(self, group: int, actives: list[_Active]) -> None:
+        runs = [(self.kvs[a.slot_index], [a.next_token]) for a in actives]
+        kinds = [(a.slot_index, "decode") for a in actives]
+        window = Window.build(runs, logits=["last"] * len(runs))
+        t0 = time.perf_counter()
+        try:
+            ticket = self._forwarder.start_window(window, group, "lazy")
+        except BaseException as exc:
+            self._fail_window(kinds, exc)
+            return
+        self._in_flight.append(_Flight(group, ticket, window, runs, kinds, t0))
+
+    def _finish_flight(self, flight: _Flight) -> None:
+        try:
+            logits = self._forwarder.finish_window(flight.ticket)
+        except BaseException as exc:
+            self._fail_window(flight.kinds, exc)
+            return
+        self._after_window(flight.window, flight.runs, flight.kinds, logits,
+                           time.perf_counter() - flight.started_at)
+
+    def drain(self) -> None:
+        """Finish every pipelined window in flight, oldest first."""
+        while self._in_flight:
+            self._finish_flight(self._in_flight.popleft())
+
+    def _fail_window(self, kinds, exc: BaseException) -> None:
+        """A failed pass commits nothing: fail every request in it rather than retry."""
+        for slot_index, _ in kinds:
+            if slot_index in self._active:
+                self._release(self._active[slot_index], exc)
+        if not isinstance(exc, Exception):
+            raise exc
+
+    def _after_window(self, window: Window, runs, kinds, logits, seconds: float) -> None:
+        """A finished window: timings, each run's tokens and events, the window's stats."""
         num_decode_rows = sum(1 for _, kind in kinds if kind == "decode")
         num_prompt_rows = window.num_rows - num_decode_rows
         self._measure(num_decode_rows, num_prompt_rows, seconds)
@@ -226,7 +333,6 @@ class Scheduler:
         self.choosers.window_done(WindowStats(
             self._window_index, num_decode_rows, num_prompt_rows, seconds,
             *((tier.num_hits, tier.num_misses, tier.num_swaps, tier.wait_s) if tier else ())))
-        return True
 
     # ---- placement ------------------------------------------------------------------------
     def _place(self, handle: RequestHandle) -> None:

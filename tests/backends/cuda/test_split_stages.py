@@ -1,6 +1,7 @@
 """The layer split on the GPU: stages over layer ranges (two on one GPU, and on two GPUs when
 there are two) give the one-GPU model's logits bit for bit (the same kernels on the same rows);
-several slots, greedy and lazy outputs, park/restore, slot groups pipelined (2 groups equal 1),
+several slots, greedy and lazy outputs, park/restore, slot groups pipelined (2 groups equal 1;
+two lanes' windows in flight at once equal the same windows one at a time),
 the tier on every stage while its swaps land (each window checked against the frozen pass), and
 the engine's greedy tokens through --split-device / --layer-split."""
 from __future__ import annotations
@@ -127,6 +128,112 @@ def test_two_batch_groups_equal_one(path, full, mode):
             assert np.array_equal(a, b)
 
 
+def run_lanes(model, plans, mode="logits", start=None, finish=None):
+    """The windows of `plans` as two pipelined lanes (slots 0, 2 and slot 1), started and
+    finished as the scheduler does (A0, B0 started; A0 finished, A1 started; B0 finished, B1
+    started; ...) through model.start_window / finish_window, or with `start` / `finish` given
+    (a tier's); per (window, lane): the rows' output and routing counts."""
+    kvs = [model.new_kv(256) for _ in range(3)]
+    lanes = [(0, [0, 2]), (1, [1])]
+    start = start or (lambda w, lane, c: model.start_window(w, lane, mode, routing_counts=c))
+    finish = finish or model.finish_window
+    outs, flying = {}, []
+    for index, plan in enumerate(plans):
+        for lane, slots in lanes:
+            if len(flying) == 2:  # the oldest finishes before its lane starts again
+                key, ticket, c = flying.pop(0)
+                outs[key] = (np.array(finish(ticket)), c)
+            window = Window.build([(kvs[i], plan[i]) for i in slots], logits="all")
+            c = np.zeros((model.spec.n_layers, model.spec.n_experts), dtype=np.int64)
+            flying.append(((index, lane), start(window, lane, c), c))
+    for key, ticket, c in flying:
+        outs[key] = (np.array(finish(ticket)), c)
+    return outs
+
+
+def lanes_one_at_a_time(model, plans, mode):
+    """The same lane windows through the one-GPU model, one after the other."""
+    kvs = [model.new_kv(256) for _ in range(3)]
+    outs = {}
+    for index, plan in enumerate(plans):
+        for lane, slots in ((0, [0, 2]), (1, [1])):
+            window = Window.build([(kvs[i], plan[i]) for i in slots], logits="all")
+            c = np.zeros((model.spec.n_layers, model.spec.n_experts), dtype=np.int64)
+            run = {"greedy": model.forward_window_greedy, "logits": model.forward_window,
+                   "lazy": model.forward_window_lazy}[mode]
+            outs[(index, lane)] = (np.array(run(window, routing_counts=c)), c)
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["logits", "greedy", "lazy"])
+def test_pipelined_lanes_equal_the_one_gpu_model(path, full, mode):
+    """Two lanes' windows in flight at once (start_window / finish_window) give the one-GPU
+    model's outputs and routing counts for the same windows bit for bit; a plain pass is
+    refused while a lane is in flight."""
+    plans = make_windows(np.random.default_rng(6), 10, chunk_tokens=5)
+    want = lanes_one_at_a_time(full, plans, mode)
+    for devices in _device_sets():
+        model = split_model(path, devices, [2, 2], batch_groups=2)
+        got = run_lanes(model, plans, mode)
+        assert got.keys() == want.keys()
+        for key in want:
+            assert np.array_equal(want[key][0], got[key][0]), f"{key} differs on {devices}"
+            assert np.array_equal(want[key][1], got[key][1]), f"{key} counts on {devices}"
+        kv = model.new_kv(16)
+        ticket = model.start_window(Window.build([(kv, np.array([5, 6]))]), 0, mode)
+        with pytest.raises(RuntimeError, match="in flight"):
+            model.forward_window(Window.build([(model.new_kv(16), np.array([7]))]))
+        with pytest.raises(RuntimeError, match="in flight"):
+            model.start_window(Window.build([(model.new_kv(16), np.array([7]))]), 0, mode)
+        model.finish_window(ticket)
+
+
+def test_pipelined_lanes_with_every_stage_tier_swapping(path, full, caplog):
+    """The asynchronous tier on both stages, swapping every window, while two lanes' windows
+    are in flight: every window equals the frozen all-resident pass, no pump fails (a load
+    lands only once no window started before its claim holds its snapshot), and each stage's
+    device tables equal its residency afterwards."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="strata")
+    plans = make_windows(np.random.default_rng(7), 40, chunk_tokens=5)
+    want = lanes_one_at_a_time(full, plans, "logits")
+    devices = [0, 1] if _num_gpus() >= 2 else [0, 0]
+    model, tier = _split_tier(path, devices, 10, adapt_every=1, adapt_async=True,
+                              batch_groups=2)
+    for t in tier.stages:
+        t.copy_chunk_bytes = 256
+    tier.start(DecayedCountTier(10, decay=0.5, hysteresis=0.0))
+    assert tier.pipelines
+    for t in tier.stages:
+        t._copier.chunk_bytes = 256
+        t._copier.chunks_per_window = 16
+    try:
+        def start(window, lane, counts):
+            return tier.start_window(window, lane, "logits")
+
+        got = run_lanes(model, plans, start=start, finish=tier.finish_window)
+        assert tier.wait_idle(30)
+    finally:
+        tier.close()
+    for key in want:
+        assert np.array_equal(want[key][0], got[key][0]), f"{key} differs from the frozen pass"
+    for t in tier.stages:
+        assert t.totals.num_swaps >= 10, t.label
+        arena = t.arena
+        table, host = arena.device_table(), arena.host.pointers(device=True)
+        residency = arena.table.peek().table
+        for layer in range(t.store.n_layers):
+            for e in range(t.store.n_experts):
+                slot = int(residency[layer, e])
+                ptrs = arena.slot_pointers(slot, layer) if slot >= 0 else host[layer, :, e]
+                assert list(table[layer, :, e]) == list(ptrs)
+    assert tier.snapshot_totals().num_windows == 80
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-2000:]
+    for t in tier.stages:  # no slot left claimed: every load landed or was aborted
+        assert t.arena.table.num_resident + len(t.arena.table.free_slots()) == t.arena.n_slots
+
+
 def test_park_and_restore_continue_bit_for_bit(path):
     model = split_model(path, [0, 0], [1, 3])
     rng = np.random.default_rng(9)
@@ -213,7 +320,11 @@ def _engine_tokens(path, **options):
     dict(layer_split="auto", batch_groups=2),
     dict(layer_split="1,3", expert_cache=6, adapt_every=1, adapt_async=False, pcie_frac=1.0),
     dict(layer_split="3,1", expert_cache=6, adapt_every=1, adapt_async=True, pcie_frac=1.0),
-], ids=["resident", "auto-2-groups", "blocking-tier", "async-tier"])
+    dict(layer_split="2,2", expert_cache=6, adapt_every=1, batch_groups="auto", pcie_frac=1.0),
+    dict(layer_split="2,2", expert_cache=6, adapt_every=1, adapt_async=False, batch_groups=2,
+         pcie_frac=1.0),
+], ids=["resident", "auto-2-groups", "blocking-tier", "async-tier", "pipelined-async-tier",
+        "pipelined-blocking-asked"])
 def test_engine_on_two_gpus_gives_the_one_gpu_tokens(path, options):
     if _num_gpus() < 2:
         pytest.skip("needs two GPUs")

@@ -60,7 +60,12 @@ class StreamCopier:
                     continue
                 if id(event) not in arrived:
                     arrived[id(event)] = event.query()
-                if arrived[id(event)]:
+                if arrived[id(event)] and (f["ticket"] is None
+                                           or a.table.is_overwritable(f["ticket"])):
+                    # (a window started before the claim may still hold its snapshot: with
+                    # pipelined slot groups it finishes after this pump; its kernels ran
+                    # before the copy, which waited for the eviction's upload, but the table
+                    # publishes the load only once no reader holds an older version)
                     landing.append(f)
             landed, seen = [], set()
             for f in landing:
@@ -83,8 +88,8 @@ class StreamCopier:
             tickets = a.table.begin_evict_many([load.slot for load in self._queued])
             evicted = [t.evicted for t in tickets if t.evicted is not None]
             a._point_many([e[0] for e in evicted], [e[1] for e in evicted], [-1] * len(evicted))
-            started = [{"load": load, "at": 0, "event": None, "nbytes": a._image_bytes(load.layer)}
-                       for load in self._queued]
+            started = [{"load": load, "at": 0, "event": None, "nbytes": a._image_bytes(load.layer),
+                        "ticket": ticket} for load, ticket in zip(self._queued, tickets)]
             self._queued = []
             if changed or started:
                 published = a._publish()
@@ -95,7 +100,7 @@ class StreamCopier:
                 issued = drv.Event()
                 issued.record(rt.stream)
                 a.side_stream.wait_for_event(issued)
-                self._flight += [{"load": load, "at": 0, "event": None,
+                self._flight += [{"load": load, "at": 0, "event": None, "ticket": None,
                                   "nbytes": a._image_bytes(load.layer)} for load in self._claimed]
                 self._claimed = []
             # 3. enqueue copies behind the published evictions: one list run by one call (no

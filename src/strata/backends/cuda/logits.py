@@ -21,7 +21,12 @@ class Candidates(NamedTuple):
 
 class LogitReader:
     """Runs `logit_candidates` on the model's logits buffer and copies rows back. Its scratch
-    row and pinned outputs are allocated at first use. Engine thread only."""
+    row, pinned buffers and stream are made at first use. Engine thread only.
+
+    It works on a stream of its own with asynchronous copies only: the pass that wrote the
+    logits has finished when a row is read (the model waited for it), and a layer split's
+    other slot groups may have passes queued on the compute streams meanwhile (pipelined
+    decode), which neither a synchronous copy nor a kernel on those streams may wait for."""
 
     def __init__(self, runtime, logits_ptr_fn, vocab: int):
         self._rt = runtime
@@ -29,6 +34,7 @@ class LogitReader:
         self._vocab = vocab
         self._bufs = None
         self._pen_capacity = 0
+        self._rows_host = None  # pinned [n, V] for rows()
         self.generation = 0  # bumped by every pass: rows of older passes are gone
 
     def _alloc(self):
@@ -43,13 +49,16 @@ class LogitReader:
         self._host = {
             "ids": rt.pinned((CAND_MAX,), np.int32), "x": rt.pinned((CAND_MAX,), np.float32),
             "mass": rt.pinned((1,), np.float64), "nan": rt.pinned((1,), np.int32),
+            "req": rt.pinned((5,), np.int32), "temp": rt.pinned((1,), np.float64),
         }
+        self._stream = rt.drv.Stream()
 
     def _grow_penalties(self, num_entries: int) -> None:
-        # [P] ids int32, repetition factors float32, subtractions float32
+        # [P] ids int32, repetition factors float32, subtractions float32 (and pinned staging)
         self._pen_capacity = num_entries
         for name in ("pen_ids", "pen_rep", "pen_sub"):
             self._bufs[name] = self._rt.alloc(4 * num_entries)
+        self._pen_host = self._rt.pinned((3, num_entries), np.int32)
 
     def candidates(self, row: int, generation: int, num: int, temperature: float, penalties,
                    num_valid: int, want_mass: bool) -> Candidates | None:
@@ -61,26 +70,31 @@ class LogitReader:
         with rt.active():
             if self._bufs is None:
                 self._alloc()
-            b, h, drv = self._bufs, self._host, rt.drv
-            ids, rep, sub = penalties if penalties is not None else (
-                np.zeros(1, np.int32), np.ones(1, np.float32), np.zeros(1, np.float32))
-            num_pen = 0 if penalties is None else int(ids.shape[0])
+            b, h, drv, stream = self._bufs, self._host, rt.drv, self._stream
+            num_pen = 0 if penalties is None else int(penalties[0].shape[0])
             if num_pen > self._pen_capacity:
                 self._grow_penalties(max(num_pen, 2 * self._pen_capacity))
-            for name, values in zip(("pen_ids", "pen_rep", "pen_sub"), (ids, rep, sub)):
-                drv.memcpy_htod(b[name], np.ascontiguousarray(values))
-            drv.memcpy_htod(b["req"], np.array([row, num, 0, num_pen, int(want_mass)],
-                                               dtype=np.int32))
-            drv.memcpy_htod(b["temp"], np.array([temperature], dtype=np.float64))
+            if num_pen:
+                staged = self._pen_host  # [3, P] int32 bits: ids, factors, subtractions
+                for i, (name, values, dtype) in enumerate(zip(
+                        ("pen_ids", "pen_rep", "pen_sub"), penalties,
+                        (np.int32, np.float32, np.float32))):
+                    staged[i, :num_pen] = np.ascontiguousarray(values, dtype=dtype).view(
+                        np.int32)
+                    drv.memcpy_htod_async(b[name], staged[i, :num_pen], stream)
+            h["req"][:] = (row, num, 0, num_pen, int(want_mass))
+            h["temp"][0] = temperature
+            drv.memcpy_htod_async(b["req"], h["req"], stream)
+            drv.memcpy_htod_async(b["temp"], h["temp"], stream)
             rt.kernel("logit_candidates").prepare(
                 (1,), (1024,), "PiiPPPPPPPPPP",
                 [self._logits_ptr(), self._vocab, min(num_valid, self._vocab), int(b["req"]),
                  int(b["temp"]), int(b["pen_ids"]), int(b["pen_rep"]), int(b["pen_sub"]),
                  int(b["scratch"]), int(b["ids"]),
-                 int(b["x"]), int(b["mass"]), int(b["nan"])]).launch(rt.stream_handle)
+                 int(b["x"]), int(b["mass"]), int(b["nan"])]).launch(int(stream.handle))
             for name in ("ids", "x", "mass", "nan"):
-                drv.memcpy_dtoh_async(h[name], b[name], rt.stream)
-            rt.stream.synchronize()
+                drv.memcpy_dtoh_async(h[name], b[name], stream)
+            stream.synchronize()
         if h["nan"][0]:
             return None
         num = min(num, num_valid)
@@ -90,11 +104,18 @@ class LogitReader:
         """The logits [stop - first, V] as float32 on the host."""
         self._check(generation)
         rt = self._rt
-        out = np.empty((stop - first, self._vocab), dtype=np.float32)
         with rt.active():
+            if self._bufs is None:
+                self._alloc()
+            n = stop - first
+            if self._rows_host is None or self._rows_host.shape[0] < n:
+                self._rows_host = rt.pinned((max(n, 8), self._vocab), np.float32)
+            out = self._rows_host[:n]
             if out.size:
-                rt.drv.memcpy_dtoh(out, self._logits_ptr() + 4 * first * self._vocab)
-        return out
+                rt.drv.memcpy_dtoh_async(out, self._logits_ptr() + 4 * first * self._vocab,
+                                         self._stream)
+                self._stream.synchronize()
+        return np.array(out)
 
     def _check(self, generation: int) -> None:
         if generation != self.generation:

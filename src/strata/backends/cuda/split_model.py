@@ -105,6 +105,7 @@ class SplitModel:
         self._host_logits = np.empty((0, self.spec.vocab), np.float32)
         self._host_argmax = None
         self._lane_counts: dict[tuple[int, int], np.ndarray] = {}  # (stage, lane) -> [Ls, E]
+        self._lanes: dict[int, _Lane] = {}  # pipelined windows' lanes (start_window)
         self.expert_tier = None  # the SplitTier, set when it is built
         self._pool_logged = False
         self.plan_text = self.describe()  # what `strata run` / `bench` print at start
@@ -184,8 +185,13 @@ class SplitModel:
             self.enable_routing_counts()
 
     def num_groups_for(self, window: Window) -> int:
-        """Slot groups this window runs as: batch_groups, at most one per run, and one when a
-        stage hands rows to a CPU pool (one pool window per pass)."""
+        """Slot groups this window runs as: batch_groups, at most one per run, when it reads a
+        prompt chunk (a pass's time grows with its rows there); one for decode rows only (a
+        decode pass costs about the same for 1 row as for 4: the scheduler pipelines decode
+        windows of different groups instead, start_window) and when a stage hands rows to a
+        CPU pool (one pool window per pass)."""
+        if window.num_rows == len(window.kvs):
+            return 1
         if any(s.tier is not None and s.tier.has_pool for s in self.stages):
             if self.batch_groups > 1 and not self._pool_logged:
                 log.info("batch groups: 1 while a CPU pool serves cache misses (--pcie-frac "
@@ -209,7 +215,11 @@ class SplitModel:
     def _run(self, window: Window, mode: str, expert_pointers, routing_counts,
              while_running=None):
         self._check(window, expert_pointers, routing_counts)
+        if any(state.in_flight for state in self._lanes.values()):
+            raise RuntimeError("a pipelined window is in flight; finish_window it first")
         window.check_current()
+        for state in self._lanes.values():
+            state.reader.generation += 1  # lane 0's workspace is this pass's too
         groups = group_windows(window, self.num_groups_for(window))
         G, N = len(groups), window.num_logit_rows
         self.logit_reader.generation += 1  # the pass overwrites the last one's logits
@@ -331,8 +341,123 @@ class SplitModel:
                 for lane in range(G):
                     part += self._lane_counts[(s, lane)]
 
+    # ---- pipelined windows: one slot group per lane, several in flight ----------------------
+    def start_window(self, window: Window, lane: int, mode: str = "lazy",
+                     routing_counts: np.ndarray | None = None) -> "LaneTicket":
+        """Queue `window` (one slot group's rows) as lane `lane` on every stage's stream and
+        return at once; finish_window waits for it and returns what forward_window_<mode>
+        would ("logits", "greedy", "lazy"). Windows of other lanes may be in flight: while
+        lane A's rows run on stage 2, lane B's run on stage 1 (pipelined decode). Each lane
+        has its own workspaces, logits, counts and events; its KVs must be its own.
+        `routing_counts` [L, E] gets the window's routed rows added at finish_window."""
+        if mode not in ("logits", "greedy", "lazy"):
+            raise ValueError(f"start_window: mode must be logits, greedy or lazy, got {mode!r}")
+        self._check(window, None, routing_counts)
+        if lane in self._lanes and self._lanes[lane].in_flight:
+            raise RuntimeError(f"lane {lane} already has a window in flight; finish it first")
+        window.check_current()
+        state = self._lane(lane)
+        N = window.num_logit_rows
+        try:
+            for s, stage in enumerate(self.stages):
+                rt = stage.runtime
+                with rt.active():
+                    stage.use_lane(lane)
+                    plan = stage._prepare(stage_window(window, s))
+                    if s > 0:
+                        self.hops[s - 1].queue(lane, window.num_rows,
+                                               self.stages[s - 1].x_ptr(), stage.x_ptr())
+                    plan.run(rt.stream_handle,
+                             stage.use_graphs and window.num_rows <= GRAPH_MAX_ROWS)
+                    if routing_counts is not None:
+                        self._queue_lane_counts(s, lane)
+                    if stage is self.last and mode != "lazy":
+                        host = state.host_rows(mode, max(N, 1), rt)
+                        src = stage.argmax_ptr() if mode == "greedy" else stage.logits_ptr()
+                        rt.drv.memcpy_dtoh_async(host, src, rt.stream)
+                    state.done[s].record(rt.stream)
+        finally:
+            for stage in self.stages:
+                stage.use_lane(0)
+        state.reader.generation += 1  # the lane's last logits are overwritten
+        state.in_flight = True
+        return LaneTicket(lane, window, mode, routing_counts)
+
+    def finish_window(self, ticket: "LaneTicket", while_running=None):
+        """Wait for a window start_window queued (running `while_running(is_done)` first, as
+        forward_window does) and return its greedy ids [N], logits [N, V] or lazy logits."""
+        state = self._lanes[ticket.lane]
+        if not state.in_flight:
+            raise RuntimeError(f"lane {ticket.lane} has no window in flight")
+
+        def is_done() -> bool:
+            for stage, event in zip(self.stages, state.done):
+                with stage.runtime.active():
+                    if not event.query():
+                        return False
+            return True
+
+        try:
+            if while_running is not None:  # the GPUs run the window meanwhile
+                while_running(is_done)
+            for stage, event in zip(self.stages, state.done):
+                with stage.runtime.active():
+                    event.synchronize()
+        finally:
+            state.in_flight = False
+        if ticket.routing_counts is not None:
+            for s, stage in enumerate(self.stages):
+                ticket.routing_counts[stage.first_layer:stage.stop_layer] += \
+                    self._lane_counts[(s, ticket.lane)]
+        ticket.window.commit()
+        N = ticket.window.num_logit_rows
+        if ticket.mode == "lazy":
+            return DeviceLogits(state.reader, 0, N, state.reader.generation)
+        return np.array(state.rows[ticket.mode][:N])
+
+    def _lane(self, lane: int) -> "_Lane":
+        state = self._lanes.get(lane)
+        if state is None:
+            last = self.last
+            events = []
+            for stage in self.stages:
+                with stage.runtime.active():
+                    events.append(stage.runtime.drv.Event(
+                        stage.runtime.drv.event_flags.DISABLE_TIMING))
+            reader = LogitReader(last.runtime, lambda: last.lane_ptr(lane, "logits"),
+                                 self.spec.vocab)
+            state = self._lanes[lane] = _Lane(events, reader)
+        return state
+
     def __repr__(self) -> str:
         return f"SplitModel({self.describe()})"
+
+
+class LaneTicket:
+    """A window start_window queued: its lane, window, mode and routing counts."""
+
+    def __init__(self, lane: int, window: Window, mode: str, routing_counts):
+        self.lane, self.window, self.mode = lane, window, mode
+        self.routing_counts = routing_counts
+
+
+class _Lane:
+    """A pipelined lane's events (one per stage, behind its work), logit reader and pinned
+    output rows."""
+
+    def __init__(self, done: list, reader: LogitReader):
+        self.done, self.reader = done, reader
+        self.rows: dict[str, np.ndarray] = {}
+        self.in_flight = False
+
+    def host_rows(self, mode: str, num_rows: int, rt) -> np.ndarray:
+        """Pinned rows for mode's output: [n] int32 argmax or [n, V] float32 logits."""
+        have = self.rows.get(mode)
+        if have is None or have.shape[0] < num_rows:
+            n = max(num_rows, 64)
+            have = self.rows[mode] = (rt.pinned((n,), np.int32) if mode == "greedy" else
+                                      rt.pinned((n, self.reader._vocab), np.float32))
+        return have[:num_rows]
 
 
 # ---- building from the engine's options ------------------------------------------------------
@@ -370,10 +495,11 @@ def build_split_model(gguf_model, config, offload: bool) -> SplitModel:
     kv_tokens = config.parallel * config.resolve_n_ctx(spec.context_length)
     plan = sp.plan_split(costs, cards, counts, kv_tokens=kv_tokens)
     is_tiered = offload and config.expert_cache != 0 and config.adapt_every > 0
+    blocking = is_tiered and not config.adapt_async
     groups, why = sp.choose_batch_groups(config.batch_groups, len(devices), config.parallel,
-                                         adapt_async=is_tiered and bool(config.adapt_async))
-    if groups > 1 and is_tiered and config.adapt_async:  # as the log line above says
-        config.adapt_async = False
+                                         blocking_tier=blocking)
+    if groups > 1 and blocking:  # as the log line above says
+        config.adapt_async = True
     model = SplitModel(gguf_model, [s.card for s in plan.stages], plan.counts,
                        experts_resident=not offload, batch_groups=groups)
     model.plan_text = "\n".join([plan.describe(), why, model.describe()])

@@ -85,6 +85,18 @@ class StageTier(ExpertTier):
         self._after_window(snap, kind)
 
 
+@dataclasses.dataclass
+class _TierTicket:
+    """A pipelined window in flight: the model's ticket, each stage's residency snapshot and
+    before_window time, the window's routing counts [L, E] and kind."""
+
+    model: object
+    snaps: list
+    befores: list
+    counts: np.ndarray
+    kind: str
+
+
 @dataclasses.dataclass(frozen=True)
 class _Facts:
     """What observers read of the whole split's store and cache (`tier.store`, `tier.arena`)."""
@@ -208,14 +220,9 @@ class SplitTier:
         kind = "batch" if len(window.kvs) > 1 else "solo"
         snaps = [t.begin(window.num_rows) for t in self.stages]
         forward = model_forward(self.model, lazy, greedy)
-        overlapping = [t for t in self.stages if t.overlaps_window]
         extra = {}
-        if overlapping:  # their pumps and rounds run while the GPUs run the pass
-            def while_running(is_done):
-                self._record_pending()
-                for t in overlapping:
-                    t.during(is_done)
-            extra["while_running"] = while_running
+        if self._overlapping:  # their pumps and rounds run while the GPUs run the pass
+            extra["while_running"] = self._while_running
         try:
             self._counts[:] = 0
             logits = forward(window, routing_counts=self._counts, **extra)
@@ -223,22 +230,79 @@ class SplitTier:
             for snap in snaps:
                 if snap is not None:
                     snap.release()  # the slots it showed may be overwritten from now on
+        self._close_window(snaps, self._counts, kind)
+        return logits
+
+    # ---- pipelined windows (the scheduler's slot groups; SplitModel.start_window) ------------
+    @property
+    def pipelines(self) -> bool:
+        """Can windows of several slot groups be in flight at once? Not with a blocking round
+        (it waits until no window holds the table version it replaces: the others in flight
+        would never finish) nor with free admission or a CPU pool (one window at a time)."""
+        return all(t.mode != "blocking" and not t.admits
+                   and (t.arena is None or getattr(t.arena, "pool", None) is None)
+                   for t in self.stages)
+
+    def start_window(self, window, lane: int, mode: str = "lazy"):
+        """Each stage's tier before the window, then the window queued as lane `lane`
+        (SplitModel.start_window); finish_window completes it."""
+        kind = "batch" if len(window.kvs) > 1 else "solo"
+        snaps = [t.begin(window.num_rows) for t in self.stages]
+        befores = [t._before_s for t in self.stages]
+        counts = np.zeros_like(self._counts)
+        try:
+            ticket = self.model.start_window(window, lane, mode, routing_counts=counts)
+        except BaseException:
+            for snap in snaps:
+                if snap is not None:
+                    snap.release()
+            raise
+        return _TierTicket(ticket, snaps, befores, counts, kind)
+
+    def finish_window(self, ticket: "_TierTicket"):
+        """Wait for a window start_window queued (the stages' pumps and rounds run meanwhile)
+        and account it as forward_window does; returns what the model's finish_window does."""
+        try:
+            out = self.model.finish_window(
+                ticket.model, while_running=self._while_running if self._overlapping else None)
+        finally:
+            for snap in ticket.snaps:
+                if snap is not None:
+                    snap.release()
+        for t, before in zip(self.stages, ticket.befores):
+            t._before_s = before  # begin() of a later window replaced it
+        self._close_window(ticket.snaps, ticket.counts, ticket.kind)
+        return out
+
+    @property
+    def _overlapping(self) -> list:
+        return [t for t in self.stages if t.overlaps_window]
+
+    def _while_running(self, is_done) -> None:
+        """While the GPUs run a pass: the last window's trace record, each overlapping stage's
+        pump and due round."""
+        self._record_pending()
+        for t in self._overlapping:
+            t.during(is_done)
+
+    def _close_window(self, snaps, counts: np.ndarray, kind: str) -> None:
+        """After a pass: each stage's accounting, the trace and profile (now, or while the
+        next window runs), the window's figures."""
         hits = misses = swaps = 0
         wait_s = 0.0
         for t, snap in zip(self.stages, snaps):
-            t.end(snap, self._counts[t.first_layer:t.stop_layer], kind)
+            t.end(snap, counts[t.first_layer:t.stop_layer], kind)
             w = t.last_window
             hits, misses, swaps = hits + w.num_hits, misses + w.num_misses, swaps + w.num_swaps
             wait_s += w.wait_s
         self._record_pending()  # a pass that did not run while_running
-        if overlapping:
-            self._pending_counts[:] = self._counts
+        if self._overlapping:
+            self._pending_counts[:] = counts
             self._pending = (self._num_windows, self._pending_counts)
         else:
-            self._record(self._num_windows, self._counts)
+            self._record(self._num_windows, counts)
         self._num_windows += 1
         self.last_window = TierWindow(hits, misses, swaps, wait_s)
-        return logits
 
     def _record(self, window_index: int, counts: np.ndarray) -> None:
         """A window's routing [L, E] into the trace and the stored profile."""

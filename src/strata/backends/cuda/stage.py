@@ -113,6 +113,12 @@ class StageModel(CudaModel):
     def argmax_ptr(self) -> int:
         return self._ws.ptr("argmax")
 
+    def lane_ptr(self, lane: int, name: str) -> int:
+        """Device address of buffer `name` ("logits", "argmax", "x") in lane `lane`'s
+        workspace, whichever lane is current."""
+        ws = self._ws if lane == self._lane else self._lanes[lane][0]
+        return ws.ptr(name)
+
     def __repr__(self) -> str:
         return (f"StageModel(layers {self.first_layer}..{self.stop_layer - 1} on GPU "
                 f"{self.runtime.index})")
