@@ -127,6 +127,13 @@ def test_batch_groups(value, stages, slots, blocking, want):
         assert "pipelined over" in line
 
 
+@pytest.mark.parametrize("value,want", [("auto", 1), ("2", 2)])
+def test_a_cpu_pool_asked_for_keeps_one_group_unless_groups_are_given(value, want):
+    groups, line = choose_batch_groups(value, 2, 4, cpu_pool=True)
+    assert groups == want
+    assert ("would switch off the CPU pool" if want == 1 else "turns off the CPU pool") in line
+
+
 def test_batch_groups_errors():
     with pytest.raises(ConfigError, match="more than the 2 slots"):
         choose_batch_groups("3", 2, 2)

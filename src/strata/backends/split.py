@@ -200,15 +200,17 @@ def plan_split(costs: LayerCosts, cards: list[Card], counts: list[int] | None = 
 
 
 def choose_batch_groups(value: str | int | None, num_stages: int, num_slots: int, *,
-                        blocking_tier: bool = False,
+                        blocking_tier: bool = False, cpu_pool: bool = False,
                         drafts: bool = False) -> tuple[int, str]:
     """(slot groups pipelined over the stages, the log line saying why). With N groups slot i
     belongs to group i % N and the scheduler keeps one decode window per group in flight, so
     group A's rows run on stage 2 while group B's run on stage 1. `auto` takes one group
     where pipelining would switch off something asked for (a blocking tier, whose rounds wait
-    until no window holds the table they replace; draft tokens); an explicit N is honoured
-    and the line says what it turned off."""
+    until no window holds the table they replace; a CPU pool given by --pcie-frac, which
+    takes one window at a time; draft tokens); an explicit N is honoured and the line says
+    what it turned off."""
     wanted_off = [what for what, on in (("the blocking tier (--adapt-async 0)", blocking_tier),
+                                        ("the CPU pool (--pcie-frac < 1)", cpu_pool),
                                         ("draft tokens", drafts)) if on]
     if value is None or str(value).strip().lower() == "auto":
         if num_stages < 2 or num_slots < 2:

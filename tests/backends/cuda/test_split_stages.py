@@ -323,14 +323,33 @@ def _engine_tokens(path, **options):
     dict(layer_split="2,2", expert_cache=6, adapt_every=1, batch_groups="auto", pcie_frac=1.0),
     dict(layer_split="2,2", expert_cache=6, adapt_every=1, adapt_async=False, batch_groups=2,
          pcie_frac=1.0),
+    dict(layer_split="2,2", expert_cache=6, adapt_every=1),
 ], ids=["resident", "auto-2-groups", "blocking-tier", "async-tier", "pipelined-async-tier",
-        "pipelined-blocking-asked"])
+        "pipelined-blocking-asked", "pipelined-pcie-frac-auto"])
 def test_engine_on_two_gpus_gives_the_one_gpu_tokens(path, options):
     if _num_gpus() < 2:
         pytest.skip("needs two GPUs")
     want = _engine_tokens(path)
     got = _engine_tokens(path, split_devices="0,1", **options)
     assert got == want
+
+
+@pytest.mark.parametrize("pcie_frac,groups", [(None, 2), (0.5, 1)])
+def test_pipelined_groups_read_misses_over_pcie_unless_a_pool_is_asked_for(
+        path, pcie_frac, groups):
+    """--batch-groups auto on a split with a cache: without --pcie-frac the misses are read
+    over PCIe (a CPU pool takes one window at a time) and 2 groups pipeline; --pcie-frac 0.5
+    asks for the pool, which keeps one group."""
+    if _num_gpus() < 2:
+        pytest.skip("needs two GPUs")
+    options = {} if pcie_frac is None else {"pcie_frac": pcie_frac}
+    with Engine(EngineConfig(path, n_ctx=256, parallel=2, device="cuda", split_devices="0,1",
+                             layer_split="2,2", expert_cache=6, **options)) as engine:
+        assert engine.model.batch_groups == groups
+        assert engine.scheduler._num_groups == groups
+        pools = [t.arena.pool is not None for t in engine.expert_tier.stages]
+        assert pools == [pcie_frac is not None] * 2
+        assert ("misses read over PCIe" in engine.model.plan_text) == (pcie_frac is None)
 
 
 def test_engine_split_stores_the_whole_models_profile(path, full, tmp_path, monkeypatch,

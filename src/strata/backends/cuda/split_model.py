@@ -496,10 +496,20 @@ def build_split_model(gguf_model, config, offload: bool) -> SplitModel:
     plan = sp.plan_split(costs, cards, counts, kv_tokens=kv_tokens)
     is_tiered = offload and config.expert_cache != 0 and config.adapt_every > 0
     blocking = is_tiered and not config.adapt_async
+    pool_asked = offload and config.pcie_frac is not None and config.pcie_frac < 1
     groups, why = sp.choose_batch_groups(config.batch_groups, len(devices), config.parallel,
-                                         blocking_tier=blocking)
+                                         blocking_tier=blocking, cpu_pool=pool_asked)
     if groups > 1 and blocking:  # as the log line above says
         config.adapt_async = True
+    if groups > 1 and offload and config.expert_cache != 0 and (
+            config.pcie_frac is None or config.pcie_frac < 1):
+        # A CPU pool takes one window at a time. With a cache, pipelined groups reading their
+        # misses over PCIe decoded faster on two H200s from 74% of the routed experts in VRAM
+        # up (docs/cuda.md, "Two GPUs"); with no cache (all misses) the pool stays.
+        if not pool_asked:
+            why += ("\nmisses read over PCIe (no CPU pool: it takes one window at a time, and "
+                    "pipelined groups decode faster; --pcie-frac F keeps it with one group)")
+        config.pcie_frac = 1.0
     model = SplitModel(gguf_model, [s.card for s in plan.stages], plan.counts,
                        experts_resident=not offload, batch_groups=groups)
     model.plan_text = "\n".join([plan.describe(), why, model.describe()])
