@@ -85,6 +85,14 @@ def run(engine, prompts, params, submit_later=()):
     return [tokens[h.request_id] for h in handles]
 
 
+def until_pipelined(engine, prompts, params, events) -> list:
+    """Submit the requests and step until the first pipelined window starts; their handles."""
+    handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+    while not any(e[0] == "start" for e in events):
+        assert engine.step()
+    return handles
+
+
 def _requests(seed: int, n: int):
     rng = np.random.default_rng(seed)
     prompts = [[int(t) for t in rng.integers(10, 4000, k)] for k in (20, 45, 9, 70)[:n]]
@@ -135,9 +143,7 @@ def test_a_cancel_in_flight_drains_first_and_frees_the_slot(tiny):
     prompts, params = _requests(3, 4)
     events: list = []
     with engine_with(tiny, 4, 2, events) as piped:
-        handles = [piped.submit(p, sp) for p, sp in zip(prompts, params)]
-        while not any(e[0] == "start" for e in events):
-            assert piped.step()
+        handles = until_pipelined(piped, prompts, params, events)
         assert piped.scheduler._in_flight  # windows in flight now
         handles[1].cancel()
         piped.scheduler.drop_cancelled()
@@ -153,9 +159,7 @@ def test_a_failed_window_fails_only_its_group(tiny):
     prompts, params = _requests(4, 4)
     events: list = []
     with engine_with(tiny, 4, 2, events) as piped:
-        handles = [piped.submit(p, sp) for p, sp in zip(prompts, params)]
-        while not any(e[0] == "start" for e in events):
-            assert piped.step()
+        handles = until_pipelined(piped, prompts, params, events)
         piped.scheduler.model.fail_lane = 1
         while not all(h.is_finished for h in handles):
             assert piped.step()

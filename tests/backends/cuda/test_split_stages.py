@@ -220,14 +220,7 @@ def test_pipelined_lanes_with_every_stage_tier_swapping(path, full, caplog):
         assert np.array_equal(want[key][0], got[key][0]), f"{key} differs from the frozen pass"
     for t in tier.stages:
         assert t.totals.num_swaps >= 10, t.label
-        arena = t.arena
-        table, host = arena.device_table(), arena.host.pointers(device=True)
-        residency = arena.table.peek().table
-        for layer in range(t.store.n_layers):
-            for e in range(t.store.n_experts):
-                slot = int(residency[layer, e])
-                ptrs = arena.slot_pointers(slot, layer) if slot >= 0 else host[layer, :, e]
-                assert list(table[layer, :, e]) == list(ptrs)
+        assert_tables_match_residency(t)
     assert tier.snapshot_totals().num_windows == 80
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-2000:]
     for t in tier.stages:  # no slot left claimed: every load landed or was aborted
@@ -251,6 +244,18 @@ def test_park_and_restore_continue_bit_for_bit(path):
     got = model.forward(more, restored, all_logits=True)
     assert restored.num_tokens == kv.num_tokens == 18
     assert np.array_equal(want, got)
+
+
+def assert_tables_match_residency(stage_tier) -> None:
+    """A stage's device tables point every resident expert at its slot, the rest at RAM."""
+    arena = stage_tier.arena
+    table, host = arena.device_table(), arena.host.pointers(device=True)
+    residency = arena.table.peek().table
+    for layer in range(stage_tier.store.n_layers):
+        for e in range(stage_tier.store.n_experts):
+            slot = int(residency[layer, e])
+            ptrs = arena.slot_pointers(slot, layer) if slot >= 0 else host[layer, :, e]
+            assert list(table[layer, :, e]) == list(ptrs)
 
 
 def _split_tier(path, devices, num_slots, **options):
@@ -286,14 +291,7 @@ def test_every_stage_tier_swaps_while_windows_equal_the_frozen_pass(path, full, 
         assert np.array_equal(a, b), f"window {index} differs from the frozen pass"
     for t in tier.stages:  # every stage's cache moved, and its tables match its residency
         assert t.totals.num_swaps >= 10, t.label
-        arena = t.arena
-        table, host = arena.device_table(), arena.host.pointers(device=True)
-        residency = arena.table.peek().table
-        for layer in range(t.store.n_layers):
-            for e in range(t.store.n_experts):
-                slot = int(residency[layer, e])
-                ptrs = arena.slot_pointers(slot, layer) if slot >= 0 else host[layer, :, e]
-                assert list(table[layer, :, e]) == list(ptrs)
+        assert_tables_match_residency(t)
     totals = tier.snapshot_totals()
     assert totals.num_swaps == sum(t.totals.num_swaps for t in tier.stages)
     assert totals.num_windows == 60

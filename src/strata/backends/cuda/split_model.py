@@ -257,18 +257,8 @@ class SplitModel:
                     stage.tier.before_run(window.num_rows)  # a CPU pool takes this window
         l0 = 0
         for g, group in enumerate(groups):
-            for s, stage in enumerate(self.stages):
-                rt = stage.runtime
-                with rt.active():
-                    stage.use_lane(g)
-                    plan = stage._prepare(stage_window(group, s))
-                    if s > 0:
-                        self.hops[s - 1].queue(g, group.num_rows, self.stages[s - 1].x_ptr(),
-                                               stage.x_ptr())
-                    plan.run(rt.stream_handle,
-                             stage.use_graphs and group.num_rows <= GRAPH_MAX_ROWS)
-                    if counting and G > 1:
-                        self._queue_lane_counts(s, g)
+            for s in range(len(self.stages)):
+                self._queue_stage(s, group, g, counting and G > 1)
             self._queue_outputs(mode, g, G, l0, group.num_logit_rows, host_argmax)
             l0 += group.num_logit_rows
         for stage in self.stages:
@@ -280,6 +270,22 @@ class SplitModel:
             with last.active():
                 src = self.last.logits_ptr() if G == 1 else int(self._joined)
                 last.drv.memcpy_dtoh_async(self._host_rows(max(N, 1)), src, last.stream)
+
+    def _queue_stage(self, s: int, window: Window, lane: int, lane_counts: bool) -> None:
+        """Queue lane `lane`'s pass of `window` on stage s: its descriptor, the rows crossing
+        from stage s - 1, the plan, and (lane_counts) its routing counts' read-back. Leaves
+        the stage on that lane."""
+        stage = self.stages[s]
+        rt = stage.runtime
+        with rt.active():
+            stage.use_lane(lane)
+            plan = stage._prepare(stage_window(window, s))
+            if s > 0:
+                self.hops[s - 1].queue(lane, window.num_rows, self.stages[s - 1].x_ptr(),
+                                       stage.x_ptr())
+            plan.run(rt.stream_handle, stage.use_graphs and window.num_rows <= GRAPH_MAX_ROWS)
+            if lane_counts:
+                self._queue_lane_counts(s, lane)
 
     # ---- outputs and counts -----------------------------------------------------------------
     def _queue_outputs(self, mode: str, g: int, G: int, l0: int, Ng: int, host_argmax) -> None:
@@ -360,17 +366,9 @@ class SplitModel:
         N = window.num_logit_rows
         try:
             for s, stage in enumerate(self.stages):
+                self._queue_stage(s, window, lane, routing_counts is not None)
                 rt = stage.runtime
                 with rt.active():
-                    stage.use_lane(lane)
-                    plan = stage._prepare(stage_window(window, s))
-                    if s > 0:
-                        self.hops[s - 1].queue(lane, window.num_rows,
-                                               self.stages[s - 1].x_ptr(), stage.x_ptr())
-                    plan.run(rt.stream_handle,
-                             stage.use_graphs and window.num_rows <= GRAPH_MAX_ROWS)
-                    if routing_counts is not None:
-                        self._queue_lane_counts(s, lane)
                     if stage is self.last and mode != "lazy":
                         host = state.host_rows(mode, max(N, 1), rt)
                         src = stage.argmax_ptr() if mode == "greedy" else stage.logits_ptr()
