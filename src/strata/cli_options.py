@@ -162,8 +162,10 @@ def expert_options(command):
                           "predicted decode time, printed at start); implies every visible "
                           "GPU when --split-device is not given."),
         click.option("--batch-groups", default="auto", show_default=True, metavar="auto|N",
-                     help="Slot groups pipelined over the split's stages (auto: one when "
-                          "pipelining would switch off the asynchronous tier)."),
+                     help="Slot groups of a layer split whose decode windows are in flight "
+                          "at once, pipelined over the stages (slot i in group i % N; auto: "
+                          "min(GPUs, slots), one when pipelining would switch off a blocking "
+                          "tier or a CPU pool asked for with --pcie-frac)."),
     ]
     for option in reversed(options):
         with_expert_config = option(with_expert_config)

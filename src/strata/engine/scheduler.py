@@ -223,6 +223,9 @@ class Scheduler:
         if self._pipelines_now():
             self._pipelined_step()
             return True
+        if self._in_flight:
+            log.debug("pipelined decode drained: a prompt to read, a request to place or a "
+                      "cancel (%d windows in flight)", len(self._in_flight))
         self.drain()
         self.drop_cancelled()
         self._place_queued()
