@@ -8,8 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata import Engine, EngineConfig, SamplingParams
+from strata import Engine, EngineConfig, SamplingParams, hookimpl
+from strata.engine.interleave import ReadPlan
 from strata.engine.scheduler import Scheduler
+from strata.plugins import get_plugin_manager
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -57,9 +59,28 @@ class LaneModel:
         return self.model.forward_window(window)
 
 
+class ReadWhole:
+    """Read-interleave: the first pending prompt whole, no decode windows owed after it (the
+    default policy plans from measured timings, which differ between machines)."""
+
+    name = "read-whole"
+
+    def plan(self, pending, num_decoding, timing):
+        first = pending[0]
+        return ReadPlan(first.slot_index, first.num_tokens_left, 0, None)
+
+
+class ReadWholePlugin:
+    @hookimpl
+    def strata_read_interleave(self, config, spec, num_slots):
+        return ReadWhole()
+
+
 def engine_with(path, parallel: int, groups: int, events: list) -> Engine:
+    pm = get_plugin_manager(autoload=False)
+    pm.register(ReadWholePlugin())
     engine = Engine(EngineConfig(path, n_ctx=512, threads=2, parallel=parallel,
-                                 prompt_chunk_tokens=128))
+                                 prompt_chunk_tokens=128), plugin_manager=pm)
     if groups > 1:
         old = engine.scheduler
         engine.scheduler = Scheduler(LaneModel(engine.model, events, groups), engine.tokenizer,
