@@ -260,7 +260,7 @@ class Scheduler:
         """Pipelined decode this step: groups > 1, the forwarder able to keep several windows
         in flight now (SplitTier.pipelines), every running request decoding and none to
         cancel, no queued request that a free slot could take, and at least two groups with
-        decoding slots (or windows still in flight)."""
+        decoding slots (else the windows in flight drain and whole windows follow)."""
         if self._num_groups < 2 or not getattr(self._forwarder, "pipelines", True):
             return False
         if (self._queue and self.table.has_idle()) or any(
