@@ -134,8 +134,9 @@ def test_prompt_longer_than_the_context(live):
     error = assert_error(post(live, CHAT, {"messages": [{"role": "user", "content": long_text}]}),
                          400, "context_length_exceeded", words=["512", "--ctx-size"])
     assert error["param"] == "messages"
-    assert_error(post(live, COMPLETIONS, {"prompt": long_text}), 400,
-                 "context_length_exceeded")
+    error = assert_error(post(live, COMPLETIONS, {"prompt": long_text}), 400,
+                         "context_length_exceeded")
+    assert error["param"] == "prompt"
 
 
 @pytest.mark.parametrize("body,words", [

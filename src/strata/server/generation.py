@@ -162,7 +162,7 @@ class GenerationRoutes:
         req = parse_completion_request(body, engine.n_ctx)
         self.check_model(req.model)
         tokens = completion_prompt_tokens(engine, req.prompt)
-        check_prompt_fits(len(tokens), engine.n_ctx)
+        check_prompt_fits(len(tokens), engine.n_ctx, "prompt")
         job = self._submit(tokens, req.options, engine.n_ctx)
         header = ResponseHeader("completion", self.state.model_id)
         outcome = Outcome(len(tokens))

@@ -100,13 +100,14 @@ def completion_prompt_tokens(engine, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
-def check_prompt_fits(num_prompt_tokens: int, n_ctx: int) -> None:
+def check_prompt_fits(num_prompt_tokens: int, n_ctx: int, param: str = "messages") -> None:
+    """`param` names the request field that holds the prompt ("messages" or "prompt")."""
     if num_prompt_tokens == 0:
-        raise invalid("The prompt is empty after tokenization; send some text.", "messages")
+        raise invalid("The prompt is empty after tokenization; send some text.", param)
     if num_prompt_tokens > n_ctx:
         raise ApiError(400, f"The prompt has {num_prompt_tokens} tokens but the context holds "
                        f"{n_ctx}; shorten the prompt or start the server with a larger "
-                       "--ctx-size.", param="messages", code="context_length_exceeded")
+                       "--ctx-size.", param=param, code="context_length_exceeded")
 
 
 def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: int
