@@ -19,7 +19,7 @@ OUT="${OUT:-./device-logs}"
 mkdir -p "$OUT"
 MODEL=/tmp/q.gguf
 TESTS=(test_cuda_kernels test_cuda_mmq test_prompt_kernels test_cuda_parity test_cuda_sample
-       test_cuda_kv_int8 test_cuda_offload test_offload_stream test_cuda_pool test_cuda_kv_grow
+       test_cuda_drafts test_cuda_kv_int8 test_cuda_offload test_offload_stream test_cuda_pool test_cuda_kv_grow
        test_split_stages)
 
 part() {  # part SECONDS NAME COMMAND...: run with a limit, log to $OUT/NAME.log, print its tail

@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from strata.cli_options import (ReadChunk, SlotCounts, device_option, expert_options,
-                                read_chunk_fields, slot_options)
+from strata.cli_options import (ReadChunk, SlotCounts, device_option, draft_options,
+                                expert_options, read_chunk_fields, slot_options)
 from strata.errors import StrataError
 
 MODEL_ENV = "STRATA_MODEL"
@@ -75,9 +75,10 @@ def main():
 @device_option
 @slot_options
 @expert_options
+@draft_options
 def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, threads,
         ctx_size, system, raw, device, parallel, read_chunk, conversation_cache_mib,
-        expert_config):
+        expert_config, draft_config):
     """Generate a reply to PROMPT and stream it to stdout ('-' reads the prompt from stdin)."""
     from strata.config import EngineConfig
     from strata.engine.engine import Engine
@@ -94,7 +95,7 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
                                      device=device, parallel=parallel,
                                      **read_chunk_fields(read_chunk),
                                      conversation_cache_mib=conversation_cache_mib,
-                                     **expert_config))
+                                     **expert_config, **draft_config))
     except StrataError as e:
         fail(str(e))
     plan_text = getattr(engine.model, "plan_text", None)  # a layer split's stages
@@ -135,6 +136,10 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
                f"{stats.prompt_tokens_per_s:.2f} tokens/s, decode: "
                f"{stats.num_generated_tokens} tokens at {stats.decode_tokens_per_s:.2f} tokens/s",
                err=True)
+    if stats.num_draft_tokens:
+        click.echo(f"drafts: {stats.num_accepted_draft_tokens} of {stats.num_draft_tokens} "
+                   f"accepted, {stats.num_decode_tokens} tokens in {stats.num_decode_forwards} "
+                   "decode windows", err=True)
 
 
 # ---- bench ---------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Command-line options shared by `strata run`, `serve` and `bench`: the slots and prompt
-reading, the expert cache and the adaptive tier."""
+reading, the expert cache and the adaptive tier, speculative decoding (run and serve)."""
 from __future__ import annotations
 
 import functools
@@ -8,6 +8,7 @@ import click
 
 from strata.backends.select import DEVICES
 from strata.config import KV_TYPES, MAX_PARALLEL
+from strata.engine.drafts import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_SIZE, SPEC_TYPES
 
 
 def device_option(command):
@@ -170,3 +171,40 @@ def expert_options(command):
     for option in reversed(options):
         with_expert_config = option(with_expert_config)
     return with_expert_config
+
+
+# ---- speculative decoding without a draft model (strata.engine.drafts) ----------------------
+def draft_options(command):
+    """Add --spec-type, --draft-max, --draft-min and --spec-ngram-size-n (llama-server's
+    names); the command receives them as one dict, `draft_config`, of EngineConfig keyword
+    arguments."""
+
+    @functools.wraps(command)
+    def with_draft_config(*args, **kwargs):
+        config = {name: kwargs.pop(name) for name in ("spec_type", "draft_max", "draft_min",
+                                                      "spec_ngram_size_n")}
+        return command(*args, draft_config=config, **kwargs)
+
+    options = [
+        click.option("--spec-type", default="none", show_default=True,
+                     type=click.Choice(SPEC_TYPES),
+                     help="Speculative decoding without a draft model. ngram-simple: each "
+                          "decode window also reads the tokens that followed the last "
+                          "earlier occurrence of the sequence's last --spec-ngram-size-n "
+                          "tokens, and keeps those the sampler would have drawn anyway (the "
+                          "output does not change). Pays where text repeats: code edits, "
+                          "quoting, summaries."),
+        click.option("--draft-max", "--draft", "--draft-n", "draft_max",
+                     default=DEFAULT_DRAFT_MAX, show_default=True, type=click.IntRange(1),
+                     help="Most draft tokens per slot and window (each request drafts as "
+                          "many as its recent acceptance rate pays for, up to this)."),
+        click.option("--draft-min", "--draft-n-min", "draft_min", default=0,
+                     show_default=True, type=click.IntRange(0),
+                     help="No draft shorter than this."),
+        click.option("--spec-ngram-size-n", default=DEFAULT_NGRAM_SIZE, show_default=True,
+                     type=click.IntRange(1),
+                     help="Tokens of the lookup key (smaller: more drafts, fewer accepted)."),
+    ]
+    for option in reversed(options):
+        with_draft_config = option(with_draft_config)
+    return with_draft_config

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from strata.backends.select import check_device
+from strata.engine.drafts import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_SIZE, DraftSettings
 from strata.errors import ConfigError
 
 DEFAULT_MAX_CTX_TOKENS = 8192
@@ -85,6 +86,11 @@ class EngineConfig:
     split_devices: str | None = None  # --split-device 0,1: the GPUs of the stages
     layer_split: str | None = None  # --layer-split auto|K1,K2: layers per stage
     batch_groups: str | int = "auto"  # --batch-groups auto|N: slot groups pipelined
+    # ---- speculative decoding without a draft model (strata.engine.drafts) ----
+    spec_type: str = "none"  # --spec-type none|ngram-simple
+    draft_max: int = DEFAULT_DRAFT_MAX  # --draft-max: most draft tokens per slot and window
+    draft_min: int = 0  # --draft-min: no draft shorter than this
+    spec_ngram_size_n: int = DEFAULT_NGRAM_SIZE  # --spec-ngram-size-n: the lookup key's tokens
     # The resolved number of cache slots, set by the engine once the model's expert size is
     # known (the tier policy hook reads it); None while unresolved or without a cache.
     expert_cache_slots: int | None = field(default=None, init=False)
@@ -117,6 +123,14 @@ class EngineConfig:
                               "(--conversation-cache-mib; 0 turns parking off)")
         self._check_expert_options()
         self._check_split_options()
+        self.spec_type = str(self.spec_type).strip().lower()
+        _ = self.drafts  # ConfigError now when one of the four draft options is bad
+
+    @property
+    def drafts(self) -> DraftSettings:
+        """The speculative-decoding options as one value (ConfigError when one is bad)."""
+        return DraftSettings(self.spec_type, self.draft_max, self.draft_min,
+                             self.spec_ngram_size_n)
 
     def _check_split_options(self) -> None:
         groups = str(self.batch_groups).strip().lower()

@@ -72,6 +72,33 @@ def test_concurrent_requests_equal_solo_runs(live_two_slots, solo_engine):
         assert metric_value(live_two_slots, gauge) == 0
 
 
+def test_a_server_with_drafts_answers_as_one_without(model_path, solo_engine):
+    """--spec-type ngram-simple: concurrent greedy requests get the tokens of solo runs
+    without drafts; /metrics counts the drafts."""
+    engine = Engine(EngineConfig(model_path, n_ctx=N_CTX_TOKENS, threads=2, parallel=2,
+                                 spec_type="ngram-simple", spec_ngram_size_n=2))
+    server = start_live_server(engine, ServerConfig(model_id="tiny-server"))
+    try:
+        prompts = [[7, 7, 7, 7], [(i * 5) % 3000 + 10 for i in range(40)]]
+        answers = [None] * len(prompts)
+
+        def send(i):
+            answers[i] = complete(server.url, prompts[i], 150)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for prompt, answer in zip(prompts, answers):
+            assert answer["choices"][0]["text"] == solo(solo_engine, prompt, 150).text
+        drafted = metric_value(server, "strata_draft_tokens_total")
+        assert drafted > 0
+        assert 0 <= metric_value(server, "strata_draft_tokens_accepted_total") <= drafted
+    finally:
+        server.stop()
+
+
 def test_follow_up_reports_the_reused_prefix(live_two_slots, solo_engine):
     prompt = [(i * 13 + 5) % 3000 + 10 for i in range(300)]
     first = complete(live_two_slots.url, prompt, 4)

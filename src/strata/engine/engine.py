@@ -59,7 +59,10 @@ class Engine:
             self.scheduler = Scheduler(self.model, self.tokenizer, self.n_ctx, config.parallel,
                                        choosers, config.conversation_cache_mib,
                                        expert_tier=self.expert_tier,
-                                       kv_dtype=config.kv_dtype(is_cuda_model(self.model)))
+                                       kv_dtype=config.kv_dtype(is_cuda_model(self.model)),
+                                       drafts=config.drafts)
+            if config.drafts.is_on:
+                log.info("%s", config.drafts.describe())
         except BaseException:
             if self.expert_tier is not None:
                 self.expert_tier.close()

@@ -21,13 +21,15 @@ FINISH_LENGTH = "length"  # max_tokens reached, or the context is full
 @dataclass
 class GenerationStats:
     """Counts and timings of one request. Prompt time covers reading the uncached prompt tokens
-    up to the first token's logits; decode time covers sampling and the single-token forwards
-    after it (not the time the consumer spends between events)."""
+    up to the first token's logits; decode time covers sampling and the decode forwards after
+    it (not the time the consumer spends between events)."""
 
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     num_decode_forwards: int = 0
+    num_draft_tokens: int = 0  # --spec-type: guesses read by decode windows
+    num_accepted_draft_tokens: int = 0  # guesses that were what the sampler drew
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -41,8 +43,13 @@ class GenerationStats:
         return n / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
 
     @property
+    def num_decode_tokens(self) -> int:
+        """Tokens the decode windows gave: one per window plus every accepted draft."""
+        return self.num_decode_forwards + self.num_accepted_draft_tokens
+
+    @property
     def decode_tokens_per_s(self) -> float:
-        n = self.num_decode_forwards
+        n = self.num_decode_tokens
         return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 

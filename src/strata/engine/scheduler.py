@@ -15,6 +15,7 @@ import numpy as np
 
 from strata.backends.window import Window
 from strata.engine.conversations import ConversationCache
+from strata.engine.drafts import DraftSettings, NgramDrafter
 from strata.engine.generate import GenerationEvent, GenerationStats, TokenDecoder
 from strata.engine.interleave import PendingRead, WindowTiming
 from strata.engine.kv import KVCache
@@ -74,6 +75,7 @@ class _Active:
     num_read_tokens: int  # prompt tokens in the slot's KV (reused ones included)
     started_at: float
     next_token: int | None = None  # decoding: the token the next window reads back
+    drafter: NgramDrafter | None = None  # --spec-type: guesses of the tokens after next_token
     is_started: bool = False  # reading: its first chunk was planned
     arrival: int = 0  # order of placement: reads go first come first served
 
@@ -102,8 +104,11 @@ class Scheduler:
     cancel drains the windows in flight first; then windows hold every slot again."""
 
     def __init__(self, model, tokenizer, n_ctx: int, num_slots: int, choosers,
-                 conversation_cache_mib: float = 2048, expert_tier=None, kv_dtype=None):
+                 conversation_cache_mib: float = 2048, expert_tier=None, kv_dtype=None,
+                 drafts: DraftSettings | None = None):
         self.model = model
+        # --spec-type: decode runs carry draft tokens (strata.engine.drafts)
+        self.drafts = drafts if drafts is not None else DraftSettings()
         # Runs each forward pass through the expert cache (strata.engine.expert_tier); None
         # reads the experts straight from the model's mapping.
         self.expert_tier = expert_tier
@@ -282,9 +287,9 @@ class Scheduler:
             self._finish_flight(self._in_flight.popleft())
 
     def _start_group(self, group: int, actives: list[_Active]) -> None:
-        runs = [(self.kvs[a.slot_index], [a.next_token]) for a in actives]
+        runs, modes = zip(*(self._decode_run(a) for a in actives))
         kinds = [(a.slot_index, "decode") for a in actives]
-        window = Window.build(runs, logits=["last"] * len(runs))
+        window = Window.build(runs, logits=modes)
         t0 = time.perf_counter()
         try:
             ticket = self._forwarder.start_window(window, group, "lazy")
@@ -317,15 +322,18 @@ class Scheduler:
 
     def _after_window(self, window: Window, runs, kinds, logits, seconds: float) -> None:
         """A finished window: timings, each run's tokens and events, the window's stats."""
-        num_decode_rows = sum(1 for _, kind in kinds if kind == "decode")
+        num_decode_rows = sum(len(runs[run][1]) for run, (_, kind) in enumerate(kinds)
+                              if kind == "decode")  # a decode token and its drafts
         num_prompt_rows = window.num_rows - num_decode_rows
         self._measure(num_decode_rows, num_prompt_rows, seconds)
         for run, (slot_index, kind) in enumerate(kinds):
             active = self._active[slot_index]
-            self.table.extend(slot_index, runs[run][1])
             try:
-                self._after_run(active, kind, len(runs[run][1]), window.logits_of(logits, run),
-                                seconds)
+                if kind == "prompt":
+                    self._after_chunk(active, runs[run][1], window.logits_of(logits, run))
+                else:
+                    self._after_decode(active, runs[run][1], window.logits_of(logits, run),
+                                       seconds)
             except Exception as exc:  # noqa: BLE001 - one request's failure ends only it
                 self._release(active, exc)
         self._window_index += 1
@@ -373,7 +381,8 @@ class Scheduler:
                  placement.num_reused_tokens)
         decoder = TokenDecoder(self.tokenizer, handle.params, prompt, handle.stats)
         self._active[index] = _Active(handle, index, decoder, placement.num_reused_tokens,
-                                      started_at, arrival=next(self._arrivals))
+                                      started_at, arrival=next(self._arrivals),
+                                      drafter=self.drafts.drafter(prompt))
 
     def _park(self, index: int) -> None:
         """Copy slot `index`'s KV cells to the conversation cache (when the budget allows)."""
@@ -396,8 +405,9 @@ class Scheduler:
         runs, modes, kinds = [], [], []
         decoding = [a for a in self._active.values() if a.handle.state == STATE_DECODING]
         for active in sorted(decoding, key=lambda a: a.slot_index):
-            runs.append((self.kvs[active.slot_index], [active.next_token]))
-            modes.append("last")
+            run, mode = self._decode_run(active)
+            runs.append(run)
+            modes.append(mode)
             kinds.append((active.slot_index, "decode"))
         reading = sorted((a for a in self._active.values() if a.handle.state == STATE_READING),
                          key=lambda a: a.arrival)
@@ -458,35 +468,91 @@ class Scheduler:
             # cost only gives the decoding slots more windows.
             self._prompt_s_per_token = seconds / num_prompt_rows
 
-    def _after_run(self, active: _Active, kind: str, num_rows: int, logits: np.ndarray,
-                   seconds: float) -> None:
+    def _decode_run(self, active: _Active):
+        """((kv, tokens), logits mode) of a decoding slot's run: the token to read back, then
+        the drafter's guesses of the tokens after it (every row's logits), as many as the KV's
+        cells and max_tokens leave room for."""
+        kv, stats = self.kvs[active.slot_index], active.handle.stats
+        tokens = [active.next_token]
+        if active.drafter is not None:
+            room = min(kv.capacity - kv.num_tokens,
+                       active.handle.params.max_tokens - stats.num_generated_tokens) - 1
+            tokens += active.drafter.propose(room)
+        return (kv, tokens), ("all" if len(tokens) > 1 else "last")
+
+    def _after_chunk(self, active: _Active, tokens: list[int], logits: np.ndarray) -> None:
+        """A prompt chunk was read; after the last one, the first token."""
         handle, stats = active.handle, active.handle.stats
-        if kind == "prompt":
-            active.num_read_tokens += num_rows
-            total = len(handle.prompt_tokens)
-            num_to_read = total - stats.num_cached_tokens
-            if active.num_read_tokens < total:
-                log.info("request %d: reading the prompt: %d of %d tokens", handle.request_id,
-                         active.num_read_tokens - stats.num_cached_tokens, num_to_read)
-                return
-            stats.prompt_seconds = time.perf_counter() - active.started_at
-            log.info("request %d: prompt %d tokens = %d reused + %d read in %.0f ms",
-                     handle.request_id, total, stats.num_cached_tokens, num_to_read,
-                     stats.prompt_seconds * 1e3)
-            handle.state = STATE_DECODING
-        else:
-            stats.decode_seconds += seconds
-            stats.num_decode_forwards += 1
-        kv = self.kvs[active.slot_index]
-        if (self.kv_lender is not None and kv.num_tokens >= kv.capacity
-                and stats.num_generated_tokens + 1 < handle.params.max_tokens):
-            self.kv_lender.grow(active.slot_index, kv, kv.num_tokens + 1)  # refused: "length"
-        event = active.decoder.next_event(logits[-1], has_room=kv.num_tokens < kv.capacity)
+        self.table.extend(active.slot_index, tokens)
+        active.num_read_tokens += len(tokens)
+        total = len(handle.prompt_tokens)
+        num_to_read = total - stats.num_cached_tokens
+        if active.num_read_tokens < total:
+            log.info("request %d: reading the prompt: %d of %d tokens", handle.request_id,
+                     active.num_read_tokens - stats.num_cached_tokens, num_to_read)
+            return
+        stats.prompt_seconds = time.perf_counter() - active.started_at
+        log.info("request %d: prompt %d tokens = %d reused + %d read in %.0f ms",
+                 handle.request_id, total, stats.num_cached_tokens, num_to_read,
+                 stats.prompt_seconds * 1e3)
+        handle.state = STATE_DECODING
+        event = self._next_event(active, logits[-1], self.kvs[active.slot_index].num_tokens)
+        self._after_events(active, [event])
+
+    def _after_decode(self, active: _Active, tokens: list[int], logits: np.ndarray,
+                      seconds: float) -> None:
+        """A decode run: tokens[0] read back, tokens[1:] its drafts. Row i's logits give the
+        token after tokens[i]; it is sampled as without drafts (the same sampler, in order), and
+        the next row counts only while that token equals the row's draft. The rows after the
+        first miss leave the KV: the sequence is exactly what decoding one token per window
+        would have made."""
+        stats, kv = active.handle.stats, self.kvs[active.slot_index]
+        stats.decode_seconds += seconds
+        stats.num_decode_forwards += 1
+        start = kv.num_tokens - len(tokens)  # the window committed every row
+        events = []
+        for i in range(len(tokens)):
+            event = self._next_event(active, logits[i], start + i + 1)
+            events.append(event)
+            if (event.finish_reason is not None or i + 1 == len(tokens)
+                    or event.token_id != tokens[i + 1]):
+                break
+        kept = len(events)  # rows whose token is part of the sequence
+        if kept < len(tokens):
+            kv.truncate(start + kept)
+        if active.drafter is not None:
+            active.drafter.observe(len(tokens) - 1, kept - 1)
+        stats.num_draft_tokens += len(tokens) - 1
+        stats.num_accepted_draft_tokens += kept - 1
+        self.table.extend(active.slot_index, tokens[:kept])
+        self._after_events(active, events)
+
+    def _next_event(self, active: _Active, row, num_cells: int):
+        """Sample the token after the sequence's first `num_cells` tokens from `row` [V]."""
+        kv, handle = self.kvs[active.slot_index], active.handle
+        if (self.kv_lender is not None and num_cells >= kv.capacity
+                and handle.stats.num_generated_tokens + 1 < handle.params.max_tokens):
+            self.kv_lender.grow(active.slot_index, kv, num_cells + 1)  # refused: "length"
+        event = active.decoder.next_event(row, has_room=num_cells < kv.capacity)
         handle._events.append(event)
-        if event.finish_reason is not None:
-            self._release(active, None)
-        else:
-            active.next_token = event.token_id
+        return event
+
+    def _after_events(self, active: _Active, events: list) -> None:
+        """The run's new tokens: finish the request, or keep the last one to read back."""
+        if active.drafter is not None:
+            active.drafter.extend([e.token_id for e in events])
+        last = events[-1]
+        if last.finish_reason is None:
+            active.next_token = last.token_id
+            return
+        stats = active.handle.stats
+        if stats.num_draft_tokens:
+            log.info("request %d: drafts: %d of %d accepted (%.0f%%), %d tokens in %d decode "
+                     "windows", active.handle.request_id, stats.num_accepted_draft_tokens,
+                     stats.num_draft_tokens,
+                     100 * stats.num_accepted_draft_tokens / stats.num_draft_tokens,
+                     stats.num_decode_tokens, stats.num_decode_forwards)
+        self._release(active, None)
 
     def _release(self, active: _Active, error: BaseException | None) -> None:
         del self._active[active.slot_index]

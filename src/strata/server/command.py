@@ -9,8 +9,8 @@ import threading
 
 import click
 
-from strata.cli_options import (device_option, expert_options, read_chunk_fields,
-                                slot_options)
+from strata.cli_options import (device_option, draft_options, expert_options,
+                                read_chunk_fields, slot_options)
 from strata.server.app import ServerConfig, create_app
 
 DEFAULT_HTTP_THREADS = 8
@@ -68,8 +68,9 @@ def _stop_on_sigterm() -> None:
 @device_option
 @slot_options
 @expert_options
+@draft_options
 def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_threads, device,
-          parallel, read_chunk, conversation_cache_mib, expert_config):
+          parallel, read_chunk, conversation_cache_mib, expert_config, draft_config):
     """Serve the model with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     from strata.cli import fail, resolve_model
     from strata.config import EngineConfig
@@ -84,7 +85,7 @@ def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_thre
                                      parallel=parallel,
                                      **read_chunk_fields(read_chunk),
                                      conversation_cache_mib=conversation_cache_mib,
-                                     **expert_config)
+                                     **expert_config, **draft_config)
     except StrataError as e:
         fail(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "

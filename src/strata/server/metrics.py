@@ -34,6 +34,11 @@ class ServerMetrics:
                                      "the KV cache instead of being read again", registry=r)
         self.generated_tokens = Counter("strata_generated_tokens", "Tokens generated",
                                         registry=r)
+        self.draft_tokens = Counter("strata_draft_tokens", "Draft tokens decode windows read "
+                                    "(--spec-type)", registry=r)
+        self.draft_tokens_accepted = Counter("strata_draft_tokens_accepted", "Draft tokens that "
+                                             "were the token sampled there (each one a token "
+                                             "without a window of its own)", registry=r)
         self.ttft = Histogram("strata_time_to_first_token_seconds", "From queueing a request "
                               "to its first generated token", buckets=_TTFT_BUCKETS_S,
                               registry=r)

@@ -214,6 +214,8 @@ class EngineWorker:
         self._metrics.prompt_tokens.inc(len(job.prompt_tokens))
         self._metrics.cached_tokens.inc(end.num_cached_tokens)
         self._metrics.generated_tokens.inc(end.num_generated_tokens)
+        self._metrics.draft_tokens.inc(stats.num_draft_tokens)
+        self._metrics.draft_tokens_accepted.inc(stats.num_accepted_draft_tokens)
         job.events.put(end)
         return True
 

@@ -496,9 +496,12 @@ def build_split_model(gguf_model, config, offload: bool) -> SplitModel:
     blocking = is_tiered and not config.adapt_async
     pool_asked = offload and config.pcie_frac is not None and config.pcie_frac < 1
     groups, why = sp.choose_batch_groups(config.batch_groups, len(devices), config.parallel,
-                                         blocking_tier=blocking, cpu_pool=pool_asked)
+                                         blocking_tier=blocking, cpu_pool=pool_asked,
+                                         drafts=config.drafts.is_on)
     if groups > 1 and blocking:  # as the log line above says
         config.adapt_async = True
+    if groups > 1:  # (the engine reads config.drafts after the model is built)
+        config.spec_type = "none"
     if groups > 1 and offload and config.expert_cache != 0 and (
             config.pcie_frac is None or config.pcie_frac < 1):
         # A CPU pool takes one window at a time. With a cache, pipelined groups reading their
