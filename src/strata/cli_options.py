@@ -166,7 +166,8 @@ def expert_options(command):
                      help="Slot groups of a layer split whose decode windows are in flight "
                           "at once, pipelined over the stages (slot i in group i % N; auto: "
                           "min(GPUs, slots), one when pipelining would switch off a blocking "
-                          "tier or a CPU pool asked for with --pcie-frac)."),
+                          "tier, a CPU pool asked for with --pcie-frac, or --spec-type "
+                          "drafts)."),
     ]
     for option in reversed(options):
         with_expert_config = option(with_expert_config)

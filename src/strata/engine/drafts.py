@@ -23,8 +23,8 @@ DEFAULT_DRAFT_MAX = 16
 DEFAULT_NGRAM_SIZE = 12
 # A draft row's cost relative to a decode window of one row. Measured with
 # tools/bench_drafts.py (one slot at context 256, synth qwen3-30b-a3b Q4_0 on an H200; each row
-# routes to 8 more experts per layer): 0.26 with every expert in VRAM, 0.24 with half of them
-# cached, 0.21 with every expert in RAM; 0.16-0.27 on the CPU with the tiny synth model.
+# routes to 8 more experts per layer; docs/drafts.md): 0.26-0.31 with every expert in VRAM,
+# 0.24-0.28 with half of them cached, 0.17-0.24 with every expert in RAM (CPU pool).
 DRAFT_ROW_COST = 0.25
 # A drafter's acceptance estimate: decayed counts of accepted draft tokens and of misses, the
 # past weighing ACCEPT_DECAY per drafted window and the accepted count kept under ACCEPT_CAP,
