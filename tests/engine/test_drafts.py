@@ -14,6 +14,8 @@ from strata.backends.split import choose_batch_groups
 from strata.engine.drafts import DraftSettings, NgramDrafter, best_length, expected_tokens
 from strata.errors import ConfigError
 
+from request_runs import run_requests
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 NGRAM = dict(spec_type="ngram-simple", spec_ngram_size_n=3)
 
@@ -102,17 +104,8 @@ def test_drafts_keep_a_split_at_one_group_unless_groups_are_given(value, want, w
 
 # ---- the engine on the real CPU model ------------------------------------------------------
 def run_all(engine, prompts, params) -> list:
-    """Submit every request, step until all finished; (token ids, stats) of each."""
-    handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
-    tokens = {h.request_id: [] for h in handles}
-    while not all(h.is_finished for h in handles):
-        assert engine.step()
-        for h in handles:
-            tokens[h.request_id].extend(e.token_id for e in h.pop_events())
-    for h in handles:
-        assert h.error is None, h.error
-        tokens[h.request_id].extend(e.token_id for e in h.pop_events())
-    return [(tokens[h.request_id], h.stats) for h in handles]
+    """(token ids, stats) of every request, all submitted at once."""
+    return [(tokens, handle.stats) for tokens, handle in run_requests(engine, prompts, params)]
 
 
 PROMPTS = [[7, 7, 7, 7], [1, 2, 3, 4, 5], [10, 20, 30, 10, 20, 30, 10, 20], [99] * 12]

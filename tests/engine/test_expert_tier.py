@@ -14,6 +14,8 @@ from strata.experts.trace import RECORD_DTYPE, RoutingTrace, read_trace
 from strata.model.gguf_file import GGUFModel
 from strata.plugins import get_plugin_manager
 
+from request_runs import run_requests
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 N_LAYERS, N_EXPERTS, TOP_K = 2, 8, 2  # the tiny preset
 
@@ -41,15 +43,7 @@ def prompts_and_params():
 
 
 def run_all(engine: Engine) -> list[list[int]]:
-    prompts, params = prompts_and_params()
-    handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
-    tokens = [[] for _ in handles]
-    while not all(h.is_finished for h in handles):
-        assert engine.step()
-        for out, h in zip(tokens, handles):
-            out += [e.token_id for e in h.pop_events()]
-    assert all(h.error is None for h in handles)
-    return tokens
+    return [tokens for tokens, _ in run_requests(engine, *prompts_and_params())]
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,21 @@ def complete(url, prompt, max_tokens, **extra):
     return response.json()
 
 
+def complete_at_once(url, prompts, max_tokens) -> list:
+    """Send every prompt from its own thread at once; the answers in prompt order."""
+    answers = [None] * len(prompts)
+
+    def send(i):
+        answers[i] = complete(url, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return answers
+
+
 def metric_value(live, name):
     for line in requests.get(live.url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " "):
@@ -54,16 +69,7 @@ def metric_value(live, name):
 def test_concurrent_requests_equal_solo_runs(live_two_slots, solo_engine):
     prompts = [[(i * k) % 3000 + 10 for i in range(n)] for k, n in ((3, 200), (7, 30),
                                                                      (11, 150))]
-    answers = [None] * len(prompts)
-
-    def send(i):
-        answers[i] = complete(live_two_slots.url, prompts[i], 12)
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    answers = complete_at_once(live_two_slots.url, prompts, 12)
     for prompt, answer in zip(prompts, answers):
         assert answer["choices"][0]["text"] == solo(solo_engine, prompt, 12).text
         assert answer["usage"]["completion_tokens"] == 12
@@ -80,16 +86,7 @@ def test_a_server_with_drafts_answers_as_one_without(model_path, solo_engine):
     server = start_live_server(engine, ServerConfig(model_id="tiny-server"))
     try:
         prompts = [[7, 7, 7, 7], [(i * 5) % 3000 + 10 for i in range(40)]]
-        answers = [None] * len(prompts)
-
-        def send(i):
-            answers[i] = complete(server.url, prompts[i], 150)
-
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        answers = complete_at_once(server.url, prompts, 150)
         for prompt, answer in zip(prompts, answers):
             assert answer["choices"][0]["text"] == solo(solo_engine, prompt, 150).text
         drafted = metric_value(server, "strata_draft_tokens_total")

@@ -9,3 +9,19 @@ def synth_overrides(shape: str, weight_type: str) -> dict:
         extra = {"shared_ffn": 256} if shape == "tiny-qwen2moe" else {}
         return {**K_QUANT_OVERRIDES, **extra}
     return {}
+
+
+def num_gpus() -> int:
+    """GPUs the driver sees (the two-GPU tests skip with fewer)."""
+    import pycuda.driver as drv
+
+    drv.init()
+    return drv.Device.count()
+
+
+def write_split_test_model(out) -> None:
+    """The layer-split and drafts tests' model: tiny Q8_0 with 4 layers and skewed routing (hot
+    experts for the tiers to chase)."""
+    from strata.tool.synth import synth_model
+
+    synth_model(out, shape="tiny", weight_type="q8_0", seed=11, routing_skew=1.0, n_layers=4)

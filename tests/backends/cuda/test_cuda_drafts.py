@@ -9,6 +9,9 @@ import pytest
 
 from strata import Engine, EngineConfig, SamplingParams
 
+from cuda_synth import num_gpus, write_split_test_model
+from request_runs import run_requests
+
 pytestmark = pytest.mark.cuda
 
 PROMPTS = [[7, 7, 7, 7], [(i * 5) % 3000 + 10 for i in range(40)], [1, 2, 3, 1, 2, 3, 1, 2]]
@@ -18,19 +21,10 @@ PARAMS = [SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True),
 NGRAM = dict(spec_type="ngram-simple", spec_ngram_size_n=2)
 
 
-def _num_gpus() -> int:
-    import pycuda.driver as drv
-
-    drv.init()
-    return drv.Device.count()
-
-
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    from strata.tool.synth import synth_model
-
     out = tmp_path_factory.mktemp("drafts") / "tiny-q8_0.gguf"
-    synth_model(out, shape="tiny", weight_type="q8_0", seed=11, routing_skew=1.0, n_layers=4)
+    write_split_test_model(out)
     return out
 
 
@@ -38,14 +32,8 @@ def _run(path, **options):
     """(token ids, stats) of every request, all submitted at once; and the engine's config."""
     with Engine(EngineConfig(path, n_ctx=512, parallel=2, prompt_chunk_tokens=16,
                              device="cuda", **options)) as engine:
-        handles = [engine.submit(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
-        tokens = [[] for _ in handles]
-        while not all(h.is_finished for h in handles):
-            assert engine.step()
-            for out, h in zip(tokens, handles):
-                out += [e.token_id for e in h.pop_events()]
-        assert all(h.error is None for h in handles)
-        return [(t, h.stats) for t, h in zip(tokens, handles)], engine.config
+        runs = run_requests(engine, PROMPTS, PARAMS)
+        return [(t, h.stats) for t, h in runs], engine.config
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +57,7 @@ def test_drafts_give_the_tokens_of_no_drafts(path, plain, options):
 
 @pytest.mark.parametrize("groups,drafts_on", [("auto", True), (2, False)])
 def test_a_split_keeps_drafts_at_one_group(path, plain, groups, drafts_on):
-    if _num_gpus() < 2:
+    if num_gpus() < 2:
         pytest.skip("needs two GPUs")
     results, config = _run(path, split_devices="0,1", layer_split="2,2", batch_groups=groups,
                            **NGRAM)

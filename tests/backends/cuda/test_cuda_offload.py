@@ -16,6 +16,8 @@ from strata.engine.expert_tier import ExpertTier
 from strata.experts.store import ExpertStore
 from strata.experts.tier import DecayedCountTier
 from strata.experts.tier_window import WindowScoreTier
+
+from request_runs import run_requests
 from strata.model.gguf_file import GGUFModel
 
 pytestmark = pytest.mark.cuda
@@ -236,13 +238,7 @@ def _engine_tokens(path, **options):
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in (16, 24, 10)]
     with Engine(EngineConfig(path, n_ctx=256, parallel=2, prompt_chunk_tokens=16,
                              **options)) as engine:
-        handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
-        tokens = [[] for _ in handles]
-        while not all(h.is_finished for h in handles):
-            assert engine.step()
-            for out, h in zip(tokens, handles):
-                out += [e.token_id for e in h.pop_events()]
-        assert all(h.error is None for h in handles)
+        tokens = [t for t, _ in run_requests(engine, prompts, params)]
         tier = engine.expert_tier
         return tokens, (tier.snapshot_totals() if tier is not None else None)
 
@@ -267,6 +263,8 @@ def test_engine_greedy_tokens_equal_the_other_backends(skewed_path, skewed_f32_p
     assert totals.num_hits > 0 and totals.num_misses > 0
     if options["adapt_every"]:
         assert totals.num_swaps > 0
+
+
 def test_expert_cache_auto_takes_what_the_budget_holds(skewed_path):
     from strata.backends.cuda.offload import slot_layout
 

@@ -15,6 +15,8 @@ from strata.backends.window import Window
 from strata.experts.store import ExpertStore
 from strata.model.gguf_file import GGUFModel
 
+from request_runs import run_requests
+
 pytestmark = pytest.mark.cuda
 
 
@@ -115,15 +117,9 @@ def test_greedy_tokens_do_not_depend_on_the_share(pool_path):
                     dict(device="cuda")):
         with Engine(EngineConfig(pool_path, n_ctx=256, parallel=2, prompt_chunk_tokens=16,
                                  **options)) as engine:
-            handles = [engine.submit(p, SamplingParams(max_tokens=20, temperature=0.0,
-                                                       ignore_eos=True)) for p in prompts]
-            tokens = [[] for _ in handles]
-            while not all(h.is_finished for h in handles):
-                assert engine.step()
-                for out, h in zip(tokens, handles):
-                    out += [e.token_id for e in h.pop_events()]
-            assert all(h.error is None for h in handles)
-        results.append(tokens)
+            greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+            runs = run_requests(engine, prompts, [greedy] * len(prompts))
+        results.append([t for t, _ in runs])
     assert all(r == results[0] for r in results[1:])
 
 

@@ -14,25 +14,19 @@ from strata.backends.window import Window
 from strata.experts.tier import DecayedCountTier
 from strata.model.gguf_file import GGUFModel
 
+from cuda_synth import num_gpus, write_split_test_model
+from request_runs import run_requests
+
 pytestmark = pytest.mark.cuda
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def _num_gpus() -> int:
-    import pycuda.driver as drv
-
-    drv.init()
-    return drv.Device.count()
-
-
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    """tiny Q8_0 with 4 layers and skewed routing (hot experts for the tiers to chase)."""
-    from strata.tool.synth import synth_model
-
+    """tiny Q8_0 with 4 layers and skewed routing (cuda_synth.write_split_test_model)."""
     out = tmp_path_factory.mktemp("split") / "tiny-split-q8_0.gguf"
-    synth_model(out, shape="tiny", weight_type="q8_0", seed=11, routing_skew=1.0, n_layers=4)
+    write_split_test_model(out)
     return out
 
 
@@ -80,7 +74,7 @@ def split_model(path, devices, counts, **kwargs):
 
 def _device_sets():
     sets = [[0, 0]]
-    if _num_gpus() >= 2:
+    if num_gpus() >= 2:
         sets.append([0, 1])
     return sets
 
@@ -102,7 +96,7 @@ def test_split_equals_the_one_gpu_model_bit_for_bit(path, full, counts, mode):
 def test_three_stages_and_the_hop_kinds(path, full):
     plans = make_windows(np.random.default_rng(4), 6)
     want, _ = run_windows(full, plans)
-    devices = [0, 1, 0] if _num_gpus() >= 2 else [0, 0, 0]
+    devices = [0, 1, 0] if num_gpus() >= 2 else [0, 0, 0]
     model = split_model(path, devices, [1, 2, 1])
     got, _ = run_windows(model, plans)
     assert all(np.array_equal(a, b) for a, b in zip(want, got))
@@ -198,7 +192,7 @@ def test_pipelined_lanes_with_every_stage_tier_swapping(path, full, caplog):
     caplog.set_level(logging.WARNING, logger="strata")
     plans = make_windows(np.random.default_rng(7), 40, chunk_tokens=5)
     want = lanes_one_at_a_time(full, plans, "logits")
-    devices = [0, 1] if _num_gpus() >= 2 else [0, 0]
+    devices = [0, 1] if num_gpus() >= 2 else [0, 0]
     model, tier = _split_tier(path, devices, 10, adapt_every=1, adapt_async=True,
                               batch_groups=2)
     for t in tier.stages:
@@ -272,7 +266,7 @@ def _split_tier(path, devices, num_slots, **options):
 def test_every_stage_tier_swaps_while_windows_equal_the_frozen_pass(path, full, is_async):
     plans = make_windows(np.random.default_rng(5), 60)
     want, _ = run_windows(full, plans)
-    devices = [0, 1] if _num_gpus() >= 2 else [0, 0]
+    devices = [0, 1] if num_gpus() >= 2 else [0, 0]
     model, tier = _split_tier(path, devices, 10, adapt_every=1, adapt_async=is_async)
     assert [t.arena.n_slots for t in tier.stages] == [5, 5]
     for t in tier.stages:
@@ -303,14 +297,7 @@ def _engine_tokens(path, **options):
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in (16, 24, 10)]
     with Engine(EngineConfig(path, n_ctx=256, parallel=2, prompt_chunk_tokens=16,
                              device="cuda", **options)) as engine:
-        handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
-        tokens = [[] for _ in handles]
-        while not all(h.is_finished for h in handles):
-            assert engine.step()
-            for out, h in zip(tokens, handles):
-                out += [e.token_id for e in h.pop_events()]
-        assert all(h.error is None for h in handles)
-        return tokens
+        return [t for t, _ in run_requests(engine, prompts, params)]
 
 
 @pytest.mark.parametrize("options", [
@@ -325,7 +312,7 @@ def _engine_tokens(path, **options):
 ], ids=["resident", "auto-2-groups", "blocking-tier", "async-tier", "pipelined-async-tier",
         "pipelined-blocking-asked", "pipelined-pcie-frac-auto"])
 def test_engine_on_two_gpus_gives_the_one_gpu_tokens(path, options):
-    if _num_gpus() < 2:
+    if num_gpus() < 2:
         pytest.skip("needs two GPUs")
     want = _engine_tokens(path)
     got = _engine_tokens(path, split_devices="0,1", **options)
@@ -338,7 +325,7 @@ def test_pipelined_groups_read_misses_over_pcie_unless_a_pool_is_asked_for(
     """--batch-groups auto on a split with a cache: without --pcie-frac the misses are read
     over PCIe (a CPU pool takes one window at a time) and 2 groups pipeline; --pcie-frac 0.5
     asks for the pool, which keeps one group."""
-    if _num_gpus() < 2:
+    if num_gpus() < 2:
         pytest.skip("needs two GPUs")
     options = {} if pcie_frac is None else {"pcie_frac": pcie_frac}
     with Engine(EngineConfig(path, n_ctx=256, parallel=2, device="cuda", split_devices="0,1",
@@ -359,7 +346,7 @@ def test_engine_split_stores_the_whole_models_profile(path, full, tmp_path, monk
 
     from strata.experts.profile import read_profile, stored_profile_path
 
-    if _num_gpus() < 2:
+    if num_gpus() < 2:
         pytest.skip("needs two GPUs")
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
     options = dict(split_devices="0,1", layer_split="2,2", expert_cache=6, pcie_frac=1.0,
