@@ -49,6 +49,10 @@ def test_kernel_names_cover_every_entry_point():
                 for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {f"mmq{rows}r_{kind}_q4_0" for rows in (64, 32)  # RAW staging: Q4_0 only
             for kind in ("store", "add", "gateup", "qkv")} <= names
+    for suffix in ("q4_k", "q5_k", "q6_k"):  # mmq_k.cu: tiles of 32 rows
+        assert {f"mmq32_{kind}_{suffix}" for kind in ("store", "add", "gateup", "qkv")} <= names
+    for suffix in ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k"):  # matvec.cu: decode products
+        assert {f"mv_{kind}_{suffix}" for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {"mmf_store_f32", "mmf_add_f32", "mmf_store_f16", "mmf_store_bf16"} <= names
     assert {"quantize_q8", "rmsnorm_q8", "qk_rope_append", "router_topk", "group_pairs",
             "moe_combine", "argmax_rows"} <= names

@@ -1,6 +1,6 @@
 """CUDA kernels against float64 numpy references on fresh random inputs: the product kernels on
-every GGUF type (dense, grouped by expert, gate/up + SiLU; the decode mv_* kernels on Q4_0 and
-Q8_0), activation quantisation, attention over fp16 and int8 KV caches (split over blocks),
+every GGUF type (dense, grouped by expert, gate/up + SiLU; the decode mv_* kernels on Q4_0,
+Q8_0 and the k-quants), activation quantisation, attention over fp16 and int8 KV caches (split over blocks),
 QK-norm + RoPE + KV append, RMSNorm, the combine fused with the next norm, and the one-launch
 router (product, top-k, grouping)."""
 import numpy as np
@@ -348,13 +348,16 @@ def _mv_blocks(num_outputs: int, num_cols: int) -> int:
     return (num_outputs + outputs - 1) // outputs
 
 
-@pytest.mark.parametrize("weight_type", ("q4_0", "q8_0"))
-@pytest.mark.parametrize("num_cols", (64, 512, 2048, 5120))
+@pytest.mark.parametrize("weight_type, num_cols",
+                         [(t, k) for t in ("q4_0", "q8_0") for k in (64, 512, 2048, 5120)]
+                         + [(t, k) for t in ("q4_k", "q5_k", "q6_k") for k in (256, 768, 2048,
+                                                                               5120)])
 def test_decode_products_mv(runtime, weight_type, num_cols):
     """matvec.cu's mv_* (decode windows) against float64: dense store + bias (weights also at
     a 2-byte offset), add, q/k/v, grouped gate/up and grouped store through pointer tables with
     rows gathered and scattered. K covers 8, 16 and 32 lanes per output and rows staged in
-    several rounds; every row equals the same row computed alone, bit for bit."""
+    several rounds (k-quants: super-blocks of 256 columns; Q6_K's 210-byte ones start at every
+    even offset); every row equals the same row computed alone, bit for bit."""
     dev, rng = _Dev(runtime), np.random.default_rng()
     E, N, K, T, Nkv = 3, 45, num_cols, 11, 18  # N not a multiple of a block's outputs
     raws, dense = zip(*[_weights(weight_type, N, K, rng) for _ in range(2 * E)])

@@ -14,6 +14,7 @@ from test_cuda_kernels import _Dev, _acts, _q8, _weights
 pytestmark = pytest.mark.cuda
 
 MMQ_TYPES = ("q4_0", "q8_0")
+K_TYPES = ("q4_k", "q5_k", "q6_k")  # mmq_k.cu: tiles of 32 rows, K a multiple of 256
 FMT = "PPPPqiiPPPPPPPPPiPP"
 BM, BN, BNG = 64, 64, 32  # mmq.cu's tiles: outputs, rows dense / grouped
 
@@ -37,6 +38,18 @@ def _silu(v: np.ndarray) -> np.ndarray:
 def test_dense_products(runtime, weight_type, num_out, num_cols, num_rows, tile_rows):
     """store (+ bias), add and gate/up over T rows; N not a multiple of the 64-output tile, K of
     320 ends in a partial k-tile (10 blocks of 32 = 8 + 2)."""
+    _check_dense_products(runtime, weight_type, num_out, num_cols, num_rows, tile_rows)
+
+
+@pytest.mark.parametrize("weight_type", K_TYPES)
+@pytest.mark.parametrize("num_out, num_cols, num_rows", [(200, 768, 100), (72, 512, 17)])
+def test_k_quant_products(runtime, weight_type, num_out, num_cols, num_rows):
+    """mmq_k.cu's store (+ bias), add and gate/up; 768 columns of Q6_K are rows of 630 bytes,
+    so every other row's super-blocks start 6 bytes into a 16-byte piece."""
+    _check_dense_products(runtime, weight_type, num_out, num_cols, num_rows, 32)
+
+
+def _check_dense_products(runtime, weight_type, num_out, num_cols, num_rows, tile_rows):
     dev, rng = _Dev(runtime), np.random.default_rng()
     N, K, T = num_out, num_cols, num_rows
     (raw0, w0), (raw1, w1) = _weights(weight_type, N, K, rng), _weights(weight_type, N, K, rng)
@@ -64,8 +77,8 @@ def test_dense_products(runtime, weight_type, num_out, num_cols, num_rows, tile_
     assert _rel(dev.get(out, (T, N), np.float32), want) < 1e-5
 
 
-@pytest.mark.parametrize("tile_rows", (64, 32))
-@pytest.mark.parametrize("weight_type", MMQ_TYPES)
+@pytest.mark.parametrize("weight_type, tile_rows", [(t, n) for t in MMQ_TYPES for n in (64, 32)]
+                         + [(t, 32) for t in K_TYPES])
 def test_fused_qkv(runtime, weight_type, tile_rows):
     dev, rng = _Dev(runtime), np.random.default_rng()
     Nq, Nkv, K, T = 200, 40, 512, 70
@@ -185,12 +198,13 @@ def _uneven_groups(rng, num_rows: int):
     return np.array(groups, dtype=np.int32), np.array(act_rows, dtype=np.int32), experts
 
 
-@pytest.mark.parametrize("weight_type", MMQ_TYPES)
+@pytest.mark.parametrize("weight_type", MMQ_TYPES + K_TYPES)
 def test_grouped_experts(runtime, weight_type):
     """Grouped gate/up + SiLU (rows gathered through act_rows) and down (outputs scattered
     through out_rows), each expert read through a pointer table of separate allocations."""
     dev, rng = _Dev(runtime), np.random.default_rng()
-    E, T, F, H = 5, 160, 72, 320  # F not a multiple of the 32 gate/up outputs; H of 10 blocks
+    # F not a multiple of the 32 gate/up outputs; H of 10 blocks (k-quants: 2 super-blocks)
+    E, T, F, H = 5, 160, 72, 512 if weight_type in K_TYPES else 320
     groups, act_rows, experts = _uneven_groups(rng, T)
     G, P = len(groups) // 3, len(act_rows)
     g = dev.put(np.concatenate([groups, [G]]).astype(np.int32))
@@ -210,7 +224,7 @@ def test_grouped_experts(runtime, weight_type):
     assert _rel(dev.get(hbuf, (P, F), np.float32), want) < 1e-5
 
     # down: fresh [P, K2] rows in grouped order, outputs scattered to pair rows
-    N2, K2 = 136, 2 * 320
+    N2, K2 = 136, 2 * H
     down = [_weights(weight_type, N2, K2, rng) for _ in range(E)]
     table = dev.put(np.array([dev.put(down[e][0]) for e in range(E)], dtype=np.uint64))
     h = rng.standard_normal((P, K2)).astype(np.float32)
@@ -226,7 +240,7 @@ def test_grouped_experts(runtime, weight_type):
     assert _rel(dev.get(y, (P, N2), np.float32), want) < 1e-5
 
 
-@pytest.mark.parametrize("weight_type", MMQ_TYPES)
+@pytest.mark.parametrize("weight_type", MMQ_TYPES + K_TYPES)
 def test_row_result_independent_of_tile(runtime, weight_type):
     """Rows 37..86 computed alone (another tile position), with 32-row tiles and inside all
     100 rows give the same bits."""
@@ -236,8 +250,11 @@ def test_row_result_independent_of_tile(runtime, weight_type):
     q, d = _q8(rng.standard_normal((T, K)).astype(np.float32))
     args = [dev.put(raw), 0, 0, 0, raw.shape[1], N, K, 0, dev.put(q), dev.put(d)]
     outs = []
-    for kernel, first, count, tile in (("mmq64_store", 0, T, BN), ("mmq64_store", 37, 50, BN),
-                                       ("mmq32_store", 37, 50, BNG)):
+    runs = [("mmq64_store", 0, T, BN), ("mmq64_store", 37, 50, BN), ("mmq32_store", 37, 50, BNG)]
+    if weight_type in K_TYPES:
+        runs = [("mmq32_store", 0, T, BNG), ("mmq32_store", 37, 50, BNG),
+                ("mmq32_store", 30, 57, BNG)]
+    for kernel, first, count, tile in runs:
         group = dev.put(np.array([0, first, count, 1], dtype=np.int32))
         y = dev.empty(4 * T * N)
         dev.launch(f"{kernel}_{weight_type}", (_cdiv(N, BM), _cdiv(count, tile)), (128,),
@@ -283,7 +300,8 @@ def _tokens(n, vocab, seed):
 
 
 @pytest.mark.parametrize("shape, weight_type", [("tiny", "q4_0"), ("tiny-qwen2moe", "q8_0"),
-                                                ("tiny", "f32")])
+                                                ("tiny", "f32"), ("tiny", "q4_k"),
+                                                ("tiny-qwen2moe", "q6_k")])
 def test_plan_uses_mmq_from_the_threshold_and_windows_equal_solo(synth_path, shape,
                                                                  weight_type):
     """Windows of >= MMQ_MIN_ROWS rows launch mmq.cu's kernels, smaller ones matmul.cu's; two
@@ -319,12 +337,13 @@ def test_plan_uses_mmq_from_the_threshold_and_windows_equal_solo(synth_path, sha
         np.testing.assert_array_equal(window.logits_of(logits, i), solo[i])
 
 
-def test_mmq_and_dp4a_prompts_agree(synth_path, monkeypatch):
+@pytest.mark.parametrize("weight_type", ("q4_0", "q4_k", "q5_k", "q6_k"))
+def test_mmq_and_dp4a_prompts_agree(synth_path, monkeypatch, weight_type):
     """A prompt of MMQ_MIN_ROWS + 24 tokens through mmq and through the dp4a kernels (threshold
     raised): the same function up to float rounding (the parity tests' tolerances)."""
     from strata.backends.cuda import CudaModel
 
-    path = synth_path("tiny", "q4_0")
+    path = synth_path("tiny", weight_type)
     prompt = _tokens(cuda_plan.MMQ_MIN_ROWS + 24, GGUFModel.open(path).spec.vocab, seed=9)
     outs = []
     for threshold in (cuda_plan.MMQ_MIN_ROWS, 1 << 30):
@@ -332,8 +351,8 @@ def test_mmq_and_dp4a_prompts_agree(synth_path, monkeypatch):
         gpu = CudaModel(GGUFModel.open(path))
         outs.append(gpu.forward(prompt, gpu.new_kv(64), all_logits=True))
     errors = np.abs(outs[0] - outs[1]).max(axis=1) / np.abs(outs[1]).max()
-    print(f"mmq vs dp4a, |diff| / logit scale per row: median {np.median(errors):.1e}, "
-          f"max {errors.max():.1e}")
+    print(f"{weight_type} mmq vs dp4a, |diff| / logit scale per row: median "
+          f"{np.median(errors):.1e}, max {errors.max():.1e}")
     assert errors[0] < 1e-4
     assert np.percentile(errors, 90) < 3e-2
     assert np.mean(np.argmax(outs[0], 1) == np.argmax(outs[1], 1)) >= 0.9

@@ -152,6 +152,50 @@ __device__ __forceinline__ void decode_group(const uint8_t *row, int g, int (&v)
     }
 }
 
+// Byte-wise x - 32 of 4 bytes holding 0..63 each (no borrow crosses a byte): Q6_K's values
+__device__ __forceinline__ int bytes_minus_32(uint32_t v) {
+    return (int)(((v | 0x80808080u) - 0x20202020u) ^ 0x80808080u);
+}
+
+// 32-column block b (0..7) of a k-quant super-block at blk (2-byte aligned; mmq_k.cu and
+// matvec.cu read it from shared memory): its 32 int8 values to v[8] (4 per int, column order),
+// its scales a[0..1] (per 16 columns; equal for Q4_K / Q5_K) and min scale m (Q4_K / Q5_K;
+// w = a * s - m). The same values and scales as decode_group.
+template <int QT>
+__device__ __forceinline__ void unpack_k_block(const uint8_t *blk, int b, int (&v)[8],
+                                               float (&a)[2], float &m) {
+    if constexpr (QT == ST_Q6_K) {  // ql[128], qh[64], int8 scales[16], fp16 d
+        const int n = b >> 2, quad = b & 3;
+        const uint8_t *ql = blk + 64 * n + 32 * (quad & 1);
+        const uint8_t *qh = blk + 128 + 32 * n;
+        const int lo_shift = quad >= 2 ? 4 : 0, hi_shift = 2 * quad;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            const uint32_t lo = (read_u32_a2(ql + 4 * w) >> lo_shift) & 0x0F0F0F0Fu;
+            const uint32_t hi = (read_u32_a2(qh + 4 * w) >> hi_shift) & 0x03030303u;
+            v[w] = bytes_minus_32(lo | (hi << 4));
+        }
+        const float d = read_f16(blk + 208);
+        a[0] = d * (float)(int8_t)blk[192 + 2 * b];
+        a[1] = d * (float)(int8_t)blk[193 + 2 * b];
+        m = 0.0f;
+    } else {  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, (Q5_K: qh[32]), qs[128]
+        constexpr bool is_q5 = QT == ST_Q5_K;
+        const uint8_t *q = blk + (is_q5 ? 48 : 16) + 32 * (b >> 1);
+        const int shift = (b & 1) * 4;  // block 2j: low nibbles of qs[32j..], 2j+1: high ones
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            uint32_t x = (read_u32_a2(q + 4 * w) >> shift) & 0x0F0F0F0Fu;
+            if (is_q5) x |= ((read_u32_a2(blk + 16 + 4 * w) >> b) & 0x01010101u) << 4;
+            v[w] = (int)x;
+        }
+        int sc, mn;
+        scale_min_k4(b, blk + 4, sc, mn);
+        a[0] = a[1] = read_f16(blk) * (float)sc;
+        m = read_f16(blk + 2) * (float)mn;
+    }
+}
+
 // One weight of a float-type row
 template <int QT>
 __device__ __forceinline__ float load_float_weight(const uint8_t *row, int c) {

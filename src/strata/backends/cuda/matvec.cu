@@ -1,18 +1,21 @@
-// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0 weights: the mv_* kernels,
-// with matmul.cu's arguments (products.cuh). Legend as matmul.cu: N = weight rows (outputs),
-// K = columns, P = activation rows of a group, G = groups (experts).
+// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0 and k-quant (Q4_K, Q5_K,
+// Q6_K) weights: the mv_* kernels, with matmul.cu's arguments (products.cuh). Legend as
+// matmul.cu: N = weight rows (outputs), K = columns, P = activation rows of a group, G = groups
+// (experts).
 #include "products.cuh"
 
-// ---- decode products on Q4_0 / Q8_0 weights (windows of < MMQ_MIN_ROWS rows): mv_* ----------
+// ---- decode products (windows of < MMQ_MIN_ROWS rows): mv_* ---------------------------------
 // A decode row is latency-bound: the warps above issue a few 2-byte loads per lane, wait, and
 // repeat. Here a warp computes mv_outputs_per_warp(K) consecutive outputs (32 / that many lanes
 // each); their weight rows are one contiguous byte range, which the warp copies into shared
 // memory with 16-byte cp.async copies, all in flight together (up to MV_CHUNKS per lane per
 // round: rows of up to ~2.5 KiB arrive in one round trip), then decodes from there. Whole
 // 16-byte reads also suit mapped host memory (offloaded experts read over PCIe).
-// Per output and row: each lane sums its quant blocks j = lane, lane + lanes, ... in increasing
-// order as (float)s * (d_w * d_x) (s = the int8 dot of one 32-value block), then the lanes
-// are summed by a butterfly: a fixed order that depends on K only, never on the window.
+// Per output and row: each lane sums its 32-column blocks j = lane, lane + lanes, ... in
+// increasing order as (float)s * (d_w * d_x) (s = the int8 dot of one 32-value block; k-quants:
+// a_w * d_x * s - m_w * d_x * sum(q), Q6_K with a scale per 16 columns), then the lanes are
+// summed by a butterfly: a fixed order that depends on K only, never on the window. Rows are
+// staged in units of a quant block (Q4_0 / Q8_0: 32 columns) or super-block (k-quants: 256).
 // Grid (ceil(N / (MV_WARPS * mv_outputs_per_warp(K))), G), block MV_WARPS * 32 (plan.py
 // mirrors mv_outputs_per_warp and says which products take these kernels).
 #define MV_WARPS 4
@@ -91,6 +94,58 @@ __device__ __forceinline__ int mv_block_dot(const uint8_t *p, const int4 &xa, co
     }
 }
 
+// The k-quant blocks of one staged round: lane `sub` of its output takes 32-column blocks j =
+// sub, sub + lanes, ... < num_j of the staged row srow (srow2: gate/up's up row), block j0 + j
+// of the whole row, against activation rows arow[0 .. nt)
+template <int QT, bool GATEUP>
+__device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *srow2, int sub,
+                                            int lanes, int num_j, int j0, int nt,
+                                            const int (&arow)[MV_TR],
+                                            const int8_t *__restrict__ xq,
+                                            const float *__restrict__ xd, int K,
+                                            float (&acc)[MV_TR], float (&acc2)[MV_TR]) {
+    constexpr int QB = QT == ST_Q4_K ? 144 : QT == ST_Q5_K ? 176 : 210;
+    const int num_blocks = K >> 5;
+#pragma unroll 1
+    for (int j = sub; j < num_j; j += lanes) {
+        const int blk = j0 + j;
+        int v[8], v2[8];
+        float a[2], m, a2[2], m2;
+        unpack_k_block<QT>(srow + (j >> 3) * QB, j & 7, v, a, m);
+        if (GATEUP) unpack_k_block<QT>(srow2 + (j >> 3) * QB, j & 7, v2, a2, m2);
+#pragma unroll
+        for (int t = 0; t < MV_TR; t++) {
+            if (t >= nt) continue;
+            // [32] int8 activations of this block, 16-byte aligned
+            const int4 *xp =
+                reinterpret_cast<const int4 *>(xq + (long long)arow[t] * K + 32 * blk);
+            const int4 xa = xp[0], xb = xp[1];
+            const int x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+            const float dx = xd[(long long)arow[t] * num_blocks + blk];
+            int lo = 0, hi = 0, lo2 = 0, hi2 = 0, sq = 0;
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                lo = __dp4a(v[w], x[w], lo);
+                hi = __dp4a(v[w + 4], x[w + 4], hi);
+                if (GATEUP) {
+                    lo2 = __dp4a(v2[w], x[w], lo2);
+                    hi2 = __dp4a(v2[w + 4], x[w + 4], hi2);
+                }
+                if (QT != ST_Q6_K)
+                    sq = __dp4a(0x01010101, x[w + 4], __dp4a(0x01010101, x[w], sq));
+            }
+            if constexpr (QT == ST_Q6_K) {  // a scale per 16 columns
+                acc[t] += (float)lo * (a[0] * dx) + (float)hi * (a[1] * dx);
+                if (GATEUP) acc2[t] += (float)lo2 * (a2[0] * dx) + (float)hi2 * (a2[1] * dx);
+            } else {
+                acc[t] += (float)(lo + hi) * (a[0] * dx) - (float)sq * (m * dx);
+                if (GATEUP)
+                    acc2[t] += (float)(lo2 + hi2) * (a2[0] * dx) - (float)sq * (m2 * dx);
+            }
+        }
+    }
+}
+
 template <int QT, int MODE>
 __device__ __forceinline__ void mv_body(
     const uint8_t *__restrict__ W, const uint8_t *__restrict__ W2,
@@ -101,7 +156,11 @@ __device__ __forceinline__ void mv_body(
     const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,
     int ldy, int block_x, const unsigned long long *__restrict__ atab,
     const unsigned long long *__restrict__ atab2) {
-    constexpr int block_bytes = QT == ST_Q4_0 ? 18 : 34;
+    // a staged unit: one block of 32 columns, or a k-quant super-block of 256
+    constexpr bool is_k = QT == ST_Q4_K || QT == ST_Q5_K || QT == ST_Q6_K;
+    constexpr int unit_bytes = QT == ST_Q4_0 ? 18 : QT == ST_Q8_0 ? 34 : QT == ST_Q4_K ? 144
+                               : QT == ST_Q5_K ? 176 : 210;
+    constexpr int blocks_per_unit = is_k ? 8 : 1;  // 32-column blocks
     constexpr bool is_gateup = MODE == MODE_GATEUP;
     __shared__ int4 stage_all[MV_WARPS * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16)];
     const int g = blockIdx.y;
@@ -121,12 +180,12 @@ __device__ __forceinline__ void mv_body(
     uint8_t *keep2 = is_gateup && atab2 ? reinterpret_cast<uint8_t *>(atab2[expert]) : nullptr;
     int4 *stage = stage_all + warp * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16);
     int4 *stage2 = stage + MV_STAGE_BYTES / 16;
-    const int num_blocks = K >> 5;
-    // quant blocks per round: whole rows when a warp has several outputs (they fit), else
-    // as many of the one row as the stage holds
-    const int round_blocks = outs > 1 ? num_blocks
-                             : min(num_blocks, (MV_STAGE_BYTES - 32) / block_bytes);
-    const bool is_one_round = round_blocks == num_blocks;
+    const int num_blocks = K >> 5, num_units = num_blocks / blocks_per_unit;
+    // units per round: whole rows when a warp has several outputs (they fit), else as many of
+    // the one row as the stage holds
+    const int round_units = outs > 1 ? num_units
+                            : min(num_units, (MV_STAGE_BYTES - 32) / unit_bytes);
+    const bool is_one_round = round_units == num_units;
     const long long w_off = (long long)n0 * row_bytes;
     int off = 0, off2 = 0;
 
@@ -141,49 +200,51 @@ __device__ __forceinline__ void mv_body(
         float acc[MV_TR], acc2[MV_TR];
 #pragma unroll
         for (int t = 0; t < MV_TR; t++) acc[t] = acc2[t] = 0.0f;
-        for (int s0 = 0; s0 < num_blocks; s0 += round_blocks) {
-            const int nbr = min(round_blocks, num_blocks - s0);
+        for (int s0 = 0; s0 < num_units; s0 += round_units) {
+            const int nur = min(round_units, num_units - s0);
+            const long long u_off = w_off + (long long)s0 * unit_bytes;
             if (!is_one_round || p0 == first) {
                 __syncwarp();  // the previous round's reads of the stage are done
-                const int num_bytes = (int)((num_rows_w - 1) * row_bytes) + nbr * block_bytes;
-                off = mv_stage(base + w_off + (long long)s0 * block_bytes, num_bytes, stage);
-                if (is_gateup)
-                    off2 = mv_stage(base2 + w_off + (long long)s0 * block_bytes, num_bytes,
-                                    stage2);
+                const int num_bytes = (int)((num_rows_w - 1) * row_bytes) + nur * unit_bytes;
+                off = mv_stage(base + u_off, num_bytes, stage);
+                if (is_gateup) off2 = mv_stage(base2 + u_off, num_bytes, stage2);
                 mv_stage_wait();
                 if (keep != nullptr && p0 == first)  // each byte once: the first row tile's
-                    mv_keep(base + w_off + (long long)s0 * block_bytes, num_bytes, stage,
-                            keep + w_off + (long long)s0 * block_bytes);
+                    mv_keep(base + u_off, num_bytes, stage, keep + u_off);
                 if (keep2 != nullptr && p0 == first)
-                    mv_keep(base2 + w_off + (long long)s0 * block_bytes, num_bytes, stage2,
-                            keep2 + w_off + (long long)s0 * block_bytes);
+                    mv_keep(base2 + u_off, num_bytes, stage2, keep2 + u_off);
             }
             if (o < num_rows_w) {
                 const uint8_t *srow = reinterpret_cast<const uint8_t *>(stage) + off
                                       + (long long)o * row_bytes;
                 const uint8_t *srow2 = reinterpret_cast<const uint8_t *>(stage2) + off2
                                        + (long long)o * row_bytes;
+                if constexpr (is_k) {
+                    mv_k_blocks<QT, is_gateup>(srow, srow2, sub, lanes, nur * 8, s0 * 8, nt,
+                                               arow, xq, xd, K, acc, acc2);
+                } else {
 #pragma unroll 2
-                for (int j = sub; j < nbr; j += lanes) {
-                    const int blk = s0 + j;
-                    const uint8_t *pw = srow + j * block_bytes;
-                    const float dw = __half2float(*reinterpret_cast<const __half *>(pw));
-                    float dw2 = 0.0f;
-                    if (is_gateup)
-                        dw2 = __half2float(*reinterpret_cast<const __half *>(srow2 +
-                                                                            j * block_bytes));
+                    for (int j = sub; j < nur; j += lanes) {
+                        const int blk = s0 + j;
+                        const uint8_t *pw = srow + j * unit_bytes;
+                        const float dw = __half2float(*reinterpret_cast<const __half *>(pw));
+                        float dw2 = 0.0f;
+                        if (is_gateup)
+                            dw2 = __half2float(*reinterpret_cast<const __half *>(srow2 +
+                                                                                j * unit_bytes));
 #pragma unroll
-                    for (int t = 0; t < MV_TR; t++) {
-                        if (t < nt) {
-                            // [32] int8 activations of this block, 16-byte aligned
-                            const int4 *xp = reinterpret_cast<const int4 *>(
-                                xq + (long long)arow[t] * K + 32 * blk);
-                            const int4 xa = xp[0], xb = xp[1];
-                            const float dx = xd[(long long)arow[t] * num_blocks + blk];
-                            acc[t] += (float)mv_block_dot<QT>(pw, xa, xb) * (dw * dx);
-                            if (is_gateup)
-                                acc2[t] += (float)mv_block_dot<QT>(srow2 + j * block_bytes, xa,
-                                                                   xb) * (dw2 * dx);
+                        for (int t = 0; t < MV_TR; t++) {
+                            if (t < nt) {
+                                // [32] int8 activations of this block, 16-byte aligned
+                                const int4 *xp = reinterpret_cast<const int4 *>(
+                                    xq + (long long)arow[t] * K + 32 * blk);
+                                const int4 xa = xp[0], xb = xp[1];
+                                const float dx = xd[(long long)arow[t] * num_blocks + blk];
+                                acc[t] += (float)mv_block_dot<QT>(pw, xa, xb) * (dw * dx);
+                                if (is_gateup)
+                                    acc2[t] += (float)mv_block_dot<QT>(srow2 + j * unit_bytes,
+                                                                       xa, xb) * (dw2 * dx);
+                            }
                         }
                     }
                 }
@@ -228,36 +289,28 @@ __device__ __forceinline__ void mv_body(
                                 num_groups, nullptr, nullptr, bv, Yv, Nkv, bx - nbq - nbkv,     \
                                 nullptr, nullptr);
 
-// (entry points written out: runtime._kernel_names finds them by name; same arguments as mm_*)
-extern "C" __global__ void __launch_bounds__(128) mv_store_q4_0(MM_ARGS) {
-    kernel_entry();
-    mv_body<ST_Q4_0, MODE_STORE>(MV_PASS);
-}
-extern "C" __global__ void __launch_bounds__(128) mv_add_q4_0(MM_ARGS) {
-    kernel_entry();
-    mv_body<ST_Q4_0, MODE_ADD>(MV_PASS);
-}
-extern "C" __global__ void __launch_bounds__(128) mv_gateup_q4_0(MM_ARGS) {
-    kernel_entry();
-    mv_body<ST_Q4_0, MODE_GATEUP>(MV_PASS);
-}
-extern "C" __global__ void __launch_bounds__(128) mv_qkv_q4_0(QKV_ARGS) {
-    kernel_entry();
-    MV_QKV_BODY(ST_Q4_0)
-}
-extern "C" __global__ void __launch_bounds__(128) mv_store_q8_0(MM_ARGS) {
-    kernel_entry();
-    mv_body<ST_Q8_0, MODE_STORE>(MV_PASS);
-}
-extern "C" __global__ void __launch_bounds__(128) mv_add_q8_0(MM_ARGS) {
-    kernel_entry();
-    mv_body<ST_Q8_0, MODE_ADD>(MV_PASS);
-}
-extern "C" __global__ void __launch_bounds__(128) mv_gateup_q8_0(MM_ARGS) {
-    kernel_entry();
-    mv_body<ST_Q8_0, MODE_GATEUP>(MV_PASS);
-}
-extern "C" __global__ void __launch_bounds__(128) mv_qkv_q8_0(QKV_ARGS) {
-    kernel_entry();
-    MV_QKV_BODY(ST_Q8_0)
-}
+// store, add, gate/up and fused q/k/v entry points of one type (runtime._kernel_names knows the
+// macro; same arguments as mm_*)
+#define MV_KERNELS(NAME, QT)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) mv_store_##NAME(MM_ARGS) {                \
+        kernel_entry();                                                                         \
+        mv_body<QT, MODE_STORE>(MV_PASS);                                                       \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) mv_add_##NAME(MM_ARGS) {                  \
+        kernel_entry();                                                                         \
+        mv_body<QT, MODE_ADD>(MV_PASS);                                                         \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) mv_gateup_##NAME(MM_ARGS) {               \
+        kernel_entry();                                                                         \
+        mv_body<QT, MODE_GATEUP>(MV_PASS);                                                      \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) mv_qkv_##NAME(QKV_ARGS) {                 \
+        kernel_entry();                                                                         \
+        MV_QKV_BODY(QT)                                                                         \
+    }
+
+MV_KERNELS(q4_0, ST_Q4_0)
+MV_KERNELS(q8_0, ST_Q8_0)
+MV_KERNELS(q4_k, ST_Q4_K)
+MV_KERNELS(q5_k, ST_Q5_K)
+MV_KERNELS(q6_k, ST_Q6_K)

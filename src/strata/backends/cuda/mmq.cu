@@ -8,71 +8,17 @@
 // is exact, and each output accumulates (float)s * (d_w * d_x) over its blocks in increasing
 // k order in one thread, so a row's result does not depend on the tile it lands in or on the
 // other rows of its window.
-#include "products.cuh"
+#include "mmq.cuh"
 
-#define MMQ_THREADS 128              // 4 warps: 2 over weight rows x 2 over activation rows
-#define MMQ_BM 64                    // weight rows per tile (gate/up: 32 gate rows + 32 up rows)
-#define MMQ_KB 8                     // quant blocks per k-tile (256 columns)
-// bytes per shared row; the +16 puts the 8 rows of one fragment load on distinct banks
-#define MMQ_LDS (MMQ_KB * 32 + 16)
 #define MMQ_RAW_ROW (MMQ_KB * 18)    // bytes of one weight row's k-tile of Q4_0 blocks (RAW)
 #define MMF_OUTS 32                  // float kernel: 32 outputs x 16 rows per block,
 #define MMF_ROWS 16                  // 64 columns per step
 #define MMF_KC 64
 #define MMF_THREADS 128
 
-
-// d[16x8] = a[16x32] . b[32x8] in int32 (a row-major weight rows, b activation rows)
-__device__ __forceinline__ void mma_s8(int (&d)[4], const int (&a)[4], int b0, int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%10,%10,%10,%10};\n"
-        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
-}
-
-// int32 -> float for |s| < 2^22 (a block's sum: at most 32 x 127 x 127) without the conversion
-// unit: s lands in the mantissa of 1.5 * 2^23, whose value then goes. Same bits as (float)s.
-__device__ __forceinline__ float exact_float(int s) {
-    return __int_as_float(0x4B400000 + s) - 12582912.0f;
-}
-
 template <int QT> struct BlockBytes;
 template <> struct BlockBytes<ST_Q4_0> { static constexpr int value = 18; };
 template <> struct BlockBytes<ST_Q8_0> { static constexpr int value = 34; };
-
-// Tile slot t -> (group g, first row row0 of the group's tile): each group's rows in tiles of BN,
-// groups in order. A warp scans 32 groups at a time (every warp of the block does the same, so
-// no barrier is needed); false when t is past the last tile (the grid has slots for the most
-// tiles a window can have: ceil(P / BN) + G).
-template <int BN>
-__device__ __forceinline__ bool find_tile(const int *__restrict__ groups, int num_groups, int t,
-                                          int &g, int &row0) {
-    const int lane = threadIdx.x & 31;
-    int before = 0;  // tiles of the groups already scanned
-    for (int c = 0; c < num_groups; c += 32) {
-        const int gi = c + lane;
-        const int tiles = gi < num_groups ? (groups[3 * gi + 2] + BN - 1) / BN : 0;
-        int incl = tiles;  // inclusive prefix sum over the lanes
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += v;
-        }
-        const int total = __shfl_sync(0xffffffffu, incl, 31);
-        if (t < before + total) {
-            const unsigned hit = __ballot_sync(0xffffffffu, t >= before + incl - tiles &&
-                                                                t < before + incl);
-            const int src = __ffs(hit) - 1;
-            const int start = __shfl_sync(0xffffffffu, incl - tiles, src);
-            g = c + src;
-            row0 = (t - before - start) * BN;
-            return true;
-        }
-        before += total;
-    }
-    return false;
-}
 
 // groups: [G, 3] (expert, first pair, pair count), *num_groups in use (dense products: one group
 // of all rows). Block (x, y) computes the output columns of tile x for tile slot y (a tile of BN
@@ -302,34 +248,7 @@ __device__ __forceinline__ void mmq_body(
         }
         __syncthreads();
     }
-    // ---- write: accumulator c of (m-tile i, n-tile j) is weight row gid + 8 * (c >> 1) of the
-    // m-tile and activation row 2 * tig + (c & 1) of the n-tile
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int local = wn * (BN / 2) + 8 * j + 2 * tig + h;
-            if (local >= num_rows) continue;
-            const int p = p0 + local;
-            float *y = Y + (long long)(out_rows ? out_rows[p] : p) * ldy;
-#pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const int c = 2 * half + h;
-                if (MODE == MODE_GATEUP) {
-                    const int n = n0 + wm * 16 + gid + 8 * half;
-                    if (n < N) y[n] = silu(acc[0][j][c]) * acc[1][j][c];
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 2; i++) {
-                        const int n = n0 + wm * 32 + i * 16 + gid + 8 * half;
-                        if (n >= N) continue;
-                        if (MODE == MODE_STORE) y[n] = bias ? acc[i][j][c] + bias[n] : acc[i][j][c];
-                        else y[n] += acc[i][j][c];
-                    }
-                }
-            }
-        }
-    }
+    mmq_write<MODE, BN>(acc, wm, wn, gid, tig, num_rows, p0, n0, N, out_rows, bias, Y, ldy);
 }
 
 // Float weights (F32 / F16 / BF16) meet float rows (the router of a quantised model): a tile of
@@ -417,46 +336,10 @@ __device__ __forceinline__ void mmf_body(
     }
 }
 
-#define MMQ_PASS W, W2, wtab, wtab2, row_bytes, N, K, xq, xd, groups, num_groups, act_rows,        \
-                 out_rows, bias, Y, ldy, blockIdx.x
 #define MMF_PASS W, row_bytes, N, K, xf, groups, num_groups, act_rows, out_rows, bias, Y, ldy
-// mmq64_*: tiles of 64 activation rows (dense products of long windows); mmq32_*: tiles of 32
-// (grouped experts: ~32 rows per expert in a 512-row prompt of 128 experts, top-8; dense
-// products whose 64-row tiles would leave the GPU's multiprocessors idle)
-#define MMQ_TILE_KERNELS(NAME, QT, BN, TAG, RAW)                                                    \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                       \
-        mmq##BN##TAG##_store_##NAME(MM_ARGS) {                                                      \
-        kernel_entry();                                                                             \
-        mmq_body<QT, MODE_STORE, BN, RAW>(MMQ_PASS);                                                \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq##BN##TAG##_add_##NAME(MM_ARGS) {  \
-        kernel_entry();                                                                             \
-        mmq_body<QT, MODE_ADD, BN, RAW>(MMQ_PASS);                                                  \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                       \
-        mmq##BN##TAG##_gateup_##NAME(MM_ARGS) {                                                     \
-        kernel_entry();                                                                             \
-        mmq_body<QT, MODE_GATEUP, BN, RAW>(MMQ_PASS);                                               \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                       \
-        mmq##BN##TAG##_qkv_##NAME(QKV_ARGS) {                                                       \
-        kernel_entry();                                                                             \
-        const int nbq = (Nq + MMQ_BM - 1) / MMQ_BM, nbkv = (Nkv + MMQ_BM - 1) / MMQ_BM;             \
-        const int bx = blockIdx.x;                                                                  \
-        if (bx < nbq)                                                                               \
-            mmq_body<QT, MODE_STORE, BN, RAW>(Wq, Wq, nullptr, nullptr, row_bytes, Nq, K, xq, xd,   \
-                                         groups, num_groups, nullptr, nullptr, bq, Yq, Nq, bx);     \
-        else if (bx < nbq + nbkv)                                                                   \
-            mmq_body<QT, MODE_STORE, BN, RAW>(Wk, Wk, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,  \
-                                         groups, num_groups, nullptr, nullptr, bk, Yk, Nkv,         \
-                                         bx - nbq);                                                 \
-        else                                                                                        \
-            mmq_body<QT, MODE_STORE, BN, RAW>(Wv, Wv, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,  \
-                                         groups, num_groups, nullptr, nullptr, bv, Yv, Nkv,         \
-                                         bx - nbq - nbkv);                                          \
-    }
 #define MMQ_KERNELS(NAME, QT)                                                                       \
-    MMQ_TILE_KERNELS(NAME, QT, 64, , false) MMQ_TILE_KERNELS(NAME, QT, 32, , false)
+    MMQ_TILE_KERNELS(mmq_body, NAME, QT, 64, , false)                                               \
+    MMQ_TILE_KERNELS(mmq_body, NAME, QT, 32, , false)
 // mmq64r_* / mmq32r_*: the same with RAW staging (Q4_0 weights whose K is a multiple of 256)
 
 #define MMF_KERNELS(NAME, QT)                                                                       \
@@ -470,8 +353,8 @@ __device__ __forceinline__ void mmf_body(
     }
 
 MMQ_KERNELS(q4_0, ST_Q4_0)
-MMQ_TILE_KERNELS(q4_0, ST_Q4_0, 64, r, true)
-MMQ_TILE_KERNELS(q4_0, ST_Q4_0, 32, r, true)
+MMQ_TILE_KERNELS(mmq_body, q4_0, ST_Q4_0, 64, r, true)
+MMQ_TILE_KERNELS(mmq_body, q4_0, ST_Q4_0, 32, r, true)
 MMQ_KERNELS(q8_0, ST_Q8_0)
 MMF_KERNELS(f32, ST_F32)
 MMF_KERNELS(f16, ST_F16)

@@ -37,6 +37,9 @@ NORM_MAX_HIDDEN = 8192  # combine_norm / one-pass RMSNorm: hidden % 4 == 0 and a
 # (qwen3-30b-a3b Q4_0, tools/bench_mmq.py): dp4a 6% faster at 16 rows, mmq 17% faster at 24.
 MMQ_MIN_ROWS = 20
 MMQ_TYPES = ("q4_0", "q8_0")
+# k-quants take mmq_k.cu's tiles (32 activation rows only: its staging fills the shared memory);
+# STRATA_MMQ_K=0 keeps them on the dp4a kernels (to measure one against the other in one build).
+MMQ_K_TYPES = ("q4_k", "q5_k", "q6_k")
 # mmq.cu's block tiles: 64 weight rows (outputs; gate/up: 32 of each) x 64 or 32 activation rows
 MMQ_OUTPUTS = 64
 # Dense products take 64-row tiles when that still makes this many blocks (the H200 has 132
@@ -49,7 +52,7 @@ MMQ_MIN_BLOCKS_64 = 512
 # STRATA_MMQ_STAGE=words keeps the word-by-word staging (to measure one against the other).
 MMQ_RAW_COLS = 256
 MMF_OUTS, MMF_ROWS, MMF_THREADS = 32, 16, 128  # outputs x rows per block of mmq.cu's float kernel
-# Decode windows' Q4_0 / Q8_0 products: matvec.cu's mv_* kernels (weight rows staged by
+# Decode windows' Q4_0 / Q8_0 / k-quant products: matvec.cu's mv_* kernels (weight rows staged by
 # cp.async, MV_WARPS warps per block, mv_outputs_per_warp(K) outputs per warp), the routed down
 # too, over hbuf quantised by quantize_q8 (see _build). One family for every decode window,
 # resident or offloaded, so a row's bits never depend on its window or on where its experts
@@ -62,7 +65,7 @@ MV_WARPS = 4
 # vs 11,499 (hence the row limit); windows <= 4 rows, another machine: 291.3 / 611.1 vs
 # 289.2 / 630.3. Within run-to-run spread, so it stays opt-in.
 PDL_MAX_ROWS = 4
-MV_TYPES = ("q4_0", "q8_0")
+MV_TYPES = ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k")
 
 
 def attention_kernels(head_dim: int) -> tuple[str, str]:
@@ -103,7 +106,15 @@ def experts_can_keep(model) -> bool:
                for ly in model.layers for w in (ly.gate_exps, ly.down_exps))
 
 
-def _dense_tile_rows(num_out_tiles: int, num_rows: int) -> int:
+def _mmq_type(w) -> bool:
+    """Does mmq.cu or mmq_k.cu have tensor-core tiles for w's type?"""
+    return w.suffix in MMQ_TYPES or (w.suffix in MMQ_K_TYPES
+                                     and os.environ.get("STRATA_MMQ_K", "1") != "0")
+
+
+def _dense_tile_rows(w, num_out_tiles: int, num_rows: int) -> int:
+    if w.suffix in MMQ_K_TYPES:
+        return 32
     return 64 if num_out_tiles * ((num_rows + 63) // 64) >= MMQ_MIN_BLOCKS_64 else 32
 
 
@@ -114,13 +125,13 @@ def _mmq_kernel(mode: str, w, w2, grouped: bool, num_rows: int, num_pairs: int =
     matmul.cu's kernels should run it."""
     if num_rows < MMQ_MIN_ROWS:
         return None
-    if w.suffix in MMQ_TYPES and (w2 is None or w2.suffix == w.suffix):
+    if _mmq_type(w) and (w2 is None or w2.suffix == w.suffix):
         outputs = MMQ_OUTPUTS // 2 if mode == "gateup" else MMQ_OUTPUTS
         num_out_tiles = (w.rows + outputs - 1) // outputs
         if grouped:  # tile slots: the most tiles of 32 rows the groups can need
             tile_rows, slots = 32, (num_pairs + 31) // 32 + max_groups
         else:
-            tile_rows = _dense_tile_rows(num_out_tiles, num_rows)
+            tile_rows = _dense_tile_rows(w, num_out_tiles, num_rows)
             slots = (num_rows + tile_rows - 1) // tile_rows
         raw = (w.suffix == "q4_0" and w.cols % MMQ_RAW_COLS == 0
                and os.environ.get("STRATA_MMQ_STAGE", "raw") != "words")
@@ -283,7 +294,7 @@ class WindowPlan:
         if tiled is not None:  # q, k and v output tiles along x, row tiles along y
             num_blocks = sum((w.rows + MMQ_OUTPUTS - 1) // MMQ_OUTPUTS
                              for w in (ly.wq, ly.wk, ly.wv))
-            tile_rows = _dense_tile_rows(num_blocks, self.num_rows)
+            tile_rows = _dense_tile_rows(ly.wq, num_blocks, self.num_rows)
             kernel = f"mmq{tile_rows}_qkv_{ly.wq.suffix}"
             grid = (num_blocks, (self.num_rows + tile_rows - 1) // tile_rows)
         biases = [b.ptr if b is not None else 0 for b in (ly.bq, ly.bk, ly.bv)]

@@ -17,8 +17,8 @@ from strata._native import cuda_driver
 from strata.errors import ConfigError
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
-MODULES = ("matmul.cu", "matvec.cu", "mmq.cu", "layer.cu", "attention.cu", "attention_prompt.cu",
-           "router.cu", "sample.cu", "offload.cu")
+MODULES = ("matmul.cu", "matvec.cu", "mmq.cu", "mmq_k.cu", "layer.cu", "attention.cu",
+           "attention_prompt.cu", "router.cu", "sample.cu", "offload.cu")
 _INSTALL_HINT = ("pip install 'strata[cuda]' (PyCUDA; it needs the CUDA toolkit's nvcc and an "
                  "NVIDIA driver), or run with --device cpu")
 _ALIGN_BYTES = 256
@@ -185,6 +185,7 @@ def _kernel_names(source: str) -> list[str]:
     names = re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+(\w+)\(',
                        source)
     for macro, prefixes in (("MM_KERNELS", ("mm_store_", "mm_add_", "mm_gateup_", "mm_qkv_")),
+                            ("MV_KERNELS", ("mv_store_", "mv_add_", "mv_gateup_", "mv_qkv_")),
                             ("EMBED_KERNEL", ("embed_",)),
                             ("MMQ_KERNELS", tuple(f"mmq{rows}_{kind}_" for rows in (64, 32)
                                                   for kind in ("store", "add", "gateup", "qkv"))),
@@ -192,9 +193,9 @@ def _kernel_names(source: str) -> list[str]:
                             ("ATTENTION_KERNELS", ("attention_d", "attention_singles_d"))):
         for type_name in re.findall(rf"^{macro}\((\w+)[,)]", source, flags=re.M):
             names += [p + type_name for p in prefixes]
-    # MMQ_TILE_KERNELS(NAME, QT, BN, TAG, RAW) at the top level: mmq{BN}{TAG}_{kind}_{NAME}
-    for type_name, rows, tag in re.findall(r"^MMQ_TILE_KERNELS\((\w+), \w+, (\d+), (\w*),",
-                                           source, flags=re.M):
+    # MMQ_TILE_KERNELS(BODY, NAME, QT, BN, TAG, RAW) at the top level: mmq{BN}{TAG}_{kind}_{NAME}
+    for type_name, rows, tag in re.findall(
+            r"^MMQ_TILE_KERNELS\(\w+, (\w+), \w+, (\d+), (\w*),", source, flags=re.M):
         names += [f"mmq{rows}{tag}_{kind}_{type_name}" for kind in ("store", "add", "gateup", "qkv")]
     return [n for n in names if not n.startswith("__")]
 
