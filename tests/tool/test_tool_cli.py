@@ -51,7 +51,7 @@ def test_synth_options_arch_layers_seed(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (("--shape", "tiny", "--type", "q4_k"), "hidden 64 is not a multiple of 256"),
     (("--shape", "nope"), "unknown model shape 'nope'"),
-    (("--type", "q2_k"), "unknown weight type 'q2_k'"),
+    (("--type", "iq2_xxs"), "unknown weight type 'iq2_xxs'"),
     ((), "give the output path"),
 ])
 def test_synth_errors_exit_2_with_one_line(tmp_path, args, message):

@@ -1,5 +1,5 @@
-/* Decode-shaped dot products (1-3 tokens) straight from Q4_K / Q5_K / Q6_K super-blocks with
- * AVX-512 VNNI; the layouts are those of quant_ref.c's unpack_blocks. */
+/* Decode-shaped dot products (1-3 tokens) straight from k-quant super-blocks (Q2_K .. Q6_K)
+ * with AVX-512 VNNI; the layouts are those of quant_ref.c's unpack_blocks. */
 #include "quant.h"
 
 #if defined(ST_USE_VNNI512) && defined(__F16C__)
@@ -133,6 +133,79 @@ ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int64_t ahead, int 
     for (int c = 0; c < NC; c++) res[c] = _mm512_reduce_add_ps(acc[c]);
 }
 
+/* byte-wise (v >> n) & 3 of 32 bytes */
+static inline __m256i two_bits(__m256i v, int n) {
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(3));
+}
+
+/* Q2_K / Q3_K: 64-column chunk c (0..3) of a super-block holds 32-column blocks 2c and 2c + 1,
+ * block b = 4h + j being the 2-bit values (qs[32h + l] >> 2j) & 3; lane l of the chunk has
+ * the scale of 16-column group 4c + l / 4. Q2_K: u = those values, a scale and a min per group
+ * (w = a * u - m). Q3_K: u = value + 4 where bit b of hmask[l] is set, w = a * (u - 4). */
+ALWAYS_INLINE void row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t ahead,
+                            int cols, const act_rows *a, float *res) {
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m256i four = _mm256_set1_epi8(4);
+    const int bytes = is_q3 ? 110 : 84;
+    __m512 acc[3], min_acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = min_acc[c] = _mm512_setzero_ps();
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * bytes;
+        st_prefetch(blk + ahead, bytes);
+        __m512 a16, m16 = _mm512_setzero_ps();  /* [16] group scales (and Q2_K's mins) */
+        __m256i hm = _mm256_setzero_si256();
+        const uint8_t *qs;
+        if (is_q3) {
+            /* the 12 scale bytes to 16 six-bit scales in group order (llama.cpp's aux shuffle:
+             * low 4 bits from bytes 0-7, high 2 from bytes 8-11), then d * (scale - 32) */
+            uint32_t aux[4];
+            memcpy(aux, blk + 96, 12);
+            const uint32_t tmp = aux[2];
+            aux[2] = ((aux[0] >> 4) & 0x0f0f0f0fu) | (((tmp >> 4) & 0x03030303u) << 4);
+            aux[3] = ((aux[1] >> 4) & 0x0f0f0f0fu) | (((tmp >> 6) & 0x03030303u) << 4);
+            aux[0] = (aux[0] & 0x0f0f0f0fu) | ((tmp & 0x03030303u) << 4);
+            aux[1] = (aux[1] & 0x0f0f0f0fu) | (((tmp >> 2) & 0x03030303u) << 4);
+            const __m512i sc = _mm512_sub_epi32(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)aux)),
+                _mm512_set1_epi32(32));
+            a16 = _mm512_mul_ps(_mm512_set1_ps(fp16_at(blk + 108)), _mm512_cvtepi32_ps(sc));
+            hm = _mm256_loadu_si256((const __m256i *)blk);
+            qs = blk + 32;
+        } else {
+            const __m512i sm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk));
+            a16 = _mm512_mul_ps(_mm512_set1_ps(fp16_at(blk + 80)), _mm512_cvtepi32_ps(
+                _mm512_and_si512(sm, _mm512_set1_epi32(15))));
+            m16 = _mm512_mul_ps(_mm512_set1_ps(fp16_at(blk + 82)), _mm512_cvtepi32_ps(
+                _mm512_srli_epi32(sm, 4)));
+            qs = blk + 16;
+        }
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c >> 1)));
+            __m256i lo = two_bits(q, 4 * (c & 1)), hi = two_bits(q, 4 * (c & 1) + 2);
+            if (is_q3) {
+                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c)));
+                const __m256i b1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(
+                    _mm256_cmpeq_epi8(_mm256_and_si256(hm, b0), b0), four));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(
+                    _mm256_cmpeq_epi8(_mm256_and_si256(hm, b1), b1), four));
+            }
+            __m512 scale = _mm512_permutexvar_ps(
+                _mm512_add_epi32(spread, _mm512_set1_epi32(4 * c)), a16);
+            /* Q3_K: u = s + 4, the correction -4 * sum(q) = xc >> 5 */
+            chunk(NC, join256(lo, hi), scale, ib * 256 + 64 * c, is_q3 ? 5 : -1, a, acc);
+        }
+        if (!is_q3)  /* the mins: sum over groups of dmin * m * dx * sum(q) */
+            for (int c = 0; c < NC; c++)
+                min_acc[c] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(a->xs[c] + ib * 16),
+                                             min_acc[c]);
+    }
+    for (int c = 0; c < NC; c++) {
+        res[c] = _mm512_reduce_add_ps(acc[c]);
+        if (!is_q3) res[c] -= _mm512_reduce_add_ps(min_acc[c]);
+    }
+}
+
 int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
                    const int64_t *tr, int n_tok, float *res) {
     const int ncp = act->cols_pad;
@@ -148,6 +221,13 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
         if (n_tok == 1) row_q45k(1, is_q5, row, ahead, cols, &a, res);
         else if (n_tok == 2) row_q45k(2, is_q5, row, ahead, cols, &a, res);
         else row_q45k(3, is_q5, row, ahead, cols, &a, res);
+        return 1;
+    }
+    if (qtype == ST_Q2_K || qtype == ST_Q3_K) {
+        int is_q3 = qtype == ST_Q3_K;
+        if (n_tok == 1) row_q23k(1, is_q3, row, ahead, cols, &a, res);
+        else if (n_tok == 2) row_q23k(2, is_q3, row, ahead, cols, &a, res);
+        else row_q23k(3, is_q3, row, ahead, cols, &a, res);
         return 1;
     }
     if (qtype == ST_Q6_K) {

@@ -9,7 +9,7 @@ int st_block_size(int qtype) {
     switch (qtype) {
     case ST_F32: case ST_F16: case ST_BF16: return 1;
     case ST_Q4_0: case ST_Q8_0: return 32;
-    case ST_Q4_K: case ST_Q5_K: case ST_Q6_K: return QK_K;
+    case ST_Q2_K: case ST_Q3_K: case ST_Q4_K: case ST_Q5_K: case ST_Q6_K: return QK_K;
     default: return 0;
     }
 }
@@ -20,6 +20,9 @@ int st_type_size(int qtype) {
     case ST_F16: case ST_BF16: return 2;
     case ST_Q4_0: return 18;           /* fp16 d, 16 bytes of nibbles */
     case ST_Q8_0: return 34;           /* fp16 d, 32 int8 */
+    case ST_Q2_K: return 84;           /* 16 scale|min bytes, 64 bytes of 2-bit values, d, dmin */
+    case ST_Q3_K: return 110;          /* 32 bytes of high bits, 64 of 2-bit values, 12 scale
+                                          bytes, fp16 d */
     case ST_Q4_K: return 144;          /* fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes */
     case ST_Q5_K: return 176;          /* as Q4_K plus 32 bytes of high bits */
     case ST_Q6_K: return 210;          /* 128 low nibbles, 64 high 2-bit, 16 int8 scales, fp16 d */
@@ -120,6 +123,43 @@ static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
                 float dm = dmin * (float)m;
                 a[ib * 16 + 2 * sub] = a[ib * 16 + 2 * sub + 1] = ds;
                 b[ib * 16 + 2 * sub] = b[ib * 16 + 2 * sub + 1] = dm;
+            }
+            break;
+        }
+        case ST_Q2_K: {
+            /* 32-column block b = 4h + j: values (qs[32h + l] >> 2j) & 3; group g of 16 columns:
+             * scale d * (scales[g] & 15), min dmin * (scales[g] >> 4) */
+            const uint8_t *blk = src + ib * 84;
+            const uint8_t *scales = blk, *qs = blk + 16;
+            float d = read_fp16(blk + 80), dmin = read_fp16(blk + 82);
+            int8_t *y = s + ib * QK_K;
+            for (int bk = 0; bk < 8; bk++)
+                for (int l = 0; l < 32; l++)
+                    y[32 * bk + l] = (int8_t)((qs[32 * (bk >> 2) + l] >> (2 * (bk & 3))) & 3);
+            for (int g = 0; g < 16; g++) {
+                a[ib * 16 + g] = d * (float)(scales[g] & 15);
+                b[ib * 16 + g] = dmin * (float)(scales[g] >> 4);
+            }
+            break;
+        }
+        case ST_Q3_K: {
+            /* block b = 4h + j: value ((qs[32h + l] >> 2j) & 3) - 4 unless bit b of hmask[l];
+             * group g: d * (6-bit scale g - 32), the scales' low 4 bits in bytes 0-7 (low
+             * nibbles for g < 8), their high 2 bits in bytes 8-11 */
+            const uint8_t *blk = src + ib * 110;
+            const uint8_t *hmask = blk, *qs = blk + 32, *sc = blk + 96;
+            float d = read_fp16(blk + 108);
+            int8_t *y = s + ib * QK_K;
+            for (int bk = 0; bk < 8; bk++)
+                for (int l = 0; l < 32; l++) {
+                    int v = (qs[32 * (bk >> 2) + l] >> (2 * (bk & 3))) & 3;
+                    y[32 * bk + l] = (int8_t)(v - (((hmask[l] >> bk) & 1) ? 0 : 4));
+                }
+            for (int g = 0; g < 16; g++) {
+                int lo = g < 8 ? sc[g] & 15 : sc[g - 8] >> 4;
+                int hi = (sc[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+                a[ib * 16 + g] = d * (float)((lo | (hi << 4)) - 32);
+                b[ib * 16 + g] = 0.0f;
             }
             break;
         }

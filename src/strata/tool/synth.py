@@ -27,13 +27,14 @@ from strata.tool.routing import skew_router_rows
 
 WEIGHT_TYPES: dict[str, QT] = {
     "f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
-    "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K,
+    "q2_k": QT.Q2_K, "q3_k": QT.Q3_K, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K,
 }
 _FILE_TYPES = {
     QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16,
     QT.BF16: LlamaFileType.MOSTLY_BF16, QT.Q8_0: LlamaFileType.MOSTLY_Q8_0,
     QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
     QT.Q5_K: LlamaFileType.MOSTLY_Q5_K_M, QT.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    QT.Q2_K: LlamaFileType.MOSTLY_Q2_K, QT.Q3_K: LlamaFileType.MOSTLY_Q3_K_M,
 }
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>")
@@ -117,6 +118,15 @@ def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
+def _pack_q3_k_scales(sc: np.ndarray) -> np.ndarray:
+    """Pack 16 six-bit scales per block into Q3_K's 12 bytes. sc: [N, 16] in 0..63."""
+    out = np.empty((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:8] = (sc[:, :8] & 15) | ((sc[:, 8:] & 15) << 4)
+    hi = (sc >> 4) & 3                                        # byte 8 + t, bits 2s: scale 4s + t
+    out[:, 8:12] = hi[:, 0:4] | (hi[:, 4:8] << 2) | (hi[:, 8:12] << 4) | (hi[:, 12:16] << 6)
+    return out
+
+
 def _random_bytes(rng: np.random.Generator, num_blocks: int, n: int) -> np.ndarray:
     return np.frombuffer(rng.bytes(num_blocks * n), dtype=np.uint8).reshape(num_blocks, n)
 
@@ -150,6 +160,18 @@ def random_blocks(qtype: QT, num_values: int, std: float, rng: np.random.Generat
         if qtype == QT.Q5_K:
             parts.append(_random_bytes(rng, n, 32))  # qh: the fifth bit
         parts.append(_random_bytes(rng, n, 128))
+    elif qtype == QT.Q2_K:
+        # w = d*sc*q - dmin*m per 16 values, q 0..3; m = sc and dmin = 1.5 d: w = d*sc*(q - 1.5)
+        sc = rng.integers(8, 16, (n, 16), dtype=np.uint8)  # rms 11.73
+        d = _scales_f16(rng, n, std / (1.118 * 11.73), False)
+        dmin = (d.view(np.float16).astype(np.float32) * 1.5).astype(np.float16).view(np.uint8)
+        parts = [sc | (sc << 4), _random_bytes(rng, n, 64), d, dmin]
+    elif qtype == QT.Q3_K:
+        # w = d*(sc - 32)*q per 16 values, q -4..3 (rms 2.345, mean -0.5: signed scales cancel
+        # it); sc - 32 = +-[8, 31]: rms 20.69
+        signed = rng.integers(8, 32, (n, 16)) * rng.choice(np.array([-1, 1]), (n, 16))
+        parts = [_random_bytes(rng, n, 32 + 64), _pack_q3_k_scales((signed + 32).astype(np.uint8)),
+                 _scales_f16(rng, n, std / (2.345 * 20.69), False)]
     elif qtype == QT.Q6_K:  # codes -32..31: rms 18.48; int8 sub-scales +-[32, 63]: rms 48.39
         sc = rng.integers(32, 64, (n, 16), dtype=np.int16)
         sc *= rng.choice(np.array([-1, 1], dtype=np.int16), (n, 16))

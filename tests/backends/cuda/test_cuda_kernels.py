@@ -1,6 +1,7 @@
 """CUDA kernels against float64 numpy references on fresh random inputs: the product kernels on
 every GGUF type (dense, grouped by expert, gate/up + SiLU; the decode mv_* kernels on Q4_0,
-Q8_0 and the k-quants), activation quantisation, attention over fp16 and int8 KV caches (split over blocks),
+Q8_0 and the k-quants), activation quantisation, attention over fp16 and int8 KV caches (split
+over blocks),
 QK-norm + RoPE + KV append, RMSNorm, the combine fused with the next norm, and the one-launch
 router (product, top-k, grouping)."""
 import numpy as np
@@ -11,7 +12,7 @@ from strata._native import kernels
 from strata.backends.cuda.plan import attention_kernels
 from strata.tool.synth import random_blocks
 
-from cuda_synth import TYPES
+from cuda_synth import K_TYPES, TYPES
 
 pytestmark = pytest.mark.cuda
 
@@ -350,8 +351,7 @@ def _mv_blocks(num_outputs: int, num_cols: int) -> int:
 
 @pytest.mark.parametrize("weight_type, num_cols",
                          [(t, k) for t in ("q4_0", "q8_0") for k in (64, 512, 2048, 5120)]
-                         + [(t, k) for t in ("q4_k", "q5_k", "q6_k") for k in (256, 768, 2048,
-                                                                               5120)])
+                         + [(t, k) for t in K_TYPES for k in (256, 768, 2048, 5120)])
 def test_decode_products_mv(runtime, weight_type, num_cols):
     """matvec.cu's mv_* (decode windows) against float64: dense store + bias (weights also at
     a 2-byte offset), add, q/k/v, grouped gate/up and grouped store through pointer tables with

@@ -86,7 +86,8 @@ def _greedy(model, kv, prompt, num_tokens, forced=None):
     return out
 
 
-@pytest.mark.parametrize("weight_type", ("f32", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"))
+@pytest.mark.parametrize("weight_type", ("f32", "bf16", "q8_0", "q4_0", "q3_k", "q4_k",
+                                         "q6_k"))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_greedy_64_tokens_agree(synth_path, shape, weight_type):
     """64 greedy tokens are the same on both backends; for k-quant models (where a rounding
@@ -95,7 +96,7 @@ def test_greedy_64_tokens_agree(synth_path, shape, weight_type):
     cpu, gpu = _pair(synth_path, shape, weight_type)
     prompt = _tokens(12, cpu.spec.vocab, seed=5)
     want = _greedy(cpu, cpu.new_kv(128, dtype=np.float16), prompt, 64)
-    if weight_type in ("q4_k", "q6_k"):
+    if weight_type in ("q3_k", "q4_k", "q6_k"):
         got = _greedy(gpu, gpu.new_kv(128), prompt, 64, forced=want)
         agree = sum(a == b for a, b in zip(got, want))
         print(f"{shape} {weight_type}: teacher-forced argmax equal on {agree} of 64 steps")

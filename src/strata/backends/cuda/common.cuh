@@ -10,6 +10,8 @@
 #define ST_F16 1
 #define ST_Q4_0 2
 #define ST_Q8_0 8
+#define ST_Q2_K 10
+#define ST_Q3_K 11
 #define ST_Q4_K 12
 #define ST_Q5_K 13
 #define ST_Q6_K 14
@@ -83,6 +85,34 @@ __device__ __forceinline__ int nibbles_minus_8(uint32_t v) {
     return (int)((((v & 0x0F0F0F0Fu) | 0x80808080u) - 0x08080808u) ^ 0x80808080u);
 }
 
+// Q2_K (scales[16]: scale | min << 4, qs[64], fp16 d, fp16 dmin) and Q3_K (hmask[32], qs[64],
+// 12 bytes of 6-bit scales, fp16 d) super-blocks: 32-column block b = 4h + j holds the 2-bit
+// values (qs[32h + l] >> 2j) & 3, l = 0..31; Q3_K subtracts 4 where bit b of hmask[l] is clear.
+// Word w (columns 4w .. 4w + 3) of block b as 4 int8 values:
+template <int QT>
+__device__ __forceinline__ int k23_word(const uint8_t *blk, int b, int w) {
+    const uint8_t *qs = blk + (QT == ST_Q2_K ? 16 : 32) + 32 * (b >> 2);
+    const uint32_t x = (read_u32_a2(qs + 4 * w) >> (2 * (b & 3))) & 0x03030303u;
+    if (QT == ST_Q2_K) return (int)x;
+    const uint32_t h = (read_u32_a2(blk + 4 * w) >> b) & 0x01010101u;  // 1: no offset
+    return (int)(((x | (h << 2) | 0x80808080u) - 0x04040404u) ^ 0x80808080u);
+}
+
+// Scale (and Q2_K's min) of 16-column group g (0..15) of a Q2_K / Q3_K super-block
+template <int QT>
+__device__ __forceinline__ void k23_scale(const uint8_t *blk, int g, float &a, float &m) {
+    if (QT == ST_Q2_K) {
+        a = read_f16(blk + 80) * (float)(blk[g] & 15);
+        m = read_f16(blk + 82) * (float)(blk[g] >> 4);
+    } else {
+        const uint8_t *sc = blk + 96;
+        const int lo = g < 8 ? sc[g] & 15 : sc[g - 8] >> 4;
+        const int hi = (sc[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+        a = read_f16(blk + 108) * (float)((lo | (hi << 4)) - 32);
+        m = 0.0f;
+    }
+}
+
 // Group g (columns 16g .. 16g+15) of a quantised row: v[4] holds the 16 int8 s values,
 // w = a * s - b. Bit layouts follow ggml-quants.c (and _native/quant_ref.c).
 template <int QT>
@@ -129,6 +159,12 @@ __device__ __forceinline__ void decode_group(const uint8_t *row, int g, int (&v)
             }
             v[i] = pack4(e[0], e[1], e[2], e[3]);
         }
+    } else if (QT == ST_Q2_K || QT == ST_Q3_K) {
+        const uint8_t *blk = row + (g >> 4) * (QT == ST_Q2_K ? 84 : 110);
+        const int gi = g & 15;
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = k23_word<QT>(blk, gi >> 1, 4 * (gi & 1) + i);
+        k23_scale<QT>(blk, gi, a, b);
     } else if (QT == ST_Q6_K) {
         const uint8_t *blk = row + (g >> 4) * 210;  // ql[128], qh[64], int8 scales[16], fp16 d
         const int gi = g & 15;
@@ -159,12 +195,17 @@ __device__ __forceinline__ int bytes_minus_32(uint32_t v) {
 
 // 32-column block b (0..7) of a k-quant super-block at blk (2-byte aligned; mmq_k.cu and
 // matvec.cu read it from shared memory): its 32 int8 values to v[8] (4 per int, column order),
-// its scales a[0..1] (per 16 columns; equal for Q4_K / Q5_K) and min scale m (Q4_K / Q5_K;
-// w = a * s - m). The same values and scales as decode_group.
+// its scales a[0..1] and mins m[0..1] (per 16 columns: w = a * s - m; equal halves for Q4_K /
+// Q5_K, no mins for Q3_K / Q6_K). The same values and scales as decode_group.
 template <int QT>
 __device__ __forceinline__ void unpack_k_block(const uint8_t *blk, int b, int (&v)[8],
-                                               float (&a)[2], float &m) {
-    if constexpr (QT == ST_Q6_K) {  // ql[128], qh[64], int8 scales[16], fp16 d
+                                               float (&a)[2], float (&m)[2]) {
+    if constexpr (QT == ST_Q2_K || QT == ST_Q3_K) {
+#pragma unroll
+        for (int w = 0; w < 8; w++) v[w] = k23_word<QT>(blk, b, w);
+        k23_scale<QT>(blk, 2 * b, a[0], m[0]);
+        k23_scale<QT>(blk, 2 * b + 1, a[1], m[1]);
+    } else if constexpr (QT == ST_Q6_K) {  // ql[128], qh[64], int8 scales[16], fp16 d
         const int n = b >> 2, quad = b & 3;
         const uint8_t *ql = blk + 64 * n + 32 * (quad & 1);
         const uint8_t *qh = blk + 128 + 32 * n;
@@ -178,7 +219,7 @@ __device__ __forceinline__ void unpack_k_block(const uint8_t *blk, int b, int (&
         const float d = read_f16(blk + 208);
         a[0] = d * (float)(int8_t)blk[192 + 2 * b];
         a[1] = d * (float)(int8_t)blk[193 + 2 * b];
-        m = 0.0f;
+        m[0] = m[1] = 0.0f;
     } else {  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, (Q5_K: qh[32]), qs[128]
         constexpr bool is_q5 = QT == ST_Q5_K;
         const uint8_t *q = blk + (is_q5 ? 48 : 16) + 32 * (b >> 1);
@@ -192,7 +233,7 @@ __device__ __forceinline__ void unpack_k_block(const uint8_t *blk, int b, int (&
         int sc, mn;
         scale_min_k4(b, blk + 4, sc, mn);
         a[0] = a[1] = read_f16(blk) * (float)sc;
-        m = read_f16(blk + 2) * (float)mn;
+        m[0] = m[1] = read_f16(blk + 2) * (float)mn;
     }
 }
 

@@ -1,5 +1,5 @@
-// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0 and k-quant (Q4_K, Q5_K,
-// Q6_K) weights: the mv_* kernels, with matmul.cu's arguments (products.cuh). Legend as
+// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0 and k-quant (Q2_K .. Q6_K)
+// weights: the mv_* kernels, with matmul.cu's arguments (products.cuh). Legend as
 // matmul.cu: N = weight rows (outputs), K = columns, P = activation rows of a group, G = groups
 // (experts).
 #include "products.cuh"
@@ -13,7 +13,7 @@
 // 16-byte reads also suit mapped host memory (offloaded experts read over PCIe).
 // Per output and row: each lane sums its 32-column blocks j = lane, lane + lanes, ... in
 // increasing order as (float)s * (d_w * d_x) (s = the int8 dot of one 32-value block; k-quants:
-// a_w * d_x * s - m_w * d_x * sum(q), Q6_K with a scale per 16 columns), then the lanes are
+// a_w * d_x * s - m_w * d_x * sum(q), per 16 columns for Q2_K / Q3_K / Q6_K), then the lanes are
 // summed by a butterfly: a fixed order that depends on K only, never on the window. Rows are
 // staged in units of a quant block (Q4_0 / Q8_0: 32 columns) or super-block (k-quants: 256).
 // Grid (ceil(N / (MV_WARPS * mv_outputs_per_warp(K))), G), block MV_WARPS * 32 (plan.py
@@ -104,13 +104,15 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
                                             const int8_t *__restrict__ xq,
                                             const float *__restrict__ xd, int K,
                                             float (&acc)[MV_TR], float (&acc2)[MV_TR]) {
-    constexpr int QB = QT == ST_Q4_K ? 144 : QT == ST_Q5_K ? 176 : 210;
+    constexpr int QB = QT == ST_Q2_K ? 84 : QT == ST_Q3_K ? 110 : QT == ST_Q4_K ? 144
+                       : QT == ST_Q5_K ? 176 : 210;
+    constexpr bool has_min = QT == ST_Q2_K || QT == ST_Q4_K || QT == ST_Q5_K;
     const int num_blocks = K >> 5;
 #pragma unroll 1
     for (int j = sub; j < num_j; j += lanes) {
         const int blk = j0 + j;
         int v[8], v2[8];
-        float a[2], m, a2[2], m2;
+        float a[2], m[2], a2[2], m2[2];
         unpack_k_block<QT>(srow + (j >> 3) * QB, j & 7, v, a, m);
         if (GATEUP) unpack_k_block<QT>(srow2 + (j >> 3) * QB, j & 7, v2, a2, m2);
 #pragma unroll
@@ -122,7 +124,7 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
             const int4 xa = xp[0], xb = xp[1];
             const int x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
             const float dx = xd[(long long)arow[t] * num_blocks + blk];
-            int lo = 0, hi = 0, lo2 = 0, hi2 = 0, sq = 0;
+            int lo = 0, hi = 0, lo2 = 0, hi2 = 0, sq_lo = 0, sq_hi = 0;
 #pragma unroll
             for (int w = 0; w < 4; w++) {
                 lo = __dp4a(v[w], x[w], lo);
@@ -131,16 +133,25 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
                     lo2 = __dp4a(v2[w], x[w], lo2);
                     hi2 = __dp4a(v2[w + 4], x[w + 4], hi2);
                 }
-                if (QT != ST_Q6_K)
-                    sq = __dp4a(0x01010101, x[w + 4], __dp4a(0x01010101, x[w], sq));
+                if (has_min) {
+                    sq_lo = __dp4a(0x01010101, x[w], sq_lo);
+                    sq_hi = __dp4a(0x01010101, x[w + 4], sq_hi);
+                }
             }
-            if constexpr (QT == ST_Q6_K) {  // a scale per 16 columns
+            if constexpr (QT == ST_Q3_K || QT == ST_Q6_K) {  // a scale per 16 columns
                 acc[t] += (float)lo * (a[0] * dx) + (float)hi * (a[1] * dx);
                 if (GATEUP) acc2[t] += (float)lo2 * (a2[0] * dx) + (float)hi2 * (a2[1] * dx);
-            } else {
-                acc[t] += (float)(lo + hi) * (a[0] * dx) - (float)sq * (m * dx);
+            } else if constexpr (QT == ST_Q2_K) {  // a scale and a min per 16 columns
+                acc[t] += (float)lo * (a[0] * dx) - (float)sq_lo * (m[0] * dx)
+                          + (float)hi * (a[1] * dx) - (float)sq_hi * (m[1] * dx);
                 if (GATEUP)
-                    acc2[t] += (float)(lo2 + hi2) * (a2[0] * dx) - (float)sq * (m2 * dx);
+                    acc2[t] += (float)lo2 * (a2[0] * dx) - (float)sq_lo * (m2[0] * dx)
+                               + (float)hi2 * (a2[1] * dx) - (float)sq_hi * (m2[1] * dx);
+            } else {  // Q4_K / Q5_K: one scale and min per 32 columns
+                const int sq = sq_lo + sq_hi;
+                acc[t] += (float)(lo + hi) * (a[0] * dx) - (float)sq * (m[0] * dx);
+                if (GATEUP)
+                    acc2[t] += (float)(lo2 + hi2) * (a2[0] * dx) - (float)sq * (m2[0] * dx);
             }
         }
     }
@@ -157,9 +168,10 @@ __device__ __forceinline__ void mv_body(
     int ldy, int block_x, const unsigned long long *__restrict__ atab,
     const unsigned long long *__restrict__ atab2) {
     // a staged unit: one block of 32 columns, or a k-quant super-block of 256
-    constexpr bool is_k = QT == ST_Q4_K || QT == ST_Q5_K || QT == ST_Q6_K;
-    constexpr int unit_bytes = QT == ST_Q4_0 ? 18 : QT == ST_Q8_0 ? 34 : QT == ST_Q4_K ? 144
-                               : QT == ST_Q5_K ? 176 : 210;
+    constexpr bool is_k = QT != ST_Q4_0 && QT != ST_Q8_0;
+    constexpr int unit_bytes = QT == ST_Q4_0 ? 18 : QT == ST_Q8_0 ? 34 : QT == ST_Q2_K ? 84
+                               : QT == ST_Q3_K ? 110 : QT == ST_Q4_K ? 144 : QT == ST_Q5_K ? 176
+                               : 210;
     constexpr int blocks_per_unit = is_k ? 8 : 1;  // 32-column blocks
     constexpr bool is_gateup = MODE == MODE_GATEUP;
     __shared__ int4 stage_all[MV_WARPS * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16)];
@@ -311,6 +323,8 @@ __device__ __forceinline__ void mv_body(
 
 MV_KERNELS(q4_0, ST_Q4_0)
 MV_KERNELS(q8_0, ST_Q8_0)
+MV_KERNELS(q2_k, ST_Q2_K)
+MV_KERNELS(q3_k, ST_Q3_K)
 MV_KERNELS(q4_k, ST_Q4_K)
 MV_KERNELS(q5_k, ST_Q5_K)
 MV_KERNELS(q6_k, ST_Q6_K)

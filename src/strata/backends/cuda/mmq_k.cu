@@ -1,7 +1,7 @@
-// Products for prompt-sized windows of k-quant weights (Q4_K, Q5_K, Q6_K: the types of the
-// Q4_K_M / Q5_K_M / Q6_K files users download) on int8 tensor cores. mmq.cu's arguments, block
-// tile (64 weight rows) and mma fragments; tiles of 32 activation rows only (the staging below
-// leaves no room in 48 KB of shared memory for 64).
+// Products for prompt-sized windows of k-quant weights (Q2_K .. Q6_K: the types of the Q4_K_M,
+// Q5_K_M, Q6_K, Q3_K_M and Q2_K files users download) on int8 tensor cores. mmq.cu's
+// arguments, block tile (64 weight rows) and mma fragments; tiles of 32 activation rows only
+// (the staging below leaves no room in 48 KB of shared memory for 64).
 //
 // Legend: N = weight rows (outputs), K = columns (a multiple of 256), P = activation rows of a
 // group, BN = activation rows per tile, QB = bytes of one super-block (256 columns).
@@ -11,11 +11,11 @@
 //      into its first piece; an aligned piece that holds a byte of the block never crosses a
 //      page, so reading its other bytes cannot fault),
 //   2. each (row, 32-column block) is unpacked from there into int8 values (sw [64, 256]) and
-//      float scales (swd: one per 32 columns for Q4_K / Q5_K, one per 16 for Q6_K) and mins
-//      (swm, Q4_K / Q5_K: w = a * s - b, s = 0..15 / 0..31),
-//   3. one mma per 32 columns (Q4_K / Q5_K: m16n8k32) or two (Q6_K: m16n8k16 per 16-column
-//      group, whose scales differ), each int32 result exact; an output accumulates
-//      (float)s * (a * dx) (- (float)sum(q) * (b * dx)) over its blocks in increasing k order
+//      float scales (swd: one per 32 columns for Q4_K / Q5_K, one per 16 for Q2_K, Q3_K and
+//      Q6_K) and mins (swm, Q2_K / Q4_K / Q5_K: w = a * s - b, s >= 0),
+//   3. one mma per 32 columns (Q4_K / Q5_K: m16n8k32) or two (m16n8k16 per 16-column group,
+//      whose scales differ), each int32 result exact; an output accumulates
+//      (float)s * (a * dx) (- (float)sum(q) * (b * dx)) over its groups in increasing k order
 //      in one thread, so a row's result does not depend on its tile or its window's other rows.
 // The values match common.cuh's decode_group (matmul.cu's dp4a kernels) and the CPU's
 // unpacking bit for bit; only the float sums' order differs.
@@ -23,10 +23,13 @@
 
 #define MMQK_BN 32
 
+// super-block bytes, scales per 16 columns (else per 32), mins
 template <int QT> struct KQuant;
-template <> struct KQuant<ST_Q4_K> { static constexpr int bytes = 144, per16 = 0; };
-template <> struct KQuant<ST_Q5_K> { static constexpr int bytes = 176, per16 = 0; };
-template <> struct KQuant<ST_Q6_K> { static constexpr int bytes = 210, per16 = 1; };
+template <> struct KQuant<ST_Q2_K> { static constexpr int bytes = 84, per16 = 1, min = 1; };
+template <> struct KQuant<ST_Q3_K> { static constexpr int bytes = 110, per16 = 1, min = 0; };
+template <> struct KQuant<ST_Q4_K> { static constexpr int bytes = 144, per16 = 0, min = 1; };
+template <> struct KQuant<ST_Q5_K> { static constexpr int bytes = 176, per16 = 0, min = 1; };
+template <> struct KQuant<ST_Q6_K> { static constexpr int bytes = 210, per16 = 1, min = 0; };
 
 // mmq.cu's mmq_body for k-quants (BN = MMQK_BN; RAW is unused: the staging is always raw).
 template <int QT, int MODE, int BN, bool RAW>
@@ -41,16 +44,16 @@ __device__ __forceinline__ void mmqk_body(
     static_assert(BN == MMQK_BN, "k-quant tiles hold 32 activation rows");
     constexpr int NT = BN / 16;                                      // n8 tiles per warp
     constexpr int OUTS = MODE == MODE_GATEUP ? MMQ_BM / 2 : MMQ_BM;  // outputs per block
-    constexpr int QB = KQuant<QT>::bytes, PER16 = KQuant<QT>::per16, HAS_MIN = !PER16;
+    constexpr int QB = KQuant<QT>::bytes, PER16 = KQuant<QT>::per16, HAS_MIN = KQuant<QT>::min;
     constexpr int PIECES = (QB + 14 + 15) / 16;  // 16-byte pieces of a block at offset <= 14
     constexpr int RAW_LD = 16 * PIECES;
-    constexpr int SCALES = PER16 ? 2 : 1;        // scales per 32-column block
+    constexpr int SCALES = PER16 ? 2 : 1;        // scales (and mins) per 32-column block
     __shared__ __align__(16) int8_t sw[MMQ_BM * MMQ_LDS];   // [64, 256] weights as int8
     __shared__ __align__(16) int8_t sx[BN * MMQ_LDS];       // [BN, 256] activations
     __shared__ __align__(16) uint8_t sraw[MMQ_BM * RAW_LD];  // [64, RAW_LD] raw super-blocks
-    __shared__ float swd[MMQ_BM * MMQ_KB * SCALES], swm[HAS_MIN ? MMQ_BM * MMQ_KB : 1];
+    __shared__ float swd[MMQ_BM * MMQ_KB * SCALES], swm[HAS_MIN ? MMQ_BM * MMQ_KB * SCALES : 1];
     __shared__ float sxd[BN * MMQ_KB];
-    __shared__ int sxs[HAS_MIN ? BN * MMQ_KB : 1];          // sum of each block's 32 q
+    __shared__ int sxs[HAS_MIN ? BN * MMQ_KB * SCALES : 1];  // sum of the q of each group
 
     int g, row0;
     const int n0 = block_x * OUTS;
@@ -138,16 +141,19 @@ __device__ __forceinline__ void mmqk_body(
             dst[0] = xraw[i][0];
             dst[1] = xraw[i][1];
             sxd[r * MMQ_KB + b] = xdr[i];
-            if constexpr (HAS_MIN) {
+            if constexpr (HAS_MIN) {  // per 16 columns when the mins are, else per 32
                 const int4 h0 = xraw[i][0], h1 = xraw[i][1];
                 int s = __dp4a(0x01010101, h0.x, 0);
                 s = __dp4a(0x01010101, h0.y, s);
                 s = __dp4a(0x01010101, h0.z, s);
                 s = __dp4a(0x01010101, h0.w, s);
-                s = __dp4a(0x01010101, h1.x, s);
-                s = __dp4a(0x01010101, h1.y, s);
-                s = __dp4a(0x01010101, h1.z, s);
-                sxs[r * MMQ_KB + b] = __dp4a(0x01010101, h1.w, s);
+                int s2 = PER16 ? 0 : s;
+                s2 = __dp4a(0x01010101, h1.x, s2);
+                s2 = __dp4a(0x01010101, h1.y, s2);
+                s2 = __dp4a(0x01010101, h1.z, s2);
+                s2 = __dp4a(0x01010101, h1.w, s2);
+                if constexpr (PER16) sxs[(r * MMQ_KB + b) * 2] = s;
+                sxs[(r * MMQ_KB + b) * SCALES + SCALES - 1] = s2;
             }
         }
     };
@@ -157,14 +163,16 @@ __device__ __forceinline__ void mmqk_body(
             const int u = tid + i * MMQ_THREADS, r = u / MMQ_KB, b = u % MMQ_KB;
             const uint8_t *blk = sraw + r * RAW_LD + ((uoff[i] + kt * QB) & 15);
             int v[8];
-            float a[2], m;
+            float a[2], m[2];
             unpack_k_block<QT>(blk, b, v, a, m);
             int4 *dst = reinterpret_cast<int4 *>(sw + r * MMQ_LDS + 32 * b);
             dst[0] = make_int4(v[0], v[1], v[2], v[3]);
             dst[1] = make_int4(v[4], v[5], v[6], v[7]);
-            swd[(r * MMQ_KB + b) * SCALES] = a[0];
-            if constexpr (PER16) swd[(r * MMQ_KB + b) * SCALES + 1] = a[1];
-            if constexpr (HAS_MIN) swm[r * MMQ_KB + b] = m;
+#pragma unroll
+            for (int h = 0; h < SCALES; h++) {
+                swd[(r * MMQ_KB + b) * SCALES + h] = a[h];
+                if constexpr (HAS_MIN) swm[(r * MMQ_KB + b) * SCALES + h] = m[h];
+            }
         }
     };
 
@@ -179,7 +187,7 @@ __device__ __forceinline__ void mmqk_body(
 #pragma unroll 1
         for (int kb = 0; kb < MMQ_KB; kb++) {
             int a[2][4];
-            float dw[2][2][SCALES], mw[2][2];
+            float dw[2][2][SCALES], mw[2][2][SCALES];
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int rb = MODE == MODE_GATEUP ? i * 32 + wm * 16 : wm * 32 + i * 16;
@@ -193,9 +201,11 @@ __device__ __forceinline__ void mmqk_body(
                 for (int h = 0; h < 2; h++) {
                     const int unit = (rb + gid + 8 * h) * MMQ_KB + kb;
 #pragma unroll
-                    for (int s = 0; s < SCALES; s++) dw[i][h][s] = swd[unit * SCALES + s];
-                    mw[i][h] = 0.0f;
-                    if constexpr (HAS_MIN) mw[i][h] = swm[unit];
+                    for (int s = 0; s < SCALES; s++) {
+                        dw[i][h][s] = swd[unit * SCALES + s];
+                        mw[i][h][s] = 0.0f;
+                        if constexpr (HAS_MIN) mw[i][h][s] = swm[unit * SCALES + s];
+                    }
                 }
             }
 #pragma unroll
@@ -206,10 +216,14 @@ __device__ __forceinline__ void mmqk_body(
                 const int b1 = *reinterpret_cast<const int *>(x0 + 16);
                 const float dx[2] = {sxd[(cb + 2 * tig) * MMQ_KB + kb],
                                      sxd[(cb + 2 * tig + 1) * MMQ_KB + kb]};
-                float qsum[2] = {0.0f, 0.0f};
+                float qsum[2][SCALES] = {};  // [activation row 2 tig + t][group]
                 if constexpr (HAS_MIN) {
-                    qsum[0] = exact_float(sxs[(cb + 2 * tig) * MMQ_KB + kb]);
-                    qsum[1] = exact_float(sxs[(cb + 2 * tig + 1) * MMQ_KB + kb]);
+#pragma unroll
+                    for (int t = 0; t < 2; t++)
+#pragma unroll
+                        for (int h = 0; h < SCALES; h++)
+                            qsum[t][h] = exact_float(
+                                sxs[((cb + 2 * tig + t) * MMQ_KB + kb) * SCALES + h]);
                 }
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
@@ -223,8 +237,14 @@ __device__ __forceinline__ void mmqk_body(
                             const int h = c >> 1, t = c & 1;
                             acc[i][j][c] = fmaf(exact_float(lo[c]), dw[i][h][0] * dx[t],
                                                 acc[i][j][c]);
+                            if constexpr (HAS_MIN)
+                                acc[i][j][c] = fmaf(qsum[t][0], -(mw[i][h][0] * dx[t]),
+                                                    acc[i][j][c]);
                             acc[i][j][c] = fmaf(exact_float(hi[c]), dw[i][h][SCALES - 1] * dx[t],
                                                 acc[i][j][c]);
+                            if constexpr (HAS_MIN)
+                                acc[i][j][c] = fmaf(qsum[t][SCALES - 1],
+                                                    -(mw[i][h][SCALES - 1] * dx[t]), acc[i][j][c]);
                         }
                     } else {
                         int s[4];
@@ -234,7 +254,8 @@ __device__ __forceinline__ void mmqk_body(
                             const int h = c >> 1, t = c & 1;
                             acc[i][j][c] = fmaf(exact_float(s[c]), dw[i][h][0] * dx[t],
                                                 acc[i][j][c]);
-                            acc[i][j][c] = fmaf(qsum[t], -(mw[i][h] * dx[t]), acc[i][j][c]);
+                            acc[i][j][c] = fmaf(qsum[t][0], -(mw[i][h][0] * dx[t]),
+                                                acc[i][j][c]);
                         }
                     }
                 }
@@ -245,6 +266,8 @@ __device__ __forceinline__ void mmqk_body(
     mmq_write<MODE, BN>(acc, wm, wn, gid, tig, num_rows, p0, n0, N, out_rows, bias, Y, ldy);
 }
 
+MMQ_TILE_KERNELS(mmqk_body, q2_k, ST_Q2_K, 32, , false)
+MMQ_TILE_KERNELS(mmqk_body, q3_k, ST_Q3_K, 32, , false)
 MMQ_TILE_KERNELS(mmqk_body, q4_k, ST_Q4_K, 32, , false)
 MMQ_TILE_KERNELS(mmqk_body, q5_k, ST_Q5_K, 32, , false)
 MMQ_TILE_KERNELS(mmqk_body, q6_k, ST_Q6_K, 32, , false)

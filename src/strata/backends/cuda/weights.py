@@ -15,7 +15,8 @@ from strata.model.gguf_file import GGUFModel, TensorInfo
 TYPE_SUFFIX = {
     int(GGMLQuantizationType.F32): "f32", int(GGMLQuantizationType.F16): "f16",
     int(GGMLQuantizationType.BF16): "bf16", int(GGMLQuantizationType.Q8_0): "q8_0",
-    int(GGMLQuantizationType.Q4_0): "q4_0", int(GGMLQuantizationType.Q4_K): "q4_k",
+    int(GGMLQuantizationType.Q4_0): "q4_0", int(GGMLQuantizationType.Q2_K): "q2_k",
+    int(GGMLQuantizationType.Q3_K): "q3_k", int(GGMLQuantizationType.Q4_K): "q4_k",
     int(GGMLQuantizationType.Q5_K): "q5_k", int(GGMLQuantizationType.Q6_K): "q6_k",
 }
 FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
