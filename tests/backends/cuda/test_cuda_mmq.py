@@ -342,8 +342,8 @@ def test_mmq_and_dp4a_prompts_agree(synth_path, monkeypatch, weight_type):
     """A prompt of MMQ_MIN_ROWS + 24 tokens through mmq and through the dp4a kernels (threshold
     raised): the same function up to float rounding. Rows agree to ~1e-7 until a router
     near-tie flips a row's experts under that rounding (the coarse synth Q2_K does at row ~8);
-    the rows after it attend to the changed row, so they move by a few percent. A wrong product
-    would show on the first rows."""
+    the rows after it attend to the changed row, so they move by a few percent and their argmax
+    may change. A wrong product would show on the first rows."""
     from strata.backends.cuda import CudaModel
 
     path = synth_path("tiny", weight_type)
@@ -360,4 +360,5 @@ def test_mmq_and_dp4a_prompts_agree(synth_path, monkeypatch, weight_type):
     first_parted = int(parted[0]) if len(parted) else len(errors)
     print(f"  rows equal to float rounding before row {first_parted}")
     assert first_parted >= 5
-    assert np.mean(np.argmax(outs[0], 1) == np.argmax(outs[1], 1)) >= 0.9
+    np.testing.assert_array_equal(np.argmax(outs[0][:first_parted], 1),
+                                  np.argmax(outs[1][:first_parted], 1))
