@@ -216,26 +216,22 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
         a.dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
         a.xs[c] = act->xs + tr[c] * (ncp / ST_GROUP);
     }
-    if (qtype == ST_Q4_K || qtype == ST_Q5_K) {
-        int is_q5 = qtype == ST_Q5_K;
-        if (n_tok == 1) row_q45k(1, is_q5, row, ahead, cols, &a, res);
-        else if (n_tok == 2) row_q45k(2, is_q5, row, ahead, cols, &a, res);
-        else row_q45k(3, is_q5, row, ahead, cols, &a, res);
-        return 1;
-    }
-    if (qtype == ST_Q2_K || qtype == ST_Q3_K) {
-        int is_q3 = qtype == ST_Q3_K;
-        if (n_tok == 1) row_q23k(1, is_q3, row, ahead, cols, &a, res);
-        else if (n_tok == 2) row_q23k(2, is_q3, row, ahead, cols, &a, res);
-        else row_q23k(3, is_q3, row, ahead, cols, &a, res);
-        return 1;
-    }
-    if (qtype == ST_Q6_K) {
-        if (n_tok == 1) row_q6k(1, row, ahead, cols, &a, res);
-        else if (n_tok == 2) row_q6k(2, row, ahead, cols, &a, res);
-        else row_q6k(3, row, ahead, cols, &a, res);
-        return 1;
-    }
+    /* each row function specialised for 1, 2 and 3 tokens (NC a constant in its loops) */
+#define BY_TOKENS(CALL_1, CALL_2, CALL_3) \
+    do { if (n_tok == 1) CALL_1; else if (n_tok == 2) CALL_2; else CALL_3; return 1; } while (0)
+    const int is_q5 = qtype == ST_Q5_K, is_q3 = qtype == ST_Q3_K;
+    if (qtype == ST_Q4_K || qtype == ST_Q5_K)
+        BY_TOKENS(row_q45k(1, is_q5, row, ahead, cols, &a, res),
+                  row_q45k(2, is_q5, row, ahead, cols, &a, res),
+                  row_q45k(3, is_q5, row, ahead, cols, &a, res));
+    if (qtype == ST_Q2_K || qtype == ST_Q3_K)
+        BY_TOKENS(row_q23k(1, is_q3, row, ahead, cols, &a, res),
+                  row_q23k(2, is_q3, row, ahead, cols, &a, res),
+                  row_q23k(3, is_q3, row, ahead, cols, &a, res));
+    if (qtype == ST_Q6_K)
+        BY_TOKENS(row_q6k(1, row, ahead, cols, &a, res), row_q6k(2, row, ahead, cols, &a, res),
+                  row_q6k(3, row, ahead, cols, &a, res));
+#undef BY_TOKENS
     return 0;
 }
 

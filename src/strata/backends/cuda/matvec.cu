@@ -158,15 +158,9 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
 }
 
 template <int QT, int MODE>
-__device__ __forceinline__ void mv_body(
-    const uint8_t *__restrict__ W, const uint8_t *__restrict__ W2,
-    const unsigned long long *__restrict__ wtab, const unsigned long long *__restrict__ wtab2,
-    long long row_bytes, int N, int K, const int8_t *__restrict__ xq,
-    const float *__restrict__ xd, const int *__restrict__ groups,
-    const int *__restrict__ num_groups, const int *__restrict__ act_rows,
-    const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,
-    int ldy, int block_x, const unsigned long long *__restrict__ atab,
-    const unsigned long long *__restrict__ atab2) {
+__device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
+                                        const unsigned long long *__restrict__ atab,
+                                        const unsigned long long *__restrict__ atab2) {
     // a staged unit: one block of 32 columns, or a k-quant super-block of 256
     constexpr bool is_k = QT != ST_Q4_0 && QT != ST_Q8_0;
     constexpr int unit_bytes = QT == ST_Q4_0 ? 18 : QT == ST_Q8_0 ? 34 : QT == ST_Q2_K ? 84

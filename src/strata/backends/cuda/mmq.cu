@@ -28,16 +28,8 @@ template <> struct BlockBytes<ST_Q8_0> { static constexpr int value = 34; };
 // rows x BN/2 activation rows; gate/up tiles hold 32 gate rows then the same 32 up rows, and a
 // warp's two m-tiles are one gate and one up tile, so SiLU(gate) * up happens in registers.
 template <int QT, int MODE, int BN, bool RAW>
-__device__ __forceinline__ void mmq_body(
-    const uint8_t *__restrict__ W, const uint8_t *__restrict__ W2,
-    const unsigned long long *__restrict__ wtab, const unsigned long long *__restrict__ wtab2,
-    long long row_bytes, int N, int K, const int8_t *__restrict__ xq,
-    const float *__restrict__ xd, const int *__restrict__ groups,
-    const int *__restrict__ num_groups, const int *__restrict__ act_rows,
-    const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,
-    int ldy, int block_x) {
+__device__ __forceinline__ void mmq_body(MM_BODY_PARAMS) {
     constexpr int NT = BN / 16;                                    // n8 tiles per warp
-    constexpr int OUTS = MODE == MODE_GATEUP ? MMQ_BM / 2 : MMQ_BM;  // outputs per block
     constexpr int QB = BlockBytes<QT>::value;
     __shared__ __align__(16) int8_t sw[MMQ_BM * MMQ_LDS];  // [BM, KB * 32] weights as int8
     __shared__ __align__(16) int8_t sx[BN * MMQ_LDS];      // [BN, KB * 32] activations
@@ -46,29 +38,16 @@ __device__ __forceinline__ void mmq_body(
     // 16-byte aligned) lands here by 16-byte loads, then is unpacked into sw
     __shared__ __align__(16) int8_t sraw[RAW ? MMQ_BM * MMQ_RAW_ROW : 16];
 
-    int g, row0;
-    const int n0 = block_x * OUTS;
-    if (n0 >= N || !find_tile<BN>(groups, *num_groups, blockIdx.y, g, row0)) return;
-    const int first = groups[3 * g + 1], count = groups[3 * g + 2];
-    const int expert = groups[3 * g];
-    const int num_rows = min(BN, count - row0);
-    const int p0 = first + row0;
-    const uint8_t *base = wtab ? reinterpret_cast<const uint8_t *>(wtab[expert]) : W;
-    const uint8_t *base2 = MODE != MODE_GATEUP ? base
-                           : wtab2 ? reinterpret_cast<const uint8_t *>(wtab2[expert]) : W2;
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 1, wn = warp >> 1, gid = lane >> 2, tig = lane & 3;
+    const MmqTile<BN, MODE> tile(W, W2, wtab, wtab2, row_bytes, N, K, xq, xd, groups, num_groups,
+                                 act_rows, out_rows, bias, Y, ldy, block_x);
+    if (!tile.valid) return;
+    const int num_rows = tile.num_rows, p0 = tile.p0, tid = tile.tid;
     const int num_kblocks = K >> 5;
 
     // rows of this thread's staging work, fixed over k: weight rows and activation rows.
     // Not RAW: unit u = (row u / KB, block u % KB). RAW: unit u = (row u / PIECES, 16-byte
     // piece u % PIECES of the row's k-tile).
-    auto weight_row = [&](int r) {
-        const int local = MODE == MODE_GATEUP ? r % OUTS : r;
-        const uint8_t *m = MODE == MODE_GATEUP && r >= OUTS ? base2 : base;
-        return m + (long long)min(n0 + local, N - 1) * row_bytes;
-    };
+    auto weight_row = [&](int r) { return tile.weight_row(r); };
     constexpr int PIECES = MMQ_RAW_ROW / 16;
     constexpr int RU = (MMQ_BM * PIECES + MMQ_THREADS - 1) / MMQ_THREADS;  // pieces per thread
     constexpr int SRC = RAW ? RU : MMQ_BM * MMQ_KB / MMQ_THREADS;
@@ -82,19 +61,8 @@ __device__ __forceinline__ void mmq_body(
             wsrc[i] = weight_row(u / MMQ_KB);
     }
     long long xrow[BN * MMQ_KB / MMQ_THREADS];
-#pragma unroll
-    for (int i = 0; i < BN * MMQ_KB / MMQ_THREADS; i++) {
-        const int p = p0 + min((tid + i * MMQ_THREADS) / MMQ_KB, num_rows - 1);
-        xrow[i] = act_rows ? act_rows[p] : p;
-    }
-
-    float acc[2][NT][4];
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
+    tile.act_rows_of(act_rows, xrow);
+    float acc[2][NT][4] = {};
 
     // The next k-tile is read into registers while the current one is multiplied, so global
     // latency overlaps the mma work: raw weight words + scale, activation int4s + scale.
@@ -214,24 +182,17 @@ __device__ __forceinline__ void mmq_body(
         for (int kb = 0; kb < nkb; kb++) {
             int a[2][4];
             float dw[2][2];
+            const int gid = tile.gid, tig = tile.tig;
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                const int rb = MODE == MODE_GATEUP ? i * 32 + wm * 16 : wm * 32 + i * 16;
-                const int8_t *s0 = sw + (rb + gid) * MMQ_LDS + 32 * kb + 4 * tig;
-                const int8_t *s1 = s0 + 8 * MMQ_LDS;
-                a[i][0] = *reinterpret_cast<const int *>(s0);
-                a[i][1] = *reinterpret_cast<const int *>(s1);
-                a[i][2] = *reinterpret_cast<const int *>(s0 + 16);
-                a[i][3] = *reinterpret_cast<const int *>(s1 + 16);
-                dw[i][0] = swd[(rb + gid) * MMQ_KB + kb];
-                dw[i][1] = swd[(rb + gid + 8) * MMQ_KB + kb];
+                tile.load_a(sw, i, kb, a[i]);
+                dw[i][0] = swd[(tile.m_row(i) + gid) * MMQ_KB + kb];
+                dw[i][1] = swd[(tile.m_row(i) + gid + 8) * MMQ_KB + kb];
             }
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                const int cb = wn * (BN / 2) + 8 * j;
-                const int8_t *x0 = sx + (cb + gid) * MMQ_LDS + 32 * kb + 4 * tig;
-                const int b0 = *reinterpret_cast<const int *>(x0);
-                const int b1 = *reinterpret_cast<const int *>(x0 + 16);
+                int b0, b1;
+                const int cb = tile.load_b(sx, j, kb, b0, b1);
                 const float dx0 = sxd[(cb + 2 * tig) * MMQ_KB + kb];
                 const float dx1 = sxd[(cb + 2 * tig + 1) * MMQ_KB + kb];
 #pragma unroll
@@ -248,7 +209,8 @@ __device__ __forceinline__ void mmq_body(
         }
         __syncthreads();
     }
-    mmq_write<MODE, BN>(acc, wm, wn, gid, tig, num_rows, p0, n0, N, out_rows, bias, Y, ldy);
+    mmq_write<MODE, BN>(acc, tile.wm, tile.wn, tile.gid, tile.tig, num_rows, p0, tile.n0, N,
+                        out_rows, bias, Y, ldy);
 }
 
 // Float weights (F32 / F16 / BF16) meet float rows (the router of a quantised model): a tile of

@@ -70,6 +70,85 @@ __device__ __forceinline__ bool find_tile(const int *__restrict__ groups, int nu
     return false;
 }
 
+// One block's tile: outputs n0 .. n0 + OUTS of tile x, rows row0 .. of group g (find_tile), the
+// matrices it reads (expert e's at wtab[e] / wtab2[e] for grouped products), and this thread's
+// place: warp (wm, wn) computes two m16 tiles of weight rows x BN/2 activation rows, lane =
+// (gid, tig) of the mma fragments. valid is false when the block has nothing to do.
+template <int BN, int MODE>
+struct MmqTile {
+    static constexpr int OUTS = MODE == MODE_GATEUP ? MMQ_BM / 2 : MMQ_BM;  // outputs per block
+    bool valid;
+    int n0, num_rows, p0, tid, wm, wn, gid, tig;
+    const uint8_t *base, *base2;
+    long long row_bytes;
+    int N;
+
+    __device__ __forceinline__ MmqTile(MM_BODY_PARAMS) : row_bytes(row_bytes), N(N) {
+        int g, row0;
+        n0 = block_x * OUTS;
+        valid = n0 < N && find_tile<BN>(groups, *num_groups, blockIdx.y, g, row0);
+        if (!valid) return;
+        const int first = groups[3 * g + 1], count = groups[3 * g + 2];
+        const int expert = groups[3 * g];
+        num_rows = min(BN, count - row0);
+        p0 = first + row0;
+        base = wtab ? reinterpret_cast<const uint8_t *>(wtab[expert]) : W;
+        base2 = MODE != MODE_GATEUP ? base
+                : wtab2 ? reinterpret_cast<const uint8_t *>(wtab2[expert]) : W2;
+        tid = threadIdx.x;
+        const int lane = tid & 31, warp = tid >> 5;
+        wm = warp & 1;
+        wn = warp >> 1;
+        gid = lane >> 2;
+        tig = lane & 3;
+    }
+
+    // weight row r (0 .. 63) of the tile: gate/up tiles hold OUTS gate rows, then the same up
+    // rows; rows past N repeat the last one
+    __device__ __forceinline__ const uint8_t *weight_row(int r) const {
+        const int local = MODE == MODE_GATEUP ? r % OUTS : r;
+        const uint8_t *m = MODE == MODE_GATEUP && r >= OUTS ? base2 : base;
+        return m + (long long)min(n0 + local, N - 1) * row_bytes;
+    }
+
+    // the activation rows of this thread's staging units u = tid + i * MMQ_THREADS: row u / KB
+    // of the tile (rows past the group's repeat its last), through act_rows when given
+    template <int XU>
+    __device__ __forceinline__ void act_rows_of(const int *__restrict__ act_rows,
+                                                long long (&xrow)[XU]) const {
+#pragma unroll
+        for (int i = 0; i < XU; i++) {
+            const int p = p0 + min((tid + i * MMQ_THREADS) / MMQ_KB, num_rows - 1);
+            xrow[i] = act_rows ? act_rows[p] : p;
+        }
+    }
+
+    // the first weight row of m-tile i (gate/up: the gate tile, then the up tile)
+    __device__ __forceinline__ int m_row(int i) const {
+        return MODE == MODE_GATEUP ? i * 32 + wm * 16 : wm * 32 + i * 16;
+    }
+
+    // the a fragment of m-tile i at 32-column block kb of sw [64, MMQ_LDS]
+    __device__ __forceinline__ void load_a(const int8_t *sw, int i, int kb, int (&a)[4]) const {
+        const int8_t *s0 = sw + (m_row(i) + gid) * MMQ_LDS + 32 * kb + 4 * tig;
+        const int8_t *s1 = s0 + 8 * MMQ_LDS;
+        a[0] = *reinterpret_cast<const int *>(s0);
+        a[1] = *reinterpret_cast<const int *>(s1);
+        a[2] = *reinterpret_cast<const int *>(s0 + 16);
+        a[3] = *reinterpret_cast<const int *>(s1 + 16);
+    }
+
+    // the b fragment of n-tile j at block kb of sx [BN, MMQ_LDS]; cb = its first row
+    __device__ __forceinline__ int load_b(const int8_t *sx, int j, int kb, int &b0,
+                                          int &b1) const {
+        const int cb = wn * (BN / 2) + 8 * j;
+        const int8_t *x0 = sx + (cb + gid) * MMQ_LDS + 32 * kb + 4 * tig;
+        b0 = *reinterpret_cast<const int *>(x0);
+        b1 = *reinterpret_cast<const int *>(x0 + 16);
+        return cb;
+    }
+};
+
 // A block's results out: accumulator c of warp (wm, wn)'s (m-tile i, n-tile j) is weight row
 // gid + 8 * (c >> 1) of the m-tile and activation row 2 * tig + (c & 1) of the n-tile; gate/up
 // tiles hold the gate rows in m-tile 0 and the same up rows in m-tile 1.

@@ -33,17 +33,9 @@ template <> struct KQuant<ST_Q6_K> { static constexpr int bytes = 210, per16 = 1
 
 // mmq.cu's mmq_body for k-quants (BN = MMQK_BN; RAW is unused: the staging is always raw).
 template <int QT, int MODE, int BN, bool RAW>
-__device__ __forceinline__ void mmqk_body(
-    const uint8_t *__restrict__ W, const uint8_t *__restrict__ W2,
-    const unsigned long long *__restrict__ wtab, const unsigned long long *__restrict__ wtab2,
-    long long row_bytes, int N, int K, const int8_t *__restrict__ xq,
-    const float *__restrict__ xd, const int *__restrict__ groups,
-    const int *__restrict__ num_groups, const int *__restrict__ act_rows,
-    const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,
-    int ldy, int block_x) {
+__device__ __forceinline__ void mmqk_body(MM_BODY_PARAMS) {
     static_assert(BN == MMQK_BN, "k-quant tiles hold 32 activation rows");
     constexpr int NT = BN / 16;                                      // n8 tiles per warp
-    constexpr int OUTS = MODE == MODE_GATEUP ? MMQ_BM / 2 : MMQ_BM;  // outputs per block
     constexpr int QB = KQuant<QT>::bytes, PER16 = KQuant<QT>::per16, HAS_MIN = KQuant<QT>::min;
     constexpr int PIECES = (QB + 14 + 15) / 16;  // 16-byte pieces of a block at offset <= 14
     constexpr int RAW_LD = 16 * PIECES;
@@ -55,26 +47,13 @@ __device__ __forceinline__ void mmqk_body(
     __shared__ float sxd[BN * MMQ_KB];
     __shared__ int sxs[HAS_MIN ? BN * MMQ_KB * SCALES : 1];  // sum of the q of each group
 
-    int g, row0;
-    const int n0 = block_x * OUTS;
-    if (n0 >= N || !find_tile<BN>(groups, *num_groups, blockIdx.y, g, row0)) return;
-    const int first = groups[3 * g + 1], count = groups[3 * g + 2];
-    const int expert = groups[3 * g];
-    const int num_rows = min(BN, count - row0);
-    const int p0 = first + row0;
-    const uint8_t *base = wtab ? reinterpret_cast<const uint8_t *>(wtab[expert]) : W;
-    const uint8_t *base2 = MODE != MODE_GATEUP ? base
-                           : wtab2 ? reinterpret_cast<const uint8_t *>(wtab2[expert]) : W2;
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 1, wn = warp >> 1, gid = lane >> 2, tig = lane & 3;
+    const MmqTile<BN, MODE> tile(W, W2, wtab, wtab2, row_bytes, N, K, xq, xd, groups, num_groups,
+                                 act_rows, out_rows, bias, Y, ldy, block_x);
+    if (!tile.valid) return;
+    const int num_rows = tile.num_rows, p0 = tile.p0, tid = tile.tid;
+    const int gid = tile.gid, tig = tile.tig;
     const int num_ktiles = K >> 8, num_kblocks = K >> 5;
-
-    auto weight_row = [&](int r) {
-        const int local = MODE == MODE_GATEUP ? r % OUTS : r;
-        const uint8_t *mat = MODE == MODE_GATEUP && r >= OUTS ? base2 : base;
-        return mat + (long long)min(n0 + local, N - 1) * row_bytes;
-    };
+    auto weight_row = [&](int r) { return tile.weight_row(r); };
     // staging units, fixed over k: raw piece u = (row u / PIECES, piece u % PIECES); unpack
     // unit u = (row u / 8, block u % 8); activation unit u = (row u / 8, block u % 8)
     constexpr int RU = (MMQ_BM * PIECES + MMQ_THREADS - 1) / MMQ_THREADS;
@@ -89,19 +68,8 @@ __device__ __forceinline__ void mmqk_body(
         uoff[i] = (int)(reinterpret_cast<size_t>(weight_row((tid + i * MMQ_THREADS) / MMQ_KB))
                         & 15);
     long long xrow[XU];
-#pragma unroll
-    for (int i = 0; i < XU; i++) {
-        const int p = p0 + min((tid + i * MMQ_THREADS) / MMQ_KB, num_rows - 1);
-        xrow[i] = act_rows ? act_rows[p] : p;
-    }
-
-    float acc[2][NT][4];
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
+    tile.act_rows_of(act_rows, xrow);
+    float acc[2][NT][4] = {};
 
     // the next k-tile is read into registers while the current one is multiplied
     int4 wpiece[RU];
@@ -190,16 +158,10 @@ __device__ __forceinline__ void mmqk_body(
             float dw[2][2][SCALES], mw[2][2][SCALES];
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                const int rb = MODE == MODE_GATEUP ? i * 32 + wm * 16 : wm * 32 + i * 16;
-                const int8_t *s0 = sw + (rb + gid) * MMQ_LDS + 32 * kb + 4 * tig;
-                const int8_t *s1 = s0 + 8 * MMQ_LDS;
-                a[i][0] = *reinterpret_cast<const int *>(s0);
-                a[i][1] = *reinterpret_cast<const int *>(s1);
-                a[i][2] = *reinterpret_cast<const int *>(s0 + 16);
-                a[i][3] = *reinterpret_cast<const int *>(s1 + 16);
+                tile.load_a(sw, i, kb, a[i]);
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const int unit = (rb + gid + 8 * h) * MMQ_KB + kb;
+                    const int unit = (tile.m_row(i) + gid + 8 * h) * MMQ_KB + kb;
 #pragma unroll
                     for (int s = 0; s < SCALES; s++) {
                         dw[i][h][s] = swd[unit * SCALES + s];
@@ -210,10 +172,8 @@ __device__ __forceinline__ void mmqk_body(
             }
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                const int cb = wn * (BN / 2) + 8 * j;
-                const int8_t *x0 = sx + (cb + gid) * MMQ_LDS + 32 * kb + 4 * tig;
-                const int b0 = *reinterpret_cast<const int *>(x0);
-                const int b1 = *reinterpret_cast<const int *>(x0 + 16);
+                int b0, b1;
+                const int cb = tile.load_b(sx, j, kb, b0, b1);
                 const float dx[2] = {sxd[(cb + 2 * tig) * MMQ_KB + kb],
                                      sxd[(cb + 2 * tig + 1) * MMQ_KB + kb]};
                 float qsum[2][SCALES] = {};  // [activation row 2 tig + t][group]
@@ -263,7 +223,8 @@ __device__ __forceinline__ void mmqk_body(
         }
         __syncthreads();
     }
-    mmq_write<MODE, BN>(acc, wm, wn, gid, tig, num_rows, p0, n0, N, out_rows, bias, Y, ldy);
+    mmq_write<MODE, BN>(acc, tile.wm, tile.wn, gid, tig, num_rows, p0, tile.n0, N, out_rows,
+                        bias, Y, ldy);
 }
 
 MMQ_TILE_KERNELS(mmqk_body, q2_k, ST_Q2_K, 32, , false)

@@ -22,6 +22,18 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
         const int8_t *xq, const float *xd, const int *groups, const int *num_groups,                \
         const int *act_rows, const int *out_rows, const float *bias, float *Y, int ldy,             \
         const unsigned long long *atab, const unsigned long long *atab2
+// Parameters of the bodies that read 8-bit activations (matvec.cu's mv_body, mmq.cu's mmq_body,
+// mmq_k.cu's mmqk_body): MM_ARGS less the float rows, as restrict pointers, and the block's
+// output tile along x.
+#define MM_BODY_PARAMS                                                                             \
+    const uint8_t *__restrict__ W, const uint8_t *__restrict__ W2,                                 \
+        const unsigned long long *__restrict__ wtab, const unsigned long long *__restrict__ wtab2, \
+        long long row_bytes, int N, int K, const int8_t *__restrict__ xq,                           \
+        const float *__restrict__ xd, const int *__restrict__ groups,                               \
+        const int *__restrict__ num_groups, const int *__restrict__ act_rows,                       \
+        const int *__restrict__ out_rows, const float *__restrict__ bias, float *__restrict__ Y,    \
+        int ldy, int block_x
+
 // q, k and v projections of the same rows in one launch: blocks [0, nbq) make q, the next
 // nbkv k, the last nbkv v (one weight type, rows of K columns each).
 #define QKV_ARGS                                                                                    \
