@@ -41,7 +41,8 @@ def test_kernel_names_cover_every_entry_point():
     names = set()
     for module in cuda_runtime.MODULES:
         names |= set(cuda_runtime._kernel_names(cuda_runtime.module_source(module)))
-    for suffix in ("f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"):
+    for suffix in ("f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                   "iq4_xs"):
         assert {f"mm_store_{suffix}", f"mm_add_{suffix}", f"mm_gateup_{suffix}",
                 f"mm_qkv_{suffix}", f"embed_{suffix}"} <= names
     for suffix in ("q4_0", "q8_0"):  # mmq.cu: int8 tensor-core tiles of 64 and 32 rows
@@ -49,9 +50,9 @@ def test_kernel_names_cover_every_entry_point():
                 for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {f"mmq{rows}r_{kind}_q4_0" for rows in (64, 32)  # RAW staging: Q4_0 only
             for kind in ("store", "add", "gateup", "qkv")} <= names
-    for suffix in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k"):  # mmq_k.cu: tiles of 32 rows
+    for suffix in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"):  # mmq_k.cu: 32-row tiles
         assert {f"mmq32_{kind}_{suffix}" for kind in ("store", "add", "gateup", "qkv")} <= names
-    for suffix in ("q4_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"):  # matvec.cu
+    for suffix in ("q4_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"):  # matvec
         assert {f"mv_{kind}_{suffix}" for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {"mmf_store_f32", "mmf_add_f32", "mmf_store_f16", "mmf_store_bf16"} <= names
     assert {"quantize_q8", "rmsnorm_q8", "qk_rope_append", "router_topk", "group_pairs",

@@ -99,7 +99,7 @@ def test_matmul_shapes(qtype, rows, num_blocks, num_tokens, seed):
 
 
 def test_row_bytes_and_type_table():
-    assert kernels.SUPPORTED_TYPES == (0, 1, 2, 8, 10, 11, 12, 13, 14, 30)
+    assert kernels.SUPPORTED_TYPES == (0, 1, 2, 8, 10, 11, 12, 13, 14, 23, 30)
     for qtype in ALL_TYPES:
         bs, ts = gguf.GGML_QUANT_SIZES[qtype]
         assert kernels.is_supported(int(qtype))

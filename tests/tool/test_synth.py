@@ -112,8 +112,8 @@ def test_errors_say_what_to_change(tmp_path):
         synth_model(out, "tiny", "q4_k")
     with pytest.raises(ConfigError, match="expert_ffn 1408 is not a multiple of 256"):
         synth_model(out, "qwen2-moe-a2.7b-like", "q6_k")
-    with pytest.raises(ConfigError, match="unknown weight type 'iq4_xs'; choose one of f32"):
-        synth_model(out, "tiny", "iq4_xs")
+    with pytest.raises(ConfigError, match="unknown weight type 'iq3_s'; choose one of f32"):
+        synth_model(out, "tiny", "iq3_s")
     with pytest.raises(ConfigError, match="unknown model shape 'huge'; choose one of: tiny"):
         synth_model(out, "huge")
     with pytest.raises(ConfigError, match="cannot override n_layer; spec fields"):

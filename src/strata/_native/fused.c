@@ -229,7 +229,7 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
     for (int64_t j = 0; j < n_tok; j++) tr[j] = tok ? (int64_t)tok[j] : tok0 + j;
     float res[3];
     if (qtype == ST_Q2_K || qtype == ST_Q3_K || qtype == ST_Q4_K || qtype == ST_Q5_K
-        || qtype == ST_Q6_K) {
+        || qtype == ST_Q6_K || qtype == ST_IQ4_XS) {
         /* fused_k.c; returns 0 for every row when this build has no such path */
         for (int i = 0; i < nr; i++) {
             if (!st_fused_k_row(qtype, w + (rb + i) * row_bytes, ST_PREFETCH_ROWS * row_bytes,

@@ -1,5 +1,5 @@
-/* Decode-shaped dot products (1-3 tokens) straight from k-quant super-blocks (Q2_K .. Q6_K)
- * with AVX-512 VNNI; the layouts are those of quant_ref.c's unpack_blocks. */
+/* Decode-shaped dot products (1-3 tokens) straight from k-quant super-blocks (Q2_K .. Q6_K,
+ * IQ4_XS) with AVX-512 VNNI; the layouts are those of quant_ref.c's unpack_blocks. */
 #include "quant.h"
 
 #if defined(ST_USE_VNNI512) && defined(__F16C__)
@@ -206,6 +206,43 @@ ALWAYS_INLINE void row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t
     }
 }
 
+/* IQ4_XS: 64-column chunk c holds blocks 2c and 2c + 1, each 16 bytes of indices (low nibbles
+ * columns 0-15, high 16-31) into the non-linear table; u = table value + 128, one scale
+ * d * (ls - 32) per block (lanes 0-7: block 2c, 8-15: 2c + 1). */
+ALWAYS_INLINE void row_iq4xs(const int NC, const uint8_t *row, int64_t ahead, int cols,
+                             const act_rows *a, float *res) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+        1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181,
+        (char)197, (char)217, (char)241));
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * 136;
+        st_prefetch(blk + ahead, 136);
+        uint16_t sh;
+        memcpy(&sh, blk + 2, 2);
+        int32_t ls[16] = {0};
+        for (int b = 0; b < 8; b++)
+            ls[b] = (((blk[4 + b / 2] >> (4 * (b & 1))) & 15) | (((sh >> (2 * b)) & 3) << 4)) - 32;
+        const __m512 a8 = _mm512_mul_ps(_mm512_set1_ps(fp16_at(blk)),
+                                        _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)ls)));
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * c));
+            const __m256i lo = _mm256_and_si256(q, low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            const __m256i u0 = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x20));
+            const __m256i u1 = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x31));
+            __m512 scale = _mm512_permutexvar_ps(
+                _mm512_add_epi32(halves, _mm512_set1_epi32(2 * c)), a8);
+            /* u = s + 128: the correction is xc itself */
+            chunk(NC, join256(u0, u1), scale, ib * 256 + 64 * c, 0, a, acc);
+        }
+    }
+    for (int c = 0; c < NC; c++) res[c] = _mm512_reduce_add_ps(acc[c]);
+}
+
 int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
                    const int64_t *tr, int n_tok, float *res) {
     const int ncp = act->cols_pad;
@@ -231,6 +268,10 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
     if (qtype == ST_Q6_K)
         BY_TOKENS(row_q6k(1, row, ahead, cols, &a, res), row_q6k(2, row, ahead, cols, &a, res),
                   row_q6k(3, row, ahead, cols, &a, res));
+    if (qtype == ST_IQ4_XS)
+        BY_TOKENS(row_iq4xs(1, row, ahead, cols, &a, res),
+                  row_iq4xs(2, row, ahead, cols, &a, res),
+                  row_iq4xs(3, row, ahead, cols, &a, res));
 #undef BY_TOKENS
     return 0;
 }

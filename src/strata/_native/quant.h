@@ -14,7 +14,7 @@
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
     ST_F32 = 0, ST_F16 = 1, ST_Q4_0 = 2, ST_Q8_0 = 8, ST_Q2_K = 10, ST_Q3_K = 11,
-    ST_Q4_K = 12, ST_Q5_K = 13, ST_Q6_K = 14, ST_BF16 = 30,
+    ST_Q4_K = 12, ST_Q5_K = 13, ST_Q6_K = 14, ST_IQ4_XS = 23, ST_BF16 = 30,
 };
 
 /* Bias added to unpacked weights: VNNI's vpdpbusd multiplies unsigned by signed bytes, so
@@ -108,7 +108,7 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
 int st_fused_float_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
                         int nr, const st_act *act, const int32_t *tok, int64_t tok0,
                         int64_t n_tok, float *out, int64_t ld_out);
-/* One row of a k-quant (Q2_K .. Q6_K) matrix x n_tok (1-3) activation rows tr[] (fused_k.c);
+/* One row of a k-quant (Q2_K .. Q6_K, IQ4_XS) matrix x n_tok (1-3) activation rows tr[] (fused_k.c);
  * returns 0 when this build has no fused path for qtype. */
 int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
                    const int64_t *tr, int n_tok, float *res);

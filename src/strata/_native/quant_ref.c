@@ -9,7 +9,8 @@ int st_block_size(int qtype) {
     switch (qtype) {
     case ST_F32: case ST_F16: case ST_BF16: return 1;
     case ST_Q4_0: case ST_Q8_0: return 32;
-    case ST_Q2_K: case ST_Q3_K: case ST_Q4_K: case ST_Q5_K: case ST_Q6_K: return QK_K;
+    case ST_Q2_K: case ST_Q3_K: case ST_Q4_K: case ST_Q5_K: case ST_Q6_K: case ST_IQ4_XS:
+        return QK_K;
     default: return 0;
     }
 }
@@ -26,6 +27,8 @@ int st_type_size(int qtype) {
     case ST_Q4_K: return 144;          /* fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes */
     case ST_Q5_K: return 176;          /* as Q4_K plus 32 bytes of high bits */
     case ST_Q6_K: return 210;          /* 128 low nibbles, 64 high 2-bit, 16 int8 scales, fp16 d */
+    case ST_IQ4_XS: return 136;        /* fp16 d, u16 high scale bits, 4 bytes of low scale
+                                          nibbles, 128 bytes of 4-bit indices */
     default: return 0;
     }
 }
@@ -160,6 +163,28 @@ static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
                 int hi = (sc[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
                 a[ib * 16 + g] = d * (float)((lo | (hi << 4)) - 32);
                 b[ib * 16 + g] = 0.0f;
+            }
+            break;
+        }
+        case ST_IQ4_XS: {
+            /* block b of 32: 6-bit scale ls (low 4 bits: nibble b % 2 of byte 4 + b / 2, high
+             * 2: bits 2b of the u16 at 2), w = d * (ls - 32) * kvalues[index]; its 16 bytes at
+             * 8 + 16b: low nibbles columns 0-15, high nibbles 16-31 */
+            static const int8_t kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1, 13, 25, 38, 53, 69, 89, 113};
+            const uint8_t *blk = src + ib * 136;
+            float d = read_fp16(blk);
+            uint16_t sh = read_u16(blk + 2);
+            int8_t *y = s + ib * QK_K;
+            for (int bk = 0; bk < 8; bk++) {
+                const uint8_t *q = blk + 8 + 16 * bk;
+                for (int l = 0; l < 16; l++) {
+                    y[32 * bk + l] = kvalues[q[l] & 15];
+                    y[32 * bk + l + 16] = kvalues[q[l] >> 4];
+                }
+                int ls = ((blk[4 + bk / 2] >> (4 * (bk & 1))) & 15) | (((sh >> (2 * bk)) & 3) << 4);
+                a[ib * 16 + 2 * bk] = a[ib * 16 + 2 * bk + 1] = d * (float)(ls - 32);
+                b[ib * 16 + 2 * bk] = b[ib * 16 + 2 * bk + 1] = 0.0f;
             }
             break;
         }

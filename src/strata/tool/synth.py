@@ -28,6 +28,7 @@ from strata.tool.routing import skew_router_rows
 WEIGHT_TYPES: dict[str, QT] = {
     "f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
     "q2_k": QT.Q2_K, "q3_k": QT.Q3_K, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K,
+    "iq4_xs": QT.IQ4_XS,
 }
 _FILE_TYPES = {
     QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16,
@@ -35,6 +36,7 @@ _FILE_TYPES = {
     QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
     QT.Q5_K: LlamaFileType.MOSTLY_Q5_K_M, QT.Q6_K: LlamaFileType.MOSTLY_Q6_K,
     QT.Q2_K: LlamaFileType.MOSTLY_Q2_K, QT.Q3_K: LlamaFileType.MOSTLY_Q3_K_M,
+    QT.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
 }
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>")
@@ -172,6 +174,18 @@ def random_blocks(qtype: QT, num_values: int, std: float, rng: np.random.Generat
         signed = rng.integers(8, 32, (n, 16)) * rng.choice(np.array([-1, 1]), (n, 16))
         parts = [_random_bytes(rng, n, 32 + 64), _pack_q3_k_scales((signed + 32).astype(np.uint8)),
                  _scales_f16(rng, n, std / (2.345 * 20.69), False)]
+    elif qtype == QT.IQ4_XS:
+        # w = d*(ls - 32)*kvalue per 32 values, kvalues rms 67.4 (mean -5.9: signed scales
+        # cancel it); ls - 32 = +-[8, 31]: rms 20.69
+        signed = rng.integers(8, 32, (n, 8)) * rng.choice(np.array([-1, 1]), (n, 8))
+        ls = (signed + 32).astype(np.uint16)
+        high = np.zeros(n, dtype=np.uint16)
+        for b in range(8):
+            high |= ((ls[:, b] >> 4) & 3) << (2 * b)
+        low = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
+        parts = [_scales_f16(rng, n, std / (67.4 * 20.69), False),
+                 high.view(np.uint8).reshape(n, 2), low.astype(np.uint8),
+                 _random_bytes(rng, n, 128)]
     elif qtype == QT.Q6_K:  # codes -32..31: rms 18.48; int8 sub-scales +-[32, 63]: rms 48.39
         sc = rng.integers(32, 64, (n, 16), dtype=np.int16)
         sc *= rng.choice(np.array([-1, 1], dtype=np.int16), (n, 16))

@@ -1,6 +1,6 @@
 """Synth-model shapes the CUDA tests use per weight type (k-quants need rows of 256)."""
 
-K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0") + K_TYPES
 K_QUANT_OVERRIDES = {"hidden": 256, "expert_ffn": 256, "head_dim": 64}
 

@@ -14,7 +14,7 @@ from test_cuda_kernels import _Dev, _acts, _q8, _weights
 pytestmark = pytest.mark.cuda
 
 MMQ_TYPES = ("q4_0", "q8_0")
-K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # mmq_k.cu: 32-row tiles, K % 256 == 0
+K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")  # mmq_k.cu: 32-row tiles
 FMT = "PPPPqiiPPPPPPPPPiPP"
 BM, BN, BNG = 64, 64, 32  # mmq.cu's tiles: outputs, rows dense / grouped
 

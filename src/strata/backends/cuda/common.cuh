@@ -15,6 +15,7 @@
 #define ST_Q4_K 12
 #define ST_Q5_K 13
 #define ST_Q6_K 14
+#define ST_IQ4_XS 23
 #define ST_BF16 30
 
 #define WARP 32
@@ -113,6 +114,27 @@ __device__ __forceinline__ void k23_scale(const uint8_t *blk, int g, float &a, f
     }
 }
 
+// IQ4_XS's non-linear values of 4 indices (0..15, one per byte of nib4) as 4 int8: the 16-entry
+// table is 4 words; __byte_perm picks from its first or second half by each index's low 3 bits,
+// bit 3 chooses the half
+__device__ __forceinline__ int iq4_values(uint32_t nib4) {
+    // -127, -104, -83, -65 | -49, -35, -22, -10 | 1, 13, 25, 38 | 53, 69, 89, 113
+    const uint32_t sel = (nib4 & 7u) | ((nib4 >> 4) & 0x70u) | ((nib4 >> 8) & 0x700u)
+                         | ((nib4 >> 12) & 0x7000u);
+    const uint32_t lo = __byte_perm(0xBFAD9881u, 0xF6EADDCFu, sel);
+    const uint32_t hi = __byte_perm(0x26190D01u, 0x71594535u, sel);
+    const uint32_t pick = ((nib4 >> 3) & 0x01010101u) * 0xFFu;
+    return (int)((lo & ~pick) | (hi & pick));
+}
+
+// IQ4_XS (fp16 d, u16 high scale bits, 4 bytes of low scale nibbles, qs[128]): block b of 32
+// has the scale d * (ls - 32) and its 16 bytes at 8 + 16b (low nibbles: columns 0-15)
+__device__ __forceinline__ float iq4xs_scale(const uint8_t *blk, int b) {
+    const int ls = ((blk[4 + (b >> 1)] >> (4 * (b & 1))) & 15)
+                   | (((read_u16(blk + 2) >> (2 * b)) & 3) << 4);
+    return read_f16(blk) * (float)(ls - 32);
+}
+
 // Group g (columns 16g .. 16g+15) of a quantised row: v[4] holds the 16 int8 s values,
 // w = a * s - b. Bit layouts follow ggml-quants.c (and _native/quant_ref.c).
 template <int QT>
@@ -165,6 +187,15 @@ __device__ __forceinline__ void decode_group(const uint8_t *row, int g, int (&v)
 #pragma unroll
         for (int i = 0; i < 4; i++) v[i] = k23_word<QT>(blk, gi >> 1, 4 * (gi & 1) + i);
         k23_scale<QT>(blk, gi, a, b);
+    } else if (QT == ST_IQ4_XS) {
+        const uint8_t *blk = row + (g >> 4) * 136;
+        const int gi = g & 15, shift = 4 * (gi & 1);
+        const uint8_t *q = blk + 8 + 16 * (gi >> 1);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            v[i] = iq4_values((read_u32_a2(q + 4 * i) >> shift) & 0x0F0F0F0Fu);
+        a = iq4xs_scale(blk, gi >> 1);
+        b = 0.0f;
     } else if (QT == ST_Q6_K) {
         const uint8_t *blk = row + (g >> 4) * 210;  // ql[128], qh[64], int8 scales[16], fp16 d
         const int gi = g & 15;
@@ -200,7 +231,17 @@ __device__ __forceinline__ int bytes_minus_32(uint32_t v) {
 template <int QT>
 __device__ __forceinline__ void unpack_k_block(const uint8_t *blk, int b, int (&v)[8],
                                                float (&a)[2], float (&m)[2]) {
-    if constexpr (QT == ST_Q2_K || QT == ST_Q3_K) {
+    if constexpr (QT == ST_IQ4_XS) {
+        const uint8_t *q = blk + 8 + 16 * b;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            const uint32_t x = read_u32_a2(q + 4 * w);
+            v[w] = iq4_values(x & 0x0F0F0F0Fu);
+            v[w + 4] = iq4_values((x >> 4) & 0x0F0F0F0Fu);
+        }
+        a[0] = a[1] = iq4xs_scale(blk, b);
+        m[0] = m[1] = 0.0f;
+    } else if constexpr (QT == ST_Q2_K || QT == ST_Q3_K) {
 #pragma unroll
         for (int w = 0; w < 8; w++) v[w] = k23_word<QT>(blk, b, w);
         k23_scale<QT>(blk, 2 * b, a[0], m[0]);

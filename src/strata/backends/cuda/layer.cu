@@ -39,6 +39,7 @@ EMBED_KERNEL(q3_k, ST_Q3_K)
 EMBED_KERNEL(q4_k, ST_Q4_K)
 EMBED_KERNEL(q5_k, ST_Q5_K)
 EMBED_KERNEL(q6_k, ST_Q6_K)
+EMBED_KERNEL(iq4_xs, ST_IQ4_XS)
 
 __device__ __forceinline__ float block_sum(float v, float *scratch) {
     // scratch: [32] shared floats

@@ -210,6 +210,7 @@ MM_KERNELS(q3_k, ST_Q3_K)
 MM_KERNELS(q4_k, ST_Q4_K)
 MM_KERNELS(q5_k, ST_Q5_K)
 MM_KERNELS(q6_k, ST_Q6_K)
+MM_KERNELS(iq4_xs, ST_IQ4_XS)
 
 
 // x [T, K] float -> q [T, K] int8, d [T, K/32]: per 32 columns d = max|x| / 127, q = rint(x / d)

@@ -1,5 +1,5 @@
-// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0 and k-quant (Q2_K .. Q6_K)
-// weights: the mv_* kernels, with matmul.cu's arguments (products.cuh). Legend as
+// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0 and k-quant (Q2_K .. Q6_K,
+// IQ4_XS) weights: the mv_* kernels, with matmul.cu's arguments (products.cuh). Legend as
 // matmul.cu: N = weight rows (outputs), K = columns, P = activation rows of a group, G = groups
 // (experts).
 #include "products.cuh"
@@ -105,7 +105,7 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
                                             const float *__restrict__ xd, int K,
                                             float (&acc)[MV_TR], float (&acc2)[MV_TR]) {
     constexpr int QB = QT == ST_Q2_K ? 84 : QT == ST_Q3_K ? 110 : QT == ST_Q4_K ? 144
-                       : QT == ST_Q5_K ? 176 : 210;
+                       : QT == ST_Q5_K ? 176 : QT == ST_IQ4_XS ? 136 : 210;
     constexpr bool has_min = QT == ST_Q2_K || QT == ST_Q4_K || QT == ST_Q5_K;
     const int num_blocks = K >> 5;
 #pragma unroll 1
@@ -147,7 +147,7 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
                 if (GATEUP)
                     acc2[t] += (float)lo2 * (a2[0] * dx) - (float)sq_lo * (m2[0] * dx)
                                + (float)hi2 * (a2[1] * dx) - (float)sq_hi * (m2[1] * dx);
-            } else {  // Q4_K / Q5_K: one scale and min per 32 columns
+            } else {  // Q4_K / Q5_K: one scale and min per 32 columns; IQ4_XS: no min
                 const int sq = sq_lo + sq_hi;
                 acc[t] += (float)(lo + hi) * (a[0] * dx) - (float)sq * (m[0] * dx);
                 if (GATEUP)
@@ -165,7 +165,7 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
     constexpr bool is_k = QT != ST_Q4_0 && QT != ST_Q8_0;
     constexpr int unit_bytes = QT == ST_Q4_0 ? 18 : QT == ST_Q8_0 ? 34 : QT == ST_Q2_K ? 84
                                : QT == ST_Q3_K ? 110 : QT == ST_Q4_K ? 144 : QT == ST_Q5_K ? 176
-                               : 210;
+                               : QT == ST_IQ4_XS ? 136 : 210;
     constexpr int blocks_per_unit = is_k ? 8 : 1;  // 32-column blocks
     constexpr bool is_gateup = MODE == MODE_GATEUP;
     __shared__ int4 stage_all[MV_WARPS * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16)];
@@ -322,3 +322,4 @@ MV_KERNELS(q3_k, ST_Q3_K)
 MV_KERNELS(q4_k, ST_Q4_K)
 MV_KERNELS(q5_k, ST_Q5_K)
 MV_KERNELS(q6_k, ST_Q6_K)
+MV_KERNELS(iq4_xs, ST_IQ4_XS)

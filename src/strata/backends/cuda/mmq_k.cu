@@ -1,7 +1,7 @@
-// Products for prompt-sized windows of k-quant weights (Q2_K .. Q6_K: the types of the Q4_K_M,
-// Q5_K_M, Q6_K, Q3_K_M and Q2_K files users download) on int8 tensor cores. mmq.cu's
-// arguments, block tile (64 weight rows) and mma fragments; tiles of 32 activation rows only
-// (the staging below leaves no room in 48 KB of shared memory for 64).
+// Products for prompt-sized windows of k-quant weights (Q2_K .. Q6_K and IQ4_XS: the types of
+// the Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, Q2_K and IQ4_XS files users download) on int8 tensor
+// cores. mmq.cu's arguments, block tile (64 weight rows) and mma fragments; tiles of 32
+// activation rows only (the staging below leaves no room in 48 KB of shared memory for 64).
 //
 // Legend: N = weight rows (outputs), K = columns (a multiple of 256), P = activation rows of a
 // group, BN = activation rows per tile, QB = bytes of one super-block (256 columns).
@@ -11,9 +11,9 @@
 //      into its first piece; an aligned piece that holds a byte of the block never crosses a
 //      page, so reading its other bytes cannot fault),
 //   2. each (row, 32-column block) is unpacked from there into int8 values (sw [64, 256]) and
-//      float scales (swd: one per 32 columns for Q4_K / Q5_K, one per 16 for Q2_K, Q3_K and
-//      Q6_K) and mins (swm, Q2_K / Q4_K / Q5_K: w = a * s - b, s >= 0),
-//   3. one mma per 32 columns (Q4_K / Q5_K: m16n8k32) or two (m16n8k16 per 16-column group,
+//      float scales (swd: one per 32 columns for Q4_K / Q5_K / IQ4_XS, one per 16 for Q2_K, Q3_K
+//      and Q6_K) and mins (swm, Q2_K / Q4_K / Q5_K: w = a * s - b, s >= 0),
+//   3. one mma per 32 columns (Q4_K / Q5_K / IQ4_XS: m16n8k32) or two (m16n8k16 per 16-column group,
 //      whose scales differ), each int32 result exact; an output accumulates
 //      (float)s * (a * dx) (- (float)sum(q) * (b * dx)) over its groups in increasing k order
 //      in one thread, so a row's result does not depend on its tile or its window's other rows.
@@ -30,6 +30,7 @@ template <> struct KQuant<ST_Q3_K> { static constexpr int bytes = 110, per16 = 1
 template <> struct KQuant<ST_Q4_K> { static constexpr int bytes = 144, per16 = 0, min = 1; };
 template <> struct KQuant<ST_Q5_K> { static constexpr int bytes = 176, per16 = 0, min = 1; };
 template <> struct KQuant<ST_Q6_K> { static constexpr int bytes = 210, per16 = 1, min = 0; };
+template <> struct KQuant<ST_IQ4_XS> { static constexpr int bytes = 136, per16 = 0, min = 0; };
 
 // mmq.cu's mmq_body for k-quants (BN = MMQK_BN; RAW is unused: the staging is always raw).
 template <int QT, int MODE, int BN, bool RAW>
@@ -214,8 +215,9 @@ __device__ __forceinline__ void mmqk_body(MM_BODY_PARAMS) {
                             const int h = c >> 1, t = c & 1;
                             acc[i][j][c] = fmaf(exact_float(s[c]), dw[i][h][0] * dx[t],
                                                 acc[i][j][c]);
-                            acc[i][j][c] = fmaf(qsum[t][0], -(mw[i][h][0] * dx[t]),
-                                                acc[i][j][c]);
+                            if constexpr (HAS_MIN)
+                                acc[i][j][c] = fmaf(qsum[t][0], -(mw[i][h][0] * dx[t]),
+                                                    acc[i][j][c]);
                         }
                     }
                 }
@@ -232,3 +234,4 @@ MMQ_TILE_KERNELS(mmqk_body, q3_k, ST_Q3_K, 32, , false)
 MMQ_TILE_KERNELS(mmqk_body, q4_k, ST_Q4_K, 32, , false)
 MMQ_TILE_KERNELS(mmqk_body, q5_k, ST_Q5_K, 32, , false)
 MMQ_TILE_KERNELS(mmqk_body, q6_k, ST_Q6_K, 32, , false)
+MMQ_TILE_KERNELS(mmqk_body, iq4_xs, ST_IQ4_XS, 32, , false)
