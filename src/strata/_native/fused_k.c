@@ -40,6 +40,13 @@ static inline __m512i join256(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
+/* super-block ib of a row of `bytes`-byte super-blocks, the row ST_PREFETCH_ROWS ahead asked for */
+static inline const uint8_t *superblock(const uint8_t *row, int ib, int bytes, int64_t ahead) {
+    const uint8_t *blk = row + (int64_t)ib * bytes;
+    st_prefetch(blk + ahead, bytes);
+    return blk;
+}
+
 ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t ahead,
                             int cols, const act_rows *a, float *res) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
@@ -51,8 +58,7 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t
     __m512 acc[3], min_acc[3];
     for (int c = 0; c < NC; c++) acc[c] = min_acc[c] = _mm512_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
-        const uint8_t *blk = row + (int64_t)ib * (is_q5 ? 176 : 144);
-        st_prefetch(blk + ahead, is_q5 ? 176 : 144);
+        const uint8_t *blk = superblock(row, ib, is_q5 ? 176 : 144, ahead);
         const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
         const uint8_t *qs = blk + (is_q5 ? 48 : 16);
         const __m256i qh = is_q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16))
@@ -103,8 +109,7 @@ ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int64_t ahead, int 
     __m512 acc[3];
     for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
-        const uint8_t *blk = row + (int64_t)ib * 210;
-        st_prefetch(blk + ahead, 210);
+        const uint8_t *blk = superblock(row, ib, 210, ahead);
         const int8_t *scales = (const int8_t *)(blk + 192);
         const __m512 d = _mm512_set1_ps(fp16_at(blk + 208));
         /* [16] group scales d * sc[g] */
@@ -150,8 +155,7 @@ ALWAYS_INLINE void row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t
     __m512 acc[3], min_acc[3];
     for (int c = 0; c < NC; c++) acc[c] = min_acc[c] = _mm512_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
-        const uint8_t *blk = row + (int64_t)ib * bytes;
-        st_prefetch(blk + ahead, bytes);
+        const uint8_t *blk = superblock(row, ib, bytes, ahead);
         __m512 a16, m16 = _mm512_setzero_ps();  /* [16] group scales (and Q2_K's mins) */
         __m256i hm = _mm256_setzero_si256();
         const uint8_t *qs;
@@ -219,8 +223,7 @@ ALWAYS_INLINE void row_iq4xs(const int NC, const uint8_t *row, int64_t ahead, in
     __m512 acc[3];
     for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
-        const uint8_t *blk = row + (int64_t)ib * 136;
-        st_prefetch(blk + ahead, 136);
+        const uint8_t *blk = superblock(row, ib, 136, ahead);
         uint16_t sh;
         memcpy(&sh, blk + 2, 2);
         int32_t ls[16] = {0};
