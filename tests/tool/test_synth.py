@@ -10,7 +10,8 @@ from tokenizers import Tokenizer
 from strata.errors import ConfigError
 from strata.model import arch
 from strata.tool.presets import PRESETS, SYNTH_TOKENIZER_VOCAB, get_preset
-from strata.tool.synth import WEIGHT_TYPES, build_spec, data_text, synth_model, synth_tokenizer_meta
+from strata.tool.synth import (MIXES, WEIGHT_TYPES, build_spec, data_text, synth_model,
+                               synth_tokenizer_meta)
 
 # tiny widened so every row is a multiple of 256 (k-quants need it); one layer keeps it fast.
 K_SHAPE = dict(hidden=256, head_dim=64, expert_ffn=256, n_layers=1)
@@ -45,7 +46,7 @@ def test_jobs_write_the_same_bytes(tmp_path):
     assert one.read_bytes() == many.read_bytes()
 
 
-@pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES))
+@pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES) + sorted(MIXES))
 def test_weight_type_dequantises_to_the_target_std(tmp_path, weight_type):
     path = tmp_path / "m.gguf"
     spec = synth_model(path, "tiny", weight_type, seed=3, **K_SHAPE)
@@ -70,7 +71,26 @@ def test_weight_type_dequantises_to_the_target_std(tmp_path, weight_type):
             assert t.tensor_type.name == "F32"  # the router stays F32
         else:
             big_types.add(t.tensor_type.name)
-    assert big_types == {weight_type.upper()}
+    if weight_type in MIXES:  # the base type, and Q6_K for the head, attn_v and ffn_down
+        assert big_types == {MIXES[weight_type].name, "Q6_K"}
+    else:
+        assert big_types == {weight_type.upper()}
+
+
+def test_mixes_follow_llama_cpp(tmp_path):
+    """q4_k_m on 16 layers: Q6_K for the head and, in layers 0, 1, 4, 7, 10, 13, 14, 15
+    (llama.cpp's use_more_bits), for attn_v and ffn_down_exps; Q4_K elsewhere."""
+    path = tmp_path / "m.gguf"
+    synth_model(path, "tiny", "q4_k_m", **{**K_SHAPE, "n_layers": 16})
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    more = {i for i in range(16) if types[f"blk.{i}.attn_v.weight"] == "Q6_K"}
+    assert more == {0, 1, 4, 7, 10, 13, 14, 15}
+    assert all(types[f"blk.{i}.ffn_down_exps.weight"] == ("Q6_K" if i in more else "Q4_K")
+               for i in range(16))
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    base = ("attn_q", "attn_k", "attn_output", "ffn_gate_exps", "ffn_up_exps")
+    assert {types[f"blk.{i}.{n}.weight"] for i in range(16) for n in base} == {"Q4_K"}
+    assert GGUFReader(path).fields["general.file_type"].parts[-1][0] == 15  # MOSTLY_Q4_K_M
 
 
 def test_tiny_of_both_architectures_matches_the_contract(tmp_path):

@@ -30,6 +30,10 @@ WEIGHT_TYPES: dict[str, QT] = {
     "q2_k": QT.Q2_K, "q3_k": QT.Q3_K, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K,
     "iq4_xs": QT.IQ4_XS,
 }
+# llama.cpp's Q4_K_M and Q5_K_M files (its llama_tensor_get_type): the base type, with Q6_K for
+# the head and, in the layers use_more_bits picks, for attn_v and ffn_down (experts too)
+MIXES: dict[str, QT] = {"q4_k_m": QT.Q4_K, "q5_k_m": QT.Q5_K}
+_MIX_FILE_TYPES = {"q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M}
 _FILE_TYPES = {
     QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16,
     QT.BF16: LlamaFileType.MOSTLY_BF16, QT.Q8_0: LlamaFileType.MOSTLY_Q8_0,
@@ -244,10 +248,26 @@ def _make_tensor(spec: ModelSpec, name: str, qtype: QT, seed: int, routing_skew:
     return make
 
 
-def tensor_type(name: str, weight_type: QT) -> QT:
-    """The type synth stores `name` as: F32 for norms, biases and routers, else `weight_type`."""
+def _more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third."""
+    return (layer < n_layers // 8 or layer >= 7 * n_layers // 8
+            or (layer - n_layers // 8) % 3 == 2)
+
+
+def tensor_type(name: str, weight_type: QT, n_layers: int = 0, mixed: bool = False) -> QT:
+    """The type synth stores `name` as: F32 for norms, biases and routers, else `weight_type`;
+    `mixed` (a Q4_K_M / Q5_K_M file of n_layers layers): Q6_K for the head, and for attn_v and
+    ffn_down in the layers _more_bits picks."""
     if model_arch.is_small_tensor(name) or name.endswith("ffn_gate_inp.weight"):
         return QT.F32
+    if mixed:
+        if name == "output.weight":
+            return QT.Q6_K
+        parts = name.split(".")
+        if (parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps",
+                                               "ffn_down_shexp")
+                and _more_bits(int(parts[1]), n_layers)):
+            return QT.Q6_K
     return weight_type
 
 
@@ -281,10 +301,11 @@ def build_spec(shape: str = "tiny", arch_name: str | None = None, **overrides) -
     return spec
 
 
-def _check_rows(spec: ModelSpec, shape: str, qtype: QT) -> None:
-    block_size, _ = GGML_QUANT_SIZES[qtype]
+def _check_rows(spec: ModelSpec, shape: str, types: dict[str, QT]) -> None:
     for name, dims in model_arch.expected_tensors(spec).items():
-        if tensor_type(name, qtype) != qtype or dims[-1] % block_size == 0:
+        qtype = types[name]
+        block_size, _ = GGML_QUANT_SIZES[qtype]
+        if qtype == QT.F32 or dims[-1] % block_size == 0:
             continue
         field = next((v for k, v in _ROW_NAMES.items() if name.endswith(k)), "hidden")
         raise ConfigError(
@@ -303,25 +324,28 @@ def synth_model(path: str | os.PathLike, shape: str = "tiny", weight_type: str =
     layer's router favour a minority of experts (tool/routing.py). `jobs` > 1 makes the tensors
     in that many processes (the same bytes; a 30B-shaped model takes ~1 min with 16).
     """
-    try:
-        qtype = WEIGHT_TYPES[weight_type.lower()]
-    except KeyError:
+    kind = weight_type.lower()
+    mixed = kind in MIXES
+    qtype = MIXES.get(kind) or WEIGHT_TYPES.get(kind)
+    if qtype is None:
         raise ConfigError(f"unknown weight type {weight_type!r}; choose one of "
-                          f"{', '.join(WEIGHT_TYPES)}") from None
+                          f"{', '.join([*WEIGHT_TYPES, *MIXES])}")
     if routing_skew < 0:
         raise ConfigError(f"routing skew must be >= 0 (0 = uniform), not {routing_skew}")
     spec = build_spec(shape, arch, **overrides)
-    _check_rows(spec, shape, qtype)
-    tokenizer_meta = synth_tokenizer_meta(spec.vocab)
     names = _write_order(spec)
-    extra = {"general.file_type": int(_FILE_TYPES[qtype]), "general.quantization_version": 2,
+    types = {n: tensor_type(n, qtype, spec.n_layers, mixed) for n in names}
+    _check_rows(spec, shape, types)
+    tokenizer_meta = synth_tokenizer_meta(spec.vocab)
+    file_type = _MIX_FILE_TYPES[kind] if mixed else _FILE_TYPES[qtype]
+    extra = {"general.file_type": int(file_type), "general.quantization_version": 2,
              "strata.synth.seed": int(seed), "strata.synth.shape": shape}
     if routing_skew > 0:
         extra["strata.synth.routing_skew"] = float(routing_skew)
     name = f"strata-synth-{shape}-{weight_type.lower()}"
     if jobs <= 1:
-        tensors = [(n, tensor_type(n, qtype), _make_tensor(spec, n, tensor_type(n, qtype), seed,
-                                                          routing_skew)) for n in names]
+        tensors = [(n, types[n], _make_tensor(spec, n, types[n], seed, routing_skew))
+                   for n in names]
         write_gguf(path, spec, tensors, tokenizer_meta, extra_meta=extra, progress=progress,
                    name=name)
         return spec
@@ -329,9 +353,9 @@ def synth_model(path: str | os.PathLike, shape: str = "tiny", weight_type: str =
 
     with Pool(jobs) as pool:
         # made in write order by the pool; each writer call takes the next one
-        arrays = pool.imap(_make_job, [(spec, n, int(tensor_type(n, qtype)), seed, routing_skew)
+        arrays = pool.imap(_make_job, [(spec, n, int(types[n]), seed, routing_skew)
                                        for n in names])
-        tensors = [(n, tensor_type(n, qtype), lambda it=arrays: next(it)) for n in names]
+        tensors = [(n, types[n], lambda it=arrays: next(it)) for n in names]
         write_gguf(path, spec, tensors, tokenizer_meta, extra_meta=extra, progress=progress,
                    name=name)
     return spec
