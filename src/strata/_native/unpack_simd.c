@@ -123,6 +123,78 @@ int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, floa
         }
         return 1;
     }
+    case ST_Q2_K:
+    case ST_Q3_K: {
+        /* block b = 4h + j of 32 columns: (qs[32h + l] >> 2j) & 3; Q3_K adds 4 where bit b of
+         * hmask[l] is set and subtracts 4; a scale (Q2_K: and a min) per 16 columns */
+        const int is_q3 = qtype == ST_Q3_K;
+        const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+        const __m256i offset = _mm256_set1_epi8((char)(ST_WEIGHT_BIAS - (is_q3 ? 4 : 0)));
+        for (int ib = 0; ib < cols / 256; ib++) {
+            const uint8_t *blk = row + ib * (is_q3 ? 110 : 84);
+            const uint8_t *qs = blk + (is_q3 ? 32 : 16);
+            const __m256i hm = is_q3 ? load256(blk) : _mm256_setzero_si256();
+            uint8_t *y = s + ib * 256;
+            for (int b = 0; b < 8; b++) {
+                __m256i v = _mm256_and_si256(
+                    _mm256_srl_epi16(load256(qs + 32 * (b >> 2)), _mm_cvtsi32_si128(2 * (b & 3))),
+                    three);
+                if (is_q3) {
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << b));
+                    v = _mm256_or_si256(v, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit), four));
+                }
+                store256(y + 32 * b, _mm256_add_epi8(v, offset));
+            }
+            float a16[16], b16[16];
+            if (is_q3) {
+                const float d = fp16_at(blk + 108);
+                const uint8_t *sc = blk + 96;
+                for (int g = 0; g < 16; g++) {
+                    int lo = g < 8 ? sc[g] & 15 : sc[g - 8] >> 4;
+                    int hi = (sc[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+                    a16[g] = d * (float)((lo | (hi << 4)) - 32);
+                    b16[g] = 0.0f;
+                }
+            } else {
+                const float d = fp16_at(blk + 80), dmin = fp16_at(blk + 82);
+                for (int g = 0; g < 16; g++) {
+                    a16[g] = d * (float)(blk[g] & 15);
+                    b16[g] = dmin * (float)(blk[g] >> 4);
+                }
+            }
+            for (int g = 0; g < 16; g++) {
+                _mm_storeu_ps(A + ib * 64 + g * 4, _mm_set1_ps(a16[g]));
+                B[ib * 16 + g] = b16[g];
+            }
+        }
+        return 1;
+    }
+    case ST_IQ4_XS: {
+        /* block b of 32: 16 bytes of indices at 8 + 16b (low nibbles columns 0-15) into the
+         * non-linear table, one scale d * (ls - 32) */
+        const __m128i low4_128 = _mm_set1_epi8(0x0F);
+        const __m128i table = _mm_add_epi8(
+            _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
+            _mm_set1_epi8((char)ST_WEIGHT_BIAS));
+        for (int ib = 0; ib < cols / 256; ib++) {
+            const uint8_t *blk = row + ib * 136;
+            const float d = fp16_at(blk);
+            uint16_t sh;
+            memcpy(&sh, blk + 2, 2);
+            uint8_t *y = s + ib * 256;
+            for (int b = 0; b < 8; b++) {
+                __m128i q = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * b));
+                __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(q, low4_128));
+                __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), low4_128));
+                store256(y + 32 * b, _mm256_set_m128i(hi, lo));
+                int ls = ((blk[4 + b / 2] >> (4 * (b & 1))) & 15) | (((sh >> (2 * b)) & 3) << 4);
+                _mm256_storeu_ps(A + ib * 64 + b * 8, _mm256_set1_ps(d * (float)(ls - 32)));
+                B[ib * 16 + 2 * b] = B[ib * 16 + 2 * b + 1] = 0.0f;
+            }
+        }
+        return 1;
+    }
     default:
         return 0;
     }
