@@ -120,6 +120,22 @@ def test_rope_neox_matches_float64():
     np.testing.assert_array_equal(got[0], x[0])  # position 0 does not rotate
 
 
+def test_partial_rope_rotates_the_first_dims_only():
+    """qwen3next rotates 64 of 256 dims: the first n_rot as a NEOX head of n_rot, the rest pass."""
+    rng = np.random.default_rng(4)
+    d, n_rot, heads = 32, 8, 2
+    x = rng.standard_normal((5, heads, d)).astype(np.float32)
+    positions = np.array([0, 3, 17, 500, 9000], dtype=np.int64)
+    inv_freq = (1.0 / np.power(np.float32(1e7), np.arange(0, n_rot, 2, dtype=np.float32)
+                               / n_rot)).astype(np.float32)
+    got = kernels.rope_neox(x, positions, inv_freq)
+    whole = kernels.rope_neox(np.ascontiguousarray(x[..., :n_rot]), positions, inv_freq)
+    np.testing.assert_array_equal(got[..., :n_rot], whole)
+    np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
+    with pytest.raises(ValueError, match="frequencies"):
+        kernels.rope_neox(x, positions, np.ones(d, dtype=np.float32))
+
+
 # ---- router ----------------------------------------------------------------------------------
 
 def test_router_top_k_ties_take_the_lowest_id_first():

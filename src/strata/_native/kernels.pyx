@@ -289,6 +289,7 @@ def rmsnorm(x, w, eps, out=None):
     with nogil:
         st_rmsnorm(&xv[0, 0], &wv[0], e, T, H, &ov[0, 0])
     return out
+include "delta_net_kernels.pxi"
 include "window_loop.pxi"
 include "window_kernels.pxi"
 include "cpu_pool.pxi"

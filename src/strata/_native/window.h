@@ -40,8 +40,10 @@ void st_attention(const float *q, int Q, int KV, int D, float scale, const st_at
 /* cos/sin [R, D/2] of positions x inv_freq (float32 products, as torch computes them). */
 void st_rope_table(const int64_t *positions, int64_t R, const float *inv_freq, int half,
                    float *cos_out, float *sin_out);
-/* NEOX rotation in place: x [R, heads, D], the halves of each head rotate together. */
-void st_rope_neox(float *x, int64_t R, int heads, int D, const float *cos_t, const float *sin_t);
+/* NEOX rotation in place: x [R, heads, D]; the first n_rot dims of each head rotate, their
+ * halves together (cos/sin [R, n_rot/2]); the others pass (partial RoPE). */
+void st_rope_neox(float *x, int64_t R, int heads, int D, int n_rot, const float *cos_t,
+                  const float *sin_t);
 
 /* Softmax over E router logits per row (in place: logits [R, E] become scratch), the K largest
  * probabilities (largest first, ties to the lowest id), normalised to sum 1 when norm_topk:
@@ -64,3 +66,8 @@ void st_add(float *x, const float *y, int64_t num_values);
 void st_add_bias(float *x, const float *b, int64_t T, int n);
 void st_silu_mul(float *g, const float *u, int64_t num_values);
 void st_add_gated(float *out, const float *y, const float *logit, int64_t T, int n);
+
+/* Gated attention (qwen3next): qg [R, heads, 2D] holds each head's query then its gate; split
+ * into q and gate [R, heads*D]. x *= sigmoid(gate), element-wise. */
+void st_split_q_gate(float *qg, int64_t R, int heads, int D, float *q, float *gate);
+void st_mul_sigmoid(float *x, const float *gate, int64_t num_values);

@@ -69,18 +69,20 @@ def tile_keys(keys):
 
 
 def rope_neox(x, positions, inv_freq):
-    """x [R, heads, D] float32 rotated (NEOX) at int64 positions [R]; returns a new array."""
+    """x [R, heads, D] float32 rotated (NEOX) at int64 positions [R]; returns a new array. The
+    first 2 * len(inv_freq) dims of each head rotate (all D, or fewer: partial RoPE)."""
     _check_array("x", x, np.float32, 3)
     _check_array("positions", positions, np.int64, 1)
     _check_array("inv_freq", inv_freq, np.float32, 1)
     cdef int64_t R = x.shape[0]
-    cdef int heads = x.shape[1], D = x.shape[2]
-    if positions.shape[0] != R or D % 2 or inv_freq.shape[0] != D // 2:
+    cdef int heads = x.shape[1], D = x.shape[2], half = inv_freq.shape[0]
+    if positions.shape[0] != R or half < 1 or 2 * half > D:
         raise ValueError(f"x {x.shape}, positions {positions.shape} and inv_freq "
-                         f"{inv_freq.shape} do not match (D even, D/2 frequencies)")
+                         f"{inv_freq.shape} do not match (one position per row, 1..D/2 "
+                         "frequencies)")
     out = x.copy()
-    cos_t = np.empty((R, D // 2), dtype=np.float32)
-    sin_t = np.empty((R, D // 2), dtype=np.float32)
+    cos_t = np.empty((R, half), dtype=np.float32)
+    sin_t = np.empty((R, half), dtype=np.float32)
     cdef float[:, :, ::1] ov = out
     cdef const int64_t[::1] pv = positions
     cdef const float[::1] fv = inv_freq
@@ -88,8 +90,8 @@ def rope_neox(x, positions, inv_freq):
     cdef float[:, ::1] sv = sin_t
     if R:
         with nogil:
-            st_rope_table(&pv[0], R, &fv[0], D // 2, &cv[0, 0], &sv[0, 0])
-            st_rope_neox(&ov[0, 0, 0], R, heads, D, &cv[0, 0], &sv[0, 0])
+            st_rope_table(&pv[0], R, &fv[0], half, &cv[0, 0], &sv[0, 0])
+            st_rope_neox(&ov[0, 0, 0], R, heads, D, 2 * half, &cv[0, 0], &sv[0, 0])
     return out
 
 

@@ -22,13 +22,13 @@ void st_rope_table(const int64_t *positions, int64_t R, const float *inv_freq, i
     }
 }
 
-void st_rope_neox(float *x, int64_t R, int heads, int D, const float *cos_t,
+void st_rope_neox(float *x, int64_t R, int heads, int D, int n_rot, const float *cos_t,
                   const float *sin_t) {
-    const int half = D / 2;
+    const int half = n_rot / 2;
     for (int64_t r = 0; r < R; r++) {
-        const float *c = cos_t + r * half, *s = sin_t + r * half;     /* [D/2] */
+        const float *c = cos_t + r * half, *s = sin_t + r * half;     /* [n_rot/2] */
         for (int j = 0; j < heads; j++) {
-            float *x1 = x + (r * heads + j) * D, *x2 = x1 + half;    /* [D/2] each */
+            float *x1 = x + (r * heads + j) * D, *x2 = x1 + half;    /* [n_rot/2] each */
             for (int i = 0; i < half; i++) {
                 float a = x1[i], b = x2[i];
                 x1[i] = a * c[i] - b * s[i];
@@ -147,4 +147,20 @@ void st_add_gated(float *out, const float *y, const float *logit, int64_t T, int
         const float gate = 1.0f / (1.0f + expf(-logit[t]));
         for (int i = 0; i < n; i++) out[t * n + i] += gate * y[t * n + i];
     }
+}
+
+/* ---- gated attention (qwen3next) ----------------------------------------------------------- */
+
+void st_split_q_gate(float *qg, int64_t R, int heads, int D, float *q, float *gate) {
+    for (int64_t r = 0; r < R; r++)
+        for (int j = 0; j < heads; j++) {
+            const float *src = qg + (r * heads + j) * 2 * D;           /* [2D]: q, then gate */
+            memcpy(q + (r * heads + j) * D, src, D * sizeof(float));
+            memcpy(gate + (r * heads + j) * D, src + D, D * sizeof(float));
+        }
+}
+
+void st_mul_sigmoid(float *x, const float *gate, int64_t num_values) {
+    for (int64_t i = 0; i < num_values; i++)
+        x[i] *= 1.0f / (1.0f + expf(-gate[i]));
 }
