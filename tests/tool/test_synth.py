@@ -149,8 +149,9 @@ def test_errors_say_what_to_change(tmp_path):
 
 
 def test_presets():
-    assert set(PRESETS) == {"tiny", "tiny-qwen2moe", "cpu-bench", "qwen3-30b-a3b",
-                            "olmoe-1b-7b-like", "qwen2-moe-a2.7b-like"}
+    assert set(PRESETS) == {"tiny", "tiny-qwen2moe", "tiny-qwen3next", "cpu-bench",
+                            "qwen3-30b-a3b", "qwen3-next-80b-a3b", "olmoe-1b-7b-like",
+                            "qwen2-moe-a2.7b-like"}
     big = get_preset("qwen3-30b-a3b")
     assert (big.n_layers, big.hidden, big.n_heads, big.n_kv_heads, big.head_dim, big.n_experts,
             big.n_experts_used, big.expert_ffn, big.vocab, big.rope_theta,
@@ -162,6 +163,11 @@ def test_presets():
     q2 = get_preset("qwen2-moe-a2.7b-like")
     assert (q2.arch, q2.n_experts, q2.n_experts_used, q2.expert_ffn, q2.shared_ffn,
             q2.norm_topk) == ("qwen2moe", 60, 4, 1408, 5632, False)
+    nxt = get_preset("qwen3-next-80b-a3b")  # Qwen3-Next-80B-A3B's config.json
+    assert (nxt.n_layers, len(nxt.attention_layers), nxt.hidden, nxt.n_heads, nxt.n_kv_heads,
+            nxt.head_dim, nxt.n_rot, nxt.n_experts, nxt.n_experts_used, nxt.expert_ffn,
+            nxt.shared_ffn, nxt.ssm_groups, nxt.ssm_heads, nxt.ssm_state, nxt.ssm_v_dim,
+            nxt.ssm_conv) == (48, 12, 2048, 16, 2, 256, 64, 512, 10, 512, 512, 16, 32, 128, 128, 4)
     tokenizer = Tokenizer.from_str(data_text("synth_tokenizer.json"))
     assert tokenizer.get_vocab_size() == SYNTH_TOKENIZER_VOCAB == get_preset("tiny").vocab
 

@@ -1,5 +1,6 @@
-"""The CPU forward pass of qwen3moe / qwen2moe: the native window loop (`kernels.WindowModel`)
-runs every layer in C with the GIL released; weights are read straight from the mapped GGUF.
+"""The CPU forward pass of qwen3moe / qwen2moe / qwen3next: the native window loop
+(`kernels.WindowModel`) runs every layer in C with the GIL released; weights are read straight
+from the mapped GGUF.
 """
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from gguf import GGMLQuantizationType
 from strata._native import kernels
 from strata.backends.window import Window
 from strata.engine.kv import KVCache
+from strata.engine.recurrent import DEFAULT_CHECKPOINTS
 from strata.errors import ConfigError, RequestError
-from strata.model.arch import ModelSpec
+from strata.model.arch import ModelSpec, legacy_ssm_in
 from strata.model.gguf_file import GGUFModel, TensorInfo
 
 # Legend: R = rows of a window (several slots), N = its logit rows, H = hidden, Q = query
@@ -21,12 +23,15 @@ _F32 = int(GGMLQuantizationType.F32)
 
 
 class _Matrix:
-    """A weight matrix as the kernels take it: raw GGUF rows and the ggml type id."""
+    """A weight matrix as the kernels take it: raw GGUF rows and the ggml type id; `rows`
+    picks and orders rows (a copy; whole quantised rows move as they are)."""
 
     __slots__ = ("raw", "qtype")
 
-    def __init__(self, t: TensorInfo):
+    def __init__(self, t: TensorInfo, rows: np.ndarray | None = None):
         self.raw = t.raw  # [rows, row_bytes] (or [E, rows, row_bytes] for experts)
+        if rows is not None:
+            self.raw = np.ascontiguousarray(self.raw[rows])
         self.qtype = t.qtype
 
     def pair(self) -> tuple[np.ndarray, int]:
@@ -39,20 +44,52 @@ def _small(t: TensorInfo) -> np.ndarray:
     return np.array(kernels.dequantize(t.raw.reshape(-1), t.qtype, n), dtype=np.float32)
 
 
+def _ba_rows(spec: ModelSpec) -> np.ndarray:
+    """ssm_ba's rows in the order the kernels take them, beta logits of value heads 0..Hv-1
+    then their alpha inputs: the file groups them by key head, [b (r heads), a (r heads)]."""
+    r = spec.ssm_heads // spec.ssm_groups
+    group = np.arange(spec.ssm_groups)[:, None] * 2 * r  # [Hk, 1]
+    b = (group + np.arange(r)).reshape(-1)
+    return np.concatenate([b, b + r])
+
+
+def _legacy_qkvz_rows(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(q|k|v rows, z rows) of a legacy ssm_in (HF's in_proj_qkvz: per key head q, k, then v
+    and z of its r value heads): the order of attn_qkv and attn_gate."""
+    dk, dv, r = spec.ssm_state, spec.ssm_v_dim, spec.ssm_heads // spec.ssm_groups
+    width = 2 * dk + 2 * r * dv  # rows per key head
+    starts = np.arange(spec.ssm_groups)[:, None] * width  # [Hk, 1]
+    q = (starts + np.arange(dk)).reshape(-1)
+    k = (starts + dk + np.arange(dk)).reshape(-1)
+    v = (starts + 2 * dk + np.arange(r * dv)).reshape(-1)
+    z = (starts + 2 * dk + r * dv + np.arange(r * dv)).reshape(-1)
+    return np.concatenate([q, k, v]), z
+
+
 class _Layer:
     """One decoder layer's tensors, resolved once at load so the forward pass does no lookups
-    by name."""
+    by name. A qwen3next recurrent layer has `ssm` (its gated delta-net tensors) instead of
+    the attention ones."""
 
     __slots__ = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm",
                  "ffn_norm", "router", "gate_exps", "up_exps", "down_exps",
-                 "shexp_gate_raw", "shexp_w_gate", "shexp_w_up", "shexp_w_down")
+                 "shexp_gate_raw", "shexp_w_gate", "shexp_w_up", "shexp_w_down", "ssm")
 
     def __init__(self, model: GGUFModel, spec: ModelSpec, i: int):
         def t(name: str) -> TensorInfo:
             return model.tensor(f"blk.{i}.{name}")
 
         self.attn_norm = _small(t("attn_norm.weight"))  # [H]
-        self.wq = _Matrix(t("attn_q.weight"))  # [Q*D, H]
+        ffn_norm = "post_attention_norm" if spec.arch == "qwen3next" else "ffn_norm"
+        self.ffn_norm = _small(t(ffn_norm + ".weight"))  # [H]
+        self._ffn(spec, t)
+        self.ssm = None
+        if spec.is_recurrent(i):
+            self.ssm = self._recurrent(model, spec, t)
+            self.wq = self.wk = self.wv = self.wo = None
+            self.bq = self.bk = self.bv = self.q_norm = self.k_norm = None
+            return
+        self.wq = _Matrix(t("attn_q.weight"))  # [Q*D, H] ([Q*2D, H]: query + gate heads)
         self.wk = _Matrix(t("attn_k.weight"))  # [KV*D, H]
         self.wv = _Matrix(t("attn_v.weight"))  # [KV*D, H]
         self.wo = _Matrix(t("attn_output.weight"))  # [H, Q*D]
@@ -62,7 +99,25 @@ class _Layer:
         self.bv = _small(t("attn_v.bias")) if has_bias else None
         self.q_norm = _small(t("attn_q_norm.weight")) if spec.has_qk_norm else None  # [D]
         self.k_norm = _small(t("attn_k_norm.weight")) if spec.has_qk_norm else None  # [D]
-        self.ffn_norm = _small(t("ffn_norm.weight"))  # [H]
+
+    @staticmethod
+    def _recurrent(model: GGUFModel, spec: ModelSpec, t) -> dict:
+        """A gated delta-net layer's tensors in the form kernels.WindowModel takes."""
+        if legacy_ssm_in(spec, model.tensor_names):
+            qkv_rows, z_rows = _legacy_qkvz_rows(spec)
+            qkv = _Matrix(t("ssm_in.weight"), qkv_rows)  # [C, H]
+            z = _Matrix(t("ssm_in.weight"), z_rows)  # [VI, H]
+        else:
+            qkv, z = _Matrix(t("attn_qkv.weight")), _Matrix(t("attn_gate.weight"))
+        return dict(
+            recurrent=True, ssm_qkv=qkv.pair(), ssm_gate=z.pair(),
+            ssm_ba=_Matrix(t("ssm_ba.weight"), _ba_rows(spec)).pair(),  # [2*Hv, H]
+            conv_w=_small(t("ssm_conv1d.weight")),  # [C*KC]
+            ssm_a=_small(t("ssm_a")), ssm_dt=_small(t("ssm_dt.bias")),  # [Hv] each
+            ssm_norm=_small(t("ssm_norm.weight")),  # [Dv]
+            ssm_out=_Matrix(t("ssm_out.weight")).pair())  # [H, VI]
+
+    def _ffn(self, spec: ModelSpec, t) -> None:
         self.router = _Matrix(t("ffn_gate_inp.weight"))  # [E, H]
         self.gate_exps = _Matrix(t("ffn_gate_exps.weight"))  # [E, F, H]
         self.up_exps = _Matrix(t("ffn_up_exps.weight"))  # [E, F, H]
@@ -95,15 +150,17 @@ def _gguf_expert_pointers(layers: list[_Layer]) -> np.ndarray:
 def _native_layer(ly: _Layer) -> dict:
     """One layer's tensors in the form kernels.WindowModel takes."""
     has_shared = ly.shexp_gate_raw is not None
-    return dict(
-        attn_norm=ly.attn_norm, ffn_norm=ly.ffn_norm, q_norm=ly.q_norm, k_norm=ly.k_norm,
-        bq=ly.bq, bk=ly.bk, bv=ly.bv, wq=ly.wq.pair(), wk=ly.wk.pair(), wv=ly.wv.pair(),
-        wo=ly.wo.pair(), router=ly.router.pair(),
+    out = dict(
+        attn_norm=ly.attn_norm, ffn_norm=ly.ffn_norm, router=ly.router.pair(),
         expert_types=(ly.gate_exps.qtype, ly.up_exps.qtype, ly.down_exps.qtype),
         sh_gate=ly.shexp_w_gate.pair() if has_shared else None,
         sh_up=ly.shexp_w_up.pair() if has_shared else None,
         sh_down=ly.shexp_w_down.pair() if has_shared else None,
         sh_inp=(ly.shexp_gate_raw, _F32) if has_shared else None)
+    if ly.ssm is not None:
+        return {**out, **ly.ssm}
+    return {**out, **dict(q_norm=ly.q_norm, k_norm=ly.k_norm, bq=ly.bq, bk=ly.bk, bv=ly.bv,
+                          wq=ly.wq.pair(), wk=ly.wk.pair(), wv=ly.wv.pair(), wo=ly.wo.pair())}
 
 
 class CpuModel:
@@ -120,27 +177,33 @@ class CpuModel:
         self._layers = [_Layer(gguf_model, spec, i) for i in range(spec.n_layers)]
         self.expert_pointers = _gguf_expert_pointers(self._layers)  # [L, 3, E] uint64
         # torch computes the inverse frequencies in float32; so do we, for parity.
-        exps = np.arange(0, spec.head_dim, 2, dtype=np.float32) / np.float32(spec.head_dim)
+        # (qwen3next rotates only the first n_rot dims of a head, at frequencies of n_rot)
+        exps = np.arange(0, spec.n_rot, 2, dtype=np.float32) / np.float32(spec.n_rot)
         inv_freq = (1.0 / np.power(np.float32(spec.rope_theta), exps)).astype(np.float32)
         head = "token_embd.weight" if spec.tied_output else "output.weight"
         dims = dict(n_layers=spec.n_layers, hidden=spec.hidden, n_heads=spec.n_heads,
                     n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim,
                     n_experts=spec.n_experts, n_experts_used=spec.n_experts_used,
                     expert_ffn=spec.expert_ffn, shared_ffn=spec.shared_ffn, vocab=spec.vocab,
-                    norm_topk=spec.norm_topk, rms_eps=float(np.float32(spec.rms_eps)))
+                    norm_topk=spec.norm_topk, rms_eps=float(np.float32(spec.rms_eps)),
+                    rope_dim=spec.n_rot, attn_gate=spec.has_attn_gate, ssm_conv=spec.ssm_conv,
+                    ssm_state=spec.ssm_state, ssm_groups=spec.ssm_groups,
+                    ssm_heads=spec.ssm_heads, ssm_inner=spec.ssm_inner)
         self._native = kernels.WindowModel(
             dims, _Matrix(gguf_model.tensor("token_embd.weight")).pair(),
             _Matrix(gguf_model.tensor(head)).pair(),
             _small(gguf_model.tensor("output_norm.weight")), inv_freq,
             [_native_layer(ly) for ly in self._layers])
 
-    def new_kv(self, capacity_tokens: int, dtype=np.float32) -> KVCache:
-        """An empty KV cache for one sequence (float16 cells halve its memory)."""
+    def new_kv(self, capacity_tokens: int, dtype=np.float32,
+               max_checkpoints: int = DEFAULT_CHECKPOINTS) -> KVCache:
+        """An empty KV cache for one sequence (float16 cells halve its memory); a hybrid
+        model's keeps up to `max_checkpoints` recurrent states to go back to."""
         if capacity_tokens > self.spec.context_length:
             raise ConfigError(
                 f"context of {capacity_tokens} tokens exceeds the model's "
                 f"{self.spec.context_length}; ask for at most {self.spec.context_length}")
-        return KVCache(self.spec, capacity_tokens, dtype=dtype)
+        return KVCache(self.spec, capacity_tokens, dtype=dtype, max_checkpoints=max_checkpoints)
 
     def _check_pointers(self, expert_pointers: np.ndarray | None) -> np.ndarray:
         if expert_pointers is None:
@@ -181,9 +244,13 @@ class CpuModel:
             raise RequestError(
                 f"the window's KV caches were made for another model ({window.kvs[0].spec.arch}, "
                 f"{window.kvs[0].spec.n_layers} layers); make them with this model's new_kv")
-        # one native call: every layer, the GIL released; K/V land in the cells uncommitted
+        # one native call: every layer, the GIL released; K/V land in the cells uncommitted,
+        # recurrent states in each KV's other buffer
+        states = [kv.state.buffers() for kv in window.kvs] if self.spec.recurrent_layers \
+            else None
         logits = kernels.window_forward(self._native, window.tokens, window.positions,
                                         window.run_starts, [kv.cells for kv in window.kvs],
-                                        window.logit_rows, pointers, routing_counts)  # [N, V]
+                                        window.logit_rows, pointers, routing_counts,
+                                        states)  # [N, V]
         window.commit()
         return logits

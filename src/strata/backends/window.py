@@ -147,9 +147,13 @@ class Window:
                     "forward pass")
 
     def commit(self) -> None:
-        """Make every run's rows part of its sequence (after all layers appended them)."""
+        """Make every run's rows part of its sequence (after all layers appended them), and
+        the recurrent state the pass wrote current (a hybrid model's)."""
         for kv, num_rows in zip(self.kvs, self.run_lengths()):
             kv.commit(int(num_rows))
+            state = getattr(kv, "state", None)
+            if state is not None:
+                state.flip()
 
     def __repr__(self) -> str:
         runs = ", ".join(f"{int(n)}@{int(p)}" for n, p in zip(self.run_lengths(),

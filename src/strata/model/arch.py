@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, replace
 
 from strata.errors import ModelFormatError
 
-ARCHITECTURES = ("qwen3moe", "qwen2moe")
+ARCHITECTURES = ("qwen3moe", "qwen2moe", "qwen3next")
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,50 @@ class ModelSpec:
     shared_ffn: int = 0  # width of the shared expert (qwen2moe), 0 when there is none
     norm_topk: bool = True  # renormalise the top-k router weights to sum to 1
     tied_output: bool = False  # no output.weight: the head reuses token_embd.weight
+    rope_dim: int = 0  # dims of each head RoPE rotates (its first ones); 0: the whole head
+    # qwen3next: every full_attn_interval-th layer attends, the others are gated delta-net
+    # (recurrent) layers of ssm_groups key heads of ssm_state dims and ssm_heads value heads
+    # (ssm_inner values in all), with a causal conv of ssm_conv taps over their q, k and v
+    full_attn_interval: int = 0
+    ssm_conv: int = 0
+    ssm_state: int = 0
+    ssm_groups: int = 0
+    ssm_heads: int = 0
+    ssm_inner: int = 0
 
     @property
     def has_qk_norm(self) -> bool:
-        return self.arch == "qwen3moe"
+        return self.arch in ("qwen3moe", "qwen3next")
+
+    @property
+    def has_attn_gate(self) -> bool:
+        """The attention output is multiplied by sigmoid of a gate the q projection also
+        makes (qwen3next: wq rows are [q head 0, gate head 0, q head 1, ...])."""
+        return self.arch == "qwen3next"
+
+    @property
+    def n_rot(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.full_attn_interval > 0 and (layer + 1) % self.full_attn_interval != 0
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if not self.is_recurrent(i))
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if self.is_recurrent(i))
+
+    @property
+    def ssm_v_dim(self) -> int:
+        return self.ssm_inner // self.ssm_heads if self.ssm_heads else 0
+
+    @property
+    def ssm_channels(self) -> int:
+        """Channels of the conv: q and k (ssm_groups x ssm_state each) and v (ssm_inner)."""
+        return 2 * self.ssm_groups * self.ssm_state + self.ssm_inner
 
     @property
     def has_attn_bias(self) -> bool:
@@ -62,8 +102,14 @@ class ModelSpec:
 
 
 def _arch_defaults(arch: str) -> dict:
-    # llama.cpp's qwen3moe always normalises the top-k weights; qwen2moe never does.
-    return {"norm_topk": arch == "qwen3moe"}
+    # llama.cpp's qwen3moe and qwen3next always normalise the top-k weights; qwen2moe never does.
+    return {"norm_topk": arch in ("qwen3moe", "qwen3next")}
+
+
+# qwen3next's recurrent-layer sizes under llama.cpp's ssm.* keys (spec field -> key)
+_SSM_KEYS = {"ssm_conv": "ssm.conv_kernel", "ssm_state": "ssm.state_size",
+             "ssm_groups": "ssm.group_count", "ssm_heads": "ssm.time_step_rank",
+             "ssm_inner": "ssm.inner_size"}
 
 
 def spec_to_metadata(spec: ModelSpec) -> dict[str, object]:
@@ -90,6 +136,14 @@ def spec_to_metadata(spec: ModelSpec) -> dict[str, object]:
         meta[f"{a}.expert_shared_feed_forward_length"] = spec.shared_ffn
     if spec.norm_topk != _arch_defaults(a)["norm_topk"]:
         meta[f"{a}.expert_weights_norm"] = bool(spec.norm_topk)
+    if spec.rope_dim:
+        meta[f"{a}.rope.dimension_count"] = spec.rope_dim
+    if a == "qwen3next":
+        meta[f"{a}.full_attention_interval"] = spec.full_attn_interval
+        meta[f"{a}.attention.recurrent_layers"] = [spec.is_recurrent(i)
+                                                   for i in range(spec.n_layers)]
+        for field, key in _SSM_KEYS.items():
+            meta[f"{a}.{key}"] = getattr(spec, field)
     return meta
 
 
@@ -134,16 +188,27 @@ def spec_from_metadata(meta: dict, tensor_shapes: dict[str, tuple] | None = None
         vocab = len(meta["tokenizer.ggml.tokens"])
     else:
         raise ModelFormatError(f"{source}: cannot tell the vocabulary size (no token_embd.weight)")
-    expert_ffn = opt("expert_feed_forward_length", None)
+    expert_ffn = meta.get(f"{arch}.expert_feed_forward_length")
+    if isinstance(expert_ffn, (list, tuple)):  # newer llama.cpp files: one width per layer
+        if len(set(expert_ffn)) != 1:
+            raise ModelFormatError(f"{source}: experts of different widths per layer "
+                                   f"({sorted(set(expert_ffn))}) are not supported")
+        expert_ffn = int(expert_ffn[0])
+    elif expert_ffn is not None:
+        expert_ffn = need("expert_feed_forward_length")
     if expert_ffn is None:
         if "blk.0.ffn_gate_exps.weight" in shapes:
             expert_ffn = int(shapes["blk.0.ffn_gate_exps.weight"][1])
         else:
             raise ModelFormatError(
                 f"{source}: metadata key '{arch}.expert_feed_forward_length' is missing")
+    # llama.cpp counts a qwen3next file's multi-token-prediction layer in block_count; Strata
+    # does not use it (nor does llama.cpp's forward pass)
+    n_layers = need("block_count") - opt("nextn_predict_layers", 0)
+    hybrid = _hybrid_fields(arch, meta, n_layers, need, opt, source)
     spec = ModelSpec(
         arch=arch,
-        n_layers=need("block_count"),
+        n_layers=n_layers,
         hidden=hidden,
         n_heads=n_heads,
         n_kv_heads=opt("attention.head_count_kv", n_heads),
@@ -158,9 +223,37 @@ def spec_from_metadata(meta: dict, tensor_shapes: dict[str, tuple] | None = None
         shared_ffn=opt("expert_shared_feed_forward_length", 0),
         norm_topk=opt("expert_weights_norm", _arch_defaults(arch)["norm_topk"], bool),
         tied_output=bool(shapes) and "output.weight" not in shapes,
+        rope_dim=opt("rope.dimension_count", 0) if arch == "qwen3next" else 0,
+        **hybrid,
     )
     _check_spec(spec, source)
     return spec
+
+
+def _hybrid_fields(arch: str, meta: dict, n_layers: int, need, opt, source: str) -> dict:
+    """qwen3next's layer pattern and recurrent sizes (spec fields), checked."""
+    if arch != "qwen3next":
+        return {}
+    fields = {field: need(key) for field, key in _SSM_KEYS.items()}
+    interval = opt("full_attention_interval", 4)
+    pattern = meta.get(f"{arch}.attention.recurrent_layers")
+    if pattern is not None:
+        pattern = [bool(x) for x in list(pattern)[:n_layers]]
+        # the array allows any pattern; Strata runs llama.cpp's one, every interval-th layer
+        # attending (the array's own period is tried when it differs from the key)
+        period = next((i + 1 for i, r in enumerate(pattern) if not r), 0)
+        for candidate in (interval, period):
+            if candidate > 0 and pattern == [(i + 1) % candidate != 0 for i in range(n_layers)]:
+                interval = candidate
+                break
+        else:
+            raise ModelFormatError(
+                f"{source}: '{arch}.attention.recurrent_layers' is not a repeating pattern of "
+                f"recurrent layers with every n-th layer attending; Strata runs only that")
+    if interval <= 0:
+        raise ModelFormatError(f"{source}: '{arch}.full_attention_interval' = {interval} "
+                               "must be positive")
+    return dict(full_attn_interval=interval, **fields)
 
 
 def _check_spec(spec: ModelSpec, source: str) -> None:
@@ -179,10 +272,30 @@ def _check_spec(spec: ModelSpec, source: str) -> None:
     if spec.arch == "qwen2moe" and not spec.has_shared_expert:
         raise ModelFormatError(
             f"{source}: qwen2moe needs '{spec.arch}.expert_shared_feed_forward_length'")
+    if spec.rope_dim < 0 or spec.rope_dim > spec.head_dim or spec.rope_dim % 2:
+        raise ModelFormatError(f"{source}: rope.dimension_count {spec.rope_dim} must be even "
+                               f"and at most the head dim {spec.head_dim}")
+    if spec.arch == "qwen3next":
+        for field, key in _SSM_KEYS.items():
+            if getattr(spec, field) <= 0:
+                raise ModelFormatError(f"{source}: '{spec.arch}.{key}' = "
+                                       f"{getattr(spec, field)} must be positive")
+        if spec.ssm_heads % spec.ssm_groups or spec.ssm_inner % spec.ssm_heads:
+            raise ModelFormatError(
+                f"{source}: {spec.ssm_heads} value heads (ssm.time_step_rank) must be a multiple "
+                f"of {spec.ssm_groups} key heads (ssm.group_count) and divide ssm.inner_size "
+                f"{spec.ssm_inner}")
+        if spec.full_attn_interval <= 0 or not spec.attention_layers:
+            raise ModelFormatError(f"{source}: no attention layer among {spec.n_layers} with "
+                                   f"full_attention_interval {spec.full_attn_interval}")
+        if not spec.has_shared_expert:
+            raise ModelFormatError(
+                f"{source}: qwen3next needs '{spec.arch}.expert_shared_feed_forward_length'")
 
 
-def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor the architecture needs, name -> shape in numpy order (rows, cols)."""
+def expected_tensors(spec: ModelSpec, legacy: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor the architecture needs, name -> shape in numpy order (rows, cols).
+    `legacy`: a qwen3next file with ssm_in for attn_qkv and attn_gate (`legacy_ssm_in`)."""
     H, V, E, F = spec.hidden, spec.vocab, spec.n_experts, spec.expert_ffn
     out: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (V, H),
@@ -193,18 +306,13 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     for i in range(spec.n_layers):
         p = f"blk.{i}."
         out[p + "attn_norm.weight"] = (H,)
-        out[p + "attn_q.weight"] = (spec.q_dim, H)
-        out[p + "attn_k.weight"] = (spec.kv_dim, H)
-        out[p + "attn_v.weight"] = (spec.kv_dim, H)
-        out[p + "attn_output.weight"] = (H, spec.q_dim)
-        if spec.has_attn_bias:
-            out[p + "attn_q.bias"] = (spec.q_dim,)
-            out[p + "attn_k.bias"] = (spec.kv_dim,)
-            out[p + "attn_v.bias"] = (spec.kv_dim,)
-        if spec.has_qk_norm:
-            out[p + "attn_q_norm.weight"] = (spec.head_dim,)
-            out[p + "attn_k_norm.weight"] = (spec.head_dim,)
-        out[p + "ffn_norm.weight"] = (H,)
+        if spec.is_recurrent(i):
+            _recurrent_tensors(spec, p, out, legacy)
+        else:
+            _attention_tensors(spec, p, out)
+        # qwen3next names the norm before the experts post_attention_norm
+        norm = "post_attention_norm" if spec.arch == "qwen3next" else "ffn_norm"
+        out[p + norm + ".weight"] = (H,)
         out[p + "ffn_gate_inp.weight"] = (E, H)
         out[p + "ffn_gate_exps.weight"] = (E, F, H)
         out[p + "ffn_up_exps.weight"] = (E, F, H)
@@ -218,9 +326,54 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _attention_tensors(spec: ModelSpec, p: str, out: dict) -> None:
+    H = spec.hidden
+    # with an output gate, each head's wq rows are its query then its gate
+    out[p + "attn_q.weight"] = (spec.q_dim * (2 if spec.has_attn_gate else 1), H)
+    out[p + "attn_k.weight"] = (spec.kv_dim, H)
+    out[p + "attn_v.weight"] = (spec.kv_dim, H)
+    out[p + "attn_output.weight"] = (H, spec.q_dim)
+    if spec.has_attn_bias:
+        out[p + "attn_q.bias"] = (spec.q_dim,)
+        out[p + "attn_k.bias"] = (spec.kv_dim,)
+        out[p + "attn_v.bias"] = (spec.kv_dim,)
+    if spec.has_qk_norm:
+        out[p + "attn_q_norm.weight"] = (spec.head_dim,)
+        out[p + "attn_k_norm.weight"] = (spec.head_dim,)
+
+
+def _recurrent_tensors(spec: ModelSpec, p: str, out: dict, legacy: bool) -> None:
+    """A gated delta-net layer as llama.cpp writes it: attn_qkv rows are q (key heads), k (key
+    heads), v (value heads), the conv's channel order; attn_gate rows z of each value head;
+    ssm_ba rows, per key head, its value heads' beta logits then their alpha inputs; ssm_a is
+    A = -exp(A_log); ssm_norm is shared by the value heads."""
+    H, Hv = spec.hidden, spec.ssm_heads
+    if legacy:
+        out[p + "ssm_in.weight"] = (spec.ssm_channels + spec.ssm_inner, H)
+    else:
+        out[p + "attn_qkv.weight"] = (spec.ssm_channels, H)
+        out[p + "attn_gate.weight"] = (spec.ssm_inner, H)
+    out[p + "ssm_ba.weight"] = (2 * Hv, H)
+    out[p + "ssm_conv1d.weight"] = (spec.ssm_channels, spec.ssm_conv)
+    out[p + "ssm_dt.bias"] = (Hv,)
+    out[p + "ssm_a"] = (Hv,)
+    out[p + "ssm_norm.weight"] = (spec.ssm_v_dim,)
+    out[p + "ssm_out.weight"] = (H, spec.ssm_inner)
+
+
+def legacy_ssm_in(spec: ModelSpec, names) -> bool:
+    """True for a qwen3next file of llama.cpp's first converter: one ssm_in per layer (HF's
+    in_proj_qkvz, grouped by key head) instead of attn_qkv and attn_gate."""
+    layers = spec.recurrent_layers
+    return bool(layers) and f"blk.{layers[0]}.ssm_in.weight" in names \
+        and f"blk.{layers[0]}.attn_qkv.weight" not in names
+
+
 def is_small_tensor(name: str) -> bool:
-    """Norms, biases and the shared-expert gate stay F32 whatever type the weights use."""
-    return (name.endswith(".bias") or "norm" in name or name.endswith("ffn_gate_inp_shexp.weight"))
+    """Norms, biases, the shared-expert gate and the recurrent layers' conv and A stay F32
+    whatever type the weights use (as llama.cpp's converter keeps them)."""
+    return (name.endswith((".bias", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight", ".ssm_a"))
+            or "norm" in name)
 
 
 def is_routed_expert(name: str) -> bool:

@@ -93,15 +93,16 @@ def _add_value(writer: GGUFWriter, key: str, value: object) -> None:
 def write_gguf(path: str | os.PathLike, spec: ModelSpec,
                tensors: Iterable[tuple[str, int, TensorData]], tokenizer_meta: dict,
                extra_meta: dict | None = None, progress: bool = False,
-               name: str = "strata-model") -> int:
+               name: str = "strata-model", legacy_ssm_in: bool = False) -> int:
     """Write `spec`, its tokenizer and `tensors` as a GGUF v3 file; return the file size in bytes.
 
     `tensors` yields (name, ggml type id, data) with data float32 for F32 (or float16 for F16)
     and encoded uint8 rows [..., row_bytes] for every other type, or a zero-argument callable
     returning that array: callables are called one at a time, in order, while writing.
-    Every tensor of `arch.expected_tensors(spec)` must be given once, with its shape.
+    Every tensor of `arch.expected_tensors(spec, legacy_ssm_in)` must be given once, with its
+    shape (`legacy_ssm_in`: a qwen3next file as llama.cpp's first converter wrote it).
     """
-    expected = arch.expected_tensors(spec)
+    expected = arch.expected_tensors(spec, legacy_ssm_in)
     entries: list[tuple[str, GGMLQuantizationType, TensorData]] = []
     seen: set[str] = set()
     for tname, qtype, data in tensors:

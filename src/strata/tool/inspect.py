@@ -90,12 +90,20 @@ def format_spec(spec: ModelSpec) -> list[str]:
     lines = [
         f"  layers {s.n_layers}, hidden {s.hidden}, vocab {s.vocab}, context {s.context_length}",
         f"  attention: {s.n_heads} query / {s.n_kv_heads} KV heads of {s.head_dim}"
-        f"{', QK-norm' if s.has_qk_norm else ''}{', biases' if s.has_attn_bias else ''}, "
+        f"{', QK-norm' if s.has_qk_norm else ''}{', biases' if s.has_attn_bias else ''}"
+        f"{', output gate' if s.has_attn_gate else ''}"
+        f"{f', rope on {s.n_rot} dims' if s.n_rot != s.head_dim else ''}, "
         f"rope theta {s.rope_theta:g}, rms eps {s.rms_eps:g}",
         f"  experts: {s.n_experts} of width {s.expert_ffn}, top-{s.n_experts_used}"
         f"{' (renormalised)' if s.norm_topk else ''}"
         f"{f', shared expert of width {s.shared_ffn}' if s.has_shared_expert else ''}",
     ]
+    if s.recurrent_layers:
+        lines.insert(1, f"  gated delta-net: {len(s.recurrent_layers)} recurrent layers, "
+                        f"attention in 1 of every {s.full_attn_interval} "
+                        f"({len(s.attention_layers)} layers); {s.ssm_groups} key / "
+                        f"{s.ssm_heads} value heads of {s.ssm_state} / {s.ssm_v_dim}, "
+                        f"conv of {s.ssm_conv} taps")
     if s.tied_output:
         lines.append("  output head tied to the token embeddings")
     return lines

@@ -207,7 +207,8 @@ def _tensor_std(spec: ModelSpec, name: str) -> float:
     fan_in = model_arch.expected_tensors(spec)[name][-1]
     if name == "token_embd.weight":
         return _EMBED_STD
-    if name.endswith(("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")):
+    if name.endswith(("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight",
+                      "ssm_out.weight")):
         return 1.0 / math.sqrt(fan_in * 2 * spec.n_layers)
     return 1.0 / math.sqrt(fan_in)
 
@@ -223,6 +224,9 @@ def _make_tensor(spec: ModelSpec, name: str, qtype: QT, seed: int, routing_skew:
 
     def make() -> np.ndarray:
         rng = _tensor_rng(seed, name)
+        recurrent = _recurrent_small(name, shape, rng)
+        if recurrent is not None:
+            return recurrent
         if model_arch.is_small_tensor(name) and not name.endswith("ffn_gate_inp_shexp.weight"):
             if name.endswith(".bias"):
                 return (rng.standard_normal(shape) * _BIAS_STD).astype(np.float32)
@@ -246,6 +250,19 @@ def _make_tensor(spec: ModelSpec, name: str, qtype: QT, seed: int, routing_skew:
         return out.reshape(*shape[:-1], bytes_per_row)
 
     return make
+
+
+def _recurrent_small(name: str, shape: tuple, rng: np.random.Generator) -> np.ndarray | None:
+    """qwen3next's small recurrent tensors at the scales the model is initialised with: A =
+    -exp(A_log) for A_log = log(U(0.01, 16)), dt bias N(0, 0.5), conv taps of std 1/sqrt(taps);
+    None for every other tensor."""
+    if name.endswith(".ssm_a"):
+        return -rng.uniform(0.01, 16.0, shape).astype(np.float32)
+    if name.endswith("ssm_dt.bias"):
+        return (rng.standard_normal(shape) * 0.5).astype(np.float32)
+    if name.endswith("ssm_conv1d.weight"):
+        return (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
+    return None
 
 
 def _more_bits(layer: int, n_layers: int) -> bool:
