@@ -9,6 +9,7 @@ import click
 from strata.backends.select import DEVICES
 from strata.config import KV_TYPES, MAX_PARALLEL
 from strata.engine.drafts import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_SIZE, SPEC_TYPES
+from strata.engine.recurrent import DEFAULT_CHECKPOINTS
 
 
 def device_option(command):
@@ -60,8 +61,13 @@ def read_chunk_fields(read_chunk) -> dict:
 
 
 def slot_options(command):
-    """Add --parallel, --read-chunk and --conversation-cache-mib (passed as `parallel`,
-    `read_chunk` and `conversation_cache_mib`)."""
+    """Add --parallel, --read-chunk, --conversation-cache-mib and --ctx-checkpoints (passed as
+    `parallel`, `read_chunk`, `conversation_cache_mib` and `ctx_checkpoints`)."""
+    command = click.option(
+        "--ctx-checkpoints", default=DEFAULT_CHECKPOINTS, show_default=True,
+        type=click.IntRange(min=0),
+        help="Recurrent states kept per slot (qwen3next), one after each prompt read, so a "
+             "later prompt sharing that prompt starts there (0: only at the slot's end).")(command)
     command = click.option(
         "--conversation-cache-mib", default=2048.0, show_default=True,
         type=click.FloatRange(min=0),

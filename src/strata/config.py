@@ -10,6 +10,7 @@ import numpy as np
 
 from strata.backends.select import check_device
 from strata.engine.drafts import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_SIZE, DraftSettings
+from strata.engine.recurrent import DEFAULT_CHECKPOINTS
 from strata.errors import ConfigError
 
 DEFAULT_MAX_CTX_TOKENS = 8192
@@ -59,6 +60,8 @@ class EngineConfig:
     seed: int | None = None
     parallel: int = 1  # --parallel: slots (sequences decoded together)
     conversation_cache_mib: float = 2048  # parked KVs in host RAM; 0 turns parking off
+    # --ctx-checkpoints: recurrent states a hybrid model's slot keeps (strata.engine.recurrent)
+    ctx_checkpoints: int = DEFAULT_CHECKPOINTS
     device: str = "auto"  # --device auto|cpu|cuda (strata.backends.select)
     # ---- the expert cache and the adaptive tier (docs/expert-cache.md) ----
     expert_cache: str | int | None = None  # --expert-cache auto|N; None: no cache
@@ -121,6 +124,7 @@ class EngineConfig:
                 or mib == float("inf"):
             raise ConfigError(f"conversation_cache_mib = {mib!r} must be a number >= 0 "
                               "(--conversation-cache-mib; 0 turns parking off)")
+        self._check_int("ctx_checkpoints", allow_none=False, minimum=0)
         self._check_expert_options()
         self._check_split_options()
         self.spec_type = str(self.spec_type).strip().lower()

@@ -109,3 +109,65 @@ def test_bad_capacity_and_dtype():
         KVCache(SPEC, 0)
     with pytest.raises(ConfigError, match="KV cells of int8 are not supported"):
         KVCache(SPEC, 4, dtype=np.int8)
+
+
+# ---- a hybrid model's recurrent state (qwen3next) ------------------------------------------
+
+def _hybrid_kv(max_checkpoints=2):
+    from strata.tool.presets import get_preset
+
+    return KVCache(get_preset("tiny-qwen3next"), 32, max_checkpoints=max_checkpoints)
+
+
+def test_hybrid_kv_has_cells_for_attention_layers_only():
+    kv = _hybrid_kv()
+    assert kv.num_layers == len(kv.spec.attention_layers) == 2
+    conv_in, conv_out, ssm_in, ssm_out = kv.state.buffers()
+    assert conv_in.shape == (2, 3, kv.spec.ssm_channels) and ssm_in.shape == (2, 4, 16, 16)
+    assert not np.shares_memory(conv_in, conv_out) and not np.shares_memory(ssm_in, ssm_out)
+
+
+def test_recurrent_state_goes_back_only_to_checkpoints():
+    kv = _hybrid_kv(max_checkpoints=2)
+    for n, value in ((4, 1.0), (3, 2.0), (5, 3.0)):  # three "passes", each keeping a checkpoint
+        kv.state.buffers()[3][:] = value  # what the pass wrote
+        kv.state.flip()
+        kv.commit(n)
+        kv.keep_checkpoint()
+    assert kv.num_tokens == 12 and kv.state.positions() == (7, 12)  # oldest (4) dropped
+    assert kv.reuse_points() == (7, 12)
+    assert [kv.reusable(n) for n in (3, 7, 9, 12, 40)] == [0, 7, 7, 12, 12]
+    with pytest.raises(ValueError, match="checkpoints \\[7, 12\\]"):
+        kv.truncate(9)
+    kv.truncate(7)
+    assert kv.num_tokens == 7 and float(kv.state.buffers()[2].max()) == 2.0
+    assert kv.state.positions() == (7,)
+    kv.truncate(0)
+    assert kv.state.positions() == () and not kv.state.buffers()[2].any()
+
+
+def test_parked_state_comes_back_at_its_end_or_a_checkpoint():
+    kv = _hybrid_kv()
+    kv.state.buffers()[3][:] = 5.0
+    kv.state.flip()
+    kv.commit(6)
+    kv.keep_checkpoint()
+    kv.state.buffers()[3][:] = 9.0
+    kv.state.flip()
+    kv.commit(2)
+    exported = kv.export_state()
+    other = _hybrid_kv()
+    other.commit(8)
+    other.import_state(exported, 8)
+    assert float(other.state.buffers()[2].max()) == 9.0 and other.state.positions() == (6,)
+    other.truncate(6)
+    assert float(other.state.buffers()[2].max()) == 5.0
+    with pytest.raises(ValueError, match="no recurrent state at 7"):
+        _hybrid_kv().import_state(exported, 7)
+
+
+def test_ctx_checkpoints_must_be_a_count():
+    from strata.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--ctx-checkpoints"):
+        _hybrid_kv(max_checkpoints=-1)

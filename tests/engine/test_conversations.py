@@ -157,3 +157,20 @@ def test_random_operations_keep_the_invariants():
         for a in entries:  # no entry is a prefix of another
             for b in entries:
                 assert a is b or b.tokens[:a.num_tokens] != a.tokens
+
+
+def test_hybrid_entries_restore_only_at_their_reuse_points():
+    cache = make_cache(10_000)
+    k1 = cache.park([1, 2, 3, 4, 5, 6], "a", 100, reuse_points=(3, 6))
+    assert cache.best_match([1, 2, 3, 4, 5, 6, 7]) == (k1, 6)
+    assert cache.best_match([1, 2, 3, 4, 5, 6]) == (k1, 3)  # the last token is read again
+    assert cache.best_match([1, 2, 3, 4, 9]) == (k1, 3)
+    assert cache.best_match([1, 2, 9]) == (None, 0)
+    # a longer entry without point 3 does not cover the first one: both stay
+    k2 = cache.park([1, 2, 3, 4, 5, 6, 7, 8], "b", 100, reuse_points=(8,))
+    assert cache.keys() == [k1, k2]
+    # one with every point of the first does, and replaces it
+    k3 = cache.park([1, 2, 3, 4, 5, 6, 7, 8, 9], "c", 100, reuse_points=(3, 6, 9))
+    assert cache.keys() == [k2, k3]
+    # tokens an entry extends, at points it has: nothing new is stored
+    assert cache.park([1, 2, 3, 4, 5, 6], "d", 100, reuse_points=(3, 6)) == k3

@@ -22,10 +22,32 @@ class ParkedConversation:
     tokens: tuple[int, ...]
     kv_arrays: Any
     nbytes: int
+    # the lengths it can be restored at (a hybrid model's recurrent state exists only at its
+    # checkpoints and end); None: any length
+    reuse_points: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    def usable(self, prefix: int, num_prompt_tokens: int) -> int:
+        """The shared `prefix`, or for an entry with reuse points the most tokens a prompt of
+        `num_prompt_tokens` can keep (a reuse point, below the prompt's last token, which is
+        always read again)."""
+        if self.reuse_points is None:
+            return prefix
+        limit = max(0, min(prefix, num_prompt_tokens - 1))
+        return max((p for p in self.reuse_points if p <= limit), default=0)
+
+    def covers(self, tokens: Sequence[int], reuse_points: tuple[int, ...] | None) -> bool:
+        """Whether this entry restores everything an entry of `tokens` would: they are a
+        prefix of its tokens, and it can go back to each of their reuse points."""
+        if common_prefix_len(self.tokens, tokens) != len(tokens):
+            return False
+        if self.reuse_points is None:
+            return True
+        points = set(self.reuse_points)
+        return reuse_points is not None and all(p in points for p in reuse_points)
 
 
 class ConversationCache:
@@ -34,7 +56,8 @@ class ConversationCache:
     Prefix rule (keep the longer): the K/V cells of a token prefix depend only on that prefix,
     so an entry whose tokens are a prefix of another entry's adds nothing. Parking tokens that
     extend an entry replaces it; parking tokens that an entry already extends (or equals) stores
-    nothing new, refreshes that entry and returns its key.
+    nothing new, refreshes that entry and returns its key. A hybrid model's entry restores only
+    at its reuse points, so it covers another only when it has all of that one's points too.
     """
 
     def __init__(self, budget_mib: float):
@@ -66,27 +89,30 @@ class ConversationCache:
     def get(self, key: int) -> ParkedConversation:
         return self._entries[key]
 
-    def park(self, tokens: Sequence[int], kv_arrays: Any, nbytes: int) -> int | None:
+    def park(self, tokens: Sequence[int], kv_arrays: Any, nbytes: int,
+             reuse_points: Sequence[int] | None = None) -> int | None:
         """Keep the KV of `tokens`; return its key, or None when it cannot be kept (no tokens,
-        or larger than the whole budget). Evicts least recently used entries to make room."""
+        or larger than the whole budget). Evicts least recently used entries to make room.
+        `reuse_points`: the lengths it can be restored at (None: any)."""
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"nbytes = {nbytes} must be >= 0")
         tokens = tuple(int(t) for t in tokens)
         if not tokens:
             return None
+        points = None if reuse_points is None else tuple(sorted({int(p) for p in reuse_points}))
         for key, entry in self._entries.items():
-            if common_prefix_len(entry.tokens, tokens) == len(tokens):
+            if entry.covers(tokens, points):
                 self._entries.move_to_end(key)  # already covered: refresh, store nothing
                 return key
         if nbytes > self.budget_bytes:
             return None
-        for key in [k for k, e in self._entries.items()
-                    if common_prefix_len(e.tokens, tokens) == len(e.tokens)]:
-            self._drop(key)  # the new tokens extend it
+        new = ParkedConversation(self._next_key, tokens, kv_arrays, nbytes, points)
+        for key in [k for k, e in self._entries.items() if new.covers(e.tokens, e.reuse_points)]:
+            self._drop(key)  # the new entry extends it
         key = self._next_key
         self._next_key += 1
-        self._entries[key] = ParkedConversation(key, tokens, kv_arrays, nbytes)
+        self._entries[key] = new
         self._used_bytes += nbytes
         while self._used_bytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
@@ -94,12 +120,14 @@ class ConversationCache:
         return key
 
     def best_match(self, prompt_tokens: Sequence[int]) -> tuple[int | None, int]:
-        """(key, length) of the entry sharing the longest prefix with the prompt; (None, 0) when
-        none shares a token. Ties go to the most recently used entry. Does not change recency."""
+        """(key, length) of the entry sharing the longest prefix with the prompt (a hybrid
+        model's entry: the most it lets the prompt keep, see `usable`); (None, 0) when none
+        lets it keep a token. Ties go to the most recently used entry. Does not change
+        recency."""
         best_key, best_len = None, 0
         prompt = np.asarray(prompt_tokens, dtype=np.int64)
         for key, entry in reversed(self._entries.items()):
-            length = common_prefix_len(entry.tokens, prompt)
+            length = entry.usable(common_prefix_len(entry.tokens, prompt), len(prompt))
             if length > best_len:
                 best_key, best_len = key, length
         return best_key, best_len

@@ -60,7 +60,8 @@ class Engine:
                                        choosers, config.conversation_cache_mib,
                                        expert_tier=self.expert_tier,
                                        kv_dtype=config.kv_dtype(is_cuda_model(self.model)),
-                                       drafts=config.drafts)
+                                       drafts=config.drafts,
+                                       ctx_checkpoints=config.ctx_checkpoints)
             if config.drafts.is_on:
                 log.info("%s", config.drafts.describe())
         except BaseException:

@@ -1,18 +1,47 @@
-"""The KV cache of one sequence: per layer K and V cells, float32 or float16. The native window
-loop writes a pass's rows into `cells` layer by layer; the pass commits them once all layers ran.
+"""The KV cache of one sequence: per attention layer K and V cells, float32 or float16, and in a
+hybrid model (qwen3next) the recurrent layers' state. The native window loop writes a pass's rows
+into `cells` layer by layer; the pass commits them once all layers ran.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from strata._native.kernels import KV_KEY_TILE
+from strata.engine.recurrent import DEFAULT_CHECKPOINTS, RecurrentState
 from strata.errors import ConfigError, RequestError
 from strata.model.arch import ModelSpec
 
-# L = layers, KV = KV heads, C = capacity (tokens), D = head dim, T = rows appended now,
+# L = attention layers (every layer but a hybrid model's recurrent ones), KV = KV heads,
+# C = capacity (tokens), D = head dim, T = rows appended now,
 # NT = key tiles (C / KV_KEY_TILE rounded up), TILE = KV_KEY_TILE
 
 CELL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+class PlainReuse:
+    """The reuse side of a sequence's KV whose model has no recurrent layers (the CUDA
+    backend's): every layer has cells, and any prefix of its tokens can be kept."""
+
+    state = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.n_layers
+
+    def reusable(self, num_tokens: int) -> int:
+        return max(0, min(int(num_tokens), self.num_tokens))
+
+    def reuse_points(self) -> None:
+        return None
+
+    def export_state(self) -> None:
+        return None
+
+    def import_state(self, exported, num_tokens: int) -> None:
+        pass
+
+    def keep_checkpoint(self) -> bool:
+        return False
 
 
 class KVCache:
@@ -22,9 +51,14 @@ class KVCache:
 
     V cells are [L, KV, C, D]. K cells are stored tile-transposed, [L, KV, NT, D, TILE] (key t
     is column t % TILE of tile t // TILE), the panels attention multiplies without repacking;
-    `keys(layer)` gives them back as [KV, num_tokens, D]."""
+    `keys(layer)` gives them back as [KV, num_tokens, D].
 
-    def __init__(self, spec: ModelSpec, capacity_tokens: int, dtype=np.float32):
+    A hybrid model's KV also holds its recurrent layers' `state` (None otherwise). That state
+    cannot be cut back to any length: `reusable(n)` says how many tokens a new prompt sharing
+    n of them can keep, and `truncate` takes only such a length."""
+
+    def __init__(self, spec: ModelSpec, capacity_tokens: int, dtype=np.float32,
+                 max_checkpoints: int = DEFAULT_CHECKPOINTS):
         capacity_tokens = int(capacity_tokens)
         if capacity_tokens <= 0:
             raise ConfigError(
@@ -37,21 +71,30 @@ class KVCache:
         self.dtype = np.dtype(dtype)
         self.capacity = capacity_tokens
         self.num_tokens = 0
-        L, KV, D = spec.n_layers, spec.n_kv_heads, spec.head_dim
+        L, KV, D = len(spec.attention_layers), spec.n_kv_heads, spec.head_dim
         num_tiles = -(-capacity_tokens // KV_KEY_TILE)
         self._k = np.zeros((L, KV, num_tiles, D, KV_KEY_TILE), dtype=self.dtype)
         self._v = np.zeros((L, KV, capacity_tokens, D), dtype=self.dtype)
+        self.state = RecurrentState(spec, max_checkpoints) if spec.recurrent_layers else None
+
+    @property
+    def num_layers(self) -> int:
+        """Layers with cells (a hybrid model's attention layers)."""
+        return self._v.shape[0]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the cells (K's last tile is whole even where the capacity ends inside it)."""
-        return int(self._k.nbytes + self._v.nbytes)
+        """Bytes of the cells (K's last tile is whole even where the capacity ends inside it)
+        and of the recurrent state with its checkpoints."""
+        state = self.state.nbytes if self.state is not None else 0
+        return int(self._k.nbytes + self._v.nbytes) + state
 
     @staticmethod
     def nbytes_for(spec: ModelSpec, capacity_tokens: int, dtype=np.float32) -> int:
         """Bytes of the cells of a KV of `capacity_tokens` (what `rehome` needs)."""
         num_tiles = -(-int(capacity_tokens) // KV_KEY_TILE)
-        per_token = spec.n_layers * spec.n_kv_heads * spec.head_dim * np.dtype(dtype).itemsize
+        per_token = (len(spec.attention_layers) * spec.n_kv_heads * spec.head_dim
+                     * np.dtype(dtype).itemsize)
         return per_token * (num_tiles * KV_KEY_TILE + int(capacity_tokens))
 
     def rehome(self, capacity_tokens: int, memory: np.ndarray | None = None) -> None:
@@ -62,7 +105,7 @@ class KVCache:
         if not self.num_tokens <= capacity_tokens:
             raise ValueError(f"cannot move a KV of {self.num_tokens} tokens into "
                              f"{capacity_tokens} cells")
-        L, KV, D = self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim
+        L, KV, D = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim
         num_tiles = -(-capacity_tokens // KV_KEY_TILE)
         k_shape, v_shape = (L, KV, num_tiles, D, KV_KEY_TILE), (L, KV, capacity_tokens, D)
         if memory is None:
@@ -132,16 +175,72 @@ class KVCache:
     def values(self, layer: int) -> np.ndarray:
         return self._v[layer, :, :self.num_tokens]  # [KV, num_tokens, D]
 
+    def reusable(self, num_tokens: int) -> int:
+        """The most of the first `num_tokens` tokens `truncate` can keep: all of them, except in
+        a hybrid model, where the state exists only at 0, at the end and at checkpoints."""
+        num_tokens = max(0, min(int(num_tokens), self.num_tokens))
+        if self.state is None or num_tokens == self.num_tokens:
+            return num_tokens
+        return max((p for p in self.state.checkpoints if p <= num_tokens), default=0)
+
     def truncate(self, num_tokens: int) -> None:
-        """Keep only the first `num_tokens` tokens (a new prompt shares that prefix)."""
+        """Keep only the first `num_tokens` tokens (a new prompt shares that prefix); in a
+        hybrid model `num_tokens` must be a length `reusable` gives."""
         if not 0 <= num_tokens <= self.num_tokens:
             raise ValueError(
                 f"cannot truncate a KV cache of {self.num_tokens} tokens to {num_tokens}")
+        if self.state is not None and num_tokens != self.num_tokens:
+            if num_tokens == 0:
+                self.state.reset()
+            elif num_tokens in self.state.checkpoints:
+                self.state.go_back(num_tokens)
+            else:
+                raise ValueError(
+                    f"cannot take the recurrent state of {self.num_tokens} tokens back to "
+                    f"{num_tokens}: it is kept only at 0, {self.num_tokens} and the "
+                    f"checkpoints {list(self.state.positions())}")
         self.num_tokens = int(num_tokens)
 
+    def reuse_points(self) -> tuple[int, ...] | None:
+        """The lengths a hybrid model's sequence can go back to (its checkpoints and its end);
+        None when any length will do."""
+        if self.state is None:
+            return None
+        return tuple(sorted({*self.state.checkpoints, self.num_tokens}))
+
+    def export_state(self):
+        """A hybrid model's recurrent state for parking: (num_tokens, the state there,
+        {position: checkpoint}), copies; None for a model without recurrent layers."""
+        if self.state is None:
+            return None
+        return self.num_tokens, self.state.snapshot(), dict(self.state.checkpoints)
+
+    def import_state(self, exported, num_tokens: int) -> None:
+        """Install `export_state`'s result in this KV, which holds the first `num_tokens` of
+        the parked tokens now: the state at that length (the parked end, a checkpoint or 0)
+        and the checkpoints before it."""
+        if self.state is None:
+            return
+        end, live, checkpoints = exported
+        if num_tokens == 0:
+            self.state.reset()
+            return
+        if num_tokens != end and num_tokens not in checkpoints:
+            raise ValueError(f"no recurrent state at {num_tokens} tokens to restore; the "
+                             f"parked one has {end} and checkpoints {sorted(checkpoints)}")
+        self.state.load(live if num_tokens == end else checkpoints[num_tokens])
+        self.state.checkpoints.clear()
+        for position in sorted(p for p in checkpoints if p <= num_tokens):
+            self.state.checkpoints[position] = checkpoints[position]
+
+    def keep_checkpoint(self) -> bool:
+        """Keep the recurrent state at the current length (a hybrid model after a prompt was
+        read), so a later prompt that shares these tokens but not the rest can go back here."""
+        return self.state is not None and self.state.keep_checkpoint(self.num_tokens)
+
     def clear(self) -> None:
-        self.num_tokens = 0
+        self.truncate(0)
 
     def __repr__(self) -> str:
-        return (f"KVCache({self.num_tokens}/{self.capacity} tokens, {self.spec.n_layers} layers, "
+        return (f"KVCache({self.num_tokens}/{self.capacity} tokens, {self.num_layers} layers, "
                 f"{self.dtype.name})")

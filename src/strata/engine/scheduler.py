@@ -105,10 +105,16 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, n_ctx: int, num_slots: int, choosers,
                  conversation_cache_mib: float = 2048, expert_tier=None, kv_dtype=None,
-                 drafts: DraftSettings | None = None):
+                 drafts: DraftSettings | None = None, ctx_checkpoints: int | None = None):
         self.model = model
         # --spec-type: decode runs carry draft tokens (strata.engine.drafts)
         self.drafts = drafts if drafts is not None else DraftSettings()
+        hybrid = bool(model.spec.recurrent_layers)
+        if hybrid and self.drafts.is_on:
+            # a rejected draft would have to take the recurrent state back one row
+            log.warning("drafts off (--spec-type %s asked): %s's recurrent layers cannot take "
+                        "back the rows of rejected drafts", self.drafts.spec_type, model.spec.arch)
+            self.drafts = DraftSettings()
         # Runs each forward pass through the expert cache (strata.engine.expert_tier); None
         # reads the experts straight from the model's mapping.
         self.expert_tier = expert_tier
@@ -119,6 +125,8 @@ class Scheduler:
         # KV cells of `kv_dtype` (None: the model's default type); with --kv-grow each slot
         # starts with a base and borrows expert-cache slots for more (experts/kv_grow.py)
         kv_args = {} if kv_dtype is None else {"dtype": kv_dtype}
+        if hybrid and ctx_checkpoints is not None:
+            kv_args["max_checkpoints"] = ctx_checkpoints
         self.kv_lender = (KVLender.build(expert_tier, choosers.kv_grow, model, self.n_ctx,
                                          kv_dtype) if expert_tier is not None else None)
         num_cells = self.kv_lender.base_cells if self.kv_lender is not None else self.n_ctx
@@ -350,7 +358,8 @@ class Scheduler:
         prompt = handle.prompt_tokens
         started_at = time.perf_counter()
         placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
-                                  self.conversations)
+                                  self.conversations,
+                                  reusable=lambda slot, n: self.kvs[slot].reusable(n))
         index, kv = placement.slot_index, self.kvs[placement.slot_index]
         if self.kv_lender is not None:
             self.kv_lender.grow_for_prompt(index, kv, len(prompt))
@@ -360,12 +369,15 @@ class Scheduler:
         if placement.is_parking_needed:
             self._park(index)
         if restored is not None:
-            k, v = restored.kv_arrays  # [L, KV, n, D] each
+            k, v, state = restored.kv_arrays  # [L, KV, n, D] each; the recurrent state or None
             n = min(k.shape[2], kv.capacity)  # (the cells past the prompt are dropped anyway)
+            if restored.reuse_points is not None:  # the state exists at its points only
+                n = max((p for p in restored.reuse_points if p <= n), default=0)
             kv.truncate(0)
             for layer in range(k.shape[0]):
                 kv.append(layer, k[layer][:, :n], v[layer][:, :n])
             kv.commit(n)
+            kv.import_state(state, n)
             self.table.replace_tokens(index, restored.tokens[:n])
             how = f"restored a parked conversation of {restored.num_tokens} tokens"
         elif placement.num_reused_tokens > 0:
@@ -383,18 +395,32 @@ class Scheduler:
         self._active[index] = _Active(handle, index, decoder, placement.num_reused_tokens,
                                       started_at, arrival=next(self._arrivals),
                                       drafter=self.drafts.drafter(prompt))
+        self._checkpoint_if_due(self._active[index])
+
+    def _checkpoint_if_due(self, active: _Active) -> None:
+        """A hybrid model's slot keeps its recurrent state when all but the prompt's last
+        token are in: the same prompt again, or the next turn of the conversation (whose
+        template renders this reply anew), can start there."""
+        kv = self.kvs[active.slot_index]
+        if kv.num_tokens == len(active.handle.prompt_tokens) - 1 and kv.keep_checkpoint():
+            log.info("slot %d: recurrent state checkpoint at %d tokens (kept: %s)",
+                     active.slot_index, kv.num_tokens,
+                     ", ".join(map(str, kv.state.positions())))
 
     def _park(self, index: int) -> None:
         """Copy slot `index`'s KV cells to the conversation cache (when the budget allows)."""
         tokens = self.table.tokens(index)
         kv = self.kvs[index]
-        nbytes = 2 * kv.spec.n_layers * kv.spec.n_kv_heads * len(tokens) * kv.spec.head_dim \
+        nbytes = 2 * kv.num_layers * kv.spec.n_kv_heads * len(tokens) * kv.spec.head_dim \
             * kv.dtype.itemsize
+        if kv.state is not None:
+            nbytes += kv.state.nbytes_per_state(kv.spec) * (1 + len(kv.state.checkpoints))
         if not tokens or nbytes > self.conversations.budget_bytes:
             return
-        k = np.stack([kv.keys(layer) for layer in range(kv.spec.n_layers)])  # [L, KV, n, D]
-        v = np.stack([kv.values(layer) for layer in range(kv.spec.n_layers)])  # [L, KV, n, D]
-        key = self.conversations.park(tokens, (k, v), nbytes)
+        k = np.stack([kv.keys(layer) for layer in range(kv.num_layers)])  # [L, KV, n, D]
+        v = np.stack([kv.values(layer) for layer in range(kv.num_layers)])  # [L, KV, n, D]
+        key = self.conversations.park(tokens, (k, v, kv.export_state()), nbytes,
+                                      kv.reuse_points())
         log.info("slot %d: parked %d tokens of KV in host RAM (entry %s, %d entries, %.1f MiB)",
                  index, len(tokens), key, self.conversations.num_entries,
                  self.conversations.used_bytes / 2**20)
@@ -428,9 +454,13 @@ class Scheduler:
                 raise RequestError(f"the read-interleave policy asked for a chunk of "
                                    f"{plan.chunk_tokens} tokens of a read with {num_left} left; "
                                    "fix or uninstall the plugin")
-            chunk = prompt[active.num_read_tokens:active.num_read_tokens + plan.chunk_tokens]
+            num_tokens = plan.chunk_tokens
+            if (num_tokens == num_left > 1 and self.kvs[plan.slot_index].state is not None
+                    and self.kvs[plan.slot_index].state.max_checkpoints > 0):
+                num_tokens -= 1  # the last token alone next: a checkpoint comes before it
+            chunk = prompt[active.num_read_tokens:active.num_read_tokens + num_tokens]
             runs.append((self.kvs[plan.slot_index], chunk))
-            modes.append("last" if plan.chunk_tokens == num_left else "none")
+            modes.append("last" if num_tokens == num_left else "none")
             kinds.append((plan.slot_index, "prompt"))
             self._decode_windows_left = plan.num_decode_windows_after
         elif reading:
@@ -485,6 +515,7 @@ class Scheduler:
         handle, stats = active.handle, active.handle.stats
         self.table.extend(active.slot_index, tokens)
         active.num_read_tokens += len(tokens)
+        self._checkpoint_if_due(active)
         total = len(handle.prompt_tokens)
         num_to_read = total - stats.num_cached_tokens
         if active.num_read_tokens < total:

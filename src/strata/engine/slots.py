@@ -173,11 +173,15 @@ class Placement:
 
 
 def place_request(prompt_tokens: Sequence[int], picker: SlotPicker, slots: Sequence[SlotView],
-                  conversations=None) -> Placement:
+                  conversations=None, reusable=None) -> Placement:
     """Ask the picker for a slot, then prefer a parked conversation when it shares a longer
-    prefix with the prompt than the chosen slot's own tokens do."""
+    prefix with the prompt than the chosen slot's own tokens do. `reusable(slot, n)`: how many
+    of a slot's first n tokens it can keep (a hybrid model's recurrent state goes back only to
+    its checkpoints); default all n."""
     index, num_reused = check_pick(picker, picker.pick(prompt_tokens, slots), prompt_tokens,
                                    slots)
+    if reusable is not None:
+        num_reused = int(reusable(index, num_reused))
     parked_key = None
     if conversations is not None:
         key, length = conversations.best_match(prompt_tokens)

@@ -276,8 +276,8 @@ class KVLender:
         run = self.lent.pop(slot_index, None)
         if run is None:
             return kv.num_tokens
-        keep = min(kv.num_tokens, self.base_cells)
-        kv.truncate(keep)
+        keep = kv.reusable(min(kv.num_tokens, self.base_cells))  # (a recurrent state: a
+        kv.truncate(keep)  # checkpoint at most)
         kv.rehome(self.base_cells)
         self.num_trims += 1
         self._give_back(slot_index, run, f"KV trimmed to {self.base_cells} cells ({keep} kept)")

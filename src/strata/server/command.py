@@ -70,7 +70,8 @@ def _stop_on_sigterm() -> None:
 @expert_options
 @draft_options
 def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_threads, device,
-          parallel, read_chunk, conversation_cache_mib, expert_config, draft_config):
+          parallel, read_chunk, conversation_cache_mib, ctx_checkpoints, expert_config,
+          draft_config):
     """Serve the model with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     from strata.cli import fail, resolve_model
     from strata.config import EngineConfig
@@ -85,6 +86,7 @@ def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_thre
                                      parallel=parallel,
                                      **read_chunk_fields(read_chunk),
                                      conversation_cache_mib=conversation_cache_mib,
+                                     ctx_checkpoints=ctx_checkpoints,
                                      **expert_config, **draft_config)
     except StrataError as e:
         fail(str(e))

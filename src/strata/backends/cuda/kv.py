@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from strata.engine.kv import PlainReuse
 from strata.errors import ConfigError, RequestError
 from strata.model.arch import ModelSpec
 
@@ -19,7 +20,7 @@ def int8_cell_dtype(head_dim: int) -> np.dtype:
     return np.dtype([("q", np.int8, (head_dim,)), ("scale", np.float32)])
 
 
-class CudaKV:
+class CudaKV(PlainReuse):
     """K/V cells of one sequence on the GPU. Invariant as KVCache: cells [0, num_tokens) of
     every layer are filled; a forward pass writes cells [num_tokens, num_tokens + T) of every
     layer on the device, and `commit(T)` makes them part of the sequence.

@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from strata.backends.window import Window
+from strata.engine.kv import PlainReuse
 from strata.errors import ConfigError
 
 
-class SplitKV:
+class SplitKV(PlainReuse):
     """KV cells of one sequence, stage i's layers in `parts[i]` (global layer l lives in the
     part whose first layer is the largest <= l, as its local layer l - first). Every part
     holds the same tokens: `commit`, `truncate` and `clear` move them together."""

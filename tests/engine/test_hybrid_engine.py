@@ -1,0 +1,127 @@
+"""The engine on a hybrid model (qwen3next: gated delta-net layers with a recurrent state):
+prefix reuse only where the state exists (the slot's end, checkpoints), parking with the state,
+drafts turned off; every answer equals a fresh engine's."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from strata import Engine, EngineConfig, SamplingParams
+from strata.engine.generate import collect
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(tmp_path_factory):
+    from strata.tool.synth import synth_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen3next.gguf"
+    synth_model(path, shape="tiny-qwen3next", weight_type="f32", seed=7)
+    return path
+
+
+def fresh_tokens(path, prompt, params) -> list[int]:
+    with Engine(EngineConfig(path, n_ctx=160)) as fresh:
+        result = collect(fresh.generate(prompt, params))
+        assert result.stats.num_cached_tokens == 0
+        return result.token_ids
+
+
+def test_reuse_goes_to_the_end_or_a_checkpoint(hybrid_path):
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    with Engine(EngineConfig(hybrid_path, n_ctx=160)) as engine:
+        p1 = engine.tokenize("The quick brown fox jumps over the lazy dog, twice.")
+        r1 = collect(engine.generate(p1, params))
+        assert r1.stats.num_cached_tokens == 0
+        kv = engine.scheduler.kvs[0]
+        assert kv.reuse_points() == (len(p1) - 1, len(p1) + 5)
+        # the next turn extends everything the slot holds: its state at the end
+        p2 = p1 + r1.token_ids + engine.tokenize(" And then?")
+        r2 = collect(engine.generate(p2, params))
+        assert r2.stats.num_cached_tokens == len(p1) + 5
+        # a turn that keeps p1 but not the reply (a template rendering it anew): the
+        # checkpoint before p1's last token
+        p3 = p1 + engine.tokenize(" Something else.")
+        r3 = collect(engine.generate(p3, params))
+        assert r3.stats.num_cached_tokens == len(p1) - 1
+        # the same prompt again: all but its last token, from its own checkpoint
+        r3b = collect(engine.generate(p3, params))
+        assert r3b.stats.num_cached_tokens == len(p3) - 1
+        assert r3b.token_ids == r3.token_ids
+        # diverging inside p1, before any checkpoint: nothing to go back to
+        p4 = p1[:4] + engine.tokenize(" a different story")
+        r4 = collect(engine.generate(p4, params))
+        assert r4.stats.num_cached_tokens == 0
+    for prompt, result in ((p2, r2), (p3, r3), (p4, r4)):
+        assert fresh_tokens(hybrid_path, prompt, params) == result.token_ids
+
+
+def test_parked_conversation_comes_back_with_its_state(hybrid_path):
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    with Engine(EngineConfig(hybrid_path, n_ctx=160, parallel=1)) as engine:
+        a1 = engine.tokenize("Conversation A starts here with a question.")
+        ra = collect(engine.generate(a1, params))
+        b1 = engine.tokenize("Conversation B is about something else.")
+        collect(engine.generate(b1, params))  # parks A
+        assert engine.scheduler.conversations.num_entries == 1
+        a2 = a1 + ra.token_ids + engine.tokenize(" Go on.")
+        ra2 = collect(engine.generate(a2, params))  # A restored from the parked copy
+        assert ra2.stats.num_cached_tokens == len(a1) + 4
+        a3 = a1 + engine.tokenize(" Go elsewhere.")  # parks A's second turn, restores at a1-1
+        ra3 = collect(engine.generate(a3, params))
+        assert ra3.stats.num_cached_tokens == len(a1) - 1
+    assert fresh_tokens(hybrid_path, a2, params) == ra2.token_ids
+    assert fresh_tokens(hybrid_path, a3, params) == ra3.token_ids
+
+
+def test_chunked_prompt_and_batched_slots_equal_fresh(hybrid_path):
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    prompts = ["One prompt that is long enough to be read in several chunks of five.",
+               "Another one.", "A third, of middling length, for the third slot."]
+    config = EngineConfig(hybrid_path, n_ctx=160, parallel=3, prompt_chunk_tokens=5)
+    with Engine(config) as engine:
+        ids = [engine.tokenize(p) for p in prompts]
+        handles = [engine.submit(p, params) for p in ids]
+        while not all(h.is_finished for h in handles):
+            assert engine.step()
+        got = [[e.token_id for e in h.pop_events()] for h in handles]
+    for prompt, tokens in zip(ids, got):
+        assert fresh_tokens(hybrid_path, prompt, params) == tokens
+
+
+def test_drafts_are_turned_off(hybrid_path, caplog):
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    config = EngineConfig(hybrid_path, n_ctx=160, spec_type="ngram-simple")
+    with caplog.at_level(logging.WARNING, logger="strata.engine"):
+        with Engine(config) as engine:
+            prompt = engine.tokenize("a b a b a b a b")
+            result = collect(engine.generate(prompt, params))
+    assert "drafts off" in caplog.text
+    assert result.stats.num_draft_tokens == 0
+    assert fresh_tokens(hybrid_path, prompt, params) == result.token_ids
+
+
+def test_no_checkpoints_reuses_only_the_end(hybrid_path):
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    with Engine(EngineConfig(hybrid_path, n_ctx=160, ctx_checkpoints=0)) as engine:
+        p1 = engine.tokenize("Checkpoints are off for this engine.")
+        r1 = collect(engine.generate(p1, params))
+        assert engine.scheduler.kvs[0].reuse_points() == (len(p1) + 3,)
+        r2 = collect(engine.generate(p1 + r1.token_ids + [5], params))
+        assert r2.stats.num_cached_tokens == len(p1) + 3
+        r3 = collect(engine.generate(p1, params))
+        assert r3.stats.num_cached_tokens == 0 and r3.token_ids == r1.token_ids
+
+
+def test_cuda_refuses_and_auto_takes_the_cpu(hybrid_path):
+    from strata.backends.cpu import CpuModel
+    from strata.backends.select import build_model
+    from strata.errors import ConfigError
+    from strata.model.gguf_file import GGUFModel
+
+    with GGUFModel.open(hybrid_path) as gguf:
+        assert isinstance(build_model(gguf, "auto"), CpuModel)
+        with pytest.raises(ConfigError, match="gated delta-net.*--device cpu"):
+            build_model(gguf, "cuda")
