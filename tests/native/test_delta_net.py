@@ -9,12 +9,7 @@ from strata._native import kernels
 REL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = kernels.get_num_threads()
-    kernels.set_num_threads(1)
-    yield
-    kernels.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _assert_close(actual, ref, rel=REL):

@@ -6,12 +6,7 @@ import pytest
 from strata._native import kernels
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = kernels.get_num_threads()
-    kernels.set_num_threads(1)
-    yield
-    kernels.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- attention -----------------------------------------------------------------------------
