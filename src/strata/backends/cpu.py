@@ -12,7 +12,8 @@ from strata.backends.window import Window
 from strata.engine.kv import KVCache
 from strata.engine.recurrent import DEFAULT_CHECKPOINTS
 from strata.errors import ConfigError, RequestError
-from strata.model.arch import ModelSpec, legacy_ssm_in
+from strata.model.arch import ModelSpec
+from strata.model.delta_layout import recurrent_matrices
 from strata.model.gguf_file import GGUFModel, TensorInfo
 
 # Legend: R = rows of a window (several slots), N = its logit rows, H = hidden, Q = query
@@ -44,28 +45,6 @@ def _small(t: TensorInfo) -> np.ndarray:
     return np.array(kernels.dequantize(t.raw.reshape(-1), t.qtype, n), dtype=np.float32)
 
 
-def _ba_rows(spec: ModelSpec) -> np.ndarray:
-    """ssm_ba's rows in the order the kernels take them, beta logits of value heads 0..Hv-1
-    then their alpha inputs: the file groups them by key head, [b (r heads), a (r heads)]."""
-    r = spec.ssm_heads // spec.ssm_groups
-    group = np.arange(spec.ssm_groups)[:, None] * 2 * r  # [Hk, 1]
-    b = (group + np.arange(r)).reshape(-1)
-    return np.concatenate([b, b + r])
-
-
-def _legacy_qkvz_rows(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
-    """(q|k|v rows, z rows) of a legacy ssm_in (HF's in_proj_qkvz: per key head q, k, then v
-    and z of its r value heads): the order of attn_qkv and attn_gate."""
-    dk, dv, r = spec.ssm_state, spec.ssm_v_dim, spec.ssm_heads // spec.ssm_groups
-    width = 2 * dk + 2 * r * dv  # rows per key head
-    starts = np.arange(spec.ssm_groups)[:, None] * width  # [Hk, 1]
-    q = (starts + np.arange(dk)).reshape(-1)
-    k = (starts + dk + np.arange(dk)).reshape(-1)
-    v = (starts + 2 * dk + np.arange(r * dv)).reshape(-1)
-    z = (starts + 2 * dk + r * dv + np.arange(r * dv)).reshape(-1)
-    return np.concatenate([q, k, v]), z
-
-
 class _Layer:
     """One decoder layer's tensors, resolved once at load so the forward pass does no lookups
     by name. A qwen3next recurrent layer has `ssm` (its gated delta-net tensors) instead of
@@ -85,7 +64,7 @@ class _Layer:
         self._ffn(spec, t)
         self.ssm = None
         if spec.is_recurrent(i):
-            self.ssm = self._recurrent(model, spec, t)
+            self.ssm = self._recurrent(model, spec, t, i)
             self.wq = self.wk = self.wv = self.wo = None
             self.bq = self.bk = self.bv = self.q_norm = self.k_norm = None
             return
@@ -101,21 +80,17 @@ class _Layer:
         self.k_norm = _small(t("attn_k_norm.weight")) if spec.has_qk_norm else None  # [D]
 
     @staticmethod
-    def _recurrent(model: GGUFModel, spec: ModelSpec, t) -> dict:
+    def _recurrent(model: GGUFModel, spec: ModelSpec, t, i: int) -> dict:
         """A gated delta-net layer's tensors in the form kernels.WindowModel takes."""
-        if legacy_ssm_in(spec, model.tensor_names):
-            qkv_rows, z_rows = _legacy_qkvz_rows(spec)
-            qkv = _Matrix(t("ssm_in.weight"), qkv_rows)  # [C, H]
-            z = _Matrix(t("ssm_in.weight"), z_rows)  # [VI, H]
-        else:
-            qkv, z = _Matrix(t("attn_qkv.weight")), _Matrix(t("attn_gate.weight"))
+        m = {key: _Matrix(model.tensor(name), rows) for key, (name, rows) in
+             recurrent_matrices(spec, model.tensor_names, i).items()}
         return dict(
-            recurrent=True, ssm_qkv=qkv.pair(), ssm_gate=z.pair(),
-            ssm_ba=_Matrix(t("ssm_ba.weight"), _ba_rows(spec)).pair(),  # [2*Hv, H]
+            recurrent=True, ssm_qkv=m["qkv"].pair(), ssm_gate=m["gate"].pair(),  # [C|VI, H]
+            ssm_ba=m["ba"].pair(),  # [2*Hv, H]
             conv_w=_small(t("ssm_conv1d.weight")),  # [C*KC]
             ssm_a=_small(t("ssm_a")), ssm_dt=_small(t("ssm_dt.bias")),  # [Hv] each
             ssm_norm=_small(t("ssm_norm.weight")),  # [Dv]
-            ssm_out=_Matrix(t("ssm_out.weight")).pair())  # [H, VI]
+            ssm_out=m["out"].pair())  # [H, VI]
 
     def _ffn(self, spec: ModelSpec, t) -> None:
         self.router = _Matrix(t("ffn_gate_inp.weight"))  # [E, H]

@@ -18,33 +18,81 @@ from strata.model.arch import ModelSpec
 CELL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
-class PlainReuse:
-    """The reuse side of a sequence's KV whose model has no recurrent layers (the CUDA
-    backend's): every layer has cells, and any prefix of its tokens can be kept."""
+class SequenceReuse:
+    """The reuse side of one sequence's KV, on either backend: how far back a new prompt can
+    take it, and a hybrid model's recurrent `state` (None otherwise: any prefix of the tokens
+    can be kept) with its checkpoints, for parking and restoring. Needs `num_tokens`."""
 
     state = None
 
-    @property
-    def num_layers(self) -> int:
-        return self.spec.n_layers
-
     def reusable(self, num_tokens: int) -> int:
-        return max(0, min(int(num_tokens), self.num_tokens))
+        """The most of the first `num_tokens` tokens `truncate` can keep: all of them, except in
+        a hybrid model, where the state exists only at 0, at the end and at checkpoints."""
+        num_tokens = max(0, min(int(num_tokens), self.num_tokens))
+        if self.state is None or num_tokens == self.num_tokens:
+            return num_tokens
+        return max((p for p in self.state.checkpoints if p <= num_tokens), default=0)
 
-    def reuse_points(self) -> None:
-        return None
+    def truncate(self, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens (a new prompt shares that prefix); in a
+        hybrid model `num_tokens` must be a length `reusable` gives."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(
+                f"cannot truncate a KV cache of {self.num_tokens} tokens to {num_tokens}")
+        if self.state is not None and num_tokens != self.num_tokens:
+            if num_tokens == 0:
+                self.state.reset()
+            elif num_tokens in self.state.checkpoints:
+                self.state.go_back(num_tokens)
+            else:
+                raise ValueError(
+                    f"cannot take the recurrent state of {self.num_tokens} tokens back to "
+                    f"{num_tokens}: it is kept only at 0, {self.num_tokens} and the "
+                    f"checkpoints {list(self.state.positions())}")
+        self.num_tokens = int(num_tokens)
 
-    def export_state(self) -> None:
-        return None
+    def reuse_points(self) -> tuple[int, ...] | None:
+        """The lengths a hybrid model's sequence can go back to (its checkpoints and its end);
+        None when any length will do."""
+        if self.state is None:
+            return None
+        return tuple(sorted({*self.state.checkpoints, self.num_tokens}))
+
+    def export_state(self):
+        """A hybrid model's recurrent state for parking: (num_tokens, the state there,
+        {position: checkpoint}), copies; None for a model without recurrent layers."""
+        if self.state is None:
+            return None
+        return self.num_tokens, self.state.snapshot(), dict(self.state.checkpoints)
 
     def import_state(self, exported, num_tokens: int) -> None:
-        pass
+        """Install `export_state`'s result in this KV, which holds the first `num_tokens` of
+        the parked tokens now: the state at that length (the parked end, a checkpoint or 0)
+        and the checkpoints before it."""
+        if self.state is None:
+            return
+        end, live, checkpoints = exported
+        if num_tokens == 0:
+            self.state.reset()
+            return
+        if num_tokens != end and num_tokens not in checkpoints:
+            raise ValueError(f"no recurrent state at {num_tokens} tokens to restore; the "
+                             f"parked one has {end} and checkpoints {sorted(checkpoints)}")
+        self.state.load(live if num_tokens == end else checkpoints[num_tokens])
+        self.state.checkpoints.clear()
+        for position in sorted(p for p in checkpoints if p <= num_tokens):
+            self.state.checkpoints[position] = checkpoints[position]
 
     def keep_checkpoint(self) -> bool:
-        return False
+        """Keep the recurrent state at the current length (a hybrid model after a prompt was
+        read), so a later prompt that shares these tokens but not the rest can go back here."""
+        return self.state is not None and self.state.keep_checkpoint(self.num_tokens)
+
+    def clear(self) -> None:
+        self.truncate(0)
 
 
-class KVCache:
+class KVCache(SequenceReuse):
     """K/V cells of one sequence. Invariant: cells [0, num_tokens) of every layer are filled;
     `append` writes cells [num_tokens, num_tokens + T) of one layer and `commit(T)` makes them
     part of the sequence once every layer has them.
@@ -174,72 +222,6 @@ class KVCache:
 
     def values(self, layer: int) -> np.ndarray:
         return self._v[layer, :, :self.num_tokens]  # [KV, num_tokens, D]
-
-    def reusable(self, num_tokens: int) -> int:
-        """The most of the first `num_tokens` tokens `truncate` can keep: all of them, except in
-        a hybrid model, where the state exists only at 0, at the end and at checkpoints."""
-        num_tokens = max(0, min(int(num_tokens), self.num_tokens))
-        if self.state is None or num_tokens == self.num_tokens:
-            return num_tokens
-        return max((p for p in self.state.checkpoints if p <= num_tokens), default=0)
-
-    def truncate(self, num_tokens: int) -> None:
-        """Keep only the first `num_tokens` tokens (a new prompt shares that prefix); in a
-        hybrid model `num_tokens` must be a length `reusable` gives."""
-        if not 0 <= num_tokens <= self.num_tokens:
-            raise ValueError(
-                f"cannot truncate a KV cache of {self.num_tokens} tokens to {num_tokens}")
-        if self.state is not None and num_tokens != self.num_tokens:
-            if num_tokens == 0:
-                self.state.reset()
-            elif num_tokens in self.state.checkpoints:
-                self.state.go_back(num_tokens)
-            else:
-                raise ValueError(
-                    f"cannot take the recurrent state of {self.num_tokens} tokens back to "
-                    f"{num_tokens}: it is kept only at 0, {self.num_tokens} and the "
-                    f"checkpoints {list(self.state.positions())}")
-        self.num_tokens = int(num_tokens)
-
-    def reuse_points(self) -> tuple[int, ...] | None:
-        """The lengths a hybrid model's sequence can go back to (its checkpoints and its end);
-        None when any length will do."""
-        if self.state is None:
-            return None
-        return tuple(sorted({*self.state.checkpoints, self.num_tokens}))
-
-    def export_state(self):
-        """A hybrid model's recurrent state for parking: (num_tokens, the state there,
-        {position: checkpoint}), copies; None for a model without recurrent layers."""
-        if self.state is None:
-            return None
-        return self.num_tokens, self.state.snapshot(), dict(self.state.checkpoints)
-
-    def import_state(self, exported, num_tokens: int) -> None:
-        """Install `export_state`'s result in this KV, which holds the first `num_tokens` of
-        the parked tokens now: the state at that length (the parked end, a checkpoint or 0)
-        and the checkpoints before it."""
-        if self.state is None:
-            return
-        end, live, checkpoints = exported
-        if num_tokens == 0:
-            self.state.reset()
-            return
-        if num_tokens != end and num_tokens not in checkpoints:
-            raise ValueError(f"no recurrent state at {num_tokens} tokens to restore; the "
-                             f"parked one has {end} and checkpoints {sorted(checkpoints)}")
-        self.state.load(live if num_tokens == end else checkpoints[num_tokens])
-        self.state.checkpoints.clear()
-        for position in sorted(p for p in checkpoints if p <= num_tokens):
-            self.state.checkpoints[position] = checkpoints[position]
-
-    def keep_checkpoint(self) -> bool:
-        """Keep the recurrent state at the current length (a hybrid model after a prompt was
-        read), so a later prompt that shares these tokens but not the rest can go back here."""
-        return self.state is not None and self.state.keep_checkpoint(self.num_tokens)
-
-    def clear(self) -> None:
-        self.truncate(0)
 
     def __repr__(self) -> str:
         return (f"KVCache({self.num_tokens}/{self.capacity} tokens, {self.num_layers} layers, "

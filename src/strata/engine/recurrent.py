@@ -34,12 +34,24 @@ class RecurrentState:
                               "of the slot's tokens)")
         self.spec = spec
         self.max_checkpoints = max_checkpoints
-        Lr = len(spec.recurrent_layers)
-        self._conv = np.zeros((2, Lr, spec.ssm_conv - 1, spec.ssm_channels), dtype=np.float32)
-        self._ssm = np.zeros((2, Lr, spec.ssm_heads, spec.ssm_state, spec.ssm_v_dim),
-                             dtype=np.float32)
         self.current = 0
         self.checkpoints: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """The two buffers of each kind, zero (the state of no tokens)."""
+        self._conv = np.zeros((2, *self.conv_shape(self.spec)), dtype=np.float32)
+        self._ssm = np.zeros((2, *self.ssm_shape(self.spec)), dtype=np.float32)
+
+    @staticmethod
+    def conv_shape(spec: ModelSpec) -> tuple[int, int, int]:
+        """One conv state: [Lr, K-1, C]."""
+        return len(spec.recurrent_layers), spec.ssm_conv - 1, spec.ssm_channels
+
+    @staticmethod
+    def ssm_shape(spec: ModelSpec) -> tuple[int, int, int, int]:
+        """One delta-rule state: [Lr, Hv, Dk, Dv]."""
+        return (len(spec.recurrent_layers), spec.ssm_heads, spec.ssm_state, spec.ssm_v_dim)
 
     @staticmethod
     def nbytes_per_state(spec: ModelSpec) -> int:
@@ -50,8 +62,8 @@ class RecurrentState:
 
     @property
     def nbytes(self) -> int:
-        return int(self._conv.nbytes + self._ssm.nbytes
-                   + len(self.checkpoints) * self.nbytes_per_state(self.spec))
+        """Both buffers and the checkpoints."""
+        return (2 + len(self.checkpoints)) * self.nbytes_per_state(self.spec)
 
     def buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(conv in, conv out, ssm in, ssm out) of the next pass: [Lr, K-1, C] and

@@ -1,16 +1,20 @@
 """The KV cache of one sequence in device memory: fp16 cells [L, 2 (K, V), KV, C, D], or int8
 cells with one float32 scale per (token, head) after them, with the KVCache interface the
-scheduler uses (host copies for parking, append for restoring).
+scheduler uses (host copies for parking, append for restoring), and a hybrid model's recurrent
+state (backends/cuda/recurrent.py).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from strata.engine.kv import PlainReuse
+from strata.backends.cuda.recurrent import DeviceRecurrentState
+from strata.engine.kv import SequenceReuse
+from strata.engine.recurrent import DEFAULT_CHECKPOINTS
 from strata.errors import ConfigError, RequestError
 from strata.model.arch import ModelSpec
 
-# L = layers, KV = KV heads, C = capacity (tokens), D = head dim, T = rows appended now
+# L = layers with cells (a hybrid model's attention layers), KV = KV heads,
+# C = capacity (tokens), D = head dim, T = rows appended now
 CELL_DTYPES = (np.dtype(np.float16), np.dtype(np.int8))
 
 
@@ -20,7 +24,7 @@ def int8_cell_dtype(head_dim: int) -> np.dtype:
     return np.dtype([("q", np.int8, (head_dim,)), ("scale", np.float32)])
 
 
-class CudaKV(PlainReuse):
+class CudaKV(SequenceReuse):
     """K/V cells of one sequence on the GPU. Invariant as KVCache: cells [0, num_tokens) of
     every layer are filled; a forward pass writes cells [num_tokens, num_tokens + T) of every
     layer on the device, and `commit(T)` makes them part of the sequence.
@@ -29,7 +33,8 @@ class CudaKV(PlainReuse):
     (what the kernels get) is the address with bit 0 set, which tells them the cells are int8.
     Host copies (`keys`, `values`, `append`) are then `int8_cell_dtype(D)` arrays [KV, n]."""
 
-    def __init__(self, runtime, spec: ModelSpec, capacity_tokens: int, dtype=np.float16):
+    def __init__(self, runtime, spec: ModelSpec, capacity_tokens: int, dtype=np.float16,
+                 max_checkpoints: int = DEFAULT_CHECKPOINTS):
         capacity_tokens = int(capacity_tokens)
         if capacity_tokens <= 0:
             raise ConfigError(
@@ -45,12 +50,20 @@ class CudaKV(PlainReuse):
         self.capacity = capacity_tokens
         self.num_tokens = 0
         self._rt = runtime
-        self._shape = (spec.n_layers, 2, spec.n_kv_heads, capacity_tokens, spec.head_dim)
+        self._shape = (len(spec.attention_layers), 2, spec.n_kv_heads, capacity_tokens,
+                       spec.head_dim)
         self._cells_bytes = int(np.prod(self._shape)) * self.dtype.itemsize
         self._buf = runtime.alloc(self.nbytes)
         self._own_capacity = capacity_tokens  # what _buf holds (rehome goes back to it)
         self.address = int(self._buf)  # device address of cell [0, 0, 0, 0, 0]
         self.base = self.address | int(self.is_int8)
+        self.state = (DeviceRecurrentState(runtime, spec, max_checkpoints)
+                      if spec.recurrent_layers else None)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers with cells (a hybrid model's attention layers)."""
+        return self._shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -60,7 +73,7 @@ class CudaKV(PlainReuse):
     @staticmethod
     def nbytes_for(spec: ModelSpec, capacity_tokens: int, dtype=np.float16) -> int:
         """Bytes of the cells (and int8 scales) of a KV of `capacity_tokens`."""
-        rows = spec.n_layers * 2 * spec.n_kv_heads * int(capacity_tokens)
+        rows = len(spec.attention_layers) * 2 * spec.n_kv_heads * int(capacity_tokens)
         if np.dtype(dtype) == np.int8:
             return rows * (spec.head_dim + 4)
         return rows * spec.head_dim * np.dtype(dtype).itemsize
@@ -79,7 +92,7 @@ class CudaKV(PlainReuse):
         if not self.num_tokens <= capacity_tokens:
             raise ValueError(f"cannot move a KV of {self.num_tokens} tokens into "
                              f"{capacity_tokens} cells")
-        rows = self.spec.n_layers * 2 * self.spec.n_kv_heads  # (layer, K/V, head) rows
+        rows = self.num_layers * 2 * self.spec.n_kv_heads  # (layer, K/V, head) rows
         row_bytes = self.spec.head_dim * self.dtype.itemsize
         new_cells_bytes = rows * capacity_tokens * row_bytes
         rt, n = self._rt, self.num_tokens
@@ -186,17 +199,7 @@ class CudaKV(PlainReuse):
         self.check_room(num_new_tokens)
         self.num_tokens += int(num_new_tokens)
 
-    def truncate(self, num_tokens: int) -> None:
-        """Keep only the first `num_tokens` tokens (a new prompt shares that prefix)."""
-        if not 0 <= num_tokens <= self.num_tokens:
-            raise ValueError(
-                f"cannot truncate a KV cache of {self.num_tokens} tokens to {num_tokens}")
-        self.num_tokens = int(num_tokens)
-
-    def clear(self) -> None:
-        self.num_tokens = 0
-
     def __repr__(self) -> str:
         cells = "int8 + scales" if self.is_int8 else "float16"
-        return (f"CudaKV({self.num_tokens}/{self.capacity} tokens, {self.spec.n_layers} layers, "
+        return (f"CudaKV({self.num_tokens}/{self.capacity} tokens, {self.num_layers} layers, "
                 f"{cells} on the GPU)")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from strata.backends.window import Window
-from strata.engine.kv import PlainReuse
+from strata.engine.kv import SequenceReuse
 from strata.errors import ConfigError
 
 
-class SplitKV(PlainReuse):
+class SplitKV(SequenceReuse):
     """KV cells of one sequence, stage i's layers in `parts[i]` (global layer l lives in the
     part whose first layer is the largest <= l, as its local layer l - first). Every part
     holds the same tokens: `commit`, `truncate` and `clear` move them together."""
@@ -32,6 +32,10 @@ class SplitKV(PlainReuse):
     @property
     def num_tokens(self) -> int:
         return self.parts[0].num_tokens
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.n_layers  # every layer has cells: a split refuses hybrid models
 
     @property
     def nbytes(self) -> int:
