@@ -56,7 +56,10 @@ def test_kernel_names_cover_every_entry_point():
         assert {f"mv_{kind}_{suffix}" for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {"mmf_store_f32", "mmf_add_f32", "mmf_store_f16", "mmf_store_bf16"} <= names
     assert {"quantize_q8", "rmsnorm_q8", "qk_rope_append", "router_topk", "group_pairs",
-            "moe_combine", "argmax_rows"} <= names
+            "moe_combine", "argmax_rows", "gate_logit_rows"} <= names
+    # qwen3next: the gated delta net (delta_net.cu) and the attention's output gate
+    assert {"conv_silu_rows", "gated_delta_rows", "gated_rmsnorm_rows", "split_q_gate",
+            "mul_sigmoid"} <= names
     for head_dim in (16, 64, 128, 256):  # attention.cu: a kernel per dims per lane
         assert set(cuda_plan.attention_kernels(head_dim)) <= names
 

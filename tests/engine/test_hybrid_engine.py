@@ -115,13 +115,14 @@ def test_no_checkpoints_reuses_only_the_end(hybrid_path):
         assert r3.stats.num_cached_tokens == 0 and r3.token_ids == r1.token_ids
 
 
-def test_cuda_refuses_and_auto_takes_the_cpu(hybrid_path):
-    from strata.backends.cpu import CpuModel
+def test_layer_split_refuses_a_hybrid_model(hybrid_path):
     from strata.backends.select import build_model
+    from strata.config import EngineConfig
     from strata.errors import ConfigError
     from strata.model.gguf_file import GGUFModel
 
+    config = EngineConfig(model_path=hybrid_path, layer_split="2,2")
     with GGUFModel.open(hybrid_path) as gguf:
-        assert isinstance(build_model(gguf, "auto"), CpuModel)
-        with pytest.raises(ConfigError, match="gated delta-net.*--device cpu"):
-            build_model(gguf, "cuda")
+        with pytest.raises(ConfigError, match="layer split does not carry qwen3next's "
+                                              "recurrent state"):
+            build_model(gguf, "cuda", config=config)

@@ -38,16 +38,12 @@ def build_model(gguf_model, device: str | None = "auto", threads: int | None = N
     from strata.backends.cpu import CpuModel
 
     device = check_device(device)
-    recurrent = gguf_model.spec.recurrent_layers
-    if recurrent and device == "auto":
-        log.info("device auto: the CPU (the CUDA backend does not run %s's gated delta-net "
-                 "layers yet)", gguf_model.spec.arch)
-        return CpuModel(gguf_model, num_threads=threads)
-    if recurrent and device != "cpu":
-        raise ConfigError(f"the CUDA backend does not run {gguf_model.spec.arch}'s gated "
-                          f"delta-net (recurrent) layers yet ({len(recurrent)} of its "
-                          f"{gguf_model.spec.n_layers} layers); run it with --device cpu")
     if config is not None and config.is_split and device != "cpu":
+        if gguf_model.spec.recurrent_layers:
+            raise ConfigError(
+                f"--layer-split / --split-device: a layer split does not carry "
+                f"{gguf_model.spec.arch}'s recurrent state between GPUs yet; run it on one "
+                "GPU (leave both unset) or with --device cpu")
         from strata.backends.cuda.split_model import build_split_model
 
         return build_split_model(gguf_model, config, offload=bool(needs_cpu_experts))

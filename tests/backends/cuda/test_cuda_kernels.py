@@ -1,9 +1,8 @@
 """CUDA kernels against float64 numpy references on fresh random inputs: the product kernels on
 every GGUF type (dense, grouped by expert, gate/up + SiLU; the decode mv_* kernels on Q4_0,
 Q8_0 and the k-quants), activation quantisation, attention over fp16 and int8 KV caches (split
-over blocks),
-QK-norm + RoPE + KV append, RMSNorm, the combine fused with the next norm, and the one-launch
-router (product, top-k, grouping)."""
+over blocks), QK-norm + RoPE (whole heads or partial) + KV append, RMSNorm, the combine fused
+with the next norm, and the one-launch router (product, top-k, grouping)."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -154,7 +153,6 @@ def test_dense_and_grouped_products(runtime, weight_type):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
 
 
-
 ATT_SPLITS = 4  # attention.cu's ATT_SPLITS (blocks per (row, head))
 
 
@@ -218,6 +216,57 @@ def test_attention_over_fp16_cache(runtime, head_dim):
         alone, _, _ = run_attention(dev, q[r:r + 1], bases[r:r + 1], positions[r:r + 1], C,
                                     layer, L, KVH, want_q8=fused_q8)
         np.testing.assert_array_equal(alone[0], got[r])
+
+
+def rope_reference(x, norm_w, pos, inv_freq, eps):
+    """QK-norm (when norm_w) + NEOX RoPE of one head [D] in float64: the first
+    n_rot = 2 * len(inv_freq) dims rotate, the others pass (partial RoPE)."""
+    x = x.astype(np.float64)
+    if norm_w is not None:
+        x = x / np.sqrt((x ** 2).mean() + eps) * norm_w
+    half = len(inv_freq)
+    x1, x2, rest = x[:half], x[half:2 * half], x[2 * half:]
+    f = pos * inv_freq.astype(np.float64)
+    c, s = np.cos(f), np.sin(f)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest])
+
+
+@pytest.mark.parametrize("has_norm", (False, True))
+def test_partial_rope_append(runtime, has_norm):
+    """qk_rope_append with n_rot = D/4 (qwen3next: D 256, 64 rotated dims) into an fp16 KV: q
+    and the K cells rotate their first n_rot dims, the others are only normed (without norm
+    weights q keeps them bit for bit); V cells are v."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    L, KVH, Q, D, C, layer, eps = 2, 2, 8, 256, 24, 1, 1e-6
+    n_rot = D // 4
+    positions = np.array([0, 5, 23], dtype=np.int32)
+    R = len(positions)
+    q = rng.standard_normal((R, Q, D)).astype(np.float32)
+    k = rng.standard_normal((R, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((R, KVH, D)).astype(np.float32)
+    qn, kn = (rng.random(D) + 0.5).astype(np.float32), (rng.random(D) + 0.5).astype(np.float32)
+    inv_freq = (1.0 / np.power(np.float32(10000000),
+                               np.arange(0, n_rot, 2, dtype=np.float32) / n_rot)
+                ).astype(np.float32)
+    kvs = [dev.empty(2 * L * 2 * KVH * C * D) for _ in range(R)]
+    qp = dev.put(q)
+    dev.launch("qk_rope_append", (R, Q + 2 * KVH), (32,), "PPPPPPfPPPiiiiii",
+               [qp, dev.put(k), dev.put(v), dev.put(qn) if has_norm else 0,
+                dev.put(kn) if has_norm else 0, dev.put(inv_freq), eps,
+                dev.put(np.array(kvs, dtype=np.uint64)), dev.put(positions),
+                dev.put(np.full(R, C, dtype=np.int32)), layer, L, Q, KVH, D, n_rot])
+    got_q = dev.get(qp, (R, Q, D), np.float32)
+    if not has_norm:
+        np.testing.assert_array_equal(got_q[..., n_rot:], q[..., n_rot:])
+    for r, pos in enumerate(positions):
+        for h in range(Q):
+            want = rope_reference(q[r, h], qn if has_norm else None, pos, inv_freq, eps)
+            np.testing.assert_allclose(got_q[r, h], want, rtol=1e-4, atol=1e-4)
+        cells = dev.get(kvs[r], (L, 2, KVH, C, D), np.float16)
+        for j in range(KVH):
+            want = rope_reference(k[r, j], kn if has_norm else None, pos, inv_freq, eps)
+            np.testing.assert_allclose(cells[layer, 0, j, pos], want, rtol=2e-3, atol=2e-3)
+            np.testing.assert_array_equal(cells[layer, 1, j, pos], v[r, j].astype(np.float16))
 
 
 def test_rmsnorm_one_pass_and_fallback(runtime):
@@ -340,6 +389,40 @@ def test_group_pairs_over_several_chunks(runtime):
     np.testing.assert_array_equal(dev.get(groups, (len(want_groups), 3), np.int32), want_groups)
     np.testing.assert_array_equal(dev.get(act_rows, (P,), np.int32), want_act)
     np.testing.assert_array_equal(dev.get(out_rows, (P,), np.int32), want_out)
+
+
+@pytest.mark.parametrize("E, threads", [(128, 1024), (512, 512), (512, 256)])
+def test_group_pairs_wide_at_any_block_size(runtime, E, threads):
+    """group_pairs_wide groups exactly with fewer threads too (the plan's choice when
+    [warps + 1, E] counts would not fit the shared memory: Qwen3-Next's 512 experts)."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    K, R = 10, 512
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(R)]).astype(np.int32)
+    P = R * K
+    groups, num_groups = dev.empty(12 * E), dev.empty(4)
+    act_rows, out_rows = dev.empty(4 * P), dev.empty(4 * P)
+    dev.launch("group_pairs_wide", (1,), (threads,), "PiiiPPPP",
+               [dev.put(ids), P, K, E, groups, num_groups, act_rows, out_rows],
+               shared_bytes=4 * (threads // 32 + 1) * E)
+    want_groups, want_act, want_out = grouped_reference(ids, E)
+    assert dev.get(num_groups, (1,), np.int32)[0] == len(want_groups)
+    np.testing.assert_array_equal(dev.get(groups, (len(want_groups), 3), np.int32), want_groups)
+    np.testing.assert_array_equal(dev.get(act_rows, (P,), np.int32), want_act)
+    np.testing.assert_array_equal(dev.get(out_rows, (P,), np.int32), want_out)
+
+
+@pytest.mark.parametrize("H", (64, 2048, 66))
+def test_gate_logit_rows(runtime, H):
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    R = 7
+    x = rng.standard_normal((R, H)).astype(np.float32)
+    w = rng.standard_normal(H).astype(np.float32)
+    out = dev.empty(4 * R)
+    dev.launch("gate_logit_rows", ((R + 3) // 4,), (128,), "PPiiP",
+               [dev.put(x), dev.put(w), R, H, out])
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(dev.get(out, (R,), np.float32), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
 
 
 def _mv_blocks(num_outputs: int, num_cols: int) -> int:

@@ -8,7 +8,7 @@ from strata.backends.window import Window
 from strata.errors import ConfigError
 from strata.model.gguf_file import GGUFModel
 
-from test_cuda_kernels import _Dev, attention_reference, run_attention
+from test_cuda_kernels import _Dev, attention_reference, rope_reference, run_attention
 
 pytestmark = pytest.mark.cuda
 
@@ -72,22 +72,11 @@ def test_attention_over_int8_cache_and_mixed_rows(runtime):
             np.testing.assert_allclose(got[r, h], want, rtol=1e-4, atol=1e-5)
 
 
-def _rope_reference(x, norm_w, pos, inv_freq, eps):
-    """QK-norm (when norm_w) + NEOX RoPE of one head [D] in float64."""
-    x = x.astype(np.float64)
-    if norm_w is not None:
-        x = x / np.sqrt((x ** 2).mean() + eps) * norm_w
-    half = len(x) // 2
-    f = pos * inv_freq.astype(np.float64)
-    c, s = np.cos(f), np.sin(f)
-    return np.concatenate([x[:half] * c - x[half:] * s, x[half:] * c + x[:half] * s])
-
-
-@pytest.mark.parametrize("head_dim", (16, 128))
-def test_append_writes_int8_cells_with_scales(runtime, head_dim):
+@pytest.mark.parametrize("head_dim, n_rot", ((16, 16), (128, 128), (16, 4), (128, 32)))
+def test_append_writes_int8_cells_with_scales(runtime, head_dim, n_rot):
     """qk_rope_append into an fp16 and an int8 KV: the same rotated q, fp16 K/V cells equal to
     float64 references within fp16 rounding, int8 cells within half their scale, scale =
-    max |value| / 127."""
+    max |value| / 127. n_rot < D: partial RoPE (qwen3next), the dims past n_rot only normed."""
     dev, rng = _Dev(runtime), np.random.default_rng()
     L, KVH, Q, D, C, layer, eps = 2, 2, 4, head_dim, 40, 1, 1e-6
     positions = np.array([3, 17, 39], dtype=np.int32)
@@ -96,7 +85,8 @@ def test_append_writes_int8_cells_with_scales(runtime, head_dim):
     k = rng.standard_normal((R, KVH, D)).astype(np.float32)
     v = rng.standard_normal((R, KVH, D)).astype(np.float32)
     qn, kn = (rng.random(D) + 0.5).astype(np.float32), (rng.random(D) + 0.5).astype(np.float32)
-    inv_freq = (1.0 / np.power(np.float32(10000), np.arange(0, D, 2, dtype=np.float32) / D)
+    inv_freq = (1.0 / np.power(np.float32(10000),
+                               np.arange(0, n_rot, 2, dtype=np.float32) / n_rot)
                 ).astype(np.float32)
     cells_bytes = L * 2 * KVH * C * D
     fp16_kvs = [dev.empty(2 * cells_bytes) for _ in range(R)]
@@ -104,22 +94,22 @@ def test_append_writes_int8_cells_with_scales(runtime, head_dim):
     q_out = []
     for bases in (fp16_kvs, [b | 1 for b in int8_kvs]):
         qp = dev.put(q)
-        dev.launch("qk_rope_append", (R, Q + 2 * KVH), (32,), "PPPPPPfPPPiiiii",
+        dev.launch("qk_rope_append", (R, Q + 2 * KVH), (32,), "PPPPPPfPPPiiiiii",
                    [qp, dev.put(k), dev.put(v), dev.put(qn), dev.put(kn), dev.put(inv_freq),
                     eps, dev.put(np.array(bases, dtype=np.uint64)), dev.put(positions),
-                    dev.put(np.full(R, C, dtype=np.int32)), layer, L, Q, KVH, D])
+                    dev.put(np.full(R, C, dtype=np.int32)), layer, L, Q, KVH, D, n_rot])
         q_out.append(dev.get(qp, (R, Q, D), np.float32))
     np.testing.assert_array_equal(q_out[0], q_out[1])
     for r, pos in enumerate(positions):
         for h in range(Q):
-            want = _rope_reference(q[r, h], qn, pos, inv_freq, eps)
+            want = rope_reference(q[r, h], qn, pos, inv_freq, eps)
             np.testing.assert_allclose(q_out[0][r, h], want, rtol=1e-4, atol=1e-4)
         half = dev.get(fp16_kvs[r], (L, 2, KVH, C, D), np.float16)
         raw = dev.get(int8_kvs[r], (cells_bytes + 4 * L * 2 * KVH * C,), np.uint8)
         codes = raw[:cells_bytes].view(np.int8).reshape(L, 2, KVH, C, D)
         scales = raw[cells_bytes:].view(np.float32).reshape(L, 2, KVH, C)
         for j in range(KVH):
-            for kind, want in ((0, _rope_reference(k[r, j], kn, pos, inv_freq, eps)),
+            for kind, want in ((0, rope_reference(k[r, j], kn, pos, inv_freq, eps)),
                                (1, v[r, j].astype(np.float64))):
                 np.testing.assert_allclose(half[layer, kind, j, pos], want, rtol=2e-3,
                                            atol=2e-3)

@@ -32,16 +32,20 @@ __device__ __forceinline__ KvHead kv_head(unsigned long long tagged_base, int L,
 
 // ---- QK-norm (when norm weights are given) + NEOX RoPE of q and k, K/V written into each
 // row's KV at cell pos[r] (fp16, or int8 with scale max|v| / 127 per (token, head)). q [R, Q*D]
-// is rotated in place. grid (R, Q + 2*KVH), block 32.
+// is rotated in place. Partial RoPE: the first n_rot dims of a head rotate (pairs (i,
+// i + n_rot/2), i < n_rot/2, at inv_freq [n_rot/2]); dims n_rot .. D-1 pass (QK-normed when
+// norm weights are given). n_rot even, <= D (n_rot = D: the whole head). grid (R, Q + 2*KVH),
+// block 32.
 extern "C" __global__ void qk_rope_append(
     float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
     const float *__restrict__ q_norm, const float *__restrict__ k_norm,
     const float *__restrict__ inv_freq, float eps, const unsigned long long *__restrict__ kv_base,
     const int *__restrict__ pos, const int *__restrict__ cap, int layer, int L, int Q, int KVH,
-    int D) {
+    int D, int n_rot) {
     kernel_entry();
+    __shared__ float sk[32 * ATT_DMAX];  // a K head's output [D]
     const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
-    const int half_d = D >> 1;
+    const int half_rot = n_rot >> 1;
     const int C = cap[r], cell = pos[r];
     // o[j]: dim lane + 32 j of the head's output (rotated k, or v), for int8 quantisation
     float o[ATT_DMAX];
@@ -69,16 +73,16 @@ extern "C" __global__ void qk_rope_append(
             scale = 1.0f / sqrtf(ss / (float)D + eps);
         }
         const float p = (float)cell;
-        float rot[ATT_DMAX];  // rot[j], rot[j + ATT_DMAX/2]: dims i, i + half_d (i = lane + 32j)
+        float rot[ATT_DMAX];  // rot[j], rot[j + ATT_DMAX/2]: dims i, i + half_rot (i = lane + 32j)
 #pragma unroll
         for (int j = 0; j < ATT_DMAX / 2; j++) {
             const int i = lane + 32 * j;
             rot[j] = rot[j + ATT_DMAX / 2] = 0.0f;
-            if (i < half_d) {
-                float x1 = src[i], x2 = src[i + half_d];
+            if (i < half_rot) {
+                float x1 = src[i], x2 = src[i + half_rot];
                 if (nw != nullptr) {
                     x1 = (x1 * scale) * nw[i];
-                    x2 = (x2 * scale) * nw[i + half_d];
+                    x2 = (x2 * scale) * nw[i + half_rot];
                 }
                 const float f = p * inv_freq[i];
                 const float c = cosf(f), s = sinf(f);
@@ -86,25 +90,35 @@ extern "C" __global__ void qk_rope_append(
                 rot[j + ATT_DMAX / 2] = x2 * c + x1 * s;
             }
         }
+        // the dims past n_rot: only this lane reads and writes its dims, so q may be updated
+        // in place here (q passes unchanged without norm weights)
+#pragma unroll
+        for (int j = 0; j < ATT_DMAX; j++) {
+            const int i = lane + 32 * j;
+            if (i >= n_rot && i < D) {
+                const float x = nw != nullptr ? (src[i] * scale) * nw[i] : src[i];
+                if (!is_q) sk[i] = x;
+                else if (nw != nullptr) src[i] = x;
+            }
+        }
         if (is_q) {
 #pragma unroll
             for (int j = 0; j < ATT_DMAX / 2; j++) {
                 const int i = lane + 32 * j;
-                if (i < half_d) {
+                if (i < half_rot) {
                     src[i] = rot[j];
-                    src[i + half_d] = rot[j + ATT_DMAX / 2];
+                    src[i + half_rot] = rot[j + ATT_DMAX / 2];
                 }
             }
             return;
         }
         // back to the layout o[j] = dim lane + 32 j through shared memory
-        __shared__ float sk[32 * ATT_DMAX];
 #pragma unroll
         for (int j = 0; j < ATT_DMAX / 2; j++) {
             const int i = lane + 32 * j;
-            if (i < half_d) {
+            if (i < half_rot) {
                 sk[i] = rot[j];
-                sk[i + half_d] = rot[j + ATT_DMAX / 2];
+                sk[i + half_rot] = rot[j + ATT_DMAX / 2];
             }
         }
         __syncwarp();

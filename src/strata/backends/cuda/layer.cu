@@ -209,6 +209,29 @@ extern "C" __global__ void moe_combine(float *__restrict__ x, const float *__res
     x[i] += acc;
 }
 
+// ---- the shared expert's gate logit: out[r] = dot(x[r], w), x [R, H], w [H] (float32). One
+// warp per row, so a row's sum is the same in every window. grid ceil(R / 4), block 128 ------
+extern "C" __global__ void __launch_bounds__(128)
+gate_logit_rows(const float *__restrict__ x, const float *__restrict__ w, int R, int H,
+                float *__restrict__ out) {
+    kernel_entry();
+    const int r = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= R) return;
+    const float *xr = x + (long long)r * H;  // [H]
+    float acc = 0.0f;
+    if ((H & 3) == 0) {
+        for (int c = 4 * lane; c < H; c += 128) {
+            const float4 a = *reinterpret_cast<const float4 *>(xr + c);
+            const float4 b = *reinterpret_cast<const float4 *>(w + c);
+            acc = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));
+        }
+    } else {
+        for (int c = lane; c < H; c += 32) acc = fmaf(xr[c], w[c], acc);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[r] = acc;
+}
+
 // ---- greedy choice: out[n] = argmax_v logits[n, v] (lowest id on ties); grid N, block 1024 --
 extern "C" __global__ void __launch_bounds__(1024)
 argmax_rows(const float *__restrict__ logits, int V, int *__restrict__ out) {

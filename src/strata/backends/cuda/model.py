@@ -17,28 +17,37 @@ from strata.backends.cuda.device_tier import DeviceTier
 from strata.backends.cuda.weights import (DeviceLayer, DeviceMatrix, DeviceVector, small_values,
                                           weight_bytes)
 from strata.backends.window import Window
+from strata.engine.recurrent import DEFAULT_CHECKPOINTS
 from strata.errors import ConfigError, RequestError
 from strata.model.gguf_file import GGUFModel
 
 GRAPH_MAX_ROWS = 16      # windows of at most this many rows replay a captured graph
 _MIN_WORKSPACE_ROWS = 64
+_MAX_PLANS = 32          # window shapes whose launches (and graphs) are kept
+_VRAM_RESERVE_BYTES = 512 << 20  # left free for the workspace, KV and the driver
 
 
 def _pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
-_MAX_PLANS = 32          # window shapes whose launches (and graphs) are kept
-_VRAM_RESERVE_BYTES = 512 << 20  # left free for the workspace, KV and the driver
 
 
-class _GateRow:
-    """The shared expert's [H] gate as a one-row F32 matrix for the product kernels."""
+def _delta_products(ly) -> tuple:
+    """The products over H of a gated delta-net layer (none for an attention layer)."""
+    return (ly.ssm_qkv, ly.ssm_gate, ly.ssm_ba) if ly.is_recurrent else ()
 
-    suffix, is_float, expert_bytes, table_ptr, rows = "f32", True, 0, 0, 1
 
-    def __init__(self, vec: DeviceVector):
-        self.ptr, self.cols, self.row_bytes = vec.ptr, vec.size, 4 * vec.size
-        self._vec = vec
+def _check_delta_net(spec, layers) -> None:
+    """ConfigError naming the dimension when a hybrid model's recurrent layers do not fit the
+    CUDA kernels (delta_net.cu)."""
+    if spec.ssm_state > 128:
+        raise ConfigError(f"delta-net key head dim {spec.ssm_state}: the CUDA delta rule keeps "
+                          "a column of the state in registers, at most 128 rows; run this "
+                          "model with --device cpu")
+    if any(ly.is_recurrent and not ly.ssm_out.is_float for ly in layers) \
+            and spec.ssm_inner % 32:
+        raise ConfigError(f"delta-net inner size {spec.ssm_inner} must be a multiple of 32 "
+                          "for a quantised ssm_out on the CUDA backend; run with --device cpu")
 
 
 class CudaModel:
@@ -93,16 +102,16 @@ class CudaModel:
             self.out_norm = DeviceVector(rt, small_values(gguf_model.tensor("output_norm.weight")))
             self.head = self.embd if spec.tied_output else DeviceMatrix(
                 rt, gguf_model.tensor("output.weight"))
-        self.shexp_gate_rows = [_GateRow(ly.shexp_gate) if ly.shexp_gate is not None else None
-                                for ly in self.layers]
-        # as the CPU backend: inverse frequencies in float32, as torch computes them
-        exps = np.arange(0, spec.head_dim, 2, dtype=np.float32) / np.float32(spec.head_dim)
+        # as the CPU backend: inverse frequencies in float32, as torch computes them (of the
+        # first n_rot dims of a head: qwen3next rotates only those)
+        exps = np.arange(0, spec.n_rot, 2, dtype=np.float32) / np.float32(spec.n_rot)
         self.inv_freq = DeviceVector(rt, 1.0 / np.power(np.float32(spec.rope_theta), exps))
         self.eps = float(np.float32(spec.rms_eps))
         self.attn_scale = float(np.float32(spec.head_dim ** -0.5))
-        mats = [m for m in (self.head,) if m is not None] + [m for ly in self.layers for m in
-                              (ly.wq, ly.wk, ly.wv, ly.router, ly.gate_exps, ly.shexp_w_gate)
-                              if m is not None]
+        mats = [m for m in (self.head,) if m is not None] + [
+            m for ly in self.layers for m in (ly.wq, ly.wk, ly.wv, ly.router, ly.gate_exps,
+                                              ly.shexp_w_gate, *_delta_products(ly))
+            if m is not None]
         # the normed rows are also quantised when a product over H reads 8-bit activations
         self.quantize_h = any(not m.is_float for m in mats)
         if spec.head_dim % 8 or spec.head_dim > 256:
@@ -111,6 +120,8 @@ class CudaModel:
         if self.quantize_h and (spec.hidden % 32 or spec.q_dim % 32):
             raise ConfigError(f"hidden {spec.hidden} / q_dim {spec.q_dim} must be multiples of "
                               "32 for quantised weights on the CUDA backend")
+        if spec.recurrent_layers:
+            _check_delta_net(spec, self.layers)
         self._ws: Workspace | None = None
         self._plans: OrderedDict[tuple[int, int], WindowPlan] = OrderedDict()
         self.use_graphs = True
@@ -146,9 +157,11 @@ class CudaModel:
         self._plans.clear()
 
     # ---- KV ---------------------------------------------------------------------------------
-    def new_kv(self, capacity_tokens: int, dtype=None) -> CudaKV:
+    def new_kv(self, capacity_tokens: int, dtype=None,
+               max_checkpoints: int = DEFAULT_CHECKPOINTS) -> CudaKV:
         """An empty device KV cache for one sequence: fp16 cells (dtype None or float16), or
-        int8 cells with a scale per (token, head) (dtype int8)."""
+        int8 cells with a scale per (token, head) (dtype int8); a hybrid model's also holds
+        its recurrent state and keeps up to `max_checkpoints` copies to go back to."""
         if dtype is not None and np.dtype(dtype) not in (np.float16, np.int8):
             raise ConfigError(f"the CUDA backend keeps KV cells as float16 or int8, not "
                               f"{np.dtype(dtype).name}; pass one of those or leave dtype unset")
@@ -158,7 +171,7 @@ class CudaModel:
                 f"{self.spec.context_length}; ask for at most {self.spec.context_length}")
         with self.runtime.active():
             return CudaKV(self.runtime, self.spec, capacity_tokens,
-                          np.float16 if dtype is None else dtype)
+                          np.float16 if dtype is None else dtype, max_checkpoints)
 
     # ---- plans --------------------------------------------------------------------------------
     def _plan(self, num_rows: int, num_logit_rows: int) -> WindowPlan:
@@ -267,6 +280,12 @@ class CudaModel:
         ws.host_tokens[:R] = window.tokens
         ws.host_pos[:R] = window.positions
         ws.host_logit_rows[:N] = window.logit_rows
+        if ws.hybrid:  # each row's sequence state and run (the delta-net kernels' runs)
+            ws.host_state[:R] = np.repeat(np.array([kv.state.buffers() for kv in window.kvs],
+                                                   dtype=np.uint64).reshape(-1, 4), lengths,
+                                          axis=0)
+            ws.host_run0[:R] = np.repeat(window.run_starts[:-1], lengths)
+            ws.host_run_len[:R] = np.repeat(lengths, lengths)
         if N == 0:
             ws.host_logit_rows[0] = R - 1  # the head still runs over one row; not returned
         self.runtime.drv.memcpy_htod_async(ws.ptr("desc"), ws.host_desc, self.runtime.stream)

@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 
+from strata.engine.recurrent import RecurrentState
 from strata.errors import ConfigError
 from strata.experts.arena import COPY_CHUNK_BYTES, ExpertArena, num_slots_for
 from strata.experts.pack import PARTS, expert_tensor_name
@@ -103,9 +104,14 @@ def work_buffer_bytes(spec, num_rows: int, num_logit_rows: int | None = None) ->
     """About the bytes of plan.Workspace for windows of `num_rows` rows, `num_logit_rows` of
     them with logits (default all; its largest buffers: per row the residual, normed rows,
     q/k/v and router; per pair the expert buffers; per logit row the logits)."""
-    wide = max(spec.hidden, spec.q_dim)
+    recurrent = bool(spec.recurrent_layers)
+    wide = max(spec.hidden, spec.q_dim, spec.ssm_inner if recurrent else 0)
     per_row = 4 * (3 * spec.hidden + 3 * wide + spec.q_dim + 2 * spec.kv_dim + spec.n_experts
                    + 2 * max(spec.shared_ffn, 1))
+    if spec.has_attn_gate:  # q and gate projected together, then apart
+        per_row += 4 * 3 * spec.q_dim
+    if recurrent:  # a delta-net layer's q|k|v before and after the conv, z, beta|alpha, out
+        per_row += 4 * (2 * spec.ssm_channels + 2 * spec.ssm_inner + 2 * spec.ssm_heads)
     per_pair = 16 + 5 * spec.expert_ffn + 4 * spec.hidden
     num_logit_rows = num_rows if num_logit_rows is None else min(num_logit_rows, num_rows)
     return num_rows * (per_row + spec.n_experts_used * per_pair) + num_logit_rows * 4 * spec.vocab
@@ -117,9 +123,12 @@ def auto_budget_bytes(model, config) -> int:
     spec = model.spec
     free, _ = model.runtime.free_bytes()
     n_ctx = config.resolve_n_ctx(spec.context_length)
-    # fp16 K and V of every slot (--kv-grow: the base cells; more are lent by the cache)
+    # fp16 K and V of every slot (--kv-grow: the base cells; more are lent by the cache), and
+    # a hybrid model's two recurrent state buffers per slot
     kv_cells = config.parallel * config.kv_base_cells(n_ctx)
-    kv_bytes = kv_cells * spec.n_layers * 2 * spec.kv_dim * 2
+    kv_bytes = kv_cells * len(spec.attention_layers) * 2 * spec.kv_dim * 2
+    if spec.recurrent_layers:
+        kv_bytes += config.parallel * 2 * RecurrentState.nbytes_per_state(spec)
     # the largest window: a prompt chunk (--read-chunk auto: the streamed solo chunk) and the
     # other slots' decode rows; logits for the decode rows only
     num_rows = config.max_prompt_window_tokens() + 16 * config.parallel

@@ -155,17 +155,28 @@ class Workspace:
         R, H, K = max_rows, spec.hidden, spec.n_experts_used
         P, F, S, V = R * K, spec.expert_ffn, max(spec.shared_ffn, 1), spec.vocab
         N = R if max_logit_rows is None else max(1, min(int(max_logit_rows), R))
-        wide = max(H, spec.q_dim)
-        self.max_rows, self.max_logit_rows = R, N
+        hybrid = bool(spec.recurrent_layers)
+        C, VI = (spec.ssm_channels, spec.ssm_inner) if hybrid else (0, 0)
+        wide = max(H, spec.q_dim, VI)
+        gated_q = spec.q_dim if spec.has_attn_gate else 0
+        self.max_rows, self.max_logit_rows, self.hybrid = R, N, hybrid
         f4, i4, i1 = 4, 4, 1
         sizes = {
-            # descriptor: kv_base u64 [R], then tokens, pos, cap, logit_rows int32 [R] each
-            "desc": 8 * R + 4 * 4 * R,
+            # descriptor: kv_base u64 [R], then tokens, pos, cap, logit_rows int32 [R] each;
+            # a hybrid model's then: state u64 [R, 4] (conv in/out, ssm in/out of the row's
+            # sequence), run0 and run_len int32 [R] (its run's first row and length)
+            "desc": 8 * R + 4 * 4 * R + (40 * R if hybrid else 0),
             "x": f4 * R * H,                  # [R, H] the residual stream
             "hf": f4 * R * wide,              # [R, max(H, Q*D)] normed rows / attention output
             "hq": i1 * R * wide,              # its 8-bit form
             "hd": f4 * R * wide // 32,        # and scales per 32 columns
-            "qb": f4 * R * spec.q_dim,        # [R, Q*D]
+            "qb": f4 * R * (spec.q_dim + gated_q),  # [R, Q*D] ([R, Q, 2D]: query + gate heads)
+            "qq": f4 * R * gated_q,           # [R, Q*D] the queries of a gated attention
+            "gate": f4 * R * gated_q,         # [R, Q*D] and its gate
+            # a gated delta-net layer's: q | k | v [R, C] before and after the conv, z [R, VI],
+            # beta logits | alpha [R, 2*Hv], the delta rule's output [R, VI]
+            "rq": f4 * R * C, "ry": f4 * R * C, "rz": f4 * R * VI,
+            "rba": f4 * R * 2 * spec.ssm_heads, "rcore": f4 * R * VI,
             "kb": f4 * R * spec.kv_dim,       # [R, KVH*D]
             "vb": f4 * R * spec.kv_dim,       # [R, KVH*D]
             "router": f4 * R * spec.n_experts,  # [R, E]
@@ -199,6 +210,10 @@ class Workspace:
         ints = self.host_desc[8 * R:].view(np.int32)
         self.host_tokens, self.host_pos = ints[:R], ints[R:2 * R]
         self.host_cap, self.host_logit_rows = ints[2 * R:3 * R], ints[3 * R:4 * R]
+        if hybrid:
+            self.host_state = self.host_desc[24 * R:56 * R].view(np.uint64).reshape(R, 4)
+            runs = self.host_desc[56 * R:64 * R].view(np.int32)
+            self.host_run0, self.host_run_len = runs[:R], runs[R:]
         self.host_logits = runtime.pinned((N, V), np.float32)  # [N, V] read back
         self.host_argmax = runtime.pinned((R,), np.int32)
 
@@ -207,7 +222,8 @@ class Workspace:
 
     def desc(self, field: str) -> int:
         R = self.max_rows
-        at = {"kv": 0, "tokens": 8 * R, "pos": 12 * R, "cap": 16 * R, "logit_rows": 20 * R}
+        at = {"kv": 0, "tokens": 8 * R, "pos": 12 * R, "cap": 16 * R, "logit_rows": 20 * R,
+              "state": 24 * R, "run0": 56 * R, "run_len": 60 * R}
         return self.ptr("desc") + at[field]
 
 
@@ -256,7 +272,8 @@ class WindowPlan:
         static = int(self._static)
         if grouped:
             groups, num_groups = ws.ptr("groups"), ws.ptr("num_groups")
-            max_groups = min(self._model.spec.n_experts, self.num_rows * self._model.spec.n_experts_used)
+            spec = self._model.spec
+            max_groups = min(spec.n_experts, self.num_rows * spec.n_experts_used)
         else:
             groups = static + (12 if logit_rows else 0)
             num_groups, max_groups = static + 24, 1
@@ -273,7 +290,8 @@ class WindowPlan:
             raise RuntimeError(f"{kernel} cannot keep the experts it reads (only mv_* can)")
         self._add(kernel, grid, block, MM_FMT,
                   [w.ptr, w2.ptr if w2 is not None else 0, w.table_ptr if grouped else 0,
-                   w2.table_ptr if grouped and w2 is not None else 0, w.row_bytes, w.rows, w.cols, xf, xq, xd, groups, num_groups,
+                   w2.table_ptr if grouped and w2 is not None else 0, w.row_bytes, w.rows,
+                   w.cols, xf, xq, xd, groups, num_groups,
                    ws.ptr("act_rows") if act_rows else 0, ws.ptr("out_rows") if out_rows else 0,
                    bias.ptr if bias is not None else 0, ws.ptr(out), w.rows, *keep])
 
@@ -310,13 +328,15 @@ class WindowPlan:
                    ws.desc("logit_rows") if gather else 0, ws.ptr("hf"),
                    ws.ptr("hq") if quantize else 0, ws.ptr("hd") if quantize else 0])
 
-    def _attention(self, li: int, fuse_q: bool) -> None:
-        """Attention of every row over its KV into hf [R, Q*D] (+ hq/hd when fuse_q): in
-        prompt-sized windows attention_prompt (rows beside rows of their slot) and
-        attention_singles_d* (the rest, as attention_d*), else attention_d* for all rows."""
+    def _attention(self, li: int, fuse_q: bool, q: str = "qb") -> None:
+        """Attention of every row (queries in `q`) over its KV into hf [R, Q*D] (+ hq/hd when
+        fuse_q): in prompt-sized windows attention_prompt (rows beside rows of their slot) and
+        attention_singles_d* (the rest, as attention_d*), else attention_d* for all rows. `li`:
+        the layer's index among the attention layers (its cells in the KV)."""
         ws, spec, R = self._ws, self._model.spec, self.num_rows
-        Q, KVH, D, L = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.n_layers
-        outs = [ws.ptr("qb"), ws.ptr("hf"), ws.ptr("hq") if fuse_q else 0,
+        Q, KVH, D = spec.n_heads, spec.n_kv_heads, spec.head_dim
+        L = len(spec.attention_layers)
+        outs = [ws.ptr(q), ws.ptr("hf"), ws.ptr("hq") if fuse_q else 0,
                 ws.ptr("hd") if fuse_q else 0, ws.desc("kv"), ws.desc("pos"), ws.desc("cap")]
         split = [ws.ptr("att_part"), ws.ptr("att_counts")]
         scale = self._model.attn_scale
@@ -354,42 +374,93 @@ class WindowPlan:
         self._mm("store", w, "hf", "router")  # [R, E] logits
         self._add("router_topk", (R,), (32,), "PiiiPP",
                   [outs[0], E, K, int(spec.norm_topk), outs[1], outs[2]], shared_bytes=4 * E)
-        wide_shared_bytes = 4 * (GROUP_WIDE_THREADS // 32 + 1) * E
-        if R >= MMQ_MIN_ROWS and wide_shared_bytes <= GROUP_WIDE_MAX_SHARED_BYTES:
-            self._add("group_pairs_wide", (1,), (GROUP_WIDE_THREADS,), "PiiiPPPP",
-                      [outs[1], R * K, K, E, *outs[3:]], shared_bytes=wide_shared_bytes)
+        # the most threads whose per-warp counts [warps + 1, E] fit the shared memory (512 for
+        # Qwen3-Next's 512 experts: the one-block group_pairs took 19 of a 512-row window's
+        # 125 ms there, H200)
+        threads = next((t for t in (GROUP_WIDE_THREADS, GROUP_WIDE_THREADS // 2,
+                                    GROUP_WIDE_THREADS // 4)
+                        if 4 * (t // 32 + 1) * E <= GROUP_WIDE_MAX_SHARED_BYTES), 0)
+        if R >= MMQ_MIN_ROWS and threads:
+            self._add("group_pairs_wide", (1,), (threads,), "PiiiPPPP",
+                      [outs[1], R * K, K, E, *outs[3:]],
+                      shared_bytes=4 * (threads // 32 + 1) * E)
             return
         self._add("group_pairs", (1,), (256,), "PiiiPPPP", [outs[1], R * K, K, E, *outs[3:]],
                   shared_bytes=group_shared_bytes)
+
+    def _gated_or_plain_attention(self, ly) -> None:
+        """x += the attention of every row [R, H]. A gated one (qwen3next) projects each head's
+        query and gate together, and scales the attention output by sigmoid(gate)."""
+        m, ws, spec, R = self._model, self._ws, self._model.spec, self.num_rows
+        Q, KVH, D = spec.n_heads, spec.n_kv_heads, spec.head_dim
+        gated = spec.has_attn_gate
+        self._qkv(ly)  # qb [R, Q*D] ([R, Q, 2D] gated), kb [R, KVH*D], vb [R, KVH*D]
+        q = "qb"
+        if gated:  # qq, gate [R, Q*D]
+            q = "qq"
+            self._add("split_q_gate", ((R * Q * D + 255) // 256,), (256,), "PiiiPP",
+                      [ws.ptr("qb"), R, Q, D, ws.ptr("qq"), ws.ptr("gate")])
+        self._add("qk_rope_append", (R, Q + 2 * KVH), (32,), "PPPPPPfPPPiiiiii",
+                  [ws.ptr(q), ws.ptr("kb"), ws.ptr("vb"),
+                   ly.q_norm.ptr if ly.q_norm else 0, ly.k_norm.ptr if ly.k_norm else 0,
+                   m.inv_freq.ptr, m.eps, ws.desc("kv"), ws.desc("pos"), ws.desc("cap"),
+                   ly.cache_index, len(spec.attention_layers), Q, KVH, D, spec.n_rot])
+        # hf [R, Q*D]; its 8-bit form in the same kernel when heads are whole blocks of 32
+        fuse_q = not ly.wo.is_float and D % 32 == 0 and not gated
+        self._attention(ly.cache_index, fuse_q, q)
+        if gated:  # hf *= sigmoid(gate)
+            self._add("mul_sigmoid", ((R * Q * D + 255) // 256,), (256,), "PPq",
+                      [ws.ptr("hf"), ws.ptr("gate"), R * Q * D])
+        if not ly.wo.is_float and not fuse_q:
+            self._quantize("hf", "hq", "hd", R * Q * D)
+        self._mm("add", ly.wo, "hf", "x")  # x += attention [R, H]
+
+    def _delta_net(self, ly) -> None:
+        """x += a gated delta-net layer over the rows [R, H]: each run's rows in order from its
+        sequence's state (the descriptor's state, run0, run_len), hf (+ hq/hd) normed in."""
+        ws, spec, R = self._ws, self._model.spec, self.num_rows
+        C, K, VI = spec.ssm_channels, spec.ssm_conv, spec.ssm_inner
+        Hk, Hv, Dk, Dv = spec.ssm_groups, spec.ssm_heads, spec.ssm_state, spec.ssm_v_dim
+        ci, eps = ly.cache_index, self._model.eps
+        runs = [ws.desc("state")]
+        runs_tail = [ws.desc("run0"), ws.desc("run_len")]
+        self._mm("store", ly.ssm_qkv, "hf", "rq")  # [R, C] q | k | v
+        self._mm("store", ly.ssm_gate, "hf", "rz")  # [R, VI] z
+        self._mm("store", ly.ssm_ba, "hf", "rba")  # [R, 2*Hv] beta logits | alpha
+        # ry [R, C] = silu(causal conv); the conv state of each run's sequence moves on
+        self._add("conv_silu_rows", ((C + 127) // 128, R), (128,), "PiiPPqPPP",
+                  [ws.ptr("rq"), C, K, ly.conv_w.ptr, *runs, ci * (K - 1) * C, *runs_tail,
+                   ws.ptr("ry")])
+        # rcore [R, VI]: the delta rule per (value head, 32-column panel), runs in order
+        self._add("gated_delta_rows", ((Dv + 31) // 32, Hv, R), (128,), "PiiiiiPPPfPqPPP",
+                  [ws.ptr("ry"), C, Hk, Hv, Dk, Dv, ws.ptr("rba"), ly.ssm_a.ptr,
+                   ly.ssm_dt.ptr, eps, *runs, ci * Hv * Dk * Dv, *runs_tail, ws.ptr("rcore")])
+        # hf [R, VI] = w * rmsnorm(core) * silu(z) per value head
+        self._add("gated_rmsnorm_rows", (R, Hv), (128,), "PPPfiiP",
+                  [ws.ptr("rcore"), ws.ptr("rz"), ly.ssm_norm.ptr, eps, Hv, Dv, ws.ptr("hf")])
+        if not ly.ssm_out.is_float:
+            self._quantize("hf", "hq", "hd", R * VI)
+        self._mm("add", ly.ssm_out, "hf", "x")  # x += [R, H]
 
     # ---- the pass -------------------------------------------------------------------------
     def _build(self) -> None:
         m, ws, spec = self._model, self._ws, self._model.spec
         R, N = self.num_rows, self.num_logit_rows
-        H, Q, KVH, D = spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim
-        E, K, F = spec.n_experts, spec.n_experts_used, spec.expert_ffn
-        P, L = R * K, spec.n_layers
+        H, K, F = spec.hidden, spec.n_experts_used, spec.expert_ffn
+        P = R * K
         if m.is_first:  # later stages of a layer split find x [R, H] copied in
             emb = m.embd
             self._add(f"embed_{emb.suffix}", (R,), (256,), "PqiPP",
                       [emb.ptr, emb.row_bytes, H, ws.desc("tokens"), ws.ptr("x")])
         is_normed = False  # the previous layer's combine_norm already wrote hf (+ hq, hd)
         for li, ly in enumerate(m.layers):
-            # -- attention
+            # -- attention, or a hybrid model's gated delta net
             if not is_normed:
                 self._norm(ly.attn_norm.ptr, R, quantize=m.quantize_h)
-            self._qkv(ly)  # qb [R, Q*D], kb [R, KVH*D], vb [R, KVH*D]
-            self._add("qk_rope_append", (R, Q + 2 * KVH), (32,), "PPPPPPfPPPiiiii",
-                      [ws.ptr("qb"), ws.ptr("kb"), ws.ptr("vb"),
-                       ly.q_norm.ptr if ly.q_norm else 0, ly.k_norm.ptr if ly.k_norm else 0,
-                       m.inv_freq.ptr, m.eps, ws.desc("kv"), ws.desc("pos"), ws.desc("cap"),
-                       li, L, Q, KVH, D])
-            # hf [R, Q*D]; its 8-bit form in the same kernel when heads are whole blocks of 32
-            fuse_q = not ly.wo.is_float and D % 32 == 0
-            self._attention(li, fuse_q)
-            if not ly.wo.is_float and not fuse_q:
-                self._quantize("hf", "hq", "hd", R * Q * D)
-            self._mm("add", ly.wo, "hf", "x")  # x += attention [R, H]
+            if ly.is_recurrent:
+                self._delta_net(ly)  # x += the gated delta net of the rows [R, H]
+            else:
+                self._gated_or_plain_attention(ly)  # x += attention [R, H]
             # -- the routed experts
             self._norm(ly.ffn_norm.ptr, R, quantize=m.quantize_h)
             self._router(ly)  # router [R, E], ids / wts [R, K], the pairs grouped by expert
@@ -417,7 +488,8 @@ class WindowPlan:
                 if not ly.shexp_w_down.is_float:
                     self._quantize("sg", "sgq", "sgd", R * S)
                 self._mm("store", ly.shexp_w_down, "sg", "so")  # [R, H]
-                self._mm("store", m.shexp_gate_rows[li], "hf", "sl")  # [R, 1]
+                self._add("gate_logit_rows", ((R + 3) // 4,), (128,), "PPiiP",
+                          [ws.ptr("hf"), ly.shexp_gate.ptr, R, H, ws.ptr("sl")])  # [R]
                 shared = (ws.ptr("so"), ws.ptr("sl"))
             is_pooled = m.tier is not None and m.tier.pools(R)
             is_normed = (li + 1 < len(m.layers) and H % 4 == 0 and H <= NORM_MAX_HIDDEN

@@ -18,7 +18,7 @@ from strata.errors import ConfigError
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 MODULES = ("matmul.cu", "matvec.cu", "mmq.cu", "mmq_k.cu", "layer.cu", "attention.cu",
-           "attention_prompt.cu", "router.cu", "sample.cu", "offload.cu")
+           "attention_prompt.cu", "router.cu", "sample.cu", "offload.cu", "delta_net.cu")
 _INSTALL_HINT = ("pip install 'strata[cuda]' (PyCUDA; it needs the CUDA toolkit's nvcc and an "
                  "NVIDIA driver), or run with --device cpu")
 _ALIGN_BYTES = 256
@@ -196,7 +196,8 @@ def _kernel_names(source: str) -> list[str]:
     # MMQ_TILE_KERNELS(BODY, NAME, QT, BN, TAG, RAW) at the top level: mmq{BN}{TAG}_{kind}_{NAME}
     for type_name, rows, tag in re.findall(
             r"^MMQ_TILE_KERNELS\(\w+, (\w+), \w+, (\d+), (\w*),", source, flags=re.M):
-        names += [f"mmq{rows}{tag}_{kind}_{type_name}" for kind in ("store", "add", "gateup", "qkv")]
+        names += [f"mmq{rows}{tag}_{kind}_{type_name}"
+                  for kind in ("store", "add", "gateup", "qkv")]
     return [n for n in names if not n.startswith("__")]
 
 

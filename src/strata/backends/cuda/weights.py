@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType
 from strata._native import kernels
 from strata.errors import ConfigError
 from strata.model.arch import ModelSpec
+from strata.model.delta_layout import recurrent_matrices
 from strata.model.gguf_file import GGUFModel, TensorInfo
 
 # Kernel-name suffix of each GGUF type the CUDA kernels read.
@@ -34,7 +35,9 @@ class DeviceMatrix:
     __slots__ = ("buf", "ptr", "qtype", "rows", "cols", "row_bytes", "expert_bytes", "name",
                  "table", "table_ptr")
 
-    def __init__(self, runtime, t: TensorInfo, upload: bool = True, table_ptr: int = 0):
+    def __init__(self, runtime, t: TensorInfo, upload: bool = True, table_ptr: int = 0,
+                 rows: np.ndarray | None = None):
+        """`rows`: only these rows of a 2-D tensor, in this order (whole quantised rows)."""
         if t.qtype not in TYPE_SUFFIX:
             raise ConfigError(f"tensor {t.name} has type {t.type_name}, which the CUDA kernels "
                               "do not read; use --device cpu or requantise the model")
@@ -47,7 +50,11 @@ class DeviceMatrix:
         if not upload:
             self.buf, self.ptr, self.table, self.table_ptr = None, 0, None, int(table_ptr)
             return
-        self.buf = runtime.upload(t.raw)
+        raw = t.raw
+        if rows is not None:
+            raw = np.ascontiguousarray(raw[rows])  # [len(rows), row_bytes]
+            self.rows = int(len(rows))
+        self.buf = runtime.upload(raw)
         self.ptr = int(self.buf)
         self.table, self.table_ptr = None, 0
         if self.expert_bytes:
@@ -100,17 +107,18 @@ class DeviceLayer:
             return DeviceVector(runtime, small_values(t(name)))
 
         self.attn_norm = vec("attn_norm.weight")  # [H]
-        self.wq = mat("attn_q.weight")  # [Q*D, H]
-        self.wk = mat("attn_k.weight")  # [KV*D, H]
-        self.wv = mat("attn_v.weight")  # [KV*D, H]
-        self.wo = mat("attn_output.weight")  # [H, Q*D]
-        has_bias = spec.has_attn_bias
-        self.bq = vec("attn_q.bias") if has_bias else None
-        self.bk = vec("attn_k.bias") if has_bias else None
-        self.bv = vec("attn_v.bias") if has_bias else None
-        self.q_norm = vec("attn_q_norm.weight") if spec.has_qk_norm else None  # [D]
-        self.k_norm = vec("attn_k_norm.weight") if spec.has_qk_norm else None  # [D]
-        self.ffn_norm = vec("ffn_norm.weight")  # [H]
+        self.is_recurrent = spec.is_recurrent(i)
+        # index among the layers of its kind: KV cells (attention) or state (recurrent)
+        kind = spec.recurrent_layers if self.is_recurrent else spec.attention_layers
+        self.cache_index = kind.index(i)
+        self.wq = self.wk = self.wv = self.wo = None
+        self.bq = self.bk = self.bv = self.q_norm = self.k_norm = None
+        if self.is_recurrent:
+            self._recurrent(runtime, model, spec, i, vec)
+        else:
+            self._attention(spec, mat, vec)
+        ffn_norm = "post_attention_norm" if spec.arch == "qwen3next" else "ffn_norm"
+        self.ffn_norm = vec(ffn_norm + ".weight")  # [H]
         self.router = mat("ffn_gate_inp.weight")  # [E, H]
         if expert_tables_ptr:  # [E] uint64 each, in the tables [L, 3, E]
             row_bytes = 8 * spec.n_experts
@@ -136,6 +144,29 @@ class DeviceLayer:
             if self.shexp_w_gate.qtype != self.shexp_w_up.qtype:
                 raise ConfigError(f"layer {i}: the shared expert's gate and up weights differ "
                                   "in type; the fused gate/up kernel needs one type for both")
+
+    def _attention(self, spec: ModelSpec, mat, vec) -> None:
+        self.wq = mat("attn_q.weight")  # [Q*D, H] ([Q*2D, H]: each head's query, then gate)
+        self.wk = mat("attn_k.weight")  # [KV*D, H]
+        self.wv = mat("attn_v.weight")  # [KV*D, H]
+        self.wo = mat("attn_output.weight")  # [H, Q*D]
+        has_bias = spec.has_attn_bias
+        self.bq = vec("attn_q.bias") if has_bias else None
+        self.bk = vec("attn_k.bias") if has_bias else None
+        self.bv = vec("attn_v.bias") if has_bias else None
+        self.q_norm = vec("attn_q_norm.weight") if spec.has_qk_norm else None  # [D]
+        self.k_norm = vec("attn_k_norm.weight") if spec.has_qk_norm else None  # [D]
+
+    def _recurrent(self, runtime, model: GGUFModel, spec: ModelSpec, i: int, vec) -> None:
+        """A gated delta-net layer: its products with rows in the kernels' order
+        (model/delta_layout.py), conv taps, A, dt bias and norm."""
+        m = {key: DeviceMatrix(runtime, model.tensor(name), rows=rows) for key, (name, rows)
+             in recurrent_matrices(spec, model.tensor_names, i).items()}
+        self.ssm_qkv, self.ssm_gate = m["qkv"], m["gate"]  # [C, H], [VI, H]
+        self.ssm_ba, self.ssm_out = m["ba"], m["out"]  # [2*Hv, H], [H, VI]
+        self.conv_w = vec("ssm_conv1d.weight")  # [C, K]
+        self.ssm_a, self.ssm_dt = vec("ssm_a"), vec("ssm_dt.bias")  # [Hv] each
+        self.ssm_norm = vec("ssm_norm.weight")  # [Dv]
 
 
 def weight_bytes(model: GGUFModel, routed_experts: bool = True) -> int:
