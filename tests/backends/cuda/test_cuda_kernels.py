@@ -218,6 +218,19 @@ def test_attention_over_fp16_cache(runtime, head_dim):
         np.testing.assert_array_equal(alone[0], got[r])
 
 
+def rope_inputs(rng, R, Q, KVH, D, n_rot, theta):
+    """Random q [R, Q, D], k and v [R, KVH, D], QK-norm weights [D] and inverse frequencies
+    [n_rot / 2] for qk_rope_append."""
+    q = rng.standard_normal((R, Q, D)).astype(np.float32)
+    k = rng.standard_normal((R, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((R, KVH, D)).astype(np.float32)
+    qn, kn = (rng.random(D) + 0.5).astype(np.float32), (rng.random(D) + 0.5).astype(np.float32)
+    inv_freq = (1.0 / np.power(np.float32(theta),
+                               np.arange(0, n_rot, 2, dtype=np.float32) / n_rot)
+                ).astype(np.float32)
+    return q, k, v, qn, kn, inv_freq
+
+
 def rope_reference(x, norm_w, pos, inv_freq, eps):
     """QK-norm (when norm_w) + NEOX RoPE of one head [D] in float64: the first
     n_rot = 2 * len(inv_freq) dims rotate, the others pass (partial RoPE)."""
@@ -241,13 +254,7 @@ def test_partial_rope_append(runtime, has_norm):
     n_rot = D // 4
     positions = np.array([0, 5, 23], dtype=np.int32)
     R = len(positions)
-    q = rng.standard_normal((R, Q, D)).astype(np.float32)
-    k = rng.standard_normal((R, KVH, D)).astype(np.float32)
-    v = rng.standard_normal((R, KVH, D)).astype(np.float32)
-    qn, kn = (rng.random(D) + 0.5).astype(np.float32), (rng.random(D) + 0.5).astype(np.float32)
-    inv_freq = (1.0 / np.power(np.float32(10000000),
-                               np.arange(0, n_rot, 2, dtype=np.float32) / n_rot)
-                ).astype(np.float32)
+    q, k, v, qn, kn, inv_freq = rope_inputs(rng, R, Q, KVH, D, n_rot, 10000000)
     kvs = [dev.empty(2 * L * 2 * KVH * C * D) for _ in range(R)]
     qp = dev.put(q)
     dev.launch("qk_rope_append", (R, Q + 2 * KVH), (32,), "PPPPPPfPPPiiiiii",

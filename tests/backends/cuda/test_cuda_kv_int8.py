@@ -8,7 +8,8 @@ from strata.backends.window import Window
 from strata.errors import ConfigError
 from strata.model.gguf_file import GGUFModel
 
-from test_cuda_kernels import _Dev, attention_reference, rope_reference, run_attention
+from test_cuda_kernels import (_Dev, attention_reference, rope_inputs, rope_reference,
+                               run_attention)
 
 pytestmark = pytest.mark.cuda
 
@@ -81,13 +82,7 @@ def test_append_writes_int8_cells_with_scales(runtime, head_dim, n_rot):
     L, KVH, Q, D, C, layer, eps = 2, 2, 4, head_dim, 40, 1, 1e-6
     positions = np.array([3, 17, 39], dtype=np.int32)
     R = len(positions)
-    q = rng.standard_normal((R, Q, D)).astype(np.float32)
-    k = rng.standard_normal((R, KVH, D)).astype(np.float32)
-    v = rng.standard_normal((R, KVH, D)).astype(np.float32)
-    qn, kn = (rng.random(D) + 0.5).astype(np.float32), (rng.random(D) + 0.5).astype(np.float32)
-    inv_freq = (1.0 / np.power(np.float32(10000),
-                               np.arange(0, n_rot, 2, dtype=np.float32) / n_rot)
-                ).astype(np.float32)
+    q, k, v, qn, kn, inv_freq = rope_inputs(rng, R, Q, KVH, D, n_rot, 10000)
     cells_bytes = L * 2 * KVH * C * D
     fp16_kvs = [dev.empty(2 * cells_bytes) for _ in range(R)]
     int8_kvs = [dev.empty(cells_bytes + 4 * L * 2 * KVH * C) for _ in range(R)]

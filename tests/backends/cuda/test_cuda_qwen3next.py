@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from strata import Engine, EngineConfig, SamplingParams
-from strata.backends.cpu import CpuModel
 from strata.backends.window import Window
 from strata.engine.generate import collect
-from strata.model.gguf_file import GGUFModel
+
+from test_cuda_parity import _pair as parity_pair, _tokens
 
 pytestmark = pytest.mark.cuda
 
@@ -25,20 +25,10 @@ SHAPE = "tiny-qwen3next"
 FLOAT_TOLERANCE = 1e-4
 QUANT_TOLERANCE = 3e-2
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-_models: dict = {}
 
 
 def _pair(synth_path, weight_type):
-    if weight_type not in _models:
-        from strata.backends.cuda import CudaModel
-
-        path = synth_path(SHAPE, weight_type)
-        _models[weight_type] = (CpuModel(GGUFModel.open(path)), CudaModel(GGUFModel.open(path)))
-    return _models[weight_type]
-
-
-def _tokens(n, vocab, seed):
-    return np.random.default_rng(seed).integers(0, vocab, size=n).astype(np.int32)
+    return parity_pair(synth_path, SHAPE, weight_type)
 
 
 def _errors(got, want):
