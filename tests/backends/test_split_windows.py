@@ -90,8 +90,55 @@ def test_split_kv_sends_each_layer_to_its_stage_and_moves_tokens_together(gguf):
         kv.truncate(2)
     kv.clear()
     assert kv.num_tokens == 0
-    with pytest.raises(IndexError, match="outside the model's 4"):
+    with pytest.raises(IndexError, match="outside the 4 with cells"):
         kv.part_of(4)
+
+
+@pytest.mark.parametrize("firsts, cells, states", [([0, 1], [0, 2], [1, 1]),
+                                                   ([0, 3], [1, 1], [2, 0])])
+def test_a_hybrid_split_kv_keeps_its_parts_states_together(firsts, cells, states):
+    """qwen3next (layers 0 and 2 recurrent) over stages from `firsts`: cells for the attention
+    layers only, each part its layers' recurrent state (a part of attention layers only has
+    none); checkpoints are kept, taken back and parked together."""
+    from strata.tool.presets import PRESETS
+
+    spec = PRESETS["tiny-qwen3next"][0]
+    parts = [KVCache(spec.with_(n_layers=b - a, first_layer=a), 16, np.float16)
+             for a, b in zip(firsts, firsts[1:] + [spec.n_layers])]
+    kv = SplitKV(spec, parts, firsts)
+    assert [p.num_layers for p in parts] == cells and kv.num_layers == 2
+    assert [kv.parts.index(kv.part_of(layer)[0]) for layer in range(2)] == \
+        [i for i, n in enumerate(cells) for _ in range(n)]
+    assert [len(p.spec.recurrent_layers) for p in parts] == states
+    parts = [p for p in parts if p.state is not None]
+    for p in parts:
+        p.state.load((np.full(p.state.conv_shape(p.spec), 1.0, np.float32),
+                      np.full(p.state.ssm_shape(p.spec), 1.0, np.float32)))
+    kv.commit(5)
+    assert kv.keep_checkpoint() and kv.reuse_points() == (5,)
+    # what the scheduler reads of a slot's state (parking sizes, the checkpoint before a
+    # prompt's last token, the log)
+    assert kv.state.positions() == (5,) and len(kv.state.checkpoints) == 1
+    assert kv.state.max_checkpoints == 8
+    assert kv.state.nbytes_per_state(spec) == sum(p.state.nbytes_per_state(p.spec)
+                                                  for p in parts)
+    parked = kv.export_state()
+    kv.state.flip()  # a window's commit: every part's state moves on together
+    assert all(p.state.current == 1 for p in parts)
+    kv.commit(3)
+    assert kv.reusable(7) == 5 and kv.reusable(4) == 0
+    kv.truncate(5)  # back to the checkpoint in every part
+    assert [p.num_tokens for p in kv.parts] == [5, 5]
+    assert all(np.all(p.state.snapshot()[1] == 1.0) for p in parts)
+    with pytest.raises(ValueError, match="checkpoints"):
+        kv.truncate(2)
+    kv.truncate(0)
+    assert all(np.all(p.state.snapshot()[1] == 0.0) for p in parts)
+    kv.commit(5)
+    kv.import_state(parked, 5)
+    assert all(np.all(p.state.snapshot()[1] == 1.0) for p in parts)
+    with pytest.raises(ValueError, match="as many stages"):
+        kv.import_state(parked[:1], 5)
 
 
 def test_group_bounds_cut_runs_into_contiguous_groups_of_about_equal_rows():

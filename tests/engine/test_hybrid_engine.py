@@ -115,14 +115,21 @@ def test_no_checkpoints_reuses_only_the_end(hybrid_path):
         assert r3.stats.num_cached_tokens == 0 and r3.token_ids == r1.token_ids
 
 
-def test_layer_split_refuses_a_hybrid_model(hybrid_path):
-    from strata.backends.select import build_model
-    from strata.config import EngineConfig
-    from strata.errors import ConfigError
+def test_a_layer_range_keeps_the_layer_pattern_and_costs(hybrid_path):
+    """A stage of a layer split sees which of its layers are recurrent as the whole model
+    does; the split planner counts cells for attention layers only, a state for the others."""
+    from strata.backends.cuda.stage import LayerRange
+    from strata.backends.split import layer_costs
     from strata.model.gguf_file import GGUFModel
 
-    config = EngineConfig(model_path=hybrid_path, layer_split="2,2")
     with GGUFModel.open(hybrid_path) as gguf:
-        with pytest.raises(ConfigError, match="layer split does not carry qwen3next's "
-                                              "recurrent state"):
-            build_model(gguf, "cuda", config=config)
+        spec = gguf.spec
+        assert spec.recurrent_layers == (0, 2) and spec.attention_layers == (1, 3)
+        for first, stop in ((0, 1), (1, 4), (1, 3), (3, 4)):
+            stage = LayerRange(gguf, first, stop).spec
+            assert stage.first_layer == first
+            assert [stage.is_recurrent(i) for i in range(stop - first)] == \
+                [spec.is_recurrent(i) for i in range(first, stop)]
+        costs = layer_costs(gguf)
+        assert costs.kv_bytes_per_token[0] == costs.kv_bytes_per_token[2] == 0
+        assert costs.kv_bytes_per_token[1] == 2 * spec.n_kv_heads * spec.head_dim * 2

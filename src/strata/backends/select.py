@@ -39,11 +39,6 @@ def build_model(gguf_model, device: str | None = "auto", threads: int | None = N
 
     device = check_device(device)
     if config is not None and config.is_split and device != "cpu":
-        if gguf_model.spec.recurrent_layers:
-            raise ConfigError(
-                f"--layer-split / --split-device: a layer split does not carry "
-                f"{gguf_model.spec.arch}'s recurrent state between GPUs yet; run it on one "
-                "GPU (leave both unset) or with --device cpu")
         from strata.backends.cuda.split_model import build_split_model
 
         return build_split_model(gguf_model, config, offload=bool(needs_cpu_experts))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from strata.engine.recurrent import RecurrentState
 from strata.errors import ConfigError
 from strata.model.arch import is_routed_expert
 
@@ -45,6 +46,8 @@ def layer_costs(gguf_model, kv_bytes_per_value: int = 2) -> LayerCosts:
         t = gguf_model.tensor(name)
         if name.startswith("blk."):
             layer = int(name.split(".")[1])
+            if layer >= L:  # qwen3next's multi-token-prediction layer: not run
+                continue
             if is_routed_expert(name):
                 experts[layer] += t.nbytes // spec.n_experts
             else:
@@ -56,7 +59,13 @@ def layer_costs(gguf_model, kv_bytes_per_value: int = 2) -> LayerCosts:
     if spec.tied_output:
         head += embed
     kv = 2 * spec.n_kv_heads * spec.head_dim * kv_bytes_per_value
-    return LayerCosts(tuple(dense), tuple(experts), (kv,) * L, spec.n_experts,
+    # a hybrid model's recurrent layers have no cells but a state: its two buffers for one
+    # sequence counted with the layer's weights
+    state = 2 * RecurrentState.nbytes_per_state(spec) // max(1, len(spec.recurrent_layers))
+    for layer in spec.recurrent_layers:
+        dense[layer] += state
+    kvs = tuple(0 if spec.is_recurrent(layer) else kv for layer in range(L))
+    return LayerCosts(tuple(dense), tuple(experts), kvs, spec.n_experts,
                       spec.n_experts_used, embed, head)
 
 

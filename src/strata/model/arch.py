@@ -43,6 +43,9 @@ class ModelSpec:
     ssm_groups: int = 0
     ssm_heads: int = 0
     ssm_inner: int = 0
+    # the model layer that is this spec's layer 0: a stage of a layer split sees layers
+    # [first_layer, first_layer + n_layers) of the file (which of them are recurrent)
+    first_layer: int = 0
 
     @property
     def has_qk_norm(self) -> bool:
@@ -59,7 +62,8 @@ class ModelSpec:
         return self.rope_dim or self.head_dim
 
     def is_recurrent(self, layer: int) -> bool:
-        return self.full_attn_interval > 0 and (layer + 1) % self.full_attn_interval != 0
+        return (self.full_attn_interval > 0
+                and (self.first_layer + layer + 1) % self.full_attn_interval != 0)
 
     @property
     def attention_layers(self) -> tuple[int, ...]:

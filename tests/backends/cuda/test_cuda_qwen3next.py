@@ -1,8 +1,8 @@
 """qwen3next (gated delta-net + gated attention with partial RoPE) on the CUDA backend: logits
 against the CPU backend (which matches transformers, test_parity_qwen3next.py), runs of several
 sequences in one window against each alone, the recurrent state's checkpoints and parking on the
-device, the engine with an expert cache (offloaded experts), and greedy tokens equal to the CPU
-engine's."""
+device, a layer split (two stages on one GPU) bit for bit equal to the one-GPU model, and the
+engine's greedy tokens equal to the CPU engine's, with the experts resident or cached."""
 import numpy as np
 import pytest
 
@@ -10,6 +10,7 @@ from strata import Engine, EngineConfig, SamplingParams
 from strata.backends.window import Window
 from strata.engine.generate import collect
 
+from cuda_synth import num_gpus
 from test_cuda_parity import _pair as parity_pair, _tokens
 
 pytestmark = pytest.mark.cuda
@@ -149,3 +150,60 @@ def test_engine_greedy_tokens_equal_the_cpu_engine(synth_path, options):
     print(f"cuda {options}: {got}")
     assert [t for t, _ in got] == [t for t, _ in want]
     assert [c for _, c in got] == [c for _, c in want]  # the same reuse from the same points
+
+
+@pytest.mark.parametrize("counts, groups", [([1, 3], 1), ([2, 2], 1), ([3, 1], 1),
+                                            ([2, 2], 2)])
+def test_a_layer_split_equals_the_one_gpu_model(synth_path, counts, groups):
+    """Two stages on one GPU (and the slots as two pipelined groups): every window's logits
+    and routing counts bit for bit those of the one-GPU model, each stage carrying its own
+    layers' recurrent state."""
+    from test_split_stages import make_windows, run_windows, split_model
+
+    path = synth_path(SHAPE, "q8_0")
+    _, full = _pair(synth_path, "q8_0")
+    full.enable_routing_counts()
+    plans = make_windows(np.random.default_rng(3), 8, chunk_tokens=5)
+    want, want_counts = run_windows(full, plans)
+    model = split_model(path, [0, 0], counts, batch_groups=groups)
+    got, got_counts = run_windows(model, plans)
+    for index, (a, b) in enumerate(zip(want, got)):
+        assert np.array_equal(a, b), f"window {index} differs over {counts}, {groups} groups"
+    for a, b in zip(want_counts, got_counts):
+        assert np.array_equal(a, b)
+
+
+def test_a_split_kv_goes_back_to_a_checkpoint_and_parks(synth_path):
+    from test_split_stages import split_model
+
+    path = synth_path(SHAPE, "q8_0")
+    model = split_model(path, [0, 0], [1, 3])
+    vocab = model.spec.vocab
+    prompt, tail, nxt = (_tokens(12, vocab, seed=7), _tokens(5, vocab, seed=8),
+                         _tokens(1, vocab, seed=9))
+    kv, ref = model.new_kv(64), model.new_kv(64)
+    model.forward(prompt, kv)
+    model.forward(prompt, ref)
+    assert kv.keep_checkpoint() and kv.reuse_points() == (12,)
+    model.forward(tail, kv)
+    parked = kv.export_state()
+    want_end = model.forward(nxt, kv)
+    kv.truncate(12)
+    assert np.array_equal(model.forward(nxt, kv), model.forward(nxt, ref))
+    other = model.new_kv(64)
+    model.forward(np.concatenate([prompt, tail]), other)
+    for part in other.parts:
+        part.state.reset()
+    other.import_state(parked, 17)
+    assert np.array_equal(model.forward(nxt, other), want_end)
+
+
+def test_engine_over_two_gpus_gives_the_one_gpu_tokens(synth_path):
+    if num_gpus() < 2:
+        pytest.skip("needs two GPUs")
+    path = synth_path(SHAPE, "q8_0")
+    first = "The quick brown fox jumps over the lazy dog, twice."
+    prompts = [first, first + " And then?", first]
+    want = _engine_tokens(path, "cuda", prompts)
+    got = _engine_tokens(path, "cuda", prompts, split_devices="0,1", layer_split="1,3")
+    assert got == want

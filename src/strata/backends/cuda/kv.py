@@ -53,7 +53,7 @@ class CudaKV(SequenceReuse):
         self._shape = (len(spec.attention_layers), 2, spec.n_kv_heads, capacity_tokens,
                        spec.head_dim)
         self._cells_bytes = int(np.prod(self._shape)) * self.dtype.itemsize
-        self._buf = runtime.alloc(self.nbytes)
+        self._buf = runtime.alloc(max(self.nbytes, 256))  # a stage may hold no attention layer
         self._own_capacity = capacity_tokens  # what _buf holds (rehome goes back to it)
         self.address = int(self._buf)  # device address of cell [0, 0, 0, 0, 0]
         self.base = self.address | int(self.is_int8)

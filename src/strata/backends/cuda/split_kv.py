@@ -8,13 +8,43 @@ import numpy as np
 
 from strata.backends.window import Window
 from strata.engine.kv import SequenceReuse
+from strata.engine.recurrent import RecurrentState
 from strata.errors import ConfigError
+
+
+class _SplitState:
+    """A hybrid model's recurrent state over a split: each part (stage) with recurrent layers
+    holds theirs in its own KV; a window's commit flips them together."""
+
+    def __init__(self, parts: list):
+        self.parts = [part for part in parts if part.state is not None]
+
+    nbytes_per_state = staticmethod(RecurrentState.nbytes_per_state)  # of the whole model
+
+    @property
+    def max_checkpoints(self) -> int:
+        return self.parts[0].state.max_checkpoints
+
+    @property
+    def checkpoints(self):
+        """The positions kept (every part keeps the same ones), each with the first part's
+        copy; `SplitKV.export_state` takes every part's."""
+        return self.parts[0].state.checkpoints
+
+    def positions(self) -> tuple[int, ...]:
+        return self.parts[0].state.positions()
+
+    def flip(self) -> None:
+        for part in self.parts:
+            part.state.flip()
 
 
 class SplitKV(SequenceReuse):
     """KV cells of one sequence, stage i's layers in `parts[i]` (global layer l lives in the
     part whose first layer is the largest <= l, as its local layer l - first). Every part
-    holds the same tokens: `commit`, `truncate` and `clear` move them together."""
+    holds the same tokens: `commit`, `truncate` and `clear` move them together. A hybrid
+    model's parts also hold their layers' recurrent state, with checkpoints kept and taken
+    back together, so every part can go back to the same lengths."""
 
     def __init__(self, spec, parts: list, first_layers: list[int]):
         if not parts or len(parts) != len(first_layers) or first_layers[0] != 0:
@@ -23,11 +53,11 @@ class SplitKV(SequenceReuse):
         self.spec = spec
         self.parts = list(parts)
         self._firsts = [int(f) for f in first_layers]
-        self._stops = self._firsts[1:] + [spec.n_layers]
         p = self.parts[0]
         self.dtype, self.host_dtype = p.dtype, getattr(p, "host_dtype", p.dtype)
         self.is_int8 = getattr(p, "is_int8", False)
         self.capacity = p.capacity
+        self.state = _SplitState(self.parts) if spec.recurrent_layers else None
 
     @property
     def num_tokens(self) -> int:
@@ -35,7 +65,8 @@ class SplitKV(SequenceReuse):
 
     @property
     def num_layers(self) -> int:
-        return self.spec.n_layers  # every layer has cells: a split refuses hybrid models
+        """Layers with cells (a hybrid model's attention layers)."""
+        return sum(part.num_layers for part in self.parts)
 
     @property
     def nbytes(self) -> int:
@@ -52,12 +83,14 @@ class SplitKV(SequenceReuse):
         self.parts[0].check_room(num_new_tokens)
 
     def part_of(self, layer: int) -> tuple[object, int]:
-        """(the part holding global `layer`, its local layer index)."""
-        if not 0 <= layer < self.spec.n_layers:
-            raise IndexError(f"layer {layer} is outside the model's {self.spec.n_layers}")
-        for part, first, stop in zip(self.parts, self._firsts, self._stops):
-            if first <= layer < stop:
-                return part, layer - first
+        """(the part holding the cells of `layer`, its index there). Layers count those with
+        cells, as `num_layers` does: every layer, or a hybrid model's attention layers."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} is outside the {self.num_layers} with cells")
+        for part in self.parts:
+            if layer < part.num_layers:
+                return part, layer
+            layer -= part.num_layers
         raise IndexError(f"layer {layer} is in no stage ({self._firsts})")
 
     def keys(self, layer: int) -> np.ndarray:
@@ -87,6 +120,35 @@ class SplitKV(SequenceReuse):
     def clear(self) -> None:
         for part in self.parts:
             part.clear()
+
+    # the reuse side: the parts with a state agree on the lengths they can go back to
+    @property
+    def _lead(self):
+        return self.state.parts[0] if self.state is not None else self.parts[0]
+
+    def reusable(self, num_tokens: int) -> int:
+        return self._lead.reusable(num_tokens)
+
+    def reuse_points(self):
+        return self._lead.reuse_points()
+
+    def export_state(self):
+        if self.state is None:
+            return None
+        return tuple(part.export_state() for part in self.parts)
+
+    def import_state(self, exported, num_tokens: int) -> None:
+        if self.state is None:
+            return
+        if not isinstance(exported, tuple) or len(exported) != len(self.parts):
+            raise ValueError(f"a split KV of {len(self.parts)} stages restores a state "
+                             "parked from a split of as many stages")
+        for part, one in zip(self.parts, exported):
+            part.import_state(one, num_tokens)
+
+    def keep_checkpoint(self) -> bool:
+        return self.state is not None and all([part.keep_checkpoint()
+                                               for part in self.state.parts])
 
     def __repr__(self) -> str:
         return (f"SplitKV({self.num_tokens}/{self.capacity} tokens over {len(self.parts)} "

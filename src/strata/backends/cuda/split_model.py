@@ -14,6 +14,7 @@ from strata.backends.cuda.split_kv import SplitKV, group_windows, stage_window
 from strata.backends.cuda.model import GRAPH_MAX_ROWS
 from strata.backends.cuda.stage import StageModel
 from strata.backends.window import Window
+from strata.engine.recurrent import DEFAULT_CHECKPOINTS
 from strata.errors import ConfigError, RequestError
 
 log = logging.getLogger("strata.engine")
@@ -137,9 +138,12 @@ class SplitModel:
             stage.enable_routing_counts()
 
     # ---- KV ---------------------------------------------------------------------------------
-    def new_kv(self, capacity_tokens: int, dtype=None) -> SplitKV:
-        """An empty KV for one sequence: each stage's layers' cells on its GPU."""
-        return SplitKV(self.spec, [s.new_kv(capacity_tokens, dtype) for s in self.stages],
+    def new_kv(self, capacity_tokens: int, dtype=None,
+               max_checkpoints: int = DEFAULT_CHECKPOINTS) -> SplitKV:
+        """An empty KV for one sequence: each stage's layers' cells (and a hybrid model's
+        recurrent state, with up to `max_checkpoints` copies) on its GPU."""
+        return SplitKV(self.spec, [s.new_kv(capacity_tokens, dtype, max_checkpoints)
+                                   for s in self.stages],
                        [s.first_layer for s in self.stages])
 
     # ---- the pass -----------------------------------------------------------------------------

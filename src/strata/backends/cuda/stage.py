@@ -25,7 +25,8 @@ class LayerRange:
                               f"{L} layers (0..{L - 1}); give 0 <= first < stop <= {L}")
         self.base = gguf_model
         self.first_layer, self.stop_layer = int(first), int(stop)
-        self.spec = gguf_model.spec.with_(n_layers=stop - first)
+        base = gguf_model.spec
+        self.spec = base.with_(n_layers=stop - first, first_layer=base.first_layer + first)
         self.is_first, self.is_last = first == 0, stop == L
         self.path = getattr(gguf_model, "path", None)
         names = []
