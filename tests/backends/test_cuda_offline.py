@@ -137,3 +137,18 @@ def test_prebuilt_cubins_are_found_by_source_and_arch(tmp_path, monkeypatch):
     monkeypatch.delenv(cubins.ENV_DIR)
     monkeypatch.setattr(cubins, "module_source", cuda_runtime.module_source)
     assert cubins.prebuilt_cubin("sample.cu", "sm_90") is None
+
+
+def test_weight_bytes_leave_out_layers_no_pass_runs():
+    """A multi-token-prediction layer past block_count - nextn_predict_layers (Qwen3-Next's)
+    is not uploaded, so it is not counted against the VRAM either."""
+    from types import SimpleNamespace
+
+    from strata.backends.cuda.weights import weight_bytes
+
+    sizes = {"token_embd.weight": 100, "blk.0.attn_q.weight": 10, "blk.0.ffn_up_exps.weight": 1000,
+             "blk.1.attn_q.weight": 10, "blk.2.attn_q.weight": 7, "blk.2.ffn_up_exps.weight": 700}
+    model = SimpleNamespace(spec=SimpleNamespace(n_layers=2), tensor_names=list(sizes),
+                            tensor=lambda name: SimpleNamespace(nbytes=sizes[name]))
+    assert weight_bytes(model) == 1120
+    assert weight_bytes(model, routed_experts=False) == 120

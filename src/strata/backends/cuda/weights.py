@@ -171,9 +171,12 @@ class DeviceLayer:
 
 def weight_bytes(model: GGUFModel, routed_experts: bool = True) -> int:
     """Bytes of every tensor the device will hold: the whole file's tensor data, or without
-    the routed experts (`routed_experts=False`: the dense part, when experts stay in RAM)."""
+    the routed experts (`routed_experts=False`: the dense part, when experts stay in RAM).
+    Layers past the spec's (a multi-token-prediction layer, which no pass runs) are left out."""
+    num_layers = model.spec.n_layers  # (a stage's names count from its first layer)
     return sum(model.tensor(name).nbytes for name in model.tensor_names
-               if routed_experts or not is_routed_expert(name))
+               if (routed_experts or not is_routed_expert(name))
+               and not (name.startswith("blk.") and int(name.split(".")[1]) >= num_layers))
 
 
 def is_routed_expert(name: str) -> bool:
