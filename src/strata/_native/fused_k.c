@@ -1,5 +1,6 @@
 /* Decode-shaped dot products (1-3 tokens) straight from k-quant super-blocks (Q2_K .. Q6_K,
- * IQ4_XS) with AVX-512 VNNI; the layouts are those of quant_ref.c's unpack_blocks. */
+ * IQ4_XS) with AVX-512 VNNI, and Q4_K / Q6_K with AVX2; the layouts are those of quant_ref.c's
+ * unpack_blocks. */
 #include "quant.h"
 
 #if defined(ST_USE_VNNI512) && defined(__F16C__)
@@ -277,6 +278,157 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
                   row_iq4xs(3, row, ahead, cols, &a, res));
 #undef BY_TOKENS
     return 0;
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 (no VNNI): Q4_K and Q6_K, the k-quants of Q4_K_M files, 1-3 tokens. A 32-column piece
+ * is maddubs(u, q) over unsigned weight values u and the int8 activations, paired to 8 int32
+ * lanes of 4 columns, each scaled by its activation scale dx and its weight scale; the offsets
+ * (Q4_K's mins, Q6_K's -32) come from xs = dx * sum(q) per 16-column group. The other k-quants
+ * return 0: the caller unpacks their rows (matmul.c). */
+#include <string.h>
+#include <immintrin.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static inline float fp16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* acc[c] += (sum over the 8 lanes of 32 columns at k of u * q) * dx * scale (scale [8] per
+ * lane); u <= 63, so a pair of products stays below 2 * 63 * 127 < 32768 */
+ALWAYS_INLINE void piece(const int NC, __m256i u, __m256 scale, int k, const int8_t *const *q,
+                         const float *const *dx, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < NC; c++) {
+        const __m256i p = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(q[c] + k))), ones);
+        acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p),
+                                               _mm256_loadu_ps(dx[c] + k / ST_LANE)),
+                                 scale, acc[c]);
+    }
+}
+
+/* Q4_K: 144-byte super-blocks of 256 columns, 8 sub-blocks of 32 with a 6-bit scale and min
+ * (w = d * sc * u - dmin * m); 32 bytes qs hold sub-block 2j in the low nibbles, 2j + 1 in
+ * the high ones. */
+ALWAYS_INLINE void avx2_row_q4k(const int NC, const uint8_t *row, int64_t ahead, int cols,
+                                const int8_t *const *q, const float *const *dx,
+                                const float *const *xs, float *res) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[3], min_acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = min_acc[c] = _mm256_setzero_ps();
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * 144;
+        st_prefetch(blk + ahead, 144);
+        const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
+        /* the 12 scale bytes to sc[0..7], m[0..7] (as quant_ref.c's scale_min_k4) */
+        float dsc[8], mins[16];  /* d * sc per sub-block, dmin * m per 16-column group */
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *sc = blk + 4;
+            int scale, min;
+            if (j < 4) {
+                scale = sc[j] & 63;
+                min = sc[j + 4] & 63;
+            } else {
+                scale = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+                min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            }
+            dsc[j] = d * (float)scale;
+            mins[2 * j] = mins[2 * j + 1] = dmin * (float)min;
+        }
+        const uint8_t *qs = blk + 16;
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            const int k = ib * 256 + 64 * j;
+            piece(NC, _mm256_and_si256(v, low4), _mm256_set1_ps(dsc[2 * j]), k, q, dx, acc);
+            piece(NC, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+                  _mm256_set1_ps(dsc[2 * j + 1]), k + 32, q, dx, acc);
+        }
+        const __m256 m0 = _mm256_loadu_ps(mins), m1 = _mm256_loadu_ps(mins + 8);
+        for (int c = 0; c < NC; c++)
+            min_acc[c] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs[c] + ib * 16 + 8),
+                                         _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs[c] + ib * 16),
+                                                         min_acc[c]));
+    }
+    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - hsum8(min_acc[c]);
+}
+
+/* Q6_K: 210-byte super-blocks (ql [128], qh [64], int8 scales [16], d): 16 groups of 16 columns,
+ * w = d * sc * (u - 32), u 6 bits; half n (128 columns) takes ql[64n ..], qh[32n ..] (fused_k's
+ * AVX-512 row_q6k has the same layout). */
+ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead, int cols,
+                                const int8_t *const *q, const float *const *dx,
+                                const float *const *xs, float *res) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+    __m256 acc[3], off_acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = off_acc[c] = _mm256_setzero_ps();
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * 210;
+        st_prefetch(blk + ahead, 210);
+        const float d = fp16_at(blk + 208);
+        float a16[16];  /* d * sc per group */
+        for (int g = 0; g < 16; g++) a16[g] = d * (float)((const int8_t *)(blk + 192))[g];
+        for (int n = 0; n < 2; n++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+            const __m256i v[4] = {
+                _mm256_or_si256(_mm256_and_si256(ql0, low4),
+                                _mm256_and_si256(_mm256_slli_epi16(h, 4), high2)),
+                _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                                _mm256_and_si256(_mm256_slli_epi16(h, 2), high2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                _mm256_and_si256(h, high2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(h, 2), high2))};
+            for (int p = 0; p < 4; p++) {  /* columns 128n + 32p .. + 31: groups g, g + 1 */
+                const int g = 8 * n + 2 * p;
+                const __m256 scale = _mm256_set_m128(_mm_set1_ps(a16[g + 1]),
+                                                     _mm_set1_ps(a16[g]));
+                piece(NC, v[p], scale, ib * 256 + 128 * n + 32 * p, q, dx, acc);
+            }
+        }
+        /* the -32: d * sc * 32 * dx * sum(q) per group */
+        const __m256 s0 = _mm256_loadu_ps(a16), s1 = _mm256_loadu_ps(a16 + 8);
+        for (int c = 0; c < NC; c++)
+            off_acc[c] = _mm256_fmadd_ps(s1, _mm256_loadu_ps(xs[c] + ib * 16 + 8),
+                                         _mm256_fmadd_ps(s0, _mm256_loadu_ps(xs[c] + ib * 16),
+                                                         off_acc[c]));
+    }
+    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - 32.0f * hsum8(off_acc[c]);
+}
+
+int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
+                   const int64_t *tr, int n_tok, float *res) {
+    if (qtype != ST_Q4_K && qtype != ST_Q6_K) return 0;
+    const int ncp = act->cols_pad;
+    const int8_t *q[3];
+    const float *dx[3], *xs[3];
+    for (int c = 0; c < n_tok; c++) {
+        q[c] = act->q + tr[c] * ncp;
+        dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
+        xs[c] = act->xs + tr[c] * (ncp / ST_GROUP);
+    }
+#define BY_TOKENS(F) \
+    do { \
+        if (n_tok == 1) F(1, row, ahead, cols, q, dx, xs, res); \
+        else if (n_tok == 2) F(2, row, ahead, cols, q, dx, xs, res); \
+        else F(3, row, ahead, cols, q, dx, xs, res); \
+        return 1; \
+    } while (0)
+    if (qtype == ST_Q4_K) BY_TOKENS(avx2_row_q4k);
+    BY_TOKENS(avx2_row_q6k);
+#undef BY_TOKENS
 }
 
 #else
