@@ -1,6 +1,6 @@
 /* Decode-shaped dot products (1-3 tokens) straight from k-quant super-blocks (Q2_K .. Q6_K,
- * IQ4_XS) with AVX-512 VNNI, and Q4_K / Q6_K with AVX2; the layouts are those of quant_ref.c's
- * unpack_blocks. */
+ * IQ4_XS) with AVX-512 VNNI, and Q4_K / Q5_K / Q6_K with AVX2; the layouts are those of
+ * quant_ref.c's unpack_blocks. */
 #include "quant.h"
 
 #if defined(ST_USE_VNNI512) && defined(__F16C__)
@@ -281,11 +281,11 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* AVX2 (no VNNI): Q4_K and Q6_K, the k-quants of Q4_K_M files, 1-3 tokens. A 32-column piece
- * is maddubs(u, q) over unsigned weight values u and the int8 activations, paired to 8 int32
- * lanes of 4 columns, each scaled by its activation scale dx and its weight scale; the offsets
- * (Q4_K's mins, Q6_K's -32) come from xs = dx * sum(q) per 16-column group. The other k-quants
- * return 0: the caller unpacks their rows (matmul.c). */
+/* AVX2 (no VNNI): Q4_K, Q5_K and Q6_K, the k-quants of Q4_K_M / Q5_K_M files, 1-3 tokens. A
+ * 32-column piece is maddubs(u, q) over unsigned weight values u and the int8 activations,
+ * paired to 8 int32 lanes of 4 columns, each scaled by its activation scale dx and its weight
+ * scale; the offsets (Q4_K's and Q5_K's mins, Q6_K's -32) come from xs = dx * sum(q) per
+ * 16-column group. The other k-quants return 0: the caller unpacks their rows (matmul.c). */
 #include <string.h>
 #include <immintrin.h>
 
@@ -318,18 +318,19 @@ ALWAYS_INLINE void piece(const int NC, __m256i u, __m256 scale, int k, const int
     }
 }
 
-/* Q4_K: 144-byte super-blocks of 256 columns, 8 sub-blocks of 32 with a 6-bit scale and min
- * (w = d * sc * u - dmin * m); 32 bytes qs hold sub-block 2j in the low nibbles, 2j + 1 in
- * the high ones. */
-ALWAYS_INLINE void avx2_row_q4k(const int NC, const uint8_t *row, int64_t ahead, int cols,
-                                const int8_t *const *q, const float *const *dx,
-                                const float *const *xs, float *res) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
+/* Q4_K / Q5_K: 144- / 176-byte super-blocks of 256 columns, 8 sub-blocks of 32 with a 6-bit
+ * scale and min (w = d * sc * u - dmin * m); 32 bytes qs hold sub-block 2j in the low nibbles,
+ * 2j + 1 in the high ones; Q5_K's fifth bits are bits 2j / 2j + 1 of qh [32]. */
+ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t ahead,
+                                 int cols, const int8_t *const *q, const float *const *dx,
+                                 const float *const *xs, float *res) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    const int bytes = is_q5 ? 176 : 144;
     __m256 acc[3], min_acc[3];
     for (int c = 0; c < NC; c++) acc[c] = min_acc[c] = _mm256_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
-        const uint8_t *blk = row + (int64_t)ib * 144;
-        st_prefetch(blk + ahead, 144);
+        const uint8_t *blk = row + (int64_t)ib * bytes;
+        st_prefetch(blk + ahead, bytes);
         const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
         /* the 12 scale bytes to sc[0..7], m[0..7] (as quant_ref.c's scale_min_k4) */
         float dsc[8], mins[16];  /* d * sc per sub-block, dmin * m per 16-column group */
@@ -346,13 +347,24 @@ ALWAYS_INLINE void avx2_row_q4k(const int NC, const uint8_t *row, int64_t ahead,
             dsc[j] = d * (float)scale;
             mins[2 * j] = mins[2 * j + 1] = dmin * (float)min;
         }
-        const uint8_t *qs = blk + 16;
+        const uint8_t *qs = blk + (is_q5 ? 48 : 16);
+        const __m256i qh = is_q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                 : _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(v, low4);                          /* sub-block 2j */
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);    /* 2j + 1 */
+            if (is_q5) {
+                const __m256i b_lo = _mm256_set1_epi8((char)(1 << (2 * j)));
+                const __m256i b_hi = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(
+                    _mm256_cmpeq_epi8(_mm256_and_si256(qh, b_lo), b_lo), sixteen));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(
+                    _mm256_cmpeq_epi8(_mm256_and_si256(qh, b_hi), b_hi), sixteen));
+            }
             const int k = ib * 256 + 64 * j;
-            piece(NC, _mm256_and_si256(v, low4), _mm256_set1_ps(dsc[2 * j]), k, q, dx, acc);
-            piece(NC, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
-                  _mm256_set1_ps(dsc[2 * j + 1]), k + 32, q, dx, acc);
+            piece(NC, lo, _mm256_set1_ps(dsc[2 * j]), k, q, dx, acc);
+            piece(NC, hi, _mm256_set1_ps(dsc[2 * j + 1]), k + 32, q, dx, acc);
         }
         const __m256 m0 = _mm256_loadu_ps(mins), m1 = _mm256_loadu_ps(mins + 8);
         for (int c = 0; c < NC; c++)
@@ -410,7 +422,7 @@ ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead,
 
 int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
                    const int64_t *tr, int n_tok, float *res) {
-    if (qtype != ST_Q4_K && qtype != ST_Q6_K) return 0;
+    if (qtype != ST_Q4_K && qtype != ST_Q5_K && qtype != ST_Q6_K) return 0;
     const int ncp = act->cols_pad;
     const int8_t *q[3];
     const float *dx[3], *xs[3];
@@ -419,16 +431,17 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
         dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
         xs[c] = act->xs + tr[c] * (ncp / ST_GROUP);
     }
-#define BY_TOKENS(F) \
-    do { \
-        if (n_tok == 1) F(1, row, ahead, cols, q, dx, xs, res); \
-        else if (n_tok == 2) F(2, row, ahead, cols, q, dx, xs, res); \
-        else F(3, row, ahead, cols, q, dx, xs, res); \
-        return 1; \
-    } while (0)
-    if (qtype == ST_Q4_K) BY_TOKENS(avx2_row_q4k);
-    BY_TOKENS(avx2_row_q6k);
-#undef BY_TOKENS
+    const int is_q5 = qtype == ST_Q5_K;
+    if (qtype == ST_Q6_K) {
+        if (n_tok == 1) avx2_row_q6k(1, row, ahead, cols, q, dx, xs, res);
+        else if (n_tok == 2) avx2_row_q6k(2, row, ahead, cols, q, dx, xs, res);
+        else avx2_row_q6k(3, row, ahead, cols, q, dx, xs, res);
+        return 1;
+    }
+    if (n_tok == 1) avx2_row_q45k(1, is_q5, row, ahead, cols, q, dx, xs, res);
+    else if (n_tok == 2) avx2_row_q45k(2, is_q5, row, ahead, cols, q, dx, xs, res);
+    else avx2_row_q45k(3, is_q5, row, ahead, cols, q, dx, xs, res);
+    return 1;
 }
 
 #else
