@@ -3,6 +3,17 @@
  * quant_ref.c's unpack_blocks. */
 #include "quant.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* v with `value` added (or-ed) in the bytes whose bit n of `bits` is set: a k-quant's extra
+ * bit (Q3_K's hmask, Q5_K's qh) joining its low bits */
+static inline __m256i or_where_bit(__m256i v, __m256i bits, int n, __m256i value) {
+    const __m256i b = _mm256_set1_epi8((char)(1 << n));
+    return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b), b),
+                                               value));
+}
+#endif
+
 #if defined(ST_USE_VNNI512) && defined(__F16C__)
 #include <string.h>
 #include <immintrin.h>
@@ -82,12 +93,8 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t
             __m256i lo = _mm256_and_si256(q, low4);                          /* sub-block 2j */
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);    /* 2j + 1 */
             if (is_q5) {
-                __m256i b_lo = _mm256_set1_epi8((char)(1 << (2 * j)));
-                __m256i b_hi = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
-                lo = _mm256_or_si256(lo, _mm256_and_si256(
-                    _mm256_cmpeq_epi8(_mm256_and_si256(qh, b_lo), b_lo), sixteen));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(
-                    _mm256_cmpeq_epi8(_mm256_and_si256(qh, b_hi), b_hi), sixteen));
+                lo = or_where_bit(lo, qh, 2 * j, sixteen);
+                hi = or_where_bit(hi, qh, 2 * j + 1, sixteen);
             }
             __m512 scale = _mm512_permutexvar_ps(
                 _mm512_add_epi32(halves, _mm512_set1_epi32(2 * j)), ab);    /* [16] */
@@ -188,12 +195,8 @@ ALWAYS_INLINE void row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t
             const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c >> 1)));
             __m256i lo = two_bits(q, 4 * (c & 1)), hi = two_bits(q, 4 * (c & 1) + 2);
             if (is_q3) {
-                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c)));
-                const __m256i b1 = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
-                lo = _mm256_or_si256(lo, _mm256_and_si256(
-                    _mm256_cmpeq_epi8(_mm256_and_si256(hm, b0), b0), four));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(
-                    _mm256_cmpeq_epi8(_mm256_and_si256(hm, b1), b1), four));
+                lo = or_where_bit(lo, hm, 2 * c, four);
+                hi = or_where_bit(hi, hm, 2 * c + 1, four);
             }
             __m512 scale = _mm512_permutexvar_ps(
                 _mm512_add_epi32(spread, _mm512_set1_epi32(4 * c)), a16);
@@ -355,12 +358,8 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
             __m256i lo = _mm256_and_si256(v, low4);                          /* sub-block 2j */
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);    /* 2j + 1 */
             if (is_q5) {
-                const __m256i b_lo = _mm256_set1_epi8((char)(1 << (2 * j)));
-                const __m256i b_hi = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
-                lo = _mm256_or_si256(lo, _mm256_and_si256(
-                    _mm256_cmpeq_epi8(_mm256_and_si256(qh, b_lo), b_lo), sixteen));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(
-                    _mm256_cmpeq_epi8(_mm256_and_si256(qh, b_hi), b_hi), sixteen));
+                lo = or_where_bit(lo, qh, 2 * j, sixteen);
+                hi = or_where_bit(hi, qh, 2 * j + 1, sixteen);
             }
             const int k = ib * 256 + 64 * j;
             piece(NC, lo, _mm256_set1_ps(dsc[2 * j]), k, q, dx, acc);
