@@ -1,6 +1,6 @@
 /* Decode-shaped dot products (1-3 tokens) straight from k-quant super-blocks (Q2_K .. Q6_K,
- * IQ4_XS) with AVX-512 VNNI, and Q4_K / Q5_K / Q6_K with AVX2; the layouts are those of
- * quant_ref.c's unpack_blocks. */
+ * IQ4_XS) with AVX-512 VNNI or with AVX2; the layouts are those of quant_ref.c's
+ * unpack_blocks. */
 #include "quant.h"
 
 #if defined(__AVX2__)
@@ -284,11 +284,11 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* AVX2 (no VNNI): Q4_K, Q5_K and Q6_K, the k-quants of Q4_K_M / Q5_K_M files, 1-3 tokens. A
- * 32-column piece is maddubs(u, q) over unsigned weight values u and the int8 activations,
- * paired to 8 int32 lanes of 4 columns, each scaled by its activation scale dx and its weight
- * scale; the offsets (Q4_K's and Q5_K's mins, Q6_K's -32) come from xs = dx * sum(q) per
- * 16-column group. The other k-quants return 0: the caller unpacks their rows (matmul.c). */
+/* AVX2 (no VNNI), 1-3 tokens. A 32-column piece is maddubs(u, q) over unsigned weight values u
+ * and the int8 activations, paired to 8 int32 lanes of 4 columns, each scaled by its
+ * activation scale dx and its weight scale; the offsets (Q2_K's, Q4_K's and Q5_K's mins, Q3_K's
+ * -4, Q6_K's -32) come from xs = dx * sum(q) per 16-column group. IQ4_XS's signed table values
+ * take maddubs(|s|, q with the sign of s). */
 #include <string.h>
 #include <immintrin.h>
 
@@ -419,9 +419,124 @@ ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead,
     for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - 32.0f * hsum8(off_acc[c]);
 }
 
+/* acc[c] += as `piece`, for signed weight values s (|s| <= 127): maddubs(|s|, q with the
+ * sign of s), a pair below 2 * 127 * 127 < 32768 */
+ALWAYS_INLINE void piece_signed(const int NC, __m256i s, __m256 scale, int k,
+                                const int8_t *const *q, const float *const *dx, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i s_abs = _mm256_sign_epi8(s, s);
+    for (int c = 0; c < NC; c++) {
+        const __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + k));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
+                                            ones);
+        acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p),
+                                               _mm256_loadu_ps(dx[c] + k / ST_LANE)),
+                                 scale, acc[c]);
+    }
+}
+
+/* [8] lane scales of 32 columns: lanes 0-3 group g, 4-7 group g + 1 */
+static inline __m256 two_groups(const float *a16, int g) {
+    return _mm256_set_m128(_mm_set1_ps(a16[g + 1]), _mm_set1_ps(a16[g]));
+}
+
+/* byte-wise (v >> n) & 3 of 32 bytes */
+static inline __m256i avx2_two_bits(__m256i v, int n) {
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(3));
+}
+
+/* Q2_K / Q3_K (the layout of the AVX-512 row_q23k): 64-column chunk c holds 32-column blocks
+ * 2c (groups 4c, 4c + 1) and 2c + 1 (groups 4c + 2, 4c + 3), the 2-bit values of block
+ * 4h + j at (qs[32h + l] >> 2j) & 3. Q2_K: w = a * u - m per group; Q3_K: u = value + 4 where
+ * bit b of hmask[l] is set, w = a * (u - 4). */
+ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t ahead,
+                                 int cols, const int8_t *const *q, const float *const *dx,
+                                 const float *const *xs, float *res) {
+    const __m256i four = _mm256_set1_epi8(4);
+    const int bytes = is_q3 ? 110 : 84;
+    __m256 acc[3], off_acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = off_acc[c] = _mm256_setzero_ps();
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * bytes;
+        st_prefetch(blk + ahead, bytes);
+        float a16[16], o16[16];  /* group scales; the offsets' factors (4 * a, or Q2_K's m) */
+        __m256i hm = _mm256_setzero_si256();
+        const uint8_t *qs;
+        if (is_q3) {
+            /* 16 six-bit scales: low 4 bits from bytes 0-7, high 2 from bytes 8-11 */
+            const uint8_t *sc = blk + 96;
+            const float d = fp16_at(blk + 108);
+            for (int g = 0; g < 16; g++) {
+                const int low = (sc[g % 8] >> (4 * (g / 8))) & 15;
+                const int high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+                a16[g] = d * (float)((low | (high << 4)) - 32);
+                o16[g] = 4.0f * a16[g];
+            }
+            hm = _mm256_loadu_si256((const __m256i *)blk);
+            qs = blk + 32;
+        } else {
+            const float d = fp16_at(blk + 80), dmin = fp16_at(blk + 82);
+            for (int g = 0; g < 16; g++) {
+                a16[g] = d * (float)(blk[g] & 15);
+                o16[g] = dmin * (float)(blk[g] >> 4);
+            }
+            qs = blk + 16;
+        }
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c >> 1)));
+            __m256i lo = avx2_two_bits(v, 4 * (c & 1)), hi = avx2_two_bits(v, 4 * (c & 1) + 2);
+            if (is_q3) {
+                lo = or_where_bit(lo, hm, 2 * c, four);
+                hi = or_where_bit(hi, hm, 2 * c + 1, four);
+            }
+            const int k = ib * 256 + 64 * c;
+            piece(NC, lo, two_groups(a16, 4 * c), k, q, dx, acc);
+            piece(NC, hi, two_groups(a16, 4 * c + 2), k + 32, q, dx, acc);
+        }
+        const __m256 o0 = _mm256_loadu_ps(o16), o1 = _mm256_loadu_ps(o16 + 8);
+        for (int c = 0; c < NC; c++)
+            off_acc[c] = _mm256_fmadd_ps(o1, _mm256_loadu_ps(xs[c] + ib * 16 + 8),
+                                         _mm256_fmadd_ps(o0, _mm256_loadu_ps(xs[c] + ib * 16),
+                                                         off_acc[c]));
+    }
+    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - hsum8(off_acc[c]);
+}
+
+/* IQ4_XS: 136-byte super-blocks, 8 blocks of 32 columns, each 16 bytes of indices (low nibbles
+ * columns 0-15, high 16-31) into the non-linear table, one scale d * (ls - 32) per block. */
+ALWAYS_INLINE void avx2_row_iq4xs(const int NC, const uint8_t *row, int64_t ahead, int cols,
+                                  const int8_t *const *q, const float *const *dx, float *res) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * 136;
+        st_prefetch(blk + ahead, 136);
+        uint16_t sh;
+        memcpy(&sh, blk + 2, 2);
+        const float d = fp16_at(blk);
+        float a8[8];
+        for (int b = 0; b < 8; b++)
+            a8[b] = d * (float)((((blk[4 + b / 2] >> (4 * (b & 1))) & 15)
+                                 | (((sh >> (2 * b)) & 3) << 4)) - 32);
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            const __m256i s0 = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x20));
+            const __m256i s1 = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x31));
+            const int k = ib * 256 + 64 * c;
+            piece_signed(NC, s0, _mm256_set1_ps(a8[2 * c]), k, q, dx, acc);
+            piece_signed(NC, s1, _mm256_set1_ps(a8[2 * c + 1]), k + 32, q, dx, acc);
+        }
+    }
+    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]);
+}
+
 int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
                    const int64_t *tr, int n_tok, float *res) {
-    if (qtype != ST_Q4_K && qtype != ST_Q5_K && qtype != ST_Q6_K) return 0;
     const int ncp = act->cols_pad;
     const int8_t *q[3];
     const float *dx[3], *xs[3];
@@ -430,7 +545,19 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
         dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
         xs[c] = act->xs + tr[c] * (ncp / ST_GROUP);
     }
-    const int is_q5 = qtype == ST_Q5_K;
+    const int is_q5 = qtype == ST_Q5_K, is_q3 = qtype == ST_Q3_K;
+    if (qtype == ST_IQ4_XS) {
+        if (n_tok == 1) avx2_row_iq4xs(1, row, ahead, cols, q, dx, res);
+        else if (n_tok == 2) avx2_row_iq4xs(2, row, ahead, cols, q, dx, res);
+        else avx2_row_iq4xs(3, row, ahead, cols, q, dx, res);
+        return 1;
+    }
+    if (qtype == ST_Q2_K || qtype == ST_Q3_K) {
+        if (n_tok == 1) avx2_row_q23k(1, is_q3, row, ahead, cols, q, dx, xs, res);
+        else if (n_tok == 2) avx2_row_q23k(2, is_q3, row, ahead, cols, q, dx, xs, res);
+        else avx2_row_q23k(3, is_q3, row, ahead, cols, q, dx, xs, res);
+        return 1;
+    }
     if (qtype == ST_Q6_K) {
         if (n_tok == 1) avx2_row_q6k(1, row, ahead, cols, q, dx, xs, res);
         else if (n_tok == 2) avx2_row_q6k(2, row, ahead, cols, q, dx, xs, res);
