@@ -12,6 +12,11 @@ static inline __m256i or_where_bit(__m256i v, __m256i bits, int n, __m256i value
     return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b), b),
                                                value));
 }
+
+/* byte-wise (v >> n) & 3 of 32 bytes */
+static inline __m256i two_bits(__m256i v, int n) {
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(3));
+}
 #endif
 
 #if defined(ST_USE_VNNI512) && defined(__F16C__)
@@ -144,11 +149,6 @@ ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int64_t ahead, int 
         }
     }
     for (int c = 0; c < NC; c++) res[c] = _mm512_reduce_add_ps(acc[c]);
-}
-
-/* byte-wise (v >> n) & 3 of 32 bytes */
-static inline __m256i two_bits(__m256i v, int n) {
-    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(3));
 }
 
 /* Q2_K / Q3_K: 64-column chunk c (0..3) of a super-block holds 32-column blocks 2c and 2c + 1,
@@ -321,6 +321,16 @@ ALWAYS_INLINE void piece(const int NC, __m256i u, __m256 scale, int k, const int
     }
 }
 
+/* off[c] += sum over the 16 groups of super-block ib of f16[g] * xs[c][16 ib + g]: the part of
+ * a group's weights that does not depend on its values (a min, or a fixed offset) */
+ALWAYS_INLINE void group_offsets(const int NC, const float *f16, int ib,
+                                 const float *const *xs, __m256 *off) {
+    const __m256 f0 = _mm256_loadu_ps(f16), f1 = _mm256_loadu_ps(f16 + 8);
+    for (int c = 0; c < NC; c++)
+        off[c] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xs[c] + ib * 16 + 8),
+                                 _mm256_fmadd_ps(f0, _mm256_loadu_ps(xs[c] + ib * 16), off[c]));
+}
+
 /* Q4_K / Q5_K: 144- / 176-byte super-blocks of 256 columns, 8 sub-blocks of 32 with a 6-bit
  * scale and min (w = d * sc * u - dmin * m); 32 bytes qs hold sub-block 2j in the low nibbles,
  * 2j + 1 in the high ones; Q5_K's fifth bits are bits 2j / 2j + 1 of qh [32]. */
@@ -365,11 +375,7 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
             piece(NC, lo, _mm256_set1_ps(dsc[2 * j]), k, q, dx, acc);
             piece(NC, hi, _mm256_set1_ps(dsc[2 * j + 1]), k + 32, q, dx, acc);
         }
-        const __m256 m0 = _mm256_loadu_ps(mins), m1 = _mm256_loadu_ps(mins + 8);
-        for (int c = 0; c < NC; c++)
-            min_acc[c] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs[c] + ib * 16 + 8),
-                                         _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs[c] + ib * 16),
-                                                         min_acc[c]));
+        group_offsets(NC, mins, ib, xs, min_acc);
     }
     for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - hsum8(min_acc[c]);
 }
@@ -410,11 +416,7 @@ ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead,
             }
         }
         /* the -32: d * sc * 32 * dx * sum(q) per group */
-        const __m256 s0 = _mm256_loadu_ps(a16), s1 = _mm256_loadu_ps(a16 + 8);
-        for (int c = 0; c < NC; c++)
-            off_acc[c] = _mm256_fmadd_ps(s1, _mm256_loadu_ps(xs[c] + ib * 16 + 8),
-                                         _mm256_fmadd_ps(s0, _mm256_loadu_ps(xs[c] + ib * 16),
-                                                         off_acc[c]));
+        group_offsets(NC, a16, ib, xs, off_acc);
     }
     for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - 32.0f * hsum8(off_acc[c]);
 }
@@ -438,11 +440,6 @@ ALWAYS_INLINE void piece_signed(const int NC, __m256i s, __m256 scale, int k,
 /* [8] lane scales of 32 columns: lanes 0-3 group g, 4-7 group g + 1 */
 static inline __m256 two_groups(const float *a16, int g) {
     return _mm256_set_m128(_mm_set1_ps(a16[g + 1]), _mm_set1_ps(a16[g]));
-}
-
-/* byte-wise (v >> n) & 3 of 32 bytes */
-static inline __m256i avx2_two_bits(__m256i v, int n) {
-    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(3));
 }
 
 /* Q2_K / Q3_K (the layout of the AVX-512 row_q23k): 64-column chunk c holds 32-column blocks
@@ -484,7 +481,7 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
         }
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c >> 1)));
-            __m256i lo = avx2_two_bits(v, 4 * (c & 1)), hi = avx2_two_bits(v, 4 * (c & 1) + 2);
+            __m256i lo = two_bits(v, 4 * (c & 1)), hi = two_bits(v, 4 * (c & 1) + 2);
             if (is_q3) {
                 lo = or_where_bit(lo, hm, 2 * c, four);
                 hi = or_where_bit(hi, hm, 2 * c + 1, four);
@@ -493,11 +490,7 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
             piece(NC, lo, two_groups(a16, 4 * c), k, q, dx, acc);
             piece(NC, hi, two_groups(a16, 4 * c + 2), k + 32, q, dx, acc);
         }
-        const __m256 o0 = _mm256_loadu_ps(o16), o1 = _mm256_loadu_ps(o16 + 8);
-        for (int c = 0; c < NC; c++)
-            off_acc[c] = _mm256_fmadd_ps(o1, _mm256_loadu_ps(xs[c] + ib * 16 + 8),
-                                         _mm256_fmadd_ps(o0, _mm256_loadu_ps(xs[c] + ib * 16),
-                                                         off_acc[c]));
+        group_offsets(NC, o16, ib, xs, off_acc);
     }
     for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - hsum8(off_acc[c]);
 }
