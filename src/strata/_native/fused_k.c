@@ -284,11 +284,13 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* AVX2 (no VNNI), 1-3 tokens. A 32-column piece is maddubs(u, q) over unsigned weight values u
- * and the int8 activations, paired to 8 int32 lanes of 4 columns, each scaled by its
- * activation scale dx and its weight scale; the offsets (Q2_K's, Q4_K's and Q5_K's mins, Q3_K's
- * -4, Q6_K's -32) come from xs = dx * sum(q) per 16-column group. IQ4_XS's signed table values
- * take maddubs(|s|, q with the sign of s). */
+/* AVX2 (no VNNI), 1-3 tokens. A 32-column piece is maddubs over the weight values and the int8
+ * activations, paired to 8 int32 lanes of 4 columns, each scaled by (weight scale * activation
+ * scale dx): tiles.c's AVX2 lane arithmetic, in the same column order. Q3_K's, Q6_K's and
+ * IQ4_XS's signed values take maddubs(|s|, q with the sign of s), as the tiles do, so a token's
+ * result is the tiles' bit for bit; the min types (Q2_K, Q4_K, Q5_K) take their unsigned values
+ * and subtract the mins from xs = dx * sum(q) per 16-column group, a sum in another order than
+ * the tiles' min_term (equal within float rounding). */
 #include <string.h>
 #include <immintrin.h>
 
@@ -315,9 +317,25 @@ ALWAYS_INLINE void piece(const int NC, __m256i u, __m256 scale, int k, const int
     for (int c = 0; c < NC; c++) {
         const __m256i p = _mm256_madd_epi16(
             _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(q[c] + k))), ones);
-        acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p),
-                                               _mm256_loadu_ps(dx[c] + k / ST_LANE)),
-                                 scale, acc[c]);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                 _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
+                                 acc[c]);
+    }
+}
+
+/* acc[c] += as `piece`, for signed weight values s (|s| <= 127): maddubs(|s|, q with the
+ * sign of s), a pair below 2 * 127 * 127 < 32768 */
+ALWAYS_INLINE void piece_signed(const int NC, __m256i s, __m256 scale, int k,
+                                const int8_t *const *q, const float *const *dx, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i s_abs = _mm256_sign_epi8(s, s);
+    for (int c = 0; c < NC; c++) {
+        const __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + k));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
+                                            ones);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                 _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
+                                 acc[c]);
     }
 }
 
@@ -384,11 +402,11 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
  * w = d * sc * (u - 32), u 6 bits; half n (128 columns) takes ql[64n ..], qh[32n ..] (fused_k's
  * AVX-512 row_q6k has the same layout). */
 ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead, int cols,
-                                const int8_t *const *q, const float *const *dx,
-                                const float *const *xs, float *res) {
+                                const int8_t *const *q, const float *const *dx, float *res) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
-    __m256 acc[3], off_acc[3];
-    for (int c = 0; c < NC; c++) acc[c] = off_acc[c] = _mm256_setzero_ps();
+    const __m256i thirty_two = _mm256_set1_epi8(32);
+    __m256 acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * 210;
         st_prefetch(blk + ahead, 210);
@@ -412,29 +430,12 @@ ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead,
                 const int g = 8 * n + 2 * p;
                 const __m256 scale = _mm256_set_m128(_mm_set1_ps(a16[g + 1]),
                                                      _mm_set1_ps(a16[g]));
-                piece(NC, v[p], scale, ib * 256 + 128 * n + 32 * p, q, dx, acc);
+                piece_signed(NC, _mm256_sub_epi8(v[p], thirty_two), scale,
+                             ib * 256 + 128 * n + 32 * p, q, dx, acc);
             }
         }
-        /* the -32: d * sc * 32 * dx * sum(q) per group */
-        group_offsets(NC, a16, ib, xs, off_acc);
     }
-    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - 32.0f * hsum8(off_acc[c]);
-}
-
-/* acc[c] += as `piece`, for signed weight values s (|s| <= 127): maddubs(|s|, q with the
- * sign of s), a pair below 2 * 127 * 127 < 32768 */
-ALWAYS_INLINE void piece_signed(const int NC, __m256i s, __m256 scale, int k,
-                                const int8_t *const *q, const float *const *dx, __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i s_abs = _mm256_sign_epi8(s, s);
-    for (int c = 0; c < NC; c++) {
-        const __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + k));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
-                                            ones);
-        acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p),
-                                               _mm256_loadu_ps(dx[c] + k / ST_LANE)),
-                                 scale, acc[c]);
-    }
+    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]);
 }
 
 /* [8] lane scales of 32 columns: lanes 0-3 group g, 4-7 group g + 1 */
@@ -456,7 +457,7 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * bytes;
         st_prefetch(blk + ahead, bytes);
-        float a16[16], o16[16];  /* group scales; the offsets' factors (4 * a, or Q2_K's m) */
+        float a16[16], o16[16];  /* group scales; Q2_K's mins */
         __m256i hm = _mm256_setzero_si256();
         const uint8_t *qs;
         if (is_q3) {
@@ -467,7 +468,6 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
                 const int low = (sc[g % 8] >> (4 * (g / 8))) & 15;
                 const int high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
                 a16[g] = d * (float)((low | (high << 4)) - 32);
-                o16[g] = 4.0f * a16[g];
             }
             hm = _mm256_loadu_si256((const __m256i *)blk);
             qs = blk + 32;
@@ -482,15 +482,18 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c >> 1)));
             __m256i lo = two_bits(v, 4 * (c & 1)), hi = two_bits(v, 4 * (c & 1) + 2);
-            if (is_q3) {
-                lo = or_where_bit(lo, hm, 2 * c, four);
-                hi = or_where_bit(hi, hm, 2 * c + 1, four);
-            }
             const int k = ib * 256 + 64 * c;
-            piece(NC, lo, two_groups(a16, 4 * c), k, q, dx, acc);
-            piece(NC, hi, two_groups(a16, 4 * c + 2), k + 32, q, dx, acc);
+            if (is_q3) {  /* signed values, as the tiles take them: the same bits */
+                lo = _mm256_sub_epi8(or_where_bit(lo, hm, 2 * c, four), four);
+                hi = _mm256_sub_epi8(or_where_bit(hi, hm, 2 * c + 1, four), four);
+                piece_signed(NC, lo, two_groups(a16, 4 * c), k, q, dx, acc);
+                piece_signed(NC, hi, two_groups(a16, 4 * c + 2), k + 32, q, dx, acc);
+            } else {
+                piece(NC, lo, two_groups(a16, 4 * c), k, q, dx, acc);
+                piece(NC, hi, two_groups(a16, 4 * c + 2), k + 32, q, dx, acc);
+            }
         }
-        group_offsets(NC, o16, ib, xs, off_acc);
+        if (!is_q3) group_offsets(NC, o16, ib, xs, off_acc);
     }
     for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - hsum8(off_acc[c]);
 }
@@ -552,9 +555,9 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
         return 1;
     }
     if (qtype == ST_Q6_K) {
-        if (n_tok == 1) avx2_row_q6k(1, row, ahead, cols, q, dx, xs, res);
-        else if (n_tok == 2) avx2_row_q6k(2, row, ahead, cols, q, dx, xs, res);
-        else avx2_row_q6k(3, row, ahead, cols, q, dx, xs, res);
+        if (n_tok == 1) avx2_row_q6k(1, row, ahead, cols, q, dx, res);
+        else if (n_tok == 2) avx2_row_q6k(2, row, ahead, cols, q, dx, res);
+        else avx2_row_q6k(3, row, ahead, cols, q, dx, res);
         return 1;
     }
     if (n_tok == 1) avx2_row_q45k(1, is_q5, row, ahead, cols, q, dx, xs, res);
