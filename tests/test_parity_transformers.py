@@ -19,6 +19,15 @@ VARIANTS = {
     "qwen2moe-f16": dict(shape="tiny-qwen2moe", weight_type="f16", seed=14),
     "qwen3moe-q8_0": dict(shape="tiny", weight_type="q8_0", seed=15),
     "qwen2moe-q4_0": dict(shape="tiny-qwen2moe", weight_type="q4_0", seed=16),
+    # the 32-column types llama.cpp's files carry besides Q4_0 / Q8_0
+    "qwen3moe-q4_1": dict(shape="tiny", weight_type="q4_1", seed=18),
+    "qwen3moe-q5_0": dict(shape="tiny", weight_type="q5_0", seed=19),
+    "qwen2moe-q5_1": dict(shape="tiny-qwen2moe", weight_type="q5_1", seed=20),
+    "qwen3moe-iq4_nl": dict(shape="tiny", weight_type="iq4_nl", seed=21),
+    # a Qwen1.5-MoE-style Q4_K_M file: expert downs of 96 columns (1408 there) cannot be Q4_K
+    # or Q6_K, so llama.cpp writes them as Q5_0 / Q8_0 beside the Q4_K / Q6_K tensors
+    "qwen2moe-q4_k_m-fallback": dict(shape="tiny-qwen2moe", weight_type="q4_k_m", seed=17,
+                                     hidden=256, head_dim=64, expert_ffn=96, shared_ffn=256),
 }
 FLOAT_VARIANTS = [n for n in VARIANTS if n.endswith(("f32", "f16"))]
 QUANT_VARIANTS = [n for n in VARIANTS if n not in FLOAT_VARIANTS]

@@ -43,7 +43,7 @@ static void random_weight(int qt, uint8_t *w, int rows, int cols) {
     }
     /* fp16 scale fields: random bytes there would be NaN / Inf */
     int fields[2] = {0, -1};
-    if (qt == ST_Q4_K || qt == ST_Q5_K) fields[1] = 2;
+    if (qt == ST_Q4_K || qt == ST_Q5_K || qt == ST_Q4_1 || qt == ST_Q5_1) fields[1] = 2;
     if (qt == ST_Q6_K) fields[0] = 208;
     if (qt == ST_Q2_K) { fields[0] = 80; fields[1] = 82; }
     if (qt == ST_Q3_K) fields[0] = 108;
@@ -162,12 +162,12 @@ static int check_attention(int D, int is_f16) {
 }
 
 int main(void) {
-    const int types[11] = {ST_F32, ST_F16, ST_BF16, ST_Q4_0, ST_Q8_0, ST_Q2_K, ST_Q3_K, ST_Q4_K,
-                           ST_Q5_K, ST_Q6_K, ST_IQ4_XS};
+    const int types[15] = {ST_F32, ST_F16, ST_BF16, ST_Q4_0, ST_Q8_0, ST_Q4_1, ST_Q5_0, ST_Q5_1,
+                           ST_IQ4_NL, ST_Q2_K, ST_Q3_K, ST_Q4_K, ST_Q5_K, ST_Q6_K, ST_IQ4_XS};
     const int token_counts[4] = {1, 2, 5, 9};
     int num_failed = 0;
     printf("simd=%s\n", st_simd_level());
-    for (int it = 0; it < 11; it++) {
+    for (int it = 0; it < 15; it++) {
         int qt = types[it];
         /* widths that are and are not multiples of the 64-column padding */
         int widths[2] = {512, st_block_size(qt) == 256 ? 768 : (st_is_float_type(qt) ? 100 : 96)};

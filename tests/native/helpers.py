@@ -3,12 +3,14 @@ import gguf
 import numpy as np
 
 T = gguf.GGMLQuantizationType
-QUANT_TYPES = (T.Q4_0, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
+QUANT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
+               T.Q6_K, T.IQ4_XS)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 ALL_TYPES = FLOAT_TYPES + QUANT_TYPES
 
 # Byte offsets of the fp16 scale fields in each block: random bytes there give NaN / Inf.
-_FP16_FIELDS = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2),
+_FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+                T.IQ4_NL: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2),
                 T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
 
 

@@ -286,8 +286,8 @@ def test_pool_refuses_misuse():
     assert kernels.pool_wait_served(ctl, 4, 0.01)[0] == kernels.POOL_TIMEOUT
     ctl[kernels.POOL_CTL_EXITED] = 1
     assert kernels.pool_wait_served(ctl, 4, 10.0)[0] == kernels.POOL_ABORTED
-    with pytest.raises(ValueError, match="expert type 7"):
-        kernels.pool_row_bytes(np.full((1, 3), 7, np.int32), H, F)
+    with pytest.raises(ValueError, match="expert type 4"):
+        kernels.pool_row_bytes(np.full((1, 3), 4, np.int32), H, F)
 
 
 def test_exchange_layout_is_aligned_and_carves_views():

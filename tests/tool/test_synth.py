@@ -93,6 +93,28 @@ def test_mixes_follow_llama_cpp(tmp_path):
     assert GGUFReader(path).fields["general.file_type"].parts[-1][0] == 15  # MOSTLY_Q4_K_M
 
 
+@pytest.mark.parametrize("weight_type, fallback", [("q4_k_m", ("Q5_0", "Q8_0")),
+                                                   ("q5_k_m", ("Q5_1", "Q8_0")),
+                                                   ("q3_k", ("IQ4_NL",)), ("iq4_xs", ("IQ4_NL",))])
+def test_rows_a_k_quant_cannot_hold_take_llama_cpps_fallback(tmp_path, weight_type, fallback):
+    """Expert downs of 96 columns (not a multiple of 256, as Qwen1.5-MoE's 1408): Q4_K -> Q5_0,
+    Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K / IQ4_XS -> IQ4_NL (llama_tensor_get_type); rows of
+    256 keep the k-quant. Weights keep their std in the fallback type."""
+    path = tmp_path / "m.gguf"
+    spec = synth_model(path, "tiny-qwen2moe", weight_type,
+                       **{**K_SHAPE, "expert_ffn": 96, "shared_ffn": 256, "n_layers": 8})
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    downs = {tensors[f"blk.{i}.ffn_down_exps.weight"].tensor_type.name for i in range(8)}
+    assert downs == set(fallback)
+    base = (MIXES.get(weight_type) or WEIGHT_TYPES[weight_type]).name
+    assert tensors["blk.0.ffn_gate_exps.weight"].tensor_type.name == base
+    assert tensors["blk.0.ffn_down_shexp.weight"].tensor_type.name in (base, "Q6_K")
+    w = quants.dequantize(tensors["blk.2.ffn_down_exps.weight"].data,
+                          tensors["blk.2.ffn_down_exps.weight"].tensor_type).astype(np.float64)
+    want = 1 / math.sqrt(96 * 2 * spec.n_layers)
+    assert abs(w.std() / want - 1) < 0.08 and abs(w.mean()) < 0.05 * want
+
+
 def test_tiny_of_both_architectures_matches_the_contract(tmp_path):
     for shape, arch_name, n_tensors in (("tiny", "qwen3moe", 27),
                                         ("tiny-qwen2moe", "qwen2moe", 37)):
@@ -127,11 +149,11 @@ def test_overrides_and_layer_zero_independent_of_layer_count(tmp_path):
 
 def test_errors_say_what_to_change(tmp_path):
     out = tmp_path / "x.gguf"
-    with pytest.raises(ConfigError, match="shape 'tiny' with q4_k: hidden 64 is not a multiple "
-                                          "of 256"):
-        synth_model(out, "tiny", "q4_k")
-    with pytest.raises(ConfigError, match="expert_ffn 1408 is not a multiple of 256"):
-        synth_model(out, "qwen2-moe-a2.7b-like", "q6_k")
+    with pytest.raises(ConfigError, match="shape 'tiny' with q4_0: expert_ffn 40 is not a "
+                                          "multiple of 32"):
+        synth_model(out, "tiny", "q4_0", expert_ffn=40)
+    with pytest.raises(ConfigError, match="expert_ffn 1416 is not a multiple of 32"):
+        synth_model(out, "qwen2-moe-a2.7b-like", "q8_0", expert_ffn=1416)
     with pytest.raises(ConfigError, match="unknown weight type 'iq3_s'; choose one of f32"):
         synth_model(out, "tiny", "iq3_s")
     with pytest.raises(ConfigError, match="unknown model shape 'huge'; choose one of: tiny"):

@@ -49,7 +49,7 @@ def test_synth_options_arch_layers_seed(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--shape", "tiny", "--type", "q4_k"), "hidden 64 is not a multiple of 256"),
+    (("--shape", "tiny", "--routing-skew", "-1"), "routing skew must be >= 0"),
     (("--shape", "nope"), "unknown model shape 'nope'"),
     (("--type", "iq2_xxs"), "unknown weight type 'iq2_xxs'"),
     ((), "give the output path"),

@@ -1,5 +1,6 @@
 /* Decode-shaped dot products (1-3 tokens) straight from Q4_0 / Q8_0 blocks (AVX-512 VNNI or
- * AVX2): with no token to share an unpacked row with, unpacking in registers beats a buffer. */
+ * AVX2) and, on AVX2 builds, from Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks: with no token to share an
+ * unpacked row with, unpacking in registers beats a buffer. */
 #include "quant.h"
 
 #if defined(ST_USE_VNNI512) && defined(__F16C__)
@@ -217,6 +218,49 @@ ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_
     }
 }
 
+
+/* Q4_1 / Q5_0 / Q5_1 / IQ4_NL rows (AVX2 builds): the values of st_block32_values, then the
+ * tiles' lane arithmetic as fused_row above, and for the min types (Q4_1, Q5_1: w = d q + m)
+ * the tiles' st_min_term over B = -m per 16 columns, so the result is the tiles' bit for bit. */
+#define ST_FUSED_BLOCK32 1
+ALWAYS_INLINE void fused_row32(const int NC, int qtype, const uint8_t *row, int64_t ahead,
+                               int cols, const st_act *act, const int64_t *tr, float *B,
+                               float *res) {
+    const int ncp = act->cols_pad, bytes = st_type_size(qtype), has_min = st_has_min(qtype);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[3];
+    const int8_t *q[3];
+    const float *dx[3];
+    for (int c = 0; c < NC; c++) {
+        acc[c] = _mm256_setzero_ps();
+        q[c] = act->q + tr[c] * ncp;
+        dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
+    }
+    for (int ib = 0; ib < cols / 32; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * bytes;
+        __builtin_prefetch(blk + ahead, 0, 3);
+        const __m256i s = st_block32_values(qtype, blk, bytes);             /* [32] int8 */
+        const __m256i s_abs = _mm256_sign_epi8(s, s);
+        const __m256 dw = _mm256_set1_ps(fp16_at(blk));
+        if (has_min) B[2 * ib] = B[2 * ib + 1] = -fp16_at(blk + 2);
+        for (int c = 0; c < NC; c++) {
+            __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + ib * 32));
+            __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
+                                            ones);                           /* [8] lane sums */
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
+                                     _mm256_mul_ps(dw, _mm256_loadu_ps(dx[c] + ib * 8)), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; c++) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        res[c] = _mm_cvtss_f32(h);
+        if (has_min)  /* B's padding groups are zero, as the unpacked row's */
+            res[c] -= st_min_term(B, act->xs + tr[c] * (ncp / ST_GROUP), ncp / ST_GROUP);
+    }
+}
+
 #endif
 
 #if (defined(ST_USE_VNNI512) || (defined(__AVX2__) && defined(__FMA__))) && defined(__F16C__)
@@ -239,6 +283,22 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
         }
         return 1;
     }
+#if defined(ST_FUSED_BLOCK32)
+    if (qtype == ST_Q4_1 || qtype == ST_Q5_0 || qtype == ST_Q5_1 || qtype == ST_IQ4_NL) {
+        const int num_groups = act->cols_pad / ST_GROUP;
+        float B[num_groups];  /* the min types' B per 16 columns, zero past cols */
+        for (int g = cols / ST_GROUP; g < num_groups; g++) B[g] = 0.0f;
+        const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
+        for (int i = 0; i < nr; i++) {
+            const uint8_t *row = w + (rb + i) * row_bytes;
+            if (n_tok == 1) fused_row32(1, qtype, row, ahead, cols, act, tr, B, res);
+            else if (n_tok == 2) fused_row32(2, qtype, row, ahead, cols, act, tr, B, res);
+            else fused_row32(3, qtype, row, ahead, cols, act, tr, B, res);
+            for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
+        }
+        return 1;
+    }
+#endif
     if (qtype != ST_Q4_0 && qtype != ST_Q8_0) return 0;
 #if defined(ST_FUSED_Q4_ROWS)
     if (qtype == ST_Q4_0) {

@@ -290,7 +290,7 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
  * IQ4_XS's signed values take maddubs(|s|, q with the sign of s), as the tiles do, so a token's
  * result is the tiles' bit for bit; the min types (Q2_K, Q4_K, Q5_K) take their unsigned values
  * and subtract the mins from xs = dx * sum(q) per 16-column group, a sum in another order than
- * the tiles' min_term (equal within float rounding). */
+ * the tiles' st_min_term (equal within float rounding). */
 #include <string.h>
 #include <immintrin.h>
 

@@ -34,8 +34,9 @@ cdef extern from "quant.h" nogil:
 
 
 # ggml type ids (gguf.GGMLQuantizationType)
-_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
-               13: "Q5_K", 14: "Q6_K", 23: "IQ4_XS", 30: "BF16"}
+_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+               10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL",
+               23: "IQ4_XS", 30: "BF16"}
 SUPPORTED_TYPES = tuple(sorted(_TYPE_NAMES))
 
 

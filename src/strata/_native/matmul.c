@@ -215,7 +215,7 @@ static void gemm_block(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
     }
     st_qtile t;
     t.cols_pad = ncp;
-    t.has_min = qtype == ST_Q2_K || qtype == ST_Q4_K || qtype == ST_Q5_K;
+    t.has_min = st_has_min(qtype);
 #define SET_ROW(slot, row) do { \
         t.s[slot] = s + (size_t)(row) * ncp; \
         t.A[slot] = A + (size_t)(row) * ncp / ST_LANE; \

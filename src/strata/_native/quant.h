@@ -13,8 +13,9 @@
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
-    ST_F32 = 0, ST_F16 = 1, ST_Q4_0 = 2, ST_Q8_0 = 8, ST_Q2_K = 10, ST_Q3_K = 11,
-    ST_Q4_K = 12, ST_Q5_K = 13, ST_Q6_K = 14, ST_IQ4_XS = 23, ST_BF16 = 30,
+    ST_F32 = 0, ST_F16 = 1, ST_Q4_0 = 2, ST_Q4_1 = 3, ST_Q5_0 = 6, ST_Q5_1 = 7, ST_Q8_0 = 8,
+    ST_Q2_K = 10, ST_Q3_K = 11, ST_Q4_K = 12, ST_Q5_K = 13, ST_Q6_K = 14, ST_IQ4_NL = 20,
+    ST_IQ4_XS = 23, ST_BF16 = 30,
 };
 
 /* Bias added to unpacked weights: VNNI's vpdpbusd multiplies unsigned by signed bytes, so
@@ -49,6 +50,7 @@ int st_is_supported(int qtype);
 int st_block_size(int qtype);          /* elements per block; 0 for unknown types */
 int st_type_size(int qtype);           /* bytes per block */
 int st_is_float_type(int qtype);       /* F32 / F16 / BF16 */
+int st_has_min(int qtype);             /* unpacked rows have a nonzero B (w = A s - B) */
 const char *st_simd_level(void);
 
 /* Scalar conversions shared by all paths (exact, like numpy's astype). */
@@ -134,6 +136,52 @@ void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, flo
 
 void st_set_num_threads(int n);
 int st_get_num_threads(void);
+
+/* Sum over groups of B[g] * xs[g]: the min term of the st_has_min types (zero for others), in
+ * one order for the tiles and the fused rows. 8 independent partial sums: num_groups is a
+ * multiple of 4 (columns padded to 64) and the compiler may vectorise them, where one running
+ * sum would be a latency chain (the build turns FMA contraction off: the same bits everywhere). */
+static inline float st_min_term(const float *B, const float *xs, int num_groups) {
+    float acc[8] = {0.0f};
+    int g = 0;
+    for (; g + 8 <= num_groups; g += 8)
+        for (int i = 0; i < 8; i++) acc[i] += B[g + i] * xs[g + i];
+    for (; g < num_groups; g++) acc[g & 7] += B[g] * xs[g];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#include <string.h>
+/* The 32 signed values of a Q4_1 / Q5_0 / Q5_1 / IQ4_NL block (quant_ref.c's unpack_block32):
+ * 16 nibble bytes at the block's end (columns 0-15 low, 16-31 high), Q5_*'s fifth bits from
+ * the u32 qh (byte l takes byte l / 8 of qh, tested against bit l % 8), Q5_0's -16, IQ4_NL's
+ * table. Used by unpack_simd.c and fused.c's AVX2 rows. */
+static inline __m256i st_block32_values(int qtype, const uint8_t *blk, int block_bytes) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + block_bytes - 16));
+    __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+    if (qtype == ST_IQ4_NL) {
+        const __m128i table = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
+                                            38, 53, 69, 89, 113);
+        lo = _mm_shuffle_epi8(table, lo);
+        hi = _mm_shuffle_epi8(table, hi);
+    }
+    __m256i v = _mm256_set_m128i(hi, lo);
+    if (qtype == ST_Q5_0 || qtype == ST_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, blk + (qtype == ST_Q5_1 ? 4 : 2), 4);
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+        h = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+        v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(16)));
+        if (qtype == ST_Q5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    }
+    return v;
+}
+#endif
 
 #if defined(ST_USE_VNNI512)
 #include <immintrin.h>

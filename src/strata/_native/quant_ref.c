@@ -8,7 +8,8 @@
 int st_block_size(int qtype) {
     switch (qtype) {
     case ST_F32: case ST_F16: case ST_BF16: return 1;
-    case ST_Q4_0: case ST_Q8_0: return 32;
+    case ST_Q4_0: case ST_Q4_1: case ST_Q5_0: case ST_Q5_1: case ST_Q8_0: case ST_IQ4_NL:
+        return 32;
     case ST_Q2_K: case ST_Q3_K: case ST_Q4_K: case ST_Q5_K: case ST_Q6_K: case ST_IQ4_XS:
         return QK_K;
     default: return 0;
@@ -20,7 +21,11 @@ int st_type_size(int qtype) {
     case ST_F32: return 4;
     case ST_F16: case ST_BF16: return 2;
     case ST_Q4_0: return 18;           /* fp16 d, 16 bytes of nibbles */
+    case ST_Q4_1: return 20;           /* fp16 d, fp16 m, 16 bytes of nibbles */
+    case ST_Q5_0: return 22;           /* fp16 d, u32 of fifth bits, 16 bytes of nibbles */
+    case ST_Q5_1: return 24;           /* fp16 d, fp16 m, u32 of fifth bits, 16 nibble bytes */
     case ST_Q8_0: return 34;           /* fp16 d, 32 int8 */
+    case ST_IQ4_NL: return 18;         /* fp16 d, 16 bytes of 4-bit indices into kvalues */
     case ST_Q2_K: return 84;           /* 16 scale|min bytes, 64 bytes of 2-bit values, d, dmin */
     case ST_Q3_K: return 110;          /* 32 bytes of high bits, 64 of 2-bit values, 12 scale
                                           bytes, fp16 d */
@@ -34,6 +39,11 @@ int st_type_size(int qtype) {
 }
 
 int st_is_supported(int qtype) { return st_block_size(qtype) > 0; }
+
+int st_has_min(int qtype) {
+    return qtype == ST_Q4_1 || qtype == ST_Q5_1 || qtype == ST_Q2_K || qtype == ST_Q4_K
+           || qtype == ST_Q5_K;
+}
 
 int st_is_float_type(int qtype) {
     return qtype == ST_F32 || qtype == ST_F16 || qtype == ST_BF16;
@@ -75,6 +85,30 @@ static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m
     }
 }
 
+/* IQ4_NL's and IQ4_XS's non-linear values */
+static const int8_t kvalues_iq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                       1, 13, 25, 38, 53, 69, 89, 113};
+
+/* The 32-column blocks with nibbles (Q4_1, Q5_0, Q5_1, IQ4_NL): value l < 16 in the low nibble
+ * of qs[l], value l + 16 in the high one; Q5_*'s fifth bit of value l is bit l of the u32 qh;
+ * Q5_0 subtracts 16, IQ4_NL looks the nibble up in kvalues_iq4. w = d * value (+ m: Q4_1, Q5_1,
+ * whose b is -m, so a * s - b rounds as gguf's (d * q) + m). */
+static void unpack_block32(int qtype, const uint8_t *blk, int8_t *y, float *a, float *b) {
+    const int has_min = st_has_min(qtype);
+    const int has_qh = qtype == ST_Q5_0 || qtype == ST_Q5_1;
+    const float d = read_fp16(blk), m = has_min ? read_fp16(blk + 2) : 0.0f;
+    uint32_t qh = 0;
+    if (has_qh) memcpy(&qh, blk + (has_min ? 4 : 2), 4);
+    const uint8_t *qs = blk + st_type_size(qtype) - 16;
+    for (int l = 0; l < 32; l++) {
+        int v = l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4;
+        if (has_qh) v |= (int)((qh >> l) & 1) << 4;
+        y[l] = (int8_t)(qtype == ST_IQ4_NL ? kvalues_iq4[v] : qtype == ST_Q5_0 ? v - 16 : v);
+    }
+    a[0] = a[1] = d;
+    b[0] = b[1] = -m;
+}
+
 /* Unpack n_blocks blocks: s[n] signed values, a/b one per group of 16 (w = a * s - b). */
 static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
                           int8_t *s, float *a, float *b) {
@@ -93,6 +127,10 @@ static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
             b[ib * 2] = b[ib * 2 + 1] = 0.0f;
             break;
         }
+        case ST_Q4_1: case ST_Q5_0: case ST_Q5_1: case ST_IQ4_NL:
+            unpack_block32(qtype, src + ib * st_type_size(qtype), s + ib * 32, a + ib * 2,
+                           b + ib * 2);
+            break;
         case ST_Q8_0: {
             const uint8_t *blk = src + ib * 34;
             float d = read_fp16(blk);
@@ -170,8 +208,6 @@ static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
             /* block b of 32: 6-bit scale ls (low 4 bits: nibble b % 2 of byte 4 + b / 2, high
              * 2: bits 2b of the u16 at 2), w = d * (ls - 32) * kvalues[index]; its 16 bytes at
              * 8 + 16b: low nibbles columns 0-15, high nibbles 16-31 */
-            static const int8_t kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                               1, 13, 25, 38, 53, 69, 89, 113};
             const uint8_t *blk = src + ib * 136;
             float d = read_fp16(blk);
             uint16_t sh = read_u16(blk + 2);
@@ -179,8 +215,8 @@ static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
             for (int bk = 0; bk < 8; bk++) {
                 const uint8_t *q = blk + 8 + 16 * bk;
                 for (int l = 0; l < 16; l++) {
-                    y[32 * bk + l] = kvalues[q[l] & 15];
-                    y[32 * bk + l + 16] = kvalues[q[l] >> 4];
+                    y[32 * bk + l] = kvalues_iq4[q[l] & 15];
+                    y[32 * bk + l + 16] = kvalues_iq4[q[l] >> 4];
                 }
                 int ls = ((blk[4 + bk / 2] >> (4 * (bk & 1))) & 15) | (((sh >> (2 * bk)) & 3) << 4);
                 a[ib * 16 + 2 * bk] = a[ib * 16 + 2 * bk + 1] = d * (float)(ls - 32);

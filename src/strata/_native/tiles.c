@@ -11,18 +11,6 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* Sum over groups of B[g] * xs[g]: the min term of Q4_K / Q5_K (zero for other types). */
-ALWAYS_INLINE float min_term(const float *B, const float *xs, int num_groups) {
-    /* 8 independent partial sums: num_groups is a multiple of 4 (columns padded to 64) and
-     * the compiler may vectorise them, where one running sum would be a latency chain */
-    float acc[8] = {0.0f};
-    int g = 0;
-    for (; g + 8 <= num_groups; g += 8)
-        for (int i = 0; i < 8; i++) acc[i] += B[g + i] * xs[g + i];
-    for (; g < num_groups; g++) acc[g & 7] += B[g] * xs[g];
-    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-}
-
 /* ---- quantised tiles ------------------------------------------------------------------ */
 
 ALWAYS_INLINE void qtile_impl(const int NR, const int NC, const st_qtile *t, float *res) {
@@ -155,7 +143,7 @@ ALWAYS_INLINE void qtile_impl(const int NR, const int NC, const st_qtile *t, flo
     if (t->has_min) {
         for (int r = 0; r < NR; r++)
             for (int c = 0; c < NC; c++)
-                res[r * 4 + c] -= min_term(t->B[r], t->xs[c], ncp / ST_GROUP);
+                res[r * 4 + c] -= st_min_term(t->B[r], t->xs[c], ncp / ST_GROUP);
     }
 }
 

@@ -4,7 +4,7 @@
 
 typedef struct {
     int cols_pad;
-    int has_min;               /* B is not all zero (Q2_K, Q4_K, Q5_K) */
+    int has_min;               /* B is not all zero (st_has_min) */
     const uint8_t *s[4];       /* weight rows: [cols_pad] */
     const float *A[4];         /* [cols_pad / 4] */
     const float *B[4];         /* [cols_pad / 16] */

@@ -43,6 +43,21 @@ int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, floa
         }
         return 1;
     }
+    case ST_Q4_1:
+    case ST_Q5_0:
+    case ST_Q5_1:
+    case ST_IQ4_NL: {
+        /* st_block32_values (quant.h), biased; B = -m for the min types */
+        const int has_min = st_has_min(qtype), bytes = st_type_size(qtype);
+        const __m256i bias = _mm256_set1_epi8((char)ST_WEIGHT_BIAS);
+        for (int ib = 0; ib < cols / 32; ib++) {
+            const uint8_t *blk = row + (int64_t)ib * bytes;
+            store256(s + ib * 32, _mm256_add_epi8(st_block32_values(qtype, blk, bytes), bias));
+            _mm256_storeu_ps(A + ib * 8, _mm256_set1_ps(fp16_at(blk)));
+            B[ib * 2] = B[ib * 2 + 1] = has_min ? -fp16_at(blk + 2) : 0.0f;
+        }
+        return 1;
+    }
     case ST_Q8_0: {
         const __m256i bias = _mm256_set1_epi8((char)ST_WEIGHT_BIAS);
         for (int ib = 0; ib < cols / 32; ib++) {

@@ -27,9 +27,15 @@ from strata.tool.routing import skew_router_rows
 
 WEIGHT_TYPES: dict[str, QT] = {
     "f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
+    "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "iq4_nl": QT.IQ4_NL,
     "q2_k": QT.Q2_K, "q3_k": QT.Q3_K, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K,
     "iq4_xs": QT.IQ4_XS,
 }
+# llama.cpp's quantiser (llama_tensor_get_type): a k-quant or IQ4_XS tensor whose rows are not a
+# multiple of 256 columns is written in a 32-column type instead (F16 where 32 does not divide
+# them either): e.g. Qwen1.5-MoE's expert down projections (1408 columns) in its Q4_K_M files
+FALLBACK_TYPES: dict[QT, QT] = {QT.Q2_K: QT.IQ4_NL, QT.Q3_K: QT.IQ4_NL, QT.IQ4_XS: QT.IQ4_NL,
+                                QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0}
 # llama.cpp's Q4_K_M and Q5_K_M files (its llama_tensor_get_type): the base type, with Q6_K for
 # the head and, in the layers use_more_bits picks, for attn_v and ffn_down (experts too)
 MIXES: dict[str, QT] = {"q4_k_m": QT.Q4_K, "q5_k_m": QT.Q5_K}
@@ -40,7 +46,9 @@ _FILE_TYPES = {
     QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
     QT.Q5_K: LlamaFileType.MOSTLY_Q5_K_M, QT.Q6_K: LlamaFileType.MOSTLY_Q6_K,
     QT.Q2_K: LlamaFileType.MOSTLY_Q2_K, QT.Q3_K: LlamaFileType.MOSTLY_Q3_K_M,
-    QT.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
+    QT.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS, QT.Q4_1: LlamaFileType.MOSTLY_Q4_1,
+    QT.Q5_0: LlamaFileType.MOSTLY_Q5_0, QT.Q5_1: LlamaFileType.MOSTLY_Q5_1,
+    QT.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
 }
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>")
@@ -152,6 +160,19 @@ def random_blocks(qtype: QT, num_values: int, std: float, rng: np.random.Generat
     n = num_values // block_size
     if qtype == QT.Q4_0:  # codes 0..15 - 8: rms 4.637
         parts = [_scales_f16(rng, n, std / 4.637, True), _random_bytes(rng, n, 16)]
+    elif qtype in (QT.Q4_1, QT.Q5_1):
+        # w = d*q + m with m = -d*mid: w = d*(q - mid), mean 0 (rms 4.610 / 9.233)
+        mid, q_rms = (7.5, 4.610) if qtype == QT.Q4_1 else (15.5, 9.233)
+        d = _scales_f16(rng, n, std / q_rms, False)
+        m = (-d.view(np.float16).astype(np.float32) * mid).astype(np.float16).view(np.uint8)
+        parts = [d, m.reshape(n, 2)]
+        if qtype == QT.Q5_1:
+            parts.append(_random_bytes(rng, n, 4))  # qh: the fifth bits
+        parts.append(_random_bytes(rng, n, 16))
+    elif qtype == QT.Q5_0:  # codes 0..31 - 16: rms 9.247 (mean -0.5: signed scales cancel it)
+        parts = [_scales_f16(rng, n, std / 9.247, True), _random_bytes(rng, n, 4 + 16)]
+    elif qtype == QT.IQ4_NL:  # kvalues: rms 67.4 (mean -5.9: signed scales cancel it)
+        parts = [_scales_f16(rng, n, std / 67.4, True), _random_bytes(rng, n, 16)]
     elif qtype == QT.Q8_0:  # int8 codes: rms 73.9
         parts = [_scales_f16(rng, n, std / 73.9, True), _random_bytes(rng, n, 32)]
     elif qtype in (QT.Q4_K, QT.Q5_K):
@@ -271,10 +292,19 @@ def _more_bits(layer: int, n_layers: int) -> bool:
             or (layer - n_layers // 8) % 3 == 2)
 
 
-def tensor_type(name: str, weight_type: QT, n_layers: int = 0, mixed: bool = False) -> QT:
+def tensor_type(name: str, weight_type: QT, n_layers: int = 0, mixed: bool = False,
+                cols: int | None = None) -> QT:
     """The type synth stores `name` as: F32 for norms, biases and routers, else `weight_type`;
     `mixed` (a Q4_K_M / Q5_K_M file of n_layers layers): Q6_K for the head, and for attn_v and
-    ffn_down in the layers _more_bits picks."""
+    ffn_down in the layers _more_bits picks. Rows of `cols` columns that a k-quant cannot hold
+    take llama.cpp's fallback type (FALLBACK_TYPES)."""
+    qtype = _base_type(name, weight_type, n_layers, mixed)
+    if cols is not None and qtype in FALLBACK_TYPES and cols % 256:
+        return FALLBACK_TYPES[qtype] if cols % 32 == 0 else QT.F16
+    return qtype
+
+
+def _base_type(name: str, weight_type: QT, n_layers: int, mixed: bool) -> QT:
     if model_arch.is_small_tensor(name) or name.endswith("ffn_gate_inp.weight"):
         return QT.F32
     if mixed:
@@ -351,7 +381,8 @@ def synth_model(path: str | os.PathLike, shape: str = "tiny", weight_type: str =
         raise ConfigError(f"routing skew must be >= 0 (0 = uniform), not {routing_skew}")
     spec = build_spec(shape, arch, **overrides)
     names = _write_order(spec)
-    types = {n: tensor_type(n, qtype, spec.n_layers, mixed) for n in names}
+    shapes = model_arch.expected_tensors(spec)
+    types = {n: tensor_type(n, qtype, spec.n_layers, mixed, shapes[n][-1]) for n in names}
     _check_rows(spec, shape, types)
     tokenizer_meta = synth_tokenizer_meta(spec.vocab)
     file_type = _MIX_FILE_TYPES[kind] if mixed else _FILE_TYPES[qtype]
