@@ -37,22 +37,38 @@ def test_cuda_model_without_cuda_says_what_to_install(tmp_path):
     assert "--device cpu" in str(info.value)
 
 
+# 32-column block types beside Q4_0 / Q8_0 (llama.cpp's k-quant files' fallbacks, Q4_1 / Q5_1
+# presets): embed, dp4a, mv_* and mmq.cu tiles
+B32_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl")
+
+
+def test_plan_type_tables_cover_every_type_the_weights_read():
+    """Every quantised type the CUDA weights accept has tensor-core prompt tiles and decode
+    mv_* kernels (so free admission works for its experts)."""
+    from strata.backends.cuda.weights import FLOAT_TYPES, TYPE_SUFFIX
+
+    quantised = {s for t, s in TYPE_SUFFIX.items() if t not in FLOAT_TYPES}
+    assert set(B32_TYPES) <= quantised
+    assert quantised == set(cuda_plan.MMQ_TYPES) | set(cuda_plan.MMQ_K_TYPES)
+    assert quantised == set(cuda_plan.MV_TYPES)
+
+
 def test_kernel_names_cover_every_entry_point():
     names = set()
     for module in cuda_runtime.MODULES:
         names |= set(cuda_runtime._kernel_names(cuda_runtime.module_source(module)))
     for suffix in ("f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
-                   "iq4_xs"):
+                   "iq4_xs") + B32_TYPES:
         assert {f"mm_store_{suffix}", f"mm_add_{suffix}", f"mm_gateup_{suffix}",
                 f"mm_qkv_{suffix}", f"embed_{suffix}"} <= names
-    for suffix in ("q4_0", "q8_0"):  # mmq.cu: int8 tensor-core tiles of 64 and 32 rows
+    for suffix in ("q4_0", "q8_0") + B32_TYPES:  # mmq.cu: int8 tensor-core tiles, 64 / 32 rows
         assert {f"mmq{rows}_{kind}_{suffix}" for rows in (64, 32)
                 for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {f"mmq{rows}r_{kind}_q4_0" for rows in (64, 32)  # RAW staging: Q4_0 only
             for kind in ("store", "add", "gateup", "qkv")} <= names
     for suffix in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"):  # mmq_k.cu: 32-row tiles
         assert {f"mmq32_{kind}_{suffix}" for kind in ("store", "add", "gateup", "qkv")} <= names
-    for suffix in ("q4_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"):  # matvec
+    for suffix in ("q4_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs") + B32_TYPES:
         assert {f"mv_{kind}_{suffix}" for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {"mmf_store_f32", "mmf_add_f32", "mmf_store_f16", "mmf_store_bf16"} <= names
     assert {"quantize_q8", "rmsnorm_q8", "qk_rope_append", "router_topk", "group_pairs",

@@ -9,7 +9,7 @@ FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 ALL_TYPES = FLOAT_TYPES + QUANT_TYPES
 
 # Byte offsets of the fp16 scale fields in each block: random bytes there give NaN / Inf.
-_FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
                 T.IQ4_NL: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2),
                 T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
 
@@ -31,7 +31,7 @@ def random_weight(rng, qtype, rows, cols):
     bs, ts = gguf.GGML_QUANT_SIZES[qtype]
     n_blocks = rows * cols // bs
     blocks = rng.integers(0, 256, size=(n_blocks, ts), dtype=np.uint8)
-    for off in _FP16_FIELDS[qtype]:
+    for off in FP16_FIELDS[qtype]:
         d = rng.uniform(1e-3, 1e-1, size=n_blocks).astype(np.float16)
         blocks[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
     return blocks.reshape(rows, cols // bs * ts)

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from strata._native import kernels
 
-from .helpers import (ALL_TYPES, FLOAT_TYPES, QUANT_TYPES, block_size, dequant64,
+from .helpers import (ALL_TYPES, FLOAT_TYPES, FP16_FIELDS, QUANT_TYPES, block_size, dequant64,
                       float_error_bound, q8_error_bound, q8_roundtrip, random_weight)
 
 
@@ -15,6 +15,11 @@ def test_dequantize_matches_gguf_bit_for_bit(qtype):
     rng = np.random.default_rng(int(qtype))
     rows, cols = 5, 4 * max(block_size(qtype), 64)
     w = random_weight(rng, qtype, rows, cols)
+    if qtype in QUANT_TYPES:  # negative scales too: d * 0 is -0.0 there, as gguf gives it
+        bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = w.reshape(-1, ts)
+        for off in FP16_FIELDS[qtype]:
+            blocks[:, off + 1] |= (rng.integers(0, 2, len(blocks)) << 7).astype(np.uint8)
     expected = gguf.quants.dequantize(w, qtype).reshape(-1)
     got = kernels.dequantize(w, int(qtype), rows * cols)
     assert got.dtype == np.float32 and got.shape == (rows * cols,)

@@ -106,7 +106,7 @@ static void unpack_block32(int qtype, const uint8_t *blk, int8_t *y, float *a, f
         y[l] = (int8_t)(qtype == ST_IQ4_NL ? kvalues_iq4[v] : qtype == ST_Q5_0 ? v - 16 : v);
     }
     a[0] = a[1] = d;
-    b[0] = b[1] = -m;
+    b[0] = b[1] = has_min ? -m : 0.0f;  /* +0: p - 0 keeps gguf's -0.0 where d < 0, s = 0 */
 }
 
 /* Unpack n_blocks blocks: s[n] signed values, a/b one per group of 16 (w = a * s - b). */

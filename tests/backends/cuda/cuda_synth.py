@@ -1,8 +1,27 @@
 """Synth-model shapes the CUDA tests use per weight type (k-quants need rows of 256)."""
 
 K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
-TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0") + K_TYPES
+# other 32-column block types: llama.cpp's fallbacks in k-quant files for rows that are not a
+# multiple of 256 (Q5_0, Q5_1, IQ4_NL) and the Q4_1 / Q5_1 presets
+B32_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl")
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0") + K_TYPES + B32_TYPES
 K_QUANT_OVERRIDES = {"hidden": 256, "expert_ffn": 256, "head_dim": 64}
+
+
+# llama.cpp's k-quant files give a tensor whose rows are not a multiple of 256 a fallback type
+# (its llama_tensor_get_type): Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K / IQ4_XS ->
+# IQ4_NL (Qwen1.5-MoE's expert down, K = 1408, in its Q4_K_M file: Q5_0 and Q8_0). synth does
+# the same, so these shapes (expert and shared widths of 96) give such files: weight type ->
+# the fallback types of the 96-column rows (Q8_0: the Q6_K rows of the Q4_K_M / Q5_K_M mixes).
+FALLBACK_OVERRIDES = {"hidden": 256, "head_dim": 64, "expert_ffn": 96}
+FALLBACK_TYPES = {"q4_k_m": ("Q5_0", "Q8_0"), "q5_k_m": ("Q5_1", "Q8_0"), "q3_k": ("IQ4_NL",),
+                  "q2_k": ("IQ4_NL",), "iq4_xs": ("IQ4_NL",)}
+
+
+def fallback_overrides(shape: str) -> dict:
+    """synth_model overrides whose expert (and shared) down rows are 96 columns long."""
+    extra = {"shared_ffn": 96} if shape == "tiny-qwen2moe" else {}
+    return {**FALLBACK_OVERRIDES, **extra}
 
 
 def synth_overrides(shape: str, weight_type: str) -> dict:

@@ -1,8 +1,9 @@
 """CUDA kernels against float64 numpy references on fresh random inputs: the product kernels on
-every GGUF type (dense, grouped by expert, gate/up + SiLU; the decode mv_* kernels on Q4_0,
-Q8_0 and the k-quants), activation quantisation, attention over fp16 and int8 KV caches (split
-over blocks), QK-norm + RoPE (whole heads or partial) + KV append, RMSNorm, the combine fused
-with the next norm, and the one-launch router (product, top-k, grouping)."""
+every GGUF type (dense, grouped by expert, gate/up + SiLU; the decode mv_* kernels on every
+quantised type), embedding rows equal to the CPU's dequantisation, activation quantisation,
+attention over fp16 and int8 KV caches (split over blocks), QK-norm + RoPE (whole heads or
+partial) + KV append, RMSNorm, the combine fused with the next norm, and the one-launch router
+(product, top-k, grouping)."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -11,7 +12,7 @@ from strata._native import kernels
 from strata.backends.cuda.plan import attention_kernels
 from strata.tool.synth import random_blocks
 
-from cuda_synth import K_TYPES, TYPES
+from cuda_synth import B32_TYPES, K_TYPES, TYPES
 
 pytestmark = pytest.mark.cuda
 
@@ -67,6 +68,21 @@ def _acts(x: np.ndarray, weight_type: str) -> np.ndarray:
         return x.astype(np.float64)
     q, d = _q8(x)
     return (q.reshape(-1, 32).astype(np.float64) * d.reshape(-1, 1)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("weight_type", TYPES)
+def test_embed_rows_equal_the_cpu_dequantisation(runtime, weight_type):
+    """embed_* (common.cuh's dequant_one) gives the CPU's (gguf's) dequantised values bit for bit,
+    tokens in any order and repeated; Q4_1 / Q5_1 too, whose w = d * q + m."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    V, H = 37, 1408 if weight_type not in K_TYPES else 1024  # 44 blocks of 32 / 4 of 256
+    raw, dense = _weights(weight_type, V, H, rng)
+    tokens = np.array([5, 0, 36, 5, 17], dtype=np.int32)
+    x = dev.empty(4 * len(tokens) * H)
+    dev.launch(f"embed_{weight_type}", (len(tokens),), (256,), "PqiPP",
+               [dev.put(raw), raw.shape[1], H, dev.put(tokens), x])
+    np.testing.assert_array_equal(dev.get(x, (len(tokens), H), np.float32),
+                                  dense[tokens].astype(np.float32))
 
 
 def test_quantize_kernel_matches_numpy(runtime):
@@ -441,13 +457,15 @@ def _mv_blocks(num_outputs: int, num_cols: int) -> int:
 
 @pytest.mark.parametrize("weight_type, num_cols",
                          [(t, k) for t in ("q4_0", "q8_0") for k in (64, 512, 2048, 5120)]
-                         + [(t, k) for t in K_TYPES for k in (256, 768, 2048, 5120)])
+                         + [(t, k) for t in K_TYPES for k in (256, 768, 2048, 5120)]
+                         + [(t, k) for t in B32_TYPES for k in (32, 96, 512, 1408, 5120)])
 def test_decode_products_mv(runtime, weight_type, num_cols):
     """matvec.cu's mv_* (decode windows) against float64: dense store + bias (weights also at
     a 2-byte offset), add, q/k/v, grouped gate/up and grouped store through pointer tables with
     rows gathered and scattered. K covers 8, 16 and 32 lanes per output and rows staged in
     several rounds (k-quants: super-blocks of 256 columns; Q6_K's 210-byte ones start at every
-    even offset); every row equals the same row computed alone, bit for bit."""
+    even offset; Q4_1 / Q5_0 / Q5_1 / IQ4_NL at K = 1408, Qwen1.5-MoE's expert down, 44 blocks);
+    every row equals the same row computed alone, bit for bit."""
     dev, rng = _Dev(runtime), np.random.default_rng()
     E, N, K, T, Nkv = 3, 45, num_cols, 11, 18  # N not a multiple of a block's outputs
     raws, dense = zip(*[_weights(weight_type, N, K, rng) for _ in range(2 * E)])

@@ -9,11 +9,13 @@ from strata.backends.cuda import plan as cuda_plan
 from strata.backends.window import Window
 from strata.model.gguf_file import GGUFModel
 
+from cuda_synth import B32_TYPES
 from test_cuda_kernels import _Dev, _acts, _q8, _weights
 
 pytestmark = pytest.mark.cuda
 
-MMQ_TYPES = ("q4_0", "q8_0")
+# mmq.cu: 32-column block types (Q4_1 / Q5_1 with a min term), K a multiple of 32
+MMQ_TYPES = ("q4_0", "q8_0") + B32_TYPES
 K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")  # mmq_k.cu: 32-row tiles
 FMT = "PPPPqiiPPPPPPPPPiPP"
 BM, BN, BNG = 64, 64, 32  # mmq.cu's tiles: outputs, rows dense / grouped
@@ -34,10 +36,12 @@ def _silu(v: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("tile_rows", (64, 32))
 @pytest.mark.parametrize("weight_type", MMQ_TYPES)
-@pytest.mark.parametrize("num_out, num_cols, num_rows", [(200, 768, 100), (72, 320, 17)])
+@pytest.mark.parametrize("num_out, num_cols, num_rows", [(200, 768, 100), (72, 320, 17),
+                                                         (130, 1408, 45)])
 def test_dense_products(runtime, weight_type, num_out, num_cols, num_rows, tile_rows):
     """store (+ bias), add and gate/up over T rows; N not a multiple of the 64-output tile, K of
-    320 ends in a partial k-tile (10 blocks of 32 = 8 + 2)."""
+    320 ends in a partial k-tile (10 blocks of 32 = 8 + 2), K of 1408 (Qwen1.5-MoE's expert
+    down, 44 blocks: 5 k-tiles + 4 blocks)."""
     _check_dense_products(runtime, weight_type, num_out, num_cols, num_rows, tile_rows)
 
 
@@ -203,7 +207,8 @@ def test_grouped_experts(runtime, weight_type):
     """Grouped gate/up + SiLU (rows gathered through act_rows) and down (outputs scattered
     through out_rows), each expert read through a pointer table of separate allocations."""
     dev, rng = _Dev(runtime), np.random.default_rng()
-    # F not a multiple of the 32 gate/up outputs; H of 10 blocks (k-quants: 2 super-blocks)
+    # F not a multiple of the 32 gate/up outputs; H of 10 blocks (k-quants: 2 super-blocks);
+    # the down's K2 = 2H: 20 blocks, or 44 (1408) for the k-quant files' fallback types
     E, T, F, H = 5, 160, 72, 512 if weight_type in K_TYPES else 320
     groups, act_rows, experts = _uneven_groups(rng, T)
     G, P = len(groups) // 3, len(act_rows)
@@ -224,7 +229,7 @@ def test_grouped_experts(runtime, weight_type):
     assert _rel(dev.get(hbuf, (P, F), np.float32), want) < 1e-5
 
     # down: fresh [P, K2] rows in grouped order, outputs scattered to pair rows
-    N2, K2 = 136, 2 * H
+    N2, K2 = 136, 1408 if weight_type in B32_TYPES else 2 * H
     down = [_weights(weight_type, N2, K2, rng) for _ in range(E)]
     table = dev.put(np.array([dev.put(down[e][0]) for e in range(E)], dtype=np.uint64))
     h = rng.standard_normal((P, K2)).astype(np.float32)
@@ -240,12 +245,13 @@ def test_grouped_experts(runtime, weight_type):
     assert _rel(dev.get(y, (P, N2), np.float32), want) < 1e-5
 
 
-@pytest.mark.parametrize("weight_type", MMQ_TYPES + K_TYPES)
-def test_row_result_independent_of_tile(runtime, weight_type):
+@pytest.mark.parametrize("weight_type, num_cols", [(t, 1024) for t in MMQ_TYPES + K_TYPES]
+                         + [(t, 1408) for t in B32_TYPES])
+def test_row_result_independent_of_tile(runtime, weight_type, num_cols):
     """Rows 37..86 computed alone (another tile position), with 32-row tiles and inside all
-    100 rows give the same bits."""
+    100 rows give the same bits (K = 1408: a partial last k-tile)."""
     dev, rng = _Dev(runtime), np.random.default_rng()
-    N, K, T = 130, 1024, 100
+    N, K, T = 130, num_cols, 100
     raw, _ = _weights(weight_type, N, K, rng)
     q, d = _q8(rng.standard_normal((T, K)).astype(np.float32))
     args = [dev.put(raw), 0, 0, 0, raw.shape[1], N, K, 0, dev.put(q), dev.put(d)]
@@ -301,7 +307,9 @@ def _tokens(n, vocab, seed):
 
 @pytest.mark.parametrize("shape, weight_type", [("tiny", "q4_0"), ("tiny-qwen2moe", "q8_0"),
                                                 ("tiny", "f32"), ("tiny", "q4_k"),
-                                                ("tiny-qwen2moe", "q6_k")])
+                                                ("tiny-qwen2moe", "q6_k"), ("tiny", "q5_0"),
+                                                ("tiny-qwen2moe", "q4_1"), ("tiny", "q5_1"),
+                                                ("tiny-qwen2moe", "iq4_nl")])
 def test_plan_uses_mmq_from_the_threshold_and_windows_equal_solo(synth_path, shape,
                                                                  weight_type):
     """Windows of >= MMQ_MIN_ROWS rows launch mmq.cu's kernels, smaller ones matmul.cu's; two
@@ -337,7 +345,7 @@ def test_plan_uses_mmq_from_the_threshold_and_windows_equal_solo(synth_path, sha
         np.testing.assert_array_equal(window.logits_of(logits, i), solo[i])
 
 
-@pytest.mark.parametrize("weight_type", ("q4_0",) + K_TYPES)
+@pytest.mark.parametrize("weight_type", ("q4_0",) + K_TYPES + B32_TYPES)
 def test_mmq_and_dp4a_prompts_agree(synth_path, monkeypatch, weight_type):
     """A prompt of MMQ_MIN_ROWS + 24 tokens through mmq and through the dp4a kernels (threshold
     raised): the same function up to float rounding. Rows agree to ~1e-7 until a router

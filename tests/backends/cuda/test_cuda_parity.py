@@ -1,14 +1,16 @@
 """The CUDA backend equals the CPU backend: logits on synth models of both architectures and
-every tensor type (tolerances relative to the logit scale), 64-token greedy continuations,
-window-vs-solo equality and KV park/restore."""
+every tensor type (tolerances relative to the logit scale), files that mix k-quants with
+llama.cpp's fallback types for rows that are not a multiple of 256, 64-token greedy
+continuations, window-vs-solo equality and KV park/restore."""
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 from strata.backends.cpu import CpuModel
 from strata.backends.window import Window
 from strata.model.gguf_file import GGUFModel
 
-from cuda_synth import TYPES
+from cuda_synth import FALLBACK_TYPES, TYPES, fallback_overrides
 
 pytestmark = pytest.mark.cuda
 
@@ -47,6 +49,31 @@ def _tokens(n, vocab, seed):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_logits_match_cpu(synth_path, shape, weight_type):
     cpu, gpu = _pair(synth_path, shape, weight_type)
+    _check_logits(cpu, gpu, f"{shape} {weight_type}", weight_type in FLOAT_TYPES)
+
+
+@pytest.mark.parametrize("weight_type", sorted(FALLBACK_TYPES))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_k_quant_file_with_fallback_types_matches_cpu(tmp_path_factory, shape, weight_type):
+    """A k-quant file whose expert (and shared) down rows are 96 columns (not a multiple of
+    256) holds them in llama.cpp's fallback types (Q5_0 / Q5_1 / Q8_0 / IQ4_NL) beside the
+    k-quant rows; the CUDA logits match the CPU's as for one-type files (the 23-row prompt
+    through mmq_k.cu and mmq.cu tiles side by side, decode rows through mv_*)."""
+    from strata.backends.cuda import CudaModel
+    from strata.tool.synth import synth_model
+
+    path = tmp_path_factory.mktemp("fallback") / f"{shape}-{weight_type}.gguf"
+    synth_model(path, shape=shape, weight_type=weight_type, **fallback_overrides(shape))
+    model = GGUFModel.open(path)
+    short = {model.tensor(n).qtype for n in model.tensor_names
+             if model.tensor(n).shape[-1] == 96}  # the down rows
+    main, *others = FALLBACK_TYPES[weight_type]
+    assert int(QT[main]) in short and short <= {int(QT[t]) for t in (main, *others)}
+    cpu, gpu = CpuModel(GGUFModel.open(path)), CudaModel(GGUFModel.open(path))
+    _check_logits(cpu, gpu, f"{shape} {weight_type} (96-column rows)", False)
+
+
+def _check_logits(cpu, gpu, label: str, is_float: bool) -> None:
     vocab = cpu.spec.vocab
     kc, kg = cpu.new_kv(128, dtype=np.float16), gpu.new_kv(128)
     prompt = _tokens(23, vocab, seed=1)
@@ -61,10 +88,10 @@ def test_logits_match_cpu(synth_path, shape, weight_type):
         errors += list(np.abs(got - want).max(axis=1) / np.abs(want).max())
         same_top1 += list(np.argmax(got, axis=1) == np.argmax(want, axis=1))
     errors = np.array(errors)
-    print(f"{shape} {weight_type}: |cuda - cpu| / logit scale per row: median "
+    print(f"{label}: |cuda - cpu| / logit scale per row: median "
           f"{np.median(errors):.1e}, max {errors.max():.1e}; top-1 equal on "
           f"{np.mean(same_top1):.0%} of {len(errors)} rows")
-    if weight_type in FLOAT_TYPES:
+    if is_float:
         assert errors.max() < FLOAT_TOLERANCE
         assert all(same_top1)
     else:
@@ -86,17 +113,19 @@ def _greedy(model, kv, prompt, num_tokens, forced=None):
     return out
 
 
-@pytest.mark.parametrize("weight_type", ("f32", "bf16", "q8_0", "q4_0", "q3_k", "q4_k",
-                                         "q6_k"))
+TEACHER_FORCED = ("q3_k", "q4_k", "q6_k", "q4_1", "q5_0", "q5_1", "iq4_nl")
+
+
+@pytest.mark.parametrize("weight_type", ("f32", "bf16", "q8_0", "q4_0") + TEACHER_FORCED)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_greedy_64_tokens_agree(synth_path, shape, weight_type):
-    """64 greedy tokens are the same on both backends; for k-quant models (where a rounding
-    edge can flip a near-tie, see above) the CUDA argmax, fed the CPU's tokens, equals the
-    CPU's on at least 60 of the 64 steps."""
+    """64 greedy tokens are the same on both backends; for k-quant models and the other
+    32-column types (where a rounding edge can flip a near-tie, see above) the CUDA argmax, fed
+    the CPU's tokens, equals the CPU's on at least 60 of the 64 steps."""
     cpu, gpu = _pair(synth_path, shape, weight_type)
     prompt = _tokens(12, cpu.spec.vocab, seed=5)
     want = _greedy(cpu, cpu.new_kv(128, dtype=np.float16), prompt, 64)
-    if weight_type in ("q3_k", "q4_k", "q6_k"):
+    if weight_type in TEACHER_FORCED:
         got = _greedy(gpu, gpu.new_kv(128), prompt, 64, forced=want)
         agree = sum(a == b for a, b in zip(got, want))
         print(f"{shape} {weight_type}: teacher-forced argmax equal on {agree} of 64 steps")
@@ -106,7 +135,7 @@ def test_greedy_64_tokens_agree(synth_path, shape, weight_type):
         assert got == want
 
 
-@pytest.mark.parametrize("weight_type", ("f32", "q4_0"))
+@pytest.mark.parametrize("weight_type", ("f32", "q4_0", "q5_1"))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_window_rows_equal_solo(synth_path, shape, weight_type):
     """Each slot's logits in a window of three slots (a prompt chunk and two decodes) equal

@@ -9,12 +9,16 @@
 #define ST_F32 0
 #define ST_F16 1
 #define ST_Q4_0 2
+#define ST_Q4_1 3
+#define ST_Q5_0 6
+#define ST_Q5_1 7
 #define ST_Q8_0 8
 #define ST_Q2_K 10
 #define ST_Q3_K 11
 #define ST_Q4_K 12
 #define ST_Q5_K 13
 #define ST_Q6_K 14
+#define ST_IQ4_NL 20
 #define ST_IQ4_XS 23
 #define ST_BF16 30
 
@@ -135,6 +139,60 @@ __device__ __forceinline__ float iq4xs_scale(const uint8_t *blk, int b) {
     return read_f16(blk) * (float)(ls - 32);
 }
 
+// The 32-column blocks of Q4_1, Q5_0, Q5_1 and IQ4_NL (llama.cpp writes the last three for
+// rows whose length is not a multiple of 256 in k-quant files): fp16 d, [fp16 m], [u32 qh],
+// qs[16]; value i < 16 in the low nibble of qs[i], value i + 16 in its high nibble, bit i of qh
+// the fifth bit of value i. w = a * s - b with a = d and b = -m (Q4_1 / Q5_1: s = q >= 0,
+// w = d * q + m), b = 0 else (Q5_0: s = q - 16; IQ4_NL: s = the table's value). Every field is
+// 2-byte aligned only (blocks of 18-24 bytes).
+template <int QT> struct Block32;
+template <> struct Block32<ST_Q4_1> { static constexpr int bytes = 20, qs = 4, qh = 0, min = 1; };
+template <> struct Block32<ST_Q5_0> { static constexpr int bytes = 22, qs = 6, qh = 2, min = 0; };
+template <> struct Block32<ST_Q5_1> { static constexpr int bytes = 24, qs = 8, qh = 4, min = 1; };
+template <> struct Block32<ST_IQ4_NL> { static constexpr int bytes = 18, qs = 2, qh = 0, min = 0; };
+
+__host__ __device__ constexpr bool is_block32_type(int qt) {
+    return qt == ST_Q4_1 || qt == ST_Q5_0 || qt == ST_Q5_1 || qt == ST_IQ4_NL;
+}
+
+// Word w (0..3) of half h (0: columns 0-15, 1: 16-31) of a Block32 block as 4 int8 values
+// (columns 16h + 4w .. +3): qs4 = its qs bytes 4w .. 4w+3 as one word, qh the block's fifth
+// bits (Q5_0 / Q5_1). Bits 4w..4w+3 of the half's qh go to bit 4 of bytes 0..3 (x * 0x204081
+// puts bit j at bit 8j).
+template <int QT>
+__device__ __forceinline__ int block32_word(uint32_t qs4, uint32_t qh, int h, int w) {
+    uint32_t x = (qs4 >> (4 * h)) & 0x0F0F0F0Fu;
+    if constexpr (QT == ST_IQ4_NL) return iq4_values(x);
+    if constexpr (QT == ST_Q5_0 || QT == ST_Q5_1)
+        x |= ((((qh >> (16 * h + 4 * w)) & 15u) * 0x00204081u) & 0x01010101u) << 4;
+    if constexpr (QT == ST_Q5_0)  // byte-wise x - 16 (x is 0..31: no borrow crosses a byte)
+        return (int)(((x | 0x80808080u) - 0x10101010u) ^ 0x80808080u);
+    return (int)x;
+}
+
+// A Block32 block at blk: its scale a = d, its b = -m (0 without mins), the fifth bits
+template <int QT>
+__device__ __forceinline__ void block32_head(const uint8_t *blk, float &a, float &b,
+                                             uint32_t &qh) {
+    a = read_f16(blk);
+    b = Block32<QT>::min ? -read_f16(blk + 2) : 0.0f;
+    qh = Block32<QT>::qh ? read_u32_a2(blk + Block32<QT>::qh) : 0u;
+}
+
+// A whole Block32 block: its 32 int8 values to v[8] (4 per int, column order), a and b as above
+template <int QT>
+__device__ __forceinline__ void unpack_block32(const uint8_t *blk, int (&v)[8], float &a,
+                                               float &b) {
+    uint32_t qh;
+    block32_head<QT>(blk, a, b, qh);
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        const uint32_t x = read_u32_a2(blk + Block32<QT>::qs + 4 * w);
+        v[w] = block32_word<QT>(x, qh, 0, w);
+        v[w + 4] = block32_word<QT>(x, qh, 1, w);
+    }
+}
+
 // Group g (columns 16g .. 16g+15) of a quantised row: v[4] holds the 16 int8 s values,
 // w = a * s - b. Bit layouts follow ggml-quants.c (and _native/quant_ref.c).
 template <int QT>
@@ -150,6 +208,13 @@ __device__ __forceinline__ void decode_group(const uint8_t *row, int g, int (&v)
             // 2-byte aligned: read the 4 bytes as two u16
             v[i] = nibbles_minus_8(read_u32_a2(blk + 2 + 4 * i) >> shift);
         }
+    } else if constexpr (is_block32_type(QT)) {
+        const uint8_t *blk = row + (g >> 1) * Block32<QT>::bytes;
+        uint32_t qh;
+        block32_head<QT>(blk, a, b, qh);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            v[i] = block32_word<QT>(read_u32_a2(blk + Block32<QT>::qs + 4 * i), qh, g & 1, i);
     } else if (QT == ST_Q8_0) {
         const uint8_t *blk = row + (g >> 1) * 34;  // fp16 d, 32 int8
         a = read_f16(blk);

@@ -51,7 +51,8 @@ __device__ __forceinline__ void mm_body(
         wrow2[j] = base2 + off;
     }
     constexpr bool is_float = QT == ST_F32 || QT == ST_F16 || QT == ST_BF16;
-    constexpr bool has_min = QT == ST_Q2_K || QT == ST_Q4_K || QT == ST_Q5_K;
+    constexpr bool has_min = QT == ST_Q2_K || QT == ST_Q4_K || QT == ST_Q5_K || QT == ST_Q4_1
+                             || QT == ST_Q5_1;
     const int num_groups16 = K >> 4, num_xblocks = K >> 5;
 
     for (int p0 = first; p0 < first + count; p0 += TR) {
@@ -205,6 +206,10 @@ MM_KERNELS(f16, ST_F16)
 MM_KERNELS(bf16, ST_BF16)
 MM_KERNELS(q8_0, ST_Q8_0)
 MM_KERNELS(q4_0, ST_Q4_0)
+MM_KERNELS(q4_1, ST_Q4_1)
+MM_KERNELS(q5_0, ST_Q5_0)
+MM_KERNELS(q5_1, ST_Q5_1)
+MM_KERNELS(iq4_nl, ST_IQ4_NL)
 MM_KERNELS(q2_k, ST_Q2_K)
 MM_KERNELS(q3_k, ST_Q3_K)
 MM_KERNELS(q4_k, ST_Q4_K)

@@ -1,5 +1,6 @@
-// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0 and k-quant (Q2_K .. Q6_K,
-// IQ4_XS) weights: the mv_* kernels, with matmul.cu's arguments (products.cuh). Legend as
+// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0, Q4_1 / Q5_0 / Q5_1 / IQ4_NL
+// and k-quant (Q2_K .. Q6_K, IQ4_XS) weights: the mv_* kernels, with matmul.cu's arguments
+// (products.cuh). Legend as
 // matmul.cu: N = weight rows (outputs), K = columns, P = activation rows of a group, G = groups
 // (experts).
 #include "products.cuh"
@@ -13,9 +14,10 @@
 // 16-byte reads also suit mapped host memory (offloaded experts read over PCIe).
 // Per output and row: each lane sums its 32-column blocks j = lane, lane + lanes, ... in
 // increasing order as (float)s * (d_w * d_x) (s = the int8 dot of one 32-value block; k-quants:
-// a_w * d_x * s - m_w * d_x * sum(q), per 16 columns for Q2_K / Q3_K / Q6_K), then the lanes are
-// summed by a butterfly: a fixed order that depends on K only, never on the window. Rows are
-// staged in units of a quant block (Q4_0 / Q8_0: 32 columns) or super-block (k-quants: 256).
+// a_w * d_x * s - m_w * d_x * sum(q), per 16 columns for Q2_K / Q3_K / Q6_K; Q4_1 / Q5_1 alike
+// with their min per 32), then the lanes are summed by a butterfly: a fixed order that depends
+// on K only, never on the window. Rows are staged in units of a quant block (Q4_0 / Q8_0 and
+// the other 32-column types) or super-block (k-quants: 256).
 // Grid (ceil(N / (MV_WARPS * mv_outputs_per_warp(K))), G), block MV_WARPS * 32 (plan.py
 // mirrors mv_outputs_per_warp and says which products take these kernels).
 #define MV_WARPS 4
@@ -157,15 +159,70 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
     }
 }
 
+// The Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks of one staged round (common.cuh's Block32): lane
+// `sub` of its output takes blocks j = sub, sub + lanes, ... < num_j of the staged row srow
+// (srow2: gate/up's up row), block j0 + j of the whole row, against activation rows
+// arow[0 .. nt); each adds a * dx * s (- b * dx * sum(q) for the types with a min, b = -m)
+template <int QT, bool GATEUP>
+__device__ __forceinline__ void mv_b32_blocks(const uint8_t *srow, const uint8_t *srow2, int sub,
+                                              int lanes, int num_j, int j0, int nt,
+                                              const int (&arow)[MV_TR],
+                                              const int8_t *__restrict__ xq,
+                                              const float *__restrict__ xd, int K,
+                                              float (&acc)[MV_TR], float (&acc2)[MV_TR]) {
+    constexpr int QB = Block32<QT>::bytes;
+    constexpr bool has_min = Block32<QT>::min;
+    const int num_blocks = K >> 5;
+#pragma unroll 2
+    for (int j = sub; j < num_j; j += lanes) {
+        const int blk = j0 + j;
+        int v[8], v2[8];
+        float a, b, a2 = 0.0f, b2 = 0.0f;
+        unpack_block32<QT>(srow + j * QB, v, a, b);
+        if (GATEUP) unpack_block32<QT>(srow2 + j * QB, v2, a2, b2);
+#pragma unroll
+        for (int t = 0; t < MV_TR; t++) {
+            if (t >= nt) continue;
+            // [32] int8 activations of this block, 16-byte aligned
+            const int4 *xp =
+                reinterpret_cast<const int4 *>(xq + (long long)arow[t] * K + 32 * blk);
+            const int4 xa = xp[0], xb = xp[1];
+            const int x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+            const float dx = xd[(long long)arow[t] * num_blocks + blk];
+            int s = 0, s2 = 0, sq = 0;
+#pragma unroll
+            for (int w = 0; w < 8; w++) {
+                s = __dp4a(v[w], x[w], s);
+                if (GATEUP) s2 = __dp4a(v2[w], x[w], s2);
+                if (has_min) sq = __dp4a(0x01010101, x[w], sq);
+            }
+            if constexpr (has_min) {
+                acc[t] += (float)s * (a * dx) - (float)sq * (b * dx);
+                if (GATEUP) acc2[t] += (float)s2 * (a2 * dx) - (float)sq * (b2 * dx);
+            } else {
+                acc[t] += (float)s * (a * dx);
+                if (GATEUP) acc2[t] += (float)s2 * (a2 * dx);
+            }
+        }
+    }
+}
+
+template <int QT>
+__host__ __device__ constexpr int mv_unit_bytes() {
+    if constexpr (is_block32_type(QT)) return Block32<QT>::bytes;
+    else
+        return QT == ST_Q4_0 ? 18 : QT == ST_Q8_0 ? 34 : QT == ST_Q2_K ? 84 : QT == ST_Q3_K ? 110
+               : QT == ST_Q4_K ? 144 : QT == ST_Q5_K ? 176 : QT == ST_IQ4_XS ? 136 : 210;
+}
+
 template <int QT, int MODE>
 __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
                                         const unsigned long long *__restrict__ atab,
                                         const unsigned long long *__restrict__ atab2) {
     // a staged unit: one block of 32 columns, or a k-quant super-block of 256
-    constexpr bool is_k = QT != ST_Q4_0 && QT != ST_Q8_0;
-    constexpr int unit_bytes = QT == ST_Q4_0 ? 18 : QT == ST_Q8_0 ? 34 : QT == ST_Q2_K ? 84
-                               : QT == ST_Q3_K ? 110 : QT == ST_Q4_K ? 144 : QT == ST_Q5_K ? 176
-                               : QT == ST_IQ4_XS ? 136 : 210;
+    constexpr bool is_b32 = is_block32_type(QT);
+    constexpr bool is_k = QT != ST_Q4_0 && QT != ST_Q8_0 && !is_b32;
+    constexpr int unit_bytes = mv_unit_bytes<QT>();
     constexpr int blocks_per_unit = is_k ? 8 : 1;  // 32-column blocks
     constexpr bool is_gateup = MODE == MODE_GATEUP;
     __shared__ int4 stage_all[MV_WARPS * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16)];
@@ -228,6 +285,9 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
                 if constexpr (is_k) {
                     mv_k_blocks<QT, is_gateup>(srow, srow2, sub, lanes, nur * 8, s0 * 8, nt,
                                                arow, xq, xd, K, acc, acc2);
+                } else if constexpr (is_b32) {
+                    mv_b32_blocks<QT, is_gateup>(srow, srow2, sub, lanes, nur, s0, nt, arow, xq,
+                                                 xd, K, acc, acc2);
                 } else {
 #pragma unroll 2
                     for (int j = sub; j < nur; j += lanes) {
@@ -317,6 +377,10 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
 
 MV_KERNELS(q4_0, ST_Q4_0)
 MV_KERNELS(q8_0, ST_Q8_0)
+MV_KERNELS(q4_1, ST_Q4_1)
+MV_KERNELS(q5_0, ST_Q5_0)
+MV_KERNELS(q5_1, ST_Q5_1)
+MV_KERNELS(iq4_nl, ST_IQ4_NL)
 MV_KERNELS(q2_k, ST_Q2_K)
 MV_KERNELS(q3_k, ST_Q3_K)
 MV_KERNELS(q4_k, ST_Q4_K)

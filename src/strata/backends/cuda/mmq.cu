@@ -1,13 +1,16 @@
-// Products for prompt-sized windows: int8 tensor-core tiles (mma.sync m16n8k32) for Q4_0 / Q8_0
-// weights meeting 8-bit activations, and a shared-memory tiled float kernel for F32/F16/BF16
-// (the router). Same arguments as matmul.cu's mm_* kernels; plan.py picks these from R rows on.
+// Products for prompt-sized windows: int8 tensor-core tiles (mma.sync m16n8k32) for weights of
+// 32-column blocks (Q4_0, Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL) meeting 8-bit activations, and a
+// shared-memory tiled float kernel for F32/F16/BF16 (the router). Same arguments as matmul.cu's
+// mm_* kernels; plan.py picks these from R rows on.
 //
 // Legend: N = weight rows (outputs), K = columns, P = activation rows of a group (pairs),
 // BM = weight rows per block tile, BN = activation rows per block tile, KB = quant blocks of 32
 // columns per k-tile. One mma k-step is one 32-value block of both operands: its int32 result
 // is exact, and each output accumulates (float)s * (d_w * d_x) over its blocks in increasing
 // k order in one thread, so a row's result does not depend on the tile it lands in or on the
-// other rows of its window.
+// other rows of its window. Q4_1 / Q5_1 (w = d * q + m) add the min term: each activation
+// block's sum of q is taken once as the block is staged (sxs), and an output adds
+// -(b * d_x) * sum(q) (b = -m, common.cuh's Block32) right after the block's product term.
 #include "mmq.cuh"
 
 #define MMQ_RAW_ROW (MMQ_KB * 18)    // bytes of one weight row's k-tile of Q4_0 blocks (RAW)
@@ -16,9 +19,17 @@
 #define MMF_KC 64
 #define MMF_THREADS 128
 
-template <int QT> struct BlockBytes;
-template <> struct BlockBytes<ST_Q4_0> { static constexpr int value = 18; };
-template <> struct BlockBytes<ST_Q8_0> { static constexpr int value = 34; };
+// a block's bytes, the offsets of its quant words (qs) and fifth bits (qh; 0: none), a min
+template <int QT> struct BlockBytes {  // Q4_1, Q5_0, Q5_1, IQ4_NL: common.cuh's Block32
+    static constexpr int value = Block32<QT>::bytes, qs = Block32<QT>::qs, qh = Block32<QT>::qh;
+    static constexpr int min = Block32<QT>::min;
+};
+template <> struct BlockBytes<ST_Q4_0> {
+    static constexpr int value = 18, qs = 2, qh = 0, min = 0;
+};
+template <> struct BlockBytes<ST_Q8_0> {
+    static constexpr int value = 34, qs = 2, qh = 0, min = 0;
+};
 
 // groups: [G, 3] (expert, first pair, pair count), *num_groups in use (dense products: one group
 // of all rows). Block (x, y) computes the output columns of tile x for tile slot y (a tile of BN
@@ -30,10 +41,15 @@ template <> struct BlockBytes<ST_Q8_0> { static constexpr int value = 34; };
 template <int QT, int MODE, int BN, bool RAW>
 __device__ __forceinline__ void mmq_body(MM_BODY_PARAMS) {
     constexpr int NT = BN / 16;                                    // n8 tiles per warp
-    constexpr int QB = BlockBytes<QT>::value;
+    constexpr int QB = BlockBytes<QT>::value, QS = BlockBytes<QT>::qs, QH = BlockBytes<QT>::qh;
+    constexpr bool HAS_MIN = BlockBytes<QT>::min;
+    static_assert(!RAW || QT == ST_Q4_0, "RAW staging is Q4_0's");
     __shared__ __align__(16) int8_t sw[MMQ_BM * MMQ_LDS];  // [BM, KB * 32] weights as int8
     __shared__ __align__(16) int8_t sx[BN * MMQ_LDS];      // [BN, KB * 32] activations
     __shared__ float swd[MMQ_BM * MMQ_KB], sxd[BN * MMQ_KB];  // their block scales
+    // Q4_1 / Q5_1: each weight block's b (= -m) and each activation block's sum of q
+    __shared__ float swm[HAS_MIN ? MMQ_BM * MMQ_KB : 1];
+    __shared__ int sxs[HAS_MIN ? BN * MMQ_KB : 1];
     // RAW (Q4_0, K % 256 == 0): each weight row's k-tile (MMQ_KB blocks, MMQ_RAW_ROW bytes,
     // 16-byte aligned) lands here by 16-byte loads, then is unpacked into sw
     __shared__ __align__(16) int8_t sraw[RAW ? MMQ_BM * MMQ_RAW_ROW : 16];
@@ -67,10 +83,12 @@ __device__ __forceinline__ void mmq_body(MM_BODY_PARAMS) {
     // The next k-tile is read into registers while the current one is multiplied, so global
     // latency overlaps the mma work: raw weight words + scale, activation int4s + scale.
     constexpr int WU = MMQ_BM * MMQ_KB / MMQ_THREADS, XU = BN * MMQ_KB / MMQ_THREADS;
-    constexpr int WWORDS = (QB - 2) / 4;  // 4 words of nibbles (Q4_0), 8 of int8 (Q8_0)
+    constexpr int WWORDS = QT == ST_Q8_0 ? 8 : 4;  // words of int8 (Q8_0), else of nibbles
     uint32_t wraw[RAW ? 1 : WU][WWORDS];
     int4 wpiece[RAW ? RU : 1];
     float wdr[WU], xdr[XU];
+    float wmr[HAS_MIN ? WU : 1];    // Q4_1 / Q5_1: the blocks' m
+    uint32_t wqh[QH ? WU : 1];      // Q5_0 / Q5_1: their fifth bits
     int4 xraw[XU][2];
     auto load = [&](int kb0, int nkb) {
         if constexpr (RAW) {  // nkb == MMQ_KB: K % 256 == 0
@@ -86,8 +104,10 @@ __device__ __forceinline__ void mmq_body(MM_BODY_PARAMS) {
                 if (b < nkb) {
                     const uint8_t *blk = wsrc[i] + (long long)(kb0 + b) * QB;
                     wdr[i] = read_f16(blk);
+                    if constexpr (HAS_MIN) wmr[i] = read_f16(blk + 2);
+                    if constexpr (QH != 0) wqh[i] = read_u32_a2(blk + QH);
 #pragma unroll
-                    for (int w = 0; w < WWORDS; w++) wraw[i][w] = read_u32_a2(blk + 2 + 4 * w);
+                    for (int w = 0; w < WWORDS; w++) wraw[i][w] = read_u32_a2(blk + QS + 4 * w);
                 }
             }
         }
@@ -146,12 +166,26 @@ __device__ __forceinline__ void mmq_body(MM_BODY_PARAMS) {
                 if (b >= nkb) continue;
                 if constexpr (QT == ST_Q4_0) {
                     put_q4(r, b, wdr[i], wraw[i]);
-                } else {
+                } else if constexpr (QT == ST_Q8_0) {
                     int4 *dst = reinterpret_cast<int4 *>(sw + r * MMQ_LDS + 32 * b);
                     dst[0] = make_int4(wraw[i][0], wraw[i][1], wraw[i][2], wraw[i][3]);
                     dst[1] = make_int4(wraw[i][WWORDS - 4], wraw[i][WWORDS - 3],
                                        wraw[i][WWORDS - 2], wraw[i][WWORDS - 1]);
                     swd[r * MMQ_KB + b] = wdr[i];
+                } else {  // Q4_1, Q5_0, Q5_1, IQ4_NL: common.cuh's Block32 values
+                    uint32_t qh = 0;
+                    if constexpr (QH != 0) qh = wqh[i];
+                    int lo[4], hi[4];
+#pragma unroll
+                    for (int w = 0; w < 4; w++) {
+                        lo[w] = block32_word<QT>(wraw[i][w], qh, 0, w);
+                        hi[w] = block32_word<QT>(wraw[i][w], qh, 1, w);
+                    }
+                    int4 *dst = reinterpret_cast<int4 *>(sw + r * MMQ_LDS + 32 * b);
+                    dst[0] = make_int4(lo[0], lo[1], lo[2], lo[3]);
+                    dst[1] = make_int4(hi[0], hi[1], hi[2], hi[3]);
+                    swd[r * MMQ_KB + b] = wdr[i];
+                    if constexpr (HAS_MIN) swm[r * MMQ_KB + b] = -wmr[i];
                 }
             }
         }
@@ -163,6 +197,18 @@ __device__ __forceinline__ void mmq_body(MM_BODY_PARAMS) {
                 dst[0] = xraw[i][0];
                 dst[1] = xraw[i][1];
                 sxd[r * MMQ_KB + b] = xdr[i];
+                if constexpr (HAS_MIN) {
+                    const int4 h0 = xraw[i][0], h1 = xraw[i][1];
+                    int sq = __dp4a(0x01010101, h0.x, 0);
+                    sq = __dp4a(0x01010101, h0.y, sq);
+                    sq = __dp4a(0x01010101, h0.z, sq);
+                    sq = __dp4a(0x01010101, h0.w, sq);
+                    sq = __dp4a(0x01010101, h1.x, sq);
+                    sq = __dp4a(0x01010101, h1.y, sq);
+                    sq = __dp4a(0x01010101, h1.z, sq);
+                    sq = __dp4a(0x01010101, h1.w, sq);
+                    sxs[r * MMQ_KB + b] = sq;
+                }
             }
         }
     };
@@ -181,13 +227,17 @@ __device__ __forceinline__ void mmq_body(MM_BODY_PARAMS) {
         // ---- one mma per (m-tile, n-tile) and block, scaled into the float sums
         for (int kb = 0; kb < nkb; kb++) {
             int a[2][4];
-            float dw[2][2];
+            float dw[2][2], mw[2][2] = {};
             const int gid = tile.gid, tig = tile.tig;
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 tile.load_a(sw, i, kb, a[i]);
                 dw[i][0] = swd[(tile.m_row(i) + gid) * MMQ_KB + kb];
                 dw[i][1] = swd[(tile.m_row(i) + gid + 8) * MMQ_KB + kb];
+                if constexpr (HAS_MIN) {
+                    mw[i][0] = swm[(tile.m_row(i) + gid) * MMQ_KB + kb];
+                    mw[i][1] = swm[(tile.m_row(i) + gid + 8) * MMQ_KB + kb];
+                }
             }
 #pragma unroll
             for (int j = 0; j < NT; j++) {
@@ -204,6 +254,14 @@ __device__ __forceinline__ void mmq_body(MM_BODY_PARAMS) {
                     acc[i][j][1] = fmaf(exact_float(s[1]), dw[i][0] * dx1, acc[i][j][1]);
                     acc[i][j][2] = fmaf(exact_float(s[2]), dw[i][1] * dx0, acc[i][j][2]);
                     acc[i][j][3] = fmaf(exact_float(s[3]), dw[i][1] * dx1, acc[i][j][3]);
+                    if constexpr (HAS_MIN) {  // - b * dx * sum(q), b = -m
+                        const float q0 = exact_float(sxs[(cb + 2 * tig) * MMQ_KB + kb]);
+                        const float q1 = exact_float(sxs[(cb + 2 * tig + 1) * MMQ_KB + kb]);
+                        acc[i][j][0] = fmaf(q0, -(mw[i][0] * dx0), acc[i][j][0]);
+                        acc[i][j][1] = fmaf(q1, -(mw[i][0] * dx1), acc[i][j][1]);
+                        acc[i][j][2] = fmaf(q0, -(mw[i][1] * dx0), acc[i][j][2]);
+                        acc[i][j][3] = fmaf(q1, -(mw[i][1] * dx1), acc[i][j][3]);
+                    }
                 }
             }
         }
@@ -318,6 +376,10 @@ MMQ_KERNELS(q4_0, ST_Q4_0)
 MMQ_TILE_KERNELS(mmq_body, q4_0, ST_Q4_0, 64, r, true)
 MMQ_TILE_KERNELS(mmq_body, q4_0, ST_Q4_0, 32, r, true)
 MMQ_KERNELS(q8_0, ST_Q8_0)
+MMQ_KERNELS(q4_1, ST_Q4_1)
+MMQ_KERNELS(q5_0, ST_Q5_0)
+MMQ_KERNELS(q5_1, ST_Q5_1)
+MMQ_KERNELS(iq4_nl, ST_IQ4_NL)
 MMF_KERNELS(f32, ST_F32)
 MMF_KERNELS(f16, ST_F16)
 MMF_KERNELS(bf16, ST_BF16)

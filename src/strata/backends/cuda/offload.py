@@ -225,7 +225,7 @@ class VramExpertArena(ExpertArena):
         on the device and write the missed expert into its slot as they read it, so nothing
         is copied twice (offload.cu's keep_misses, matvec.cu's mv_keep). After the window,
         take_admitted publishes the changes through the table. False (nothing changes) where
-        the expert products cannot (types other than Q4_0 / Q8_0)."""
+        the expert products cannot (float experts, plan.experts_can_keep)."""
         from strata.backends.cuda.plan import experts_can_keep
 
         if not experts_can_keep(self.model):

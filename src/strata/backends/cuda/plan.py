@@ -36,7 +36,11 @@ NORM_MAX_HIDDEN = 8192  # combine_norm / one-pass RMSNorm: hidden % 4 == 0 and a
 # only on which family ran it, never on its window's other rows. Crossover measured on the H200
 # (qwen3-30b-a3b Q4_0, tools/bench_mmq.py): dp4a 6% faster at 16 rows, mmq 17% faster at 24.
 MMQ_MIN_ROWS = 20
-MMQ_TYPES = ("q4_0", "q8_0")
+# Types of 32-column blocks take mmq.cu's tiles; Q4_1 / Q5_1 add a min term from the activation
+# blocks' sums (as mmq_k.cu's Q4_K). Q4_1, Q5_0, Q5_1 and IQ4_NL are what llama.cpp's k-quant
+# files hold in rows whose length is not a multiple of 256 (Q5_0 / Q5_1 / IQ4_NL for Q4_K /
+# Q5_K / Q2_K-Q3_K-IQ4_XS), and Q4_1 / Q5_1 whole-file presets; K need only be a multiple of 32.
+MMQ_TYPES = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 # k-quants take mmq_k.cu's tiles (32 activation rows only: its staging fills the shared memory);
 # STRATA_MMQ_K=0 keeps them on the dp4a kernels (to measure one against the other in one build).
 MMQ_K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
@@ -52,7 +56,7 @@ MMQ_MIN_BLOCKS_64 = 512
 # STRATA_MMQ_STAGE=words keeps the word-by-word staging (to measure one against the other).
 MMQ_RAW_COLS = 256
 MMF_OUTS, MMF_ROWS, MMF_THREADS = 32, 16, 128  # outputs x rows per block of mmq.cu's float kernel
-# Decode windows' Q4_0 / Q8_0 / k-quant products: matvec.cu's mv_* kernels (weight rows staged by
+# Decode windows' products on every quantised type: matvec.cu's mv_* kernels (weight rows staged by
 # cp.async, MV_WARPS warps per block, mv_outputs_per_warp(K) outputs per warp), the routed down
 # too, over hbuf quantised by quantize_q8 (see _build). One family for every decode window,
 # resident or offloaded, so a row's bits never depend on its window or on where its experts
@@ -65,7 +69,7 @@ MV_WARPS = 4
 # vs 11,499 (hence the row limit); windows <= 4 rows, another machine: 291.3 / 611.1 vs
 # 289.2 / 630.3. Within run-to-run spread, so it stays opt-in.
 PDL_MAX_ROWS = 4
-MV_TYPES = ("q4_0", "q8_0") + MMQ_K_TYPES
+MV_TYPES = MMQ_TYPES + MMQ_K_TYPES
 
 
 def attention_kernels(head_dim: int) -> tuple[str, str]:
@@ -98,7 +102,7 @@ def keeps_misses(model, num_rows: int) -> bool:
 
 
 def experts_can_keep(model) -> bool:
-    """Does every routed product of a decode window run an mv_* kernel (Q4_0 / Q8_0 experts;
+    """Does every routed product of a decode window run an mv_* kernel (every quantised type;
     they write what they stage), so that such windows can keep their misses?"""
     if os.environ.get("STRATA_DECODE_DOWN", "mv") == "mm":
         return False

@@ -19,7 +19,9 @@ TYPE_SUFFIX = {
     int(GGMLQuantizationType.Q4_0): "q4_0", int(GGMLQuantizationType.Q2_K): "q2_k",
     int(GGMLQuantizationType.Q3_K): "q3_k", int(GGMLQuantizationType.Q4_K): "q4_k",
     int(GGMLQuantizationType.Q5_K): "q5_k", int(GGMLQuantizationType.Q6_K): "q6_k",
-    int(GGMLQuantizationType.IQ4_XS): "iq4_xs",
+    int(GGMLQuantizationType.IQ4_XS): "iq4_xs", int(GGMLQuantizationType.Q4_1): "q4_1",
+    int(GGMLQuantizationType.Q5_0): "q5_0", int(GGMLQuantizationType.Q5_1): "q5_1",
+    int(GGMLQuantizationType.IQ4_NL): "iq4_nl",
 }
 FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
                int(GGMLQuantizationType.BF16)}
