@@ -24,6 +24,13 @@ VARIANTS = {
     "qwen3moe-q5_0": dict(shape="tiny", weight_type="q5_0", seed=19),
     "qwen2moe-q5_1": dict(shape="tiny-qwen2moe", weight_type="q5_1", seed=20),
     "qwen3moe-iq4_nl": dict(shape="tiny", weight_type="iq4_nl", seed=21),
+    # the grid i-quants of the files that fit a 235B model in consumer RAM (rows of 256)
+    "qwen3moe-iq2_xxs": dict(shape="tiny", weight_type="iq2_xxs", seed=22, hidden=256,
+                             expert_ffn=256, head_dim=64),
+    "qwen2moe-iq3_s": dict(shape="tiny-qwen2moe", weight_type="iq3_s", seed=23, hidden=256,
+                           expert_ffn=256, head_dim=64, shared_ffn=256),
+    "qwen3moe-iq1_m": dict(shape="tiny", weight_type="iq1_m", seed=24, hidden=256,
+                           expert_ffn=256, head_dim=64),
     # a Qwen1.5-MoE-style Q4_K_M file: expert downs of 96 columns (1408 there) cannot be Q4_K
     # or Q6_K, so llama.cpp writes them as Q5_0 / Q8_0 beside the Q4_K / Q6_K tensors
     "qwen2moe-q4_k_m-fallback": dict(shape="tiny-qwen2moe", weight_type="q4_k_m", seed=17,

@@ -28,7 +28,8 @@ def models(tmp_path_factory):
     # k-quants store rows in blocks of 256 values: widen tiny so every row is a multiple
     # (seed 23 would give Q2_K a router near-tie in row 3, below: three rows flip experts)
     for kind, seed in (("q4_k", 20), ("q5_k", 21), ("q6_k", 22), ("q2_k", 25), ("q3_k", 24),
-                       ("iq4_xs", 26)):
+                       ("iq4_xs", 26), ("iq2_xs", 27), ("iq2_s", 28), ("iq3_xxs", 29),
+                       ("iq1_s", 30)):
         variants[f"qwen3moe-{kind}"] = dict(shape="tiny", weight_type=kind, seed=seed,
                                             hidden=256, expert_ffn=256, head_dim=64)
     return synth_cpu_models(root, variants)
@@ -54,7 +55,8 @@ def test_float_weights_match_the_float64_reference(models, name):
 
 @pytest.mark.parametrize("name", ["qwen3moe-q8_0", "qwen2moe-q4_0", "qwen3moe-q4_k",
                                   "qwen3moe-q5_k", "qwen3moe-q6_k", "qwen3moe-q2_k",
-                                  "qwen3moe-q3_k", "qwen3moe-iq4_xs"])
+                                  "qwen3moe-q3_k", "qwen3moe-iq4_xs", "qwen3moe-iq2_xs",
+                                  "qwen3moe-iq2_s", "qwen3moe-iq3_xxs", "qwen3moe-iq1_s"])
 def test_quantised_weights_stay_close_to_the_reference(models, name):
     model = models[name]
     logits = model.forward(PROMPT, model.new_kv(32), all_logits=True)

@@ -3,15 +3,17 @@ import gguf
 import numpy as np
 
 T = gguf.GGMLQuantizationType
+IQ_GRID_TYPES = (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M)
 QUANT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
-               T.Q6_K, T.IQ4_XS)
+               T.Q6_K, T.IQ4_XS) + IQ_GRID_TYPES
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 ALL_TYPES = FLOAT_TYPES + QUANT_TYPES
 
 # Byte offsets of the fp16 scale fields in each block: random bytes there give NaN / Inf.
 FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
                 T.IQ4_NL: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2),
-                T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
+                T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,),
+                T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,), T.IQ1_M: ()}
 
 
 def block_size(qtype):
@@ -34,6 +36,12 @@ def random_weight(rng, qtype, rows, cols):
     for off in FP16_FIELDS[qtype]:
         d = rng.uniform(1e-3, 1e-1, size=n_blocks).astype(np.float16)
         blocks[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    if qtype == T.IQ1_M:  # its fp16 d is the top nibbles of the four u16 scales at 48
+        d = rng.uniform(1e-3, 1e-1, size=n_blocks).astype(np.float16).view(np.uint16)
+        scales = blocks[:, 48:56].copy().view(np.uint16)
+        for i in range(4):
+            scales[:, i] = (scales[:, i] & 0x0FFF) | (((d >> (4 * i)) & 0xF) << 12)
+        blocks[:, 48:56] = scales.view(np.uint8)
     return blocks.reshape(rows, cols // bs * ts)
 
 

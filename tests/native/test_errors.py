@@ -8,8 +8,8 @@ from .helpers import random_weight
 
 
 def test_unknown_type_id():
-    with pytest.raises(ValueError, match=r"weight type 16 \(IQ2_XXS\) is not supported"):
-        kernels.matmul(np.zeros((2, 20), np.uint8), 16, np.zeros((1, 32), np.float32))
+    with pytest.raises(ValueError, match=r"weight type 34 \(TQ1_0\) is not supported"):
+        kernels.matmul(np.zeros((2, 20), np.uint8), 34, np.zeros((1, 32), np.float32))
     with pytest.raises(ValueError, match="weight type 99"):
         kernels.row_bytes(99, 32)
     assert not kernels.is_supported(99)

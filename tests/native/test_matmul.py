@@ -104,12 +104,13 @@ def test_matmul_shapes(qtype, rows, num_blocks, num_tokens, seed):
 
 
 def test_row_bytes_and_type_table():
-    assert kernels.SUPPORTED_TYPES == (0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 30)
+    assert kernels.SUPPORTED_TYPES == (0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 19,
+                                       20, 21, 22, 23, 29, 30)
     for qtype in ALL_TYPES:
         bs, ts = gguf.GGML_QUANT_SIZES[qtype]
         assert kernels.is_supported(int(qtype))
         assert kernels.row_bytes(int(qtype), 4 * 256) == 4 * 256 // bs * ts
-    assert not kernels.is_supported(16)  # IQ2_XXS
+    assert not kernels.is_supported(34)  # TQ1_0
     assert kernels.simd_level() in ("avx512", "avx2", "neon", "scalar")
 
 

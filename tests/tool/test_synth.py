@@ -154,8 +154,8 @@ def test_errors_say_what_to_change(tmp_path):
         synth_model(out, "tiny", "q4_0", expert_ffn=40)
     with pytest.raises(ConfigError, match="expert_ffn 1416 is not a multiple of 32"):
         synth_model(out, "qwen2-moe-a2.7b-like", "q8_0", expert_ffn=1416)
-    with pytest.raises(ConfigError, match="unknown weight type 'iq3_s'; choose one of f32"):
-        synth_model(out, "tiny", "iq3_s")
+    with pytest.raises(ConfigError, match="unknown weight type 'tq1_0'; choose one of f32"):
+        synth_model(out, "tiny", "tq1_0")
     with pytest.raises(ConfigError, match="unknown model shape 'huge'; choose one of: tiny"):
         synth_model(out, "huge")
     with pytest.raises(ConfigError, match="cannot override n_layer; spec fields"):

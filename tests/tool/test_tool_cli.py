@@ -51,7 +51,7 @@ def test_synth_options_arch_layers_seed(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (("--shape", "tiny", "--routing-skew", "-1"), "routing skew must be >= 0"),
     (("--shape", "nope"), "unknown model shape 'nope'"),
-    (("--type", "iq2_xxs"), "unknown weight type 'iq2_xxs'"),
+    (("--type", "tq1_0"), "unknown weight type 'tq1_0'"),
     ((), "give the output path"),
 ])
 def test_synth_errors_exit_2_with_one_line(tmp_path, args, message):

@@ -6,10 +6,12 @@ for the compute. Weights are raw uint8 views of the GGUF bytes (read-only buffer
 """
 import numpy as np
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
 
 
 cdef extern from "quant.h" nogil:
+    int st_set_iq_grid(int qtype, const int8_t *values, int n, int width)
+    int st_set_iq_ksigns(const uint8_t *signs)
     int st_is_supported(int qtype)
     int st_block_size(int qtype)
     int st_type_size(int qtype)
@@ -35,8 +37,26 @@ cdef extern from "quant.h" nogil:
 
 # ggml type ids (gguf.GGMLQuantizationType)
 _TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-               10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL",
-               23: "IQ4_XS", 30: "BF16"}
+               10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 16: "IQ2_XXS",
+               17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
+               23: "IQ4_XS", 29: "IQ1_M", 30: "BF16"}
+
+
+def _set_iq_tables():
+    """Hand the i-quants' grids and sign patterns (gguf's, strata/model/iq_grids.py) to C."""
+    from strata.model import iq_grids
+
+    cdef const uint8_t[::1] signs = iq_grids.ksigns()
+    cdef const int8_t[:, ::1] values
+    if st_set_iq_ksigns(&signs[0]) != 0:
+        raise RuntimeError("the i-quant sign table was refused")
+    for qtype in iq_grids.GRID_TYPES:
+        values = iq_grids.grid(int(qtype))
+        if st_set_iq_grid(int(qtype), &values[0, 0], values.shape[0], values.shape[1]) != 0:
+            raise RuntimeError(f"the {qtype.name} grid {values.shape} was refused")
+
+
+_set_iq_tables()
 SUPPORTED_TYPES = tuple(sorted(_TYPE_NAMES))
 
 

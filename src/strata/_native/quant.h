@@ -14,8 +14,9 @@
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
     ST_F32 = 0, ST_F16 = 1, ST_Q4_0 = 2, ST_Q4_1 = 3, ST_Q5_0 = 6, ST_Q5_1 = 7, ST_Q8_0 = 8,
-    ST_Q2_K = 10, ST_Q3_K = 11, ST_Q4_K = 12, ST_Q5_K = 13, ST_Q6_K = 14, ST_IQ4_NL = 20,
-    ST_IQ4_XS = 23, ST_BF16 = 30,
+    ST_Q2_K = 10, ST_Q3_K = 11, ST_Q4_K = 12, ST_Q5_K = 13, ST_Q6_K = 14, ST_IQ2_XXS = 16,
+    ST_IQ2_XS = 17, ST_IQ3_XXS = 18, ST_IQ1_S = 19, ST_IQ4_NL = 20, ST_IQ3_S = 21, ST_IQ2_S = 22,
+    ST_IQ4_XS = 23, ST_IQ1_M = 29, ST_BF16 = 30,
 };
 
 /* Bias added to unpacked weights: VNNI's vpdpbusd multiplies unsigned by signed bytes, so
@@ -45,7 +46,12 @@ static inline void st_prefetch(const uint8_t *p, int64_t num_bytes) {
     for (int64_t o = 0; o < num_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
-/* Type table */
+/* Type table. The grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) are
+ * supported once their tables are set (kernels.pyx does it at import, from gguf's tables through
+ * strata/model/iq_grids.py): st_set_iq_grid copies values [n, width] (width 8, or 4 for the
+ * IQ3 types) for qtype; st_set_iq_ksigns the 128 sign patterns. Returns 0, -1 on a bad shape. */
+int st_set_iq_grid(int qtype, const int8_t *values, int n, int width);
+int st_set_iq_ksigns(const uint8_t *signs);
 int st_is_supported(int qtype);
 int st_block_size(int qtype);          /* elements per block; 0 for unknown types */
 int st_type_size(int qtype);           /* bytes per block */

@@ -5,6 +5,46 @@
 
 #define QK_K 256
 
+/* The i-quants' tables (st_set_iq_grid / st_set_iq_ksigns): grid values, 8 per entry (4 for
+ * IQ3_*); IQ1_M reads IQ1_S's grid, which is the same */
+static int8_t grid_iq2xxs[256 * 8], grid_iq2xs[512 * 8], grid_iq2s[1024 * 8];
+static int8_t grid_iq3xxs[256 * 4], grid_iq3s[512 * 4], grid_iq1s[2048 * 8];
+static uint8_t ksigns_iq2[128];
+static int iq_set_mask, ksigns_set;  /* bit (qtype & 31) per grid set */
+
+static int8_t *iq_grid(int qtype, int *n, int *width) {
+    *width = 8;
+    switch (qtype) {
+    case ST_IQ2_XXS: *n = 256; return grid_iq2xxs;
+    case ST_IQ2_XS: *n = 512; return grid_iq2xs;
+    case ST_IQ2_S: *n = 1024; return grid_iq2s;
+    case ST_IQ3_XXS: *n = 256; *width = 4; return grid_iq3xxs;
+    case ST_IQ3_S: *n = 512; *width = 4; return grid_iq3s;
+    case ST_IQ1_S: case ST_IQ1_M: *n = 2048; return grid_iq1s;
+    default: *n = 0; return NULL;
+    }
+}
+
+static int iq_ready(int qtype) {
+    const int needs_signs = qtype == ST_IQ2_XXS || qtype == ST_IQ2_XS || qtype == ST_IQ3_XXS;
+    return ((iq_set_mask >> (qtype & 31)) & 1) && (!needs_signs || ksigns_set);
+}
+
+int st_set_iq_grid(int qtype, const int8_t *values, int n, int width) {
+    int want_n, want_width;
+    int8_t *dst = iq_grid(qtype, &want_n, &want_width);
+    if (!dst || n != want_n || width != want_width) return -1;
+    memcpy(dst, values, (size_t)n * (size_t)width);
+    iq_set_mask |= 1 << (qtype & 31);
+    return 0;
+}
+
+int st_set_iq_ksigns(const uint8_t *signs) {
+    memcpy(ksigns_iq2, signs, 128);
+    ksigns_set = 1;
+    return 0;
+}
+
 int st_block_size(int qtype) {
     switch (qtype) {
     case ST_F32: case ST_F16: case ST_BF16: return 1;
@@ -12,6 +52,9 @@ int st_block_size(int qtype) {
         return 32;
     case ST_Q2_K: case ST_Q3_K: case ST_Q4_K: case ST_Q5_K: case ST_Q6_K: case ST_IQ4_XS:
         return QK_K;
+    case ST_IQ2_XXS: case ST_IQ2_XS: case ST_IQ2_S: case ST_IQ3_XXS: case ST_IQ3_S:
+    case ST_IQ1_S: case ST_IQ1_M:
+        return iq_ready(qtype) ? QK_K : 0;
     default: return 0;
     }
 }
@@ -34,6 +77,14 @@ int st_type_size(int qtype) {
     case ST_Q6_K: return 210;          /* 128 low nibbles, 64 high 2-bit, 16 int8 scales, fp16 d */
     case ST_IQ4_XS: return 136;        /* fp16 d, u16 high scale bits, 4 bytes of low scale
                                           nibbles, 128 bytes of 4-bit indices */
+    case ST_IQ2_XXS: return 66;        /* fp16 d, 8 x (4 grid bytes, u32 signs | scale) */
+    case ST_IQ2_XS: return 74;         /* fp16 d, 32 u16 (9-bit grid | 7-bit signs), 8 scales */
+    case ST_IQ2_S: return 82;          /* fp16 d, 32 grid bytes, 32 sign bytes, 8 qh, 8 scales */
+    case ST_IQ3_XXS: return 98;        /* fp16 d, 64 grid bytes, 8 u32 signs | scale */
+    case ST_IQ3_S: return 110;         /* fp16 d, 64 grid bytes, 8 qh, 32 sign bytes, 4 scales */
+    case ST_IQ1_S: return 50;          /* fp16 d, 32 grid bytes, 8 u16 qh (high bits, scale,
+                                          delta sign) */
+    case ST_IQ1_M: return 56;          /* 32 grid bytes, 16 qh bytes, 4 u16 scales (with d) */
     default: return 0;
     }
 }
@@ -107,6 +158,121 @@ static void unpack_block32(int qtype, const uint8_t *blk, int8_t *y, float *a, f
     }
     a[0] = a[1] = d;
     b[0] = b[1] = has_min ? -m : 0.0f;  /* +0: p - 0 keeps gguf's -0.0 where d < 0, s = 0 */
+}
+
+static inline uint32_t read_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* 8 values of grid entry idx with the sign bits `signs` (bit j: value j negated) */
+static inline void put_signed8(int8_t *y, const int8_t *g, int signs) {
+    for (int j = 0; j < 8; j++) y[j] = (int8_t)((signs >> j) & 1 ? -g[j] : g[j]);
+}
+
+/* 8 IQ1 values 8 * grid + (delta > 0 ? 1 : -1): with a = dl / 8, a * s rounds as gguf's
+ * dl * (grid + delta), delta = +-0.125 (both exact products, rounded once) */
+static inline void put_iq1(int8_t *y, const int8_t *g, int delta_negative) {
+    for (int j = 0; j < 8; j++) y[j] = (int8_t)(8 * g[j] + (delta_negative ? -1 : 1));
+}
+
+/* One i-quant super-block (256 columns) to y[256] and a[16] per 16 columns (b = 0): the
+ * factorisation of gguf's dequantize_blocks, w = a * s rounding as gguf's float ops do. */
+static void unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
+    const float d = qtype == ST_IQ1_M ? 0.0f : read_fp16(blk);
+    switch (qtype) {
+    case ST_IQ2_XXS:  /* per 32: u32 of 4 grid bytes, u32 of 4 x 7 sign bits | scale << 28 */
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q = blk + 2 + 8 * ib;
+            const uint32_t aux = read_u32(q + 4);
+            const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
+            for (int l = 0; l < 4; l++)
+                put_signed8(y + 32 * ib + 8 * l, grid_iq2xxs + 8 * q[l],
+                            ksigns_iq2[(aux >> (7 * l)) & 127]);
+            a[2 * ib] = a[2 * ib + 1] = db;
+        }
+        break;
+    case ST_IQ2_XS:  /* 32 u16: grid index (9 bits) | sign index << 9; a 4-bit scale per 16 */
+        for (int k = 0; k < 32; k++) {
+            const uint16_t q = read_u16(blk + 2 + 2 * k);
+            put_signed8(y + 8 * k, grid_iq2xs + 8 * (q & 511), ksigns_iq2[q >> 9]);
+        }
+        for (int g = 0; g < 16; g++) {
+            const int ls = (blk[66 + g / 2] >> (4 * (g & 1))) & 15;
+            a[g] = d * (0.5f + (float)ls) * 0.25f;
+        }
+        break;
+    case ST_IQ2_S:  /* grid index: byte k | 2 bits of qh[k / 4] << 8; sign byte k; 4-bit scales */
+        for (int k = 0; k < 32; k++) {
+            const int idx = blk[2 + k] | (((blk[66 + k / 4] >> (2 * (k & 3))) & 3) << 8);
+            put_signed8(y + 8 * k, grid_iq2s + 8 * idx, blk[34 + k]);
+        }
+        for (int g = 0; g < 16; g++) {
+            const int ls = (blk[74 + g / 2] >> (4 * (g & 1))) & 15;
+            a[g] = d * (0.5f + (float)ls) * 0.25f;
+        }
+        break;
+    case ST_IQ3_XXS:  /* 64 grid bytes (4 values each); per 32: u32 of 4 x 7 sign bits | scale */
+        for (int ib = 0; ib < 8; ib++) {
+            const uint32_t aux = read_u32(blk + 66 + 4 * ib);
+            const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+            for (int l = 0; l < 4; l++) {
+                const int signs = ksigns_iq2[(aux >> (7 * l)) & 127];
+                int8_t g8[8];
+                memcpy(g8, grid_iq3xxs + 4 * blk[2 + 8 * ib + 2 * l], 4);
+                memcpy(g8 + 4, grid_iq3xxs + 4 * blk[2 + 8 * ib + 2 * l + 1], 4);
+                put_signed8(y + 32 * ib + 8 * l, g8, signs);
+            }
+            a[2 * ib] = a[2 * ib + 1] = db;
+        }
+        break;
+    case ST_IQ3_S:  /* grid index: byte k | bit k of qh << 8 (4 values); sign bytes; a scale d *
+                     * (1 + 2 ls) per 32 */
+        for (int k = 0; k < 64; k += 2) {
+            int8_t g8[8];
+            for (int h = 0; h < 2; h++) {
+                const int idx = blk[2 + k + h] | (((blk[66 + (k + h) / 8] >> ((k + h) & 7)) & 1) << 8);
+                memcpy(g8 + 4 * h, grid_iq3s + 4 * idx, 4);
+            }
+            put_signed8(y + 4 * k, g8, blk[74 + k / 2]);
+        }
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = (blk[106 + ib / 2] >> (4 * (ib & 1))) & 15;
+            a[2 * ib] = a[2 * ib + 1] = d * (float)(1 + 2 * ls);
+        }
+        break;
+    case ST_IQ1_S:  /* per 32: u16 qh = 4 x 3 high index bits | scale << 12 | delta sign << 15 */
+        for (int ib = 0; ib < 8; ib++) {
+            const uint16_t qh = read_u16(blk + 34 + 2 * ib);
+            const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1);
+            for (int l = 0; l < 4; l++) {
+                const int idx = blk[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8);
+                put_iq1(y + 32 * ib + 8 * l, grid_iq1s + 8 * idx, qh >> 15);
+            }
+            a[2 * ib] = a[2 * ib + 1] = dl * 0.125f;
+        }
+        break;
+    case ST_IQ1_M: {  /* d from the top nibbles of the 4 u16 scales; 3-bit scales per 16;
+                       * per 8 values: 3 high index bits and a delta sign in a qh nibble */
+        uint16_t sc[4];
+        for (int i = 0; i < 4; i++) sc[i] = read_u16(blk + 48 + 2 * i);
+        const uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0)
+                                          | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
+        const float dm = st_fp16_to_fp32(dbits);
+        for (int k = 0; k < 32; k++) {
+            const int nib = (blk[32 + k / 2] >> (4 * (k & 1))) & 15;
+            put_iq1(y + 8 * k, grid_iq1s + 8 * (blk[k] | ((nib & 7) << 8)), (nib >> 3) & 1);
+        }
+        for (int g = 0; g < 16; g++) {
+            const int ls = (sc[g / 4] >> (3 * (g & 3))) & 7;
+            a[g] = dm * (float)(2 * ls + 1) * 0.125f;
+        }
+        break;
+    }
+    default:
+        break;
+    }
 }
 
 /* Unpack n_blocks blocks: s[n] signed values, a/b one per group of 16 (w = a * s - b). */
@@ -224,6 +390,11 @@ static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
             }
             break;
         }
+        case ST_IQ2_XXS: case ST_IQ2_XS: case ST_IQ2_S: case ST_IQ3_XXS: case ST_IQ3_S:
+        case ST_IQ1_S: case ST_IQ1_M:
+            unpack_iq(qtype, src + ib * st_type_size(qtype), s + ib * QK_K, a + ib * 16);
+            for (int g = 0; g < 16; g++) b[ib * 16 + g] = 0.0f;
+            break;
         case ST_Q6_K: {
             const uint8_t *blk = src + ib * 210;
             const uint8_t *ql = blk;

@@ -25,10 +25,10 @@ def main():
 @click.option("--shape", default="tiny", show_default=True, help="Preset model shape (--list).")
 @click.option("--type", "weight_type", default="q4_0", show_default=True,
               help="Type of the weight matrices: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, "
-                   "iq4_nl, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs, or the mixes q4_k_m and "
-                   "q5_k_m (llama.cpp's). Rows a k-quant cannot hold take llama.cpp's "
-                   "fallback type (q4_k: q5_0, q5_k: q5_1, q6_k: q8_0, q2_k/q3_k/iq4_xs: "
-                   "iq4_nl).")
+                   "iq4_nl, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs, iq1_s, iq1_m, iq2_xxs, "
+                   "iq2_xs, iq2_s, iq3_xxs, iq3_s, or the mixes q4_k_m and q5_k_m "
+                   "(llama.cpp's). Rows a k-quant cannot hold take llama.cpp's fallback type "
+                   "(q4_k: q5_0, q5_k: q5_1, q6_k: q8_0, q2_k/q3_k/i-quants: iq4_nl).")
 @click.option("--arch", "arch_name", default=None, help="Switch the preset's architecture.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
 @click.option("--layers", default=None, type=click.IntRange(min=1), help="Number of layers.")

@@ -29,13 +29,17 @@ WEIGHT_TYPES: dict[str, QT] = {
     "f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
     "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "iq4_nl": QT.IQ4_NL,
     "q2_k": QT.Q2_K, "q3_k": QT.Q3_K, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K,
-    "iq4_xs": QT.IQ4_XS,
+    "iq4_xs": QT.IQ4_XS, "iq1_s": QT.IQ1_S, "iq1_m": QT.IQ1_M, "iq2_xxs": QT.IQ2_XXS,
+    "iq2_xs": QT.IQ2_XS, "iq2_s": QT.IQ2_S, "iq3_xxs": QT.IQ3_XXS, "iq3_s": QT.IQ3_S,
 }
+# the grid i-quants: random blocks, d set so that the weights get their std (_iq_unit_rms)
+IQ_GRID_TYPES = (QT.IQ1_S, QT.IQ1_M, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S)
 # llama.cpp's quantiser (llama_tensor_get_type): a k-quant or IQ4_XS tensor whose rows are not a
 # multiple of 256 columns is written in a 32-column type instead (F16 where 32 does not divide
 # them either): e.g. Qwen1.5-MoE's expert down projections (1408 columns) in its Q4_K_M files
 FALLBACK_TYPES: dict[QT, QT] = {QT.Q2_K: QT.IQ4_NL, QT.Q3_K: QT.IQ4_NL, QT.IQ4_XS: QT.IQ4_NL,
-                                QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0}
+                                QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0,
+                                **{t: QT.IQ4_NL for t in IQ_GRID_TYPES}}
 # llama.cpp's Q4_K_M and Q5_K_M files (its llama_tensor_get_type): the base type, with Q6_K for
 # the head and, in the layers use_more_bits picks, for attn_v and ffn_down (experts too)
 MIXES: dict[str, QT] = {"q4_k_m": QT.Q4_K, "q5_k_m": QT.Q5_K}
@@ -48,7 +52,10 @@ _FILE_TYPES = {
     QT.Q2_K: LlamaFileType.MOSTLY_Q2_K, QT.Q3_K: LlamaFileType.MOSTLY_Q3_K_M,
     QT.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS, QT.Q4_1: LlamaFileType.MOSTLY_Q4_1,
     QT.Q5_0: LlamaFileType.MOSTLY_Q5_0, QT.Q5_1: LlamaFileType.MOSTLY_Q5_1,
-    QT.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
+    QT.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, QT.IQ1_S: LlamaFileType.MOSTLY_IQ1_S,
+    QT.IQ1_M: LlamaFileType.MOSTLY_IQ1_M, QT.IQ2_XXS: LlamaFileType.MOSTLY_IQ2_XXS,
+    QT.IQ2_XS: LlamaFileType.MOSTLY_IQ2_XS, QT.IQ2_S: LlamaFileType.MOSTLY_IQ2_S,
+    QT.IQ3_XXS: LlamaFileType.MOSTLY_IQ3_XXS, QT.IQ3_S: LlamaFileType.MOSTLY_IQ3_S,
 }
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>")
@@ -145,6 +152,33 @@ def _random_bytes(rng: np.random.Generator, num_blocks: int, n: int) -> np.ndarr
     return np.frombuffer(rng.bytes(num_blocks * n), dtype=np.uint8).reshape(num_blocks, n)
 
 
+def _iq_raw(rng: np.random.Generator, num_blocks: int, qtype: QT, scale: float) -> np.ndarray:
+    """[num_blocks, bytes] random i-quant blocks (grid indices, signs, sub-scales) whose fp16 d
+    is `scale` +- 20% (IQ1_M keeps d in the top nibbles of its four u16 scales)."""
+    _, type_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = _random_bytes(rng, num_blocks, type_bytes).copy()
+    d = _scales_f16(rng, num_blocks, scale, False)
+    if qtype != QT.IQ1_M:
+        blocks[:, 0:2] = d
+        return blocks
+    bits = d.copy().view(np.uint16).reshape(num_blocks)
+    scales = blocks[:, 48:56].copy().view(np.uint16)
+    for i in range(4):
+        scales[:, i] = (scales[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+    blocks[:, 48:56] = scales.view(np.uint8)
+    return blocks
+
+
+@lru_cache(maxsize=None)
+def _iq_unit_rms(qtype: QT) -> float:
+    """rms of the weights of random `qtype` blocks with d = 1 (a fixed sample)."""
+    from strata._native import kernels
+
+    blocks = _iq_raw(np.random.default_rng(1234), 512, qtype, 1.0)
+    w = kernels.dequantize(blocks, int(qtype), 512 * 256).astype(np.float64)
+    return float(np.sqrt(np.mean(w ** 2)))
+
+
 def random_blocks(qtype: QT, num_values: int, std: float, rng: np.random.Generator) -> np.ndarray:
     """`num_values` random weights of about `std` (mean 0) encoded as `qtype`: flat uint8."""
     if qtype in (QT.F32, QT.F16, QT.BF16):
@@ -216,6 +250,8 @@ def random_blocks(qtype: QT, num_values: int, std: float, rng: np.random.Generat
         sc *= rng.choice(np.array([-1, 1], dtype=np.int16), (n, 16))
         parts = [_random_bytes(rng, n, 128 + 64), sc.astype(np.int8).view(np.uint8),
                  _scales_f16(rng, n, std / (18.48 * 48.39), False)]
+    elif qtype in IQ_GRID_TYPES:  # values of both signs around 0: only d sets the std
+        parts = [_iq_raw(rng, n, qtype, std / _iq_unit_rms(qtype))]
     else:
         raise ConfigError(f"synth cannot generate {qtype.name} weights; "
                           f"use one of {', '.join(WEIGHT_TYPES)}")
