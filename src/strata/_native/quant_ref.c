@@ -11,6 +11,9 @@ static int8_t grid_iq2xxs[256 * 8], grid_iq2xs[512 * 8], grid_iq2s[1024 * 8];
 static int8_t grid_iq3xxs[256 * 4], grid_iq3s[512 * 4], grid_iq1s[2048 * 8];
 static uint8_t ksigns_iq2[128];
 static int iq_set_mask, ksigns_set;  /* bit (qtype & 31) per grid set */
+/* Unpacking 8 values at a time (SWAR in a u64): sign_mask[b] has byte j 0xFF where bit j of b
+ * is set; IQ1's values 8 g + 1 and 8 g - 1 per grid entry */
+static uint64_t sign_mask[256], iq1_plus[2048], iq1_minus[2048];
 
 static int8_t *iq_grid(int qtype, int *n, int *width) {
     *width = 8;
@@ -35,6 +38,23 @@ int st_set_iq_grid(int qtype, const int8_t *values, int n, int width) {
     int8_t *dst = iq_grid(qtype, &want_n, &want_width);
     if (!dst || n != want_n || width != want_width) return -1;
     memcpy(dst, values, (size_t)n * (size_t)width);
+    if (qtype == ST_IQ1_S || qtype == ST_IQ1_M) {
+        for (int i = 0; i < n; i++) {
+            int8_t p[8], m[8];
+            for (int j = 0; j < 8; j++) {
+                p[j] = (int8_t)(8 * values[8 * i + j] + 1);
+                m[j] = (int8_t)(8 * values[8 * i + j] - 1);
+            }
+            memcpy(&iq1_plus[i], p, 8);
+            memcpy(&iq1_minus[i], m, 8);
+        }
+    }
+    for (int b = 0; b < 256; b++) {
+        uint64_t m = 0;
+        for (int j = 0; j < 8; j++)
+            if ((b >> j) & 1) m |= (uint64_t)0xFF << (8 * j);
+        sign_mask[b] = m;
+    }
     iq_set_mask |= 1 << (qtype & 31);
     return 0;
 }
@@ -166,15 +186,20 @@ static inline uint32_t read_u32(const uint8_t *p) {
     return v;
 }
 
-/* 8 values of grid entry idx with the sign bits `signs` (bit j: value j negated) */
+/* 8 values of grid entry g with the sign bits `signs` (bit j: value j negated), 8 bytes at a
+ * time: (v ^ m) + 1 per negated byte is -v, never carrying, since grid values are >= 1 */
 static inline void put_signed8(int8_t *y, const int8_t *g, int signs) {
-    for (int j = 0; j < 8; j++) y[j] = (int8_t)((signs >> j) & 1 ? -g[j] : g[j]);
+    uint64_t v;
+    memcpy(&v, g, 8);
+    const uint64_t m = sign_mask[signs & 255];
+    v = (v ^ m) + (m & 0x0101010101010101ULL);
+    memcpy(y, &v, 8);
 }
 
-/* 8 IQ1 values 8 * grid + (delta > 0 ? 1 : -1): with a = dl / 8, a * s rounds as gguf's
- * dl * (grid + delta), delta = +-0.125 (both exact products, rounded once) */
-static inline void put_iq1(int8_t *y, const int8_t *g, int delta_negative) {
-    for (int j = 0; j < 8; j++) y[j] = (int8_t)(8 * g[j] + (delta_negative ? -1 : 1));
+/* 8 IQ1 values 8 * grid + (delta > 0 ? 1 : -1) of entry idx: with a = dl / 8, a * s rounds as
+ * gguf's dl * (grid + delta), delta = +-0.125 (the same exact product, rounded once) */
+static inline void put_iq1(int8_t *y, int idx, int delta_negative) {
+    memcpy(y, delta_negative ? &iq1_minus[idx] : &iq1_plus[idx], 8);
 }
 
 /* One i-quant super-block (256 columns) to y[256] and a[16] per 16 columns (b = 0): the
@@ -248,7 +273,7 @@ static void unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
             const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1);
             for (int l = 0; l < 4; l++) {
                 const int idx = blk[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8);
-                put_iq1(y + 32 * ib + 8 * l, grid_iq1s + 8 * idx, qh >> 15);
+                put_iq1(y + 32 * ib + 8 * l, idx, qh >> 15);
             }
             a[2 * ib] = a[2 * ib + 1] = dl * 0.125f;
         }
@@ -262,7 +287,7 @@ static void unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
         const float dm = st_fp16_to_fp32(dbits);
         for (int k = 0; k < 32; k++) {
             const int nib = (blk[32 + k / 2] >> (4 * (k & 1))) & 15;
-            put_iq1(y + 8 * k, grid_iq1s + 8 * (blk[k] | ((nib & 7) << 8)), (nib >> 3) & 1);
+            put_iq1(y + 8 * k, blk[k] | ((nib & 7) << 8), (nib >> 3) & 1);
         }
         for (int g = 0; g < 16; g++) {
             const int ls = (sc[g / 4] >> (3 * (g & 3))) & 7;
