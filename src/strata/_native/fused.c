@@ -172,12 +172,35 @@ static inline float fp16_at(const uint8_t *p) {
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* acc[c] += 32 columns at k of signed weight values s (one scale dw) against the int8
+ * activations, in the tiles' AVX2 lane arithmetic: maddubs(|s|, q with the sign of s), pairs
+ * below 2 * 128 * 127 < 32768, to 8 int32 lane sums, each times dw * dx */
+ALWAYS_INLINE void signed_block(const int NC, __m256i s, __m256 dw, int k,
+                                const int8_t *const *q, const float *const *dx, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i s_abs = _mm256_sign_epi8(s, s);
+    for (int c = 0; c < NC; c++) {
+        __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + k));
+        __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
+                                        ones);                               /* [8] lane sums */
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
+                                 _mm256_mul_ps(dw, _mm256_loadu_ps(dx[c] + k / ST_LANE)), acc[c]);
+    }
+}
+
+/* the tiles' order of summing 8 lanes */
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
 ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_t ahead,
                              int cols, const st_act *act, const int64_t *tr, float *res) {
     const int ncp = act->cols_pad;
     const int is_q4 = qtype == ST_Q4_0;
     const int block_bytes = is_q4 ? 18 : 34;
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m128i low4 = _mm_set1_epi8(0x0F);
     __m256 acc[3];
     const int8_t *q[3];
@@ -199,23 +222,9 @@ ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_
         } else {
             s = _mm256_loadu_si256((const __m256i *)(blk + 2));
         }
-        const __m256i s_abs = _mm256_sign_epi8(s, s);
-        const __m256 dw = _mm256_set1_ps(fp16_at(blk));
-        for (int c = 0; c < NC; c++) {
-            __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + ib * 32));
-            /* |s| * (q with the sign of s): pairs stay below 2 * 128 * 127 < 32768 */
-            __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
-                                            ones);                           /* [8] lane sums */
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
-                                     _mm256_mul_ps(dw, _mm256_loadu_ps(dx[c] + ib * 8)), acc[c]);
-        }
+        signed_block(NC, s, _mm256_set1_ps(fp16_at(blk)), ib * 32, q, dx, acc);
     }
-    for (int c = 0; c < NC; c++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        res[c] = _mm_cvtss_f32(h);
-    }
+    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]);
 }
 
 
@@ -227,7 +236,6 @@ ALWAYS_INLINE void fused_row32(const int NC, int qtype, const uint8_t *row, int6
                                int cols, const st_act *act, const int64_t *tr, float *B,
                                float *res) {
     const int ncp = act->cols_pad, bytes = st_type_size(qtype), has_min = st_has_min(qtype);
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[3];
     const int8_t *q[3];
     const float *dx[3];
@@ -239,23 +247,12 @@ ALWAYS_INLINE void fused_row32(const int NC, int qtype, const uint8_t *row, int6
     for (int ib = 0; ib < cols / 32; ib++) {
         const uint8_t *blk = row + (int64_t)ib * bytes;
         __builtin_prefetch(blk + ahead, 0, 3);
-        const __m256i s = st_block32_values(qtype, blk, bytes);             /* [32] int8 */
-        const __m256i s_abs = _mm256_sign_epi8(s, s);
-        const __m256 dw = _mm256_set1_ps(fp16_at(blk));
         if (has_min) B[2 * ib] = B[2 * ib + 1] = -fp16_at(blk + 2);
-        for (int c = 0; c < NC; c++) {
-            __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + ib * 32));
-            __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
-                                            ones);                           /* [8] lane sums */
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
-                                     _mm256_mul_ps(dw, _mm256_loadu_ps(dx[c] + ib * 8)), acc[c]);
-        }
+        signed_block(NC, st_block32_values(qtype, blk, bytes), _mm256_set1_ps(fp16_at(blk)),
+                     ib * 32, q, dx, acc);
     }
     for (int c = 0; c < NC; c++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        res[c] = _mm_cvtss_f32(h);
+        res[c] = hsum8(acc[c]);
         if (has_min)  /* B's padding groups are zero, as the unpacked row's */
             res[c] -= st_min_term(B, act->xs + tr[c] * (ncp / ST_GROUP), ncp / ST_GROUP);
     }
