@@ -40,6 +40,9 @@ def test_cuda_model_without_cuda_says_what_to_install(tmp_path):
 # 32-column block types beside Q4_0 / Q8_0 (llama.cpp's k-quant files' fallbacks, Q4_1 / Q5_1
 # presets): embed, dp4a, mv_* and mmq.cu tiles
 B32_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl")
+# the grid i-quants (256-column super-blocks, common.cuh's iq_group): embed, dp4a, mv_* and
+# mmq_k.cu tiles
+IQ_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 
 
 def test_plan_type_tables_cover_every_type_the_weights_read():
@@ -48,7 +51,7 @@ def test_plan_type_tables_cover_every_type_the_weights_read():
     from strata.backends.cuda.weights import FLOAT_TYPES, TYPE_SUFFIX
 
     quantised = {s for t, s in TYPE_SUFFIX.items() if t not in FLOAT_TYPES}
-    assert set(B32_TYPES) <= quantised
+    assert set(B32_TYPES) | set(IQ_TYPES) <= quantised
     assert quantised == set(cuda_plan.MMQ_TYPES) | set(cuda_plan.MMQ_K_TYPES)
     assert quantised == set(cuda_plan.MV_TYPES)
 
@@ -58,7 +61,7 @@ def test_kernel_names_cover_every_entry_point():
     for module in cuda_runtime.MODULES:
         names |= set(cuda_runtime._kernel_names(cuda_runtime.module_source(module)))
     for suffix in ("f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
-                   "iq4_xs") + B32_TYPES:
+                   "iq4_xs") + B32_TYPES + IQ_TYPES:
         assert {f"mm_store_{suffix}", f"mm_add_{suffix}", f"mm_gateup_{suffix}",
                 f"mm_qkv_{suffix}", f"embed_{suffix}"} <= names
     for suffix in ("q4_0", "q8_0") + B32_TYPES:  # mmq.cu: int8 tensor-core tiles, 64 / 32 rows
@@ -66,9 +69,10 @@ def test_kernel_names_cover_every_entry_point():
                 for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {f"mmq{rows}r_{kind}_q4_0" for rows in (64, 32)  # RAW staging: Q4_0 only
             for kind in ("store", "add", "gateup", "qkv")} <= names
-    for suffix in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"):  # mmq_k.cu: 32-row tiles
+    for suffix in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs") + IQ_TYPES:  # mmq_k.cu
         assert {f"mmq32_{kind}_{suffix}" for kind in ("store", "add", "gateup", "qkv")} <= names
-    for suffix in ("q4_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs") + B32_TYPES:
+    for suffix in ("q4_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs") + B32_TYPES \
+            + IQ_TYPES:
         assert {f"mv_{kind}_{suffix}" for kind in ("store", "add", "gateup", "qkv")} <= names
     assert {"mmf_store_f32", "mmf_add_f32", "mmf_store_f16", "mmf_store_bf16"} <= names
     assert {"quantize_q8", "rmsnorm_q8", "qk_rope_append", "router_topk", "group_pairs",

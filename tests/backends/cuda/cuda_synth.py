@@ -1,11 +1,39 @@
-"""Synth-model shapes the CUDA tests use per weight type (k-quants need rows of 256)."""
+"""Synth-model shapes the CUDA tests use per weight type (k-quants and i-quants need rows of
+256)."""
+import numpy as np
 
 K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 # other 32-column block types: llama.cpp's fallbacks in k-quant files for rows that are not a
 # multiple of 256 (Q5_0, Q5_1, IQ4_NL) and the Q4_1 / Q5_1 presets
 B32_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl")
-TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0") + K_TYPES + B32_TYPES
+# the grid i-quants (256-column super-blocks: common.cuh's iq_group, mmq_k.cu's tiles)
+IQ_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0") + K_TYPES + B32_TYPES + IQ_TYPES
 K_QUANT_OVERRIDES = {"hidden": 256, "expert_ffn": 256, "head_dim": 64}
+
+
+def iq_blocks(weight_type: str, num_values: int, std: float, rng):
+    """Random blocks of a grid i-quant (flat uint8) and gguf's dequantisation of them (float32):
+    random bytes (every grid index, sign and scale bit pattern is valid) with a signed fp16 d of
+    about std / 40 (IQ1_M: d's 4 nibbles in the top bits of its 4 u16 scales)."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants
+    from gguf.constants import GGML_QUANT_SIZES
+
+    qtype = getattr(QT, weight_type.upper())
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    n = num_values // block_size
+    raw = rng.integers(0, 256, (n, block_bytes), dtype=np.uint8)
+    d = (rng.standard_normal(n) * (std / 40)).astype(np.float16).view(np.uint16)
+    if qtype == QT.IQ1_M:
+        scales = raw[:, 48:56].copy().view(np.uint16)  # [n, 4]
+        for k in range(4):
+            scales[:, k] = (scales[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+        raw[:, 48:56] = scales.view(np.uint8)
+    else:
+        raw[:, :2] = d.view(np.uint8).reshape(n, 2)
+    raw = raw.reshape(-1)
+    return raw, np.asarray(quants.dequantize(raw, qtype), dtype=np.float32).reshape(-1)
 
 
 # llama.cpp's k-quant files give a tensor whose rows are not a multiple of 256 a fallback type
@@ -25,7 +53,7 @@ def fallback_overrides(shape: str) -> dict:
 
 
 def synth_overrides(shape: str, weight_type: str) -> dict:
-    if weight_type in K_TYPES:
+    if weight_type in K_TYPES + IQ_TYPES:
         extra = {"shared_ffn": 256} if shape == "tiny-qwen2moe" else {}
         return {**K_QUANT_OVERRIDES, **extra}
     return {}

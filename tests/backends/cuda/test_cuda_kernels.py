@@ -12,7 +12,7 @@ from strata._native import kernels
 from strata.backends.cuda.plan import attention_kernels
 from strata.tool.synth import random_blocks
 
-from cuda_synth import B32_TYPES, K_TYPES, TYPES
+from cuda_synth import B32_TYPES, IQ_TYPES, K_TYPES, TYPES, iq_blocks
 
 pytestmark = pytest.mark.cuda
 
@@ -56,6 +56,9 @@ class _Dev:
 
 
 def _weights(weight_type: str, num_rows: int, num_cols: int, rng):
+    if weight_type in IQ_TYPES:  # gguf's own dequantisation: the reference the CPU's equals
+        raw, dense = iq_blocks(weight_type, num_rows * num_cols, 0.05, rng)
+        return raw.reshape(num_rows, -1), dense.reshape(num_rows, num_cols).astype(np.float64)
     qtype = getattr(QT, weight_type.upper())
     raw = random_blocks(qtype, num_rows * num_cols, 0.05, rng).reshape(num_rows, -1)
     dense = np.asarray(kernels.dequantize(raw.reshape(-1), int(qtype), num_rows * num_cols),
@@ -73,9 +76,10 @@ def _acts(x: np.ndarray, weight_type: str) -> np.ndarray:
 @pytest.mark.parametrize("weight_type", TYPES)
 def test_embed_rows_equal_the_cpu_dequantisation(runtime, weight_type):
     """embed_* (common.cuh's dequant_one) gives the CPU's (gguf's) dequantised values bit for bit,
-    tokens in any order and repeated; Q4_1 / Q5_1 too, whose w = d * q + m."""
+    tokens in any order and repeated; Q4_1 / Q5_1 too, whose w = d * q + m; the i-quants
+    against gguf's dequantize_blocks (IQ1_S / IQ1_M: (dl / 8) * (8 grid +- 1))."""
     dev, rng = _Dev(runtime), np.random.default_rng()
-    V, H = 37, 1408 if weight_type not in K_TYPES else 1024  # 44 blocks of 32 / 4 of 256
+    V, H = 37, 1408 if weight_type not in K_TYPES + IQ_TYPES else 1024  # 44 of 32 / 4 of 256
     raw, dense = _weights(weight_type, V, H, rng)
     tokens = np.array([5, 0, 36, 5, 17], dtype=np.int32)
     x = dev.empty(4 * len(tokens) * H)
@@ -458,7 +462,8 @@ def _mv_blocks(num_outputs: int, num_cols: int) -> int:
 @pytest.mark.parametrize("weight_type, num_cols",
                          [(t, k) for t in ("q4_0", "q8_0") for k in (64, 512, 2048, 5120)]
                          + [(t, k) for t in K_TYPES for k in (256, 768, 2048, 5120)]
-                         + [(t, k) for t in B32_TYPES for k in (32, 96, 512, 1408, 5120)])
+                         + [(t, k) for t in B32_TYPES for k in (32, 96, 512, 1408, 5120)]
+                         + [(t, k) for t in IQ_TYPES for k in (256, 768, 5120)])
 def test_decode_products_mv(runtime, weight_type, num_cols):
     """matvec.cu's mv_* (decode windows) against float64: dense store + bias (weights also at
     a 2-byte offset), add, q/k/v, grouped gate/up and grouped store through pointer tables with

@@ -18,8 +18,15 @@
 #define ST_Q4_K 12
 #define ST_Q5_K 13
 #define ST_Q6_K 14
+#define ST_IQ2_XXS 16
+#define ST_IQ2_XS 17
+#define ST_IQ3_XXS 18
+#define ST_IQ1_S 19
 #define ST_IQ4_NL 20
+#define ST_IQ3_S 21
+#define ST_IQ2_S 22
 #define ST_IQ4_XS 23
+#define ST_IQ1_M 29
 #define ST_BF16 30
 
 #define WARP 32
@@ -193,6 +200,139 @@ __device__ __forceinline__ void unpack_block32(const uint8_t *blk, int (&v)[8], 
     }
 }
 
+// ---- the grid i-quants: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M --------------------
+// 256-column super-blocks (gguf's layouts, its dequantize_blocks) whose values are entries of a
+// grid: 8 (IQ3_*: 4) values per index, from iq_tables.cuh, which runtime.module_source writes
+// from strata/model/iq_grids.py (gguf's grids). Group g of 16 columns: s = the grid value times
+// its sign (IQ2_*: 8, 25, 43; IQ3_XXS: 4 .. 62; IQ3_S: 1 .. 15), a = gguf's float scale
+// factored as gguf computes it (IQ2_*: (d * (0.5 + ls)) * 0.25, IQ3_XXS: (d * (0.5 + ls)) * 0.5,
+// IQ3_S: d * (1 + 2 ls)), so a * s rounds as gguf's value. IQ1_S / IQ1_M: gguf's dl * (grid +-
+// 0.125) is (dl / 8) * (8 grid +- 1): a = dl / 8 (exact), s = 8 grid +- 1 in [-9, 9]. b = 0.
+#include "iq_tables.cuh"
+
+// super-block bytes, a scale per 16 columns (else per 32); 0 for the other types
+template <int QT> struct IqGrid { static constexpr int bytes = 0, per16 = 0; };
+template <> struct IqGrid<ST_IQ2_XXS> { static constexpr int bytes = 66, per16 = 0; };
+template <> struct IqGrid<ST_IQ2_XS> { static constexpr int bytes = 74, per16 = 1; };
+template <> struct IqGrid<ST_IQ2_S> { static constexpr int bytes = 82, per16 = 1; };
+template <> struct IqGrid<ST_IQ3_XXS> { static constexpr int bytes = 98, per16 = 0; };
+template <> struct IqGrid<ST_IQ3_S> { static constexpr int bytes = 110, per16 = 0; };
+template <> struct IqGrid<ST_IQ1_S> { static constexpr int bytes = 50, per16 = 0; };
+template <> struct IqGrid<ST_IQ1_M> { static constexpr int bytes = 56, per16 = 1; };
+
+__host__ __device__ constexpr bool is_iq_grid_type(int qt) {
+    return qt == ST_IQ2_XXS || qt == ST_IQ2_XS || qt == ST_IQ2_S || qt == ST_IQ3_XXS
+           || qt == ST_IQ3_S || qt == ST_IQ1_S || qt == ST_IQ1_M;
+}
+
+// The sign pattern of a 7-bit index (IQ2_XXS / IQ2_XS / IQ3_XXS): its bits, and as bit 7 their
+// parity (an even count of negated values); bit j set: value j is negated
+__device__ __forceinline__ uint32_t iq_ksign(uint32_t i) {
+    return i | ((__popc(i) & 1u) << 7);
+}
+
+// 4 positive int8 values (one grid word), byte j negated where bit j of signs is set: x ^ 0xFF
+// + 1 per negated byte (values 1..62: no carry leaves a byte; x * 0x204081 puts bit j at 8j)
+__device__ __forceinline__ int iq_signed(uint32_t v, uint32_t signs) {
+    const uint32_t one = ((signs & 15u) * 0x00204081u) & 0x01010101u;
+    return (int)((v ^ (one * 0xFFu)) + one);
+}
+
+// 4 bytes of st_iq1_grid (8 * (value + 1): 0, 8, 16) as 8 * value + 1 (negative_delta false)
+// or 8 * value - 1: byte-wise minus 7 or 9, raised to 128 + x first so no borrow crosses a byte
+__device__ __forceinline__ int iq1_values(uint32_t t, bool negative_delta) {
+    const uint32_t k = negative_delta ? 0x09090909u : 0x07070707u;
+    return (int)(((t | 0x80808080u) - k) ^ 0x80808080u);
+}
+
+// Group gi (0..15, columns 16 gi .. +15) of an i-quant super-block at blk (2-byte aligned):
+// its 16 s values to v[4] (4 per int, column order) and its scale a
+template <int QT>
+__device__ __forceinline__ void iq_group(const uint8_t *blk, int gi, int (&v)[4], float &a) {
+    if constexpr (QT == ST_IQ2_XXS) {  // fp16 d, per 32 columns: u32 grid bytes, u32 signs/ls
+        const uint8_t *q = blk + 2 + 8 * (gi >> 1);
+        const uint32_t aux0 = read_u32_a2(q), aux1 = read_u32_a2(q + 4);
+        a = (read_f16(blk) * (0.5f + (float)(aux1 >> 28))) * 0.25f;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const int l = 2 * (gi & 1) + k;  // 8 columns: grid byte l, signs bits 7l..7l+6
+            const unsigned long long gv = st_iq2xxs_grid[(aux0 >> (8 * l)) & 255];
+            const uint32_t sb = iq_ksign((aux1 >> (7 * l)) & 127);
+            v[2 * k] = iq_signed((uint32_t)gv, sb);
+            v[2 * k + 1] = iq_signed((uint32_t)(gv >> 32), sb >> 4);
+        }
+    } else if constexpr (QT == ST_IQ2_XS) {  // fp16 d, u16 qs[32] (9-bit grid, 7-bit signs),
+        const int ls = (blk[66 + (gi >> 1)] >> (4 * (gi & 1))) & 15;  // 4-bit scales[16]
+        a = (read_f16(blk) * (0.5f + (float)ls)) * 0.25f;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const uint32_t qv = read_u16(blk + 2 + 4 * gi + 2 * k);
+            const unsigned long long gv = st_iq2xs_grid[qv & 511];
+            const uint32_t sb = iq_ksign(qv >> 9);
+            v[2 * k] = iq_signed((uint32_t)gv, sb);
+            v[2 * k + 1] = iq_signed((uint32_t)(gv >> 32), sb >> 4);
+        }
+    } else if constexpr (QT == ST_IQ2_S) {  // fp16 d, qs[32], signs[32], qh[8], scales[8]
+        const int ls = (blk[74 + (gi >> 1)] >> (4 * (gi & 1))) & 15;
+        a = (read_f16(blk) * (0.5f + (float)ls)) * 0.25f;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const int i = 2 * gi + k;  // 8 columns: grid index qs[i] | 2 bits of qh << 8
+            const int idx = blk[2 + i] | (((blk[66 + (i >> 2)] >> (2 * (i & 3))) & 3) << 8);
+            const unsigned long long gv = st_iq2s_grid[idx];
+            const uint32_t sb = blk[34 + i];
+            v[2 * k] = iq_signed((uint32_t)gv, sb);
+            v[2 * k + 1] = iq_signed((uint32_t)(gv >> 32), sb >> 4);
+        }
+    } else if constexpr (QT == ST_IQ3_XXS) {  // fp16 d, qs[64] (4 columns each), u32[8] signs/ls
+        const uint32_t aux = read_u32_a2(blk + 66 + 4 * (gi >> 1));
+        a = (read_f16(blk) * (0.5f + (float)(aux >> 28))) * 0.5f;
+        const uint8_t *q = blk + 2 + 8 * (gi >> 1) + 4 * (gi & 1);
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const uint32_t sb = iq_ksign((aux >> (7 * (2 * (gi & 1) + k))) & 127);
+            v[2 * k] = iq_signed(st_iq3xxs_grid[q[2 * k]], sb);
+            v[2 * k + 1] = iq_signed(st_iq3xxs_grid[q[2 * k + 1]], sb >> 4);
+        }
+    } else if constexpr (QT == ST_IQ3_S) {  // fp16 d, qs[64], qh[8], signs[32], scales[4]
+        const int ls = (blk[106 + (gi >> 2)] >> (4 * ((gi >> 1) & 1))) & 15;
+        a = read_f16(blk) * (float)(1 + 2 * ls);
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            const int i = 4 * gi + w;  // 4 columns: grid index qs[i] | bit i of qh << 8
+            const int idx = blk[2 + i] | (((blk[66 + (i >> 3)] >> (i & 7)) & 1) << 8);
+            v[w] = iq_signed(st_iq3s_grid[idx], blk[74 + (i >> 1)] >> (4 * (i & 1)));
+        }
+    } else if constexpr (QT == ST_IQ1_S) {  // fp16 d, qs[32], u16 qh[8] (per 32 columns)
+        const uint32_t qh = read_u16(blk + 34 + 2 * (gi >> 1));
+        a = (read_f16(blk) * (float)(2 * ((qh >> 12) & 7) + 1)) * 0.125f;
+        const bool negative = (qh & 0x8000u) != 0;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const int l = 2 * (gi & 1) + k;  // 8 columns: qs[4 ib + l] | 3 bits of qh << 8
+            const int idx = blk[2 + 4 * (gi >> 1) + l] | (((qh >> (3 * l)) & 7) << 8);
+            const unsigned long long gv = st_iq1_grid[idx];
+            v[2 * k] = iq1_values((uint32_t)gv, negative);
+            v[2 * k + 1] = iq1_values((uint32_t)(gv >> 32), negative);
+        }
+    } else {  // IQ1_M: qs[32], qh[16] (per 8 columns: 3 index bits, the delta's sign), u16
+              // scales[4] (3 bits per 16 columns; the top 4 bits of each: fp16 d)
+        const uint16_t s0 = read_u16(blk + 48), s1 = read_u16(blk + 50);
+        const uint16_t s2 = read_u16(blk + 52), s3 = read_u16(blk + 54);
+        const uint16_t dbits = (uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0u)
+                                          | ((s2 >> 4) & 0x0F00u) | (s3 & 0xF000u));
+        const int ls = (read_u16(blk + 48 + 2 * (gi >> 2)) >> (3 * (gi & 3))) & 7;
+        a = (__half2float(__ushort_as_half(dbits)) * (float)(2 * ls + 1)) * 0.125f;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const int nib = (blk[32 + gi] >> (4 * k)) & 15;  // 8 columns i = 2 gi + k
+            const unsigned long long gv = st_iq1_grid[blk[2 * gi + k] | ((nib & 7) << 8)];
+            v[2 * k] = iq1_values((uint32_t)gv, (nib & 8) != 0);
+            v[2 * k + 1] = iq1_values((uint32_t)(gv >> 32), (nib & 8) != 0);
+        }
+    }
+}
+
 // Group g (columns 16g .. 16g+15) of a quantised row: v[4] holds the 16 int8 s values,
 // w = a * s - b. Bit layouts follow ggml-quants.c (and _native/quant_ref.c).
 template <int QT>
@@ -215,6 +355,9 @@ __device__ __forceinline__ void decode_group(const uint8_t *row, int g, int (&v)
 #pragma unroll
         for (int i = 0; i < 4; i++)
             v[i] = block32_word<QT>(read_u32_a2(blk + Block32<QT>::qs + 4 * i), qh, g & 1, i);
+    } else if constexpr (is_iq_grid_type(QT)) {
+        iq_group<QT>(row + (g >> 4) * IqGrid<QT>::bytes, g & 15, v, a);
+        b = 0.0f;
     } else if (QT == ST_Q8_0) {
         const uint8_t *blk = row + (g >> 1) * 34;  // fp16 d, 32 int8
         a = read_f16(blk);
@@ -289,14 +432,25 @@ __device__ __forceinline__ int bytes_minus_32(uint32_t v) {
     return (int)(((v | 0x80808080u) - 0x20202020u) ^ 0x80808080u);
 }
 
-// 32-column block b (0..7) of a k-quant super-block at blk (2-byte aligned; mmq_k.cu and
-// matvec.cu read it from shared memory): its 32 int8 values to v[8] (4 per int, column order),
-// its scales a[0..1] and mins m[0..1] (per 16 columns: w = a * s - m; equal halves for Q4_K /
-// Q5_K, no mins for Q3_K / Q6_K). The same values and scales as decode_group.
+// 32-column block b (0..7) of a k-quant or i-quant super-block at blk (2-byte aligned; mmq_k.cu
+// and matvec.cu read it from shared memory): its 32 int8 values to v[8] (4 per int, column
+// order), its scales a[0..1] and mins m[0..1] (per 16 columns: w = a * s - m; equal halves for
+// Q4_K / Q5_K, IQ4_XS and the i-quants with a scale per 32 columns, no mins for Q3_K / Q6_K /
+// IQ*). The same values and scales as decode_group.
 template <int QT>
 __device__ __forceinline__ void unpack_k_block(const uint8_t *blk, int b, int (&v)[8],
                                                float (&a)[2], float (&m)[2]) {
-    if constexpr (QT == ST_IQ4_XS) {
+    if constexpr (is_iq_grid_type(QT)) {  // a[0] == a[1] where the scale is per 32 columns
+        int lo[4], hi[4];
+        iq_group<QT>(blk, 2 * b, lo, a[0]);
+        iq_group<QT>(blk, 2 * b + 1, hi, a[1]);
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            v[w] = lo[w];
+            v[w + 4] = hi[w];
+        }
+        m[0] = m[1] = 0.0f;
+    } else if constexpr (QT == ST_IQ4_XS) {
         const uint8_t *q = blk + 8 + 16 * b;
 #pragma unroll
         for (int w = 0; w < 4; w++) {

@@ -44,6 +44,13 @@ EMBED_KERNEL(q4_k, ST_Q4_K)
 EMBED_KERNEL(q5_k, ST_Q5_K)
 EMBED_KERNEL(q6_k, ST_Q6_K)
 EMBED_KERNEL(iq4_xs, ST_IQ4_XS)
+EMBED_KERNEL(iq2_xxs, ST_IQ2_XXS)
+EMBED_KERNEL(iq2_xs, ST_IQ2_XS)
+EMBED_KERNEL(iq2_s, ST_IQ2_S)
+EMBED_KERNEL(iq3_xxs, ST_IQ3_XXS)
+EMBED_KERNEL(iq3_s, ST_IQ3_S)
+EMBED_KERNEL(iq1_s, ST_IQ1_S)
+EMBED_KERNEL(iq1_m, ST_IQ1_M)
 
 __device__ __forceinline__ float block_sum(float v, float *scratch) {
     // scratch: [32] shared floats

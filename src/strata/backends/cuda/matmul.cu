@@ -216,6 +216,13 @@ MM_KERNELS(q4_k, ST_Q4_K)
 MM_KERNELS(q5_k, ST_Q5_K)
 MM_KERNELS(q6_k, ST_Q6_K)
 MM_KERNELS(iq4_xs, ST_IQ4_XS)
+MM_KERNELS(iq2_xxs, ST_IQ2_XXS)
+MM_KERNELS(iq2_xs, ST_IQ2_XS)
+MM_KERNELS(iq2_s, ST_IQ2_S)
+MM_KERNELS(iq3_xxs, ST_IQ3_XXS)
+MM_KERNELS(iq3_s, ST_IQ3_S)
+MM_KERNELS(iq1_s, ST_IQ1_S)
+MM_KERNELS(iq1_m, ST_IQ1_M)
 
 
 // x [T, K] float -> q [T, K] int8, d [T, K/32]: per 32 columns d = max|x| / 127, q = rint(x / d)

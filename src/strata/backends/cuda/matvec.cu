@@ -1,5 +1,6 @@
-// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0, Q4_1 / Q5_0 / Q5_1 / IQ4_NL
-// and k-quant (Q2_K .. Q6_K, IQ4_XS) weights: the mv_* kernels, with matmul.cu's arguments
+// Decode products (windows of < MMQ_MIN_ROWS rows) on Q4_0 / Q8_0, Q4_1 / Q5_0 / Q5_1 /
+// IQ4_NL, k-quant (Q2_K .. Q6_K, IQ4_XS) and grid i-quant (IQ1_S .. IQ3_S) weights: the mv_*
+// kernels, with matmul.cu's arguments
 // (products.cuh). Legend as
 // matmul.cu: N = weight rows (outputs), K = columns, P = activation rows of a group, G = groups
 // (experts).
@@ -14,7 +15,8 @@
 // 16-byte reads also suit mapped host memory (offloaded experts read over PCIe).
 // Per output and row: each lane sums its 32-column blocks j = lane, lane + lanes, ... in
 // increasing order as (float)s * (d_w * d_x) (s = the int8 dot of one 32-value block; k-quants:
-// a_w * d_x * s - m_w * d_x * sum(q), per 16 columns for Q2_K / Q3_K / Q6_K; Q4_1 / Q5_1 alike
+// a_w * d_x * s - m_w * d_x * sum(q), per 16 columns for Q2_K / Q3_K / Q6_K / IQ2_XS / IQ2_S /
+// IQ1_M; Q4_1 / Q5_1 alike
 // with their min per 32), then the lanes are summed by a butterfly: a fixed order that depends
 // on K only, never on the window. Rows are staged in units of a quant block (Q4_0 / Q8_0 and
 // the other 32-column types) or super-block (k-quants: 256).
@@ -96,6 +98,16 @@ __device__ __forceinline__ int mv_block_dot(const uint8_t *p, const int4 &xa, co
     }
 }
 
+// bytes of a staged unit: a 32-column block, or a super-block of 256 columns
+template <int QT>
+__host__ __device__ constexpr int mv_unit_bytes() {
+    if constexpr (is_block32_type(QT)) return Block32<QT>::bytes;
+    else if constexpr (is_iq_grid_type(QT)) return IqGrid<QT>::bytes;
+    else
+        return QT == ST_Q4_0 ? 18 : QT == ST_Q8_0 ? 34 : QT == ST_Q2_K ? 84 : QT == ST_Q3_K ? 110
+               : QT == ST_Q4_K ? 144 : QT == ST_Q5_K ? 176 : QT == ST_IQ4_XS ? 136 : 210;
+}
+
 // The k-quant blocks of one staged round: lane `sub` of its output takes 32-column blocks j =
 // sub, sub + lanes, ... < num_j of the staged row srow (srow2: gate/up's up row), block j0 + j
 // of the whole row, against activation rows arow[0 .. nt)
@@ -106,9 +118,9 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
                                             const int8_t *__restrict__ xq,
                                             const float *__restrict__ xd, int K,
                                             float (&acc)[MV_TR], float (&acc2)[MV_TR]) {
-    constexpr int QB = QT == ST_Q2_K ? 84 : QT == ST_Q3_K ? 110 : QT == ST_Q4_K ? 144
-                       : QT == ST_Q5_K ? 176 : QT == ST_IQ4_XS ? 136 : 210;
+    constexpr int QB = mv_unit_bytes<QT>();
     constexpr bool has_min = QT == ST_Q2_K || QT == ST_Q4_K || QT == ST_Q5_K;
+    constexpr bool per16_iq = is_iq_grid_type(QT) && IqGrid<QT>::per16;
     const int num_blocks = K >> 5;
 #pragma unroll 1
     for (int j = sub; j < num_j; j += lanes) {
@@ -140,7 +152,7 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
                     sq_hi = __dp4a(0x01010101, x[w + 4], sq_hi);
                 }
             }
-            if constexpr (QT == ST_Q3_K || QT == ST_Q6_K) {  // a scale per 16 columns
+            if constexpr (QT == ST_Q3_K || QT == ST_Q6_K || per16_iq) {  // a scale per 16
                 acc[t] += (float)lo * (a[0] * dx) + (float)hi * (a[1] * dx);
                 if (GATEUP) acc2[t] += (float)lo2 * (a2[0] * dx) + (float)hi2 * (a2[1] * dx);
             } else if constexpr (QT == ST_Q2_K) {  // a scale and a min per 16 columns
@@ -149,7 +161,7 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
                 if (GATEUP)
                     acc2[t] += (float)lo2 * (a2[0] * dx) - (float)sq_lo * (m2[0] * dx)
                                + (float)hi2 * (a2[1] * dx) - (float)sq_hi * (m2[1] * dx);
-            } else {  // Q4_K / Q5_K: one scale and min per 32 columns; IQ4_XS: no min
+            } else {  // Q4_K / Q5_K: one scale and min per 32 columns; IQ4_XS, IQ*: no min
                 const int sq = sq_lo + sq_hi;
                 acc[t] += (float)(lo + hi) * (a[0] * dx) - (float)sq * (m[0] * dx);
                 if (GATEUP)
@@ -205,14 +217,6 @@ __device__ __forceinline__ void mv_b32_blocks(const uint8_t *srow, const uint8_t
             }
         }
     }
-}
-
-template <int QT>
-__host__ __device__ constexpr int mv_unit_bytes() {
-    if constexpr (is_block32_type(QT)) return Block32<QT>::bytes;
-    else
-        return QT == ST_Q4_0 ? 18 : QT == ST_Q8_0 ? 34 : QT == ST_Q2_K ? 84 : QT == ST_Q3_K ? 110
-               : QT == ST_Q4_K ? 144 : QT == ST_Q5_K ? 176 : QT == ST_IQ4_XS ? 136 : 210;
 }
 
 template <int QT, int MODE>
@@ -387,3 +391,10 @@ MV_KERNELS(q4_k, ST_Q4_K)
 MV_KERNELS(q5_k, ST_Q5_K)
 MV_KERNELS(q6_k, ST_Q6_K)
 MV_KERNELS(iq4_xs, ST_IQ4_XS)
+MV_KERNELS(iq2_xxs, ST_IQ2_XXS)
+MV_KERNELS(iq2_xs, ST_IQ2_XS)
+MV_KERNELS(iq2_s, ST_IQ2_S)
+MV_KERNELS(iq3_xxs, ST_IQ3_XXS)
+MV_KERNELS(iq3_s, ST_IQ3_S)
+MV_KERNELS(iq1_s, ST_IQ1_S)
+MV_KERNELS(iq1_m, ST_IQ1_M)

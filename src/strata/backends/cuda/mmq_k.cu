@@ -1,7 +1,8 @@
 // Products for prompt-sized windows of k-quant weights (Q2_K .. Q6_K and IQ4_XS: the types of
-// the Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, Q2_K and IQ4_XS files users download) on int8 tensor
-// cores. mmq.cu's arguments, block tile (64 weight rows) and mma fragments; tiles of 32
-// activation rows only (the staging below leaves no room in 48 KB of shared memory for 64).
+// the Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, Q2_K and IQ4_XS files users download; the grid i-quants
+// IQ1_S .. IQ3_S alike, common.cuh's iq_group) on int8 tensor cores. mmq.cu's arguments, block
+// tile (64 weight rows) and mma fragments; tiles of 32 activation rows only (the staging below
+// leaves no room in 48 KB of shared memory for 64).
 //
 // Legend: N = weight rows (outputs), K = columns (a multiple of 256), P = activation rows of a
 // group, BN = activation rows per tile, QB = bytes of one super-block (256 columns).
@@ -11,9 +12,10 @@
 //      into its first piece; an aligned piece that holds a byte of the block never crosses a
 //      page, so reading its other bytes cannot fault),
 //   2. each (row, 32-column block) is unpacked from there into int8 values (sw [64, 256]) and
-//      float scales (swd: one per 32 columns for Q4_K / Q5_K / IQ4_XS, one per 16 for Q2_K, Q3_K
-//      and Q6_K) and mins (swm, Q2_K / Q4_K / Q5_K: w = a * s - b, s >= 0),
-//   3. one mma per 32 columns (Q4_K / Q5_K / IQ4_XS: m16n8k32) or two (m16n8k16 per 16-column group,
+//      float scales (swd: one per 32 columns for Q4_K / Q5_K / IQ4_XS / IQ2_XXS / IQ3_XXS /
+//      IQ3_S / IQ1_S, one per 16 for Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S and IQ1_M) and mins
+//      (swm, Q2_K / Q4_K / Q5_K: w = a * s - b, s >= 0),
+//   3. one mma per 32 columns (scale per 32: m16n8k32) or two (m16n8k16 per 16-column group,
 //      whose scales differ), each int32 result exact; an output accumulates
 //      (float)s * (a * dx) (- (float)sum(q) * (b * dx)) over its groups in increasing k order
 //      in one thread, so a row's result does not depend on its tile or its window's other rows.
@@ -24,7 +26,10 @@
 #define MMQK_BN 32
 
 // super-block bytes, scales per 16 columns (else per 32), mins
-template <int QT> struct KQuant;
+template <int QT> struct KQuant {  // the grid i-quants (common.cuh's IqGrid)
+    static_assert(is_iq_grid_type(QT), "a 256-column type");
+    static constexpr int bytes = IqGrid<QT>::bytes, per16 = IqGrid<QT>::per16, min = 0;
+};
 template <> struct KQuant<ST_Q2_K> { static constexpr int bytes = 84, per16 = 1, min = 1; };
 template <> struct KQuant<ST_Q3_K> { static constexpr int bytes = 110, per16 = 1, min = 0; };
 template <> struct KQuant<ST_Q4_K> { static constexpr int bytes = 144, per16 = 0, min = 1; };
@@ -235,3 +240,10 @@ MMQ_TILE_KERNELS(mmqk_body, q4_k, ST_Q4_K, 32, , false)
 MMQ_TILE_KERNELS(mmqk_body, q5_k, ST_Q5_K, 32, , false)
 MMQ_TILE_KERNELS(mmqk_body, q6_k, ST_Q6_K, 32, , false)
 MMQ_TILE_KERNELS(mmqk_body, iq4_xs, ST_IQ4_XS, 32, , false)
+MMQ_TILE_KERNELS(mmqk_body, iq2_xxs, ST_IQ2_XXS, 32, , false)
+MMQ_TILE_KERNELS(mmqk_body, iq2_xs, ST_IQ2_XS, 32, , false)
+MMQ_TILE_KERNELS(mmqk_body, iq2_s, ST_IQ2_S, 32, , false)
+MMQ_TILE_KERNELS(mmqk_body, iq3_xxs, ST_IQ3_XXS, 32, , false)
+MMQ_TILE_KERNELS(mmqk_body, iq3_s, ST_IQ3_S, 32, , false)
+MMQ_TILE_KERNELS(mmqk_body, iq1_s, ST_IQ1_S, 32, , false)
+MMQ_TILE_KERNELS(mmqk_body, iq1_m, ST_IQ1_M, 32, , false)

@@ -43,7 +43,9 @@ MMQ_MIN_ROWS = 20
 MMQ_TYPES = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 # k-quants take mmq_k.cu's tiles (32 activation rows only: its staging fills the shared memory);
 # STRATA_MMQ_K=0 keeps them on the dp4a kernels (to measure one against the other in one build).
-MMQ_K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+# The grid i-quants (super-blocks of 256, common.cuh's iq_group) take them too.
+MMQ_K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s",
+               "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 # mmq.cu's block tiles: 64 weight rows (outputs; gate/up: 32 of each) x 64 or 32 activation rows
 MMQ_OUTPUTS = 64
 # Dense products take 64-row tiles when that still makes this many blocks (the H200 has 132

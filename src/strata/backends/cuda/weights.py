@@ -21,7 +21,10 @@ TYPE_SUFFIX = {
     int(GGMLQuantizationType.Q5_K): "q5_k", int(GGMLQuantizationType.Q6_K): "q6_k",
     int(GGMLQuantizationType.IQ4_XS): "iq4_xs", int(GGMLQuantizationType.Q4_1): "q4_1",
     int(GGMLQuantizationType.Q5_0): "q5_0", int(GGMLQuantizationType.Q5_1): "q5_1",
-    int(GGMLQuantizationType.IQ4_NL): "iq4_nl",
+    int(GGMLQuantizationType.IQ4_NL): "iq4_nl", int(GGMLQuantizationType.IQ2_XXS): "iq2_xxs",
+    int(GGMLQuantizationType.IQ2_XS): "iq2_xs", int(GGMLQuantizationType.IQ2_S): "iq2_s",
+    int(GGMLQuantizationType.IQ3_XXS): "iq3_xxs", int(GGMLQuantizationType.IQ3_S): "iq3_s",
+    int(GGMLQuantizationType.IQ1_S): "iq1_s", int(GGMLQuantizationType.IQ1_M): "iq1_m",
 }
 FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
                int(GGMLQuantizationType.BF16)}
