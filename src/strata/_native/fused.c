@@ -196,46 +196,15 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 
-ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_t ahead,
-                             int cols, const st_act *act, const int64_t *tr, float *res) {
-    const int ncp = act->cols_pad;
-    const int is_q4 = qtype == ST_Q4_0;
-    const int block_bytes = is_q4 ? 18 : 34;
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m256 acc[3];
-    const int8_t *q[3];
-    const float *dx[3];
-    for (int c = 0; c < NC; c++) {
-        acc[c] = _mm256_setzero_ps();
-        q[c] = act->q + tr[c] * ncp;
-        dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
-    }
-    for (int ib = 0; ib < cols / 32; ib++) {
-        const uint8_t *blk = row + (int64_t)ib * block_bytes;
-        __builtin_prefetch(blk + ahead, 0, 3);
-        __m256i s;                                                          /* [32] int8 */
-        if (is_q4) {
-            __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
-            __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4),
-                                           _mm_and_si128(qs, low4));
-            s = _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
-        } else {
-            s = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        }
-        signed_block(NC, s, _mm256_set1_ps(fp16_at(blk)), ib * 32, q, dx, acc);
-    }
-    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]);
-}
-
-
-/* Q4_1 / Q5_0 / Q5_1 / IQ4_NL rows (AVX2 builds): the values of st_block32_values, then the
- * tiles' lane arithmetic as fused_row above, and for the min types (Q4_1, Q5_1: w = d q + m)
- * the tiles' st_min_term over B = -m per 16 columns, so the result is the tiles' bit for bit. */
+/* A row of 32-column blocks: Q4_0 / Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by st_block32_values;
+ * for the min types (Q4_1, Q5_1: w = d q + m) B gets -m per 16 columns and the tiles'
+ * st_min_term is subtracted, so the result is the tiles' bit for bit. */
 #define ST_FUSED_BLOCK32 1
-ALWAYS_INLINE void fused_row32(const int NC, int qtype, const uint8_t *row, int64_t ahead,
-                               int cols, const st_act *act, const int64_t *tr, float *B,
-                               float *res) {
+ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_t ahead,
+                             int cols, const st_act *act, const int64_t *tr, float *B,
+                             float *res) {
     const int ncp = act->cols_pad, bytes = st_type_size(qtype), has_min = st_has_min(qtype);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
     __m256 acc[3];
     const int8_t *q[3];
     const float *dx[3];
@@ -247,9 +216,19 @@ ALWAYS_INLINE void fused_row32(const int NC, int qtype, const uint8_t *row, int6
     for (int ib = 0; ib < cols / 32; ib++) {
         const uint8_t *blk = row + (int64_t)ib * bytes;
         __builtin_prefetch(blk + ahead, 0, 3);
-        if (has_min) B[2 * ib] = B[2 * ib + 1] = -fp16_at(blk + 2);
-        signed_block(NC, st_block32_values(qtype, blk, bytes), _mm256_set1_ps(fp16_at(blk)),
-                     ib * 32, q, dx, acc);
+        __m256i s;                                                          /* [32] int8 */
+        if (qtype == ST_Q4_0) {
+            __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+            __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4),
+                                           _mm_and_si128(qs, low4));
+            s = _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+        } else if (qtype == ST_Q8_0) {
+            s = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        } else {
+            s = st_block32_values(qtype, blk, bytes);
+            if (has_min) B[2 * ib] = B[2 * ib + 1] = -fp16_at(blk + 2);
+        }
+        signed_block(NC, s, _mm256_set1_ps(fp16_at(blk)), ib * 32, q, dx, acc);
     }
     for (int c = 0; c < NC; c++) {
         res[c] = hsum8(acc[c]);
@@ -280,22 +259,21 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
         }
         return 1;
     }
-#if defined(ST_FUSED_BLOCK32)
-    if (qtype == ST_Q4_1 || qtype == ST_Q5_0 || qtype == ST_Q5_1 || qtype == ST_IQ4_NL) {
-        const int num_groups = act->cols_pad / ST_GROUP;
-        float B[num_groups];  /* the min types' B per 16 columns, zero past cols */
-        for (int g = cols / ST_GROUP; g < num_groups; g++) B[g] = 0.0f;
-        const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
-        for (int i = 0; i < nr; i++) {
-            const uint8_t *row = w + (rb + i) * row_bytes;
-            if (n_tok == 1) fused_row32(1, qtype, row, ahead, cols, act, tr, B, res);
-            else if (n_tok == 2) fused_row32(2, qtype, row, ahead, cols, act, tr, B, res);
-            else fused_row32(3, qtype, row, ahead, cols, act, tr, B, res);
-            for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
-        }
-        return 1;
+#if defined(ST_FUSED_BLOCK32)  /* AVX2: every type of 32-column blocks */
+    if (st_block_size(qtype) != 32) return 0;
+    const int num_groups = act->cols_pad / ST_GROUP;
+    float B[num_groups];  /* the min types' B per 16 columns, zero past cols */
+    for (int g = cols / ST_GROUP; g < num_groups; g++) B[g] = 0.0f;
+    const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
+    for (int i = 0; i < nr; i++) {
+        const uint8_t *row = w + (rb + i) * row_bytes;
+        if (n_tok == 1) fused_row(1, qtype, row, ahead, cols, act, tr, B, res);
+        else if (n_tok == 2) fused_row(2, qtype, row, ahead, cols, act, tr, B, res);
+        else fused_row(3, qtype, row, ahead, cols, act, tr, B, res);
+        for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
     }
-#endif
+    return 1;
+#else  /* AVX-512 VNNI: Q4_0 and Q8_0 */
     if (qtype != ST_Q4_0 && qtype != ST_Q8_0) return 0;
 #if defined(ST_FUSED_Q4_ROWS)
     if (qtype == ST_Q4_0) {
@@ -312,6 +290,7 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
         for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
     }
     return 1;
+#endif
 }
 
 #else
