@@ -108,6 +108,18 @@ __host__ __device__ constexpr int mv_unit_bytes() {
                : QT == ST_Q4_K ? 144 : QT == ST_Q5_K ? 176 : QT == ST_IQ4_XS ? 136 : 210;
 }
 
+// Activation row `row`'s 32-column block `blk`: its int8 values as 8 words (16-byte aligned
+// in xq) and its scale
+__device__ __forceinline__ float mv_act_block(const int8_t *__restrict__ xq,
+                                              const float *__restrict__ xd, int row, int K,
+                                              int blk, int (&x)[8]) {
+    const int4 *xp = reinterpret_cast<const int4 *>(xq + (long long)row * K + 32 * blk);
+    const int4 xa = xp[0], xb = xp[1];
+    x[0] = xa.x, x[1] = xa.y, x[2] = xa.z, x[3] = xa.w;
+    x[4] = xb.x, x[5] = xb.y, x[6] = xb.z, x[7] = xb.w;
+    return xd[(long long)row * (K >> 5) + blk];
+}
+
 // The k-quant blocks of one staged round: lane `sub` of its output takes 32-column blocks j =
 // sub, sub + lanes, ... < num_j of the staged row srow (srow2: gate/up's up row), block j0 + j
 // of the whole row, against activation rows arow[0 .. nt)
@@ -121,7 +133,6 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
     constexpr int QB = mv_unit_bytes<QT>();
     constexpr bool has_min = QT == ST_Q2_K || QT == ST_Q4_K || QT == ST_Q5_K;
     constexpr bool per16_iq = is_iq_grid_type(QT) && IqGrid<QT>::per16;
-    const int num_blocks = K >> 5;
 #pragma unroll 1
     for (int j = sub; j < num_j; j += lanes) {
         const int blk = j0 + j;
@@ -132,12 +143,8 @@ __device__ __forceinline__ void mv_k_blocks(const uint8_t *srow, const uint8_t *
 #pragma unroll
         for (int t = 0; t < MV_TR; t++) {
             if (t >= nt) continue;
-            // [32] int8 activations of this block, 16-byte aligned
-            const int4 *xp =
-                reinterpret_cast<const int4 *>(xq + (long long)arow[t] * K + 32 * blk);
-            const int4 xa = xp[0], xb = xp[1];
-            const int x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-            const float dx = xd[(long long)arow[t] * num_blocks + blk];
+            int x[8];
+            const float dx = mv_act_block(xq, xd, arow[t], K, blk, x);
             int lo = 0, hi = 0, lo2 = 0, hi2 = 0, sq_lo = 0, sq_hi = 0;
 #pragma unroll
             for (int w = 0; w < 4; w++) {
@@ -184,7 +191,6 @@ __device__ __forceinline__ void mv_b32_blocks(const uint8_t *srow, const uint8_t
                                               float (&acc)[MV_TR], float (&acc2)[MV_TR]) {
     constexpr int QB = Block32<QT>::bytes;
     constexpr bool has_min = Block32<QT>::min;
-    const int num_blocks = K >> 5;
 #pragma unroll 2
     for (int j = sub; j < num_j; j += lanes) {
         const int blk = j0 + j;
@@ -195,12 +201,8 @@ __device__ __forceinline__ void mv_b32_blocks(const uint8_t *srow, const uint8_t
 #pragma unroll
         for (int t = 0; t < MV_TR; t++) {
             if (t >= nt) continue;
-            // [32] int8 activations of this block, 16-byte aligned
-            const int4 *xp =
-                reinterpret_cast<const int4 *>(xq + (long long)arow[t] * K + 32 * blk);
-            const int4 xa = xp[0], xb = xp[1];
-            const int x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-            const float dx = xd[(long long)arow[t] * num_blocks + blk];
+            int x[8];
+            const float dx = mv_act_block(xq, xd, arow[t], K, blk, x);
             int s = 0, s2 = 0, sq = 0;
 #pragma unroll
             for (int w = 0; w < 8; w++) {
