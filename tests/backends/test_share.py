@@ -126,6 +126,13 @@ def test_calibration_store_load_round_trip(tiny, tmp_path, monkeypatch, caplog):
         frac, source = resolve_pcie_frac(None, tiny, "GPU B", 8)
     assert frac == DEFAULT_PCIE_FRAC == 0.4 and f"strata-tool calibrate {tiny} --threads 8" in source
     assert "PCIe share of cache misses 0.75" in caplog.text
+    # experts of a type the pool has no SIMD rows for (IQ2_XXS = 16): every miss over PCIe,
+    # unless calibrated or asked for
+    frac, source = resolve_pcie_frac(None, tiny, "GPU B", 8, {12, 16})
+    assert frac == 1.0 and "IQ2_XXS" in source and "calibrate" in source
+    assert resolve_pcie_frac(None, tiny, "GPU A", 8, {16})[0] == 0.75
+    assert resolve_pcie_frac(0.3, tiny, "GPU B", 8, {16})[0] == 0.3
+    assert resolve_pcie_frac(None, tiny, "GPU B", 8, {2, 12, 14})[0] == DEFAULT_PCIE_FRAC
     # an unreadable file counts as no calibration, and the next store rewrites it
     path.write_text("{not json")
     assert load_calibration(tiny, "GPU A", 8) is None

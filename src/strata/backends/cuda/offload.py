@@ -149,13 +149,15 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     arena = VramExpertArena(model, store, n, host)
     from strata.backends.cuda.share import POOL_MAX_ROWS, resolve_pcie_frac
 
-    # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.4 (logged)
+    # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.4 (1 for experts the
+    # pool has no SIMD rows for: share.SLOW_POOL_TYPES), logged
     from strata.backends.cuda.cpu_pool import default_pool_threads
 
     # the pool's thread count, as `strata-tool calibrate` keys its stored share
     threads = config.threads or default_pool_threads()
+    expert_types = {t for layer in range(store.n_layers) for t in store.types(layer)}
     pcie_frac, _ = resolve_pcie_frac(config.pcie_frac, config.model_path, model.runtime.name,
-                                     threads)
+                                     threads, expert_types)
     if pcie_frac < 1:
         # only windows of up to POOL_MAX_ROWS rows hand rows to the pool (DeviceTier.pools),
         # so its exchange holds that many (an engine window: a prompt chunk and the decode rows

@@ -19,6 +19,12 @@ from strata.user_cache import cache_dir
 # machine (1 and 4 slots, calibrate's sweep, docs/offload.md); consumer cards read PCIe slower
 # than it, which moves the best share down, not up.
 DEFAULT_PCIE_FRAC = 0.4
+# Expert types the CPU pool has no SIMD rows for: the grid i-quants (IQ2_XXS 16, IQ2_XS 17,
+# IQ3_XXS 18, IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29), which quant_ref.c unpacks in scalar C.
+# With them the pool is the slow side: synth qwen3-30b-a3b at IQ2_XXS with every expert in RAM
+# decoded 36.1 tokens/s at 0.4 and 46.9 at 1 on the H200 (the pool took 25 ms per window;
+# docs/cuda.md), so with no calibration such a model reads every miss over PCIe.
+SLOW_POOL_TYPES = frozenset({16, 17, 18, 19, 21, 22, 29})
 
 
 def check_pcie_frac(value, what: str = "--pcie-frac") -> float:
@@ -152,22 +158,33 @@ def load_calibration(model_path, gpu_name: str, threads: int) -> dict | None:
 
 
 def resolve_pcie_frac(pcie_frac: float | None, model_path, gpu_name: str,
-                      threads: int) -> tuple[float, str]:
+                      threads: int, expert_types=()) -> tuple[float, str]:
     """(share, where it came from): --pcie-frac when given, else the stored calibration, else
-    0.5. Logged once, so a user sees which one a run used."""
+    DEFAULT_PCIE_FRAC, or 1 when `expert_types` (the routed experts' ggml type ids) hold a
+    SLOW_POOL_TYPES type. Logged once, so a user sees which one a run used."""
     if pcie_frac is not None:
         frac, source = check_pcie_frac(pcie_frac), "--pcie-frac"
     else:
         entry = load_calibration(model_path, gpu_name, threads)
+        slow = sorted({int(t) for t in expert_types} & SLOW_POOL_TYPES)
         if entry is not None:
             frac = float(entry["pcie_frac"])
             source = f"calibrated {entry.get('measured_at', '')} ({cache_dir() / CALIBRATION_FILE})"
         else:
-            frac = DEFAULT_PCIE_FRAC
-            source = (f"default: no calibration for this model, {gpu_name} and {threads} threads; "
+            frac = 1.0 if slow else DEFAULT_PCIE_FRAC
+            why = (f"the experts' types ({', '.join(_type_name(t) for t in slow)}) have no SIMD "
+                   "rows on the CPU pool, so every miss is read over PCIe" if slow else
+                   "default")
+            source = (f"{why}: no calibration for this model, {gpu_name} and {threads} threads; "
                       f"`strata-tool calibrate {model_path} --threads {threads}` measures it")
     _log.info("PCIe share of cache misses %.2f (CPU pool %.2f): %s", frac, 1 - frac, source)
     return frac, source
+
+
+def _type_name(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(qtype).name
 
 
 def _read_entries(path: Path) -> dict:
