@@ -16,7 +16,8 @@ import time
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--site", default=None, help="import strata from this folder")
-    ap.add_argument("--types", default="q4_0,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs")
+    ap.add_argument("--types", default="q4_0,q8_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,"
+                    "iq4_xs,iq2_xxs,iq2_xs,iq2_s,iq3_xxs,iq3_s,iq1_s,iq1_m")
     ap.add_argument("--tokens", type=int, default=1, help="activation rows per call")
     ap.add_argument("-r", "--repeats", type=int, default=15)
     args = ap.parse_args()
