@@ -13,7 +13,7 @@ static uint8_t ksigns_iq2[128];
 static int iq_set_mask, ksigns_set;  /* bit (qtype & 31) per grid set */
 /* Unpacking 8 values at a time (SWAR in a u64): sign_mask[b] has byte j 0xFF where bit j of b
  * is set; IQ1's values 8 g + 1 and 8 g - 1 per grid entry */
-static uint64_t sign_mask[256], iq1_plus[2048], iq1_minus[2048];
+static uint64_t sign_mask[256], iq1_values[2][2048];  /* [delta negative][grid index] */
 
 static int8_t *iq_grid(int qtype, int *n, int *width) {
     *width = 8;
@@ -45,8 +45,8 @@ int st_set_iq_grid(int qtype, const int8_t *values, int n, int width) {
                 p[j] = (int8_t)(8 * values[8 * i + j] + 1);
                 m[j] = (int8_t)(8 * values[8 * i + j] - 1);
             }
-            memcpy(&iq1_plus[i], p, 8);
-            memcpy(&iq1_minus[i], m, 8);
+            memcpy(&iq1_values[0][i], p, 8);
+            memcpy(&iq1_values[1][i], m, 8);
         }
     }
     for (int b = 0; b < 256; b++) {
@@ -199,7 +199,7 @@ static inline void put_signed8(int8_t *y, const int8_t *g, int signs) {
 /* 8 IQ1 values 8 * grid + (delta > 0 ? 1 : -1) of entry idx: with a = dl / 8, a * s rounds as
  * gguf's dl * (grid + delta), delta = +-0.125 (the same exact product, rounded once) */
 static inline void put_iq1(int8_t *y, int idx, int delta_negative) {
-    memcpy(y, delta_negative ? &iq1_minus[idx] : &iq1_plus[idx], 8);
+    memcpy(y, &iq1_values[delta_negative & 1][idx], 8);  /* no branch on the random sign */
 }
 
 /* One i-quant super-block (256 columns) to y[256] and a[16] per 16 columns (b = 0): the
