@@ -1,5 +1,6 @@
 """CUDA-backend checks that run on any machine: the driver module imports and says clearly when
-there is no driver, and every .cu module compiles with nvcc for sm_90 (skipped without nvcc).
+there is no driver, every .cu module compiles with nvcc for sm_90 and for consumer GPUs' archs
+(skipped without nvcc), and a GPU below the kernels' floor is refused by name.
 (Outside tests/backends/cuda/: the root conftest skips every test under a folder named cuda.)"""
 import re
 import shutil
@@ -102,6 +103,68 @@ def _entries(ptx: str) -> dict[str, list[str]]:
             i += 1
         found[match.group(1)] = ptx[body_start:i].splitlines()
     return found
+
+
+def _compile_unoptimised(module, arch, folder):
+    """nvcc's result for `module` built for `arch` with the device optimiser off (cicc and
+    ptxas -O0: seconds instead of minutes; what an arch lacks fails there all the same)."""
+    src = folder / module
+    src.write_text(cuda_runtime.module_source(module))
+    return subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-Xcicc", "-O0",
+                           "-Xptxas", "-O0", str(src), "-o", str(folder / "out.cubin")],
+                          capture_output=True, text=True)
+
+
+# Users' GPUs besides the H200 (sm_90) the suite runs on: the floor, Ampere (sm_80; RTX 30xx
+# are sm_86, RTX 40xx sm_89, with no feature the kernels use beyond sm_80's) and the newest
+# consumer cards (RTX 50xx, sm_120).
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_120"])
+def test_every_module_compiles_for_consumer_gpus(arch, tmp_path):
+    failed = {}
+    for module in cuda_runtime.MODULES:
+        out = _compile_unoptimised(module, arch, tmp_path)
+        if out.returncode != 0:
+            failed[module] = out.stderr[-2000:]
+    assert not failed, failed
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+def test_the_compute_capability_floor_is_where_nvcc_says(tmp_path):
+    """Below MIN_COMPUTE_CAPABILITY the kernels do not build (cp.async, m16n8k16 mma), which
+    is why the runtime refuses such a GPU by name instead of failing in nvcc."""
+    assert cuda_runtime.MIN_COMPUTE_CAPABILITY == (8, 0)
+    out = _compile_unoptimised("matvec.cu", "sm_75", tmp_path)
+    assert out.returncode != 0 and "sm_80" in out.stderr
+
+
+class _Gpu:
+    def __init__(self, major, minor):
+        self.capability = (major, minor)
+
+    def compute_capability(self):
+        return self.capability
+
+    def name(self):
+        return "NVIDIA GeForce RTX 2080"
+
+
+def test_a_gpu_below_the_floor_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"RTX 2080 has compute capability 7\.5.*8\.0 or "
+                       r"newer.*--device cpu"):
+        cuda_runtime.check_compute_capability(_Gpu(7, 5))
+    for major, minor in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0)):
+        cuda_runtime.check_compute_capability(_Gpu(major, minor))
+
+
+def test_auto_says_why_an_old_gpu_leaves_the_model_on_the_cpu(monkeypatch):
+    """unavailable_reason (what `--device auto` logs) carries the floor's message."""
+    import types
+
+    fake = types.SimpleNamespace(Device=lambda index: _Gpu(7, 5))
+    monkeypatch.setattr(cuda_runtime, "import_pycuda", lambda: fake)
+    assert not cuda_runtime.is_available()
+    assert "compute capability 7.5" in cuda_runtime.unavailable_reason()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")

@@ -95,7 +95,7 @@ def _fake_cuda(monkeypatch, dense_fits: bool):
                 raise ConfigError(f"{what} need 40.00 GiB of VRAM but Fake GPU has 8.00 GiB free")
             self.experts_resident, self.runtime = experts_resident, _FakeRuntime()
 
-    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda: None)
     monkeypatch.setattr(cuda, "CudaModel", FakeCudaModel)
     return calls
 

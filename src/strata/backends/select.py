@@ -49,8 +49,9 @@ def build_model(gguf_model, device: str | None = "auto", threads: int | None = N
     offload = bool(needs_cpu_experts)
     if device == "cuda":
         return cuda.CudaModel(gguf_model, experts_resident=not offload)
-    if not cuda.is_available():
-        log.info("device auto: the CPU (no usable CUDA GPU: PyCUDA or the driver is missing)")
+    why_not = cuda.unavailable_reason()
+    if why_not is not None:
+        log.info("device auto: the CPU (no usable CUDA GPU: %s)", why_not)
         return CpuModel(gguf_model, num_threads=threads)
     try:
         model = cuda.CudaModel(gguf_model, experts_resident=not offload)

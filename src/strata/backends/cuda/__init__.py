@@ -2,6 +2,6 @@
 launched through the driver API, decode windows replayed as CUDA graphs)."""
 from strata.backends.cuda.kv import CudaKV
 from strata.backends.cuda.model import CudaModel
-from strata.backends.cuda.runtime import is_available
+from strata.backends.cuda.runtime import is_available, unavailable_reason
 
-__all__ = ["CudaKV", "CudaModel", "is_available"]
+__all__ = ["CudaKV", "CudaModel", "is_available", "unavailable_reason"]

@@ -23,6 +23,10 @@ MODULES = ("matmul.cu", "matvec.cu", "mmq.cu", "mmq_k.cu", "layer.cu", "attentio
 _INSTALL_HINT = ("pip install 'strata[cuda]' (PyCUDA; it needs the CUDA toolkit's nvcc and an "
                  "NVIDIA driver), or run with --device cpu")
 _ALIGN_BYTES = 256
+# The kernels use cp.async and the int8 / fp16 m16n8k16 / m16n8k32 tensor-core mma: Ampere
+# (RTX 30xx, A100) and newer. nvcc builds every module for sm_80 and above (sm_86, sm_89,
+# sm_90, sm_120 checked by tests/backends/test_cuda_offline.py) and refuses sm_75.
+MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
 def import_pycuda():
@@ -40,14 +44,33 @@ def import_pycuda():
 
 
 def is_available() -> bool:
-    """True when PyCUDA imports and the driver sees a GPU (a real probe)."""
+    """True when PyCUDA imports and the driver sees a GPU that the kernels run on (a real
+    probe); unavailable_reason() says why not."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the CUDA backend cannot run here (PyCUDA, the driver, no GPU, GPU 0 too old), or
+    None when it can."""
     try:
-        import_pycuda()
-    except (ConfigError, cuda_driver.CudaError):
-        return False
-    except Exception:  # pycuda's own LogicError / RuntimeError from a broken driver
-        return False
-    return True
+        drv = import_pycuda()
+        check_compute_capability(drv.Device(0))
+    except (ConfigError, cuda_driver.CudaError) as exc:
+        return str(exc)
+    except Exception as exc:  # pycuda's own LogicError / RuntimeError from a broken driver
+        return f"the CUDA driver failed ({exc})"
+    return None
+
+
+def check_compute_capability(device) -> None:
+    """ConfigError naming the GPU when its compute capability is below what the kernels need."""
+    major, minor = device.compute_capability()
+    if (major, minor) < MIN_COMPUTE_CAPABILITY:
+        need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+        raise ConfigError(
+            f"the GPU {device.name()} has compute capability {major}.{minor}; Strata's CUDA "
+            f"kernels need {need} or newer (Ampere: RTX 30xx, A100, and later GPUs); run with "
+            "--device cpu")
 
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[ \t]*$', re.M)
@@ -125,6 +148,7 @@ class Runtime:
         self.device = drv.Device(index)
         self.index = index
         self.name = self.device.name()
+        check_compute_capability(self.device)
         major, minor = self.device.compute_capability()
         self.arch = f"sm_{major}{minor}"
         self.context = self.device.retain_primary_context()
