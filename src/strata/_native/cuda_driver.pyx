@@ -74,6 +74,9 @@ ctypedef CUresult (*t_event_query)(CUevent) noexcept nogil
 ctypedef CUresult (*t_event_synchronize)(CUevent) noexcept nogil
 ctypedef CUresult (*t_stream_wait_event)(CUstream, CUevent, unsigned int) noexcept nogil
 ctypedef CUresult (*t_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream) noexcept nogil
+ctypedef CUresult (*t_mem_host_register)(void *, size_t, unsigned int) noexcept nogil
+ctypedef CUresult (*t_mem_host_unregister)(void *) noexcept nogil
+ctypedef CUresult (*t_mem_host_get_device_pointer)(CUdeviceptr *, void *, unsigned int) noexcept nogil
 
 cdef struct Driver:
     t_init init
@@ -102,6 +105,9 @@ cdef struct Driver:
     t_event_synchronize event_synchronize
     t_stream_wait_event stream_wait_event
     t_memcpy_htod_async memcpy_htod_async
+    t_mem_host_register mem_host_register
+    t_mem_host_unregister mem_host_unregister
+    t_mem_host_get_device_pointer mem_host_get_device_pointer
 
 cdef Driver drv
 cdef bint _loaded = False
@@ -171,6 +177,10 @@ def load() -> None:
     drv.event_synchronize = <t_event_synchronize>_sym(lib, "cuEventSynchronize")
     drv.stream_wait_event = <t_stream_wait_event>_sym(lib, "cuStreamWaitEvent")
     drv.memcpy_htod_async = <t_memcpy_htod_async>_sym(lib, "cuMemcpyHtoDAsync_v2")
+    drv.mem_host_register = <t_mem_host_register>_sym(lib, "cuMemHostRegister_v2")
+    drv.mem_host_unregister = <t_mem_host_unregister>_sym(lib, "cuMemHostUnregister")
+    drv.mem_host_get_device_pointer = <t_mem_host_get_device_pointer>_sym(
+        lib, "cuMemHostGetDevicePointer_v2")
     _loaded = True
     _check(drv.init(0), "cuInit")
 
@@ -213,6 +223,32 @@ def synchronize_stream(uintptr_t stream) -> None:
     with nogil:
         rc = drv.stream_synchronize(<CUstream>stream)
     _check(rc, "cuStreamSynchronize")
+
+
+cdef enum:
+    _HOST_REGISTER_DEVICEMAP = 0x02  # CU_MEMHOSTREGISTER_DEVICEMAP
+
+
+def host_register(uintptr_t ptr, size_t num_bytes) -> int:
+    """Pin `num_bytes` of host memory at `ptr` (page-aligned) and map them into the current
+    context's device address space (cuMemHostRegister, DEVICEMAP); returns their device
+    address. CudaError when the driver refuses (e.g. the locked-memory limit)."""
+    _need()
+    cdef CUdeviceptr device = 0
+    with nogil:
+        rc = drv.mem_host_register(<void *>ptr, num_bytes, _HOST_REGISTER_DEVICEMAP)
+    _check(rc, "cuMemHostRegister")
+    rc = drv.mem_host_get_device_pointer(&device, <void *>ptr, 0)
+    if rc != 0:
+        drv.mem_host_unregister(<void *>ptr)
+        _check(rc, "cuMemHostGetDevicePointer")
+    return device
+
+
+def host_unregister(uintptr_t ptr) -> None:
+    """Undo host_register (the memory stays allocated, no longer pinned)."""
+    _need()
+    _check(drv.mem_host_unregister(<void *>ptr), "cuMemHostUnregister")
 
 
 def memset_d8_async(uint64_t ptr, unsigned char value, size_t num_bytes, uintptr_t stream) -> None:

@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 
+from strata.backends.cuda.host_memory import PinnedBuffer
 from strata.engine.recurrent import RecurrentState
 from strata.errors import ConfigError
 from strata.experts.arena import COPY_CHUNK_BYTES, ExpertArena, num_slots_for
@@ -50,20 +51,22 @@ class HostExperts:
         self.store, self.slot_bytes, self.part_offsets = store, slot_bytes, part_offsets
         self.nbytes = L * E * slot_bytes
         try:
-            self.buffer = drv.pagelocked_empty((L * E, slot_bytes), np.uint8,
-                                               mem_flags=drv.host_alloc_flags.DEVICEMAP)
+            pinned = PinnedBuffer(drv, (L * E, slot_bytes), progress_name="experts in RAM")
         except Exception as exc:  # pycuda's MemoryError / LogicError from cuMemHostAlloc
             raise ConfigError(
                 f"pinning {self.nbytes / 2**30:.2f} GiB of host RAM for the experts "
                 f"({L} layers x {E} experts x {slot_bytes} bytes) was refused ({exc}); free RAM, "
                 "raise the locked-memory limit (ulimit -l / the container's memlock), or run "
                 "with --device cpu") from None
+        self.pinned, self.buffer = pinned, pinned.array
         self.host_base = int(self.buffer.ctypes.data)
-        try:
-            self.device_base = int(self.buffer.base.get_device_pointer())
-        except Exception:  # without the allocation object: unified addressing maps 1:1
-            self.device_base = self.host_base
+        self.device_base = pinned.device
         self._fill(progress)
+        huge = pinned.huge_page_bytes() if pinned.pages == "huge" else 0
+        log.info("experts in RAM: %.2f GiB pinned, %s", self.nbytes / 2**30,
+                 "in 4 KiB pages" if pinned.pages == "small" else
+                 "huge pages asked for" if huge is None else
+                 f"{huge / 2**30:.2f} GiB of it in huge pages")
 
     def _fill(self, progress: bool | None) -> None:
         from tqdm import tqdm

@@ -1,0 +1,100 @@
+"""Pinned host memory that the GPU reads over PCIe and the CPU pool computes from: the experts in
+RAM (offload.HostExperts).
+
+Where the kernel gives transparent huge pages (Linux, THP `always` or `madvise`) the buffer is
+anonymous memory asked for them (madvise) and then pinned and mapped by cuMemHostRegister;
+elsewhere, or when the driver refuses that, cuMemHostAlloc's memory (4 KiB pages). The CPU
+pool reads its experts faster from huge pages: fewer TLB misses and page walks in 1 GB of
+expert bytes per decode token (docs/offload.md, "Huge pages"). STRATA_HOST_PAGES=small keeps
+cuMemHostAlloc's pages (to measure one against the other).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import weakref
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE_BYTES = 2 << 20
+ENV_PAGES = "STRATA_HOST_PAGES"
+
+
+class PinnedBuffer:
+    """`nbytes` of pinned host memory mapped into the current context: `array` (uint8, shaped
+    as asked), `device` (its device address) and `pages` ("huge" or "small")."""
+
+    def __init__(self, drv, shape, *, progress_name: str = "buffer"):
+        nbytes = int(np.prod(shape))
+        self.array, self.device, self.pages = None, 0, "small"
+        if os.environ.get(ENV_PAGES, "huge") != "small" and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._huge(nbytes)
+            except Exception as exc:  # mmap / madvise / cuMemHostRegister refused
+                log.info("%s: huge pages not used (%s); cuMemHostAlloc's pages instead",
+                         progress_name, exc)
+                self.array = None
+        if self.array is None:
+            buf = drv.pagelocked_empty(nbytes, np.uint8, mem_flags=drv.host_alloc_flags.DEVICEMAP)
+            self.array, self._owner = buf, buf
+            try:
+                self.device = int(buf.base.get_device_pointer())
+            except Exception:  # without the allocation object: unified addressing maps 1:1
+                self.device = int(buf.ctypes.data)
+        self.array = self.array.reshape(shape)
+
+    def _huge(self, nbytes: int) -> None:
+        from strata._native import cuda_driver
+
+        # private: a shared anonymous mapping is shmem, which THP leaves alone by default
+        area = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,
+                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        area.madvise(mmap.MADV_HUGEPAGE)
+        if hasattr(mmap, "MADV_DONTFORK"):  # a forked child must not share pinned pages (COW)
+            area.madvise(mmap.MADV_DONTFORK)
+        raw = np.frombuffer(area, np.uint8)                       # keeps `area` alive
+        at = -raw.ctypes.data % HUGE_PAGE_BYTES                   # the first 2 MiB boundary
+        view = raw[at:at + nbytes]
+        # the pages come in here (huge ones where the kernel gives them), then are pinned
+        view[::4096] = 0
+        address = int(view.ctypes.data)
+        self.device = int(cuda_driver.host_register(address, nbytes))
+        # unpinned when the last view of the memory goes (before it is unmapped)
+        weakref.finalize(raw, _unregister, address).atexit = False
+        self.array, self._owner, self.pages = view, raw, "huge"
+
+    def huge_page_bytes(self) -> int | None:
+        """Bytes of the buffer the kernel backs with huge pages now (None: not known here)."""
+        start = int(self.array.ctypes.data)
+        return huge_page_bytes(start, start + self.array.nbytes)
+
+
+def _unregister(address: int) -> None:
+    from strata._native import cuda_driver
+
+    try:
+        cuda_driver.host_unregister(address)
+    except Exception:  # the context is gone already: the driver released the pin with it
+        pass
+
+
+def huge_page_bytes(start: int, stop: int) -> int | None:
+    """AnonHugePages of the mappings of this process inside [start, stop), from
+    /proc/self/smaps (None where that file cannot be read)."""
+    try:
+        with open("/proc/self/smaps") as smaps:
+            lines = smaps.read().splitlines()
+    except OSError:
+        return None
+    total, inside = 0, False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo < stop and hi > start
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1]) * 1024
+    return total

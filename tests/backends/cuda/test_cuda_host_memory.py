@@ -1,0 +1,46 @@
+"""The pinned host buffer of the experts in RAM (host_memory.PinnedBuffer): huge pages registered
+with cuMemHostRegister by default, cuMemHostAlloc's pages with STRATA_HOST_PAGES=small; either
+way the GPU reads the bytes the host wrote through the buffer's device address."""
+import numpy as np
+import pytest
+
+from strata.backends.cuda.host_memory import ENV_PAGES, PinnedBuffer
+
+MIB = 1 << 20
+
+
+def _read_back(runtime, buf: PinnedBuffer) -> np.ndarray:
+    """The buffer's bytes as a kernel sees them: copied from its device address to VRAM and
+    back (a device-to-device copy reads the mapped host memory over PCIe)."""
+    drv = runtime.drv
+    dev = drv.mem_alloc(buf.array.nbytes)
+    drv.memcpy_dtod(dev, buf.device, buf.array.nbytes)
+    out = np.empty(buf.array.nbytes, np.uint8)
+    drv.memcpy_dtoh(out, dev)
+    dev.free()
+    return out
+
+
+@pytest.mark.parametrize("pages", ["huge", "small"])
+def test_the_gpu_reads_what_the_host_wrote(runtime, monkeypatch, pages):
+    monkeypatch.setenv(ENV_PAGES, pages)
+    buf = PinnedBuffer(runtime.drv, (24, 3 * MIB))                # [slots, slot bytes]
+    assert buf.array.shape == (24, 3 * MIB) and buf.pages == pages
+    rng = np.random.default_rng(0)
+    buf.array[:] = rng.integers(0, 256, size=buf.array.shape, dtype=np.uint8)
+    assert np.array_equal(_read_back(runtime, buf), buf.array.reshape(-1))
+    if pages == "huge":
+        assert buf.array.ctypes.data % (2 * MIB) == 0
+        backed = buf.huge_page_bytes()
+        assert backed is None or 0 <= backed <= buf.array.nbytes
+
+
+def test_a_dropped_buffer_is_unpinned_and_another_takes_its_place(runtime, monkeypatch):
+    """Buffers come and go (one per offloaded model): dropping one unregisters it before its
+    memory is unmapped, so many in turn neither fail nor leak the pin."""
+    monkeypatch.setenv(ENV_PAGES, "huge")
+    for i in range(4):
+        buf = PinnedBuffer(runtime.drv, (64 * MIB,))
+        buf.array[::4096] = i
+        assert np.array_equal(_read_back(runtime, buf)[::4096], buf.array[::4096])
+        del buf
