@@ -47,12 +47,45 @@ static void random_weight(int qt, uint8_t *w, int rows, int cols) {
     if (qt == ST_Q6_K) fields[0] = 208;
     if (qt == ST_Q2_K) { fields[0] = 80; fields[1] = 82; }
     if (qt == ST_Q3_K) fields[0] = 108;
-    for (int64_t b = 0; b < n_blocks; b++)
+    if (qt == ST_IQ1_M) fields[0] = -1;  /* its d is the top nibbles of the u16s at 48 .. 55 */
+    for (int64_t b = 0; b < n_blocks; b++) {
         for (int j = 0; j < 2; j++)
             if (fields[j] >= 0) {
                 uint16_t h = to_fp16(0.001f + 0.099f * (float)(next_u32() % 1000) / 1000.0f);
                 memcpy(w + b * ts + fields[j], &h, 2);
             }
+        if (qt == ST_IQ1_M) {
+            uint16_t h = to_fp16(0.001f + 0.099f * (float)(next_u32() % 1000) / 1000.0f), sc;
+            for (int i = 0; i < 4; i++) {
+                memcpy(&sc, w + b * ts + 48 + 2 * i, 2);
+                sc = (uint16_t)((sc & 0x0FFF) | (((h >> (4 * i)) & 0xF) << 12));
+                memcpy(w + b * ts + 48 + 2 * i, &sc, 2);
+            }
+        }
+    }
+}
+
+/* The grid i-quants' tables, which kernels.pyx takes from gguf at import: any values in the
+ * grids' ranges exercise the kernels alike (IQ2 magnitudes 8 / 25 / 43, IQ3 4 .. 60, IQ1
+ * -1 / 0 / 1); a sign byte is 7 bits and their parity as bit 7. */
+static void set_iq_tables(void) {
+    const int types[7] = {ST_IQ2_XXS, ST_IQ2_XS, ST_IQ2_S, ST_IQ3_XXS, ST_IQ3_S, ST_IQ1_S,
+                          ST_IQ1_M};
+    const int entries[7] = {256, 512, 1024, 256, 512, 2048, 2048};
+    static int8_t values[2048 * 8];
+    for (int t = 0; t < 7; t++) {
+        const int width = types[t] == ST_IQ3_XXS || types[t] == ST_IQ3_S ? 4 : 8;
+        for (int i = 0; i < entries[t] * width; i++) {
+            const uint32_t r = next_u32();
+            values[i] = (int8_t)(width == 4 ? 4 + 8 * (int)(r % 8)
+                                 : t >= 5 ? (int)(r % 3) - 1 : (const int[3]){8, 25, 43}[r % 3]);
+        }
+        if (st_set_iq_grid(types[t], values, entries[t], width) != 0)
+            printf("the grid of type %d was refused\n", types[t]);
+    }
+    uint8_t signs[128];
+    for (int i = 0; i < 128; i++) signs[i] = (uint8_t)(i | (__builtin_parity(i) << 7));
+    st_set_iq_ksigns(signs);
 }
 
 /* x as the kernels use it: 8-bit per 32 columns for quantised weights, else unchanged */
@@ -162,12 +195,15 @@ static int check_attention(int D, int is_f16) {
 }
 
 int main(void) {
-    const int types[15] = {ST_F32, ST_F16, ST_BF16, ST_Q4_0, ST_Q8_0, ST_Q4_1, ST_Q5_0, ST_Q5_1,
-                           ST_IQ4_NL, ST_Q2_K, ST_Q3_K, ST_Q4_K, ST_Q5_K, ST_Q6_K, ST_IQ4_XS};
+    const int types[22] = {ST_F32, ST_F16, ST_BF16, ST_Q4_0, ST_Q8_0, ST_Q4_1, ST_Q5_0, ST_Q5_1,
+                           ST_IQ4_NL, ST_Q2_K, ST_Q3_K, ST_Q4_K, ST_Q5_K, ST_Q6_K, ST_IQ4_XS,
+                           ST_IQ2_XXS, ST_IQ2_XS, ST_IQ2_S, ST_IQ3_XXS, ST_IQ3_S, ST_IQ1_S,
+                           ST_IQ1_M};
     const int token_counts[4] = {1, 2, 5, 9};
     int num_failed = 0;
     printf("simd=%s\n", st_simd_level());
-    for (int it = 0; it < 15; it++) {
+    set_iq_tables();
+    for (int it = 0; it < 22; it++) {
         int qt = types[it];
         /* widths that are and are not multiples of the 64-column padding */
         int widths[2] = {512, st_block_size(qt) == 256 ? 768 : (st_is_float_type(qt) ? 100 : 96)};

@@ -259,6 +259,16 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
         }
         return 1;
     }
+    if (st_block_size(qtype) == 256) {
+        /* the grid i-quants: fused_iq.c (AVX2 builds; 0 for every row elsewhere) */
+        for (int i = 0; i < nr; i++) {
+            if (!st_fused_iq_row(qtype, w + (rb + i) * row_bytes, ST_PREFETCH_ROWS * row_bytes,
+                                 cols, act, tr, (int)n_tok, res))
+                return 0;
+            for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
+        }
+        return 1;
+    }
 #if defined(ST_FUSED_BLOCK32)  /* AVX2: every type of 32-column blocks */
     if (st_block_size(qtype) != 32) return 0;
     const int num_groups = act->cols_pad / ST_GROUP;

@@ -291,53 +291,7 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
  * result is the tiles' bit for bit; the min types (Q2_K, Q4_K, Q5_K) take their unsigned values
  * and subtract the mins from xs = dx * sum(q) per 16-column group, a sum in another order than
  * the tiles' st_min_term (equal within float rounding). */
-#include <string.h>
-#include <immintrin.h>
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-static inline float fp16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
-
-/* acc[c] += (sum over the 8 lanes of 32 columns at k of u * q) * dx * scale (scale [8] per
- * lane); u <= 63, so a pair of products stays below 2 * 63 * 127 < 32768 */
-ALWAYS_INLINE void piece(const int NC, __m256i u, __m256 scale, int k, const int8_t *const *q,
-                         const float *const *dx, __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int c = 0; c < NC; c++) {
-        const __m256i p = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(q[c] + k))), ones);
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                 _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
-                                 acc[c]);
-    }
-}
-
-/* acc[c] += as `piece`, for signed weight values s (|s| <= 127): maddubs(|s|, q with the
- * sign of s), a pair below 2 * 127 * 127 < 32768 */
-ALWAYS_INLINE void piece_signed(const int NC, __m256i s, __m256 scale, int k,
-                                const int8_t *const *q, const float *const *dx, __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i s_abs = _mm256_sign_epi8(s, s);
-    for (int c = 0; c < NC; c++) {
-        const __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + k));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
-                                            ones);
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                 _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
-                                 acc[c]);
-    }
-}
+#include "fused_avx2.h"
 
 /* off[c] += sum over the 16 groups of super-block ib of f16[g] * xs[c][16 ib + g]: the part of
  * a group's weights that does not depend on its values (a min, or a fixed offset) */
@@ -436,11 +390,6 @@ ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead,
         }
     }
     for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]);
-}
-
-/* [8] lane scales of 32 columns: lanes 0-3 group g, 4-7 group g + 1 */
-static inline __m256 two_groups(const float *a16, int g) {
-    return _mm256_set_m128(_mm_set1_ps(a16[g + 1]), _mm_set1_ps(a16[g]));
 }
 
 /* Q2_K / Q3_K (the layout of the AVX-512 row_q23k): 64-column chunk c holds 32-column blocks

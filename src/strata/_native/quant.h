@@ -120,6 +120,18 @@ int st_fused_float_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols
  * returns 0 when this build has no fused path for qtype. */
 int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
                    const int64_t *tr, int n_tok, float *res);
+/* The same for the grid i-quants (IQ1_S .. IQ3_S; fused_iq.c, AVX2 builds). */
+int st_fused_iq_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
+                    const int64_t *tr, int n_tok, float *res);
+/* One grid i-quant super-block (256 columns) to signed values y[256] and a[16] scales per 16
+ * columns (w = a * y; quant_ref.c); st_iq_scales: the scales alone. The tables st_set_iq_grid
+ * and st_set_iq_ksigns filled: the grid (8 values per entry, 4 for IQ3_*), the 128 sign
+ * bytes, IQ1's values [2 (delta negative)][2048] as 8 bytes each. */
+void st_unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a);
+void st_iq_scales(int qtype, const uint8_t *blk, float *a);
+const int8_t *st_iq_grid_table(int qtype);
+const uint8_t *st_iq_ksigns_table(void);
+const uint64_t *st_iq1_values_table(void);
 
 /* out[T, rows] = x[T, cols] @ dequant(w).T, threaded. Returns 0, or -1 on allocation failure. */
 int st_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t row_bytes, int cols,

@@ -202,46 +202,94 @@ static inline void put_iq1(int8_t *y, int idx, int delta_negative) {
     memcpy(y, &iq1_values[delta_negative & 1][idx], 8);  /* no branch on the random sign */
 }
 
-/* One i-quant super-block (256 columns) to y[256] and a[16] per 16 columns (b = 0): the
- * factorisation of gguf's dequantize_blocks, w = a * s rounding as gguf's float ops do. */
-static void unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
+const int8_t *st_iq_grid_table(int qtype) {
+    int n, width;
+    return iq_grid(qtype, &n, &width);
+}
+
+const uint8_t *st_iq_ksigns_table(void) { return ksigns_iq2; }
+
+const uint64_t *st_iq1_values_table(void) { return &iq1_values[0][0]; }
+
+/* a[16], one scale per 16 columns, of an i-quant super-block: the factorisation of gguf's
+ * dequantize_blocks (w = a * s) rounding as gguf's float ops do. IQ1's dl * (g +- 1/8) is
+ * (dl / 8) * (8 g +- 1): a = dl / 8, the same exact product, rounded once. */
+void st_iq_scales(int qtype, const uint8_t *blk, float *a) {
     const float d = qtype == ST_IQ1_M ? 0.0f : read_fp16(blk);
+    switch (qtype) {
+    case ST_IQ2_XXS:  /* the top 4 bits of each 32 columns' second u32 */
+    case ST_IQ3_XXS:
+        for (int ib = 0; ib < 8; ib++) {
+            const uint32_t aux = read_u32(blk + (qtype == ST_IQ2_XXS ? 6 + 8 * ib : 66 + 4 * ib));
+            const float db = d * (0.5f + (float)(aux >> 28)) * (qtype == ST_IQ2_XXS ? 0.25f : 0.5f);
+            a[2 * ib] = a[2 * ib + 1] = db;
+        }
+        break;
+    case ST_IQ2_XS:  /* 4 bits per 16 columns */
+    case ST_IQ2_S:
+        for (int g = 0; g < 16; g++) {
+            const int ls = (blk[(qtype == ST_IQ2_XS ? 66 : 74) + g / 2] >> (4 * (g & 1))) & 15;
+            a[g] = d * (0.5f + (float)ls) * 0.25f;
+        }
+        break;
+    case ST_IQ3_S:  /* d * (1 + 2 ls) per 32 */
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = (blk[106 + ib / 2] >> (4 * (ib & 1))) & 15;
+            a[2 * ib] = a[2 * ib + 1] = d * (float)(1 + 2 * ls);
+        }
+        break;
+    case ST_IQ1_S:  /* per 32: the scale in bits 12-14 of its u16 qh */
+        for (int ib = 0; ib < 8; ib++) {
+            const uint16_t qh = read_u16(blk + 34 + 2 * ib);
+            const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1);
+            a[2 * ib] = a[2 * ib + 1] = dl * 0.125f;
+        }
+        break;
+    case ST_IQ1_M: {  /* d from the top nibbles of the 4 u16 scales; 3-bit scales per 16 */
+        uint16_t sc[4];
+        for (int i = 0; i < 4; i++) sc[i] = read_u16(blk + 48 + 2 * i);
+        const uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0)
+                                          | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
+        const float dm = st_fp16_to_fp32(dbits);
+        for (int g = 0; g < 16; g++) {
+            const int ls = (sc[g / 4] >> (3 * (g & 3))) & 7;
+            a[g] = dm * (float)(2 * ls + 1) * 0.125f;
+        }
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* One i-quant super-block (256 columns) to y[256] signed values and a[16] (st_iq_scales). */
+void st_unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
+    st_iq_scales(qtype, blk, a);
     switch (qtype) {
     case ST_IQ2_XXS:  /* per 32: u32 of 4 grid bytes, u32 of 4 x 7 sign bits | scale << 28 */
         for (int ib = 0; ib < 8; ib++) {
             const uint8_t *q = blk + 2 + 8 * ib;
             const uint32_t aux = read_u32(q + 4);
-            const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
             for (int l = 0; l < 4; l++)
                 put_signed8(y + 32 * ib + 8 * l, grid_iq2xxs + 8 * q[l],
                             ksigns_iq2[(aux >> (7 * l)) & 127]);
-            a[2 * ib] = a[2 * ib + 1] = db;
         }
         break;
-    case ST_IQ2_XS:  /* 32 u16: grid index (9 bits) | sign index << 9; a 4-bit scale per 16 */
+    case ST_IQ2_XS:  /* 32 u16: grid index (9 bits) | sign index << 9 */
         for (int k = 0; k < 32; k++) {
             const uint16_t q = read_u16(blk + 2 + 2 * k);
             put_signed8(y + 8 * k, grid_iq2xs + 8 * (q & 511), ksigns_iq2[q >> 9]);
         }
-        for (int g = 0; g < 16; g++) {
-            const int ls = (blk[66 + g / 2] >> (4 * (g & 1))) & 15;
-            a[g] = d * (0.5f + (float)ls) * 0.25f;
-        }
         break;
-    case ST_IQ2_S:  /* grid index: byte k | 2 bits of qh[k / 4] << 8; sign byte k; 4-bit scales */
+    case ST_IQ2_S:  /* grid index: byte k | 2 bits of qh[k / 4] << 8; sign byte k */
         for (int k = 0; k < 32; k++) {
             const int idx = blk[2 + k] | (((blk[66 + k / 4] >> (2 * (k & 3))) & 3) << 8);
             put_signed8(y + 8 * k, grid_iq2s + 8 * idx, blk[34 + k]);
-        }
-        for (int g = 0; g < 16; g++) {
-            const int ls = (blk[74 + g / 2] >> (4 * (g & 1))) & 15;
-            a[g] = d * (0.5f + (float)ls) * 0.25f;
         }
         break;
     case ST_IQ3_XXS:  /* 64 grid bytes (4 values each); per 32: u32 of 4 x 7 sign bits | scale */
         for (int ib = 0; ib < 8; ib++) {
             const uint32_t aux = read_u32(blk + 66 + 4 * ib);
-            const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
             for (int l = 0; l < 4; l++) {
                 const int signs = ksigns_iq2[(aux >> (7 * l)) & 127];
                 int8_t g8[8];
@@ -249,11 +297,9 @@ static void unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
                 memcpy(g8 + 4, grid_iq3xxs + 4 * blk[2 + 8 * ib + 2 * l + 1], 4);
                 put_signed8(y + 32 * ib + 8 * l, g8, signs);
             }
-            a[2 * ib] = a[2 * ib + 1] = db;
         }
         break;
-    case ST_IQ3_S:  /* grid index: byte k | bit k of qh << 8 (4 values); sign bytes; a scale d *
-                     * (1 + 2 ls) per 32 */
+    case ST_IQ3_S:  /* grid index: byte k | bit k of qh << 8 (4 values); sign bytes */
         for (int k = 0; k < 64; k += 2) {
             int8_t g8[8];
             for (int h = 0; h < 2; h++) {
@@ -262,39 +308,22 @@ static void unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
             }
             put_signed8(y + 4 * k, g8, blk[74 + k / 2]);
         }
-        for (int ib = 0; ib < 8; ib++) {
-            const int ls = (blk[106 + ib / 2] >> (4 * (ib & 1))) & 15;
-            a[2 * ib] = a[2 * ib + 1] = d * (float)(1 + 2 * ls);
-        }
         break;
     case ST_IQ1_S:  /* per 32: u16 qh = 4 x 3 high index bits | scale << 12 | delta sign << 15 */
         for (int ib = 0; ib < 8; ib++) {
             const uint16_t qh = read_u16(blk + 34 + 2 * ib);
-            const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1);
             for (int l = 0; l < 4; l++) {
                 const int idx = blk[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8);
                 put_iq1(y + 32 * ib + 8 * l, idx, qh >> 15);
             }
-            a[2 * ib] = a[2 * ib + 1] = dl * 0.125f;
         }
         break;
-    case ST_IQ1_M: {  /* d from the top nibbles of the 4 u16 scales; 3-bit scales per 16;
-                       * per 8 values: 3 high index bits and a delta sign in a qh nibble */
-        uint16_t sc[4];
-        for (int i = 0; i < 4; i++) sc[i] = read_u16(blk + 48 + 2 * i);
-        const uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0)
-                                          | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
-        const float dm = st_fp16_to_fp32(dbits);
+    case ST_IQ1_M:  /* per 8 values: 3 high index bits and a delta sign in a qh nibble */
         for (int k = 0; k < 32; k++) {
             const int nib = (blk[32 + k / 2] >> (4 * (k & 1))) & 15;
             put_iq1(y + 8 * k, blk[k] | ((nib & 7) << 8), (nib >> 3) & 1);
         }
-        for (int g = 0; g < 16; g++) {
-            const int ls = (sc[g / 4] >> (3 * (g & 3))) & 7;
-            a[g] = dm * (float)(2 * ls + 1) * 0.125f;
-        }
         break;
-    }
     default:
         break;
     }
@@ -417,7 +446,7 @@ static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
         }
         case ST_IQ2_XXS: case ST_IQ2_XS: case ST_IQ2_S: case ST_IQ3_XXS: case ST_IQ3_S:
         case ST_IQ1_S: case ST_IQ1_M:
-            unpack_iq(qtype, src + ib * st_type_size(qtype), s + ib * QK_K, a + ib * 16);
+            st_unpack_iq(qtype, src + ib * st_type_size(qtype), s + ib * QK_K, a + ib * 16);
             for (int g = 0; g < 16; g++) b[ib * 16 + g] = 0.0f;
             break;
         case ST_Q6_K: {

@@ -1,0 +1,57 @@
+/* AVX2 pieces shared by the fused decode rows of fused_k.c (k-quants) and fused_iq.c (grid
+ * i-quants): tiles.c's AVX2 lane arithmetic, so a fused row's result is the tiles' bit for bit.
+ * Include only under __AVX2__ && __FMA__ && __F16C__. */
+#pragma once
+#include <string.h>
+#include "quant.h"
+#include <immintrin.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static inline float fp16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* acc[c] += (sum over the 8 lanes of 32 columns at k of u * q) * dx * scale (scale [8] per
+ * lane); u <= 63, so a pair of products stays below 2 * 63 * 127 < 32768 */
+ALWAYS_INLINE void piece(const int NC, __m256i u, __m256 scale, int k, const int8_t *const *q,
+                         const float *const *dx, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < NC; c++) {
+        const __m256i p = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(q[c] + k))), ones);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                 _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
+                                 acc[c]);
+    }
+}
+
+/* acc[c] += as `piece`, for signed weight values s (|s| <= 127): maddubs(|s|, q with the
+ * sign of s), a pair below 2 * 127 * 127 < 32768 */
+ALWAYS_INLINE void piece_signed(const int NC, __m256i s, __m256 scale, int k,
+                                const int8_t *const *q, const float *const *dx, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i s_abs = _mm256_sign_epi8(s, s);
+    for (int c = 0; c < NC; c++) {
+        const __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + k));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
+                                            ones);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                 _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
+                                 acc[c]);
+    }
+}
+
+/* [8] lane scales of 32 columns: lanes 0-3 group g, 4-7 group g + 1 */
+static inline __m256 two_groups(const float *a16, int g) {
+    return _mm256_set_m128(_mm_set1_ps(a16[g + 1]), _mm_set1_ps(a16[g]));
+}
