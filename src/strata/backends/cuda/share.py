@@ -19,9 +19,10 @@ from strata.user_cache import cache_dir
 # machine (1 and 4 slots, calibrate's sweep, docs/offload.md); consumer cards read PCIe slower
 # than it, which moves the best share down, not up.
 DEFAULT_PCIE_FRAC = 0.4
-# Expert types the CPU pool has no SIMD rows for: the grid i-quants (IQ2_XXS 16, IQ2_XS 17,
-# IQ3_XXS 18, IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29), which quant_ref.c unpacks in scalar C.
-# With them the pool is the slow side: synth qwen3-30b-a3b at IQ2_XXS with every expert in RAM
+# Expert types the CPU pool is slow on: the grid i-quants (IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18,
+# IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29), which AVX-512 builds unpack in scalar C (AVX2
+# builds have fused rows, fused_iq.c, still 2-3x a Q4_K row's time per call). With them the
+# pool is the slow side: synth qwen3-30b-a3b at IQ2_XXS with every expert in RAM
 # decoded 36.1 tokens/s at 0.4 and 46.9 at 1 on the H200 (the pool took 25 ms per window;
 # docs/cuda.md), so with no calibration such a model reads every miss over PCIe.
 SLOW_POOL_TYPES = frozenset({16, 17, 18, 19, 21, 22, 29})
