@@ -248,22 +248,16 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
     int64_t tr[3];
     for (int64_t j = 0; j < n_tok; j++) tr[j] = tok ? (int64_t)tok[j] : tok0 + j;
     float res[3];
-    if (qtype == ST_Q2_K || qtype == ST_Q3_K || qtype == ST_Q4_K || qtype == ST_Q5_K
-        || qtype == ST_Q6_K || qtype == ST_IQ4_XS) {
-        /* fused_k.c; returns 0 for every row when this build has no such path */
-        for (int i = 0; i < nr; i++) {
-            if (!st_fused_k_row(qtype, w + (rb + i) * row_bytes, ST_PREFETCH_ROWS * row_bytes,
-                                cols, act, tr, (int)n_tok, res))
-                return 0;
-            for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
-        }
-        return 1;
-    }
     if (st_block_size(qtype) == 256) {
-        /* the grid i-quants: fused_iq.c (AVX2 builds; 0 for every row elsewhere) */
+        /* super-blocks: the k-quants' rows (fused_k.c) or the grid i-quants' (fused_iq.c, AVX2
+         * builds); either returns 0 for every row when this build has no such path */
+        const int is_k = qtype == ST_Q2_K || qtype == ST_Q3_K || qtype == ST_Q4_K
+                         || qtype == ST_Q5_K || qtype == ST_Q6_K || qtype == ST_IQ4_XS;
+        int (*row_fn)(int, const uint8_t *, int64_t, int, const st_act *, const int64_t *, int,
+                      float *) = is_k ? st_fused_k_row : st_fused_iq_row;
         for (int i = 0; i < nr; i++) {
-            if (!st_fused_iq_row(qtype, w + (rb + i) * row_bytes, ST_PREFETCH_ROWS * row_bytes,
-                                 cols, act, tr, (int)n_tok, res))
+            if (!row_fn(qtype, w + (rb + i) * row_bytes, ST_PREFETCH_ROWS * row_bytes, cols, act,
+                        tr, (int)n_tok, res))
                 return 0;
             for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
         }

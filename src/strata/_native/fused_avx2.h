@@ -35,20 +35,26 @@ ALWAYS_INLINE void piece(const int NC, __m256i u, __m256 scale, int k, const int
     }
 }
 
-/* acc[c] += as `piece`, for signed weight values s (|s| <= 127): maddubs(|s|, q with the
- * sign of s), a pair below 2 * 127 * 127 < 32768 */
-ALWAYS_INLINE void piece_signed(const int NC, __m256i s, __m256 scale, int k,
-                                const int8_t *const *q, const float *const *dx, __m256 *acc) {
+/* acc[c] += as `piece`, for weight magnitudes g (0 .. 127) negated where sgn < 0 (zero where
+ * sgn is 0): maddubs(g, q with the sign of sgn), a pair below 2 * 127 * 127 < 32768 */
+ALWAYS_INLINE void piece_sign_mask(const int NC, __m256i g, __m256i sgn, __m256 scale, int k,
+                                   const int8_t *const *q, const float *const *dx,
+                                   __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i s_abs = _mm256_sign_epi8(s, s);
     for (int c = 0; c < NC; c++) {
         const __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + k));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(qc, sgn)),
                                             ones);
         acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
                                  _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
                                  acc[c]);
     }
+}
+
+/* signed weight values s (|s| <= 127): maddubs(|s|, q with the sign of s), as the tiles */
+ALWAYS_INLINE void piece_signed(const int NC, __m256i s, __m256 scale, int k,
+                                const int8_t *const *q, const float *const *dx, __m256 *acc) {
+    piece_sign_mask(NC, _mm256_sign_epi8(s, s), s, scale, k, q, dx, acc);
 }
 
 /* [8] lane scales of 32 columns: lanes 0-3 group g, 4-7 group g + 1 */

@@ -140,23 +140,6 @@ static inline int has_signs(int qtype) { return qtype != ST_IQ1_S && qtype != ST
 #if !defined(ST_USE_VNNI512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "fused_avx2.h"
 
-/* acc[c] += 32 columns at k of grid magnitudes g (all >= 0) whose values are negated where
- * sgn is -1 (else +1): maddubs(g, q with the sign of sgn), the same products and pairs as
- * piece_signed's maddubs(|s|, q with the sign of s) for s = g * sgn */
-ALWAYS_INLINE void piece_sign_mask(const int NC, __m256i g, __m256i sgn, __m256 scale, int k,
-                                   const int8_t *const *q, const float *const *dx,
-                                   __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int c = 0; c < NC; c++) {
-        const __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + k));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(qc, sgn)),
-                                            ones);
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                 _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
-                                 acc[c]);
-    }
-}
-
 /* [32] bytes: -1 where bit i of `bits` is set, else +1 */
 static inline __m256i sign_bytes(uint32_t bits) {
     const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
