@@ -249,8 +249,8 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
     for (int64_t j = 0; j < n_tok; j++) tr[j] = tok ? (int64_t)tok[j] : tok0 + j;
     float res[3];
     if (st_block_size(qtype) == 256) {
-        /* super-blocks: the k-quants' rows (fused_k.c) or the grid i-quants' (fused_iq.c, AVX2
-         * builds); either returns 0 for every row when this build has no such path */
+        /* super-blocks: the k-quants' rows (fused_k.c) or the grid i-quants' (fused_iq.c);
+         * either returns 0 for every row when this build has no such path */
         const int is_k = qtype == ST_Q2_K || qtype == ST_Q3_K || qtype == ST_Q4_K
                          || qtype == ST_Q5_K || qtype == ST_Q6_K || qtype == ST_IQ4_XS;
         int (*row_fn)(int, const uint8_t *, int64_t, int, const st_act *, const int64_t *, int,

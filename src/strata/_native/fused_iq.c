@@ -1,20 +1,17 @@
 /* Decode-shaped dot products (1-3 tokens) straight from the grid i-quants' super-blocks (IQ1_S,
- * IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) on AVX2 builds: the CPU pool's rows of the
- * 1-3 bit files that put a Qwen3-235B-A22B in 64-96 GB of RAM.
+ * IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) with AVX-512 VNNI or AVX2: the CPU pool's rows
+ * of the 1-3 bit files that put a Qwen3-235B-A22B in 64-96 GB of RAM.
  *
  * Per 32 columns (`values32`) the grid entries go straight into a vector (4 table loads of 8
- * bytes) with, for IQ2_* / IQ3_*, their 32 sign bits, which sign the activations
- * (maddubs(grid, sign(q)), the tiles' products); IQ1's values come signed from its
- * [delta sign][index] table. Then the tiles' lane arithmetic in the tiles' column order, with
- * the scales
- * of quant_ref.c's st_iq_scales (the unpacked path's), so a token's result is the unpacked
- * path's bit for bit (tests/native/test_matmul.py: alone = in a batch). Unpacking the
- * super-block into a buffer first (the SWAR st_unpack_iq) and then taking it 32 columns at a
- * time was no faster than the unpacked path: the values, not the round trip, were the cost.
- * AVX-512 VNNI builds keep the unpacked path: their tiles add 16 lanes per vector, another
- * float order; their rows would take the tiles' unsigned values 128 +- grid with the sign bits
- * as a __mmask64 and fused_k.c's lane arithmetic (not written: it needs an AVX-512 machine to
- * check, docs/offload.md). */
+ * bytes) with, for IQ2_* / IQ3_*, their 32 sign bits; IQ1's values come signed from its
+ * [delta sign][index] table. AVX2 signs the activations with the bits (maddubs(grid, sign(q)),
+ * the tiles' products); AVX-512 VNNI makes the tiles' unsigned values 128 +- grid under the
+ * bits as a mask (the offset's sum from xc, as fused_k.c). Then the tiles' lane arithmetic in
+ * the tiles' column order, with the scales of quant_ref.c's st_iq_scales (the unpacked path's),
+ * so a token's result is the unpacked path's bit for bit (tests/native/test_matmul.py: alone =
+ * in a batch; arch_check.c for the builds this machine cannot run). Unpacking the super-block
+ * into a buffer first (the SWAR st_unpack_iq) and then taking it 32 columns at a time was no
+ * faster than the unpacked path: the values, not the round trip, were the cost. */
 #include <string.h>
 #include "quant.h"
 
@@ -137,7 +134,56 @@ static inline int has_signs(int qtype) { return qtype != ST_IQ1_S && qtype != ST
     else ROW(3, T, __VA_ARGS__);                                                                \
     return 1;
 
-#if !defined(ST_USE_VNNI512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(ST_USE_VNNI512) && defined(__F16C__)
+#include "fused_avx512.h"
+
+/* res[c] = row . activation row c, for NC tokens; cols a multiple of 256. A 64-column chunk j
+ * of a super-block is 32-column blocks 2j and 2j + 1; its 16 lanes take groups 4j .. 4j + 3. */
+ALWAYS_INLINE void row_iq(const int NC, const int qtype, const uint8_t *row, int64_t ahead,
+                          int cols, const iq_tables *t, const act_rows *a, float *res) {
+    const int bytes = st_type_size(qtype);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i c128 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[3];
+    for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
+    float a16[16];                                              /* [16] scales per 16 columns */
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * bytes;
+        st_prefetch(blk + ahead, bytes);
+        st_iq_scales(qtype, blk, a16);
+        const __m512 scales = _mm512_loadu_ps(a16);
+        for (int j = 0; j < 4; j++) {
+            uint64_t v[8];
+            const uint64_t signs = values32(qtype, blk, 2 * j, t, v)
+                                   | (uint64_t)values32(qtype, blk, 2 * j + 1, t, v + 4) << 32;
+            const __m512i g = _mm512_loadu_si512((const void *)v);          /* [64] bytes */
+            /* the tiles' unsigned values s + 128: 128 + g, or 128 - g under a sign bit */
+            const __m512i u = has_signs(qtype)
+                ? _mm512_mask_sub_epi8(_mm512_add_epi8(g, c128), (__mmask64)signs, c128, g)
+                : _mm512_xor_si512(g, c128);
+            const __m512 scale = _mm512_permutexvar_ps(
+                _mm512_add_epi32(spread, _mm512_set1_epi32(4 * j)), scales);   /* [16] */
+            chunk(NC, u, scale, ib * 256 + 64 * j, 0, a, acc);
+        }
+    }
+    for (int c = 0; c < NC; c++) res[c] = _mm512_reduce_add_ps(acc[c]);
+}
+
+int st_fused_iq_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
+                    const int64_t *tr, int n_tok, float *res) {
+    if (!is_grid_iq(qtype) || cols % 256 != 0 || n_tok < 1 || n_tok > 3) return 0;
+    const int ncp = act->cols_pad;
+    const iq_tables t = {st_iq_grid_table(qtype), st_iq_ksigns_table(), st_iq1_values_table()};
+    act_rows a;
+    for (int c = 0; c < n_tok; c++) {
+        a.q[c] = act->q + tr[c] * ncp;
+        a.xc[c] = act->xc + tr[c] * (ncp / ST_LANE);
+        a.dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
+    }
+    ROWS_BY_TYPE(row_iq, row, ahead, cols, &t, &a, res)
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "fused_avx2.h"
 
 /* [32] bytes: -1 where bit i of `bits` is set, else +1 */

@@ -20,38 +20,7 @@ static inline __m256i two_bits(__m256i v, int n) {
 #endif
 
 #if defined(ST_USE_VNNI512) && defined(__F16C__)
-#include <string.h>
-#include <immintrin.h>
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-static inline float fp16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-typedef struct {
-    const int8_t *q[3];
-    const int32_t *xc[3];
-    const float *dx[3];
-    const float *xs[3];
-} act_rows;
-
-/* acc[c] += sum over 64 columns at k of (u - offset) * q * scale, u unsigned bytes; the
- * offset correction comes from xc = -128 * sum(q) per lane, shifted by log2(128 / offset). */
-ALWAYS_INLINE void chunk(const int NC, __m512i u, __m512 scale, int k, int corr_shift,
-                         const act_rows *a, __m512 *acc) {
-    const int lane = k / ST_LANE;
-    for (int c = 0; c < NC; c++) {
-        __m512i init = _mm512_setzero_si512();
-        if (corr_shift >= 0)
-            init = _mm512_srai_epi32(_mm512_loadu_si512((const void *)(a->xc[c] + lane)),
-                                     corr_shift);
-        acc[c] = st_vnni_lane_acc(acc[c], init, u, _mm512_loadu_si512((const void *)(a->q[c] + k)),
-                                  scale, _mm512_loadu_ps(a->dx[c] + lane));
-    }
-}
+#include "fused_avx512.h"
 
 static inline __m512i join256(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
