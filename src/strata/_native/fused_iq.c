@@ -156,7 +156,11 @@ ALWAYS_INLINE void row_iq(const int NC, const int qtype, const uint8_t *row, int
             uint64_t v[8];
             const uint64_t signs = values32(qtype, blk, 2 * j, t, v)
                                    | (uint64_t)values32(qtype, blk, 2 * j + 1, t, v + 4) << 32;
-            const __m512i g = _mm512_loadu_si512((const void *)v);          /* [64] bytes */
+            /* [64] bytes, built in registers: a 64-byte load of the 8 scalar stores would
+             * wait for store forwarding to fail */
+            const __m512i g = _mm512_set_epi64((long long)v[7], (long long)v[6], (long long)v[5],
+                                               (long long)v[4], (long long)v[3], (long long)v[2],
+                                               (long long)v[1], (long long)v[0]);
             /* the tiles' unsigned values s + 128: 128 + g, or 128 - g under a sign bit */
             const __m512i u = has_signs(qtype)
                 ? _mm512_mask_sub_epi8(_mm512_add_epi8(g, c128), (__mmask64)signs, c128, g)
