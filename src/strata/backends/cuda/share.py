@@ -20,11 +20,11 @@ from strata.user_cache import cache_dir
 # than it, which moves the best share down, not up.
 DEFAULT_PCIE_FRAC = 0.4
 # Expert types the CPU pool is slow on: the grid i-quants (IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18,
-# IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29), which AVX-512 builds unpack in scalar C (AVX2
-# builds have fused rows, fused_iq.c, still 2-3x a Q4_K row's time per call). With them the
-# pool is the slow side: synth qwen3-30b-a3b at IQ2_XXS with every expert in RAM
-# decoded 36.1 tokens/s at 0.4 and 46.9 at 1 on the H200 (the pool took 25 ms per window;
-# docs/cuda.md), so with no calibration such a model reads every miss over PCIe.
+# IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29). Even with fused rows (fused_iq.c, AVX2 and AVX-512
+# VNNI) a row costs 2-4x a Q4_K row per call, so the pool reads them at ~9 GB/s beside the GPU's
+# 50: synth qwen3-30b-a3b at IQ2_XXS with every expert in RAM decoded (H200, AVX-512 rows)
+# 49.3 tokens/s at 1, 48.9 at 0.8, 47.9 at 0.7, 46.1 at 0.6 and 40.2 at 0.5 (docs/offload.md).
+# So with no calibration such a model reads every miss over PCIe.
 SLOW_POOL_TYPES = frozenset({16, 17, 18, 19, 21, 22, 29})
 
 
