@@ -22,6 +22,12 @@ static inline __m256i two_bits(__m256i v, int n) {
 #if defined(ST_USE_VNNI512) && defined(__F16C__)
 #include "fused_avx512.h"
 
+/* 4 words just computed in scalar registers as one vector, built in registers: a 16-byte load
+ * of the 4 stores would wait for store forwarding to fail (docs/DEVELOPING.md) */
+static inline __m128i words4(const uint32_t *w) {
+    return _mm_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
+}
+
 static inline __m512i join256(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
@@ -58,6 +64,8 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t
         utmp[1] = (utmp[2] & 0x0f0f0f0fu) | (((utmp[0] >> 6) & 0x03030303u) << 4);
         utmp[2] = mins_lo;
         utmp[0] &= 0x3f3f3f3fu;
+        /* (a load of the 4 stores: built in registers instead, as Q3_K's, it measured no
+         * faster here, docs/offload.md) */
         const __m512 sc_m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
             _mm_loadu_si128((const __m128i *)utmp)));
         const __m512 ab = _mm512_mul_ps(sc_m, _mm512_insertf32x8(_mm512_set1_ps(d),
@@ -146,9 +154,8 @@ ALWAYS_INLINE void row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t
             aux[3] = ((aux[1] >> 4) & 0x0f0f0f0fu) | (((tmp >> 6) & 0x03030303u) << 4);
             aux[0] = (aux[0] & 0x0f0f0f0fu) | ((tmp & 0x03030303u) << 4);
             aux[1] = (aux[1] & 0x0f0f0f0fu) | (((tmp >> 2) & 0x03030303u) << 4);
-            const __m512i sc = _mm512_sub_epi32(
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)aux)),
-                _mm512_set1_epi32(32));
+            const __m512i sc = _mm512_sub_epi32(_mm512_cvtepu8_epi32(words4(aux)),
+                                                _mm512_set1_epi32(32));
             a16 = _mm512_mul_ps(_mm512_set1_ps(fp16_at(blk + 108)), _mm512_cvtepi32_ps(sc));
             hm = _mm256_loadu_si256((const __m256i *)blk);
             qs = blk + 32;
@@ -199,11 +206,12 @@ ALWAYS_INLINE void row_iq4xs(const int NC, const uint8_t *row, int64_t ahead, in
         const uint8_t *blk = superblock(row, ib, 136, ahead);
         uint16_t sh;
         memcpy(&sh, blk + 2, 2);
-        int32_t ls[16] = {0};
+        int32_t ls[8];
         for (int b = 0; b < 8; b++)
             ls[b] = (((blk[4 + b / 2] >> (4 * (b & 1))) & 15) | (((sh >> (2 * b)) & 3) << 4)) - 32;
-        const __m512 a8 = _mm512_mul_ps(_mm512_set1_ps(fp16_at(blk)),
-                                        _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)ls)));
+        const __m512i ls16 = _mm512_zextsi256_si512(_mm256_setr_epi32(      /* [8 | 8 zeros] */
+            ls[0], ls[1], ls[2], ls[3], ls[4], ls[5], ls[6], ls[7]));
+        const __m512 a8 = _mm512_mul_ps(_mm512_set1_ps(fp16_at(blk)), _mm512_cvtepi32_ps(ls16));
         for (int c = 0; c < 4; c++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * c));
             const __m256i lo = _mm256_and_si256(q, low4);
