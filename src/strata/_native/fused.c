@@ -196,45 +196,52 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 
-/* A row of 32-column blocks: Q4_0 / Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by st_block32_values;
- * for the min types (Q4_1, Q5_1: w = d q + m) B gets -m per 16 columns and the tiles'
- * st_min_term is subtracted, so the result is the tiles' bit for bit. */
+/* NR rows (1, 2 or 4) of 32-column blocks: Q4_0 / Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
+ * st_block32_values; res [NR, 3]. Each row keeps its own accumulators in the tiles' order, so
+ * several rows at once change no result; they only give the core independent chains (one
+ * row's FMAs wait on each other) and share the activation loads. For the min types (Q4_1,
+ * Q5_1: w = d q + m) B [NR, ldb] gets -m per 16 columns and the tiles' st_min_term is
+ * subtracted, so the result is the tiles' bit for bit. */
 #define ST_FUSED_BLOCK32 1
-ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_t ahead,
-                             int cols, const st_act *act, const int64_t *tr, float *B,
-                             float *res) {
+ALWAYS_INLINE void fused_rows(const int NR, const int NC, int qtype, const uint8_t *const *rows,
+                              int64_t ahead, int cols, const st_act *act, const int64_t *tr,
+                              float *B, int ldb, float *res) {
     const int ncp = act->cols_pad, bytes = st_type_size(qtype), has_min = st_has_min(qtype);
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m256 acc[3];
+    __m256 acc[4][3];
     const int8_t *q[3];
     const float *dx[3];
     for (int c = 0; c < NC; c++) {
-        acc[c] = _mm256_setzero_ps();
+        for (int r = 0; r < NR; r++) acc[r][c] = _mm256_setzero_ps();
         q[c] = act->q + tr[c] * ncp;
         dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
     }
     for (int ib = 0; ib < cols / 32; ib++) {
-        const uint8_t *blk = row + (int64_t)ib * bytes;
-        __builtin_prefetch(blk + ahead, 0, 3);
-        __m256i s;                                                          /* [32] int8 */
-        if (qtype == ST_Q4_0) {
-            __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
-            __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4),
-                                           _mm_and_si128(qs, low4));
-            s = _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
-        } else if (qtype == ST_Q8_0) {
-            s = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        } else {
-            s = st_block32_values(qtype, blk, bytes);
-            if (has_min) B[2 * ib] = B[2 * ib + 1] = -fp16_at(blk + 2);
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *blk = rows[r] + (int64_t)ib * bytes;
+            __builtin_prefetch(blk + ahead, 0, 3);
+            __m256i s;                                                      /* [32] int8 */
+            if (qtype == ST_Q4_0) {
+                __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+                __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4),
+                                               _mm_and_si128(qs, low4));
+                s = _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+            } else if (qtype == ST_Q8_0) {
+                s = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            } else {
+                s = st_block32_values(qtype, blk, bytes);
+                if (has_min) B[r * ldb + 2 * ib] = B[r * ldb + 2 * ib + 1] = -fp16_at(blk + 2);
+            }
+            signed_block(NC, s, _mm256_set1_ps(fp16_at(blk)), ib * 32, q, dx, acc[r]);
         }
-        signed_block(NC, s, _mm256_set1_ps(fp16_at(blk)), ib * 32, q, dx, acc);
     }
-    for (int c = 0; c < NC; c++) {
-        res[c] = hsum8(acc[c]);
-        if (has_min)  /* B's padding groups are zero, as the unpacked row's */
-            res[c] -= st_min_term(B, act->xs + tr[c] * (ncp / ST_GROUP), ncp / ST_GROUP);
-    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) {
+            res[r * 3 + c] = hsum8(acc[r][c]);
+            if (has_min)  /* B's padding groups are zero, as the unpacked row's */
+                res[r * 3 + c] -= st_min_term(B + r * ldb, act->xs + tr[c] * (ncp / ST_GROUP),
+                                              ncp / ST_GROUP);
+        }
 }
 
 #endif
@@ -266,15 +273,30 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
 #if defined(ST_FUSED_BLOCK32)  /* AVX2: every type of 32-column blocks */
     if (st_block_size(qtype) != 32) return 0;
     const int num_groups = act->cols_pad / ST_GROUP;
-    float B[num_groups];  /* the min types' B per 16 columns, zero past cols */
-    for (int g = cols / ST_GROUP; g < num_groups; g++) B[g] = 0.0f;
+    float B[4 * num_groups];  /* [4, groups] the min types' B per 16 columns, zero past cols */
+    for (int r = 0; r < 4; r++)
+        for (int g = cols / ST_GROUP; g < num_groups; g++) B[r * num_groups + g] = 0.0f;
     const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
-    for (int i = 0; i < nr; i++) {
-        const uint8_t *row = w + (rb + i) * row_bytes;
-        if (n_tok == 1) fused_row(1, qtype, row, ahead, cols, act, tr, B, res);
-        else if (n_tok == 2) fused_row(2, qtype, row, ahead, cols, act, tr, B, res);
-        else fused_row(3, qtype, row, ahead, cols, act, tr, B, res);
-        for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
+    float res4[12];                                              /* [4 rows, 3 tokens] */
+    /* 4 rows at a time for 1-2 tokens (8 accumulators), 1 for 3 (AVX2 has 16 registers) */
+    const int step = n_tok <= 2 ? 4 : 1;
+    for (int i = 0; i < nr; ) {
+        const int n = nr - i >= step ? step : 1;
+        const uint8_t *rows[4];
+        for (int r = 0; r < n; r++) rows[r] = w + (rb + i + r) * row_bytes;
+        if (n == 4 && n_tok == 1)
+            fused_rows(4, 1, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
+        else if (n == 4)
+            fused_rows(4, 2, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
+        else if (n_tok == 1)
+            fused_rows(1, 1, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
+        else if (n_tok == 2)
+            fused_rows(1, 2, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
+        else
+            fused_rows(1, 3, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
+        for (int r = 0; r < n; r++)
+            for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i + r] = res4[r * 3 + j];
+        i += n;
     }
     return 1;
 #else  /* AVX-512 VNNI: Q4_0 and Q8_0 */
