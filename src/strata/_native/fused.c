@@ -4,14 +4,7 @@
 #include "quant.h"
 
 #if defined(ST_USE_VNNI512) && defined(__F16C__)
-#include <string.h>
-#include <immintrin.h>
-
-static inline float fp16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
+#include "fused_f16.h"
 
 /* 64 weight bytes (two blocks) as unsigned values for vpdpbusd, and the int32 lane shift that
  * turns sum(u * q) into sum(s * q): u = s + 8 for Q4_0 (so xc / 16), u = s + 128 for Q8_0. */
@@ -34,7 +27,6 @@ static inline __m512i q8_0_pair(const uint8_t *blk0, int has_second) {
     return _mm512_xor_si512(s, _mm512_set1_epi8((char)0x80));
 }
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_t ahead,
                              int cols, const st_act *act, const int64_t *tr, float *res) {
@@ -161,16 +153,7 @@ static void q4_0_rows(const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
 #endif
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <string.h>
-#include <immintrin.h>
-
-static inline float fp16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#include "fused_f16.h"
 
 /* acc[c] += 32 columns at k of signed weight values s (one scale dw) against the int8
  * activations, in the tiles' AVX2 lane arithmetic: maddubs(|s|, q with the sign of s), pairs

@@ -5,14 +5,8 @@
 #include <string.h>
 #include "quant.h"
 #include <immintrin.h>
+#include "fused_f16.h"
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-static inline float fp16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 static inline float hsum8(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -5,14 +5,8 @@
 #include "quant.h"
 #include <string.h>
 #include <immintrin.h>
+#include "fused_f16.h"
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-static inline float fp16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 typedef struct {
     const int8_t *q[3];
