@@ -179,7 +179,7 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 
-/* NR rows (1, 2 or 4) of 32-column blocks: Q4_0 / Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
+/* NR rows (1 or 4) of 32-column blocks: Q4_0 / Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
  * st_block32_values; res [NR, 3]. Each row keeps its own accumulators in the tiles' order, so
  * several rows at once change no result; they only give the core independent chains (one
  * row's FMAs wait on each other) and share the activation loads. For the min types (Q4_1,
