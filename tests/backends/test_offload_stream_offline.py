@@ -181,3 +181,33 @@ def test_seeded_counts_are_the_steady_state_of_the_decay():
     # the steady state's ~4% more pairs move no expert across the threshold here
     assert np.array_equal(rare[:2], rare_experts(missing, routed, rows_per_window, K)[:2])
     assert np.array_equal(seeded[2], np.zeros(E))
+
+
+def test_with_a_pool_prompt_windows_up_to_its_rows_leave_experts_at_a_lower_reach_cost():
+    """A streamed window the CPU pool serves (a pool attached, at most PROMPT_POOL_MAX_ROWS
+    rows) calls an expert rare at POOL_REACH_COST, so it copies only those nearly sure to be
+    read; other windows keep REACH_COST."""
+    from types import SimpleNamespace
+
+    from strata.backends.cuda.stream import (POOL_REACH_COST, PROMPT_POOL_MAX_ROWS,
+                                             RARE_MAX_ROWS, PromptStreamer)
+
+    streamer = PromptStreamer.__new__(PromptStreamer)  # the decisions only: no device
+    streamer.min_rows, streamer.arena = 256, SimpleNamespace(pool=None)
+    assert not streamer.pools_rare(512) and streamer._reach_cost(512) == REACH_COST
+    streamer.arena.pool = object()
+    assert streamer.pools_rare(256) and streamer.pools_rare(PROMPT_POOL_MAX_ROWS)
+    assert streamer._reach_cost(512) == POOL_REACH_COST < REACH_COST
+    assert not streamer.pools_rare(255)  # not streamed
+    assert not streamer.pools_rare(PROMPT_POOL_MAX_ROWS + 1)
+    assert streamer._reach_cost(PROMPT_POOL_MAX_ROWS + 1) == REACH_COST
+    assert 1.0 < POOL_REACH_COST and PROMPT_POOL_MAX_ROWS <= RARE_MAX_ROWS
+    # the lower cost leaves an expert the counts expect ~3 rows of (a 0.95 chance of a read)
+    L, E, R, K = 1, 64, 512, 8
+    residency = np.full((L, E), -1, dtype=np.int32)
+    routed = np.full((L, E), 3.0 * 40 / (R * K))  # steady counts: 3 rows a window each ...
+    routed[0, :8] = 40 * (R * K - 3 * (E - 8)) / (8 * R * K)  # ... but the 8 hot ones
+    routed *= R * K  # 40 windows' pairs
+    left = rare_experts(residency, routed, R, K, reach_cost=POOL_REACH_COST)
+    assert left[0, 8:].all() and not left[0, :8].any()
+    assert not rare_experts(residency, routed, R, K, reach_cost=REACH_COST).any()

@@ -207,3 +207,19 @@ def test_prompt_sized_windows_read_every_miss_over_pcie():
 
     assert window_share(0.3, 1) == window_share(0.3, POOL_MAX_ROWS) == 0.3
     assert window_share(0.3, POOL_MAX_ROWS + 1) == window_share(0.0, 512) == 1.0
+
+
+def test_prompt_pool_budget_scales_with_the_copies_and_the_threads():
+    """The pool's budget per layer of a streamed prompt window: POOL_SHARE_OF_COPY of the copy
+    engine's time for the layer's copied experts, in row units of the pool's time."""
+    from strata.backends.cuda.share import (POOL_ROW_UNITS_PER_COPY_THREAD, POOL_SHARE_OF_COPY,
+                                            prompt_pool_budget)
+
+    copied = np.array([0, 10, 46, 128])
+    budget = prompt_pool_budget(copied, 15)
+    assert budget.dtype == np.int32 and budget[0] == 0
+    assert (np.diff(budget) > 0).all()
+    want = np.floor(POOL_SHARE_OF_COPY * 46 * POOL_ROW_UNITS_PER_COPY_THREAD * 15)
+    assert budget[2] == want
+    assert (prompt_pool_budget(copied, 30) >= 2 * budget - 1).all()  # twice the threads
+    assert (prompt_pool_budget(copied, 0) == prompt_pool_budget(copied, 1)).all()

@@ -59,8 +59,8 @@ def offload(path, num_slots, **options):
 
     gguf = GGUFModel.open(path)
     model = CudaModel(gguf, experts_resident=False)
-    config = EngineConfig(path, n_ctx=512, parallel=3, expert_cache=num_slots, pcie_frac=1.0,
-                          **options)
+    options.setdefault("pcie_frac", 1.0)  # no CPU pool unless a test asks for one
+    config = EngineConfig(path, n_ctx=512, parallel=3, expert_cache=num_slots, **options)
     store = ExpertStore.from_gguf(gguf)
     arena = model.new_expert_arena(store, config)
     arena.streamer.min_rows = MIN_ROWS  # tiny windows (the default suits 30B-sized experts)
@@ -151,6 +151,113 @@ def test_rare_experts_are_read_over_pcie_not_copied(path, resident):
         assert np.array_equal(arena.device_table(), expected_tables(arena))
     finally:
         arena.close()
+
+
+def half_rare(arena, L, E):
+    counts = np.zeros((L, E))
+    counts[:, : E // 2] = 10_000.0  # the upper half of each layer never routed so far
+    arena.streamer.account(counts)
+
+
+def test_the_cpu_pool_computes_the_rare_experts_a_streamed_window_routes(path, resident,
+                                                                          monkeypatch):
+    """With a CPU pool, a streamed window hands its rare experts (left at their host copies) to
+    the pool: the pool computes the pairs routed to them from RAM (only those rows cross), the
+    GPU the rest; logits within the pool's float rounding of the all-resident model's. (Caps
+    raised so that the pool takes every routed rare expert of these tiny windows.)"""
+    from strata.backends.cuda import device_tier, share, stream
+    from strata.backends.cuda.exchange import WHERE_CPU
+
+    monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", 10_000)
+    monkeypatch.setattr(share, "POOL_SHARE_OF_COPY", 1e6)
+    monkeypatch.setattr(stream, "POOL_REACH_COST", 2.0)  # the rare half only (half_rare)
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
+    streamer = arena.streamer
+    half_rare(arena, L, E)
+
+    def forward(window):
+        arena.before_window(window.num_rows)
+        return model.forward_window(window)
+
+    try:
+        assert arena.pool is not None and model.tier.pools(93) and not model.tier.pools(17)
+        plans = [(40, 33, 20), (30, 1, 1)]  # both stream (>= MIN_ROWS rows)
+        got = run(model, plans, forward)
+        assert (arena.pool.where == WHERE_CPU).sum() == L * (E // 2)  # the rare ones
+        assert arena.pool.total_entries > 0  # routed pairs of rare experts, computed on the CPU
+        assert streamer.num_windows == 2 and streamer.num_left == 2 * L * (E // 2)
+    finally:
+        arena.close()
+    want = run(resident, plans, resident.forward_window)
+    errors = np.concatenate([np.abs(a - b).max(axis=1) / np.abs(a).max(axis=1)
+                             for a, b in zip(want, got)])  # per row
+    top1 = np.mean(np.concatenate([a.argmax(1) == b.argmax(1) for a, b in zip(want, got)]))
+    print(f"|pool - resident| / logit scale per row: median {np.median(errors):.1e}, max "
+          f"{errors.max():.1e}; top-1 equal {top1:.3f}")
+    assert np.percentile(errors, 90) < 3e-2 and top1 >= 0.9  # docs/cuda.md's tolerance
+
+
+@pytest.mark.parametrize("caps", ["rows", "budget", "none"])
+def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(path, resident, monkeypatch,
+                                                                   caps):
+    """The device decides, once a layer's routing is known, which routed rare experts the pool
+    computes: at most PROMPT_POOL_ROWS rows each, within the layer's budget of pool time
+    (POOL_EXPERT_ROWS + rows each, greedy in group order); the others are read over PCIe from
+    their host copies. Checked exactly against the window's counts and the pool's own count of
+    the pairs it computed; logits within the pool's rounding of the all-resident model's."""
+    from strata.backends.cuda import device_tier, share
+    from strata.backends.cuda.exchange import WHERE_CPU, WHERE_PCIE
+
+    rows_cap = {"rows": 2, "budget": 10_000, "none": 10_000}[caps]
+    monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", rows_cap)
+    if caps != "rows":
+        units = 5 if caps == "budget" else 0
+        monkeypatch.setattr(share, "prompt_pool_budget",
+                            lambda copied, threads: np.full(len(copied), units, np.int32))
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
+    half_rare(arena, L, E)
+    tier, rt = model.tier, model.runtime
+    checked = []
+
+    def forward(window):
+        arena.before_window(window.num_rows)
+        out = model.forward_window(window)
+        if window.num_rows >= MIN_ROWS:
+            win = np.empty((L, E), dtype=np.uint8)
+            with rt.active():
+                rt.synchronize()
+                rt.drv.memcpy_dtoh(win, tier._win)
+            counts, rare = tier.counts_host.copy(), tier.where_host == WHERE_CPU
+            budget = tier.budget_host.astype(np.int64)
+            taken = win == WHERE_CPU
+            assert not (taken & ~rare).any()  # only rare experts go to the pool
+            assert (counts[taken] > 0).all() and (counts[taken] <= rows_cap).all()
+            cost = np.where(taken, share.POOL_EXPERT_ROWS + counts, 0).sum(axis=1)  # [L]
+            assert (cost <= budget).all()
+            eligible = rare & (counts > 0) & (counts <= rows_cap) & ~taken
+            for layer, e in zip(*np.nonzero(eligible)):  # skipped: it did not fit
+                assert cost[layer] + share.POOL_EXPERT_ROWS + counts[layer, e] > budget[layer]
+            assert (win[rare & ~taken] == WHERE_PCIE).all()  # the rest read over PCIe
+            assert arena.pool.last_stats.num_entries == counts[taken].sum()
+            checked.append((int(taken.sum()), int((rare & (counts > 0) & ~taken).sum())))
+        return out
+
+    plans = [(40, 33, 20), (30, 1, 1), (12, 12, 12)]
+    try:
+        got = run(model, plans, forward)
+    finally:
+        arena.close()
+    assert len(checked) == 3
+    taken, left = map(sum, zip(*checked))
+    print(f"caps {caps}: {taken} routed rare experts taken by the pool, {left} read over PCIe")
+    assert left > 0  # every setting here leaves some to PCIe
+    assert (taken > 0) == (caps != "none")
+    want = run(resident, plans, resident.forward_window)
+    errors = np.concatenate([np.abs(a - b).max(axis=1) / np.abs(a).max(axis=1)
+                             for a, b in zip(want, got)])
+    assert np.percentile(errors, 90) < 3e-2
 
 
 def test_profile_seeds_the_rare_experts_of_the_first_prompt(path, resident, tmp_path):

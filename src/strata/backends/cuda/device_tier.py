@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from strata.backends.cuda.share import (NO_BUDGET, POOL_EXPERT_ROWS, POOL_MAX_ROWS,
+                                        PROMPT_POOL_ROWS)
 from strata.errors import ConfigError
 
 WHERE_VRAM, WHERE_PCIE, WHERE_CPU = 0, 1, 2  # as backends/cuda/exchange.py
@@ -27,6 +29,11 @@ class DeviceTier:
         self.where_host = rt.pinned((L, E), np.uint8)
         self.where_host[:] = WHERE_PCIE
         rt.drv.memcpy_htod(self._where, self.where_host)
+        self._win = rt.alloc(L * E)  # [L, E] uint8: the window's own where (count_groups)
+        self._budget = rt.alloc(4 * L)  # [L] int32: the pool's time a layer (share.py's units)
+        self.budget_host = rt.pinned((L,), np.int32)
+        self.budget_host[:] = NO_BUDGET
+        rt.drv.memcpy_htod(self._budget, self.budget_host)
         self._seq = rt.alloc(8)
         self.seq_host = rt.pinned((1,), np.int64)
         self.seq_host[0] = 0
@@ -34,6 +41,7 @@ class DeviceTier:
         rt.drv.memset_d32(self._arrived, 0, L)
         self.pool = None
         self._pool_window = False  # did the running window hand rows to the pool (before_run)
+        self._pools_rows: dict[int, bool] = {}  # rows -> pools(rows), until the pool changes
         self.exchange = None
         self._exchange_device = 0
         self.admission_on = False  # enable_admission: decode windows keep their PCIe misses
@@ -48,6 +56,9 @@ class DeviceTier:
     def where_ptr(self, layer: int) -> int:
         return int(self._where) + layer * self.num_experts
 
+    def win_ptr(self, layer: int) -> int:
+        return int(self._win) + layer * self.num_experts
+
     @property
     def has_pool(self) -> bool:
         return self.pool is not None
@@ -56,16 +67,24 @@ class DeviceTier:
         return self._exchange_device + self.exchange.layout.offsets[field]
 
     # ---- the where table ----------------------------------------------------------------
-    def set_where(self, where: np.ndarray) -> None:
-        """Upload `where` [L, E] uint8 for the next window (between windows; the compute stream
-        is idle, so the pinned copy may change again after the window)."""
+    def set_where(self, where: np.ndarray, budget: np.ndarray | None = None) -> None:
+        """Upload `where` [L, E] uint8 and the pool's budget per layer in a window, `budget`
+        [L] (share.prompt_pool_budget; None: no limit) for the next window (between windows;
+        the compute stream is idle, so the pinned copies may change again after the window).
+        A prompt window's pool also takes only experts of at most PROMPT_POOL_ROWS rows."""
         where = np.asarray(where, dtype=np.uint8)
         if where.shape != self.where_host.shape:
             raise ValueError(f"where must be [L, E] = {self.where_host.shape}, got {where.shape}")
-        if np.array_equal(where, self.where_host):
-            return
-        self.where_host[:] = where
-        self._rt.drv.memcpy_htod_async(self._where, self.where_host, self._rt.stream)
+        cap = np.full(self.num_layers, NO_BUDGET, dtype=np.int32)
+        if budget is not None:
+            cap[:] = np.clip(budget, 0, NO_BUDGET)
+        drv, stream = self._rt.drv, self._rt.stream
+        if not np.array_equal(cap, self.budget_host):
+            self.budget_host[:] = cap
+            drv.memcpy_htod_async(self._budget, self.budget_host, stream)
+        if not np.array_equal(where, self.where_host):
+            self.where_host[:] = where
+            drv.memcpy_htod_async(self._where, self.where_host, stream)
 
     # ---- free admission -----------------------------------------------------------------
     def enable_admission(self, part_offsets: np.ndarray, host_base: int, host_end: int,
@@ -127,6 +146,7 @@ class DeviceTier:
         self.pool, self.exchange = pool, exchange
         self._exchange_device = int(exchange_device_ptr)
         exchange.reset()
+        self._pools_rows.clear()
         self.model.drop_plans()
 
     def detach_pool(self) -> None:
@@ -134,31 +154,46 @@ class DeviceTier:
         if self.pool is not None:
             self.pool = self.exchange = None
             self._exchange_device = 0
+            self._pools_rows.clear()
             self.model.drop_plans()
 
     def pools(self, num_rows: int) -> bool:
-        """Does a window of `num_rows` rows hand rows to the CPU pool? With a pool, up to
-        share.POOL_MAX_ROWS rows; a larger window has no CPU-assigned expert (window_share), so
-        its plan has no hand-off at all: no publish, no wait for the pool, the plain (fused)
-        combine instead of one reading the pool's y [R, H] over PCIe every layer."""
-        from strata.backends.cuda.share import POOL_MAX_ROWS
-
-        return self.pool is not None and num_rows <= POOL_MAX_ROWS
+        """Does a window of `num_rows` rows hand rows to the CPU pool? With a pool: decode
+        windows (up to share.POOL_MAX_ROWS rows; window_share) and streamed prompt windows whose
+        rarely routed experts the pool computes (the arena's `pools_rows`). Any other window has
+        no CPU-assigned expert, so its plan has no hand-off at all: no publish, no wait for the
+        pool, the fused combine + norm. Decided once per row count (the plans are cached by it,
+        and before_run must agree with the plan), again after attach / detach."""
+        if self.pool is None:
+            return False
+        decided = self._pools_rows.get(num_rows)
+        if decided is None:
+            arena = getattr(self.model, "expert_arena", None)
+            decided = num_rows <= POOL_MAX_ROWS or bool(
+                arena is not None and num_rows <= self.exchange.layout.max_rows
+                and arena.pools_rows(num_rows))
+            self._pools_rows[num_rows] = decided
+        return decided
 
     def add_after_grouping(self, plan, layer: int) -> None:
-        """Launches after group_pairs: the layer's counts (and CPU groups out), rows to the pool."""
+        """Launches after group_pairs: the layer's counts (and the pool's groups out, the
+        window's own where), rows to the pool. A decode window's pool takes every expert the
+        where table gives it; a prompt window's only those of at most PROMPT_POOL_ROWS rows, within
+        the layer's budget (the rest are read over PCIe: offload.cu's count_groups)."""
         ws, R, E = plan._ws, plan.num_rows, self.num_experts
         spec = self.model.spec
         pooled = self.pools(R)
+        rows_cap = R if R <= POOL_MAX_ROWS else PROMPT_POOL_ROWS
         grouping = [ws.ptr("groups"), ws.ptr("num_groups"), E, self.counts_ptr(layer),
-                    self.where_ptr(layer) if pooled else 0]
+                    self.where_ptr(layer) if pooled else 0, self.win_ptr(layer), rows_cap,
+                    POOL_EXPERT_ROWS, int(self._budget) + 4 * layer]
         if plan.keeps_misses:  # and the misses this layer keeps (free admission)
-            plan._add("tier_groups_keep", (1,), (256,), "PPiPPPPPPPPiiPPPP",
+            plan._add("tier_groups_keep", (1,), (256,), "PPiPPPiiPPPPPPPiiPPPP",
                       [*grouping, self.model.expert_tables_ptr, int(self._atab),
                        int(self._part_off), int(self._cands), int(self._state), int(self._log),
                        layer, self.admit_per_layer, *self._keep_args])
         else:
-            plan._add("tier_groups", (1,), (256,), "PPiPP", grouping)
+            plan._add("tier_groups", (1,), (256,), "PPiPPPiiP", grouping)
         if not pooled:
             return
         if R > self.exchange.layout.max_rows:
@@ -166,7 +201,7 @@ class DeviceTier:
                               f"{self.exchange.layout.max_rows} rows")
         H, K = spec.hidden, spec.n_experts_used
         plan._add("pool_publish", ((R * H + 255) // 256,), (256,), "PPPiiiPiiPPPPPP",
-                  [ws.ptr("hf"), ws.ptr("ids"), ws.ptr("wts"), R, K, H, self.where_ptr(layer), E,
+                  [ws.ptr("hf"), ws.ptr("ids"), ws.ptr("wts"), R, K, H, self.win_ptr(layer), E,
                    layer, int(self._seq), self.exchange_ptr("x"), self.exchange_ptr("ids"),
                    self.exchange_ptr("wts"), self.exchange_ptr("ready"), int(self._arrived)])
 
@@ -176,11 +211,11 @@ class DeviceTier:
         spec = self.model.spec
         H, K = spec.hidden, spec.n_experts_used
         plan._add("pool_wait", (1,), (1,), "PPiiPP",
-                  [self.exchange_ptr("done"), self.where_ptr(layer), E, layer, int(self._seq),
+                  [self.exchange_ptr("done"), self.win_ptr(layer), E, layer, int(self._seq),
                    self.exchange_ptr("status")])
         plan._add("moe_combine_pool", ((R * H + 255) // 256,), (256,), "PPPPiiiPPPiP",
                   [ws.ptr("x"), ws.ptr("ybuf"), ws.ptr("wts"), ws.ptr("ids"), R, K, H, *shared,
-                   self.where_ptr(layer), E, self.exchange_ptr("y")])
+                   self.win_ptr(layer), E, self.exchange_ptr("y")])
 
     # ---- per window ---------------------------------------------------------------------
     def before_run(self, num_rows: int) -> None:

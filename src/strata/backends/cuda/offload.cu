@@ -3,11 +3,14 @@
 // of a layer's rows to the CPU pool through a mapped host exchange buffer.
 //
 // Legend: R = rows of the window, K = experts per row, H = hidden, E = experts, G = groups.
-// where [E] uint8 per layer: 0 = VRAM slot, 1 = PCIe (mapped host copy), 2 = CPU pool. In a
-// window that hands off (DeviceTier.pools) every layer does (the pool walks all layers); only
-// rows with a CPU pair cross, each way (the pool reads x and sets y for those rows only).
+// where [E] uint8 per layer: 0 = VRAM slot, 1 = PCIe (mapped host copy), 2 = CPU pool, as the
+// host assigned it; win [E] per layer: the window's own (count_groups: the pool takes a
+// CPU-assigned expert only within the window's row cap and the layer's budget). In a window that hands off
+// (DeviceTier.pools) every layer does (the pool walks all layers); only rows with a CPU pair
+// cross, each way (the pool reads x and sets y for those rows only).
 #include "common.cuh"
 
+#define WHERE_PCIE 1
 #define WHERE_CPU 2
 #define POOL_TIMEOUT_NS 10000000000ULL  // wait_host gives up after 10 s
 #define POOL_ERR_TIMEOUT 1
@@ -28,21 +31,38 @@ __device__ __forceinline__ bool row_has_cpu_pair(const int *__restrict__ ids, in
 }
 
 // After group_pairs: counts [E] int32 = pairs routed to each expert this window (0 for the
-// others), and (with where) the groups of CPU-assigned experts removed from groups [G, 3] in
-// place, keeping the order of the rest, so the grouped products skip them. The whole block
-// calls it; thread 0 does the walk.
+// others), and (with where) the groups of the experts the CPU pool takes removed from groups
+// [G, 3] in place, keeping the order of the rest, so the grouped products skip them. The pool
+// takes a CPU-assigned expert of at most rows_cap rows while its modelled time fits the layer's
+// budget (in row units: an expert costs expert_cost + its rows; greedy in group order, one that
+// does not fit is skipped); any other CPU-assigned expert stays in the groups and is read by the
+// GPU from its host copy (its table entry). win [E] gets the window's own where: CPU for the
+// experts taken, PCIe for the other CPU-assigned ones, else where's entry; the hand-off kernels
+// read win. A decode window passes caps no window reaches (win = where for routed experts).
+// The whole block calls it; thread 0 does the walk.
 __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__restrict__ num_groups,
                                              int E, int *__restrict__ counts,
-                                             const uint8_t *__restrict__ where) {
-    for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+                                             const uint8_t *__restrict__ where,
+                                             uint8_t *__restrict__ win, int rows_cap,
+                                             int expert_cost, int budget) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        counts[e] = 0;
+        if (where != nullptr) win[e] = where[e] == WHERE_CPU ? WHERE_PCIE : where[e];
+    }
     __syncthreads();
     if (threadIdx.x != 0) return;
     const int G = *num_groups;
     int kept = 0;
+    long long spent = 0;
     for (int g = 0; g < G; g++) {
         const int e = groups[3 * g], first = groups[3 * g + 1], count = groups[3 * g + 2];
         counts[e] = count;
-        if (where != nullptr && where[e] == WHERE_CPU) continue;
+        if (where != nullptr && where[e] == WHERE_CPU && count <= rows_cap
+            && spent + expert_cost + count <= budget) {
+            win[e] = WHERE_CPU;
+            spent += expert_cost + count;
+            continue;
+        }
         groups[3 * kept] = e;
         groups[3 * kept + 1] = first;
         groups[3 * kept + 2] = count;
@@ -54,16 +74,20 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
 // count_groups as a launch. Grid 1, block 256.
 extern "C" __global__ void tier_groups(int *__restrict__ groups, int *__restrict__ num_groups,
                                        int E, int *__restrict__ counts,
-                                       const uint8_t *__restrict__ where) {
+                                       const uint8_t *__restrict__ where, uint8_t *win,
+                                       int rows_cap, int expert_cost,
+                                       const int *__restrict__ budget) {
     kernel_entry();
-    count_groups(groups, num_groups, E, counts, where);
+    count_groups(groups, num_groups, E, counts, where, win, rows_cap, expert_cost,
+                 where != nullptr ? *budget : 0);
 }
 
-// Copy the layer's ids [R, K] and wts [R, K] into the mapped exchange buffer, and of the normed
-// rows hf [R, H] those with a CPU pair (the pool reads no other row of x: a prompt window moves
-// a few rows over PCIe, not all R), then (the last block to finish) ready[layer] = *seq after a
-// system-wide fence. Grid ceil(R*H / 256), block 256; arrived: one int per layer, zero between
-// launches (the last block resets it).
+// Copy the layer's ids [R, K] (-1 for a pair the pool does not compute: the pool takes
+// exactly the pairs win gives the CPU) and wts [R, K] into the mapped exchange buffer, and of
+// the normed rows hf [R, H] those with a CPU pair (the pool reads no other row of x: a prompt
+// window moves a few rows over PCIe, not all R), then (the last block to finish) ready[layer] =
+// *seq after a system-wide fence. Grid ceil(R*H / 256), block 256; arrived: one int per layer,
+// zero between launches (the last block resets it).
 extern "C" __global__ void pool_publish(const float *__restrict__ hf, const int *__restrict__ ids,
                                         const float *__restrict__ wts, int R, int K, int H,
                                         const uint8_t *__restrict__ where, int E, int layer,
@@ -78,7 +102,7 @@ extern "C" __global__ void pool_publish(const float *__restrict__ hf, const int 
     if (copy_x && i < (long long)R * H && row_has_cpu_pair(ids, (int)(i / H), K, where))
         ex_x[i] = hf[i];
     if (i < (long long)R * K) {
-        ex_ids[i] = ids[i];
+        ex_ids[i] = where[ids[i]] == WHERE_CPU ? ids[i] : -1;
         ex_wts[i] = wts[i];
     }
     __threadfence_system();  // this thread's stores reach the host before the count below
@@ -241,7 +265,9 @@ __device__ __forceinline__ void keep_misses(const int *__restrict__ groups,
 extern "C" __global__ void tier_groups_keep(int *__restrict__ groups,
                                             int *__restrict__ num_groups, int E,
                                             int *__restrict__ counts,
-                                            const uint8_t *__restrict__ where,
+                                            const uint8_t *__restrict__ where, uint8_t *win,
+                                            int rows_cap, int expert_cost,
+                                            const int *__restrict__ budget,
                                             unsigned long long *tables, unsigned long long *atab,
                                             const unsigned long long *__restrict__ part_off,
                                             const int *__restrict__ pool, int *state, int *log,
@@ -250,7 +276,8 @@ extern "C" __global__ void tier_groups_keep(int *__restrict__ groups,
                                             unsigned long long slot_base,
                                             unsigned long long slot_bytes) {
     kernel_entry();
-    count_groups(groups, num_groups, E, counts, where);
+    count_groups(groups, num_groups, E, counts, where, win, rows_cap, expert_cost,
+                 where != nullptr ? *budget : 0);
     __syncthreads();  // counts and the kept groups are in place
     if (threadIdx.x < WARP)
         keep_misses(groups, num_groups, counts, tables, atab, part_off, pool, state, log, layer,

@@ -151,6 +151,7 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     host = HostExperts(model.runtime, store, part_offsets, slot_bytes)
     arena = VramExpertArena(model, store, n, host)
     from strata.backends.cuda.share import POOL_MAX_ROWS, resolve_pcie_frac
+    from strata.backends.cuda.stream import PROMPT_POOL_MAX_ROWS
 
     # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.4 (1 for experts the
     # pool has no SIMD rows for: share.SLOW_POOL_TYPES), logged
@@ -162,10 +163,12 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     pcie_frac, _ = resolve_pcie_frac(config.pcie_frac, config.model_path, model.runtime.name,
                                      threads, expert_types)
     if pcie_frac < 1:
-        # only windows of up to POOL_MAX_ROWS rows hand rows to the pool (DeviceTier.pools),
-        # so its exchange holds that many (an engine window: a prompt chunk and the decode rows
-        # of the other slots, with room for draft tokens, may be smaller)
-        arena.attach_pool(pcie_frac, min(POOL_MAX_ROWS, config.max_prompt_window_tokens()
+        # windows that hand rows to the pool (DeviceTier.pools): decode windows of up to
+        # POOL_MAX_ROWS rows and streamed prompt windows of up to PROMPT_POOL_MAX_ROWS (their
+        # rare experts); an engine window holds one prompt chunk and the decode rows of the
+        # other slots (with room for draft tokens)
+        arena.attach_pool(pcie_frac, min(max(POOL_MAX_ROWS, PROMPT_POOL_MAX_ROWS),
+                                         config.max_prompt_window_tokens()
                                          + 16 * config.parallel), threads=config.threads)
     log.info("VRAM expert cache: %d slots of %d bytes (%.2f GiB; %.2f GiB free for it), %d "
              "experts pinned in RAM (%.2f GiB); misses: %s", n, slot_bytes,
@@ -346,13 +349,23 @@ class VramExpertArena(ExpertArena):
         self._where_version = -1
         self._set_where()
 
+    def pools_rows(self, num_rows: int) -> bool:
+        """Do windows of `num_rows` rows that stream their experts hand the rarely routed ones
+        to the CPU pool (DeviceTier.pools asks once per row count)? Those the streamer leaves
+        at their host copies (stream.rare_experts): the pool computes the routed ones from RAM,
+        so their bytes do not cross the link the copies need (stream.PROMPT_POOL_MAX_ROWS)."""
+        return self.streamer.pools_rare(num_rows)
+
     def _set_where(self, num_rows: int = 1) -> None:
         """where [L, E] from the published residency and the expected reads in a window of this
         many rows (share.py), on the device and in the pool, when residency, the window's share
         or its rows changed, or every 8 windows (`window_share`: prompt chunks read every miss
-        over PCIe)."""
+        over PCIe); a streamed window that leaves rare experts gives those to the pool."""
         from strata.backends.cuda.share import assign_where, window_share
 
+        if self.streamer.is_ready_for(num_rows) and self.pools_rows(num_rows):
+            self._set_stream_where(num_rows)
+            return
         share = self._where_share = window_share(self.pcie_frac, num_rows)
         self._where_rows = num_rows if share < 1.0 else 0  # rows matter only to a split
         key = (self.table.version, share, self._where_rows)
@@ -366,6 +379,32 @@ class VramExpertArena(ExpertArena):
             where = assign_where(self.table.peek().table, share, self._reads(self._where_rows))
         with self._rt.active():
             self.model.tier.set_where(where)
+        self.pool.set_where(where)
+        self._where_version, self._windows_since_where = key, 0
+
+    def _set_stream_where(self, num_rows: int) -> None:
+        """A streamed window's where: its rare missing experts (the streamer's, as run() will
+        leave them) to the CPU pool, the other missing ones PCIe (copied into staging: where
+        only tells the kernels which pairs are the pool's), resident ones VRAM. The pool takes
+        the routed ones within the device's caps (share.PROMPT_POOL_ROWS rows each, per layer
+        share.prompt_pool_budget of its time); the kernels read the rest over PCIe."""
+        from strata.backends.cuda.exchange import WHERE_CPU, WHERE_PCIE, WHERE_VRAM
+
+        rare = self.streamer.rare_for(num_rows)  # [L, E]
+        key = (self.table.version, "stream", np.packbits(rare).tobytes())
+        self._where_share, self._where_rows = 1.0, 0  # the next decode window recomputes
+        self._windows_since_where += 1
+        self._pending_where = None
+        if key == self._where_version:
+            return
+        from strata.backends.cuda.share import prompt_pool_budget
+
+        residency = self.table.peek().table
+        where = np.where(residency >= 0, WHERE_VRAM, WHERE_PCIE).astype(np.uint8)
+        where[rare] = WHERE_CPU
+        copied = ((residency < 0) & ~rare).sum(axis=1)  # [L] experts the window copies
+        with self._rt.active():
+            self.model.tier.set_where(where, prompt_pool_budget(copied, self.pool.threads))
         self.pool.set_where(where)
         self._where_version, self._windows_since_where = key, 0
 

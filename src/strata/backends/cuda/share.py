@@ -44,6 +44,32 @@ def check_pcie_frac(value, what: str = "--pcie-frac") -> float:
 # between and is not measured (docs/offload.md).
 POOL_MAX_ROWS = 16
 
+# A streamed prompt window (stream.py) leaves its rare experts at their host copies; the pool
+# computes those the window routes to after all, within caps set on the device once the
+# routing is known (offload.cu's count_groups), so that a rare expert that takes many rows, or
+# many of them, cannot keep the GPU's layer waiting: at most PROMPT_POOL_ROWS rows each, and
+# per layer a budget of pool time, in row units (an expert costs POOL_EXPERT_ROWS + its rows),
+# of POOL_SHARE_OF_COPY of the time the copy engine spends on the layer's copied experts. The
+# others are read over PCIe. Measured on the H200 (docs/offload.md, "The CPU pool takes the
+# rare experts"): caps of 3 rows gained 1-5%, 16-64 rows 16-23% at pp512 with no expert cached.
+PROMPT_POOL_ROWS = 64
+POOL_SHARE_OF_COPY = 1.5
+# The pool's time per expert: tools/bench_pool_kernel.py --rows-per-expert on the H200 host
+# (15 threads, a Q4_0 expert of Qwen3-30B-A3B) gives ~45 us at 1 row and 106 at 4, and in
+# prompt windows the pool spent ~20 us per routed row (pp512 at 0%: 82 rows a layer in 1.4-1.8
+# ms): an expert costs POOL_EXPERT_ROWS rows' worth, a row ~300 thread-us, while the copy
+# engine copies that expert in ~48 us (both scale with the expert's bytes).
+POOL_EXPERT_ROWS = 2
+POOL_ROW_UNITS_PER_COPY_THREAD = 48.0 / 300.0
+NO_BUDGET = 1 << 30
+
+
+def prompt_pool_budget(copied: np.ndarray, threads: int) -> np.ndarray:
+    """[L] int32: the pool's budget per layer (row units, above) in a streamed prompt window
+    that copies `copied` [L] experts a layer, with `threads` pool threads."""
+    per_copy = POOL_ROW_UNITS_PER_COPY_THREAD * max(1, threads)
+    return np.floor(POOL_SHARE_OF_COPY * np.asarray(copied) * per_copy).astype(np.int32)
+
 
 def window_share(pcie_frac: float, num_rows: int) -> float:
     """The PCIe share for a window of `num_rows` rows: `pcie_frac` up to POOL_MAX_ROWS rows,

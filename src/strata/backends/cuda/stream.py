@@ -41,6 +41,18 @@ REACH_COST = 2.0
 # copies (compute-bound: 10,528 tokens/s at 0% against 16 GB copied at 55 GB/s in 300 ms), so
 # leaving copies saved them nothing and the reads cost them 7% (1.5: 9,815-9,849 tokens/s).
 RARE_MAX_ROWS = 2048
+# With a CPU pool attached, the pool computes the rare experts a window routes to after all
+# (within the device's caps, share.PROMPT_POOL_ROWS), so leaving one costs the link nothing when
+# it is not routed and little when it is: an expert is copied only when it is nearly sure to be
+# read. Measured on the H200 (synth qwen3-30b-a3b Q4_0, routing skew 1, no expert cached, pp512,
+# docs/offload.md): 1.05 / 1.1 / 1.2 gave 3,600-3,700 / 3,510-3,540 / 3,470-3,520 tokens/s
+# against 3,010 without the pool; a rule by expected rows (copy from 8 / 16 / 32 rows) handed the
+# pool more rows than it could compute in the layer's time and lost.
+POOL_REACH_COST = 1.05
+# Only windows of at most this many rows hand rare experts to the pool: a 2048-row window gives
+# each routed rare expert ~4x the rows of a 512-row one, and pp2048 lost (medians of 4: 7,514
+# against 9,230 without the pool), where pp1024 gained 18% (6,399 against 5,426).
+PROMPT_POOL_MAX_ROWS = 1024
 # The routing counts behind that chance: pairs routed per (layer, expert), halved every
 # COUNT_HALF_LIFE_ROWS window rows (prompts weigh as much as their rows, decode tokens little),
 # read with one pseudo-pair per expert, so that an expert is called rare only after enough rows.
@@ -222,10 +234,37 @@ class PromptStreamer:
         """Start the counts from a profile's rows [L, E] (seeded_counts), so that a fresh server
         leaves rare experts from its first prompt instead of after ~2 windows of its size."""
         self._routed[:] = seeded_counts(rows, self._top_k)
-        left = rare_experts(np.full(self._routed.shape, -1), self._routed, 512, self._top_k)
+        left = rare_experts(np.full(self._routed.shape, -1), self._routed, 512, self._top_k,
+                            self._reach_cost(512))
         log.info("prompt streaming: routing counts seeded from the profile; a 512-row window "
                  "with no expert cached would leave %.1f of %d experts per layer to PCIe reads",
                  left.sum() / max(1, self.num_layers), self.num_experts)
+
+    def leaves_rare(self, num_rows: int) -> bool:
+        """Does a window of `num_rows` rows, when it streams, leave rare experts at their host
+        copies (windows of min_rows to RARE_MAX_ROWS rows)?"""
+        return self.wants(num_rows) and num_rows <= RARE_MAX_ROWS
+
+    def rare_for(self, num_rows: int) -> np.ndarray:
+        """[L, E] bool: the missing experts a streamed window of `num_rows` rows leaves at their
+        host copies now (rare_experts on the published residency and the counts; none past
+        RARE_MAX_ROWS). The same before the window (the arena's where table) and in run()."""
+        residency = self.arena.table.peek().table  # [L, E]
+        if num_rows <= RARE_MAX_ROWS:
+            return rare_experts(residency, self._routed, num_rows, self._top_k,
+                                self._reach_cost(num_rows))
+        return np.zeros(residency.shape, dtype=bool)
+
+    def _reach_cost(self, num_rows: int) -> float:
+        """REACH_COST, or POOL_REACH_COST where the CPU pool computes the rare experts a window
+        of `num_rows` rows routes to after all (pools_rare)."""
+        return POOL_REACH_COST if self.pools_rare(num_rows) else REACH_COST
+
+    def pools_rare(self, num_rows: int) -> bool:
+        """Does a streamed window of `num_rows` rows hand its rare experts to the CPU pool (a
+        pool attached, at most PROMPT_POOL_MAX_ROWS rows)?"""
+        return (self.arena.pool is not None and self.leaves_rare(num_rows)
+                and num_rows <= PROMPT_POOL_MAX_ROWS)
 
     def wants(self, num_rows: int) -> bool:
         return bool(self.min_rows) and num_rows >= self.min_rows
@@ -357,10 +396,7 @@ class PromptStreamer:
         """Run `plan` (a WindowPlan, its descriptor uploaded) with the experts streamed."""
         a, rt = self.arena, self._rt
         residency = a.table.peek().table  # [L, E]
-        if plan.num_rows <= RARE_MAX_ROWS:
-            rare = rare_experts(residency, self._routed, plan.num_rows, self._top_k)  # [L, E]
-        else:
-            rare = np.zeros_like(residency, dtype=bool)
+        rare = self.rare_for(plan.num_rows)  # [L, E]
         key = (a.table.version, tuple(self.stage_bases), np.packbits(rare).tobytes())
         entry = self._lists.get(id(plan))
         if entry is None or entry[1] != key:
