@@ -159,8 +159,8 @@ def half_rare(arena, L, E):
     arena.streamer.account(counts)
 
 
-def test_the_cpu_pool_computes_the_rare_experts_a_streamed_window_routes(path, resident,
-                                                                          monkeypatch):
+def test_the_cpu_pool_computes_the_rare_experts_a_streamed_window_routes(
+        path, resident, monkeypatch):
     """With a CPU pool, a streamed window hands its rare experts (left at their host copies) to
     the pool: the pool computes the pairs routed to them from RAM (only those rows cross), the
     GPU the rest; logits within the pool's float rounding of the all-resident model's. (Caps
@@ -199,8 +199,8 @@ def test_the_cpu_pool_computes_the_rare_experts_a_streamed_window_routes(path, r
 
 
 @pytest.mark.parametrize("caps", ["rows", "budget", "none"])
-def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(path, resident, monkeypatch,
-                                                                   caps):
+def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(
+        path, resident, monkeypatch, caps):
     """The device decides, once a layer's routing is known, which routed rare experts the pool
     computes: at most PROMPT_POOL_ROWS rows each, within the layer's budget of pool time
     (POOL_EXPERT_ROWS + rows each, greedy in group order); the others are read over PCIe from
