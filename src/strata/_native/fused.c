@@ -179,7 +179,7 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 
-/* NR rows (1 or 4) of 32-column blocks: Q4_0 / Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
+/* NR rows (1, 2 or 4) of 32-column blocks: Q4_0 / Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
  * st_block32_values; res [NR, 3]. Each row keeps its own accumulators in the tiles' order, so
  * several rows at once change no result; they only give the core independent chains (one
  * row's FMAs wait on each other) and share the activation loads. For the min types (Q4_1,
@@ -261,8 +261,8 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
         for (int g = cols / ST_GROUP; g < num_groups; g++) B[r * num_groups + g] = 0.0f;
     const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
     float res4[12];                                              /* [4 rows, 3 tokens] */
-    /* 4 rows at a time for 1-2 tokens (8 accumulators), 1 for 3 (AVX2 has 16 registers) */
-    const int step = n_tok <= 2 ? 4 : 1;
+    /* 4 rows at a time for 1-2 tokens (8 accumulators), 2 for 3 (6: AVX2 has 16 registers) */
+    const int step = n_tok <= 2 ? 4 : 2;
     for (int i = 0; i < nr; ) {
         const int n = nr - i >= step ? step : 1;
         const uint8_t *rows[4];
@@ -271,6 +271,8 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
             fused_rows(4, 1, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
         else if (n == 4)
             fused_rows(4, 2, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
+        else if (n == 2)
+            fused_rows(2, 3, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
         else if (n_tok == 1)
             fused_rows(1, 1, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
         else if (n_tok == 2)
