@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from strata._native import cuda_driver
-from strata.backends.cuda.stream import (COMPUTE, COPY, NUM_STAGES, REACH_COST, copy_runs,
-                                         decay_counts, rare_experts, seeded_counts,
+from strata.backends.cuda.stream import (COMPUTE, COPY, NUM_STAGES, REACH_COST, WindowTimeline,
+                                         copy_runs, decay_counts, rare_experts, run_bytes, seeded_counts,
                                          stream_schedule, stream_tables, streamed_layers)
 
 
@@ -15,6 +15,20 @@ def test_copy_runs_are_the_runs_of_missing_experts():
     assert copy_runs(np.zeros(5, bool)) == []
     assert copy_runs(np.ones(4, bool)) == [(0, 4)]
     assert copy_runs(np.array([0, 1, 0], bool)) == [(1, 2)]
+
+
+def test_run_bytes_give_each_runs_first_expert_the_whole_run():
+    rng = np.random.default_rng(5)
+    copied = rng.random((6, 16)) < 0.5
+    copied[0], copied[1] = True, False  # one run of the whole layer; nothing
+    image = np.array([100, 90, 80, 70, 60, 50])
+    got = run_bytes(copied, 128, image)
+    want = np.zeros((6, 16), dtype=np.uint64)
+    for layer in range(6):
+        for first, stop in copy_runs(copied[layer]):
+            want[layer, first] = (stop - first - 1) * 128 + image[layer]
+    assert got.dtype == np.uint64 and np.array_equal(got, want)
+    assert got[0, 0] == 15 * 128 + 100 and not got[1].any()
 
 
 def test_streamed_layers_have_a_missing_expert():
@@ -138,6 +152,46 @@ def test_schedule_orders_copies_and_reads_of_each_staging_set(streamed):
     first_launch = min(i for i, op in enumerate(ops) if op.kind == "launches")
     for layer in streamed[:NUM_STAGES]:
         assert max(copies[layer]) < first_launch
+
+
+def test_the_timeline_only_adds_timing_records_around_each_layer():
+    L, per_layer = 5, 10
+    spans = [(l * per_layer + 4, l * per_layer + 7) for l in range(L)]
+    runs = {l: [(0, 2), (5, 8)] for l in (0, 2, 3, 4)}
+    plain = stream_schedule(L * per_layer, spans, runs)
+    timed = stream_schedule(L * per_layer, spans, runs, timeline=True)
+    marks = [op for op in timed if op.event[:1] == ("t",)]
+    assert all(op.kind == "record" for op in marks)
+    assert [op for op in timed if op.event[:1] != ("t",)] == plain
+    at = {op.event[1:]: i for i, op in enumerate(timed) if op.event[:1] == ("t",)}
+    assert len(at) == len(marks)  # each key once
+    assert timed[at[("start",)]].stream == COMPUTE and at[("end",)] == len(timed) - 1
+    for l in runs:
+        copies = [i for i, op in enumerate(timed) if op.kind == "copy" and op.layer == l]
+        assert at[("copy", l)] < min(copies) and max(copies) < at[("copied", l)]
+        assert timed[at[("copy", l)]].stream == timed[at[("copied", l)]].stream == COPY
+        wait = next(i for i, op in enumerate(timed)
+                    if op.kind == "wait" and op.event == ("copied", l))
+        launch = launch_ops(timed, *spans[l])
+        assert at[("ready", l)] < wait < at[("go", l)] < min(launch)
+        assert max(launch) < at[("done", l)]
+        assert all(timed[at[(k, l)]].stream == COMPUTE for k in ("ready", "go", "done"))
+    assert not any(key[1:] == (1,) for key in at)  # layer 1 is resident: no marks
+
+
+def test_window_timeline_sums_each_layers_spans():
+    # made-up times (ms from start) for two streamed layers copied back to back, then one
+    # that waited 1 ms for its staging set
+    times = {("start",): 0.0, ("copy", 0): 0.0, ("copied", 0): 2.0, ("copy", 1): 2.0,
+             ("copied", 1): 4.0, ("copy", 2): 5.0, ("copied", 2): 7.0,
+             ("ready", 0): 0.5, ("go", 0): 2.0, ("done", 0): 3.0,
+             ("ready", 1): 3.5, ("go", 1): 4.0, ("done", 1): 5.0,
+             ("ready", 2): 5.5, ("go", 2): 7.0, ("done", 2): 8.0, ("end",): 8.5}
+    t = WindowTimeline.measure(512, [0, 1, 2], lambda a, b: times[b] - times[a], 3 * 2**30)
+    assert (t.total, t.fill, t.copying, t.held) == (8.5, 2.0, 6.0, 1.0)
+    assert (t.waiting, t.experts, t.tail) == (1.5 + 0.5 + 1.5, 3.0, 1.5)
+    line = t.describe()
+    assert "512 rows: 8.5 ms" in line and "3.00 GiB" in line and "held" in line
 
 
 def test_no_streamed_layer_is_the_plain_list():

@@ -73,6 +73,7 @@ ctypedef CUresult (*t_event_record)(CUevent, CUstream) noexcept nogil
 ctypedef CUresult (*t_event_query)(CUevent) noexcept nogil
 ctypedef CUresult (*t_event_synchronize)(CUevent) noexcept nogil
 ctypedef CUresult (*t_stream_wait_event)(CUstream, CUevent, unsigned int) noexcept nogil
+ctypedef CUresult (*t_event_elapsed_time)(float *, CUevent, CUevent) noexcept nogil
 ctypedef CUresult (*t_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream) noexcept nogil
 ctypedef CUresult (*t_mem_host_register)(void *, size_t, unsigned int) noexcept nogil
 ctypedef CUresult (*t_mem_host_unregister)(void *) noexcept nogil
@@ -104,6 +105,7 @@ cdef struct Driver:
     t_event_query event_query
     t_event_synchronize event_synchronize
     t_stream_wait_event stream_wait_event
+    t_event_elapsed_time event_elapsed_time  # NULL where the driver lacks both names
     t_memcpy_htod_async memcpy_htod_async
     t_mem_host_register mem_host_register
     t_mem_host_unregister mem_host_unregister
@@ -176,6 +178,9 @@ def load() -> None:
     drv.event_query = <t_event_query>_sym(lib, "cuEventQuery")
     drv.event_synchronize = <t_event_synchronize>_sym(lib, "cuEventSynchronize")
     drv.stream_wait_event = <t_stream_wait_event>_sym(lib, "cuStreamWaitEvent")
+    drv.event_elapsed_time = <t_event_elapsed_time>dlsym(lib, b"cuEventElapsedTime_v2")
+    if drv.event_elapsed_time == NULL:
+        drv.event_elapsed_time = <t_event_elapsed_time>dlsym(lib, b"cuEventElapsedTime")
     drv.memcpy_htod_async = <t_memcpy_htod_async>_sym(lib, "cuMemcpyHtoDAsync_v2")
     drv.mem_host_register = <t_mem_host_register>_sym(lib, "cuMemHostRegister_v2")
     drv.mem_host_unregister = <t_mem_host_unregister>_sym(lib, "cuMemHostUnregister")
@@ -431,17 +436,21 @@ cdef inline CUresult _launch(LaunchRec *r, CUstream stream) noexcept nogil:
         return drv.event_record(r.event, stream)
     if r.kind == KIND_WAIT:
         return drv.stream_wait_event(stream, r.event, 0)
+    if r.nbytes == 0:  # a copy switched off for this run (LaunchList.set_copy_bytes)
+        return 0
     return drv.memcpy_htod_async(r.dst, r.src, r.nbytes, stream)
 
 
 cdef class Event:
-    """A driver event (timing off): recorded and waited on by LaunchList entries."""
+    """A driver event, recorded and waited on by LaunchList entries; timing off unless
+    `timing` (then elapsed_ms measures between two of them)."""
 
     cdef CUevent handle
 
-    def __cinit__(self):
+    def __cinit__(self, bint timing=False):
         _need()
-        _check(drv.event_create(&self.handle, _EVENT_DISABLE_TIMING), "cuEventCreate")
+        _check(drv.event_create(&self.handle, 0 if timing else _EVENT_DISABLE_TIMING),
+               "cuEventCreate")
 
     def __dealloc__(self):
         if _loaded and self.handle != NULL:
@@ -460,6 +469,16 @@ cdef class Event:
         with nogil:
             rc = drv.event_synchronize(self.handle)
         _check(rc, "cuEventSynchronize")
+
+
+def elapsed_ms(Event start, Event end) -> float:
+    """Milliseconds between the completed records of two timing events (Event(timing=True))."""
+    cdef float ms = 0
+    if drv.event_elapsed_time == NULL:
+        raise CudaUnavailable(f"{LIBRARY} has no cuEventElapsedTime: this driver cannot time "
+                              "events; update the NVIDIA driver")
+    _check(drv.event_elapsed_time(&ms, start.handle, end.handle), "cuEventElapsedTime")
+    return ms
 
 
 cdef class StreamOp:
@@ -577,6 +596,23 @@ cdef class LaunchList:
         self.recs[self.num] = rec
         self.keep.append(owner)
         self.num += 1
+
+    def set_copy_bytes(self, const int64_t[::1] entries, const uint64_t[::1] num_bytes) -> None:
+        """Resize async copies in place, between runs: entry entries[i] (a copy_htod) copies
+        num_bytes[i] bytes from its addresses on, 0 skipping it. A list whose copies change
+        from run to run is built once with every copy it may need."""
+        cdef Py_ssize_t i
+        cdef int64_t j
+        if entries.shape[0] != num_bytes.shape[0]:
+            raise ValueError(f"set_copy_bytes: {entries.shape[0]} entries, "
+                             f"{num_bytes.shape[0]} sizes")
+        for i in range(entries.shape[0]):
+            j = entries[i]
+            if not 0 <= j < self.num or self.recs[j].kind != KIND_COPY_HTOD:
+                raise ValueError(f"set_copy_bytes: entry {j} of a list of {self.num} is not an "
+                                 "async copy")
+        for i in range(entries.shape[0]):
+            self.recs[entries[i]].nbytes = num_bytes[i]
 
     def __len__(self) -> int:
         return self.num

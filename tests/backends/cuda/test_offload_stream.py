@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from strata import EngineConfig
+from strata.backends.cuda.stream import copy_runs
 from strata.backends.window import Window
 from strata.engine.expert_tier import ExpertTier
 from strata.experts.store import ExpertStore
@@ -148,6 +149,69 @@ def test_rare_experts_are_read_over_pcie_not_copied(path, resident):
         per_window = sum((E // 2 - 1) * arena.slot_bytes + arena._image_bytes(layer)
                          for layer in range(L))
         assert streamer.streamed_bytes == 2 * per_window
+        assert np.array_equal(arena.device_table(), expected_tables(arena))
+    finally:
+        arena.close()
+
+
+def test_the_timeline_times_each_streamed_window_without_changing_it(path, resident):
+    """STRATA_STREAM_TIMELINE's timing events (stream.WindowTimeline): one timeline per
+    streamed window, its spans within the window, its bytes the window's copies, and the
+    logits the all-resident model's bit for bit."""
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    model, arena, _, _ = offload(path, 0)
+    streamer = arena.streamer
+    streamer.timeline = True
+
+    def forward(window):
+        arena.before_window(window.num_rows)
+        return model.forward_window(window)
+
+    try:
+        got = run(model, PLANS, forward)
+        want = run(resident, PLANS, resident.forward_window)
+        for index, (a, b) in enumerate(zip(want, got)):
+            assert np.array_equal(a, b), f"window {index} differs"
+        assert len(streamer.timelines) == streamer.num_windows == sum(STREAMED)
+        per_window = sum((E - 1) * arena.slot_bytes + arena._image_bytes(layer)
+                         for layer in range(L))
+        for t, rows in zip(streamer.timelines, [sum(p) for p in PLANS if sum(p) >= MIN_ROWS]):
+            assert t.rows == rows and t.copied_bytes == per_window
+            assert 0 < t.copying <= t.total and 0 <= t.fill <= t.total
+            assert 0 < t.experts <= t.total and 0 <= t.waiting <= t.total
+            assert 0 <= t.tail <= t.total and t.held >= 0
+    finally:
+        arena.close()
+
+
+def test_a_new_rare_set_resizes_the_copies_without_a_rebuild(path, resident):
+    """The streamed launch list is built once per plan and residency: a window whose counts
+    leave other experts rare resizes its copies in place (LaunchList.set_copy_bytes), copying
+    exactly the experts that are not rare, and the logits stay the all-resident model's."""
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    model, arena, _, _ = offload(path, 0)
+    streamer = arena.streamer
+    plans = [(40, 33, 20)]
+
+    def forward(window):
+        arena.before_window(window.num_rows)
+        return model.forward_window(window)
+
+    try:
+        want = run(resident, plans, resident.forward_window)[0]
+        lists, total = [], 0
+        for kept in (np.arange(E) < E // 2, np.arange(E) % 3 == 0, np.ones(E, dtype=bool)):
+            streamer._routed[:] = 0.0
+            counts = np.zeros((L, E))
+            counts[:, kept] = 10_000.0  # the others never routed so far: rare
+            streamer.account(counts)
+            assert np.array_equal(run(model, plans, forward)[0], want)
+            total += sum(len(np.flatnonzero(kept)) * arena.slot_bytes
+                         - (arena.slot_bytes - arena._image_bytes(layer))
+                         * len(copy_runs(kept)) for layer in range(L))
+            assert streamer.streamed_bytes == total
+            lists.append(next(iter(streamer._lists.values()))[2])
+        assert lists[0] is lists[1] is lists[2] and len(streamer._lists) == 1
         assert np.array_equal(arena.device_table(), expected_tables(arena))
     finally:
         arena.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -57,6 +58,10 @@ PROMPT_POOL_MAX_ROWS = 1024
 # COUNT_HALF_LIFE_ROWS window rows (prompts weigh as much as their rows, decode tokens little),
 # read with one pseudo-pair per expert, so that an expert is called rare only after enough rows.
 COUNT_HALF_LIFE_ROWS = 4096
+# STRATA_STREAM_TIMELINE=1: every streamed window records timing events, waits for its end and
+# logs where its time went (WindowTimeline; a diagnosis, it costs each window its overlap with
+# the next).
+ENV_TIMELINE = "STRATA_STREAM_TIMELINE"
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,22 @@ def copy_runs(missing: np.ndarray) -> list[tuple[int, int]]:
     m = np.concatenate(([False], np.asarray(missing, dtype=bool), [False]))
     edges = np.flatnonzero(m[1:] != m[:-1])  # starts and stops alternate
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def run_bytes(copied: np.ndarray, slot_bytes: int, image_bytes: np.ndarray) -> np.ndarray:
+    """[L, E] uint64: the bytes each expert's copy moves when `copied` [L, E] are copied one
+    run of consecutive experts at a time: the run's first expert copies the whole run ((n - 1)
+    slots and the last expert's image, `image_bytes` [L]), the others nothing (as copy_runs)."""
+    L, E = copied.shape
+    padded = np.zeros((L, E + 2), dtype=bool)
+    padded[:, 1:-1] = copied
+    edges = np.flatnonzero(padded.ravel()[1:] != padded.ravel()[:-1])  # starts, stops alternate
+    starts, stops = edges[::2], edges[1::2]
+    rows, cols = starts // (E + 2), starts % (E + 2)
+    out = np.zeros((L, E), dtype=np.uint64)
+    out[rows, cols] = ((stops - starts - 1).astype(np.uint64) * np.uint64(slot_bytes)
+                       + np.asarray(image_bytes, dtype=np.uint64)[rows])
+    return out
 
 
 def streamed_layers(residency: np.ndarray) -> list[int]:
@@ -147,20 +168,31 @@ def stream_tables(mirror: np.ndarray, residency: np.ndarray, stage_bases, slot_b
     return out
 
 
-def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, int]]]) -> list[Op]:
+def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, int]]],
+                    timeline: bool = False) -> list[Op]:
     """The entries of a streamed window in issue order. `spans[l]` = (first, stop) of layer
     l's expert launches in the plan's list; `runs[l]` its copies (streamed layers only).
 
     The copy stream starts after the compute stream's work so far (event start), copies the
     first two streamed layers, then streamed layer j + 2 once streamed layer j's expert
     launches are done (event read j: they share a staging set); the compute stream waits for
-    a layer's copies (event copied l) right before its expert launches."""
+    a layer's copies (event copied l) right before its expert launches.
+    `timeline` adds records of timing events, keys ("t", what, ...) (WindowTimeline), and
+    nothing else: the order of the other entries is the same."""
     layers = sorted(runs)
     ops = [Op("record", COMPUTE, event=("start",)), Op("wait", COPY, event=("start",))]
 
+    def mark(stream: str, *key) -> None:
+        if timeline:
+            ops.append(Op("record", stream, event=("t",) + key))
+
+    mark(COMPUTE, "start")
+
     def copies(layer: int) -> None:
+        mark(COPY, "copy", layer)
         ops.extend(Op("copy", COPY, first, stop, layer) for first, stop in runs[layer])
         ops.append(Op("record", COPY, event=("copied", layer)))
+        mark(COPY, "copied", layer)
 
     for layer in layers[:NUM_STAGES]:
         copies(layer)
@@ -169,8 +201,11 @@ def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, in
         first, stop = spans[layer]
         if first > at:
             ops.append(Op("launches", COMPUTE, at, first))
+        mark(COMPUTE, "ready", layer)
         ops.append(Op("wait", COMPUTE, event=("copied", layer)))
+        mark(COMPUTE, "go", layer)
         ops.append(Op("launches", COMPUTE, first, stop))
+        mark(COMPUTE, "done", layer)
         at = stop
         if j + NUM_STAGES < len(layers):
             ops += [Op("record", COMPUTE, event=("read", layer)),
@@ -178,7 +213,48 @@ def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, in
             copies(layers[j + NUM_STAGES])
     if at < num_launches:
         ops.append(Op("launches", COMPUTE, at, num_launches))
+    mark(COMPUTE, "end")
     return ops
+
+
+@dataclass(frozen=True)
+class WindowTimeline:
+    """Where a streamed window's time went, from its timing events (ms; `STRATA_STREAM_TIMELINE`
+    = 1): `total` from the window's start to its last launch; `fill` until the first streamed
+    layer's experts could start; the copy engine `copying` (sum of each layer's copies) and
+    `held` (waiting for the compute stream to release a staging set); the compute stream
+    `waiting` for copies and `experts` (the streamed layers' expert launches, the pool's wait
+    included); `tail` from the last copy to the end."""
+
+    rows: int
+    total: float
+    fill: float
+    copying: float
+    held: float
+    waiting: float
+    experts: float
+    tail: float
+    copied_bytes: int
+
+    @classmethod
+    def measure(cls, rows: int, layers: list[int], elapsed, copied_bytes: int) -> "WindowTimeline":
+        """`elapsed(a, b)` = ms from key a's record to key b's (keys without the leading "t")."""
+        at = lambda *key: elapsed(("start",), key)  # noqa: E731
+        held = sum(at("copy", b) - at("copied", a) for a, b in zip(layers, layers[1:]))
+        return cls(rows, at("end"), at("go", layers[0]),
+                   sum(elapsed(("copy", j), ("copied", j)) for j in layers), max(0.0, held),
+                   sum(elapsed(("ready", j), ("go", j)) for j in layers),
+                   sum(elapsed(("go", j), ("done", j)) for j in layers),
+                   at("end") - at("copied", layers[-1]), copied_bytes)
+
+    def describe(self) -> str:
+        rate = self.copied_bytes / max(self.copying, 1e-6) / 1e6  # GB/s
+        return (f"streamed window of {self.rows} rows: {self.total:.1f} ms; copy engine "
+                f"{self.copying:.1f} ms copying {self.copied_bytes / 2**30:.2f} GiB "
+                f"({rate:.1f} GB/s), {self.held:.1f} ms held for a staging set; compute waited "
+                f"{self.waiting:.1f} ms for copies, {self.experts:.1f} ms in the streamed layers' "
+                f"experts; first experts at {self.fill:.1f} ms, {self.tail:.1f} ms after the last "
+                "copy")
 
 
 class PromptStreamer:
@@ -214,6 +290,9 @@ class PromptStreamer:
         self._streak_bytes = self._streak_windows = self._streak_left = 0
         self._routed = np.zeros((store.n_layers, store.n_experts))  # [L, E] decayed pairs
         self._top_k = arena.model.spec.n_experts_used
+        self.timeline = os.environ.get(ENV_TIMELINE, "0") == "1"
+        self._image_bytes: np.ndarray | None = None  # [L] of an expert's image (made by _build)
+        self.timelines: list[WindowTimeline] = []  # with timeline on: one per streamed window
 
     # ---- between windows ----------------------------------------------------------------
     def before_window(self, num_rows: int) -> None:
@@ -397,51 +476,76 @@ class PromptStreamer:
         a, rt = self.arena, self._rt
         residency = a.table.peek().table  # [L, E]
         rare = self.rare_for(plan.num_rows)  # [L, E]
-        key = (a.table.version, tuple(self.stage_bases), np.packbits(rare).tobytes())
+        key = (a.table.version, tuple(self.stage_bases))
         entry = self._lists.get(id(plan))
         if entry is None or entry[1] != key:
-            launches, num_bytes = self._build(plan, residency, rare)
-            entry = self._lists[id(plan)] = (plan, key, launches, num_bytes)
+            launches, copy_entries, marks = self._build(plan, residency)
+            entry = self._lists[id(plan)] = (plan, key, launches, copy_entries, marks)
             while len(self._lists) > _MAX_LISTS:
                 self._lists.popitem(last=False)
         self._lists.move_to_end(id(plan))
-        if self._table_key != key:  # the compute stream is idle: no upload reads it now
+        table_key = key + (np.packbits(rare).tobytes(),)
+        if self._table_key != table_key:  # the compute stream is idle: no upload reads it now
             self._table_host[:] = stream_tables(a._mirror, residency, self.stage_bases,
                                                 a.slot_bytes, a.host.part_offsets, rare)
-            self._table_key = key
+            self._table_key = table_key
+        missing = residency < 0  # [L, E]: each has a copy entry; the rare ones skip it
+        sizes = run_bytes(missing & ~rare, a.slot_bytes, self._image_bytes)  # [L, E]
+        entry[2].set_copy_bytes(entry[3][missing], sizes[missing])
+        num_bytes = int(sizes.sum())
         rt.drv.memcpy_htod_async(a.model.expert_tables_ptr, self._table_host, rt.stream)
         entry[2].run(stream)
         a._publish()  # the tables back to the residency's, behind the window's kernels
-        self.streamed_bytes += entry[3]
-        self._streak_bytes += entry[3]
+        if self.timeline:
+            self._time(plan.num_rows, entry[4], num_bytes)
+        self.streamed_bytes += num_bytes
+        self._streak_bytes += num_bytes
         self.num_windows += 1
         self._streak_windows += 1
         left = int(rare.sum())
         self.num_left += left
         self._streak_left += left
 
-    def _build(self, plan, residency: np.ndarray, rare: np.ndarray | None = None):
-        """(LaunchList of the streamed window, bytes it copies); `rare` [L, E]: missing experts
-        not copied (rare_experts)."""
+    def _time(self, rows: int, marks: dict, copied_bytes: int) -> None:
+        """Wait for the window and log its WindowTimeline (timeline on)."""
+        marks[("t", "end")].synchronize()
+        layers = sorted(key[2] for key in marks if key[1] == "go")
+        t = WindowTimeline.measure(
+            rows, layers, lambda a, b: cuda_driver.elapsed_ms(marks[("t",) + a],
+                                                              marks[("t",) + b]), copied_bytes)
+        self.timelines.append(t)
+        log.info("%s", t.describe())
+
+    def _build(self, plan, residency: np.ndarray):
+        """(LaunchList of the streamed window, the index of each missing expert's copy entry
+        [L, E] (-1: resident), its timing events by key: empty unless timeline). Every missing
+        expert gets its own copy entry; run() sizes them per window (run_bytes: one copy per
+        run of consecutive copied experts, none for rare ones), so a new rare set costs no
+        rebuild."""
         a, E, slot_bytes = self.arena, self.num_experts, self.arena.slot_bytes
-        copied = residency < 0 if rare is None else (residency < 0) & ~rare  # [L, E]
-        runs = {layer: copy_runs(copied[layer]) for layer in streamed_layers(residency)}
+        if self._image_bytes is None:  # a slot may hold more than the image
+            self._image_bytes = np.array(
+                [a._image_bytes(layer) for layer in range(self.num_layers)], dtype=np.uint64)
+        missing = residency < 0  # [L, E]
+        runs = {layer: [(int(e), int(e) + 1) for e in np.flatnonzero(missing[layer])]
+                for layer in streamed_layers(residency)}
         stage = {layer: j % NUM_STAGES for j, layer in enumerate(sorted(runs))}
-        out, events, num_bytes = cuda_driver.LaunchList(), {}, 0
-        for op in stream_schedule(len(plan.launches), plan.expert_spans, runs):
+        out, events = cuda_driver.LaunchList(), {}
+        entries = np.full(residency.shape, -1, dtype=np.int64)  # [L, E]
+        for op in stream_schedule(len(plan.launches), plan.expert_spans, runs, self.timeline):
             stream = 0 if op.stream == COMPUTE else self.copy_stream_handle
             if op.kind == "launches":
                 out.extend(plan.launches, op.first, op.stop)
             elif op.kind == "copy":
-                nbytes = (op.stop - op.first - 1) * slot_bytes + a._image_bytes(op.layer)
+                entries[op.layer, op.first] = len(out)
                 out.append(cuda_driver.copy_htod(
                     self.stage_bases[stage[op.layer]] + op.first * slot_bytes,
-                    a.host.host_base + (op.layer * E + op.first) * slot_bytes, nbytes, stream))
-                num_bytes += nbytes
+                    a.host.host_base + (op.layer * E + op.first) * slot_bytes,
+                    int(self._image_bytes[op.layer]), stream))
             else:
                 event = events.get(op.event)
                 if event is None:
-                    event = events[op.event] = cuda_driver.Event()
+                    event = events[op.event] = cuda_driver.Event(timing=op.event[0] == "t")
                 make = cuda_driver.record_event if op.kind == "record" else cuda_driver.wait_event
                 out.append(make(event, stream))
-        return out, num_bytes
+        return out, entries, {k: e for k, e in events.items() if k[0] == "t"}
