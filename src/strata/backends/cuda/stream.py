@@ -45,11 +45,13 @@ RARE_MAX_ROWS = 2048
 # With a CPU pool attached, the pool computes the rare experts a window routes to after all
 # (within the device's caps, share.PROMPT_POOL_ROWS), so leaving one costs the link nothing when
 # it is not routed and little when it is: an expert is copied only when it is nearly sure to be
-# read. Measured on the H200 (synth qwen3-30b-a3b Q4_0, routing skew 1, no expert cached, pp512,
-# docs/offload.md): 1.05 / 1.1 / 1.2 gave 3,600-3,700 / 3,510-3,540 / 3,470-3,520 tokens/s
-# against 3,010 without the pool; a rule by expected rows (copy from 8 / 16 / 32 rows) handed the
-# pool more rows than it could compute in the layer's time and lost.
-POOL_REACH_COST = 1.05
+# read (a chance above 0.99: ~4.6 expected rows). Measured on the H200 (synth qwen3-30b-a3b Q4_0,
+# routing skew 1, no expert cached, pp512, docs/offload.md): 1.05 / 1.1 / 1.2 gave 3,600-3,700 /
+# 3,510-3,540 / 3,470-3,520 tokens/s against 3,010 without the pool; in later calls 1.01 gave
+# 3,783-3,888 against 3,620-3,719 at 1.05 (1.003 3,776; 1.0, which copies only experts expected
+# to get ~37 rows, 3,018); a rule by expected rows (copy from 8 / 16 / 32 rows) handed the pool
+# more rows than it could compute in the layer's time and lost.
+POOL_REACH_COST = 1.01
 # Only windows of at most this many rows hand rare experts to the pool: a 2048-row window gives
 # each routed rare expert ~4x the rows of a 512-row one, and pp2048 lost (medians of 4: 7,514
 # against 9,230 without the pool), where pp1024 gained 18% (6,399 against 5,426).
