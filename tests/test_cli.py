@@ -253,10 +253,10 @@ def test_tier_summary_line_names_the_cpu_pool():
     assert format_tier_summary(s).endswith(
         "tier wait 1.2 ms; CPU pool: 24 routed entries in 4 windows, per window 1.50 ms "
         "computing and 0.25 ms waiting for the GPU")
-    s.update(streamed_windows=2, streamed_gib=1.5, streamed_left=37.25)
+    s.update(streamed_windows=2, streamed_gib=1.5, streamed_left=37.25, streamed_pulled=3)
     assert format_tier_summary(s).endswith(
         "waiting for the GPU; prompt windows: 2 streamed 1.50 GiB of experts, 37.2 rare ones "
-        "per layer left to PCIe reads")
+        "per layer left to PCIe reads (the GPU pulled 3 of them into staging)")
 
 
 def test_help_lists_the_expert_options():

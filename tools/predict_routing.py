@@ -1,5 +1,5 @@
-"""How well can a prompt window's experts be known one layer ahead? (docs/offload.md, "Which
-experts a window will route to").
+"""How well can a prompt window's experts be known one layer ahead? (docs/offload.md, what is
+left against pp512's goal, after "Heavily routed rare experts are pulled into staging").
 
 Runs transformers (CPU) on a MoE GGUF over windows of random tokens, as `strata bench` prompts
 are, and compares, per window and layer l + 1, the experts the window routes to (A, with their

@@ -266,7 +266,7 @@ def tier_summary(tier) -> dict:
             out.update(streamed_windows=streamer.num_windows,
                        streamed_gib=streamer.streamed_bytes / 2**30,
                        streamed_left=streamer.num_left / streamer.num_windows
-                       / max(1, streamer.num_layers))
+                       / max(1, streamer.num_layers), streamed_pulled=streamer.pulled)
     return out
 
 
@@ -432,7 +432,8 @@ def format_tier_summary(s: dict) -> str:
                "ms waiting for the GPU"
                if "pool_entries" in s else "")
             + (f"; prompt windows: {s['streamed_windows']} streamed {s['streamed_gib']:.2f} GiB "
-               f"of experts, {s['streamed_left']:.1f} rare ones per layer left to PCIe reads"
+               f"of experts, {s['streamed_left']:.1f} rare ones per layer left to PCIe reads "
+               f"(the GPU pulled {s['streamed_pulled']} of them into staging)"
                if "streamed_windows" in s else ""))
 
 

@@ -100,6 +100,10 @@ class ExpertCacheCollector:
                                "experts prompt chunks left at their host copies (read over PCIe "
                                "only when routed) instead of copying them",
                                streamer.num_left)
+                yield _counter("strata_expert_stream_pulled_experts", "Rare experts a prompt "
+                               "chunk routed many rows to that the GPU copied into staging once "
+                               "the routing was known, instead of reading them per row tile",
+                               streamer.pulled)
         yield _gauge("strata_expert_cache_hit_rate", "Share of routed entries served by the "
                      "cache since start-up", t.hit_rate)
         yield _gauge("strata_expert_cache_slots", "Expert cache slots (one routed expert each)",

@@ -262,6 +262,39 @@ def test_the_cpu_pool_computes_the_rare_experts_a_streamed_window_routes(
     assert np.percentile(errors, 90) < 3e-2 and top1 >= 0.9  # docs/cuda.md's tolerance
 
 
+def test_rare_experts_with_many_rows_are_pulled_into_staging(path, resident, monkeypatch):
+    """A rare expert the pool does not take and that has more than PULL_MIN_ROWS rows is
+    copied into its staging slot once the routing is known (offload.cu's pull_rare), and the
+    products read it there: the same logits bit for bit as reading it over PCIe, the tables
+    back at the residency's after the window."""
+    from strata.backends.cuda import device_tier, stream
+
+    monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", 0)  # the pool takes none of them
+    monkeypatch.setattr(stream, "POOL_REACH_COST", 2.0)  # the rare half only (half_rare)
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    plans = [(40, 33, 20), (30, 1, 1), (20, 20, 20)]  # all stream (>= MIN_ROWS rows)
+    got, pulled = {}, {}
+    for min_rows in (10_000, 4):
+        monkeypatch.setattr(device_tier, "PULL_MIN_ROWS", min_rows)
+        model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
+        half_rare(arena, L, E)
+
+        def forward(window):
+            arena.before_window(window.num_rows)
+            return model.forward_window(window)
+
+        try:
+            got[min_rows] = run(model, plans, forward)
+            pulled[min_rows] = arena.streamer.pulled
+            assert arena.streamer.num_windows == len(plans)
+            assert np.array_equal(arena.device_table(), expected_tables(arena))
+        finally:
+            arena.close()
+    assert pulled[10_000] == 0 and pulled[4] > 0
+    for index, (a, b) in enumerate(zip(got[10_000], got[4])):
+        assert np.array_equal(a, b), f"window {index} differs with pulls"
+
+
 @pytest.mark.parametrize("caps", ["rows", "budget", "none"])
 def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(
         path, resident, monkeypatch, caps):
@@ -385,6 +418,8 @@ def test_async_tier_swaps_while_chunks_stream(path, resident):
             streamer.streamed_bytes > 0
         assert metrics["strata_expert_stream_rare_experts"].samples[0].value == \
             streamer.num_left
+        assert metrics["strata_expert_stream_pulled_experts"].samples[0].value == \
+            streamer.pulled
     finally:
         tier.close()
 

@@ -12,6 +12,11 @@ from strata.backends.cuda.share import (NO_BUDGET, POOL_EXPERT_ROWS, POOL_MAX_RO
 from strata.errors import ConfigError
 
 WHERE_VRAM, WHERE_PCIE, WHERE_CPU = 0, 1, 2  # as backends/cuda/exchange.py
+# A streamed window's rare expert that the pool does not take is read over PCIe by the grouped
+# products once per 32-row tile; with more rows than one tile, pull_rare copies it into its
+# staging slot first (one read). PULL_CHUNKS blocks share one expert's bytes.
+PULL_MIN_ROWS = 32
+PULL_CHUNKS = 16
 
 
 class DeviceTier:
@@ -39,6 +44,15 @@ class DeviceTier:
         self.seq_host[0] = 0
         self._arrived = rt.alloc(4 * L)
         rt.drv.memset_d32(self._arrived, 0, L)
+        # pull_rare (enable_pulls): a streamed layer's staging set [L] uint64 (0: none), set by
+        # the streamer around its windows, and the experts pulled [L] int32
+        self._pull_base = rt.alloc(8 * L)
+        rt.drv.memset_d32(self._pull_base, 0, 2 * L)
+        self._pulled = rt.alloc(4 * L)
+        rt.drv.memset_d32(self._pulled, 0, L)
+        self.pulled_host = rt.pinned((L,), np.int32)
+        self.pulled_host[:] = 0  # pinned memory comes uninitialised
+        self._pull_args = None  # (host device base, slot bytes, part offsets on the device, [L])
         self.pool = None
         self._pool_window = False  # did the running window hand rows to the pool (before_run)
         self._pools_rows: dict[int, bool] = {}  # rows -> pools(rows), until the pool changes
@@ -85,6 +99,27 @@ class DeviceTier:
         if not np.array_equal(where, self.where_host):
             self.where_host[:] = where
             drv.memcpy_htod_async(self._where, self.where_host, stream)
+
+    # ---- pulls of heavily routed rare experts (offload.cu's pull_rare) ----------------------
+    def enable_pulls(self, host_device_base: int, slot_bytes: int, part_offsets: np.ndarray,
+                     image_bytes: np.ndarray) -> None:
+        """Let streamed prompt windows with a pool copy a rare expert the pool does not take
+        and that has more than PULL_MIN_ROWS rows into its staging slot once the routing is
+        known (one read over the link instead of one per row tile). part_offsets [L, 3] and
+        image_bytes [L]: the slot image layout, the same in the host copies [host_device_base
+        + (layer * E + e) * slot_bytes] and the staging slots. The plans are rebuilt."""
+        part_off = self._rt.upload(np.ascontiguousarray(part_offsets, dtype=np.uint64))
+        self._pull_args = (int(host_device_base), int(slot_bytes), part_off,
+                           np.asarray(image_bytes, dtype=np.uint64).copy())
+        self.model.drop_plans()
+
+    @property
+    def pull_base_ptr(self) -> int:
+        return int(self._pull_base)
+
+    @property
+    def pulled_ptr(self) -> int:
+        return int(self._pulled)
 
     # ---- free admission -----------------------------------------------------------------
     def enable_admission(self, part_offsets: np.ndarray, host_base: int, host_end: int,
@@ -196,6 +231,13 @@ class DeviceTier:
             plan._add("tier_groups", (1,), (256,), "PPiPPPiiP", grouping)
         if not pooled:
             return
+        if R > POOL_MAX_ROWS and self._pull_args is not None:  # a streamed prompt window
+            host_base, slot_bytes, part_off, image = self._pull_args
+            plan._add("pull_rare", (PULL_CHUNKS, E), (256,), "PPPiiiPPPPPPP",
+                      [self.counts_ptr(layer), self.where_ptr(layer), self.win_ptr(layer), E,
+                       layer, PULL_MIN_ROWS, int(self._pull_base), host_base, slot_bytes,
+                       int(image[layer]), int(part_off), self.model.expert_tables_ptr,
+                       int(self._pulled)])
         if R > self.exchange.layout.max_rows:
             raise ConfigError(f"a window of {R} rows exceeds the CPU pool's exchange buffer of "
                               f"{self.exchange.layout.max_rows} rows")

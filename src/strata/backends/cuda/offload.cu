@@ -283,3 +283,50 @@ extern "C" __global__ void tier_groups_keep(int *__restrict__ groups,
         keep_misses(groups, num_groups, counts, tables, atab, part_off, pool, state, log, layer,
                     E, cap, host_base, host_end, slot_base, slot_bytes);
 }
+
+// After tier_groups in a streamed prompt window: each rare expert (where CPU) the pool did not
+// take (win PCIe) with more than min_rows rows is copied from its host copy into its slot of the
+// layer's staging set (base [layer], 0: the layer is not streamed, nothing to do), and the
+// layer's tables [L, 3, E] point at it there: the grouped products read it once from VRAM
+// instead of once per row tile over PCIe. Slot e of the set is free for it: the copy stream's
+// runs skip rare experts, and the set's previous reader ran earlier on this stream. The tables
+// are put back behind the window (the residency's upload). pulled [L] counts the experts.
+// Grid (chunks, E), block 256: blockIdx.y the expert, the chunks share its bytes in 16-byte words.
+extern "C" __global__ void pull_rare(const int *__restrict__ counts,
+                                     const uint8_t *__restrict__ where,
+                                     const uint8_t *__restrict__ win, int E, int layer,
+                                     int min_rows, const unsigned long long *__restrict__ base,
+                                     unsigned long long host_dev_base,
+                                     unsigned long long slot_bytes,
+                                     unsigned long long image_bytes,
+                                     const unsigned long long *__restrict__ part_off,
+                                     unsigned long long *tables, int *pulled) {
+    kernel_entry();
+    const int e = blockIdx.y;
+    const unsigned long long stage = base[layer];
+    if (stage == 0 || where[e] != WHERE_CPU || win[e] != WHERE_PCIE || counts[e] <= min_rows)
+        return;
+    const unsigned long long src = host_dev_base + ((unsigned long long)layer * E + e) * slot_bytes;
+    const unsigned long long dst = stage + (unsigned long long)e * slot_bytes;
+    const uint4 *__restrict__ s = reinterpret_cast<const uint4 *>(src);
+    uint4 *__restrict__ d = reinterpret_cast<uint4 *>(dst);
+    const long long words = (long long)(image_bytes / 16);
+    const long long step = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * step < words; i += 4 * step) {  // four loads in flight per thread
+        const uint4 a = s[i], b = s[i + step], c = s[i + 2 * step], f = s[i + 3 * step];
+        d[i] = a;
+        d[i + step] = b;
+        d[i + 2 * step] = c;
+        d[i + 3 * step] = f;
+    }
+    for (; i < words; i += step) d[i] = s[i];
+    if (blockIdx.x == 0) {
+        for (unsigned long long b = words * 16 + threadIdx.x; b < image_bytes; b += blockDim.x)
+            reinterpret_cast<uint8_t *>(dst)[b] = reinterpret_cast<const uint8_t *>(src)[b];
+        if (threadIdx.x < 3)
+            tables[((unsigned long long)layer * 3 + threadIdx.x) * E + e] =
+                dst + part_off[layer * 3 + threadIdx.x];
+        if (threadIdx.x == 0) atomicAdd(pulled + layer, 1);
+    }
+}

@@ -278,6 +278,9 @@ class PromptStreamer:
         with rt.active():
             self.copy_stream = rt.drv.Stream()
             self._table_host = rt.pinned((store.n_layers, 3, store.n_experts), np.uint64)
+            self._pull_host = rt.pinned((store.n_layers,), np.uint64)
+        self._pull_key = None
+        self.num_pulled = 0  # rare experts pull_rare copied into staging (up to the last window)
         self.copy_stream_handle = int(self.copy_stream.handle)
         self.stage_bases: list[int] | None = None  # device address of each staging set
         self._dedicated = None
@@ -378,6 +381,12 @@ class PromptStreamer:
             self._borrow(stage_slots)
         else:
             self._allocate(stage_slots)
+        tier, a = self.arena.model.tier, self.arena
+        if self.stage_bases is not None and tier is not None and tier._pull_args is None:
+            image = np.array([a._image_bytes(layer) for layer in range(self.num_layers)],
+                             dtype=np.uint64)
+            with self._rt.active():
+                tier.enable_pulls(a.host.device_base, a.slot_bytes, a.host.part_offsets, image)
 
     def _allocate(self, stage_slots: int) -> None:
         a, rt = self.arena, self._rt
@@ -434,9 +443,10 @@ class PromptStreamer:
         with what they held (copies on the side stream, landed by later pumps)."""
         if self._streak_windows:
             log.info("prompt streaming: %d windows streamed %.2f GiB of experts into staging; "
-                     "%.1f rarely routed missing experts per layer and window left to PCIe reads",
+                     "%.1f rarely routed missing experts per layer and window left to PCIe reads "
+                     "(%d pulled into staging since start-up: routed to many rows)",
                      self._streak_windows, self._streak_bytes / 2**30,
-                     self._streak_left / self._streak_windows / self.num_layers)
+                     self._streak_left / self._streak_windows / self.num_layers, self.pulled)
             self._streak_windows = self._streak_bytes = self._streak_left = 0
         if not self._borrowed:
             return
@@ -496,8 +506,18 @@ class PromptStreamer:
         entry[2].set_copy_bytes(entry[3][missing], sizes[missing])
         num_bytes = int(sizes.sum())
         rt.drv.memcpy_htod_async(a.model.expert_tables_ptr, self._table_host, rt.stream)
+        tier = a.model.tier
+        pulls = tier is not None and tier._pull_args is not None and tier.pools(plan.num_rows)
+        if pulls:  # pull_rare's staging set per layer, for this window only
+            self.num_pulled += int(tier.pulled_host.sum())  # the last window's (landed)
+            tier.pulled_host[:] = 0
+            rt.drv.memcpy_htod_async(tier.pull_base_ptr, self._pull_bases(residency), rt.stream)
         entry[2].run(stream)
         a._publish()  # the tables back to the residency's, behind the window's kernels
+        if pulls:
+            rt.drv.memset_d32_async(tier.pull_base_ptr, 0, 2 * self.num_layers, rt.stream)
+            rt.drv.memcpy_dtoh_async(tier.pulled_host, tier.pulled_ptr, rt.stream)
+            rt.drv.memset_d32_async(tier.pulled_ptr, 0, self.num_layers, rt.stream)
         if self.timeline:
             self._time(plan.num_rows, entry[4], num_bytes)
         self.streamed_bytes += num_bytes
@@ -507,6 +527,22 @@ class PromptStreamer:
         left = int(rare.sum())
         self.num_left += left
         self._streak_left += left
+
+    @property
+    def pulled(self) -> int:
+        """Rare experts pull_rare copied into staging over all windows (after a synchronize)."""
+        tier = self.arena.model.tier
+        return self.num_pulled + (int(tier.pulled_host.sum()) if tier is not None else 0)
+
+    def _pull_bases(self, residency: np.ndarray) -> np.ndarray:
+        """[L] uint64 (pinned): each streamed layer's staging set (pull_rare's), 0 for others."""
+        key = (self.arena.table.version, tuple(self.stage_bases))
+        if self._pull_key != key:
+            self._pull_host[:] = 0
+            for j, layer in enumerate(streamed_layers(residency)):
+                self._pull_host[layer] = self.stage_bases[j % NUM_STAGES]
+            self._pull_key = key
+        return self._pull_host
 
     def _time(self, rows: int, marks: dict, copied_bytes: int) -> None:
         """Wait for the window and log its WindowTimeline (timeline on)."""
