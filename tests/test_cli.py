@@ -257,6 +257,16 @@ def test_tier_summary_line_names_the_cpu_pool():
     assert format_tier_summary(s).endswith(
         "waiting for the GPU; prompt windows: 2 streamed 1.50 GiB of experts, 37.2 rare ones "
         "per layer left to PCIe reads (the GPU pulled 3 of them into staging)")
+    from strata.backends.cuda.stream import WindowTimeline
+    from strata.cli import timeline_medians
+
+    s["stream_timeline"] = timeline_medians(
+        [WindowTimeline(512, total, 3.0, total - 2, 0.5, 60.0, 30.0, 1.0, 6 * 10**9)
+         for total in (120.0, 130.0, 140.0)])
+    assert format_tier_summary(s).endswith(
+        "(the GPU pulled 3 of them into staging); timeline, medians of 3 streamed windows: "
+        "130.0 ms, the copy engine 128.0 ms copying (46.9 GB/s) and 0.5 ms held, the compute "
+        "stream 60.0 ms waiting for copies and 30.0 ms in the experts")
 
 
 def test_help_lists_the_expert_options():

@@ -267,6 +267,8 @@ def tier_summary(tier) -> dict:
                        streamed_gib=streamer.streamed_bytes / 2**30,
                        streamed_left=streamer.num_left / streamer.num_windows
                        / max(1, streamer.num_layers), streamed_pulled=streamer.pulled)
+        if streamer is not None and getattr(streamer, "timelines", None):
+            out["stream_timeline"] = timeline_medians(streamer.timelines)
     return out
 
 
@@ -420,6 +422,16 @@ def bench(model, n_prompt, n_gen, repetitions, threads, chunk, slot_counts, as_j
             click.echo(format_tier_summary(rows[0]["expert_cache"]))
 
 
+def timeline_medians(timelines) -> dict:
+    """Medians over streamed windows' WindowTimelines (STRATA_STREAM_TIMELINE=1), ms."""
+    out = {name: float(np.median([getattr(t, name) for t in timelines]))
+           for name in ("total", "fill", "copying", "held", "waiting", "experts", "tail")}
+    out["copy_gb_per_s"] = float(np.median([t.copied_bytes / max(t.copying, 1e-6) / 1e6
+                                            for t in timelines]))
+    out["windows"] = len(timelines)
+    return out
+
+
 def format_tier_summary(s: dict) -> str:
     return (f"expert cache: {s['slots']} of {s['experts']} experts, {s['windows']} windows: "
             f"routed entries {s['hit_rate']:.1%} hit ({s['hits']} cache + {s['misses']} miss), "
@@ -434,7 +446,12 @@ def format_tier_summary(s: dict) -> str:
             + (f"; prompt windows: {s['streamed_windows']} streamed {s['streamed_gib']:.2f} GiB "
                f"of experts, {s['streamed_left']:.1f} rare ones per layer left to PCIe reads "
                f"(the GPU pulled {s['streamed_pulled']} of them into staging)"
-               if "streamed_windows" in s else ""))
+               if "streamed_windows" in s else "")
+            + (f"; timeline, medians of {t['windows']} streamed windows: {t['total']:.1f} ms, "
+               f"the copy engine {t['copying']:.1f} ms copying ({t['copy_gb_per_s']:.1f} GB/s) "
+               f"and {t['held']:.1f} ms held, the compute stream {t['waiting']:.1f} ms waiting "
+               f"for copies and {t['experts']:.1f} ms in the experts"
+               if (t := s.get("stream_timeline")) else ""))
 
 
 # ---- serve (defined with the server; it uses resolve_model and fail from above) -----------
