@@ -56,8 +56,8 @@ run_bench() {
 }
 
 run_ab() {  # NEW: the working tree (setup.sh's /tmp/site); OLD: .device/old.tar.gz
-    if [ ! -f .device/old.tar.gz ] || [ ! -d .device/cubins_old ]; then
-        echo "no .device/old.tar.gz or .device/cubins_old: run tools/prepare_ab.sh REV here" >&2
+    if [ ! -f .device/old.tar.gz ] || [ ! -d .device/cubins ]; then
+        echo "no .device/old.tar.gz or .device/cubins: run tools/prepare_ab.sh REV here" >&2
         return 2
     fi
     echo "== working tree against $(cat .device/old.rev 2>/dev/null || echo '?')"
@@ -66,7 +66,7 @@ run_ab() {  # NEW: the working tree (setup.sh's /tmp/site); OLD: .device/old.tar
     part 150 old_build bash -c "cd /tmp/old && python3 -m pip install -q --no-index --no-deps \
         --no-build-isolation --target /tmp/site_old ."
     local new=(env PYTHONPATH=/tmp/site STRATA_CUBIN_DIR="$PWD/.device/cubins")
-    local old=(env PYTHONPATH=/tmp/site_old:/tmp/site STRATA_CUBIN_DIR="$PWD/.device/cubins_old")
+    local old=(env PYTHONPATH=/tmp/site_old:/tmp/site STRATA_CUBIN_DIR="$PWD/.device/cubins")
     for round in 1 2; do
         part 90 "bench_new_$round" "${new[@]}" python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 \
             -r 3 --slots 1,4,8

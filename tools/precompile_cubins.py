@@ -3,7 +3,8 @@ STRATA_CUBIN_DIR: a GPU machine then loads them instead of compiling (~60 s of a
 there: carry the folder to the device and point STRATA_CUBIN_DIR at it).
 
 Usage: python tools/precompile_cubins.py --out .device/cubins [--arch sm_90] [-j 2]
-       [--kernel-dir DIR]  (another tree's backends/cuda: tools/prepare_ab.sh uses it)
+       [--kernel-dir DIR] [--keep]  (another tree's backends/cuda, beside this tree's cubins:
+       tools/prepare_ab.sh uses them)
 File names carry a digest of each module's source and nvcc options (backends/cuda/cubins.py), so
 after a kernel edit only that module's cubin is missing: run this again before the device call.
 """
@@ -24,6 +25,8 @@ def main():
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--kernel-dir", default=None,
                     help="build the .cu modules of this folder instead of this package's")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the folder's other cubins (two trees' kernels in one folder)")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -31,7 +34,7 @@ def main():
                if args.kernel_dir is None or (pathlib.Path(args.kernel_dir) / name).is_file()]
     wanted = {name: out / cubin_file_name(name, args.arch, args.kernel_dir) for name in modules}
     for stale in out.glob(f"*-{args.arch}-*.cubin"):  # earlier sources of these modules
-        if stale not in wanted.values():
+        if stale not in wanted.values() and not args.keep:
             stale.unlink()
     todo = [name for name, path in wanted.items() if not path.is_file()]
     t0 = time.perf_counter()
