@@ -204,3 +204,57 @@ def test_moe_ffn_ptrs_refuses_bad_tables():
     with pytest.raises(ValueError, match="routed_rows has 3 entries for 4 experts"):
         kernels.moe_ffn_ptrs(x, np.ones((3, 4), np.uint64), 0, 0, 0, 32, ids, w, out,
                              np.zeros(3, np.int64))
+
+
+@pytest.mark.parametrize("qtype", [2, 8, 12, 14, 0], ids=["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F32"])
+def test_moe_ffn_ptrs_column_parts_add_up_to_the_expert(qtype):
+    # a miss split between the GPU and the CPU pool: each side computes some of the experts'
+    # columns (gate/up rows, down columns) and the parts add up to the whole expert's output
+    rng = np.random.default_rng(400 + qtype)
+    unit = max(block_size(qtype), 32)
+    E, T_, K, H, F = 6, 5, 3, 256, 3 * unit
+    qtypes = (qtype, qtype, qtype)
+    gate, up, down, x, experts, weights = routed_layer(rng, qtypes, E, H, F, T_, K)
+    pointers = np.array([[m[e].ctypes.data for e in range(E)] for m in (gate, up, down)],
+                        dtype=np.uint64)
+    zeros = np.zeros((T_, H), dtype=np.float32)
+    expected, bound = reference(x, gate, up, down, qtypes, experts, weights, zeros)
+    whole = np.zeros((T_, H), dtype=np.float32)
+    kernels.moe_ffn_ptrs(x, pointers, qtype, qtype, qtype, F, experts, weights, whole)
+    same = np.zeros((T_, H), dtype=np.float32)
+    kernels.moe_ffn_ptrs(x, pointers, qtype, qtype, qtype, F, experts, weights, same,
+                         columns=(0, F))
+    assert np.array_equal(same, whole)
+    for cut in (unit, 2 * unit):
+        head, tail = np.zeros((T_, H), np.float32), np.zeros((T_, H), np.float32)
+        kernels.moe_ffn_ptrs(x, pointers, qtype, qtype, qtype, F, experts, weights, head,
+                             columns=(0, cut))
+        kernels.moe_ffn_ptrs(x, pointers, qtype, qtype, qtype, F, experts, weights, tail,
+                             columns=(cut, F))
+        assert np.abs(head).max() > 0 and np.abs(tail).max() > 0
+        assert np.all(np.abs(head.astype(np.float64) + tail - expected) <= 2 * bound), cut
+        # each part is the down product of its own columns: a middle slice is the difference
+        middle = np.zeros((T_, H), np.float32)
+        if cut == unit:
+            kernels.moe_ffn_ptrs(x, pointers, qtype, qtype, qtype, F, experts, weights, middle,
+                                 columns=(unit, 2 * unit))
+            last = np.zeros((T_, H), np.float32)
+            kernels.moe_ffn_ptrs(x, pointers, qtype, qtype, qtype, F, experts, weights, last,
+                                 columns=(2 * unit, F))
+            np.testing.assert_allclose(middle.astype(np.float64) + last, tail,
+                                       atol=1e-5 * np.abs(tail).max())
+
+
+def test_moe_ffn_ptrs_refuses_bad_columns():
+    x = np.zeros((1, 64), dtype=np.float32)
+    ids, w, out = np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32), np.zeros((1, 64),
+                                                                                    np.float32)
+    ptrs = np.ones((3, 4), np.uint64)
+    with pytest.raises(ValueError, match="0 <= first < end <= 96"):
+        kernels.moe_ffn_ptrs(x, ptrs, 2, 2, 2, 96, ids, w, out, columns=(64, 32))
+    with pytest.raises(ValueError, match="32-column blocks"):
+        kernels.moe_ffn_ptrs(x, ptrs, 2, 2, 2, 96, ids, w, out, columns=(16, 96))
+    with pytest.raises(ValueError, match="256-column blocks"):
+        kernels.moe_ffn_ptrs(x, ptrs, 12, 12, 12, 512, ids, w, out, columns=(128, 512))
+    with pytest.raises(ValueError, match="two ints"):
+        kernels.moe_ffn_ptrs(x, ptrs, 2, 2, 2, 96, ids, w, out, columns=(32,))
