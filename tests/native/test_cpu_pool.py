@@ -127,41 +127,6 @@ def test_pool_serves_cpu_pairs_layer_by_layer():
         assert pool.total_entries >= pool.total_experts > 0
 
 
-def test_pool_computes_the_columns_after_its_first_of_each_expert():
-    # a split miss: with a first column the pool computes each of its experts' columns [c, F);
-    # with the head [0, c) (the GPU's part, here the kernel's) the sum is the whole expert
-    rng = np.random.default_rng(77)
-    layers, pointers, types = make_experts(rng)
-    ex = Exchange.in_host_memory(ExchangeLayout(L, R_MAX, K, H))
-    where = np.full((L, E), WHERE_CPU, np.uint8)
-    where[0, :3] = WHERE_VRAM
-    with CpuPool(ex, pointers, types, F, timeout_s=20) as pool:
-        assert pool.split_unit == 32 and pool.first_col == 0
-        with pytest.raises(Exception, match="multiple of 32 below the expert width 96"):
-            pool.set_where(where, first_col=48)
-        with pytest.raises(Exception, match="multiple of 32 below the expert width 96"):
-            pool.set_where(where, first_col=F)
-        for seq, first in ((1, 32), (2, 64), (3, 0)):
-            pool.set_where(where, first_col=first)
-            assert pool.first_col == first
-            inputs = window_inputs(rng, layers, 4)
-            _, outputs = serve(pool, ex, seq, inputs, 4)
-            if first == 0:
-                check_window(layers, where, inputs, outputs)
-                continue
-            for layer in range(L):
-                x, ids, wts = inputs[layer]
-                masked = np.where(where[layer][ids] == WHERE_CPU, ids, -1).astype(np.int32)
-                head = np.zeros((4, H), np.float32)
-                kernels.moe_ffn_ptrs(x, pointers[layer], *types[layer], F, masked, wts, head,
-                                     columns=(0, first))
-                expected, bound = reference(x, *layers[layer], LAYER_TYPES[layer], masked, wts,
-                                            np.zeros((4, H), np.float32))
-                whole = head.astype(np.float64) + outputs[layer]
-                assert np.all(np.abs(whole - expected) <= 2 * bound), (seq, layer)
-                assert not np.allclose(outputs[layer], whole, atol=1e-6), "only the tail"
-
-
 @pytest.mark.parametrize("threads", [1, 3])
 def test_pool_serves_many_windows_of_every_size(threads):
     # the serve loop's team keeps each layer's call by parity and crosses 3 barriers per layer:

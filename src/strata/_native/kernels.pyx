@@ -29,7 +29,7 @@ cdef extern from "quant.h" nogil:
                         const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                         const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                         const int32_t *experts, const float *weights, float *out,
-                        int64_t *routed_rows, int c0, int c1)
+                        int64_t *routed_rows)
     void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, float *out)
     void st_set_num_threads(int n)
     int st_get_num_threads()
@@ -102,11 +102,6 @@ def row_bytes(qtype, cols):
         raise ValueError(f"a {_TYPE_NAMES[qtype]} row needs a positive multiple of {block} "
                          f"columns, got {cols}")
     return cols // block * st_type_size(qtype)
-
-
-def block_size(qtype):
-    """Columns of one block of type `qtype` (32, 256 for k-quants and i-quants, 1 for floats)."""
-    return st_block_size(_check_type(qtype))
 
 
 def simd_level():
@@ -230,14 +225,11 @@ def moe_ffn(x, gate, gate_type, up, up_type, down, down_type, experts, weights, 
 
 
 def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights, out,
-                 routed_rows=None, columns=None):
+                 routed_rows=None):
     """moe_ffn with each expert's matrices given by address: `pointers` [3, E] uint64 holds the
     start of expert e's gate [F, H], up [F, H] and down [H, F] rows (row-major GGUF blocks).
     The caller keeps that memory alive and unchanged during the call. `routed_rows` (int64 [E],
-    optional) gets the number of rows routed to each expert added to it. `columns` (c0, c1):
-    only the experts' columns [c0, c1) (gate/up rows, down columns; multiples of the down
-    type's block, c1 may be F): the part of each expert's output they make, which the other
-    columns' parts complete by addition (the CPU pool's share of a split miss)."""
+    optional) gets the number of rows routed to each expert added to it."""
     gate_type = _check_type(gate_type, "gate_type")
     up_type = _check_type(up_type, "up_type")
     down_type = _check_type(down_type, "down_type")
@@ -261,9 +253,6 @@ def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights
         _check_array("routed_rows", routed_rows, np.int64, 1, writable=True)
         if routed_rows.shape[0] != E:
             raise ValueError(f"routed_rows has {routed_rows.shape[0]} entries for {E} experts")
-    cdef int c0 = 0, c1 = F
-    if columns is not None:
-        c0, c1 = check_expert_columns(columns, down_type, F)
     if T == 0 or K == 0:
         return
     lo, hi = int(experts.min()), int(experts.max())
@@ -291,27 +280,9 @@ def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights
                              <const uint8_t *const *>&pv[0, 0], gt, gb,
                              <const uint8_t *const *>&pv[1, 0], ut, ub,
                              <const uint8_t *const *>&pv[2, 0], dt, db,
-                             &ev[0, 0], &wv[0, 0], &ov[0, 0], counts, c0, c1)
+                             &ev[0, 0], &wv[0, 0], &ov[0, 0], counts)
     if rc != 0:
         raise MemoryError("moe_ffn_ptrs could not allocate its work buffers")
-
-
-def check_expert_columns(columns, down_type, F):
-    """(c0, c1) as ints when 0 <= c0 < c1 <= F and both are multiples of the down type's
-    block (c1 may be F); ValueError naming what is wrong otherwise."""
-    down_type = _check_type(down_type, "down_type")
-    try:
-        c0, c1 = (int(c) for c in columns)
-    except (TypeError, ValueError):
-        raise ValueError(f"columns must be two ints (first, end), got {columns!r}") from None
-    cdef int block = st_block_size(down_type)
-    if not 0 <= c0 < c1 <= F:
-        raise ValueError(f"columns {c0}..{c1} must satisfy 0 <= first < end <= {F} (the expert "
-                         "width)")
-    if c0 % block or (c1 != F and c1 % block):
-        raise ValueError(f"columns {c0}..{c1} must fall on the {_TYPE_NAMES[down_type]} down "
-                         f"matrix's {block}-column blocks")
-    return c0, c1
 
 
 def rmsnorm(x, w, eps, out=None):

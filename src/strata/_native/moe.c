@@ -7,11 +7,7 @@
 #include "pool_sync.h"
 
 /* Legend: T = tokens, K = experts per token, E = experts, H = hidden, F = expert width,
- * P = routed (token, k) pairs with an expert id >= 0, Fp = c1 - c0: the expert's columns
- * [c0, c1) the call computes (gate/up rows, down columns; all of F but where the CPU pool
- * shares each expert with the GPU, docs/offload.md "Each miss split between the GPU and the
- * pool"): the down product of those columns is a part of the expert's output that the rest
- * completes by addition. */
+ * P = routed (token, k) pairs with an expert id >= 0. */
 
 #define ITEM_ROWS 64   /* weight rows per work item */
 /* Up to this many pairs (decode windows), the thread that finishes an expert's last gate/up item
@@ -26,11 +22,11 @@ static void *alloc64(size_t num_bytes) {
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-static int64_t build_items(const int64_t *count, int E, int first, int end, moe_item *items) {
+static int64_t build_items(const int64_t *count, int E, int rows, moe_item *items) {
     int64_t n = 0;
     for (int e = 0; e < E; e++) {
         if (count[e] == 0) continue;
-        for (int r0 = first; r0 < end; r0 += ITEM_ROWS) {
+        for (int r0 = 0; r0 < rows; r0 += ITEM_ROWS) {
             items[n].expert = e;
             items[n].r0 = r0;
             n++;
@@ -54,13 +50,9 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
                  const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                  const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                  const int32_t *experts, const float *weights, float *out,
-                 int64_t *routed_rows, int c0, int c1) {
+                 int64_t *routed_rows) {
     memset(c, 0, sizeof(*c));
     c->x = x; c->T = T; c->H = H; c->F = F; c->E = E; c->K = K;
-    c->c0 = c0; c->c1 = c1;
-    const int Fp = c1 - c0;
-    /* down's columns [c0, c1) start this many bytes into each of its rows */
-    c->down_col_bytes = (int64_t)(c0 / st_block_size(down_type)) * st_type_size(down_type);
     c->gate_ptrs = gate_ptrs; c->up_ptrs = up_ptrs; c->down_ptrs = down_ptrs;
     c->gate_type = gate_type; c->up_type = up_type; c->down_type = down_type;
     c->gate_row_bytes = gate_row_bytes; c->up_row_bytes = up_row_bytes;
@@ -104,27 +96,27 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     for (int64_t p = 0; p < P; p++) c->pair_ids[p] = (int32_t)p;
     if (P == 0) return 0;
 
-    c->G = alloc64((size_t)P * Fp * sizeof(float));   /* [P, Fp] gate, then SiLU(gate) * up */
-    c->U = alloc64((size_t)P * Fp * sizeof(float));   /* [P, Fp] */
+    c->G = alloc64((size_t)P * F * sizeof(float));    /* [P, F] gate, then SiLU(gate) * up */
+    c->U = alloc64((size_t)P * F * sizeof(float));    /* [P, F] */
     c->Y = alloc64((size_t)P * H * sizeof(float));    /* [P, H] */
     const int gate_quant = !st_is_float_type(gate_type);
     const int up_quant = !st_is_float_type(up_type);
     c->shared_x = gate_quant == up_quant;
     if (!c->G || !c->U || !c->Y || st_act_alloc(&c->act_gate, T, H, gate_quant) != 0
             || (!c->shared_x && st_act_alloc(&c->act_up, T, H, up_quant) != 0)
-            || st_act_alloc(&c->act_h, P, Fp, !st_is_float_type(down_type)) != 0) {
+            || st_act_alloc(&c->act_h, P, F, !st_is_float_type(down_type)) != 0) {
         st_moe_teardown(c);
         return -1;
     }
     size_t scratch_bytes = st_scratch_bytes(gate_type, H);
     size_t sb = st_scratch_bytes(up_type, H);
     if (sb > scratch_bytes) scratch_bytes = sb;
-    sb = st_scratch_bytes(down_type, Fp);
+    sb = st_scratch_bytes(down_type, F);
     c->scratch_bytes = sb > scratch_bytes ? sb : scratch_bytes;
-    c->num_items_1 = build_items(c->count, E, c0, c1, c->items);
-    c->num_items_2 = build_items(c->count, E, 0, H, c->items_2);
+    c->num_items_1 = build_items(c->count, E, F, c->items);
+    c->num_items_2 = build_items(c->count, E, H, c->items_2);
     for (int e = 0; e < E; e++)
-        c->left[e] = c->count[e] > 0 ? (Fp + ITEM_ROWS - 1) / ITEM_ROWS : 0;
+        c->left[e] = c->count[e] > 0 ? (F + ITEM_ROWS - 1) / ITEM_ROWS : 0;
     c->fill_by_last = P <= FILL_BY_LAST_PAIRS;
     /* a few rows are quicker filled here than behind one more barrier of the team */
     c->is_small = T * (int64_t)H <= 16384;
@@ -132,7 +124,7 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
         st_act_fill(&c->act_gate, x, H, 0, T);
         if (!c->shared_x) st_act_fill(&c->act_up, x, H, 0, T);
     }
-    c->is_parallel = (double)P * 3.0 * Fp * H >= ST_MIN_PARALLEL_MACS;
+    c->is_parallel = (double)P * 3.0 * F * H >= ST_MIN_PARALLEL_MACS;
     return 0;
 }
 
@@ -146,13 +138,13 @@ static inline int has_pair(const moe_call *c, int64_t t) {
  * items wait on (fill_by_last). */
 static void fill_expert_rows(moe_call *c, int e) {
     const int64_t p0 = c->offset[e], n = c->count[e];
-    for (int64_t p = p0; p < p0 + n; p++) st_act_fill(&c->act_h, c->G, c->c1 - c->c0, p, p + 1);
+    for (int64_t p = p0; p < p0 + n; p++) st_act_fill(&c->act_h, c->G, c->F, p, p + 1);
     __atomic_store_n(&c->h_ready[e], 1, __ATOMIC_RELEASE);
 }
 
 void st_moe_products(moe_call *c) {
     const int64_t T = c->T, P = c->P;
-    const int H = c->H, c0 = c->c0, c1 = c->c1, Fp = c1 - c0;
+    const int H = c->H, F = c->F;
     const int64_t *offset = c->offset, *count = c->count;
     void *scratch = alloc64(c->scratch_bytes);
     if (!scratch) {
@@ -169,23 +161,22 @@ void st_moe_products(moe_call *c) {
             if (!c->shared_x) st_act_fill(&c->act_up, c->x, H, t, t + 1);
         }
     }
-    /* ---- gate and up: G[p, f - c0], U[p, f - c0] for every expert's pairs, f in [c0, c1) ---- */
+    /* ---- gate and up: G[p, f], U[p, f] for every expert's pairs ---- */
     #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < c->num_items_1; it++) {
         int e = c->items[it].expert;
         int r0 = c->items[it].r0;
-        int r1 = r0 + ITEM_ROWS < c1 ? r0 + ITEM_ROWS : c1;
+        int r1 = r0 + ITEM_ROWS < F ? r0 + ITEM_ROWS : F;
         int64_t p0 = offset[e], n = count[e];
         if (scratch) {
             st_gemm_rows(c->gate_type, c->gate_ptrs[e], c->gate_row_bytes, H, r0, r1,
-                         &c->act_gate, c->pair_tok + p0, n, c->G + p0 * Fp + (r0 - c0), Fp,
-                         scratch);
+                         &c->act_gate, c->pair_tok + p0, n, c->G + p0 * F + r0, F, scratch);
             st_gemm_rows(c->up_type, c->up_ptrs[e], c->up_row_bytes, H, r0, r1, ax_up,
-                         c->pair_tok + p0, n, c->U + p0 * Fp + (r0 - c0), Fp, scratch);
+                         c->pair_tok + p0, n, c->U + p0 * F + r0, F, scratch);
             for (int64_t p = p0; p < p0 + n; p++) {
-                float *g = c->G + p * Fp;                          /* [Fp] */
-                const float *u = c->U + p * Fp;
-                for (int f = r0 - c0; f < r1 - c0; f++) g[f] = silu(g[f]) * u[f];
+                float *g = c->G + p * F;                           /* [F] */
+                const float *u = c->U + p * F;
+                for (int f = r0; f < r1; f++) g[f] = silu(g[f]) * u[f];
             }
         }
         /* the last of the expert's items (every thread's G writes before it: acq_rel) */
@@ -196,7 +187,7 @@ void st_moe_products(moe_call *c) {
         /* ---- the activation rows of the down projection: SiLU(gate) * up ---- */
         #pragma omp barrier
         #pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; p++) st_act_fill(&c->act_h, c->G, Fp, p, p + 1);
+        for (int64_t p = 0; p < P; p++) st_act_fill(&c->act_h, c->G, F, p, p + 1);
     }
     /* ---- down: Y[p, h] ---- */
     #pragma omp for schedule(dynamic, 1)
@@ -208,7 +199,7 @@ void st_moe_products(moe_call *c) {
         if (c->fill_by_last)     /* every gate/up item is taken before any down item */
             while (!__atomic_load_n(&c->h_ready[e], __ATOMIC_ACQUIRE)) st_cpu_relax();
         if (!scratch) continue;
-        st_gemm_rows(c->down_type, c->down_ptrs[e] + c->down_col_bytes, c->down_row_bytes, Fp,
+        st_gemm_rows(c->down_type, c->down_ptrs[e], c->down_row_bytes, F,
                      r0, r1, &c->act_h, c->pair_ids + p0, n, c->Y + p0 * H + r0, H, scratch);
     }
     free(scratch);
@@ -239,18 +230,17 @@ void st_moe_compute(moe_call *c) {
 
 /* Each expert's three matrices come through pointer tables [E] (gate and up [F, H] rows, down
  * [H, F] rows): an expert may sit in the GGUF mapping, an expert pack or a cache slot. When
- * routed_rows is not NULL, routed_rows[e] += the rows routed to expert e. Columns [c0, c1)
- * of each expert only (st_moe_setup). */
+ * routed_rows is not NULL, routed_rows[e] += the rows routed to expert e. */
 int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
                     const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
                     const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                     const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                     const int32_t *experts, const float *weights, float *out,
-                    int64_t *routed_rows, int c0, int c1) {
+                    int64_t *routed_rows) {
     moe_call c;
     if (st_moe_setup(&c, x, T, H, F, E, K, gate_ptrs, gate_type, gate_row_bytes, up_ptrs, up_type,
                   up_row_bytes, down_ptrs, down_type, down_row_bytes, experts, weights, out,
-                  routed_rows, c0, c1) != 0)
+                  routed_rows) != 0)
         return -1;
     if (c.P > 0) {
         #pragma omp parallel num_threads(st_get_num_threads()) if (c.is_parallel)
@@ -276,7 +266,7 @@ int st_moe_ffn(const float *x, int64_t T, int H, int F, int E, int K,
     }
     int rc = st_moe_ffn_ptrs(x, T, H, F, E, K, ptrs, gate_type, gate_row_bytes,
                              ptrs + E, up_type, up_row_bytes, ptrs + 2 * E, down_type,
-                             down_row_bytes, experts, weights, out, NULL, 0, F);
+                             down_row_bytes, experts, weights, out, NULL);
     free((void *)ptrs);
     return rc;
 }

@@ -13,8 +13,6 @@ typedef struct { int32_t expert; int32_t r0; } moe_item;
 
 typedef struct {
     const float *x; int64_t T; int H, F, E, K;
-    int c0, c1;                                    /* the expert columns computed: [c0, c1) */
-    int64_t down_col_bytes;                        /* where column c0 starts in a down row */
     const uint8_t *const *gate_ptrs, *const *up_ptrs, *const *down_ptrs;
     int gate_type, up_type, down_type;
     int64_t gate_row_bytes, up_row_bytes, down_row_bytes;
@@ -23,7 +21,7 @@ typedef struct {
     int32_t *pair_of, *pair_tok, *pair_ids;        /* [T, K], [P], [P] */
     moe_item *items, *items_2;                     /* gate / up, down */
     int64_t P, num_items_1, num_items_2;
-    float *G, *U, *Y;                              /* [P, Fp], [P, Fp], [P, H] */
+    float *G, *U, *Y;                              /* [P, F], [P, F], [P, H] */
     st_act act_gate, act_up, act_h;
     int32_t *left, *h_ready;                       /* [E]: gate/up items to go; act_h rows set */
     int shared_x, is_small, is_parallel, fill_by_last;
@@ -31,15 +29,13 @@ typedef struct {
     int failed;                                    /* a thread ran out of memory */
 } moe_call;
 
-/* 0, or -1 on allocation failure (c is then torn down); c->P == 0 leaves nothing to compute.
- * [c0, c1): the expert columns to compute (0, F: all), multiples of the down type's block
- * (c1 may be F); the caller checks them. */
+/* 0, or -1 on allocation failure (c is then torn down); c->P == 0 leaves nothing to compute. */
 int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, int K,
                  const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
                  const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                  const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                  const int32_t *experts, const float *weights, float *out,
-                 int64_t *routed_rows, int c0, int c1);
+                 int64_t *routed_rows);
 void st_moe_compute(moe_call *c);
 void st_moe_products(moe_call *c);
 void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1, int set);

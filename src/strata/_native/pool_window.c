@@ -62,7 +62,6 @@ typedef struct {
     uint8_t *seen;                  /* [E] */
     int64_t y_dirty;                /* rows [0, y_dirty) of y may hold non-zero values */
     /* the window */
-    int col0;                       /* its experts' columns [col0, F) (ctl's COL0) */
     int64_t seq, rows, entries, experts, wait_ns, compute_ns, t_layer, t_start;
     int status, failed_layer;
     /* by layer parity: layer l's call is set up in the single before it and read by every
@@ -113,7 +112,7 @@ static void layer_begin(pool_state *s, int l) {
                          (const uint8_t *const *)pl, tl[0], bl[0],
                          (const uint8_t *const *)(pl + E), tl[1], bl[1],
                          (const uint8_t *const *)(pl + 2 * E), tl[2], bl[2],
-                         s->masked, s->wts, s->y, NULL, s->col0, s->F) != 0) {
+                         s->masked, s->wts, s->y, NULL) != 0) {
             s->status = POOL_NO_MEMORY;
             s->failed_layer = l;
             s->go[p] = 0;
@@ -171,7 +170,6 @@ static int window_begin(pool_state *s) {
     s->t_start = st_now_ns();
     s->seq = st_load_acquire_i64(&ctl[POOL_CTL_SEQ]);
     s->rows = ctl[POOL_CTL_ROWS];
-    s->col0 = (int)ctl[POOL_CTL_COL0];
     s->entries = s->experts = s->wait_ns = s->compute_ns = 0;
     s->status = POOL_OK;
     s->failed_layer = -1;

@@ -5,16 +5,13 @@
 enum { POOL_OK = 0, POOL_TIMEOUT = 1, POOL_ABORTED = 2, POOL_NO_MEMORY = 3 };
 
 /* ctl [POOL_CTL_WORDS] int64. The engine writes ROWS and POSTED_NS, then SEQ (release); STOP
- * (nonzero) ends the loop; COL0 (between windows): the first expert column the pool computes
- * (0: whole experts; else the GPU computes columns [0, COL0) of each of the pool's experts and
- * the pool the rest). The pool writes the window's stats, then SERVED = its seq (release);
+ * (nonzero) ends the loop. The pool writes the window's stats, then SERVED = its seq (release);
  * START_NS / END_NS: when it saw the window and when it finished it (CLOCK_MONOTONIC). EXITED:
  * set by the serve loop's caller once st_pool_serve has returned. */
 enum {
     POOL_CTL_SEQ, POOL_CTL_ROWS, POOL_CTL_POSTED_NS, POOL_CTL_STOP, POOL_CTL_SERVED,
     POOL_CTL_STATUS, POOL_CTL_LAYER, POOL_CTL_ENTRIES, POOL_CTL_EXPERTS, POOL_CTL_WAIT_NS,
-    POOL_CTL_COMPUTE_NS, POOL_CTL_START_NS, POOL_CTL_END_NS, POOL_CTL_EXITED, POOL_CTL_COL0,
-    POOL_CTL_WORDS
+    POOL_CTL_COMPUTE_NS, POOL_CTL_START_NS, POOL_CTL_END_NS, POOL_CTL_EXITED, POOL_CTL_WORDS
 };
 
 int st_pool_serve(int64_t *ctl, const int64_t *ready, int64_t *done, const float *x,

@@ -148,7 +148,7 @@ int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
                     const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                     const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                     const int32_t *experts, const float *weights, float *out,
-                    int64_t *routed_rows, int c0, int c1);
+                    int64_t *routed_rows);
 
 void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, float *out);
 

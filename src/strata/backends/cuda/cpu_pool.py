@@ -101,29 +101,13 @@ class CpuPool:
     def where(self) -> np.ndarray:
         return self._where
 
-    @property
-    def first_col(self) -> int:
-        return int(self._ctl[kernels.POOL_CTL_COL0])
-
-    @property
-    def split_unit(self) -> int:
-        """The columns a split miss's share moves by: the largest block of the layers' down
-        types (32 for Q4_0 / Q8_0 experts, 256 for k-quants)."""
-        return max(kernels.block_size(int(t)) for t in self.types[:, 2])
-
-    def set_where(self, where: np.ndarray, first_col: int = 0) -> None:
+    def set_where(self, where: np.ndarray) -> None:
         """Which experts are the pool's (where[l, e] == 2); copied in place (the loop reads it
-        during each window), used from the next window. first_col > 0: the pool computes
-        columns [first_col, F) of each of them (gate/up rows, down columns) and the GPU the
-        columns before (a split miss, docs/offload.md); a multiple of split_unit below F."""
+        during each window), used from the next window."""
         where = np.ascontiguousarray(where, dtype=np.uint8)
         if where.shape != self._where.shape:
             raise ConfigError(f"the where table {where.shape} must be {self._where.shape} "
                               "(layers x experts)")
-        first_col = int(first_col)
-        if not 0 <= first_col < self.expert_width or first_col % self.split_unit:
-            raise ConfigError(f"the CPU pool's first column {first_col} must be a multiple of "
-                              f"{self.split_unit} below the expert width {self.expert_width}")
         if self._in_flight:
             raise CpuPoolError(f"set_where during a window: the pool is serving window "
                                f"{self._seq}; call it after wait()")
@@ -132,7 +116,6 @@ class CpuPool:
         except ValueError as exc:
             raise ConfigError(f"the CPU pool's where table: {exc}") from None
         self._where[...] = where
-        self._ctl[kernels.POOL_CTL_COL0] = first_col
 
     # ---- the thread -----------------------------------------------------------------------
     def start(self) -> "CpuPool":
