@@ -5,7 +5,6 @@ count: the figure `strata-tool calibrate` turns into --pcie-frac, without a mode
 Usage: python tools/bench_pool_kernel.py [--threads 1,2] [--types Q4_0,Q8_0,Q4_K,Q6_K]
                                          [--experts 512] [--rows 1] [--per-window 8]
                                          [--rows-per-expert 1,4,16] [--seconds 3] [--repeats 3]
-                                         [--amx off|on|both]
 Each call is one layer's window: `rows` rows routed to --per-window experts in all (top-8 each
 by default; fewer: the pool's part of a layer's misses, e.g. 4 at --pcie-frac 0.5), no expert
 shared between rows, taken in turn from a set of --experts experts (512 x 2.5 MiB of Q4_0 is far more than the L3 cache:
@@ -15,8 +14,6 @@ expert bytes, medians of --repeats runs (and the spread).
 so every expert is read once for N rows (what an expert with N rows in a prompt window would
 cost the pool: docs/offload.md, "Tried and dropped"; where the fused kernels give way to the
 tiles: matmul.c's FUSED_MAX_TOKENS); prints experts/s and routed rows/s per N.
---amx on: the calls allow amx.c's AMX rows (the CPU pool's calls do; Q4_0 / Q8_0 products of at
-least matmul.c's ST_AMX_MIN_TOKENS rows, where the CPU has AMX-INT8); both: each setting in turn.
 """
 import argparse
 import statistics
@@ -42,7 +39,7 @@ def make_experts(rng, qtype, n):
     return pointers, mats, sum(m.nbytes for m in mats[0])
 
 
-def run(pointers, qtype, n, rows, per_call, seconds, rng, shared=False, amx=False):
+def run(pointers, qtype, n, rows, per_call, seconds, rng, shared=False):
     """Distinct experts per second over `seconds` of one-layer windows of `per_call` experts
     (the rest of each row's top-K slots are -1: another side's). shared: every row routed to
     the same TOP_K experts (per_call = TOP_K)."""
@@ -59,7 +56,7 @@ def run(pointers, qtype, n, rows, per_call, seconds, rng, shared=False, amx=Fals
             ids = np.where(mine, (np.arange(rows * TOP_K) + first) % n, -1)
             ids = ids.astype(np.int32).reshape(rows, TOP_K)
         kernels.moe_ffn_ptrs(x, pointers, int(qtype), int(qtype), int(qtype), EXPERT_WIDTH,
-                             ids, wts, out, allow_amx=amx)
+                             ids, wts, out)
         calls += 1
     return calls * per_call / elapsed
 
@@ -76,17 +73,15 @@ def main():
                         help="comma list: prompt-shaped calls, each expert read once for N rows")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--amx", choices=("off", "on", "both"), default="off")
     args = parser.parse_args()
-    amx_settings = {"off": [False], "on": [True], "both": [False, True]}[args.amx]
     per_call = args.per_window or args.rows * TOP_K
     if not 0 < per_call <= args.rows * TOP_K or per_call > args.experts:
         parser.error(f"--per-window {per_call} must be in 1..rows x top-{TOP_K} and at most "
                      f"--experts")
     rng = np.random.default_rng(0)
     before = kernels.get_num_threads()
-    print(f"simd {kernels.simd_level()}, AMX {'yes' if kernels.amx_available() else 'no'}, "
-          f"{args.experts} experts, {args.rows} row(s) and {per_call} experts per window")
+    print(f"simd {kernels.simd_level()}, {args.experts} experts, {args.rows} row(s) and "
+          f"{per_call} experts per window")
     for name in args.types.split(","):
         qtype = T[name.strip()]
         pointers, owners, expert_bytes = make_experts(rng, qtype, args.experts)
@@ -94,16 +89,13 @@ def main():
             kernels.set_num_threads(threads)
             if args.rows_per_expert:
                 for shared_rows in (int(r) for r in args.rows_per_expert.split(",")):
-                    for amx in amx_settings:
-                        rates = [run(pointers, qtype, args.experts, shared_rows, TOP_K,
-                                     args.seconds, rng, shared=True, amx=amx)
-                                 for _ in range(args.repeats)]
-                        mid = statistics.median(rates)
-                        print(f"{qtype.name:5s} threads {threads:3d} rows/expert "
-                              f"{shared_rows:4d}{' amx' if amx else ''}: "
-                              f"{mid:9,.0f} experts/s ({min(rates):,.0f}-{max(rates):,.0f}), "
-                              f"{mid * shared_rows:10,.0f} rows/s, "
-                              f"{mid * expert_bytes / 1e9:6.2f} GB/s", flush=True)
+                    rates = [run(pointers, qtype, args.experts, shared_rows, TOP_K, args.seconds,
+                                 rng, shared=True) for _ in range(args.repeats)]
+                    mid = statistics.median(rates)
+                    print(f"{qtype.name:5s} threads {threads:3d} rows/expert {shared_rows:4d}: "
+                          f"{mid:9,.0f} experts/s ({min(rates):,.0f}-{max(rates):,.0f}), "
+                          f"{mid * shared_rows:10,.0f} rows/s, {mid * expert_bytes / 1e9:6.2f} "
+                          "GB/s", flush=True)
                 continue
             rates = [run(pointers, qtype, args.experts, args.rows, per_call, args.seconds, rng)
                      for _ in range(args.repeats)]

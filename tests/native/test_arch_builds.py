@@ -9,7 +9,7 @@ import pytest
 
 SRC_DIR = Path(__file__).resolve().parents[2] / "src" / "strata" / "_native"
 C_FILES = ["matmul.c", "quant_ref.c", "tiles.c", "unpack_simd.c", "unpack_neon.c", "fused.c",
-           "fused_k.c", "fused_iq.c", "amx.c", "moe.c", "attention.c", "window_ops.c"]
+           "fused_k.c", "fused_iq.c", "moe.c", "attention.c", "window_ops.c"]
 HARNESS = Path(__file__).resolve().parent / "arch_check.c"
 
 

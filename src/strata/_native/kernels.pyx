@@ -29,8 +29,7 @@ cdef extern from "quant.h" nogil:
                         const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                         const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                         const int32_t *experts, const float *weights, float *out,
-                        int64_t *routed_rows, int allow_amx)
-    int st_amx_available()
+                        int64_t *routed_rows)
     void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, float *out)
     void st_set_num_threads(int n)
     int st_get_num_threads()
@@ -103,12 +102,6 @@ def row_bytes(qtype, cols):
         raise ValueError(f"a {_TYPE_NAMES[qtype]} row needs a positive multiple of {block} "
                          f"columns, got {cols}")
     return cols // block * st_type_size(qtype)
-
-
-def amx_available():
-    """Does this CPU run the AMX-INT8 rows (amx.c; Sapphire Rapids and later Xeons, Linux >=
-    5.16, STRATA_AMX not 0)?"""
-    return bool(st_amx_available())
 
 
 def simd_level():
@@ -232,13 +225,11 @@ def moe_ffn(x, gate, gate_type, up, up_type, down, down_type, experts, weights, 
 
 
 def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights, out,
-                 routed_rows=None, allow_amx=False):
+                 routed_rows=None):
     """moe_ffn with each expert's matrices given by address: `pointers` [3, E] uint64 holds the
     start of expert e's gate [F, H], up [F, H] and down [H, F] rows (row-major GGUF blocks).
     The caller keeps that memory alive and unchanged during the call. `routed_rows` (int64 [E],
-    optional) gets the number of rows routed to each expert added to it. allow_amx: products
-    of 4 or more rows may take the AMX rows where the CPU has them (the CPU pool's path; not
-    batch-invariant: amx_available)."""
+    optional) gets the number of rows routed to each expert added to it."""
     gate_type = _check_type(gate_type, "gate_type")
     up_type = _check_type(up_type, "up_type")
     down_type = _check_type(down_type, "down_type")
@@ -281,7 +272,7 @@ def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights
     if routed_rows is not None:
         cv = routed_rows
         counts = &cv[0]
-    cdef int gt = gate_type, ut = up_type, dt = down_type, rc, amx = bool(allow_amx)
+    cdef int gt = gate_type, ut = up_type, dt = down_type, rc
     cdef int64_t gb = row_bytes(gate_type, H), ub = row_bytes(up_type, H)
     cdef int64_t db = row_bytes(down_type, F)
     with nogil:
@@ -289,7 +280,7 @@ def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights
                              <const uint8_t *const *>&pv[0, 0], gt, gb,
                              <const uint8_t *const *>&pv[1, 0], ut, ub,
                              <const uint8_t *const *>&pv[2, 0], dt, db,
-                             &ev[0, 0], &wv[0, 0], &ov[0, 0], counts, amx)
+                             &ev[0, 0], &wv[0, 0], &ov[0, 0], counts)
     if rc != 0:
         raise MemoryError("moe_ffn_ptrs could not allocate its work buffers")
 

@@ -55,11 +55,8 @@ static void *alloc64(size_t num_bytes) {
 
 /* ---- activations -------------------------------------------------------------------- */
 
-static uint64_t act_ids;
-
 int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant) {
     memset(a, 0, sizeof(*a));
-    a->id = __atomic_add_fetch(&act_ids, 1, __ATOMIC_RELAXED);
     a->is_quant = is_quant;
     a->cols = cols;
     a->cols_pad = is_quant ? (cols + ST_PAD - 1) / ST_PAD * ST_PAD : (cols + 15) / 16 * 16;
@@ -212,9 +209,6 @@ static void gemm_block(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
         return;
     }
 
-    if (act->allow_amx && n_tok >= ST_AMX_MIN_TOKENS
-        && st_amx_rows(qtype, w, row_bytes, cols, rb, nr, act, tok, tok0, n_tok, out, ld_out))
-        return;
     if (n_tok < FUSED_MAX_TOKENS && fused_groups(qtype, w, row_bytes, cols, rb, nr, act, tok,
                                                  tok0, n_tok, out, ld_out))
         return;

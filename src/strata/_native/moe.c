@@ -10,10 +10,6 @@
  * P = routed (token, k) pairs with an expert id >= 0. */
 
 #define ITEM_ROWS 64   /* weight rows per work item */
-/* An expert whose products take amx.c's rows gets items this long: each item packs its rows'
- * activations for the tiles once (per thread), so short items repacked them for every 64
- * weight rows */
-#define AMX_ITEM_ROWS 256
 /* Up to this many pairs (decode windows), the thread that finishes an expert's last gate/up item
  * quantizes its SiLU(gate) * up rows and the down items wait for that expert alone: no barrier
  * between the two products. Bigger calls quantize every row on the team behind a barrier. */
@@ -26,25 +22,13 @@ static void *alloc64(size_t num_bytes) {
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* Does this expert's product take amx.c's rows (many rows, a type it reads, allowed)? */
-static int takes_amx(const moe_call *c, int type, int64_t rows) {
-    return c->allow_amx && rows >= ST_AMX_MIN_TOKENS && (type == ST_Q4_0 || type == ST_Q8_0)
-           && st_amx_available();
-}
-
-/* Items over rows [0, rows) of each expert with pairs, `type`'s matrices; left (optional) gets
- * each expert's item count. */
-static int64_t build_items(const moe_call *c, int type, int rows, moe_item *items,
-                           int32_t *left) {
+static int64_t build_items(const int64_t *count, int E, int rows, moe_item *items) {
     int64_t n = 0;
-    for (int e = 0; e < c->E; e++) {
-        if (c->count[e] == 0) continue;
-        const int step = takes_amx(c, type, c->count[e]) ? AMX_ITEM_ROWS : ITEM_ROWS;
-        if (left) left[e] = (rows + step - 1) / step;
-        for (int r0 = 0; r0 < rows; r0 += step) {
+    for (int e = 0; e < E; e++) {
+        if (count[e] == 0) continue;
+        for (int r0 = 0; r0 < rows; r0 += ITEM_ROWS) {
             items[n].expert = e;
             items[n].r0 = r0;
-            items[n].r1 = r0 + step < rows ? r0 + step : rows;
             n++;
         }
     }
@@ -66,9 +50,8 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
                  const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                  const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                  const int32_t *experts, const float *weights, float *out,
-                 int64_t *routed_rows, int allow_amx) {
+                 int64_t *routed_rows) {
     memset(c, 0, sizeof(*c));
-    c->allow_amx = allow_amx;
     c->x = x; c->T = T; c->H = H; c->F = F; c->E = E; c->K = K;
     c->gate_ptrs = gate_ptrs; c->up_ptrs = up_ptrs; c->down_ptrs = down_ptrs;
     c->gate_type = gate_type; c->up_type = up_type; c->down_type = down_type;
@@ -130,10 +113,10 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     if (sb > scratch_bytes) scratch_bytes = sb;
     sb = st_scratch_bytes(down_type, F);
     c->scratch_bytes = sb > scratch_bytes ? sb : scratch_bytes;
-    c->act_gate.allow_amx = c->act_up.allow_amx = c->act_h.allow_amx = allow_amx;
-    for (int e = 0; e < E; e++) c->left[e] = 0;
-    c->num_items_1 = build_items(c, gate_type == up_type ? gate_type : -1, F, c->items, c->left);
-    c->num_items_2 = build_items(c, down_type, H, c->items_2, NULL);
+    c->num_items_1 = build_items(c->count, E, F, c->items);
+    c->num_items_2 = build_items(c->count, E, H, c->items_2);
+    for (int e = 0; e < E; e++)
+        c->left[e] = c->count[e] > 0 ? (F + ITEM_ROWS - 1) / ITEM_ROWS : 0;
     c->fill_by_last = P <= FILL_BY_LAST_PAIRS;
     /* a few rows are quicker filled here than behind one more barrier of the team */
     c->is_small = T * (int64_t)H <= 16384;
@@ -183,7 +166,7 @@ void st_moe_products(moe_call *c) {
     for (int64_t it = 0; it < c->num_items_1; it++) {
         int e = c->items[it].expert;
         int r0 = c->items[it].r0;
-        int r1 = c->items[it].r1;
+        int r1 = r0 + ITEM_ROWS < F ? r0 + ITEM_ROWS : F;
         int64_t p0 = offset[e], n = count[e];
         if (scratch) {
             st_gemm_rows(c->gate_type, c->gate_ptrs[e], c->gate_row_bytes, H, r0, r1,
@@ -211,7 +194,7 @@ void st_moe_products(moe_call *c) {
     for (int64_t it = 0; it < c->num_items_2; it++) {
         int e = c->items_2[it].expert;
         int r0 = c->items_2[it].r0;
-        int r1 = c->items_2[it].r1;
+        int r1 = r0 + ITEM_ROWS < H ? r0 + ITEM_ROWS : H;
         int64_t p0 = offset[e], n = count[e];
         if (c->fill_by_last)     /* every gate/up item is taken before any down item */
             while (!__atomic_load_n(&c->h_ready[e], __ATOMIC_ACQUIRE)) st_cpu_relax();
@@ -247,18 +230,17 @@ void st_moe_compute(moe_call *c) {
 
 /* Each expert's three matrices come through pointer tables [E] (gate and up [F, H] rows, down
  * [H, F] rows): an expert may sit in the GGUF mapping, an expert pack or a cache slot. When
- * routed_rows is not NULL, routed_rows[e] += the rows routed to expert e. allow_amx: the
- * products may take amx.c's rows (the CPU pool's; not batch-invariant). */
+ * routed_rows is not NULL, routed_rows[e] += the rows routed to expert e. */
 int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
                     const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
                     const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                     const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                     const int32_t *experts, const float *weights, float *out,
-                    int64_t *routed_rows, int allow_amx) {
+                    int64_t *routed_rows) {
     moe_call c;
     if (st_moe_setup(&c, x, T, H, F, E, K, gate_ptrs, gate_type, gate_row_bytes, up_ptrs, up_type,
                   up_row_bytes, down_ptrs, down_type, down_row_bytes, experts, weights, out,
-                  routed_rows, allow_amx) != 0)
+                  routed_rows) != 0)
         return -1;
     if (c.P > 0) {
         #pragma omp parallel num_threads(st_get_num_threads()) if (c.is_parallel)
@@ -284,7 +266,7 @@ int st_moe_ffn(const float *x, int64_t T, int H, int F, int E, int K,
     }
     int rc = st_moe_ffn_ptrs(x, T, H, F, E, K, ptrs, gate_type, gate_row_bytes,
                              ptrs + E, up_type, up_row_bytes, ptrs + 2 * E, down_type,
-                             down_row_bytes, experts, weights, out, NULL, 0);
+                             down_row_bytes, experts, weights, out, NULL);
     free((void *)ptrs);
     return rc;
 }

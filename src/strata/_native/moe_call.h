@@ -9,7 +9,7 @@
 #include "quant.h"
 
 /* Work items (expert, row block) over the experts that have rows. */
-typedef struct { int32_t expert; int32_t r0, r1; } moe_item;   /* rows [r0, r1) */
+typedef struct { int32_t expert; int32_t r0; } moe_item;
 
 typedef struct {
     const float *x; int64_t T; int H, F, E, K;
@@ -25,19 +25,17 @@ typedef struct {
     st_act act_gate, act_up, act_h;
     int32_t *left, *h_ready;                       /* [E]: gate/up items to go; act_h rows set */
     int shared_x, is_small, is_parallel, fill_by_last;
-    int allow_amx;                                 /* products may take amx.c's rows (the pool) */
     size_t scratch_bytes;
     int failed;                                    /* a thread ran out of memory */
 } moe_call;
 
-/* 0, or -1 on allocation failure (c is then torn down); c->P == 0 leaves nothing to compute.
- * allow_amx: products of many rows may take amx.c's rows (the CPU pool; not batch-invariant). */
+/* 0, or -1 on allocation failure (c is then torn down); c->P == 0 leaves nothing to compute. */
 int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, int K,
                  const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
                  const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                  const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                  const int32_t *experts, const float *weights, float *out,
-                 int64_t *routed_rows, int allow_amx);
+                 int64_t *routed_rows);
 void st_moe_compute(moe_call *c);
 void st_moe_products(moe_call *c);
 void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1, int set);

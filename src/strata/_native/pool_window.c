@@ -108,13 +108,11 @@ static void layer_begin(pool_state *s, int l) {
         const int32_t *tl = s->types + 3 * l;
         const int64_t *bl = s->row_bytes + 3 * l;
         moe_call *c = &s->calls[p];
-        /* allow_amx: products of many rows may take the AMX rows (a prompt window's experts;
-         * the CPU backend's stay batch-invariant) */
         if (st_moe_setup(c, s->x, s->rows, s->H, s->F, E, K,
                          (const uint8_t *const *)pl, tl[0], bl[0],
                          (const uint8_t *const *)(pl + E), tl[1], bl[1],
                          (const uint8_t *const *)(pl + 2 * E), tl[2], bl[2],
-                         s->masked, s->wts, s->y, NULL, 1) != 0) {
+                         s->masked, s->wts, s->y, NULL) != 0) {
             s->status = POOL_NO_MEMORY;
             s->failed_layer = l;
             s->go[p] = 0;

@@ -92,24 +92,12 @@ typedef struct {
     int32_t *xc;       /* [T, cols_pad / 4]  -ST_WEIGHT_BIAS * sum of the lane's 4 q */
     float *xs;         /* [T, cols_pad / 16] dx * sum(q) over the group */
     float *xf;         /* [T, cols_pad]      float rows, zero padded */
-    uint64_t id;       /* unique per st_act_alloc (amx.c keeps packed rows by it) */
-    int allow_amx;     /* products may take amx.c's rows (not batch-invariant; the CPU pool) */
 } st_act;
 
 int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant);
 void st_act_free(st_act *a);
 /* Fill rows [r0, r1) of a from x (row stride ld_x floats). */
 void st_act_fill(st_act *a, const float *x, int64_t ld_x, int64_t r0, int64_t r1);
-
-/* AMX-INT8 rows (amx.c): 1 when this CPU and kernel let the process use them; st_amx_rows is
- * gemm_block's path for Q4_0 / Q8_0 with act->allow_amx from ST_AMX_MIN_TOKENS tokens, 0 when
- * it does not take the call. Below 12 tokens the lane tiles and fused rows were faster on the
- * H200 host (tools/bench_pool_kernel.py --rows-per-expert --amx both; docs/offload.md). */
-#define ST_AMX_MIN_TOKENS 12
-int st_amx_available(void);
-int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
-                const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok, float *out,
-                int64_t ld_out);
 
 /* Padded column count for a weight type and column count. */
 int st_cols_pad(int qtype, int cols);
@@ -160,7 +148,7 @@ int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
                     const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                     const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                     const int32_t *experts, const float *weights, float *out,
-                    int64_t *routed_rows, int allow_amx);
+                    int64_t *routed_rows);
 
 void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, float *out);
 
