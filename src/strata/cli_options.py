@@ -157,10 +157,10 @@ def expert_options(command):
                           "expert-cache slots for more while a request needs them, returned "
                           "and refilled when it ends (needs --expert-cache)."),
         click.option("--pcie-frac", default=None, type=click.FloatRange(0, 1),
-                     help="GPU with an expert cache: the share of the misses' routed rows the "
-                          "GPU reads over PCIe (the CPU pool computes the rest). Default: the "
-                          "`strata-tool calibrate` result for this model, GPU and threads, "
-                          "else 0.4."),
+                     help="GPU with an expert cache: the share of each layer's missing "
+                          "experts the GPU reads over PCIe in a decode window (the CPU pool "
+                          "computes the rest). Default: the `strata-tool calibrate` result for "
+                          "this model, GPU and threads, else 0.3."),
         click.option("--split-device", default=None, metavar="I,J",
                      help="Split the layers over these GPUs (stages in this order), each with "
                           "its own expert cache and tier; --vram-budget applies per card."),

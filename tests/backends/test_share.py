@@ -1,13 +1,13 @@
-"""The PCIe share: assign_where's exact splits, the stored calibration, and --pcie-frac."""
+"""The PCIe share: miss_where's table and pool share, the stored calibration, and --pcie-frac."""
 import json
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from strata.backends.cuda.share import (CALIBRATION_FILE, DEFAULT_PCIE_FRAC, assign_where,
-                                        load_calibration, pcie_share, resolve_pcie_frac,
-                                        share_from_rates, store_calibration)
+from strata.backends.cuda.share import (CALIBRATION_FILE, DEFAULT_PCIE_FRAC, load_calibration,
+                                        miss_where, resolve_pcie_frac, share_from_rates,
+                                        store_calibration)
 from strata.config import EngineConfig
 from strata.errors import ConfigError
 
@@ -23,48 +23,28 @@ def tiny(tmp_path_factory):
     return str(path)
 
 
-# ---- assign_where ----------------------------------------------------------------------------
-def test_assign_where_splits_each_layer_by_expected_rows():
-    residency = np.array([[-1, -1, -1, -1, -1],
-                          [0, -1, 3, -1, -1],
-                          [-1, -1, -1, -1, -1],
-                          [4, 1, 2, 5, 6]])       # all resident: nothing to split
-    counts = np.array([[4, 3, 2, 1, 0],
-                       [9, 5, 9, 5, 0],
-                       [2, 2, 2, 2, 2],         # ties: lower ids first
-                       [7, 7, 7, 7, 7]])
-    where = assign_where(residency, 0.5, counts)
-    # layer 0: target 5 of 10 rows: 4 -> PCIe; 3 and 2 would overshoot; 1 -> PCIe (5 rows);
-    #   the expert expected to get nothing: round(0.5 * 1) = 1 of 1 to PCIe
-    # layer 1: missing 1, 3 (5 rows each), 4 (none): target 5: expert 1 PCIe, 3 CPU, 4 PCIe
-    # layer 2: target 5 of 10: experts 0, 1 (4 rows); 4 + 2 / 2 < 5 fails for the rest: CPU
-    expected = np.array([[P, C, C, P, P],
-                         [V, P, V, C, P],
-                         [P, P, C, C, C],
-                         [V, V, V, V, V]], dtype=np.uint8)
-    np.testing.assert_array_equal(where, expected)
-    assert where.dtype == np.uint8
-    assert pcie_share(where[:1], counts[:1]) == 0.5
-    assert pcie_share(where[3:], counts[3:]) == 0.0
+# ---- miss_where --------------------------------------------------------------------------------
+def test_miss_where_gives_the_pool_every_miss_and_the_device_its_share():
+    residency = np.array([[-1, 2, -1, -1, -1],
+                          [4, 1, 2, 5, 6]])       # all resident
+    where, pool_frac = miss_where(residency, 0.3)
+    np.testing.assert_array_equal(where, [[C, V, C, C, C], [V, V, V, V, V]])
+    assert where.dtype == np.uint8 and pool_frac == pytest.approx(0.7)
+    # share 0: every miss the pool's, all of each layer's (no share on the device)
+    where, pool_frac = miss_where(residency, 0.0)
+    np.testing.assert_array_equal(where[0], [C, V, C, C, C])
+    assert pool_frac == -1.0
+    # share 1: every miss read over PCIe, no pool
+    where, pool_frac = miss_where(residency, 1.0)
+    np.testing.assert_array_equal(where[0], [P, V, P, P, P])
+    assert pool_frac == -1.0
 
 
-def test_assign_where_extremes_and_no_information():
-    residency = np.array([[-1, 2, -1, -1, -1]])
-    counts = np.array([[3, 1, 0, 8, 1]])
-    np.testing.assert_array_equal(assign_where(residency, 0.0, counts), [[C, V, C, C, C]])
-    np.testing.assert_array_equal(assign_where(residency, 1.0, counts), [[P, V, P, P, P]])
-    # no counts at all: split by number, lowest ids to PCIe (round(0.4 * 4) = 2)
-    np.testing.assert_array_equal(assign_where(residency, 0.4, np.zeros((1, 5))),
-                                  [[P, V, P, C, C]])
-    # a small share (target 1.2 rows) goes to the small expert that fits it, not the hottest
-    np.testing.assert_array_equal(assign_where(residency, 0.1, counts), [[C, V, C, C, P]])
-    # deterministic: the same tables give the same split
-    rng = np.random.default_rng(0)
-    res = np.where(rng.random((6, 32)) < 0.3, 1, -1)
-    cnt = rng.integers(0, 20, size=(6, 32))
-    first = assign_where(res, 0.63, cnt)
-    np.testing.assert_array_equal(first, assign_where(res, 0.63, cnt))
-    assert abs(pcie_share(first, cnt) - 0.63) < 0.05
+def test_miss_where_refuses_bad_tables():
+    with pytest.raises(ConfigError, match=r"must be \[layers, experts\]"):
+        miss_where(np.zeros(4), 0.5)
+    with pytest.raises(ConfigError, match="pcie_frac is 1.5; give a fraction from 0"):
+        miss_where(-np.ones((1, 2)), 1.5)
 
 
 def test_expected_reads_counts_an_expert_once_per_window():
@@ -78,33 +58,6 @@ def test_expected_reads_counts_an_expert_once_per_window():
                                [[0.0, 1 - 0.9375 ** 4, 1 - 0.75 ** 4, 0.9375, 1.0]])
     # a window of no rows counts as one
     np.testing.assert_allclose(expected_reads(m, 0), expected_reads(m, 1))
-
-
-def test_assign_where_by_reads_balances_the_bytes_of_a_batch_window():
-    """4 rows: one expert routed in every row and four routed once. By rows PCIe takes the hot
-    one (4 of 8 rows) and the pool four experts' bytes; by reads (1 + 4 x 0.68) the split
-    gives each side two or three experts."""
-    from strata.backends.cuda.share import expected_reads
-
-    residency = -np.ones((1, 5), dtype=np.int64)
-    rows = np.array([[4.0, 1.0, 1.0, 1.0, 1.0]])
-    by_rows = assign_where(residency, 0.5, rows)
-    np.testing.assert_array_equal(by_rows, [[P, C, C, C, C]])
-    by_reads = assign_where(residency, 0.5, expected_reads(rows, 4))
-    np.testing.assert_array_equal(by_reads, [[P, P, C, C, C]])
-    # one row per window: reads are the rows, the split is the same
-    one = np.array([[0.9, 0.5, 0.3, 0.2, 0.1]])
-    np.testing.assert_array_equal(assign_where(residency, 0.4, one),
-                                  assign_where(residency, 0.4, expected_reads(one, 1)))
-
-
-def test_assign_where_refuses_bad_tables():
-    with pytest.raises(ConfigError, match=r"must both be \[layers, experts\]"):
-        assign_where(np.zeros((2, 4)), 0.5, np.zeros((2, 3)))
-    with pytest.raises(ConfigError, match="finite and >= 0"):
-        assign_where(-np.ones((1, 2)), 0.5, np.array([[1.0, -1.0]]))
-    with pytest.raises(ConfigError, match="pcie_frac is 1.5; give a fraction from 0"):
-        assign_where(-np.ones((1, 2)), 1.5, np.ones((1, 2)))
 
 
 # ---- the stored calibration --------------------------------------------------------------------
@@ -124,7 +77,8 @@ def test_calibration_store_load_round_trip(tiny, tmp_path, monkeypatch, caplog):
         assert resolve_pcie_frac(None, tiny, "GPU A", 8)[0] == 0.75
         assert resolve_pcie_frac(0.2, tiny, "GPU A", 8) == (0.2, "--pcie-frac")
         frac, source = resolve_pcie_frac(None, tiny, "GPU B", 8)
-    assert frac == DEFAULT_PCIE_FRAC == 0.4 and f"strata-tool calibrate {tiny} --threads 8" in source
+    assert frac == DEFAULT_PCIE_FRAC == 0.3
+    assert f"strata-tool calibrate {tiny} --threads 8" in source
     assert "PCIe share of cache misses 0.75" in caplog.text
     # experts of a type the pool has no SIMD rows for (IQ2_XXS = 16): every miss over PCIe,
     # unless calibrated or asked for

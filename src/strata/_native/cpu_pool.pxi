@@ -3,7 +3,6 @@
 # exchange.py has the protocol). Included by kernels.pyx (one module, one thread setting).
 # Legend: L = layers, R = rows of the window, K = experts per row, H = hidden, E = experts,
 # F = expert width.
-from libc.math cimport floor
 
 cdef extern from "pool_window.h" nogil:
     int st_pool_serve(int64_t *ctl, const int64_t *ready, int64_t *done, const float *x,
@@ -169,62 +168,3 @@ def pool_wait_served(ctl, int64_t seq, double timeout_s):
     return (int(cv[ST_CTL_STATUS]), int(cv[ST_CTL_LAYER]), cv[ST_CTL_ENTRIES],
             cv[ST_CTL_EXPERTS], cv[ST_CTL_WAIT_NS], cv[ST_CTL_COMPUTE_NS],
             cv[ST_CTL_START_NS] - cv[ST_CTL_POSTED_NS], cv[ST_CTL_END_NS])
-
-
-# ---- the where table (backends/cuda/share.py's assign_where runs this) ---------------------
-def pool_assign_where(residency, double pcie_frac, weights, order, where):
-    """where [L, E] uint8 (written): 0 for resident experts (residency [L, E] int32 >= 0), and
-    per layer the missing ones split so that PCIe (1) gets about pcie_frac of their weight
-    ([L, E] float64, >= 0), the CPU pool (2) the rest: those of weight > 0 hottest first (ties:
-    lower id; order [L, E] int64 = each layer's ids in that order, a stable argsort of -weights),
-    each to PCIe when pcie + w / 2 < pcie_frac * (the layer's missing weight), else to the CPU;
-    those of weight 0 by number, the lowest floor(pcie_frac * n + 0.5) ids to PCIe. Checks of
-    the values are the caller's (share.py)."""
-    _check_array("residency", residency, np.int32, 2)
-    _check_array("weights", weights, np.float64, 2)
-    _check_array("order", order, np.int64, 2)
-    _check_array("where", where, np.uint8, 2, writable=True)
-    if weights.shape != residency.shape or where.shape != residency.shape \
-            or order.shape != residency.shape:
-        raise ValueError(f"residency {residency.shape}, weights {weights.shape}, order "
-                         f"{order.shape} and where {where.shape} must have one shape")
-    cdef const int32_t[:, ::1] rv = residency
-    cdef const double[:, ::1] wv = weights
-    cdef const int64_t[:, ::1] ov = order
-    cdef uint8_t[:, ::1] out = where
-    cdef int L = residency.shape[0], E = residency.shape[1]
-    cdef int l, e, i, n_cold, n_cold_pcie
-    cdef double target, pcie
-    for l in range(L):
-        for i in range(E):
-            if not 0 <= ov[l, i] < E:
-                raise ValueError(f"order[{l}, {i}] = {ov[l, i]} is not an expert id")
-    with nogil:
-        for l in range(L):
-            n_cold = 0
-            target = 0.0
-            for e in range(E):
-                if rv[l, e] >= 0:
-                    out[l, e] = 0
-                elif wv[l, e] > 0.0:
-                    target += wv[l, e]
-                else:
-                    n_cold += 1
-            target *= pcie_frac
-            pcie = 0.0
-            for i in range(E):     # hottest first
-                e = ov[l, i]
-                if rv[l, e] >= 0 or not wv[l, e] > 0.0:
-                    continue
-                if pcie + wv[l, e] / 2 < target:
-                    out[l, e] = 1
-                    pcie += wv[l, e]
-                else:
-                    out[l, e] = 2
-            n_cold_pcie = <int>floor(pcie_frac * n_cold + 0.5)
-            i = 0
-            for e in range(E):     # no weight: the lowest ids to PCIe
-                if rv[l, e] < 0 and not wv[l, e] > 0.0:
-                    out[l, e] = 1 if i < n_cold_pcie else 2
-                    i += 1
-    return where

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-SHARES = (0.0, 0.1, 0.2, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.8, 1.0)  # finer where the best lies
+SHARES = (0.0, 0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8, 1.0)  # finer where the best lies
 
 
 def sweep_shares(model_path, threads: int, device_index: int = 0, shares=SHARES,

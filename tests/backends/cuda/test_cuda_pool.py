@@ -160,3 +160,36 @@ def test_calibrate_stores_a_measured_share(pool_path, tmp_path, monkeypatch):
         entry["gpu_experts_per_s"] / (entry["gpu_experts_per_s"] + entry["cpu_experts_per_s"]))
     assert "decode tokens/s" in res.stdout
     assert json.loads((tmp_path / "pcie-share.json").read_text())
+
+
+def test_the_device_splits_each_layers_misses_by_the_share(pool_path):
+    # one token a window, top-2: every layer has two misses of equal cost, and at share 0.5 the
+    # device gives the pool exactly one of them in every layer, whatever the routing (a split
+    # fixed on the host before the window gave it 0, 1 or 2); logits as the resident model's
+    from strata.backends.cuda import CudaModel
+
+    gguf = GGUFModel.open(pool_path)
+    spec = gguf.spec
+    tokens = [int(t) for t in np.random.default_rng(16).integers(10, 4000, 24)]
+    resident = CudaModel(gguf)
+    kv = resident.new_kv(64)
+    want = [np.array(resident.forward_window(Window.build([(kv, [t])], logits="all")))
+            for t in tokens]
+    model = CudaModel(gguf, experts_resident=False)
+    config = EngineConfig(pool_path, n_ctx=64, parallel=1, expert_cache=0, device="cuda",
+                          pcie_frac=0.5)
+    arena = model.new_expert_arena(ExpertStore.from_gguf(gguf), config)
+    try:
+        kv, entries, got = model.new_kv(64), [], []
+        for t in tokens:
+            arena.before_window(1)
+            counts = np.zeros((spec.n_layers, spec.n_experts), dtype=np.int64)
+            window = Window.build([(kv, [t])], logits="all")
+            got.append(np.array(model.forward_window(window, routing_counts=counts)))
+            arena.account_routed(arena.table.peek(), counts)
+            entries.append(arena.pool.last_stats.num_entries)
+    finally:
+        arena.close()
+    assert entries == [spec.n_layers] * len(tokens)
+    for a, b in zip(want, got):  # the pool's tolerance (docs/cuda.md)
+        assert np.abs(a - b).max() / np.abs(a).max() < 3e-2

@@ -16,6 +16,10 @@ WHERE_VRAM, WHERE_PCIE, WHERE_CPU = 0, 1, 2  # as backends/cuda/exchange.py
 # products once per 32-row tile; with more rows than one tile, pull_rare copies it into its
 # staging slot first (one read). PULL_CHUNKS blocks share one expert's bytes.
 PULL_MIN_ROWS = 32
+# A decode window splits each layer's misses by cost (count_groups): an expert costs this plus
+# its rows, so that the split follows the bytes (each side reads a missing expert once for all
+# its rows) more than the rows.
+DECODE_EXPERT_ROWS = 16
 PULL_CHUNKS = 16
 
 
@@ -35,6 +39,12 @@ class DeviceTier:
         self.where_host[:] = WHERE_PCIE
         rt.drv.memcpy_htod(self._where, self.where_host)
         self._win = rt.alloc(L * E)  # [L, E] uint8: the window's own where (count_groups)
+        # a decode window's pool share (set_where): the device gives the pool this share of each
+        # layer's routed misses (offload.cu's count_groups); < 0: off
+        self._frac = rt.alloc(4)
+        self.frac_host = rt.pinned((1,), np.float32)
+        self.frac_host[0] = -1.0
+        rt.drv.memcpy_htod(self._frac, self.frac_host)
         self._budget = rt.alloc(4 * L)  # [L] int32: the pool's time a layer (share.py's units)
         self.budget_host = rt.pinned((L,), np.int32)
         self.budget_host[:] = NO_BUDGET
@@ -81,11 +91,15 @@ class DeviceTier:
         return self._exchange_device + self.exchange.layout.offsets[field]
 
     # ---- the where table ----------------------------------------------------------------
-    def set_where(self, where: np.ndarray, budget: np.ndarray | None = None) -> None:
+    def set_where(self, where: np.ndarray, budget: np.ndarray | None = None,
+                  pool_frac: float = -1.0) -> None:
         """Upload `where` [L, E] uint8 and the pool's budget per layer in a window, `budget`
         [L] (share.prompt_pool_budget; None: no limit) for the next window (between windows;
         the compute stream is idle, so the pinned copies may change again after the window).
-        A prompt window's pool also takes only experts of at most PROMPT_POOL_ROWS rows."""
+        A prompt window's pool also takes only experts of at most PROMPT_POOL_ROWS rows.
+        pool_frac >= 0 (decode windows): the pool takes that share of the cost of each layer's
+        routed CPU-assigned experts (the device decides once it sees the routing), the GPU
+        reads the rest over PCIe."""
         where = np.asarray(where, dtype=np.uint8)
         if where.shape != self.where_host.shape:
             raise ValueError(f"where must be [L, E] = {self.where_host.shape}, got {where.shape}")
@@ -99,6 +113,10 @@ class DeviceTier:
         if not np.array_equal(where, self.where_host):
             self.where_host[:] = where
             drv.memcpy_htod_async(self._where, self.where_host, stream)
+        frac = np.float32(pool_frac if pool_frac >= 0.0 else -1.0)
+        if self.frac_host[0] != frac:
+            self.frac_host[0] = frac
+            drv.memcpy_htod_async(self._frac, self.frac_host, stream)
 
     # ---- pulls of heavily routed rare experts (offload.cu's pull_rare) ----------------------
     def enable_pulls(self, host_device_base: int, slot_bytes: int, part_offsets: np.ndarray,
@@ -218,17 +236,19 @@ class DeviceTier:
         ws, R, E = plan._ws, plan.num_rows, self.num_experts
         spec = self.model.spec
         pooled = self.pools(R)
-        rows_cap = R if R <= POOL_MAX_ROWS else PROMPT_POOL_ROWS
+        is_decode = R <= POOL_MAX_ROWS
+        rows_cap = R if is_decode else PROMPT_POOL_ROWS
         grouping = [ws.ptr("groups"), ws.ptr("num_groups"), E, self.counts_ptr(layer),
                     self.where_ptr(layer) if pooled else 0, self.win_ptr(layer), rows_cap,
-                    POOL_EXPERT_ROWS, int(self._budget) + 4 * layer]
+                    DECODE_EXPERT_ROWS if is_decode else POOL_EXPERT_ROWS,
+                    int(self._budget) + 4 * layer, int(self._frac)]
         if plan.keeps_misses:  # and the misses this layer keeps (free admission)
-            plan._add("tier_groups_keep", (1,), (256,), "PPiPPPiiPPPPPPPiiPPPP",
+            plan._add("tier_groups_keep", (1,), (256,), "PPiPPPiiPPPPPPPPiiPPPP",
                       [*grouping, self.model.expert_tables_ptr, int(self._atab),
                        int(self._part_off), int(self._cands), int(self._state), int(self._log),
                        layer, self.admit_per_layer, *self._keep_args])
         else:
-            plan._add("tier_groups", (1,), (256,), "PPiPPPiiP", grouping)
+            plan._add("tier_groups", (1,), (256,), "PPiPPPiiPP", grouping)
         if not pooled:
             return
         if R > POOL_MAX_ROWS and self._pull_args is not None:  # a streamed prompt window

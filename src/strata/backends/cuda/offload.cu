@@ -38,13 +38,16 @@ __device__ __forceinline__ bool row_has_cpu_pair(const int *__restrict__ ids, in
 // does not fit is skipped); any other CPU-assigned expert stays in the groups and is read by the
 // GPU from its host copy (its table entry). win [E] gets the window's own where: CPU for the
 // experts taken, PCIe for the other CPU-assigned ones, else where's entry; the hand-off kernels
-// read win. A decode window passes caps no window reaches (win = where for routed experts).
-// The whole block calls it; thread 0 does the walk.
+// read win. A decode window's budget is the share `frac` (>= 0; < 0: the budget as given) of
+// the cost of the layer's routed CPU-assigned experts: the host gives the pool every miss and
+// the device splits each layer's by the routing it sees (a split fixed before the window gave
+// one side 2 of a token's 8 misses in one layer and 6 in the next; the layer waits for the
+// slower side). The whole block calls it; thread 0 does the walk.
 __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__restrict__ num_groups,
                                              int E, int *__restrict__ counts,
                                              const uint8_t *__restrict__ where,
                                              uint8_t *__restrict__ win, int rows_cap,
-                                             int expert_cost, int budget) {
+                                             int expert_cost, int budget, float frac) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         counts[e] = 0;
         if (where != nullptr) win[e] = where[e] == WHERE_CPU ? WHERE_PCIE : where[e];
@@ -54,6 +57,14 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
     const int G = *num_groups;
     int kept = 0;
     long long spent = 0;
+    if (where != nullptr && frac >= 0.0f) {
+        long long total = 0;
+        for (int g = 0; g < G; g++) {
+            const int e = groups[3 * g], count = groups[3 * g + 2];
+            if (where[e] == WHERE_CPU && count <= rows_cap) total += expert_cost + count;
+        }
+        budget = (int)floorf(frac * (float)total + 0.5f);
+    }
     for (int g = 0; g < G; g++) {
         const int e = groups[3 * g], first = groups[3 * g + 1], count = groups[3 * g + 2];
         counts[e] = count;
@@ -72,14 +83,16 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
 }
 
 // count_groups as a launch. Grid 1, block 256.
+// frac: the window's pool share word (count_groups; < 0 off).
 extern "C" __global__ void tier_groups(int *__restrict__ groups, int *__restrict__ num_groups,
                                        int E, int *__restrict__ counts,
                                        const uint8_t *__restrict__ where, uint8_t *win,
                                        int rows_cap, int expert_cost,
-                                       const int *__restrict__ budget) {
+                                       const int *__restrict__ budget,
+                                       const float *__restrict__ frac) {
     kernel_entry();
     count_groups(groups, num_groups, E, counts, where, win, rows_cap, expert_cost,
-                 where != nullptr ? *budget : 0);
+                 where != nullptr ? *budget : 0, where != nullptr ? *frac : -1.0f);
 }
 
 // Copy the layer's ids [R, K] (-1 for a pair the pool does not compute: the pool takes
@@ -268,6 +281,7 @@ extern "C" __global__ void tier_groups_keep(int *__restrict__ groups,
                                             const uint8_t *__restrict__ where, uint8_t *win,
                                             int rows_cap, int expert_cost,
                                             const int *__restrict__ budget,
+                                            const float *__restrict__ frac,
                                             unsigned long long *tables, unsigned long long *atab,
                                             const unsigned long long *__restrict__ part_off,
                                             const int *__restrict__ pool, int *state, int *log,
@@ -277,7 +291,7 @@ extern "C" __global__ void tier_groups_keep(int *__restrict__ groups,
                                             unsigned long long slot_bytes) {
     kernel_entry();
     count_groups(groups, num_groups, E, counts, where, win, rows_cap, expert_cost,
-                 where != nullptr ? *budget : 0);
+                 where != nullptr ? *budget : 0, where != nullptr ? *frac : -1.0f);
     __syncthreads();  // counts and the kept groups are in place
     if (threadIdx.x < WARP)
         keep_misses(groups, num_groups, counts, tables, atab, part_off, pool, state, log, layer,

@@ -22,7 +22,6 @@ PART_ALIGN_BYTES = 256      # gate, up and down each start on 256 bytes inside a
 # read over PCIe, in slots of the lowest-ranked resident experts offered before it
 KEEP_PER_LAYER = 2
 VRAM_RESERVE_BYTES = 1 << 30  # `auto` leaves this free for the driver, graphs and growth
-EXPECTED_DECAY = 0.8         # the where table's routing counts: each window, old counts x this
 
 
 def slot_layout(store: ExpertStore) -> tuple[np.ndarray, int]:
@@ -153,7 +152,7 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     from strata.backends.cuda.share import POOL_MAX_ROWS, resolve_pcie_frac
     from strata.backends.cuda.stream import PROMPT_POOL_MAX_ROWS
 
-    # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.4 (1 for experts the
+    # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.3 (1 for experts the
     # pool has no SIMD rows for: share.SLOW_POOL_TYPES), logged
     from strata.backends.cuda.cpu_pool import default_pool_threads
 
@@ -209,12 +208,7 @@ class VramExpertArena(ExpertArena):
         self.copier = None  # the async tier's StreamCopier (copier.py), made by new_copier
         self.pool = None  # the CPU pool (attach_pool), None: every miss read over PCIe
         self.pcie_frac = 1.0
-        self._expected = np.zeros((store.n_layers, store.n_experts))  # [L, E] decayed rows
         self._where_version = -1
-        self._windows_since_where = 0
-        self._where_share = 1.0  # the share of the last window (during_window's guess)
-        self._where_rows = 1  # and its rows
-        self._pending_where = None  # (key, where [L, E]) computed while a window ran
         self._pool_seq_taken = 0  # the last pool window counted by take_pool_window
         self._victims = None  # keep_misses: the tier's victims(residency, n), worst first
         self._ranked_victims = None  # [m, 2] ranked while the last window ran, for _offer
@@ -357,30 +351,25 @@ class VramExpertArena(ExpertArena):
         return self.streamer.pools_rare(num_rows)
 
     def _set_where(self, num_rows: int = 1) -> None:
-        """where [L, E] from the published residency and the expected reads in a window of this
-        many rows (share.py), on the device and in the pool, when residency, the window's share
-        or its rows changed, or every 8 windows (`window_share`: prompt chunks read every miss
-        over PCIe); a streamed window that leaves rare experts gives those to the pool."""
-        from strata.backends.cuda.share import assign_where, window_share
+        """where [L, E] for a window of this many rows, on the device and in the pool, when the
+        residency, the window's share or its rows changed (share.miss_where: every miss the
+        pool's, of which the device gives it 1 - share of each layer's routed ones;
+        `window_share`: prompt chunks read every miss over PCIe); a streamed window that
+        leaves rare experts gives those to the pool."""
+        from strata.backends.cuda.share import miss_where, window_share
 
         if self.streamer.is_ready_for(num_rows) and self.pools_rows(num_rows):
             self._set_stream_where(num_rows)
             return
-        share = self._where_share = window_share(self.pcie_frac, num_rows)
-        self._where_rows = num_rows if share < 1.0 else 0  # rows matter only to a split
-        key = (self.table.version, share, self._where_rows)
-        self._windows_since_where += 1
-        pending, self._pending_where = self._pending_where, None
-        if key == self._where_version and self._windows_since_where < 8:
+        share = window_share(self.pcie_frac, num_rows)
+        key = (self.table.version, share)
+        if key == self._where_version:
             return
-        if pending is not None and pending[0] == key:
-            where = pending[1]  # computed while the last window ran (_prepare_where)
-        else:
-            where = assign_where(self.table.peek().table, share, self._reads(self._where_rows))
+        where, pool_frac = miss_where(self.table.peek().table, share)
         with self._rt.active():
-            self.model.tier.set_where(where)
+            self.model.tier.set_where(where, pool_frac=pool_frac)
         self.pool.set_where(where)
-        self._where_version, self._windows_since_where = key, 0
+        self._where_version = key
 
     def _set_stream_where(self, num_rows: int) -> None:
         """A streamed window's where: its rare missing experts (the streamer's, as run() will
@@ -392,9 +381,6 @@ class VramExpertArena(ExpertArena):
 
         rare = self.streamer.rare_for(num_rows)  # [L, E]
         key = (self.table.version, "stream", np.packbits(rare).tobytes())
-        self._where_share, self._where_rows = 1.0, 0  # the next decode window recomputes
-        self._windows_since_where += 1
-        self._pending_where = None
         if key == self._where_version:
             return
         from strata.backends.cuda.share import prompt_pool_budget
@@ -406,26 +392,7 @@ class VramExpertArena(ExpertArena):
         with self._rt.active():
             self.model.tier.set_where(where, prompt_pool_budget(copied, self.pool.threads))
         self.pool.set_where(where)
-        self._where_version, self._windows_since_where = key, 0
-
-    def _prepare_where(self) -> None:
-        """While a window runs, after the pump: the where table the next window will need when
-        it has the last window's share (the common case), so that before_window only uploads
-        it. Not set here: the pool reads the current one during the window."""
-        from strata.backends.cuda.share import assign_where
-
-        key = (self.table.version, self._where_share, self._where_rows)
-        if key != self._where_version or self._windows_since_where + 1 >= 8:
-            self._pending_where = (key, assign_where(self.table.peek().table,
-                                                     self._where_share,
-                                                     self._reads(self._where_rows)))
-
-    def _reads(self, num_rows: int) -> np.ndarray:
-        """[L, E] the chance each expert is read in a window of num_rows rows (share.py), from
-        the decayed routing counts (in steady state 1 / (1 - EXPECTED_DECAY) windows' rows)."""
-        from strata.backends.cuda.share import expected_reads
-
-        return expected_reads(self._expected * (1.0 - EXPECTED_DECAY), num_rows)
+        self._where_version = key
 
     def seed_routing(self, rows: np.ndarray) -> None:
         """The profile's rows [L, E] (ExpertTier.start, with --expert-profile): the prompt
@@ -433,8 +400,6 @@ class VramExpertArena(ExpertArena):
         self.streamer.seed(rows)
 
     def fold_routed(self, counts: np.ndarray) -> None:
-        self._expected *= EXPECTED_DECAY  # the CPU pool's where table (_reads)
-        self._expected += counts
         self.streamer.account(counts)  # which experts prompt windows need not copy
 
     def reads_routing_before(self, num_rows: int) -> bool:
@@ -577,11 +542,9 @@ class VramExpertArena(ExpertArena):
             self.copier.pump()
 
     def prepare_next_window(self) -> None:
-        """While a window runs, after the pump and the tier's round: with a CPU pool, the next
-        window's where table (_prepare_where); with free admission the victims the next
-        window may be offered (twice its share: some will be taken or copied over)."""
-        if self.pool is not None:
-            self._prepare_where()
+        """While a window runs, after the pump and the tier's round: with free admission the
+        victims the next window may be offered (twice its share: some will be taken or copied
+        over)."""
         if self._victims is not None:
             self._ranked_victims = self._rank_victims(2 * self._offer_limit())
 

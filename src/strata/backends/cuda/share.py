@@ -1,5 +1,6 @@
-"""The PCIe share: which missing experts the GPU reads over PCIe and which the CPU pool computes
-(`assign_where`), from `--pcie-frac` or a stored calibration (`strata-tool calibrate`).
+"""The PCIe share: how much of each layer's missing experts the GPU reads over PCIe and how much
+the CPU pool computes (`miss_where`), from `--pcie-frac` or a stored calibration (`strata-tool
+calibrate`).
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from strata.backends.cuda.exchange import WHERE_CPU, WHERE_PCIE, WHERE_VRAM
 from strata.errors import ConfigError
 from strata.user_cache import cache_dir
 
-# With no calibration: the share that decoded fastest with the pool's serve loop on the H200
-# machine (1 and 4 slots, calibrate's sweep, docs/offload.md); consumer cards read PCIe slower
-# than it, which moves the best share down, not up.
-DEFAULT_PCIE_FRAC = 0.4
+# With no calibration: the share that decoded fastest on the H200 machine with each layer's
+# misses split on the device (1 and 4 slots: 0.3 gave 82.0-83.4 / 136.1-143.5 tokens/s, 0.35
+# 81.3 / 135.1, 0.25 78.3 / 126.2, 0.4 69-70 / 129-132; docs/offload.md); consumer cards read
+# PCIe slower than it, which moves the best share down, not up.
+DEFAULT_PCIE_FRAC = 0.3
 # Expert types the CPU pool is slow on: the grid i-quants (IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18,
 # IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29). Even with fused rows (fused_iq.c, AVX2 and AVX-512
 # VNNI) a row costs 2-4x a Q4_K row per call, so the pool reads them at ~9 GB/s beside the GPU's
@@ -81,56 +83,30 @@ def expected_reads(rows_per_window: np.ndarray, num_rows: int) -> np.ndarray:
     """The chance each expert is read at all in a window of `num_rows` rows, from the routed
     rows it is expected to get per window ([L, E] float64): a row routes to an expert at most
     once, so with m expected rows over R rows, 1 - (1 - m / R) ** R (m itself, capped at 1, for
-    one row). A window reads a routed expert's bytes once for all its rows, over PCIe or in
-    the pool alike, so this is what a decode window's split balances: by rows, 4 slots gave
-    PCIe the few hot experts and the pool most of the distinct ones (more bytes than its share).
-    """
+    one row)."""
     r = max(int(num_rows), 1)
     p = np.clip(np.asarray(rows_per_window, dtype=np.float64) / r, 0.0, 1.0)
     return 1.0 - (1.0 - p) ** r
 
 
-def assign_where(residency: np.ndarray, pcie_frac: float,
-                 expected_counts: np.ndarray) -> np.ndarray:
-    """where [L, E] uint8: 0 (VRAM) for resident experts (residency >= 0, a slot), and per layer
-    the missing ones split so that the PCIe side (1) gets about `pcie_frac` of their expected
-    weight, the CPU pool (2) the rest. The arena gives expected reads (`expected_reads`); any
-    per-expert weight works, routed rows included (the docs below say rows).
+def miss_where(residency: np.ndarray, pcie_frac: float) -> tuple[np.ndarray, float]:
+    """(where [L, E] uint8, the pool's share of each layer's misses) for a window with this PCIe
+    share: resident experts (residency >= 0, a slot) VRAM (0); with a share below 1 every
+    missing one the CPU pool's (2), of which the device gives the pool 1 - pcie_frac of each
+    layer's routed ones by cost once it sees the routing (offload.cu's count_groups; -1: all
+    of them, at share 0); at share 1 every missing one PCIe's (1), no pool share.
 
-    Per layer, missing experts with expected rows > 0 are taken hottest first (ties: lower id
-    first); one goes to PCIe when that keeps the PCIe rows nearer the target (pcie + c / 2 <
-    target), else to the CPU. Experts expected to get no rows are split by number: the lowest
-    round(pcie_frac * n) ids go to PCIe. pcie_frac 0 and 1 give every missing expert to one side.
-    """
+    Why on the device: a split fixed before the window (by each expert's expected reads, until
+    session 32) gave one side 2 of a token's 8 misses in one layer and 6 in the next, and each
+    layer waits for the slower side; split per layer, one slot at 0% decoded 82.0-83.4 tokens/s
+    against 74.3-74.6 (H200, docs/offload.md)."""
     residency = np.asarray(residency)
-    counts = np.asarray(expected_counts, dtype=np.float64)
-    if residency.ndim != 2 or counts.shape != residency.shape:
-        raise ConfigError(f"residency {residency.shape} and expected counts {counts.shape} must "
-                          "both be [layers, experts]")
-    if (counts < 0).any() or not np.isfinite(counts).all():
-        raise ConfigError("expected routed rows must be finite and >= 0")
+    if residency.ndim != 2:
+        raise ConfigError(f"residency {residency.shape} must be [layers, experts]")
     frac = check_pcie_frac(pcie_frac, "pcie_frac")
-    if frac >= 1.0 or frac <= 0.0:
-        return np.where(residency >= 0, WHERE_VRAM,
-                        WHERE_PCIE if frac >= 1.0 else WHERE_CPU).astype(np.uint8)
-    from strata._native import kernels
-
-    # the split runs every few windows on the engine thread: one sort and a native pass (a
-    # Python loop per expert took 3 ms at 48 x 128 on the H200 host)
-    counts = np.ascontiguousarray(counts)
-    order = np.argsort(-counts, axis=1, kind="stable")  # hottest first, ties: lower id
-    where = np.empty(residency.shape, dtype=np.uint8)
-    return kernels.pool_assign_where(np.ascontiguousarray(residency, dtype=np.int32), frac,
-                                     counts, order.astype(np.int64, copy=False), where)
-
-
-def pcie_share(where: np.ndarray, counts: np.ndarray) -> float:
-    """The fraction of the missing experts' routed rows in `counts` [L, E] that `where` gives
-    the GPU over PCIe (0.0 when there are none)."""
-    counts = np.asarray(counts, dtype=np.float64)
-    pcie = counts[where == WHERE_PCIE].sum()
-    cpu = counts[where == WHERE_CPU].sum()
-    return float(pcie / (pcie + cpu)) if pcie + cpu > 0 else 0.0
+    where = np.where(residency >= 0, WHERE_VRAM, WHERE_PCIE if frac >= 1.0 else WHERE_CPU)
+    pool_frac = -1.0 if frac <= 0.0 or frac >= 1.0 else 1.0 - frac
+    return where.astype(np.uint8), pool_frac
 
 
 # ---- the stored calibration (`strata-tool calibrate`) -----------------------------------------
