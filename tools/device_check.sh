@@ -14,7 +14,11 @@
 # The synth model /tmp/q.gguf (qwen3-30b-a3b, Q4_0) is written first when missing (~50 s).
 set -u
 OUT="${OUT:-./device-logs}"
-# cubins built here by tools/precompile_cubins.py --out .device/cubins: no compile on the device
+# cubins built here by tools/precompile_cubins.py (--pack .device/cubins.tar.xz, or a folder
+# .device/cubins): no compile on the device
+if [ -f .device/cubins.tar.xz ]; then
+    mkdir -p .device/cubins && tar -xJf .device/cubins.tar.xz -C .device/cubins
+fi
 [ -d .device/cubins ] && export STRATA_CUBIN_DIR="${STRATA_CUBIN_DIR:-$PWD/.device/cubins}"
 mkdir -p "$OUT"
 MODEL=/tmp/q.gguf
@@ -57,7 +61,7 @@ run_bench() {
 
 run_ab() {  # NEW: the working tree (setup.sh's /tmp/site); OLD: .device/old.tar.gz
     if [ ! -f .device/old.tar.gz ] || [ ! -d .device/cubins ]; then
-        echo "no .device/old.tar.gz or .device/cubins: run tools/prepare_ab.sh REV here" >&2
+        echo "no .device/old.tar.gz or .device/cubins(.tar.xz): run tools/prepare_ab.sh REV here" >&2
         return 2
     fi
     echo "== working tree against $(cat .device/old.rev 2>/dev/null || echo '?')"

@@ -71,7 +71,7 @@ def sweep_shares(model_path, threads: int, device_index: int = 0, shares=SHARES,
                             seconds[share].append(time.perf_counter() - t0)
                             stats = arena.pool.last_stats
                             pool[share].append((stats.pool_ms, stats.wait_ms, stats.start_lag_ms))
-                        arena.account_routed(arena.table.peek(), counts)  # expected rows
+                        arena.account_routed(arena.table.peek(), counts)
                         bar.update()
             speeds[num_slots] = [num_slots / statistics.median(seconds[s]) for s in shares]
             for i, table in enumerate((pool_ms, wait_ms, lag_ms)):
