@@ -173,7 +173,8 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
              "experts pinned in RAM (%.2f GiB); misses: %s", n, slot_bytes,
              n * slot_bytes / 2**30, room / 2**30, total, host.nbytes / 2**30,
              "GPU reads over PCIe" if arena.pool is None else
-             f"{pcie_frac:.2f} of their rows over PCIe, the rest on the CPU pool")
+             f"{pcie_frac:.2f} of each decode layer's over PCIe (split on the GPU once it "
+             "has the routing), the rest on the CPU pool")
     return arena
 
 
