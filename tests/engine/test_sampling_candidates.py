@@ -5,7 +5,6 @@ kernel itself is checked against the same reference on the GPU (test_cuda_sample
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -396,7 +396,6 @@ def test_async_tier_swaps_while_chunks_stream(path, resident):
     plans = [tuple(int(n) for n in (rng.integers(12, 40, 3) if w % 3 == 0 else (1, 1, 1)))
              for w in range(36)]  # every third window streams (36-117 rows)
     want = run(resident, plans, resident.forward_window, seed=4)
-    L, E = resident.spec.n_layers, resident.spec.n_experts
     model, arena, config, store = offload(path, 40, adapt_every=1, adapt_async=True)
     tier = ExpertTier(model, store, arena, config)
     tier.start(DecayedCountTier(40, decay=0.5, hysteresis=0.0))  # swaps on any gain
