@@ -87,6 +87,16 @@ def test_calibration_store_load_round_trip(tiny, tmp_path, monkeypatch, caplog):
     assert resolve_pcie_frac(None, tiny, "GPU A", 8, {16})[0] == 0.75
     assert resolve_pcie_frac(0.3, tiny, "GPU B", 8, {16})[0] == 0.3
     assert resolve_pcie_frac(None, tiny, "GPU B", 8, {2, 12, 14})[0] == DEFAULT_PCIE_FRAC
+    # a share stored by an earlier Strata under another split of the misses is ignored, and
+    # the log says so
+    entries = json.loads(path.read_text())
+    for entry in entries.values():
+        entry.pop("split")
+    path.write_text(json.dumps(entries))
+    assert load_calibration(tiny, "GPU A", 8) is None
+    frac, source = resolve_pcie_frac(None, tiny, "GPU A", 8)
+    assert frac == DEFAULT_PCIE_FRAC and "earlier split of the misses and is ignored" in source
+    assert "no calibration" in resolve_pcie_frac(None, tiny, "GPU B", 8)[1]
     # an unreadable file counts as no calibration, and the next store rewrites it
     path.write_text("{not json")
     assert load_calibration(tiny, "GPU A", 8) is None

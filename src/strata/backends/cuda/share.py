@@ -111,6 +111,9 @@ def miss_where(residency: np.ndarray, pcie_frac: float) -> tuple[np.ndarray, flo
 
 # ---- the stored calibration (`strata-tool calibrate`) -----------------------------------------
 CALIBRATION_FILE = "pcie-share.json"
+# How a decode window applies the share; a stored share measured under another split is ignored
+# (the best share moved from 0.4-0.5 to 0.3 when the split moved onto the device, session 32).
+SPLIT_METHOD = "per-layer-on-device"
 _log = logging.getLogger("strata.pool")
 
 
@@ -138,7 +141,7 @@ def store_calibration(model_path, gpu_name: str, threads: int, pcie_frac: float,
     entry = dict(details or {})
     entry.update(pcie_frac=check_pcie_frac(pcie_frac, "pcie_frac"),
                  model=str(Path(model_path).resolve()), gpu=gpu_name, threads=int(threads),
-                 measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                 measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), split=SPLIT_METHOD)
     entries[calibration_key(model_path, gpu_name, threads)] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -148,10 +151,23 @@ def store_calibration(model_path, gpu_name: str, threads: int, pcie_frac: float,
 
 
 def load_calibration(model_path, gpu_name: str, threads: int) -> dict | None:
-    """The stored entry for this model, GPU and threads, or None."""
+    """The stored entry for this model, GPU and threads, or None (also for one measured under
+    another split of the misses than SPLIT_METHOD: `stale_calibration`)."""
+    entry = _stored_entry(model_path, gpu_name, threads)
+    return entry if entry is not None and entry.get("split") == SPLIT_METHOD else None
+
+
+def stale_calibration(model_path, gpu_name: str, threads: int) -> bool:
+    """Is there a stored share for this model, GPU and threads that an earlier Strata measured
+    under another split of the misses (so `load_calibration` ignores it)?"""
+    entry = _stored_entry(model_path, gpu_name, threads)
+    return entry is not None and entry.get("split") != SPLIT_METHOD
+
+
+def _stored_entry(model_path, gpu_name: str, threads: int) -> dict | None:
     entry = _read_entries(cache_dir() / CALIBRATION_FILE).get(
         calibration_key(model_path, gpu_name, threads))
-    if entry is None:
+    if not isinstance(entry, dict):
         return None
     try:
         check_pcie_frac(entry.get("pcie_frac"))
@@ -178,8 +194,12 @@ def resolve_pcie_frac(pcie_frac: float | None, model_path, gpu_name: str,
             why = (f"the experts' types ({', '.join(_type_name(t) for t in slow)}) have no SIMD "
                    "rows on the CPU pool, so every miss is read over PCIe" if slow else
                    "default")
-            source = (f"{why}: no calibration for this model, {gpu_name} and {threads} threads; "
-                      f"`strata-tool calibrate {model_path} --threads {threads}` measures it")
+            what = ("the stored calibration for this model, "
+                    f"{gpu_name} and {threads} threads was measured under an earlier split of "
+                    "the misses and is ignored" if stale_calibration(model_path, gpu_name, threads)
+                    else f"no calibration for this model, {gpu_name} and {threads} threads")
+            source = (f"{why}: {what}; `strata-tool calibrate {model_path} --threads {threads}` "
+                      "measures it")
     _log.info("PCIe share of cache misses %.2f (CPU pool %.2f): %s", frac, 1 - frac, source)
     return frac, source
 
