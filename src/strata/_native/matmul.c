@@ -80,11 +80,59 @@ void st_act_free(st_act *a) {
     a->q = NULL; a->dx = NULL; a->xc = NULL; a->xs = NULL; a->xf = NULL;
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* One 32-column block of quantize_row in AVX2, bit for bit the scalar loop's (for finite x):
+ * the same max, scale and products, cvtps rounding half to even as lrintf does. Writes the
+ * block's 32 q and returns d; lane_sum [8] = the sums of q per 4 columns. */
+static inline float quantize_block_avx2(const float *xb, int8_t *qb, int32_t *lane_sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+    const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+    __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id));
+    const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
+    /* packs work per 128-bit half: bytes come out in the 4-byte order 0 2 4 6 1 3 5 7 */
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    const __m256i q = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)qb, q);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i pa = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), ones);
+    const __m256i pb = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
+                                         ones);                        /* [8] pair sums each */
+    const __m256i h = _mm256_hadd_epi32(pa, pb);                        /* lanes 0 1 4 5 2 3 6 7 */
+    _mm256_storeu_si256((__m256i *)lane_sum,
+                        _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7)));
+    return d;
+}
+#endif
+
 /* Quantise one row like llama.cpp's Q8_0: per 32 columns, dx = max|x| / 127, q = round(x / dx). */
 static void quantize_row(const float *x, int cols, int cols_pad, int8_t *q, float *dx,
                          int32_t *xc, float *xs) {
     for (int b = 0; b < cols / ST_XBLOCK; b++) {
         const float *xb = x + b * ST_XBLOCK;
+#if defined(__AVX2__) && ST_XBLOCK == 32 && ST_LANE == 4 && ST_GROUP == 16
+        {
+            int32_t lane_sum[8];
+            const float d = quantize_block_avx2(xb, q + b * ST_XBLOCK, lane_sum);
+            const __m256i sums = _mm256_loadu_si256((const __m256i *)lane_sum);
+            _mm256_storeu_ps(dx + b * 8, _mm256_set1_ps(d));
+            _mm256_storeu_si256((__m256i *)(xc + b * 8),
+                                _mm256_mullo_epi32(sums, _mm256_set1_epi32(-ST_WEIGHT_BIAS)));
+            xs[b * 2] = d * (float)(lane_sum[0] + lane_sum[1] + lane_sum[2] + lane_sum[3]);
+            xs[b * 2 + 1] = d * (float)(lane_sum[4] + lane_sum[5] + lane_sum[6] + lane_sum[7]);
+            continue;
+        }
+#endif
         float amax = 0.0f;
         /* a plain compare (not fmaxf, a libm call without -ffinite-math-only) vectorises */
         for (int i = 0; i < ST_XBLOCK; i++) {
