@@ -67,7 +67,9 @@ def main():
 @click.option("--repeat-penalty", default=1.0, show_default=True,
               help="Repetition penalty on seen tokens (1 = off).")
 @click.option("--seed", default=None, type=int, help="Sampling seed (default: random).")
-@click.option("--threads", "-t", default=None, type=int, help="CPU threads (default: all).")
+@click.option("--threads", "-t", default=None, type=int,
+              help="CPU threads (default: all usable cores; a CPU pool beside a GPU takes all "
+                   "but one, since the engine thread that drives the GPU needs its own).")
 @click.option("--ctx-size", "-c", default=None, type=int,
               help="Context size in tokens (default: min(model context, 8192)).")
 @click.option("--system", default=None, help="System message for the chat template.")
@@ -389,7 +391,9 @@ def format_table(rows: list[dict]) -> str:
 @click.option("-n", "--n-gen", default=128, show_default=True,
               help="Tokens to generate one at a time (0 skips the test).")
 @click.option("-r", "--repetitions", default=5, show_default=True, help="Timed runs per test.")
-@click.option("--threads", "-t", default=None, type=int, help="CPU threads (default: all).")
+@click.option("--threads", "-t", default=None, type=int,
+              help="CPU threads (default: all usable cores; a CPU pool beside a GPU takes all "
+                   "but one, since the engine thread that drives the GPU needs its own).")
 @click.option("--chunk", default="auto", show_default=True, type=ReadChunk(),
               help="Prompt tokens per forward pass (auto: as the engine reads a prompt while "
                    "no other slot decodes, see --read-chunk).")

@@ -345,3 +345,35 @@ def test_pool_skips_ids_outside_the_experts():
         ids[ids >= E] = -1
     entries, _ = check_window(layers, where, inputs, outputs)
     assert stats.num_entries == entries == L * (3 * K - 2 - K)
+
+
+def test_pool_threads_follow_the_processs_cpus(monkeypatch):
+    # a container's cpuset or taskset: the default leaves one of the usable cores to the engine
+    from strata.backends.cuda import cpu_pool
+
+    monkeypatch.setattr(cpu_pool.os, "sched_getaffinity", lambda pid: {2, 3, 5, 7}, raising=False)
+    assert cpu_pool.usable_cpus() == 4
+    assert cpu_pool.default_pool_threads() == 3
+    monkeypatch.setattr(cpu_pool.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert cpu_pool.default_pool_threads() == 1
+
+
+def test_pool_warns_about_pinned_or_oversubscribed_threads(caplog):
+    from strata.backends.cuda.cpu_pool import thread_warnings
+
+    assert thread_warnings(15, env={}, cpus=16) == []
+    assert thread_warnings(15, env={"OMP_PROC_BIND": "false", "OMP_PLACES": ""}, cpus=16) == []
+    [pinned] = thread_warnings(15, env={"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}, cpus=16)
+    assert "OMP_PROC_BIND=close" in pinned and "OMP_PLACES=cores" in pinned
+    [over] = thread_warnings(16, env={}, cpus=16)
+    assert "16 threads" in over and "--threads 15" in over
+    assert len(thread_warnings(8, env={"GOMP_CPU_AFFINITY": "0-7"}, cpus=4)) == 2
+    # the pool says so in the log when it starts
+    rng = np.random.default_rng(5)
+    _, pointers, types = make_experts(rng)
+    ex = Exchange.in_host_memory(ExchangeLayout(L, R_MAX, K, H))
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with caplog.at_level("WARNING", logger="strata.pool"):
+        with CpuPool(ex, pointers, types, F, threads=threads):
+            pass
+    assert any("engine thread that drives the GPU" in r.getMessage() for r in caplog.records)

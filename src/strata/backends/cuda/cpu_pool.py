@@ -5,6 +5,7 @@ words, so neither side needs the GIL or a lock between the GPU's launch and the 
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -16,12 +17,48 @@ from strata.backends.cuda.exchange import WHERE_CPU, Exchange
 from strata.errors import ConfigError, StrataError
 
 DEFAULT_TIMEOUT_S = 10.0
+_log = logging.getLogger("strata.pool")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: taskset, a container's cpuset), else the
+    machine's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def default_pool_threads() -> int:
-    """All cores but one: the engine thread that drives the GPU spins while its window runs,
-    and an OpenMP team sharing its core waits at every barrier."""
-    return max(1, (os.cpu_count() or 1) - 1)
+    """All usable cores but one: the engine thread that drives the GPU spins while its window
+    runs, and an OpenMP team sharing its core waits at every barrier."""
+    return max(1, usable_cpus() - 1)
+
+
+# OpenMP settings that pin threads: the process's first thread is bound at start, and the pool's
+# thread (started from it) inherits that one core. Measured on the H200 host (16 cores, -t 15):
+# OMP_PROC_BIND=close OMP_PLACES=cores decoded 37-41 tokens/s at 0% against 81-85 without.
+BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+def thread_warnings(threads: int, env=None, cpus: int | None = None) -> list[str]:
+    """What in the environment will slow a CPU pool of `threads` threads, in words (empty: none).
+    On the H200 host -t 16 of 16 cores (the engine thread spinning beside the team) did not
+    finish a 64-token decode in 50 s; -t 13, 14 and 15 all decoded 78-85 tokens/s."""
+    env = os.environ if env is None else env
+    cpus = usable_cpus() if cpus is None else cpus
+    out = []
+    bound = [f"{k}={env[k]}" for k in BINDING_VARIABLES
+             if env.get(k, "").strip().lower() not in ("", "false", "disabled", "none")]
+    if bound:
+        out.append(f"{', '.join(bound)} pins OpenMP threads: the CPU pool's thread inherits the "
+                   "first thread's core and its team squeezes onto it (about half the decode "
+                   "speed measured); unset it")
+    if threads >= cpus:
+        out.append(f"the CPU pool's {threads} threads and the engine thread that drives the GPU "
+                   f"share {cpus} usable cores: every layer waits while one of them is "
+                   f"descheduled; use --threads {max(1, cpus - 1)} or fewer")
+    return out
 
 
 class CpuPoolError(StrataError):
@@ -121,6 +158,8 @@ class CpuPool:
     def start(self) -> "CpuPool":
         if self._thread is not None:
             return self
+        for warning in thread_warnings(self.threads):
+            _log.warning("CPU pool: %s", warning)
         self._threads_before = kernels.get_num_threads()
         kernels.set_num_threads(self.threads)   # the loop's team takes this many at its start
         ctl = self._ctl
