@@ -131,20 +131,21 @@ static void layer_begin(pool_state *s, int l) {
     s->go[p] = 1;
 }
 
-/* (single) The weighted sum of a few rows, free the call, done[l] = seq. */
+/* (single) The weighted sum of a few rows, done[l] = seq, then free the call (the device goes
+ * on with the layer while this thread frees). */
 static void layer_end(pool_state *s, int l) {
     const int p = l & 1;
+    moe_call *c = &s->calls[p];
     if (s->active[p]) {
-        moe_call *c = &s->calls[p];
         if (c->T <= SERIAL_SUM_ROWS) st_moe_sum(c, 0, c->T, 0);   /* y zeroed in layer_begin */
         if (c->failed) {
             s->status = POOL_NO_MEMORY;
             s->failed_layer = l;
         }
-        st_moe_teardown(c);
     }
     s->compute_ns += st_now_ns() - s->t_layer;
     if (s->status == POOL_OK) st_store_release_i64(&s->done[l], s->seq);
+    if (s->active[p]) st_moe_teardown(c);
 }
 
 /* (single) The window's stats, then served = seq (release: the stats are read after it). */
