@@ -21,9 +21,25 @@ CELL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 class SequenceReuse:
     """The reuse side of one sequence's KV, on either backend: how far back a new prompt can
     take it, and a hybrid model's recurrent `state` (None otherwise: any prefix of the tokens
-    can be kept) with its checkpoints, for parking and restoring. Needs `num_tokens`."""
+    can be kept) with its checkpoints, for parking and restoring; and the room left. Needs
+    `num_tokens` and `capacity`."""
 
     state = None
+
+    @property
+    def room_tokens(self) -> int:
+        return self.capacity - self.num_tokens
+
+    def can_append(self, num_new_tokens: int) -> bool:
+        return self.num_tokens + num_new_tokens <= self.capacity
+
+    def check_room(self, num_new_tokens: int) -> None:
+        """Raise RequestError unless `num_new_tokens` more tokens fit."""
+        if not self.can_append(num_new_tokens):
+            raise RequestError(
+                f"KV cache full: it holds {self.num_tokens} of {self.capacity} tokens and "
+                f"cannot take {num_new_tokens} more; shorten the prompt or max_tokens, or "
+                "raise the context size")
 
     def reusable(self, num_tokens: int) -> int:
         """The most of the first `num_tokens` tokens `truncate` can keep: all of them, except in
@@ -176,21 +192,6 @@ class KVCache(SequenceReuse):
         """The K [L, KV, NT, D, TILE] and V [L, KV, C, D] cell arrays the native loop writes
         (cells past num_tokens are not part of the sequence)."""
         return self._k, self._v
-
-    @property
-    def room_tokens(self) -> int:
-        return self.capacity - self.num_tokens
-
-    def can_append(self, num_new_tokens: int) -> bool:
-        return self.num_tokens + num_new_tokens <= self.capacity
-
-    def check_room(self, num_new_tokens: int) -> None:
-        """Raise RequestError unless `num_new_tokens` more tokens fit."""
-        if not self.can_append(num_new_tokens):
-            raise RequestError(
-                f"KV cache full: it holds {self.num_tokens} of {self.capacity} tokens and "
-                f"cannot take {num_new_tokens} more; shorten the prompt or max_tokens, or "
-                "raise the context size")
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Write k, v [KV, T, D] after the committed tokens of `layer`; return that layer's keys

@@ -113,21 +113,6 @@ class CudaKV(SequenceReuse):
         self.address = int(address)
         self.base = self.address | int(self.is_int8)
 
-    @property
-    def room_tokens(self) -> int:
-        return self.capacity - self.num_tokens
-
-    def can_append(self, num_new_tokens: int) -> bool:
-        return self.num_tokens + num_new_tokens <= self.capacity
-
-    def check_room(self, num_new_tokens: int) -> None:
-        """Raise RequestError unless `num_new_tokens` more tokens fit."""
-        if not self.can_append(num_new_tokens):
-            raise RequestError(
-                f"KV cache full: it holds {self.num_tokens} of {self.capacity} tokens and "
-                f"cannot take {num_new_tokens} more; shorten the prompt or max_tokens, or "
-                "raise the context size")
-
     def _head(self, layer: int, kind: int, head: int) -> int:
         return (layer * 2 + kind) * self.spec.n_kv_heads + head
 

@@ -72,10 +72,6 @@ class SplitKV(SequenceReuse):
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    @property
-    def room_tokens(self) -> int:
-        return self.capacity - self.num_tokens
-
     def can_append(self, num_new_tokens: int) -> bool:
         return self.parts[0].can_append(num_new_tokens)
 
