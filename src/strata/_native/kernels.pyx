@@ -170,6 +170,25 @@ def matmul(w, qtype, x, out=None):
     return out
 
 
+def _has_routed_rows(x, experts, weights, out, int E):
+    """Check the routing of a MoE call (experts and weights [T, K] for x [T, H], out [T, H],
+    ids in [0, E) or -1); False when there is nothing to compute (no rows or no experts)."""
+    T, H, K = x.shape[0], x.shape[1], experts.shape[1]
+    if experts.shape[0] != T or weights.shape != experts.shape:
+        raise ValueError(f"experts {experts.shape} and weights {weights.shape} must both be "
+                         f"({T}, K) for x with {T} rows")
+    if out.shape != (T, H):
+        raise ValueError(f"out must have shape {(T, H)}, got {out.shape}")
+    if T == 0 or K == 0:
+        return False
+    lo, hi = int(experts.min()), int(experts.max())
+    if lo < -1 or hi >= E:
+        bad = lo if lo < -1 else hi
+        raise ValueError(f"expert id {bad} is out of range: ids must be in [0, {E}) or -1 "
+                         f"(skip)")
+    return True
+
+
 def moe_ffn(x, gate, gate_type, up, up_type, down, down_type, experts, weights, out):
     """out[t] += sum_k weights[t, k] * down_e @ (silu(gate_e @ x[t]) * (up_e @ x[t])),
     e = experts[t, k]; ids of -1 are skipped. Each distinct expert runs once on its rows."""
@@ -196,18 +215,8 @@ def moe_ffn(x, gate, gate_type, up, up_type, down, down_type, experts, weights, 
         if arr.shape[2] != expected:
             raise ValueError(f"{name} rows hold {arr.shape[2]} bytes but {cols} "
                              f"{_TYPE_NAMES[qt]} columns take {expected}")
-    if experts.shape[0] != T or weights.shape != experts.shape:
-        raise ValueError(f"experts {experts.shape} and weights {weights.shape} must both be "
-                         f"({T}, K) for x with {T} rows")
-    if out.shape != (T, H):
-        raise ValueError(f"out must have shape {(T, H)}, got {out.shape}")
-    if T == 0 or K == 0:
+    if not _has_routed_rows(x, experts, weights, out, E):
         return
-    lo, hi = int(experts.min()), int(experts.max())
-    if lo < -1 or hi >= E:
-        bad = lo if lo < -1 else hi
-        raise ValueError(f"expert id {bad} is out of range: ids must be in [0, {E}) or -1 "
-                         f"(skip)")
     cdef const float[:, ::1] xv = x
     cdef const uint8_t[:, :, ::1] gv = gate
     cdef const uint8_t[:, :, ::1] uv = up
@@ -244,22 +253,12 @@ def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights
         raise ValueError(f"pointers must be [3, E] (gate, up, down), got {pointers.shape}")
     if F <= 0:
         raise ValueError(f"F (the expert width) must be positive, got {F}")
-    if experts.shape[0] != T or weights.shape != experts.shape:
-        raise ValueError(f"experts {experts.shape} and weights {weights.shape} must both be "
-                         f"({T}, K) for x with {T} rows")
-    if out.shape != (T, H):
-        raise ValueError(f"out must have shape {(T, H)}, got {out.shape}")
     if routed_rows is not None:
         _check_array("routed_rows", routed_rows, np.int64, 1, writable=True)
         if routed_rows.shape[0] != E:
             raise ValueError(f"routed_rows has {routed_rows.shape[0]} entries for {E} experts")
-    if T == 0 or K == 0:
+    if not _has_routed_rows(x, experts, weights, out, E):
         return
-    lo, hi = int(experts.min()), int(experts.max())
-    if lo < -1 or hi >= E:
-        bad = lo if lo < -1 else hi
-        raise ValueError(f"expert id {bad} is out of range: ids must be in [0, {E}) or -1 "
-                         f"(skip)")
     if (pointers == 0).any():
         raise ValueError("pointers holds a null address; every expert needs its three matrices")
     cdef const float[:, ::1] xv = x
