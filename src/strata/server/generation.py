@@ -99,14 +99,10 @@ class GenerationRoutes:
             return _sse_response(self._chat_stream(job, events, parser, header, outcome,
                                                    req.options.is_usage_streamed))
         pieces = []
-        with closing(events):  # a failure here must not leave the generation running
-            for item in events:
-                if item is None:
-                    continue
-                if isinstance(item, JobEnd):
-                    outcome.end = item
-                    break
-                pieces += self._parse(parser, item, outcome)
+        with closing(_generated(events, outcome)) as items:  # a failure here must not leave
+            for item in items:                                 # the generation running
+                if item is not None:
+                    pieces += self._parse(parser, item, outcome)
         if outcome.end.error is not None:
             raise outcome.end.error
         content = "".join(e.text for e in pieces if isinstance(e, ContentDelta))
@@ -130,30 +126,17 @@ class GenerationRoutes:
         def chunk(delta, finish=None):
             return sse(header.chunk(delta, finish, is_usage_streamed))
 
-        try:
+        with closing(_generated(events, outcome)) as items:
             yield chunk({"role": "assistant", "content": ""})
-            for item in events:
+            for item in items:
                 if item is None:
                     yield SSE_KEEPALIVE
                     continue
-                if isinstance(item, JobEnd):
-                    outcome.end = item
-                    break
                 for parsed in self._parse(parser, item, outcome):
                     for delta in chat_deltas(parsed):
                         yield chunk(delta)
-        finally:
-            events.close()  # a client that went away cancels its generation
-        if outcome.end.error is not None:
-            yield sse(outcome.end.error.body())
-            yield SSE_DONE
-            return
-        finish = outcome.finish_reason(parser.num_tool_calls)
-        self._log(job, outcome, finish)
-        yield chunk({}, finish)
-        if is_usage_streamed:
-            yield sse(header.usage_chunk(outcome.usage()))
-        yield SSE_DONE
+        yield from self._stream_end(job, header, outcome, parser.num_tool_calls,
+                                    lambda finish: chunk({}, finish), is_usage_streamed)
 
     # ---- /v1/completions ------------------------------------------------------------------
     def completions(self):
@@ -171,11 +154,8 @@ class GenerationRoutes:
             return _sse_response(self._completion_stream(job, events, header, outcome,
                                                          req.options.is_usage_streamed))
         pieces = []
-        with closing(events):
-            for item in events:
-                if isinstance(item, JobEnd):
-                    outcome.end = item
-                    break
+        with closing(_generated(events, outcome)) as items:
+            for item in items:
                 if item is not None:
                     pieces.append(item.text)
                     outcome.engine_finish = item.finish_reason or outcome.engine_finish
@@ -186,29 +166,44 @@ class GenerationRoutes:
         return jsonify(header.text_completion("".join(pieces), finish, outcome.usage()))
 
     def _completion_stream(self, job, events, header, outcome, is_usage_streamed):
-        try:
-            for item in events:
+        with closing(_generated(events, outcome)) as items:
+            for item in items:
                 if item is None:
                     yield SSE_KEEPALIVE
                     continue
-                if isinstance(item, JobEnd):
-                    outcome.end = item
-                    break
                 outcome.engine_finish = item.finish_reason or outcome.engine_finish
                 if item.text:
                     yield sse(header.chunk(item.text, None, is_usage_streamed))
-        finally:
-            events.close()  # a client that went away cancels its generation
+        yield from self._stream_end(
+            job, header, outcome, 0,
+            lambda finish: sse(header.chunk("", finish, is_usage_streamed)), is_usage_streamed)
+
+    def _stream_end(self, job, header, outcome, num_calls, last_chunk, is_usage_streamed):
+        """A stream's end: the job's error, or the chunk `last_chunk(finish)` (finish from
+        `num_calls` tool calls), then the usage chunk when asked for; then [DONE]."""
         if outcome.end.error is not None:
             yield sse(outcome.end.error.body())
             yield SSE_DONE
             return
-        finish = outcome.finish_reason(0)
+        finish = outcome.finish_reason(num_calls)
         self._log(job, outcome, finish)
-        yield sse(header.chunk("", finish, is_usage_streamed))
+        yield last_chunk(finish)
         if is_usage_streamed:
             yield sse(header.usage_chunk(outcome.usage()))
         yield SSE_DONE
+
+
+def _generated(events, outcome: Outcome):
+    """A job's events up to its JobEnd, which goes to `outcome.end`; None for each keep-alive
+    tick. Closing this closes `events`: a client that went away cancels its generation."""
+    try:
+        for item in events:
+            if isinstance(item, JobEnd):
+                outcome.end = item
+                return
+            yield item
+    finally:
+        events.close()
 
 
 def _sse_response(stream) -> Response:
