@@ -154,6 +154,7 @@ static void q4_0_rows(const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "fused_f16.h"
+#include "lane_sum.h"
 
 /* acc[c] += 32 columns at k of signed weight values s (one scale dw) against the int8
  * activations, in the tiles' AVX2 lane arithmetic: maddubs(|s|, q with the sign of s), pairs
@@ -171,13 +172,6 @@ ALWAYS_INLINE void signed_block(const int NC, __m256i s, __m256 dw, int k,
     }
 }
 
-/* the tiles' order of summing 8 lanes */
-static inline float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 
 /* NR rows (1, 2 or 4) of 32-column blocks: Q4_0 / Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
  * st_block32_values; res [NR, 3]. Each row keeps its own accumulators in the tiles' order, so

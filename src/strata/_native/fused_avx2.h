@@ -6,14 +6,7 @@
 #include "quant.h"
 #include <immintrin.h>
 #include "fused_f16.h"
-
-
-static inline float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
+#include "lane_sum.h"
 
 /* acc[c] += (sum over the 8 lanes of 32 columns at k of u * q) * dx * scale (scale [8] per
  * lane); u <= 63, so a pair of products stays below 2 * 63 * 127 < 32768 */

@@ -4,6 +4,7 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#include "lane_sum.h"
 #endif
 #if defined(__ARM_NEON)
 #include <arm_neon.h>
@@ -82,13 +83,7 @@ ALWAYS_INLINE void qtile_impl(const int NR, const int NC, const st_qtile *t, flo
         }
     }
     for (int r = 0; r < NR; r++)
-        for (int c = 0; c < NC; c++) {
-            __m256 v = acc[r][c];
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            res[r * 4 + c] = _mm_cvtss_f32(h);
-        }
+        for (int c = 0; c < NC; c++) res[r * 4 + c] = hsum8(acc[r][c]);
 #elif defined(__ARM_NEON) && defined(__aarch64__)
     float32x4_t acc[4][4];
     for (int r = 0; r < NR; r++)
@@ -183,13 +178,7 @@ ALWAYS_INLINE void ftile_impl(const int NR, const int NC, const st_ftile *t, flo
         }
     }
     for (int r = 0; r < NR; r++)
-        for (int c = 0; c < NC; c++) {
-            __m256 v = acc[r][c];
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            res[r * 4 + c] = _mm_cvtss_f32(h);
-        }
+        for (int c = 0; c < NC; c++) res[r * 4 + c] = hsum8(acc[r][c]);
 #elif defined(__ARM_NEON) && defined(__aarch64__)
     float32x4_t acc[4][4];
     for (int r = 0; r < NR; r++)
