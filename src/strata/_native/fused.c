@@ -173,7 +173,62 @@ ALWAYS_INLINE void signed_block(const int NC, __m256i s, __m256 dw, int k,
 }
 
 
-/* NR rows (1, 2 or 4) of 32-column blocks: Q4_0 / Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
+/* NR rows (1, 2 or 4) of Q4_0 blocks, res [NR, 3]: the nibbles u = s + 8 go to maddubs as they
+ * are (unsigned, pairs below 2 * 15 * 127), and xc >> 4 = -8 * sum(q) per lane takes the 8
+ * back, so each lane sum is sum(s * q) exactly and the result is the tiles' bit for bit. Against
+ * fused_rows' signed blocks this saves the offset and both signs per block and row (with
+ * AVX-VNNI one vpdpbusd does the sums); the activation's 32 q and its lane corrections are
+ * loaded once per block for all rows.
+ * Shapes: u, q [32] int8; corr, lane sums [8] int32 (4 columns each); dx [8] per lane. */
+ALWAYS_INLINE void q4_0_fused_rows(const int NR, const int NC, const uint8_t *const *rows,
+                                   int64_t ahead, int cols, const st_act *act,
+                                   const int64_t *tr, float *res) {
+    const int ncp = act->cols_pad, bytes = st_type_size(ST_Q4_0);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i hi_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    __m256 acc[4][3];
+    const int8_t *q[3];
+    const float *dx[3];
+    const int32_t *xc[3];
+    for (int c = 0; c < NC; c++) {
+        for (int r = 0; r < NR; r++) acc[r][c] = _mm256_setzero_ps();
+        q[c] = act->q + tr[c] * ncp;
+        dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
+        xc[c] = act->xc + tr[c] * (ncp / ST_LANE);
+    }
+    for (int ib = 0; ib < cols / 32; ib++) {
+        const int k = ib * 32, lane = k / ST_LANE;
+        __m256i qc[3], corr[3];
+        for (int c = 0; c < NC; c++) {
+            qc[c] = _mm256_loadu_si256((const __m256i *)(q[c] + k));
+            corr[c] = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(xc[c] + lane)), 4);
+        }
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *blk = rows[r] + (int64_t)ib * bytes;
+            __builtin_prefetch(blk + ahead, 0, 3);
+            /* 16 bytes in both halves; the high half shifted by 4 (within int32, then masked) */
+            const __m256i both = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128((const __m128i *)(blk + 2)));
+            const __m256i u = _mm256_and_si256(_mm256_srlv_epi32(both, hi_shift), low4);
+            const __m256 dw = _mm256_set1_ps(fp16_at(blk));
+            for (int c = 0; c < NC; c++) {
+#if defined(ST_USE_AVXVNNI)  /* the same sums in one instruction */
+                const __m256i p32 = _mm256_dpbusd_avx_epi32(corr[c], u, qc[c]);
+#else
+                const __m256i p32 = _mm256_add_epi32(_mm256_madd_epi16(
+                    _mm256_maddubs_epi16(u, qc[c]), _mm256_set1_epi16(1)), corr[c]);
+#endif
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
+                                            _mm256_mul_ps(dw, _mm256_loadu_ps(dx[c] + lane)),
+                                            acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) res[r * 3 + c] = hsum8(acc[r][c]);
+}
+
+/* NR rows (1, 2 or 4) of 32-column blocks: Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
  * st_block32_values; res [NR, 3]. Each row keeps its own accumulators in the tiles' order, so
  * several rows at once change no result; they only give the core independent chains (one
  * row's FMAs wait on each other) and share the activation loads. For the min types (Q4_1,
@@ -184,7 +239,6 @@ ALWAYS_INLINE void fused_rows(const int NR, const int NC, int qtype, const uint8
                               int64_t ahead, int cols, const st_act *act, const int64_t *tr,
                               float *B, int ldb, float *res) {
     const int ncp = act->cols_pad, bytes = st_type_size(qtype), has_min = st_has_min(qtype);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
     __m256 acc[4][3];
     const int8_t *q[3];
     const float *dx[3];
@@ -198,12 +252,7 @@ ALWAYS_INLINE void fused_rows(const int NR, const int NC, int qtype, const uint8
             const uint8_t *blk = rows[r] + (int64_t)ib * bytes;
             __builtin_prefetch(blk + ahead, 0, 3);
             __m256i s;                                                      /* [32] int8 */
-            if (qtype == ST_Q4_0) {
-                __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
-                __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4),
-                                               _mm_and_si128(qs, low4));
-                s = _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
-            } else if (qtype == ST_Q8_0) {
+            if (qtype == ST_Q8_0) {
                 s = _mm256_loadu_si256((const __m256i *)(blk + 2));
             } else {
                 s = st_block32_values(qtype, blk, bytes);
@@ -261,7 +310,14 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
         const int n = nr - i >= step ? step : 1;
         const uint8_t *rows[4];
         for (int r = 0; r < n; r++) rows[r] = w + (rb + i + r) * row_bytes;
-        if (n == 4 && n_tok == 1)
+        if (qtype == ST_Q4_0) {
+            if (n == 4 && n_tok == 1) q4_0_fused_rows(4, 1, rows, ahead, cols, act, tr, res4);
+            else if (n == 4) q4_0_fused_rows(4, 2, rows, ahead, cols, act, tr, res4);
+            else if (n == 2) q4_0_fused_rows(2, 3, rows, ahead, cols, act, tr, res4);
+            else if (n_tok == 1) q4_0_fused_rows(1, 1, rows, ahead, cols, act, tr, res4);
+            else if (n_tok == 2) q4_0_fused_rows(1, 2, rows, ahead, cols, act, tr, res4);
+            else q4_0_fused_rows(1, 3, rows, ahead, cols, act, tr, res4);
+        } else if (n == 4 && n_tok == 1)
             fused_rows(4, 1, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
         else if (n == 4)
             fused_rows(4, 2, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);

@@ -127,7 +127,7 @@ static void quantize_row(const float *x, int cols, int cols_pad, int8_t *q, floa
             const __m256i sums = _mm256_loadu_si256((const __m256i *)lane_sum);
             _mm256_storeu_ps(dx + b * 8, _mm256_set1_ps(d));
             _mm256_storeu_si256((__m256i *)(xc + b * 8),
-                                _mm256_mullo_epi32(sums, _mm256_set1_epi32(-ST_WEIGHT_BIAS)));
+                                _mm256_mullo_epi32(sums, _mm256_set1_epi32(-ST_XC_BIAS)));
             xs[b * 2] = d * (float)(lane_sum[0] + lane_sum[1] + lane_sum[2] + lane_sum[3]);
             xs[b * 2 + 1] = d * (float)(lane_sum[4] + lane_sum[5] + lane_sum[6] + lane_sum[7]);
             continue;
@@ -147,7 +147,7 @@ static void quantize_row(const float *x, int cols, int cols_pad, int8_t *q, floa
             int lane = b * (ST_XBLOCK / ST_LANE) + l;
             const int8_t *ql = qb + l * ST_LANE;
             dx[lane] = d;
-            xc[lane] = -ST_WEIGHT_BIAS * ((int32_t)ql[0] + ql[1] + ql[2] + ql[3]);
+            xc[lane] = -ST_XC_BIAS * ((int32_t)ql[0] + ql[1] + ql[2] + ql[3]);
         }
         for (int g = 0; g < ST_XBLOCK / ST_GROUP; g++) {
             int32_t sum = 0;

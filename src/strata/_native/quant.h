@@ -31,6 +31,14 @@ enum {
 #define ST_WEIGHT_BIAS 0
 #endif
 
+/* The activation side's correction per lane, xc = -ST_XC_BIAS * sum(q), on every build: the
+ * VNNI products' biased weights (ST_WEIGHT_BIAS) need it as it is, the fused rows of an offset
+ * type shift it down (Q4_0's unsigned nibbles are s + 8: xc >> 4). */
+#define ST_XC_BIAS 128
+#if ST_WEIGHT_BIAS && ST_WEIGHT_BIAS != ST_XC_BIAS
+#error "the VNNI products undo ST_WEIGHT_BIAS with xc as it is"
+#endif
+
 #define ST_PAD 64          /* unpacked rows are padded to this many columns (zeros) */
 #define ST_GROUP 16        /* columns per weight scale group */
 #define ST_LANE 4          /* columns per int32 lane */
@@ -89,7 +97,7 @@ typedef struct {
     int64_t num_rows;
     int8_t *q;         /* [T, cols_pad] */
     float *dx;         /* [T, cols_pad / 4]  activation scale per lane */
-    int32_t *xc;       /* [T, cols_pad / 4]  -ST_WEIGHT_BIAS * sum of the lane's 4 q */
+    int32_t *xc;       /* [T, cols_pad / 4]  -ST_XC_BIAS * sum of the lane's 4 q */
     float *xs;         /* [T, cols_pad / 16] dx * sum(q) over the group */
     float *xf;         /* [T, cols_pad]      float rows, zero padded */
 } st_act;

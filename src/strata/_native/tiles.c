@@ -120,14 +120,13 @@ ALWAYS_INLINE void qtile_impl(const int NR, const int NC, const st_qtile *t, flo
             const uint8_t *s = t->s[r] + lane * ST_LANE;
             for (int c = 0; c < NC; c++) {
                 const int8_t *q = t->q[c] + lane * ST_LANE;
-                int32_t isum = t->xc[c][lane];
-                for (int i = 0; i < ST_LANE; i++) {
 #if ST_WEIGHT_BIAS
-                    isum += (int32_t)s[i] * q[i];
+                int32_t isum = t->xc[c][lane];  /* undoes the bias of s */
+                for (int i = 0; i < ST_LANE; i++) isum += (int32_t)s[i] * q[i];
 #else
-                    isum += (int32_t)(int8_t)s[i] * q[i];
+                int32_t isum = 0;
+                for (int i = 0; i < ST_LANE; i++) isum += (int32_t)(int8_t)s[i] * q[i];
 #endif
-                }
                 acc[r][c] += (float)isum * (t->A[r][lane] * t->dx[c][lane]);
             }
         }
