@@ -176,9 +176,9 @@ ALWAYS_INLINE void signed_block(const int NC, __m256i s, __m256 dw, int k,
 /* NR rows (1, 2 or 4) of Q4_0 blocks, res [NR, 3]: the nibbles u = s + 8 go to maddubs as they
  * are (unsigned, pairs below 2 * 15 * 127), and xc >> 4 = -8 * sum(q) per lane takes the 8
  * back, so each lane sum is sum(s * q) exactly and the result is the tiles' bit for bit. Against
- * fused_rows' signed blocks this saves the offset and both signs per block and row (with
- * AVX-VNNI one vpdpbusd does the sums); the activation's 32 q and its lane corrections are
- * loaded once per block for all rows.
+ * fused_rows' signed blocks this saves the offset and both signs per block and row; the
+ * activation's 32 q and its lane corrections are loaded once per block for all rows. (With
+ * AVX-VNNI one vpdpbusd could do the sums: not yet run on such a CPU, so not here.)
  * Shapes: u, q [32] int8; corr, lane sums [8] int32 (4 columns each); dx [8] per lane. */
 ALWAYS_INLINE void q4_0_fused_rows(const int NR, const int NC, const uint8_t *const *rows,
                                    int64_t ahead, int cols, const st_act *act,
@@ -212,12 +212,8 @@ ALWAYS_INLINE void q4_0_fused_rows(const int NR, const int NC, const uint8_t *co
             const __m256i u = _mm256_and_si256(_mm256_srlv_epi32(both, hi_shift), low4);
             const __m256 dw = _mm256_set1_ps(fp16_at(blk));
             for (int c = 0; c < NC; c++) {
-#if defined(ST_USE_AVXVNNI)  /* the same sums in one instruction */
-                const __m256i p32 = _mm256_dpbusd_avx_epi32(corr[c], u, qc[c]);
-#else
                 const __m256i p32 = _mm256_add_epi32(_mm256_madd_epi16(
                     _mm256_maddubs_epi16(u, qc[c]), _mm256_set1_epi16(1)), corr[c]);
-#endif
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
                                             _mm256_mul_ps(dw, _mm256_loadu_ps(dx[c] + lane)),
                                             acc[r][c]);
