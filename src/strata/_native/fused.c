@@ -173,17 +173,20 @@ ALWAYS_INLINE void signed_block(const int NC, __m256i s, __m256 dw, int k,
 }
 
 
-/* NR rows (1, 2 or 4) of Q4_0 blocks, res [NR, 3]: the nibbles u = s + 8 go to maddubs as they
- * are (unsigned, pairs below 2 * 15 * 127), and xc >> 4 = -8 * sum(q) per lane takes the 8
- * back, so each lane sum is sum(s * q) exactly and the result is the tiles' bit for bit. Against
- * fused_rows' signed blocks this saves the offset and both signs per block and row; the
- * activation's 32 q and its lane corrections are loaded once per block for all rows. (With
- * AVX-VNNI one vpdpbusd could do the sums: not yet run on such a CPU, so not here.)
+/* NR rows (1, 2 or 4) of Q4_0 or (is_q8) Q8_0 blocks, res [NR, 3], each row in the tiles' order
+ * and lane arithmetic, so bit for bit the tiles' result. Q4_0: the nibbles u = s + 8 go to
+ * maddubs as they are (unsigned, pairs below 2 * 15 * 127), and xc >> 4 = -8 * sum(q) per lane
+ * takes the 8 back, so each lane sum is sum(s * q) exactly, without the offset and both signs
+ * per block and row. Q8_0: maddubs(|s|, q with the sign of s), as signed_block. With the type
+ * fixed at compile time, not fused_rows' per-block branches: Q8_0 6-15% a call, Q4_0 1.2-1.8x
+ * with the nibbles (docs/DEVELOPING.md). The activation's 32 q and its lane corrections are
+ * loaded once per block for all rows. (With AVX-VNNI one vpdpbusd could do Q4_0's sums: not
+ * yet run on such a CPU, so not here.)
  * Shapes: u, q [32] int8; corr, lane sums [8] int32 (4 columns each); dx [8] per lane. */
-ALWAYS_INLINE void q4_0_fused_rows(const int NR, const int NC, const uint8_t *const *rows,
-                                   int64_t ahead, int cols, const st_act *act,
-                                   const int64_t *tr, float *res) {
-    const int ncp = act->cols_pad, bytes = st_type_size(ST_Q4_0);
+ALWAYS_INLINE void block32_rows(const int NR, const int NC, const int is_q8,
+                                const uint8_t *const *rows, int64_t ahead, int cols,
+                                const st_act *act, const int64_t *tr, float *res) {
+    const int ncp = act->cols_pad, bytes = st_type_size(is_q8 ? ST_Q8_0 : ST_Q4_0);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i hi_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     __m256 acc[4][3];
@@ -201,19 +204,28 @@ ALWAYS_INLINE void q4_0_fused_rows(const int NR, const int NC, const uint8_t *co
         __m256i qc[3], corr[3];
         for (int c = 0; c < NC; c++) {
             qc[c] = _mm256_loadu_si256((const __m256i *)(q[c] + k));
-            corr[c] = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(xc[c] + lane)), 4);
+            corr[c] = is_q8 ? _mm256_setzero_si256() : _mm256_srai_epi32(
+                _mm256_loadu_si256((const __m256i *)(xc[c] + lane)), 4);
         }
         for (int r = 0; r < NR; r++) {
             const uint8_t *blk = rows[r] + (int64_t)ib * bytes;
             __builtin_prefetch(blk + ahead, 0, 3);
-            /* 16 bytes in both halves; the high half shifted by 4 (within int32, then masked) */
-            const __m256i both = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128((const __m128i *)(blk + 2)));
-            const __m256i u = _mm256_and_si256(_mm256_srlv_epi32(both, hi_shift), low4);
             const __m256 dw = _mm256_set1_ps(fp16_at(blk));
+            __m256i u, s = _mm256_setzero_si256();
+            if (is_q8) {  /* signed values: maddubs(|s|, q with the sign of s), as the tiles */
+                s = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                u = _mm256_sign_epi8(s, s);
+            } else {      /* 16 bytes in both halves; the high half shifted by 4, masked */
+                const __m256i both = _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128((const __m128i *)(blk + 2)));
+                u = _mm256_and_si256(_mm256_srlv_epi32(both, hi_shift), low4);
+            }
             for (int c = 0; c < NC; c++) {
-                const __m256i p32 = _mm256_add_epi32(_mm256_madd_epi16(
-                    _mm256_maddubs_epi16(u, qc[c]), _mm256_set1_epi16(1)), corr[c]);
+                const __m256i ones = _mm256_set1_epi16(1);
+                const __m256i p32 = is_q8
+                    ? _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(qc[c], s)), ones)
+                    : _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, qc[c]), ones),
+                                       corr[c]);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
                                             _mm256_mul_ps(dw, _mm256_loadu_ps(dx[c] + lane)),
                                             acc[r][c]);
@@ -224,7 +236,7 @@ ALWAYS_INLINE void q4_0_fused_rows(const int NR, const int NC, const uint8_t *co
         for (int c = 0; c < NC; c++) res[r * 3 + c] = hsum8(acc[r][c]);
 }
 
-/* NR rows (1, 2 or 4) of 32-column blocks: Q8_0, and Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
+/* NR rows (1, 2 or 4) of 32-column blocks: Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
  * st_block32_values; res [NR, 3]. Each row keeps its own accumulators in the tiles' order, so
  * several rows at once change no result; they only give the core independent chains (one
  * row's FMAs wait on each other) and share the activation loads. For the min types (Q4_1,
@@ -247,13 +259,8 @@ ALWAYS_INLINE void fused_rows(const int NR, const int NC, int qtype, const uint8
         for (int r = 0; r < NR; r++) {
             const uint8_t *blk = rows[r] + (int64_t)ib * bytes;
             __builtin_prefetch(blk + ahead, 0, 3);
-            __m256i s;                                                      /* [32] int8 */
-            if (qtype == ST_Q8_0) {
-                s = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            } else {
-                s = st_block32_values(qtype, blk, bytes);
-                if (has_min) B[r * ldb + 2 * ib] = B[r * ldb + 2 * ib + 1] = -fp16_at(blk + 2);
-            }
+            const __m256i s = st_block32_values(qtype, blk, bytes);        /* [32] int8 */
+            if (has_min) B[r * ldb + 2 * ib] = B[r * ldb + 2 * ib + 1] = -fp16_at(blk + 2);
             signed_block(NC, s, _mm256_set1_ps(fp16_at(blk)), ib * 32, q, dx, acc[r]);
         }
     }
@@ -306,13 +313,26 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
         const int n = nr - i >= step ? step : 1;
         const uint8_t *rows[4];
         for (int r = 0; r < n; r++) rows[r] = w + (rb + i + r) * row_bytes;
-        if (qtype == ST_Q4_0) {
-            if (n == 4 && n_tok == 1) q4_0_fused_rows(4, 1, rows, ahead, cols, act, tr, res4);
-            else if (n == 4) q4_0_fused_rows(4, 2, rows, ahead, cols, act, tr, res4);
-            else if (n == 2) q4_0_fused_rows(2, 3, rows, ahead, cols, act, tr, res4);
-            else if (n_tok == 1) q4_0_fused_rows(1, 1, rows, ahead, cols, act, tr, res4);
-            else if (n_tok == 2) q4_0_fused_rows(1, 2, rows, ahead, cols, act, tr, res4);
-            else q4_0_fused_rows(1, 3, rows, ahead, cols, act, tr, res4);
+        if (qtype == ST_Q4_0 || qtype == ST_Q8_0) {
+            const int q8 = qtype == ST_Q8_0;
+            if (n == 4 && n_tok == 1) {
+                if (q8) block32_rows(4, 1, 1, rows, ahead, cols, act, tr, res4);
+                else block32_rows(4, 1, 0, rows, ahead, cols, act, tr, res4);
+            } else if (n == 4) {
+                if (q8) block32_rows(4, 2, 1, rows, ahead, cols, act, tr, res4);
+                else block32_rows(4, 2, 0, rows, ahead, cols, act, tr, res4);
+            } else if (n == 2) {
+                if (q8) block32_rows(2, 3, 1, rows, ahead, cols, act, tr, res4);
+                else block32_rows(2, 3, 0, rows, ahead, cols, act, tr, res4);
+            } else if (q8) {
+                if (n_tok == 1) block32_rows(1, 1, 1, rows, ahead, cols, act, tr, res4);
+                else if (n_tok == 2) block32_rows(1, 2, 1, rows, ahead, cols, act, tr, res4);
+                else block32_rows(1, 3, 1, rows, ahead, cols, act, tr, res4);
+            } else {
+                if (n_tok == 1) block32_rows(1, 1, 0, rows, ahead, cols, act, tr, res4);
+                else if (n_tok == 2) block32_rows(1, 2, 0, rows, ahead, cols, act, tr, res4);
+                else block32_rows(1, 3, 0, rows, ahead, cols, act, tr, res4);
+            }
         } else if (n == 4 && n_tok == 1)
             fused_rows(4, 1, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
         else if (n == 4)
