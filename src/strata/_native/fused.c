@@ -273,6 +273,30 @@ ALWAYS_INLINE void fused_rows(const int NR, const int NC, int qtype, const uint8
         }
 }
 
+
+/* n (1, 2 or 4) rows of qtype, a constant where it is called, for n_tok (1-3) tokens: NR and NC
+ * as constants of the kernels, Q4_0 / Q8_0 by block32_rows, the others by fused_rows */
+#define ST_BY_SHAPE(CALL)                                                                  \
+    do {                                                                                   \
+        if (n == 4 && n_tok == 1) CALL(4, 1);                                              \
+        else if (n == 4) CALL(4, 2);                                                       \
+        else if (n == 2) CALL(2, 3);                                                       \
+        else if (n_tok == 1) CALL(1, 1);                                                   \
+        else if (n_tok == 2) CALL(1, 2);                                                   \
+        else CALL(1, 3);                                                                   \
+    } while (0)
+ALWAYS_INLINE void block32_step(const int qtype, int n, int n_tok, const uint8_t *const *rows,
+                                int64_t ahead, int cols, const st_act *act, const int64_t *tr,
+                                float *B, int ldb, float *res) {
+#define ST_BLOCK32(NR, NC) \
+    block32_rows(NR, NC, qtype == ST_Q8_0, rows, ahead, cols, act, tr, res)
+#define ST_OTHER32(NR, NC) fused_rows(NR, NC, qtype, rows, ahead, cols, act, tr, B, ldb, res)
+    if (qtype == ST_Q4_0 || qtype == ST_Q8_0) ST_BY_SHAPE(ST_BLOCK32);
+    else ST_BY_SHAPE(ST_OTHER32);
+#undef ST_BLOCK32
+#undef ST_OTHER32
+}
+#undef ST_BY_SHAPE
 #endif
 
 #if (defined(ST_USE_VNNI512) || (defined(__AVX2__) && defined(__FMA__))) && defined(__F16C__)
@@ -313,38 +337,20 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
         const int n = nr - i >= step ? step : 1;
         const uint8_t *rows[4];
         for (int r = 0; r < n; r++) rows[r] = w + (rb + i + r) * row_bytes;
-        if (qtype == ST_Q4_0 || qtype == ST_Q8_0) {
-            const int q8 = qtype == ST_Q8_0;
-            if (n == 4 && n_tok == 1) {
-                if (q8) block32_rows(4, 1, 1, rows, ahead, cols, act, tr, res4);
-                else block32_rows(4, 1, 0, rows, ahead, cols, act, tr, res4);
-            } else if (n == 4) {
-                if (q8) block32_rows(4, 2, 1, rows, ahead, cols, act, tr, res4);
-                else block32_rows(4, 2, 0, rows, ahead, cols, act, tr, res4);
-            } else if (n == 2) {
-                if (q8) block32_rows(2, 3, 1, rows, ahead, cols, act, tr, res4);
-                else block32_rows(2, 3, 0, rows, ahead, cols, act, tr, res4);
-            } else if (q8) {
-                if (n_tok == 1) block32_rows(1, 1, 1, rows, ahead, cols, act, tr, res4);
-                else if (n_tok == 2) block32_rows(1, 2, 1, rows, ahead, cols, act, tr, res4);
-                else block32_rows(1, 3, 1, rows, ahead, cols, act, tr, res4);
-            } else {
-                if (n_tok == 1) block32_rows(1, 1, 0, rows, ahead, cols, act, tr, res4);
-                else if (n_tok == 2) block32_rows(1, 2, 0, rows, ahead, cols, act, tr, res4);
-                else block32_rows(1, 3, 0, rows, ahead, cols, act, tr, res4);
-            }
-        } else if (n == 4 && n_tok == 1)
-            fused_rows(4, 1, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
-        else if (n == 4)
-            fused_rows(4, 2, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
-        else if (n == 2)
-            fused_rows(2, 3, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
-        else if (n_tok == 1)
-            fused_rows(1, 1, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
-        else if (n_tok == 2)
-            fused_rows(1, 2, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
-        else
-            fused_rows(1, 3, qtype, rows, ahead, cols, act, tr, B, num_groups, res4);
+        switch (qtype) {  /* each type's rows with the type a constant */
+        case ST_Q4_0: block32_step(ST_Q4_0, n, (int)n_tok, rows, ahead, cols, act, tr, B,
+                                   num_groups, res4); break;
+        case ST_Q8_0: block32_step(ST_Q8_0, n, (int)n_tok, rows, ahead, cols, act, tr, B,
+                                   num_groups, res4); break;
+        case ST_Q4_1: block32_step(ST_Q4_1, n, (int)n_tok, rows, ahead, cols, act, tr, B,
+                                   num_groups, res4); break;
+        case ST_Q5_0: block32_step(ST_Q5_0, n, (int)n_tok, rows, ahead, cols, act, tr, B,
+                                   num_groups, res4); break;
+        case ST_Q5_1: block32_step(ST_Q5_1, n, (int)n_tok, rows, ahead, cols, act, tr, B,
+                                   num_groups, res4); break;
+        default: block32_step(ST_IQ4_NL, n, (int)n_tok, rows, ahead, cols, act, tr, B,
+                              num_groups, res4);
+        }
         for (int r = 0; r < n; r++)
             for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i + r] = res4[r * 3 + j];
         i += n;
