@@ -467,17 +467,24 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
         dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
         xs[c] = act->xs + tr[c] * (ncp / ST_GROUP);
     }
-    const int is_q5 = qtype == ST_Q5_K, is_q3 = qtype == ST_Q3_K;
+    /* Q3_K / Q5_K pass their flag as a constant: a flag read at run time costs its rows a
+     * compare and branch per piece */
     if (qtype == ST_IQ4_XS) {
         if (n_tok == 1) avx2_row_iq4xs(1, row, ahead, cols, q, dx, res);
         else if (n_tok == 2) avx2_row_iq4xs(2, row, ahead, cols, q, dx, res);
         else avx2_row_iq4xs(3, row, ahead, cols, q, dx, res);
         return 1;
     }
-    if (qtype == ST_Q2_K || qtype == ST_Q3_K) {
-        if (n_tok == 1) avx2_row_q23k(1, is_q3, row, ahead, cols, q, dx, xs, res);
-        else if (n_tok == 2) avx2_row_q23k(2, is_q3, row, ahead, cols, q, dx, xs, res);
-        else avx2_row_q23k(3, is_q3, row, ahead, cols, q, dx, xs, res);
+    if (qtype == ST_Q2_K) {
+        if (n_tok == 1) avx2_row_q23k(1, 0, row, ahead, cols, q, dx, xs, res);
+        else if (n_tok == 2) avx2_row_q23k(2, 0, row, ahead, cols, q, dx, xs, res);
+        else avx2_row_q23k(3, 0, row, ahead, cols, q, dx, xs, res);
+        return 1;
+    }
+    if (qtype == ST_Q3_K) {
+        if (n_tok == 1) avx2_row_q23k(1, 1, row, ahead, cols, q, dx, xs, res);
+        else if (n_tok == 2) avx2_row_q23k(2, 1, row, ahead, cols, q, dx, xs, res);
+        else avx2_row_q23k(3, 1, row, ahead, cols, q, dx, xs, res);
         return 1;
     }
     if (qtype == ST_Q6_K) {
@@ -486,9 +493,15 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
         else avx2_row_q6k(3, row, ahead, cols, q, dx, res);
         return 1;
     }
-    if (n_tok == 1) avx2_row_q45k(1, is_q5, row, ahead, cols, q, dx, xs, res);
-    else if (n_tok == 2) avx2_row_q45k(2, is_q5, row, ahead, cols, q, dx, xs, res);
-    else avx2_row_q45k(3, is_q5, row, ahead, cols, q, dx, xs, res);
+    if (qtype == ST_Q5_K) {
+        if (n_tok == 1) avx2_row_q45k(1, 1, row, ahead, cols, q, dx, xs, res);
+        else if (n_tok == 2) avx2_row_q45k(2, 1, row, ahead, cols, q, dx, xs, res);
+        else avx2_row_q45k(3, 1, row, ahead, cols, q, dx, xs, res);
+        return 1;
+    }
+    if (n_tok == 1) avx2_row_q45k(1, 0, row, ahead, cols, q, dx, xs, res);
+    else if (n_tok == 2) avx2_row_q45k(2, 0, row, ahead, cols, q, dx, xs, res);
+    else avx2_row_q45k(3, 0, row, ahead, cols, q, dx, xs, res);
     return 1;
 }
 
