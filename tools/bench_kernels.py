@@ -16,7 +16,9 @@ from strata._native import kernels
 
 T = gguf.GGMLQuantizationType
 HIDDEN, NUM_EXPERTS, TOP_K, EXPERT_WIDTH = 1024, 64, 8, 512
-_FP16_FIELDS = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+_FP16_FIELDS = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
+                T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,),
+                T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 
 
 def random_weight(rng, qtype, rows, cols):

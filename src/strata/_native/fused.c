@@ -161,12 +161,10 @@ static void q4_0_rows(const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
  * below 2 * 128 * 127 < 32768, to 8 int32 lane sums, each times dw * dx */
 ALWAYS_INLINE void signed_block(const int NC, __m256i s, __m256 dw, int k,
                                 const int8_t *const *q, const float *const *dx, __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i s_abs = _mm256_sign_epi8(s, s);
     for (int c = 0; c < NC; c++) {
         __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + k));
-        __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(qc, s)),
-                                        ones);                               /* [8] lane sums */
+        __m256i p32 = lanes_dot(s_abs, _mm256_sign_epi8(qc, s));           /* [8] lane sums */
         acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
                                  _mm256_mul_ps(dw, _mm256_loadu_ps(dx[c] + k / ST_LANE)), acc[c]);
     }
@@ -180,8 +178,7 @@ ALWAYS_INLINE void signed_block(const int NC, __m256i s, __m256 dw, int k,
  * per block and row. Q8_0: maddubs(|s|, q with the sign of s), as signed_block. With the type
  * fixed at compile time, not fused_rows' per-block branches: Q8_0 6-15% a call, Q4_0 1.2-1.8x
  * with the nibbles (docs/DEVELOPING.md). The activation's 32 q and its lane corrections are
- * loaded once per block for all rows. (With AVX-VNNI one vpdpbusd could do Q4_0's sums: not
- * yet run on such a CPU, so not here.)
+ * loaded once per block for all rows. (With AVX-VNNI, one vpdpbusd per lane sum: lanes_dot.)
  * Shapes: u, q [32] int8; corr, lane sums [8] int32 (4 columns each); dx [8] per lane. */
 ALWAYS_INLINE void block32_rows(const int NR, const int NC, const int is_q8,
                                 const uint8_t *const *rows, int64_t ahead, int cols,
@@ -221,11 +218,8 @@ ALWAYS_INLINE void block32_rows(const int NR, const int NC, const int is_q8,
                 u = _mm256_and_si256(_mm256_srlv_epi32(both, hi_shift), low4);
             }
             for (int c = 0; c < NC; c++) {
-                const __m256i ones = _mm256_set1_epi16(1);
-                const __m256i p32 = is_q8
-                    ? _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(qc[c], s)), ones)
-                    : _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, qc[c]), ones),
-                                       corr[c]);
+                const __m256i p32 = is_q8 ? lanes_dot(u, _mm256_sign_epi8(qc[c], s))
+                                          : lanes_dot_add(corr[c], u, qc[c]);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
                                             _mm256_mul_ps(dw, _mm256_loadu_ps(dx[c] + lane)),
                                             acc[r][c]);

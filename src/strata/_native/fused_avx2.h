@@ -12,10 +12,8 @@
  * lane); u <= 63, so a pair of products stays below 2 * 63 * 127 < 32768 */
 ALWAYS_INLINE void piece(const int NC, __m256i u, __m256 scale, int k, const int8_t *const *q,
                          const float *const *dx, __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int c = 0; c < NC; c++) {
-        const __m256i p = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(q[c] + k))), ones);
+        const __m256i p = lanes_dot(u, _mm256_loadu_si256((const __m256i *)(q[c] + k)));
         acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
                                  _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
                                  acc[c]);
@@ -27,11 +25,9 @@ ALWAYS_INLINE void piece(const int NC, __m256i u, __m256 scale, int k, const int
 ALWAYS_INLINE void piece_sign_mask(const int NC, __m256i g, __m256i sgn, __m256 scale, int k,
                                    const int8_t *const *q, const float *const *dx,
                                    __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int c = 0; c < NC; c++) {
         const __m256i qc = _mm256_loadu_si256((const __m256i *)(q[c] + k));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(qc, sgn)),
-                                            ones);
+        const __m256i p = lanes_dot(g, _mm256_sign_epi8(qc, sgn));
         acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
                                  _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
                                  acc[c]);

@@ -261,8 +261,8 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* AVX2 (no VNNI), 1-3 tokens. A 32-column piece is maddubs over the weight values and the int8
- * activations, paired to 8 int32 lanes of 4 columns, each scaled by (weight scale * activation
+/* AVX2 (with or without AVX-VNNI), 1-3 tokens. A 32-column piece is maddubs (or vpdpbusd)
+ * over the weight values and the int8 activations, summed to 8 int32 lanes of 4 columns, each scaled by (weight scale * activation
  * scale dx): tiles.c's AVX2 lane arithmetic, in the same column order. Q3_K's, Q6_K's and
  * IQ4_XS's signed values take maddubs(|s|, q with the sign of s), as the tiles do, so a token's
  * result is the tiles' bit for bit; the min types (Q2_K, Q4_K, Q5_K) take their unsigned values

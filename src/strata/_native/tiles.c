@@ -42,7 +42,6 @@ ALWAYS_INLINE void qtile_impl(const int NR, const int NC, const st_qtile *t, flo
         for (int c = 0; c < NC; c++) res[r * 4 + c] = _mm512_reduce_add_ps(acc[r][c]);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 acc[4][4];
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < NR; r++)
         for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
     for (int k = 0; k < ncp; k += 32) {
@@ -57,7 +56,6 @@ ALWAYS_INLINE void qtile_impl(const int NR, const int NC, const st_qtile *t, flo
         __m256i xc[4];
         for (int c = 0; c < NC; c++)
             xc[c] = _mm256_loadu_si256((const __m256i *)(t->xc[c] + lane));   /* [8] int32 */
-        (void)ones;
 #endif
         for (int r = 0; r < NR; r++) {
             __m256i s = _mm256_loadu_si256((const __m256i *)(t->s[r] + k));
@@ -74,8 +72,7 @@ ALWAYS_INLINE void qtile_impl(const int NR, const int NC, const st_qtile *t, flo
             for (int c = 0; c < NC; c++) {
                 /* maddubs wants unsigned x signed: |s| * (q with the sign of s); pairs of
                  * products stay below 2 * 128 * 127 < 32768, so no saturation */
-                __m256i p16 = _mm256_maddubs_epi16(s_abs, _mm256_sign_epi8(q[c], s));
-                __m256i p32 = _mm256_madd_epi16(p16, ones);               /* [8] lane sums */
+                __m256i p32 = lanes_dot(s_abs, _mm256_sign_epi8(q[c], s));  /* [8] lane sums */
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_mul_ps(a, dx[c]),
                                             acc[r][c]);
             }
