@@ -359,13 +359,20 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
     }
 #endif
     const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
+    /* the type a constant of fused_row's loop, as the AVX2 rows' */
+#define ST_ROW_OF(QTYPE)                                                                 \
+    do {                                                                                 \
+        if (n_tok == 1) fused_row(1, QTYPE, row, ahead, cols, act, tr, res);            \
+        else if (n_tok == 2) fused_row(2, QTYPE, row, ahead, cols, act, tr, res);       \
+        else fused_row(3, QTYPE, row, ahead, cols, act, tr, res);                       \
+    } while (0)
     for (int i = 0; i < nr; i++) {
         const uint8_t *row = w + (rb + i) * row_bytes;
-        if (n_tok == 1) fused_row(1, qtype, row, ahead, cols, act, tr, res);
-        else if (n_tok == 2) fused_row(2, qtype, row, ahead, cols, act, tr, res);
-        else fused_row(3, qtype, row, ahead, cols, act, tr, res);
+        if (qtype == ST_Q8_0) ST_ROW_OF(ST_Q8_0);
+        else ST_ROW_OF(ST_Q4_0);
         for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
     }
+#undef ST_ROW_OF
     return 1;
 #endif
 }

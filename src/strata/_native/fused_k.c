@@ -240,15 +240,16 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
     /* each row function specialised for 1, 2 and 3 tokens (NC a constant in its loops) */
 #define BY_TOKENS(CALL_1, CALL_2, CALL_3) \
     do { if (n_tok == 1) CALL_1; else if (n_tok == 2) CALL_2; else CALL_3; return 1; } while (0)
-    const int is_q5 = qtype == ST_Q5_K, is_q3 = qtype == ST_Q3_K;
-    if (qtype == ST_Q4_K || qtype == ST_Q5_K)
-        BY_TOKENS(row_q45k(1, is_q5, row, ahead, cols, &a, res),
-                  row_q45k(2, is_q5, row, ahead, cols, &a, res),
-                  row_q45k(3, is_q5, row, ahead, cols, &a, res));
-    if (qtype == ST_Q2_K || qtype == ST_Q3_K)
-        BY_TOKENS(row_q23k(1, is_q3, row, ahead, cols, &a, res),
-                  row_q23k(2, is_q3, row, ahead, cols, &a, res),
-                  row_q23k(3, is_q3, row, ahead, cols, &a, res));
+    /* the k-quant pairs' flags as constants too (a flag read at run time costs a compare and
+     * branch per chunk, as on AVX2) */
+#define BY_FLAG(ROW, FLAG)                                                              \
+    BY_TOKENS(ROW(1, FLAG, row, ahead, cols, &a, res), ROW(2, FLAG, row, ahead, cols, &a, res), \
+              ROW(3, FLAG, row, ahead, cols, &a, res))
+    if (qtype == ST_Q4_K) BY_FLAG(row_q45k, 0);
+    if (qtype == ST_Q5_K) BY_FLAG(row_q45k, 1);
+    if (qtype == ST_Q2_K) BY_FLAG(row_q23k, 0);
+    if (qtype == ST_Q3_K) BY_FLAG(row_q23k, 1);
+#undef BY_FLAG
     if (qtype == ST_Q6_K)
         BY_TOKENS(row_q6k(1, row, ahead, cols, &a, res), row_q6k(2, row, ahead, cols, &a, res),
                   row_q6k(3, row, ahead, cols, &a, res));
