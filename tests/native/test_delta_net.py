@@ -332,6 +332,9 @@ def test_matches_transformers_qwen3_next():
 
     g = A * torch.nn.functional.softplus(torch.from_numpy(a + dt_bias)).numpy()
     heads = [torch.from_numpy(x.reshape(1, T, -1, d)) for x, d in ((q, Dk), (k, Dk), (v, Dv))]
+    # each q/k head serves Hv // Hk consecutive value heads: repeated here, as the model's
+    # forward does (transformers 5.24 repeats inside the function, older ones only before it)
+    heads[:2] = [h.repeat_interleave(Hv // Hk, dim=2) for h in heads[:2]]
     out_torch, state_torch = qwen3_next.torch_recurrent_gated_delta_rule(
         *heads, g=torch.from_numpy(g[None]), beta=torch.sigmoid(torch.from_numpy(b[None])),
         initial_state=torch.from_numpy(state[None].copy()), output_final_state=True,
