@@ -3,6 +3,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include "quant.h"
 #include "tiles.h"
 #ifdef _OPENMP
@@ -48,9 +51,32 @@ const char *st_simd_level(void) {
 #endif
 }
 
-static void *alloc64(size_t num_bytes) {
+void *st_alloc64(size_t num_bytes) {
     size_t rounded = (num_bytes + 63) / 64 * 64;
     return aligned_alloc(64, rounded > 0 ? rounded : 64);
+}
+
+/* A window's buffers (the MoE block's G, U, Y: tens of MB for a 512-token prompt chunk, the
+ * quantised activations, the window's block) are freed at its end and asked for again by the
+ * next. glibc's defaults give each one fresh pages from the kernel every time: above the mmap
+ * threshold it maps and unmaps them, and below it the heap's top is trimmed back once freed;
+ * the kernel then zeroes every page again on first touch (~6% of a CPU prompt in `perf`,
+ * `clear_page_erms`). Keeping them (mmap only above 128 MiB, trim only above 512 MiB free)
+ * took the CPU backend's pp512 on the dev machine from 120 to 139 tokens/s (docs/DEVELOPING.md;
+ * decode unchanged: its buffers are small). Returns 1 when applied; a process whose environment already sets glibc's
+ * malloc thresholds keeps its own (0), as do other C libraries. */
+int st_keep_freed_memory(void) {
+#if defined(__GLIBC__)
+    const char *tunables = getenv("GLIBC_TUNABLES");
+    if (getenv("MALLOC_MMAP_THRESHOLD_") || getenv("MALLOC_TRIM_THRESHOLD_")
+            || (tunables && (strstr(tunables, "mmap_threshold") || strstr(tunables, "trim_threshold"))))
+        return 0;
+    /* older glibc refuses mmap thresholds above 32 MiB (HEAP_MAX_SIZE / 2) */
+    if (!mallopt(M_MMAP_THRESHOLD, 128 << 20) && !mallopt(M_MMAP_THRESHOLD, 32 << 20)) return 0;
+    return mallopt(M_TRIM_THRESHOLD, 512 << 20);
+#else
+    return 0;
+#endif
 }
 
 /* ---- activations -------------------------------------------------------------------- */
@@ -63,13 +89,13 @@ int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant) {
     a->num_rows = num_rows;
     size_t n = (size_t)num_rows * (size_t)a->cols_pad;
     if (is_quant) {
-        a->q = alloc64(n);
-        a->dx = alloc64(n / ST_LANE * sizeof(float));
-        a->xc = alloc64(n / ST_LANE * sizeof(int32_t));
-        a->xs = alloc64(n / ST_GROUP * sizeof(float));
+        a->q = st_alloc64(n);
+        a->dx = st_alloc64(n / ST_LANE * sizeof(float));
+        a->xc = st_alloc64(n / ST_LANE * sizeof(int32_t));
+        a->xs = st_alloc64(n / ST_GROUP * sizeof(float));
         if (!a->q || !a->dx || !a->xc || !a->xs) { st_act_free(a); return -1; }
     } else {
-        a->xf = alloc64(n * sizeof(float));
+        a->xf = st_alloc64(n * sizeof(float));
         if (!a->xf) { st_act_free(a); return -1; }
     }
     return 0;
@@ -350,7 +376,7 @@ int st_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t row_bytes, int 
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < T; r++) st_act_fill(&act, x, cols, r, r + 1);
         }
-        void *scratch = alloc64(scratch_bytes);
+        void *scratch = st_alloc64(scratch_bytes);
         if (!scratch) failed = 1;
         /* an item is (token chunk, row block); consecutive items share a token chunk */
         #pragma omp for schedule(dynamic, 1)

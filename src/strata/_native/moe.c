@@ -15,11 +15,6 @@
  * between the two products. Bigger calls quantize every row on the team behind a barrier. */
 #define FILL_BY_LAST_PAIRS 64
 
-static void *alloc64(size_t num_bytes) {
-    size_t rounded = (num_bytes + 63) / 64 * 64;
-    return aligned_alloc(64, rounded > 0 ? rounded : 64);
-}
-
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
 static int64_t build_items(const int64_t *count, int E, int rows, moe_item *items) {
@@ -96,9 +91,9 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     for (int64_t p = 0; p < P; p++) c->pair_ids[p] = (int32_t)p;
     if (P == 0) return 0;
 
-    c->G = alloc64((size_t)P * F * sizeof(float));    /* [P, F] gate, then SiLU(gate) * up */
-    c->U = alloc64((size_t)P * F * sizeof(float));    /* [P, F] */
-    c->Y = alloc64((size_t)P * H * sizeof(float));    /* [P, H] */
+    c->G = st_alloc64((size_t)P * F * sizeof(float));    /* [P, F] gate, then SiLU(gate) * up */
+    c->U = st_alloc64((size_t)P * F * sizeof(float));    /* [P, F] */
+    c->Y = st_alloc64((size_t)P * H * sizeof(float));    /* [P, H] */
     const int gate_quant = !st_is_float_type(gate_type);
     const int up_quant = !st_is_float_type(up_type);
     c->shared_x = gate_quant == up_quant;
@@ -146,7 +141,7 @@ void st_moe_products(moe_call *c) {
     const int64_t T = c->T, P = c->P;
     const int H = c->H, F = c->F;
     const int64_t *offset = c->offset, *count = c->count;
-    void *scratch = alloc64(c->scratch_bytes);
+    void *scratch = st_alloc64(c->scratch_bytes);
     if (!scratch) {
         #pragma omp atomic write
         c->failed = 1;

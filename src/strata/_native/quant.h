@@ -102,6 +102,8 @@ typedef struct {
     float *xf;         /* [T, cols_pad]      float rows, zero padded */
 } st_act;
 
+void *st_alloc64(size_t num_bytes);   /* 64-byte aligned, free() it (matmul.c) */
+int st_keep_freed_memory(void);       /* glibc: keep a window's big buffers (matmul.c) */
 int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant);
 void st_act_free(st_act *a);
 /* Fill rows [r0, r1) of a from x (row stride ld_x floats). */
