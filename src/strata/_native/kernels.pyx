@@ -33,7 +33,6 @@ cdef extern from "quant.h" nogil:
     void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, float *out)
     void st_set_num_threads(int n)
     int st_get_num_threads()
-    int st_keep_freed_memory()
 
 
 # ggml type ids (gguf.GGMLQuantizationType)
@@ -103,12 +102,6 @@ def row_bytes(qtype, cols):
         raise ValueError(f"a {_TYPE_NAMES[qtype]} row needs a positive multiple of {block} "
                          f"columns, got {cols}")
     return cols // block * st_type_size(qtype)
-
-
-# glibc keeps the windows' big buffers between windows (matmul.c, st_keep_freed_memory): set
-# once for the process when the kernels are first imported, unless its environment sets glibc's
-# malloc thresholds itself.
-malloc_tuned = bool(st_keep_freed_memory())
 
 
 def simd_level():

@@ -1,11 +1,9 @@
 /* Threaded matmul on quantised weights: activation quantisation, row-block unpacking, the
  * tile loop (4 weight rows x 4 tokens per register tile) and the OpenMP work split. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 #include "quant.h"
 #include "tiles.h"
 #ifdef _OPENMP
@@ -56,27 +54,74 @@ void *st_alloc64(size_t num_bytes) {
     return aligned_alloc(64, rounded > 0 ? rounded : 64);
 }
 
-/* A window's buffers (the MoE block's G, U, Y: tens of MB for a 512-token prompt chunk, the
- * quantised activations, the window's block) are freed at its end and asked for again by the
- * next. glibc's defaults give each one fresh pages from the kernel every time: above the mmap
- * threshold it maps and unmaps them, and below it the heap's top is trimmed back once freed;
- * the kernel then zeroes every page again on first touch (~6% of a CPU prompt in `perf`,
- * `clear_page_erms`). Keeping them (mmap only above 128 MiB, trim only above 512 MiB free)
- * took the CPU backend's pp512 on the dev machine from 120 to 139 tokens/s (docs/DEVELOPING.md;
- * decode unchanged: its buffers are small). Returns 1 when applied; a process whose environment already sets glibc's
- * malloc thresholds keeps its own (0), as do other C libraries. */
-int st_keep_freed_memory(void) {
-#if defined(__GLIBC__)
-    const char *tunables = getenv("GLIBC_TUNABLES");
-    if (getenv("MALLOC_MMAP_THRESHOLD_") || getenv("MALLOC_TRIM_THRESHOLD_")
-            || (tunables && (strstr(tunables, "mmap_threshold") || strstr(tunables, "trim_threshold"))))
-        return 0;
-    /* older glibc refuses mmap thresholds above 32 MiB (HEAP_MAX_SIZE / 2) */
-    if (!mallopt(M_MMAP_THRESHOLD, 128 << 20) && !mallopt(M_MMAP_THRESHOLD, 32 << 20)) return 0;
-    return mallopt(M_TRIM_THRESHOLD, 512 << 20);
-#else
-    return 0;
-#endif
+/* ---- kept blocks: a window's biggest buffers, reused by the next window ---------------- */
+/* The MoE block's G, U and Y (tens of MB for a 512-token prompt chunk) come from here: a
+ * block handed back is kept (at most ST_KEPT_BLOCKS of them, each at most ST_KEPT_MAX_BYTES)
+ * for the next call that fits in it, on any thread, instead of going back to the C library.
+ * glibc returns blocks this big to the kernel (unmapped above its mmap threshold, a trimmed heap
+ * top below it, a thread arena's extra heap unmapped once empty), so every window's pages came
+ * back zeroed and faulted in again: `perf` put the kernel's `clear_page_erms` at 6% of a CPU
+ * prompt, ~14,000-21,000 minor faults a 512-row call at Qwen3-30B-A3B's expert shape, ~800 now
+ * (the activations' smaller buffers). Two blocks: the CPU pool keeps two layers' calls alive. */
+#define ST_KEPT_BLOCKS 2
+#define ST_KEPT_MAX_BYTES ((size_t)256 << 20)
+static struct { void *p; size_t bytes; } g_kept[ST_KEPT_BLOCKS];
+static atomic_flag g_kept_lock = ATOMIC_FLAG_INIT;
+
+static void kept_lock(void) {
+    while (atomic_flag_test_and_set_explicit(&g_kept_lock, memory_order_acquire)) {}
+}
+
+static void kept_unlock(void) { atomic_flag_clear_explicit(&g_kept_lock, memory_order_release); }
+
+void *st_block_take(size_t bytes, size_t *capacity) {
+    void *p = NULL;
+    size_t got = 0;
+    kept_lock();
+    int best = -1;     /* the smallest kept block that fits */
+    for (int i = 0; i < ST_KEPT_BLOCKS; i++)
+        if (g_kept[i].p && g_kept[i].bytes >= bytes
+                && (best < 0 || g_kept[i].bytes < g_kept[best].bytes))
+            best = i;
+    if (best >= 0) {
+        p = g_kept[best].p;
+        got = g_kept[best].bytes;
+        g_kept[best].p = NULL;
+        g_kept[best].bytes = 0;
+    }
+    kept_unlock();
+    if (!p) {
+        p = st_alloc64(bytes);
+        got = p ? bytes : 0;
+    }
+    *capacity = got;
+    return p;
+}
+
+void st_block_give(void *p, size_t capacity) {
+    if (!p) return;
+    if (capacity > ST_KEPT_MAX_BYTES) {
+        free(p);
+        return;
+    }
+    void *dropped = p;  /* freed after the lock: this block, or the smallest kept one */
+    kept_lock();
+    int slot = -1;
+    for (int i = 0; i < ST_KEPT_BLOCKS && slot < 0; i++)
+        if (!g_kept[i].p) slot = i;
+    if (slot < 0) {
+        slot = 0;
+        for (int i = 1; i < ST_KEPT_BLOCKS; i++)
+            if (g_kept[i].bytes < g_kept[slot].bytes) slot = i;
+        if (g_kept[slot].bytes >= capacity) slot = -1;
+    }
+    if (slot >= 0) {
+        dropped = g_kept[slot].p;
+        g_kept[slot].p = p;
+        g_kept[slot].bytes = capacity;
+    }
+    kept_unlock();
+    free(dropped);
 }
 
 /* ---- activations -------------------------------------------------------------------- */

@@ -34,7 +34,7 @@ void st_moe_teardown(moe_call *c) {
     st_act_free(&c->act_gate);
     st_act_free(&c->act_up);
     st_act_free(&c->act_h);
-    free(c->G); free(c->U); free(c->Y);
+    st_block_give(c->block, c->block_bytes);
     free(c->count); free(c->offset); free(c->pair_of); free(c->pair_tok); free(c->pair_ids);
     free(c->items); free(c->items_2); free(c->left); free(c->h_ready);
     memset(c, 0, sizeof(*c));
@@ -91,9 +91,12 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     for (int64_t p = 0; p < P; p++) c->pair_ids[p] = (int32_t)p;
     if (P == 0) return 0;
 
-    c->G = st_alloc64((size_t)P * F * sizeof(float));    /* [P, F] gate, then SiLU(gate) * up */
-    c->U = st_alloc64((size_t)P * F * sizeof(float));    /* [P, F] */
-    c->Y = st_alloc64((size_t)P * H * sizeof(float));    /* [P, H] */
+    /* [P, F] gate, then SiLU(gate) * up; [P, F] up; [P, H]: each 64-byte aligned */
+    const size_t gu_bytes = ((size_t)P * F * sizeof(float) + 63) / 64 * 64;
+    c->block = st_block_take(2 * gu_bytes + (size_t)P * H * sizeof(float), &c->block_bytes);
+    c->G = c->block;
+    c->U = c->block ? (float *)((char *)c->block + gu_bytes) : NULL;
+    c->Y = c->block ? (float *)((char *)c->block + 2 * gu_bytes) : NULL;
     const int gate_quant = !st_is_float_type(gate_type);
     const int up_quant = !st_is_float_type(up_type);
     c->shared_x = gate_quant == up_quant;

@@ -103,7 +103,10 @@ typedef struct {
 } st_act;
 
 void *st_alloc64(size_t num_bytes);   /* 64-byte aligned, free() it (matmul.c) */
-int st_keep_freed_memory(void);       /* glibc: keep a window's big buffers (matmul.c) */
+/* a block of at least `bytes` (64-byte aligned; *capacity: its size), a kept one when one
+ * fits; hand it back with st_block_give(p, capacity), on any thread (matmul.c) */
+void *st_block_take(size_t bytes, size_t *capacity);
+void st_block_give(void *p, size_t capacity);
 int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant);
 void st_act_free(st_act *a);
 /* Fill rows [r0, r1) of a from x (row stride ld_x floats). */

@@ -1,0 +1,64 @@
+"""The MoE block's big buffers (G, U, Y) are kept between calls (matmul.c's st_block_take /
+st_block_give): a call reuses them instead of faulting fresh pages in, and calls on several
+threads at once, of different sizes, still each get their own."""
+import resource
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from strata._native import kernels
+
+from .test_moe import routed_layer
+
+Q4_0 = 2
+
+
+def _call(layer, out=None):
+    gate, up, down, x, experts, weights = layer
+    out = np.zeros_like(x) if out is None else out
+    kernels.moe_ffn(x, gate, Q4_0, up, Q4_0, down, Q4_0, experts, weights, out)
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="minor fault counts (Linux)")
+def test_a_call_on_a_thread_reuses_the_last_calls_buffers():
+    # 256 rows x 4 experts each: G, U [1024, 512] and Y [1024, 1024] float32, 8 MiB = 2048 pages
+    layer = routed_layer(np.random.default_rng(3), (Q4_0,) * 3, E=8, H=1024, F=512, T_=256, K=4)
+    out = np.zeros_like(layer[3])
+    faults = []
+
+    def work():
+        _call(layer, out)                                  # the first call allocates them
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(4):
+            _call(layer, out)
+        faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert faults[0] < 1024, f"{faults[0]:.0f} minor faults a call: G, U and Y faulted in again"
+
+
+def test_calls_on_several_threads_at_once_equal_the_same_calls_alone():
+    rng = np.random.default_rng(4)
+    layers = [routed_layer(rng, (Q4_0,) * 3, E=8, H=256, F=128 * (1 + i % 3), T_=32 + 48 * i, K=4)
+              for i in range(4)]
+    alone = [_call(layer) for layer in layers]
+    results = [[] for _ in layers]
+
+    def work(i):
+        for _ in range(6):
+            results[i].append(_call(layers[i]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(layers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, runs in enumerate(results):
+        assert len(runs) == 6
+        for out in runs:
+            assert np.array_equal(out, alone[i])
