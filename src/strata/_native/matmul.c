@@ -4,6 +4,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include "pool_sync.h"
 #include "quant.h"
 #include "tiles.h"
 #ifdef _OPENMP
@@ -69,7 +70,7 @@ static struct { void *p; size_t bytes; } g_kept[ST_KEPT_BLOCKS];
 static atomic_flag g_kept_lock = ATOMIC_FLAG_INIT;
 
 static void kept_lock(void) {
-    while (atomic_flag_test_and_set_explicit(&g_kept_lock, memory_order_acquire)) {}
+    while (atomic_flag_test_and_set_explicit(&g_kept_lock, memory_order_acquire)) st_cpu_relax();
 }
 
 static void kept_unlock(void) { atomic_flag_clear_explicit(&g_kept_lock, memory_order_release); }
