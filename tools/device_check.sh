@@ -54,7 +54,7 @@ run_bench() {
     part 150 bench python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 -r 3 --slots 1,2,4,8 --profile
     part 90 bench_old_kernels env STRATA_DECODE_MM=dp4a STRATA_PROMPT_ATTN=old \
         python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 -r 3 --slots 1,4,8
-    part 90 bench_pdl env STRATA_PDL=1 \
+    part 90 bench_no_pdl env STRATA_PDL=0 \
         python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 -r 3 --slots 1,4,8
     part 90 mmq python3 tools/bench_mmq.py "$MODEL" --rows 512 -r 5 --profile
 }

@@ -88,6 +88,28 @@ def test_kernel_names_cover_every_entry_point():
 # a PTX instruction that touches memory: its opcode and dotted qualifiers
 _MEMORY_OP = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:ld|ldu|st|atom|red|cp\.async)(?:\.[\w:]+)*)\s")
 _OWN_SPACES = (".param", ".shared", ".local", ".const")  # not written by the previous kernel
+# reads of the model's weights, which a kernel may issue before its wait (no kernel writes them):
+# read-only global loads (__ldg) and cp.async copies from global into shared memory
+_WEIGHT_READS = re.compile(r"^(?:ld\.global\.nc|cp\.async(?:\.\w+)*\.shared\.global)\b")
+
+
+def _touches_before_wait(op: str) -> bool:
+    """Whether PTX memory op `op` (opcode and qualifiers) may read or write what the kernel
+    before it writes: anything but its own spaces and weight reads."""
+    if _WEIGHT_READS.match(op):
+        return False
+    if op.startswith("cp.async"):  # a copy into shared memory from anywhere else
+        return True
+    return not any(s in op for s in _OWN_SPACES)
+
+
+def test_the_wait_check_tells_weight_reads_from_other_memory_ops():
+    for op in ("ld.global.nc.v4.f32", "cp.async.cg.shared.global", "cp.async.ca.shared.global.L2",
+               "ld.param.u64", "st.shared.u32", "ld.local.f32"):
+        assert not _touches_before_wait(op), op
+    for op in ("ld.global.f32", "ld.u32", "st.global.f32", "st.u32", "atom.global.add.u32",
+               "red.global.add.f32", "ld.global.cg.f32", "ld.global.v4.u32"):
+        assert _touches_before_wait(op), op
 
 
 def _entries(ptx: str) -> dict[str, list[str]]:
@@ -172,7 +194,8 @@ def test_auto_says_why_an_old_gpu_leaves_the_model_on_the_cpu(monkeypatch):
 def test_cu_module_compiles_for_sm90(module, tmp_path):
     """nvcc and ptxas accept the module for sm_90, and every kernel waits for the previous
     kernel (griddepcontrol.wait, common.cuh's kernel_entry) before it reads or writes global
-    memory: the runtime launches them all as programmatic dependent launches there."""
+    memory other than weights (read-only loads, cp.async into shared memory): the runtime
+    launches them as programmatic dependent launches there."""
     src = tmp_path / module
     src.write_text(cuda_runtime.module_source(module))
     ptx = tmp_path / "out.ptx"
@@ -189,7 +212,7 @@ def test_cu_module_compiles_for_sm90(module, tmp_path):
         assert waits, f"{name} never waits for the previous kernel (kernel_entry missing)"
         for line in lines[:waits[0]]:
             match = _MEMORY_OP.match(line)
-            assert not (match and not any(s in match.group(1) for s in _OWN_SPACES)), \
+            assert not (match and _touches_before_wait(match.group(1))), \
                 f"{name} touches memory before griddepcontrol.wait: {line.strip()}"
 
 

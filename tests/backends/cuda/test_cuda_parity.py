@@ -198,3 +198,28 @@ def test_graph_replay_equals_launch_list(synth_path):
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
     print("launches per decode token:", gpu.launches_per_window(1, 1))
+
+
+@pytest.mark.parametrize("shape,weight_type", [("tiny", "q4_0"), ("tiny-qwen2moe", "q4_k"),
+                                               ("tiny", "f16")])
+def test_programmatic_launch_gives_the_plain_launch_bits(synth_path, monkeypatch, shape,
+                                                         weight_type):
+    """Decode windows launched programmatically (cc >= 9.0 by default: the q/k/v product and
+    the router read their weights before the wait) give the logits of plain launches, bit for
+    bit, over a prompt and eight one-token windows."""
+    from strata.backends.cuda import CudaModel
+
+    _, gpu = _pair(synth_path, shape, weight_type)
+    if not gpu.runtime.programmatic:
+        pytest.skip("no programmatic dependent launch here (needs cc >= 9.0 and its driver call)")
+    monkeypatch.setenv("STRATA_PDL", "0")
+    plain = CudaModel(GGUFModel.open(synth_path(shape, weight_type)))
+    assert not plain.runtime.programmatic
+    prompt = _tokens(12, gpu.spec.vocab, seed=3)
+    outs = []
+    for model in (gpu, plain):
+        kv = model.new_kv(32)
+        model.forward(prompt, kv)
+        outs.append([model.forward(_tokens(1, model.spec.vocab, seed=s), kv) for s in range(8)])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)

@@ -78,11 +78,13 @@ __device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int &sc, i
     }
 }
 
-// Programmatic dependent launch (cc >= 9.0; cuda_driver launches every kernel with it there): a
-// kernel's blocks may be scheduled while the kernel before it in the stream still runs, so every
-// kernel starts here: wait until the previous kernel has finished and its writes are visible,
-// then let the next kernel's blocks be scheduled. On older GPUs, and for a plain launch, this is
-// nothing. tests/backends/test_cuda_offline.py checks it comes before any global memory access.
+// Programmatic dependent launch (cc >= 9.0; cuda_driver launches decode windows' kernels with it
+// there): a kernel's blocks may be scheduled while the kernel before it in the stream still runs,
+// so every kernel comes here before it touches global memory: wait until the previous kernel has
+// finished and its writes are visible, then let the next kernel's blocks be scheduled. Before it
+// a kernel may read the model's weights only (read-only loads, cp.async into shared memory: no
+// kernel writes them). On older GPUs, and for a plain launch, this is nothing.
+// tests/backends/test_cuda_offline.py checks both in the PTX.
 __device__ __forceinline__ void kernel_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

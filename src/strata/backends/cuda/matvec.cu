@@ -221,7 +221,30 @@ __device__ __forceinline__ void mv_b32_blocks(const uint8_t *srow, const uint8_t
     }
 }
 
-template <int QT, int MODE>
+// A dense product's first staged round (mv_body's, for this warp; store / add: one range per
+// warp), issued before kernel_entry's wait from the arguments alone: launched programmatically,
+// its copies overlap the kernel before this one (docs/cuda.md, "Programmatic dependent launch").
+// Dense weights only (W is the model's own, which no kernel writes): which expert a group reads
+// comes from the router. mv_body takes the copies as its first round and waits for them.
+template <int QT>
+__device__ __forceinline__ void mv_prestage(const uint8_t *W, long long row_bytes, int N, int K,
+                                            int block_x, int4 *stage_all) {
+    constexpr int unit_bytes = mv_unit_bytes<QT>();
+    constexpr bool is_k = QT != ST_Q4_0 && QT != ST_Q8_0 && !is_block32_type(QT);
+    const int warp = threadIdx.x >> 5, outs = WARP / mv_lanes_per_output(K);
+    const int n0 = (block_x * MV_WARPS + warp) * outs;
+    if (n0 >= N) return;
+    const int num_units = (K >> 5) / (is_k ? 8 : 1);
+    const int round_units = outs > 1 ? num_units
+                            : min(num_units, (MV_STAGE_BYTES - 32) / unit_bytes);
+    const int num_bytes = (int)((min(outs, N - n0) - 1) * row_bytes) + round_units * unit_bytes;
+    mv_stage(W + (long long)n0 * row_bytes, num_bytes, stage_all + warp * (MV_STAGE_BYTES / 16));
+}
+
+// PRESTAGE (store / add): W is a dense weight, staged by mv_prestage before the wait. Only the
+// fused q/k/v asks (always dense): in mv_store / mv_add / mv_gateup, which serve the routed
+// experts too, the early copies cost the routed kernels registers (sm_90: mv_store 48 -> 64).
+template <int QT, int MODE, bool PRESTAGE = false>
 __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
                                         const unsigned long long *__restrict__ atab,
                                         const unsigned long long *__restrict__ atab2) {
@@ -232,6 +255,14 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
     constexpr int blocks_per_unit = is_k ? 8 : 1;  // 32-column blocks
     constexpr bool is_gateup = MODE == MODE_GATEUP;
     __shared__ int4 stage_all[MV_WARPS * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16)];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(!PRESTAGE || !is_gateup, "one staged range per warp");
+    bool is_staged = PRESTAGE;  // mv_prestage's copies
+    if (PRESTAGE) mv_prestage<QT>(W, row_bytes, N, K, block_x, stage_all);
+#else
+    bool is_staged = false;  // no programmatic launch below cc 9.0: nothing to overlap
+#endif
+    kernel_entry();
     const int g = blockIdx.y;
     if (g >= *num_groups) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -275,8 +306,14 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
             if (!is_one_round || p0 == first) {
                 __syncwarp();  // the previous round's reads of the stage are done
                 const int num_bytes = (int)((num_rows_w - 1) * row_bytes) + nur * unit_bytes;
-                off = mv_stage(base + u_off, num_bytes, stage);
-                if (is_gateup) off2 = mv_stage(base2 + u_off, num_bytes, stage2);
+                if (is_staged) {  // the first round: mv_prestage issued it (same bytes)
+                    is_staged = false;
+                    off = (int)(reinterpret_cast<unsigned long long>(base + u_off) & 15);
+                    off2 = (int)(reinterpret_cast<unsigned long long>(base2 + u_off) & 15);
+                } else {
+                    off = mv_stage(base + u_off, num_bytes, stage);
+                    if (is_gateup) off2 = mv_stage(base2 + u_off, num_bytes, stage2);
+                }
                 mv_stage_wait();
                 if (keep != nullptr && p0 == first)  // each byte once: the first row tile's
                     mv_keep(base + u_off, num_bytes, stage, keep + u_off);
@@ -350,34 +387,31 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
     const int nbkv = (Nkv + outs_per_block - 1) / outs_per_block;                               \
     const int bx = blockIdx.x;                                                                  \
     if (bx < nbq)                                                                               \
-        mv_body<QT, MODE_STORE>(Wq, Wq, nullptr, nullptr, row_bytes, Nq, K, xq, xd, groups,     \
-                                num_groups, nullptr, nullptr, bq, Yq, Nq, bx, nullptr, nullptr);\
+        mv_body<QT, MODE_STORE, true>(Wq, Wq, nullptr, nullptr, row_bytes, Nq, K, xq, xd,       \
+                                      groups, num_groups, nullptr, nullptr, bq, Yq, Nq, bx,     \
+                                      nullptr, nullptr);                                        \
     else if (bx < nbq + nbkv)                                                                   \
-        mv_body<QT, MODE_STORE>(Wk, Wk, nullptr, nullptr, row_bytes, Nkv, K, xq, xd, groups,    \
-                                num_groups, nullptr, nullptr, bk, Yk, Nkv, bx - nbq, nullptr,   \
-                                nullptr);                                                       \
+        mv_body<QT, MODE_STORE, true>(Wk, Wk, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,      \
+                                      groups, num_groups, nullptr, nullptr, bk, Yk, Nkv,        \
+                                      bx - nbq, nullptr, nullptr);                              \
     else                                                                                        \
-        mv_body<QT, MODE_STORE>(Wv, Wv, nullptr, nullptr, row_bytes, Nkv, K, xq, xd, groups,    \
-                                num_groups, nullptr, nullptr, bv, Yv, Nkv, bx - nbq - nbkv,     \
-                                nullptr, nullptr);
+        mv_body<QT, MODE_STORE, true>(Wv, Wv, nullptr, nullptr, row_bytes, Nkv, K, xq, xd,      \
+                                      groups, num_groups, nullptr, nullptr, bv, Yv, Nkv,        \
+                                      bx - nbq - nbkv, nullptr, nullptr);
 
 // store, add, gate/up and fused q/k/v entry points of one type (runtime._kernel_names knows the
 // macro; same arguments as mm_*)
 #define MV_KERNELS(NAME, QT)                                                                    \
     extern "C" __global__ void __launch_bounds__(128) mv_store_##NAME(MM_ARGS) {                \
-        kernel_entry();                                                                         \
         mv_body<QT, MODE_STORE>(MV_PASS);                                                       \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) mv_add_##NAME(MM_ARGS) {                  \
-        kernel_entry();                                                                         \
         mv_body<QT, MODE_ADD>(MV_PASS);                                                         \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) mv_gateup_##NAME(MM_ARGS) {               \
-        kernel_entry();                                                                         \
         mv_body<QT, MODE_GATEUP>(MV_PASS);                                                      \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) mv_qkv_##NAME(QKV_ARGS) {                 \
-        kernel_entry();                                                                         \
         MV_QKV_BODY(QT)                                                                         \
     }
 

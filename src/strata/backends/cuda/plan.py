@@ -65,12 +65,15 @@ MMF_OUTS, MMF_ROWS, MMF_THREADS = 32, 16, 128  # outputs x rows per block of mmq
 # live. STRATA_DECODE_MM=dp4a keeps mm_* everywhere, STRATA_DECODE_DOWN=mm for the routed down
 # only (to measure one against the other in one build).
 MV_WARPS = 4
-# Programmatic dependent launch (runtime.py; cc >= 9.0, STRATA_PDL=1) for windows of at most
-# this many rows. H200, qwen3-30b-a3b Q4_0, tokens/s with / without it in one build: every
-# window: decode 1 / 4 / 8 slots 300.9 / 636.2 / 752.7 vs 288.7 / 626.9 / 770.6, pp512 10,903
-# vs 11,499 (hence the row limit); windows <= 4 rows, another machine: 291.3 / 611.1 vs
-# 289.2 / 630.3. Within run-to-run spread, so it stays opt-in.
-PDL_MAX_ROWS = 4
+# Programmatic dependent launch (runtime.py; cc >= 9.0, on unless STRATA_PDL=0) for windows of
+# at most this many rows: there the q/k/v product and the router stage their weights before the
+# wait. H200, synth qwen3-30b-a3b Q4_0, one call, graph replay per window (decode_breakdown.py,
+# twice each): 1 row 2.791 / 2.792 ms with it against 2.854 without and 2.874 before the early
+# weights; 4 rows 5.185 / 5.186 against 5.026 / 5.028 (slower: hence 1 row). bench_cuda.py
+# against the tree before (no PDL): tg128 359.0 / 362.9 vs 346.2 / 345.3, 1 slot 341.5 / 342.8
+# vs 336.7 / 336.5. Earlier, without the early weights, PDL on windows of <= 4 rows measured
+# within the spread (291.3 / 611.1 vs 289.2 / 630.3 tokens/s, 1 / 4 slots).
+PDL_MAX_ROWS = 1
 MV_TYPES = MMQ_TYPES + MMQ_K_TYPES
 
 

@@ -237,10 +237,11 @@ group_pairs_wide(const int *__restrict__ ids, int P, int K, int E, int *__restri
 }
 
 // 4 consecutive weights of a float-type row at column c (c % 4 == 0)
+// (read-only loads: weights may be read before kernel_entry's wait)
 template <int QT>
 __device__ __forceinline__ float4 load_float4_weight(const uint8_t *row, int c) {
-    if (QT == ST_F32) return *reinterpret_cast<const float4 *>(row + 4 * (long long)c);
-    const uint2 raw = *reinterpret_cast<const uint2 *>(row + 2 * (long long)c);
+    if (QT == ST_F32) return __ldg(reinterpret_cast<const float4 *>(row + 4 * (long long)c));
+    const uint2 raw = __ldg(reinterpret_cast<const uint2 *>(row + 2 * (long long)c));
     if (QT == ST_F16) {
         const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&raw.x));
         const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&raw.y));
@@ -308,18 +309,35 @@ __device__ __forceinline__ void router_body(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int e = blockIdx.x * ROUTER_WARPS + warp;
     const int r0 = blockIdx.y * ROUTER_RT, nt = min(ROUTER_RT, R - r0);
+    const uint8_t *wrow = W + (long long)e * row_bytes;  // [H]
+    // ROUTER_UNROLL weight float4s loaded together, then used for every row; the first round's
+    // before kernel_entry's wait (the weights are the model's, which no kernel writes), so a
+    // programmatic launch overlaps their round trip with the kernel before this one
+    // (cc >= 9.0 only: below it nothing overlaps, and holding them longer costs registers)
+    float4 w[ROUTER_UNROLL];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr bool is_early = true;
+#pragma unroll
+    for (int u = 0; u < ROUTER_UNROLL; u++) {
+        const int c = 4 * lane + 4 * WARP * u;
+        w[u] = e < E && c < H ? load_float4_weight<QT>(wrow, c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#else
+    constexpr bool is_early = false;
+#endif
+    kernel_entry();
     if (e < E) {
-        const uint8_t *wrow = W + (long long)e * row_bytes;  // [H]
         float acc[ROUTER_RT];
 #pragma unroll
         for (int t = 0; t < ROUTER_RT; t++) acc[t] = 0.0f;
-        // ROUTER_UNROLL weight float4s loaded together, then used for every row
         for (int c0 = 4 * lane; c0 < H; c0 += 4 * WARP * ROUTER_UNROLL) {
-            float4 w[ROUTER_UNROLL];
+            if (!is_early || c0 != 4 * lane) {
 #pragma unroll
-            for (int u = 0; u < ROUTER_UNROLL; u++) {
-                const int c = c0 + 4 * WARP * u;
-                w[u] = c < H ? load_float4_weight<QT>(wrow, c) : make_float4(0.f, 0.f, 0.f, 0.f);
+                for (int u = 0; u < ROUTER_UNROLL; u++) {
+                    const int c = c0 + 4 * WARP * u;
+                    w[u] = c < H ? load_float4_weight<QT>(wrow, c)
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
             }
 #pragma unroll
             for (int t = 0; t < ROUTER_RT; t++) {
@@ -382,14 +400,11 @@ __device__ __forceinline__ void router_body(
 #define ROUTER_PASS W, row_bytes, E, H, xf, R, K, norm, logits, ids, weights, groups,          \
                     num_groups, act_rows, out_rows, counts
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_f32(ROUTER_ARGS) {
-    kernel_entry();
     router_body<ST_F32>(ROUTER_PASS);
 }
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_f16(ROUTER_ARGS) {
-    kernel_entry();
     router_body<ST_F16>(ROUTER_PASS);
 }
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_bf16(ROUTER_ARGS) {
-    kernel_entry();
     router_body<ST_BF16>(ROUTER_PASS);
 }

@@ -158,11 +158,11 @@ class Runtime:
         self.stream = drv.Stream()
         self.stream_handle = int(self.stream.handle)
         self._kernels: dict[str, cuda_driver.Kernel] = {}
-        # Programmatic dependent launch (cc >= 9.0), opt-in with STRATA_PDL=1: every kernel
-        # begins with common.cuh's kernel_entry(), so its blocks may be scheduled while the
-        # kernel before it finishes (plan.py: windows of <= PDL_MAX_ROWS rows). Off by default:
-        # on the H200 it did not pay reliably (plan.py has the figures).
-        self.programmatic = (major >= 9 and os.environ.get("STRATA_PDL", "0") == "1"
+        # Programmatic dependent launch (cc >= 9.0; STRATA_PDL=0 turns it off): every kernel
+        # reaches common.cuh's kernel_entry() before it reads what an earlier kernel wrote, so
+        # its blocks may be scheduled, and stage their weights, while the kernel before it
+        # finishes (plan.py: windows of <= PDL_MAX_ROWS rows, with the figures).
+        self.programmatic = (major >= 9 and os.environ.get("STRATA_PDL", "1") != "0"
                              and cuda_driver.has_programmatic_launch())
         for name in MODULES:
             module = self._load_module(name)  # each Kernel keeps its module
