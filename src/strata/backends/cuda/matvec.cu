@@ -241,9 +241,10 @@ __device__ __forceinline__ void mv_prestage(const uint8_t *W, long long row_byte
     mv_stage(W + (long long)n0 * row_bytes, num_bytes, stage_all + warp * (MV_STAGE_BYTES / 16));
 }
 
-// PRESTAGE (store / add): W is a dense weight, staged by mv_prestage before the wait. Only the
-// fused q/k/v asks (always dense): in mv_store / mv_add / mv_gateup, which serve the routed
-// experts too, the early copies cost the routed kernels registers (sm_90: mv_store 48 -> 64).
+// PRESTAGE (store / add): a dense W (no expert table) is staged by mv_prestage before the wait.
+// The fused q/k/v and mv_add (the attention's and the delta net's output products) ask: in
+// mv_store / mv_gateup, which serve the routed experts, the early copies would cost the routed
+// kernels registers (sm_90: mv_store_q4_0 48 -> 64).
 template <int QT, int MODE, bool PRESTAGE = false>
 __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
                                         const unsigned long long *__restrict__ atab,
@@ -257,7 +258,7 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
     __shared__ int4 stage_all[MV_WARPS * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16)];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(!PRESTAGE || !is_gateup, "one staged range per warp");
-    bool is_staged = PRESTAGE;  // mv_prestage's copies
+    bool is_staged = PRESTAGE && wtab == nullptr && atab == nullptr;  // mv_prestage's copies
     if (PRESTAGE) mv_prestage<QT>(W, row_bytes, N, K, block_x, stage_all);
 #else
     bool is_staged = false;  // no programmatic launch below cc 9.0: nothing to overlap
@@ -406,7 +407,7 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
         mv_body<QT, MODE_STORE>(MV_PASS);                                                       \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) mv_add_##NAME(MM_ARGS) {                  \
-        mv_body<QT, MODE_ADD>(MV_PASS);                                                         \
+        mv_body<QT, MODE_ADD, true>(MV_PASS);                                                         \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) mv_gateup_##NAME(MM_ARGS) {               \
         mv_body<QT, MODE_GATEUP>(MV_PASS);                                                      \

@@ -66,8 +66,8 @@ MMF_OUTS, MMF_ROWS, MMF_THREADS = 32, 16, 128  # outputs x rows per block of mmq
 # only (to measure one against the other in one build).
 MV_WARPS = 4
 # Programmatic dependent launch (runtime.py; cc >= 9.0, on unless STRATA_PDL=0) for windows of
-# at most this many rows: there the q/k/v product and the router stage their weights before the
-# wait. H200, synth qwen3-30b-a3b Q4_0, one call, graph replay per window (decode_breakdown.py,
+# at most this many rows: there the q/k/v and output products and the router stage their weights
+# before the wait. H200, synth qwen3-30b-a3b Q4_0, one call, graph replay per window (decode_breakdown.py,
 # twice each): 1 row 2.791 / 2.792 ms with it against 2.854 without and 2.874 before the early
 # weights; 4 rows 5.185 / 5.186 against 5.026 / 5.028 (slower: hence 1 row). bench_cuda.py
 # against the tree before (no PDL): tg128 359.0 / 362.9 vs 346.2 / 345.3, 1 slot 341.5 / 342.8
