@@ -258,3 +258,18 @@ def test_weight_bytes_leave_out_layers_no_pass_runs():
                             tensor=lambda name: SimpleNamespace(nbytes=sizes[name]))
     assert weight_bytes(model) == 1120
     assert weight_bytes(model, routed_experts=False) == 120
+
+
+def test_programmatic_launch_is_on_where_the_gpu_and_driver_allow(monkeypatch):
+    """On for cc >= 9.0 with cuLaunchKernelEx unless STRATA_PDL=0, and the log's reason says
+    which of those turned it off."""
+    monkeypatch.setattr(cuda_runtime.cuda_driver, "has_programmatic_launch", lambda: True)
+    assert cuda_runtime.programmatic_launch(9, {}) == (True, "on")
+    assert cuda_runtime.programmatic_launch(12, {"STRATA_PDL": "1"}) == (True, "on")
+    on, why = cuda_runtime.programmatic_launch(8, {})
+    assert not on and "9.0" in why and "8.x" in why
+    assert cuda_runtime.programmatic_launch(9, {"STRATA_PDL": "0"}) == (False,
+                                                                        "off (STRATA_PDL=0)")
+    monkeypatch.setattr(cuda_runtime.cuda_driver, "has_programmatic_launch", lambda: False)
+    on, why = cuda_runtime.programmatic_launch(9, {})
+    assert not on and "cuLaunchKernelEx" in why

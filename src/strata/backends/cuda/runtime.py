@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import logging
 import os
 import pathlib
 import re
@@ -16,6 +17,8 @@ import numpy as np
 
 from strata._native import cuda_driver
 from strata.errors import ConfigError
+
+_log = logging.getLogger("strata.cuda")
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 MODULES = ("matmul.cu", "matvec.cu", "mmq.cu", "mmq_k.cu", "layer.cu", "attention.cu",
@@ -134,6 +137,22 @@ def module_source(name: str, _seen: set[str] | None = None, kernel_dir=None) -> 
     return _LOCAL_INCLUDE.sub(inline, (folder / name).read_text())
 
 
+def programmatic_launch(major: int, env=None) -> tuple[bool, str]:
+    """Whether kernels may be launched as programmatic dependent launches on a GPU of compute
+    capability `major`.x, and why in words. Every kernel reaches common.cuh's kernel_entry()
+    before it reads what an earlier kernel wrote, so its blocks may be scheduled, and stage
+    their weights, while the kernel before it finishes (plan.py: windows of <= PDL_MAX_ROWS
+    rows, with the figures). Needs cc >= 9.0 and cuLaunchKernelEx; STRATA_PDL=0 turns it off."""
+    env = os.environ if env is None else env
+    if major < 9:
+        return False, f"off (needs compute capability 9.0, this GPU has {major}.x)"
+    if env.get("STRATA_PDL", "1").strip() == "0":
+        return False, "off (STRATA_PDL=0)"
+    if not cuda_driver.has_programmatic_launch():
+        return False, "off (the driver has no cuLaunchKernelEx)"
+    return True, "on"
+
+
 class Runtime:
     """One GPU: its (primary) context, a stream, allocations and the loaded kernel modules."""
 
@@ -158,12 +177,9 @@ class Runtime:
         self.stream = drv.Stream()
         self.stream_handle = int(self.stream.handle)
         self._kernels: dict[str, cuda_driver.Kernel] = {}
-        # Programmatic dependent launch (cc >= 9.0; STRATA_PDL=0 turns it off): every kernel
-        # reaches common.cuh's kernel_entry() before it reads what an earlier kernel wrote, so
-        # its blocks may be scheduled, and stage their weights, while the kernel before it
-        # finishes (plan.py: windows of <= PDL_MAX_ROWS rows, with the figures).
-        self.programmatic = (major >= 9 and os.environ.get("STRATA_PDL", "1") != "0"
-                             and cuda_driver.has_programmatic_launch())
+        self.programmatic, why = programmatic_launch(major)
+        _log.info("GPU %d: %s (%s); programmatic dependent launch of one-row windows: %s",
+                  index, self.name, self.arch, why)
         for name in MODULES:
             module = self._load_module(name)  # each Kernel keeps its module
             for fn in _kernel_names(module_source(name)):
