@@ -273,3 +273,12 @@ def test_programmatic_launch_is_on_where_the_gpu_and_driver_allow(monkeypatch):
     monkeypatch.setattr(cuda_runtime.cuda_driver, "has_programmatic_launch", lambda: False)
     on, why = cuda_runtime.programmatic_launch(9, {})
     assert not on and "cuLaunchKernelEx" in why
+
+
+def test_pdl_window_rows_default_and_override(monkeypatch):
+    monkeypatch.delenv("STRATA_PDL_ROWS", raising=False)
+    assert cuda_plan.pdl_max_rows() == cuda_plan.PDL_MAX_ROWS == 1
+    monkeypatch.setenv("STRATA_PDL_ROWS", "3")
+    assert cuda_plan.pdl_max_rows() == 3
+    monkeypatch.setenv("STRATA_PDL_ROWS", "x")  # not a count: the default
+    assert cuda_plan.pdl_max_rows() == 1

@@ -66,14 +66,23 @@ MMF_OUTS, MMF_ROWS, MMF_THREADS = 32, 16, 128  # outputs x rows per block of mmq
 # only (to measure one against the other in one build).
 MV_WARPS = 4
 # Programmatic dependent launch (runtime.py; cc >= 9.0, on unless STRATA_PDL=0) for windows of
-# at most this many rows: there the q/k/v and output products and the router stage their weights
-# before the wait. H200, synth qwen3-30b-a3b Q4_0, one call, graph replay per window (decode_breakdown.py,
-# twice each): 1 row 2.791 / 2.792 ms with it against 2.854 without and 2.874 before the early
-# weights; 4 rows 5.185 / 5.186 against 5.026 / 5.028 (slower: hence 1 row). bench_cuda.py
+# at most this many rows: there the q/k/v and output products and the router stage their
+# weights before the wait. H200, synth qwen3-30b-a3b Q4_0, graph replay per window
+# (decode_breakdown.py, one process each, alternating): 1 row 2.791 / 2.792 ms with it against
+# 2.854 without and 2.874 before the early weights; 2 rows 3.538 / 3.540 / 3.540 against 3.553 /
+# 3.557 / 3.558 (0.5%: too little to take untested); 3 rows 4.354 / 4.352 / 4.347 against
+# 4.312 / 4.313 / 4.309 and 4 rows 5.185 / 5.186 against 5.026 / 5.028 (slower). bench_cuda.py
 # against the tree before (no PDL): tg128 359.0 / 362.9 vs 346.2 / 345.3, 1 slot 341.5 / 342.8
 # vs 336.7 / 336.5. Earlier, without the early weights, PDL on windows of <= 4 rows measured
 # within the spread (291.3 / 611.1 vs 289.2 / 630.3 tokens/s, 1 / 4 slots).
 PDL_MAX_ROWS = 1
+
+
+def pdl_max_rows() -> int:
+    """PDL_MAX_ROWS, or STRATA_PDL_ROWS (read when a plan is built: to measure other window
+    sizes with PDL in one build)."""
+    raw = os.environ.get("STRATA_PDL_ROWS", "").strip()
+    return int(raw) if raw.isdigit() else PDL_MAX_ROWS
 MV_TYPES = MMQ_TYPES + MMQ_K_TYPES
 
 
@@ -252,13 +261,14 @@ class WindowPlan:
         self.expert_spans: list[tuple[int, int]] = []
         # free admission: its expert products write the misses they read into offered slots
         self.keeps_misses = keeps_misses(model, num_rows)
+        self._programmatic = num_rows <= pdl_max_rows()
         self._build()
 
     # ---- helpers --------------------------------------------------------------------------
     def _add(self, kernel: str, grid, block, fmt: str, args, shared_bytes: int = 0) -> None:
         k = self._rt.kernel(kernel)
         self.launches.append(k.prepare(grid, block, fmt, args, shared_bytes,
-                                       programmatic=self.num_rows <= PDL_MAX_ROWS))
+                                       programmatic=self._programmatic))
 
     def _quantize(self, src: str, dst_q: str, dst_d: str, num_values: int) -> None:
         num_blocks = num_values // 32
