@@ -261,18 +261,19 @@ def test_weight_bytes_leave_out_layers_no_pass_runs():
 
 
 def test_programmatic_launch_is_on_where_the_gpu_and_driver_allow(monkeypatch):
-    """On for cc >= 9.0 with cuLaunchKernelEx unless STRATA_PDL=0, and the log's reason says
-    which of those turned it off."""
+    """On for cc >= 9.0 under a CUDA 12.3 driver with cuLaunchKernelEx unless STRATA_PDL=0,
+    and the log's reason says which of those turned it off."""
     monkeypatch.setattr(cuda_runtime.cuda_driver, "has_programmatic_launch", lambda: True)
-    assert cuda_runtime.programmatic_launch(9, {}) == (True, "on")
-    assert cuda_runtime.programmatic_launch(12, {"STRATA_PDL": "1"}) == (True, "on")
-    on, why = cuda_runtime.programmatic_launch(8, {})
+    launch = cuda_runtime.programmatic_launch
+    assert launch(9, 13000, {}) == (True, "on")
+    assert launch(12, 12030, {"STRATA_PDL": "1"}) == (True, "on")
+    on, why = launch(8, 13000, {})
     assert not on and "9.0" in why and "8.x" in why
-    assert cuda_runtime.programmatic_launch(9, {"STRATA_PDL": "0"}) == (False,
-                                                                        "off (STRATA_PDL=0)")
+    assert launch(9, 13000, {"STRATA_PDL": "0"}) == (False, "off (STRATA_PDL=0)")
+    on, why = launch(9, 12020, {})
+    assert not on and "12.3" in why and "12.2" in why
     monkeypatch.setattr(cuda_runtime.cuda_driver, "has_programmatic_launch", lambda: False)
-    on, why = cuda_runtime.programmatic_launch(9, {})
-    assert not on and "cuLaunchKernelEx" in why
+    assert not launch(9, 13000, {})[0]
 
 
 def test_pdl_window_rows_default_and_override(monkeypatch):

@@ -137,19 +137,26 @@ def module_source(name: str, _seen: set[str] | None = None, kernel_dir=None) -> 
     return _LOCAL_INCLUDE.sub(inline, (folder / name).read_text())
 
 
-def programmatic_launch(major: int, env=None) -> tuple[bool, str]:
+# the driver (CUDA 12.3) from which stream capture turns programmatic launches into graph edges
+PDL_MIN_DRIVER = 12030
+
+
+def programmatic_launch(major: int, driver_version: int, env=None) -> tuple[bool, str]:
     """Whether kernels may be launched as programmatic dependent launches on a GPU of compute
-    capability `major`.x, and why in words. Every kernel reaches common.cuh's kernel_entry()
-    before it reads what an earlier kernel wrote, so its blocks may be scheduled, and stage
-    their weights, while the kernel before it finishes (plan.py: windows of <= PDL_MAX_ROWS
-    rows, with the figures). Needs cc >= 9.0 and cuLaunchKernelEx; STRATA_PDL=0 turns it off."""
+    capability `major`.x under a driver of `driver_version` (e.g. 13000 for CUDA 13.0), and
+    why in words. Every kernel reaches common.cuh's kernel_entry() before it reads what an
+    earlier kernel wrote, so its blocks may be scheduled, and stage their weights, while the
+    kernel before it finishes (plan.py: windows of <= PDL_MAX_ROWS rows, with the figures).
+    Needs cc >= 9.0 and a CUDA 12.3 driver (decode windows run as captured graphs);
+    STRATA_PDL=0 turns it off."""
     env = os.environ if env is None else env
     if major < 9:
         return False, f"off (needs compute capability 9.0, this GPU has {major}.x)"
     if env.get("STRATA_PDL", "1").strip() == "0":
         return False, "off (STRATA_PDL=0)"
-    if not cuda_driver.has_programmatic_launch():
-        return False, "off (the driver has no cuLaunchKernelEx)"
+    if driver_version < PDL_MIN_DRIVER or not cuda_driver.has_programmatic_launch():
+        return False, (f"off (needs a CUDA 12.3 driver, this one is {driver_version // 1000}."
+                       f"{driver_version % 1000 // 10})")
     return True, "on"
 
 
@@ -177,7 +184,7 @@ class Runtime:
         self.stream = drv.Stream()
         self.stream_handle = int(self.stream.handle)
         self._kernels: dict[str, cuda_driver.Kernel] = {}
-        self.programmatic, why = programmatic_launch(major)
+        self.programmatic, why = programmatic_launch(major, drv.get_driver_version())
         _log.info("GPU %d: %s (%s); programmatic dependent launch of one-row windows: %s",
                   index, self.name, self.arch, why)
         for name in MODULES:
