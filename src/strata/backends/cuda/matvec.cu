@@ -259,7 +259,7 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(!PRESTAGE || !is_gateup, "one staged range per warp");
     bool is_staged = PRESTAGE && wtab == nullptr && atab == nullptr;  // mv_prestage's copies
-    if (PRESTAGE) mv_prestage<QT>(W, row_bytes, N, K, block_x, stage_all);
+    if (is_staged) mv_prestage<QT>(W, row_bytes, N, K, block_x, stage_all);
 #else
     bool is_staged = false;  // no programmatic launch below cc 9.0: nothing to overlap
 #endif
