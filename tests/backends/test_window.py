@@ -67,6 +67,21 @@ def test_build_lays_out_runs_positions_and_logit_rows(models):
     assert [kv.num_tokens for kv in kvs] == [7, 0, 3]  # building changes no KV
     last = Window.build([(kvs[0], [5]), (kvs[1], [1, 2, 3, 4])])
     np.testing.assert_array_equal(last.logit_rows, [0, 4])
+    for w in (window, last):
+        assert (w.tokens.dtype, w.positions.dtype, w.slots.dtype, w.run_starts.dtype,
+                w.start_tokens.dtype, w.logit_rows.dtype, w.logit_starts.dtype) == (
+            np.int32, np.int64, np.int32, np.int64, np.int64, np.int64, np.int64)
+    # one run (every decode token of one slot): the same layout
+    one = Window.build([(kvs[2], np.array([4, 6, 1], dtype=np.int64))], logits="all")
+    np.testing.assert_array_equal(one.tokens, [4, 6, 1])
+    assert one.tokens.dtype == np.int32 and one.slots.dtype == np.int32
+    np.testing.assert_array_equal(one.slots, [0, 0, 0])
+    np.testing.assert_array_equal(one.positions, [3, 4, 5])
+    np.testing.assert_array_equal(one.logit_rows, [0, 1, 2])
+    np.testing.assert_array_equal(one.logit_starts, [0, 3])
+    assert one.runs == [(kvs[2], 0, 3, 3)]
+    none = Window.build([(kvs[0], [5])], logits="none")
+    assert none.num_logit_rows == 0 and none.logit_rows.dtype == np.int64
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -3,6 +3,7 @@ grouped by slot in contiguous runs (a decode token, draft tokens or a prompt chu
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,8 +23,8 @@ def _check_tokens(tokens, slot: int, vocab: int) -> np.ndarray:
         raise RequestError(
             f"slot {slot}: a forward pass takes a non-empty 1-D array of integer token ids, got "
             f"shape {arr.shape} of {arr.dtype}")
-    bad = (arr < 0) | (arr >= vocab)
-    if bad.any():
+    if arr.min() < 0 or arr.max() >= vocab:
+        bad = (arr < 0) | (arr >= vocab)
         raise RequestError(
             f"slot {slot}: token id {int(arr[bad][0])} is outside the vocabulary [0, {vocab}); "
             "the prompt was encoded with another tokenizer")
@@ -84,7 +85,7 @@ class Window:
                     f"slots {seen[id(kv)]} and {i} share one KV cache; a sequence may appear "
                     "once per window: join its tokens into one run")
             seen[id(kv)] = i
-            if kv.spec != spec:
+            if kv.spec is not spec and kv.spec != spec:
                 raise RequestError(
                     f"slot {i}: its KV cache belongs to another model ({kv.spec.arch}, "
                     f"{kv.spec.n_layers} layers) than slot 0's ({spec.arch}, {spec.n_layers} "
@@ -96,26 +97,33 @@ class Window:
             except RequestError as e:
                 raise RequestError(f"slot {i}: {e}") from None
 
-        lengths = np.array([len(t) for t in token_runs], dtype=np.int64)  # [S]
-        run_starts = np.zeros(len(runs) + 1, dtype=np.int64)  # [S+1]
-        np.cumsum(lengths, out=run_starts[1:])
-        start_tokens = np.array([kv.num_tokens for kv in kvs], dtype=np.int64)  # [S]
-        slots = np.repeat(np.arange(len(runs), dtype=np.int32), lengths)  # [R]
-        # position of row r: its run's first position plus its offset inside the run
-        positions = (np.arange(run_starts[-1], dtype=np.int64)
-                     - np.repeat(run_starts[:-1] - start_tokens, lengths))  # [R]
-        picked = []
-        for mode, r0, r1 in zip(modes, run_starts[:-1], run_starts[1:]):
+        # per-run bookkeeping in Python ints (S is small), each array made once: a decode
+        # window is built for every token, and numpy calls on one-element arrays cost more
+        # than the arithmetic
+        lengths = [len(t) for t in token_runs]  # [S]
+        starts = list(itertools.accumulate(lengths, initial=0))  # [S+1]
+        firsts = [kv.num_tokens for kv in kvs]  # [S]
+        picked: list[int] = []  # [N]
+        logit_counts = [0]  # [S+1]
+        for mode, r0, r1 in zip(modes, starts, starts[1:]):
             if mode == "all":
-                picked.append(np.arange(r0, r1, dtype=np.int64))
+                picked.extend(range(r0, r1))
             elif mode == "last":
-                picked.append(np.array([r1 - 1], dtype=np.int64))
-            else:
-                picked.append(np.empty(0, dtype=np.int64))
-        logit_starts = np.zeros(len(runs) + 1, dtype=np.int64)  # [S+1]
-        np.cumsum([len(p) for p in picked], out=logit_starts[1:])
-        return cls(kvs, np.concatenate(token_runs), positions, slots, run_starts, start_tokens,
-                   np.concatenate(picked), logit_starts)
+                picked.append(r1 - 1)
+            logit_counts.append(len(picked))
+        # position of row r: its run's first position plus its offset inside the run
+        positions = np.arange(starts[-1], dtype=np.int64)  # [R]
+        if len(runs) == 1:
+            slots = np.zeros(starts[-1], dtype=np.int32)  # [R]
+            positions += firsts[0]
+        else:
+            slots = np.repeat(np.arange(len(runs), dtype=np.int32), lengths)
+            positions += np.repeat(np.array([p - r0 for p, r0 in zip(firsts, starts)],
+                                            dtype=np.int64), lengths)
+        return cls(kvs, token_runs[0] if len(runs) == 1 else np.concatenate(token_runs),
+                   positions, slots, np.array(starts, dtype=np.int64),
+                   np.array(firsts, dtype=np.int64), np.array(picked, dtype=np.int64),
+                   np.array(logit_counts, dtype=np.int64))
 
     @property
     def num_rows(self) -> int:
@@ -149,8 +157,8 @@ class Window:
     def commit(self) -> None:
         """Make every run's rows part of its sequence (after all layers appended them), and
         the recurrent state the pass wrote current (a hybrid model's)."""
-        for kv, num_rows in zip(self.kvs, self.run_lengths()):
-            kv.commit(int(num_rows))
+        for kv, r0, r1, _ in self.runs:
+            kv.commit(r1 - r0)
             state = getattr(kv, "state", None)
             if state is not None:
                 state.flip()
