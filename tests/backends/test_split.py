@@ -5,7 +5,7 @@ import pytest
 
 from strata.backends.split import (Bandwidths, Card, LayerCosts, choose_batch_groups,
                                    layer_costs, parse_layer_split, parse_split_devices,
-                                   plan_split)
+                                   plan_for_model, plan_split)
 from strata.errors import ConfigError
 from strata.model.gguf_file import GGUFModel
 from strata.tool.inspect import inspect_model
@@ -89,6 +89,51 @@ def test_profile_raises_the_predicted_hit_rate():
     for f, r in zip(flat.stages, ranked.stages):
         assert f.cache_slots == r.cache_slots and r.hit_rate > f.hit_rate
         assert r.predicted_ms < f.predicted_ms
+
+
+def test_resident_experts_take_memory_and_a_token_reads_only_its_routed_ones():
+    # no offload: a stage holds every expert of its layers (E of them per layer) and no cache;
+    # a decode token reads the dense part and K experts per layer, each layer with its fixed time
+    costs, bw = _costs(L=8, E=16, K=2), Bandwidths()
+    plan = plan_split(costs, [Card(0, 8 * GiB), Card(1, 8 * GiB)], [4, 4], kv_tokens=0,
+                      experts_resident=True)
+    a, b = plan.stages
+    assert a.resident_expert_bytes == b.resident_expert_bytes == 4 * 16 * (GiB // 64)
+    assert (a.cache_slots, a.hit_rate) == (0, 1.0)
+    read_b = 4 * (GiB // 4) + GiB // 8 + 4 * 2 * (GiB // 64)  # dense + head + K experts
+    assert b.predicted_ms == pytest.approx(1e3 * (4 * bw.layer_s + read_b / bw.vram_bytes_s))
+    assert "every expert in VRAM (1.00 GiB)" in plan.describe()
+    # the experts count: dense 2 + embedding and head 0.25 + experts 2 GiB > 2 x 1.5 usable
+    with pytest.raises(ConfigError, match=r"does not fit the dense weights, every expert and KV "
+                       r"\(4\.25 GiB in all"):
+        plan_split(costs, [Card(0, 2 * GiB), Card(1, 2 * GiB)], [4, 4], kv_tokens=0,
+                   experts_resident=True)
+
+
+def test_experts_go_to_ram_when_they_do_not_fit_the_cards():
+    costs = _costs(L=8, E=16, K=2)  # dense 2.25 GiB with embedding and head, experts 2 GiB
+    roomy = [Card(0, 8 * GiB), Card(1, 8 * GiB)]
+    plan, offload, why = plan_for_model(costs, roomy, None, kv_tokens=0, offload=False)
+    assert (offload, why) == (False, None) and plan.stages[0].resident_expert_bytes > 0
+    tight = [Card(0, 2 * GiB), Card(1, 2 * GiB)]  # 3 GiB usable: the dense part only
+    plan, offload, why = plan_for_model(costs, tight, [4, 4], kv_tokens=0, offload=False)
+    assert offload and "does not fit the dense weights, every expert and KV" in why
+    assert plan.stages[0].resident_expert_bytes == 0 and plan.stages[1].cache_slots > 0
+    # an expert option given: offloaded whatever fits; a dense model has nothing to offload
+    assert plan_for_model(costs, roomy, None, kv_tokens=0, offload=True)[1:] == (True, None)
+    dense = LayerCosts((GiB,) * 4, (0,) * 4, (0,) * 4, 0, 0, 0, 0)
+    with pytest.raises(ConfigError, match=r"fits the dense weights and KV \(4\.00 GiB"):
+        plan_for_model(dense, tight, None, kv_tokens=0, offload=False)
+    plan = plan_for_model(dense, roomy, None, kv_tokens=0, offload=False)[0]
+    assert plan.counts == [2, 2] and "no routed experts" in plan.describe()
+
+
+def test_each_layer_has_a_fixed_time():
+    costs, cards = _costs(), [Card(0, 8 * GiB), Card(1, 8 * GiB)]
+    plain = plan_split(costs, cards, [4, 4], kv_tokens=0, bandwidths=Bandwidths(layer_s=0.0))
+    fixed = plan_split(costs, cards, [4, 4], kv_tokens=0, bandwidths=Bandwidths(layer_s=1e-4))
+    for p, f in zip(plain.stages, fixed.stages):
+        assert f.predicted_ms - p.predicted_ms == pytest.approx(0.4)
 
 
 def test_no_fit_names_the_memory():

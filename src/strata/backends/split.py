@@ -13,7 +13,7 @@ from strata.engine.recurrent import RecurrentState
 from strata.errors import ConfigError
 from strata.model.arch import is_routed_expert
 
-_HOP_MS = 0.02            # one activation copy between cards per window (tiny rows over PCIe/NVLink)
+_HOP_MS = 0.02  # one activation copy between cards per window (tiny rows over PCIe/NVLink)
 _RESERVE_BYTES = 512 << 20  # per card: work buffers, graphs, the driver
 
 
@@ -87,11 +87,16 @@ class Card:
 
 @dataclass(frozen=True)
 class Bandwidths:
-    """Bytes per second the prediction assumes: experts and dense weights read from VRAM, and
-    missing experts served over PCIe and by the CPU pool together (`strata-tool calibrate`)."""
+    """What the prediction assumes: bytes per second of the experts and dense weights read from
+    VRAM and of the missing experts served over PCIe and by the CPU pool together (`strata-tool
+    calibrate`), and each layer's fixed time in a decode window, which is not bytes but its
+    kernels' chain of launches and round trips (two H200, 2026-12-01: a one-row token took
+    2.82-2.95 ms with every expert in VRAM, split 24+24 or on one card, of which ~0.6 ms is
+    reading its ~1.6 GB; the rest is ~47 us per layer)."""
 
     vram_bytes_s: float = 3.0e12
     miss_bytes_s: float = 60e9
+    layer_s: float = 45e-6
 
 
 @dataclass(frozen=True)
@@ -104,16 +109,26 @@ class Stage:
     cache_slots: int
     hit_rate: float
     predicted_ms: float
+    resident_expert_bytes: int = 0  # every expert of its layers, when they are not offloaded
+    routed: bool = True  # False: a dense model, no experts
 
     @property
     def n_layers(self) -> int:
         return self.stop_layer - self.first_layer
+
+    def experts_text(self) -> str:
+        if not self.routed:
+            return "no routed experts"
+        if self.resident_expert_bytes:
+            return f"every expert in VRAM ({self.resident_expert_bytes / 2**30:.2f} GiB)"
+        return f"{self.cache_slots} expert slots (hit rate ~{100 * self.hit_rate:.0f}%)"
 
 
 @dataclass(frozen=True)
 class SplitPlan:
     stages: tuple[Stage, ...]
     how: str  # "auto" or "given"
+    ranked: bool = False  # the hit rates come from a routing profile (else uniform routing)
 
     @property
     def counts(self) -> list[int]:
@@ -126,14 +141,16 @@ class SplitPlan:
 
     def describe(self) -> str:
         """The lines printed at start."""
+        cached = any(s.routed and not s.resident_expert_bytes for s in self.stages)
         lines = [f"layer split ({self.how}): " + ",".join(map(str, self.counts))
-                 + f"; predicted {self.predicted_ms:.2f} ms per decode token"]
+                 + f"; predicted {self.predicted_ms:.2f} ms per decode token"
+                 + ("" if not cached else " (hit rates from the routing profile)" if self.ranked
+                    else " (hit rates for uniform routing: --expert-profile ranks better)")]
         for s in self.stages:
             lines.append(
                 f"  GPU {s.card}: layers {s.first_layer}-{s.stop_layer - 1}, dense "
                 f"{s.dense_bytes / 2**30:.2f} GiB, KV {s.kv_bytes / 2**30:.2f} GiB, "
-                f"{s.cache_slots} expert slots (hit rate ~{100 * s.hit_rate:.0f}%), "
-                f"{s.predicted_ms:.2f} ms")
+                f"{s.experts_text()}, {s.predicted_ms:.2f} ms")
         return "\n".join(lines)
 
 
@@ -180,32 +197,53 @@ def parse_layer_split(value: str | None, num_layers: int, num_stages: int) -> li
 
 def plan_split(costs: LayerCosts, cards: list[Card], counts: list[int] | None = None, *,
                kv_tokens: int = 4096, bandwidths: Bandwidths = Bandwidths(),
-               profile: np.ndarray | None = None) -> SplitPlan:
+               profile: np.ndarray | None = None, experts_resident: bool = False) -> SplitPlan:
     """The stages for `counts` (layers per card, in card order), or with counts None the
     feasible split with the smallest predicted time of its slowest stage (ties: the smallest
     total). `profile` [L, E]: routing counts that rank each layer's experts (uniform without).
+    `experts_resident`: every expert of a stage's layers sits in its VRAM (no offload), so they
+    take memory as the dense weights do and a token reads the K it routes to from VRAM.
     ConfigError when the dense part of some stage cannot fit its card."""
     L, S = costs.n_layers, len(cards)
     if S == 0:
         raise ConfigError("the layer split needs at least one GPU")
     freq = _expert_freq(costs, profile)
     if counts is not None:
-        stages = _stages(costs, cards, counts, kv_tokens, bandwidths, freq)
+        stages = _stages(costs, cards, counts, kv_tokens, bandwidths, freq, experts_resident)
         bad = [s for s in stages if s is None]
         if bad:
-            raise ConfigError(_no_fit(costs, cards, counts, kv_tokens))
-        return SplitPlan(tuple(stages), "given")
+            raise ConfigError(_no_fit(costs, cards, counts, kv_tokens, experts_resident))
+        return SplitPlan(tuple(stages), "given", profile is not None)
     best, best_key = None, None
     for split in _compositions(L, S):
-        stages = _stages(costs, cards, split, kv_tokens, bandwidths, freq)
+        stages = _stages(costs, cards, split, kv_tokens, bandwidths, freq, experts_resident)
         if any(s is None for s in stages):
             continue
         key = (max(s.predicted_ms for s in stages), sum(s.predicted_ms for s in stages))
         if best_key is None or key < best_key:
             best, best_key = stages, key
     if best is None:
-        raise ConfigError(_no_fit(costs, cards, None, kv_tokens))
-    return SplitPlan(tuple(best), "auto")
+        raise ConfigError(_no_fit(costs, cards, None, kv_tokens, experts_resident))
+    return SplitPlan(tuple(best), "auto", profile is not None)
+
+
+def plan_for_model(costs: LayerCosts, cards: list[Card], counts: list[int] | None, *,
+                   kv_tokens: int, offload: bool,
+                   profile: np.ndarray | None = None) -> tuple[SplitPlan, bool, str | None]:
+    """(plan, offload, why) for a model whose experts stay in VRAM unless `offload` (an expert
+    option was given). When every expert does not fit the cards, a Mixture-of-Experts model
+    keeps them in pinned RAM behind each card's VRAM cache instead, as one GPU does with
+    `--device auto`: offload True and `why` names what did not fit (the caller asks for
+    `--expert-cache auto`). ConfigError when the dense part does not fit either."""
+    if offload or not costs.n_experts:
+        return plan_split(costs, cards, counts, kv_tokens=kv_tokens, profile=profile,
+                          experts_resident=not offload), offload, None
+    try:
+        return plan_split(costs, cards, counts, kv_tokens=kv_tokens,
+                          experts_resident=True), False, None
+    except ConfigError as exc:
+        return (plan_split(costs, cards, counts, kv_tokens=kv_tokens, profile=profile), True,
+                str(exc))
 
 
 def choose_batch_groups(value: str | int | None, num_stages: int, num_slots: int, *,
@@ -248,7 +286,7 @@ def _expert_freq(costs: LayerCosts, profile: np.ndarray | None) -> np.ndarray:
     """[L, E] each layer's experts' share of its routed rows, sorted best first."""
     L, E = costs.n_layers, costs.n_experts
     if profile is None:
-        return np.full((L, E), 1.0 / E)
+        return np.full((L, E), 1.0 / max(E, 1))  # a dense model: [L, 0]
     p = np.asarray(profile, dtype=np.float64)
     if p.shape != (L, E):
         raise ConfigError(f"the routing profile is {p.shape[0]}x{p.shape[1]} but the model "
@@ -258,16 +296,17 @@ def _expert_freq(costs: LayerCosts, profile: np.ndarray | None) -> np.ndarray:
     return -np.sort(-p, axis=1)
 
 
-def _stages(costs, cards, counts, kv_tokens, bw, freq) -> list[Stage | None]:
+def _stages(costs, cards, counts, kv_tokens, bw, freq, experts_resident) -> list[Stage | None]:
     stages: list[Stage | None] = []
     first = 0
     for i, (card, n) in enumerate(zip(cards, counts)):
         stop = first + n
         dense = sum(costs.dense_bytes[first:stop])
+        resident = costs.n_experts * sum(costs.expert_bytes[first:stop]) if experts_resident else 0
         dense += costs.embed_bytes if i == 0 else 0
         dense += costs.head_bytes if i == len(cards) - 1 else 0
         kv = kv_tokens * sum(costs.kv_bytes_per_token[first:stop])
-        room = card.usable_bytes - dense - kv
+        room = card.usable_bytes - dense - resident - kv
         if room < 0:
             stages.append(None)
             first = stop
@@ -275,15 +314,19 @@ def _stages(costs, cards, counts, kv_tokens, bw, freq) -> list[Stage | None]:
         per_expert = max(costs.expert_bytes[first:stop]) or 1
         if card.cache_budget_bytes is not None:
             room = min(room, card.cache_budget_bytes)
-        slots = min(room // per_expert, n * costs.n_experts)
-        hit = _hit_rate(freq[first:stop], slots)
+        if experts_resident or not costs.n_experts:
+            slots, hit = 0, 1.0
+        else:
+            slots = min(room // per_expert, n * costs.n_experts)
+            hit = _hit_rate(freq[first:stop], slots)
         K = costs.n_experts_used
         expert_read = K * sum(costs.expert_bytes[first:stop])
         active_dense = sum(costs.dense_bytes[first:stop]) + (
             costs.head_bytes if i == len(cards) - 1 else 0)
-        seconds = ((active_dense + hit * expert_read) / bw.vram_bytes_s
+        seconds = (n * bw.layer_s + (active_dense + hit * expert_read) / bw.vram_bytes_s
                    + (1 - hit) * expert_read / bw.miss_bytes_s)
-        stages.append(Stage(card.index, first, stop, dense, kv, int(slots), hit, 1e3 * seconds))
+        stages.append(Stage(card.index, first, stop, dense, kv, int(slots), hit, 1e3 * seconds,
+                            resident, costs.n_experts > 0))
         first = stop
     return stages
 
@@ -306,14 +349,19 @@ def _compositions(total: int, parts: int):
             yield [first, *rest]
 
 
-def _no_fit(costs, cards, counts, kv_tokens) -> str:
+def _no_fit(costs, cards, counts, kv_tokens, experts_resident) -> str:
+    experts_resident = experts_resident and costs.n_experts > 0
     need = sum(costs.dense_bytes) + costs.embed_bytes + costs.head_bytes
+    if experts_resident:
+        need += costs.n_experts * sum(costs.expert_bytes)
     need += kv_tokens * sum(costs.kv_bytes_per_token)
     have = sum(c.usable_bytes for c in cards)
     what = (f"the layer split {','.join(map(str, counts))} does not fit" if counts
             else "no layer split fits")
-    return (f"{what} the dense weights and KV ({need / 2**30:.2f} GiB in all, for {kv_tokens} "
+    weights = "the dense weights, every expert" if experts_resident else "the dense weights"
+    return (f"{what} {weights} and KV ({need / 2**30:.2f} GiB in all, for {kv_tokens} "
             "KV tokens) into the GPUs' usable memory ("
             + ", ".join(f"GPU {c.index}: {c.usable_bytes / 2**30:.2f} GiB" for c in cards)
             + f"; {have / 2**30:.2f} GiB after a {_RESERVE_BYTES >> 20} MiB reserve each); "
-            "give the cards larger budgets, fewer KV tokens, or another split")
+            "give the cards larger budgets, fewer KV tokens, or another split"
+            + (", or keep the experts in RAM (--expert-cache)" if experts_resident else ""))

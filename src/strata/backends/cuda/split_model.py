@@ -15,7 +15,7 @@ from strata.backends.cuda.model import GRAPH_MAX_ROWS
 from strata.backends.cuda.stage import StageModel
 from strata.backends.window import Window
 from strata.engine.recurrent import DEFAULT_CHECKPOINTS
-from strata.errors import ConfigError, RequestError
+from strata.errors import ConfigError, ModelFormatError, RequestError
 
 log = logging.getLogger("strata.engine")
 
@@ -474,12 +474,28 @@ def card_free_bytes(drv, index: int) -> int:
     return int(free)
 
 
+def _rows_by_expert(config, spec):
+    """[L, E] rows routed to each (layer, expert) by --expert-profile, for the plan's hit
+    rates; None without one or when it does not fit this model (the tier says why when it
+    reads it)."""
+    from strata.experts.profile import read_profile
+
+    path = getattr(config, "expert_profile_path", None)
+    if path is None or not spec.n_experts:
+        return None
+    try:
+        profile = read_profile(path)
+    except (ConfigError, ModelFormatError, OSError):
+        return None
+    if (profile.n_layers, profile.n_experts) != (spec.n_layers, spec.n_experts):
+        return None
+    return profile.rows_by_expert()
+
+
 def build_split_model(gguf_model, config, offload: bool) -> SplitModel:
     """The SplitModel for `config` (--split-device, --layer-split, --batch-groups, and
     --vram-budget per card): the stage plan (auto: the smallest predicted decode time of the
     slowest stage) and the batch-groups decision are logged."""
-    import dataclasses
-
     from strata.backends import split as sp
     from strata.backends.cuda.runtime import import_pycuda
 
@@ -488,14 +504,17 @@ def build_split_model(gguf_model, config, offload: bool) -> SplitModel:
     devices = sp.parse_split_devices(config.split_devices, drv.Device.count())
     counts = sp.parse_layer_split(config.layer_split, spec.n_layers, len(devices))
     costs = sp.layer_costs(gguf_model)
-    if not offload:  # every expert of a stage's layers in its VRAM: they count as dense
-        costs = dataclasses.replace(costs, dense_bytes=tuple(
-            d + spec.n_experts * e for d, e in zip(costs.dense_bytes, costs.expert_bytes)),
-            expert_bytes=(0,) * spec.n_layers)
     budget = config.vram_budget_bytes if offload else None
     cards = [sp.Card(i, card_free_bytes(drv, i), cache_budget_bytes=budget) for i in devices]
     kv_tokens = config.parallel * config.resolve_n_ctx(spec.context_length)
-    plan = sp.plan_split(costs, cards, counts, kv_tokens=kv_tokens)
+    plan, offload, too_big = sp.plan_for_model(costs, cards, counts, kv_tokens=kv_tokens,
+                                               offload=offload, profile=_rows_by_expert(config,
+                                                                                        spec))
+    if too_big is not None:  # as one GPU does with --device auto (backends/select.py)
+        config.expert_cache = "auto"
+        log.info("layer split: the routed experts in pinned RAM behind an adaptive VRAM cache "
+                 "on each card (--expert-cache auto), since every expert does not fit: %s",
+                 too_big)
     is_tiered = offload and config.expert_cache != 0 and config.adapt_every > 0
     blocking = is_tiered and not config.adapt_async
     pool_asked = offload and config.pcie_frac is not None and config.pcie_frac < 1
