@@ -163,7 +163,10 @@ def expert_options(command):
                           "this model, GPU and threads, else 0.3."),
         click.option("--split-device", default=None, metavar="I,J",
                      help="Split the layers over these GPUs (stages in this order), each with "
-                          "its own expert cache and tier; --vram-budget applies per card."),
+                          "its own expert cache and tier; --vram-budget applies per card. "
+                          "Without an expert option the experts stay in VRAM when the cards "
+                          "hold them, else in RAM behind each card's cache (--expert-cache "
+                          "auto)."),
         click.option("--layer-split", default=None, metavar="auto|K1,K2",
                      help="Layers per GPU of the split (auto: the split with the smallest "
                           "predicted decode time, printed at start); implies every visible "
