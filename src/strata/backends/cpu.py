@@ -215,7 +215,8 @@ class CpuModel:
                 or routing_counts.shape != (self.spec.n_layers, self.spec.n_experts)):
             raise ValueError(f"routing_counts must be an int64 array of shape "
                              f"{(self.spec.n_layers, self.spec.n_experts)}")
-        if window.kvs[0].spec != self.spec:
+        spec = window.kvs[0].spec
+        if spec is not self.spec and spec != self.spec:  # (a dataclass compare per window)
             raise RequestError(
                 f"the window's KV caches were made for another model ({window.kvs[0].spec.arch}, "
                 f"{window.kvs[0].spec.n_layers} layers); make them with this model's new_kv")

@@ -265,7 +265,7 @@ class CudaModel:
         """Check the window, pick its plan and upload its descriptor (in the active context)."""
         window.check_current()
         for i, kv in enumerate(window.kvs):
-            if not isinstance(kv, CudaKV) or kv.spec != self.spec:
+            if not isinstance(kv, CudaKV) or (kv.spec is not self.spec and kv.spec != self.spec):
                 raise RequestError(
                     f"slot {i}: its KV cache ({kv!r}) was not made by this CUDA model; make "
                     "every KV of a window with this model's new_kv")
