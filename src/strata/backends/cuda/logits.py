@@ -37,28 +37,32 @@ class LogitReader:
         self._rows_host = None  # pinned [n, V] for rows()
         self.generation = 0  # bumped by every pass: rows of older passes are gone
 
+    # One upload and one read-back per request (each small copy costs a round trip on the
+    # stream): the request [5] int32 and its temperature (float64 at byte 24) in one block;
+    # the results as [mass float64, nan int32, pad, ids [C] int32, values [C] float32].
+    _REQ_BYTES, _TEMP_AT = 32, 24
+    _OUT_HEAD = 16  # mass, nan, pad
+
     def _alloc(self):
         rt, V = self._rt, self._vocab
         self._bufs = {
             "scratch": rt.alloc(4 * V),           # [V] the penalised row
-            "req": rt.alloc(4 * 5), "temp": rt.alloc(8),
-            "ids": rt.alloc(4 * CAND_MAX), "x": rt.alloc(4 * CAND_MAX),
-            "mass": rt.alloc(8), "nan": rt.alloc(4),
+            "req": rt.alloc(self._REQ_BYTES),
+            "out": rt.alloc(self._OUT_HEAD + 8 * CAND_MAX),
         }
         self._grow_penalties(4096)
         self._host = {
-            "ids": rt.pinned((CAND_MAX,), np.int32), "x": rt.pinned((CAND_MAX,), np.float32),
-            "mass": rt.pinned((1,), np.float64), "nan": rt.pinned((1,), np.int32),
-            "req": rt.pinned((5,), np.int32), "temp": rt.pinned((1,), np.float64),
+            "req": rt.pinned((self._REQ_BYTES // 4,), np.int32),
+            "out": rt.pinned(((self._OUT_HEAD + 8 * CAND_MAX) // 4,), np.int32),
         }
         self._stream = rt.drv.Stream()
 
     def _grow_penalties(self, num_entries: int) -> None:
-        # [P] ids int32, repetition factors float32, subtractions float32 (and pinned staging)
+        # a request's n entries as [ids [n] int32, repetition factors [n] float32, subtractions
+        # [n] float32], one upload
         self._pen_capacity = num_entries
-        for name in ("pen_ids", "pen_rep", "pen_sub"):
-            self._bufs[name] = self._rt.alloc(4 * num_entries)
-        self._pen_host = self._rt.pinned((3, num_entries), np.int32)
+        self._bufs["pen"] = self._rt.alloc(3 * 4 * num_entries)
+        self._pen_host = self._rt.pinned((3 * num_entries,), np.int32)
 
     def candidates(self, row: int, generation: int, num: int, temperature: float, penalties,
                    num_valid: int, want_mass: bool) -> Candidates | None:
@@ -70,35 +74,40 @@ class LogitReader:
         with rt.active():
             if self._bufs is None:
                 self._alloc()
-            b, h, drv, stream = self._bufs, self._host, rt.drv, self._stream
+            drv, stream = rt.drv, self._stream
             num_pen = 0 if penalties is None else int(penalties[0].shape[0])
             if num_pen > self._pen_capacity:
                 self._grow_penalties(max(num_pen, 2 * self._pen_capacity))
+            b, h = self._bufs, self._host
             if num_pen:
-                staged = self._pen_host  # [3, P] int32 bits: ids, factors, subtractions
-                for i, (name, values, dtype) in enumerate(zip(
-                        ("pen_ids", "pen_rep", "pen_sub"), penalties,
-                        (np.int32, np.float32, np.float32))):
-                    staged[i, :num_pen] = np.ascontiguousarray(values, dtype=dtype).view(
-                        np.int32)
-                    drv.memcpy_htod_async(b[name], staged[i, :num_pen], stream)
-            h["req"][:] = (row, num, 0, num_pen, int(want_mass))
-            h["temp"][0] = temperature
-            drv.memcpy_htod_async(b["req"], h["req"], stream)
-            drv.memcpy_htod_async(b["temp"], h["temp"], stream)
+                staged = self._pen_host[:3 * num_pen]  # int32 bits: ids, factors, subtractions
+                for i, (values, dtype) in enumerate(zip(penalties,
+                                                        (np.int32, np.float32, np.float32))):
+                    staged[i * num_pen:(i + 1) * num_pen] = np.ascontiguousarray(
+                        values, dtype=dtype).view(np.int32)
+                drv.memcpy_htod_async(b["pen"], staged, stream)
+            req = h["req"]
+            req[:5] = (row, num, 0, num_pen, int(want_mass))
+            req.view(np.float64)[self._TEMP_AT // 8] = temperature
+            drv.memcpy_htod_async(b["req"], req, stream)
+            pen, out = int(b["pen"]), int(b["out"])
+            ids_at = out + self._OUT_HEAD
             rt.kernel("logit_candidates").prepare(
                 (1,), (1024,), "PiiPPPPPPPPPP",
                 [self._logits_ptr(), self._vocab, min(num_valid, self._vocab), int(b["req"]),
-                 int(b["temp"]), int(b["pen_ids"]), int(b["pen_rep"]), int(b["pen_sub"]),
-                 int(b["scratch"]), int(b["ids"]),
-                 int(b["x"]), int(b["mass"]), int(b["nan"])]).launch(int(stream.handle))
-            for name in ("ids", "x", "mass", "nan"):
-                drv.memcpy_dtoh_async(h[name], b[name], stream)
+                 int(b["req"]) + self._TEMP_AT, pen, pen + 4 * num_pen, pen + 8 * num_pen,
+                 int(b["scratch"]), ids_at, ids_at + 4 * num, out, out + 8]).launch(
+                     int(stream.handle))
+            got = h["out"][:(self._OUT_HEAD + 8 * num) // 4]
+            drv.memcpy_dtoh_async(got, out, stream)
             stream.synchronize()
-        if h["nan"][0]:
+        if got[2]:  # nan
             return None
+        head = self._OUT_HEAD // 4
+        ids = got[head:head + num]
+        values = got[head + num:head + 2 * num].view(np.float32)
         num = min(num, num_valid)
-        return Candidates(h["ids"][:num].copy(), h["x"][:num].copy(), float(h["mass"][0]))
+        return Candidates(ids[:num].copy(), values[:num].copy(), float(got[:2].view(np.float64)[0]))
 
     def rows(self, first: int, stop: int, generation: int) -> np.ndarray:
         """The logits [stop - first, V] as float32 on the host."""

@@ -59,66 +59,95 @@ logit_candidates(const float *__restrict__ logits, int V, int VV, const int *__r
     }
     __syncthreads();
 
-    // 2. radix select of the C-th largest key, 8 bits at a time from the top
-    if (tid == 0) { s_prefix = 0; s_mask = 0; s_need = C; }
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        if (tid < 256) hist[tid] = 0;
-        __syncthreads();
-        const unsigned prefix = s_prefix, mask = s_mask;
+    // 2. C == 1 (greedy rows): the largest (key, lowest id) by a block max, no select
+    if (C == 1) {
+        unsigned long long best = 0ull;
         int has_nan = 0;
         for (int v = tid; v < VV; v += CAND_THREADS) {
             const float f = x[v];
-            if (shift == 24 && isnan(f)) has_nan = 1;
-            const unsigned k = float_key(f);
-            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+            has_nan |= isnan(f);
+            best = max(best, ((unsigned long long)float_key(f) << 32) | (~(unsigned)v));
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
         if (has_nan) s_nan = 1;
+        if (lane == 0) cand[warp] = best;
         __syncthreads();
-        if (tid == 0) {
-            unsigned above = 0;
-            for (int b = 255; b >= 0; b--) {
-                if (above + hist[b] >= s_need) {
-                    s_prefix |= (unsigned)b << shift;
-                    s_mask |= 255u << shift;
-                    s_need -= above;
-                    break;
-                }
-                above += hist[b];
+        if (tid < 32) {
+            best = tid < CAND_THREADS / 32 ? cand[tid] : 0ull;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+        }
+        __syncthreads();  // every warp's entry read before cand[0] is written
+        if (tid == 0) cand[0] = best;
+        __syncthreads();
+    } else {
+        // 2. radix select of the C-th largest key, 8 bits at a time from the top (lanes of a
+        // warp adding to one bin once each, by __match_any_sync, was slower on the H200: top-k
+        // 40 in 325 against 228 us)
+        if (tid == 0) { s_prefix = 0; s_mask = 0; s_need = C; }
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            if (tid < 256) hist[tid] = 0;
+            __syncthreads();
+            const unsigned prefix = s_prefix, mask = s_mask;
+            int has_nan = 0;
+            for (int v = tid; v < VV; v += CAND_THREADS) {
+                const float f = x[v];
+                if (shift == 24 && isnan(f)) has_nan = 1;
+                const unsigned k = float_key(f);
+                if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
             }
+            if (has_nan) s_nan = 1;
+            __syncthreads();
+            if (tid == 0) {
+                unsigned above = 0;
+                for (int b = 255; b >= 0; b--) {
+                    if (above + hist[b] >= s_need) {
+                        s_prefix |= (unsigned)b << shift;
+                        s_mask |= 255u << shift;
+                        s_need -= above;
+                        break;
+                    }
+                    above += hist[b];
+                }
+            }
+            __syncthreads();
         }
-        __syncthreads();
-    }
-    const unsigned kth = s_prefix, need_ties = s_need;  // C - need_ties keys lie above kth
+        const unsigned kth = s_prefix, need_ties = s_need;  // C - need_ties keys lie above kth
 
-    // 3. gather: every key above kth, then the lowest-id `need_ties` keys equal to it
-    if (tid == 0) { s_count = 0; s_running = 0; }
-    __syncthreads();
-    for (int v = tid; v < VV; v += CAND_THREADS) {
-        const unsigned k = float_key(x[v]);
-        if (k > kth) cand[atomicAdd(&s_count, 1u)] = ((unsigned long long)k << 32) | (~(unsigned)v);
-    }
-    __syncthreads();
-    const unsigned num_above = s_count;
-    for (int base = 0; base < VV; base += CAND_THREADS) {
-        if (s_running >= need_ties) break;  // uniform: read after the barrier below
-        const int v = base + tid;
-        const bool tie = v < VV && float_key(x[v]) == kth;
-        const unsigned ballot = __ballot_sync(0xffffffffu, tie);
-        if (lane == 0) warp_ties[warp] = __popc(ballot);
+        // 3. gather: every key above kth, then the lowest-id `need_ties` keys equal to it
+        if (tid == 0) { s_count = 0; s_running = 0; }
         __syncthreads();
-        unsigned before = s_running;
-        for (int w = 0; w < warp; w++) before += warp_ties[w];
-        before += __popc(ballot & ((1u << lane) - 1u));
-        if (tie && before < need_ties)
-            cand[num_above + before] = ((unsigned long long)kth << 32) | (~(unsigned)v);
-        __syncthreads();
-        if (tid == 0) {
-            unsigned total = 0;
-            for (int w = 0; w < CAND_THREADS / 32; w++) total += warp_ties[w];
-            s_running += total;
+        for (int v = tid; v < VV; v += CAND_THREADS) {
+            const unsigned k = float_key(x[v]);
+            if (k > kth)
+                cand[atomicAdd(&s_count, 1u)] = ((unsigned long long)k << 32) | (~(unsigned)v);
         }
         __syncthreads();
-    }
+        const unsigned num_above = s_count;
+        for (int base = 0; base < VV; base += CAND_THREADS) {
+            if (s_running >= need_ties) break;  // uniform: read after the barrier below
+            const int v = base + tid;
+            const bool tie = v < VV && float_key(x[v]) == kth;
+            const unsigned ballot = __ballot_sync(0xffffffffu, tie);
+            if (lane == 0) warp_ties[warp] = __popc(ballot);
+            __syncthreads();
+            unsigned before = s_running;
+            for (int w = 0; w < warp; w++) before += warp_ties[w];
+            before += __popc(ballot & ((1u << lane) - 1u));
+            if (tie && before < need_ties)
+                cand[num_above + before] = ((unsigned long long)kth << 32) | (~(unsigned)v);
+            __syncthreads();
+            if (tid == 0) {
+                unsigned total = 0;
+                for (int w = 0; w < CAND_THREADS / 32; w++) total += warp_ties[w];
+                s_running += total;
+            }
+            __syncthreads();
+        }
+
+    }  // C > 1
 
     // 4. bitonic sort of the C candidates, best first (padding 0 sorts last)
     int size = 1;
