@@ -31,10 +31,12 @@ class HostLogitRow:
 
     max_candidates = CAND_MAX
 
-    def __init__(self, logits):
+    def __init__(self, logits, with_greedy_id: bool = False):
         self.logits = np.asarray(logits, dtype=np.float32)
         self.num_candidate_calls = 0
         self.num_whole_copies = 0
+        if with_greedy_id:  # as the CUDA pass's argmax_rows: lowest id on ties, -1 for a NaN
+            self.greedy_id = -1 if np.isnan(self.logits).any() else int(np.argmax(self.logits))
 
     @property
     def shape(self):

@@ -44,6 +44,37 @@ def test_candidates_give_the_tokens_of_the_whole_row(seed, temperature, top_k, t
         assert got < num_valid
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rep=st.sampled_from([1.0, 1.3]), padded=st.booleans(),
+       pad_wins=st.booleans())
+def test_greedy_rows_take_the_pass_argmax(seed, rep, padded, pad_wins):
+    """A greedy request without penalties takes the row's greedy_id (the pass's argmax) and asks
+    no candidates; with penalties, or when the argmax is a padded id, it asks the candidates;
+    the token is the whole-row path's either way."""
+    rng = np.random.default_rng(seed)
+    V = 3000
+    num_valid = V - 37 if padded else V
+    params = dict(temperature=0.0, repetition_penalty=rep, seed=seed)
+    prompt = rng.integers(0, V, size=20).tolist()
+    whole, cand = _pair(params, prompt)
+    for _ in range(6):
+        logits = (rng.standard_normal(V) * 3).astype(np.float32)
+        logits[rng.integers(0, V, size=50)] = logits.max()  # ties at the top
+        if pad_wins:
+            logits[-1] = logits.max() + 1.0  # a padded id (when padded) is the argmax
+        host = logits.copy()
+        host[num_valid:] = -np.inf
+        want = whole.sample(host)
+        row = HostLogitRow(logits, with_greedy_id=True)
+        assert cand.sample_candidates(row, num_valid) == want
+        asked = rep != 1.0 or row.greedy_id >= num_valid
+        assert row.num_candidate_calls == int(asked)
+    nan = np.zeros(V, dtype=np.float32)
+    nan[5] = np.nan
+    assert Sampler(SamplingParams(temperature=0.0)).sample_candidates(
+        HostLogitRow(nan, with_greedy_id=True), V) is None
+
+
 def test_whole_row_copied_only_when_candidates_cannot_decide():
     V = 5000
     flat = np.zeros(V, dtype=np.float32)  # uniform: top-p 0.9 needs 4500 tokens

@@ -227,11 +227,17 @@ class Sampler:
         backends/cuda/logits.py): the device applies the penalties and returns the best
         candidates; the same filters and draw as `sample` run on them. Falls back to the whole
         row when the candidates cannot decide (no top-k and a top-p/min-p cut beyond them).
-        None: the row holds a NaN."""
+        A greedy request without penalties takes the row's `greedy_id` (the pass's argmax)
+        when the row has one among the valid ids. None: the row holds a NaN."""
         p = self.params
         pen = penalty_entries(self.seen, self.generated, p.repetition_penalty,
                               p.presence_penalty, p.frequency_penalty)
-        if p.is_greedy:
+        best = getattr(row, "greedy_id", None) if p.is_greedy and pen is None else None
+        if best is not None and best < num_valid:  # the pass's argmax: -1 for a NaN row
+            if best < 0:
+                return None
+            token = best
+        elif p.is_greedy:
             found = row.candidates(1, 1.0, pen, num_valid, want_mass=False)
             if found is None:
                 return None

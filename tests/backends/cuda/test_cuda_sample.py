@@ -57,6 +57,26 @@ def test_candidates_report_nan(runtime):
         assert rows.reader.candidates(0, 0, num, 1.0, None, 4000, num > 1) is not None
 
 
+def test_argmax_rows_lowest_id_on_ties_and_minus_one_for_nan(runtime):
+    """The pass's greedy ids (argmax_rows), which greedy requests without penalties take: the
+    largest value's lowest id (ties, -0 against +0), -1 for a row holding a NaN."""
+    rng = np.random.default_rng(5)
+    V = 151936
+    logits = (rng.standard_normal((4, V)) * 3).astype(np.float32)
+    logits[1, [7, 90000, 151935]] = 50.0  # ties: the lowest id
+    logits[2, :] = -1.0
+    logits[2, 123] = -0.0
+    logits[2, 45] = 0.0  # -0 == +0: the lowest id
+    logits[3, 99999] = np.nan
+    buf, out = runtime.upload(logits), runtime.alloc(4 * 4)
+    runtime.kernel("argmax_rows").prepare((4,), (1024,), "PiP", [int(buf), V, int(out)]).launch(
+        runtime.stream_handle)
+    runtime.synchronize()
+    got = np.empty(4, dtype=np.int32)
+    runtime.drv.memcpy_dtoh(got, out)
+    assert got.tolist() == [int(np.argmax(logits[0])), 7, 45, -1]
+
+
 def test_engine_sampler_on_device_rows_equals_copied_rows(synth_path):
     from strata.backends.cuda import CudaModel
 
@@ -75,6 +95,9 @@ def test_engine_sampler_on_device_rows_equals_copied_rows(synth_path):
         window = Window.build(runs, logits="last")
         rows = model.forward_window_lazy(window)
         host = np.asarray(rows)  # [3, V] the same pass's logits, copied
+        for i in range(3):  # the pass's greedy ids, which greedy requests take
+            assert window.logits_of(rows, i)[-1].greedy_id == int(np.argmax(
+                window.logits_of(host, i)[-1]))
         tokens = []
         for i in range(3):
             a = on_device[i].sample_candidates(window.logits_of(rows, i)[-1], V)

@@ -243,7 +243,8 @@ gate_logit_rows(const float *__restrict__ x, const float *__restrict__ w, int R,
     if (lane == 0) out[r] = acc;
 }
 
-// ---- greedy choice: out[n] = argmax_v logits[n, v] (lowest id on ties); grid N, block 1024 --
+// ---- greedy choice: out[n] = argmax_v logits[n, v] (lowest id on ties), -1 when the row holds
+// a NaN; grid N, block 1024 --
 extern "C" __global__ void __launch_bounds__(1024)
 argmax_rows(const float *__restrict__ logits, int V, int *__restrict__ out) {
     kernel_entry();
@@ -251,10 +252,13 @@ argmax_rows(const float *__restrict__ logits, int V, int *__restrict__ out) {
     __shared__ int si[32];
     const float *x = logits + (long long)blockIdx.x * V;
     float best = -INFINITY;
-    int best_id = 0x7fffffff;
+    int best_id = 0x7fffffff, has_nan = 0;
     for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        if (x[v] > best) { best = x[v]; best_id = v; }
+        const float f = x[v];
+        has_nan |= isnan(f);
+        if (f > best) { best = f; best_id = v; }
     }
+    has_nan = __syncthreads_or(has_nan);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float ob = __shfl_xor_sync(0xffffffffu, best, o);
@@ -267,6 +271,6 @@ argmax_rows(const float *__restrict__ logits, int V, int *__restrict__ out) {
     if (threadIdx.x == 0) {
         for (int w = 1; w < (int)(blockDim.x >> 5); w++)
             if (sv[w] > best || (sv[w] == best && si[w] < best_id)) { best = sv[w]; best_id = si[w]; }
-        out[blockIdx.x] = best_id == 0x7fffffff ? 0 : best_id;
+        out[blockIdx.x] = has_nan ? -1 : best_id == 0x7fffffff ? 0 : best_id;
     }
 }

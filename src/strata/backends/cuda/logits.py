@@ -136,8 +136,11 @@ class DeviceLogits:
     """Rows [first, stop) of a pass's logits on the device, sliced like an [N, V] array:
     `logits[a:b]` gives rows, `logits[i]` one `DeviceLogitRow`, `np.asarray` copies them."""
 
-    def __init__(self, reader: LogitReader, first: int, stop: int, generation: int):
+    def __init__(self, reader: LogitReader, first: int, stop: int, generation: int,
+                 greedy_ids: np.ndarray | None = None):
         self._reader, self._first, self._stop, self._gen = reader, first, stop, generation
+        # [stop - first] int32: each row's argmax from the pass (-1: a NaN), or None
+        self._greedy = greedy_ids
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -151,9 +154,12 @@ class DeviceLogits:
         if isinstance(rows, range):
             if rows.step != 1:
                 raise IndexError("device logits slice with step 1 only")
+            greedy = None if self._greedy is None else self._greedy[
+                rows.start - self._first:max(rows.stop, rows.start) - self._first]
             return DeviceLogits(self._reader, rows.start, max(rows.stop, rows.start),
-                                self._gen)
-        return DeviceLogitRow(self._reader, rows, self._gen)
+                                self._gen, greedy)
+        greedy = None if self._greedy is None else int(self._greedy[rows - self._first])
+        return DeviceLogitRow(self._reader, rows, self._gen, greedy)
 
     def __array__(self, dtype=None, copy=None):
         out = self._reader.rows(self._first, self._stop, self._gen)
@@ -165,8 +171,12 @@ class DeviceLogitRow:
 
     max_candidates = CAND_MAX
 
-    def __init__(self, reader: LogitReader, row: int, generation: int):
+    def __init__(self, reader: LogitReader, row: int, generation: int,
+                 greedy_id: int | None = None):
         self._reader, self._row, self._gen = reader, row, generation
+        # the row's argmax over every id, computed by the pass (-1: the row holds a NaN), or
+        # None: ask candidates(1)
+        self.greedy_id = greedy_id
 
     @property
     def shape(self) -> tuple[int]:

@@ -226,7 +226,7 @@ class CudaModel:
                               routing_counts: np.ndarray | None = None,
                               while_running=None) -> np.ndarray:
         """As forward_window, but returns only the greedy token [N] of each logit row (argmax
-        on the device: no logits cross PCIe)."""
+        on the device: no logits cross PCIe; -1 for a row that holds a NaN)."""
         return self._run(window, want_logits=False, expert_pointers=expert_pointers,
                          routing_counts=routing_counts, while_running=while_running)
 
@@ -317,14 +317,12 @@ class CudaModel:
             plan.run(rt.stream_handle, self.use_graphs and R <= GRAPH_MAX_ROWS)
             if tier is not None:
                 tier.after_run()
-            if lazy:
-                out = None
-            elif want_logits:
-                out = ws.host_logits[:max(N, 1)]  # [N, V]
-                rt.drv.memcpy_dtoh_async(out, ws.ptr("logits"), rt.stream)
-            else:
+            if lazy or not want_logits:  # (lazy: the greedy ids beside the rows left there)
                 out = ws.host_argmax[:max(N, 1)]  # [N]
                 rt.drv.memcpy_dtoh_async(out, ws.ptr("argmax"), rt.stream)
+            else:
+                out = ws.host_logits[:max(N, 1)]  # [N, V]
+                rt.drv.memcpy_dtoh_async(out, ws.ptr("logits"), rt.stream)
             if while_running is not None:  # the GPU runs the window meanwhile
                 while_running(rt.stream.is_done)
             rt.stream.synchronize()
@@ -332,5 +330,6 @@ class CudaModel:
                 tier.finish(routing_counts)
         window.commit()
         if lazy:
-            return DeviceLogits(self.logit_reader, 0, N, self.logit_reader.generation)
+            return DeviceLogits(self.logit_reader, 0, N, self.logit_reader.generation,
+                                greedy_ids=np.array(out[:N]))
         return np.array(out[:N])
