@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from strata.errors import ModelFormatError
+
 SHARES = (0.0, 0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8, 1.0)  # finer where the best lies
 
 
@@ -67,6 +69,11 @@ def sweep_shares(model_path, threads: int, device_index: int = 0, shares=SHARES,
                         tok = model.forward_window_greedy(
                             Window.build([(kv, tok[i:i + 1]) for i, kv in enumerate(kvs)]),
                             routing_counts=counts)
+                        if (tok < 0).any():  # argmax_rows: -1 for a row holding a NaN
+                            raise ModelFormatError(
+                                "the model produced NaN logits while the CPU pool's share was "
+                                "measured; its weights are likely corrupt (check it with "
+                                "`strata-tool inspect`)")
                         if step:  # the first window of a share sets its where table up
                             seconds[share].append(time.perf_counter() - t0)
                             stats = arena.pool.last_stats
