@@ -141,6 +141,64 @@ def test_bench_parallel_rows_are_aggregate_decodes_through_the_tier(tiny):
     assert len(lines) == 3 and "| tg2 x2 " in lines[2]  # only the 2-slot row
 
 
+def test_bench_depth_rows_read_the_context_once_through_the_tier(tiny):
+    res = runner().invoke(main, ["bench", "--model", tiny, "-p", "8", "-n", "3", "-r", "2",
+                                 "-d", "0,40", "-np", "1,2", "--json", "--expert-cache", "4",
+                                 "--chunk", "16"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert [(r["test"], r["depth"]) for r in rows] == [
+        ("pp8", 0), ("tg3", 0), ("tg3 x2", 0),
+        ("pp8 @ d40", 40), ("tg3 @ d40", 40), ("tg3 x2 @ d40", 40)]
+    assert all(len(r["tokens_per_s"]) == 2 and min(r["tokens_per_s"]) > 0 for r in rows)
+    # windows through the tier: each test's warm-up + 2 runs (pp8: 1 window, tg3: 3, tg3 x2:
+    # 3), and at depth 40 the context read once per slot in windows of 16 (3 each, 2 slots)
+    assert rows[0]["expert_cache"]["windows"] == 2 * 3 * (1 + 3 + 3) + 2 * 3
+    table = runner().invoke(main, ["bench", "--model", tiny, "-p", "4", "-n", "2", "-r", "1",
+                                   "-d", "24"])
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.strip().splitlines()
+    assert "| pp4 @ d24 " in lines[2] and "| tg2 @ d24 " in lines[3] and len(lines) == 4
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen3next"])
+def test_depth_kvs_hold_the_context_and_go_back_to_it(tmp_path, shape):
+    """The depth's tokens are read once per slot; every take gives them back, and nothing after
+    them (a hybrid model's recurrent state too, through its checkpoint at the depth)."""
+    from strata.backends.cpu import CpuModel
+    from strata.cli import DepthKVs
+    from strata.model.gguf_file import GGUFModel
+    from strata.tool.synth import synth_model
+
+    path = tmp_path / f"{shape}.gguf"
+    synth_model(path, shape=shape, weight_type="f32", seed=2)
+    model = CpuModel(GGUFModel.open(path))
+    start = DepthKVs(model, 21, room=4, chunk_tokens=8)
+    first = start.take(2)
+    assert [kv.num_tokens for kv in first] == [21, 21]
+    fresh = model.new_kv(25)
+    model.forward(start._context, fresh)
+    token = np.array([7], dtype=np.int32)
+    want = model.forward(token, fresh)
+    for kv in first:
+        np.testing.assert_array_equal(model.forward(token, kv), want)
+        model.forward(token, kv)
+    again = start.take(2)
+    assert again[0] is first[0] and [kv.num_tokens for kv in again] == [21, 21]
+    np.testing.assert_array_equal(model.forward(token, again[1]), want)
+    assert [kv.num_tokens for kv in DepthKVs(model, 0, room=4, chunk_tokens=8).take(3)] == [0] * 3
+
+
+def test_bench_depth_past_the_context(tiny):
+    res = runner().invoke(main, ["bench", "--model", tiny, "-p", "16", "-n", "4", "-d",
+                                 "4090"])
+    assert res.exit_code == 2
+    assert "-d 4090" in res.output and "4106 tokens of context" in res.output
+    assert "4096" in res.output
+    bad = runner().invoke(main, ["bench", "--model", tiny, "-d", "1,x"])
+    assert bad.exit_code == 2 and "context depths" in bad.output
+
+
 @pytest.mark.parametrize("value", ["0", "2,x", ""])
 def test_bench_bad_parallel(tiny, value):
     res = runner().invoke(main, ["bench", "--model", tiny, "--parallel", value])

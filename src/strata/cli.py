@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from strata.cli_options import (ReadChunk, SlotCounts, device_option, draft_options,
+from strata.cli_options import (Depths, ReadChunk, SlotCounts, device_option, draft_options,
                                 expert_options, read_chunk_fields, slot_options)
 from strata.errors import StrataError
 
@@ -160,22 +160,54 @@ def _size_text(num_bytes: int) -> str:
     return f"{gib:.2f} GiB" if gib >= 1 else f"{num_bytes / 2**20:.2f} MiB"
 
 
+class DepthKVs:
+    """Each slot's KV for one bench depth: `depth` tokens of context read once through
+    `forward` (untimed, as llama-bench's -d does) and taken back to them before every run;
+    at depth 0 a fresh KV per run. `room`: the most tokens a run adds."""
+
+    def __init__(self, model, depth: int, room: int, chunk_tokens: int, forward=None,
+                 kv_args: dict | None = None, seed: int = 0):
+        self.model, self.depth, self.room = model, int(depth), int(room)
+        self.chunk_tokens, self.kv_args = int(chunk_tokens), dict(kv_args or {})
+        self.forward = forward or model.forward
+        self._context = np.random.default_rng(seed).integers(
+            0, model.spec.vocab, self.depth, dtype=np.int32)
+        self._kvs = []
+
+    def take(self, num_slots: int = 1) -> list:
+        """`num_slots` KVs holding the depth's tokens (and nothing after them)."""
+        if not self.depth:
+            return [self.model.new_kv(self.room, **self.kv_args) for _ in range(num_slots)]
+        while len(self._kvs) < num_slots:
+            kv = self.model.new_kv(self.depth + self.room, **self.kv_args)
+            for start in range(0, self.depth, self.chunk_tokens):
+                self.forward(self._context[start:start + self.chunk_tokens], kv)
+            kv.keep_checkpoint()  # a hybrid model's recurrent state at the depth
+            self._kvs.append(kv)
+        for kv in self._kvs[:num_slots]:
+            kv.truncate(self.depth)
+        return self._kvs[:num_slots]
+
+
 def _time_prompt(model, tokens: np.ndarray, chunk_tokens: int, forward=None,
-                 kv_args: dict | None = None) -> float:
-    """Seconds to read `tokens` into a fresh KV (made with `kv_args`), `chunk_tokens` at a
-    time (through `forward`, default `model.forward`)."""
+                 kv_args: dict | None = None, kv=None) -> float:
+    """Seconds to read `tokens` into `kv` (default: a fresh KV made with `kv_args`),
+    `chunk_tokens` at a time (through `forward`, default `model.forward`)."""
     forward = forward or model.forward
-    kv = model.new_kv(len(tokens), **(kv_args or {}))
+    if kv is None:
+        kv = model.new_kv(len(tokens), **(kv_args or {}))
     t0 = time.perf_counter()
     for start in range(0, len(tokens), chunk_tokens):
         forward(tokens[start:start + chunk_tokens], kv)
     return time.perf_counter() - t0
 
 
-def _time_decode(model, tokens: np.ndarray, forward=None, kv_args: dict | None = None) -> float:
-    """Seconds for len(tokens) single-token forwards, starting from an empty KV."""
+def _time_decode(model, tokens: np.ndarray, forward=None, kv_args: dict | None = None,
+                 kv=None) -> float:
+    """Seconds for len(tokens) single-token forwards into `kv` (default: an empty KV)."""
     forward = forward or model.forward
-    kv = model.new_kv(len(tokens), **(kv_args or {}))
+    if kv is None:
+        kv = model.new_kv(len(tokens), **(kv_args or {}))
     t0 = time.perf_counter()
     for i in range(len(tokens)):
         forward(tokens[i:i + 1], kv)
@@ -183,14 +215,15 @@ def _time_decode(model, tokens: np.ndarray, forward=None, kv_args: dict | None =
 
 
 def _time_slots(model, tokens: np.ndarray, forward_window=None,
-                kv_args: dict | None = None) -> float:
-    """Seconds for T decode windows of S rows, one token per slot, from S empty KVs: tokens
-    [T, S] (slot s reads column s); on a layer split with batch groups the groups' windows
-    pipelined, as the engine's scheduler runs them."""
+                kv_args: dict | None = None, kvs=None) -> float:
+    """Seconds for T decode windows of S rows, one token per slot, into `kvs` (default: S
+    empty KVs): tokens [T, S] (slot s reads column s); on a layer split with batch groups the
+    groups' windows pipelined, as the engine's scheduler runs them."""
     from strata.backends.window import Window
 
     T, S = tokens.shape
-    kvs = [model.new_kv(T, **(kv_args or {})) for _ in range(S)]
+    if kvs is None:
+        kvs = [model.new_kv(T, **(kv_args or {})) for _ in range(S)]
     forwarder = getattr(forward_window, "__self__", None) or model
     groups = min(int(getattr(model, "batch_groups", 1) or 1), S)
     t0 = time.perf_counter()
@@ -277,11 +310,12 @@ def tier_summary(tier) -> dict:
 def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
               threads: int | None, chunk_tokens: int | str, seed: int = 0,
               expert_config: dict | None = None, device: str = "cpu",
-              slot_counts: tuple[int, ...] = (1,)) -> list[dict]:
-    """One row per test (pp<n_prompt>, tg<n_gen>, and tg<n_gen> x<S> for each slot count S > 1
-    in `slot_counts`: S slots decoding together, aggregate tokens/s) with tokens/s of every
-    repetition; with an expert cache each row also has its totals (`expert_cache`, over the
-    whole run)."""
+              slot_counts: tuple[int, ...] = (1,), depths: tuple[int, ...] = (0,)) -> list[dict]:
+    """One row per test and depth (pp<n_prompt>, tg<n_gen>, and tg<n_gen> x<S> for each slot
+    count S > 1 in `slot_counts`: S slots decoding together, aggregate tokens/s; each with
+    every depth D of `depths` tokens already in each slot's context, named "... @ dD" when D >
+    0) with tokens/s of every repetition; with an expert cache each row also has its totals
+    (`expert_cache`, over the whole run)."""
     from strata.backends.select import build_model, is_cuda_model
     from strata.config import EngineConfig
     from strata.model.gguf_file import GGUFModel
@@ -305,7 +339,8 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
         try:
             rows = _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions,
                                threads, chunk_tokens, seed,
-                               {} if kv_dtype is None else {"dtype": kv_dtype}, slot_counts)
+                               {} if kv_dtype is None else {"dtype": kv_dtype}, slot_counts,
+                               depths)
             if tier is not None:  # before close: that stops the CPU pool
                 summary = tier_summary(tier)
                 for row in rows:
@@ -317,8 +352,8 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
 
 
 def _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions, threads,
-                chunk_tokens, seed, kv_args, slot_counts=(1,)) -> list[dict]:
-    """The timed tests, each forward through `tier` when there is one."""
+                chunk_tokens, seed, kv_args, slot_counts=(1,), depths=(0,)) -> list[dict]:
+    """The timed tests at each depth, each forward through `tier` when there is one."""
     from strata.backends.select import is_cuda_model
 
     rows = []
@@ -333,29 +368,50 @@ def _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions, thr
         "threads": threads if threads is not None else _default_threads(),
         "backend": "cuda" if is_cuda_model(model) else "cpu",
     }
+    room = max(n_prompt, n_gen)
+    for depth in depths:
+        if depth + room > spec.context_length:
+            raise click.UsageError(
+                f"-d {depth} with {room} tokens per test needs {depth + room} tokens of "
+                f"context but the model's context is {spec.context_length}")
+    for depth in depths:
+        start = DepthKVs(model, depth, room, chunk_tokens, forward, kv_args, seed=seed + 1)
+        rows += _depth_rows(model, info, start, n_prompt, n_gen, repetitions, chunk_tokens,
+                            forward, forward_window, kv_args, slot_counts, rng)
+    return rows
+
+
+def _depth_rows(model, info, start, n_prompt, n_gen, repetitions, chunk_tokens, forward,
+                forward_window, kv_args, slot_counts, rng) -> list[dict]:
+    """The timed tests with `start.depth` tokens of context in each slot."""
+    depth = start.depth
+    at = f" @ d{depth}" if depth else ""
     tests = []  # (name, tokens per slot, slots, timer of a [tokens] or [tokens, slots] draw)
     if n_prompt > 0:
-        tests.append((f"pp{n_prompt}", n_prompt, 1,
-                      lambda toks: _time_prompt(model, toks, chunk_tokens, forward, kv_args)))
+        tests.append((f"pp{n_prompt}{at}", n_prompt, 1,
+                      lambda toks: _time_prompt(model, toks, chunk_tokens, forward, kv_args,
+                                                start.take()[0] if depth else None)))
     if n_gen > 0:
         for slots in slot_counts:
             if slots == 1:
-                tests.append((f"tg{n_gen}", n_gen, 1,
-                              lambda toks: _time_decode(model, toks, forward, kv_args)))
+                tests.append((f"tg{n_gen}{at}", n_gen, 1,
+                              lambda toks: _time_decode(model, toks, forward, kv_args,
+                                                        start.take()[0] if depth else None)))
             else:  # aggregate: slots x n_gen tokens per run
-                tests.append((f"tg{n_gen} x{slots}", n_gen, slots,
-                              lambda toks: _time_slots(model, toks, forward_window, kv_args)))
+                tests.append((f"tg{n_gen} x{slots}{at}", n_gen, slots,
+                              lambda toks, s=slots: _time_slots(
+                                  model, toks, forward_window, kv_args,
+                                  start.take(s) if depth else None)))
+    rows = []
     for name, n_tokens, slots, timer in tests:
-        if n_tokens > spec.context_length:
-            raise click.UsageError(f"{name} needs {n_tokens} tokens but the model's "
-                                   f"context is {spec.context_length}")
         shape = n_tokens if slots == 1 else (n_tokens, slots)
-        timer(rng.integers(0, spec.vocab, shape, dtype=np.int32))  # warm-up
+        timer(rng.integers(0, model.spec.vocab, shape, dtype=np.int32))  # warm-up
         speeds = []
         for _ in range(repetitions):
-            seconds = timer(rng.integers(0, spec.vocab, shape, dtype=np.int32))
+            seconds = timer(rng.integers(0, model.spec.vocab, shape, dtype=np.int32))
             speeds.append(slots * n_tokens / seconds)
-        rows.append(dict(info, test=name, n_tokens=n_tokens, slots=slots, tokens_per_s=speeds,
+        rows.append(dict(info, test=name, n_tokens=n_tokens, slots=slots, depth=depth,
+                         tokens_per_s=speeds,
                          median_tokens_per_s=statistics.median(speeds),
                          stdev_tokens_per_s=(statistics.stdev(speeds)
                                              if len(speeds) > 1 else 0.0)))
@@ -402,11 +458,15 @@ def format_table(rows: list[dict]) -> str:
               help="Slot counts for the tg test: S > 1 decodes S slots together, one token "
                    "each per window, and reports their aggregate tokens/s (tg<n> x<S>); "
                    "several, e.g. 1,4,8, give a row each.")
+@click.option("-d", "--n-depth", "depths", default="0", show_default=True, type=Depths(),
+              help="Tokens already in each slot's context before every test (read once, "
+                   "untimed); several, e.g. 0,16384,65536, give rows each (\"tg128 @ "
+                   "d16384\").")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @device_option
 @expert_options
-def bench(model, n_prompt, n_gen, repetitions, threads, chunk, slot_counts, as_json, device,
-          expert_config):
+def bench(model, n_prompt, n_gen, repetitions, threads, chunk, slot_counts, depths, as_json,
+          device, expert_config):
     """Time prompt processing (pp) and text generation (tg) on random tokens."""
     for name, value, minimum in (("-p", n_prompt, 0), ("-n", n_gen, 0),
                                  ("-r", repetitions, 1)):
@@ -415,7 +475,8 @@ def bench(model, n_prompt, n_gen, repetitions, threads, chunk, slot_counts, as_j
     path = resolve_model(model)
     try:
         rows = run_bench(path, n_prompt, n_gen, repetitions, threads, chunk,
-                         expert_config=expert_config, device=device, slot_counts=slot_counts)
+                         expert_config=expert_config, device=device, slot_counts=slot_counts,
+                         depths=depths)
     except StrataError as e:
         fail(str(e))
     if as_json:

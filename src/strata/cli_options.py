@@ -49,6 +49,21 @@ class SlotCounts(click.ParamType):
         return tuple(dict.fromkeys(int(p) for p in parts))  # in order, each once
 
 
+class Depths(click.ParamType):
+    """N[,M...]: context depths >= 0 in tokens (strata bench -d, as llama-bench's)."""
+
+    name = "N[,M...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        parts = [p.strip() for p in str(value).split(",")]
+        if not parts or not all(p.isdigit() for p in parts):
+            self.fail(f"{value!r}: give context depths >= 0 in tokens separated by commas, "
+                      "e.g. 0,16384", param, ctx)
+        return tuple(dict.fromkeys(int(p) for p in parts))  # in order, each once
+
+
 def read_chunk_fields(read_chunk) -> dict:
     """EngineConfig fields for --read-chunk: auto lets the engine pick the solo chunk; N reads
     every prompt window in at most N tokens."""

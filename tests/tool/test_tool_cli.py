@@ -46,6 +46,18 @@ def test_synth_options_arch_layers_seed(tmp_path):
     assert result.exit_code == 0, result.output
     report = inspect_model(out)
     assert (report.spec.arch, report.spec.n_layers, report.spec.shared_ffn) == ("qwen2moe", 3, 64)
+    assert report.spec.context_length == 4096  # the preset's
+
+
+def test_synth_context_length(tmp_path):
+    out = tmp_path / "long.gguf"
+    result = _run("synth", "--shape", "tiny", "--type", "f32", "--context-length", "131072",
+                  str(out))
+    assert result.exit_code == 0, result.output
+    assert "context 131072" in result.stdout
+    assert inspect_model(out).spec.context_length == 131072
+    bad = _run("synth", "--shape", "tiny", "--context-length", "0", str(tmp_path / "x.gguf"))
+    assert bad.exit_code == 2 and "--context-length" in bad.output
 
 
 @pytest.mark.parametrize("args, message", [

@@ -32,13 +32,17 @@ def main():
 @click.option("--arch", "arch_name", default=None, help="Switch the preset's architecture.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
 @click.option("--layers", default=None, type=click.IntRange(min=1), help="Number of layers.")
+@click.option("--context-length", default=None, type=click.IntRange(min=1),
+              help="Context length the file declares (default: the preset's), e.g. 131072 "
+                   "for benchmarks deep into a context (`strata bench -d`).")
 @click.option("--list", "list_presets", is_flag=True, help="List the preset shapes and exit.")
 @click.option("--routing-skew", default=0.0, show_default=True, type=float,
               help="Make routers favour a minority of experts (0 = uniform; 0.5 is moderate).")
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(min=1),
               help="Processes making the tensors (the same file whatever the count).")
 @click.argument("out", required=False, type=click.Path(dir_okay=False))
-def synth(shape, weight_type, arch_name, seed, layers, list_presets, routing_skew, jobs, out):
+def synth(shape, weight_type, arch_name, seed, layers, context_length, list_presets, routing_skew,
+          jobs, out):
     """Write a random-weight MoE model at a preset shape to OUT (a .gguf file)."""
     from strata.tool.inspect import format_spec
     from strata.tool.presets import PRESETS
@@ -51,6 +55,8 @@ def synth(shape, weight_type, arch_name, seed, layers, list_presets, routing_ske
     if out is None:
         _fail("give the output path, e.g. `strata-tool synth --shape tiny tiny.gguf`")
     overrides = {} if layers is None else {"n_layers": layers}
+    if context_length is not None:
+        overrides["context_length"] = context_length
     try:
         spec = synth_model(out, shape, weight_type, arch=arch_name, seed=seed, progress=True,
                            routing_skew=routing_skew, jobs=jobs, **overrides)
