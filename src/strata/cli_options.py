@@ -34,34 +34,32 @@ class ReadChunk(click.ParamType):
         self.fail(f"{value!r}: give auto or a number of tokens >= 1", param, ctx)
 
 
-class SlotCounts(click.ParamType):
-    """N[,M...]: slot counts >= 1 (strata bench --parallel)."""
+class CommaInts(click.ParamType):
+    """N[,M...]: integers >= `minimum`, kept in order, each once."""
 
     name = "N[,M...]"
+    minimum, what, example = 0, "integers >= 0", "0,1"
 
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
         parts = [p.strip() for p in str(value).split(",")]
-        if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
-            self.fail(f"{value!r}: give slot counts >= 1 separated by commas, e.g. 1,4", param,
-                      ctx)
-        return tuple(dict.fromkeys(int(p) for p in parts))  # in order, each once
+        if not parts or not all(p.isdigit() and int(p) >= self.minimum for p in parts):
+            self.fail(f"{value!r}: give {self.what} separated by commas, e.g. {self.example}",
+                      param, ctx)
+        return tuple(dict.fromkeys(int(p) for p in parts))
 
 
-class Depths(click.ParamType):
-    """N[,M...]: context depths >= 0 in tokens (strata bench -d, as llama-bench's)."""
+class SlotCounts(CommaInts):
+    """Slot counts >= 1 (strata bench --parallel)."""
 
-    name = "N[,M...]"
+    minimum, what, example = 1, "slot counts >= 1", "1,4"
 
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        parts = [p.strip() for p in str(value).split(",")]
-        if not parts or not all(p.isdigit() for p in parts):
-            self.fail(f"{value!r}: give context depths >= 0 in tokens separated by commas, "
-                      "e.g. 0,16384", param, ctx)
-        return tuple(dict.fromkeys(int(p) for p in parts))  # in order, each once
+
+class Depths(CommaInts):
+    """Context depths >= 0 in tokens (strata bench -d, as llama-bench's)."""
+
+    minimum, what, example = 0, "context depths >= 0 in tokens", "0,16384"
 
 
 def read_chunk_fields(read_chunk) -> dict:
