@@ -91,9 +91,8 @@ def main():
         step.append(time.perf_counter() - t0)
     # the graph of this window shape replayed back to back: device time per window
     rt = model.runtime
-    plan = model._plan(args.rows, args.rows)
     with rt.active():
-        model._prepare(window(tok))  # descriptor of a window at the current positions
+        plan = model._prepare(window(tok))  # descriptor of a window at the current positions
         start, stop = rt.drv.Event(), rt.drv.Event()
         plan.run(rt.stream_handle, True)
         start.record(rt.stream)

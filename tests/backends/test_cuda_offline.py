@@ -81,8 +81,30 @@ def test_kernel_names_cover_every_entry_point():
     # qwen3next: the gated delta net (delta_net.cu) and the attention's output gate
     assert {"conv_silu_rows", "gated_delta_rows", "gated_rmsnorm_rows", "split_q_gate",
             "mul_sigmoid"} <= names
-    for head_dim in (16, 64, 128, 256):  # attention.cu: a kernel per dims per lane
+    for head_dim in (16, 64, 128, 256):  # attention.cu: a kernel per dims per lane ...
         assert set(cuda_plan.attention_kernels(head_dim)) <= names
+        for group in (1, 2, 3, 4, 8, 16):  # ... attention_group.cu: and heads per block
+            assert cuda_plan.attention_group_kernel(head_dim, group)[0] in names
+
+
+def test_attention_deep_from():
+    """Rows from ATT_DEEP_FROM take the group kernel; STRATA_ATT_DEEP_FROM moves or turns it
+    off; heads the group kernel does not take (Q not a multiple of KVH) never do."""
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(n_heads=32, n_kv_heads=4)
+    assert cuda_plan.attention_deep_from(spec, {}) == cuda_plan.ATT_DEEP_FROM
+    assert cuda_plan.attention_deep_from(spec, {"STRATA_ATT_DEEP_FROM": "0"}) == 0
+    assert cuda_plan.attention_deep_from(spec, {"STRATA_ATT_DEEP_FROM": "700"}) == 700
+    assert cuda_plan.attention_deep_from(spec, {"STRATA_ATT_DEEP_FROM": "off"}) is None
+    assert cuda_plan.attention_deep_from(SimpleNamespace(n_heads=6, n_kv_heads=4), {}) is None
+    name, grid, block = cuda_plan.attention_group_launch(3, 32, 4, 128)
+    assert (name, grid, block) == ("attention_group_d4_g8", (3, 4, cuda_plan.GQA_SPLITS),
+                                   (32 * cuda_plan.GQA_WARPS,))
+    # Qwen3-Next: 16 heads over 2 KV heads of 256: 4 heads a block, two blocks a group
+    assert cuda_plan.attention_group_launch(100, 16, 2, 256) == (
+        "attention_group_d8_g4", (cuda_plan.GQA_PART_ROWS, 4, cuda_plan.GQA_SPLITS),
+        (32 * cuda_plan.GQA_WARPS,))
 
 
 # a PTX instruction that touches memory: its opcode and dotted qualifiers

@@ -1,7 +1,8 @@
 """CUDA kernels against float64 numpy references on fresh random inputs: the product kernels on
 every GGUF type (dense, grouped by expert, gate/up + SiLU; the decode mv_* kernels on every
 quantised type), embedding rows equal to the CPU's dequantisation, activation quantisation,
-attention over fp16 and int8 KV caches (split over blocks), QK-norm + RoPE (whole heads or
+attention over fp16 and int8 KV caches (split over blocks; a block per head, or per GQA group for
+rows deep in their context, each row by its own position), QK-norm + RoPE (whole heads or
 partial) + KV append, RMSNorm, the combine fused with the next norm, and the one-launch router
 (product, top-k, grouping)."""
 import numpy as np
@@ -9,7 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from strata._native import kernels
-from strata.backends.cuda.plan import attention_kernels
+from strata.backends.cuda.plan import (ATTENTION_FMT, ATTENTION_GROUP_FMT, INT_MAX,
+                                       attention_group_launch,
+                                       attention_group_part_floats, attention_kernels)
 from strata.tool.synth import random_blocks
 
 from cuda_synth import B32_TYPES, IQ_TYPES, K_TYPES, TYPES, iq_blocks
@@ -177,24 +180,37 @@ ATT_SPLITS = 4  # attention.cu's ATT_SPLITS (blocks per (row, head))
 
 
 def run_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_heads,
-                  want_q8=True, num_launches=1):
-    """Launch attention_d* (for D) over rows with KVs at `bases` (tagged addresses); returns
-    (out [R, Q, D], outq, outd) after the last of `num_launches` identical launches."""
+                  want_q8=True, num_launches=1, deep_from=None, singles=False):
+    """Launch attention_d* (for D) over rows with KVs at `bases` (tagged addresses), after
+    attention_group.cu's kernel for the rows at `deep_from` or past it when given (a deep
+    plan's decode window; with `singles`, the group kernel alone, taking the rows whose
+    neighbours have other KVs); returns (out [R, Q, D], outq, outd) after the last of
+    `num_launches` identical launches."""
     R, Q, D = q.shape
     out, outq, outd = dev.empty(4 * R * Q * D), dev.empty(R * Q * D), dev.empty(R * Q * D // 8)
     part = dev.empty(4 * R * Q * ATT_SPLITS * (2 + D))
     counts = dev.empty(4 * R * Q, fill=0)
-    args = [dev.put(q), out, outq if want_q8 else 0, outd if want_q8 else 0,
+    group_part = dev.empty(4 * attention_group_part_floats(R, Q, D))
+    name, grid, block = attention_group_launch(R, Q, num_kv_heads, D)
+    group_counts = dev.empty(4 * grid[0] * Q, fill=0)
+    outs = [dev.put(q), out, outq if want_q8 else 0, outd if want_q8 else 0,
             dev.put(np.array(bases, dtype=np.uint64)), dev.put(positions.astype(np.int32)),
-            dev.put(np.full(R, capacity, dtype=np.int32)), layer, num_layers, Q, num_kv_heads,
-            D, D ** -0.5, part, counts]
+            dev.put(np.full(R, capacity, dtype=np.int32))]
+    dims = [layer, num_layers, Q, num_kv_heads, D, D ** -0.5]
     results = []
     for _ in range(num_launches):
-        dev.launch(attention_kernels(D)[0], (R, Q, ATT_SPLITS), (128,), "PPPPPPPiiiiifPP", args)
+        if deep_from is not None:
+            dev.launch(name, grid, block, ATTENTION_GROUP_FMT,
+                       [*outs, R, int(singles), *dims, group_part, group_counts, deep_from])
+        if not singles:
+            dev.launch(attention_kernels(D)[0], (R, Q, ATT_SPLITS), (128,), ATTENTION_FMT,
+                       [*outs, *dims, part, counts,
+                        INT_MAX if deep_from is None else deep_from])
         results.append(dev.get(out, (R, Q, D), np.float32))
     for other in results[:-1]:  # the counters were left at zero: every launch merged
         np.testing.assert_array_equal(other, results[-1])
     assert not dev.get(counts, (R * Q,), np.int32).any()
+    assert not dev.get(group_counts, (grid[0] * Q,), np.int32).any()
     return (results[-1], dev.get(outq, (R, Q * D), np.int8),
             dev.get(outd, (R, Q * D // 32), np.float32))
 
@@ -236,6 +252,75 @@ def test_attention_over_fp16_cache(runtime, head_dim):
         alone, _, _ = run_attention(dev, q[r:r + 1], bases[r:r + 1], positions[r:r + 1], C,
                                     layer, L, KVH, want_q8=fused_q8)
         np.testing.assert_array_equal(alone[0], got[r])
+
+
+# (query heads, KV heads, head dim): Qwen3-30B-A3B's (8 heads a group), a whole group of 16
+# in two blocks, a group of 3 (blocks of 4 with one head idle), Qwen3-Next's (D 256: 4 heads a
+# block)
+@pytest.mark.parametrize("shape", [(32, 4, 128), (16, 1, 64), (6, 2, 32), (16, 2, 256)])
+def test_group_attention_deep_in_long_contexts(runtime, shape):
+    """attention_group.cu on rows deep into a long context (every split holding cells, their
+    second and third rounds, a split boundary on either side) with GQA groups of several
+    sizes: float64's result; a window of more rows than the partials hold (the rows past them
+    computed by one block, split after split) and the same rows taken as singles give the same
+    bits as each row alone."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    Q, KVH, D = shape
+    L, C, layer = 1, 17_000, 0
+    caches = [(rng.standard_normal((L, 2, KVH, C, D)) * 2).astype(np.float16) for _ in range(3)]
+    kvs = [dev.put(c) for c in caches]
+    ends = [0, 31, 255, 256, 4000, 8191, 8192, 8300, 16383, 16384, 16999]
+    positions = np.array([ends[r % len(ends)] if r % 3 else C - 1 - 37 * r for r in range(40)],
+                         dtype=np.int32)
+    R = len(positions)
+    which = [r % 3 for r in range(R)]  # neighbours never share a KV: every row is a single
+    bases = [kvs[w] for w in which]
+    q = rng.standard_normal((R, Q, D)).astype(np.float32)
+    fused_q8 = D % 32 == 0
+    got, _, _ = run_attention(dev, q, bases, positions, C, layer, L, KVH, want_q8=fused_q8,
+                              num_launches=2, deep_from=0)
+    G = Q // KVH
+    for r in range(R):
+        cache, n = caches[which[r]].astype(np.float64), positions[r] + 1
+        for kvh in range(KVH):
+            keys, values = cache[layer, 0, kvh, :n], cache[layer, 1, kvh, :n]
+            heads = q[r, kvh * G:(kvh + 1) * G].astype(np.float64)  # [G, D]
+            s = heads @ keys.T * D ** -0.5  # [G, n]
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            want = (p / p.sum(axis=1, keepdims=True)) @ values
+            np.testing.assert_allclose(got[r, kvh * G:(kvh + 1) * G], want, rtol=1e-4,
+                                       atol=1e-5, err_msg=f"row {r} at {positions[r]}")
+    singles, _, _ = run_attention(dev, q, bases, positions, C, layer, L, KVH,
+                                  want_q8=fused_q8, deep_from=0, singles=True)
+    np.testing.assert_array_equal(singles, got)
+    for r in (1, 7, 33, 38, 39):  # rows with partial slots and rows past them
+        alone, _, _ = run_attention(dev, q[r:r + 1], bases[r:r + 1], positions[r:r + 1], C,
+                                    layer, L, KVH, want_q8=fused_q8, deep_from=0)
+        np.testing.assert_array_equal(alone[0], got[r], err_msg=f"row {r}")
+
+
+def test_each_row_takes_its_path_by_its_own_position(runtime):
+    """A deep plan's window (attention_group.cu for rows at deep_from or past it, attention_d*
+    for the rest): every row's bits equal those of the path its own position picks, whatever
+    its neighbours' positions; the fused 8-bit form too."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    Q, KVH, D, L, C, layer, deep_from = 16, 2, 128, 1, 3000, 0, 1024
+    positions = np.array([5, 1023, 1024, 2999, 300, 2048, 0, 1500], dtype=np.int32)
+    R = len(positions)
+    caches = (rng.standard_normal((R, L, 2, KVH, C, D)) * 2).astype(np.float16)
+    bases = [dev.put(caches[r]) for r in range(R)]
+    q = rng.standard_normal((R, Q, D)).astype(np.float32)
+    got, outq, outd = run_attention(dev, q, bases, positions, C, layer, L, KVH,
+                                    deep_from=deep_from, num_launches=2)
+    per_head, _, _ = run_attention(dev, q, bases, positions, C, layer, L, KVH)
+    per_group, _, _ = run_attention(dev, q, bases, positions, C, layer, L, KVH, deep_from=0)
+    for r, pos in enumerate(positions):
+        want = per_group[r] if pos >= deep_from else per_head[r]
+        np.testing.assert_array_equal(got[r], want, err_msg=f"row {r} at {pos}")
+    q8, d8 = _q8(got.reshape(R, Q * D))
+    np.testing.assert_array_equal(outq, q8)
+    np.testing.assert_array_equal(outd, d8)
+    assert not np.array_equal(per_head, per_group)  # the two paths sum in other orders
 
 
 def rope_inputs(rng, R, Q, KVH, D, n_rot, theta):

@@ -47,8 +47,10 @@ def _int8_cache(rng, L, KVH, C, D):
     return raw, codes.astype(np.float64) * scales[..., None].astype(np.float64)
 
 
-def test_attention_over_int8_cache_and_mixed_rows(runtime):
-    """Rows over int8 caches (tagged bases) and over fp16 caches in one launch."""
+@pytest.mark.parametrize("deep_from", (None, 0, 200))  # attention_d*, the group kernel, both
+def test_attention_over_int8_cache_and_mixed_rows(runtime, deep_from):
+    """Rows over int8 caches (tagged bases) and over fp16 caches in one launch: a block per
+    head (attention_d*), per GQA group (attention_group.cu) or each row by its position."""
     dev, rng = _Dev(runtime), np.random.default_rng()
     L, KVH, Q, D, C = 2, 2, 8, 128, 700
     layer, positions = 0, np.array([0, 33, 200, 699, 64, 699], dtype=np.int32)
@@ -64,7 +66,8 @@ def test_attention_over_int8_cache_and_mixed_rows(runtime):
             values = cells.astype(np.float64)
         refs.append(values)
     q = rng.standard_normal((len(positions), Q, D)).astype(np.float32)
-    got, _, _ = run_attention(dev, q, bases, positions, C, layer, L, KVH, num_launches=2)
+    got, _, _ = run_attention(dev, q, bases, positions, C, layer, L, KVH, num_launches=2,
+                              deep_from=deep_from)
     for r, pos in enumerate(positions):
         for h in range(Q):
             kvh = h // (Q // KVH)

@@ -1,12 +1,15 @@
 """Prompt-window kernels against float64 references on fresh random inputs: the tensor-core
-attention (attention_prompt beside attention_singles; fp16 and int8 KV cells, chunks beside
-decode rows, a row's bits independent of its window), the wide pair grouping, and the plan's
-choice of both from plan.MMQ_MIN_ROWS rows."""
+attention (attention_prompt beside attention_singles, and attention_group.cu for decode rows
+deep in their context; fp16 and int8 KV cells, chunks beside decode rows, a row's bits
+independent of its window), the wide pair grouping, and the plan's choice of both from
+plan.MMQ_MIN_ROWS rows."""
 import numpy as np
 import pytest
 
-from strata.backends.cuda.plan import (ATT_SINGLE_BLOCKS, ATT_SPLITS, GROUP_WIDE_THREADS,
-                                       PA_ROWS, PA_WARPS, attention_kernels)
+from strata.backends.cuda.plan import (ATT_SINGLE_BLOCKS, ATT_SPLITS, ATTENTION_GROUP_FMT,
+                                       ATTENTION_SINGLES_FMT, GROUP_WIDE_THREADS, INT_MAX,
+                                       PA_ROWS, PA_WARPS, attention_group_launch,
+                                       attention_group_part_floats, attention_kernels)
 
 from test_cuda_kernels import _Dev, _q8, attention_reference, grouped_reference, run_attention
 
@@ -31,9 +34,10 @@ def _slot_cache(rng, L, KVH, C, D, is_int8):
 
 
 def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_heads,
-                         want_q8):
-    """attention_prompt + attention_singles_d* as a prompt-sized window plan launches them;
-    returns (out [R, Q, D], outq [R, Q*D], outd [R, Q*D/32])."""
+                         want_q8, deep_from=None):
+    """attention_prompt + attention_singles_d* as a prompt-sized window plan launches them,
+    with attention_group.cu between them for the singles at `deep_from` or past it when given
+    (a deep plan's); returns (out [R, Q, D], outq [R, Q*D], outd [R, Q*D/32])."""
     R, Q, D = q.shape
     group = Q // num_kv_heads
     warps = min(group, PA_WARPS)
@@ -42,13 +46,21 @@ def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, 
     counts = dev.empty(4 * R * Q, fill=0)
     common = [dev.put(q), out, outq if want_q8 else 0, outd if want_q8 else 0,
               dev.put(np.array(bases, dtype=np.uint64)), dev.put(positions.astype(np.int32)),
-              dev.put(np.full(R, capacity, dtype=np.int32)), R, layer, num_layers, Q,
-              num_kv_heads, D, D ** -0.5]
+              dev.put(np.full(R, capacity, dtype=np.int32)), R]
+    dims = [layer, num_layers, Q, num_kv_heads, D, D ** -0.5]
     dev.launch("attention_prompt", ((R + PA_ROWS - 1) // PA_ROWS, num_kv_heads,
                                     (group + warps - 1) // warps), (32 * warps,),
-               "PPPPPPPiiiiiif", common)
+               "PPPPPPPiiiiiif", [*common, *dims])
+    if deep_from is not None:
+        name, grid, block = attention_group_launch(R, Q, num_kv_heads, D)
+        group_counts = dev.empty(4 * grid[0] * Q, fill=0)
+        dev.launch(name, grid, block, ATTENTION_GROUP_FMT,
+                   [*common, 1, *dims, dev.empty(4 * attention_group_part_floats(R, Q, D)),
+                    group_counts, deep_from])
+        assert not dev.get(group_counts, (grid[0] * Q,), np.int32).any()
     dev.launch(attention_kernels(D)[1], (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
-               "PPPPPPPiiiiiifPP", [*common, part, counts])
+               ATTENTION_SINGLES_FMT,
+               [*common, *dims, part, counts, INT_MAX if deep_from is None else deep_from])
     assert not dev.get(counts, (R * Q,), np.int32).any()  # every split merged, counters reset
     return (dev.get(out, (R, Q, D), np.float32), dev.get(outq, (R, Q * D), np.int8),
             dev.get(outd, (R, Q * D // 32), np.float32))
@@ -59,11 +71,14 @@ def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, 
 SHAPES = [(4, 2, 16), (8, 2, 64), (32, 4, 128), (16, 1, 32)]
 
 
+# deep_from: every single attention.cu's, the decode row at 300 attention_group.cu's
+@pytest.mark.parametrize("deep_from", (None, 64))
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES)
-def test_prompt_attention_against_float64(runtime, num_heads, num_kv_heads, head_dim):
+def test_prompt_attention_against_float64(runtime, num_heads, num_kv_heads, head_dim,
+                                          deep_from):
     """A window of a 37-row chunk (fp16, after 90 cached cells), a decode row, a 20-row chunk
     over int8 cells from position 0, a decode row and two draft rows crossing a KV tile: every
-    row near float64; decode rows equal `attention`'s bits; the fused 8-bit form exact."""
+    row near float64; decode rows equal a decode window's bits; the fused 8-bit form exact."""
     dev, rng = _Dev(runtime), np.random.default_rng()
     Q, KVH, D, L, C, layer = num_heads, num_kv_heads, head_dim, 2, 320, 1
     # (first position, rows, int8 cells) per slot, in window order
@@ -82,7 +97,8 @@ def test_prompt_attention_against_float64(runtime, num_heads, num_kv_heads, head
     R = len(positions)
     q = rng.standard_normal((R, Q, D)).astype(np.float32)
     want_q8 = D % 32 == 0
-    got, outq, outd = run_prompt_attention(dev, q, bases, positions, C, layer, L, KVH, want_q8)
+    got, outq, outd = run_prompt_attention(dev, q, bases, positions, C, layer, L, KVH, want_q8,
+                                           deep_from)
     errors = {False: [0.0], True: [0.0]}
     for r in range(R):
         for h in range(Q):
@@ -97,7 +113,7 @@ def test_prompt_attention_against_float64(runtime, num_heads, num_kv_heads, head
         assert max(errors[is_int8]) < tolerance
     singles = rows_of[1] + rows_of[3]
     alone, _, _ = run_attention(dev, q[singles], [bases[r] for r in singles], positions[singles],
-                                C, layer, L, KVH, want_q8=False)
+                                C, layer, L, KVH, want_q8=False, deep_from=deep_from)
     np.testing.assert_array_equal(got[singles], alone)
     if want_q8:
         q8, d8 = _q8(got.reshape(R, Q * D))
@@ -135,22 +151,31 @@ def test_prompt_attention_rows_independent_of_window(runtime):
 def test_plan_takes_prompt_kernels_from_the_threshold(synth_path):
     """Windows of >= MMQ_MIN_ROWS rows launch attention_prompt + attention_singles_d* and
     group_pairs_wide in every layer; smaller ones keep attention_d* (and the one-launch
-    router)."""
+    router); plans of windows with a row deep in its context add attention_group.cu's kernel
+    before the decode / singles one."""
     from strata.backends.cuda import CudaModel
     from strata.backends.cuda import plan as cuda_plan
     from strata.model.gguf_file import GGUFModel
 
     gpu = CudaModel(GGUFModel.open(synth_path("tiny", "q4_0")))
     with gpu.runtime.active():
-        small = list(gpu._plan(cuda_plan.MMQ_MIN_ROWS - 1, 1).launches.names())
-        large = list(gpu._plan(cuda_plan.MMQ_MIN_ROWS, 1).launches.names())
-    L = gpu.spec.n_layers
-    decode, singles = cuda_plan.attention_kernels(gpu.spec.head_dim)
+        small, large, deep_small, deep_large = (
+            list(gpu._plan(rows, 1, deep).launches.names())
+            for deep in (False, True) for rows in (cuda_plan.MMQ_MIN_ROWS - 1,
+                                                   cuda_plan.MMQ_MIN_ROWS))
+    spec = gpu.spec
+    L = spec.n_layers
+    decode, singles = cuda_plan.attention_kernels(spec.head_dim)
+    group = cuda_plan.attention_group_kernel(spec.head_dim, spec.n_heads // spec.n_kv_heads)[0]
     assert small.count(decode) == L
-    assert not {"attention_prompt", singles, "group_pairs_wide"} & set(small)
+    assert not {"attention_prompt", singles, "group_pairs_wide", group} & set(small)
     assert large.count("attention_prompt") == large.count(singles) == L
     assert large.count("group_pairs_wide") == L
-    assert not {decode, "group_pairs"} & set(large)
+    assert not {decode, "group_pairs", group} & set(large)
+    for plain, deep, last in ((small, deep_small, decode), (large, deep_large, singles)):
+        assert [n for n in deep if n != group] == plain
+        assert deep.count(group) == L
+        assert all(deep[i + 1] == last for i, n in enumerate(deep) if n == group)
 
 
 @pytest.mark.parametrize("num_experts, experts_per_row, num_rows",

@@ -1,34 +1,8 @@
-// Attention steps of a window: QK-norm + NEOX RoPE + KV append, and causal attention over
-// the KV cache (fp16 or int8 cells) split over cells across blocks (flash-decoding).
-//
-// Legend: R = window rows, H = hidden, Q = query heads, KVH = KV heads, D = head dim,
-// C = a KV's capacity (cells), E = experts, K = experts per row, P = R * K pairs, V = vocab,
-// L = layers. KV cache of one sequence: half [L, 2 (K, V), KVH, C, D], or int8 cells
-// [L, 2, KVH, C, D] followed by float scales [L, 2, KVH, C] (one per token and head). A row's
-// kv_base is the cells' device address with bit 0 set for int8 cells (allocations are
-// 256-byte aligned, so the bit is free and a window may mix both kinds of KV).
-#include "common.cuh"
-
-#define ATT_DMAX 8  // D <= 32 * ATT_DMAX
-
-// The cells of (layer, kind 0 = K / 1 = V, kv head) of a row's KV, and the int8 scales
-struct KvHead {
-    const uint8_t *cells;  // [C, D] half or int8
-    const float *scales;   // [C] (int8 cells only)
-    bool is_int8;
-};
-
-__device__ __forceinline__ KvHead kv_head(unsigned long long tagged_base, int L, int layer,
-                                          int kind, int KVH, int kvh, int C, int D) {
-    KvHead k;
-    k.is_int8 = (tagged_base & 1ull) != 0;
-    const uint8_t *base = reinterpret_cast<const uint8_t *>(tagged_base & ~1ull);
-    const long long head = ((long long)layer * 2 + kind) * KVH + kvh;
-    const long long cell_bytes = k.is_int8 ? 1 : 2;
-    k.cells = base + head * C * D * cell_bytes;
-    k.scales = reinterpret_cast<const float *>(base + (long long)L * 2 * KVH * C * D) + head * C;
-    return k;
-}
+// Attention steps of a window: QK-norm + NEOX RoPE + KV append, and the causal attention of
+// rows early in their context (position below the plan's deep_from) over their KV cache (fp16
+// or int8 cells) split over cells across blocks (flash-decoding), a block per query head;
+// attention_group.cu takes the rows deep in theirs. Legend and KV layout: attention.cuh.
+#include "attention.cuh"
 
 // ---- QK-norm (when norm weights are given) + NEOX RoPE of q and k, K/V written into each
 // row's KV at cell pos[r] (fp16, or int8 with scale max|v| / 127 per (token, head)). q [R, Q*D]
@@ -149,23 +123,6 @@ extern "C" __global__ void qk_rope_append(
     if (lane == 0) const_cast<float *>(dst.scales)[cell] = dd;
 }
 
-// Dim e (< D, or a lane past it) of output row rh (= r * Q + h) of attention: the float value
-// and, when outq is not NULL (D % 32 == 0: a warp's 32 dims are one block), its 8-bit form.
-// Called by a whole warp.
-__device__ __forceinline__ void attention_store(float o, int e, int D, long long rh,
-                                                float *__restrict__ out, int8_t *__restrict__ outq,
-                                                float *__restrict__ outd) {
-    const long long at = rh * D + e;
-    if (e < D) out[at] = o;
-    if (outq != nullptr) {
-        const float amax = warp_max(fabsf(o));
-        const float dd = amax / 127.0f;
-        const float id = dd > 0.0f ? 1.0f / dd : 0.0f;
-        outq[at] = q8_of(o, id);
-        if ((threadIdx.x & 31) == 0) outd[at >> 5] = dd;
-    }
-}
-
 // ---- causal attention of row r, query head h, over cells [0, pos[r]] of its KV, split over
 // ATT_SPLITS blocks (flash-decoding). Cells go in chunks of 32 at fixed absolute positions:
 // chunk i belongs to warp i % ATT_WARPS of block i / ATT_WARPS % ATT_SPLITS. A chunk's loads
@@ -179,94 +136,11 @@ __device__ __forceinline__ void attention_store(float o, int e, int D, long long
 // output itself and the other blocks return at once: the same bits as the merge, whose empty
 // splits add exact zeros. So a row's result depends only on its own cells and position, never
 // on the window. out [R, Q*D] float; when outq is not NULL (D % 32 == 0) also its 8-bit form
-// for the output projection. grid (R, Q, ATT_SPLITS), block ATT_WARPS * 32; D % 8 == 0,
-// D <= 256.
+// for the output projection. Rows at pos >= deep_from are attention_group.cu's: their blocks
+// return at once (a plan without group launches passes INT_MAX). grid (R, Q, ATT_SPLITS), block
+// ATT_WARPS * 32; D % 8 == 0, D <= 256.
 #define ATT_WARPS 4
 #define ATT_SPLITS 4
-
-// One chunk's loads in a lane's registers. DM: dims per lane (1, 2, 4, 8), so D <= 32 DM.
-template <int DM>
-struct AttChunk {
-    static constexpr int VROWS = DM <= 4 ? 32 : 8;  // V rows held at once (registers)
-    uint4 k[4 * DM];             // this lane's cell's K row: D / 8 words (int8: .x, .y of each)
-    uint32_t v[VROWS][(DM + 1) / 2];  // this lane's dims of V rows: fp16 pairs or int8 quads
-    float kscale, vscale;        // int8 cells: this lane's cell's K and V scales
-};
-
-// V row `row` (cell * D + d0) of this lane: DM fp16 or int8 values into words w
-template <int DM>
-__device__ __forceinline__ void att_load_v(const KvHead &vh, long long row, uint32_t *w) {
-    if (!vh.is_int8) {
-        const __half *p = reinterpret_cast<const __half *>(vh.cells) + row;
-        if (DM == 1) w[0] = __ldg(reinterpret_cast<const unsigned short *>(p));
-        if (DM == 2) w[0] = __ldg(reinterpret_cast<const unsigned int *>(p));
-        if (DM == 4) {
-            const uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
-            w[0] = r.x;
-            w[1] = r.y;
-        }
-        if (DM == 8) {
-            const uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
-            w[0] = r.x;
-            w[1] = r.y;
-            w[2] = r.z;
-            w[3] = r.w;
-        }
-        return;
-    }
-    const uint8_t *p = vh.cells + row;
-    if (DM == 1) w[0] = __ldg(p);
-    if (DM == 2) w[0] = __ldg(reinterpret_cast<const unsigned short *>(p));
-    if (DM == 4) w[0] = __ldg(reinterpret_cast<const unsigned int *>(p));
-    if (DM == 8) {
-        const uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
-        w[0] = r.x;
-        w[1] = r.y;
-    }
-}
-
-// value i of a lane's V words (fp16 pairs or int8 quads)
-template <int DM>
-__device__ __forceinline__ float att_v_value(const uint32_t *w, int i, bool is_int8) {
-    if (!is_int8)
-        return __half2float(__ushort_as_half((unsigned short)(w[i >> 1] >> (16 * (i & 1)))));
-    return (float)(int8_t)(w[i >> 2] >> (8 * (i & 3)));
-}
-
-// Issue the loads of the chunk at c0: lane's K row (cell min(c0 + lane, last)), V rows
-// [c0 + j0, c0 + j0 + VROWS) (past last: row last, weighted 0 later) when the lane has dims.
-template <int DM>
-__device__ __forceinline__ void att_load_chunk(AttChunk<DM> &ch, const KvHead &kh,
-                                               const KvHead &vh, int c0, int j0, int last,
-                                               int D, int d0, bool with_k) {
-    const int lane = threadIdx.x & 31;
-    if (with_k) {
-        const int cell = min(c0 + lane, last);
-        if (!kh.is_int8) {
-            const uint4 *kc = reinterpret_cast<const uint4 *>(kh.cells + (long long)cell * D * 2);
-#pragma unroll
-            for (int i = 0; i < 4 * DM; i++)
-                if (i < (D >> 3)) ch.k[i] = __ldg(kc + i);
-        } else {
-            const uint2 *kc = reinterpret_cast<const uint2 *>(kh.cells + (long long)cell * D);
-#pragma unroll
-            for (int i = 0; i < 4 * DM; i++) {
-                if (i < (D >> 3)) {
-                    const uint2 raw = __ldg(kc + i);
-                    ch.k[i].x = raw.x;
-                    ch.k[i].y = raw.y;
-                }
-            }
-            ch.kscale = __ldg(kh.scales + cell);
-            ch.vscale = __ldg(vh.scales + cell);
-        }
-    }
-    if (d0 < D) {
-#pragma unroll
-        for (int j = 0; j < AttChunk<DM>::VROWS; j++)
-            att_load_v<DM>(vh, (long long)min(c0 + j0 + j, last) * D + d0, ch.v[j]);
-    }
-}
 
 template <int DM>  // dims per lane: ceil(D / 32) rounded up to 1, 2, 4 or 8
 __device__ __forceinline__ void attention_body(
@@ -278,7 +152,7 @@ __device__ __forceinline__ void attention_body(
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][32 * ATT_DMAX];
     __shared__ int s_is_last;
-    constexpr int VROWS = AttChunk<DM>::VROWS;
+    constexpr int VROWS = DM <= 4 ? 32 : 8;  // V rows held at once (registers)
     const int h = blockIdx.y, split = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kvh = h / (Q / KVH), C = cap[r], last = pos[r];
@@ -289,8 +163,9 @@ __device__ __forceinline__ void attention_body(
     const int d0 = DM * lane;  // this lane's dims [d0, d0 + DM) of V and acc (d0 < D: all of them)
     const int stride = 32 * ATT_WARPS * ATT_SPLITS;
     int c0 = 32 * (split * ATT_WARPS + warp);
-    AttChunk<DM> ch;
-    if (c0 <= last) att_load_chunk<DM>(ch, kh, vh, c0, 0, last, D, d0, true);  // in flight ...
+    AttChunk<DM, VROWS> ch;
+    if (c0 <= last)  // in flight ...
+        att_load_chunk<DM, VROWS>(ch, kh, vh, c0, 0, last, D, d0, true);
     for (int i = threadIdx.x; i < D; i += blockDim.x) sq[i] = q[((long long)r * Q + h) * D + i];
     __syncthreads();  // ... while q lands in shared memory
     float m = -INFINITY, l = 0.0f, acc[DM];
@@ -339,7 +214,7 @@ __device__ __forceinline__ void attention_body(
         for (int j0 = 0; j0 < 32; j0 += VROWS) {
             if (j0 > 0) {  // DM == 8: the chunk's second half of V rows
                 if (c0 + j0 > last) break;  // the same in every lane
-                att_load_chunk<DM>(ch, kh, vh, c0, j0, last, D, d0, false);
+                att_load_chunk<DM, VROWS>(ch, kh, vh, c0, j0, last, D, d0, false);
             }
 #pragma unroll
             for (int jj = 0; jj < VROWS; jj++) {
@@ -351,7 +226,7 @@ __device__ __forceinline__ void attention_body(
         }
         m = m_new;
         c0 += stride;
-        if (c0 <= last) att_load_chunk<DM>(ch, kh, vh, c0, 0, last, D, d0, true);
+        if (c0 <= last) att_load_chunk<DM, VROWS>(ch, kh, vh, c0, 0, last, D, d0, true);
     }
     // this block's partial: its warps merged
     if (lane == 0) {
@@ -431,24 +306,20 @@ __device__ __forceinline__ void attention_body(
     }
 }
 
-#define ATTENTION_ARGS                                                                          \
-    const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,            \
-        float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,               \
-        const int *__restrict__ pos, const int *__restrict__ cap
-#define ATTENTION_PASS q, out, outq, outd, kv_base, pos, cap
 
 // ---- beside attention_prompt (attention_prompt.cu) in prompt-sized windows: the rows that no
 // neighbour row shares a kv_base with (decode rows), each as `attention_d*` computes it, so a
 // decode row gives the same bits in any window. Block x takes rows x, x + gridDim.x, ...: its
 // threads test blockDim.x of them at once (a prompt chunk has none to take, so the scan must not
 // walk its rows one by one), then the block computes the singles found, one after another.
-// grid (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), block ATT_WARPS * 32.
+// Singles at pos >= deep_from are attention_group.cu's. grid (min(R, ATT_SINGLE_BLOCKS), Q,
+// ATT_SPLITS), block ATT_WARPS * 32.
 #define ATT_SINGLE_BLOCKS 16
 template <int DM>
 __device__ __forceinline__ void attention_singles_body(ATTENTION_ARGS, int R, int layer, int L,
                                                        int Q, int KVH, int D, float scale,
                                                        float *__restrict__ part,
-                                                       int *__restrict__ counts) {
+                                                       int *__restrict__ counts, int deep_from) {
     __shared__ int s_rows[ATT_WARPS * 32];
     __shared__ int s_count;
     const int step = gridDim.x;
@@ -456,7 +327,7 @@ __device__ __forceinline__ void attention_singles_body(ATTENTION_ARGS, int R, in
         if (threadIdx.x == 0) s_count = 0;
         __syncthreads();
         const int r = blockIdx.x + step * (i0 + threadIdx.x);
-        if (r < R) {
+        if (r < R && pos[r] < deep_from) {
             const unsigned long long b = kv_base[r];
             if (!((r > 0 && kv_base[r - 1] == b) || (r + 1 < R && kv_base[r + 1] == b)))
                 s_rows[atomicAdd(&s_count, 1)] = r;  // rows are independent: any order
@@ -470,23 +341,24 @@ __device__ __forceinline__ void attention_singles_body(ATTENTION_ARGS, int R, in
     }
 }
 
-// The entry points of one dims-per-lane DM (plan.attention_kernel picks it from D; each is a
+// The entry points of one dims-per-lane DM (plan.attention_kernels picks it from D; each is a
 // kernel of its own, so each gets its own registers): attention_d<DM>, grid (R, Q, ATT_SPLITS),
 // and attention_singles_d<DM>, both block ATT_WARPS * 32.
 #define ATTENTION_KERNELS(DM)                                                                   \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_d##DM(              \
         ATTENTION_ARGS, int layer, int L, int Q, int KVH, int D, float scale,                   \
-        float *__restrict__ part, int *__restrict__ counts) {                                   \
+        float *__restrict__ part, int *__restrict__ counts, int deep_from) {                    \
         kernel_entry();                                                                         \
+        if (pos[blockIdx.x] >= deep_from) return; /* attention_group.cu's row */                \
         attention_body<DM>(ATTENTION_PASS, layer, L, Q, KVH, D, scale, part, counts,           \
                            blockIdx.x);                                                         \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_singles_d##DM(      \
         ATTENTION_ARGS, int R, int layer, int L, int Q, int KVH, int D, float scale,            \
-        float *__restrict__ part, int *__restrict__ counts) {                                   \
+        float *__restrict__ part, int *__restrict__ counts, int deep_from) {                    \
         kernel_entry();                                                                         \
         attention_singles_body<DM>(ATTENTION_PASS, R, layer, L, Q, KVH, D, scale, part,         \
-                                   counts);                                                     \
+                                   counts, deep_from);                                          \
     }
 ATTENTION_KERNELS(1)
 ATTENTION_KERNELS(2)

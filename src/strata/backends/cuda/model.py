@@ -11,7 +11,7 @@ import numpy as np
 
 from strata.backends.cuda.kv import CudaKV
 from strata.backends.cuda.logits import DeviceLogits, LogitReader
-from strata.backends.cuda.plan import WindowPlan, Workspace
+from strata.backends.cuda.plan import WindowPlan, Workspace, attention_deep_from
 from strata.backends.cuda.runtime import Runtime
 from strata.backends.cuda.device_tier import DeviceTier
 from strata.backends.cuda.weights import (DeviceLayer, DeviceMatrix, DeviceVector, small_values,
@@ -123,7 +123,9 @@ class CudaModel:
         if spec.recurrent_layers:
             _check_delta_net(spec, self.layers)
         self._ws: Workspace | None = None
-        self._plans: OrderedDict[tuple[int, int], WindowPlan] = OrderedDict()
+        # windows with a row at least this deep run plans with attention_group.cu (plan.py)
+        self.attention_deep_from = attention_deep_from(spec)
+        self._plans: OrderedDict[tuple[int, int, bool], WindowPlan] = OrderedDict()
         self.use_graphs = True
         # a pass's logits stay on the device until the next pass (forward_window_lazy)
         self.logit_reader = LogitReader(rt, lambda: self._ws.ptr("logits"), spec.vocab)
@@ -174,7 +176,9 @@ class CudaModel:
                           np.float16 if dtype is None else dtype, max_checkpoints)
 
     # ---- plans --------------------------------------------------------------------------------
-    def _plan(self, num_rows: int, num_logit_rows: int) -> WindowPlan:
+    def _plan(self, num_rows: int, num_logit_rows: int, deep: bool = False) -> WindowPlan:
+        """The plan of windows of this shape; `deep`: one with a row at attention_deep_from or
+        past it (the plan then launches attention_group.cu's kernel too)."""
         ws = self._ws
         if ws is None or ws.max_rows < num_rows or ws.max_logit_rows < num_logit_rows:
             rows = max(_MIN_WORKSPACE_ROWS, _pow2(num_rows), ws.max_rows if ws else 0)
@@ -184,19 +188,29 @@ class CudaModel:
             self._plans.clear()  # their addresses point into the old workspace
             self._ws = ws = None
             self._ws = Workspace(self.runtime, self.spec, rows, logit_rows)
-        key = (num_rows, num_logit_rows)
+        deep = deep and self.attention_deep_from is not None
+        key = (num_rows, num_logit_rows, deep)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = WindowPlan(self, self._ws, num_rows, num_logit_rows)
+            plan = self._plans[key] = WindowPlan(
+                self, self._ws, num_rows, num_logit_rows,
+                self.attention_deep_from if deep else None)
             if len(self._plans) > _MAX_PLANS:
                 self._plans.popitem(last=False)
         self._plans.move_to_end(key)
         return plan
 
-    def launches_per_window(self, num_rows: int = 1, num_logit_rows: int = 1) -> int:
-        """Kernel launches of one pass over a window of this shape (graph nodes when captured)."""
+    def launches_per_window(self, num_rows: int = 1, num_logit_rows: int = 1,
+                            deep: bool = False) -> int:
+        """Kernel launches of one pass over a window of this shape (graph nodes when captured);
+        `deep`: with a row deep enough for attention_group.cu."""
         with self.runtime.active():
-            return len(self._plan(num_rows, num_logit_rows).launches)
+            return len(self._plan(num_rows, num_logit_rows, deep).launches)
+
+    def is_deep(self, window: Window) -> bool:
+        """Does a row of `window` sit at attention_deep_from or past it?"""
+        deep_from = self.attention_deep_from
+        return deep_from is not None and int(window.positions.max()) >= deep_from
 
     # ---- the pass -----------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, kv: CudaKV, all_logits: bool = False) -> np.ndarray:
@@ -270,7 +284,7 @@ class CudaModel:
                     f"slot {i}: its KV cache ({kv!r}) was not made by this CUDA model; make "
                     "every KV of a window with this model's new_kv")
         R, N = window.num_rows, window.num_logit_rows
-        plan = self._plan(R, max(N, 1))
+        plan = self._plan(R, max(N, 1), self.is_deep(window))
         ws = self._ws
         lengths = window.run_lengths()
         ws.host_kv[:R] = np.repeat(np.array([kv.base for kv in window.kvs], dtype=np.uint64),

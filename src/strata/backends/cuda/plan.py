@@ -19,9 +19,21 @@ from strata.model.arch import ModelSpec
 
 MM_FMT = "PPPPqiiPPPPPPPPPiPP"  # products.cuh MM_ARGS
 MM_ROWS = 16  # outputs per block of the product kernels (MM_WARPS * NR in matmul.cu)
-# the kernels' constants: ATT_SPLITS in attention.cu, ROUTER_WARPS, ROUTER_RT and GROUP_CHUNK
-# in router.cu
+# the kernels' constants: ATT_SPLITS in attention.cu, GQA_WARPS, GQA_SPLITS and GQA_PART_ROWS in
+# attention_group.cu, ROUTER_WARPS, ROUTER_RT and GROUP_CHUNK in router.cu
 ATT_SPLITS, ROUTER_WARPS, ROUTER_RT, GROUP_CHUNK = 4, 4, 8, 1024
+GQA_WARPS, GQA_SPLITS, GQA_PART_ROWS = 8, 32, 32
+# Decode rows at a position of at least ATT_DEEP_FROM cells take attention_group.cu's kernel (a
+# block per GQA group and split: each K/V cell read once per group), the others attention.cu's
+# (a block per query head: each cell read once per head, but a short context costs one memory
+# round trip). A row's path depends on its own position only, so its bits never depend on its
+# window; a window with no row that deep runs a plan without the group launches. H200, one
+# row, Qwen3-30B-A3B's heads (32 over 4 KV heads of 128), microseconds a layer per kernel alone
+# at positions 0 / 1K / 4K / 16K / 64K: attention_d4 5.5 / 11.0 / 31.0 / 108.2 / 448.7,
+# attention_group_d4_g8 15.4 / 25.6 / 29.7 / 54.1 / 122.3.
+# STRATA_ATT_DEEP_FROM=N moves the threshold (0: every row the group kernel's; "off": none).
+ATT_DEEP_FROM = 4096
+INT_MAX = 2 ** 31 - 1
 # Prompt-sized windows (>= MMQ_MIN_ROWS rows): attention_prompt.cu's tensor-core attention for
 # rows whose slot has other rows beside them (PA_ROWS rows x up to PA_WARPS heads per block), the
 # other rows by attention.cu's attention_singles (ATT_SINGLE_BLOCKS blocks walk the rows);
@@ -83,14 +95,61 @@ def pdl_max_rows() -> int:
     sizes with PDL in one build)."""
     raw = os.environ.get("STRATA_PDL_ROWS", "").strip()
     return int(raw) if raw.isdigit() else PDL_MAX_ROWS
+
+
 MV_TYPES = MMQ_TYPES + MMQ_K_TYPES
 
 
+def _dims_per_lane(head_dim: int) -> int:
+    """The attention kernels' dims per lane: ceil(D / 32) rounded up to 1, 2, 4 or 8."""
+    return next(n for n in (1, 2, 4, 8) if 32 * n >= head_dim)
+
+
 def attention_kernels(head_dim: int) -> tuple[str, str]:
-    """attention.cu's decode and singles kernels for this head dim: the dims per lane
-    ceil(D / 32) rounded up to 1, 2, 4 or 8 (D <= 256)."""
-    per_lane = next(n for n in (1, 2, 4, 8) if 32 * n >= head_dim)
+    """attention.cu's decode and singles kernels for this head dim (D <= 256)."""
+    per_lane = _dims_per_lane(head_dim)
     return f"attention_d{per_lane}", f"attention_singles_d{per_lane}"
+
+
+def attention_group_kernel(head_dim: int, group: int) -> tuple[str, int]:
+    """attention_group.cu's kernel for this head dim and GQA group (query heads per KV head),
+    and the heads per block it takes: the group's size rounded up to 1, 2, 4 or 8, at most 8
+    (4 at 8 dims per lane: registers)."""
+    per_lane = _dims_per_lane(head_dim)
+    most = 4 if per_lane == 8 else 8
+    heads = next(n for n in (1, 2, 4, 8) if n >= min(group, most))
+    return f"attention_group_d{per_lane}_g{heads}", heads
+
+
+def attention_group_launch(num_rows: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                           ) -> tuple[str, tuple[int, int, int], tuple[int]]:
+    """(kernel, grid, block) of attention_group.cu over a window of `num_rows` rows: grid
+    (min(R, GQA_PART_ROWS), KVH x the blocks of each GQA group, GQA_SPLITS)."""
+    group = n_heads // n_kv_heads
+    name, heads = attention_group_kernel(head_dim, group)
+    grid = (min(num_rows, GQA_PART_ROWS), n_kv_heads * -(-group // heads), GQA_SPLITS)
+    return name, grid, (32 * GQA_WARPS,)
+
+
+def attention_group_part_floats(num_rows: int, n_heads: int, head_dim: int) -> int:
+    """Floats of attention_group.cu's split partials for a window of `num_rows` rows:
+    [min(R, GQA_PART_ROWS), Q, GQA_SPLITS, 2 + D] (m, l, acc[D])."""
+    return min(num_rows, GQA_PART_ROWS) * n_heads * GQA_SPLITS * (2 + head_dim)
+
+
+def attention_deep_from(spec: ModelSpec, env=None) -> int | None:
+    """The position from which a decode row takes attention_group.cu (ATT_DEEP_FROM, or
+    STRATA_ATT_DEEP_FROM), or None when no row does: "off", or heads the group kernel does
+    not take (query heads not a multiple of the KV heads)."""
+    raw = (os.environ if env is None else env).get("STRATA_ATT_DEEP_FROM", "").strip()
+    if raw == "off" or spec.n_heads % spec.n_kv_heads:
+        return None
+    return int(raw) if raw.isdigit() else ATT_DEEP_FROM
+
+
+ATTENTION_FMT = "PPPPPPPiiiiifPPi"  # attention.cu's attention_d*: ATTENTION_ARGS, layer, ...
+ATTENTION_SINGLES_FMT = "PPPPPPPiiiiiifPPi"  # attention_singles_d*: ATTENTION_ARGS, R, layer, ..
+ATTENTION_GROUP_FMT = "PPPPPPPiiiiiiifPPi"  # attention_group_*: ATTENTION_ARGS, R, singles, ...
 
 
 def mv_outputs_per_warp(num_cols: int) -> int:
@@ -211,6 +270,11 @@ class Workspace:
             "att_part": f4 * R * spec.n_heads * ATT_SPLITS * (2 + spec.head_dim),
             # last-block counters, zero between launches: attention [R*Q], router [1 + tiles]
             "att_counts": i4 * R * spec.n_heads,
+            # attention_group.cu's partials [min(R, GQA_PART_ROWS), Q, GQA_SPLITS, 2 + D] and
+            # counters [min(R, GQA_PART_ROWS) * Q] (at most one per head group), zero between
+            # launches
+            "att_group_part": f4 * attention_group_part_floats(R, spec.n_heads, spec.head_dim),
+            "att_group_counts": i4 * min(R, GQA_PART_ROWS) * spec.n_heads,
             "router_counts": i4 * (2 + (R + ROUTER_RT - 1) // ROUTER_RT),
         }
         self.offsets: dict[str, int] = {}
@@ -221,7 +285,8 @@ class Workspace:
         self.nbytes = total
         self._buf = runtime.alloc(total)
         self.base = int(self._buf)
-        for name in ("att_counts", "router_counts"):  # the kernels leave them zero again
+        # the kernels leave them zero again
+        for name in ("att_counts", "att_group_counts", "router_counts"):
             runtime.drv.memset_d32(self.ptr(name), 0, sizes[name] // 4)
         self.host_desc = runtime.pinned(sizes["desc"], np.uint8)
         self.host_kv = self.host_desc[:8 * R].view(np.uint64)  # [R]
@@ -246,10 +311,14 @@ class Workspace:
 
 
 class WindowPlan:
-    """The launches of one window shape (R rows, N logit rows) over a workspace."""
+    """The launches of one window shape (R rows, N logit rows) over a workspace. `deep_from`:
+    None, or the position from which rows take attention_group.cu (a window with a row that
+    deep; model.py decides per window)."""
 
-    def __init__(self, model, ws: Workspace, num_rows: int, num_logit_rows: int):
+    def __init__(self, model, ws: Workspace, num_rows: int, num_logit_rows: int,
+                 deep_from: int | None = None):
         self.num_rows, self.num_logit_rows = num_rows, num_logit_rows
+        self.deep_from = deep_from
         self._model, self._ws, self._rt = model, ws, model.runtime
         # dense "groups": one group of all R rows, one of the N logit rows
         self._static = self._rt.upload(np.array([0, 0, num_rows, 0, 0, num_logit_rows, 1],
@@ -350,28 +419,38 @@ class WindowPlan:
     def _attention(self, li: int, fuse_q: bool, q: str = "qb") -> None:
         """Attention of every row (queries in `q`) over its KV into hf [R, Q*D] (+ hq/hd when
         fuse_q): in prompt-sized windows attention_prompt (rows beside rows of their slot) and
-        attention_singles_d* (the rest, as attention_d*), else attention_d* for all rows. `li`:
-        the layer's index among the attention layers (its cells in the KV)."""
+        attention_singles_d* (the rest, as attention_d*), else attention_d* for all rows; in a
+        plan with deep_from, rows at least that deep (of all, or of the rest) take
+        attention_group.cu's kernel instead. `li`: the layer's index among the attention
+        layers (its cells in the KV)."""
         ws, spec, R = self._ws, self._model.spec, self.num_rows
         Q, KVH, D = spec.n_heads, spec.n_kv_heads, spec.head_dim
         L = len(spec.attention_layers)
         outs = [ws.ptr(q), ws.ptr("hf"), ws.ptr("hq") if fuse_q else 0,
                 ws.ptr("hd") if fuse_q else 0, ws.desc("kv"), ws.desc("pos"), ws.desc("cap")]
         split = [ws.ptr("att_part"), ws.ptr("att_counts")]
-        scale = self._model.attn_scale
+        dims = [li, L, Q, KVH, D, self._model.attn_scale]
         decode, singles = attention_kernels(D)
-        if (R < MMQ_MIN_ROWS or D not in PA_HEAD_DIMS or Q % KVH
-                or os.environ.get("STRATA_PROMPT_ATTN", "mma") == "old"):
-            self._add(decode, (R, Q, ATT_SPLITS), (128,), "PPPPPPPiiiiifPP",
-                      [*outs, li, L, Q, KVH, D, scale, *split])
-            return
-        group = Q // KVH
-        warps = min(group, PA_WARPS)
-        grid = ((R + PA_ROWS - 1) // PA_ROWS, KVH, (group + warps - 1) // warps)
-        self._add("attention_prompt", grid, (32 * warps,), "PPPPPPPiiiiiif",
-                  [*outs, R, li, L, Q, KVH, D, scale])
-        self._add(singles, (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
-                  "PPPPPPPiiiiiifPP", [*outs, R, li, L, Q, KVH, D, scale, *split])
+        deep_from = INT_MAX if self.deep_from is None else self.deep_from
+        prompt = not (R < MMQ_MIN_ROWS or D not in PA_HEAD_DIMS or Q % KVH
+                      or os.environ.get("STRATA_PROMPT_ATTN", "mma") == "old")
+        if prompt:
+            group = Q // KVH
+            warps = min(group, PA_WARPS)
+            grid = ((R + PA_ROWS - 1) // PA_ROWS, KVH, (group + warps - 1) // warps)
+            self._add("attention_prompt", grid, (32 * warps,), "PPPPPPPiiiiiif",
+                      [*outs, R, *dims])
+        if self.deep_from is not None:
+            name, grid, block = attention_group_launch(R, Q, KVH, D)
+            self._add(name, grid, block, ATTENTION_GROUP_FMT,
+                      [*outs, R, int(prompt), *dims, ws.ptr("att_group_part"),
+                       ws.ptr("att_group_counts"), deep_from])
+        if prompt:
+            self._add(singles, (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
+                      ATTENTION_SINGLES_FMT, [*outs, R, *dims, *split, deep_from])
+        else:
+            self._add(decode, (R, Q, ATT_SPLITS), (128,), ATTENTION_FMT,
+                      [*outs, *dims, *split, deep_from])
 
     def _router(self, ly) -> None:
         """Router logits, softmax + top-k and the pairs grouped by expert: one launch for a

@@ -22,7 +22,8 @@ _log = logging.getLogger("strata.cuda")
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 MODULES = ("matmul.cu", "matvec.cu", "mmq.cu", "mmq_k.cu", "layer.cu", "attention.cu",
-           "attention_prompt.cu", "router.cu", "sample.cu", "offload.cu", "delta_net.cu")
+           "attention_group.cu", "attention_prompt.cu", "router.cu", "sample.cu", "offload.cu",
+           "delta_net.cu")
 _INSTALL_HINT = ("pip install 'strata[cuda]' (PyCUDA; it needs the CUDA toolkit's nvcc and an "
                  "NVIDIA driver), or run with --device cpu")
 _ALIGN_BYTES = 256
@@ -279,7 +280,8 @@ def _kernel_names(source: str) -> list[str]:
                             ("MMQ_KERNELS", tuple(f"mmq{rows}_{kind}_" for rows in (64, 32)
                                                   for kind in ("store", "add", "gateup", "qkv"))),
                             ("MMF_KERNELS", ("mmf_store_", "mmf_add_")),
-                            ("ATTENTION_KERNELS", ("attention_d", "attention_singles_d"))):
+                            ("ATTENTION_KERNELS", ("attention_d", "attention_singles_d")),
+                            ("ATTENTION_GROUP_KERNEL", ("attention_group_",))):
         for type_name in re.findall(rf"^{macro}\((\w+)[,)]", source, flags=re.M):
             names += [p + type_name for p in prefixes]
     # MMQ_TILE_KERNELS(BODY, NAME, QT, BN, TAG, RAW) at the top level: mmq{BN}{TAG}_{kind}_{NAME}
