@@ -84,7 +84,9 @@ def test_kernel_names_cover_every_entry_point():
     for head_dim in (16, 64, 128, 256):  # attention.cu: a kernel per dims per lane ...
         assert set(cuda_plan.attention_kernels(head_dim)) <= names
         for group in (1, 2, 3, 4, 8, 16):  # ... attention_group.cu: and heads per block
-            assert cuda_plan.attention_group_kernel(head_dim, group)[0] in names
+            for form in ("mma", "simt"):
+                assert cuda_plan.attention_group_kernel(
+                    head_dim, group, {"STRATA_ATT_GROUP": form})[0] in names
 
 
 def test_attention_deep_from():
@@ -99,8 +101,11 @@ def test_attention_deep_from():
     assert cuda_plan.attention_deep_from(spec, {"STRATA_ATT_DEEP_FROM": "off"}) is None
     assert cuda_plan.attention_deep_from(SimpleNamespace(n_heads=6, n_kv_heads=4), {}) is None
     name, grid, block = cuda_plan.attention_group_launch(3, 32, 4, 128)
-    assert (name, grid, block) == ("attention_group_d4_g8", (3, 4, cuda_plan.GQA_SPLITS),
-                                   (32 * cuda_plan.GQA_WARPS,))
+    assert (name, grid, block) == (f"attention_group_{cuda_plan.ATT_GROUP_FORM}_d128",
+                                   (3, 4, cuda_plan.GQA_SPLITS), (32 * cuda_plan.GQA_WARPS,))
+    assert cuda_plan.attention_group_kernel(128, 8, {"STRATA_ATT_GROUP": "simt"}) == (
+        "attention_group_d4_g8", 8)
+    assert cuda_plan.attention_group_kernel(16, 2) == ("attention_group_d1_g2", 2)
     # Qwen3-Next: 16 heads over 2 KV heads of 256: 4 heads a block, two blocks a group
     assert cuda_plan.attention_group_launch(100, 16, 2, 256) == (
         "attention_group_d8_g4", (cuda_plan.GQA_PART_ROWS, 4, cuda_plan.GQA_SPLITS),

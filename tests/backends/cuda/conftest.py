@@ -5,6 +5,7 @@ from strata.tool.synth import synth_model
 
 from cuda_synth import synth_overrides
 
+
 @pytest.fixture(scope="session")
 def synth_path(tmp_path_factory):
     """synth_path(shape, weight_type) -> path of that synth GGUF (written once a session)."""

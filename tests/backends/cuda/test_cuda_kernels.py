@@ -257,13 +257,15 @@ def test_attention_over_fp16_cache(runtime, head_dim):
 # (query heads, KV heads, head dim): Qwen3-30B-A3B's (8 heads a group), a whole group of 16
 # in two blocks, a group of 3 (blocks of 4 with one head idle), Qwen3-Next's (D 256: 4 heads a
 # block)
+@pytest.mark.parametrize("form", ("mma", "simt"))  # D 256 takes the SIMT form either way
 @pytest.mark.parametrize("shape", [(32, 4, 128), (16, 1, 64), (6, 2, 32), (16, 2, 256)])
-def test_group_attention_deep_in_long_contexts(runtime, shape):
-    """attention_group.cu on rows deep into a long context (every split holding cells, their
-    second and third rounds, a split boundary on either side) with GQA groups of several
-    sizes: float64's result; a window of more rows than the partials hold (the rows past them
-    computed by one block, split after split) and the same rows taken as singles give the same
-    bits as each row alone."""
+def test_group_attention_deep_in_long_contexts(runtime, monkeypatch, shape, form):
+    """attention_group.cu (tensor-core and SIMT forms) on rows deep into a long context (every
+    split holding cells, their second and third rounds, a split boundary on either side) with
+    GQA groups of several sizes: float64's result; a window of more rows than the partials
+    hold (the rows past them computed by one block, split after split) and the same rows taken
+    as singles give the same bits as each row alone."""
+    monkeypatch.setenv("STRATA_ATT_GROUP", form)
     dev, rng = _Dev(runtime), np.random.default_rng()
     Q, KVH, D = shape
     L, C, layer = 1, 17_000, 0

@@ -1,6 +1,7 @@
-// The decode attention kernels' common parts (attention.cu: a block per query head, for rows
-// early in their context; attention_group.cu: a block per GQA group, for rows deep in it):
-// a KV head's cells, the loads of a chunk of 32 cells, the output store.
+// The attention kernels' common parts (attention.cu: a block per query head, for decode rows
+// early in their context; attention_group.cu: a block per GQA group, for rows deep in it;
+// attention_prompt.cu: prompt chunks): a KV head's cells, the loads of a chunk of 32 cells, the
+// output store, the tensor-core helpers.
 //
 // Legend: R = window rows, H = hidden, Q = query heads, KVH = KV heads, D = head dim,
 // C = a KV's capacity (cells), E = experts, K = experts per row, P = R * K pairs, V = vocab,
@@ -133,6 +134,59 @@ __device__ __forceinline__ void att_load_chunk(AttChunk<DM, NV> &ch, const KvHea
         for (int j = 0; j < NV; j++)
             att_load_v<DM>(vh, (long long)min(c0 + j0 + j, last) * D + d0, ch.v[j]);
     }
+}
+
+// ---- tensor-core helpers (attention_prompt.cu, attention_group.cu)
+
+// d[16x8] += a[16x16] . b[16x8], fp16 inputs, f32 accumulate (a row-major, b column-major)
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two B fragments (n-tiles n0 and n0 + 8 of a [16 k x 16 n] piece) from a row-major [k][n]
+// half tile: the 4 8x8 matrices transposed (ldmatrix .trans); addr is this lane's row start.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __half *addr) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(addr);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) {
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+// (x, y) as two fp16 pairs hi + lo: hi = fp16(x), lo = fp16(x - hi), together ~22 bits of
+// mantissa, so two fp16 mma steps (hi, then lo) give products as exact as float32 ones
+__device__ __forceinline__ void split_half2(float x, float y, uint32_t &hi, uint32_t &lo) {
+    const __half2 h = __floats2half2_rn(x, y);
+    const float2 hf = __half22float2(h);
+    hi = half2_bits(h);
+    lo = half2_bits(__floats2half2_rn(x - hf.x, y - hf.y));
+}
+
+// 8 int8 cells times their scale -> 8 halves
+__device__ __forceinline__ uint4 int8x8_to_half(uint2 raw, float scale) {
+    const int8_t *b = reinterpret_cast<const int8_t *>(&raw);
+    uint4 o;
+    uint32_t *w = reinterpret_cast<uint32_t *>(&o);
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        w[j] = half2_bits(__floats2half2_rn((float)b[2 * j] * scale, (float)b[2 * j + 1] * scale));
+    return o;
+}
+
+// an 8x8 matrix of halves in mma fragment layout (lane 4i + j: row i, columns 2j and 2j + 1),
+// transposed across the warp
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
+    uint32_t d;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
+    return d;
 }
 
 #define ATTENTION_ARGS                                                                          \

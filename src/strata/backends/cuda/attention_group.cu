@@ -41,10 +41,12 @@ struct AttPairs {
     static constexpr int N = (GM * DM + GQA_WARPS - 1) / GQA_WARPS;
 };
 
-template <int DM, int GM>
+// MMA: the tensor-core form's (its queries as fp16 fragments, no weights)
+template <int DM, int GM, bool MMA>
 struct __align__(16) AttShared {
-    float sq[GM][32 * DM];          // the block's heads' queries
-    float sp[GQA_WARPS][GM][32];    // a chunk's weights per warp and head (times V scale)
+    float sq[MMA ? 1 : GM][32 * DM];          // the block's heads' queries
+    uint32_t qf[MMA ? 256 * DM : 4];          // or Q^T's B fragments (MMA_QF; 16-byte rows)
+    float sp[GQA_WARPS][MMA ? 1 : GM][32];    // a chunk's weights per warp and head (times V scale)
     float sacc[GQA_WARPS][GM][32 * DM];
     float sm[GQA_WARPS][GM], sl[GQA_WARPS][GM];
     int rows[GQA_WARPS * 32];
@@ -65,11 +67,47 @@ __device__ __forceinline__ void merge_step(float &M, float &S, float &A, float m
     M = mn;
 }
 
+// The block's partial of each of this thread's pairs from its warps' (sm, sl, and sacc
+// [GQA_WARPS, GM, 32 DM]): into pm / pl / pa. Called by the whole block once every warp has
+// written its own.
+template <int DM, int GM, bool MMA>
+__device__ __forceinline__ void att_block_merge(AttShared<DM, GM, MMA> &sh, const float *sacc,
+                                                int D, int gn,
+                                                float (&pm)[AttPairs<DM, GM>::N],
+                                                float (&pl)[AttPairs<DM, GM>::N],
+                                                float (&pa)[AttPairs<DM, GM>::N]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    const int num_dim_blocks = (D + 31) >> 5;
+#pragma unroll
+    for (int k = 0; k < AttPairs<DM, GM>::N; k++) {
+        const int pair = warp + GQA_WARPS * k;
+        pm[k] = -INFINITY;
+        pl[k] = pa[k] = 0.0f;
+        if (pair >= gn * num_dim_blocks) continue;
+        const int j = pair / num_dim_blocks, e = 32 * (pair % num_dim_blocks) + lane;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < GQA_WARPS; w++) mx = fmaxf(mx, sh.sm[w][j]);
+        float total = 0.0f, a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < GQA_WARPS; w++) {
+            const float wf = sh.sm[w][j] == -INFINITY ? 0.0f : expf(sh.sm[w][j] - mx);
+            total += sh.sl[w][j] * wf;
+            if (e < D) a += sacc[(w * GM + j) * 32 * DM + e] * wf;
+        }
+        pm[k] = mx;
+        pl[k] = total;
+        pa[k] = a;
+    }
+    __syncthreads();  // sq, sm, sl, sacc are rewritten by the next call
+}
+
 // The block's partial of split `split` of row r for heads h0 .. h0 + gn - 1: into pm / pl / pa
 // of each of this thread's pairs. Called by the whole block.
 template <int DM, int GM>
 __device__ __forceinline__ void att_block_partial(
-    AttShared<DM, GM> &sh, const float *__restrict__ q, const KvHead &kh, const KvHead &vh,
+    AttShared<DM, GM, false> &sh, const float *__restrict__ q, const KvHead &kh, const KvHead &vh,
     int r, int Q, int D, int h0, int gn, int last, int split, float scale,
     float (&pm)[AttPairs<DM, GM>::N], float (&pl)[AttPairs<DM, GM>::N],
     float (&pa)[AttPairs<DM, GM>::N]) {
@@ -198,38 +236,207 @@ __device__ __forceinline__ void att_block_partial(
             for (int i = 0; i < DM; i++) sh.sacc[warp][j][d0 + i] = acc[j][i];
         }
     }
-    __syncthreads();
-    const int num_dim_blocks = (D + 31) >> 5;
-#pragma unroll
-    for (int k = 0; k < AttPairs<DM, GM>::N; k++) {
-        const int pair = warp + GQA_WARPS * k;
-        pm[k] = -INFINITY;
-        pl[k] = pa[k] = 0.0f;
-        if (pair >= gn * num_dim_blocks) continue;
-        const int j = pair / num_dim_blocks, e = 32 * (pair % num_dim_blocks) + lane;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < GQA_WARPS; w++) mx = fmaxf(mx, sh.sm[w][j]);
-        float total = 0.0f, a = 0.0f;
-#pragma unroll
-        for (int w = 0; w < GQA_WARPS; w++) {
-            const float wf = sh.sm[w][j] == -INFINITY ? 0.0f : expf(sh.sm[w][j] - mx);
-            total += sh.sl[w][j] * wf;
-            if (e < D) a += sh.sacc[w][j][e] * wf;
-        }
-        pm[k] = mx;
-        pl[k] = total;
-        pa[k] = a;
-    }
-    __syncthreads();  // sq, sm, sl, sacc are rewritten by the next call
+    att_block_merge<DM, GM, false>(sh, &sh.sacc[0][0][0], D, gn, pm, pl, pa);
 }
+
+// ---- the tensor-core form of att_block_partial (D = 32, 64, 128: plan.attention_group_kernel),
+// the same chunks, splits and block merge; a warp's chunk of 32 cells goes as two items of 16
+// cells, with the block's (up to) 8 heads as the n = 8 of mma m16n8k16:
+//   S^T [16 cells, 8 heads] = K [16 cells, D] . Q^T [D, 8 heads]
+//   O^T [D, 8 heads] += V^T [D, 16 cells] . P^T [16 cells, 8 heads]
+// Q and P enter as fp16 hi + lo pairs (two mma steps each: float32-like sums; K and V cells are
+// fp16, or int8 integers with the K scale on the scores and the V scale on P). Lane (g, c)
+// loads dims [32b + 8c, 32b + 8c + 8) of the item's cells g and g + 8 (16 bytes, or 8 of int8)
+// for each 32-dim block b, all of an item's loads issued together:
+// - the K words are S^T's A fragments once k-step (b, h) maps its k slots 2c + e to dims
+//   32b + 8c + 4h + e and 2c + 8 + e to 32b + 8c + 4h + 2 + e (Q^T's B fragments the same);
+// - the V words, 8x8 matrices [cells, dims] in fragment layout, become V^T's A fragments by
+//   movmatrix.trans, O^T's row g of m-tile (b, p) then holding dim 32b + 8(g >> 1) + 4p +
+//   (g & 1) and row g + 8 that + 2;
+// - the weights [cells g, g + 8 x heads 2c, 2c + 1] of S^T's fragment, transposed the same
+//   way, are P^T's B fragments.
+// Each lane keeps heads 2c and 2c + 1's running max and its own cells' sum of weights. Q^T's
+// fragments are read from shared memory at each mma and an item's V loads are issued after its
+// scores, so a thread needs 128 registers: two blocks a multiprocessor. (Held in registers
+// with the V loads beside the K loads: 252 registers, one block, 81.5 us a layer at 64K cells
+// against 66.1; H200, one row of Qwen3-30B-A3B's heads.)
+
+// 8 consecutive dims [d, d + 8) of a cell as 4 fp16 pairs (int8 cells: their integers, exact)
+template <int D>
+__device__ __forceinline__ void mma_load8(const KvHead &kv, int cell, int d, uint32_t (&w)[4]) {
+    if (!kv.is_int8) {
+        const uint4 v =
+            __ldg(reinterpret_cast<const uint4 *>(kv.cells) + ((long long)cell * D + d) / 8);
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = v.z;
+        w[3] = v.w;
+        return;
+    }
+    const uint2 v = __ldg(reinterpret_cast<const uint2 *>(kv.cells + (long long)cell * D + d));
+    const int8_t *b = reinterpret_cast<const int8_t *>(&v);
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        w[j] = half2_bits(__halves2half2(__int2half_rn(b[2 * j]), __int2half_rn(b[2 * j + 1])));
+}
+
+// word i of Q^T's B fragments [NB][h][hi, lo][2] of lane (g, c): at [..][g][c] in shared
+// memory, so a warp's reads are 32 consecutive words
+#define MMA_QF(b, h, hl, wi) ((((((b) * 2 + (h)) * 2 + (hl)) * 2 + (wi)) * 8 + g) * 4 + c)
+
+template <int D>
+__device__ __forceinline__ void att_block_partial_mma(
+    AttShared<D / 32, 8, true> &sh, const float *__restrict__ q, const KvHead &kh,
+    const KvHead &vh, int r, int Q, int h0, int gn, int last, int split, float scale,
+    float (&pm)[AttPairs<D / 32, 8>::N], float (&pl)[AttPairs<D / 32, 8>::N],
+    float (&pa)[AttPairs<D / 32, 8>::N]) {
+    constexpr int NB = D / 32;  // 32-dim blocks
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    // Q^T's B fragments of k-step (b, h): head g's dims 32b + 8c + 4h + 0..3, hi and lo, written
+    // by warp 0 for the block
+#pragma unroll
+    for (int b = 0; b < NB && warp == 0; b++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (g < gn)
+                x = *reinterpret_cast<const float4 *>(q + ((long long)r * Q + h0 + g) * D +
+                                                      32 * b + 8 * c + 4 * h);
+            uint32_t hi0, lo0, hi1, lo1;
+            split_half2(x.x, x.y, hi0, lo0);
+            split_half2(x.z, x.w, hi1, lo1);
+            sh.qf[MMA_QF(b, h, 0, 0)] = hi0;
+            sh.qf[MMA_QF(b, h, 0, 1)] = hi1;
+            sh.qf[MMA_QF(b, h, 1, 0)] = lo0;
+            sh.qf[MMA_QF(b, h, 1, 1)] = lo1;
+        }
+    }
+    __syncthreads();
+    float acc[NB][2][4];  // O^T m-tile (b, p): rows g (0, 1), g + 8 (2, 3) x heads 2c, 2c + 1
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+#pragma unroll
+        for (int p = 0; p < 2; p++) acc[b][p][0] = acc[b][p][1] = acc[b][p][2] = acc[b][p][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // heads 2c, 2c + 1
+    const int stride = 32 * GQA_WARPS * GQA_SPLITS;
+    for (int c0 = 32 * (split * GQA_WARPS + warp); c0 <= last; c0 += stride) {
+#pragma unroll 1
+        for (int half = 0; half < 2; half++) {  // one item's loads live at a time
+            const int base = c0 + 16 * half;
+            if (base > last) break;  // the same in the whole warp
+            const bool ok_a = base + g <= last, ok_b = base + 8 + g <= last;
+            const int ca = min(base + g, last), cb = min(base + 8 + g, last);  // past: finite
+            // the item's K loads, issued together
+            uint32_t ka[NB][4], kb[NB][4], va[NB][4], vb[NB][4];
+#pragma unroll
+            for (int b = 0; b < NB; b++) {
+                mma_load8<D>(kh, ca, 32 * b + 8 * c, ka[b]);
+                mma_load8<D>(kh, cb, 32 * b + 8 * c, kb[b]);
+            }
+            float ks_a = scale, ks_b = scale, vs_a = 1.0f, vs_b = 1.0f;
+            if (kh.is_int8) {
+                ks_a *= __ldg(kh.scales + ca);
+                ks_b *= __ldg(kh.scales + cb);
+                vs_a = __ldg(vh.scales + ca);
+                vs_b = __ldg(vh.scales + cb);
+            }
+            // S^T: cell g (0, 1) and g + 8 (2, 3) x heads 2c, 2c + 1
+            float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int b = 0; b < NB; b++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const uint32_t a[4] = {ka[b][2 * h], kb[b][2 * h], ka[b][2 * h + 1],
+                                           kb[b][2 * h + 1]};
+                    mma_f16(s, a, sh.qf[MMA_QF(b, h, 0, 0)], sh.qf[MMA_QF(b, h, 0, 1)]);
+                    mma_f16(s, a, sh.qf[MMA_QF(b, h, 1, 0)], sh.qf[MMA_QF(b, h, 1, 1)]);
+                }
+            }
+            s[0] = ok_a ? s[0] * ks_a : -INFINITY;
+            s[1] = ok_a ? s[1] * ks_a : -INFINITY;
+            s[2] = ok_b ? s[2] * ks_b : -INFINITY;
+            s[3] = ok_b ? s[3] * ks_b : -INFINITY;
+            // the V loads, in flight while the weights are computed
+#pragma unroll
+            for (int b = 0; b < NB; b++) {
+                mma_load8<D>(vh, ca, 32 * b + 8 * c, va[b]);
+                mma_load8<D>(vh, cb, 32 * b + 8 * c, vb[b]);
+            }
+            // each head's max over the item's 16 cells: the 8 lanes of equal c
+            float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+            for (int o = 4; o <= 16; o <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+            }
+            // finite: the item's first cell is visible; the first item's corr is expf(-inf) = 0
+            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            const float corr0 = expf(m0 - mn0), corr1 = expf(m1 - mn1);
+            float p[4];
+            p[0] = ok_a ? expf(s[0] - mn0) : 0.0f;
+            p[1] = ok_a ? expf(s[1] - mn1) : 0.0f;
+            p[2] = ok_b ? expf(s[2] - mn0) : 0.0f;
+            p[3] = ok_b ? expf(s[3] - mn1) : 0.0f;
+            l0 = l0 * corr0 + (p[0] + p[2]);
+            l1 = l1 * corr1 + (p[1] + p[3]);
+            m0 = mn0;
+            m1 = mn1;
+            // P^T's B fragments: the weights (times the V scale), transposed
+            uint32_t wh0, wl0, wh1, wl1;
+            split_half2(p[0] * vs_a, p[1] * vs_a, wh0, wl0);
+            split_half2(p[2] * vs_b, p[3] * vs_b, wh1, wl1);
+            const uint32_t bh0 = movmatrix_trans(wh0), bh1 = movmatrix_trans(wh1);
+            const uint32_t bl0 = movmatrix_trans(wl0), bl1 = movmatrix_trans(wl1);
+#pragma unroll
+            for (int b = 0; b < NB; b++) {
+#pragma unroll
+                for (int pp = 0; pp < 2; pp++) {
+                    acc[b][pp][0] *= corr0;
+                    acc[b][pp][1] *= corr1;
+                    acc[b][pp][2] *= corr0;
+                    acc[b][pp][3] *= corr1;
+                    const uint32_t a[4] = {
+                        movmatrix_trans(va[b][2 * pp]), movmatrix_trans(va[b][2 * pp + 1]),
+                        movmatrix_trans(vb[b][2 * pp]), movmatrix_trans(vb[b][2 * pp + 1])};
+                    mma_f16(acc[b][pp], a, bh0, bh1);
+                    mma_f16(acc[b][pp], a, bl0, bl1);
+                }
+            }
+        }
+    }
+    // the warp's partial to shared memory: sums over the lanes of equal c, O^T's rows to dims
+#pragma unroll
+    for (int o = 4; o <= 16; o <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+    }
+    if (g == 0) {
+        sh.sm[warp][2 * c] = m0;
+        sh.sm[warp][2 * c + 1] = m1;
+        sh.sl[warp][2 * c] = l0;
+        sh.sl[warp][2 * c + 1] = l1;
+    }
+#pragma unroll
+    for (int b = 0; b < NB; b++) {
+#pragma unroll
+        for (int pp = 0; pp < 2; pp++) {
+            const int d = 32 * b + 8 * (g >> 1) + 4 * pp + (g & 1);
+            sh.sacc[warp][2 * c][d] = acc[b][pp][0];
+            sh.sacc[warp][2 * c + 1][d] = acc[b][pp][1];
+            sh.sacc[warp][2 * c][d + 2] = acc[b][pp][2];
+            sh.sacc[warp][2 * c + 1][d + 2] = acc[b][pp][3];
+        }
+    }
+    att_block_merge<D / 32, 8, true>(sh, &sh.sacc[0][0][0], D, gn, pm, pl, pa);
+}
+#undef MMA_QF
 
 // Row r of the launch (heads h0 .. h0 + gn - 1), its partials at `slot` of part, or, for
 // slot -1, every split in this block (split must be 0 then). Called by the whole block.
-template <int DM, int GM>
+template <int DM, int GM, bool MMA>
 __device__ __forceinline__ void attention_row(
-    AttShared<DM, GM> &sh, ATTENTION_ARGS, int r, int slot, int layer, int L, int Q, int KVH,
-    int D, int kvh, int h0, int gn, float scale, float *__restrict__ part,
+    AttShared<DM, GM, MMA> &sh, ATTENTION_ARGS, int r, int slot, int layer, int L,
+    int Q, int KVH, int D, int kvh, int h0, int gn, float scale, float *__restrict__ part,
     int *__restrict__ counts) {
     constexpr int NP = AttPairs<DM, GM>::N;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -251,7 +458,12 @@ __device__ __forceinline__ void attention_row(
     const bool alone = slot < 0 || num_active == 1;
     const int s_end = alone ? num_active : split + 1;
     for (int s = alone ? 0 : split; s < s_end; s++) {
-        att_block_partial<DM, GM>(sh, q, kh, vh, r, Q, D, h0, gn, last, s, scale, pm, pl, pa);
+        if constexpr (MMA)
+            att_block_partial_mma<32 * DM>(sh, q, kh, vh, r, Q, h0, gn, last, s, scale, pm, pl,
+                                           pa);
+        else
+            att_block_partial<DM, GM>(sh, q, kh, vh, r, Q, D, h0, gn, last, s, scale, pm, pl,
+                                      pa);
         if (alone) {
 #pragma unroll
             for (int k = 0; k < NP; k++) merge_step(M[k], S[k], A[k], pm[k], pl[k], pa[k]);
@@ -302,12 +514,12 @@ __device__ __forceinline__ void attention_row(
     }
 }
 
-template <int DM, int GM>
+template <int DM, int GM, bool MMA>
 __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int singles, int layer,
                                                int L, int Q, int KVH, int D, float scale,
                                                float *__restrict__ part,
                                                int *__restrict__ counts, int deep_from) {
-    __shared__ AttShared<DM, GM> sh;
+    __shared__ AttShared<DM, GM, MMA> sh;
     const int G = Q / KVH, groups = (G + GM - 1) / GM;
     const int kvh = blockIdx.y / groups, hb = blockIdx.y % groups;
     const int h0 = kvh * G + hb * GM, gn = min(GM, G - hb * GM);
@@ -323,8 +535,8 @@ __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int single
     for (int i0 = 0; i0 < R; i0 += blockDim.x) {
         if (direct) {
             if (pos[x] < deep_from) return;  // attention_d*'s row (the whole block)
-            attention_row<DM, GM>(sh, ATTENTION_PASS, x, x, layer, L, Q, KVH, D, kvh, h0, gn,
-                                  scale, part, counts);
+            attention_row<DM, GM, MMA>(sh, ATTENTION_PASS, x, x, layer, L, Q, KVH, D,
+                                       kvh, h0, gn, scale, part, counts);
             return;
         }
         if (threadIdx.x == 0) sh.num_rows = 0;
@@ -353,9 +565,9 @@ __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int single
         const int num = sh.num_rows;
         for (int k = 0; k < num; k++) {
             const int code = sh.rows[k];  // r with slot x, or -1 - r with none
-            attention_row<DM, GM>(sh, ATTENTION_PASS, code >= 0 ? code : -1 - code,
-                                  code >= 0 ? x : -1, layer, L, Q, KVH, D, kvh, h0, gn, scale,
-                                  part, counts);
+            attention_row<DM, GM, MMA>(sh, ATTENTION_PASS,
+                                       code >= 0 ? code : -1 - code, code >= 0 ? x : -1, layer,
+                                       L, Q, KVH, D, kvh, h0, gn, scale, part, counts);
         }
         __syncthreads();  // rows, num_rows and warp_counts are rewritten by the next scan
     }
@@ -363,27 +575,33 @@ __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int single
 
 // The entry points, one per dims per lane DM and heads per block GM
 // (plan.attention_group_launch picks them from D and Q / KVH; each is a kernel of its own, so
-// each gets its own registers): attention_group_d<DM>_g<GM>, block GQA_WARPS * 32.
-#define ATTENTION_GROUP_KERNEL(NAME, DM, GM)                                                    \
-    extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32) attention_group_##NAME(       \
-        ATTENTION_ARGS, int R, int singles, int layer, int L, int Q, int KVH, int D,            \
-        float scale, float *__restrict__ part, int *__restrict__ counts, int deep_from) {       \
+// each gets its own registers): attention_group_d<DM>_g<GM> (SIMT, one block a
+// multiprocessor) and attention_group_mma_d<D> (tensor cores, 8 heads a block, two blocks a
+// multiprocessor), block GQA_WARPS * 32.
+#define ATTENTION_GROUP_KERNEL(NAME, DM, GM, MMA)                                               \
+    extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, MMA ? 2 : 1)                   \
+        attention_group_##NAME(ATTENTION_ARGS, int R, int singles, int layer, int L, int Q,     \
+                               int KVH, int D, float scale, float *__restrict__ part,           \
+                               int *__restrict__ counts, int deep_from) {                       \
         kernel_entry();                                                                         \
-        attention_rows<DM, GM>(ATTENTION_PASS, R, singles, layer, L, Q, KVH, D, scale, part,    \
-                               counts, deep_from);                                              \
+        attention_rows<DM, GM, MMA>(ATTENTION_PASS, R, singles, layer, L, Q, KVH, D, scale,     \
+                                    part, counts, deep_from);                                   \
     }
-ATTENTION_GROUP_KERNEL(d1_g1, 1, 1)
-ATTENTION_GROUP_KERNEL(d1_g2, 1, 2)
-ATTENTION_GROUP_KERNEL(d1_g4, 1, 4)
-ATTENTION_GROUP_KERNEL(d1_g8, 1, 8)
-ATTENTION_GROUP_KERNEL(d2_g1, 2, 1)
-ATTENTION_GROUP_KERNEL(d2_g2, 2, 2)
-ATTENTION_GROUP_KERNEL(d2_g4, 2, 4)
-ATTENTION_GROUP_KERNEL(d2_g8, 2, 8)
-ATTENTION_GROUP_KERNEL(d4_g1, 4, 1)
-ATTENTION_GROUP_KERNEL(d4_g2, 4, 2)
-ATTENTION_GROUP_KERNEL(d4_g4, 4, 4)
-ATTENTION_GROUP_KERNEL(d4_g8, 4, 8)
-ATTENTION_GROUP_KERNEL(d8_g1, 8, 1)
-ATTENTION_GROUP_KERNEL(d8_g2, 8, 2)
-ATTENTION_GROUP_KERNEL(d8_g4, 8, 4)
+ATTENTION_GROUP_KERNEL(d1_g1, 1, 1, false)
+ATTENTION_GROUP_KERNEL(d1_g2, 1, 2, false)
+ATTENTION_GROUP_KERNEL(d1_g4, 1, 4, false)
+ATTENTION_GROUP_KERNEL(d1_g8, 1, 8, false)
+ATTENTION_GROUP_KERNEL(d2_g1, 2, 1, false)
+ATTENTION_GROUP_KERNEL(d2_g2, 2, 2, false)
+ATTENTION_GROUP_KERNEL(d2_g4, 2, 4, false)
+ATTENTION_GROUP_KERNEL(d2_g8, 2, 8, false)
+ATTENTION_GROUP_KERNEL(d4_g1, 4, 1, false)
+ATTENTION_GROUP_KERNEL(d4_g2, 4, 2, false)
+ATTENTION_GROUP_KERNEL(d4_g4, 4, 4, false)
+ATTENTION_GROUP_KERNEL(d4_g8, 4, 8, false)
+ATTENTION_GROUP_KERNEL(d8_g1, 8, 1, false)
+ATTENTION_GROUP_KERNEL(d8_g2, 8, 2, false)
+ATTENTION_GROUP_KERNEL(d8_g4, 8, 4, false)
+ATTENTION_GROUP_KERNEL(mma_d32, 1, 8, true)
+ATTENTION_GROUP_KERNEL(mma_d64, 2, 8, true)
+ATTENTION_GROUP_KERNEL(mma_d128, 4, 8, true)

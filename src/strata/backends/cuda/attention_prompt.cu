@@ -4,74 +4,14 @@
 //
 // Legend: R = window rows, Q = query heads, KVH = KV heads, G = Q / KVH heads per KV head,
 // D = head dim, C = a KV's capacity (cells), L = layers, T = PA_CELLS cells of one KV tile.
-// KV cells as in attention.cu: half [L, 2 (K, V), KVH, C, D], or int8 [L, 2, KVH, C, D] followed
-// by float scales [L, 2, KVH, C]; a row's kv_base has bit 0 set for int8 cells.
-#include "common.cuh"
+// KV cells as in attention.cuh: half [L, 2 (K, V), KVH, C, D], or int8 [L, 2, KVH, C, D]
+// followed by float scales [L, 2, KVH, C]; a row's kv_base has bit 0 set for int8 cells.
+#include "attention.cuh"
 
 #define PA_ROWS 16   // window rows per block: the M of one mma tile per warp
 #define PA_CELLS 64  // cells per KV tile; tiles start at absolute positions 0, 64, 128, ...
 #define PA_WARPS 8   // warps per block at most: one query head each
 #define LOG2E 1.4426950408889634f
-
-// The cells (and int8 scales) of (layer, kind 0 = K / 1 = V, kv head) of one KV
-struct PaHead {
-    const uint8_t *cells;  // [C, D] half or int8
-    const float *scales;   // [C] (int8 cells only)
-};
-
-__device__ __forceinline__ PaHead pa_head(unsigned long long tagged_base, int L, int layer,
-                                          int kind, int KVH, int kvh, int C, int D) {
-    PaHead k;
-    const bool is_int8 = (tagged_base & 1ull) != 0;
-    const uint8_t *base = reinterpret_cast<const uint8_t *>(tagged_base & ~1ull);
-    const long long head = ((long long)layer * 2 + kind) * KVH + kvh;
-    k.cells = base + head * C * D * (is_int8 ? 1 : 2);
-    k.scales = reinterpret_cast<const float *>(base + (long long)L * 2 * KVH * C * D) + head * C;
-    return k;
-}
-
-// d[16x8] += a[16x16] . b[16x8], fp16 inputs, f32 accumulate (a row-major, b column-major)
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two B fragments (n-tiles n0 and n0 + 8 of a [16 k x 16 n] piece) from a row-major [k][n]
-// half tile: the 4 8x8 matrices transposed (ldmatrix .trans); addr is this lane's row start.
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __half *addr) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(addr);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-__device__ __forceinline__ uint32_t half2_bits(__half2 h) {
-    return *reinterpret_cast<uint32_t *>(&h);
-}
-
-// (x, y) as two fp16 pairs hi + lo: hi = fp16(x), lo = fp16(x - hi), together ~22 bits of
-// mantissa, so two fp16 mma steps (hi, then lo) give products as exact as float32 ones
-__device__ __forceinline__ void split_half2(float x, float y, uint32_t &hi, uint32_t &lo) {
-    const __half2 h = __floats2half2_rn(x, y);
-    const float2 hf = __half22float2(h);
-    hi = half2_bits(h);
-    lo = half2_bits(__floats2half2_rn(x - hf.x, y - hf.y));
-}
-
-// 8 int8 cells times their scale -> 8 halves
-__device__ __forceinline__ uint4 int8x8_to_half(uint2 raw, float scale) {
-    const int8_t *b = reinterpret_cast<const int8_t *>(&raw);
-    uint4 o;
-    uint32_t *w = reinterpret_cast<uint32_t *>(&o);
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-        w[j] = half2_bits(__floats2half2_rn((float)b[2 * j] * scale, (float)b[2 * j + 1] * scale));
-    return o;
-}
 
 // ---- prompt attention. Rows handled: those in a run (a neighbour row of the window has the same
 // kv_base: the rows of one prompt chunk or of one slot's drafts); the other rows are left to
@@ -150,8 +90,8 @@ __device__ __forceinline__ void prompt_body(
         const int lim_a = (g >= seg && g < end) ? s_pos[g] : -1;  // last visible cell per row
         const int lim_b = (g + 8 >= seg && g + 8 < end) ? s_pos[g + 8] : -1;
         const bool is_int8 = (base & 1ull) != 0;
-        const PaHead kh = pa_head(base, L, layer, 0, KVH, kvh, s_cap[seg], D);
-        const PaHead vh = pa_head(base, L, layer, 1, KVH, kvh, s_cap[seg], D);
+        const KvHead kh = kv_head(base, L, layer, 0, KVH, kvh, s_cap[seg], D);
+        const KvHead vh = kv_head(base, L, layer, 1, KVH, kvh, s_cap[seg], D);
         for (int kv0 = 0; kv0 <= last; kv0 += PA_CELLS) {
             __syncthreads();  // the previous tile's fragments are read
             for (int i = threadIdx.x; i < PA_CELLS * CH; i += blockDim.x) {

@@ -24,15 +24,18 @@ MM_ROWS = 16  # outputs per block of the product kernels (MM_WARPS * NR in matmu
 ATT_SPLITS, ROUTER_WARPS, ROUTER_RT, GROUP_CHUNK = 4, 4, 8, 1024
 GQA_WARPS, GQA_SPLITS, GQA_PART_ROWS = 8, 32, 32
 # Decode rows at a position of at least ATT_DEEP_FROM cells take attention_group.cu's kernel (a
-# block per GQA group and split: each K/V cell read once per group), the others attention.cu's
-# (a block per query head: each cell read once per head, but a short context costs one memory
-# round trip). A row's path depends on its own position only, so its bits never depend on its
-# window; a window with no row that deep runs a plan without the group launches. H200, one
-# row, Qwen3-30B-A3B's heads (32 over 4 KV heads of 128), microseconds a layer per kernel alone
-# at positions 0 / 1K / 4K / 16K / 64K: attention_d4 5.5 / 11.0 / 31.0 / 108.2 / 448.7,
-# attention_group_d4_g8 15.4 / 25.6 / 29.7 / 54.1 / 122.3.
-# STRATA_ATT_DEEP_FROM=N moves the threshold (0: every row the group kernel's; "off": none).
-ATT_DEEP_FROM = 4096
+# block per GQA group and split: each K/V cell read once per group; tensor cores), the others
+# attention.cu's (a block per query head: each cell read once per head, but a short context
+# costs one memory round trip). A row's path depends on its own position only, so its bits never
+# depend on its window; a window with no row that deep runs a plan without the group launches.
+# H200, Qwen3-30B-A3B's heads (32 over 4 KV heads of 128), microseconds a layer per kernel alone
+# at positions 0 / 1K / 2K / 4K / 16K / 64K, one row: attention_d4 4.6 / 10.1 / 16.9 / 30.2 /
+# 109.7 / 449.2, attention_group_mma_d128 6.8 / 14.1 / 15.6 / 20.6 / 28.1 / 66.1; 4 rows:
+# 4.7 / 24.2 / 42.6 / 78.7 / 299.2 / 1,177.2 against 7.1 / 15.2 / 18.0 / 20.8 / 50.0 / 115.5
+# (docs/cuda.md, "Deep in a context"). STRATA_ATT_DEEP_FROM=N moves the threshold (0: every row
+# the group kernel's; "off": none).
+ATT_DEEP_FROM = 2048
+ATT_GROUP_FORM = "mma"
 INT_MAX = 2 ** 31 - 1
 # Prompt-sized windows (>= MMQ_MIN_ROWS rows): attention_prompt.cu's tensor-core attention for
 # rows whose slot has other rows beside them (PA_ROWS rows x up to PA_WARPS heads per block), the
@@ -111,10 +114,15 @@ def attention_kernels(head_dim: int) -> tuple[str, str]:
     return f"attention_d{per_lane}", f"attention_singles_d{per_lane}"
 
 
-def attention_group_kernel(head_dim: int, group: int) -> tuple[str, int]:
+def attention_group_kernel(head_dim: int, group: int, env=None) -> tuple[str, int]:
     """attention_group.cu's kernel for this head dim and GQA group (query heads per KV head),
-    and the heads per block it takes: the group's size rounded up to 1, 2, 4 or 8, at most 8
-    (4 at 8 dims per lane: registers)."""
+    and the heads per block it takes: a tensor-core form (8 heads a block) for D = 32, 64 or
+    128, else the SIMT form with the group's size rounded up to 1, 2, 4 or 8, at most 8 (4 at 8
+    dims per lane: registers). STRATA_ATT_GROUP=simt takes the SIMT form for every D (to
+    measure one against the other in one build)."""
+    form = (os.environ if env is None else env).get("STRATA_ATT_GROUP", ATT_GROUP_FORM)
+    if head_dim in (32, 64, 128) and form == "mma":
+        return f"attention_group_mma_d{head_dim}", 8
     per_lane = _dims_per_lane(head_dim)
     most = 4 if per_lane == 8 else 8
     heads = next(n for n in (1, 2, 4, 8) if n >= min(group, most))
