@@ -189,6 +189,22 @@ def test_depth_kvs_hold_the_context_and_go_back_to_it(tmp_path, shape):
     assert [kv.num_tokens for kv in DepthKVs(model, 0, room=4, chunk_tokens=8).take(3)] == [0] * 3
 
 
+def test_depth_kvs_show_their_reading(tiny, capsys):
+    """The depth's reading shows a progress bar (tokens of the slots still to fill) when asked,
+    and none for slots already filled."""
+    from strata.backends.cpu import CpuModel
+    from strata.cli import DepthKVs
+    from strata.model.gguf_file import GGUFModel
+
+    model = CpuModel(GGUFModel.open(tiny))
+    start = DepthKVs(model, 24, room=2, chunk_tokens=8, progress=True)
+    start.take(2)
+    err = capsys.readouterr().err
+    assert "-d 24: reading the context of 2 slot(s)" in err and "/48 " in err  # 2 x 24
+    start.take(2)
+    assert "reading the context" not in capsys.readouterr().err
+
+
 def test_bench_depth_past_the_context(tiny):
     res = runner().invoke(main, ["bench", "--model", tiny, "-p", "16", "-n", "4", "-d",
                                  "4090"])

@@ -163,13 +163,16 @@ def _size_text(num_bytes: int) -> str:
 class DepthKVs:
     """Each slot's KV for one bench depth: `depth` tokens of context read once through
     `forward` (untimed, as llama-bench's -d does) and taken back to them before every run;
-    at depth 0 a fresh KV per run. `room`: the most tokens a run adds."""
+    at depth 0 a fresh KV per run. `room`: the most tokens a run adds. The reading shows a
+    progress bar on stderr (tqdm: on a terminal unless `progress` says otherwise; a 64K depth
+    takes minutes on a CPU)."""
 
     def __init__(self, model, depth: int, room: int, chunk_tokens: int, forward=None,
-                 kv_args: dict | None = None, seed: int = 0):
+                 kv_args: dict | None = None, seed: int = 0, progress: bool | None = None):
         self.model, self.depth, self.room = model, int(depth), int(room)
         self.chunk_tokens, self.kv_args = int(chunk_tokens), dict(kv_args or {})
         self.forward = forward or model.forward
+        self.progress = progress
         self._context = np.random.default_rng(seed).integers(
             0, model.spec.vocab, self.depth, dtype=np.int32)
         self._kvs = []
@@ -178,12 +181,21 @@ class DepthKVs:
         """`num_slots` KVs holding the depth's tokens (and nothing after them)."""
         if not self.depth:
             return [self.model.new_kv(self.room, **self.kv_args) for _ in range(num_slots)]
-        while len(self._kvs) < num_slots:
-            kv = self.model.new_kv(self.depth + self.room, **self.kv_args)
-            for start in range(0, self.depth, self.chunk_tokens):
-                self.forward(self._context[start:start + self.chunk_tokens], kv)
-            kv.keep_checkpoint()  # a hybrid model's recurrent state at the depth
-            self._kvs.append(kv)
+        missing = num_slots - len(self._kvs)
+        if missing > 0:
+            from tqdm import tqdm
+
+            with tqdm(total=missing * self.depth, unit="token", leave=False,
+                      desc=f"-d {self.depth}: reading the context of {missing} slot(s)",
+                      disable=None if self.progress is None else not self.progress) as bar:
+                for _ in range(missing):
+                    kv = self.model.new_kv(self.depth + self.room, **self.kv_args)
+                    for start in range(0, self.depth, self.chunk_tokens):
+                        chunk = self._context[start:start + self.chunk_tokens]
+                        self.forward(chunk, kv)
+                        bar.update(len(chunk))
+                    kv.keep_checkpoint()  # a hybrid model's recurrent state at the depth
+                    self._kvs.append(kv)
         for kv in self._kvs[:num_slots]:
             kv.truncate(self.depth)
         return self._kvs[:num_slots]
