@@ -8,11 +8,13 @@
 // chunks of 32 at fixed absolute positions: chunk i belongs to warp i % GQA_WARPS of split
 // (i / GQA_WARPS) % GQA_SPLITS, so a row's splits, and every sum below, depend on its own
 // position only: the same bits in any window and in any launch below.
-// - A chunk's loads are issued together (lane j: the whole K row of cell 32i + j; every lane:
-//   its DM dims [DM lane, DM lane + DM) of the chunk's V rows). Lane j scores its cell against
-//   the block's GM heads (q in shared memory), the warp's online softmax per head (a warp max
-//   per chunk; each lane sums its own cells' weights, the warp adds them at the end), the
-//   weights go to shared memory and every lane accumulates its dims of the chunk's V rows.
+// - The SIMT form (attention_group_d*, any D): a chunk's loads are issued together (lane j:
+//   the whole K row of cell 32i + j; every lane: its DM dims [DM lane, DM lane + DM) of the
+//   chunk's V rows). Lane j scores its cell against the block's GM heads (q in shared memory),
+//   the warp's online softmax per head (a warp max per chunk; each lane sums its own cells'
+//   weights, the warp adds them at the end), the weights go to shared memory and every lane
+//   accumulates its dims of the chunk's V rows. The tensor-core form (attention_group_mma_d*,
+//   D = 32, 64, 128; att_block_partial_mma) takes the same chunks with mma.
 // - A block merges its warps into a partial per head (m, l, acc[D]). A row whose cells are all
 //   split 0's (pos < 32 * GQA_WARPS) is written by that block; otherwise each block of a
 //   split with cells stores its partial in part [PR, Q, GQA_SPLITS, 2 + D] at the row's slot
