@@ -80,7 +80,7 @@ def test_window_rows_equal_solo_across_the_threshold(deep_pair, shape):
     solo = [gpu.forward(nx, kv, all_logits=True)
             for kv, nx in zip(_prefilled(gpu, first, 60), steps)]
     window = Window.build(list(zip(_prefilled(gpu, first, 60), steps)), logits="all")
-    assert gpu.is_deep(window)
+    assert gpu.deep_level(window)
     logits = gpu.forward_window(window)
     for i in range(len(steps)):
         np.testing.assert_array_equal(window.logits_of(logits, i), solo[i], err_msg=f"slot {i}")
@@ -90,7 +90,7 @@ def test_window_rows_equal_solo_across_the_threshold(deep_pair, shape):
     for order in ((0, 1, 2), (2, 1, 0)):
         kvs = _prefilled(gpu, first, 70)
         window = Window.build([(kvs[i], steps[i]) for i in order], logits="all")
-        assert window.num_rows >= 20 and gpu.is_deep(window)
+        assert window.num_rows >= 20 and gpu.deep_level(window)
         logits = gpu.forward_window(window)
         got.append({i: window.logits_of(logits, at) for at, i in enumerate(order)})
     for i in range(len(steps)):
@@ -99,21 +99,31 @@ def test_window_rows_equal_solo_across_the_threshold(deep_pair, shape):
 
 def test_only_deep_windows_take_the_group_plans(deep_pair, synth_path, monkeypatch):
     """A window takes a plan with attention_group.cu's launches (one more per attention layer)
-    only when one of its rows sits at DEEP_FROM or past it; with the threshold off, never."""
+    only when one of its rows sits at DEEP_FROM or past it, and one without attention_d*'s
+    launches when every row of a decode window does; with the threshold off, never."""
     from strata.backends.cuda import CudaModel
+    from strata.backends.cuda.plan import DEEP_ALL, DEEP_NONE, DEEP_SOME, MMQ_MIN_ROWS
 
     _, gpu = deep_pair("tiny", "q4_0")
     layers = len(gpu.spec.attention_layers)
-    assert gpu.launches_per_window(1, 1, deep=True) == gpu.launches_per_window(1, 1) + layers
+    plain = gpu.launches_per_window(1, 1)
+    assert gpu.launches_per_window(1, 1, deep=DEEP_SOME) == plain + layers
+    assert gpu.launches_per_window(1, 1, deep=DEEP_ALL) == plain  # one kernel for another
+    rows = MMQ_MIN_ROWS  # a prompt window keeps attention_prompt and singles beside the group
+    assert (gpu.launches_per_window(rows, 1, deep=DEEP_ALL)
+            == gpu.launches_per_window(rows, 1, deep=DEEP_SOME)
+            == gpu.launches_per_window(rows, 1) + layers)
     kvs = [gpu.new_kv(64) for _ in range(2)]
     gpu.forward(_tokens(DEEP_FROM - 1, gpu.spec.vocab, seed=1), kvs[0])
     gpu.forward(_tokens(3, gpu.spec.vocab, seed=2), kvs[1])
     shallow = Window.build([(kv, [5]) for kv in kvs])  # rows at DEEP_FROM - 1 and 3
-    assert not gpu.is_deep(shallow)
+    assert gpu.deep_level(shallow) == DEEP_NONE
     gpu.forward_window(shallow)
     deep = Window.build([(kv, [6]) for kv in kvs])  # rows at DEEP_FROM and 4
-    assert gpu.is_deep(deep)
+    assert gpu.deep_level(deep) == DEEP_SOME
+    assert gpu.deep_level(Window.build([(kvs[0], [7])])) == DEEP_ALL  # DEEP_FROM alone
     monkeypatch.setenv("STRATA_ATT_DEEP_FROM", "off")
     off = CudaModel(GGUFModel.open(synth_path("tiny", "q4_0")))
-    assert off.attention_deep_from is None and not off.is_deep(deep)
-    assert off.launches_per_window(1, 1, deep=True) == gpu.launches_per_window(1, 1)
+    assert off.attention_deep_from is None and off.deep_level(deep) == DEEP_NONE
+    assert off.launches_per_window(1, 1, deep=DEEP_SOME) == plain
+    assert off.launches_per_window(1, 1, deep=DEEP_ALL) == plain

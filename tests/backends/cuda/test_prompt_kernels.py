@@ -176,6 +176,13 @@ def test_plan_takes_prompt_kernels_from_the_threshold(synth_path):
         assert [n for n in deep if n != group] == plain
         assert deep.count(group) == L
         assert all(deep[i + 1] == last for i, n in enumerate(deep) if n == group)
+    # every row deep: a decode window's plan swaps attention_d* for the group kernel; a prompt
+    # window's keeps attention_prompt and singles (its rows beside their slot's need them)
+    with gpu.runtime.active():
+        all_small, all_large = (list(gpu._plan(rows, 1, cuda_plan.DEEP_ALL).launches.names())
+                                for rows in (cuda_plan.MMQ_MIN_ROWS - 1, cuda_plan.MMQ_MIN_ROWS))
+    assert all_small == [group if n == decode else n for n in small]
+    assert all_large == deep_large
 
 
 @pytest.mark.parametrize("num_experts, experts_per_row, num_rows",

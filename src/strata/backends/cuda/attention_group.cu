@@ -1,12 +1,12 @@
 // The causal attention of decode rows deep in their context (pos >= the plan's deep_from;
 // attention.cu's attention_d* takes the others). Legend and KV layout: attention.cuh.
 //
-// A row's query heads over cells [0, pos[r]] of its KV, split over GQA_SPLITS blocks
+// A row's query heads over cells [0, pos[r]] of its KV, split over S = gridDim.z blocks
 // (flash-decoding) and shared by the heads of one GQA group, so each K/V cell is read once per
 // group of up to GM heads, not once per head (attention_d* reads it once per head: 8x the bytes
 // under Qwen3-30B-A3B's groups of 8, 448 us a layer at 64K cells on the H200). Cells go in
 // chunks of 32 at fixed absolute positions: chunk i belongs to warp i % GQA_WARPS of split
-// (i / GQA_WARPS) % GQA_SPLITS, so a row's splits, and every sum below, depend on its own
+// (i / GQA_WARPS) % S, so a row's splits, and every sum below, depend on its own
 // position only: the same bits in any window and in any launch below.
 // - The SIMT form (attention_group_d*, any D): a chunk's loads are issued together (lane j:
 //   the whole K row of cell 32i + j; every lane: its DM dims [DM lane, DM lane + DM) of the
@@ -17,7 +17,7 @@
 //   D = 32, 64, 128; att_block_partial_mma) takes the same chunks with mma.
 // - A block merges its warps into a partial per head (m, l, acc[D]). A row whose cells are all
 //   split 0's (pos < 32 * GQA_WARPS) is written by that block; otherwise each block of a
-//   split with cells stores its partial in part [PR, Q, GQA_SPLITS, 2 + D] at the row's slot
+//   split with cells stores its partial in part [PR, Q, S, 2 + D] at the row's slot
 //   and the last block of the (slot, head group) to finish (counter in counts, zero between
 //   launches) merges the partials in split order (merge_step, an online merge: one partial
 //   alone gives its own acc / l exactly).
@@ -28,12 +28,12 @@
 //   holds) is computed by block (x, y, 0) alone, split after split, merged by the same
 //   merge_step in the same order: the same bits.
 // out [R, Q*D] float; when outq is not NULL (D % 32 == 0) also its 8-bit form for the output
-// projection. grid (PR = min(R, GQA_PART_ROWS), KVH * ceil(G / GM), GQA_SPLITS), G = Q / KVH;
+// projection. grid (PR = min(R, GQA_PART_ROWS), KVH * ceil(G / GM), S), G = Q / KVH; S is
+// plan.GQA_SPLITS, one value for every launch of a model (the splits set the sums' order);
 // block GQA_WARPS * 32; D % 8 == 0, D <= 32 DM.
 #include "attention.cuh"
 
 #define GQA_WARPS 8
-#define GQA_SPLITS 32
 #define GQA_PART_ROWS 32
 
 // Output pairs (head j of the block, 32-dim block b) of a thread: warp w takes pairs
@@ -116,7 +116,7 @@ __device__ __forceinline__ void att_block_partial(
     constexpr int VROWS = DM <= 2 ? 32 : DM == 4 ? 16 : 8;  // V rows held at once
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int d0 = DM * lane;
-    const int stride = 32 * GQA_WARPS * GQA_SPLITS;
+    const int stride = 32 * GQA_WARPS * gridDim.z;  // gridDim.z: the launch's splits
     int c0 = 32 * (split * GQA_WARPS + warp);
     AttChunk<DM, VROWS> ch;
     if (c0 <= last)  // in flight ...
@@ -320,7 +320,7 @@ __device__ __forceinline__ void att_block_partial_mma(
 #pragma unroll
         for (int p = 0; p < 2; p++) acc[b][p][0] = acc[b][p][1] = acc[b][p][2] = acc[b][p][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // heads 2c, 2c + 1
-    const int stride = 32 * GQA_WARPS * GQA_SPLITS;
+    const int stride = 32 * GQA_WARPS * gridDim.z;  // gridDim.z: the launch's splits
     for (int c0 = 32 * (split * GQA_WARPS + warp); c0 <= last; c0 += stride) {
 #pragma unroll 1
         for (int half = 0; half < 2; half++) {  // one item's loads live at a time
@@ -444,7 +444,8 @@ __device__ __forceinline__ void attention_row(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int split = blockIdx.z, C = cap[r], last = pos[r];
     const int num_chunks = last / 32 + 1;
-    const int num_active = min(GQA_SPLITS, (num_chunks + GQA_WARPS - 1) / GQA_WARPS);
+    const int splits = gridDim.z;
+    const int num_active = min(splits, (num_chunks + GQA_WARPS - 1) / GQA_WARPS);
     if (slot >= 0 && split >= num_active) return;  // no cells: not counted below
     const KvHead kh = kv_head(kv_base[r], L, layer, 0, KVH, kvh, C, D);
     const KvHead vh = kv_head(kv_base[r], L, layer, 1, KVH, kvh, C, D);
@@ -478,7 +479,7 @@ __device__ __forceinline__ void attention_row(
             const int pair = warp + GQA_WARPS * k;
             if (pair >= gn * num_dim_blocks) continue;
             const int j = pair / num_dim_blocks, e = 32 * (pair % num_dim_blocks) + lane;
-            float *mine = part + (((long long)slot * Q + h0 + j) * GQA_SPLITS + split) * (2 + D);
+            float *mine = part + (((long long)slot * Q + h0 + j) * splits + split) * (2 + D);
             if (e < D) mine[2 + e] = pa[k];
             if (e == 0) {
                 mine[0] = pm[k];
@@ -499,7 +500,7 @@ __device__ __forceinline__ void attention_row(
             const int pair = warp + GQA_WARPS * k;
             if (pair >= gn * num_dim_blocks) continue;
             const int j = pair / num_dim_blocks, e = 32 * (pair % num_dim_blocks) + lane;
-            const float *parts = part + ((long long)slot * Q + h0 + j) * GQA_SPLITS * (2 + D);
+            const float *parts = part + ((long long)slot * Q + h0 + j) * splits * (2 + D);
             for (int s = 0; s < num_active; s++) {
                 const float *ps = parts + s * (2 + D);
                 merge_step(M[k], S[k], A[k], __ldcg(ps), __ldcg(ps + 1),

@@ -11,7 +11,8 @@ import numpy as np
 
 from strata.backends.cuda.kv import CudaKV
 from strata.backends.cuda.logits import DeviceLogits, LogitReader
-from strata.backends.cuda.plan import WindowPlan, Workspace, attention_deep_from
+from strata.backends.cuda.plan import (DEEP_ALL, DEEP_NONE, DEEP_SOME, WindowPlan, Workspace,
+                                       attention_deep_from, prompt_attention)
 from strata.backends.cuda.runtime import Runtime
 from strata.backends.cuda.device_tier import DeviceTier
 from strata.backends.cuda.weights import (DeviceLayer, DeviceMatrix, DeviceVector, small_values,
@@ -176,9 +177,10 @@ class CudaModel:
                           np.float16 if dtype is None else dtype, max_checkpoints)
 
     # ---- plans --------------------------------------------------------------------------------
-    def _plan(self, num_rows: int, num_logit_rows: int, deep: bool = False) -> WindowPlan:
-        """The plan of windows of this shape; `deep`: one with a row at attention_deep_from or
-        past it (the plan then launches attention_group.cu's kernel too)."""
+    def _plan(self, num_rows: int, num_logit_rows: int, deep: int = DEEP_NONE) -> WindowPlan:
+        """The plan of windows of this shape; `deep` (deep_level): DEEP_SOME for one with a
+        row at attention_deep_from or past it (the plan then launches attention_group.cu's
+        kernel too), DEEP_ALL for a decode window whose rows all are (that kernel only)."""
         ws = self._ws
         if ws is None or ws.max_rows < num_rows or ws.max_logit_rows < num_logit_rows:
             rows = max(_MIN_WORKSPACE_ROWS, _pow2(num_rows), ws.max_rows if ws else 0)
@@ -188,29 +190,36 @@ class CudaModel:
             self._plans.clear()  # their addresses point into the old workspace
             self._ws = ws = None
             self._ws = Workspace(self.runtime, self.spec, rows, logit_rows)
-        deep = deep and self.attention_deep_from is not None
-        key = (num_rows, num_logit_rows, deep)
+        if self.attention_deep_from is None:
+            deep = DEEP_NONE
+        elif deep == DEEP_ALL and prompt_attention(num_rows, self.spec):
+            deep = DEEP_SOME  # a prompt window's rows beside their slot's take attention_prompt
+        key = (num_rows, num_logit_rows, int(deep))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = WindowPlan(
                 self, self._ws, num_rows, num_logit_rows,
-                self.attention_deep_from if deep else None)
+                self.attention_deep_from if deep else None, deep == DEEP_ALL)
             if len(self._plans) > _MAX_PLANS:
                 self._plans.popitem(last=False)
         self._plans.move_to_end(key)
         return plan
 
     def launches_per_window(self, num_rows: int = 1, num_logit_rows: int = 1,
-                            deep: bool = False) -> int:
+                            deep: int = DEEP_NONE) -> int:
         """Kernel launches of one pass over a window of this shape (graph nodes when captured);
-        `deep`: with a row deep enough for attention_group.cu."""
+        `deep`: DEEP_SOME with a row deep enough for attention_group.cu, DEEP_ALL with every
+        row that deep (True counts as DEEP_SOME)."""
         with self.runtime.active():
             return len(self._plan(num_rows, num_logit_rows, deep).launches)
 
-    def is_deep(self, window: Window) -> bool:
-        """Does a row of `window` sit at attention_deep_from or past it?"""
+    def deep_level(self, window: Window) -> int:
+        """DEEP_NONE, DEEP_SOME or DEEP_ALL: how many rows of `window` sit at
+        attention_deep_from or past it (none, some, every one)."""
         deep_from = self.attention_deep_from
-        return deep_from is not None and int(window.positions.max()) >= deep_from
+        if deep_from is None or int(window.positions.max()) < deep_from:
+            return DEEP_NONE
+        return DEEP_ALL if int(window.positions.min()) >= deep_from else DEEP_SOME
 
     # ---- the pass -----------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, kv: CudaKV, all_logits: bool = False) -> np.ndarray:
@@ -284,7 +293,7 @@ class CudaModel:
                     f"slot {i}: its KV cache ({kv!r}) was not made by this CUDA model; make "
                     "every KV of a window with this model's new_kv")
         R, N = window.num_rows, window.num_logit_rows
-        plan = self._plan(R, max(N, 1), self.is_deep(window))
+        plan = self._plan(R, max(N, 1), self.deep_level(window))
         ws = self._ws
         lengths = window.run_lengths()
         ws.host_kv[:R] = np.repeat(np.array([kv.base for kv in window.kvs], dtype=np.uint64),

@@ -19,8 +19,10 @@ from strata.model.arch import ModelSpec
 
 MM_FMT = "PPPPqiiPPPPPPPPPiPP"  # products.cuh MM_ARGS
 MM_ROWS = 16  # outputs per block of the product kernels (MM_WARPS * NR in matmul.cu)
-# the kernels' constants: ATT_SPLITS in attention.cu, GQA_WARPS, GQA_SPLITS and GQA_PART_ROWS in
-# attention_group.cu, ROUTER_WARPS, ROUTER_RT and GROUP_CHUNK in router.cu
+# the kernels' constants: ATT_SPLITS in attention.cu, GQA_WARPS and GQA_PART_ROWS in
+# attention_group.cu, ROUTER_WARPS, ROUTER_RT and GROUP_CHUNK in router.cu. GQA_SPLITS is
+# attention_group.cu's grid z (its kernels read the split count from there): one value for every
+# launch, since it sets the order of a row's sums (64 was slower: docs/cuda.md, session 40).
 ATT_SPLITS, ROUTER_WARPS, ROUTER_RT, GROUP_CHUNK = 4, 4, 8, 1024
 GQA_WARPS, GQA_SPLITS, GQA_PART_ROWS = 8, 32, 32
 # Decode rows at a position of at least ATT_DEEP_FROM cells take attention_group.cu's kernel (a
@@ -35,6 +37,10 @@ GQA_WARPS, GQA_SPLITS, GQA_PART_ROWS = 8, 32, 32
 # (docs/cuda.md, "Deep in a context"). STRATA_ATT_DEEP_FROM=N moves the threshold (0: every row
 # the group kernel's; "off": none).
 ATT_DEEP_FROM = 2048
+# How deep a window's rows sit (model.py's deep_level, the plan's key): none at ATT_DEEP_FROM,
+# some, or every row of a decode window (whose plan then launches no attention_d*, whose blocks
+# would all return at once: 485 launches a Qwen3-30B-A3B token instead of 533, 0.4% of it).
+DEEP_NONE, DEEP_SOME, DEEP_ALL = 0, 1, 2
 ATT_GROUP_FORM = "mma"
 INT_MAX = 2 ** 31 - 1
 # Prompt-sized windows (>= MMQ_MIN_ROWS rows): attention_prompt.cu's tensor-core attention for
@@ -318,15 +324,24 @@ class Workspace:
         return self.ptr("desc") + at[field]
 
 
+def prompt_attention(num_rows: int, spec: ModelSpec) -> bool:
+    """Does a window of `num_rows` rows run attention_prompt (beside attention_singles_d*)?"""
+    return not (num_rows < MMQ_MIN_ROWS or spec.head_dim not in PA_HEAD_DIMS
+                or spec.n_heads % spec.n_kv_heads
+                or os.environ.get("STRATA_PROMPT_ATTN", "mma") == "old")
+
+
 class WindowPlan:
     """The launches of one window shape (R rows, N logit rows) over a workspace. `deep_from`:
     None, or the position from which rows take attention_group.cu (a window with a row that
-    deep; model.py decides per window)."""
+    deep; model.py decides per window); `deep_all`: every row is that deep and the window is
+    a decode one (no attention_d* launch)."""
 
     def __init__(self, model, ws: Workspace, num_rows: int, num_logit_rows: int,
-                 deep_from: int | None = None):
+                 deep_from: int | None = None, deep_all: bool = False):
         self.num_rows, self.num_logit_rows = num_rows, num_logit_rows
         self.deep_from = deep_from
+        self.deep_all = deep_all and deep_from is not None
         self._model, self._ws, self._rt = model, ws, model.runtime
         # dense "groups": one group of all R rows, one of the N logit rows
         self._static = self._rt.upload(np.array([0, 0, num_rows, 0, 0, num_logit_rows, 1],
@@ -440,8 +455,7 @@ class WindowPlan:
         dims = [li, L, Q, KVH, D, self._model.attn_scale]
         decode, singles = attention_kernels(D)
         deep_from = INT_MAX if self.deep_from is None else self.deep_from
-        prompt = not (R < MMQ_MIN_ROWS or D not in PA_HEAD_DIMS or Q % KVH
-                      or os.environ.get("STRATA_PROMPT_ATTN", "mma") == "old")
+        prompt = prompt_attention(R, self._model.spec)
         if prompt:
             group = Q // KVH
             warps = min(group, PA_WARPS)
@@ -456,7 +470,7 @@ class WindowPlan:
         if prompt:
             self._add(singles, (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
                       ATTENTION_SINGLES_FMT, [*outs, R, *dims, *split, deep_from])
-        else:
+        elif not self.deep_all:
             self._add(decode, (R, Q, ATT_SPLITS), (128,), ATTENTION_FMT,
                       [*outs, *dims, *split, deep_from])
 
