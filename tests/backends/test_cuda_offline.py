@@ -112,6 +112,16 @@ def test_attention_deep_from():
         (32 * cuda_plan.GQA_WARPS,))
 
 
+def test_attention_prompt_shared_memory_is_what_the_runtime_allows():
+    """attention_prompt's two buffers of K/V tiles need more than the default 48 KB of dynamic
+    shared memory at D = 128: the runtime raises the kernel's limit to exactly the most any
+    head dim takes, within the 99 KB an sm_86 / sm_89 / sm_120 block may opt in to."""
+    sizes = [cuda_plan.attention_prompt_shared_bytes(d) for d in cuda_plan.PA_HEAD_DIMS]
+    assert cuda_runtime.DYNAMIC_SHARED_MAX["attention_prompt"] == max(sizes) == 69_632
+    assert max(sizes) <= 99 * 1024
+    assert cuda_plan.attention_prompt_shared_bytes(16) == 2 * 2 * 64 * 24 * 2
+
+
 # a PTX instruction that touches memory: its opcode and dotted qualifiers
 _MEMORY_OP = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:ld|ldu|st|atom|red|cp\.async)(?:\.[\w:]+)*)\s")
 _OWN_SPACES = (".param", ".shared", ".local", ".const")  # not written by the previous kernel

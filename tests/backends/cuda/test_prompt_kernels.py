@@ -9,7 +9,8 @@ import pytest
 from strata.backends.cuda.plan import (ATT_SINGLE_BLOCKS, ATT_SPLITS, ATTENTION_GROUP_FMT,
                                        ATTENTION_SINGLES_FMT, GROUP_WIDE_THREADS, INT_MAX,
                                        PA_ROWS, PA_WARPS, attention_group_launch,
-                                       attention_group_part_floats, attention_kernels)
+                                       attention_group_part_floats, attention_kernels,
+                                       attention_prompt_shared_bytes)
 
 from test_cuda_kernels import _Dev, _q8, attention_reference, grouped_reference, run_attention
 
@@ -50,7 +51,7 @@ def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, 
     dims = [layer, num_layers, Q, num_kv_heads, D, D ** -0.5]
     dev.launch("attention_prompt", ((R + PA_ROWS - 1) // PA_ROWS, num_kv_heads,
                                     (group + warps - 1) // warps), (32 * warps,),
-               "PPPPPPPiiiiiif", [*common, *dims])
+               "PPPPPPPiiiiiif", [*common, *dims], shared_bytes=attention_prompt_shared_bytes(D))
     if deep_from is not None:
         name, grid, block = attention_group_launch(R, Q, num_kv_heads, D)
         group_counts = dev.empty(4 * grid[0] * Q, fill=0)

@@ -23,19 +23,23 @@
 // holds the rows of query head kvh * G + z * W + w (W = blockDim / 32), mma m16n8k16 fp16 for
 // Q.K^T and P.V with Q and P split into fp16 hi + lo parts (two mma steps each), so scores and
 // sums are as exact as float32 ones (K/V cells are fp16; int8 cells become fp16 after scaling).
+// Two buffers of K/V tiles in dynamic shared memory: fp16 tile i + 1 lands by cp.async while
+// the warps multiply tile i (int8 tiles are scaled to fp16 on the way, by plain loads).
 // out [R, Q*D] float; outq / outd (when not NULL; D % 32 == 0) its 8-bit form per 32 dims.
-// grid (ceil(R / 16), KVH, ceil(G / W)), block W * 32 (W = min(G, PA_WARPS)); D in 16..128.
+// grid (ceil(R / 16), KVH, ceil(G / W)), block W * 32 (W = min(G, PA_WARPS)), dynamic shared
+// memory 2 buffers x (K, V) x T x (D + 8) halves (plan.attention_prompt_shared_bytes); D in
+// 16..128.
 template <int D>
 __device__ __forceinline__ void prompt_body(
     const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
     float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
     const int *__restrict__ pos, const int *__restrict__ cap, int R, int layer, int L, int Q,
-    int KVH, float scale, __half *sk) {
+    int KVH, float scale, __half *tiles) {
     constexpr int KS = D / 16;       // k-steps of Q.K^T
     constexpr int NT = D / 8;        // n-tiles of P.V
     constexpr int LDS = D + 8;       // shared row stride (halves): conflict-free fragments
     constexpr int CH = D / 8;        // 16-byte chunks per cell row
-    __half *sv = sk + PA_CELLS * LDS;  // sk, sv: [T, D] each (rows padded to LDS)
+    constexpr int TILE = 2 * PA_CELLS * LDS;  // a buffer: K then V [T, D] (rows padded to LDS)
     __shared__ unsigned long long s_base[PA_ROWS];
     __shared__ int s_pos[PA_ROWS], s_cap[PA_ROWS], s_run[PA_ROWS];
     const int G = Q / KVH, W = blockDim.x >> 5;
@@ -92,28 +96,43 @@ __device__ __forceinline__ void prompt_body(
         const bool is_int8 = (base & 1ull) != 0;
         const KvHead kh = kv_head(base, L, layer, 0, KVH, kvh, s_cap[seg], D);
         const KvHead vh = kv_head(base, L, layer, 1, KVH, kvh, s_cap[seg], D);
-        for (int kv0 = 0; kv0 <= last; kv0 += PA_CELLS) {
-            __syncthreads();  // the previous tile's fragments are read
+        // tile kv0's cells into buffer `buf` (cells past last as zeros: finite); fp16 ones by
+        // cp.async, waited for before the tile is read
+        auto load_tile = [&](int kv0, int buf) {
+            __half *tk = tiles + buf * TILE, *tv = tk + PA_CELLS * LDS;
             for (int i = threadIdx.x; i < PA_CELLS * CH; i += blockDim.x) {
                 const int cl = i / CH, ch = i % CH, cell = kv0 + cl;
-                uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;  // zeros past last: finite
-                if (cell <= last) {
-                    const long long at = (long long)cell * D + 8 * ch;
-                    if (!is_int8) {
-                        kq = __ldg(reinterpret_cast<const uint4 *>(kh.cells) + (at >> 3));
-                        vq = __ldg(reinterpret_cast<const uint4 *>(vh.cells) + (at >> 3));
-                    } else {
-                        kq = int8x8_to_half(__ldg(reinterpret_cast<const uint2 *>(kh.cells + at)),
-                                            __ldg(kh.scales + cell));
-                        vq = int8x8_to_half(__ldg(reinterpret_cast<const uint2 *>(vh.cells + at)),
-                                            __ldg(vh.scales + cell));
-                    }
+                const long long at = (long long)min(cell, last) * D + 8 * ch;
+                if (!is_int8) {
+                    const int bytes = cell <= last ? 16 : 0;  // 0: the copy writes zeros
+                    const unsigned dk = (unsigned)__cvta_generic_to_shared(tk + cl * LDS + 8 * ch);
+                    const unsigned dv = (unsigned)__cvta_generic_to_shared(tv + cl * LDS + 8 * ch);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dk),
+                                 "l"(kh.cells + 2 * at), "r"(bytes));
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv),
+                                 "l"(vh.cells + 2 * at), "r"(bytes));
+                    continue;
                 }
-                *reinterpret_cast<uint4 *>(sk + cl * LDS + 8 * ch) = kq;
-                *reinterpret_cast<uint4 *>(sv + cl * LDS + 8 * ch) = vq;
+                uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;
+                if (cell <= last) {
+                    kq = int8x8_to_half(__ldg(reinterpret_cast<const uint2 *>(kh.cells + at)),
+                                        __ldg(kh.scales + cell));
+                    vq = int8x8_to_half(__ldg(reinterpret_cast<const uint2 *>(vh.cells + at)),
+                                        __ldg(vh.scales + cell));
+                }
+                *reinterpret_cast<uint4 *>(tk + cl * LDS + 8 * ch) = kq;
+                *reinterpret_cast<uint4 *>(tv + cl * LDS + 8 * ch) = vq;
             }
-            __syncthreads();
+            asm volatile("cp.async.commit_group;\n" ::);
+        };
+        __syncthreads();  // the previous segment's last tile is read: its buffers may be written
+        load_tile(0, 0);
+        for (int kv0 = 0, buf = 0; kv0 <= last; kv0 += PA_CELLS, buf ^= 1) {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+            __syncthreads();  // tile kv0 has landed; every warp is done with the tile before it
+            if (kv0 + PA_CELLS <= last) load_tile(kv0 + PA_CELLS, buf ^ 1);  // in flight ...
             if (!has_head) continue;
+            const __half *sk = tiles + buf * TILE, *sv = sk + PA_CELLS * LDS;  // ... meanwhile
             // S [16, T] = Q . K^T: n-tile j holds cells 8j .. 8j + 7
             float s[PA_CELLS / 8][4];
 #pragma unroll
@@ -256,7 +275,7 @@ attention_prompt(const float *__restrict__ q, float *__restrict__ out, int8_t *_
                  const int *__restrict__ pos, const int *__restrict__ cap, int R, int layer,
                  int L, int Q, int KVH, int D, float scale) {
     kernel_entry();
-    __shared__ __align__(16) __half kv_tiles[2 * PA_CELLS * (128 + 8)];  // K then V tile
+    extern __shared__ __align__(16) __half kv_tiles[];  // 2 buffers of a K and a V tile
     if (D == 128)
         prompt_body<128>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
                          kv_tiles);

@@ -49,6 +49,7 @@ INT_MAX = 2 ** 31 - 1
 # group_pairs_wide (GROUP_WIDE_THREADS threads) groups the pairs. Head dims the kernel takes:
 PA_ROWS, PA_WARPS, ATT_SINGLE_BLOCKS, GROUP_WIDE_THREADS = 16, 8, 16, 1024
 PA_HEAD_DIMS = (16, 32, 64, 128)  # STRATA_PROMPT_ATTN=old: attention_d* for every window
+PA_CELLS = 64  # cells of attention_prompt.cu's K/V tiles
 GROUP_WIDE_MAX_SHARED_BYTES = 48 * 1024
 NORM_MAX_HIDDEN = 8192  # combine_norm / one-pass RMSNorm: hidden % 4 == 0 and at most this
 # Windows of at least MMQ_MIN_ROWS rows (or logit rows, for the head) take mmq.cu's tiled
@@ -118,6 +119,12 @@ def attention_kernels(head_dim: int) -> tuple[str, str]:
     """attention.cu's decode and singles kernels for this head dim (D <= 256)."""
     per_lane = _dims_per_lane(head_dim)
     return f"attention_d{per_lane}", f"attention_singles_d{per_lane}"
+
+
+def attention_prompt_shared_bytes(head_dim: int) -> int:
+    """attention_prompt's dynamic shared memory: 2 buffers of a K and a V tile [PA_CELLS, D + 8]
+    halves (runtime.DYNAMIC_SHARED_MAX holds the most, at D = 128)."""
+    return 2 * 2 * PA_CELLS * (head_dim + 8) * 2
 
 
 def attention_group_kernel(head_dim: int, group: int, env=None) -> tuple[str, int]:
@@ -461,7 +468,7 @@ class WindowPlan:
             warps = min(group, PA_WARPS)
             grid = ((R + PA_ROWS - 1) // PA_ROWS, KVH, (group + warps - 1) // warps)
             self._add("attention_prompt", grid, (32 * warps,), "PPPPPPPiiiiiif",
-                      [*outs, R, *dims])
+                      [*outs, R, *dims], shared_bytes=attention_prompt_shared_bytes(D))
         if self.deep_from is not None:
             name, grid, block = attention_group_launch(R, Q, KVH, D)
             self._add(name, grid, block, ATTENTION_GROUP_FMT,

@@ -24,6 +24,9 @@ KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 MODULES = ("matmul.cu", "matvec.cu", "mmq.cu", "mmq_k.cu", "layer.cu", "attention.cu",
            "attention_group.cu", "attention_prompt.cu", "router.cu", "sample.cu", "offload.cu",
            "delta_net.cu")
+# kernels that take more dynamic shared memory than the default 48 KB, and the most they take:
+# attention_prompt's two buffers of K/V tiles at D = 128 (plan.attention_prompt_shared_bytes)
+DYNAMIC_SHARED_MAX = {"attention_prompt": 2 * 2 * 64 * (128 + 8) * 2}
 _INSTALL_HINT = ("pip install 'strata[cuda]' (PyCUDA; it needs the CUDA toolkit's nvcc and an "
                  "NVIDIA driver), or run with --device cpu")
 _ALIGN_BYTES = 256
@@ -193,6 +196,8 @@ class Runtime:
             for fn in _kernel_names(module_source(name)):
                 kernel = module.function(fn)
                 kernel.programmatic = self.programmatic
+                if fn in DYNAMIC_SHARED_MAX:
+                    kernel.set_max_dynamic_shared(DYNAMIC_SHARED_MAX[fn])
                 self._kernels[fn] = kernel
 
     def _load_module(self, name: str) -> cuda_driver.Module:
