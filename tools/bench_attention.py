@@ -6,13 +6,16 @@ random fp16 cells and queries of the given shape (default Qwen3-30B-A3B's heads)
 Usage: python tools/bench_attention.py [--rows 1,2,4,8] [--positions 0,1023,2047,4095,16383,65535]
            [--heads 32 --kv-heads 4 --head-dim 128] [--layers 1] [-r 3] [--splits 32]
            [--baseline CUBIN ...]
-Prints microseconds per launch (the best of -r rounds of 50-200 launches timed by CUDA events)
-for each rows x position and kernel. Figures: docs/cuda.md, "Deep in a context".
+Prints microseconds per layer (the best of -r rounds of 50-200 layers timed by CUDA events)
+for each rows x position and kernel; a group kernel's time includes its merge launch
+(attention_group_merge, which folds the split partials). Figures: docs/cuda.md, "Deep in a
+context".
 --layers N gives each launch the next of N layers' caches in turn, as a model's window does:
 with 1 layer a cache that fits the L2 (up to ~12K cells of 4 KV heads x 128 dims in the H200's
 50 MB) is read from there by every launch after the first, which a model never sees.
---baseline CUBIN also times the group kernel of another build of attention_group.cu (e.g. the
-previous commit's, from tools/precompile_cubins.py) in the same rounds, named by its file (a
+--baseline CUBIN also times the group kernel (and its merge launch, where that build has one)
+of another build of attention_group.cu (e.g. the previous commit's, from
+tools/precompile_cubins.py) in the same rounds, named by its file (a
 build with its split count fixed at compile time reads true only at that count). --splits
 32,64 times the group kernels at each split count (the grid's z; plan.GQA_SPLITS by default).
 """
@@ -21,8 +24,10 @@ import os
 
 import numpy as np
 
-from strata.backends.cuda.plan import (ATT_SPLITS, ATTENTION_FMT, ATTENTION_GROUP_FMT, GQA_SPLITS,
-                                       INT_MAX, attention_group_kernel, attention_group_launch,
+from strata.backends.cuda.plan import (ATT_SPLITS, ATTENTION_FMT, ATTENTION_GROUP_FMT,
+                                       ATTENTION_GROUP_MERGE_FMT, GQA_SPLITS, INT_MAX,
+                                       attention_group_kernel, attention_group_launch,
+                                       attention_group_merge_launch,
                                        attention_group_part_floats, attention_kernels)
 
 
@@ -72,19 +77,29 @@ def main():
             rt.drv.memcpy_htod(cache + i * layer.nbytes, layer)
         del layer
         per_head = rt.kernel(attention_kernels(D)[0])
-        forms = {form: rt.kernel(attention_group_kernel(D, Q // KVH,
-                                                        {"STRATA_ATT_GROUP": form})[0])
+        merge = rt.kernel("attention_group_merge")
+        # form: (group kernel, its merge launch's kernel or None: a build whose group kernel
+        # folds the splits itself)
+        forms = {form: (rt.kernel(attention_group_kernel(D, Q // KVH,
+                                                         {"STRATA_ATT_GROUP": form})[0]), merge)
                  for form in ("simt", "mma")}
-        if forms["mma"].name == forms["simt"].name:
+        if forms["mma"][0].name == forms["simt"][0].name:
             del forms["mma"]  # a head dim only the SIMT form takes
         for path in args.baseline:
             from strata._native.cuda_driver import Module
 
             with open(path, "rb") as f:
-                baseline = Module(f.read())  # its kernel keeps it loaded
+                baseline = Module(f.read())  # its kernels keep it loaded
             label = os.path.splitext(os.path.basename(path))[0]
-            forms[label] = baseline.function(attention_group_kernel(D, Q // KVH)[0])
-            forms[label].programmatic = per_head.programmatic
+            kernels = [baseline.function(attention_group_kernel(D, Q // KVH)[0])]
+            try:
+                kernels.append(baseline.function("attention_group_merge"))
+            except Exception:  # a build from before the merge launch
+                kernels.append(None)
+            for kernel in kernels:
+                if kernel is not None:
+                    kernel.programmatic = per_head.programmatic
+            forms[label] = tuple(kernels)
         for R in _ints(args.rows):
             q = put(rng.standard_normal((R, Q, D)).astype(np.float32))
             outs = [q, zeros(4 * R * Q * D), zeros(R * Q * D), zeros(R * Q * D // 8),
@@ -94,31 +109,38 @@ def main():
             # the partials for the most splits asked for (plan.GQA_SPLITS by default)
             most = max(splits) / GQA_SPLITS
             group_split = [zeros(int(4 * most * attention_group_part_floats(R, Q, D))),
-                           zeros(4 * R * Q)]
+                           zeros(4 * R * Q)]  # and each slot's row (the merge launch's)
             _, grid, block = attention_group_launch(R, Q, KVH, D)
+            _, merge_grid, merge_block = attention_group_merge_launch(R, Q, D)
             for pos in positions:
                 pos_buf = put(np.full(R, pos, dtype=np.int32))
                 dims = [L, Q, KVH, D, D ** -0.5]  # after the layer
-                launches = {"per head": [per_head.prepare(
+                # each layer's launches
+                launches = {"per head": [[per_head.prepare(
                     (R, Q, ATT_SPLITS), (128,), ATTENTION_FMT,
-                    [*outs, pos_buf, cap, i, *dims, *split, INT_MAX]) for i in range(L)]}
-                for form, kernel in forms.items():
+                    [*outs, pos_buf, cap, i, *dims, *split, INT_MAX])] for i in range(L)]}
+                for form, (kernel, fold) in forms.items():
                     for S in splits:
                         label = f"group {form}" + (f" x{S}" if len(splits) > 1 else "")
-                        launches[label] = [kernel.prepare(
+                        after = [] if fold is None else [fold.prepare(
+                            merge_grid, merge_block, ATTENTION_GROUP_MERGE_FMT,
+                            [*outs, pos_buf, cap, Q, D, S, *group_split])]
+                        launches[label] = [[kernel.prepare(
                             grid[:2] + (S,), block, ATTENTION_GROUP_FMT,
-                            [*outs, pos_buf, cap, R, 0, i, *dims, *group_split, 0])
+                            [*outs, pos_buf, cap, R, 0, i, *dims, *group_split, 0]), *after]
                             for i in range(L)]
                 best = {}
                 n = 50 if pos > 10000 else 200
                 for _ in range(args.repeats):
                     for name, per_layer in launches.items():
-                        per_layer[0].launch(rt.stream_handle)
+                        for launch in per_layer[0]:
+                            launch.launch(rt.stream_handle)
                         rt.synchronize()
                         start, stop = rt.drv.Event(), rt.drv.Event()
                         start.record(rt.stream)
                         for j in range(n):
-                            per_layer[(j + 1) % L].launch(rt.stream_handle)
+                            for launch in per_layer[(j + 1) % L]:
+                                launch.launch(rt.stream_handle)
                         stop.record(rt.stream)
                         stop.synchronize()
                         us = stop.time_since(start) * 1e3 / n

@@ -10,8 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from strata._native import kernels
-from strata.backends.cuda.plan import (ATTENTION_FMT, ATTENTION_GROUP_FMT, INT_MAX,
-                                       attention_group_launch,
+from strata.backends.cuda.plan import (ATTENTION_FMT, ATTENTION_GROUP_FMT,
+                                       ATTENTION_GROUP_MERGE_FMT, GQA_SPLITS, INT_MAX,
+                                       attention_group_launch, attention_group_merge_launch,
                                        attention_group_part_floats, attention_kernels)
 from strata.tool.synth import random_blocks
 
@@ -192,7 +193,8 @@ def run_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_
     counts = dev.empty(4 * R * Q, fill=0)
     group_part = dev.empty(4 * attention_group_part_floats(R, Q, D))
     name, grid, block = attention_group_launch(R, Q, num_kv_heads, D)
-    group_counts = dev.empty(4 * grid[0] * Q, fill=0)
+    merge, merge_grid, merge_block = attention_group_merge_launch(R, Q, D)
+    slot_rows = dev.empty(4 * grid[0])
     outs = [dev.put(q), out, outq if want_q8 else 0, outd if want_q8 else 0,
             dev.put(np.array(bases, dtype=np.uint64)), dev.put(positions.astype(np.int32)),
             dev.put(np.full(R, capacity, dtype=np.int32))]
@@ -201,7 +203,9 @@ def run_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_
     for _ in range(num_launches):
         if deep_from is not None:
             dev.launch(name, grid, block, ATTENTION_GROUP_FMT,
-                       [*outs, R, int(singles), *dims, group_part, group_counts, deep_from])
+                       [*outs, R, int(singles), *dims, group_part, slot_rows, deep_from])
+            dev.launch(merge, merge_grid, merge_block, ATTENTION_GROUP_MERGE_FMT,
+                       [*outs, Q, D, GQA_SPLITS, group_part, slot_rows])
         if not singles:
             dev.launch(attention_kernels(D)[0], (R, Q, ATT_SPLITS), (128,), ATTENTION_FMT,
                        [*outs, *dims, part, counts,
@@ -210,7 +214,6 @@ def run_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_
     for other in results[:-1]:  # the counters were left at zero: every launch merged
         np.testing.assert_array_equal(other, results[-1])
     assert not dev.get(counts, (R * Q,), np.int32).any()
-    assert not dev.get(group_counts, (grid[0] * Q,), np.int32).any()
     return (results[-1], dev.get(outq, (R, Q * D), np.int8),
             dev.get(outd, (R, Q * D // 32), np.float32))
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from strata.backends.cuda.plan import (ATT_SINGLE_BLOCKS, ATT_SPLITS, ATTENTION_GROUP_FMT,
-                                       ATTENTION_SINGLES_FMT, GROUP_WIDE_THREADS, INT_MAX,
-                                       PA_ROWS, PA_WARPS, attention_group_launch,
-                                       attention_group_part_floats, attention_kernels,
-                                       attention_prompt_shared_bytes)
+                                       ATTENTION_GROUP_MERGE_FMT, ATTENTION_SINGLES_FMT,
+                                       GQA_SPLITS, GROUP_WIDE_THREADS, INT_MAX, PA_ROWS,
+                                       PA_WARPS, attention_group_launch,
+                                       attention_group_merge_launch, attention_group_part_floats,
+                                       attention_kernels, attention_prompt_shared_bytes)
 
 from test_cuda_kernels import _Dev, _q8, attention_reference, grouped_reference, run_attention
 
@@ -54,11 +55,13 @@ def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, 
                "PPPPPPPiiiiiif", [*common, *dims], shared_bytes=attention_prompt_shared_bytes(D))
     if deep_from is not None:
         name, grid, block = attention_group_launch(R, Q, num_kv_heads, D)
-        group_counts = dev.empty(4 * grid[0] * Q, fill=0)
+        group_part = dev.empty(4 * attention_group_part_floats(R, Q, D))
+        slot_rows = dev.empty(4 * grid[0])
         dev.launch(name, grid, block, ATTENTION_GROUP_FMT,
-                   [*common, 1, *dims, dev.empty(4 * attention_group_part_floats(R, Q, D)),
-                    group_counts, deep_from])
-        assert not dev.get(group_counts, (grid[0] * Q,), np.int32).any()
+                   [*common, 1, *dims, group_part, slot_rows, deep_from])
+        name, grid, block = attention_group_merge_launch(R, Q, D)
+        dev.launch(name, grid, block, ATTENTION_GROUP_MERGE_FMT,
+                   [*common[:-1], Q, D, GQA_SPLITS, group_part, slot_rows])
     dev.launch(attention_kernels(D)[1], (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
                ATTENTION_SINGLES_FMT,
                [*common, *dims, part, counts, INT_MAX if deep_from is None else deep_from])
@@ -153,7 +156,7 @@ def test_plan_takes_prompt_kernels_from_the_threshold(synth_path):
     """Windows of >= MMQ_MIN_ROWS rows launch attention_prompt + attention_singles_d* and
     group_pairs_wide in every layer; smaller ones keep attention_d* (and the one-launch
     router); plans of windows with a row deep in its context add attention_group.cu's kernel
-    before the decode / singles one."""
+    and its merge launch before the decode / singles one."""
     from strata.backends.cuda import CudaModel
     from strata.backends.cuda import plan as cuda_plan
     from strata.model.gguf_file import GGUFModel
@@ -173,16 +176,17 @@ def test_plan_takes_prompt_kernels_from_the_threshold(synth_path):
     assert large.count("attention_prompt") == large.count(singles) == L
     assert large.count("group_pairs_wide") == L
     assert not {decode, "group_pairs", group} & set(large)
+    merge = "attention_group_merge"
     for plain, deep, last in ((small, deep_small, decode), (large, deep_large, singles)):
-        assert [n for n in deep if n != group] == plain
-        assert deep.count(group) == L
-        assert all(deep[i + 1] == last for i, n in enumerate(deep) if n == group)
+        assert [n for n in deep if n not in (group, merge)] == plain
+        assert deep.count(group) == deep.count(merge) == L
+        assert all(deep[i + 1: i + 3] == [merge, last] for i, n in enumerate(deep) if n == group)
     # every row deep: a decode window's plan swaps attention_d* for the group kernel; a prompt
     # window's keeps attention_prompt and singles (its rows beside their slot's need them)
     with gpu.runtime.active():
         all_small, all_large = (list(gpu._plan(rows, 1, cuda_plan.DEEP_ALL).launches.names())
                                 for rows in (cuda_plan.MMQ_MIN_ROWS - 1, cuda_plan.MMQ_MIN_ROWS))
-    assert all_small == [group if n == decode else n for n in small]
+    assert all_small == [m for n in small for m in ([group, merge] if n == decode else [n])]
     assert all_large == deep_large
 
 

@@ -17,20 +17,26 @@
 //   D = 32, 64, 128; att_block_partial_mma) takes the same chunks with mma.
 // - A block merges its warps into a partial per head (m, l, acc[D]). A row whose cells are all
 //   split 0's (pos < 32 * GQA_WARPS) is written by that block; otherwise each block of a
-//   split with cells stores its partial in part [PR, Q, S, 2 + D] at the row's slot
-//   and the last block of the (slot, head group) to finish (counter in counts, zero between
-//   launches) merges the partials in split order (merge_step, an online merge: one partial
-//   alone gives its own acc / l exactly).
+//   split with cells stores its partial in part [2 PR, Q, S, 4 + D] (m, l, two unused, acc:
+//   16-byte rows) at the row's slot, and attention_group_merge, the next launch, folds them
+//   (att_fold: the largest m, then the weights' sums in split order; one partial alone gives
+//   its own acc / l exactly). A block per (slot, query head) there, a thread per dim: the
+//   fold of a row's 32 splits is 32 independent loads a thread. (It was the last block of
+//   each slot's head group, after an atomic count: its 256 threads folded 8 heads x 128 dims
+//   one split after another, ~14 us a layer at 32 splits on the H200, more than the cells of
+//   a 16K context took to read.)
 // - Which rows: those at pos >= deep_from of all R (`singles` 0: a decode window) or of those
 //   no neighbour row shares a kv_base with (`singles` 1: beside attention_prompt in a
 //   prompt-sized window); the n-th of them goes to block x = n % gridDim.x. The first
-//   gridDim.x take slots n in part; a row past them (a window with more such rows than part
-//   holds) is computed by block (x, y, 0) alone, split after split, merged by the same
-//   merge_step in the same order: the same bits.
+//   gridDim.x take slots n in part (rows[n] = the row, -1 for a slot without one: what the
+//   merge launch reads); a row past them (a window with more such rows than slots) is
+//   computed by block (x, y, 0) alone, split after split, its partials stored in part's slot
+//   PR + x and folded there by att_fold: the same bits.
 // out [R, Q*D] float; when outq is not NULL (D % 32 == 0) also its 8-bit form for the output
 // projection. grid (PR = min(R, GQA_PART_ROWS), KVH * ceil(G / GM), S), G = Q / KVH; S is
 // plan.GQA_SPLITS, one value for every launch of a model (the splits set the sums' order);
-// block GQA_WARPS * 32; D % 8 == 0, D <= 32 DM.
+// block GQA_WARPS * 32; D % 8 == 0, D <= 32 DM. Then attention_group_merge: grid (PR, Q),
+// block 32 * ceil(D / 32).
 #include "attention.cuh"
 
 #define GQA_WARPS 8
@@ -54,19 +60,25 @@ struct __align__(16) AttShared {
     int rows[GQA_WARPS * 32];
     int num_rows;
     int warp_counts[GQA_WARPS];
-    int is_last;
 };
 
-// (M, S, A) <- the online merge of a partial (m, l, a) into it; (-inf, 0, 0) merged with one
-// partial gives (m, l, a) exactly (expf(0) = 1, expf(-inf) = 0).
-__device__ __forceinline__ void merge_step(float &M, float &S, float &A, float m, float l,
-                                           float a) {
-    const float mn = fmaxf(M, m);
-    const float c1 = M == -INFINITY ? 0.0f : expf(M - mn);
-    const float c2 = expf(m - mn);
-    S = S * c1 + l * c2;
-    A = A * c1 + a * c2;
-    M = mn;
+// Dim e (< D) of a head's output from its n split partials hp [n, 4 + D] (m, l, -, -,
+// acc[D]; every split has cells, so every m is finite): the largest m, then the weights'
+// sums in split order with explicit fmaf, so every caller, whatever its threads, gets the
+// same bits; one partial gives its acc / l exactly (expf(0) = 1).
+__device__ __forceinline__ float att_fold(const float *hp, int n, int e, int D) {
+    float M = -INFINITY;
+#pragma unroll 8
+    for (int s = 0; s < n; s++) M = fmaxf(M, __ldcg(hp + s * (4 + D)));
+    float S = 0.0f, A = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < n; s++) {  // the loads do not wait for the sums: all in flight
+        const float *p = hp + s * (4 + D);
+        const float w = expf(__ldcg(p) - M);
+        S = fmaf(__ldcg(p + 1), w, S);
+        A = fmaf(__ldcg(p + 4 + e), w, A);
+    }
+    return A / S;
 }
 
 // The block's partial of each of this thread's pairs from its warps' (sm, sl, and sacc
@@ -438,8 +450,7 @@ __device__ __forceinline__ void att_block_partial_mma(
 template <int DM, int GM, bool MMA>
 __device__ __forceinline__ void attention_row(
     AttShared<DM, GM, MMA> &sh, ATTENTION_ARGS, int r, int slot, int layer, int L,
-    int Q, int KVH, int D, int kvh, int h0, int gn, float scale, float *__restrict__ part,
-    int *__restrict__ counts) {
+    int Q, int KVH, int D, int kvh, int h0, int gn, float scale, float *__restrict__ part) {
     constexpr int NP = AttPairs<DM, GM>::N;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int split = blockIdx.z, C = cap[r], last = pos[r];
@@ -450,70 +461,47 @@ __device__ __forceinline__ void attention_row(
     const KvHead kh = kv_head(kv_base[r], L, layer, 0, KVH, kvh, C, D);
     const KvHead vh = kv_head(kv_base[r], L, layer, 1, KVH, kvh, C, D);
     const int num_dim_blocks = (D + 31) >> 5;
-    float M[NP], S[NP], A[NP], pm[NP], pl[NP], pa[NP];
-#pragma unroll
-    for (int k = 0; k < NP; k++) {
-        M[k] = -INFINITY;
-        S[k] = A[k] = 0.0f;
-    }
-    // this block's splits: every split (a row without a slot, or one whose cells are all
-    // split 0's), merged here, or its own split, merged by the last block below
-    const bool alone = slot < 0 || num_active == 1;
-    const int s_end = alone ? num_active : split + 1;
-    for (int s = alone ? 0 : split; s < s_end; s++) {
+    float pm[NP], pl[NP], pa[NP];
+    // this block's splits: its own (a row with a slot: folded by the merge launch; or the
+    // only one: written here), or every split (a row without a slot: folded here)
+    const bool every = slot < 0 && num_active > 1;
+    const int at = slot >= 0 ? slot : gridDim.x + blockIdx.x;  // part's slot for the partials
+    for (int s = every ? 0 : split; s < (every ? num_active : split + 1); s++) {
         if constexpr (MMA)
             att_block_partial_mma<32 * DM>(sh, q, kh, vh, r, Q, h0, gn, last, s, scale, pm, pl,
                                            pa);
         else
             att_block_partial<DM, GM>(sh, q, kh, vh, r, Q, D, h0, gn, last, s, scale, pm, pl,
                                       pa);
-        if (alone) {
-#pragma unroll
-            for (int k = 0; k < NP; k++) merge_step(M[k], S[k], A[k], pm[k], pl[k], pa[k]);
-        }
-    }
-    if (!alone) {
-        // this split's partial of each pair; the last block of (slot, head group) merges
 #pragma unroll
         for (int k = 0; k < NP; k++) {
             const int pair = warp + GQA_WARPS * k;
-            if (pair >= gn * num_dim_blocks) continue;
+            if (pair >= gn * num_dim_blocks) continue;  // the same in the whole warp
             const int j = pair / num_dim_blocks, e = 32 * (pair % num_dim_blocks) + lane;
-            float *mine = part + (((long long)slot * Q + h0 + j) * splits + split) * (2 + D);
-            if (e < D) mine[2 + e] = pa[k];
+            if (num_active == 1) {  // the row's only partial: its output (att_fold's bits)
+                attention_store(pa[k] / pl[k], e, D, (long long)r * Q + h0 + j, out, outq,
+                                outd);
+                continue;
+            }
+            float *mine = part + (((long long)at * Q + h0 + j) * splits + s) * (4 + D);
+            if (e < D) mine[4 + e] = pa[k];
             if (e == 0) {
                 mine[0] = pm[k];
                 mine[1] = pl[k];
             }
         }
-        __threadfence();
-        __syncthreads();
-        const int counter = slot * gridDim.y + blockIdx.y;
-        if (threadIdx.x == 0) {
-            sh.is_last = atomicAdd(counts + counter, 1) == num_active - 1;
-            if (sh.is_last) counts[counter] = 0;  // ready for the next launch
-        }
-        __syncthreads();
-        if (!sh.is_last) return;
-#pragma unroll
-        for (int k = 0; k < NP; k++) {
-            const int pair = warp + GQA_WARPS * k;
-            if (pair >= gn * num_dim_blocks) continue;
-            const int j = pair / num_dim_blocks, e = 32 * (pair % num_dim_blocks) + lane;
-            const float *parts = part + ((long long)slot * Q + h0 + j) * splits * (2 + D);
-            for (int s = 0; s < num_active; s++) {
-                const float *ps = parts + s * (2 + D);
-                merge_step(M[k], S[k], A[k], __ldcg(ps), __ldcg(ps + 1),
-                           e < D ? __ldcg(ps + 2 + e) : 0.0f);
-            }
-        }
     }
+    if (!every) return;
+    __threadfence();  // this block's partials in the L2, where att_fold reads them
+    __syncthreads();
 #pragma unroll
     for (int k = 0; k < NP; k++) {
         const int pair = warp + GQA_WARPS * k;
         if (pair >= gn * num_dim_blocks) continue;  // the same in the whole warp
         const int j = pair / num_dim_blocks, e = 32 * (pair % num_dim_blocks) + lane;
-        attention_store(A[k] / S[k], e, D, (long long)r * Q + h0 + j, out, outq, outd);
+        const float *hp = part + ((long long)at * Q + h0 + j) * splits * (4 + D);
+        attention_store(e < D ? att_fold(hp, num_active, e, D) : 0.0f, e, D,
+                        (long long)r * Q + h0 + j, out, outq, outd);
     }
 }
 
@@ -521,7 +509,7 @@ template <int DM, int GM, bool MMA>
 __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int singles, int layer,
                                                int L, int Q, int KVH, int D, float scale,
                                                float *__restrict__ part,
-                                               int *__restrict__ counts, int deep_from) {
+                                               int *__restrict__ slot_rows, int deep_from) {
     __shared__ AttShared<DM, GM, MMA> sh;
     const int G = Q / KVH, groups = (G + GM - 1) / GM;
     const int kvh = blockIdx.y / groups, hb = blockIdx.y % groups;
@@ -535,11 +523,15 @@ __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int single
     // a decode window of at most `step` rows: row x (when deep), no scan
     const bool direct = !singles && R <= step;
     int base = 0;  // rows taken before i0 (the same in every thread)
+    if (!direct && threadIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
+        slot_rows[x] = -1;  // no row at slot x yet (set below when the scan finds it)
     for (int i0 = 0; i0 < R; i0 += blockDim.x) {
         if (direct) {
+            if (threadIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
+                slot_rows[x] = pos[x] < deep_from ? -1 : x;  // the merge launch's row of slot x
             if (pos[x] < deep_from) return;  // attention_d*'s row (the whole block)
             attention_row<DM, GM, MMA>(sh, ATTENTION_PASS, x, x, layer, L, Q, KVH, D,
-                                       kvh, h0, gn, scale, part, counts);
+                                       kvh, h0, gn, scale, part);
             return;
         }
         if (threadIdx.x == 0) sh.num_rows = 0;
@@ -562,6 +554,7 @@ __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int single
             // slot x for the first `step` rows; later ones by block (x, y, 0) alone
             if (n % step == x && (n < step || blockIdx.z == 0))
                 sh.rows[atomicAdd(&sh.num_rows, 1)] = n < step ? r : -1 - r;
+            if (n == x && blockIdx.y == 0 && blockIdx.z == 0) slot_rows[x] = r;  // slot x's row
         }
         base += total;
         __syncthreads();
@@ -570,7 +563,7 @@ __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int single
             const int code = sh.rows[k];  // r with slot x, or -1 - r with none
             attention_row<DM, GM, MMA>(sh, ATTENTION_PASS,
                                        code >= 0 ? code : -1 - code, code >= 0 ? x : -1, layer,
-                                       L, Q, KVH, D, kvh, h0, gn, scale, part, counts);
+                                       L, Q, KVH, D, kvh, h0, gn, scale, part);
         }
         __syncthreads();  // rows, num_rows and warp_counts are rewritten by the next scan
     }
@@ -585,10 +578,10 @@ __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int single
     extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, MMA ? 2 : 1)                   \
         attention_group_##NAME(ATTENTION_ARGS, int R, int singles, int layer, int L, int Q,     \
                                int KVH, int D, float scale, float *__restrict__ part,           \
-                               int *__restrict__ counts, int deep_from) {                       \
+                               int *__restrict__ slot_rows, int deep_from) {                    \
         kernel_entry();                                                                         \
         attention_rows<DM, GM, MMA>(ATTENTION_PASS, R, singles, layer, L, Q, KVH, D, scale,     \
-                                    part, counts, deep_from);                                   \
+                                    part, slot_rows, deep_from);                                \
     }
 ATTENTION_GROUP_KERNEL(d1_g1, 1, 1, false)
 ATTENTION_GROUP_KERNEL(d1_g2, 1, 2, false)
@@ -608,3 +601,20 @@ ATTENTION_GROUP_KERNEL(d8_g4, 8, 4, false)
 ATTENTION_GROUP_KERNEL(mma_d32, 1, 8, true)
 ATTENTION_GROUP_KERNEL(mma_d64, 2, 8, true)
 ATTENTION_GROUP_KERNEL(mma_d128, 4, 8, true)
+
+// The fold of the split partials that the group launch before it stored: block (x, h), a
+// thread per dim e, row slot_rows[x] (none: -1) and its query head h; a row whose cells are
+// all split 0's was written by the group launch. grid (PR, Q), block 32 * ceil(D / 32);
+// `splits`: the group launch's gridDim.z. part [2 PR, Q, splits, 4 + D] as above.
+extern "C" __global__ void __launch_bounds__(256)
+    attention_group_merge(ATTENTION_ARGS, int Q, int D, int splits,
+                          const float *__restrict__ part, const int *__restrict__ slot_rows) {
+    kernel_entry();
+    const int x = blockIdx.x, h = blockIdx.y, e = threadIdx.x, r = slot_rows[x];
+    if (r < 0) return;  // the whole block
+    const int num_active = min(splits, (pos[r] / 32 + GQA_WARPS) / GQA_WARPS);
+    if (num_active == 1) return;
+    const float *hp = part + ((long long)x * Q + h) * splits * (4 + D);
+    attention_store(e < D ? att_fold(hp, num_active, e, D) : 0.0f, e, D, (long long)r * Q + h,
+                    out, outq, outd);
+}

@@ -152,10 +152,25 @@ def attention_group_launch(num_rows: int, n_heads: int, n_kv_heads: int, head_di
     return name, grid, (32 * GQA_WARPS,)
 
 
-def attention_group_part_floats(num_rows: int, n_heads: int, head_dim: int) -> int:
+def attention_group_part_floats(num_rows: int, n_heads: int, head_dim: int,
+                                splits: int = GQA_SPLITS) -> int:
     """Floats of attention_group.cu's split partials for a window of `num_rows` rows:
-    [min(R, GQA_PART_ROWS), Q, GQA_SPLITS, 2 + D] (m, l, acc[D])."""
-    return min(num_rows, GQA_PART_ROWS) * n_heads * GQA_SPLITS * (2 + head_dim)
+    [slots, Q, splits, 4 + D] (m, l, two unused, acc[D]), slots = PR = min(R, GQA_PART_ROWS)
+    for the rows the merge launch folds, and PR more past GQA_PART_ROWS rows (a block's
+    rows without a slot, folded by that block)."""
+    slots = min(num_rows, GQA_PART_ROWS)
+    if num_rows > GQA_PART_ROWS:
+        slots *= 2
+    return slots * n_heads * splits * (4 + head_dim)
+
+
+def attention_group_merge_launch(num_rows: int, n_heads: int, head_dim: int,
+                                 ) -> tuple[str, tuple[int, int], tuple[int]]:
+    """(kernel, grid, block) of attention_group_merge, the launch after attention_group.cu's
+    group kernel that folds its split partials: a block per (slot, query head), a thread per
+    dim (whole warps)."""
+    return ("attention_group_merge", (min(num_rows, GQA_PART_ROWS), n_heads),
+            (32 * -(-head_dim // 32),))
 
 
 def attention_deep_from(spec: ModelSpec, env=None) -> int | None:
@@ -171,6 +186,7 @@ def attention_deep_from(spec: ModelSpec, env=None) -> int | None:
 ATTENTION_FMT = "PPPPPPPiiiiifPPi"  # attention.cu's attention_d*: ATTENTION_ARGS, layer, ...
 ATTENTION_SINGLES_FMT = "PPPPPPPiiiiiifPPi"  # attention_singles_d*: ATTENTION_ARGS, R, layer, ..
 ATTENTION_GROUP_FMT = "PPPPPPPiiiiiiifPPi"  # attention_group_*: ATTENTION_ARGS, R, singles, ...
+ATTENTION_GROUP_MERGE_FMT = "PPPPPPPiiiPP"  # attention_group_merge: ATTENTION_ARGS, Q, ...
 
 
 def mv_outputs_per_warp(num_cols: int) -> int:
@@ -291,11 +307,10 @@ class Workspace:
             "att_part": f4 * R * spec.n_heads * ATT_SPLITS * (2 + spec.head_dim),
             # last-block counters, zero between launches: attention [R*Q], router [1 + tiles]
             "att_counts": i4 * R * spec.n_heads,
-            # attention_group.cu's partials [min(R, GQA_PART_ROWS), Q, GQA_SPLITS, 2 + D] and
-            # counters [min(R, GQA_PART_ROWS) * Q] (at most one per head group), zero between
-            # launches
+            # attention_group.cu's partials [slots, Q, GQA_SPLITS, 4 + D] and each slot's row
+            # [min(R, GQA_PART_ROWS)] (-1: none), which its merge launch reads
             "att_group_part": f4 * attention_group_part_floats(R, spec.n_heads, spec.head_dim),
-            "att_group_counts": i4 * min(R, GQA_PART_ROWS) * spec.n_heads,
+            "att_group_rows": i4 * min(R, GQA_PART_ROWS),
             "router_counts": i4 * (2 + (R + ROUTER_RT - 1) // ROUTER_RT),
         }
         self.offsets: dict[str, int] = {}
@@ -307,7 +322,7 @@ class Workspace:
         self._buf = runtime.alloc(total)
         self.base = int(self._buf)
         # the kernels leave them zero again
-        for name in ("att_counts", "att_group_counts", "router_counts"):
+        for name in ("att_counts", "router_counts"):
             runtime.drv.memset_d32(self.ptr(name), 0, sizes[name] // 4)
         self.host_desc = runtime.pinned(sizes["desc"], np.uint8)
         self.host_kv = self.host_desc[:8 * R].view(np.uint64)  # [R]
@@ -473,7 +488,11 @@ class WindowPlan:
             name, grid, block = attention_group_launch(R, Q, KVH, D)
             self._add(name, grid, block, ATTENTION_GROUP_FMT,
                       [*outs, R, int(prompt), *dims, ws.ptr("att_group_part"),
-                       ws.ptr("att_group_counts"), deep_from])
+                       ws.ptr("att_group_rows"), deep_from])
+            _, grid, block = attention_group_merge_launch(R, Q, D)
+            self._add("attention_group_merge", grid, block, "PPPPPPPiiiPP",
+                      [*outs, Q, D, GQA_SPLITS, ws.ptr("att_group_part"),
+                       ws.ptr("att_group_rows")])
         if prompt:
             self._add(singles, (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
                       ATTENTION_SINGLES_FMT, [*outs, R, *dims, *split, deep_from])
