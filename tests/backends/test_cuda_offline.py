@@ -87,6 +87,7 @@ def test_kernel_names_cover_every_entry_point():
             for form in ("mma", "simt"):
                 assert cuda_plan.attention_group_kernel(
                     head_dim, group, {"STRATA_ATT_GROUP": form})[0] in names
+    assert "attention_group_merge" in names  # ... and the launch that folds its splits
 
 
 def test_attention_deep_from():
@@ -110,6 +111,18 @@ def test_attention_deep_from():
     assert cuda_plan.attention_group_launch(100, 16, 2, 256) == (
         "attention_group_d8_g4", (cuda_plan.GQA_PART_ROWS, 4, cuda_plan.GQA_SPLITS),
         (32 * cuda_plan.GQA_WARPS,))
+    # the merge launch: a block per (slot, query head), a thread per dim (whole warps); the
+    # partials: 16-byte rows of 4 + D floats per (slot, head, split), and PR more slots for the
+    # rows past GQA_PART_ROWS (each block folds its own there)
+    PR, S = cuda_plan.GQA_PART_ROWS, cuda_plan.GQA_SPLITS
+    assert cuda_plan.attention_group_merge_launch(3, 32, 128) == (
+        "attention_group_merge", (3, 32), (128,))
+    assert cuda_plan.attention_group_merge_launch(100, 16, 16) == (
+        "attention_group_merge", (PR, 16), (32,))
+    assert cuda_plan.attention_group_part_floats(3, 32, 128) == 3 * 32 * S * 132
+    assert cuda_plan.attention_group_part_floats(PR, 32, 128) == PR * 32 * S * 132
+    assert cuda_plan.attention_group_part_floats(PR + 1, 32, 128) == 2 * PR * 32 * S * 132
+    assert cuda_plan.attention_group_part_floats(1, 8, 64, splits=64) == 8 * 64 * 68
 
 
 def test_attention_prompt_shared_memory_is_what_the_runtime_allows():
