@@ -88,6 +88,21 @@ def test_kernel_names_cover_every_entry_point():
                 assert cuda_plan.attention_group_kernel(
                     head_dim, group, {"STRATA_ATT_GROUP": form})[0] in names
     assert "attention_group_merge" in names  # ... and the launch that folds its splits
+    # attention_prompt.cu: a kernel per KV cell type
+    assert {name for _, name in cuda_plan.PROMPT_KERNELS} == {"attention_prompt",
+                                                              "attention_prompt_i8"} <= names
+
+
+def test_prompt_kernels_per_cell_type():
+    """A prompt window launches attention_prompt for fp16 KVs, attention_prompt_i8 for int8
+    ones, both (fp16 first) when its KVs mix them; a mask of neither is refused."""
+    FP16, INT8 = cuda_plan.CELLS_FP16, cuda_plan.CELLS_INT8
+    assert cuda_plan.prompt_kernels(FP16) == ["attention_prompt"]
+    assert cuda_plan.prompt_kernels(INT8) == ["attention_prompt_i8"]
+    assert cuda_plan.prompt_kernels(FP16 | INT8) == ["attention_prompt", "attention_prompt_i8"]
+    for bad in (0, 4, FP16 | 8):
+        with pytest.raises(ValueError, match="CELLS_FP16"):
+            cuda_plan.prompt_kernels(bad)
 
 
 def test_attention_deep_from():
@@ -130,7 +145,8 @@ def test_attention_prompt_shared_memory_is_what_the_runtime_allows():
     shared memory at D = 128: the runtime raises the kernel's limit to exactly the most any
     head dim takes, within the 99 KB an sm_86 / sm_89 / sm_120 block may opt in to."""
     sizes = [cuda_plan.attention_prompt_shared_bytes(d) for d in cuda_plan.PA_HEAD_DIMS]
-    assert cuda_runtime.DYNAMIC_SHARED_MAX["attention_prompt"] == max(sizes) == 69_632
+    for name in ("attention_prompt", "attention_prompt_i8"):
+        assert cuda_runtime.DYNAMIC_SHARED_MAX[name] == max(sizes) == 69_632
     assert max(sizes) <= 99 * 1024
     assert cuda_plan.attention_prompt_shared_bytes(16) == 2 * 2 * 64 * 24 * 2
 

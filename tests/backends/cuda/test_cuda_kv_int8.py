@@ -155,13 +155,16 @@ def test_int8_kv_logits_near_fp16_kv(synth_path, shape, weight_type):
     assert kv8.num_tokens == kv16.num_tokens == 23 + 4 + 9
 
 
-def test_int8_window_rows_equal_solo(synth_path):
-    """A window of a prompt chunk and two decodes, int8 and fp16 KVs mixed: each slot's logits
-    equal its solo pass bit for bit."""
+# a decode-sized window (a chunk and two decodes), and a prompt-sized one of three chunks
+# (attention_prompt and attention_prompt_i8 both launched; each chunk alone is prompt-sized too)
+@pytest.mark.parametrize("next_lengths", [(6, 1, 1), (24, 21, 20)])
+def test_int8_window_rows_equal_solo(synth_path, next_lengths):
+    """A window of int8 and fp16 KVs mixed: each slot's logits equal its solo pass bit for
+    bit."""
     gpu = _model(synth_path, "tiny", "q4_0")
     vocab = gpu.spec.vocab
     prompts = [_tokens(n, vocab, seed=20 + n) for n in (5, 9, 14)]
-    nexts = [_tokens(n, vocab, seed=40 + n) for n in (6, 1, 1)]
+    nexts = [_tokens(n, vocab, seed=40 + n) for n in next_lengths]
     dtypes = (np.int8, np.float16, np.int8)
     solo = []
     for p, nx, dt in zip(prompts, nexts, dtypes):

@@ -3,15 +3,20 @@ attention (attention_prompt beside attention_singles, and attention_group.cu for
 deep in their context; fp16 and int8 KV cells, chunks beside decode rows, a row's bits
 independent of its window), the wide pair grouping, and the plan's choice of both from
 plan.MMQ_MIN_ROWS rows."""
+import functools
+import operator
+
 import numpy as np
 import pytest
 
 from strata.backends.cuda.plan import (ATT_SINGLE_BLOCKS, ATT_SPLITS, ATTENTION_GROUP_FMT,
-                                       ATTENTION_GROUP_MERGE_FMT, ATTENTION_SINGLES_FMT,
+                                       ATTENTION_GROUP_MERGE_FMT, ATTENTION_PROMPT_FMT,
+                                       ATTENTION_SINGLES_FMT, CELLS_FP16, CELLS_INT8,
                                        GQA_SPLITS, GROUP_WIDE_THREADS, INT_MAX, PA_ROWS,
                                        PA_WARPS, attention_group_launch,
                                        attention_group_merge_launch, attention_group_part_floats,
-                                       attention_kernels, attention_prompt_shared_bytes)
+                                       attention_kernels, attention_prompt_shared_bytes,
+                                       prompt_kernels)
 
 from test_cuda_kernels import _Dev, _q8, attention_reference, grouped_reference, run_attention
 
@@ -36,10 +41,12 @@ def _slot_cache(rng, L, KVH, C, D, is_int8):
 
 
 def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, num_kv_heads,
-                         want_q8, deep_from=None):
-    """attention_prompt + attention_singles_d* as a prompt-sized window plan launches them,
-    with attention_group.cu between them for the singles at `deep_from` or past it when given
-    (a deep plan's); returns (out [R, Q, D], outq [R, Q*D], outd [R, Q*D/32])."""
+                         want_q8, deep_from=None, kernels=None, singles=True):
+    """attention_prompt(_i8) + attention_singles_d* as a prompt-sized window plan launches
+    them, with attention_group.cu between them for the singles at `deep_from` or past it when
+    given (a deep plan's); returns (out [R, Q, D], outq [R, Q*D], outd [R, Q*D/32]).
+    `kernels`: attention_prompt.cu's kernels to launch (default: those for the bases' cell
+    types, as a plan picks them); singles False leaves the single rows unwritten."""
     R, Q, D = q.shape
     group = Q // num_kv_heads
     warps = min(group, PA_WARPS)
@@ -50,9 +57,13 @@ def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, 
               dev.put(np.array(bases, dtype=np.uint64)), dev.put(positions.astype(np.int32)),
               dev.put(np.full(R, capacity, dtype=np.int32)), R]
     dims = [layer, num_layers, Q, num_kv_heads, D, D ** -0.5]
-    dev.launch("attention_prompt", ((R + PA_ROWS - 1) // PA_ROWS, num_kv_heads,
-                                    (group + warps - 1) // warps), (32 * warps,),
-               "PPPPPPPiiiiiif", [*common, *dims], shared_bytes=attention_prompt_shared_bytes(D))
+    if kernels is None:
+        kernels = prompt_kernels(functools.reduce(
+            operator.or_, (CELLS_INT8 if int(b) & 1 else CELLS_FP16 for b in bases)))
+    for name in kernels:
+        dev.launch(name, ((R + PA_ROWS - 1) // PA_ROWS, num_kv_heads,
+                          (group + warps - 1) // warps), (32 * warps,), ATTENTION_PROMPT_FMT,
+                   [*common, *dims], shared_bytes=attention_prompt_shared_bytes(D))
     if deep_from is not None:
         name, grid, block = attention_group_launch(R, Q, num_kv_heads, D)
         group_part = dev.empty(4 * attention_group_part_floats(R, Q, D))
@@ -62,9 +73,10 @@ def run_prompt_attention(dev, q, bases, positions, capacity, layer, num_layers, 
         name, grid, block = attention_group_merge_launch(R, Q, D)
         dev.launch(name, grid, block, ATTENTION_GROUP_MERGE_FMT,
                    [*common[:-1], Q, D, GQA_SPLITS, group_part, slot_rows])
-    dev.launch(attention_kernels(D)[1], (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
-               ATTENTION_SINGLES_FMT,
-               [*common, *dims, part, counts, INT_MAX if deep_from is None else deep_from])
+    if singles:
+        dev.launch(attention_kernels(D)[1], (min(R, ATT_SINGLE_BLOCKS), Q, ATT_SPLITS), (128,),
+                   ATTENTION_SINGLES_FMT,
+                   [*common, *dims, part, counts, INT_MAX if deep_from is None else deep_from])
     assert not dev.get(counts, (R * Q,), np.int32).any()  # every split merged, counters reset
     return (dev.get(out, (R, Q, D), np.float32), dev.get(outq, (R, Q * D), np.int8),
             dev.get(outd, (R, Q * D // 32), np.float32))
@@ -152,6 +164,42 @@ def test_prompt_attention_rows_independent_of_window(runtime):
     np.testing.assert_array_equal(mixed[5:5 + n], alone)
 
 
+def test_prompt_kernels_write_their_cell_types_rows(runtime):
+    """attention_prompt writes the rows of fp16 KVs' chunks only and attention_prompt_i8 those
+    of int8 KVs' (whichever 16-row tiles they share); the other rows keep what was there, and
+    each row's bits are the same whether the other kernel ran or not."""
+    dev, rng = _Dev(runtime), np.random.default_rng()
+    Q, KVH, D, L, C, layer = 32, 4, 128, 1, 256, 0
+    # an fp16 chunk of 21 rows, an int8 chunk of 19 (sharing the second 16-row tile), a
+    # decode row over int8 cells, another fp16 chunk of 7
+    chunks = [(False, 30, 21), (True, 0, 19), (True, 99, 1), (False, 140, 7)]
+    bases, positions, is_int8 = [], [], []
+    for int8, first, n in chunks:
+        raw, _ = _slot_cache(rng, L, KVH, C, D, int8)
+        base = dev.put(raw) | int(int8)
+        bases += [base] * n
+        positions += range(first, first + n)
+        is_int8 += [int8] * n
+    positions, is_int8 = np.array(positions, dtype=np.int32), np.array(is_int8)
+    q = rng.standard_normal((len(bases), Q, D)).astype(np.float32)
+
+    def run(kernels):
+        return run_prompt_attention(dev, q, bases, positions, C, layer, L, KVH, want_q8=True,
+                                    kernels=kernels, singles=False)
+
+    both = run(["attention_prompt", "attention_prompt_i8"])
+    fp16, int8 = run(["attention_prompt"]), run(["attention_prompt_i8"])
+    poison = np.full(Q * D, 0x7F7F7F7F, dtype=np.uint32).view(np.float32)
+    single = np.zeros(len(bases), dtype=bool)
+    single[21 + 19] = True
+    for alone, mine in ((fp16, ~is_int8), (int8, is_int8 & ~single)):
+        written = ~(alone[0].reshape(len(bases), -1) == poison).all(axis=1)
+        np.testing.assert_array_equal(written, mine)
+        for got, want in zip(alone, both):
+            np.testing.assert_array_equal(got[mine], want[mine])
+    assert (both[0][single].view(np.uint32) == 0x7F7F7F7F).all()  # the singles kernel's
+
+
 def test_plan_takes_prompt_kernels_from_the_threshold(synth_path):
     """Windows of >= MMQ_MIN_ROWS rows launch attention_prompt + attention_singles_d* and
     group_pairs_wide in every layer; smaller ones keep attention_d* (and the one-launch
@@ -188,6 +236,18 @@ def test_plan_takes_prompt_kernels_from_the_threshold(synth_path):
                                 for rows in (cuda_plan.MMQ_MIN_ROWS - 1, cuda_plan.MMQ_MIN_ROWS))
     assert all_small == [m for n in small for m in ([group, merge] if n == decode else [n])]
     assert all_large == deep_large
+    # the KVs' cell types: int8 KVs' prompt windows swap in attention_prompt_i8, mixed ones
+    # launch both kernels; decode windows' plans are the same whatever their KVs' cells
+    with gpu.runtime.active():
+        int8, mixed = (list(gpu._plan(cuda_plan.MMQ_MIN_ROWS, 1, cuda_plan.DEEP_NONE,
+                                      cells).launches.names())
+                       for cells in (cuda_plan.CELLS_INT8,
+                                     cuda_plan.CELLS_INT8 | cuda_plan.CELLS_FP16))
+        assert gpu._plan(4, 1, cuda_plan.DEEP_NONE, cuda_plan.CELLS_INT8) is gpu._plan(4, 1)
+    i8 = "attention_prompt_i8"
+    assert int8 == [i8 if n == "attention_prompt" else n for n in large]
+    assert mixed == [m for n in large
+                     for m in (["attention_prompt", i8] if n == "attention_prompt" else [n])]
 
 
 @pytest.mark.parametrize("num_experts, experts_per_row, num_rows",

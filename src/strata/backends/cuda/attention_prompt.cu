@@ -23,13 +23,18 @@
 // holds the rows of query head kvh * G + z * W + w (W = blockDim / 32), mma m16n8k16 fp16 for
 // Q.K^T and P.V with Q and P split into fp16 hi + lo parts (two mma steps each), so scores and
 // sums are as exact as float32 ones (K/V cells are fp16; int8 cells become fp16 after scaling).
-// Two buffers of K/V tiles in dynamic shared memory: fp16 tile i + 1 lands by cp.async while
-// the warps multiply tile i (int8 tiles are scaled to fp16 on the way, by plain loads).
+// Two buffers of K/V tiles in dynamic shared memory: tile i + 1 lands by cp.async while the
+// warps multiply tile i (fp16 cells into the other buffer; int8 cells and scales as they are
+// into buffer 1, scaled to fp16 into buffer 0 once they have landed).
+// Two kernels, one per cell type (I8): attention_prompt takes the fp16 segments and rows,
+// attention_prompt_i8 the int8 ones; each skips the other's, and a plan launches the ones its
+// window's KVs need (plan.prompt_kernels). One kernel with a run-time choice of tile path cost
+// fp16 cells 2-6% at depth (its registers and code are both paths'), session 41.
 // out [R, Q*D] float; outq / outd (when not NULL; D % 32 == 0) its 8-bit form per 32 dims.
 // grid (ceil(R / 16), KVH, ceil(G / W)), block W * 32 (W = min(G, PA_WARPS)), dynamic shared
 // memory 2 buffers x (K, V) x T x (D + 8) halves (plan.attention_prompt_shared_bytes); D in
 // 16..128.
-template <int D>
+template <int D, bool I8>
 __device__ __forceinline__ void prompt_body(
     const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
     float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
@@ -93,46 +98,76 @@ __device__ __forceinline__ void prompt_body(
         while (end < PA_ROWS && s_run[end] && s_base[end] == base) last = max(last, s_pos[end++]);
         const int lim_a = (g >= seg && g < end) ? s_pos[g] : -1;  // last visible cell per row
         const int lim_b = (g + 8 >= seg && g + 8 < end) ? s_pos[g + 8] : -1;
-        const bool is_int8 = (base & 1ull) != 0;
+        if (((base & 1ull) != 0) != I8) {  // the other cell type's kernel has this segment
+            seg = end;
+            continue;
+        }
         const KvHead kh = kv_head(base, L, layer, 0, KVH, kvh, s_cap[seg], D);
         const KvHead vh = kv_head(base, L, layer, 1, KVH, kvh, s_cap[seg], D);
-        // tile kv0's cells into buffer `buf` (cells past last as zeros: finite); fp16 ones by
-        // cp.async, waited for before the tile is read
+        // tile kv0's cells by cp.async (cells past last as the copy's zero fill: finite), waited
+        // for before the tile is read: fp16 cells into buffer `buf`; int8 cells and their
+        // scales as they are into buffer 1 (raw: K [T, D] bytes, V [T, D], K scales [T], V
+        // scales [T]), scaled to fp16 into buffer 0 by to_half once they have landed
+        unsigned char *raw = reinterpret_cast<unsigned char *>(tiles + TILE);
+        float *raw_scales = reinterpret_cast<float *>(raw + 2 * PA_CELLS * D);
         auto load_tile = [&](int kv0, int buf) {
             __half *tk = tiles + buf * TILE, *tv = tk + PA_CELLS * LDS;
             for (int i = threadIdx.x; i < PA_CELLS * CH; i += blockDim.x) {
                 const int cl = i / CH, ch = i % CH, cell = kv0 + cl;
                 const long long at = (long long)min(cell, last) * D + 8 * ch;
-                if (!is_int8) {
-                    const int bytes = cell <= last ? 16 : 0;  // 0: the copy writes zeros
-                    const unsigned dk = (unsigned)__cvta_generic_to_shared(tk + cl * LDS + 8 * ch);
-                    const unsigned dv = (unsigned)__cvta_generic_to_shared(tv + cl * LDS + 8 * ch);
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dk),
-                                 "l"(kh.cells + 2 * at), "r"(bytes));
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv),
-                                 "l"(vh.cells + 2 * at), "r"(bytes));
+                const int bytes = cell <= last ? (I8 ? 8 : 16) : 0;  // 0: zeros
+                if constexpr (I8) {  // 8 cells' bytes a copy: D / 8 copies a row
+                    const unsigned dk =
+                        (unsigned)__cvta_generic_to_shared(raw + cl * D + 8 * ch);
+                    const unsigned dv = dk + PA_CELLS * D;
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dk),
+                                 "l"(kh.cells + at), "r"(bytes));
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dv),
+                                 "l"(vh.cells + at), "r"(bytes));
                     continue;
                 }
-                uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;
-                if (cell <= last) {
-                    kq = int8x8_to_half(__ldg(reinterpret_cast<const uint2 *>(kh.cells + at)),
-                                        __ldg(kh.scales + cell));
-                    vq = int8x8_to_half(__ldg(reinterpret_cast<const uint2 *>(vh.cells + at)),
-                                        __ldg(vh.scales + cell));
-                }
-                *reinterpret_cast<uint4 *>(tk + cl * LDS + 8 * ch) = kq;
-                *reinterpret_cast<uint4 *>(tv + cl * LDS + 8 * ch) = vq;
+                const unsigned dk = (unsigned)__cvta_generic_to_shared(tk + cl * LDS + 8 * ch);
+                const unsigned dv = (unsigned)__cvta_generic_to_shared(tv + cl * LDS + 8 * ch);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dk),
+                             "l"(kh.cells + 2 * at), "r"(bytes));
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv),
+                             "l"(vh.cells + 2 * at), "r"(bytes));
+            }
+            for (int i = threadIdx.x; I8 && i < 2 * PA_CELLS; i += blockDim.x) {
+                const int cl = i % PA_CELLS, cell = kv0 + cl;  // the scales, 4 bytes a copy
+                const float *src = (i < PA_CELLS ? kh.scales : vh.scales) + min(cell, last);
+                const unsigned d = (unsigned)__cvta_generic_to_shared(raw_scales + i);
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d),
+                             "l"(src), "r"(cell <= last ? 4 : 0));
             }
             asm volatile("cp.async.commit_group;\n" ::);
         };
-        __syncthreads();  // the previous segment's last tile is read: its buffers may be written
+        // an int8 tile landed in buffer 1 -> fp16 in buffer 0, as plain loads scaled it before
+        auto to_half = [&]() {
+            __half *tk = tiles, *tv = tk + PA_CELLS * LDS;
+            for (int i = threadIdx.x; i < PA_CELLS * CH; i += blockDim.x) {
+                const int cl = i / CH, ch = i % CH;
+                const unsigned char *k8 = raw + cl * D + 8 * ch, *v8 = k8 + PA_CELLS * D;
+                *reinterpret_cast<uint4 *>(tk + cl * LDS + 8 * ch) =
+                    int8x8_to_half(*reinterpret_cast<const uint2 *>(k8), raw_scales[cl]);
+                *reinterpret_cast<uint4 *>(tv + cl * LDS + 8 * ch) =
+                    int8x8_to_half(*reinterpret_cast<const uint2 *>(v8),
+                                   raw_scales[PA_CELLS + cl]);
+            }
+        };
+        __syncthreads();  // the previous segment's last tile is read: its buffers are free
         load_tile(0, 0);
         for (int kv0 = 0, buf = 0; kv0 <= last; kv0 += PA_CELLS, buf ^= 1) {
             asm volatile("cp.async.wait_group 0;\n" ::);
             __syncthreads();  // tile kv0 has landed; every warp is done with the tile before it
-            if (kv0 + PA_CELLS <= last) load_tile(kv0 + PA_CELLS, buf ^ 1);  // in flight ...
+            if constexpr (I8) {
+                to_half();
+                __syncthreads();  // buffer 0 holds the tile; buffer 1 may be written again
+            }
+            const int use = I8 ? 0 : buf;
+            if (kv0 + PA_CELLS <= last) load_tile(kv0 + PA_CELLS, use ^ 1);  // in flight ...
             if (!has_head) continue;
-            const __half *sk = tiles + buf * TILE, *sv = sk + PA_CELLS * LDS;  // ... meanwhile
+            const __half *sk = tiles + use * TILE, *sv = sk + PA_CELLS * LDS;  // ... meanwhile
             // S [16, T] = Q . K^T: n-tile j holds cells 8j .. 8j + 7
             float s[PA_CELLS / 8][4];
 #pragma unroll
@@ -223,7 +258,9 @@ __device__ __forceinline__ void prompt_body(
         l_a += __shfl_xor_sync(0xffffffffu, l_a, o);
         l_b += __shfl_xor_sync(0xffffffffu, l_b, o);
     }
-    const bool write_a = s_run[g] != 0, write_b = s_run[g + 8] != 0;
+    // rows of this kernel's cell type only (the other kernel writes the others)
+    const bool write_a = s_run[g] != 0 && ((s_base[g] & 1ull) != 0) == I8;
+    const bool write_b = s_run[g + 8] != 0 && ((s_base[g + 8] & 1ull) != 0) == I8;
     const float inv_a = write_a ? 1.0f / l_a : 0.0f, inv_b = write_b ? 1.0f / l_b : 0.0f;
     const long long at_a = ((long long)ra * Q + h) * D, at_b = ((long long)rb * Q + h) * D;
 #pragma unroll
@@ -269,23 +306,43 @@ __device__ __forceinline__ void prompt_body(
     }
 }
 
+template <bool I8>
+__device__ __forceinline__ void prompt_kernel(
+    const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
+    float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
+    const int *__restrict__ pos, const int *__restrict__ cap, int R, int layer, int L, int Q,
+    int KVH, int D, float scale) {
+    kernel_entry();
+    extern __shared__ __align__(16) __half kv_tiles[];  // 2 buffers of a K and a V tile
+    if (D == 128)
+        prompt_body<128, I8>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
+                             kv_tiles);
+    else if (D == 64)
+        prompt_body<64, I8>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
+                            kv_tiles);
+    else if (D == 32)
+        prompt_body<32, I8>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
+                            kv_tiles);
+    else if (D == 16)
+        prompt_body<16, I8>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
+                            kv_tiles);
+}
+
+// fp16 cells' segments and rows (int8 ones are skipped)
 extern "C" __global__ void __launch_bounds__(PA_WARPS * 32)
 attention_prompt(const float *__restrict__ q, float *__restrict__ out, int8_t *__restrict__ outq,
                  float *__restrict__ outd, const unsigned long long *__restrict__ kv_base,
                  const int *__restrict__ pos, const int *__restrict__ cap, int R, int layer,
                  int L, int Q, int KVH, int D, float scale) {
-    kernel_entry();
-    extern __shared__ __align__(16) __half kv_tiles[];  // 2 buffers of a K and a V tile
-    if (D == 128)
-        prompt_body<128>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
-                         kv_tiles);
-    else if (D == 64)
-        prompt_body<64>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
-                         kv_tiles);
-    else if (D == 32)
-        prompt_body<32>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
-                         kv_tiles);
-    else if (D == 16)
-        prompt_body<16>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, scale,
-                         kv_tiles);
+    prompt_kernel<false>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, D, scale);
+}
+
+// int8 cells' segments and rows (fp16 ones are skipped); the same arguments
+extern "C" __global__ void __launch_bounds__(PA_WARPS * 32)
+attention_prompt_i8(const float *__restrict__ q, float *__restrict__ out,
+                    int8_t *__restrict__ outq, float *__restrict__ outd,
+                    const unsigned long long *__restrict__ kv_base, const int *__restrict__ pos,
+                    const int *__restrict__ cap, int R, int layer, int L, int Q, int KVH, int D,
+                    float scale) {
+    prompt_kernel<true>(q, out, outq, outd, kv_base, pos, cap, R, layer, L, Q, KVH, D, scale);
 }

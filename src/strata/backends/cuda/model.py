@@ -11,8 +11,9 @@ import numpy as np
 
 from strata.backends.cuda.kv import CudaKV
 from strata.backends.cuda.logits import DeviceLogits, LogitReader
-from strata.backends.cuda.plan import (DEEP_ALL, DEEP_NONE, DEEP_SOME, WindowPlan, Workspace,
-                                       attention_deep_from, prompt_attention)
+from strata.backends.cuda.plan import (CELLS_FP16, CELLS_INT8, DEEP_ALL, DEEP_NONE, DEEP_SOME,
+                                       WindowPlan, Workspace, attention_deep_from,
+                                       prompt_attention)
 from strata.backends.cuda.runtime import Runtime
 from strata.backends.cuda.device_tier import DeviceTier
 from strata.backends.cuda.weights import (DeviceLayer, DeviceMatrix, DeviceVector, small_values,
@@ -126,7 +127,7 @@ class CudaModel:
         self._ws: Workspace | None = None
         # windows with a row at least this deep run plans with attention_group.cu (plan.py)
         self.attention_deep_from = attention_deep_from(spec)
-        self._plans: OrderedDict[tuple[int, int, bool], WindowPlan] = OrderedDict()
+        self._plans: OrderedDict[tuple[int, int, int, int], WindowPlan] = OrderedDict()
         self.use_graphs = True
         # a pass's logits stay on the device until the next pass (forward_window_lazy)
         self.logit_reader = LogitReader(rt, lambda: self._ws.ptr("logits"), spec.vocab)
@@ -177,10 +178,13 @@ class CudaModel:
                           np.float16 if dtype is None else dtype, max_checkpoints)
 
     # ---- plans --------------------------------------------------------------------------------
-    def _plan(self, num_rows: int, num_logit_rows: int, deep: int = DEEP_NONE) -> WindowPlan:
+    def _plan(self, num_rows: int, num_logit_rows: int, deep: int = DEEP_NONE,
+              cells: int = CELLS_FP16) -> WindowPlan:
         """The plan of windows of this shape; `deep` (deep_level): DEEP_SOME for one with a
         row at attention_deep_from or past it (the plan then launches attention_group.cu's
-        kernel too), DEEP_ALL for a decode window whose rows all are (that kernel only)."""
+        kernel too), DEEP_ALL for a decode window whose rows all are (that kernel only);
+        `cells` (cell_types): the KVs' cell types, which pick a prompt window's
+        attention_prompt.cu kernels (other windows' plans do not depend on them)."""
         ws = self._ws
         if ws is None or ws.max_rows < num_rows or ws.max_logit_rows < num_logit_rows:
             rows = max(_MIN_WORKSPACE_ROWS, _pow2(num_rows), ws.max_rows if ws else 0)
@@ -194,24 +198,26 @@ class CudaModel:
             deep = DEEP_NONE
         elif deep == DEEP_ALL and prompt_attention(num_rows, self.spec):
             deep = DEEP_SOME  # a prompt window's rows beside their slot's take attention_prompt
-        key = (num_rows, num_logit_rows, int(deep))
+        if not prompt_attention(num_rows, self.spec):
+            cells = CELLS_FP16
+        key = (num_rows, num_logit_rows, int(deep), cells)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = WindowPlan(
                 self, self._ws, num_rows, num_logit_rows,
-                self.attention_deep_from if deep else None, deep == DEEP_ALL)
+                self.attention_deep_from if deep else None, deep == DEEP_ALL, cells)
             if len(self._plans) > _MAX_PLANS:
                 self._plans.popitem(last=False)
         self._plans.move_to_end(key)
         return plan
 
     def launches_per_window(self, num_rows: int = 1, num_logit_rows: int = 1,
-                            deep: int = DEEP_NONE) -> int:
+                            deep: int = DEEP_NONE, cells: int = CELLS_FP16) -> int:
         """Kernel launches of one pass over a window of this shape (graph nodes when captured);
         `deep`: DEEP_SOME with a row deep enough for attention_group.cu, DEEP_ALL with every
-        row that deep (True counts as DEEP_SOME)."""
+        row that deep (True counts as DEEP_SOME); `cells`: the KVs' cell types (cell_types)."""
         with self.runtime.active():
-            return len(self._plan(num_rows, num_logit_rows, deep).launches)
+            return len(self._plan(num_rows, num_logit_rows, deep, cells).launches)
 
     def deep_level(self, window: Window) -> int:
         """DEEP_NONE, DEEP_SOME or DEEP_ALL: how many rows of `window` sit at
@@ -220,6 +226,14 @@ class CudaModel:
         if deep_from is None or int(window.positions.max()) < deep_from:
             return DEEP_NONE
         return DEEP_ALL if int(window.positions.min()) >= deep_from else DEEP_SOME
+
+    @staticmethod
+    def cell_types(window: Window) -> int:
+        """CELLS_FP16 | CELLS_INT8: the cell types of `window`'s KVs."""
+        cells = 0
+        for kv in window.kvs:
+            cells |= CELLS_INT8 if kv.is_int8 else CELLS_FP16
+        return cells or CELLS_FP16
 
     # ---- the pass -----------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, kv: CudaKV, all_logits: bool = False) -> np.ndarray:
@@ -293,7 +307,7 @@ class CudaModel:
                     f"slot {i}: its KV cache ({kv!r}) was not made by this CUDA model; make "
                     "every KV of a window with this model's new_kv")
         R, N = window.num_rows, window.num_logit_rows
-        plan = self._plan(R, max(N, 1), self.deep_level(window))
+        plan = self._plan(R, max(N, 1), self.deep_level(window), self.cell_types(window))
         ws = self._ws
         lengths = window.run_lengths()
         ws.host_kv[:R] = np.repeat(np.array([kv.base for kv in window.kvs], dtype=np.uint64),

@@ -50,6 +50,11 @@ INT_MAX = 2 ** 31 - 1
 PA_ROWS, PA_WARPS, ATT_SINGLE_BLOCKS, GROUP_WIDE_THREADS = 16, 8, 16, 1024
 PA_HEAD_DIMS = (16, 32, 64, 128)  # STRATA_PROMPT_ATTN=old: attention_d* for every window
 PA_CELLS = 64  # cells of attention_prompt.cu's K/V tiles
+# The KV cell types among a window's KVs (a plan's key beside its depth): attention_prompt.cu has
+# a kernel per type (attention_prompt for fp16 cells, attention_prompt_i8 for int8), each
+# writing its type's rows; a prompt window's plan launches the ones its KVs need.
+CELLS_FP16, CELLS_INT8 = 1, 2
+PROMPT_KERNELS = ((CELLS_FP16, "attention_prompt"), (CELLS_INT8, "attention_prompt_i8"))
 GROUP_WIDE_MAX_SHARED_BYTES = 48 * 1024
 NORM_MAX_HIDDEN = 8192  # combine_norm / one-pass RMSNorm: hidden % 4 == 0 and at most this
 # Windows of at least MMQ_MIN_ROWS rows (or logit rows, for the head) take mmq.cu's tiled
@@ -127,6 +132,14 @@ def attention_prompt_shared_bytes(head_dim: int) -> int:
     return 2 * 2 * PA_CELLS * (head_dim + 8) * 2
 
 
+def prompt_kernels(cells: int) -> list[str]:
+    """attention_prompt.cu's kernels for a window whose KVs hold the cell types `cells`
+    (CELLS_FP16 | CELLS_INT8 bits)."""
+    if not cells or cells & ~(CELLS_FP16 | CELLS_INT8):
+        raise ValueError(f"cells {cells!r} is not a mask of CELLS_FP16 and CELLS_INT8")
+    return [name for bit, name in PROMPT_KERNELS if cells & bit]
+
+
 def attention_group_kernel(head_dim: int, group: int, env=None) -> tuple[str, int]:
     """attention_group.cu's kernel for this head dim and GQA group (query heads per KV head),
     and the heads per block it takes: a tensor-core form (8 heads a block) for D = 32, 64 or
@@ -187,6 +200,7 @@ ATTENTION_FMT = "PPPPPPPiiiiifPPi"  # attention.cu's attention_d*: ATTENTION_ARG
 ATTENTION_SINGLES_FMT = "PPPPPPPiiiiiifPPi"  # attention_singles_d*: ATTENTION_ARGS, R, layer, ..
 ATTENTION_GROUP_FMT = "PPPPPPPiiiiiiifPPi"  # attention_group_*: ATTENTION_ARGS, R, singles, ...
 ATTENTION_GROUP_MERGE_FMT = "PPPPPPPiiiPP"  # attention_group_merge: ATTENTION_ARGS, Q, ...
+ATTENTION_PROMPT_FMT = "PPPPPPPiiiiiif"  # attention_prompt(_i8): ATTENTION_ARGS, R, layer, ...
 
 
 def mv_outputs_per_warp(num_cols: int) -> int:
@@ -357,11 +371,14 @@ class WindowPlan:
     """The launches of one window shape (R rows, N logit rows) over a workspace. `deep_from`:
     None, or the position from which rows take attention_group.cu (a window with a row that
     deep; model.py decides per window); `deep_all`: every row is that deep and the window is
-    a decode one (no attention_d* launch)."""
+    a decode one (no attention_d* launch); `cells`: the KV cell types of the window's KVs
+    (CELLS_FP16 | CELLS_INT8: which attention_prompt.cu kernels a prompt window launches)."""
 
     def __init__(self, model, ws: Workspace, num_rows: int, num_logit_rows: int,
-                 deep_from: int | None = None, deep_all: bool = False):
+                 deep_from: int | None = None, deep_all: bool = False,
+                 cells: int = CELLS_FP16):
         self.num_rows, self.num_logit_rows = num_rows, num_logit_rows
+        self.cells = cells
         self.deep_from = deep_from
         self.deep_all = deep_all and deep_from is not None
         self._model, self._ws, self._rt = model, ws, model.runtime
@@ -482,8 +499,9 @@ class WindowPlan:
             group = Q // KVH
             warps = min(group, PA_WARPS)
             grid = ((R + PA_ROWS - 1) // PA_ROWS, KVH, (group + warps - 1) // warps)
-            self._add("attention_prompt", grid, (32 * warps,), "PPPPPPPiiiiiif",
-                      [*outs, R, *dims], shared_bytes=attention_prompt_shared_bytes(D))
+            for name in prompt_kernels(self.cells):
+                self._add(name, grid, (32 * warps,), ATTENTION_PROMPT_FMT, [*outs, R, *dims],
+                          shared_bytes=attention_prompt_shared_bytes(D))
         if self.deep_from is not None:
             name, grid, block = attention_group_launch(R, Q, KVH, D)
             self._add(name, grid, block, ATTENTION_GROUP_FMT,

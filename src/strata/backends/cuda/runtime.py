@@ -25,8 +25,9 @@ MODULES = ("matmul.cu", "matvec.cu", "mmq.cu", "mmq_k.cu", "layer.cu", "attentio
            "attention_group.cu", "attention_prompt.cu", "router.cu", "sample.cu", "offload.cu",
            "delta_net.cu")
 # kernels that take more dynamic shared memory than the default 48 KB, and the most they take:
-# attention_prompt's two buffers of K/V tiles at D = 128 (plan.attention_prompt_shared_bytes)
-DYNAMIC_SHARED_MAX = {"attention_prompt": 2 * 2 * 64 * (128 + 8) * 2}
+# attention_prompt(_i8)'s two buffers of K/V tiles at D = 128 (plan.attention_prompt_shared_bytes)
+DYNAMIC_SHARED_MAX = {name: 2 * 2 * 64 * (128 + 8) * 2
+                      for name in ("attention_prompt", "attention_prompt_i8")}
 _INSTALL_HINT = ("pip install 'strata[cuda]' (PyCUDA; it needs the CUDA toolkit's nvcc and an "
                  "NVIDIA driver), or run with --device cpu")
 _ALIGN_BYTES = 256
