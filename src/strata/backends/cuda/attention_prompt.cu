@@ -198,18 +198,24 @@ __device__ __forceinline__ void prompt_body(
                     mma_f16(s[j], ql[kk], b0, b1);
                 }
             }
-            // mask, row maxima (the 4 lanes of a quad share a row)
+            // mask (not needed where the warp's rows all see the whole tile: deep in a
+            // context, every tile but the last few), row maxima (a quad's 4 lanes share a row)
+            if (!__all_sync(0xffffffffu, kv0 + PA_CELLS - 1 <= min(lim_a, lim_b))) {
+#pragma unroll
+                for (int j = 0; j < PA_CELLS / 8; j++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int cell = kv0 + 8 * j + 2 * c + e;
+                        s[j][e] = cell <= lim_a ? s[j][e] : -INFINITY;
+                        s[j][2 + e] = cell <= lim_b ? s[j][2 + e] : -INFINITY;
+                    }
+                }
+            }
             float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
             for (int j = 0; j < PA_CELLS / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int cell = kv0 + 8 * j + 2 * c + e;
-                    s[j][e] = cell <= lim_a ? s[j][e] : -INFINITY;
-                    s[j][2 + e] = cell <= lim_b ? s[j][2 + e] : -INFINITY;
-                    mx_a = fmaxf(mx_a, s[j][e]);
-                    mx_b = fmaxf(mx_b, s[j][2 + e]);
-                }
+                mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
+                mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
             }
 #pragma unroll
             for (int o = 1; o <= 2; o <<= 1) {
@@ -222,16 +228,18 @@ __device__ __forceinline__ void prompt_body(
             const float corr_b = mn_b == -INFINITY ? 1.0f : exp2f(m_b - mn_b);
             m_a = mn_a;
             m_b = mn_b;
-            // P as fp16 hi + lo pairs: p?[j][0] row g, p?[j][1] row g + 8 (cells 8j + 2c, + 1)
+            // P as fp16 hi + lo pairs: p?[j][0] row g, p?[j][1] row g + 8 (cells 8j + 2c, + 1);
+            // a masked cell's weight is exp2_ftz(-inf) = 0 (a row with none visible: all masked,
+            // taken against 0 rather than its -inf maximum)
+            const float base_a = mn_a == -INFINITY ? 0.0f : mn_a;
+            const float base_b = mn_b == -INFINITY ? 0.0f : mn_b;
             uint32_t ph[PA_CELLS / 8][2], pl[PA_CELLS / 8][2];
             float sum_a = 0.0f, sum_b = 0.0f;
 #pragma unroll
             for (int j = 0; j < PA_CELLS / 8; j++) {
                 float p[4];
 #pragma unroll
-                for (int e = 0; e < 4; e++)
-                    p[e] = s[j][e] == -INFINITY ? 0.0f
-                                                : exp2_ftz(s[j][e] - (e < 2 ? mn_a : mn_b));
+                for (int e = 0; e < 4; e++) p[e] = exp2_ftz(s[j][e] - (e < 2 ? base_a : base_b));
                 sum_a += p[0] + p[1];
                 sum_b += p[2] + p[3];
                 split_half2(p[0], p[1], ph[j][0], pl[j][0]);
