@@ -41,9 +41,10 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 // fp16 cells 2-6% at depth (its registers and code are both paths'), session 41.
 // The kernel is bound by the instructions of its tile loop (the hi + lo mma steps and the
 // softmax beside them), so the loop does no more than it must: Q carries scale * log2(e), the
-// weights come from exp2_ftz, and a warp whose rows all keep their maxima skips the rescale
-// (H200, Qwen3-30B-A3B's heads, 512 rows at 16K / 64K: 0.870 / 3.358 ms a layer -> 0.786 /
-// 3.007 over fp16 cells, 1.486 / 5.765 -> 1.055 / 4.074 over int8: tools/bench_prompt_attention).
+// weights come from exp2_ftz, a warp whose rows all keep their maxima skips the rescale, and a
+// tile its rows all see whole skips the mask (H200, Qwen3-30B-A3B's heads, 512 rows at 16K /
+// 64K: 0.872 / 3.358 ms a layer -> 0.752 / 2.876 over fp16 cells, 1.488 / 5.788 -> 1.023 /
+// 3.937 over int8; tools/bench_prompt_attention.py, docs/cuda.md "Prompt attention").
 // out [R, Q*D] float; outq / outd (when not NULL; D % 32 == 0) its 8-bit form per 32 dims.
 // grid (ceil(R / 16), KVH, ceil(G / W)), block W * 32 (W = min(G, PA_WARPS)), dynamic shared
 // memory 2 buffers x (K, V) x T x (D + 8) halves (plan.attention_prompt_shared_bytes); D in
