@@ -14,6 +14,16 @@
 #include "common.cuh"
 
 #define ATT_DMAX 8  // D <= 32 * ATT_DMAX
+#define LOG2E 1.4426950408889634f
+
+// 2^x on the MUFU unit, results under 2^-126 flushed to zero (exp2f and expf add a fix-up for
+// that range to every call): a softmax weight that small is zero in fp16 P and far below the
+// last bit of a row's sum (attention_prompt.cu, attention_group.cu's tensor-core form)
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // The cells of (layer, kind 0 = K / 1 = V, kv head) of a row's KV, and the int8 scales
 struct KvHead {

@@ -276,9 +276,9 @@ __device__ __forceinline__ void att_block_partial(
 // against 66.1; H200, one row of Qwen3-30B-A3B's heads.)
 
 // 8 consecutive dims [d, d + 8) of a cell as 4 fp16 pairs (int8 cells: their integers, exact)
-template <int D>
+template <int D, bool I8>
 __device__ __forceinline__ void mma_load8(const KvHead &kv, int cell, int d, uint32_t (&w)[4]) {
-    if (!kv.is_int8) {
+    if constexpr (!I8) {
         const uint4 v =
             __ldg(reinterpret_cast<const uint4 *>(kv.cells) + ((long long)cell * D + d) / 8);
         w[0] = v.x;
@@ -298,7 +298,8 @@ __device__ __forceinline__ void mma_load8(const KvHead &kv, int cell, int d, uin
 // memory, so a warp's reads are 32 consecutive words
 #define MMA_QF(b, h, hl, wi) ((((((b) * 2 + (h)) * 2 + (hl)) * 2 + (wi)) * 8 + g) * 4 + c)
 
-template <int D>
+// I8: the row's cells are int8 (the item loop instantiated per cell type: no choice inside)
+template <int D, bool I8>
 __device__ __forceinline__ void att_block_partial_mma(
     AttShared<D / 32, 8, true> &sh, const float *__restrict__ q, const KvHead &kh,
     const KvHead &vh, int r, int Q, int h0, int gn, int last, int split, float scale,
@@ -344,11 +345,11 @@ __device__ __forceinline__ void att_block_partial_mma(
             uint32_t ka[NB][4], kb[NB][4], va[NB][4], vb[NB][4];
 #pragma unroll
             for (int b = 0; b < NB; b++) {
-                mma_load8<D>(kh, ca, 32 * b + 8 * c, ka[b]);
-                mma_load8<D>(kh, cb, 32 * b + 8 * c, kb[b]);
+                mma_load8<D, I8>(kh, ca, 32 * b + 8 * c, ka[b]);
+                mma_load8<D, I8>(kh, cb, 32 * b + 8 * c, kb[b]);
             }
             float ks_a = scale, ks_b = scale, vs_a = 1.0f, vs_b = 1.0f;
-            if (kh.is_int8) {
+            if constexpr (I8) {
                 ks_a *= __ldg(kh.scales + ca);
                 ks_b *= __ldg(kh.scales + cb);
                 vs_a = __ldg(vh.scales + ca);
@@ -373,8 +374,8 @@ __device__ __forceinline__ void att_block_partial_mma(
             // the V loads, in flight while the weights are computed
 #pragma unroll
             for (int b = 0; b < NB; b++) {
-                mma_load8<D>(vh, ca, 32 * b + 8 * c, va[b]);
-                mma_load8<D>(vh, cb, 32 * b + 8 * c, vb[b]);
+                mma_load8<D, I8>(vh, ca, 32 * b + 8 * c, va[b]);
+                mma_load8<D, I8>(vh, cb, 32 * b + 8 * c, vb[b]);
             }
             // each head's max over the item's 16 cells: the 8 lanes of equal c
             float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
@@ -385,12 +386,13 @@ __device__ __forceinline__ void att_block_partial_mma(
             }
             // finite: the item's first cell is visible; the first item's corr is expf(-inf) = 0
             const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            // the weights by exp2_ftz (a masked cell's: of -inf, 0), the corrections by expf
             const float corr0 = expf(m0 - mn0), corr1 = expf(m1 - mn1);
             float p[4];
-            p[0] = ok_a ? expf(s[0] - mn0) : 0.0f;
-            p[1] = ok_a ? expf(s[1] - mn1) : 0.0f;
-            p[2] = ok_b ? expf(s[2] - mn0) : 0.0f;
-            p[3] = ok_b ? expf(s[3] - mn1) : 0.0f;
+            p[0] = exp2_ftz((s[0] - mn0) * LOG2E);
+            p[1] = exp2_ftz((s[1] - mn1) * LOG2E);
+            p[2] = exp2_ftz((s[2] - mn0) * LOG2E);
+            p[3] = exp2_ftz((s[3] - mn1) * LOG2E);
             l0 = l0 * corr0 + (p[0] + p[2]);
             l1 = l1 * corr1 + (p[1] + p[3]);
             m0 = mn0;
@@ -401,14 +403,24 @@ __device__ __forceinline__ void att_block_partial_mma(
             split_half2(p[2] * vs_b, p[3] * vs_b, wh1, wl1);
             const uint32_t bh0 = movmatrix_trans(wh0), bh1 = movmatrix_trans(wh1);
             const uint32_t bl0 = movmatrix_trans(wl0), bl1 = movmatrix_trans(wl1);
+            // past the first items a head's maximum seldom grows: a warp whose heads all keep
+            // theirs (corr exactly 1) skips the rescale, which would leave the same bits
+            if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
+#pragma unroll
+                for (int b = 0; b < NB; b++) {
+#pragma unroll
+                    for (int pp = 0; pp < 2; pp++) {
+                        acc[b][pp][0] *= corr0;
+                        acc[b][pp][1] *= corr1;
+                        acc[b][pp][2] *= corr0;
+                        acc[b][pp][3] *= corr1;
+                    }
+                }
+            }
 #pragma unroll
             for (int b = 0; b < NB; b++) {
 #pragma unroll
                 for (int pp = 0; pp < 2; pp++) {
-                    acc[b][pp][0] *= corr0;
-                    acc[b][pp][1] *= corr1;
-                    acc[b][pp][2] *= corr0;
-                    acc[b][pp][3] *= corr1;
                     const uint32_t a[4] = {
                         movmatrix_trans(va[b][2 * pp]), movmatrix_trans(va[b][2 * pp + 1]),
                         movmatrix_trans(vb[b][2 * pp]), movmatrix_trans(vb[b][2 * pp + 1])};
@@ -467,10 +479,14 @@ __device__ __forceinline__ void attention_row(
     const bool every = slot < 0 && num_active > 1;
     const int at = slot >= 0 ? slot : gridDim.x + blockIdx.x;  // part's slot for the partials
     for (int s = every ? 0 : split; s < (every ? num_active : split + 1); s++) {
-        if constexpr (MMA)
-            att_block_partial_mma<32 * DM>(sh, q, kh, vh, r, Q, h0, gn, last, s, scale, pm, pl,
-                                           pa);
-        else
+        if constexpr (MMA) {
+            if (kh.is_int8)
+                att_block_partial_mma<32 * DM, true>(sh, q, kh, vh, r, Q, h0, gn, last, s,
+                                                     scale, pm, pl, pa);
+            else
+                att_block_partial_mma<32 * DM, false>(sh, q, kh, vh, r, Q, h0, gn, last, s,
+                                                      scale, pm, pl, pa);
+        } else
             att_block_partial<DM, GM>(sh, q, kh, vh, r, Q, D, h0, gn, last, s, scale, pm, pl,
                                       pa);
 #pragma unroll

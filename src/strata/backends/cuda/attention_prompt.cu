@@ -11,16 +11,6 @@
 #define PA_ROWS 16   // window rows per block: the M of one mma tile per warp
 #define PA_CELLS 64  // cells per KV tile; tiles start at absolute positions 0, 64, 128, ...
 #define PA_WARPS 8   // warps per block at most: one query head each
-#define LOG2E 1.4426950408889634f
-
-// 2^x on the MUFU unit, results under 2^-126 flushed to zero (exp2f adds a fix-up for that
-// range to every call): a weight that small is zero in fp16 P and far below the last bit of a
-// row's sum, so the outputs keep the bits exp2f gives
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // ---- prompt attention. Rows handled: those in a run (a neighbour row of the window has the same
 // kv_base: the rows of one prompt chunk or of one slot's drafts); the other rows are left to
