@@ -273,7 +273,11 @@ __device__ __forceinline__ void att_block_partial(
 // fragments are read from shared memory at each mma and an item's V loads are issued after its
 // scores, so a thread needs 128 registers: two blocks a multiprocessor. (Held in registers
 // with the V loads beside the K loads: 252 registers, one block, 81.5 us a layer at 64K cells
-// against 66.1; H200, one row of Qwen3-30B-A3B's heads.)
+// against 66.1; H200, one row of Qwen3-30B-A3B's heads.) The item loop is instantiated per
+// cell type (an fp16 item: 389 SASS instructions at D = 128, where the loop with both types'
+// paths had 1,086), its weights come from exp2_ftz and a warp whose heads all keep their
+// maxima skips the rescale: tg64 at 16K / 64K 239-244 / 176-177 tokens/s against 227 / 169
+// (session 42, docs/cuda.md).
 
 // 8 consecutive dims [d, d + 8) of a cell as 4 fp16 pairs (int8 cells: their integers, exact)
 template <int D, bool I8>
