@@ -154,8 +154,9 @@ def test_attention_prompt_shared_memory_is_what_the_runtime_allows():
 # a PTX instruction that touches memory: its opcode and dotted qualifiers
 _MEMORY_OP = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:ld|ldu|st|atom|red|cp\.async)(?:\.[\w:]+)*)\s")
 _OWN_SPACES = (".param", ".shared", ".local", ".const")  # not written by the previous kernel
-# reads of the model's weights, which a kernel may issue before its wait (no kernel writes them):
-# read-only global loads (__ldg) and cp.async copies from global into shared memory
+# reads of what no kernel writes (the model's weights, the window's row descriptors), which a
+# kernel may issue before its wait: read-only global loads (__ldg) and cp.async copies from
+# global into shared memory
 _WEIGHT_READS = re.compile(r"^(?:ld\.global\.nc|cp\.async(?:\.\w+)*\.shared\.global)\b")
 
 

@@ -41,6 +41,9 @@
 
 #define GQA_WARPS 8
 #define GQA_PART_ROWS 32
+// a decode row's chunks per warp asked of the L2 before the wait (att_group_prefetch; 2 and 4
+// were no faster in the model on the H200, and asking during the loop was slower: docs/cuda.md)
+#define GQA_PREFETCH_CHUNKS 1
 
 // Output pairs (head j of the block, 32-dim block b) of a thread: warp w takes pairs
 // w, w + GQA_WARPS, ... of gn * ceil(D / 32), lane = dim within the block.
@@ -278,6 +281,18 @@ __device__ __forceinline__ void att_block_partial(
 // paths had 1,086), its weights come from exp2_ftz and a warp whose heads all keep their
 // maxima skips the rescale: tg64 at 16K / 64K 239-244 / 176-177 tokens/s against 227 / 169
 // (session 42, docs/cuda.md).
+
+// The L2 asked for the K and V lines of chunk [c0, c0 + 32) (to last) of a head, a line per
+// lane at a time. Called by a whole warp.
+__device__ __forceinline__ void att_prefetch_chunk(const KvHead &kh, const KvHead &vh, int c0,
+                                                   int last, int D) {
+    const long long cell_bytes = (long long)(kh.is_int8 ? 1 : 2) * D;
+    const int bytes = (int)((min(last, c0 + 31) - c0 + 1) * cell_bytes);
+    for (int off = 128 * (threadIdx.x & 31); off < bytes; off += 32 * 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(kh.cells + c0 * cell_bytes + off));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(vh.cells + c0 * cell_bytes + off));
+    }
+}
 
 // 8 consecutive dims [d, d + 8) of a cell as 4 fp16 pairs (int8 cells: their integers, exact)
 template <int D, bool I8>
@@ -589,6 +604,34 @@ __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int single
     }
 }
 
+// Before kernel_entry's wait (launched programmatically, while the kernel before still runs):
+// ask the L2 for this warp's first chunk of K and V cells (32 cells) of the block's row, in a
+// decode window of at most gridDim.x rows (attention_rows' direct case). It reads the window's
+// inputs only (pos, cap, kv_base: copied before the window's first kernel, written by none) and
+// prefetches, which reads no data into registers: a cell the kernel before writes (the row's
+// own, at pos) is never seen stale, since the L2 is where that write lands. In the model the
+// first loads then find their cells in the L2 (the q/k/v products before this launch take a
+// few us): tg64 at 16K 257 against 249 tokens/s without it (H200, session 43), though the
+// kernel alone (bench_attention.py, after the merge launch of the layer before) is ~1 us
+// slower with it.
+template <int GM>
+__device__ __forceinline__ void att_group_prefetch(ATTENTION_ARGS, int R, int singles, int layer,
+                                                   int L, int Q, int KVH, int D,
+                                                   int deep_from) {
+    if (singles || R > gridDim.x) return;
+    const int r = blockIdx.x, last = pos[r];
+    const int c0 = 32 * (blockIdx.z * GQA_WARPS + (threadIdx.x >> 5));
+    if (last < deep_from || c0 > last) return;
+    const int groups = (Q / KVH + GM - 1) / GM;
+    const KvHead kh = kv_head(kv_base[r], L, layer, 0, KVH, blockIdx.y / groups, cap[r], D);
+    const KvHead vh = kv_head(kv_base[r], L, layer, 1, KVH, blockIdx.y / groups, cap[r], D);
+    for (int i = 0; i < GQA_PREFETCH_CHUNKS; i++) {  // the warp's first chunks
+        const int ci = c0 + i * 32 * GQA_WARPS * (int)gridDim.z;
+        if (ci > last) break;
+        att_prefetch_chunk(kh, vh, ci, last, D);
+    }
+}
+
 // The entry points, one per dims per lane DM and heads per block GM
 // (plan.attention_group_launch picks them from D and Q / KVH; each is a kernel of its own, so
 // each gets its own registers): attention_group_d<DM>_g<GM> (SIMT, one block a
@@ -599,6 +642,7 @@ __device__ __forceinline__ void attention_rows(ATTENTION_ARGS, int R, int single
         attention_group_##NAME(ATTENTION_ARGS, int R, int singles, int layer, int L, int Q,     \
                                int KVH, int D, float scale, float *__restrict__ part,           \
                                int *__restrict__ slot_rows, int deep_from) {                    \
+        att_group_prefetch<GM>(ATTENTION_PASS, R, singles, layer, L, Q, KVH, D, deep_from);    \
         kernel_entry();                                                                         \
         attention_rows<DM, GM, MMA>(ATTENTION_PASS, R, singles, layer, L, Q, KVH, D, scale,     \
                                     part, slot_rows, deep_from);                                \
@@ -626,15 +670,68 @@ ATTENTION_GROUP_KERNEL(mma_d128, 4, 8, true)
 // thread per dim e, row slot_rows[x] (none: -1) and its query head h; a row whose cells are
 // all split 0's was written by the group launch. grid (PR, Q), block 32 * ceil(D / 32);
 // `splits`: the group launch's gridDim.z. part [2 PR, Q, splits, 4 + D] as above.
+// A slot's partials sit at an address of (x, h) alone, so up to GQA_MERGE_WIDE splits every
+// one of them is loaded at once, before the row and its split count are known (the loads of
+// splits without cells are dropped by the fold): one trip to the L2 where att_fold's loop
+// made ~10 (8 loads a batch, the maxima before the sums, the row's position before both): ~5
+// us of each layer's ~25 at 16K cells on the H200 (docs/cuda.md, "Session 43"). The fold is
+// att_fold's arithmetic in att_fold's order: the same bits.
+#define GQA_MERGE_WIDE 32
+
+// __ldcg that the compiler keeps in program order with the others (asm volatile): the fold's
+// loads are issued before the row's, not sunk below its early returns
+__device__ __forceinline__ float ldcg_ordered(const float *p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ int ldcg_ordered(const int *p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
 extern "C" __global__ void __launch_bounds__(256)
     attention_group_merge(ATTENTION_ARGS, int Q, int D, int splits,
                           const float *__restrict__ part, const int *__restrict__ slot_rows) {
     kernel_entry();
-    const int x = blockIdx.x, h = blockIdx.y, e = threadIdx.x, r = slot_rows[x];
+    const int x = blockIdx.x, h = blockIdx.y, e = threadIdx.x;
+    const float *hp = part + ((long long)x * Q + h) * splits * (4 + D);
+    if (splits > GQA_MERGE_WIDE) {  // a count plan.GQA_SPLITS never sets (bench_attention's)
+        const int r = slot_rows[x];
+        if (r < 0) return;  // the whole block
+        const int num_active = min(splits, (pos[r] / 32 + GQA_WARPS) / GQA_WARPS);
+        if (num_active == 1) return;
+        attention_store(e < D ? att_fold(hp, num_active, e, D) : 0.0f, e, D,
+                        (long long)r * Q + h, out, outq, outd);
+        return;
+    }
+    float pm[GQA_MERGE_WIDE], pl[GQA_MERGE_WIDE], pa[GQA_MERGE_WIDE];
+#pragma unroll
+    for (int s = 0; s < GQA_MERGE_WIDE; s++) {
+        const float *p = hp + s * (4 + D);
+        pm[s] = pl[s] = pa[s] = 0.0f;
+        if (s < splits) {
+            pm[s] = ldcg_ordered(p);
+            pl[s] = ldcg_ordered(p + 1);
+            if (e < D) pa[s] = ldcg_ordered(p + 4 + e);
+        }
+    }
+    const int r = ldcg_ordered(slot_rows + x);
     if (r < 0) return;  // the whole block
     const int num_active = min(splits, (pos[r] / 32 + GQA_WARPS) / GQA_WARPS);
     if (num_active == 1) return;
-    const float *hp = part + ((long long)x * Q + h) * splits * (4 + D);
-    attention_store(e < D ? att_fold(hp, num_active, e, D) : 0.0f, e, D, (long long)r * Q + h,
-                    out, outq, outd);
+    float M = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < GQA_MERGE_WIDE; s++)
+        if (s < num_active) M = fmaxf(M, pm[s]);
+    float S = 0.0f, A = 0.0f;
+#pragma unroll
+    for (int s = 0; s < GQA_MERGE_WIDE; s++) {
+        if (s < num_active) {
+            const float w = expf(pm[s] - M);
+            S = fmaf(pl[s], w, S);
+            A = fmaf(pa[s], w, A);
+        }
+    }
+    attention_store(e < D ? A / S : 0.0f, e, D, (long long)r * Q + h, out, outq, outd);
 }

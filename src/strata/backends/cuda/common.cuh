@@ -82,8 +82,11 @@ __device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int &sc, i
 // there): a kernel's blocks may be scheduled while the kernel before it in the stream still runs,
 // so every kernel comes here before it touches global memory: wait until the previous kernel has
 // finished and its writes are visible, then let the next kernel's blocks be scheduled. Before it
-// a kernel may read the model's weights only (read-only loads, cp.async into shared memory: no
-// kernel writes them). On older GPUs, and for a plain launch, this is nothing.
+// a kernel may read only what no kernel writes: the model's weights (read-only loads, cp.async
+// into shared memory) and the window's row descriptors (kv, pos, cap: copied before the window's
+// first kernel); and it may ask the L2 to prefetch (no data reaches the kernel, so nothing is
+// read stale: attention_group.cu's first chunks). On older GPUs, and for a plain launch, this
+// is nothing.
 // tests/backends/test_cuda_offline.py checks both in the PTX.
 __device__ __forceinline__ void kernel_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
