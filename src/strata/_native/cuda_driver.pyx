@@ -306,13 +306,15 @@ cdef class Kernel:
                                       num_bytes), f"cuFuncSetAttribute({self.name})")
 
     def prepare(self, grid, block, str fmt, args, unsigned int shared_bytes=0,
-                programmatic=None) -> Launch:
+                programmatic=None, uintptr_t stream=0) -> Launch:
         """A launch of this kernel with its arguments packed once. fmt has one letter per
         argument: 'P' a device pointer (int), 'i' int32, 'I' uint32, 'q' int64, 'f' float32.
-        programmatic False launches it plainly even where the kernel allows more."""
+        programmatic False launches it plainly even where the kernel allows more. `stream`
+        (a LaunchList entry): run on that stream instead of the list's (0)."""
         cdef Launch launch = Launch(self, grid, block, fmt, args, shared_bytes)
         if programmatic is not None and not programmatic:
             launch.rec.programmatic = 0
+        launch.rec.stream = <CUstream>stream
         return launch
 
 
