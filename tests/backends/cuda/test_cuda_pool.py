@@ -62,9 +62,11 @@ def plans_and_resident(pool_path):
 
 @pytest.mark.parametrize("pcie_frac", [0.0, 0.5, 1.0])
 def test_cache_0_with_the_pool_matches_the_resident_model(pool_path, plans_and_resident,
-                                                          pcie_frac):
+                                                          pcie_frac, monkeypatch):
     from strata.backends.cuda import CudaModel
 
+    # the split alone: no read-ahead (test_cuda_read_ahead.py counts the entries with it)
+    monkeypatch.setenv("STRATA_READ_AHEAD", "0")
     plans, want = plans_and_resident
     gguf = GGUFModel.open(pool_path)
     spec = gguf.spec
@@ -162,11 +164,14 @@ def test_calibrate_stores_a_measured_share(pool_path, tmp_path, monkeypatch):
     assert json.loads((tmp_path / "pcie-share.json").read_text())
 
 
-def test_the_device_splits_each_layers_misses_by_the_share(pool_path):
+def test_the_device_splits_each_layers_misses_by_the_share(pool_path, monkeypatch):
     # one token a window, top-2: every layer has two misses of equal cost, and at share 0.5 the
     # device gives the pool exactly one of them in every layer, whatever the routing (a split
-    # fixed on the host before the window gave it 0, 1 or 2); logits as the resident model's
+    # fixed on the host before the window gave it 0, 1 or 2); logits as the resident model's.
+    # No read-ahead: a staged expert that is routed would leave the layer one miss to split.
     from strata.backends.cuda import CudaModel
+
+    monkeypatch.setenv("STRATA_READ_AHEAD", "0")
 
     gguf = GGUFModel.open(pool_path)
     spec = gguf.spec

@@ -43,14 +43,34 @@ __device__ __forceinline__ bool row_has_cpu_pair(const int *__restrict__ ids, in
 // the device splits each layer's by the routing it sees (a split fixed before the window gave
 // one side 2 of a token's 8 misses in one layer and 6 in the next; the layer waits for the
 // slower side). The whole block calls it; thread 0 does the walk.
+// With a read-ahead (staged != nullptr: read_ahead's record of the layer), the experts it
+// staged in VRAM before the routing was known are the GPU's, read from there (win VRAM). They
+// still count in the layer's total, so the pool takes its share of all the layer's misses and
+// the staged ones come off the GPU's PCIe reads: the GPU's side was the one that kept the pool
+// waiting (one slot at share 0.3 on the H200: the pool took 5 of a token's 8 misses and the
+// GPU read 3; with one staged and left out of the total, the pool 4 and the GPU 3 besides the
+// staged one, no faster; counted, the pool 5 and the GPU 2: docs/offload.md). score [E] (the read-ahead's guess for the next window)
+// decays and gains the window's rows; stats [3] counts the staged experts, those routed and
+// their rows.
+__device__ __forceinline__ bool is_staged(const int *__restrict__ staged, int S, int e) {
+    for (int s = 0; s < S; s++)
+        if (staged[s] == e) return true;
+    return false;
+}
+
 __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__restrict__ num_groups,
                                              int E, int *__restrict__ counts,
                                              const uint8_t *__restrict__ where,
                                              uint8_t *__restrict__ win, int rows_cap,
-                                             int expert_cost, int budget, float frac) {
+                                             int expert_cost, int budget, float frac,
+                                             const int *__restrict__ staged = nullptr, int S = 0,
+                                             float *__restrict__ score = nullptr,
+                                             float decay = 0.0f,
+                                             unsigned long long *__restrict__ stats = nullptr) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         counts[e] = 0;
         if (where != nullptr) win[e] = where[e] == WHERE_CPU ? WHERE_PCIE : where[e];
+        if (score != nullptr) score[e] *= decay;
     }
     __syncthreads();
     if (threadIdx.x != 0) return;
@@ -65,10 +85,19 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
         }
         budget = (int)floorf(frac * (float)total + 0.5f);
     }
+    if (stats != nullptr)
+        for (int s = 0; s < S; s++) stats[0] += staged[s] >= 0;
     for (int g = 0; g < G; g++) {
         const int e = groups[3 * g], first = groups[3 * g + 1], count = groups[3 * g + 2];
         counts[e] = count;
-        if (where != nullptr && where[e] == WHERE_CPU && count <= rows_cap
+        if (score != nullptr) score[e] += (float)count;
+        if (is_staged(staged, S, e)) {  // read from its staged copy (the tables point there)
+            if (where != nullptr) win[e] = 0;
+            if (stats != nullptr) {
+                stats[1] += 1;
+                stats[2] += count;
+            }
+        } else if (where != nullptr && where[e] == WHERE_CPU && count <= rows_cap
             && spent + expert_cost + count <= budget) {
             win[e] = WHERE_CPU;
             spent += expert_cost + count;
@@ -93,6 +122,24 @@ extern "C" __global__ void tier_groups(int *__restrict__ groups, int *__restrict
     kernel_entry();
     count_groups(groups, num_groups, E, counts, where, win, rows_cap, expert_cost,
                  where != nullptr ? *budget : 0, where != nullptr ? *frac : -1.0f);
+}
+
+// tier_groups in a decode window with a read-ahead (read_ahead below): staged [S] the layer's
+// staged experts (-1 none), score [E] the layer's, stats [3] (count_groups).
+extern "C" __global__ void tier_groups_ahead(int *__restrict__ groups,
+                                             int *__restrict__ num_groups, int E,
+                                             int *__restrict__ counts,
+                                             const uint8_t *__restrict__ where, uint8_t *win,
+                                             int rows_cap, int expert_cost,
+                                             const int *__restrict__ budget,
+                                             const float *__restrict__ frac,
+                                             const int *__restrict__ staged, int S,
+                                             float *__restrict__ score, float decay,
+                                             unsigned long long *__restrict__ stats) {
+    kernel_entry();
+    count_groups(groups, num_groups, E, counts, where, win, rows_cap, expert_cost,
+                 where != nullptr ? *budget : 0, where != nullptr ? *frac : -1.0f, staged, S,
+                 score, decay, stats);
 }
 
 // Copy the layer's ids [R, K] (-1 for a pair the pool does not compute: the pool takes
@@ -343,4 +390,128 @@ extern "C" __global__ void pull_rare(const int *__restrict__ counts,
                 dst + part_off[layer * 3 + threadIdx.x];
         if (threadIdx.x == 0) atomicAdd(pulled + layer, 1);
     }
+}
+
+// Read-ahead of a decode window (docs/offload.md, "Reading ahead into VRAM"): while the GPU runs
+// a layer's dense part (and the pool the layer before's experts), the link to the pinned host
+// copies is idle. On a side stream, behind the previous layer's expert products, read_ahead
+// copies the S experts of `layer` with the highest score (decayed routed rows: the experts the
+// last tokens chose) into one set of a ring of two, and ahead_point, behind it on the same
+// stream, points the layer's tables at them; the layer's tier_groups_ahead (after the join)
+// then treats those routed as the GPU's, read from VRAM. Nothing stays in VRAM from one token
+// to the next: the experts are read again every window.
+// State: turn [1] (the set this launch fills is turn & 1), staged [L, S] (the experts each
+// read_ahead picked, -1 none), sets [2, 1 + S] (per set: the layer whose tables point at it, -1
+// none, and its experts). Order, on the side stream: ahead_point of the layer before pointed
+// the other set's user back at its host copies before this read_ahead overwrites that set, and
+// this layer's tables point at its set only once the copy has landed (the next launch).
+#define AHEAD_MAX 4
+
+// Grid (chunks, S), block 256: every block picks the same experts (score is not written while
+// this runs), blockIdx.y copies the y-th into slot y of set turn & 1.
+extern "C" __global__ void read_ahead(const float *__restrict__ score, int E, int layer, int S,
+                                      int *staged, const int *__restrict__ turn,
+                                      unsigned long long ring,
+                                      unsigned long long host_dev_base,
+                                      unsigned long long slot_bytes,
+                                      unsigned long long image_bytes) {
+    kernel_entry();
+    __shared__ float best_v[WARP];
+    __shared__ int best_e[WARP];
+    __shared__ int chosen[AHEAD_MAX];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int s = 0; s < S; s++) {  // the s-th highest score (ties: the lower id), > 0 only
+        float v = 0.0f;
+        int ev = -1;
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            bool taken = false;
+            for (int t = 0; t < s; t++) taken |= chosen[t] == e;
+            const float x = score[e];
+            if (!taken && x > v) {
+                v = x;
+                ev = e;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_down_sync(0xffffffffu, v, o);
+            const int oe = __shfl_down_sync(0xffffffffu, ev, o);
+            if (oe >= 0 && (ov > v || (ov == v && (ev < 0 || oe < ev)))) {
+                v = ov;
+                ev = oe;
+            }
+        }
+        if (lane == 0) {
+            best_v[warp] = v;
+            best_e[warp] = ev;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float bv = 0.0f;
+            int be = -1;
+            for (int w = 0; w < warps; w++)
+                if (best_e[w] >= 0 && (best_v[w] > bv || (best_v[w] == bv && best_e[w] < be))) {
+                    bv = best_v[w];
+                    be = best_e[w];
+                }
+            chosen[s] = be;
+        }
+        __syncthreads();
+    }
+    const int s = blockIdx.y, e = chosen[s];
+    if (blockIdx.x == 0 && threadIdx.x == 0) staged[layer * S + s] = e;
+    if (e < 0) return;
+    const unsigned long long dst = ring + ((unsigned long long)(*turn & 1) * S + s) * slot_bytes;
+    const unsigned long long src = host_dev_base + ((unsigned long long)layer * E + e) * slot_bytes;
+    const uint4 *__restrict__ from = reinterpret_cast<const uint4 *>(src);
+    uint4 *__restrict__ to = reinterpret_cast<uint4 *>(dst);
+    const long long words = (long long)(image_bytes / 16);
+    const long long step = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * step < words; i += 4 * step) {  // four loads in flight per thread
+        const uint4 a = from[i], b = from[i + step], c = from[i + 2 * step], f = from[i + 3 * step];
+        to[i] = a;
+        to[i + step] = b;
+        to[i + 2 * step] = c;
+        to[i + 3 * step] = f;
+    }
+    for (; i < words; i += step) to[i] = from[i];
+    if (blockIdx.x == 0)
+        for (unsigned long long b = words * 16 + threadIdx.x; b < image_bytes; b += blockDim.x)
+            reinterpret_cast<uint8_t *>(dst)[b] = reinterpret_cast<const uint8_t *>(src)[b];
+}
+
+// After read_ahead on the side stream: the other set's user pointed back at its host copies
+// (its layer's products ran before this layer's read_ahead was forked), this layer's staged
+// experts at their slots of set turn & 1, the sets' record updated, turn advanced. One thread.
+// tables [L, 3, E] uint64, part_off [L, 3] uint64.
+extern "C" __global__ void ahead_point(int E, int layer, int S, const int *__restrict__ staged,
+                                       int *sets, int *turn, unsigned long long ring,
+                                       unsigned long long host_dev_base,
+                                       unsigned long long slot_bytes,
+                                       const unsigned long long *__restrict__ part_off,
+                                       unsigned long long *tables) {
+    kernel_entry();
+    const int p = *turn & 1;
+    int *mine = sets + p * (1 + S), *other = sets + (1 - p) * (1 + S);
+    const int prev = other[0];
+    if (prev >= 0)
+        for (int t = 0; t < S; t++) {
+            const int pe = other[1 + t];
+            if (pe < 0) continue;
+            const unsigned long long hb =
+                host_dev_base + ((unsigned long long)prev * E + pe) * slot_bytes;
+            for (int q = 0; q < 3; q++)
+                tables[((unsigned long long)prev * 3 + q) * E + pe] = hb + part_off[prev * 3 + q];
+        }
+    other[0] = -1;
+    mine[0] = layer;
+    for (int t = 0; t < S; t++) {
+        const int te = staged[layer * S + t];
+        mine[1 + t] = te;
+        if (te < 0) continue;
+        const unsigned long long sb = ring + ((unsigned long long)p * S + t) * slot_bytes;
+        for (int q = 0; q < 3; q++)
+            tables[((unsigned long long)layer * 3 + q) * E + te] = sb + part_off[layer * 3 + q];
+    }
+    *turn += 1;
 }

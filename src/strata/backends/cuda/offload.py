@@ -5,6 +5,7 @@ device-mapped host RAM; a VRAM expert cache whose device pointer tables the grou
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -16,6 +17,27 @@ from strata.experts.pack import PARTS, expert_tensor_name
 from strata.experts.store import ExpertStore
 
 log = logging.getLogger("strata.tier")
+
+
+def read_ahead_experts(env=None) -> int:
+    """Experts per layer a decode window with every expert in RAM stages ahead of its routing
+    (device_tier.ReadAhead): STRATA_READ_AHEAD, default READ_AHEAD_EXPERTS, 0 off."""
+    from strata.backends.cuda.device_tier import READ_AHEAD_EXPERTS, READ_AHEAD_MAX
+
+    env = os.environ if env is None else env
+    text = env.get("STRATA_READ_AHEAD", "").strip()
+    if not text:
+        return READ_AHEAD_EXPERTS
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"STRATA_READ_AHEAD={text!r} is not a whole number of experts per "
+                          "layer (0 turns the read-ahead off)") from None
+    if not 0 <= value <= READ_AHEAD_MAX:
+        raise ConfigError(f"STRATA_READ_AHEAD={value}: give 0 (off) to {READ_AHEAD_MAX} experts "
+                          "per layer")
+    return value
+
 
 PART_ALIGN_BYTES = 256      # gate, up and down each start on 256 bytes inside a slot
 # Free admission (keep_misses): a decode window keeps up to this many of each layer's misses
@@ -341,6 +363,14 @@ class VramExpertArena(ExpertArena):
         with rt.active():
             self.model.tier.attach_pool(self.pool, exchange,
                                         int(buf.base.get_device_pointer()))
+            ahead = read_ahead_experts()
+            if self.n_slots == 0 and ahead > 0:  # every expert in RAM: stage likely ones
+                image = [self._image_bytes(layer) for layer in range(self.store.n_layers)]
+                self.model.tier.enable_read_ahead(self.host.device_base, self.slot_bytes,
+                                                  self.host.part_offsets, image, ahead)
+                log.info("read-ahead: decode windows copy each layer's %d likeliest "
+                         "expert(s) into VRAM while its dense part runs (the link is idle "
+                         "then); STRATA_READ_AHEAD=0 turns it off", ahead)
         self._where_version = -1
         self._set_where()
 
@@ -510,6 +540,9 @@ class VramExpertArena(ExpertArena):
             self._publish()
             rt.synchronize()
         return len(placed)
+
+    def read_ahead_totals(self) -> tuple[int, int, int]:
+        return self.model.tier.read_ahead_totals()
 
     def take_pool_window(self) -> tuple[int, float, float]:
         stats = self.pool.last_stats if self.pool is not None else None

@@ -393,6 +393,8 @@ class WindowPlan:
         # free admission: its expert products write the misses they read into offered slots
         self.keeps_misses = keeps_misses(model, num_rows)
         self._programmatic = num_rows <= pdl_max_rows()
+        # read-ahead (DeviceTier.reads_ahead): per layer the side stream's fork and join events
+        self.ahead_events: dict[int, tuple] = {}
         self._build()
 
     # ---- helpers --------------------------------------------------------------------------
@@ -612,6 +614,9 @@ class WindowPlan:
         R, N = self.num_rows, self.num_logit_rows
         H, K, F = spec.hidden, spec.n_experts_used, spec.expert_ffn
         P = R * K
+        ahead = m.tier is not None and m.tier.reads_ahead(R)
+        if ahead:  # layer 0's likeliest experts staged while the window starts (device_tier.py)
+            m.tier.add_read_ahead(self, 0)
         if m.is_first:  # later stages of a layer split find x [R, H] copied in
             emb = m.embd
             self._add(f"embed_{emb.suffix}", (R,), (256,), "PqiPP",
@@ -645,6 +650,8 @@ class WindowPlan:
             self._mm("store", ly.down_exps, "hbuf", "ybuf", grouped=True, out_rows=True,
                      use_mv=os.environ.get("STRATA_DECODE_DOWN", "mv") != "mm", keep=keep[1])
             self.expert_spans.append((first_expert_launch, len(self.launches)))
+            if ahead and li + 1 < len(m.layers):  # the link is idle until the next routing
+                m.tier.add_read_ahead(self, li + 1)
             shared = (0, 0)
             if ly.shexp_w_gate is not None:
                 S = spec.shared_ffn
