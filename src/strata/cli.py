@@ -308,6 +308,9 @@ def tier_summary(tier) -> dict:
             out.update(pool_entries=t.num_pool_entries, pool_windows=pool.busy_windows,
                        pool_compute_ms=pool.busy_pool_ms / pool.busy_windows,
                        pool_wait_ms=pool.busy_wait_ms / pool.busy_windows)
+        staged, routed, entries = getattr(tier.arena, "read_ahead_totals", lambda: (0, 0, 0))()
+        if staged:
+            out.update(ahead_staged=staged, ahead_routed=routed, ahead_entries=entries)
         streamer = getattr(tier.arena, "streamer", None)
         if streamer is not None and streamer.num_windows:
             out.update(streamed_windows=streamer.num_windows,
@@ -520,6 +523,10 @@ def format_tier_summary(s: dict) -> str:
                f"per window {s['pool_compute_ms']:.2f} ms computing and {s['pool_wait_ms']:.2f} "
                "ms waiting for the GPU"
                if "pool_entries" in s else "")
+            + (f"; read-ahead: {s['ahead_staged']} experts staged before their routing, "
+               f"{s['ahead_routed']} of them routed ({s['ahead_routed'] / s['ahead_staged']:.1%}"
+               f", {s['ahead_entries']} routed entries)"
+               if "ahead_staged" in s else "")
             + (f"; prompt windows: {s['streamed_windows']} streamed {s['streamed_gib']:.2f} GiB "
                f"of experts, {s['streamed_left']:.1f} rare ones per layer left to PCIe reads "
                f"(the GPU pulled {s['streamed_pulled']} of them into staging)"

@@ -162,6 +162,11 @@ class ExpertArena(abc.ABC):
         """After a window: publish the misses it kept; how many since the last call."""
         return 0
 
+    def read_ahead_totals(self) -> tuple[int, int, int]:
+        """(experts decode windows staged before their routing, of them routed, their routed
+        entries) since start-up (backends/cuda/device_tier.py's read-ahead); none here."""
+        return 0, 0, 0
+
     def take_pool_window(self) -> tuple[int, float, float]:
         """(routed entries, compute seconds, seconds waiting for the GPU) of the CPU pool in the
         window just run; (0, 0.0, 0.0) with no pool."""

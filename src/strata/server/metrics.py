@@ -81,12 +81,21 @@ class ExpertCacheCollector:
         yield _counter("strata_expert_cache_misses", "Routed entries served from the expert "
                        "store (not resident)", t.num_misses)
         if tier.arena.misses_on_gpu:
+            staged, routed, ahead = getattr(tier.arena, "read_ahead_totals",
+                                            lambda: (0, 0, 0))()
             served = CounterMetricFamily("strata_expert_cache_misses_served", "Cache misses "
                                          "(routed entries) by who served them: the GPU over "
-                                         "PCIe or the CPU pool", labels=["by"])
-            served.add_metric(["pcie"], t.num_misses - t.num_pool_entries)
+                                         "PCIe, the CPU pool, or the GPU from the copy a "
+                                         "decode window read ahead", labels=["by"])
+            served.add_metric(["pcie"], max(0, t.num_misses - t.num_pool_entries - ahead))
             served.add_metric(["cpu_pool"], t.num_pool_entries)
+            served.add_metric(["read_ahead"], ahead)
             yield served
+            yield _counter("strata_expert_read_ahead_experts", "Experts decode windows copied "
+                           "into VRAM before their routing (every expert in RAM: the link is "
+                           "idle while a layer's dense part runs)", staged)
+            yield _counter("strata_expert_read_ahead_routed", "Of those, the experts the "
+                           "routing then chose", routed)
             yield _counter("strata_expert_cpu_pool_seconds", "CPU pool compute time",
                            t.pool_s)
             yield _counter("strata_expert_cpu_pool_wait_seconds", "CPU pool time waiting for "
