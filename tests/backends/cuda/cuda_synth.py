@@ -73,3 +73,12 @@ def write_split_test_model(out) -> None:
     from strata.tool.synth import synth_model
 
     synth_model(out, shape="tiny", weight_type="q8_0", seed=11, routing_skew=1.0, n_layers=4)
+
+
+def write_pool_test_model(out, n_layers: int = 4) -> None:
+    """The CPU pool's and the read-ahead's tests' model: tiny (8 experts, top-2) Q8_0 with
+    skewed routing."""
+    from strata.tool.synth import synth_model
+
+    synth_model(out, shape="tiny", weight_type="q8_0", seed=12, routing_skew=1.0,
+                n_layers=n_layers)

@@ -15,6 +15,7 @@ from strata.backends.window import Window
 from strata.experts.store import ExpertStore
 from strata.model.gguf_file import GGUFModel
 
+from cuda_synth import write_pool_test_model
 from request_runs import run_requests
 
 pytestmark = pytest.mark.cuda
@@ -23,10 +24,8 @@ pytestmark = pytest.mark.cuda
 @pytest.fixture(scope="module")
 def pool_path(tmp_path_factory):
     """tiny (4 layers x 8 experts, top-2) Q8_0 with skewed routing."""
-    from strata.tool.synth import synth_model
-
     path = tmp_path_factory.mktemp("pool") / "tiny-pool-q8_0.gguf"
-    synth_model(path, shape="tiny", weight_type="q8_0", seed=12, routing_skew=1.0, n_layers=4)
+    write_pool_test_model(path, n_layers=4)
     return path
 
 

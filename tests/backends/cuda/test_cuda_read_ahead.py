@@ -15,6 +15,8 @@ from strata.backends.window import Window
 from strata.experts.store import ExpertStore
 from strata.model.gguf_file import GGUFModel
 
+from cuda_synth import write_pool_test_model
+
 pytestmark = pytest.mark.cuda
 
 
@@ -22,10 +24,8 @@ pytestmark = pytest.mark.cuda
 def ahead_path(tmp_path_factory):
     """tiny (3 layers x 8 experts, top-2) Q8_0 with skewed routing: an odd count, so a layer
     fills the other set of the ring in the next window."""
-    from strata.tool.synth import synth_model
-
     path = tmp_path_factory.mktemp("ahead") / "tiny-ahead-q8_0.gguf"
-    synth_model(path, shape="tiny", weight_type="q8_0", seed=12, routing_skew=1.0, n_layers=3)
+    write_pool_test_model(path, n_layers=3)
     return path
 
 

@@ -345,6 +345,29 @@ extern "C" __global__ void tier_groups_keep(int *__restrict__ groups,
                     E, cap, host_base, host_end, slot_base, slot_bytes);
 }
 
+// Copy one expert's slot image [image_bytes] from src to dst (either side host or device):
+// the gridDim.x blocks share its 16-byte words, four loads in flight per thread, and block 0
+// copies the bytes past the last whole word.
+__device__ __forceinline__ void copy_image(unsigned long long src, unsigned long long dst,
+                                           unsigned long long image_bytes) {
+    const uint4 *__restrict__ s = reinterpret_cast<const uint4 *>(src);
+    uint4 *__restrict__ d = reinterpret_cast<uint4 *>(dst);
+    const long long words = (long long)(image_bytes / 16);
+    const long long step = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * step < words; i += 4 * step) {
+        const uint4 a = s[i], b = s[i + step], c = s[i + 2 * step], f = s[i + 3 * step];
+        d[i] = a;
+        d[i + step] = b;
+        d[i + 2 * step] = c;
+        d[i + 3 * step] = f;
+    }
+    for (; i < words; i += step) d[i] = s[i];
+    if (blockIdx.x == 0)
+        for (unsigned long long b = words * 16 + threadIdx.x; b < image_bytes; b += blockDim.x)
+            reinterpret_cast<uint8_t *>(dst)[b] = reinterpret_cast<const uint8_t *>(src)[b];
+}
+
 // After tier_groups in a streamed prompt window: each rare expert (where CPU) the pool did not
 // take (win PCIe) with more than min_rows rows is copied from its host copy into its slot of the
 // layer's staging set (base [layer], 0: the layer is not streamed, nothing to do), and the
@@ -369,22 +392,8 @@ extern "C" __global__ void pull_rare(const int *__restrict__ counts,
         return;
     const unsigned long long src = host_dev_base + ((unsigned long long)layer * E + e) * slot_bytes;
     const unsigned long long dst = stage + (unsigned long long)e * slot_bytes;
-    const uint4 *__restrict__ s = reinterpret_cast<const uint4 *>(src);
-    uint4 *__restrict__ d = reinterpret_cast<uint4 *>(dst);
-    const long long words = (long long)(image_bytes / 16);
-    const long long step = (long long)gridDim.x * blockDim.x;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + 3 * step < words; i += 4 * step) {  // four loads in flight per thread
-        const uint4 a = s[i], b = s[i + step], c = s[i + 2 * step], f = s[i + 3 * step];
-        d[i] = a;
-        d[i + step] = b;
-        d[i + 2 * step] = c;
-        d[i + 3 * step] = f;
-    }
-    for (; i < words; i += step) d[i] = s[i];
+    copy_image(src, dst, image_bytes);
     if (blockIdx.x == 0) {
-        for (unsigned long long b = words * 16 + threadIdx.x; b < image_bytes; b += blockDim.x)
-            reinterpret_cast<uint8_t *>(dst)[b] = reinterpret_cast<const uint8_t *>(src)[b];
         if (threadIdx.x < 3)
             tables[((unsigned long long)layer * 3 + threadIdx.x) * E + e] =
                 dst + part_off[layer * 3 + threadIdx.x];
@@ -461,23 +470,8 @@ extern "C" __global__ void read_ahead(const float *__restrict__ score, int E, in
     if (blockIdx.x == 0 && threadIdx.x == 0) staged[layer * S + s] = e;
     if (e < 0) return;
     const unsigned long long dst = ring + ((unsigned long long)(*turn & 1) * S + s) * slot_bytes;
-    const unsigned long long src = host_dev_base + ((unsigned long long)layer * E + e) * slot_bytes;
-    const uint4 *__restrict__ from = reinterpret_cast<const uint4 *>(src);
-    uint4 *__restrict__ to = reinterpret_cast<uint4 *>(dst);
-    const long long words = (long long)(image_bytes / 16);
-    const long long step = (long long)gridDim.x * blockDim.x;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + 3 * step < words; i += 4 * step) {  // four loads in flight per thread
-        const uint4 a = from[i], b = from[i + step], c = from[i + 2 * step], f = from[i + 3 * step];
-        to[i] = a;
-        to[i + step] = b;
-        to[i + 2 * step] = c;
-        to[i + 3 * step] = f;
-    }
-    for (; i < words; i += step) to[i] = from[i];
-    if (blockIdx.x == 0)
-        for (unsigned long long b = words * 16 + threadIdx.x; b < image_bytes; b += blockDim.x)
-            reinterpret_cast<uint8_t *>(dst)[b] = reinterpret_cast<const uint8_t *>(src)[b];
+    copy_image(host_dev_base + ((unsigned long long)layer * E + e) * slot_bytes, dst,
+               image_bytes);
 }
 
 // After read_ahead on the side stream: the other set's user pointed back at its host copies
