@@ -140,6 +140,21 @@ def test_attention_deep_from():
     assert cuda_plan.attention_group_part_floats(1, 8, 64, splits=64) == 8 * 64 * 68
 
 
+def test_read_ahead_setting():
+    """STRATA_READ_AHEAD: experts a decode layer stages with no cache slots (default 1, 0 off,
+    at most READ_AHEAD_MAX); anything else is refused with the value named."""
+    from strata.backends.cuda.device_tier import READ_AHEAD_EXPERTS, READ_AHEAD_MAX
+    from strata.backends.cuda.offload import read_ahead_experts
+    from strata.errors import ConfigError
+
+    assert read_ahead_experts({}) == READ_AHEAD_EXPERTS
+    assert read_ahead_experts({"STRATA_READ_AHEAD": " 0 "}) == 0
+    assert read_ahead_experts({"STRATA_READ_AHEAD": str(READ_AHEAD_MAX)}) == READ_AHEAD_MAX
+    for bad in ("two", "-1", str(READ_AHEAD_MAX + 1)):
+        with pytest.raises(ConfigError, match=f"STRATA_READ_AHEAD={bad!r}|STRATA_READ_AHEAD={bad}"):
+            read_ahead_experts({"STRATA_READ_AHEAD": bad})
+
+
 def test_attention_prompt_shared_memory_is_what_the_runtime_allows():
     """attention_prompt's two buffers of K/V tiles need more than the default 48 KB of dynamic
     shared memory at D = 128: the runtime raises the kernel's limit to exactly the most any
