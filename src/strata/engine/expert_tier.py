@@ -90,6 +90,7 @@ class ExpertTier:
         self.totals = TierTotals()
         self._logged = TierTotals()
         self._max_wait_since_log = 0.0
+        self._ahead_logged = (0, 0, 0)  # the arena's read_ahead_totals at the last log_group
         self.last_window = TierWindow()
         self.recent = (RecentRouting(store.n_layers, store.n_experts, arena.n_slots)
                        if arena is not None else None)
@@ -382,14 +383,17 @@ class ExpertTier:
         """INFO: what the cache did since the last such line."""
         now = self.snapshot_totals()
         group = now.minus(self._logged)
+        ahead = self.arena.read_ahead_totals()
+        staged, routed = (ahead[0] - self._ahead_logged[0], ahead[1] - self._ahead_logged[1])
         if group.num_windows:
             group.max_wait_s = self._max_wait_since_log
-            log.info("%s%s; tier wait by window since start: %s, %s", self.log_prefix,
+            log.info("%s%s%s; tier wait by window since start: %s, %s", self.log_prefix,
                      format_group(group, self._logged.num_windows, self.mode,
                                   self.arena.misses_on_gpu),
+                     f"; read ahead {staged} experts, {routed} of them routed" if staged else "",
                      self.wait_by_kind["solo"].describe("solo"),
                      self.wait_by_kind["batch"].describe("batch"))
-        self._logged = now
+        self._logged, self._ahead_logged = now, ahead
         self._max_wait_since_log = 0.0
 
     def _fold_routing(self, window_index: int, counts: np.ndarray) -> None:
