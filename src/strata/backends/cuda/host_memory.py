@@ -17,9 +17,10 @@ import weakref
 
 import numpy as np
 
+from strata.model.host_pages import anonymous_array, huge_page_bytes
+
 log = logging.getLogger(__name__)
 
-HUGE_PAGE_BYTES = 2 << 20
 ENV_PAGES = "STRATA_HOST_PAGES"
 
 
@@ -49,15 +50,8 @@ class PinnedBuffer:
     def _huge(self, nbytes: int) -> None:
         from strata._native import cuda_driver
 
-        # private: a shared anonymous mapping is shmem, which THP leaves alone by default
-        area = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,
-                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        area.madvise(mmap.MADV_HUGEPAGE)
-        if hasattr(mmap, "MADV_DONTFORK"):  # a forked child must not share pinned pages (COW)
-            area.madvise(mmap.MADV_DONTFORK)
-        raw = np.frombuffer(area, np.uint8)                       # keeps `area` alive
-        at = -raw.ctypes.data % HUGE_PAGE_BYTES                   # the first 2 MiB boundary
-        view = raw[at:at + nbytes]
+        view = anonymous_array(nbytes, dontfork=True)
+        raw = view.base                                           # owns the mapping
         # the pages come in here (huge ones where the kernel gives them), then are pinned
         view[::4096] = 0
         address = int(view.ctypes.data)
@@ -79,22 +73,3 @@ def _unregister(address: int) -> None:
         cuda_driver.host_unregister(address)
     except Exception:  # the context is gone already: the driver released the pin with it
         pass
-
-
-def huge_page_bytes(start: int, stop: int) -> int | None:
-    """AnonHugePages of the mappings of this process inside [start, stop), from
-    /proc/self/smaps (None where that file cannot be read)."""
-    try:
-        with open("/proc/self/smaps") as smaps:
-            lines = smaps.read().splitlines()
-    except OSError:
-        return None
-    total, inside = 0, False
-    for line in lines:
-        head = line.split(" ", 1)[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo < stop and hi > start
-        elif inside and line.startswith("AnonHugePages:"):
-            total += int(line.split()[1]) * 1024
-    return total

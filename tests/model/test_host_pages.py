@@ -1,12 +1,12 @@
-"""host_memory.huge_page_bytes, which the experts-in-RAM log line reads (no GPU needed): it
-counts the huge pages of the mappings inside a range from /proc/self/smaps."""
-import mmap
+"""host_pages: anonymous memory asked for huge pages (the CPU's weights read into RAM, the
+pinned experts in RAM), huge_page_bytes, which the experts-in-RAM log line reads (it counts the
+huge pages of the mappings inside a range from /proc/self/smaps), and available_bytes."""
 import sys
 
-import numpy as np
 import pytest
 
-from strata.backends.cuda.host_memory import HUGE_PAGE_BYTES, huge_page_bytes
+from strata.model.host_pages import (HUGE_PAGE_BYTES, anonymous_array, available_bytes,
+                                     huge_page_bytes)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads /proc/self/smaps")
@@ -36,12 +36,9 @@ def test_a_range_no_mapping_holds_counts_nothing():
 
 def test_a_private_mapping_asked_for_huge_pages_gets_them_where_the_kernel_gives_them():
     nbytes = 16 * HUGE_PAGE_BYTES
-    area = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_HUGEPAGE)
-    raw = np.frombuffer(area, np.uint8)
-    at = -raw.ctypes.data % HUGE_PAGE_BYTES
-    view = raw[at:at + nbytes]
+    view = anonymous_array(nbytes)
     start = view.ctypes.data
+    assert view.nbytes == nbytes and start % HUGE_PAGE_BYTES == 0
     assert huge_page_bytes(start, start + nbytes) == 0           # nothing touched yet
     view[::4096] = 1
     backed = huge_page_bytes(start, start + nbytes)
@@ -50,4 +47,17 @@ def test_a_private_mapping_asked_for_huge_pages_gets_them_where_the_kernel_gives
         if backed == 0 and _rollup_huge_bytes() < nbytes // 2:
             pytest.skip("THP is on but the kernel gave no huge page (fragmented memory?)")
         assert backed >= HUGE_PAGE_BYTES and backed % HUGE_PAGE_BYTES == 0
-    del view, raw
+    del view
+
+
+def test_anonymous_memory_is_private_writable_and_kept_by_its_views():
+    view = anonymous_array(3 * 4096 + 5)
+    view[:] = 7
+    part = view[4096:8192]
+    del view
+    assert part.sum() == 7 * 4096                                 # the view keeps the mapping
+
+
+def test_available_memory_is_a_positive_byte_count():
+    available = available_bytes()
+    assert available is not None and 0 < available < 1 << 50

@@ -1,0 +1,66 @@
+"""Anonymous host memory asked for transparent huge pages: the model's tensors read into RAM
+(`--no-mmap`, gguf_file.GGUFModel.load_into_memory) and the pinned experts in RAM of the CUDA
+backend (backends/cuda/host_memory.py).
+
+A decode token reads every weight byte once, so the CPU kernels walk gigabytes of weights per
+second; from 2 MiB pages they take far fewer TLB misses and page walks than from the 4 KiB
+pages of a file's mapping (docs/DEVELOPING.md, "Weights in RAM").
+"""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def anonymous_array(nbytes: int, *, dontfork: bool = False) -> np.ndarray:
+    """`nbytes` of private anonymous memory as a uint8 array starting on a 2 MiB boundary, asked
+    for huge pages (the kernel backs them where THP is `always` or `madvise`); the array keeps
+    the mapping alive, and its pages come in as they are first written. `dontfork`: a forked
+    child does not get the pages (pinned memory must not be shared copy-on-write). Where the
+    platform has no anonymous mappings, numpy's own memory."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):
+        return np.empty(nbytes, np.uint8)
+    # private: a shared anonymous mapping is shmem, which THP leaves alone by default
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        area.madvise(mmap.MADV_HUGEPAGE)
+    if dontfork and hasattr(mmap, "MADV_DONTFORK"):
+        area.madvise(mmap.MADV_DONTFORK)
+    raw = np.frombuffer(area, np.uint8)                       # keeps `area` alive
+    at = -raw.ctypes.data % HUGE_PAGE_BYTES                   # the first 2 MiB boundary
+    return raw[at:at + nbytes]
+
+
+def huge_page_bytes(start: int, stop: int) -> int | None:
+    """AnonHugePages of the mappings of this process inside [start, stop), from
+    /proc/self/smaps (None where that file cannot be read)."""
+    try:
+        with open("/proc/self/smaps") as smaps:
+            lines = smaps.read().splitlines()
+    except OSError:
+        return None
+    total, inside = 0, False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo < stop and hi > start
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo: what the kernel can hand out without swapping, the page
+    cache it can drop included (None where that file cannot be read)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
