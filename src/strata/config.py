@@ -63,6 +63,9 @@ class EngineConfig:
     # --ctx-checkpoints: recurrent states a hybrid model's slot keeps (strata.engine.recurrent)
     ctx_checkpoints: int = DEFAULT_CHECKPOINTS
     device: str = "auto"  # --device auto|cpu|cuda (strata.backends.select)
+    # --mmap / --no-mmap: the CPU backend computes from the file's memory map (True) or from a
+    # copy read into RAM in huge pages at start (False; backends/select.py)
+    mmap: bool = True
     # ---- the expert cache and the adaptive tier (docs/expert-cache.md) ----
     expert_cache: str | int | None = None  # --expert-cache auto|N; None: no cache
     vram_budget_bytes: int | str | None = None  # --vram-budget (bytes, or "8G"-style text)
@@ -228,6 +231,9 @@ class EngineConfig:
                 raise ConfigError(f"adapt_async = {self.adapt_async!r}; give 0 (blocking) or "
                                   "1 (copies land while the next windows run)")
         self._check_kv_grow()
+        if not isinstance(self.mmap, bool):
+            raise ConfigError(f"mmap must be True (--mmap) or False (--no-mmap), not "
+                              f"{self.mmap!r}")
         if self.kv_type not in KV_TYPES:
             raise ConfigError(f"--kv {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         frac = self.pcie_frac

@@ -139,3 +139,67 @@ def test_no_automatic_offload_otherwise(tiny_path, monkeypatch, device, offload,
             assert (model.experts_resident is False) if offload else isinstance(model, CpuModel)
     assert calls == [not offload]
     assert config is None or config.expert_cache is None
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_the_cpu_model_computes_from_the_map_or_a_copy_as_asked(tiny_path, mmap, caplog):
+    with caplog.at_level(logging.INFO, logger="strata.engine"), GGUFModel.open(tiny_path) as gguf:
+        build_model(gguf, "cpu", config=EngineConfig(tiny_path, device="cpu", mmap=mmap))
+        assert gguf.in_memory is not mmap
+    said = "served from the file's memory map" if mmap else "read into RAM, huge pages"
+    assert f"model: weights {said}" in caplog.text
+
+
+def test_the_map_is_the_default(tiny_path):
+    assert EngineConfig(tiny_path).mmap is True
+    with GGUFModel.open(tiny_path) as gguf:
+        build_model(gguf, "cpu")
+        assert not gguf.in_memory
+
+
+def test_greedy_tokens_are_the_same_from_the_map_and_from_a_copy(tiny_path):
+    from strata.engine.engine import Engine
+    from strata.engine.generate import collect
+    from strata.engine.sampling import SamplingParams
+
+    tokens = []
+    for mmap in (True, False):
+        with Engine(EngineConfig(tiny_path, n_ctx=64, device="cpu", mmap=mmap)) as engine:
+            assert engine.gguf.in_memory is not mmap
+            params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            tokens.append(collect(engine.generate([1, 5, 9, 13], params)).token_ids)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+
+
+@pytest.mark.parametrize("available, refused", [(None, False), (1 << 20, True),
+                                                (1 << 40, False)])
+def test_no_mmap_is_refused_when_the_memory_is_not_free(tiny_path, monkeypatch,
+                                                        available, refused):
+    from strata.model import host_pages
+
+    monkeypatch.setattr(host_pages, "available_bytes", lambda: available)
+    config = EngineConfig(tiny_path, device="cpu", mmap=False)
+    with GGUFModel.open(tiny_path) as gguf:
+        if refused:
+            with pytest.raises(ConfigError, match=r"--no-mmap: reading the weights into RAM "
+                                                  r"needs 0\.\d+ GiB with headroom but 0\.00 "
+                                                  r"GiB are available; .* leave --no-mmap out"):
+                build_model(gguf, "cpu", config=config)
+        else:
+            build_model(gguf, "cpu", config=config)
+        assert gguf.in_memory is not refused
+
+
+def test_cli_mmap_options(tiny_path):
+    runner = CliRunner()
+    for flag in ("--mmap", "--no-mmap"):
+        ok = runner.invoke(main, ["bench", "--model", str(tiny_path), "--device", "cpu", "-p",
+                                  "8", "-n", "2", "-r", "1", flag])
+        assert ok.exit_code == 0, ok.output
+    bad = runner.invoke(main, ["bench", "--model", str(tiny_path), "--mmap=no"])
+    assert bad.exit_code == 2
+
+
+def test_mmap_must_be_a_bool(tiny_path):
+    with pytest.raises(ConfigError, match=r"mmap must be True \(--mmap\) or False"):
+        EngineConfig(tiny_path, mmap=None)

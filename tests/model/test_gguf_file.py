@@ -1,4 +1,5 @@
 """GGUFModel: reading a synth model back, and a clear ModelFormatError for each broken file."""
+import os
 import shutil
 
 import numpy as np
@@ -208,3 +209,42 @@ def test_k_quant_row_not_a_multiple_of_256(copy):
     _edit_header(copy, edit)
     msg = _open_error(copy)
     assert repr(name) in msg and "rows of 64 values" in msg and "Q4_K block of 256" in msg
+
+
+def _is_mapped(array) -> bool:
+    """Whether `array` is a view of a numpy memory map (the file's), through its bases."""
+    while array is not None:
+        if isinstance(array, np.memmap):
+            return True
+        array = getattr(array, "base", None)
+    return False
+
+
+def test_load_into_memory_keeps_every_tensor_and_leaves_the_map(tiny):
+    path, _ = tiny
+    with GGUFModel.open(path) as model:
+        before = {name: model.tensor(name) for name in model.tensor_names}
+        assert not model.in_memory and all(_is_mapped(t.raw) for t in before.values())
+        assert model.tensor_bytes == (max(t.offset_bytes + t.nbytes for t in before.values())
+                                      - min(t.offset_bytes for t in before.values()))
+        assert model.load_into_memory(progress=False) > 0.0
+        assert model.in_memory
+        for name, old in before.items():
+            new = model.tensor(name)
+            assert not _is_mapped(new.raw) and not new.raw.flags.writeable
+            assert (new.qtype, new.shape, new.offset_bytes) == (old.qtype, old.shape,
+                                                                old.offset_bytes)
+            assert new.raw.shape == old.raw.shape and np.array_equal(new.raw, old.raw)
+        assert model.load_into_memory(progress=False) == 0.0      # once
+        # a view handed out before still reads the map
+        assert _is_mapped(before["token_embd.weight"].raw)
+
+
+def test_a_file_cut_short_after_opening_is_named_when_read_into_memory(copy):
+    with GGUFModel.open(copy) as model:
+        end = model.tensor_bytes
+        os.truncate(copy, os.path.getsize(copy) - end // 2)
+        with pytest.raises(ModelFormatError, match=r"broken\.gguf: truncated while reading it "
+                                                   r"into RAM: .* \(--mmap\)"):
+            model.load_into_memory(progress=False)
+        assert not model.in_memory

@@ -9,6 +9,8 @@ from strata.errors import ConfigError
 log = logging.getLogger("strata.engine")
 
 DEVICES = ("auto", "cpu", "cuda")
+# --no-mmap reads the weights into RAM only with this much memory left over besides
+READ_HEADROOM = 512 << 20
 
 
 def check_device(device: str | None) -> str:
@@ -35,15 +37,13 @@ def build_model(gguf_model, device: str | None = "auto", threads: int | None = N
     engine then builds the cache and the tier); else the CPU. It logs why.
     `config` (an EngineConfig) with --split-device / --layer-split: the layers split over GPUs
     (backends/cuda/split_model.py), the plan logged."""
-    from strata.backends.cpu import CpuModel
-
     device = check_device(device)
     if config is not None and config.is_split and device != "cpu":
         from strata.backends.cuda.split_model import build_split_model
 
         return build_split_model(gguf_model, config, offload=bool(needs_cpu_experts))
     if device == "cpu":
-        return CpuModel(gguf_model, num_threads=threads)
+        return _cpu_model(gguf_model, threads, config)
     from strata.backends import cuda
 
     offload = bool(needs_cpu_experts)
@@ -52,18 +52,48 @@ def build_model(gguf_model, device: str | None = "auto", threads: int | None = N
     why_not = cuda.unavailable_reason()
     if why_not is not None:
         log.info("device auto: the CPU (no usable CUDA GPU: %s)", why_not)
-        return CpuModel(gguf_model, num_threads=threads)
+        return _cpu_model(gguf_model, threads, config)
     try:
         model = cuda.CudaModel(gguf_model, experts_resident=not offload)
     except ConfigError as exc:
         model = _offload_when_the_dense_part_fits(cuda, gguf_model, offload, config, exc)
         if model is None:
             log.warning("device auto: the CPU, since the GPU cannot hold the model: %s", exc)
-            return CpuModel(gguf_model, num_threads=threads)
+            return _cpu_model(gguf_model, threads, config)
         return model
     log.info("device auto: the GPU (%s)%s", model.runtime.name,
              ", routed experts in pinned RAM behind a VRAM cache" if offload else "")
     return model
+
+
+def _cpu_model(gguf_model, threads, config):
+    """The CPU backend's model, its weights read into RAM first with `--no-mmap`."""
+    from strata.backends.cpu import CpuModel
+
+    if config is not None and not config.mmap:
+        check_room_to_read(gguf_model)
+        seconds = gguf_model.load_into_memory()
+        log.info("model: weights read into RAM, huge pages asked for (--no-mmap; %.2f GiB in "
+                 "%.1f s)", gguf_model.tensor_bytes / 2**30, seconds)
+    else:
+        log.info("model: weights served from the file's memory map (%.2f GiB; --no-mmap reads "
+                 "them into RAM)", gguf_model.tensor_bytes / 2**30)
+    return CpuModel(gguf_model, num_threads=threads)
+
+
+def check_room_to_read(gguf_model) -> None:
+    """ConfigError when the memory the kernel can hand out (MemAvailable, the file's own page
+    cache included) cannot hold the weights and READ_HEADROOM besides: --no-mmap would end in
+    the OOM killer or in swap rather than in a message."""
+    from strata.model.host_pages import available_bytes
+
+    need = gguf_model.tensor_bytes + READ_HEADROOM
+    available = available_bytes()
+    if available is not None and available < need:
+        raise ConfigError(
+            f"--no-mmap: reading the weights into RAM needs {need / 2**30:.2f} GiB with "
+            f"headroom but {available / 2**30:.2f} GiB are available; free memory, or leave "
+            "--no-mmap out to compute from the file's memory map")
 
 
 def _offload_when_the_dense_part_fits(cuda, gguf_model, offload: bool, config, why):

@@ -1,11 +1,13 @@
-"""Open a GGUF model file: memory-map it, read its metadata and tensors, and check it fully.
+"""Open a GGUF model file: memory-map it, read its metadata and tensors, and check it fully;
+read its tensors into RAM where the CPU computes from them (`--no-mmap`, `load_into_memory`).
 
 Every problem with the file raises `ModelFormatError` naming the file and what is wrong.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,8 @@ from strata.model.arch import ModelSpec
 
 _MAGIC_BYTES = GGUF_MAGIC.to_bytes(4, "little")  # b"GGUF"
 _MAX_NAMED = 5  # how many offending tensor names a message lists before "and N more"
+_READ_CHUNK_BYTES = 64 << 20  # load_into_memory reads the file this much at a time
+_QUIET_BELOW_BYTES = 256 << 20  # and shows no progress bar for less than this
 
 
 def type_name(qtype: int) -> str:
@@ -126,7 +130,8 @@ class _Reader(GGUFReader):
 class GGUFModel:
     """A mapped GGUF model: `.spec`, `.metadata`, `.tensor(name)`, `.tensor_names`.
 
-    The file is never read whole: tensors are views of one read-only memory map.
+    Tensors are views of one read-only memory map of the file, or of the anonymous memory that
+    `load_into_memory` read them into.
     """
 
     def __init__(self, path: Path, reader: GGUFReader, metadata: dict,
@@ -136,6 +141,7 @@ class GGUFModel:
         self.spec = spec
         self._reader = reader
         self._tensors = tensors
+        self._memory = None  # the tensors' bytes once load_into_memory has read them
 
     # ---- opening ------------------------------------------------------------------------
     @classmethod
@@ -182,11 +188,69 @@ class GGUFModel:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes from the first tensor's data to the last one's end: what load_into_memory
+        reads."""
+        start, stop = self._tensor_span()
+        return stop - start
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether the tensors are in anonymous memory (load_into_memory), not the mapping."""
+        return self._memory is not None
+
+    def _tensor_span(self) -> tuple[int, int]:
+        infos = self._tensors.values()
+        if not infos:
+            return 0, 0
+        return (min(t.offset_bytes for t in infos),
+                max(t.offset_bytes + t.nbytes for t in infos))
+
+    def load_into_memory(self, *, progress: bool = True) -> float:
+        """Read the tensors' bytes from the file into anonymous memory, in huge pages where the
+        kernel gives them (host_pages.py), and point every tensor at them: `--no-mmap`. The
+        CPU's decode kernels read each weight once a token, faster from there than from the
+        file's 4 KiB pages. Views handed out before keep reading the mapping. Returns the
+        seconds it took; ModelFormatError when the file has shrunk since it was opened."""
+        from tqdm import tqdm
+
+        from strata.model.host_pages import anonymous_array
+
+        if self._memory is not None:
+            return 0.0
+        started = time.perf_counter()
+        start, stop = self._tensor_span()
+        memory = anonymous_array(stop - start)
+        with open(self.path, "rb", buffering=0) as f, tqdm(
+                total=stop - start, unit="B", unit_scale=True, unit_divisor=1024,
+                desc=f"reading {self.path.name} into RAM",
+                disable=not progress or stop - start < _QUIET_BELOW_BYTES, leave=False) as bar:
+            f.seek(start)
+            done = 0
+            while done < stop - start:
+                got = f.readinto(memoryview(memory[done:done + _READ_CHUNK_BYTES]))
+                if not got:
+                    raise ModelFormatError(
+                        f"{self.path}: truncated while reading it into RAM: the tensors end at "
+                        f"byte {stop} but the file ends at byte {start + done} (it changed "
+                        "since it was opened); copy it again, or serve it mapped (--mmap)")
+                done += got
+                bar.update(got)
+        memory.flags.writeable = False
+        self._tensors = {
+            name: replace(t, raw=memory[t.offset_bytes - start:t.offset_bytes - start + t.nbytes]
+                          .reshape(t.raw.shape))
+            for name, t in self._tensors.items()}
+        self._memory = memory
+        return time.perf_counter() - started
+
     def close(self) -> None:
         """Drop this object's hold on the mapping; the file is unmapped once no `raw` view
         handed out earlier is still alive."""
         self._tensors = {}
         self._reader = None
+        self._memory = None
 
     def __enter__(self) -> "GGUFModel":
         return self
