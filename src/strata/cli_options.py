@@ -194,10 +194,9 @@ def expert_options(command):
                           "drafts)."),
         click.option("--mmap/--no-mmap", default=True, show_default=True,
                      help="On the CPU: compute from the model file's memory map, or (--no-mmap) "
-                          "from a copy read into RAM in huge pages at start: decode up to ~7% "
-                          "faster where the map's 4 KiB pages cost TLB misses (an AMD EPYC), "
-                          "the same elsewhere; refused when the memory is not free. On a GPU "
-                          "the weights go to VRAM and pinned RAM anyway."),
+                          "from a copy read into RAM in huge pages at start: decode ~7% faster "
+                          "on an AMD EPYC, the same on a Xeon; refused when the memory is not "
+                          "free. On a GPU the weights go to VRAM and pinned RAM anyway."),
     ]
     for option in reversed(options):
         with_expert_config = option(with_expert_config)

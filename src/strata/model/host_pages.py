@@ -3,8 +3,8 @@
 backend (backends/cuda/host_memory.py).
 
 A decode token reads every weight byte once, so the CPU kernels walk gigabytes of weights per
-second; from 2 MiB pages they take far fewer TLB misses and page walks than from the 4 KiB
-pages of a file's mapping (docs/DEVELOPING.md, "Weights in RAM").
+second; 2 MiB pages need fewer TLB entries and page walks for that than the 4 KiB pages of a
+file's mapping (measured gains: docs/DEVELOPING.md, "Weights in RAM").
 """
 from __future__ import annotations
 
