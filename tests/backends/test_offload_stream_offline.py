@@ -265,3 +265,83 @@ def test_with_a_pool_prompt_windows_up_to_its_rows_leave_experts_at_a_lower_reac
     left = rare_experts(residency, routed, R, K, reach_cost=POOL_REACH_COST)
     assert left[0, 8:].all() and not left[0, :8].any()
     assert not rare_experts(residency, routed, R, K, reach_cost=REACH_COST).any()
+
+
+def test_hit_share_is_the_decayed_share_of_windows_that_routed_to_each_expert():
+    from strata.backends.cuda.stream import HIT_DECAY, HitShare
+
+    hits = HitShare(1, 4, decay=0.5)
+    assert hits.share() is None  # no window yet
+    window = np.array([[3, 0, 1, 0]])  # [L, E] routed pairs
+    hits.add(window)
+    assert hits.share() is None  # one window is not enough to call an expert rare
+    hits.add(np.array([[5, 2, 0, 0]]))
+    # weights: the last window 1, the one before 0.5
+    assert np.allclose(hits.share(), [[1.0, 1 / 1.5, 0.5 / 1.5, 0.0]])
+    for _ in range(40):
+        hits.add(window)
+    assert np.allclose(hits.share(), [[1.0, 0.0, 1.0, 0.0]], atol=1e-9)
+    assert 0.0 < HIT_DECAY < 1.0
+
+
+def test_a_burst_of_rows_does_not_make_an_expert_sure_to_be_read():
+    """Prompt windows route in bursts (a window's rows are one prompt's): an expert with
+    hundreds of rows in one window of three and none in the others has a mean that makes the
+    counts call it sure, while two windows in three did not read it. With the share of windows
+    it is left rare; one routed in every window is still copied."""
+    from strata.backends.cuda.stream import POOL_REACH_COST, HitShare
+
+    L, E, R, K = 1, 16, 512, 8
+    residency = np.full((L, E), -1, dtype=np.int32)
+    routed, hits = np.zeros((L, E)), HitShare(L, E)
+    rng = np.random.default_rng(0)
+    for w in range(30):
+        pairs = np.zeros((L, E))
+        pairs[0, :4] = rng.integers(200, 400, size=4)  # routed in every window
+        pairs[0, 4 + w % 3] = R  # a burst in one window of three
+        pairs[0, 8:] = (R * K - pairs.sum()) / 8
+        decay_counts(routed, pairs, K)
+        hits.add(pairs)
+    by_counts = rare_experts(residency, routed, R, K, POOL_REACH_COST)
+    assert not by_counts[0, :7].any()  # the counts expect ~170 rows of each bursty one
+    with_hits = rare_experts(residency, routed, R, K, POOL_REACH_COST, hits.share())
+    assert with_hits[0, 4:7].all() and not with_hits[0, :4].any() and not with_hits[0, 8:].any()
+    assert by_counts[0, 7] and with_hits[0, 7]  # never routed: rare either way
+
+
+def test_the_streamer_counts_streamed_windows_and_uses_their_share_where_the_pool_serves():
+    """account() adds a window to the share of windows only when it streams and may leave
+    experts (STREAM_MIN_ROWS..RARE_MAX_ROWS rows); rare_for() uses the share from the second
+    such window on, in windows the CPU pool serves; without a pool the counts alone decide."""
+    from types import SimpleNamespace
+
+    from strata.backends.cuda.stream import POOL_REACH_COST, HitShare, PromptStreamer
+
+    L, E, R, K = 1, 16, 512, 8
+    residency = np.full((L, E), -1, dtype=np.int32)
+    streamer = PromptStreamer.__new__(PromptStreamer)  # the decisions only: no device
+    streamer.min_rows, streamer.num_layers, streamer._top_k = 256, L, K
+    streamer._routed, streamer._hits = np.zeros((L, E)), HitShare(L, E)
+    table = SimpleNamespace(peek=lambda: SimpleNamespace(table=residency))
+    streamer.arena = SimpleNamespace(pool=object(), table=table)
+
+    def window(burst, rows=R):  # experts 0-3 every window, 4 + burst in this one, 8.. spread
+        pairs = np.zeros((L, E))
+        pairs[0, :4] = rows
+        pairs[0, 4 + burst] = rows
+        pairs[0, 8:] = (rows * K - pairs.sum()) / 8
+        return pairs
+
+    streamer.account(window(0))
+    for _ in range(20):  # decode windows: counts only
+        streamer.account(window(1, rows=1))
+    assert streamer._hits.weight == 1.0 and streamer._hits.share() is None
+    by_counts = rare_experts(residency, streamer._routed, R, K, POOL_REACH_COST)
+    assert np.array_equal(streamer.rare_for(R), by_counts)  # one window: the counts alone
+    for w in range(1, 9):
+        streamer.account(window(w % 3))
+    rare = streamer.rare_for(R)[0]
+    assert rare[4:7].all() and not rare[:4].any() and not rare[8:].any()
+    streamer.arena.pool = None  # no pool: rare experts would cost per-tile reads
+    by_counts = rare_experts(residency, streamer._routed, R, K)
+    assert np.array_equal(streamer.rare_for(R), by_counts) and not by_counts[0, :7].any()

@@ -60,6 +60,19 @@ PROMPT_POOL_MAX_ROWS = 1024
 # COUNT_HALF_LIFE_ROWS window rows (prompts weigh as much as their rows, decode tokens little),
 # read with one pseudo-pair per expert, so that an expert is called rare only after enough rows.
 COUNT_HALF_LIFE_ROWS = 4096
+# The counts give each expert's rows on average, but a prompt window's rows are alike (one
+# prompt's tokens), so its routing comes in bursts: on the synth qwen3-30b-a3b (routing skew 1)
+# a deep layer's expert gets hundreds of rows in one 512-row window and none in the next, and
+# the counts' chance of a read, from the mean, calls it sure: at 1.01 a window copied ~46
+# experts a layer, ~13 of them not routed. So the streamer also keeps, per (layer, expert), the
+# share of the recent streamed windows that routed to it (each window weighing HIT_DECAY times
+# the one after it); from the second such window on, a window the pool serves takes the lower
+# of the two chances, at a cost of HIT_REACH_COST. Measured on the H200 (that synth, no expert
+# cached, pp512, medians of 6, alternating; docs/offload.md, "Bursts"): 5,242 / 5,216 / 5,238 /
+# 5,081 against 4,545 / 4,613 with the counts alone (33.1 GiB streamed over 7 windows instead of
+# 44.3); a cost of 1.01 gave 4,890-5,017, 1.43 5,183 / 5,199, 1.67 5,118.
+HIT_DECAY = 0.8
+HIT_REACH_COST = 1.25
 # STRATA_STREAM_TIMELINE=1: every streamed window records timing events, waits for its end and
 # logs where its time went (WindowTimeline; a diagnosis, it costs each window its overlap with
 # the next).
@@ -120,12 +133,15 @@ def streamed_layers(residency: np.ndarray) -> list[int]:
 
 
 def rare_experts(residency: np.ndarray, routed: np.ndarray, num_rows: int, top_k: int,
-                 reach_cost: float | None = None) -> np.ndarray:
+                 reach_cost: float | None = None, hit_share: np.ndarray | None = None,
+                 hit_cost: float | None = None) -> np.ndarray:
     """[L, E] bool: the missing experts a streamed window of `num_rows` rows leaves at their
     host copies (read over PCIe from inside the kernels if routed after all): those whose chance
     of being read, times `reach_cost` (None: REACH_COST), is below 1. Expected rows of expert e:
     (routed[e] + 1) / (sum(routed) + E) x num_rows x top_k, from `routed` [L, E] (decayed pairs),
-    so that with few counts no expert looks rare."""
+    so that with few counts no expert looks rare. With `hit_share` [L, E] (the share of recent
+    streamed windows that routed to each expert, HitShare) the chance is the lower of the two
+    and the cost `hit_cost` (None: HIT_REACH_COST)."""
     from strata.backends.cuda.share import expected_reads
 
     routed = np.asarray(routed, dtype=np.float64)
@@ -133,7 +149,29 @@ def rare_experts(residency: np.ndarray, routed: np.ndarray, num_rows: int, top_k
     E = routed.shape[1]
     spread = (routed + 1.0) / (routed.sum(axis=1, keepdims=True) + E)  # [L, E]
     reads = expected_reads(spread * max(int(num_rows), 1) * int(top_k), num_rows)
+    if hit_share is not None:
+        reads = np.minimum(reads, hit_share)
+        cost = HIT_REACH_COST if hit_cost is None else float(hit_cost)
     return (np.asarray(residency) < 0) & (reads * cost < 1.0)
+
+
+class HitShare:
+    """Per (layer, expert) the share of the recent streamed windows that routed to it, each
+    window weighing HIT_DECAY times the next: [L, E] in 0..1, or None before two windows."""
+
+    def __init__(self, num_layers: int, num_experts: int, decay: float = HIT_DECAY):
+        self.decay = float(decay)
+        self.hits = np.zeros((num_layers, num_experts))  # [L, E] decayed windows routed to it
+        self.weight = 0.0  # decayed windows
+
+    def add(self, counts: np.ndarray) -> None:
+        """A streamed window's routed pairs [L, E]."""
+        self.hits *= self.decay
+        self.hits += np.asarray(counts) > 0
+        self.weight = self.weight * self.decay + 1.0
+
+    def share(self) -> np.ndarray | None:
+        return self.hits / self.weight if self.weight >= 1.0 + self.decay - 1e-9 else None
 
 
 def decay_counts(routed: np.ndarray, counts: np.ndarray, top_k: int) -> None:
@@ -294,6 +332,7 @@ class PromptStreamer:
         self.num_left = 0  # missing experts left at their host copies (rare_experts), all windows
         self._streak_bytes = self._streak_windows = self._streak_left = 0
         self._routed = np.zeros((store.n_layers, store.n_experts))  # [L, E] decayed pairs
+        self._hits = HitShare(store.n_layers, store.n_experts)  # streamed windows' routing
         self._top_k = arena.model.spec.n_experts_used
         self.timeline = os.environ.get(ENV_TIMELINE, "0") == "1"
         self._image_bytes: np.ndarray | None = None  # [L] of an expert's image (made by _build)
@@ -311,8 +350,11 @@ class PromptStreamer:
 
     def account(self, counts: np.ndarray) -> None:
         """A window's routed pairs [L, E] (the arena's account_routed): into the decayed counts
-        rare_experts reads."""
+        rare_experts reads, and a streamed window's into the share of windows per expert."""
         decay_counts(self._routed, counts, self._top_k)
+        rows = int(round(np.asarray(counts).sum(axis=1).max(initial=0) / max(1, self._top_k)))
+        if self.leaves_rare(rows):
+            self._hits.add(counts)
 
     def seed(self, rows: np.ndarray) -> None:
         """Start the counts from a profile's rows [L, E] (seeded_counts), so that a fresh server
@@ -335,8 +377,9 @@ class PromptStreamer:
         RARE_MAX_ROWS). The same before the window (the arena's where table) and in run()."""
         residency = self.arena.table.peek().table  # [L, E]
         if num_rows <= RARE_MAX_ROWS:
+            hits = self._hits.share() if self.pools_rare(num_rows) else None
             return rare_experts(residency, self._routed, num_rows, self._top_k,
-                                self._reach_cost(num_rows))
+                                self._reach_cost(num_rows), hits)
         return np.zeros(residency.shape, dtype=bool)
 
     def _reach_cost(self, num_rows: int) -> float:

@@ -1,0 +1,45 @@
+"""tools/replay_stream.py: a routing trace replayed through the prompt streamer's choice of
+what to copy, with and without the share of windows that routed to each expert."""
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from strata.experts.trace import TraceWriter
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
+import replay_stream  # noqa: E402
+
+
+def bursty_trace(path, windows=12, rows=512, top_k=8):
+    """2 layers x 32 experts: experts 0-7 in every window, one of 8-15 in each window (a
+    burst of every row), 16-31 sharing the rest."""
+    L, E = 2, 32
+    with TraceWriter(path, L, E) as trace:
+        for w in range(windows):
+            counts = np.zeros((L, E), dtype=np.int64)  # [L, E] rows
+            counts[:, :8] = 300
+            counts[:, 8 + w % 8] = rows
+            counts[:, 16:] = (rows * top_k - counts.sum(axis=1, keepdims=True)) // 16
+            trace.record_counts(w, counts)
+    return path
+
+
+def test_the_share_of_windows_stops_copies_of_bursty_experts(tmp_path, capsys):
+    path = str(bursty_trace(tmp_path / "bursty.trace"))
+    counts_only = replay_stream.main([path, "--no-hits", "--warm", "8"])  # every burst seen
+    with_hits = replay_stream.main([path, "--warm", "8"])
+    assert "per layer: 25.0 experts routed" in capsys.readouterr().out
+    assert counts_only["routed"] == with_hits["routed"] == 25.0
+    # the counts copy every bursty expert (their mean is ~64 rows a window), 7 of them unread
+    assert counts_only["copied"] == 32.0 and counts_only["wasted"] == 7.0
+    assert with_hits["copied"] == 24.0 and with_hits["wasted"] == 0.0
+    # the routed burst is pulled into staging (past PULL_MIN_ROWS rows), once
+    assert with_hits["pulled"] == 1.0 and with_hits["link"] == 25.0 < counts_only["link"]
+
+
+def test_a_trace_shorter_than_the_warm_up_is_refused(tmp_path):
+    path = str(bursty_trace(tmp_path / "short.trace", windows=2))
+    with pytest.raises(SystemExit, match="none past --warm 3"):
+        replay_stream.main([path])

@@ -1,0 +1,95 @@
+"""Replay a routing trace (`--dump-routing`) through the prompt streamer's choice of what to
+copy (stream.rare_experts with the routing counts and, unless --no-hits, the share of windows
+that routed to each expert), with no GPU: per layer and window, the experts copied ahead, those
+copied but not routed (wasted link bytes), and the rare ones routed after all, split as the
+device would split them (the CPU pool within share.PROMPT_POOL_ROWS and the layer's budget,
+pull_rare past device_tier.PULL_MIN_ROWS rows, per-tile PCIe reads for the rest). `link` is
+the experts a layer moves over PCIe in all (copied + pulled + read). No expert is cached.
+
+Usage: python tools/replay_stream.py TRACE [--cost 1.01] [--hit-cost 1.25] [--no-hits]
+                                           [--warm 3] [--threads 15]
+Session 46 (docs/offload.md, "Bursts"): on a trace of `strata bench -p 512 -n 0` over the
+synth qwen3-30b-a3b (routing skew 1) the counts alone copied 45.4 experts a layer, 13.2 of them
+not routed; with the share of windows 23.1 and 3.0.
+"""
+import argparse
+
+import numpy as np
+
+from strata.backends.cuda.device_tier import PULL_MIN_ROWS
+from strata.backends.cuda.share import POOL_EXPERT_ROWS, PROMPT_POOL_ROWS, prompt_pool_budget
+from strata.backends.cuda.stream import (HIT_REACH_COST, POOL_REACH_COST, HitShare,
+                                         decay_counts, rare_experts)
+from strata.experts.trace import read_trace
+
+
+def window_counts(path: str) -> np.ndarray:
+    """[W, L, E] routed rows per window, layer and expert."""
+    trace = read_trace(path)
+    r = trace.records
+    counts = np.zeros((int(r["window"].max()) + 1, trace.n_layers, trace.n_experts))
+    np.add.at(counts, (r["window"], r["layer"], r["expert"]), r["rows"])
+    return counts
+
+
+def split_rare(rows: np.ndarray, rare: np.ndarray, budget: int) -> tuple[int, int, int]:
+    """(pooled, pulled, read) of one layer's routed rare experts, in expert order as the
+    device's count_groups takes them: rows [E] routed rows, rare [E] bool."""
+    pooled = pulled = read = 0
+    for e in np.flatnonzero(rare & (rows > 0)):
+        cost = POOL_EXPERT_ROWS + rows[e]
+        if rows[e] <= PROMPT_POOL_ROWS and cost <= budget:
+            budget -= cost
+            pooled += 1
+        elif rows[e] > PULL_MIN_ROWS:
+            pulled += 1
+        else:
+            read += 1
+    return pooled, pulled, read
+
+
+def main(argv=None) -> dict:
+    """Print the per-layer figures and return them (experts per layer and window)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--cost", type=float, default=POOL_REACH_COST, help="the counts' reach cost")
+    ap.add_argument("--hit-cost", type=float, default=HIT_REACH_COST)
+    ap.add_argument("--no-hits", action="store_true", help="the routing counts alone")
+    ap.add_argument("--warm", type=int, default=3, help="windows replayed before the figures")
+    ap.add_argument("--threads", type=int, default=15, help="CPU pool threads (its budget)")
+    ap.add_argument("--top-k", type=int, default=8)
+    args = ap.parse_args(argv)
+    counts = window_counts(args.trace)
+    W, L, E = counts.shape
+    K = args.top_k
+    residency = np.full((L, E), -1)
+    routed, hits = np.zeros((L, E)), HitShare(L, E)
+    rows_per_window = []
+    for w in range(W):
+        c = counts[w]
+        num_rows = int(round(c.sum(axis=1).max() / K))
+        if w >= args.warm:
+            share = None if args.no_hits else hits.share()
+            rare = rare_experts(residency, routed, num_rows, K, args.cost, share, args.hit_cost)
+            copied = ~rare
+            budget = prompt_pool_budget(copied.sum(axis=1), args.threads)
+            split = np.array([split_rare(c[layer], rare[layer], int(budget[layer]))
+                              for layer in range(L)])  # [L, 3]
+            hit = c > 0
+            rows_per_window.append([copied.sum(axis=1).mean(), (copied & ~hit).sum(axis=1).mean(),
+                                    *split.mean(axis=0), hit.sum(axis=1).mean()])
+        decay_counts(routed, c, K)
+        hits.add(c)
+    if not rows_per_window:
+        raise SystemExit(f"{args.trace}: {W} windows, none past --warm {args.warm}")
+    copied, wasted, pooled, pulled, read, routed_experts = np.mean(rows_per_window, axis=0)
+    figures = dict(routed=routed_experts, copied=copied, wasted=wasted, pooled=pooled,
+                   pulled=pulled, read=read, link=copied + pulled + read)
+    print(f"{W - args.warm} windows, per layer: {routed_experts:.1f} experts routed; copied "
+          f"{copied:.1f} ({wasted:.1f} not routed); rare but routed: pool {pooled:.1f}, pulled "
+          f"{pulled:.1f}, read per tile {read:.1f}; link {figures['link']:.1f} experts")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
