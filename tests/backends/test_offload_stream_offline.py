@@ -342,6 +342,12 @@ def test_the_streamer_counts_streamed_windows_and_uses_their_share_where_the_poo
         streamer.account(window(w % 3))
     rare = streamer.rare_for(R)[0]
     assert rare[4:7].all() and not rare[:4].any() and not rare[8:].any()
+    # the streak's log counts the window's rare experts and those the share left
+    streamer.num_left = streamer._streak_left = streamer._streak_by_share = 0
+    streamer._count_left(streamer.rare_for(R), residency, R)
+    by_counts = rare_experts(residency, streamer._routed, R, K, POOL_REACH_COST)
+    assert streamer._streak_left == rare.sum() == streamer.num_left
+    assert streamer._streak_by_share == (rare & ~by_counts[0]).sum() > 0
     streamer.arena.pool = None  # no pool: rare experts would cost per-tile reads
     by_counts = rare_experts(residency, streamer._routed, R, K)
     assert np.array_equal(streamer.rare_for(R), by_counts) and not by_counts[0, :7].any()

@@ -331,6 +331,7 @@ class PromptStreamer:
         self.num_borrowed = self.num_refilled = self.refilled_bytes = 0
         self.num_left = 0  # missing experts left at their host copies (rare_experts), all windows
         self._streak_bytes = self._streak_windows = self._streak_left = 0
+        self._streak_by_share = 0  # of _streak_left: those the counts alone would have copied
         self._routed = np.zeros((store.n_layers, store.n_experts))  # [L, E] decayed pairs
         self._hits = HitShare(store.n_layers, store.n_experts)  # streamed windows' routing
         self._top_k = arena.model.spec.n_experts_used
@@ -485,12 +486,16 @@ class PromptStreamer:
         """End of a run of streamed windows: log it; give the borrowed slots back, refilled
         with what they held (copies on the side stream, landed by later pumps)."""
         if self._streak_windows:
+            per_window = self._streak_windows * self.num_layers
             log.info("prompt streaming: %d windows streamed %.2f GiB of experts into staging; "
-                     "%.1f rarely routed missing experts per layer and window left to PCIe reads "
-                     "(%d pulled into staging since start-up: routed to many rows)",
+                     "%.1f rarely routed missing experts per layer and window left to PCIe reads, "
+                     "%.1f of them by the share of windows that routed to them (%d pulled into "
+                     "staging since start-up: routed to many rows)",
                      self._streak_windows, self._streak_bytes / 2**30,
-                     self._streak_left / self._streak_windows / self.num_layers, self.pulled)
+                     self._streak_left / per_window, self._streak_by_share / per_window,
+                     self.pulled)
             self._streak_windows = self._streak_bytes = self._streak_left = 0
+            self._streak_by_share = 0
         if not self._borrowed:
             return
         from strata.backends.cuda.copier import StreamCopier
@@ -567,9 +572,18 @@ class PromptStreamer:
         self._streak_bytes += num_bytes
         self.num_windows += 1
         self._streak_windows += 1
+        self._count_left(rare, residency, plan.num_rows)
+
+    def _count_left(self, rare: np.ndarray, residency: np.ndarray, num_rows: int) -> None:
+        """Count a window's rare experts [L, E], and those of them the counts alone would
+        have copied (left by the share of windows), for the streak's log line."""
         left = int(rare.sum())
         self.num_left += left
         self._streak_left += left
+        if self.pools_rare(num_rows) and self._hits.share() is not None:
+            by_counts = rare_experts(residency, self._routed, num_rows, self._top_k,
+                                     self._reach_cost(num_rows))
+            self._streak_by_share += int((rare & ~by_counts).sum())
 
     @property
     def pulled(self) -> int:
