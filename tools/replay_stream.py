@@ -7,7 +7,7 @@ pull_rare past device_tier.PULL_MIN_ROWS rows, per-tile PCIe reads for the rest)
 the experts a layer moves over PCIe in all (copied + pulled + read). No expert is cached.
 
 Usage: python tools/replay_stream.py TRACE [--cost 1.01] [--hit-cost 1.25] [--no-hits]
-                                           [--warm 3] [--threads 15]
+                                           [--warm 3] [--threads 15] [--pool-share 1.5]
 Session 46 (docs/offload.md, "Bursts"): on a trace of `strata bench -p 512 -n 0` over the
 synth qwen3-30b-a3b (routing skew 1) the counts alone copied 45.4 experts a layer, 13.2 of them
 not routed; with the share of windows 23.1 and 3.0.
@@ -17,7 +17,8 @@ import argparse
 import numpy as np
 
 from strata.backends.cuda.device_tier import PULL_MIN_ROWS
-from strata.backends.cuda.share import POOL_EXPERT_ROWS, PROMPT_POOL_ROWS, prompt_pool_budget
+from strata.backends.cuda.share import (POOL_EXPERT_ROWS, POOL_SHARE_OF_COPY, PROMPT_POOL_ROWS,
+                                        prompt_pool_budget)
 from strata.backends.cuda.stream import (HIT_REACH_COST, POOL_REACH_COST, HitShare,
                                          decay_counts, rare_experts)
 from strata.experts.trace import read_trace
@@ -57,6 +58,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-hits", action="store_true", help="the routing counts alone")
     ap.add_argument("--warm", type=int, default=3, help="windows replayed before the figures")
     ap.add_argument("--threads", type=int, default=15, help="CPU pool threads (its budget)")
+    ap.add_argument("--pool-share", type=float, default=POOL_SHARE_OF_COPY,
+                    help="the pool's budget in copy times of the layer (share.POOL_SHARE_OF_COPY)")
     ap.add_argument("--top-k", type=int, default=8)
     args = ap.parse_args(argv)
     counts = window_counts(args.trace)
@@ -72,7 +75,7 @@ def main(argv=None) -> dict:
             share = None if args.no_hits else hits.share()
             rare = rare_experts(residency, routed, num_rows, K, args.cost, share, args.hit_cost)
             copied = ~rare
-            budget = prompt_pool_budget(copied.sum(axis=1), args.threads)
+            budget = prompt_pool_budget(copied.sum(axis=1), args.threads, args.pool_share)
             split = np.array([split_rare(c[layer], rare[layer], int(budget[layer]))
                               for layer in range(L)])  # [L, 3]
             hit = c > 0

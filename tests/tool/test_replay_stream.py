@@ -43,3 +43,21 @@ def test_a_trace_shorter_than_the_warm_up_is_refused(tmp_path):
     path = str(bursty_trace(tmp_path / "short.trace", windows=2))
     with pytest.raises(SystemExit, match="none past --warm 3"):
         replay_stream.main([path])
+
+
+def test_the_pools_budget_decides_who_reads_a_light_rare_expert(tmp_path):
+    """A burst of 20 rows: the pool takes it within its budget, else the products read it
+    over PCIe (one row tile, under PULL_MIN_ROWS); --pool-share 0 leaves the pool nothing."""
+    L, E, K, R = 1, 32, 8, 512
+    path = str(tmp_path / "light.trace")
+    with TraceWriter(path, L, E) as trace:
+        for w in range(12):
+            counts = np.zeros((L, E), dtype=np.int64)
+            counts[:, :8] = 300
+            counts[:, 8 + w % 8] = 20
+            counts[:, 16:] = (R * K - counts.sum(axis=1, keepdims=True)) // 16
+            trace.record_counts(w, counts)
+    none = replay_stream.main([path, "--warm", "8", "--pool-share", "0"])
+    kept = replay_stream.main([path, "--warm", "8"])
+    assert none["pooled"] == 0.0 and none["read"] == 1.0
+    assert kept["pooled"] == 1.0 and kept["read"] == 0.0 and kept["link"] == none["link"] - 1

@@ -66,11 +66,12 @@ POOL_ROW_UNITS_PER_COPY_THREAD = 48.0 / 300.0
 NO_BUDGET = 1 << 30
 
 
-def prompt_pool_budget(copied: np.ndarray, threads: int) -> np.ndarray:
+def prompt_pool_budget(copied: np.ndarray, threads: int,
+                       share_of_copy: float = POOL_SHARE_OF_COPY) -> np.ndarray:
     """[L] int32: the pool's budget per layer (row units, above) in a streamed prompt window
     that copies `copied` [L] experts a layer, with `threads` pool threads."""
     per_copy = POOL_ROW_UNITS_PER_COPY_THREAD * max(1, threads)
-    return np.floor(POOL_SHARE_OF_COPY * np.asarray(copied) * per_copy).astype(np.int32)
+    return np.floor(share_of_copy * np.asarray(copied) * per_copy).astype(np.int32)
 
 
 def window_share(pcie_frac: float, num_rows: int) -> float:
