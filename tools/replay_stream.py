@@ -3,8 +3,9 @@ copy (stream.rare_experts with the routing counts and, unless --no-hits, the sha
 that routed to each expert), with no GPU: per layer and window, the experts copied ahead, those
 copied but not routed (wasted link bytes), and the rare ones routed after all, split as the
 device would split them (the CPU pool within share.PROMPT_POOL_ROWS and the layer's budget,
-pull_rare past device_tier.PULL_MIN_ROWS rows, per-tile PCIe reads for the rest). `link` is
-the experts a layer moves over PCIe in all (copied + pulled + read). No expert is cached.
+the fewest rows first, pull_rare past device_tier.PULL_MIN_ROWS rows, per-tile PCIe reads for
+the rest). `link` is the experts a layer moves over PCIe in all (copied + pulled + read). No
+expert is cached.
 
 Usage: python tools/replay_stream.py TRACE [--cost 1.01] [--hit-cost 1.25] [--no-hits]
                                            [--warm 3] [--threads 15] [--pool-share 1.5]
@@ -34,10 +35,12 @@ def window_counts(path: str) -> np.ndarray:
 
 
 def split_rare(rows: np.ndarray, rare: np.ndarray, budget: int) -> tuple[int, int, int]:
-    """(pooled, pulled, read) of one layer's routed rare experts, in expert order as the
-    device's count_groups takes them: rows [E] routed rows, rare [E] bool."""
+    """(pooled, pulled, read) of one layer's routed rare experts as the device's count_groups
+    splits them: the pool takes the fewest rows first (expert order among equal rows) within
+    its budget; rows [E] routed rows, rare [E] bool."""
     pooled = pulled = read = 0
-    for e in np.flatnonzero(rare & (rows > 0)):
+    routed = np.flatnonzero(rare & (rows > 0))
+    for e in routed[np.argsort(rows[routed], kind="stable")]:
         cost = POOL_EXPERT_ROWS + rows[e]
         if rows[e] <= PROMPT_POOL_ROWS and cost <= budget:
             budget -= cost

@@ -61,3 +61,16 @@ def test_the_pools_budget_decides_who_reads_a_light_rare_expert(tmp_path):
     kept = replay_stream.main([path, "--warm", "8"])
     assert none["pooled"] == 0.0 and none["read"] == 1.0
     assert kept["pooled"] == 1.0 and kept["read"] == 0.0 and kept["link"] == none["link"] - 1
+
+
+def test_the_pools_budget_goes_to_the_fewest_rows_first():
+    """Four routed rare experts of 30, 3, 20 and 1 rows, a budget of 12 row units (an expert
+    costs POOL_EXPERT_ROWS + its rows): the pool takes the 1- and 3-row ones (3 + 5 units),
+    not the 30-row one that comes first; the 20-row one is read per tile, the 30-row one too
+    (both at most PULL_MIN_ROWS)."""
+    rows = np.zeros(8)
+    rows[[1, 2, 4, 6]] = [30, 3, 20, 1]
+    rare = np.ones(8, dtype=bool)
+    assert replay_stream.split_rare(rows, rare, 12) == (2, 0, 2)
+    assert replay_stream.split_rare(rows, rare, 7) == (1, 0, 3)  # the 1-row one only
+    assert replay_stream.split_rare(rows, rare, 0) == (0, 0, 4)

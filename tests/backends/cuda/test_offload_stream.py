@@ -300,7 +300,7 @@ def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(
         path, resident, monkeypatch, caps):
     """The device decides, once a layer's routing is known, which routed rare experts the pool
     computes: at most PROMPT_POOL_ROWS rows each, within the layer's budget of pool time
-    (POOL_EXPERT_ROWS + rows each, greedy in group order); the others are read over PCIe from
+    (POOL_EXPERT_ROWS + rows each, the fewest rows first); the others are read over PCIe from
     their host copies. Checked exactly against the window's counts and the pool's own count of
     the pairs it computed; logits within the pool's rounding of the all-resident model's."""
     from strata.backends.cuda import device_tier, share
@@ -336,6 +336,8 @@ def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(
             eligible = rare & (counts > 0) & (counts <= rows_cap) & ~taken
             for layer, e in zip(*np.nonzero(eligible)):  # skipped: it did not fit
                 assert cost[layer] + share.POOL_EXPERT_ROWS + counts[layer, e] > budget[layer]
+                # the fewest rows first: every expert taken has at most this one's rows
+                assert (counts[layer][taken[layer]] <= counts[layer, e]).all()
             assert (win[rare & ~taken] == WHERE_PCIE).all()  # the rest read over PCIe
             assert arena.pool.last_stats.num_entries == counts[taken].sum()
             checked.append((int(taken.sum()), int((rare & (counts > 0) & ~taken).sum())))

@@ -34,11 +34,14 @@ __device__ __forceinline__ bool row_has_cpu_pair(const int *__restrict__ ids, in
 // others), and (with where) the groups of the experts the CPU pool takes removed from groups
 // [G, 3] in place, keeping the order of the rest, so the grouped products skip them. The pool
 // takes a CPU-assigned expert of at most rows_cap rows while its modelled time fits the layer's
-// budget (in row units: an expert costs expert_cost + its rows; greedy in group order, one that
-// does not fit is skipped); any other CPU-assigned expert stays in the groups and is read by the
-// GPU from its host copy (its table entry). win [E] gets the window's own where: CPU for the
-// experts taken, PCIe for the other CPU-assigned ones, else where's entry; the hand-off kernels
-// read win. A decode window's budget is the share `frac` (>= 0; < 0: the budget as given) of
+// budget (in row units: an expert costs expert_cost + its rows; one that does not fit is
+// skipped); any other CPU-assigned expert stays in the groups and is read by the GPU from its
+// host copy (its table entry). A budget given as such (frac < 0: a streamed prompt window's)
+// goes to the experts of fewest rows first, group order among equal rows (by_rows below): each
+// one the pool takes saves the link an expert's bytes whatever its rows, so the budget saves
+// the most bytes spent on the smallest. A decode window's share goes greedily in group order.
+// win [E] gets the window's own where: CPU for the experts taken, PCIe for the other
+// CPU-assigned ones, else where's entry; the hand-off kernels read win. A decode window's budget is the share `frac` (>= 0; < 0: the budget as given) of
 // the cost of the layer's routed CPU-assigned experts: the host gives the pool every miss and
 // the device splits each layer's by the routing it sees (a split fixed before the window gave
 // one side 2 of a token's 8 misses in one layer and 6 in the next; the layer waits for the
@@ -58,6 +61,13 @@ __device__ __forceinline__ bool is_staged(const int *__restrict__ staged, int S,
     return false;
 }
 
+// May the pool take expert e with count rows (count_groups)?
+__device__ __forceinline__ bool pool_candidate(const uint8_t *__restrict__ where, int e,
+                                               int count, int rows_cap,
+                                               const int *__restrict__ staged, int S) {
+    return where[e] == WHERE_CPU && count <= rows_cap && !is_staged(staged, S, e);
+}
+
 __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__restrict__ num_groups,
                                              int E, int *__restrict__ counts,
                                              const uint8_t *__restrict__ where,
@@ -73,8 +83,27 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
         if (score != nullptr) score[e] *= decay;
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
     const int G = *num_groups;
+    if (where != nullptr && frac < 0.0f) {
+        // by_rows: candidate g is taken when the candidates before it in (rows, group) order
+        // and itself fit the budget; the costs rise with the rows, so this is the greedy walk
+        // in that order. One thread per group, O(G) each.
+        for (int g = threadIdx.x; g < G; g += blockDim.x) {
+            const int e = groups[3 * g], count = groups[3 * g + 2];
+            if (!pool_candidate(where, e, count, rows_cap, staged, S)) continue;
+            long long before = 0;
+            for (int h = 0; h < G; h++) {
+                const int f = groups[3 * h], c = groups[3 * h + 2];
+                if ((c < count || (c == count && h < g))
+                    && pool_candidate(where, f, c, rows_cap, staged, S))
+                    before += expert_cost + c;
+            }
+            if (before + expert_cost + count <= budget) win[e] = WHERE_CPU;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x != 0) return;
+    const bool by_rows = where != nullptr && frac < 0.0f;
     int kept = 0;
     long long spent = 0;
     if (where != nullptr && frac >= 0.0f) {
@@ -97,8 +126,9 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
                 stats[1] += 1;
                 stats[2] += count;
             }
-        } else if (where != nullptr && where[e] == WHERE_CPU && count <= rows_cap
-            && spent + expert_cost + count <= budget) {
+        } else if (by_rows ? win[e] == WHERE_CPU
+                           : where != nullptr && where[e] == WHERE_CPU && count <= rows_cap
+                                 && spent + expert_cost + count <= budget) {
             win[e] = WHERE_CPU;
             spent += expert_cost + count;
             continue;
