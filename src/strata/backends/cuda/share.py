@@ -51,8 +51,10 @@ POOL_MAX_ROWS = 16
 # routing is known (offload.cu's count_groups), so that a rare expert that takes many rows, or
 # many of them, cannot keep the GPU's layer waiting: at most PROMPT_POOL_ROWS rows each, and
 # per layer a budget of pool time, in row units (an expert costs POOL_EXPERT_ROWS + its rows),
-# of POOL_SHARE_OF_COPY of the time the copy engine spends on the layer's copied experts. The
-# others are read over PCIe. Measured on the H200 (docs/offload.md, "The CPU pool takes the
+# of POOL_SHARE_OF_COPY of the time the copy engine spends on the layer's copied experts, spent
+# on the fewest rows first (each saves the link one expert's bytes). The others are read over
+# PCIe. Session 47 on the H200: 1.0 / 1.25 / 1.5 / 2 / 3 gave pp512 at 0% ~5,380 / 5,570 /
+# 5,550 / 5,330 / 4,440 (docs/offload.md). Measured on the H200 (docs/offload.md, "The CPU pool takes the
 # rare experts"): caps of 3 rows gained 1-5%, 16-64 rows 16-23% at pp512 with no expert cached.
 PROMPT_POOL_ROWS = 64
 POOL_SHARE_OF_COPY = 1.5
