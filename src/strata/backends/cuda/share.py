@@ -53,9 +53,9 @@ POOL_MAX_ROWS = 16
 # per layer a budget of pool time, in row units (an expert costs POOL_EXPERT_ROWS + its rows),
 # of POOL_SHARE_OF_COPY of the time the copy engine spends on the layer's copied experts, spent
 # on the fewest rows first (each saves the link one expert's bytes). The others are read over
-# PCIe. Session 47 on the H200: 1.0 / 1.25 / 1.5 / 2 / 3 gave pp512 at 0% ~5,380 / 5,570 /
-# 5,550 / 5,330 / 4,440 (docs/offload.md). Measured on the H200 (docs/offload.md, "The CPU pool takes the
-# rare experts"): caps of 3 rows gained 1-5%, 16-64 rows 16-23% at pp512 with no expert cached.
+# PCIe. Measured on the H200 (docs/offload.md, "The CPU pool takes the rare experts"): caps of
+# 3 rows gained 1-5%, 16-64 rows 16-23% at pp512 with no expert cached; session 47, the share
+# 1.0 / 1.25 / 1.5 / 2 / 3: pp512 at 0% ~5,380 / 5,570 / 5,550 / 5,330 / 4,440.
 PROMPT_POOL_ROWS = 64
 POOL_SHARE_OF_COPY = 1.5
 # The pool's time per expert: tools/bench_pool_kernel.py --rows-per-expert on the H200 host
