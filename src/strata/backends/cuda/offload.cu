@@ -36,16 +36,18 @@ __device__ __forceinline__ bool row_has_cpu_pair(const int *__restrict__ ids, in
 // takes a CPU-assigned expert of at most rows_cap rows while its modelled time fits the layer's
 // budget (in row units: an expert costs expert_cost + its rows; one that does not fit is
 // skipped); any other CPU-assigned expert stays in the groups and is read by the GPU from its
-// host copy (its table entry). A budget given as such (frac < 0: a streamed prompt window's)
-// goes to the experts of fewest rows first, group order among equal rows (by_rows below): each
-// one the pool takes saves the link an expert's bytes whatever its rows, so the budget saves
-// the most bytes spent on the smallest. A decode window's share goes greedily in group order.
-// win [E] gets the window's own where: CPU for the experts taken, PCIe for the other
-// CPU-assigned ones, else where's entry; the hand-off kernels read win. A decode window's budget is the share `frac` (>= 0; < 0: the budget as given) of
-// the cost of the layer's routed CPU-assigned experts: the host gives the pool every miss and
-// the device splits each layer's by the routing it sees (a split fixed before the window gave
-// one side 2 of a token's 8 misses in one layer and 6 in the next; the layer waits for the
-// slower side). The whole block calls it; thread 0 does the walk.
+// host copy (its table entry). The budget goes to the experts of fewest rows first, group
+// order among equal rows: each one the pool takes spares the GPU an expert's bytes whatever its
+// rows, so the budget spares the most bytes spent on the smallest (a streamed prompt window:
+// 11.1 experts a layer to the pool where group order gave 8.3; docs/offload.md). With one row
+// per expert (one-slot decode) that is group order. win [E] gets the window's own where: CPU
+// for the experts taken, PCIe for the other CPU-assigned ones, else where's entry; the
+// hand-off kernels read win. A decode window's budget is the share `frac` (>= 0; < 0: the
+// budget as given, a streamed prompt window's) of the cost of the layer's routed CPU-assigned
+// experts: the host gives the pool every miss and the device splits each layer's by the
+// routing it sees (a split fixed before the window gave one side 2 of a token's 8 misses in
+// one layer and 6 in the next; the layer waits for the slower side). The whole block calls it:
+// one thread per group decides what the pool takes, thread 0 then walks the groups.
 // With a read-ahead (staged != nullptr: read_ahead's record of the layer), the experts it
 // staged in VRAM before the routing was known are the GPU's, read from there (win VRAM). They
 // still count in the layer's total, so the pool takes its share of all the layer's misses and
@@ -84,10 +86,18 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
     }
     __syncthreads();
     const int G = *num_groups;
-    if (where != nullptr && frac < 0.0f) {
-        // by_rows: candidate g is taken when the candidates before it in (rows, group) order
-        // and itself fit the budget; the costs rise with the rows, so this is the greedy walk
-        // in that order. One thread per group, O(G) each.
+    if (where != nullptr) {
+        if (frac >= 0.0f) {  // a decode window's budget: the share of its candidates' cost
+            long long total = 0;
+            for (int g = 0; g < G; g++) {
+                const int e = groups[3 * g], count = groups[3 * g + 2];
+                if (where[e] == WHERE_CPU && count <= rows_cap) total += expert_cost + count;
+            }
+            budget = (int)floorf(frac * (float)total + 0.5f);
+        }
+        // candidate g is taken when the candidates before it in (rows, group) order and itself
+        // fit the budget; the costs rise with the rows, so this is the greedy walk in that
+        // order. One thread per group, O(G) each.
         for (int g = threadIdx.x; g < G; g += blockDim.x) {
             const int e = groups[3 * g], count = groups[3 * g + 2];
             if (!pool_candidate(where, e, count, rows_cap, staged, S)) continue;
@@ -103,17 +113,7 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
         __syncthreads();
     }
     if (threadIdx.x != 0) return;
-    const bool by_rows = where != nullptr && frac < 0.0f;
     int kept = 0;
-    long long spent = 0;
-    if (where != nullptr && frac >= 0.0f) {
-        long long total = 0;
-        for (int g = 0; g < G; g++) {
-            const int e = groups[3 * g], count = groups[3 * g + 2];
-            if (where[e] == WHERE_CPU && count <= rows_cap) total += expert_cost + count;
-        }
-        budget = (int)floorf(frac * (float)total + 0.5f);
-    }
     if (stats != nullptr)
         for (int s = 0; s < S; s++) stats[0] += staged[s] >= 0;
     for (int g = 0; g < G; g++) {
@@ -126,11 +126,7 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
                 stats[1] += 1;
                 stats[2] += count;
             }
-        } else if (by_rows ? win[e] == WHERE_CPU
-                           : where != nullptr && where[e] == WHERE_CPU && count <= rows_cap
-                                 && spent + expert_cost + count <= budget) {
-            win[e] = WHERE_CPU;
-            spent += expert_cost + count;
+        } else if (where != nullptr && win[e] == WHERE_CPU) {  // the pool's (taken above)
             continue;
         }
         groups[3 * kept] = e;
