@@ -189,3 +189,23 @@ def test_stream_topics_change_at_staggered_times():
     assert hot_overlap(True, 200, (0, 100), (100, 200)) <= 4
     assert hot_overlap(False, 200, (100, 200), (200, 300)) <= 2
     assert hot_overlap(True, 0, (0, 200), (200, 400)) >= 5
+
+
+def test_synth_trace_command_gives_each_stream_its_topic(tmp_path):
+    """`strata-tool synth-trace --stream-topics` writes synth_trace(..., stream_topics=True)'s
+    trace and says so in the file; without the flag the streams share their topics."""
+    runner = CliRunner()
+    args = ["--layers", "2", "--experts", "64", "--top-k", "8", "--windows", "300", "--rows",
+            "4", "--skew", "1.5", "--phase-windows", "100", "--seed", "4"]
+    own, shared = str(tmp_path / "own.trace"), str(tmp_path / "shared.trace")
+    result = runner.invoke(synth_trace_cmd, [own, "--stream-topics", *args])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(synth_trace_cmd, [shared, *args])
+    assert result.exit_code == 0, result.output
+    expected = synth_trace(2, 64, 8, 300, 4, 1.5, 0.5, 100, seed=4, stream_topics=True)
+    written = read_trace(own)
+    assert np.array_equal(written.records, expected.records)
+    assert written.extra["synthetic"]["stream_topics"] is True
+    assert read_trace(shared).extra["synthetic"]["stream_topics"] is False
+    assert (skew_summary(written).mean_experts_per_window
+            > skew_summary(read_trace(shared)).mean_experts_per_window + 3)

@@ -146,19 +146,24 @@ def profile(traces, out, show):
 @click.option("--skew", default=1.0, show_default=True, type=float,
               help="Zipf exponent of expert popularity (0 = uniform).")
 @click.option("--locality", default=0.5, show_default=True, type=float,
-              help="Chance that a token keeps its stream's previous experts.")
+              help="Chance that each expert of a stream's token is routed again for its "
+                   "next token.")
 @click.option("--phase-windows", default=0, show_default=True, type=click.IntRange(min=0),
               help="Windows between popularity changes (topic shifts); 0 = never.")
+@click.option("--stream-topics", is_flag=True,
+              help="Each stream its own popularity (its topic), changed every --phase-windows "
+                   "windows at its own, staggered time, as separate conversations do; by "
+                   "default the streams share one and change it together.")
 @click.option("--seed", default=0, show_default=True, type=int)
 def synth_trace_cmd(out, layers, experts, top_k, windows, rows, skew, locality, phase_windows,
-                    seed):
+                    stream_topics, seed):
     """Write a synthetic routing trace with skew and locality to OUT."""
     from strata.experts.trace import format_skew_summary, write_trace
     from strata.tool.routing import synth_trace
 
     try:
         trace = synth_trace(layers, experts, top_k, windows, rows, skew, locality, phase_windows,
-                            seed)
+                            seed, stream_topics=stream_topics)
         write_trace(out, trace)
     except StrataError as exc:
         _fail(str(exc))
