@@ -151,6 +151,8 @@ def test_bad_prompts(engine):
         engine.generate([], SamplingParams())
     with pytest.raises(RequestError, match="999999"):
         engine.generate([1, 999999], SamplingParams())
+    with pytest.raises(RequestError, match=r"logit_bias names the token id 888888, outside"):
+        engine.generate([1, 2], SamplingParams(logit_bias={3: 1.0, 888888: -5.0}))
 
 
 def test_context_full_ends_with_length(tiny_model_path):

@@ -55,6 +55,41 @@ def test_all_penalties_together():
     np.testing.assert_allclose(out, [1.0, -2.0, -1.0, 1.0])
 
 
+def test_logit_bias_is_added_after_the_penalties():
+    logits = np.array([2.0, -1.0, 0.5, 1.0], dtype=np.float32)
+    out = apply_penalties(logits, {0, 1, 2}, Counter({2: 3}), 2.0, 0.5, 0.25,
+                          {0: -3.0, 3: 1.5})
+    # the penalties as above: [1, -2, -1, 1]; then token 0 - 3 and token 3 + 1.5
+    np.testing.assert_allclose(out, [-2.0, -2.0, -1.0, 2.5])
+    out = apply_penalties(logits, set(), Counter(), 1.0, 0.0, 0.0, {1: 100.0})
+    np.testing.assert_allclose(out, [2.0, 99.0, 0.5, 1.0])
+
+
+def test_logit_bias_bans_and_forces_a_token():
+    logits = np.array([0.0, 5.0, 4.0, 1.0], dtype=np.float32)
+    assert Sampler(SamplingParams(temperature=0.0, logit_bias={1: -100})).sample(logits) == 2
+    assert Sampler(SamplingParams(temperature=0.0, logit_bias={3: 100})).sample(logits) == 3
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=5,
+                                     logit_bias={1: -100, 2: -100}))
+    assert {sampler.sample(logits) for _ in range(200)} == {0, 3}
+
+
+@pytest.mark.parametrize("bias,words", [
+    ({-1: 1.0}, "logit_bias key -1"), ({"3": 1.0}, "logit_bias key '3'"),
+    ({True: 1.0}, "logit_bias key True"), ({3: 100.5}, "logit_bias[3] = 100.5"),
+    ({3: float("inf")}, "logit_bias[3] = inf"), ({3: "x"}, "logit_bias[3] = 'x'"),
+    ([1, 2], "logit_bias = [1, 2]"),
+])
+def test_bad_logit_bias_names_the_entry(bias, words):
+    with pytest.raises(RequestError, match=re.escape(words)):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_drops_zeros_and_keeps_ints():
+    params = SamplingParams(logit_bias={np.int64(4): 2, 7: 0.0})
+    assert params.logit_bias == {4: 2.0} and type(next(iter(params.logit_bias))) is int
+
+
 def test_no_filters_keeps_every_id():
     ids, probs = filter_probs(P4, 1.0, 0, 1.0, 0.0)
     assert ids.tolist() == [0, 1, 2, 3]

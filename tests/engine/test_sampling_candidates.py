@@ -4,6 +4,8 @@ the candidates cannot decide. Rows here are host rows with the device row's inte
 kernel itself is checked against the same reference on the GPU (test_cuda_sample.py)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,15 +24,19 @@ def _pair(params: dict, prompt: list[int]):
        top_k=st.sampled_from([0, 1, 5, 40, 2000]), top_p=st.sampled_from([0.5, 0.9, 1.0]),
        min_p=st.sampled_from([0.0, 0.05, 0.3]), rep=st.sampled_from([1.0, 1.3, 0.8]),
        presence=st.sampled_from([0.0, 0.5, -0.5]), freq=st.sampled_from([0.0, 0.4]),
-       padded=st.booleans())
+       padded=st.booleans(), bias=st.sampled_from(["none", "small", "ban", "force"]))
 def test_candidates_give_the_tokens_of_the_whole_row(seed, temperature, top_k, top_p, min_p,
-                                                     rep, presence, freq, padded):
+                                                     rep, presence, freq, padded, bias):
     rng = np.random.default_rng(seed)
     V = 3000
     num_valid = V - 37 if padded else V
+    biased = rng.choice(num_valid, size=40, replace=False)
+    logit_bias = {"none": {}, "small": {int(t): float(rng.uniform(-3, 3)) for t in biased},
+                  "ban": {int(t): -100.0 for t in biased},
+                  "force": {int(biased[0]): 100.0, int(biased[1]): 50.0}}[bias]
     params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                   repetition_penalty=rep, presence_penalty=presence, frequency_penalty=freq,
-                  seed=seed)
+                  seed=seed, logit_bias=logit_bias)
     prompt = rng.integers(0, V, size=20).tolist()
     whole, cand = _pair(params, prompt)
     for _ in range(6):
@@ -42,6 +48,10 @@ def test_candidates_give_the_tokens_of_the_whole_row(seed, temperature, top_k, t
         got = cand.sample_candidates(HostLogitRow(logits), num_valid)
         assert got == want
         assert got < num_valid
+        if bias == "ban":
+            assert got not in logit_bias
+        if bias == "force" and temperature == 0.0:
+            assert got == biased[0]
 
 
 @settings(max_examples=40, deadline=None)
@@ -108,6 +118,23 @@ def test_padded_ids_do_not_force_greedy_on_the_whole_row_path():
     logits[8:] = -np.inf
     s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3))
     assert len({s.sample(logits) for _ in range(200)}) == 8
+
+
+def test_penalty_entries_carry_the_logit_bias():
+    ids, rep, sub = penalty_entries({3}, Counter({5: 2}), 1.5, 0.25, 0.5, {5: 1.0, 8: -100.0})
+    assert ids.tolist() == [3, 5, 8] and ids.dtype == np.int32
+    np.testing.assert_array_equal(rep, np.array([1.5, 1.0, 1.0], dtype=np.float32))
+    np.testing.assert_array_equal(sub, np.array([0.0, 0.25, 100.0], dtype=np.float32))
+    ids, rep, sub = penalty_entries(set(), Counter(), 1.0, 0.0, 0.0, {2: 7.0})
+    assert ids.tolist() == [2] and rep.tolist() == [1.0] and sub.tolist() == [-7.0]
+
+
+def test_greedy_rows_with_a_bias_ask_the_candidates():
+    logits = np.array([0.0, 5.0, 4.0, 1.0], dtype=np.float32)
+    row = HostLogitRow(logits, with_greedy_id=True)
+    sampler = Sampler(SamplingParams(temperature=0.0, logit_bias={1: -100}))
+    assert sampler.sample_candidates(row, 4) == 2
+    assert row.num_candidate_calls == 1
 
 
 def test_penalty_entries_exact():

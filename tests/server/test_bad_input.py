@@ -73,6 +73,8 @@ def test_malformed_json(live, data, words):
     ("chat_template_kwargs", [], "an object"),
     ("model", 7, "a string"),
     ("n", "1", "an integer"),
+    ("logit_bias", [1], "an object"),
+    ("logit_bias", {"5": "x"}, "a number"),
 ])
 def test_wrong_types(live, field, value, expected):
     body = {"messages": USER, "max_tokens": 2, field: value}
@@ -99,6 +101,11 @@ def test_wrong_types(live, field, value, expected):
     ("response_format", {"type": "xml"}, ["response_format.type"]),
     ("logprobs", True, ["logprobs"]),
     ("chat_template_kwargs", {"messages": []}, ["messages"]),
+    ("logit_bias", {"5": 101}, ["'logit_bias.5' is 101.0", "[-100.0, 100.0]"]),
+    ("logit_bias", {"abc": 1}, ["'abc'", "token ids"]),
+    ("logit_bias", {"-3": 1}, ["'-3'", "token ids"]),
+    ("logit_bias", {"10000000": -100}, ["10000000", "vocabulary"]),
+    ("logit_bias", {str(i): 1 for i in range(1025)}, ["1025 tokens", "1024"]),
 ])
 def test_values_out_of_range(live, field, value, words):
     body = {"messages": USER, "max_tokens": 2, field: value}

@@ -257,3 +257,32 @@ def test_temperatures_near_zero_are_greedy(client, temperature):
     greedy = client.chat.completions.create(temperature=0, **kwargs)
     tiny = client.chat.completions.create(temperature=temperature, **kwargs)
     assert tiny.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_logit_bias_bans_and_forces_tokens(client, reference):
+    """OpenAI's logit_bias through the client: the engine's greedy tokens with the same bias,
+    -100 banning a token and +100 forcing one."""
+    prompt = reference.tokenize("The for statement", add_special=True)
+
+    def engine_tokens(bias):
+        reference.reset()
+        events = list(reference.generate(prompt, SamplingParams(temperature=0, max_tokens=6,
+                                                                ignore_eos=True,
+                                                                logit_bias=bias)))
+        return [e.token_id for e in events], "".join(e.text for e in events)
+
+    def served(bias):
+        reply = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=6,
+                                          temperature=0, extra_body={"ignore_eos": True},
+                                          logit_bias={str(t): b for t, b in bias.items()})
+        return reply.choices[0].text
+
+    plain_ids, plain = engine_tokens({})
+    banned = {plain_ids[0]: -100, plain_ids[1]: 2.5}
+    banned_ids, banned_text = engine_tokens(banned)
+    assert plain_ids[0] not in banned_ids
+    assert served(banned) == banned_text != plain
+    forced = max(plain_ids)  # a token the model does write
+    forced_ids, forced_text = engine_tokens({forced: 100})
+    assert forced_ids == [forced] * 6
+    assert served({forced: 100}) == forced_text

@@ -86,10 +86,11 @@ class Engine:
     def generate(self, prompt_tokens: list[int], params: SamplingParams
                  ) -> Iterator[GenerationEvent]:
         """Stream the tokens generated after `prompt_tokens`; the last event has the finish
-        reason ("stop" or "length") and the stats (cached tokens, speeds). The prompt is checked
-        now; the request is queued when the stream is first read, and runs (with any other
-        submitted requests) as the stream is read. Closing the stream cancels it."""
-        prompt = self.scheduler.check_prompt(prompt_tokens)
+        reason ("stop" or "length") and the stats (cached tokens, speeds). The prompt and
+        parameters are checked now; the request is queued when the stream is first read, and
+        runs (with any other submitted requests) as the stream is read. Closing the stream
+        cancels it."""
+        prompt = self.scheduler.check_request(prompt_tokens, params)
         return self._generate(prompt, params)
 
     def _generate(self, prompt: list[int], params: SamplingParams

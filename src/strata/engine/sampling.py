@@ -28,13 +28,36 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit after the
+    # penalties (-100 all but bans the token, 100 all but forces it)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_logit_bias()
         self._check()
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias or {}
+        if not isinstance(bias, dict):
+            raise RequestError(f"logit_bias = {bias!r} is invalid: it must be a dict of token "
+                               "id -> bias")
+        clean = {}
+        for token, value in bias.items():
+            if (not isinstance(token, (int, np.integer)) or isinstance(token, bool)
+                    or token < 0):
+                raise RequestError(f"logit_bias key {token!r} is invalid: it must be a "
+                                   "non-negative token id")
+            if (not isinstance(value, (int, float, np.number)) or isinstance(value, bool)
+                    or not np.isfinite(value) or not -100 <= value <= 100):
+                raise RequestError(f"logit_bias[{token}] = {value!r} is invalid: it must be a "
+                                   "number in [-100, 100]")
+            if value != 0:
+                clean[int(token)] = float(value)
+        self.logit_bias = clean
 
     def _check(self) -> None:
         def bad(name: str, rule: str):
@@ -89,33 +112,40 @@ def greedy(logits: np.ndarray) -> int:
 
 
 def penalty_entries(seen: set[int], generated: Counter, repetition_penalty: float,
-                    presence_penalty: float, frequency_penalty: float):
-    """The penalties as per-token entries (ids int32, repetition factor float32 (1 = none),
-    subtraction float32), or None when none applies. A token's logit x becomes
-    (x / f if x > 0 else x * f) - s: the repetition penalty (HF/llama.cpp) on every token seen,
-    prompt included; the presence and frequency penalties (vLLM's OpenAI server) on the
-    generated tokens and their counts."""
+                    presence_penalty: float, frequency_penalty: float,
+                    logit_bias: dict[int, float] | None = None):
+    """The penalties and the logit bias as per-token entries (ids int32 ascending, repetition
+    factor float32 (1 = none), subtraction float32), or None when none applies. A token's
+    logit x becomes (x / f if x > 0 else x * f) - s: the repetition penalty (HF/llama.cpp) on
+    every token seen, prompt included; the presence and frequency penalties (vLLM's OpenAI
+    server) on the generated tokens and their counts, less the token's bias (OpenAI's
+    logit_bias, added after the penalties). The device's candidates take the same entries."""
     is_rep = repetition_penalty != 1.0 and bool(seen)
     is_count = (presence_penalty != 0.0 or frequency_penalty != 0.0) and bool(generated)
-    if not (is_rep or is_count):
+    bias = logit_bias or {}
+    if not (is_rep or is_count or bias):
         return None
     rep_ids = seen if is_rep else set()
     counts = generated if is_count else {}
-    ids = np.fromiter(sorted(rep_ids | set(counts)), dtype=np.int64)
+    ids = np.fromiter(sorted(rep_ids | set(counts) | set(bias)), dtype=np.int64)
     rep = np.where(np.isin(ids, np.fromiter(rep_ids, dtype=np.int64, count=len(rep_ids))),
                    np.float32(repetition_penalty), np.float32(1)).astype(np.float32)
     n = np.array([counts.get(int(t), 0) for t in ids], dtype=np.float32)
     sub = np.where(n > 0, n * np.float32(frequency_penalty) + np.float32(presence_penalty),
                    np.float32(0)).astype(np.float32)
+    if bias:
+        sub -= np.array([bias.get(int(t), 0.0) for t in ids], dtype=np.float32)
     return ids.astype(np.int32), rep, sub
 
 
 def apply_penalties(logits: np.ndarray, seen: set[int], generated: Counter,
                     repetition_penalty: float, presence_penalty: float,
-                    frequency_penalty: float) -> np.ndarray:
-    """The logits after the penalties of `penalty_entries` (a copy; the input when none)."""
+                    frequency_penalty: float,
+                    logit_bias: dict[int, float] | None = None) -> np.ndarray:
+    """The logits after the penalties and bias of `penalty_entries` (a copy; the input when
+    none)."""
     entries = penalty_entries(seen, generated, repetition_penalty, presence_penalty,
-                              frequency_penalty)
+                              frequency_penalty, logit_bias)
     if entries is None:
         return logits
     ids, rep, sub = entries
@@ -213,7 +243,7 @@ class Sampler:
         p = self.params
         logits = np.asarray(logits).reshape(-1)
         logits = apply_penalties(logits, self.seen, self.generated, p.repetition_penalty,
-                                 p.presence_penalty, p.frequency_penalty)
+                                 p.presence_penalty, p.frequency_penalty, p.logit_bias)
         if p.is_greedy:
             token = greedy(logits)
         else:
@@ -224,14 +254,14 @@ class Sampler:
 
     def sample_candidates(self, row, num_valid: int) -> int | None:
         """The next token for a logit row left on the device (`row.candidates`, see
-        backends/cuda/logits.py): the device applies the penalties and returns the best
+        backends/cuda/logits.py): the device applies the penalties and bias and returns the best
         candidates; the same filters and draw as `sample` run on them. Falls back to the whole
         row when the candidates cannot decide (no top-k and a top-p/min-p cut beyond them).
-        A greedy request without penalties takes the row's `greedy_id` (the pass's argmax)
+        A greedy request without penalties or bias takes the row's `greedy_id` (the pass's argmax)
         when the row has one among the valid ids. None: the row holds a NaN."""
         p = self.params
         pen = penalty_entries(self.seen, self.generated, p.repetition_penalty,
-                              p.presence_penalty, p.frequency_penalty)
+                              p.presence_penalty, p.frequency_penalty, p.logit_bias)
         best = getattr(row, "greedy_id", None) if p.is_greedy and pen is None else None
         if best is not None and best < num_valid:  # the pass's argmax: -1 for a NaN row
             if best < 0:

@@ -188,10 +188,21 @@ class Scheduler:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return prompt
 
+    def check_request(self, prompt_tokens, params: SamplingParams) -> list[int]:
+        """check_prompt, and the token ids the parameters name (logit_bias) in the vocabulary."""
+        prompt = self.check_prompt(prompt_tokens)
+        vocab = min(self.tokenizer.vocab_size, self.model.spec.vocab)
+        outside = [t for t in params.logit_bias if t >= vocab]
+        if outside:
+            raise RequestError(f"logit_bias names the token id {outside[0]}, outside the "
+                               f"vocabulary [0, {vocab})")
+        return prompt
+
     def submit(self, prompt_tokens, params: SamplingParams) -> RequestHandle:
         """Place a request in an idle slot, or queue it (FIFO) until a slot frees up; `step()`
         runs it."""
-        handle = RequestHandle(next(self._ids), self.check_prompt(prompt_tokens), params)
+        handle = RequestHandle(next(self._ids), self.check_request(prompt_tokens, params),
+                               params)
         self._queue.append(handle)
         self._place_queued()
         if handle.state == STATE_QUEUED:

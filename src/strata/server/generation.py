@@ -58,8 +58,9 @@ class GenerationRoutes:
             raise worker.unavailable()
         return worker.engine
 
-    def _submit(self, prompt_tokens: list[int], options: GenerationOptions, n_ctx: int) -> Job:
-        params = sampling_params(options, len(prompt_tokens), n_ctx)
+    def _submit(self, prompt_tokens: list[int], options: GenerationOptions, engine) -> Job:
+        params = sampling_params(options, len(prompt_tokens), engine.n_ctx,
+                                 min(engine.tokenizer.vocab_size, engine.spec.vocab))
         job = Job(request_id=uuid.uuid4().hex[:12], prompt_tokens=prompt_tokens, params=params)
         self.state.worker.submit(job)
         return job
@@ -88,7 +89,7 @@ class GenerationRoutes:
         self.check_model(req.model)
         prompt = build_chat_prompt(engine, req)
         check_prompt_fits(len(prompt.tokens), engine.n_ctx)
-        job = self._submit(prompt.tokens, req.options, engine.n_ctx)
+        job = self._submit(prompt.tokens, req.options, engine)
         parser = OutputParser(starts_in_reasoning=prompt.starts_in_reasoning,
                               parse_tools=prompt.is_tool_parsing,
                               param_types=prompt.param_types)
@@ -146,7 +147,7 @@ class GenerationRoutes:
         self.check_model(req.model)
         tokens = completion_prompt_tokens(engine, req.prompt)
         check_prompt_fits(len(tokens), engine.n_ctx, "prompt")
-        job = self._submit(tokens, req.options, engine.n_ctx)
+        job = self._submit(tokens, req.options, engine)
         header = ResponseHeader("completion", self.state.model_id)
         outcome = Outcome(len(tokens))
         events = self._events(job)

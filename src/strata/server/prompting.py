@@ -110,14 +110,18 @@ def check_prompt_fits(num_prompt_tokens: int, n_ctx: int, param: str = "messages
                        "--ctx-size.", param=param, code="context_length_exceeded")
 
 
-def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: int
-                    ) -> SamplingParams:
+def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: int,
+                    vocab: int) -> SamplingParams:
     """The engine's parameters; max_tokens defaults to (and is clipped to) the room left in the
-    context, as OpenAI's API does."""
+    context, as OpenAI's API does. `vocab`: the token ids [0, vocab) logit_bias may name."""
     room = max(n_ctx - num_prompt_tokens, 1)
     max_tokens = room if options.max_tokens is None else min(options.max_tokens, room)
+    for token in options.logit_bias:
+        if token >= vocab:
+            raise invalid(f"'logit_bias' names the token id {token}, outside the vocabulary "
+                          f"[0, {vocab}).", f"logit_bias.{token}")
     fields = {"max_tokens": max_tokens, "stop": list(options.stop), "seed": options.seed,
-              "ignore_eos": options.is_eos_ignored}
+              "ignore_eos": options.is_eos_ignored, "logit_bias": dict(options.logit_bias)}
     if options.temperature is not None and options.temperature < MIN_TEMPERATURE:
         # As vLLM does: a temperature this close to 0 is greedy (dividing logits by a tiny or
         # denormal value overflows to inf and the draw has nothing left to pick from).

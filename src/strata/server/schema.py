@@ -11,6 +11,7 @@ from strata.server.api_error import ApiError, invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024   # OpenAI's logit_bias: at most this many tokens, each biased by [-100, 100]
 _MISSING = object()
 
 
@@ -30,6 +31,7 @@ class GenerationOptions:
     is_stream: bool = False
     is_usage_streamed: bool = False
     is_eos_ignored: bool = False  # vLLM's `ignore_eos` extension: generate to max_tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
 
 
 @dataclass
@@ -84,19 +86,20 @@ def _wrong_type(param: str, value: Any, expected: str) -> ApiError:
                     param=param, code="invalid_type")
 
 
-def _number(body: dict, key: str, low: float, high: float, *, low_open: bool = False
-            ) -> float | None:
+def _number(body: dict, key: str, low: float, high: float, *, low_open: bool = False,
+            param: str | None = None) -> float | None:
     value = body.get(key)
+    param = param or key
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _wrong_type(key, value, "a number")
+        raise _wrong_type(param, value, "a number")
     value = float(value)
     is_low_ok = value > low if low_open else value >= low
     if not (math.isfinite(value) and is_low_ok and value <= high):
         bracket = "(" if low_open else "["
-        raise invalid(f"'{key}' is {value}, outside the accepted range {bracket}{low}, {high}].",
-                      key)
+        raise invalid(f"'{param}' is {value}, outside the accepted range {bracket}{low}, "
+                      f"{high}].", param)
     return value
 
 
@@ -138,6 +141,23 @@ def _object(body: dict, key: str, *, param: str | None = None) -> dict | None:
     if not isinstance(value, dict):
         raise _wrong_type(param or key, value, "an object")
     return value
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias`: an object of token ids (as strings, JSON's keys) to numbers in
+    [-100, 100]; whether each id is in the model's vocabulary is checked at submission."""
+    bias = _object(body, "logit_bias") or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"'logit_bias' holds {len(bias)} tokens; at most {MAX_LOGIT_BIAS} may be "
+                      "biased.", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        param = f"logit_bias.{key}"
+        if not (key.isascii() and key.isdigit()):
+            raise invalid(f"'logit_bias' has the key {key!r}; its keys are token ids, written "
+                          "as strings of digits (e.g. \"1734\").", param)
+        out[int(key)] = _number(bias, key, -100.0, 100.0, param=param)
+    return out
 
 
 def parse_options(body: dict, max_tokens_limit: int) -> GenerationOptions:
@@ -184,6 +204,7 @@ def parse_options(body: dict, max_tokens_limit: int) -> GenerationOptions:
         is_stream=is_stream,
         is_usage_streamed=is_stream and _boolean(stream_options, "include_usage"),
         is_eos_ignored=_boolean(body, "ignore_eos"),
+        logit_bias=_logit_bias(body),
     )
 
 

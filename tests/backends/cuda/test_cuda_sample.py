@@ -35,7 +35,12 @@ def test_candidates_equal_reference(runtime, V, num):
     for n in range(N):
         seen = set(rng.integers(0, V, size=500).tolist())
         gen = Counter(rng.integers(0, V, size=30).tolist())
-        for pen in (None, penalty_entries(seen, gen, 1.3, 0.4, 0.2)):
+        biased = rng.integers(0, V - 17, size=40)
+        values = rng.choice([-100.0, -2.5, 3.0, 60.0], 40)
+        bias = {int(t): float(b) for t, b in zip(biased, values)}
+        for pen in (None, penalty_entries(seen, gen, 1.3, 0.4, 0.2),
+                    penalty_entries(seen, gen, 1.3, 0.4, 0.2, bias),
+                    penalty_entries(set(), Counter(), 1.0, 0.0, 0.0, bias)):
             for num_valid in (V, V - 17):
                 for want_mass, temp in ((False, 1.0), (True, 0.7)):
                     got = rows.reader.candidates(n, 0, num, temp, pen, num_valid, want_mass)
@@ -84,9 +89,10 @@ def test_engine_sampler_on_device_rows_equals_copied_rows(synth_path):
     V = model.spec.vocab
     kvs = [model.new_kv(64) for _ in range(3)]
     prompts = [np.arange(5 + i, dtype=np.int32) for i in range(3)]
-    params = [SamplingParams(temperature=0.0, seed=1),
+    bias = {int(t): b for t, b in zip(np.arange(7, V, 97), np.tile([-100.0, 2.0, 8.0], V))}
+    params = [SamplingParams(temperature=0.0, seed=1, logit_bias=bias),
               SamplingParams(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.2,
-                             seed=2),
+                             seed=2, logit_bias=bias),
               SamplingParams(temperature=1.2, top_k=0, top_p=0.95, min_p=0.02, seed=3)]
     on_device = [Sampler(p, prompt_tokens=t.tolist()) for p, t in zip(params, prompts)]
     on_host = [Sampler(p, prompt_tokens=t.tolist()) for p, t in zip(params, prompts)]
