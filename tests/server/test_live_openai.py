@@ -286,3 +286,36 @@ def test_logit_bias_bans_and_forces_tokens(client, reference):
     forced_ids, forced_text = engine_tokens({forced: 100})
     assert forced_ids == [forced] * 6
     assert served({forced: 100}) == forced_text
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "point", "schema": {
+        "type": "object", "properties": {"x": {"type": "number"}}}}}])
+def test_json_response_format_holds_the_answer_to_a_json_object(client, reference,
+                                                                response_format):
+    """The served answer is the engine's own json_object run on the same prompt (the format's
+    instruction included); it stops only with a whole object, which the json module reads.
+    The tiny model's `<think>` is banned so that random weights reach the object."""
+    messages = [{"role": "user", "content": "Give me a JSON object."}]
+    think = reference.tokenizer.token_id("<think>")
+    kwargs = dict(model=MODEL_ID, messages=messages, max_tokens=60, temperature=0,
+                  logit_bias={str(think): -100},
+                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    reply = client.chat.completions.create(response_format=response_format, **kwargs)
+    if response_format["type"] == "json_object":
+        note = "Answer with one valid JSON object and nothing else."
+    else:
+        note = ("Answer with one valid JSON object that follows this JSON schema, and nothing "
+                "else: " + json.dumps(response_format["json_schema"]["schema"]))
+    reference.reset()
+    text = reference.render_chat([{"role": "system", "content": note}] + messages,
+                                 add_generation_prompt=True, enable_thinking=False)
+    tokens = reference.tokenize(text, add_special=False)
+    events = list(reference.generate(tokens, SamplingParams(
+        temperature=0, max_tokens=60, json_object=True, logit_bias={think: -100})))
+    content = "".join(e.text for e in events)
+    assert reply.choices[0].message.content == content
+    assert reply.choices[0].finish_reason == events[-1].finish_reason
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)

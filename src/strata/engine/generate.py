@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from strata.engine.json_constraint import JsonObjectConstraint, opens_reasoning
 from strata.engine.sampling import Sampler, SamplingParams
 from strata.errors import ModelFormatError
 from strata.model.tokenizer import Tokenizer
@@ -137,7 +138,12 @@ class TokenDecoder:
                  stats: GenerationStats):
         self.params = params
         self.stats = stats
-        self._sampler = Sampler(params, prompt_tokens=prompt_tokens)
+        constraint = None
+        if params.json_object:  # the stop tokens may end it only once the object is closed
+            constraint = JsonObjectConstraint(
+                tokenizer, set(params.stop_token_ids) | tokenizer.stop_ids,
+                starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens))
+        self._sampler = Sampler(params, prompt_tokens=prompt_tokens, constraint=constraint)
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids |= tokenizer.stop_ids

@@ -31,6 +31,8 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit after the
     # penalties (-100 all but bans the token, 100 all but forces it)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # the output is one JSON object (after any <think> block): engine/json_constraint.py
+    json_object: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -104,6 +106,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+MAX_REFUSED = 16  # draws a constraint may refuse before the sampler takes its best allowed token
+
+
+def _ranked(logits: np.ndarray, ids: np.ndarray, k: int | None) -> np.ndarray:
+    """Of `ids`, the k (None: all) of the largest logits, largest first, ties lowest id first."""
+    if k is not None and k < ids.shape[0]:
+        ids = ids[np.argpartition(-logits[ids], k)[:k]]
+    return ids[np.lexsort((ids, -logits[ids]))]
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -225,18 +237,24 @@ def _top_p_threshold(z: np.ndarray, weights: np.ndarray, total: float, top_p: fl
 
 
 class Sampler:
-    """Picks the next token from logits; remembers the tokens it has seen for the penalties."""
+    """Picks the next token from logits; remembers the tokens it has seen for the penalties.
+    With a `constraint` (allows(token), push(token), candidates(): json_constraint.py) only
+    tokens it allows are picked: a refused draw is masked and drawn again."""
 
-    def __init__(self, params: SamplingParams, prompt_tokens: list[int] | None = None):
+    def __init__(self, params: SamplingParams, prompt_tokens: list[int] | None = None,
+                 constraint=None):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
         self.seen: set[int] = set(int(t) for t in prompt_tokens or [])
         self.generated: Counter = Counter()
+        self.constraint = constraint
 
     def accept(self, token_id: int) -> None:
-        """Record a generated token for the penalties."""
+        """Record a generated token for the penalties (and the constraint)."""
         self.seen.add(int(token_id))
         self.generated[int(token_id)] += 1
+        if self.constraint is not None:
+            self.constraint.push(int(token_id))
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token for logits [V]; also records it."""
@@ -244,13 +262,55 @@ class Sampler:
         logits = np.asarray(logits).reshape(-1)
         logits = apply_penalties(logits, self.seen, self.generated, p.repetition_penalty,
                                  p.presence_penalty, p.frequency_penalty, p.logit_bias)
-        if p.is_greedy:
+        if self.constraint is not None:
+            token = self._constrained(logits)
+        elif p.is_greedy:
             token = greedy(logits)
         else:
             ids, probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
             token = self._draw(ids, probs)
         self.accept(token)
         return token
+
+    def _constrained(self, logits: np.ndarray) -> int:
+        """A token the constraint allows: greedy, the best allowed one; sampled, a draw from the
+        filtered distribution with each refused token masked and the rest renormalised
+        (MAX_REFUSED draws, then the best allowed). If the constraint allows nothing, the
+        unconstrained pick (its grammar has no way on, e.g. a finished object under
+        ignore_eos)."""
+        p = self.params
+        allows = self.constraint.allows
+        if not p.is_greedy:
+            ids, probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
+            for _ in range(MAX_REFUSED):
+                if ids.shape[0] == 0 or not probs.sum() > 0:
+                    break
+                token = self._draw(ids, probs / probs.sum())
+                if allows(token):
+                    return token
+                keep = ids != token
+                ids, probs = ids[keep], probs[keep]
+        token = self._best_allowed(logits)
+        if token is None:
+            if p.is_greedy:
+                return greedy(logits)
+            ids, probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
+            return self._draw(ids, probs)
+        return token
+
+    def _best_allowed(self, logits: np.ndarray) -> int | None:
+        """The allowed token of the largest logit (ties: the lowest id), or None: the argmax,
+        then the best 64, then every id whose first byte the constraint could take."""
+        allows = self.constraint.allows
+        best = greedy(logits)
+        if allows(best):
+            return best
+        for ids in (_ranked(logits, np.arange(logits.shape[0]), 64),
+                    _ranked(logits, self.constraint.candidates(), None)):
+            for token in ids:
+                if np.isfinite(logits[token]) and allows(int(token)):
+                    return int(token)
+        return None
 
     def sample_candidates(self, row, num_valid: int) -> int | None:
         """The next token for a logit row left on the device (`row.candidates`, see
@@ -260,6 +320,8 @@ class Sampler:
         A greedy request without penalties or bias takes the row's `greedy_id` (the pass's argmax)
         when the row has one among the valid ids. None: the row holds a NaN."""
         p = self.params
+        if self.constraint is not None:  # it reads token by token: the whole row, on the host
+            return self._sample_whole(row, num_valid)
         pen = penalty_entries(self.seen, self.generated, p.repetition_penalty,
                               p.presence_penalty, p.frequency_penalty, p.logit_bias)
         best = getattr(row, "greedy_id", None) if p.is_greedy and pen is None else None

@@ -8,6 +8,7 @@ import codecs
 import logging
 from collections.abc import Iterable
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
@@ -97,6 +98,7 @@ class Tokenizer:
         self._tokens = tokens
         self.special_ids = frozenset(special_ids)
         self._bytes = [_token_bytes(t, i in added_ids) for i, t in enumerate(tokens)]
+        self._first_bytes = None  # first_byte_table()
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos
@@ -170,6 +172,13 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._bytes[token_id]
+
+    def first_byte_table(self) -> np.ndarray:
+        """int16 [V]: each token's first byte, -1 for a token of no bytes (made once)."""
+        if self._first_bytes is None:
+            self._first_bytes = np.array([b[0] if b else -1 for b in self._bytes],
+                                         dtype=np.int16)
+        return self._first_bytes
 
     def token_id(self, text: str) -> int | None:
         """The id of a vocabulary entry spelled exactly `text` (e.g. '<|im_end|>'), or None."""

@@ -32,6 +32,7 @@ class GenerationOptions:
     is_usage_streamed: bool = False
     is_eos_ignored: bool = False  # vLLM's `ignore_eos` extension: generate to max_tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
+    json_object: bool = False  # the answer held to one JSON object (response_format)
 
 
 @dataclass
@@ -366,13 +367,17 @@ def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     options = parse_options(body, max_tokens_limit)
     tools = parse_tools(body.get("tools"))
     kwargs = _object(body, "chat_template_kwargs") or {}
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    response_format = parse_response_format(body.get("response_format"))
+    # JSON output is held to JSON's syntax unless the model may answer with a tool call
+    options.json_object = response_format is not None and (not tools or tool_choice == "none")
     return ChatRequest(
         model=_string(body, "model"),
         messages=parse_messages(body.get("messages", _MISSING)),
         options=options,
         tools=tools,
-        tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
-        response_format=parse_response_format(body.get("response_format")),
+        tool_choice=tool_choice,
+        response_format=response_format,
         chat_template_kwargs=dict(kwargs),
     )
 

@@ -1,0 +1,306 @@
+"""Output held to one JSON object (OpenAI's `response_format` json_object and json_schema): a
+byte-level recognizer of JSON's syntax (RFC 8259) that the sampler asks, token by token,
+whether the token keeps the output a prefix of a JSON object. A refused token is masked and the
+draw repeated (sampling.Sampler). A `<think>` block before the object is let through as the
+model writes it. Only the syntax is held; a json_schema's schema reaches the model as an
+instruction in the prompt (server/prompting.py), it is not checked here."""
+from __future__ import annotations
+
+import numpy as np
+
+WHITESPACE = frozenset(b" \t\n\r")
+INDENT = frozenset(b" \t")
+HEX = frozenset(b"0123456789abcdefABCDEF")
+DIGITS = frozenset(b"0123456789")
+ESCAPES = frozenset(b'"\\/bfnrt')
+LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
+# Whitespace between two tokens of JSON (as llama.cpp's JSON grammar has it): none, one space,
+# or a newline and at most MAX_INDENT spaces or tabs. Enough for pretty-printed JSON, not for a
+# model that would pad forever instead of closing the object. None before the "{" or after the
+# "}": the answer is the object.
+MAX_INDENT = 20
+MAX_DEPTH = 128
+THINK_OPEN, THINK_CLOSE = b"<think>", b"</think>"
+
+# What the recognizer expects next.
+START = 0         # whitespace, then the object's "{"
+VALUE = 1         # a value (after ":" or an array's ",")
+VALUE_OR_END = 2  # a value or "]" (after "[")
+KEY = 3           # a string key (after an object's ",")
+KEY_OR_END = 4    # a key or "}" (after "{")
+COLON = 5
+NEXT = 6          # "," or the container's closing bracket
+STRING = 7
+ESCAPE = 8        # after a backslash in a string
+UNICODE = 9       # the 4 hex digits of a \u escape
+NUMBER = 10
+LITERAL = 11      # true, false, null
+DONE = 12         # the object is closed: whitespace only
+
+# Number states: which byte may come next; the ones marked can end the number.
+N_SIGN, N_ZERO, N_INT, N_DOT, N_FRAC, N_EXP, N_EXP_SIGN, N_EXP_DIGITS = range(8)
+NUMBER_ENDS = frozenset((N_ZERO, N_INT, N_FRAC, N_EXP_DIGITS))
+
+
+class JsonRecognizer:
+    """Reads bytes one at a time and says whether they are still a prefix of one JSON object
+    (whitespace around it allowed). `copy()` is cheap, so a token can be tried on a copy."""
+
+    __slots__ = ("stack", "mode", "is_key", "left", "number", "literal", "at", "run")
+
+    def __init__(self):
+        self.stack = bytearray()  # the open containers, b"{" or b"["
+        self.mode = START
+        self.is_key = False       # the string being read is an object's key
+        self.left = 0             # hex digits left in a \u escape
+        self.number = N_SIGN
+        self.literal = b""
+        self.at = 0               # bytes of the literal read
+        self.run = 0              # whitespace bytes in a row (the first is " " or a newline)
+
+    def copy(self) -> "JsonRecognizer":
+        other = JsonRecognizer.__new__(JsonRecognizer)
+        other.stack = bytearray(self.stack)
+        other.mode, other.is_key, other.left = self.mode, self.is_key, self.left
+        other.number, other.literal, other.at, other.run = (self.number, self.literal,
+                                                            self.at, self.run)
+        return other
+
+    @property
+    def is_done(self) -> bool:
+        """The object is complete."""
+        return self.mode == DONE
+
+    @property
+    def is_started(self) -> bool:
+        return self.mode != START
+
+    def feed(self, data: bytes) -> bool:
+        """Read `data`; False (and a state to throw away) at the first byte that cannot follow."""
+        for c in data:
+            if not self._step(c):
+                return False
+        return True
+
+    def _step(self, c: int) -> bool:
+        mode = self.mode
+        if mode == STRING:
+            if c == 0x22:  # "
+                if self.is_key:
+                    self.mode = COLON
+                else:
+                    self._value_done()
+                return True
+            if c == 0x5C:  # backslash
+                self.mode = ESCAPE
+                return True
+            return c >= 0x20  # no raw control characters; UTF-8 bytes pass
+        if mode == ESCAPE:
+            if c in ESCAPES:
+                self.mode = STRING
+                return True
+            if c == ord("u"):
+                self.mode, self.left = UNICODE, 4
+                return True
+            return False
+        if mode == UNICODE:
+            if c not in HEX:
+                return False
+            self.left -= 1
+            if self.left == 0:
+                self.mode = STRING
+            return True
+        if mode == NUMBER:
+            if self._number_step(c):
+                return True
+            if self.number not in NUMBER_ENDS:
+                return False
+            self._value_done()  # the byte ends the number: read it as what follows a value
+            mode = self.mode
+        elif mode == LITERAL:
+            if c != self.literal[self.at]:
+                return False
+            self.at += 1
+            if self.at == len(self.literal):
+                self._value_done()
+            return True
+        if c in WHITESPACE:
+            return self._whitespace(c, mode)
+        self.run = 0
+        if mode == START:
+            return c == ord("{") and self._open(c, KEY_OR_END)
+        if mode == VALUE or mode == VALUE_OR_END:
+            if mode == VALUE_OR_END and c == ord("]"):
+                return self._close()
+            return self._start_value(c)
+        if mode == KEY or mode == KEY_OR_END:
+            if mode == KEY_OR_END and c == ord("}"):
+                return self._close()
+            if c == 0x22:
+                self.mode, self.is_key = STRING, True
+                return True
+            return False
+        if mode == COLON:
+            if c == ord(":"):
+                self.mode = VALUE
+                return True
+            return False
+        if mode == NEXT:
+            is_object = self.stack[-1] == ord("{")
+            if c == ord(","):
+                self.mode = KEY if is_object else VALUE
+                return True
+            if c == (ord("}") if is_object else ord("]")):
+                return self._close()
+            return False
+        return False  # DONE: only whitespace
+
+    def _whitespace(self, c: int, mode: int) -> bool:
+        if mode == START or mode == DONE:
+            return False
+        if self.run == 0:
+            self.run = 1 if c == ord(" ") else MAX_INDENT + 2 if c == ord("\n") else 0
+            return self.run > 0
+        if self.run == 1 or c not in INDENT:  # after one space, or a second newline
+            return False
+        self.run -= 1  # a newline's run counts down its indent
+        return self.run > 1
+
+    def _start_value(self, c: int) -> bool:
+        if c == ord("{"):
+            return self._open(c, KEY_OR_END)
+        if c == ord("["):
+            return self._open(c, VALUE_OR_END)
+        if c == 0x22:
+            self.mode, self.is_key = STRING, False
+            return True
+        if c == ord("-") or c in DIGITS:
+            self.mode = NUMBER
+            self.number = N_SIGN if c == ord("-") else N_ZERO if c == ord("0") else N_INT
+            return True
+        literal = LITERALS.get(c)
+        if literal is not None:
+            self.mode, self.literal, self.at = LITERAL, literal, 1
+            return True
+        return False
+
+    def _number_step(self, c: int) -> bool:
+        n, is_digit = self.number, c in DIGITS
+        if n == N_SIGN:
+            if not is_digit:
+                return False
+            self.number = N_ZERO if c == ord("0") else N_INT
+        elif n in (N_ZERO, N_INT, N_FRAC):
+            if is_digit and n != N_ZERO:
+                return True
+            if c == ord(".") and n != N_FRAC:
+                self.number = N_DOT
+            elif c in b"eE":
+                self.number = N_EXP
+            else:
+                return False
+        elif n == N_DOT:
+            if not is_digit:
+                return False
+            self.number = N_FRAC
+        elif n == N_EXP:
+            if c in b"+-":
+                self.number = N_EXP_SIGN
+            elif is_digit:
+                self.number = N_EXP_DIGITS
+            else:
+                return False
+        else:  # N_EXP_SIGN, N_EXP_DIGITS
+            if not is_digit:
+                return False
+            self.number = N_EXP_DIGITS
+        return True
+
+    def _open(self, c: int, mode: int) -> bool:
+        if len(self.stack) >= MAX_DEPTH:
+            return False
+        self.stack.append(c)
+        self.mode = mode
+        return True
+
+    def _close(self) -> bool:
+        self.stack.pop()
+        self._value_done()
+        return True
+
+    def _value_done(self) -> None:
+        self.mode = NEXT if self.stack else DONE
+
+
+def opens_reasoning(tokenizer, prompt_tokens: list[int], tail: int = 16) -> bool:
+    """Whether the prompt's last tokens leave a `<think>` open (a reasoning model's template
+    starts the answer inside one), so the output starts in reasoning."""
+    text = b"".join(tokenizer.token_bytes(t) for t in prompt_tokens[-tail:])
+    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+
+
+class JsonObjectConstraint:
+    """Which tokens may come next so that the output is one JSON object: `allows(token)` before
+    the draw, `push(token)` once it is taken. A `<think>` ... `</think>` block may come first
+    (its `<think>` as the first token, or the output starts inside one: `starts_in_reasoning`);
+    the stop tokens are allowed only once the object is complete. Special tokens never are,
+    inside the object."""
+
+    def __init__(self, tokenizer, stop_ids, starts_in_reasoning: bool = False):
+        self._tokenizer = tokenizer
+        self._stop_ids = frozenset(stop_ids)
+        self._special = tokenizer.special_ids
+        self.is_thinking = starts_in_reasoning
+        self.is_first = not starts_in_reasoning  # nothing pushed yet: a <think> may open
+        self.json = JsonRecognizer()
+
+    @property
+    def is_done(self) -> bool:
+        return not self.is_thinking and self.json.is_done
+
+    def allows(self, token: int) -> bool:
+        if token in self._stop_ids:
+            return self.is_done
+        data = self._tokenizer.token_bytes(token)
+        if self.is_thinking:
+            end = data.find(THINK_CLOSE)
+            return token not in self._special and (
+                end < 0 or self.json.copy().feed(data[end + len(THINK_CLOSE):]))
+        if token in self._special or not data:
+            return False
+        if data == THINK_OPEN and self.is_first:
+            return True
+        return self.json.copy().feed(data)
+
+    def push(self, token: int) -> None:
+        """Take `token` (one `allows` accepted)."""
+        if token in self._stop_ids:
+            return
+        data = self._tokenizer.token_bytes(token)
+        is_first, self.is_first = self.is_first, False
+        if self.is_thinking:
+            end = data.find(THINK_CLOSE)
+            if end >= 0:
+                self.is_thinking = False
+                self.json.feed(data[end + len(THINK_CLOSE):])
+            return
+        if data == THINK_OPEN and is_first:
+            self.is_thinking = True
+            return
+        self.json.feed(data)
+
+    def first_bytes(self) -> np.ndarray:
+        """bool [256]: the bytes a token may start with now (inside reasoning: all)."""
+        if self.is_thinking:
+            return np.ones(256, dtype=bool)
+        return np.array([self.json.copy().feed(bytes((b,))) for b in range(256)])
+
+    def candidates(self) -> np.ndarray:
+        """Ids that may pass `allows`, by their first byte (a superset; ascending)."""
+        first = self._tokenizer.first_byte_table()  # [V] int16, -1 for an empty token
+        ok = np.append(self.first_bytes(), False)  # [257]: index -1 (empty) is False
+        extra = [t for t in self._stop_ids if t < first.shape[0]]
+        if self.is_first:
+            think = self._tokenizer.token_id(THINK_OPEN.decode())
+            extra += [think] if think is not None else []
+        return np.union1d(np.flatnonzero(ok[first]), np.array(extra, dtype=np.int64))

@@ -1,0 +1,33 @@
+"""Request fields that become engine parameters (server/schema.py, server/prompting.py)."""
+import pytest
+
+from strata.server.api_error import ApiError
+from strata.server.prompting import sampling_params
+from strata.server.schema import parse_chat_request
+
+USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("extra,held", [
+    ({}, False),
+    ({"response_format": {"type": "text"}}, False),
+    ({"response_format": {"type": "json_object"}}, True),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, True),
+    ({"response_format": {"type": "json_object"}, "tools": [TOOL]}, False),
+    ({"response_format": {"type": "json_object"}, "tools": [TOOL], "tool_choice": "none"}, True),
+    ({"response_format": {"type": "json_object"}, "tools": [TOOL],
+      "tool_choice": "required"}, False),
+])
+def test_json_formats_hold_the_answer_unless_a_tool_may_answer(extra, held):
+    req = parse_chat_request({"messages": USER, **extra}, 512)
+    assert req.options.json_object is held
+    assert sampling_params(req.options, 10, 512, 1000).json_object is held
+
+
+def test_logit_bias_reaches_the_engine_and_ids_are_checked():
+    req = parse_chat_request({"messages": USER, "logit_bias": {"7": -100, "12": 2.5}}, 512)
+    assert sampling_params(req.options, 10, 512, 1000).logit_bias == {7: -100.0, 12: 2.5}
+    with pytest.raises(ApiError) as info:
+        sampling_params(req.options, 10, 512, 10)
+    assert info.value.param == "logit_bias.12"
