@@ -1,6 +1,8 @@
 """Benchmark decoding through the engine (scheduler, sampler, detokenizer and stop checks: what
 `strata serve` runs per token), beside the model's own pass over the same rows: decode tokens/s
-of S concurrent requests with greedy, top-k and top-p sampling, medians of -r runs. The gap
+of S concurrent requests with greedy, top-k and top-p sampling (and `json`: greedy held to a
+JSON object, as response_format asks; with -n past the object's end the constraint keeps
+choosing among the stop tokens, which ignore_eos reads on), medians of -r runs. The gap
 between the two is the engine's host work per window (on the GPU: the sampling calls, the
 window's build, the events).
 
@@ -27,6 +29,8 @@ SAMPLING = {
     "greedy": dict(temperature=0.0),
     "top-k": dict(temperature=0.7, top_k=40, top_p=1.0),
     "top-p": dict(temperature=1.0, top_k=0, top_p=0.95),
+    # greedy, held to a JSON object (response_format): every token on the host's whole row
+    "json": dict(temperature=0.0, json_object=True),
 }
 
 

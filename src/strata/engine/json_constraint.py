@@ -71,6 +71,16 @@ class JsonRecognizer:
         """The object is complete."""
         return self.mode == DONE
 
+    def first_bytes(self) -> np.ndarray:
+        """bool [256]: the bytes that may come next (shared, do not write to it)."""
+        key = (self.mode, self.stack[-1] if self.stack else 0, len(self.stack) >= MAX_DEPTH,
+               self.is_key, self.left, self.number, self.literal, self.at, self.run)
+        found = _FIRST_BYTES.get(key)
+        if found is None:
+            found = np.array([self.copy()._step(b) for b in range(256)])
+            _FIRST_BYTES[key] = found
+        return found
+
     @property
     def is_started(self) -> bool:
         return self.mode != START
@@ -232,6 +242,9 @@ class JsonRecognizer:
         self.mode = NEXT if self.stack else DONE
 
 
+_FIRST_BYTES: dict[tuple, np.ndarray] = {}  # JsonRecognizer.first_bytes by state: a few hundred
+
+
 def opens_reasoning(tokenizer, prompt_tokens: list[int], tail: int = 16) -> bool:
     """Whether the prompt's last tokens leave a `<think>` open (a reasoning model's template
     starts the answer inside one), so the output starts in reasoning."""
@@ -293,7 +306,7 @@ class JsonObjectConstraint:
         """bool [256]: the bytes a token may start with now (inside reasoning: all)."""
         if self.is_thinking:
             return np.ones(256, dtype=bool)
-        return np.array([self.json.copy().feed(bytes((b,))) for b in range(256)])
+        return self.json.first_bytes()
 
     def candidates(self) -> np.ndarray:
         """Ids that may pass `allows`, by their first byte (a superset; ascending)."""

@@ -300,13 +300,14 @@ class Sampler:
 
     def _best_allowed(self, logits: np.ndarray) -> int | None:
         """The allowed token of the largest logit (ties: the lowest id), or None: the argmax,
-        then the best 64, then every id whose first byte the constraint could take."""
+        then among the ids whose first byte the constraint could take the best 64, then all."""
         allows = self.constraint.allows
         best = greedy(logits)
         if allows(best):
             return best
-        for ids in (_ranked(logits, np.arange(logits.shape[0]), 64),
-                    _ranked(logits, self.constraint.candidates(), None)):
+        candidates = self.constraint.candidates()
+        candidates = candidates[candidates < logits.shape[0]]
+        for ids in (_ranked(logits, candidates, 64), _ranked(logits, candidates, None)):
             for token in ids:
                 if np.isfinite(logits[token]) and allows(int(token)):
                     return int(token)

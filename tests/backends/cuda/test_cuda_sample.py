@@ -9,8 +9,10 @@ import pytest
 from sampling_ref import reference_candidates
 from strata.backends.cuda.logits import LogitReader
 from strata.backends.window import Window
+from strata.engine.json_constraint import JsonObjectConstraint, JsonRecognizer
 from strata.engine.sampling import Sampler, SamplingParams, penalty_entries
 from strata.model.gguf_file import GGUFModel
+from strata.model.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.cuda
 
@@ -85,7 +87,9 @@ def test_argmax_rows_lowest_id_on_ties_and_minus_one_for_nan(runtime):
 def test_engine_sampler_on_device_rows_equals_copied_rows(synth_path):
     from strata.backends.cuda import CudaModel
 
-    model = CudaModel(GGUFModel.open(synth_path("tiny", "q8_0")))
+    gguf = GGUFModel.open(synth_path("tiny", "q8_0"))
+    model = CudaModel(gguf)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     V = model.spec.vocab
     kvs = [model.new_kv(64) for _ in range(3)]
     prompts = [np.arange(5 + i, dtype=np.int32) for i in range(3)]
@@ -93,10 +97,17 @@ def test_engine_sampler_on_device_rows_equals_copied_rows(synth_path):
     params = [SamplingParams(temperature=0.0, seed=1, logit_bias=bias),
               SamplingParams(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.2,
                              seed=2, logit_bias=bias),
-              SamplingParams(temperature=1.2, top_k=0, top_p=0.95, min_p=0.02, seed=3)]
-    on_device = [Sampler(p, prompt_tokens=t.tolist()) for p, t in zip(params, prompts)]
-    on_host = [Sampler(p, prompt_tokens=t.tolist()) for p, t in zip(params, prompts)]
+              SamplingParams(temperature=1.2, top_k=0, top_p=0.95, min_p=0.02, seed=3,
+                             json_object=True,  # a JSON answer: the whole row, on the host
+                             logit_bias={tokenizer.token_id("<think>"): -100})]
+
+    def samplers():
+        return [Sampler(p, prompt_tokens=t.tolist(), constraint=JsonObjectConstraint(
+            tokenizer, tokenizer.stop_ids) if p.json_object else None)
+            for p, t in zip(params, prompts)]
+    on_device, on_host = samplers(), samplers()
     runs = list(zip(kvs, prompts))
+    answer = []  # the JSON request's tokens
     for _ in range(12):
         window = Window.build(runs, logits="last")
         rows = model.forward_window_lazy(window)
@@ -110,7 +121,10 @@ def test_engine_sampler_on_device_rows_equals_copied_rows(synth_path):
             b = on_host[i].sample(window.logits_of(host, i)[-1])
             assert a == b
             tokens.append(a)
+        answer.append(tokens[2])
         runs = [(kv, np.array([t], dtype=np.int32)) for kv, t in zip(kvs, tokens)]
+    answer = b"".join(tokenizer.token_bytes(t) for t in answer if t not in tokenizer.stop_ids)
+    assert answer.startswith(b"{") and JsonRecognizer().feed(answer), answer
     rows_then = rows
     model.forward_window_lazy(Window.build(runs, logits="last"))
     with pytest.raises(Exception, match="earlier pass"):
