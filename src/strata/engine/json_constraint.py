@@ -310,6 +310,8 @@ class JsonObjectConstraint:
 
     def candidates(self) -> np.ndarray:
         """Ids that may pass `allows`, by their first byte (a superset; ascending)."""
+        if self.is_done:  # only the end of the turn
+            return np.array(sorted(self._stop_ids), dtype=np.int64)
         first = self._tokenizer.first_byte_table()  # [V] int16, -1 for an empty token
         ok = np.append(self.first_bytes(), False)  # [257]: index -1 (empty) is False
         extra = [t for t in self._stop_ids if t < first.shape[0]]
