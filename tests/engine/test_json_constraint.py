@@ -78,13 +78,18 @@ def test_what_it_completes_json_reads_as_an_object(obj, at, edit, char):
 
 
 @pytest.mark.parametrize("text", [
-    '[1]', ' {}', '{}\n', '{"a":01}', '{"a":}', '{"a" 1}', '{"a":tru}', '{"a":1,}',
+    '[1]', '   {}', '\t{}', '{}\n', '{} ', '{"a":01}', '{"a":}', '{"a" 1}', '{"a":tru}', '{"a":1,}',
     '{"a":"\x01"}', '{"a":-}', '{"a":1.}', '{"a":1e}', '{"a":1}{', "{'a':1}", '{"a":"\\x"}',
     '{"a":"\\u12g4"}', '{a:1}', '{"a":1]', '{"a":[1}', '{,}', '{"a"::1}', '{"a":NaN}',
     '{"a":  1}', '{\n\n"a":1}', '{\n' + ' ' * (MAX_INDENT + 1) + '"a":1}',
 ])
 def test_refused(text):
     assert accepts(text)[0] is False
+
+
+def test_two_leading_spaces_or_newlines():
+    for text in (" {}", "\n\n{}", "\n {}"):
+        assert accepts(text) == (True, True)
 
 
 def test_depth_is_bounded():

@@ -16,9 +16,11 @@ ESCAPES = frozenset(b'"\\/bfnrt')
 LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
 # Whitespace between two tokens of JSON (as llama.cpp's JSON grammar has it): none, one space,
 # or a newline and at most MAX_INDENT spaces or tabs. Enough for pretty-printed JSON, not for a
-# model that would pad forever instead of closing the object. None before the "{" or after the
-# "}": the answer is the object.
+# model that would pad forever instead of closing the object. Before the "{" at most
+# MAX_LEADING spaces or newlines (a reasoning model writes "\n\n" after its `</think>`); none
+# after the "}": the answer is the object.
 MAX_INDENT = 20
+MAX_LEADING = 2
 MAX_DEPTH = 128
 THINK_OPEN, THINK_CLOSE = b"<think>", b"</think>"
 
@@ -166,7 +168,10 @@ class JsonRecognizer:
         return False  # DONE: only whitespace
 
     def _whitespace(self, c: int, mode: int) -> bool:
-        if mode == START or mode == DONE:
+        if mode == START:
+            self.run += 1
+            return c in b" \n" and self.run <= MAX_LEADING
+        if mode == DONE:
             return False
         if self.run == 0:
             self.run = 1 if c == ord(" ") else MAX_INDENT + 2 if c == ord("\n") else 0
