@@ -290,8 +290,9 @@ def test_logit_bias_bans_and_forces_tokens(client, reference):
 
 @pytest.mark.parametrize("response_format", [
     {"type": "json_object"},
-    {"type": "json_schema", "json_schema": {"name": "point", "schema": {
-        "type": "object", "properties": {"x": {"type": "number"}}}}}])
+    {"type": "json_schema", "json_schema": {"name": "point", "strict": True, "schema": {
+        "type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"],
+        "additionalProperties": False}}}])
 def test_json_response_format_holds_the_answer_to_a_json_object(client, reference,
                                                                 response_format):
     """The served answer is the engine's own json_object run on the same prompt (the format's
@@ -312,10 +313,17 @@ def test_json_response_format_holds_the_answer_to_a_json_object(client, referenc
     text = reference.render_chat([{"role": "system", "content": note}] + messages,
                                  add_generation_prompt=True, enable_thinking=False)
     tokens = reference.tokenize(text, add_special=False)
+    schema = (response_format["json_schema"]["schema"]
+              if response_format["type"] == "json_schema" else None)
     events = list(reference.generate(tokens, SamplingParams(
-        temperature=0, max_tokens=60, json_object=True, logit_bias={think: -100})))
+        temperature=0, max_tokens=60, json_object=True, json_schema=schema,
+        logit_bias={think: -100})))
     content = "".join(e.text for e in events)
     assert reply.choices[0].message.content == content
     assert reply.choices[0].finish_reason == events[-1].finish_reason
     if reply.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(content), dict)
+        answer = json.loads(content)
+        assert isinstance(answer, dict)
+        if schema is not None:  # {"x": number}, nothing else
+            assert set(answer) <= {"x"} and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in answer.values())

@@ -31,3 +31,12 @@ def test_logit_bias_reaches_the_engine_and_ids_are_checked():
     with pytest.raises(ApiError) as info:
         sampling_params(req.options, 10, 512, 10)
     assert info.value.param == "logit_bias.12"
+
+
+def test_json_schema_reaches_the_engine():
+    schema = {"type": "object", "properties": {"x": {"type": "number"}}}
+    req = parse_chat_request({"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}, 512)
+    assert sampling_params(req.options, 10, 512, 1000).json_schema == schema
+    req = parse_chat_request({"messages": USER, "response_format": {"type": "json_object"}}, 512)
+    assert sampling_params(req.options, 10, 512, 1000).json_schema is None

@@ -142,7 +142,8 @@ class TokenDecoder:
         if params.json_object:  # the stop tokens may end it only once the object is closed
             constraint = JsonObjectConstraint(
                 tokenizer, set(params.stop_token_ids) | tokenizer.stop_ids,
-                starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens))
+                starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens),
+                schema=params.json_schema)
         self._sampler = Sampler(params, prompt_tokens=prompt_tokens, constraint=constraint)
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

@@ -2,8 +2,9 @@
 byte-level recognizer of JSON's syntax (RFC 8259) that the sampler asks, token by token,
 whether the token keeps the output a prefix of a JSON object. A refused token is masked and the
 draw repeated (sampling.Sampler). A `<think>` block before the object is let through as the
-model writes it. Only the syntax is held; a json_schema's schema reaches the model as an
-instruction in the prompt (server/prompting.py), it is not checked here."""
+model writes it. A json_schema's structure is held by json_schema.SchemaRecognizer, a subclass
+through the hooks at the end of JsonRecognizer; the schema also reaches the model as an
+instruction in the prompt (server/prompting.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -61,7 +62,7 @@ class JsonRecognizer:
         self.run = 0              # whitespace bytes in a row (the first is " " or a newline)
 
     def copy(self) -> "JsonRecognizer":
-        other = JsonRecognizer.__new__(JsonRecognizer)
+        other = self.__class__.__new__(self.__class__)
         other.stack = bytearray(self.stack)
         other.mode, other.is_key, other.left = self.mode, self.is_key, self.left
         other.number, other.literal, other.at, other.run = (self.number, self.literal,
@@ -98,6 +99,8 @@ class JsonRecognizer:
         mode = self.mode
         if mode == STRING:
             if c == 0x22:  # "
+                if not self._string_end():
+                    return False
                 if self.is_key:
                     self.mode = COLON
                 else:
@@ -105,18 +108,18 @@ class JsonRecognizer:
                 return True
             if c == 0x5C:  # backslash
                 self.mode = ESCAPE
-                return True
-            return c >= 0x20  # no raw control characters; UTF-8 bytes pass
+                return self._string_byte(c)
+            return c >= 0x20 and self._string_byte(c)  # no raw control bytes; UTF-8 passes
         if mode == ESCAPE:
             if c in ESCAPES:
                 self.mode = STRING
-                return True
+                return self._string_byte(c)
             if c == ord("u"):
                 self.mode, self.left = UNICODE, 4
-                return True
+                return self._string_byte(c)
             return False
         if mode == UNICODE:
-            if c not in HEX:
+            if c not in HEX or not self._string_byte(c):
                 return False
             self.left -= 1
             if self.left == 0:
@@ -148,7 +151,7 @@ class JsonRecognizer:
         if mode == KEY or mode == KEY_OR_END:
             if mode == KEY_OR_END and c == ord("}"):
                 return self._close()
-            if c == 0x22:
+            if c == 0x22 and self._key_allowed():
                 self.mode, self.is_key = STRING, True
                 return True
             return False
@@ -161,7 +164,7 @@ class JsonRecognizer:
             is_object = self.stack[-1] == ord("{")
             if c == ord(","):
                 self.mode = KEY if is_object else VALUE
-                return True
+                return self._comma_allowed(is_object)
             if c == (ord("}") if is_object else ord("]")):
                 return self._close()
             return False
@@ -182,6 +185,8 @@ class JsonRecognizer:
         return self.run > 1
 
     def _start_value(self, c: int) -> bool:
+        if not self._value_allowed(c):
+            return False
         if c == ord("{"):
             return self._open(c, KEY_OR_END)
         if c == ord("["):
@@ -201,6 +206,8 @@ class JsonRecognizer:
 
     def _number_step(self, c: int) -> bool:
         n, is_digit = self.number, c in DIGITS
+        if not is_digit and not self._number_byte_allowed(c):
+            return False
         if n == N_SIGN:
             if not is_digit:
                 return False
@@ -236,12 +243,44 @@ class JsonRecognizer:
             return False
         self.stack.append(c)
         self.mode = mode
+        self._opened(c)
         return True
 
     def _close(self) -> bool:
+        if not self._close_allowed():
+            return False
         self.stack.pop()
+        self._closed()
         self._value_done()
         return True
+
+    # ---- hooks for a schema (json_schema.SchemaRecognizer); plain JSON allows everything ----
+    def _string_byte(self, c: int) -> bool:
+        return True
+
+    def _string_end(self) -> bool:
+        return True
+
+    def _key_allowed(self) -> bool:
+        return True
+
+    def _value_allowed(self, c: int) -> bool:
+        return True
+
+    def _number_byte_allowed(self, c: int) -> bool:
+        return True
+
+    def _comma_allowed(self, is_object: bool) -> bool:
+        return True
+
+    def _close_allowed(self) -> bool:
+        return True
+
+    def _opened(self, c: int) -> None:
+        pass
+
+    def _closed(self) -> None:
+        pass
 
     def _value_done(self) -> None:
         self.mode = NEXT if self.stack else DONE
@@ -258,19 +297,26 @@ def opens_reasoning(tokenizer, prompt_tokens: list[int], tail: int = 16) -> bool
 
 
 class JsonObjectConstraint:
-    """Which tokens may come next so that the output is one JSON object: `allows(token)` before
+    """Which tokens may come next so that the output is one JSON object (following `schema`
+    where given, as json_schema.py holds it): `allows(token)` before
     the draw, `push(token)` once it is taken. A `<think>` ... `</think>` block may come first
     (its `<think>` as the first token, or the output starts inside one: `starts_in_reasoning`);
     the stop tokens are allowed only once the object is complete. Special tokens never are,
     inside the object."""
 
-    def __init__(self, tokenizer, stop_ids, starts_in_reasoning: bool = False):
+    def __init__(self, tokenizer, stop_ids, starts_in_reasoning: bool = False,
+                 schema: dict | None = None):
         self._tokenizer = tokenizer
         self._stop_ids = frozenset(stop_ids)
         self._special = tokenizer.special_ids
         self.is_thinking = starts_in_reasoning
         self.is_first = not starts_in_reasoning  # nothing pushed yet: a <think> may open
-        self.json = JsonRecognizer()
+        if schema is None:
+            self.json = JsonRecognizer()
+        else:  # the schema's structure too (json_schema.py says what is held)
+            from strata.engine.json_schema import SchemaRecognizer, compile_schema
+
+            self.json = SchemaRecognizer(compile_schema(schema))
 
     @property
     def is_done(self) -> bool:

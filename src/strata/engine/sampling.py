@@ -31,8 +31,10 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit after the
     # penalties (-100 all but bans the token, 100 all but forces it)
     logit_bias: dict[int, float] = field(default_factory=dict)
-    # the output is one JSON object (after any <think> block): engine/json_constraint.py
+    # the output is one JSON object (after any <think> block): engine/json_constraint.py;
+    # json_schema: that object also follows this JSON schema, as engine/json_schema.py holds it
     json_object: bool = False
+    json_schema: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -40,6 +42,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check_logit_bias()
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise RequestError(f"json_schema = {self.json_schema!r} is invalid: it must be a "
+                               "JSON schema (a dict) or None")
         self._check()
 
     def _check_logit_bias(self) -> None:

@@ -122,7 +122,7 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
                           f"[0, {vocab}).", f"logit_bias.{token}")
     fields = {"max_tokens": max_tokens, "stop": list(options.stop), "seed": options.seed,
               "ignore_eos": options.is_eos_ignored, "logit_bias": dict(options.logit_bias),
-              "json_object": options.json_object}
+              "json_object": options.json_object, "json_schema": options.json_schema}
     if options.temperature is not None and options.temperature < MIN_TEMPERATURE:
         # As vLLM does: a temperature this close to 0 is greedy (dividing logits by a tiny or
         # denormal value overflows to inf and the draw has nothing left to pick from).

@@ -33,6 +33,7 @@ class GenerationOptions:
     is_eos_ignored: bool = False  # vLLM's `ignore_eos` extension: generate to max_tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
     json_object: bool = False  # the answer held to one JSON object (response_format)
+    json_schema: dict | None = None  # ... that follows this schema (json_schema format)
 
 
 @dataclass
@@ -371,6 +372,9 @@ def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     response_format = parse_response_format(body.get("response_format"))
     # JSON output is held to JSON's syntax unless the model may answer with a tool call
     options.json_object = response_format is not None and (not tools or tool_choice == "none")
+    if options.json_object and response_format["type"] == "json_schema":
+        schema = response_format["json_schema"].get("schema", response_format["json_schema"])
+        options.json_schema = schema if isinstance(schema, dict) else None
     return ChatRequest(
         model=_string(body, "model"),
         messages=parse_messages(body.get("messages", _MISSING)),

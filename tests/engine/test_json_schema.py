@@ -1,0 +1,164 @@
+"""response_format json_schema: the compiled schema held by SchemaRecognizer (types, keys,
+required keys, string enums, $ref, anyOf of types), and the sampler held to it."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strata.engine.json_constraint import JsonObjectConstraint
+from strata.engine.json_schema import SchemaRecognizer, compile_schema
+from strata.engine.sampling import Sampler, SamplingParams
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}},
+        "nick": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "home": {"$ref": "#/$defs/place"},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+    "$defs": {"place": {"type": "object", "properties": {"city": {"const": "Oslo"}},
+                        "required": ["city"], "additionalProperties": False}},
+}
+
+
+def accepts(schema, text: str) -> tuple[bool, bool]:
+    r = SchemaRecognizer(compile_schema(schema))
+    ok = r.feed(text.encode())
+    return ok, ok and r.is_done
+
+
+def valid_person(value) -> bool:
+    """PERSON checked by hand (no jsonschema dependency)."""
+    props = PERSON["properties"]
+    if not isinstance(value, dict) or set(value) - set(props) or {"name", "age"} - set(value):
+        return False
+    checks = {
+        "name": lambda v: isinstance(v, str),
+        "age": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "score": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "tags": lambda v: isinstance(v, list) and all(t in ("a", "bb", "ccc") for t in v),
+        "nick": lambda v: v is None or isinstance(v, str),
+        "home": lambda v: isinstance(v, dict) and v == {"city": "Oslo"},
+        "ok": lambda v: isinstance(v, bool),
+    }
+    return all(checks[k](v) for k, v in value.items())
+
+
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=8)
+PEOPLE = st.fixed_dictionaries(
+    {"name": TEXT, "age": st.integers(-10**9, 10**9)},
+    optional={"score": st.floats(allow_nan=False, allow_infinity=False) | st.integers(-99, 99),
+              "tags": st.lists(st.sampled_from(["a", "bb", "ccc"]), max_size=4),
+              "nick": st.none() | TEXT, "home": st.just({"city": "Oslo"}),
+              "ok": st.booleans()})
+
+
+@settings(max_examples=200, deadline=None)
+@given(person=PEOPLE, indent=st.sampled_from([None, 1, 2]), ascii_only=st.booleans())
+def test_every_instance_is_accepted(person, indent, ascii_only):
+    text = json.dumps(person, indent=indent, ensure_ascii=ascii_only)
+    assert accepts(PERSON, text) == (True, True), text
+
+
+@pytest.mark.parametrize("text", [
+    '{"name":"x"}',                               # a required key missing
+    '{"age":3}',
+    '{"name":"x","age":3.5}',                     # integer
+    '{"name":"x","age":1e3}',
+    '{"name":1,"age":3}',                         # type
+    '{"nam":"x","age":3}',                        # undeclared key (a prefix of one)
+    '{"name":"x","age":3,"extra":1}',
+    '{"name":"x","name":"y","age":1}',            # a key twice
+    '{"name":"x","age":3,"tags":["c"]}',          # enum
+    '{"name":"x","age":3,"tags":["bbb"]}',
+    '{"name":"x","age":3,"nick":5}',              # anyOf string | null
+    '{"name":"x","age":3,"home":{"city":"Rome"}}',  # $ref, const
+    '{"name":"x","age":3,"home":{}}',
+    '{"name":"x","age":3,"ok":null}',
+])
+def test_refused(text):
+    ok, done = accepts(PERSON, text)
+    assert not done
+    assert not ok
+
+
+@settings(max_examples=150, deadline=None)
+@given(person=PEOPLE, at=st.integers(0, 10**6), char=st.sampled_from(list('{}[]":,.-e019 nt"ax')))
+def test_what_it_completes_follows_the_schema(person, at, char):
+    text = json.dumps(person, separators=(",", ":"))
+    at %= len(text) + 1
+    text = text[:at] + char + text[at:]
+    if accepts(PERSON, text)[1]:
+        assert valid_person(json.loads(text)), text
+
+
+def test_free_parts_and_open_objects():
+    schema = {"type": "object", "properties": {"a": {"type": "object"}, "b": {}},
+              "required": ["a"]}  # additional keys allowed, "a" any object, "b" anything
+    assert accepts(schema, '{"a":{"x":[1,{"y":null}]},"b":[true],"zz":"q"}') == (True, True)
+    assert accepts(schema, '{"a":[1]}')[0] is False
+    assert accepts(schema, '{"a":{},"a":{}}')[0] is False  # still each key once
+    assert accepts({}, '{"k":1}') == (True, True)
+    assert accepts({"type": "object", "additionalProperties": {"type": "integer"}},
+                   '{"a":1,"b":2.5}')[0] is False
+    closed = {"type": "object", "properties": {"a": {"type": "null"}},
+              "additionalProperties": False}
+    assert accepts(closed, '{"a":null}') == (True, True)
+    assert accepts(closed, '{"a":null,')[0] is False  # no key left to write
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from strata.model.gguf_file import GGUFModel
+    from strata.model.tokenizer import Tokenizer
+
+    with GGUFModel.open(tiny_model_path) as m:
+        return Tokenizer.from_gguf_metadata(m.metadata)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sampler_writes_instances_from_random_logits(tokenizer, temperature):
+    """Random logits nudged towards closing: each finished answer is an instance of PERSON."""
+    V = tokenizer.vocab_size
+    closers = [t for t in range(V) if tokenizer.token_bytes(t) in (b"}", b"]", b'"', b",")]
+    stops = sorted(tokenizer.stop_ids)
+    think = tokenizer.token_id("<think>")
+    finished = 0
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0,
+                                seed=seed, json_object=True, json_schema=PERSON,
+                                logit_bias={think: -100})
+        constraint = JsonObjectConstraint(tokenizer, tokenizer.stop_ids, schema=PERSON)
+        sampler = Sampler(params, constraint=constraint)
+        tokens = []
+        for step in range(400):
+            logits = rng.standard_normal(V).astype(np.float32) * 2
+            logits[closers] += min(step / 10, 8)
+            logits[stops] += 8
+            tokens.append(sampler.sample(logits))
+            if tokens[-1] in tokenizer.stop_ids:
+                break
+        text = tokenizer.decode([t for t in tokens if t not in tokenizer.stop_ids])
+        assert SchemaRecognizer(compile_schema(PERSON)).feed(text.encode()), text
+        if tokens[-1] in tokenizer.stop_ids:
+            finished += 1
+            assert valid_person(json.loads(text)), text
+    assert finished >= 6
+
+
+def test_a_schema_must_be_a_dict():
+    from strata.errors import RequestError
+
+    with pytest.raises(RequestError, match="json_schema"):
+        SamplingParams(json_object=True, json_schema=["not", "a", "schema"])
