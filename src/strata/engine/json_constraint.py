@@ -365,8 +365,9 @@ class JsonObjectConstraint:
             return np.array(sorted(self._stop_ids), dtype=np.int64)
         first = self._tokenizer.first_byte_table()  # [V] int16, -1 for an empty token
         ok = np.append(self.first_bytes(), False)  # [257]: index -1 (empty) is False
-        extra = [t for t in self._stop_ids if t < first.shape[0]]
+        mask = ok[first]  # [V] (a mask, not a union of id arrays: that sorted 150k ids)
         if self.is_first:
             think = self._tokenizer.token_id(THINK_OPEN.decode())
-            extra += [think] if think is not None else []
-        return np.union1d(np.flatnonzero(ok[first]), np.array(extra, dtype=np.int64))
+            if think is not None:
+                mask[think] = True
+        return np.flatnonzero(mask)
