@@ -162,3 +162,19 @@ def test_a_schema_must_be_a_dict():
 
     with pytest.raises(RequestError, match="json_schema"):
         SamplingParams(json_object=True, json_schema=["not", "a", "schema"])
+    deep = {}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(RequestError, match="nested too deeply"):
+        SamplingParams(json_object=True, json_schema=deep)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": 5}, {"properties": [1, 2]}, {"required": "name"}, {"items": "x"}, {"enum": []},
+    {"$ref": "#/elsewhere"}, {"anyOf": "x"}, {"additionalProperties": 3},
+    {"enum": [{"a": 1}, None]}, {"const": None},
+])
+def test_odd_schemas_compile_to_what_they_hold(schema):
+    """Parts a schema gets wrong are not held (any value there), never an error."""
+    r = SchemaRecognizer(compile_schema({"type": "object", "properties": {"v": schema}}))
+    assert r.feed(b'{"v":')

@@ -42,9 +42,16 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check_logit_bias()
-        if self.json_schema is not None and not isinstance(self.json_schema, dict):
-            raise RequestError(f"json_schema = {self.json_schema!r} is invalid: it must be a "
-                               "JSON schema (a dict) or None")
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, dict):
+                raise RequestError(f"json_schema = {self.json_schema!r} is invalid: it must be "
+                                   "a JSON schema (a dict) or None")
+            from strata.engine.json_schema import compile_schema
+
+            try:
+                compile_schema(self.json_schema)
+            except RecursionError:
+                raise RequestError("json_schema is nested too deeply to hold") from None
         self._check()
 
     def _check_logit_bias(self) -> None:
