@@ -28,3 +28,10 @@ def test_table_and_bad_options(capsys):
     with pytest.raises(SystemExit):
         bench_engine.main(["--sampling", "beam"])
     assert "unknown: beam" in capsys.readouterr().err
+
+
+def test_json_mode(capsys):
+    assert bench_engine.main(["-p", "4", "-n", "3", "-r", "1", "--slots", "1",
+                              "--sampling", "json", "--json", "-t", "1"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["sampling"] for r in rows] == ["json"] and rows[0]["engine"] > 0
