@@ -327,3 +327,29 @@ def test_json_response_format_holds_the_answer_to_a_json_object(client, referenc
         if schema is not None:  # {"x": number}, nothing else
             assert set(answer) <= {"x"} and all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in answer.values())
+
+
+def test_tool_calls_are_held_to_json(client, reference):
+    """With tools (a template whose calls are JSON) each <tool_call> block is a call of a
+    declared function whose arguments follow its parameters: the served calls are the
+    engine's own held run. The opening tag is favoured so that random weights write calls."""
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    tok = reference.tokenizer
+    bias = {tok.token_id("<tool_call>"): 100, tok.token_id("}"): 4, tok.token_id('"'): 4}
+    reply = client.chat.completions.create(
+        model=MODEL_ID, messages=messages, tools=[WEATHER_TOOL], max_tokens=80, temperature=0,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    reference.reset()
+    text = reference.render_chat(messages, tools=[WEATHER_TOOL], add_generation_prompt=True,
+                                 enable_thinking=False)
+    events = list(reference.generate(tok.encode(text, add_special=False), SamplingParams(
+        temperature=0, max_tokens=80, logit_bias=bias,
+        json_tool_calls=[WEATHER_TOOL["function"]])))
+    _, _, calls, _ = parse_complete("".join(e.text for e in events), parse_tools=True)
+    served = reply.choices[0].message.tool_calls or []
+    assert calls and [(c.function.name, json.loads(c.function.arguments)) for c in served] == [
+        (c.name, json.loads(c.arguments)) for c in calls]
+    for call in served:
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and isinstance(arguments["city"], str)

@@ -12,6 +12,7 @@ import numpy as np
 
 from strata.engine.json_constraint import JsonObjectConstraint, opens_reasoning
 from strata.engine.sampling import Sampler, SamplingParams
+from strata.engine.tool_call_constraint import ToolCallConstraint
 from strata.errors import ModelFormatError
 from strata.model.tokenizer import Tokenizer
 
@@ -144,6 +145,8 @@ class TokenDecoder:
                 tokenizer, set(params.stop_token_ids) | tokenizer.stop_ids,
                 starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens),
                 schema=params.json_schema)
+        elif params.json_tool_calls:
+            constraint = ToolCallConstraint(tokenizer, params.json_tool_calls)
         self._sampler = Sampler(params, prompt_tokens=prompt_tokens, constraint=constraint)
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

@@ -301,14 +301,15 @@ class JsonObjectConstraint:
     where given, as json_schema.py holds it): `allows(token)` before
     the draw, `push(token)` once it is taken. A `<think>` ... `</think>` block may come first
     (its `<think>` as the first token, or the output starts inside one: `starts_in_reasoning`);
-    the stop tokens are allowed only once the object is complete. Special tokens never are,
-    inside the object."""
+    the stop tokens are allowed only once the object is complete. Special tokens and tags (the
+    tokenizer's added ones) never are, inside the object."""
 
     def __init__(self, tokenizer, stop_ids, starts_in_reasoning: bool = False,
                  schema: dict | None = None):
         self._tokenizer = tokenizer
         self._stop_ids = frozenset(stop_ids)
         self._special = tokenizer.special_ids
+        self._added = tokenizer.added_ids  # tags such as <tool_call>: never inside the object
         self.is_thinking = starts_in_reasoning
         self.is_first = not starts_in_reasoning  # nothing pushed yet: a <think> may open
         if schema is None:
@@ -330,10 +331,10 @@ class JsonObjectConstraint:
             end = data.find(THINK_CLOSE)
             return token not in self._special and (
                 end < 0 or self.json.copy().feed(data[end + len(THINK_CLOSE):]))
-        if token in self._special or not data:
-            return False
         if data == THINK_OPEN and self.is_first:
             return True
+        if token in self._added or not data:
+            return False
         return self.json.copy().feed(data)
 
     def push(self, token: int) -> None:

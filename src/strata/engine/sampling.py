@@ -35,6 +35,9 @@ class SamplingParams:
     # json_schema: that object also follows this JSON schema, as engine/json_schema.py holds it
     json_object: bool = False
     json_schema: dict | None = None
+    # each <tool_call> block a JSON call of one of these functions ({"name", "parameters"}):
+    # engine/tool_call_constraint.py (the server sets it for templates with JSON calls)
+    json_tool_calls: list[dict] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -42,6 +45,15 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check_logit_bias()
+        if self.json_tool_calls is not None:
+            if not isinstance(self.json_tool_calls, list) or not all(
+                    isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]
+                    for f in self.json_tool_calls) or not self.json_tool_calls:
+                raise RequestError(f"json_tool_calls = {self.json_tool_calls!r} is invalid: it "
+                                   "must be a non-empty list of functions with a 'name'")
+            if self.json_object:
+                raise RequestError("json_object and json_tool_calls exclude each other: an "
+                                   "answer is either one JSON object or text with tool calls")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, dict):
                 raise RequestError(f"json_schema = {self.json_schema!r} is invalid: it must be "
@@ -333,8 +345,8 @@ class Sampler:
         A greedy request without penalties or bias takes the row's `greedy_id` (the pass's argmax)
         when the row has one among the valid ids. None: the row holds a NaN."""
         p = self.params
-        if self.constraint is not None:  # it reads token by token: the whole row, on the host
-            return self._sample_whole(row, num_valid)
+        if self.constraint is not None and not getattr(self.constraint, "is_free", False):
+            return self._sample_whole(row, num_valid)  # it reads token by token: on the host
         pen = penalty_entries(self.seen, self.generated, p.repetition_penalty,
                               p.presence_penalty, p.frequency_penalty, p.logit_bias)
         best = getattr(row, "greedy_id", None) if p.is_greedy and pen is None else None

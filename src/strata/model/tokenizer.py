@@ -97,6 +97,8 @@ class Tokenizer:
         self._backend = backend
         self._tokens = tokens
         self.special_ids = frozenset(special_ids)
+        # every token matched whole in text: the special ones and user-defined tags (<think>)
+        self.added_ids = frozenset(added_ids) | self.special_ids
         self._bytes = [_token_bytes(t, i in added_ids) for i, t in enumerate(tokens)]
         self._first_bytes = None  # first_byte_table()
         self.bos_id = bos_id

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from strata.engine.sampling import SamplingParams
 from strata.errors import RequestError
 from strata.server.api_error import ApiError, invalid
-from strata.server.output_parser import prompt_opens_reasoning
+from strata.server.output_parser import TOOL_OPEN, prompt_opens_reasoning
 from strata.server.schema import ChatRequest, GenerationOptions
 
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
@@ -22,6 +22,7 @@ class ChatPrompt:
     is_tool_parsing: bool
     starts_in_reasoning: bool
     param_types: dict[str, dict[str, str]]
+    json_tool_calls: list[dict] | None = None  # the functions whose calls are held to JSON
 
 
 def _instructions(req: ChatRequest) -> list[str]:
@@ -84,9 +85,13 @@ def build_chat_prompt(engine, req: ChatRequest) -> ChatPrompt:
                       f"{exc}).", "messages", "template_error") from None
     # The template writes BOS itself where the model wants one.
     tokens = engine.tokenize(text, add_special=False)
+    # Calls are held to JSON where the template asks for JSON calls: it names <tool_call> and
+    # not Qwen3-Coder's XML form (<function=...>).
+    is_json_calls = bool(tools) and TOOL_OPEN in text and "<function=" not in text
     return ChatPrompt(tokens=tokens, text=text, is_tool_parsing=bool(tools),
                       starts_in_reasoning=prompt_opens_reasoning(text),
-                      param_types=_param_types(tools or []))
+                      param_types=_param_types(tools or []),
+                      json_tool_calls=[t["function"] for t in tools] if is_json_calls else None)
 
 
 def completion_prompt_tokens(engine, prompt: str | list[int]) -> list[int]:
@@ -122,7 +127,8 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
                           f"[0, {vocab}).", f"logit_bias.{token}")
     fields = {"max_tokens": max_tokens, "stop": list(options.stop), "seed": options.seed,
               "ignore_eos": options.is_eos_ignored, "logit_bias": dict(options.logit_bias),
-              "json_object": options.json_object, "json_schema": options.json_schema}
+              "json_object": options.json_object, "json_schema": options.json_schema,
+              "json_tool_calls": options.json_tool_calls}
     if options.temperature is not None and options.temperature < MIN_TEMPERATURE:
         # As vLLM does: a temperature this close to 0 is greedy (dividing logits by a tiny or
         # denormal value overflows to inf and the draw has nothing left to pick from).

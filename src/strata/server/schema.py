@@ -34,6 +34,7 @@ class GenerationOptions:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
     json_object: bool = False  # the answer held to one JSON object (response_format)
     json_schema: dict | None = None  # ... that follows this schema (json_schema format)
+    json_tool_calls: list[dict] | None = None  # tool calls held to JSON (set by the prompt)
 
 
 @dataclass

@@ -1,0 +1,145 @@
+"""Tool calls held to JSON (engine/tool_call_constraint.py): free text outside `<tool_call>`
+blocks, a call of a declared function inside one, then `</tool_call>`."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from strata.engine.sampling import Sampler, SamplingParams
+from strata.engine.tool_call_constraint import ToolCallConstraint, call_schema
+from strata.errors import RequestError
+from strata.server.output_parser import OutputParser, ToolCall
+
+WEATHER = {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from strata.model.gguf_file import GGUFModel
+    from strata.model.tokenizer import Tokenizer
+
+    with GGUFModel.open(tiny_model_path) as m:
+        return Tokenizer.from_gguf_metadata(m.metadata)
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special=False)
+
+
+def feed(c: ToolCallConstraint, tokens) -> bool:
+    """Push every token `allows` takes; False at the first it refuses."""
+    for t in tokens:
+        if not c.allows(t):
+            return False
+        c.push(t)
+    return True
+
+
+def test_a_call_between_free_text(tokenizer):
+    c = ToolCallConstraint(tokenizer, [WEATHER, TIME])
+    stop = sorted(tokenizer.stop_ids)[0]
+    assert c.is_free and c.allows(stop)
+    assert feed(c, ids(tokenizer, "Let me look that up. <tool_call>"))
+    assert not c.is_free and not c.allows(stop)
+    assert feed(c, ids(tokenizer, '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'))
+    close = ids(tokenizer, "</tool_call>")
+    assert len(close) == 1 and feed(c, close)
+    assert c.is_free and c.allows(stop)
+    assert feed(c, ids(tokenizer, ' and <tool_call>{"name":"get_time","arguments":{}}</tool_call>'))
+    assert c.is_free
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "get_wether", "arguments": {}}',      # not a declared function
+    '{"name": "get_weather"}</tool_call>',          # no arguments
+    '{"name": "get_weather", "arguments": [1]}',    # arguments not an object
+    '{"name": "get_weather", "arguments": {}, "x": 1}',
+    "not json",
+    '{"name": "get_time", "arguments": {}} x',      # text before the closing tag
+    '{"name": "get_time", "arguments": {}}\n\n\n</tool_call>',
+])
+def test_refused_calls(tokenizer, body):
+    c = ToolCallConstraint(tokenizer, [WEATHER, TIME])
+    assert feed(c, ids(tokenizer, "<tool_call>"))
+    assert not feed(c, ids(tokenizer, body) + ids(tokenizer, "</tool_call>"))
+
+
+def test_one_function_holds_its_parameters(tokenizer):
+    c = ToolCallConstraint(tokenizer, [WEATHER])
+    assert feed(c, ids(tokenizer, "<tool_call>"))
+    assert not feed(c, ids(tokenizer, '{"name": "get_weather", "arguments": {"city": 5}}'))
+    c = ToolCallConstraint(tokenizer, [WEATHER])
+    assert feed(c, ids(tokenizer, "<tool_call>"))
+    assert not feed(c, ids(tokenizer, '{"name": "get_weather", "arguments": {}}'))
+    c = ToolCallConstraint(tokenizer, [WEATHER])  # only its declared parameters
+    assert feed(c, ids(tokenizer, "<tool_call>"))
+    assert not feed(c, ids(tokenizer, '{"name": "get_weather", "arguments": {"town": "x"'))
+    assert call_schema([WEATHER, TIME])["properties"]["arguments"] == {"type": "object"}
+
+
+def test_a_tag_spelled_over_several_tokens_opens_a_block(tokenizer):
+    pieces = [t for part in ("<", "tool", "_", "call", ">") for t in ids(tokenizer, part)]
+    assert tokenizer.decode(pieces) == "<tool_call>" and len(pieces) > 1
+    c = ToolCallConstraint(tokenizer, [TIME])
+    assert feed(c, ids(tokenizer, "see ") + pieces)
+    assert not c.is_free
+    assert not c.allows(ids(tokenizer, "hello")[0])
+
+
+def test_candidates_hold_every_allowed_token(tokenizer):
+    V = tokenizer.vocab_size
+    c = ToolCallConstraint(tokenizer, [WEATHER, TIME])
+    assert c.candidates().shape == (V,)
+    for text in ("<tool_call>", '\n{"name": "get_', '"arguments": {', '{}}',
+                 '\n</tool_'):
+        feed(c, ids(tokenizer, text))
+        allowed = {t for t in range(V) if c.allows(t)}
+        assert allowed and allowed <= set(c.candidates().tolist()), text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sampled_calls_parse(tokenizer, temperature):
+    """Random logits with the opening tag favoured: each closed block is a call the server's
+    parser reads, of a declared function, and the text between blocks is free."""
+    V = tokenizer.vocab_size
+    open_tag = tokenizer.token_id("<tool_call>")
+    closers = [t for t in range(V) if tokenizer.token_bytes(t) in (b"}", b'"', b",")]
+    calls = 0
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        sampler = Sampler(SamplingParams(temperature=temperature, top_k=0, top_p=1.0,
+                                         min_p=0.0, seed=seed, json_tool_calls=[WEATHER, TIME]),
+                          constraint=ToolCallConstraint(tokenizer, [WEATHER, TIME]))
+        tokens = []
+        for step in range(300):
+            logits = rng.standard_normal(V).astype(np.float32) * 2
+            logits[open_tag] += 6
+            logits[closers] += min(step % 60 / 6, 8)
+            tokens.append(sampler.sample(logits))
+        parser = OutputParser(parse_tools=True)  # what the server reads calls with
+        events = parser.feed(tokenizer.decode(tokens))
+        found = [e for e in events if isinstance(e, ToolCall)]  # the last may be cut off
+        assert parser.num_invalid_tool_calls == 0
+        for call in found:
+            assert call.name in ("get_weather", "get_time")
+            assert isinstance(json.loads(call.arguments), dict)
+        calls += len(found)
+    assert calls >= 3
+
+
+def test_params_check_the_functions():
+    with pytest.raises(RequestError, match="json_tool_calls"):
+        SamplingParams(json_tool_calls=[{"parameters": {}}])
+    with pytest.raises(RequestError, match="exclude each other"):
+        SamplingParams(json_object=True, json_tool_calls=[TIME])
+    assert call_schema([TIME])["properties"]["arguments"] == dict(TIME["parameters"],
+                                                                  additionalProperties=False)
+    open_params = {"type": "object", "properties": {}, "additionalProperties": True}
+    assert call_schema([{"name": "f", "parameters": open_params}])["properties"][
+        "arguments"] == open_params
+    assert json.loads(json.dumps(call_schema([WEATHER, TIME])))["required"] == [
+        "name", "arguments"]
