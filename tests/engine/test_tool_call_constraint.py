@@ -90,6 +90,21 @@ def test_a_tag_spelled_over_several_tokens_opens_a_block(tokenizer):
     assert not c.allows(ids(tokenizer, "hello")[0])
 
 
+def test_a_token_that_completes_the_tag_is_checked(tokenizer):
+    c = ToolCallConstraint(tokenizer, [TIME])
+    assert feed(c, ids(tokenizer, "text <tool_"))
+    assert not c.is_free  # the next token may complete the tag: ask the constraint
+    call, bad = ids(tokenizer, "call"), ids(tokenizer, "call>x")
+    assert c.allows(call[0])
+    if len(bad) == 1:  # one token "call>x" would open the block with a refused byte
+        assert not c.allows(bad[0])
+    c.push(call[0])
+    end = ids(tokenizer, ">")
+    assert c.allows(end[0])
+    c.push(end[0])
+    assert c.call is not None and not c.is_free
+
+
 def test_candidates_hold_every_allowed_token(tokenizer):
     V = tokenizer.vocab_size
     c = ToolCallConstraint(tokenizer, [WEATHER, TIME])

@@ -95,17 +95,19 @@ class ToolCallConstraint:
         return call, tail, 0
 
     def allows(self, token: int) -> bool:
-        if self.call is None:
-            return True
         data = self._tokenizer.token_bytes(token)
+        if self.call is None:  # free text, unless the token opens a block
+            return TOOL_OPEN not in self._tail + data or self._after(data)[2] == 0
         if not data or (token in self._added and data != TOOL_CLOSE):
             return False
         return self._after(data)[2] == 0
 
     @property
     def is_free(self) -> bool:
-        """Outside a block: every token is allowed (the sampler may skip asking)."""
-        return self.call is None
+        """Outside a block, with no part of an opening tag at the text's end: every token but
+        one that holds a whole tag is allowed (the sampler may skip asking)."""
+        return self.call is None and not any(
+            self._tail.endswith(TOOL_OPEN[:n]) for n in range(1, len(TOOL_OPEN)))
 
     def push(self, token: int) -> None:
         """Take `token` (one `allows` accepted)."""
@@ -113,7 +115,9 @@ class ToolCallConstraint:
         if self.call is None and token in self._special and data != TOOL_OPEN:
             self._tail = b""  # a special token's text does not join a tag
             return
-        self.call, self._tail, _ = self._after(data)
+        self.call, self._tail, status = self._after(data)
+        if status < 0:  # a token `allows` did not see (a whole tag in one text token)
+            self.call = _Call(self._root)
 
     def candidates(self) -> np.ndarray:
         """Ids that may pass `allows` (a superset): outside a block every id; inside, those
