@@ -158,3 +158,26 @@ def test_params_check_the_functions():
         "arguments"] == open_params
     assert json.loads(json.dumps(call_schema([WEATHER, TIME])))["required"] == [
         "name", "arguments"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_device_rows_give_the_host_rows_tokens(tokenizer, temperature):
+    """A row left on the device (HostLogitRow stands in for it) takes the candidates outside a
+    block and the whole row inside one; the tokens are the host path's either way."""
+    from sampling_ref import HostLogitRow
+
+    V = tokenizer.vocab_size
+    open_tag = tokenizer.token_id("<tool_call>")
+    params = SamplingParams(temperature=temperature, top_k=40, top_p=0.95, min_p=0.0, seed=3,
+                            json_tool_calls=[WEATHER, TIME])
+    host, device = (Sampler(params, constraint=ToolCallConstraint(tokenizer, [WEATHER, TIME]))
+                    for _ in range(2))
+    rng = np.random.default_rng(5)
+    whole_rows = 0
+    for step in range(150):
+        logits = rng.standard_normal(V).astype(np.float32) * 3
+        logits[open_tag] += 30 if step % 40 == 0 else -30
+        row = HostLogitRow(logits)
+        assert device.sample_candidates(row, V) == host.sample(logits.copy())
+        whole_rows += row.num_whole_copies
+    assert 0 < whole_rows < 150  # inside blocks only
