@@ -167,17 +167,21 @@ def test_device_rows_give_the_host_rows_tokens(tokenizer, temperature):
     from sampling_ref import HostLogitRow
 
     V = tokenizer.vocab_size
-    open_tag = tokenizer.token_id("<tool_call>")
+    open_tag, close_tag = tokenizer.token_id("<tool_call>"), tokenizer.token_id("</tool_call>")
+    nudged = [tokenizer.token_id(t) for t in ("{", "}", '"', ":")] + [close_tag]
     params = SamplingParams(temperature=temperature, top_k=40, top_p=0.95, min_p=0.0, seed=3,
-                            json_tool_calls=[WEATHER, TIME])
-    host, device = (Sampler(params, constraint=ToolCallConstraint(tokenizer, [WEATHER, TIME]))
+                            json_tool_calls=[TIME])  # its arguments: {} only
+    host, device = (Sampler(params, constraint=ToolCallConstraint(tokenizer, [TIME]))
                     for _ in range(2))
     rng = np.random.default_rng(5)
-    whole_rows = 0
+    whole_rows = blocks = 0
     for step in range(150):
         logits = rng.standard_normal(V).astype(np.float32) * 3
-        logits[open_tag] += 30 if step % 40 == 0 else -30
+        logits[open_tag] += 30 if step % 30 == 0 else -30
+        logits[nudged] += 6
         row = HostLogitRow(logits)
-        assert device.sample_candidates(row, V) == host.sample(logits.copy())
+        token = device.sample_candidates(row, V)
+        assert token == host.sample(logits.copy())
         whole_rows += row.num_whole_copies
-    assert 0 < whole_rows < 150  # inside blocks only
+        blocks += token == close_tag
+    assert blocks >= 3 and 10 < whole_rows < 140  # the whole row inside blocks only
