@@ -127,7 +127,7 @@ def test_sampled_calls_parse(tokenizer, temperature):
     for seed in range(6):
         rng = np.random.default_rng(seed)
         sampler = Sampler(SamplingParams(temperature=temperature, top_k=0, top_p=1.0,
-                                         min_p=0.0, seed=seed, json_tool_calls=[WEATHER, TIME]),
+                                         min_p=0.0, seed=seed, held_tool_calls=[WEATHER, TIME]),
                           constraint=ToolCallConstraint(tokenizer, [WEATHER, TIME]))
         tokens = []
         for step in range(300):
@@ -147,10 +147,10 @@ def test_sampled_calls_parse(tokenizer, temperature):
 
 
 def test_params_check_the_functions():
-    with pytest.raises(RequestError, match="json_tool_calls"):
-        SamplingParams(json_tool_calls=[{"parameters": {}}])
+    with pytest.raises(RequestError, match="held_tool_calls"):
+        SamplingParams(held_tool_calls=[{"parameters": {}}])
     with pytest.raises(RequestError, match="exclude each other"):
-        SamplingParams(json_object=True, json_tool_calls=[TIME])
+        SamplingParams(json_object=True, held_tool_calls=[TIME])
     assert call_schema([TIME])["properties"]["arguments"] == dict(TIME["parameters"],
                                                                   additionalProperties=False)
     open_params = {"type": "object", "properties": {}, "additionalProperties": True}
@@ -170,7 +170,7 @@ def test_device_rows_give_the_host_rows_tokens(tokenizer, temperature):
     open_tag, close_tag = tokenizer.token_id("<tool_call>"), tokenizer.token_id("</tool_call>")
     nudged = [tokenizer.token_id(t) for t in ("{", "}", '"', ":")] + [close_tag]
     params = SamplingParams(temperature=temperature, top_k=40, top_p=0.95, min_p=0.0, seed=3,
-                            json_tool_calls=[TIME])  # its arguments: {} only
+                            held_tool_calls=[TIME])  # its arguments: {} only
     host, device = (Sampler(params, constraint=ToolCallConstraint(tokenizer, [TIME]))
                     for _ in range(2))
     rng = np.random.default_rng(5)
@@ -185,3 +185,67 @@ def test_device_rows_give_the_host_rows_tokens(tokenizer, temperature):
         whole_rows += row.num_whole_copies
         blocks += token == close_tag
     assert blocks >= 3 and 10 < whole_rows < 140  # the whole row inside blocks only
+
+
+XML_CALL = ("\n<function=get_weather>\n<parameter=city>\nParis < Rome\n</parameter>\n"
+            "</function>\n</tool_call>")
+
+
+def test_an_xml_call_between_free_text(tokenizer):
+    c = ToolCallConstraint(tokenizer, [WEATHER, TIME], xml=True)
+    assert feed(c, ids(tokenizer, "Checking. <tool_call>"))
+    assert not c.is_free
+    assert feed(c, ids(tokenizer, XML_CALL))
+    assert c.is_free
+    assert feed(c, ids(tokenizer, " then <tool_call><function=get_time></function></tool_call>"))
+    assert c.is_free
+
+
+@pytest.mark.parametrize("body", [
+    "<function=get_wether>",                                           # not declared
+    "<function=get_weather>\n</function>",                             # city is required
+    "<function=get_weather><parameter=town>x</parameter>",             # not a parameter of it
+    "<function=get_weather><parameter=city>a</parameter><parameter=city>",  # twice
+    "<function=get_weather> text",
+    '{"name": "get_time", "arguments": {}}',                           # the other form
+    "<function=get_time></function> x</tool_call>",
+])
+def test_refused_xml_calls(tokenizer, body):
+    c = ToolCallConstraint(tokenizer, [WEATHER, TIME], xml=True)
+    assert feed(c, ids(tokenizer, "<tool_call>"))
+    assert not feed(c, ids(tokenizer, body) + ids(tokenizer, "</tool_call>"))
+
+
+def test_xml_candidates_and_a_scripted_call(tokenizer):
+    """candidates() holds every allowed token inside an XML block; logits that favour a valid
+    call's tokens one by one give exactly that call (the constraint never blocks it)."""
+    V = tokenizer.vocab_size
+    c = ToolCallConstraint(tokenizer, [WEATHER, TIME], xml=True)
+    for text in ("<tool_call>", "\n<function=get_", "weather>\n<param", "eter=city>Oslo",
+                 "</parameter>\n"):
+        feed(c, ids(tokenizer, text))
+        allowed = {t for t in range(V) if c.allows(t)}
+        assert allowed and allowed <= set(c.candidates().tolist()), text
+    script = ids(tokenizer, "Sure. <tool_call>" + XML_CALL + " Done.")
+    sampler = Sampler(SamplingParams(temperature=0.0, held_tool_calls=[WEATHER, TIME],
+                                     tool_call_form="xml"),
+                      constraint=ToolCallConstraint(tokenizer, [WEATHER, TIME], xml=True))
+    rng = np.random.default_rng(0)
+    for want in script:
+        logits = rng.standard_normal(V).astype(np.float32)
+        logits[want] += 10
+        assert sampler.sample(logits) == want
+    parser = OutputParser(parse_tools=True, param_types={"get_weather": {"city": "string"}})
+    calls = [e for e in parser.feed(tokenizer.decode(script)) if isinstance(e, ToolCall)]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris < Rome"})]
+
+
+def test_the_prompt_decides_the_form():
+    from strata.server.prompting import tool_call_form
+
+    assert tool_call_form("no tools here") is None
+    assert tool_call_form('...<tool_call>\n{"name": <function name>, ...}') == "json"
+    assert tool_call_form("...<tool_call>\n<function=example>\n<parameter=x>") == "xml"
+    with pytest.raises(RequestError, match="tool_call_form"):
+        SamplingParams(held_tool_calls=[TIME], tool_call_form="yaml")

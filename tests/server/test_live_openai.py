@@ -345,7 +345,7 @@ def test_tool_calls_are_held_to_json(client, reference):
                                  enable_thinking=False)
     events = list(reference.generate(tok.encode(text, add_special=False), SamplingParams(
         temperature=0, max_tokens=80, logit_bias=bias,
-        json_tool_calls=[WEATHER_TOOL["function"]])))
+        held_tool_calls=[WEATHER_TOOL["function"]])))
     _, _, calls, _ = parse_complete("".join(e.text for e in events), parse_tools=True)
     served = reply.choices[0].message.tool_calls or []
     assert calls and [(c.function.name, json.loads(c.function.arguments)) for c in served] == [

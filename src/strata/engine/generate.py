@@ -145,8 +145,9 @@ class TokenDecoder:
                 tokenizer, set(params.stop_token_ids) | tokenizer.stop_ids,
                 starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens),
                 schema=params.json_schema)
-        elif params.json_tool_calls:
-            constraint = ToolCallConstraint(tokenizer, params.json_tool_calls)
+        elif params.held_tool_calls:
+            constraint = ToolCallConstraint(tokenizer, params.held_tool_calls,
+                                            xml=params.tool_call_form == "xml")
         self._sampler = Sampler(params, prompt_tokens=prompt_tokens, constraint=constraint)
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

@@ -35,9 +35,11 @@ class SamplingParams:
     # json_schema: that object also follows this JSON schema, as engine/json_schema.py holds it
     json_object: bool = False
     json_schema: dict | None = None
-    # each <tool_call> block a JSON call of one of these functions ({"name", "parameters"}):
-    # engine/tool_call_constraint.py (the server sets it for templates with JSON calls)
-    json_tool_calls: list[dict] | None = None
+    # each <tool_call> block a call of one of these functions ({"name", "parameters"}), in the
+    # form tool_call_form says ("json": Qwen's, "xml": Qwen3-Coder's <function=...>):
+    # engine/tool_call_constraint.py (the server sets both from the chat template)
+    held_tool_calls: list[dict] | None = None
+    tool_call_form: str = "json"
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -45,14 +47,17 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check_logit_bias()
-        if self.json_tool_calls is not None:
-            if not isinstance(self.json_tool_calls, list) or not all(
+        if self.held_tool_calls is not None:
+            if not isinstance(self.held_tool_calls, list) or not all(
                     isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]
-                    for f in self.json_tool_calls) or not self.json_tool_calls:
-                raise RequestError(f"json_tool_calls = {self.json_tool_calls!r} is invalid: it "
+                    for f in self.held_tool_calls) or not self.held_tool_calls:
+                raise RequestError(f"held_tool_calls = {self.held_tool_calls!r} is invalid: it "
                                    "must be a non-empty list of functions with a 'name'")
+            if self.tool_call_form not in ("json", "xml"):
+                raise RequestError(f"tool_call_form = {self.tool_call_form!r} is invalid: it "
+                                   "must be 'json' or 'xml'")
             if self.json_object:
-                raise RequestError("json_object and json_tool_calls exclude each other: an "
+                raise RequestError("json_object and held_tool_calls exclude each other: an "
                                    "answer is either one JSON object or text with tool calls")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, dict):

@@ -1,10 +1,13 @@
-"""Tool calls held to JSON while the model writes them: outside a `<tool_call>` block anything
-goes; inside one, the block is `{"name": <a declared function>, "arguments": {...}}` (Qwen's
-JSON call form, as the chat template asks), whitespace around it, then `</tool_call>`. With one
-function its `parameters` schema holds the arguments too (json_schema.py says what is held),
-only its declared parameters unless it sets `additionalProperties` itself.
-Only for templates whose calls are JSON: Qwen3-Coder's XML `<function=...>` form is not held
-(server/prompting.py decides)."""
+"""Tool calls held while the model writes them: outside a `<tool_call>` block anything goes;
+inside one, the block is a call of a declared function in the form the chat template asks
+(server/prompting.py decides which), then `</tool_call>`:
+- JSON (Qwen's form): `{"name": <a declared function>, "arguments": {...}}` with whitespace
+  around it. With one function its `parameters` schema holds the arguments too (json_schema.py
+  says what is held), only its declared parameters unless it sets `additionalProperties`.
+- XML (Qwen3-Coder's form): `<function=NAME>`, then `<parameter=KEY>VALUE</parameter>` for
+  declared parameters of that function (each once; the required ones before
+  `</function>`), whitespace between them; a VALUE is free text up to its `</parameter>`.
+  A function that declares no parameters takes any keys."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,15 +63,155 @@ class _Call:
         return len(data) + 1
 
 
+_WS = b" \t\n\r"
+FUNCTION_OPEN, FUNCTION_CLOSE = b"<function=", b"</function>"
+PARAMETER_OPEN, PARAMETER_CLOSE = b"<parameter=", b"</parameter>"
+MAX_XML_WHITESPACE = 4  # between two elements of an XML call
+
+
+class _XmlCall:
+    """One XML block being read (Qwen3-Coder): the same feed() as _Call."""
+
+    __slots__ = ("functions", "state", "literals", "at", "name", "key", "seen", "ws", "value")
+
+    def __init__(self, functions: dict[bytes, tuple[frozenset, frozenset | None]]):
+        self.functions = functions  # name -> (required keys, declared keys or None: any)
+        self.state = "open"         # which part is read next (see _step)
+        self.literals = (FUNCTION_OPEN,)  # what the bytes being matched may become
+        self.at = 0                 # bytes of it matched
+        self.name = b""             # the function's name, read so far
+        self.key = b""              # the parameter's key, read so far
+        self.seen = frozenset()     # the parameters written
+        self.ws = 0                 # whitespace bytes in a row
+        self.value = b""            # the value's last bytes (its closing tag may be coming)
+
+    def copy(self) -> "_XmlCall":
+        other = _XmlCall.__new__(_XmlCall)
+        for name in _XmlCall.__slots__:
+            setattr(other, name, getattr(self, name))
+        return other
+
+    def feed(self, data: bytes) -> int:
+        for i, c in enumerate(data):
+            done = self._step(c)
+            if done < 0:
+                return -1
+            if done:
+                return i + 1
+        return len(data) + 1
+
+    def _literal(self, c: int) -> int:
+        """Match the next byte of one of `literals`: 0 partway, 1 one matched whole, -1 none."""
+        at = self.at
+        left = tuple(lit for lit in self.literals if len(lit) > at and lit[at] == c)
+        if not left:
+            return -1
+        self.literals, self.at = left, at + 1
+        return 1 if len(left) == 1 and len(left[0]) == at + 1 else 0
+
+    def _space(self, c: int) -> bool:
+        if self.at == 0 and c in _WS and self.ws < MAX_XML_WHITESPACE:
+            self.ws += 1
+            return True
+        return False
+
+    def _step(self, c: int) -> int:
+        """0 to go on, 1 when the block closed, -1 refused."""
+        state = self.state
+        if state in ("name", "key"):
+            return self._read_name(c, state)
+        if state == "value":
+            self.value = (self.value + bytes((c,)))[-len(PARAMETER_CLOSE):]
+            if self.value == PARAMETER_CLOSE:
+                self._expect("body", self._body_literals())
+            return 0
+        if self._space(c):
+            return 0
+        got = self._literal(c)
+        if got <= 0:
+            return got
+        lit = self.literals[0]
+        if lit == FUNCTION_OPEN:
+            self.state, self.name = "name", b""
+        elif lit == PARAMETER_OPEN:
+            self.state, self.key = "key", b""
+        elif lit == FUNCTION_CLOSE:
+            self._expect("close", (TOOL_CLOSE,))
+        elif lit == TOOL_CLOSE:
+            return 1
+        return 0
+
+    def _read_name(self, c: int, state: str) -> int:
+        sofar = self.name if state == "name" else self.key
+        if state == "name":
+            choices = self.functions
+        else:
+            choices = self.functions[self.name][1]
+        if c == ord(">"):
+            if choices is None:
+                ok = bool(sofar) and sofar not in self.seen
+            else:
+                ok = sofar in choices and (state == "name" or sofar not in self.seen)
+            if not ok:
+                return -1
+            if state == "name":
+                self._expect("body", self._body_literals())
+            else:
+                self.seen = self.seen | {sofar}
+                self.state, self.value = "value", b""
+            return 0
+        if c in b"\n<>":
+            return -1
+        sofar += bytes((c,))
+        if choices is not None and not any(k.startswith(sofar) for k in choices):
+            return -1
+        if state == "name":
+            self.name = sofar
+        else:
+            self.key = sofar
+        return 0
+
+    def _body_literals(self) -> tuple:
+        required, declared = self.functions[self.name]
+        out = ()
+        if declared is None or any(k not in self.seen for k in declared):
+            out += (PARAMETER_OPEN,)
+        if required <= self.seen:
+            out += (FUNCTION_CLOSE,)
+        return out
+
+    def _expect(self, state: str, literals: tuple) -> None:
+        self.state, self.literals, self.at, self.ws = state, literals, 0, 0
+
+
+def _xml_functions(functions: list[dict]) -> dict[bytes, tuple[frozenset, frozenset | None]]:
+    out = {}
+    for f in functions:
+        params = f.get("parameters") if isinstance(f.get("parameters"), dict) else {}
+        props = params.get("properties")
+        declared = (frozenset(k.encode() for k in props)
+                    if isinstance(props, dict) and props else None)
+        required = params.get("required") if isinstance(params.get("required"), list) else []
+        out[f["name"].encode()] = (frozenset(k.encode() for k in required if isinstance(k, str)),
+                                   declared)
+    return out
+
+
 class ToolCallConstraint:
     """The sampler's constraint (allows / push / candidates, as JsonObjectConstraint) for a
-    request whose tool calls are held: free text, and each `<tool_call>` block a valid call."""
+    request whose tool calls are held: free text, and each `<tool_call>` block a valid call,
+    JSON or (`xml`) Qwen3-Coder's form."""
 
-    def __init__(self, tokenizer, functions: list[dict]):
+    def __init__(self, tokenizer, functions: list[dict], xml: bool = False):
         self._tokenizer = tokenizer
         self._special = tokenizer.special_ids
         self._added = tokenizer.added_ids  # tags: none inside a block but its closing one
-        self._root = compile_schema(call_schema(functions))
+        if xml:
+            table = _xml_functions(functions)
+            self._new_call = lambda: _XmlCall(table)
+        else:
+            root = compile_schema(call_schema(functions))
+            self._new_call = lambda: _Call(root)
         self.call: _Call | None = None  # the block being written, None outside one
         self._tail = b""                # the text's last bytes: an opening tag may span tokens
 
@@ -84,7 +227,7 @@ class ToolCallConstraint:
                 if at < 0:
                     return None, text[-(len(TOOL_OPEN) - 1):], 0
                 data = text[at + len(TOOL_OPEN):]
-                call, tail = _Call(self._root), b""
+                call, tail = self._new_call(), b""
                 continue
             used = call.feed(data)
             if used < 0:
@@ -117,7 +260,7 @@ class ToolCallConstraint:
             return
         self.call, self._tail, status = self._after(data)
         if status < 0:  # a token `allows` did not see (a whole tag in one text token)
-            self.call = _Call(self._root)
+            self.call = self._new_call()
 
     def candidates(self) -> np.ndarray:
         """Ids that may pass `allows` (a superset): outside a block every id; inside, those
@@ -126,7 +269,9 @@ class ToolCallConstraint:
         if self.call is None:
             return np.arange(first.shape[0])
         call = self.call
-        if not call.json.is_done:
+        if isinstance(call, _XmlCall):
+            ok = np.array([call.copy()._step(b) >= 0 for b in range(256)])
+        elif not call.json.is_done:
             ok = call.json.first_bytes()
         else:
             ok = np.zeros(256, dtype=bool)

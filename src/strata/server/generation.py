@@ -89,7 +89,8 @@ class GenerationRoutes:
         self.check_model(req.model)
         prompt = build_chat_prompt(engine, req)
         check_prompt_fits(len(prompt.tokens), engine.n_ctx)
-        req.options.json_tool_calls = prompt.json_tool_calls
+        req.options.held_tool_calls = prompt.held_tool_calls
+        req.options.tool_call_form = prompt.tool_call_form
         job = self._submit(prompt.tokens, req.options, engine)
         parser = OutputParser(starts_in_reasoning=prompt.starts_in_reasoning,
                               parse_tools=prompt.is_tool_parsing,

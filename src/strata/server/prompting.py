@@ -22,7 +22,8 @@ class ChatPrompt:
     is_tool_parsing: bool
     starts_in_reasoning: bool
     param_types: dict[str, dict[str, str]]
-    json_tool_calls: list[dict] | None = None  # the functions whose calls are held to JSON
+    held_tool_calls: list[dict] | None = None  # the functions whose calls are held
+    tool_call_form: str = "json"  # "json" (Qwen) or "xml" (Qwen3-Coder's <function=...>)
 
 
 def _instructions(req: ChatRequest) -> list[str]:
@@ -85,13 +86,21 @@ def build_chat_prompt(engine, req: ChatRequest) -> ChatPrompt:
                       f"{exc}).", "messages", "template_error") from None
     # The template writes BOS itself where the model wants one.
     tokens = engine.tokenize(text, add_special=False)
-    # Calls are held to JSON where the template asks for JSON calls: it names <tool_call> and
-    # not Qwen3-Coder's XML form (<function=...>).
-    is_json_calls = bool(tools) and TOOL_OPEN in text and "<function=" not in text
+    form = tool_call_form(text) if tools else None
     return ChatPrompt(tokens=tokens, text=text, is_tool_parsing=bool(tools),
                       starts_in_reasoning=prompt_opens_reasoning(text),
                       param_types=_param_types(tools or []),
-                      json_tool_calls=[t["function"] for t in tools] if is_json_calls else None)
+                      held_tool_calls=[t["function"] for t in tools] if form else None,
+                      tool_call_form=form or "json")
+
+
+def tool_call_form(prompt_text: str) -> str | None:
+    """How the rendered prompt (its template's tool instructions) asks for calls: "xml" where
+    it shows Qwen3-Coder's `<function=...>` form, "json" where it names `<tool_call>` only, None
+    where it names neither (calls are then not held)."""
+    if TOOL_OPEN not in prompt_text:
+        return None
+    return "xml" if "<function=" in prompt_text else "json"
 
 
 def completion_prompt_tokens(engine, prompt: str | list[int]) -> list[int]:
@@ -128,7 +137,8 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
     fields = {"max_tokens": max_tokens, "stop": list(options.stop), "seed": options.seed,
               "ignore_eos": options.is_eos_ignored, "logit_bias": dict(options.logit_bias),
               "json_object": options.json_object, "json_schema": options.json_schema,
-              "json_tool_calls": options.json_tool_calls}
+              "held_tool_calls": options.held_tool_calls,
+              "tool_call_form": options.tool_call_form}
     if options.temperature is not None and options.temperature < MIN_TEMPERATURE:
         # As vLLM does: a temperature this close to 0 is greedy (dividing logits by a tiny or
         # denormal value overflows to inf and the draw has nothing left to pick from).

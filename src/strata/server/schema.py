@@ -34,7 +34,8 @@ class GenerationOptions:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
     json_object: bool = False  # the answer held to one JSON object (response_format)
     json_schema: dict | None = None  # ... that follows this schema (json_schema format)
-    json_tool_calls: list[dict] | None = None  # tool calls held to JSON (set by the prompt)
+    held_tool_calls: list[dict] | None = None  # the functions of held tool calls (the prompt
+    tool_call_form: str = "json"                # sets both: json or xml, as its template asks)
 
 
 @dataclass
