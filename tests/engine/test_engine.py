@@ -86,7 +86,7 @@ def test_stop_string_split_across_tokens(engine):
     stop = pieces[i][-1] + pieces[i + 1][0]
     expected = free.text[:free.text.find(stop)]
     events = list(engine.generate(prompt, SamplingParams(max_tokens=24, stop=[stop], **GREEDY)))
-    assert events[-1].finish_reason == "stop"
+    assert events[-1].finish_reason == "stop" and events[-1].stop_string == stop
     assert all(ev.finish_reason is None for ev in events[:-1])
     assert "".join(ev.text for ev in events) == expected
     assert len(events) <= i + 2

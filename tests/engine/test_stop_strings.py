@@ -37,7 +37,7 @@ def test_stop_split_across_pieces_is_held_back_then_dropped():
 def test_false_start_is_released():
     m = StopStringMatcher(["END"])
     assert feed(m, ["x E", "NX", "y"]) == ["x ", "ENX", "y"]
-    assert not m.is_stopped
+    assert not m.is_stopped and m.matched is None
 
 
 def test_held_text_is_flushed_at_the_end():
@@ -50,7 +50,7 @@ def test_earliest_of_several_stop_strings_wins():
     m = StopStringMatcher(["world", "lo w"])
     # "l" may start "lo w": held; then "lo w" is found before "world" could complete.
     assert feed(m, ["hel", "lo wor", "ld"]) == ["he", "l"]
-    assert m.is_stopped
+    assert m.is_stopped and m.matched == "lo w"
 
 
 def test_holds_the_longest_possible_prefix():
@@ -58,7 +58,7 @@ def test_holds_the_longest_possible_prefix():
     # "abc" could start "abcd"; "c" could start "cx": the longer hold wins.
     assert feed(m, ["zzabc"]) == ["zz"]
     assert feed(m, ["x"]) == ["ab"]  # "abcx" contains "cx": cut before it
-    assert m.is_stopped
+    assert m.is_stopped and m.matched == "cx"
 
 
 @pytest.mark.parametrize("split", range(1, 11))

@@ -64,6 +64,7 @@ class GenerationEvent:
     text: str
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    stop_string: str | None = None  # on the last event: the stop string that ended it, if one
 
 
 @dataclass
@@ -95,6 +96,7 @@ class StopStringMatcher:
         self.stop = [s for s in stop if s]
         self._held = ""
         self.is_stopped = False
+        self.matched: str | None = None  # the stop string found (the earliest in the text)
 
     def push(self, text: str) -> str:
         """Feed new text; returns what is now safe to emit."""
@@ -103,11 +105,12 @@ class StopStringMatcher:
         if not self.stop:
             return text
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stop) if i >= 0]
         if hits:
             self.is_stopped = True
             self._held = ""
-            return buf[: min(hits)]
+            first, self.matched = min(hits, key=lambda hit: hit[0])
+            return buf[:first]
         keep = self._longest_partial_suffix(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep]
@@ -181,16 +184,17 @@ class TokenDecoder:
         stats.decode_seconds += time.perf_counter() - t0
         stats.num_generated_tokens += 1
         if token in self._stop_ids:
-            return GenerationEvent(token, self._tail_text(), FINISH_STOP, stats)
+            return GenerationEvent(token, self._tail_text(), FINISH_STOP, stats,
+                                   self._matcher.matched)
         text = self._matcher.push(self._detok.push(token))
         if self._matcher.is_stopped:
-            return GenerationEvent(token, text, FINISH_STOP, stats)
+            return GenerationEvent(token, text, FINISH_STOP, stats, self._matcher.matched)
         if stats.num_generated_tokens < self.params.max_tokens and has_room:
             return GenerationEvent(token, text)
         # max_tokens reached, or the context is full so the token cannot be read back.
         text += self._tail_text()
         finish = FINISH_STOP if self._matcher.is_stopped else FINISH_LENGTH
-        return GenerationEvent(token, text, finish, stats)
+        return GenerationEvent(token, text, finish, stats, self._matcher.matched)
 
     def _tail_text(self) -> str:
         # Held-back bytes and held-back text are final now: release what is not a stop.
