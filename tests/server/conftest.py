@@ -6,8 +6,10 @@ import pytest
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
+from strata.engine.sampling import SamplingParams
 from strata.server.app import ServerConfig, create_app
 from strata.server.command import create_wsgi_server
+from strata.server.output_parser import parse_complete
 
 N_CTX_TOKENS = 512
 API_KEY = "sk-test-key-0123456789"
@@ -85,3 +87,27 @@ def live_long(model_path):
     server = start_live_server(engine, ServerConfig(model_id="tiny-server", keepalive_s=0.02))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    """A second engine on the same file: what the server must reproduce."""
+    engine = new_engine(model_path)
+    yield engine
+    engine.close()
+
+
+def reference_chat(engine, messages, max_tokens, tools=None, *, prefill="",
+                   template_kwargs=None, **params):
+    """What a server must answer: the template's rendering (plus `prefill`), generated greedy
+    (and with `params`) by the engine itself: (tokens, content, reasoning, number of tokens
+    generated, finish reason)."""
+    engine.reset()
+    text = engine.render_chat(messages, tools=tools, add_generation_prompt=True,
+                              **(template_kwargs or {})) + prefill
+    tokens = engine.tokenize(text, add_special=False)
+    events = list(engine.generate(tokens, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                         **params)))
+    content, reasoning, calls, _ = parse_complete("".join(e.text for e in events),
+                                                  parse_tools=bool(tools))
+    return tokens, content, reasoning, len(events), events[-1].finish_reason

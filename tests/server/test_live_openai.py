@@ -8,7 +8,7 @@ import pytest
 from strata.engine.sampling import SamplingParams
 from strata.server.output_parser import parse_complete
 
-from conftest import API_KEY, new_engine
+from conftest import API_KEY, reference_chat
 
 MODEL_ID = "tiny-server"
 WEATHER_TOOL = {"type": "function", "function": {
@@ -21,24 +21,6 @@ WEATHER_TOOL = {"type": "function", "function": {
 def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
                          timeout=60)
-
-
-@pytest.fixture(scope="module")
-def reference(model_path):
-    """A second engine on the same file: what the server must reproduce."""
-    engine = new_engine(model_path)
-    yield engine
-    engine.close()
-
-
-def reference_chat(engine, messages, max_tokens, tools=None):
-    engine.reset()
-    text = engine.render_chat(messages, tools=tools, add_generation_prompt=True)
-    tokens = engine.tokenize(text, add_special=False)
-    events = list(engine.generate(tokens, SamplingParams(temperature=0, max_tokens=max_tokens)))
-    content, reasoning, calls, _ = parse_complete("".join(e.text for e in events),
-                                                  parse_tools=bool(tools))
-    return tokens, content, reasoning, len(events), events[-1].finish_reason
 
 
 def test_models(client):

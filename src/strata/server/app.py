@@ -1,18 +1,22 @@
-"""The Flask app factory: routes, API-key check, OpenAI-style errors for every failure, metrics.
-One engine thread (the worker) runs the model; request threads queue jobs and stream events."""
+"""The Flask app factory: routes, API-key check, errors for every failure (OpenAI's shape, or
+Anthropic's under /v1/messages), metrics. One engine thread (the worker) runs the model; request
+threads queue jobs and stream events."""
 from __future__ import annotations
 
 import hmac
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from strata.server.anthropic_format import error_body as anthropic_error_body
 from strata.server.api_error import ApiError
 from strata.server.generation import GenerationRoutes
+from strata.server.messages import MessagesRoutes, is_messages_path
 from strata.server.metrics import ServerMetrics
 from strata.server.worker import EngineWorker
 
@@ -52,7 +56,8 @@ class ServerState:
 
 _STATUS_TEXT = {
     404: ("not_found", "Unknown endpoint {method} {path}; this server serves "
-          "/v1/chat/completions, /v1/completions, /v1/models, /health and /metrics."),
+          "/v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens, "
+          "/v1/models, /health and /metrics."),
     405: ("method_not_allowed", "{method} is not allowed on {path}; see the OpenAI API for the "
           "method this endpoint takes."),
     413: ("request_too_large", "The request body is larger than {limit} KiB; send a smaller "
@@ -74,20 +79,28 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     app.json.sort_keys = False
     app.extensions["strata"] = state
     routes = GenerationRoutes(state)
+    messages = MessagesRoutes(state)
 
     @app.before_request
     def check_api_key():
         if config.api_key is None or request.path == "/health":
             return None
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode("utf-8", "surrogateescape"),
-                config.api_key.encode("utf-8")):
+        # OpenAI's clients send a bearer token, Anthropic's an x-api-key header
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"),
+                                   config.api_key.encode("utf-8")):
             raise ApiError(401, "Missing or wrong API key: send the header "
-                           "'Authorization: Bearer KEY' with the key the server was started "
-                           "with.", code="invalid_api_key")
+                           "'Authorization: Bearer KEY' (or 'x-api-key: KEY') with the key the "
+                           "server was started with.", code="invalid_api_key")
         return None
+
+    def error_response(err: ApiError) -> Response:
+        body = anthropic_error_body(err) if is_messages_path(request.path) else err.body()
+        response = jsonify(body)
+        response.status_code = err.status
+        return response
 
     @app.after_request
     def count(response: Response) -> Response:
@@ -96,16 +109,14 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
 
     @app.errorhandler(ApiError)
     def api_error(exc: ApiError):
-        return jsonify(exc.body()), exc.status
+        return error_response(exc)
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
         code, text = _STATUS_TEXT.get(exc.code, ("invalid_request", "{description}"))
         message = text.format(method=request.method, path=request.path,
                               limit=config.max_body_kib, description=exc.description)
-        err = ApiError(exc.code or 400, message, code=code)
-        response = jsonify(err.body())
-        response.status_code = err.status
+        response = error_response(ApiError(exc.code or 400, message, code=code))
         if exc.code == 405:
             response.headers["Allow"] = ", ".join(getattr(exc, "valid_methods", None) or [])
         return response
@@ -113,9 +124,8 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     @app.errorhandler(Exception)
     def unexpected(exc: Exception):
         log.exception("unexpected error on %s %s", request.method, request.path)
-        err = ApiError(500, "The server failed on this request; its log has the details.",
-                       code="internal_error")
-        return jsonify(err.body()), 500
+        return error_response(ApiError(500, "The server failed on this request; its log has "
+                                       "the details.", code="internal_error"))
 
     @app.get("/health")
     def health():
@@ -131,7 +141,10 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
 
     @app.get("/v1/models")
     def list_models():
-        return jsonify({"object": "list", "data": [_model_card(state)]})
+        card = _model_card(state)
+        # OpenAI's list, with the fields Anthropic's clients read beside it
+        return jsonify({"object": "list", "data": [card], "has_more": False,
+                        "first_id": card["id"], "last_id": card["id"]})
 
     @app.get("/v1/models/<path:model>")
     def get_model(model: str):
@@ -140,10 +153,20 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
 
     app.add_url_rule("/v1/chat/completions", "chat", routes.chat, methods=["POST"])
     app.add_url_rule("/v1/completions", "completions", routes.completions, methods=["POST"])
+    app.add_url_rule("/v1/messages", "messages", messages.messages, methods=["POST"])
+    app.add_url_rule("/v1/messages/count_tokens", "count_tokens", messages.count_tokens,
+                     methods=["POST"])
     worker.start()
     return app
 
 
 def _model_card(state: ServerState) -> dict:
-    return {"id": state.model_id, "object": "model", "created": state.created,
-            "owned_by": "strata"}
+    """OpenAI's model object, with Anthropic's fields (type, display_name, created_at and, once
+    the model is loaded, the context as max_input_tokens / max_tokens)."""
+    created_at = datetime.fromtimestamp(state.created, timezone.utc)
+    card = {"id": state.model_id, "object": "model", "created": state.created,
+            "owned_by": "strata", "type": "model", "display_name": state.model_id,
+            "created_at": created_at.isoformat().replace("+00:00", "Z")}
+    if state.worker.state == "ok":
+        card["max_input_tokens"] = card["max_tokens"] = state.worker.engine.n_ctx
+    return card

@@ -30,6 +30,7 @@ class Outcome:
     engine_finish: str | None = None
     is_call_cut: bool = False
     tool_calls: list = field(default_factory=list)
+    stop_string: str | None = None  # the stop string that ended the output, if one did
 
     def finish_reason(self, num_tool_calls: int) -> str:
         if self.engine_finish == "length" or self.engine_finish is None:
@@ -121,6 +122,7 @@ class GenerationRoutes:
         out = parser.feed(event.text)
         if event.finish_reason is not None:
             outcome.engine_finish = event.finish_reason
+            outcome.stop_string = event.stop_string
             outcome.is_call_cut = parser.is_inside_tool_call
             out += parser.finish()
         return out

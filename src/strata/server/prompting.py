@@ -78,7 +78,7 @@ def build_chat_prompt(engine, req: ChatRequest) -> ChatPrompt:
     messages = _with_system_note(req.messages, _instructions(req))
     try:
         text = engine.render_chat(messages, tools=tools, add_generation_prompt=True,
-                                  **req.chat_template_kwargs)
+                                  **req.chat_template_kwargs) + req.assistant_prefill
     except RequestError as exc:
         raise invalid(str(exc), "messages", "template_error") from None
     except Exception as exc:  # noqa: BLE001 - a template that breaks on some input is a 400

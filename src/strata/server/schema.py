@@ -47,6 +47,7 @@ class ChatRequest:
     tool_choice: str | dict = "auto"
     response_format: dict | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
+    assistant_prefill: str = ""  # the answer continues this text (Anthropic's last assistant turn)
 
 
 @dataclass
@@ -147,6 +148,19 @@ def _object(body: dict, key: str, *, param: str | None = None) -> dict | None:
     return value
 
 
+def _objects(value: Any, param: str) -> list[tuple[str, dict]]:
+    """The items of an array of objects, each with its name for errors (`param[i]`)."""
+    if not isinstance(value, list):
+        raise _wrong_type(param, value, "an array")
+    out = []
+    for i, item in enumerate(value):
+        where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise _wrong_type(where, item, "an object")
+        out.append((where, item))
+    return out
+
+
 def _logit_bias(body: dict) -> dict[int, float]:
     """OpenAI's `logit_bias`: an object of token ids (as strings, JSON's keys) to numbers in
     [-100, 100]; whether each id is in the model's vocabulary is checked at submission."""
@@ -234,13 +248,8 @@ def _content_text(content: Any, param: str) -> str | None:
 
 def _tool_calls(calls: Any, param: str) -> list[dict]:
     """Assistant tool calls in the template's form (arguments decoded to an object)."""
-    if not isinstance(calls, list):
-        raise _wrong_type(param, calls, "an array")
     out = []
-    for i, call in enumerate(calls):
-        where = f"{param}[{i}]"
-        if not isinstance(call, dict):
-            raise _wrong_type(where, call, "an object")
+    for i, (where, call) in enumerate(_objects(calls, param)):
         function = call.get("function")
         if not isinstance(function, dict):
             raise _wrong_type(f"{where}.function", function, "an object")
@@ -265,15 +274,11 @@ def parse_messages(messages: Any) -> list[dict]:
     if messages is _MISSING or messages is None:
         raise ApiError(400, "'messages' is required: an array of {role, content} objects.",
                        param="messages", code="missing_required_parameter")
-    if not isinstance(messages, list):
-        raise _wrong_type("messages", messages, "an array")
-    if not messages:
+    items = _objects(messages, "messages")
+    if not items:
         raise invalid("'messages' is empty: send at least one message.", "messages")
     out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _wrong_type(where, message, "an object")
+    for where, message in items:
         role = message.get("role")
         if role not in ROLES:
             raise invalid(f"'{where}.role' is {role!r}; use one of {', '.join(ROLES)}.",
@@ -302,13 +307,8 @@ def parse_messages(messages: Any) -> list[dict]:
 def parse_tools(tools: Any) -> list[dict] | None:
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise _wrong_type("tools", tools, "an array")
     out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise _wrong_type(where, tool, "an object")
+    for where, tool in _objects(tools, "tools"):
         if tool.get("type", "function") != "function":
             raise invalid(f"'{where}.type' is {tool.get('type')!r}; only 'function' tools are "
                           "supported.", f"{where}.type", "unsupported_value")
@@ -366,17 +366,23 @@ def parse_response_format(value: Any) -> dict | None:
     return None if kind == "text" else value
 
 
+def hold_json_answer(options: GenerationOptions, response_format: dict | None,
+                     tools: list[dict] | None, tool_choice: str | dict) -> None:
+    """A JSON response format holds the answer to JSON (and to the schema's structure) unless
+    the model may answer with a tool call instead."""
+    options.json_object = response_format is not None and (not tools or tool_choice == "none")
+    if options.json_object and response_format["type"] == "json_schema":
+        schema = response_format["json_schema"].get("schema", response_format["json_schema"])
+        options.json_schema = schema if isinstance(schema, dict) else None
+
+
 def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     options = parse_options(body, max_tokens_limit)
     tools = parse_tools(body.get("tools"))
     kwargs = _object(body, "chat_template_kwargs") or {}
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
     response_format = parse_response_format(body.get("response_format"))
-    # JSON output is held to JSON's syntax unless the model may answer with a tool call
-    options.json_object = response_format is not None and (not tools or tool_choice == "none")
-    if options.json_object and response_format["type"] == "json_schema":
-        schema = response_format["json_schema"].get("schema", response_format["json_schema"])
-        options.json_schema = schema if isinstance(schema, dict) else None
+    hold_json_answer(options, response_format, tools, tool_choice)
     return ChatRequest(
         model=_string(body, "model"),
         messages=parse_messages(body.get("messages", _MISSING)),
