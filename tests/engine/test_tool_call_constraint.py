@@ -249,3 +249,50 @@ def test_the_prompt_decides_the_form():
     assert tool_call_form("...<tool_call>\n<function=example>\n<parameter=x>") == "xml"
     with pytest.raises(RequestError, match="tool_call_form"):
         SamplingParams(held_tool_calls=[TIME], tool_call_form="yaml")
+
+
+READ = {"name": "read", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "limit": {"type": "integer"}, "ratio": {"type": "number"},
+    "flag": {"type": "boolean"}, "mode": {"enum": ["fast", "slow"]},
+    "opt": {"type": ["integer", "null"]}, "note": {"type": ["string", "null"]},
+    "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["path"]}}
+TYPED_CALL = ("\n<function=read>\n<parameter=path>\na.py\n</parameter>\n<parameter=limit>\n10\n"
+              "</parameter>\n<parameter=ratio>-1.5e3</parameter><parameter=flag>true</parameter>"
+              "<parameter=mode>\nslow\n</parameter><parameter=opt>null</parameter>"
+              "<parameter=note>any text</parameter><parameter=tags>\n[\"a\", \"b\"]  "
+              "</parameter>\n</function>\n</tool_call>")
+
+
+def test_xml_values_are_held_by_their_declared_type(tokenizer):
+    c = ToolCallConstraint(tokenizer, [READ], xml=True)
+    assert feed(c, ids(tokenizer, "<tool_call>" + TYPED_CALL)) and c.is_free
+    parser = OutputParser(parse_tools=True, param_types={"read": {
+        k: v["type"] for k, v in READ["parameters"]["properties"].items()
+        if isinstance(v.get("type"), str)}})
+    calls = [e for e in parser.feed("<tool_call>" + TYPED_CALL) if isinstance(e, ToolCall)]
+    assert json.loads(calls[0].arguments) == {
+        "path": "a.py", "limit": 10, "ratio": -1500.0, "flag": True, "mode": "slow",
+        "opt": None, "note": "any text", "tags": ["a", "b"]}
+
+
+@pytest.mark.parametrize("key,value", [
+    ("limit", "ten"), ("limit", "1.5"), ("limit", "\n\n1"), ("limit", "1 2"), ("limit", ""),
+    ("ratio", "1."), ("flag", "True"), ("flag", "yes"), ("mode", "medium"), ("mode", "fas"),
+    ("opt", "nul"), ("tags", "[1]"), ("tags", '["a"'), ("tags", "a, b"),
+])
+def test_refused_xml_values(tokenizer, key, value):
+    c = ToolCallConstraint(tokenizer, [READ], xml=True)
+    body = (f"<tool_call><function=read><parameter=path>a</parameter><parameter={key}>{value}"
+            "</parameter></function></tool_call>")
+    assert not feed(c, ids(tokenizer, body))
+
+
+@pytest.mark.parametrize("prefix", ["<parameter=limit>", "<parameter=limit>\n1",
+                                    "<parameter=limit>12 ", "<parameter=mode>",
+                                    "<parameter=mode>fa", "<parameter=tags>[\"x\""])
+def test_xml_value_candidates_hold_every_allowed_token(tokenizer, prefix):
+    c = ToolCallConstraint(tokenizer, [READ], xml=True)
+    assert feed(c, ids(tokenizer, "<tool_call><function=read><parameter=path>a</parameter>"))
+    assert feed(c, ids(tokenizer, prefix))
+    allowed = {t for t in range(tokenizer.vocab_size) if c.allows(t)}
+    assert allowed and allowed <= set(c.candidates().tolist())

@@ -47,13 +47,16 @@ NUMBER_ENDS = frozenset((N_ZERO, N_INT, N_FRAC, N_EXP_DIGITS))
 
 class JsonRecognizer:
     """Reads bytes one at a time and says whether they are still a prefix of one JSON object
-    (whitespace around it allowed). `copy()` is cheap, so a token can be tried on a copy."""
+    (whitespace around it allowed). `copy()` is cheap, so a token can be tried on a copy.
+    `is_any_value`: one JSON value of any kind instead of an object, after at most one space or
+    one newline and its indent; it is done at its last byte (a number: at the byte after it,
+    which the step then refuses, leaving the mode DONE)."""
 
     __slots__ = ("stack", "mode", "is_key", "left", "number", "literal", "at", "run")
 
-    def __init__(self):
+    def __init__(self, is_any_value: bool = False):
         self.stack = bytearray()  # the open containers, b"{" or b"["
-        self.mode = START
+        self.mode = VALUE if is_any_value else START
         self.is_key = False       # the string being read is an object's key
         self.left = 0             # hex digits left in a \u escape
         self.number = N_SIGN

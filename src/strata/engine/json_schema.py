@@ -114,12 +114,13 @@ def _compile(schema, root: dict, nodes: dict[int, SchemaNode]) -> SchemaNode:
 
 
 class SchemaRecognizer(JsonRecognizer):
-    """JsonRecognizer that also holds a compiled schema (the root node is the object's)."""
+    """JsonRecognizer that also holds a compiled schema (the root node is the object's, or with
+    `is_any_value` the value's)."""
 
     __slots__ = ("frames", "expect", "buf", "allowed", "int_only")
 
-    def __init__(self, root: SchemaNode):
-        super().__init__()
+    def __init__(self, root: SchemaNode, is_any_value: bool = False):
+        super().__init__(is_any_value)
         self.frames: tuple = ()        # per open container: (node, keys seen)
         self.expect = root             # the node of the next value
         self.buf = b""                 # the string being read, when `allowed` holds it

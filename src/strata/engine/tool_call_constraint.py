@@ -6,13 +6,21 @@ inside one, the block is a call of a declared function in the form the chat temp
   says what is held), only its declared parameters unless it sets `additionalProperties`.
 - XML (Qwen3-Coder's form): `<function=NAME>`, then `<parameter=KEY>VALUE</parameter>` for
   declared parameters of that function (each once; the required ones before
-  `</function>`), whitespace between them; a VALUE is free text up to its `</parameter>`.
-  A function that declares no parameters takes any keys."""
+  `</function>`), whitespace between them. A VALUE is held by the parameter's declared type:
+  a string (or any type, or a type list with a string) is free text up to its `</parameter>`;
+  a string enum is one of its values, as raw text; any other type (integer, number, boolean,
+  null, object, array, or a list of them) is one JSON value of it, as json_schema.py holds
+  it, after at most one newline and before at most 4 whitespace bytes (what
+  server/output_parser reads with json.loads). A function that declares no parameters takes
+  any keys."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
-from strata.engine.json_schema import SchemaRecognizer, compile_schema
+from strata.engine.json_constraint import DONE
+from strata.engine.json_schema import SchemaNode, SchemaRecognizer, _key, compile_schema
 
 TOOL_OPEN, TOOL_CLOSE = b"<tool_call>", b"</tool_call>"
 MAX_TRAILING = 2  # spaces or newlines between the object and </tool_call>
@@ -72,10 +80,13 @@ MAX_XML_WHITESPACE = 4  # between two elements of an XML call
 class _XmlCall:
     """One XML block being read (Qwen3-Coder): the same feed() as _Call."""
 
-    __slots__ = ("functions", "state", "literals", "at", "name", "key", "seen", "ws", "value")
+    __slots__ = ("functions", "state", "literals", "at", "name", "key", "seen", "ws", "value",
+                 "json")
 
-    def __init__(self, functions: dict[bytes, tuple[frozenset, frozenset | None]]):
-        self.functions = functions  # name -> (required keys, declared keys or None: any)
+    def __init__(self, functions: dict[bytes, tuple[frozenset, frozenset | None, dict]]):
+        # name -> (required keys, declared keys or None: any, key -> how its value is held:
+        # absent for free text, a tuple of the raw strings it may be, or a SchemaNode)
+        self.functions = functions
         self.state = "open"         # which part is read next (see _step)
         self.literals = (FUNCTION_OPEN,)  # what the bytes being matched may become
         self.at = 0                 # bytes of it matched
@@ -84,11 +95,14 @@ class _XmlCall:
         self.seen = frozenset()     # the parameters written
         self.ws = 0                 # whitespace bytes in a row
         self.value = b""            # the value's last bytes (its closing tag may be coming)
+        self.json = None            # a typed value's SchemaRecognizer while it is read
 
     def copy(self) -> "_XmlCall":
         other = _XmlCall.__new__(_XmlCall)
         for name in _XmlCall.__slots__:
             setattr(other, name, getattr(self, name))
+        if self.json is not None:
+            other.json = self.json.copy()
         return other
 
     def feed(self, data: bytes) -> int:
@@ -125,13 +139,23 @@ class _XmlCall:
             if self.value == PARAMETER_CLOSE:
                 self._expect("body", self._body_literals())
             return 0
+        if state == "json":
+            if self.json.feed(bytes((c,))):
+                if self.json.is_done:
+                    self._expect("end", (PARAMETER_CLOSE,))
+                return 0
+            if self.json.mode != DONE:  # DONE: a number ended at `c`, read next
+                return -1
+            self._expect("end", (PARAMETER_CLOSE,))
         if self._space(c):
             return 0
         got = self._literal(c)
         if got <= 0:
             return got
         lit = self.literals[0]
-        if lit == FUNCTION_OPEN:
+        if self.state in ("end", "enum"):  # the value and its </parameter> are read
+            self._expect("body", self._body_literals())
+        elif lit == FUNCTION_OPEN:
             self.state, self.name = "name", b""
         elif lit == PARAMETER_OPEN:
             self.state, self.key = "key", b""
@@ -158,7 +182,7 @@ class _XmlCall:
                 self._expect("body", self._body_literals())
             else:
                 self.seen = self.seen | {sofar}
-                self.state, self.value = "value", b""
+                self._start_value(sofar)
             return 0
         if c in b"\n<>":
             return -1
@@ -171,8 +195,18 @@ class _XmlCall:
             self.key = sofar
         return 0
 
+    def _start_value(self, key: bytes) -> None:
+        held = self.functions[self.name][2].get(key)
+        if held is None:
+            self.state, self.value = "value", b""
+        elif isinstance(held, SchemaNode):
+            self.state, self.json = "json", SchemaRecognizer(held, is_any_value=True)
+        else:  # a string enum: one of its values, then the closing tag
+            self._expect("enum", tuple(v + end for v in held
+                                       for end in (PARAMETER_CLOSE, b"\n" + PARAMETER_CLOSE)))
+
     def _body_literals(self) -> tuple:
-        required, declared = self.functions[self.name]
+        required, declared, _ = self.functions[self.name]
         out = ()
         if declared is None or any(k not in self.seen for k in declared):
             out += (PARAMETER_OPEN,)
@@ -184,7 +218,16 @@ class _XmlCall:
         self.state, self.literals, self.at, self.ws = state, literals, 0, 0
 
 
-def _xml_functions(functions: list[dict]) -> dict[bytes, tuple[frozenset, frozenset | None]]:
+def _held_value(node: SchemaNode):
+    """How an XML value of a parameter with this compiled schema is held (see _XmlCall)."""
+    if node.strings is not None:
+        return tuple(json.loads(b'"' + v + b'"').encode() for v in node.strings)
+    if node.types is None or "string" in node.types:
+        return None  # free text: a string can be any text, so any text is a value
+    return node
+
+
+def _xml_functions(functions: list[dict]) -> dict[bytes, tuple]:
     out = {}
     for f in functions:
         params = f.get("parameters") if isinstance(f.get("parameters"), dict) else {}
@@ -192,8 +235,14 @@ def _xml_functions(functions: list[dict]) -> dict[bytes, tuple[frozenset, frozen
         declared = (frozenset(k.encode() for k in props)
                     if isinstance(props, dict) and props else None)
         required = params.get("required") if isinstance(params.get("required"), list) else []
+        root = compile_schema(params)
+        values = {}
+        for key in props if declared else ():
+            held = _held_value(root.properties[_key(key)])
+            if held is not None:
+                values[key.encode()] = held
         out[f["name"].encode()] = (frozenset(k.encode() for k in required if isinstance(k, str)),
-                                   declared)
+                                   declared, values)
     return out
 
 
