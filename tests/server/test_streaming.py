@@ -76,7 +76,9 @@ def test_tool_call_stream():
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": len(pieces),
                                    "total_tokens": 3 + len(pieces),
-                                   "prompt_tokens_details": {"cached_tokens": 1}}
+                                   "prompt_tokens_details": {"cached_tokens": 1},
+                                   # "<think>", "hmm", "</think>"
+                                   "completion_tokens_details": {"reasoning_tokens": 3}}
 
 
 def test_call_cut_by_the_token_limit_is_dropped_and_logged(caplog):

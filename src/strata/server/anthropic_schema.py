@@ -5,18 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from strata.server.api_error import ApiError, invalid
+from strata.server.api_error import ApiError, invalid, missing
 from strata.server.schema import (MAX_STOP_STRINGS, ChatRequest, GenerationOptions, _boolean,
                                   _integer, _logit_bias, _number, _object, _objects,
-                                  _string, _wrong_type, hold_json_answer)
+                                  _string, _wrong_type, flat_function_tool,
+                                  hold_json_answer)
 
 ROLES = ("user", "assistant")
 _MISSING = object()
-
-
-def _missing(param: str, what: str) -> ApiError:
-    return ApiError(400, f"'{param}' is required: {what}.", param=param,
-                    code="missing_required_parameter")
 
 
 def _blocks(content: Any, param: str) -> list[dict]:
@@ -75,7 +71,7 @@ def _user_messages(blocks: list[dict], param: str) -> list[dict]:
             flush_text()
             tool_use_id = _string(block, "tool_use_id", param=f"{where}.tool_use_id")
             if not tool_use_id:
-                raise _missing(f"{where}.tool_use_id", "the id of the tool_use it answers")
+                raise missing(f"{where}.tool_use_id", "the id of the tool_use it answers")
             out.append({"role": "tool", "tool_call_id": tool_use_id,
                         "content": _tool_result_text(block, where)})
         else:
@@ -124,7 +120,7 @@ def parse_anthropic_messages(messages: Any) -> tuple[list[dict], str]:
     """The chat messages, and the text of a last assistant turn the answer continues (a
     prefill; "" when the last turn is the user's)."""
     if messages is _MISSING or messages is None:
-        raise _missing("messages", "an array of {role, content} objects")
+        raise missing("messages", "an array of {role, content} objects")
     items = _objects(messages, "messages")
     if not items:
         raise invalid("'messages' is empty: send at least one message.", "messages")
@@ -136,7 +132,7 @@ def parse_anthropic_messages(messages: Any) -> tuple[list[dict], str]:
                           "prompt goes in the top-level 'system' field).", f"{where}.role")
         content = message.get("content", _MISSING)
         if content is _MISSING or content is None:
-            raise _missing(f"{where}.content", "a string or an array of content blocks")
+            raise missing(f"{where}.content", "a string or an array of content blocks")
         blocks = _blocks(content, f"{where}.content")
         if role == "user":
             out += _user_messages(blocks, f"{where}.content")
@@ -178,18 +174,7 @@ def parse_anthropic_tools(tools: Any) -> list[dict] | None:
             raise invalid(f"'{where}.type' is {tool.get('type')!r}; this server runs no tools "
                           "itself: send client tools ({name, description, input_schema}).",
                           f"{where}.type", "unsupported_value")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise _wrong_type(f"{where}.name", name, "a non-empty string")
-        function = {"name": name}
-        description = _string(tool, "description", param=f"{where}.description")
-        if description is not None:
-            function["description"] = description
-        schema = _object(tool, "input_schema", param=f"{where}.input_schema")
-        if schema is None:
-            raise _missing(f"{where}.input_schema", "the JSON schema of the tool's input")
-        function["parameters"] = schema
-        out.append({"type": "function", "function": function})
+        out.append(flat_function_tool(tool, where, "input_schema", is_schema_required=True))
     return out or None
 
 
@@ -255,7 +240,7 @@ def _output_format(body: dict) -> dict | None:
                       "output_config.format.type")
     schema = _object(fmt, "schema", param="output_config.format.schema")
     if schema is None:
-        raise _missing("output_config.format.schema", "the JSON schema of the answer")
+        raise missing("output_config.format.schema", "the JSON schema of the answer")
     return {"type": "json_schema", "json_schema": {"schema": schema}}
 
 
@@ -268,7 +253,7 @@ def parse_anthropic_request(body: dict, max_tokens_limit: int, *,
     options = GenerationOptions()
     if not is_count_only:
         if body.get("max_tokens") is None:
-            raise _missing("max_tokens", "the most tokens to generate")
+            raise missing("max_tokens", "the most tokens to generate")
         options.max_tokens = min(_integer(body, "max_tokens", 1, 2**31 - 1), max_tokens_limit)
         stop = body.get("stop_sequences") or []
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):

@@ -22,3 +22,9 @@ class ApiError(Exception):
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     """A 400 for a request field the client must change."""
     return ApiError(400, message, param=param, code=code or "invalid_value")
+
+
+def missing(param: str, what: str) -> ApiError:
+    """A 400 for a required field left out; `what` says what it should hold."""
+    return ApiError(400, f"'{param}' is required: {what}.", param=param,
+                    code="missing_required_parameter")

@@ -18,6 +18,7 @@ from strata.server.api_error import ApiError
 from strata.server.generation import GenerationRoutes
 from strata.server.messages import MessagesRoutes, is_messages_path
 from strata.server.metrics import ServerMetrics
+from strata.server.responses_api import ResponsesRoutes
 from strata.server.worker import EngineWorker
 
 log = logging.getLogger("strata.server")
@@ -56,8 +57,8 @@ class ServerState:
 
 _STATUS_TEXT = {
     404: ("not_found", "Unknown endpoint {method} {path}; this server serves "
-          "/v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens, "
-          "/v1/models, /health and /metrics."),
+          "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
+          "/v1/messages/count_tokens, /v1/models, /health and /metrics."),
     405: ("method_not_allowed", "{method} is not allowed on {path}; see the OpenAI API for the "
           "method this endpoint takes."),
     413: ("request_too_large", "The request body is larger than {limit} KiB; send a smaller "
@@ -80,6 +81,7 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     app.extensions["strata"] = state
     routes = GenerationRoutes(state)
     messages = MessagesRoutes(state)
+    responses = ResponsesRoutes(state)
 
     @app.before_request
     def check_api_key():
@@ -153,6 +155,7 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
 
     app.add_url_rule("/v1/chat/completions", "chat", routes.chat, methods=["POST"])
     app.add_url_rule("/v1/completions", "completions", routes.completions, methods=["POST"])
+    app.add_url_rule("/v1/responses", "responses", responses.responses, methods=["POST"])
     app.add_url_rule("/v1/messages", "messages", messages.messages, methods=["POST"])
     app.add_url_rule("/v1/messages/count_tokens", "count_tokens", messages.count_tokens,
                      methods=["POST"])

@@ -12,7 +12,8 @@ from flask import Response, jsonify, request
 from strata.server.api_error import ApiError
 from strata.server.openai_format import (SSE_DONE, SSE_KEEPALIVE, ResponseHeader, chat_deltas,
                                          sse, usage)
-from strata.server.output_parser import ContentDelta, OutputParser, ReasoningDelta, ToolCall
+from strata.server.output_parser import (ContentDelta, OutputParser, ReasoningDelta, ToolCall,
+                                         new_call_id)
 from strata.server.prompting import (build_chat_prompt, check_prompt_fits,
                                      completion_prompt_tokens, sampling_params)
 from strata.server.schema import (GenerationOptions, parse_chat_request,
@@ -31,6 +32,7 @@ class Outcome:
     is_call_cut: bool = False
     tool_calls: list = field(default_factory=list)
     stop_string: str | None = None  # the stop string that ended the output, if one did
+    num_reasoning_tokens: int = 0  # generated inside a <think> block
 
     def finish_reason(self, num_tool_calls: int) -> str:
         if self.engine_finish == "length" or self.engine_finish is None:
@@ -39,7 +41,8 @@ class Outcome:
 
     def usage(self) -> dict:
         end = self.end or JobEnd()
-        return usage(self.num_prompt_tokens, end.num_generated_tokens, end.num_cached_tokens)
+        return usage(self.num_prompt_tokens, end.num_generated_tokens, end.num_cached_tokens,
+                     self.num_reasoning_tokens)
 
 
 class GenerationRoutes:
@@ -66,6 +69,18 @@ class GenerationRoutes:
         self.state.worker.submit(job)
         return job
 
+    def _start_chat(self, engine, req, prompt, new_id=new_call_id) -> tuple[Job, OutputParser]:
+        """Queue a chat-shaped request whose prompt is built and checked: its tool calls held
+        as the prompt's template asks; the parser that reads its output (`new_id`: the ids of
+        the tool calls it finds)."""
+        req.options.held_tool_calls = prompt.held_tool_calls
+        req.options.tool_call_form = prompt.tool_call_form
+        job = self._submit(prompt.tokens, req.options, engine)
+        parser = OutputParser(starts_in_reasoning=prompt.starts_in_reasoning,
+                              parse_tools=prompt.is_tool_parsing,
+                              param_types=prompt.param_types, new_id=new_id)
+        return job, parser
+
     def _log(self, job: Job, outcome: Outcome, finish_reason: str) -> None:
         end = outcome.end or JobEnd()
         ttft = f"{end.ttft_s:.3f} s" if end.ttft_s is not None else "-"
@@ -90,12 +105,7 @@ class GenerationRoutes:
         self.check_model(req.model)
         prompt = build_chat_prompt(engine, req)
         check_prompt_fits(len(prompt.tokens), engine.n_ctx)
-        req.options.held_tool_calls = prompt.held_tool_calls
-        req.options.tool_call_form = prompt.tool_call_form
-        job = self._submit(prompt.tokens, req.options, engine)
-        parser = OutputParser(starts_in_reasoning=prompt.starts_in_reasoning,
-                              parse_tools=prompt.is_tool_parsing,
-                              param_types=prompt.param_types)
+        job, parser = self._start_chat(engine, req, prompt)
         header = ResponseHeader("chat", self.state.model_id)
         outcome = Outcome(len(prompt.tokens))
         events = self._events(job)
@@ -119,7 +129,10 @@ class GenerationRoutes:
 
     @staticmethod
     def _parse(parser: OutputParser, event, outcome: Outcome) -> list:
+        was_reasoning = parser.is_in_reasoning
         out = parser.feed(event.text)
+        # a token of <think> ... </think>, either tag included
+        outcome.num_reasoning_tokens += was_reasoning or parser.is_in_reasoning
         if event.finish_reason is not None:
             outcome.engine_finish = event.finish_reason
             outcome.stop_string = event.stop_string

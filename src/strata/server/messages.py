@@ -13,7 +13,6 @@ from strata.server.anthropic_format import (SSE_PING, BlockStream, MessageHeader
 from strata.server.anthropic_schema import parse_anthropic_request, parse_thinking
 from strata.server.api_error import ApiError
 from strata.server.generation import GenerationRoutes, Outcome, _generated, _sse_response
-from strata.server.output_parser import OutputParser
 from strata.server.prompting import build_chat_prompt, check_prompt_fits
 from strata.server.schema import parse_json_body
 
@@ -52,12 +51,7 @@ class MessagesRoutes(GenerationRoutes):
         body = parse_json_body(request.get_data())
         engine, req, prompt = self._prompt(body)
         is_thinking_omitted = parse_thinking(body.get("thinking"))[1]
-        req.options.held_tool_calls = prompt.held_tool_calls
-        req.options.tool_call_form = prompt.tool_call_form
-        job = self._submit(prompt.tokens, req.options, engine)
-        parser = OutputParser(starts_in_reasoning=prompt.starts_in_reasoning,
-                              parse_tools=prompt.is_tool_parsing,
-                              param_types=prompt.param_types, new_id=new_tool_use_id)
+        job, parser = self._start_chat(engine, req, prompt, new_tool_use_id)
         header = MessageHeader(self.state.model_id)
         outcome = Outcome(len(prompt.tokens))
         max_tokens = req.options.max_tokens

@@ -16,10 +16,13 @@ def sse(payload: dict) -> str:
     return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
 
 
-def usage(num_prompt_tokens: int, num_generated_tokens: int, num_cached_tokens: int) -> dict:
+def usage(num_prompt_tokens: int, num_generated_tokens: int, num_cached_tokens: int,
+          num_reasoning_tokens: int = 0) -> dict:
+    """`num_reasoning_tokens`: those generated inside `<think>` (0 where nothing parsed them)."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_generated_tokens,
             "total_tokens": num_prompt_tokens + num_generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": num_reasoning_tokens}}
 
 
 @dataclass

@@ -135,6 +135,11 @@ class OutputParser:
     def is_inside_tool_call(self) -> bool:
         return self._state == "tool_call"
 
+    @property
+    def is_in_reasoning(self) -> bool:
+        """The text fed next belongs to a `<think>` block (until its `</think>`)."""
+        return self._state == "reasoning"
+
     def _open_tags(self) -> tuple[str, ...]:
         if self._state == "reasoning":
             return (THINK_CLOSE,)

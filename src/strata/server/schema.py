@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata.server.api_error import ApiError, invalid
+from strata.server.api_error import ApiError, invalid, missing
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
@@ -322,6 +322,25 @@ def parse_tools(tools: Any) -> list[dict] | None:
         _object(function, "parameters", param=f"{where}.function.parameters")
         out.append({"type": "function", "function": function})
     return out or None
+
+
+def flat_function_tool(tool: dict, where: str, schema_key: str,
+                       is_schema_required: bool = False) -> dict:
+    """A tool written flat, `{name, description, <schema_key>}` (Anthropic's `input_schema`,
+    the Responses API's `parameters`), as the chat template's function tool."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise _wrong_type(f"{where}.name", name, "a non-empty string")
+    function = {"name": name}
+    description = _string(tool, "description", param=f"{where}.description")
+    if description is not None:
+        function["description"] = description
+    schema = _object(tool, schema_key, param=f"{where}.{schema_key}")
+    if schema is not None:
+        function["parameters"] = schema
+    elif is_schema_required:
+        raise missing(f"{where}.{schema_key}", "the JSON schema of the tool's input")
+    return {"type": "function", "function": function}
 
 
 def parse_tool_choice(choice: Any, tools: list[dict] | None) -> str | dict:

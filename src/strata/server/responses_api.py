@@ -1,0 +1,94 @@
+"""OpenAI's Responses API (`POST /v1/responses`, the one Codex CLI speaks) over the same engine
+steps as the chat endpoint: the body becomes a ChatRequest, the chat template renders it, and
+the output parser's events become output items (whole, or streamed as named events). Nothing
+is stored: each request carries its whole conversation (`store: false`)."""
+from __future__ import annotations
+
+from contextlib import closing
+
+from flask import jsonify, request
+
+from strata.server.generation import GenerationRoutes, Outcome, _generated, _sse_response
+from strata.server.openai_format import SSE_KEEPALIVE
+from strata.server.prompting import build_chat_prompt, check_prompt_fits
+from strata.server.responses_format import OutputItems, ResponseHeader, sse_event, usage
+from strata.server.responses_schema import parse_responses_request
+from strata.server.schema import parse_json_body
+
+_ECHOED = ("instructions", "max_output_tokens", "parallel_tool_calls", "reasoning",
+           "temperature", "top_p", "text", "tool_choice", "tools", "metadata")
+
+
+class ResponsesRoutes(GenerationRoutes):
+    def responses(self):
+        body = parse_json_body(request.get_data())
+        engine = self._engine()
+        req = parse_responses_request(body, engine.n_ctx)
+        self.check_model(req.model)
+        prompt = build_chat_prompt(engine, req)
+        check_prompt_fits(len(prompt.tokens), engine.n_ctx, "input")
+        job, parser = self._start_chat(engine, req, prompt)
+        echoed = {k: body[k] for k in _ECHOED if body.get(k) is not None}
+        header = ResponseHeader(self.state.model_id, echoed)
+        outcome = Outcome(len(prompt.tokens))
+        events = self._events(job)
+        if req.options.is_stream:
+            return _sse_response(self._stream(job, events, parser, header, outcome))
+        items = OutputItems()
+        with closing(_generated(events, outcome)) as generated:
+            for item in generated:
+                if item is not None:
+                    for parsed in self._parse(parser, item, outcome):
+                        items.feed(parsed)
+        if outcome.end.error is not None:
+            raise outcome.end.error
+        items.finish()
+        return jsonify(self._final(job, header, outcome, items.items))
+
+    def _final(self, job, header: ResponseHeader, outcome: Outcome, output: list) -> dict:
+        """The finished response: completed, or incomplete when max_output_tokens (or the
+        context) cut it."""
+        is_cut = outcome.finish_reason(0) == "length"
+        self._log(job, outcome, "max_output_tokens" if is_cut else "completed")
+        end = outcome.end
+        return header.response("incomplete" if is_cut else "completed", output,
+                               usage(outcome.num_prompt_tokens, end.num_cached_tokens,
+                                     end.num_generated_tokens, outcome.num_reasoning_tokens),
+                               "max_output_tokens" if is_cut else None)
+
+    def _stream(self, job, events, parser, header, outcome):
+        """response.created and .in_progress, each output item's events, then
+        response.completed (or .incomplete); a failure ends it with response.failed. Every
+        event carries its sequence_number."""
+        sequence = 0
+
+        def send(payload: dict) -> str:
+            nonlocal sequence
+            payload = dict(payload, sequence_number=sequence)
+            sequence += 1
+            return sse_event(payload)
+
+        items = OutputItems()
+        with closing(_generated(events, outcome)) as generated:
+            started = header.response("in_progress", [], None)
+            yield send({"type": "response.created", "response": started})
+            yield send({"type": "response.in_progress", "response": started})
+            for item in generated:
+                if item is None:
+                    yield SSE_KEEPALIVE
+                    continue
+                for parsed in self._parse(parser, item, outcome):
+                    for payload in items.feed(parsed):
+                        yield send(payload)
+        for payload in items.finish():
+            yield send(payload)
+        error = outcome.end.error
+        if error is not None:
+            failed = header.response("failed", items.items, None,
+                                     error={"code": error.code or "server_error",
+                                            "message": error.message})
+            yield send({"type": "response.failed", "response": failed})
+            return
+        final = self._final(job, header, outcome, items.items)
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        yield send({"type": kind, "response": final})

@@ -1,0 +1,142 @@
+"""OpenAI Responses API objects: output items from the output parser's events (reasoning,
+message, function_call), the response object, usage, and the streamed events that build them
+(output_item.added / content_part.added / deltas / done, in OpenAI's order)."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from strata.server.output_parser import ReasoningDelta, ToolCall
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def sse_event(payload: dict) -> str:
+    return f"event: {payload['type']}\ndata: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
+
+
+def usage(num_prompt_tokens: int, num_cached_tokens: int, num_generated_tokens: int,
+          num_reasoning_tokens: int) -> dict:
+    return {"input_tokens": num_prompt_tokens,
+            "input_tokens_details": {"cached_tokens": num_cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": num_generated_tokens,
+            "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
+            "total_tokens": num_prompt_tokens + num_generated_tokens}
+
+
+def _part(kind: str, text: str = "") -> dict:
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class OutputItems:
+    """The output items of one response, built event by event: runs of reasoning or of text
+    make one reasoning or message item (one content part each), every tool call a
+    function_call item. `feed` / `finish` return the stream events of what changed (without
+    sequence numbers); `items` holds the items so far, each complete once closed."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+        self._open: str | None = None  # "reasoning" or "message" while one is open
+
+    def _at(self) -> dict:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def _close(self) -> list[dict]:
+        if self._open is None:
+            return []
+        item, kind = self.items[-1], self._open
+        self._open = None
+        part = item["content"][0]
+        item["status"] = "completed"
+        done = "response.reasoning_text.done" if kind == "reasoning" else \
+            "response.output_text.done"
+        text_done = dict(self._at(), type=done, content_index=0, text=part["text"])
+        if kind == "message":
+            text_done["logprobs"] = []
+        return [text_done,
+                dict(self._at(), type="response.content_part.done", content_index=0,
+                     part=dict(part)),
+                {"type": "response.output_item.done", "output_index": len(self.items) - 1,
+                 "item": _copy(item)}]
+
+    def _add(self, item: dict) -> dict:
+        self.items.append(item)
+        return {"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                "item": _copy(item)}
+
+    def feed(self, event) -> list[dict]:
+        if isinstance(event, ToolCall):
+            out = self._close()
+            item = {"type": "function_call", "id": _new_id("fc_"), "call_id": event.id,
+                    "name": event.name, "arguments": "", "status": "in_progress"}
+            out.append(self._add(item))
+            item["arguments"], item["status"] = event.arguments, "completed"
+            return out + [
+                dict(self._at(), type="response.function_call_arguments.delta",
+                     delta=event.arguments),
+                dict(self._at(), type="response.function_call_arguments.done",
+                     arguments=event.arguments),
+                {"type": "response.output_item.done", "output_index": len(self.items) - 1,
+                 "item": _copy(item)}]
+        kind = "reasoning" if isinstance(event, ReasoningDelta) else "message"
+        out = []
+        if kind != self._open:
+            out += self._close()
+            if kind == "reasoning":
+                item = {"type": "reasoning", "id": _new_id("rs_"), "summary": [],
+                        "content": [], "status": "in_progress"}
+            else:
+                item = {"type": "message", "id": _new_id("msg_"), "status": "in_progress",
+                        "role": "assistant", "content": []}
+            out.append(self._add(item))
+            item["content"].append(_part(kind))
+            out.append(dict(self._at(), type="response.content_part.added", content_index=0,
+                            part=_part(kind)))
+            self._open = kind
+        self.items[-1]["content"][0]["text"] += event.text
+        delta = dict(self._at(), content_index=0, delta=event.text,
+                     type="response.reasoning_text.delta" if kind == "reasoning" else
+                     "response.output_text.delta")
+        if kind == "message":
+            delta["logprobs"] = []
+        return out + [delta]
+
+    def finish(self) -> list[dict]:
+        return self._close()
+
+
+def _copy(item: dict) -> dict:
+    return json.loads(json.dumps(item))
+
+
+@dataclass
+class ResponseHeader:
+    """What the response object echoes of its request, and its id."""
+    model: str
+    request: dict  # the fields echoed: instructions, tools, tool_choice, temperature, ...
+    id: str = field(default_factory=lambda: _new_id("resp_"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def response(self, status: str, output: list[dict], usage_dict: dict | None,
+                 incomplete_reason: str | None = None, error: dict | None = None) -> dict:
+        req = self.request
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": status, "model": self.model, "output": output, "error": error,
+            "incomplete_details": ({"reason": incomplete_reason} if incomplete_reason
+                                   else None),
+            "instructions": req.get("instructions"),
+            "max_output_tokens": req.get("max_output_tokens"),
+            "parallel_tool_calls": req.get("parallel_tool_calls", True),
+            "previous_response_id": None, "reasoning": req.get("reasoning"),
+            "store": False, "temperature": req.get("temperature"), "top_p": req.get("top_p"),
+            "text": req.get("text") or {"format": {"type": "text"}},
+            "tool_choice": req.get("tool_choice", "auto"), "tools": req.get("tools") or [],
+            "truncation": "disabled", "metadata": req.get("metadata") or {},
+            "usage": usage_dict}
