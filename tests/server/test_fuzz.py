@@ -103,3 +103,206 @@ def test_random_chat_requests_never_get_a_5xx(live, body):
 @given(body=completion_body)
 def test_random_completion_requests_never_get_a_5xx(live, body):
     check(live, "/v1/completions", body)
+
+
+# Anthropic's Messages API: random blocks, tools and fields
+block = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "thinking", "x"])},
+                          optional={"text": st.one_of(st.text(max_size=10), json_scalars),
+                                    "thinking": json_scalars}),
+    st.fixed_dictionaries({"type": st.just("tool_use")},
+                          optional={"id": json_scalars, "name": json_scalars,
+                                    "input": json_values}),
+    st.fixed_dictionaries({"type": st.just("tool_result")},
+                          optional={"tool_use_id": json_scalars, "is_error": json_scalars,
+                                    "content": st.one_of(st.text(max_size=8), json_values)}),
+    json_values)
+anthropic_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", ""])},
+    optional={"content": st.one_of(st.text(max_size=30), st.lists(block, max_size=3),
+                                   json_values)})
+anthropic_tool = st.fixed_dictionaries(
+    {"name": st.one_of(st.text(min_size=1, max_size=8), json_scalars)},
+    optional={"type": st.sampled_from(["custom", "web_search_20250305"]),
+              "input_schema": json_values, "description": json_scalars})
+messages_body = st.fixed_dictionaries({"max_tokens": small_tokens}, optional={
+    "model": fields["model"], "stream": fields["stream"],
+    "messages": st.one_of(st.lists(anthropic_message, min_size=1, max_size=3), json_values),
+    "system": st.one_of(st.text(max_size=10), st.lists(block, max_size=2), json_values),
+    "tools": st.one_of(st.lists(anthropic_tool, max_size=2), json_values),
+    "tool_choice": st.one_of(st.fixed_dictionaries(
+        {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+        optional={"name": json_scalars}), json_values),
+    "thinking": st.one_of(st.fixed_dictionaries(
+        {"type": st.sampled_from(["enabled", "disabled", "adaptive", "on"])},
+        optional={"budget_tokens": json_scalars, "display": json_scalars}), json_values),
+    "output_config": st.one_of(st.fixed_dictionaries({}, optional={
+        "format": st.one_of(st.fixed_dictionaries({"type": st.just("json_schema")},
+                                                  optional={"schema": json_values}),
+                            json_values),
+        "effort": json_scalars}), json_values),
+    "stop_sequences": fields["stop"], "temperature": fields["temperature"],
+    "top_p": fields["top_p"], "top_k": fields["top_k"], "seed": fields["seed"],
+})
+
+# OpenAI's Responses API: random input items and fields
+response_item = st.one_of(
+    st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["message", "reasoning", "item_reference", "x"]),
+        "role": roles, "content": content, "summary": json_values}),
+    st.fixed_dictionaries({"type": st.just("function_call")}, optional={
+        "call_id": json_scalars, "name": json_scalars,
+        "arguments": st.one_of(st.just('{"a": 1}'), st.text(max_size=8), json_values)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output")}, optional={
+        "call_id": json_scalars, "output": st.one_of(st.text(max_size=8), json_values)}),
+    json_values)
+responses_tool = st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "web_search"])},
+    optional={"name": st.one_of(st.text(min_size=1, max_size=8), json_scalars),
+              "parameters": json_values, "description": json_scalars})
+responses_body = st.fixed_dictionaries({}, optional={
+    "model": fields["model"], "stream": fields["stream"],
+    "input": st.one_of(st.text(max_size=30), st.lists(response_item, max_size=3), json_values),
+    "instructions": json_scalars, "max_output_tokens": small_tokens,
+    "tools": st.one_of(st.lists(responses_tool, max_size=2), json_values),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "x"]), json_values,
+                             st.just({"type": "function", "name": "f"})),
+    "text": st.one_of(st.fixed_dictionaries({"format": st.one_of(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "grammar"])},
+        optional={"schema": json_values}), json_values)}), json_values),
+    "reasoning": st.one_of(st.fixed_dictionaries({}, optional={"effort": json_scalars}),
+                           json_values),
+    "previous_response_id": json_scalars, "top_logprobs": json_scalars,
+    "temperature": fields["temperature"], "top_p": fields["top_p"],
+})
+
+
+def check_named_stream(text: str, last: tuple[str, ...]):
+    """A stream of named events that ends with one of `last` and holds no error event."""
+    frames = [f for f in text.split("\n\n") if f and not f.startswith(":")]
+    names = [f.split("\n")[0][len("event: "):] for f in frames]
+    assert names and names[-1] in last, names
+    assert "error" not in names and "response.failed" not in names
+
+
+@SETTINGS
+@given(body=messages_body)
+def test_random_messages_requests_never_get_a_5xx(live, body):
+    response = requests.post(live.url + "/v1/messages", data=json.dumps(body), timeout=60,
+                             headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["message"]
+    elif body.get("stream") is True:
+        check_named_stream(response.text, ("message_stop",))
+
+
+@SETTINGS
+@given(body=responses_body)
+def test_random_responses_requests_never_get_a_5xx(live, body):
+    if body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = 3
+    response = requests.post(live.url + "/v1/responses", data=json.dumps(body), timeout=60,
+                             headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        assert response.json()["error"]["message"]
+    elif body.get("stream") is True:
+        check_named_stream(response.text, ("response.completed", "response.incomplete"))
+
+
+# Well-formed bodies of random shape: these reach the engine (the wild ones above mostly stop
+# at validation), so the conversion of every block and item kind runs to an answer.
+words = st.text(st.sampled_from("abc xyz<>{}\"\n"), max_size=12)
+good_block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": words}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.just("t1"),
+                           "content": st.one_of(words, st.lists(st.fixed_dictionaries(
+                               {"type": st.just("text"), "text": words}), max_size=2))},
+                          optional={"is_error": st.booleans()}))
+good_assistant_block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": words}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": words,
+                           "signature": st.just("")}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.just("t1"),
+                           "name": st.sampled_from(["f", "g"]),
+                           "input": st.dictionaries(st.sampled_from("ab"), json_scalars,
+                                                    max_size=2)}))
+FIRST, LAST = {"role": "user", "content": "go"}, {"role": "user", "content": "on"}
+good_turns = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.just("user"),
+                           "content": st.one_of(words, st.lists(good_block, min_size=1,
+                                                                max_size=3))}),
+    st.fixed_dictionaries({"role": st.just("assistant"),
+                           "content": st.lists(good_assistant_block, max_size=3)})),
+    min_size=1, max_size=4).map(lambda turns: [FIRST] + turns + [LAST])
+# (the user turn last: a last turn with tool_use is refused, rightly)
+good_schema = st.sampled_from([{"type": "object"}, {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}])
+good_messages_body = st.fixed_dictionaries(
+    {"max_tokens": st.integers(1, 6), "messages": good_turns},
+    optional={"stream": st.booleans(), "system": st.one_of(words, st.lists(
+        st.fixed_dictionaries({"type": st.just("text"), "text": words}), max_size=2)),
+        "tools": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]),
+                                                 "input_schema": good_schema}),
+                          min_size=1, max_size=2),
+        "thinking": st.fixed_dictionaries({"type": st.sampled_from(
+            ["enabled", "disabled", "adaptive"])}),
+        "output_config": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+            {"type": st.just("json_schema"), "schema": good_schema})}),
+        "stop_sequences": st.lists(st.text(min_size=1, max_size=2), max_size=2),
+        "temperature": st.floats(0, 1), "top_k": st.integers(0, 50)})
+good_item = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer"]),
+                           "content": st.one_of(words, st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text"]),
+                                "text": words}), max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.just("c1"),
+                           "name": st.sampled_from(["f", "g"]),
+                           "arguments": st.sampled_from(["{}", '{"a": 1}', ""])}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.just("c1"),
+                           "output": words}),
+    st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.lists(
+        st.fixed_dictionaries({"type": st.just("summary_text"), "text": words}),
+        max_size=2)}))
+good_responses_body = st.fixed_dictionaries(
+    {"max_output_tokens": st.integers(1, 6),
+     "input": st.one_of(words, st.lists(good_item, max_size=4).map(
+         lambda items: [FIRST] + items))},
+    optional={"stream": st.booleans(), "instructions": words,
+              "tools": st.lists(st.fixed_dictionaries({
+                  "type": st.just("function"), "name": st.sampled_from(["f", "g"]),
+                  "parameters": good_schema}), min_size=1, max_size=2),
+              "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(
+                  ["none", "low", "high"])}),
+              "text": st.fixed_dictionaries({"format": st.one_of(
+                  st.just({"type": "json_object"}),
+                  st.fixed_dictionaries({"type": st.just("json_schema"),
+                                         "name": st.just("x"), "schema": good_schema}))}),
+              "temperature": st.floats(0, 2), "top_p": st.floats(0.1, 1)})
+
+
+@SETTINGS
+@given(body=good_messages_body)
+def test_well_formed_messages_requests_are_answered(live, body):
+    response = requests.post(live.url + "/v1/messages", json=body, timeout=60)
+    assert response.status_code == 200, (body, response.text)
+    if body.get("stream"):
+        check_named_stream(response.text, ("message_stop",))
+    else:
+        message = response.json()
+        assert message["type"] == "message" and message["stop_reason"] in (
+            "end_turn", "max_tokens", "stop_sequence", "tool_use",
+            "model_context_window_exceeded")
+
+
+@SETTINGS
+@given(body=good_responses_body)
+def test_well_formed_responses_requests_are_answered(live, body):
+    response = requests.post(live.url + "/v1/responses", json=body, timeout=60)
+    assert response.status_code == 200, (body, response.text)
+    if body.get("stream"):
+        check_named_stream(response.text, ("response.completed", "response.incomplete"))
+    else:
+        assert response.json()["status"] in ("completed", "incomplete")
