@@ -230,13 +230,12 @@ good_assistant_block = st.one_of(
                            "input": st.dictionaries(st.sampled_from("ab"), json_scalars,
                                                     max_size=2)}))
 FIRST, LAST = {"role": "user", "content": "go"}, {"role": "user", "content": "on"}
-good_turns = st.lists(st.one_of(
-    st.fixed_dictionaries({"role": st.just("user"),
-                           "content": st.one_of(words, st.lists(good_block, min_size=1,
-                                                                max_size=3))}),
-    st.fixed_dictionaries({"role": st.just("assistant"),
-                           "content": st.lists(good_assistant_block, max_size=3)})),
-    min_size=1, max_size=4).map(lambda turns: [FIRST] + turns + [LAST])
+good_user_turn = st.fixed_dictionaries({"role": st.just("user"), "content": st.one_of(
+    words, st.lists(good_block, min_size=1, max_size=3))})
+good_assistant_turn = st.fixed_dictionaries({"role": st.just("assistant"), "content": st.lists(
+    good_assistant_block, max_size=3)})
+good_turns = st.lists(st.one_of(good_user_turn, good_assistant_turn), min_size=1,
+                      max_size=4).map(lambda turns: [FIRST] + turns + [LAST])
 # (the user turn last: a last turn with tool_use is refused, rightly)
 good_schema = st.sampled_from([{"type": "object"}, {"type": "object", "properties": {
     "a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}])
