@@ -248,7 +248,8 @@ def parse_anthropic_request(body: dict, max_tokens_limit: int, *,
                             is_count_only: bool = False) -> ChatRequest:
     """A Messages API body as a ChatRequest. `max_tokens` is required (as Anthropic's API has
     it) but may exceed the context: it is clipped to the room the prompt leaves. The chat
-    endpoint's `seed`, `logit_bias` and `chat_template_kwargs` are taken as extensions.
+    endpoint's `seed`, `logit_bias`, `ignore_eos` and `chat_template_kwargs` are taken as
+    extensions.
     `is_count_only`: /v1/messages/count_tokens, which takes no generation fields."""
     options = GenerationOptions()
     if not is_count_only:
@@ -271,6 +272,7 @@ def parse_anthropic_request(body: dict, max_tokens_limit: int, *,
         # extensions, as on the chat endpoint (Anthropic's API has neither)
         options.seed = _integer(body, "seed", 0, 2**63 - 1)
         options.logit_bias = _logit_bias(body)
+        options.is_eos_ignored = _boolean(body, "ignore_eos")
     kwargs = dict(_object(body, "chat_template_kwargs") or {})
     kwargs.update(parse_thinking(body.get("thinking"))[0])
     tools = parse_anthropic_tools(body.get("tools"))
