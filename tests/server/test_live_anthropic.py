@@ -234,6 +234,16 @@ def test_bad_requests_get_anthropic_errors(live, client, body, data, status, kin
                   messages=[{"role": "user", "content": "still there?"}]).usage.output_tokens
 
 
+def test_count_tokens_counts_a_prompt_over_the_context(client):
+    """A count is answered even past the context (a client compacts on it), while the same
+    messages sent to /v1/messages say the prompt is too long."""
+    messages = [{"role": "user", "content": "word " * 600}]
+    assert client.messages.count_tokens(model=MODEL_ID, messages=messages).input_tokens > \
+        N_CTX_TOKENS
+    with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
+        client.messages.create(model=MODEL_ID, max_tokens=1, messages=messages)
+
+
 def test_wrong_method_and_count_tokens_errors(live):
     response = requests.get(live.url + "/v1/messages", timeout=60)
     assert response.status_code == 405

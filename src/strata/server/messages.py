@@ -38,7 +38,8 @@ class MessagesRoutes(GenerationRoutes):
         req = parse_anthropic_request(body, engine.n_ctx, is_count_only=is_count_only)
         self.check_model(req.model)
         prompt = build_chat_prompt(engine, req)
-        _check_fits(len(prompt.tokens), engine.n_ctx)
+        if not is_count_only:  # a count over the context is what a client compacts on
+            _check_fits(len(prompt.tokens), engine.n_ctx)
         return engine, req, prompt
 
     # ---- /v1/messages/count_tokens --------------------------------------------------------
