@@ -4,14 +4,18 @@ one at a time, timing the first streamed text (TTFT) and the decode rate after i
 -r runs. The same prompt and token count go to each, so the figures compare the APIs' own
 costs per token (parsing, events, JSON) on top of the engine's.
 
-Usage: python tools/bench_api.py [--url http://127.0.0.1:8080] [-n 128] [-r 3]
+Usage: python tools/bench_api.py [--url http://127.0.0.1:8080] [-n 128] [-r 3] [-c 1]
            [--apis chat,messages,responses,completions] [--api-key KEY] [--json]
+`-c N` sends N requests at once (as N agents would; start the server with --parallel N): the
+decode figure is then their aggregate, all their tokens after the first of each over the span
+from the earliest first text to the latest last one.
 The decode rate is (streamed tokens - 1) / (time of the last text - time of the first), with
 the tokens from the answer's usage; every request asks for -n tokens exactly (`ignore_eos`).
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import statistics
 import sys
@@ -97,7 +101,22 @@ def run_once(url: str, api: str, model: str, num_tokens: int, headers: dict) -> 
     if first is None or tokens is None:
         raise SystemExit(f"{api}: the stream held no text or no usage")
     rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
-    return {"ttft_s": first - t0, "tokens": tokens, "decode": rate}
+    return {"ttft_s": first - t0, "tokens": tokens, "decode": rate, "first": first,
+            "last": last}
+
+
+def run_together(url: str, api: str, model: str, num_tokens: int, headers: dict,
+                 num_requests: int) -> dict:
+    """`num_requests` requests at once: their aggregate decode rate, median TTFT and tokens."""
+    if num_requests == 1:
+        return run_once(url, api, model, num_tokens, headers)
+    with concurrent.futures.ThreadPoolExecutor(num_requests) as pool:
+        runs = list(pool.map(lambda _: run_once(url, api, model, num_tokens, headers),
+                             range(num_requests)))
+    span = max(r["last"] for r in runs) - min(r["first"] for r in runs)
+    return {"ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "tokens": sum(r["tokens"] for r in runs),
+            "decode": sum(r["tokens"] - 1 for r in runs) / span if span > 0 else 0.0}
 
 
 def main(argv=None) -> int:
@@ -106,6 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--tokens", type=int, default=128)
     ap.add_argument("-r", "--repeats", type=int, default=3)
     ap.add_argument("--apis", default="chat,messages,responses")
+    ap.add_argument("-c", "--concurrent", type=int, default=1)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
@@ -114,8 +134,8 @@ def main(argv=None) -> int:
     model = models["data"][0]["id"]
     rows = []
     for api in args.apis.split(","):
-        run_once(args.url, api, model, args.tokens, headers)  # warm-up
-        runs = [run_once(args.url, api, model, args.tokens, headers)
+        run_together(args.url, api, model, args.tokens, headers, args.concurrent)  # warm-up
+        runs = [run_together(args.url, api, model, args.tokens, headers, args.concurrent)
                 for _ in range(args.repeats)]
         rows.append({"api": api, "decode": statistics.median(r["decode"] for r in runs),
                      "ttft_s": statistics.median(r["ttft_s"] for r in runs),
@@ -124,10 +144,12 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"| API | decode tokens/s (median of {args.repeats}) | TTFT s | tokens | runs |")
+    together = f", {args.concurrent} requests at once" if args.concurrent > 1 else ""
+    print(f"| API | decode tokens/s (median of {args.repeats}{together}) | TTFT s | tokens | "
+          "runs |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
-        short = "" if min(r["tokens"]) >= args.tokens else " (stopped early)"
+        short = "" if min(r["tokens"]) >= args.tokens * args.concurrent else " (stopped early)"
         print(f"| {r['api']} | {r['decode']:,.1f} | {r['ttft_s']:.3f} | "
               f"{', '.join(map(str, r['tokens']))}{short} | "
               f"{', '.join(f'{x:,.1f}' for x in r['decode_runs'])} |")

@@ -40,6 +40,13 @@ def test_a_row_per_api(url, capsys):
         assert r["tokens"] == [6, 6] and r["decode"] > 0 and 0 < r["ttft_s"] < 30
 
 
+def test_requests_at_once_give_their_aggregate(url, capsys):
+    assert bench_api.main(["--url", url, "-n", "4", "-r", "1", "-c", "3", "--json",
+                           "--apis", "responses"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["tokens"] == [12] and row["decode"] > 0
+
+
 def test_table_and_a_refused_request(url, capsys):
     assert bench_api.main(["--url", url, "-n", "3", "-r", "1", "--apis", "messages"]) == 0
     assert "| messages |" in capsys.readouterr().out
