@@ -155,3 +155,37 @@ def test_serve_rejects_an_empty_api_key(model_path, key):
     result = CliRunner().invoke(serve, ["--model", str(model_path), "--api-key", key])
     assert result.exit_code == 2
     assert "--api-key is empty" in result.output
+
+
+@pytest.mark.parametrize("alias", ["", " , "])
+def test_serve_rejects_an_empty_alias(model_path, alias):
+    result = CliRunner().invoke(serve, ["--model", str(model_path), "--alias", alias])
+    assert result.exit_code == 2
+    assert "--alias is empty" in result.output
+
+
+def test_aliases_are_listed_and_answered(model_path):
+    """Every alias is a model name requests may give (an agent's main and small model); the
+    first is the id; any other name gets a 404 that lists them."""
+    from conftest import new_engine, start_live_server
+
+    live = start_live_server(new_engine(model_path), ServerConfig(
+        model_id="coder", aliases=("claude-haiku-4-5", "coder")))
+    try:
+        import requests
+
+        models = requests.get(live.url + "/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["coder", "claude-haiku-4-5"]
+        assert (models["first_id"], models["last_id"]) == ("coder", "claude-haiku-4-5")
+        card = requests.get(live.url + "/v1/models/claude-haiku-4-5", timeout=30).json()
+        assert card["id"] == "claude-haiku-4-5"
+        for name in ("coder", "claude-haiku-4-5"):
+            reply = requests.post(live.url + "/v1/messages", timeout=60, json={
+                "model": name, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+            assert reply.status_code == 200 and reply.json()["model"] == "coder"
+        wrong = requests.post(live.url + "/v1/chat/completions", timeout=60, json={
+            "model": "gpt-5", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        assert wrong.status_code == 404
+        assert "'coder' or 'claude-haiku-4-5'" in wrong.json()["error"]["message"]
+    finally:
+        live.stop()

@@ -26,8 +26,10 @@ log = logging.getLogger("strata.server")
 
 @dataclass
 class ServerConfig:
-    """Options of the HTTP layer. `model_id` None: the GGUF file name stem."""
+    """Options of the HTTP layer. `model_id` None: the GGUF file name stem. `aliases`: other
+    model names the API answers to (listed after it in /v1/models)."""
     model_id: str | None = None
+    aliases: tuple[str, ...] = ()
     api_key: str | None = None
     max_body_kib: int = 1024
     keepalive_s: float = 5.0
@@ -50,6 +52,11 @@ class ServerState:
         if engine is not None:
             return Path(engine.config.model_path).stem
         return "model"
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name a request's `model` may give: the id first, then the aliases."""
+        return [self.model_id] + [a for a in self.config.aliases if a != self.model_id]
 
     def close(self) -> None:
         self.worker.stop()
@@ -143,15 +150,15 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
 
     @app.get("/v1/models")
     def list_models():
-        card = _model_card(state)
+        cards = [_model_card(state, name) for name in state.model_names]
         # OpenAI's list, with the fields Anthropic's clients read beside it
-        return jsonify({"object": "list", "data": [card], "has_more": False,
-                        "first_id": card["id"], "last_id": card["id"]})
+        return jsonify({"object": "list", "data": cards, "has_more": False,
+                        "first_id": cards[0]["id"], "last_id": cards[-1]["id"]})
 
     @app.get("/v1/models/<path:model>")
     def get_model(model: str):
         routes.check_model(model)
-        return jsonify(_model_card(state))
+        return jsonify(_model_card(state, model))
 
     app.add_url_rule("/v1/chat/completions", "chat", routes.chat, methods=["POST"])
     app.add_url_rule("/v1/completions", "completions", routes.completions, methods=["POST"])
@@ -163,12 +170,12 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     return app
 
 
-def _model_card(state: ServerState) -> dict:
+def _model_card(state: ServerState, name: str) -> dict:
     """OpenAI's model object, with Anthropic's fields (type, display_name, created_at and, once
     the model is loaded, the context as max_input_tokens / max_tokens)."""
     created_at = datetime.fromtimestamp(state.created, timezone.utc)
-    card = {"id": state.model_id, "object": "model", "created": state.created,
-            "owned_by": "strata", "type": "model", "display_name": state.model_id,
+    card = {"id": name, "object": "model", "created": state.created,
+            "owned_by": "strata", "type": "model", "display_name": name,
             "created_at": created_at.isoformat().replace("+00:00", "Z")}
     if state.worker.state == "ok":
         card["max_input_tokens"] = card["max_tokens"] = state.worker.engine.n_ctx

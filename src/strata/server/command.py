@@ -56,8 +56,12 @@ def _stop_on_sigterm() -> None:
               help="Address to listen on (0.0.0.0 exposes the server to the network).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--api-key", default=None, envvar="STRATA_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on every endpoint but /health "
-                   "(default: $STRATA_API_KEY; none: open).")
+              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every "
+                   "endpoint but /health (default: $STRATA_API_KEY; none: open).")
+@click.option("--alias", "-a", default=None,
+              help="The model name(s) requests give, comma-separated (default: the file "
+                   "name without .gguf); the first is the id in /v1/models. E.g. the names "
+                   "an agent sends for its main and its small model.")
 @click.option("--ctx-size", "-c", default=None, type=int,
               help="Context size in tokens (default: min(model context, 8192)).")
 @click.option("--threads", "-t", default=None, type=int, help="CPU threads (default: all).")
@@ -69,10 +73,11 @@ def _stop_on_sigterm() -> None:
 @slot_options
 @expert_options
 @draft_options
-def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_threads, device,
+def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, http_threads, device,
           parallel, read_chunk, conversation_cache_mib, ctx_checkpoints, expert_config,
           draft_config):
-    """Serve the model with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
+    """Serve the model with OpenAI's API (/v1/chat/completions, /v1/completions,
+    /v1/responses) and Anthropic's (/v1/messages)."""
     from strata.cli import fail, resolve_model
     from strata.config import EngineConfig
     from strata.engine.engine import Engine
@@ -81,6 +86,9 @@ def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_thre
     path = resolve_model(model)
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty; give a key or leave the option out")
+    names = [n.strip() for n in (alias or "").split(",") if n.strip()]
+    if alias is not None and not names:
+        fail("--alias is empty; give one or more model names, comma-separated")
     try:
         engine_config = EngineConfig(path, n_ctx=ctx_size, threads=threads, device=device,
                                      parallel=parallel,
@@ -92,7 +100,8 @@ def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_thre
         fail(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
-    config = ServerConfig(model_id=path.stem, api_key=api_key, max_body_kib=max_body_kib)
+    config = ServerConfig(model_id=names[0] if names else path.stem, aliases=tuple(names[1:]),
+                          api_key=api_key, max_body_kib=max_body_kib)
     # The model loads on the engine thread; /health says "loading" until it is ready.
     app = create_app(lambda: Engine(engine_config), config)
     try:
@@ -101,8 +110,10 @@ def serve(model, host, port, api_key, ctx_size, threads, max_body_kib, http_thre
         app.extensions["strata"].close()
         fail(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or "
              "--host")
-    click.echo(f"strata: serving {path.name} on http://{host}:{server.effective_port} "
-               f"(OpenAI API under /v1)", err=True)
+    served = ", ".join((config.model_id,) + config.aliases)
+    click.echo(f"strata: serving {path.name} as {served} on "
+               f"http://{host}:{server.effective_port} (OpenAI and Anthropic APIs under /v1)",
+               err=True)
     _stop_on_sigterm()
     try:
         server.run()  # returns on Ctrl-C (waitress catches it) or SIGTERM

@@ -51,10 +51,12 @@ class GenerationRoutes:
 
     # ---- shared steps ---------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.state.model_id:
+        names = self.state.model_names
+        if model is not None and model not in names:
+            served = " or ".join(repr(n) for n in names)
             raise ApiError(404, f"The model {model!r} does not exist; this server serves "
-                           f"{self.state.model_id!r} (see GET /v1/models).", param="model",
-                           code="model_not_found")
+                           f"{served} (see GET /v1/models; `strata serve --alias` adds "
+                           "names).", param="model", code="model_not_found")
 
     def _engine(self):
         worker = self.state.worker
