@@ -14,6 +14,17 @@ from strata.cli_options import (device_option, draft_options, expert_options,
 from strata.server.app import ServerConfig, create_app
 
 DEFAULT_HTTP_THREADS = 8
+DEFAULT_BODY_KIB = 1024
+BODY_BYTES_PER_TOKEN = 16  # JSON of a conversation, escapes included, per context token
+
+
+def body_limit_kib(max_body_kib: int | None, ctx_size: int | None) -> int:
+    """--max-body-kib, else 1 MiB or 16 bytes a token of the context, the larger."""
+    if max_body_kib is not None:
+        return max_body_kib
+    return max(DEFAULT_BODY_KIB, (ctx_size or 0) * BODY_BYTES_PER_TOKEN // 1024)
+
+
 log = logging.getLogger("strata.server")
 
 
@@ -65,8 +76,10 @@ def _stop_on_sigterm() -> None:
 @click.option("--ctx-size", "-c", default=None, type=int,
               help="Context size in tokens (default: min(model context, 8192)).")
 @click.option("--threads", "-t", default=None, type=int, help="CPU threads (default: all).")
-@click.option("--max-body-kib", default=1024, show_default=True, type=click.IntRange(1),
-              help="Largest request body accepted (KiB); larger ones get 413.")
+@click.option("--max-body-kib", default=None, type=click.IntRange(1),
+              help="Largest request body accepted (KiB); larger ones get 413 (default: "
+                   "1024, or 16 bytes a token of a larger --ctx-size: an agent resends its "
+                   "whole conversation each turn).")
 @click.option("--http-threads", default=DEFAULT_HTTP_THREADS, show_default=True,
               type=click.IntRange(1), help="Request threads (each open stream holds one).")
 @device_option
@@ -101,7 +114,7 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, ht
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
     config = ServerConfig(model_id=names[0] if names else path.stem, aliases=tuple(names[1:]),
-                          api_key=api_key, max_body_kib=max_body_kib)
+                          api_key=api_key, max_body_kib=body_limit_kib(max_body_kib, ctx_size))
     # The model loads on the engine thread; /health says "loading" until it is ready.
     app = create_app(lambda: Engine(engine_config), config)
     try:
