@@ -251,3 +251,15 @@ def test_wrong_method_and_count_tokens_errors(live):
     response = post(live, {"messages": "hi"}, path="/v1/messages/count_tokens")
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages"
+
+
+def test_tool_choice_any_is_held_to_a_tool_use(client, reference):
+    tok = reference.tokenizer
+    reply = create(client, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                   tools=[TOOL], tool_choice={"type": "any"}, max_tokens=80,
+                   thinking={"type": "disabled"},
+                   extra_body={"logit_bias": {str(tok.token_id("}")): 4,
+                                              str(tok.token_id('"')): 4}})
+    # the answer opens with the call (random weights then write on to max_tokens)
+    assert reply.content[0].type == "tool_use" and reply.content[0].name == "get_weather"
+    assert isinstance(reply.content[0].input["city"], str)

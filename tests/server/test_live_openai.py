@@ -335,3 +335,22 @@ def test_tool_calls_are_held_to_json(client, reference):
     for call in served:
         arguments = json.loads(call.function.arguments)
         assert call.function.name == "get_weather" and isinstance(arguments["city"], str)
+
+
+@pytest.mark.parametrize("tool_choice", ["required",
+                                         {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_required_tool_call_is_held_to_come(client, reference, tool_choice):
+    """tool_choice "required" (or a named function) holds the answer to open with a call: the
+    tiny model, which answers this prompt with text, answers with a call of get_weather."""
+    tok = reference.tokenizer
+    kwargs = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                  tools=[WEATHER_TOOL], max_tokens=80, temperature=0,
+                  logit_bias={str(tok.token_id("}")): 4, str(tok.token_id('"')): 4},
+                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    free = client.chat.completions.create(**kwargs)
+    assert free.choices[0].message.tool_calls is None
+    held = client.chat.completions.create(tool_choice=tool_choice, **kwargs)
+    calls = held.choices[0].message.tool_calls  # (random weights write on after it: "length")
+    assert calls
+    assert calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(calls[0].function.arguments)["city"], str)

@@ -13,6 +13,7 @@ import numpy as np
 from strata.engine.json_constraint import JsonObjectConstraint, opens_reasoning
 from strata.engine.sampling import Sampler, SamplingParams
 from strata.engine.tool_call_constraint import ToolCallConstraint
+from strata.engine.tool_call_required import RequiredToolCallConstraint
 from strata.errors import ModelFormatError
 from strata.model.tokenizer import Tokenizer
 
@@ -148,6 +149,12 @@ class TokenDecoder:
                 tokenizer, set(params.stop_token_ids) | tokenizer.stop_ids,
                 starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens),
                 schema=params.json_schema)
+        elif params.tool_call_required:  # the stop tokens only after a call
+            constraint = RequiredToolCallConstraint(
+                tokenizer, params.held_tool_calls,
+                set(params.stop_token_ids) | tokenizer.stop_ids,
+                xml=params.tool_call_form == "xml",
+                starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens))
         elif params.held_tool_calls:
             constraint = ToolCallConstraint(tokenizer, params.held_tool_calls,
                                             xml=params.tool_call_form == "xml")

@@ -40,6 +40,9 @@ class SamplingParams:
     # engine/tool_call_constraint.py (the server sets both from the chat template)
     held_tool_calls: list[dict] | None = None
     tool_call_form: str = "json"
+    # the answer opens with a call (tool_choice "required" or a named function):
+    # engine/tool_call_required.py
+    tool_call_required: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,6 +62,9 @@ class SamplingParams:
             if self.json_object:
                 raise RequestError("json_object and held_tool_calls exclude each other: an "
                                    "answer is either one JSON object or text with tool calls")
+        elif self.tool_call_required:
+            raise RequestError("tool_call_required needs held_tool_calls: the functions a "
+                               "required call may name")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, dict):
                 raise RequestError(f"json_schema = {self.json_schema!r} is invalid: it must be "

@@ -263,28 +263,34 @@ class ToolCallConstraint:
             self._new_call = lambda: _Call(root)
         self.call: _Call | None = None  # the block being written, None outside one
         self._tail = b""                # the text's last bytes: an opening tag may span tokens
+        self.num_closed = 0             # blocks closed so far
 
     def _after(self, data: bytes) -> tuple[_Call | None, bytes, int]:
         """(the block state after `data`, the new tail, -1 if refused)."""
-        call, tail = self.call, self._tail
+        return self._run(self.call, self._tail, data)[:3]
+
+    def _run(self, call, tail: bytes, data: bytes) -> tuple[_Call | None, bytes, int, int]:
+        """From the block state `call` (not changed) and `tail`: (the state after `data`, the
+        new tail, -1 if refused, the blocks it closed)."""
         if call is not None:
             call = call.copy()
+        closed = 0
         while data:
             if call is None:
                 text = tail + data
                 at = text.find(TOOL_OPEN)
                 if at < 0:
-                    return None, text[-(len(TOOL_OPEN) - 1):], 0
+                    return None, text[-(len(TOOL_OPEN) - 1):], 0, closed
                 data = text[at + len(TOOL_OPEN):]
                 call, tail = self._new_call(), b""
                 continue
             used = call.feed(data)
             if used < 0:
-                return call, tail, -1
+                return call, tail, -1, closed
             if used > len(data):
-                return call, tail, 0
-            call, data = None, data[used:]
-        return call, tail, 0
+                return call, tail, 0, closed
+            call, data, closed = None, data[used:], closed + 1
+        return call, tail, 0, closed
 
     def allows(self, token: int) -> bool:
         data = self._tokenizer.token_bytes(token)
@@ -307,7 +313,8 @@ class ToolCallConstraint:
         if self.call is None and token in self._special and data != TOOL_OPEN:
             self._tail = b""  # a special token's text does not join a tag
             return
-        self.call, self._tail, status = self._after(data)
+        self.call, self._tail, status, closed = self._run(self.call, self._tail, data)
+        self.num_closed += closed
         if status < 0:  # a token `allows` did not see (a whole tag in one text token)
             self.call = self._new_call()
 

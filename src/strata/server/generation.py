@@ -77,6 +77,9 @@ class GenerationRoutes:
         the tool calls it finds)."""
         req.options.held_tool_calls = prompt.held_tool_calls
         req.options.tool_call_form = prompt.tool_call_form
+        # a call the request requires is held to come first (where calls are held at all)
+        req.options.tool_call_required = prompt.held_tool_calls is not None and (
+            req.tool_choice == "required" or isinstance(req.tool_choice, dict))
         job = self._submit(prompt.tokens, req.options, engine)
         parser = OutputParser(starts_in_reasoning=prompt.starts_in_reasoning,
                               parse_tools=prompt.is_tool_parsing,

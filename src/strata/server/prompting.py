@@ -138,7 +138,8 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
               "ignore_eos": options.is_eos_ignored, "logit_bias": dict(options.logit_bias),
               "json_object": options.json_object, "json_schema": options.json_schema,
               "held_tool_calls": options.held_tool_calls,
-              "tool_call_form": options.tool_call_form}
+              "tool_call_form": options.tool_call_form,
+              "tool_call_required": options.tool_call_required}
     if options.temperature is not None and options.temperature < MIN_TEMPERATURE:
         # As vLLM does: a temperature this close to 0 is greedy (dividing logits by a tiny or
         # denormal value overflows to inf and the draw has nothing left to pick from).

@@ -36,6 +36,7 @@ class GenerationOptions:
     json_schema: dict | None = None  # ... that follows this schema (json_schema format)
     held_tool_calls: list[dict] | None = None  # the functions of held tool calls (the prompt
     tool_call_form: str = "json"                # sets both: json or xml, as its template asks)
+    tool_call_required: bool = False  # the answer opens with a call (tool_choice required / named)
 
 
 @dataclass
