@@ -296,3 +296,41 @@ def test_xml_value_candidates_hold_every_allowed_token(tokenizer, prefix):
     assert feed(c, ids(tokenizer, prefix))
     allowed = {t for t in range(tokenizer.vocab_size) if c.allows(t)}
     assert allowed and allowed <= set(c.candidates().tolist())
+
+
+@pytest.mark.parametrize("xml", [False, True])
+def test_max_calls_refuses_a_further_block(tokenizer, xml):
+    """max_calls 1 (parallel_tool_calls false): once one block closed no other opens, whether
+    its tag comes alone, after text, or in the token that closes the first."""
+    call = XML_CALL if xml else '\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    c = ToolCallConstraint(tokenizer, [WEATHER, TIME], xml=xml, max_calls=1)
+    assert c.is_free and feed(c, ids(tokenizer, "First <tool_call>" + call))
+    assert c.num_closed == 1 and c.is_full and not c.is_free
+    tag = ids(tokenizer, "<tool_call>")
+    assert len(tag) == 1 and not c.allows(tag[0])
+    assert feed(c, ids(tokenizer, " then text, < and <tool but no tag"))
+    two = ToolCallConstraint(tokenizer, [WEATHER, TIME], xml=xml, max_calls=2)
+    assert feed(two, ids(tokenizer, "<tool_call>" + call + "<tool_call>" + call))
+    assert not two.allows(tag[0])
+    free = ToolCallConstraint(tokenizer, [WEATHER, TIME], xml=xml)
+    assert feed(free, ids(tokenizer, ("<tool_call>" + call) * 3)) and free.allows(tag[0])
+
+
+def test_a_token_that_closes_one_block_and_opens_another_counts_both(tokenizer):
+    """A token whose text closes the first block and opens a second (one id past the
+    vocabulary here, spelled so) is refused under max_calls 1, taken without it."""
+    extra = tokenizer.vocab_size
+
+    class WithExtraToken:
+        special_ids, added_ids = tokenizer.special_ids, tokenizer.added_ids
+
+        @staticmethod
+        def token_bytes(t):
+            return b"}</tool_call><tool_call>" if t == extra else tokenizer.token_bytes(t)
+
+    opened = '<tool_call>{"name": "get_time", "arguments": {}'
+    for max_calls, expected in ((1, False), (2, True), (None, True)):
+        c = ToolCallConstraint(tokenizer, [TIME], max_calls=max_calls)
+        assert feed(c, ids(tokenizer, opened))
+        c._tokenizer = WithExtraToken
+        assert c.allows(extra) is expected

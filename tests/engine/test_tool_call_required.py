@@ -130,5 +130,5 @@ def test_the_engine_answers_with_a_call(tiny_engine):
 
 
 def test_it_needs_the_functions():
-    with pytest.raises(RequestError, match="tool_call_required needs held_tool_calls"):
+    with pytest.raises(RequestError, match="need held_tool_calls"):
         SamplingParams(tool_call_required=True)

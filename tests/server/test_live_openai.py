@@ -354,3 +354,18 @@ def test_a_required_tool_call_is_held_to_come(client, reference, tool_choice):
     assert calls
     assert calls[0].function.name == "get_weather"
     assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
+
+
+def test_parallel_tool_calls_false_holds_one_call(client, reference):
+    """With the opening tag favoured the tiny model writes call after call; with
+    parallel_tool_calls false the answer holds one."""
+    tok = reference.tokenizer
+    kwargs = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                  tools=[WEATHER_TOOL], max_tokens=200, temperature=0,
+                  logit_bias={str(tok.token_id("<tool_call>")): 100,
+                              str(tok.token_id("}")): 6, str(tok.token_id('"')): 10},
+                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    many = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    one = client.chat.completions.create(parallel_tool_calls=False, **kwargs)
+    assert len(many) >= 2 and len(one.choices[0].message.tool_calls) == 1
+    assert "<tool_call>" not in (one.choices[0].message.content or "")

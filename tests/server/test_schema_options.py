@@ -3,6 +3,8 @@ import pytest
 
 from strata.server.api_error import ApiError
 from strata.server.prompting import sampling_params
+from strata.server.anthropic_schema import parse_anthropic_request
+from strata.server.responses_schema import parse_responses_request
 from strata.server.schema import parse_chat_request
 
 USER = [{"role": "user", "content": "hi"}]
@@ -40,3 +42,28 @@ def test_json_schema_reaches_the_engine():
     assert sampling_params(req.options, 10, 512, 1000).json_schema == schema
     req = parse_chat_request({"messages": USER, "response_format": {"type": "json_object"}}, 512)
     assert sampling_params(req.options, 10, 512, 1000).json_schema is None
+
+
+@pytest.mark.parametrize("body,parse", [
+    ({"messages": USER, "tools": [TOOL]}, parse_chat_request),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, parse_responses_request),
+    ({"max_tokens": 8, "messages": USER, "tools": [{"name": "f", "input_schema": {}}]},
+     parse_anthropic_request),
+])
+def test_one_call_when_calls_are_not_parallel(body, parse):
+    """parallel_tool_calls false (Anthropic: tool_choice.disable_parallel_tool_use) holds an
+    answer with held tool calls to one call; with calls not held there is nothing to limit."""
+    def serial(value):
+        if parse is parse_anthropic_request:
+            return dict(body, tool_choice={"type": "auto", "disable_parallel_tool_use": value})
+        return dict(body, parallel_tool_calls=not value if isinstance(value, bool) else value)
+
+    for request, expected in ((body, None), (serial(False), None), (serial(True), 1)):
+        options = parse(request, 512).options
+        options.held_tool_calls = [{"name": "f"}]
+        assert sampling_params(options, 10, 512, 1000).max_tool_calls == expected
+        options.held_tool_calls = None
+        assert sampling_params(options, 10, 512, 1000).max_tool_calls is None
+    with pytest.raises(ApiError) as info:
+        parse(serial("no"), 512)
+    assert "a boolean" in info.value.message

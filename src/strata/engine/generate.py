@@ -154,10 +154,12 @@ class TokenDecoder:
                 tokenizer, params.held_tool_calls,
                 set(params.stop_token_ids) | tokenizer.stop_ids,
                 xml=params.tool_call_form == "xml",
-                starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens))
+                starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens),
+                max_calls=params.max_tool_calls)
         elif params.held_tool_calls:
             constraint = ToolCallConstraint(tokenizer, params.held_tool_calls,
-                                            xml=params.tool_call_form == "xml")
+                                            xml=params.tool_call_form == "xml",
+                                            max_calls=params.max_tool_calls)
         self._sampler = Sampler(params, prompt_tokens=prompt_tokens, constraint=constraint)
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

@@ -43,6 +43,8 @@ class SamplingParams:
     # the answer opens with a call (tool_choice "required" or a named function):
     # engine/tool_call_required.py
     tool_call_required: bool = False
+    # at most this many calls (None: any; 1 for OpenAI's parallel_tool_calls false)
+    max_tool_calls: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,9 +64,14 @@ class SamplingParams:
             if self.json_object:
                 raise RequestError("json_object and held_tool_calls exclude each other: an "
                                    "answer is either one JSON object or text with tool calls")
-        elif self.tool_call_required:
-            raise RequestError("tool_call_required needs held_tool_calls: the functions a "
-                               "required call may name")
+        elif self.tool_call_required or self.max_tool_calls is not None:
+            raise RequestError("tool_call_required and max_tool_calls need held_tool_calls: "
+                               "the functions the calls may name")
+        if self.max_tool_calls is not None and (
+                isinstance(self.max_tool_calls, bool) or not isinstance(self.max_tool_calls, int)
+                or self.max_tool_calls < 1):
+            raise RequestError(f"max_tool_calls = {self.max_tool_calls!r} is invalid: it must "
+                               "be an integer >= 1 or None")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, dict):
                 raise RequestError(f"json_schema = {self.json_schema!r} is invalid: it must be "

@@ -251,8 +251,10 @@ class ToolCallConstraint:
     request whose tool calls are held: free text, and each `<tool_call>` block a valid call,
     JSON or (`xml`) Qwen3-Coder's form."""
 
-    def __init__(self, tokenizer, functions: list[dict], xml: bool = False):
+    def __init__(self, tokenizer, functions: list[dict], xml: bool = False,
+                 max_calls: int | None = None):
         self._tokenizer = tokenizer
+        self.max_calls = max_calls  # blocks the answer may hold (None: any number)
         self._special = tokenizer.special_ids
         self._added = tokenizer.added_ids  # tags: none inside a block but its closing one
         if xml:
@@ -292,19 +294,31 @@ class ToolCallConstraint:
             call, data, closed = None, data[used:], closed + 1
         return call, tail, 0, closed
 
+    @property
+    def is_full(self) -> bool:
+        """max_calls blocks are closed: no other may open."""
+        return self.max_calls is not None and self.num_closed >= self.max_calls
+
     def allows(self, token: int) -> bool:
         data = self._tokenizer.token_bytes(token)
-        if self.call is None:  # free text, unless the token opens a block
-            return TOOL_OPEN not in self._tail + data or self._after(data)[2] == 0
-        if not data or (token in self._added and data != TOOL_CLOSE):
+        if self.call is None and TOOL_OPEN not in self._tail + data:
+            return True  # free text
+        if self.call is not None and (not data or (token in self._added and
+                                                   data != TOOL_CLOSE)):
             return False
-        return self._after(data)[2] == 0
+        call, _, status, closed = self._run(self.call, self._tail, data)
+        if status < 0:
+            return False
+        # every block it leaves opened, closed ones included, counts against max_calls
+        return self.max_calls is None or (
+            self.num_closed + closed + (call is not None) <= self.max_calls)
 
     @property
     def is_free(self) -> bool:
         """Outside a block, with no part of an opening tag at the text's end: every token but
-        one that holds a whole tag is allowed (the sampler may skip asking)."""
-        return self.call is None and not any(
+        one that holds a whole tag is allowed (the sampler may skip asking). Not once the
+        blocks are full: then a whole tag is refused too, so every token is asked."""
+        return self.call is None and not self.is_full and not any(
             self._tail.endswith(TOOL_OPEN[:n]) for n in range(1, len(TOOL_OPEN)))
 
     def push(self, token: int) -> None:

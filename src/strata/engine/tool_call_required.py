@@ -18,8 +18,8 @@ class RequiredToolCallConstraint(ToolCallConstraint):
     """ToolCallConstraint whose answer starts with a call (see the module)."""
 
     def __init__(self, tokenizer, functions: list[dict], stop_ids, xml: bool = False,
-                 starts_in_reasoning: bool = False):
-        super().__init__(tokenizer, functions, xml)
+                 starts_in_reasoning: bool = False, max_calls: int | None = None):
+        super().__init__(tokenizer, functions, xml, max_calls)
         self._stop_ids = frozenset(stop_ids)
         self.is_thinking = starts_in_reasoning  # inside the <think> block before the call
         self.is_first = not starts_in_reasoning  # nothing taken yet: a <think> may open

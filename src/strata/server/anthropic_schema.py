@@ -277,6 +277,9 @@ def parse_anthropic_request(body: dict, max_tokens_limit: int, *,
     kwargs.update(parse_thinking(body.get("thinking"))[0])
     tools = parse_anthropic_tools(body.get("tools"))
     tool_choice = parse_anthropic_tool_choice(body.get("tool_choice"), tools)
+    choice = body.get("tool_choice")
+    options.is_parallel_tool_calls = not (isinstance(choice, dict) and _boolean(
+        choice, "disable_parallel_tool_use", default=False))
     response_format = _output_format(body)
     hold_json_answer(options, response_format, tools, tool_choice)
     messages, prefill = parse_anthropic_messages(body.get("messages", _MISSING))

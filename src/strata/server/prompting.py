@@ -139,7 +139,9 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
               "json_object": options.json_object, "json_schema": options.json_schema,
               "held_tool_calls": options.held_tool_calls,
               "tool_call_form": options.tool_call_form,
-              "tool_call_required": options.tool_call_required}
+              "tool_call_required": options.tool_call_required,
+              "max_tool_calls": (None if options.is_parallel_tool_calls or
+                                 options.held_tool_calls is None else 1)}
     if options.temperature is not None and options.temperature < MIN_TEMPERATURE:
         # As vLLM does: a temperature this close to 0 is greedy (dividing logits by a tiny or
         # denormal value overflows to inf and the draw has nothing left to pick from).

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from strata.server.api_error import ApiError, invalid, missing
-from strata.server.schema import (ChatRequest, _integer, _object, _objects, _string,
+from strata.server.schema import (ChatRequest, _boolean, _integer, _object, _objects, _string,
                                   _wrong_type, flat_function_tool, hold_json_answer,
                                   parse_options, parse_tool_choice)
 
@@ -233,6 +233,7 @@ def parse_responses_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
     response_format = _text_format(body)
     hold_json_answer(options, response_format, tools, tool_choice)
+    options.is_parallel_tool_calls = _boolean(body, "parallel_tool_calls", default=True)
     kwargs = dict(_object(body, "chat_template_kwargs") or {})
     kwargs.update(_thinking(body))
     return ChatRequest(model=_string(body, "model"),

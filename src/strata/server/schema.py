@@ -37,6 +37,7 @@ class GenerationOptions:
     held_tool_calls: list[dict] | None = None  # the functions of held tool calls (the prompt
     tool_call_form: str = "json"                # sets both: json or xml, as its template asks)
     tool_call_required: bool = False  # the answer opens with a call (tool_choice required / named)
+    is_parallel_tool_calls: bool = True  # False: at most one call (parallel_tool_calls false)
 
 
 @dataclass
@@ -403,6 +404,7 @@ def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
     response_format = parse_response_format(body.get("response_format"))
     hold_json_answer(options, response_format, tools, tool_choice)
+    options.is_parallel_tool_calls = _boolean(body, "parallel_tool_calls", default=True)
     return ChatRequest(
         model=_string(body, "model"),
         messages=parse_messages(body.get("messages", _MISSING)),
