@@ -73,7 +73,7 @@ def test_a_think_block_may_come_first(tokenizer):
     assert c.allows(think)
     c.push(think)
     stop = sorted(tokenizer.stop_ids)[0]
-    assert c.is_thinking and not c.allows(stop)
+    assert c.think.is_thinking and not c.allows(stop)
     assert feed(c, ids(tokenizer, "I should call it, not chat.</think>\n\n" + CALL))
     assert c.num_closed == 1
     later = constraint(tokenizer)

@@ -299,6 +299,45 @@ def opens_reasoning(tokenizer, prompt_tokens: list[int], tail: int = 16) -> bool
     return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
 
 
+class ThinkingLead:
+    """A reasoning model's `<think>` ... `</think>` block before the held text: its `<think>` as
+    the first token, or the output starts inside one (`starts_in_reasoning`). Inside it any
+    token but a special one passes; the bytes after `</think>` are the held text's."""
+
+    def __init__(self, starts_in_reasoning: bool = False):
+        self.is_thinking = starts_in_reasoning
+        self.is_first = not starts_in_reasoning  # nothing taken yet: a <think> may open
+
+    def allows(self, token: int, data: bytes, special, rest_ok) -> bool | None:
+        """Whether the block takes the token (`rest_ok(bytes)`: whether the held text may start
+        with what follows `</think>`), or None when the token is the held text's to decide."""
+        if self.is_thinking:
+            end = data.find(THINK_CLOSE)
+            return token not in special and (end < 0 or rest_ok(data[end + len(THINK_CLOSE):]))
+        if data == THINK_OPEN and self.is_first:
+            return True
+        return None
+
+    def take(self, data: bytes) -> bytes | None:
+        """Push a token's bytes: those the held text reads (after `</think>`), or None while
+        the block takes them."""
+        is_first, self.is_first = self.is_first, False
+        if self.is_thinking:
+            end = data.find(THINK_CLOSE)
+            if end < 0:
+                return None
+            self.is_thinking = False
+            return data[end + len(THINK_CLOSE):]
+        if data == THINK_OPEN and is_first:
+            self.is_thinking = True
+            return None
+        return data
+
+    def think_id(self, tokenizer) -> int | None:
+        """The `<think>` token's id while it may open the block."""
+        return tokenizer.token_id(THINK_OPEN.decode()) if self.is_first else None
+
+
 class JsonObjectConstraint:
     """Which tokens may come next so that the output is one JSON object (following `schema`
     where given, as json_schema.py holds it): `allows(token)` before
@@ -313,8 +352,7 @@ class JsonObjectConstraint:
         self._stop_ids = frozenset(stop_ids)
         self._special = tokenizer.special_ids
         self._added = tokenizer.added_ids  # tags such as <tool_call>: never inside the object
-        self.is_thinking = starts_in_reasoning
-        self.is_first = not starts_in_reasoning  # nothing pushed yet: a <think> may open
+        self.think = ThinkingLead(starts_in_reasoning)
         if schema is None:
             self.json = JsonRecognizer()
         else:  # the schema's structure too (json_schema.py says what is held)
@@ -324,18 +362,16 @@ class JsonObjectConstraint:
 
     @property
     def is_done(self) -> bool:
-        return not self.is_thinking and self.json.is_done
+        return not self.think.is_thinking and self.json.is_done
 
     def allows(self, token: int) -> bool:
         if token in self._stop_ids:
             return self.is_done
         data = self._tokenizer.token_bytes(token)
-        if self.is_thinking:
-            end = data.find(THINK_CLOSE)
-            return token not in self._special and (
-                end < 0 or self.json.copy().feed(data[end + len(THINK_CLOSE):]))
-        if data == THINK_OPEN and self.is_first:
-            return True
+        decided = self.think.allows(token, data, self._special,
+                                    lambda rest: self.json.copy().feed(rest))
+        if decided is not None:
+            return decided
         if token in self._added or not data:
             return False
         return self.json.copy().feed(data)
@@ -344,22 +380,13 @@ class JsonObjectConstraint:
         """Take `token` (one `allows` accepted)."""
         if token in self._stop_ids:
             return
-        data = self._tokenizer.token_bytes(token)
-        is_first, self.is_first = self.is_first, False
-        if self.is_thinking:
-            end = data.find(THINK_CLOSE)
-            if end >= 0:
-                self.is_thinking = False
-                self.json.feed(data[end + len(THINK_CLOSE):])
-            return
-        if data == THINK_OPEN and is_first:
-            self.is_thinking = True
-            return
-        self.json.feed(data)
+        data = self.think.take(self._tokenizer.token_bytes(token))
+        if data is not None:
+            self.json.feed(data)
 
     def first_bytes(self) -> np.ndarray:
         """bool [256]: the bytes a token may start with now (inside reasoning: all)."""
-        if self.is_thinking:
+        if self.think.is_thinking:
             return np.ones(256, dtype=bool)
         return self.json.first_bytes()
 
@@ -370,8 +397,7 @@ class JsonObjectConstraint:
         first = self._tokenizer.first_byte_table()  # [V] int16, -1 for an empty token
         ok = np.append(self.first_bytes(), False)  # [257]: index -1 (empty) is False
         mask = ok[first]  # [V] (a mask, not a union of id arrays: that sorted 150k ids)
-        if self.is_first:
-            think = self._tokenizer.token_id(THINK_OPEN.decode())
-            if think is not None:
-                mask[think] = True
+        think = self.think.think_id(self._tokenizer)
+        if think is not None:
+            mask[think] = True
         return np.flatnonzero(mask)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from strata.engine.json_constraint import THINK_CLOSE, THINK_OPEN
+from strata.engine.json_constraint import ThinkingLead
 from strata.engine.tool_call_constraint import TOOL_OPEN, ToolCallConstraint
 
 MAX_LEAD = 4  # spaces or newlines before the first <tool_call> (after </think>)
@@ -21,8 +21,7 @@ class RequiredToolCallConstraint(ToolCallConstraint):
                  starts_in_reasoning: bool = False, max_calls: int | None = None):
         super().__init__(tokenizer, functions, xml, max_calls)
         self._stop_ids = frozenset(stop_ids)
-        self.is_thinking = starts_in_reasoning  # inside the <think> block before the call
-        self.is_first = not starts_in_reasoning  # nothing taken yet: a <think> may open
+        self.think = ThinkingLead(starts_in_reasoning)  # a <think> block before the call
         self.lead = b""  # the text before the first call (after any </think>)
 
     @property
@@ -52,12 +51,10 @@ class RequiredToolCallConstraint(ToolCallConstraint):
         if token in self._stop_ids:
             return False
         data = self._tokenizer.token_bytes(token)
-        if self.is_thinking:
-            end = data.find(THINK_CLOSE)
-            return token not in self._special and (
-                end < 0 or self._lead_status(data[end + len(THINK_CLOSE):]) >= 0)
-        if data == THINK_OPEN and self.is_first:
-            return True
+        decided = self.think.allows(token, data, self._special,
+                                    lambda rest: self._lead_status(rest) >= 0)
+        if decided is not None:
+            return decided
         if not data or (token in self._added and data != TOOL_OPEN):
             return False
         return self._lead_status(self.lead + data) >= 0
@@ -69,15 +66,8 @@ class RequiredToolCallConstraint(ToolCallConstraint):
             return
         if token in self._stop_ids:
             return
-        data = self._tokenizer.token_bytes(token)
-        is_first, self.is_first = self.is_first, False
-        if self.is_thinking:
-            end = data.find(THINK_CLOSE)
-            if end < 0:
-                return
-            self.is_thinking, data = False, data[end + len(THINK_CLOSE):]
-        elif data == THINK_OPEN and is_first:
-            self.is_thinking = True
+        data = self.think.take(self._tokenizer.token_bytes(token))
+        if data is None:
             return
         self.lead += data
         rest = self.lead.lstrip(_LEAD_SPACE)
@@ -92,12 +82,11 @@ class RequiredToolCallConstraint(ToolCallConstraint):
         if not self.is_leading:
             return super().candidates()
         first = self._tokenizer.first_byte_table()
-        if self.is_thinking:
+        if self.think.is_thinking:
             return np.arange(first.shape[0])
         ok = np.array([self._lead_status(self.lead + bytes((b,))) >= 0 for b in range(256)])
         mask = np.append(ok, False)[first]  # [V]
-        if self.is_first:
-            think = self._tokenizer.token_id(THINK_OPEN.decode())
-            if think is not None:
-                mask[think] = True
+        think = self.think.think_id(self._tokenizer)
+        if think is not None:
+            mask[think] = True
         return np.flatnonzero(mask)
