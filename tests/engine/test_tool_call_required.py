@@ -12,18 +12,9 @@ from strata.engine.tool_call_required import MAX_LEAD, RequiredToolCallConstrain
 from strata.errors import RequestError
 from strata.server.output_parser import parse_complete
 
-WEATHER = {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+from test_tool_call_constraint import WEATHER, feed, ids, tokenizer  # noqa: F401 (a fixture)
+
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    from strata.model.gguf_file import GGUFModel
-    from strata.model.tokenizer import Tokenizer
-
-    with GGUFModel.open(tiny_model_path) as m:
-        return Tokenizer.from_gguf_metadata(m.metadata)
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +26,8 @@ def tiny_engine(tiny_model_path):
         yield engine
 
 
-def ids(tokenizer, text):
-    return tokenizer.encode(text, add_special=False)
-
-
 def constraint(tokenizer, **kwargs):
     return RequiredToolCallConstraint(tokenizer, [WEATHER], tokenizer.stop_ids, **kwargs)
-
-
-def feed(c, tokens) -> bool:
-    for t in tokens:
-        if not c.allows(t):
-            return False
-        c.push(t)
-    return True
 
 
 def test_the_answer_opens_with_a_call_then_is_free(tokenizer):
