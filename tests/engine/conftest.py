@@ -1,4 +1,4 @@
-"""A tiny F32 synth model shared by the engine tests."""
+"""A tiny F32 synth model shared by the engine tests, and its tokenizer."""
 from __future__ import annotations
 
 import pytest
@@ -11,3 +11,12 @@ def tiny_model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "tiny-f32.gguf"
     synth_model(path, shape="tiny", weight_type="f32", seed=3)
     return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path):
+    from strata.model.gguf_file import GGUFModel
+    from strata.model.tokenizer import Tokenizer
+
+    with GGUFModel.open(tiny_model_path) as m:
+        return Tokenizer.from_gguf_metadata(m.metadata)

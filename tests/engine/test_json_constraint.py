@@ -97,15 +97,6 @@ def test_depth_is_bounded():
     assert accepts("{" + '"a":{' * MAX_DEPTH)[0] is False
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    from strata.model.gguf_file import GGUFModel
-    from strata.model.tokenizer import Tokenizer
-
-    with GGUFModel.open(tiny_model_path) as m:
-        return Tokenizer.from_gguf_metadata(m.metadata)
-
-
 def _json_text(tokenizer, tokens) -> str:
     return tokenizer.decode([t for t in tokens if t not in tokenizer.stop_ids])
 

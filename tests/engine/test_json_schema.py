@@ -117,15 +117,6 @@ def test_free_parts_and_open_objects():
     assert accepts(closed, '{"a":null,')[0] is False  # no key left to write
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    from strata.model.gguf_file import GGUFModel
-    from strata.model.tokenizer import Tokenizer
-
-    with GGUFModel.open(tiny_model_path) as m:
-        return Tokenizer.from_gguf_metadata(m.metadata)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_sampler_writes_instances_from_random_logits(tokenizer, temperature):
     """Random logits nudged towards closing: each finished answer is an instance of PERSON."""

@@ -17,15 +17,6 @@ WEATHER = {"name": "get_weather", "parameters": {
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    from strata.model.gguf_file import GGUFModel
-    from strata.model.tokenizer import Tokenizer
-
-    with GGUFModel.open(tiny_model_path) as m:
-        return Tokenizer.from_gguf_metadata(m.metadata)
-
-
 def ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special=False)
 

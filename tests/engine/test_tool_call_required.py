@@ -12,7 +12,7 @@ from strata.engine.tool_call_required import MAX_LEAD, RequiredToolCallConstrain
 from strata.errors import RequestError
 from strata.server.output_parser import parse_complete
 
-from test_tool_call_constraint import WEATHER, feed, ids, tokenizer  # noqa: F401 (a fixture)
+from test_tool_call_constraint import WEATHER, feed, ids
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 
