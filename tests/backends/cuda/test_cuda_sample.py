@@ -129,3 +129,49 @@ def test_engine_sampler_on_device_rows_equals_copied_rows(synth_path):
     model.forward_window_lazy(Window.build(runs, logits="last"))
     with pytest.raises(Exception, match="earlier pass"):
         np.asarray(rows_then)
+
+
+def test_held_tool_calls_on_device_rows_equal_copied_rows(synth_path):
+    """A required call (JSON form, greedy, one call at most) and calls in the XML form with
+    typed values (sampled): rows left on the device give the copied rows' tokens, and the
+    required answer opens with a call."""
+    from strata.backends.cuda import CudaModel
+    from strata.engine.tool_call_constraint import ToolCallConstraint
+    from strata.engine.tool_call_required import RequiredToolCallConstraint
+
+    gguf = GGUFModel.open(synth_path("tiny", "q8_0"))
+    model = CudaModel(gguf)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    V = model.spec.vocab
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}
+    no_think = {tokenizer.token_id("<think>"): -100, tokenizer.token_id('"'): 6,
+                tokenizer.token_id("}"): 4}
+    params = [SamplingParams(temperature=0.0, held_tool_calls=[weather], logit_bias=no_think,
+                             tool_call_required=True, max_tool_calls=1),
+              SamplingParams(temperature=1.0, top_k=40, seed=5, held_tool_calls=[weather],
+                             tool_call_form="xml",
+                             logit_bias={tokenizer.token_id("<tool_call>"): 8})]
+
+    def samplers():
+        return [Sampler(params[0], constraint=RequiredToolCallConstraint(
+                    tokenizer, [weather], tokenizer.stop_ids, max_calls=1)),
+                Sampler(params[1], constraint=ToolCallConstraint(tokenizer, [weather],
+                                                                 xml=True))]
+    on_device, on_host = samplers(), samplers()
+    kvs = [model.new_kv(128) for _ in range(2)]
+    runs = [(kv, np.arange(5 + i, dtype=np.int32)) for i, kv in enumerate(kvs)]
+    answer = []
+    for _ in range(40):
+        window = Window.build(runs, logits="last")
+        rows = model.forward_window_lazy(window)
+        host = np.asarray(rows)
+        tokens = []
+        for i in range(2):
+            a = on_device[i].sample_candidates(window.logits_of(rows, i)[-1], V)
+            assert a == on_host[i].sample(window.logits_of(host, i)[-1])
+            tokens.append(a)
+        answer.append(tokens[0])
+        runs = [(kv, np.array([t], dtype=np.int32)) for kv, t in zip(kvs, tokens)]
+    text = b"".join(tokenizer.token_bytes(t) for t in answer).lstrip()
+    assert text.startswith(b"<tool_call>"), text
