@@ -294,3 +294,25 @@ def test_a_faulty_slot_picker_fails_the_request_with_a_message(model_8k):
         with pytest.raises(ConfigError, match="slot picker 'bad' chose slot 2"):
             collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=2, **GREEDY)))
         assert not engine.step() and engine.num_running == 0
+
+
+def test_a_request_copies_a_busy_slots_prefix(model_8k, caplog):
+    """Two agents share a long system prompt: the second, arriving while the first decodes,
+    copies the first's cells of it and reads only its own tokens; both answers equal fresh
+    runs."""
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    rng = np.random.default_rng(11)
+    shared = random_tokens(rng, 700)
+    first, second = shared + random_tokens(rng, 30), shared + random_tokens(rng, 25)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    with new_engine(model_8k, parallel=2) as engine:
+        a = engine.submit(first, params)
+        while a.state != STATE_DECODING:
+            assert engine.step()
+        b = engine.submit(second, params)
+        answers = run_all(engine, [a, b])
+    assert b.stats.num_cached_tokens == len(shared)
+    assert any(re.fullmatch(rf"request 2: slot 1 copied the first {len(shared)} cells of busy "
+                            rf"slot 0's KV \({len(shared)} tokens reused\)", r.getMessage())
+               for r in caplog.records)
+    assert answers == [solo(model_8k, first, params), solo(model_8k, second, params)]

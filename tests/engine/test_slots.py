@@ -271,3 +271,42 @@ def test_place_request_checks_a_plugin_answer():
     slots = make_slots(([1], True, 1), ((), False, 0))
     with pytest.raises(ConfigError, match="not an idle slot"):
         place_request([1, 2], FixedPicker((0, 0)), slots)
+
+
+# ---- placement: a busy slot's prefix copied ----------------------------------------------
+def test_a_busy_slots_longer_prefix_is_copied():
+    """Another request's slot holds the shared system prompt: its cells are copied into the
+    idle slot the picker chose (whose own, shorter prefix is parked first)."""
+    slots = make_slots(([1, 2, 3, 4, 5, 9], True, 1), ([1, 2, 7], False, 2), ((), False, 0))
+    assert place_request([1, 2, 3, 4, 5, 6], PICKER, slots, copies_busy=True) == Placement(
+        1, 5, None, True, 0)
+    # without copying: the picker's slot and its own 2 tokens
+    assert place_request([1, 2, 3, 4, 5, 6], PICKER, slots) == Placement(1, 2, None, True)
+
+
+def test_a_busy_prefix_no_longer_than_the_slots_own_is_not_copied():
+    slots = make_slots(([1, 2, 3], True, 1), ([1, 2, 3, 8], False, 2))
+    assert place_request([1, 2, 3, 4], PICKER, slots, copies_busy=True) == Placement(
+        1, 3, None, True)
+
+
+def test_copy_into_an_empty_slot_parks_nothing_and_ties_go_to_the_lowest_index():
+    slots = make_slots(((), False, 0), ([4, 5, 6, 7], True, 1), ([4, 5, 6, 8], True, 2))
+    assert place_request([4, 5, 6, 9, 9], PICKER, slots, copies_busy=True) == Placement(
+        0, 3, None, False, 1)
+
+
+def test_the_longest_of_parked_and_busy_wins():
+    cache, keys = make_cache([1, 2, 3, 4, 5, 6, 7])
+    slots = make_slots(([1, 2, 3, 4], True, 1), ((), False, 0))
+    assert place_request([1, 2, 3, 4, 5, 6, 7, 8], PICKER, slots, cache,
+                         copies_busy=True) == Placement(1, 7, keys[0], False)
+    cache, _ = make_cache([1, 2])
+    assert place_request([1, 2, 3, 4, 5], PICKER, slots, cache,
+                         copies_busy=True) == Placement(1, 4, None, False, 0)
+
+
+def test_a_busy_copy_of_the_whole_prompt_still_reads_its_last_token():
+    slots = make_slots(([1, 2, 3, 4], True, 1), ((), False, 0))
+    assert place_request([1, 2, 3], PICKER, slots, copies_busy=True) == Placement(
+        1, 2, None, False, 0)

@@ -370,7 +370,9 @@ class Scheduler:
         started_at = time.perf_counter()
         placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
                                   self.conversations,
-                                  reusable=lambda slot, n: self.kvs[slot].reusable(n))
+                                  reusable=lambda slot, n: self.kvs[slot].reusable(n),
+                                  # a busy slot's state exists at its own length only
+                                  copies_busy=self.kvs[0].state is None)
         index, kv = placement.slot_index, self.kvs[placement.slot_index]
         if self.kv_lender is not None:
             self.kv_lender.grow_for_prompt(index, kv, len(prompt))
@@ -384,13 +386,16 @@ class Scheduler:
             n = min(k.shape[2], kv.capacity)  # (the cells past the prompt are dropped anyway)
             if restored.reuse_points is not None:  # the state exists at its points only
                 n = max((p for p in restored.reuse_points if p <= n), default=0)
-            kv.truncate(0)
-            for layer in range(k.shape[0]):
-                kv.append(layer, k[layer][:, :n], v[layer][:, :n])
-            kv.commit(n)
+            _fill_cells(kv, zip(k, v), n)
             kv.import_state(state, n)
             self.table.replace_tokens(index, restored.tokens[:n])
             how = f"restored a parked conversation of {restored.num_tokens} tokens"
+        elif placement.source_slot is not None:
+            source, n = self.kvs[placement.source_slot], placement.num_reused_tokens
+            _fill_cells(kv, ((source.keys(layer), source.values(layer))
+                             for layer in range(source.num_layers)), n)
+            self.table.replace_tokens(index, self.table.tokens(placement.source_slot)[:n])
+            how = f"copied the first {n} cells of busy slot {placement.source_slot}'s KV"
         elif placement.num_reused_tokens > 0:
             how = "kept its KV"
         else:
@@ -616,3 +621,12 @@ class Scheduler:
     def _end(self, handle: RequestHandle, error: BaseException | None) -> None:
         handle.state, handle.error = STATE_DONE, error
         self.choosers.request_done(handle.stats)
+
+
+def _fill_cells(kv, layers, num_tokens: int) -> None:
+    """Make `kv` hold the first `num_tokens` cells of `layers`: (keys, values) per layer, as
+    a KV's `keys(layer)` / `values(layer)` give them ([KV, n, D] or int8 codes [KV, n])."""
+    kv.truncate(0)
+    for layer, (k, v) in enumerate(layers):
+        kv.append(layer, k[:, :num_tokens], v[:, :num_tokens])
+    kv.commit(num_tokens)

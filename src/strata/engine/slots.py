@@ -160,7 +160,10 @@ class Placement:
       the request does not keep);
     - `parked_key`: restore that parked conversation into the slot (it beats the slot's own
       prefix), then keep its first `num_reused_tokens` cells; None: keep the slot's own first
-      `num_reused_tokens` cells.
+      `num_reused_tokens` cells;
+    - `source_slot`: copy the first `num_reused_tokens` cells of that busy slot's KV into this
+      slot instead (another request holds the longest prefix: several agents sharing one
+      system prompt and tools).
 
     Order for the engine: `take(parked_key)` first, then park the slot's KV, then copy the taken
     KV in; parking first could evict the very entry about to be restored.
@@ -170,14 +173,16 @@ class Placement:
     num_reused_tokens: int
     parked_key: int | None
     is_parking_needed: bool
+    source_slot: int | None = None
 
 
 def place_request(prompt_tokens: Sequence[int], picker: SlotPicker, slots: Sequence[SlotView],
-                  conversations=None, reusable=None) -> Placement:
+                  conversations=None, reusable=None, copies_busy: bool = False) -> Placement:
     """Ask the picker for a slot, then prefer a parked conversation when it shares a longer
-    prefix with the prompt than the chosen slot's own tokens do. `reusable(slot, n)`: how many
-    of a slot's first n tokens it can keep (a hybrid model's recurrent state goes back only to
-    its checkpoints); default all n."""
+    prefix with the prompt than the chosen slot's own tokens do, and (`copies_busy`) a busy
+    slot's cells when they share a longer one still. `reusable(slot, n)`: how many of a slot's
+    first n tokens it can keep (a hybrid model's recurrent state goes back only to its
+    checkpoints); default all n."""
     index, num_reused = check_pick(picker, picker.pick(prompt_tokens, slots), prompt_tokens,
                                    slots)
     if reusable is not None:
@@ -188,7 +193,15 @@ def place_request(prompt_tokens: Sequence[int], picker: SlotPicker, slots: Seque
         usable = max_reusable(length, len(prompt_tokens))
         if key is not None and usable > num_reused:
             parked_key, num_reused = key, usable
-    # Restoring overwrites the whole slot; otherwise cells past the reused prefix are dropped.
-    num_kept = 0 if parked_key is not None else num_reused
+    source = None
+    if copies_busy:
+        busy = [(common_prefix_len(s.tokens, prompt_tokens), -s.index) for s in slots
+                if s.is_busy]
+        length, minus_index = max(busy, default=(0, 0))
+        usable = max_reusable(length, len(prompt_tokens))
+        if usable > num_reused:
+            source, parked_key, num_reused = -minus_index, None, usable
+    # Restoring or copying overwrites the whole slot; else cells past the reused prefix go.
+    num_kept = 0 if parked_key is not None or source is not None else num_reused
     is_parking_needed = slots[index].num_tokens > num_kept
-    return Placement(index, num_reused, parked_key, is_parking_needed)
+    return Placement(index, num_reused, parked_key, is_parking_needed, source)
