@@ -135,6 +135,7 @@ def test_count_tokens_needs_no_max_tokens():
     ({"messages": []}, "messages", ["empty"]),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", ["'system'"]),
     ({"messages": [{"role": "user"}]}, "messages[0].content", ["required"]),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", ["empty"]),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
      ["a string or an array of content blocks"]),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},

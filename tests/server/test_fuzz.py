@@ -309,3 +309,47 @@ def test_well_formed_responses_requests_are_answered(live, body):
         check_named_stream(response.text, ("response.completed", "response.incomplete"))
     else:
         assert response.json()["status"] in ("completed", "incomplete")
+
+
+PARSER_SETTINGS = settings(max_examples=1500, deadline=None, derandomize=True)
+
+
+def _corrupt(body: dict, pick: int, value, depth: int) -> dict:
+    """`body` with one value replaced: a field's (depth 0), or one inside a list field's item
+    (depth 1: the item, 2: one of its fields)."""
+    key = sorted(body)[pick % len(body)]
+    items = body[key]
+    if depth == 0 or not isinstance(items, list) or not items:
+        return dict(body, **{key: value})
+    items = list(items)
+    i = pick % len(items)
+    if depth == 1 or not isinstance(items[i], dict) or not items[i]:
+        items[i] = value
+    else:
+        items[i] = dict(items[i], **{sorted(items[i])[pick % len(items[i])]: value})
+    return dict(body, **{key: items})
+
+
+def corrupted(bodies):
+    """Well-formed bodies with one value anywhere made wrong: each reaches the validation of
+    the part it breaks (the wild bodies mostly stop at their first field)."""
+    return st.tuples(bodies, st.integers(0, 2**16), st.one_of(json_values, st.just([])),
+                     st.integers(0, 2)).map(lambda t: _corrupt(*t))
+
+
+@PARSER_SETTINGS
+@given(body=st.one_of(chat_body, messages_body, responses_body,
+                      corrupted(good_messages_body), corrupted(good_responses_body)))
+def test_the_parsers_raise_nothing_but_request_errors(body):
+    """Each API's parser on wild and on corrupted bodies, far more of them than the live tests
+    send: an ApiError naming the problem, or a request; any other exception would be a 500."""
+    from strata.server.anthropic_schema import parse_anthropic_request
+    from strata.server.api_error import ApiError
+    from strata.server.responses_schema import parse_responses_request
+    from strata.server.schema import parse_chat_request
+
+    for parse in (parse_chat_request, parse_anthropic_request, parse_responses_request):
+        try:
+            parse(dict(body), 512)
+        except ApiError as exc:
+            assert exc.status == 400 and exc.message

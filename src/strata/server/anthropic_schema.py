@@ -135,6 +135,9 @@ def parse_anthropic_messages(messages: Any) -> tuple[list[dict], str]:
             raise missing(f"{where}.content", "a string or an array of content blocks")
         blocks = _blocks(content, f"{where}.content")
         if role == "user":
+            if not blocks:
+                raise invalid(f"'{where}.content' is empty: a user turn needs a text or "
+                              "tool_result block.", f"{where}.content")
             out += _user_messages(blocks, f"{where}.content")
         else:
             out.append(_assistant_message(blocks, f"{where}.content"))
