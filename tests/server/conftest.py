@@ -9,7 +9,7 @@ from strata.engine.engine import Engine
 from strata.engine.sampling import SamplingParams
 from strata.server.app import ServerConfig, create_app
 from strata.server.command import create_wsgi_server
-from strata.server.output_parser import parse_complete
+from strata.server.output_parser import parse_complete, prompt_opens_reasoning
 
 N_CTX_TOKENS = 512
 API_KEY = "sk-test-key-0123456789"
@@ -109,5 +109,6 @@ def reference_chat(engine, messages, max_tokens, tools=None, *, prefill="",
     events = list(engine.generate(tokens, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                          **params)))
     content, reasoning, calls, _ = parse_complete("".join(e.text for e in events),
-                                                  parse_tools=bool(tools))
+                                                  parse_tools=bool(tools),
+                                                  starts_in_reasoning=prompt_opens_reasoning(text))
     return tokens, content, reasoning, len(events), events[-1].finish_reason

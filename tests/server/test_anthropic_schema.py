@@ -108,6 +108,10 @@ def test_generation_fields_and_extensions():
     assert parse(thinking={"type": "adaptive", "display": "omitted"}).chat_template_kwargs == \
         {"enable_thinking": True}
     assert parse().chat_template_kwargs == {}
+    budgets = [parse(thinking=t).options.thinking_budget for t in (
+        {"type": "enabled", "budget_tokens": 2048}, {"type": "enabled"},
+        {"type": "adaptive", "budget_tokens": 9}, {"type": "disabled"}, None)]
+    assert budgets == [2048, None, None, None, None]
 
 
 def test_output_config_holds_the_answer_to_its_schema_unless_tools_may_answer():

@@ -263,3 +263,18 @@ def test_tool_choice_any_is_held_to_a_tool_use(client, reference):
     # the answer opens with the call (random weights then write on to max_tokens)
     assert reply.content[0].type == "tool_use" and reply.content[0].name == "get_weather"
     assert isinstance(reply.content[0].input["city"], str)
+
+
+def test_thinking_budget_tokens_close_the_block(client, reference):
+    """An answer that starts inside <think> (the prefill opens it) closes the block after
+    budget_tokens tokens, as the engine's own run with that budget does."""
+    close = reference.tokenizer.token_id("</think>")
+    messages = [{"role": "user", "content": "Think first."}]
+    _, content, reasoning, _, _ = reference_chat(
+        reference, messages, 20, prefill="<think>\n", thinking_budget=5, ignore_eos=True,
+        logit_bias={close: -100})
+    reply = create(client, messages=messages + [{"role": "assistant", "content": "<think>\n"}],
+                   max_tokens=20, thinking={"type": "enabled", "budget_tokens": 5},
+                   extra_body={"ignore_eos": True, "logit_bias": {str(close): -100}})
+    blocks = [(b.type, b.thinking if b.type == "thinking" else b.text) for b in reply.content]
+    assert blocks == [("thinking", reasoning), ("text", content)] and reasoning and content

@@ -189,3 +189,24 @@ def test_aliases_are_listed_and_answered(model_path):
         assert "'coder' or 'claude-haiku-4-5'" in wrong.json()["error"]["message"]
     finally:
         live.stop()
+
+
+def test_the_servers_reasoning_budget_closes_an_open_block(model_path):
+    """--reasoning-budget 3: a prompt that opens <think> gets the close after 3 tokens."""
+    from conftest import new_engine, start_live_server
+
+    live = start_live_server(new_engine(model_path), ServerConfig(reasoning_budget=3))
+    try:
+        import requests
+
+        engine = live.state.worker.engine
+        close = engine.tokenizer.token_id("</think>")
+        reply = requests.post(live.url + "/v1/completions", timeout=60, json={
+            "prompt": "<|im_start|>assistant\n<think>\n", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "logit_bias": {str(close): -100}}).json()
+        text = reply["choices"][0]["text"]
+        assert "\n</think>\n\n" in text
+        before = text[:text.index("\n</think>")]
+        assert len(engine.tokenize(before, add_special=False)) <= 3
+    finally:
+        live.stop()

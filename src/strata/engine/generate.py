@@ -13,6 +13,7 @@ import numpy as np
 from strata.engine.json_constraint import JsonObjectConstraint, opens_reasoning
 from strata.engine.sampling import Sampler, SamplingParams
 from strata.engine.tool_call_constraint import ToolCallConstraint
+from strata.engine.thinking_budget import ThinkingBudget
 from strata.engine.tool_call_required import RequiredToolCallConstraint
 from strata.errors import ModelFormatError
 from strata.model.tokenizer import Tokenizer
@@ -160,6 +161,10 @@ class TokenDecoder:
             constraint = ToolCallConstraint(tokenizer, params.held_tool_calls,
                                             xml=params.tool_call_form == "xml",
                                             max_calls=params.max_tool_calls)
+        if params.thinking_budget is not None:  # the <think> block closed at its budget
+            constraint = ThinkingBudget(tokenizer, params.thinking_budget, constraint,
+                                        starts_in_reasoning=opens_reasoning(tokenizer,
+                                                                            prompt_tokens))
         self._sampler = Sampler(params, prompt_tokens=prompt_tokens, constraint=constraint)
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

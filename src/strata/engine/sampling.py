@@ -45,6 +45,9 @@ class SamplingParams:
     tool_call_required: bool = False
     # at most this many calls (None: any; 1 for OpenAI's parallel_tool_calls false)
     max_tool_calls: int | None = None
+    # at most this many tokens inside a reasoning model's <think> block, then it is closed
+    # (engine/thinking_budget.py); None: no budget
+    thinking_budget: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -67,6 +70,11 @@ class SamplingParams:
         elif self.tool_call_required or self.max_tool_calls is not None:
             raise RequestError("tool_call_required and max_tool_calls need held_tool_calls: "
                                "the functions the calls may name")
+        if self.thinking_budget is not None and (
+                isinstance(self.thinking_budget, bool)
+                or not isinstance(self.thinking_budget, int) or self.thinking_budget < 0):
+            raise RequestError(f"thinking_budget = {self.thinking_budget!r} is invalid: it must "
+                               "be an integer >= 0 or None")
         if self.max_tool_calls is not None and (
                 isinstance(self.max_tool_calls, bool) or not isinstance(self.max_tool_calls, int)
                 or self.max_tool_calls < 1):

@@ -208,24 +208,26 @@ def parse_anthropic_tool_choice(choice: Any, tools: list[dict] | None) -> str | 
 THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")
 
 
-def parse_thinking(thinking: Any) -> tuple[dict, bool]:
+def parse_thinking(thinking: Any) -> tuple[dict, bool, int | None]:
     """`thinking` as the chat template's `enable_thinking` (Qwen3's switch; absent: the
-    template's own default), and whether the reasoning's text is left out of the answer
-    (`display: "omitted"`)."""
+    template's own default), whether the reasoning's text is left out of the answer
+    (`display: "omitted"`), and the `<think>` block's token budget (`enabled` with
+    `budget_tokens`; else None)."""
     if thinking is None:
-        return {}, False
+        return {}, False, None
     if not isinstance(thinking, dict):
         raise _wrong_type("thinking", thinking, "an object")
     kind = thinking.get("type")
     if kind not in THINKING_TYPES:
         raise invalid(f"'thinking.type' is {kind!r}; use one of {', '.join(THINKING_TYPES)}.",
                       "thinking.type")
-    _integer(thinking, "budget_tokens", 0, 2**31)
+    budget = _integer(thinking, "budget_tokens", 0, 2**31)
     display = _string(thinking, "display", param="thinking.display")
     if display not in (None, "summarized", "omitted"):
         raise invalid(f"'thinking.display' is {display!r}; use 'summarized' or 'omitted'.",
                       "thinking.display")
-    return {"enable_thinking": kind != "disabled"}, display == "omitted"
+    return ({"enable_thinking": kind != "disabled"}, display == "omitted",
+            budget if kind == "enabled" else None)
 
 
 def _output_format(body: dict) -> dict | None:
@@ -277,7 +279,8 @@ def parse_anthropic_request(body: dict, max_tokens_limit: int, *,
         options.logit_bias = _logit_bias(body)
         options.is_eos_ignored = _boolean(body, "ignore_eos")
     kwargs = dict(_object(body, "chat_template_kwargs") or {})
-    kwargs.update(parse_thinking(body.get("thinking"))[0])
+    thinking_kwargs, _, options.thinking_budget = parse_thinking(body.get("thinking"))
+    kwargs.update(thinking_kwargs)
     tools = parse_anthropic_tools(body.get("tools"))
     tool_choice = parse_anthropic_tool_choice(body.get("tool_choice"), tools)
     choice = body.get("tool_choice")

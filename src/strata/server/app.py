@@ -33,6 +33,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_kib: int = 1024
     keepalive_s: float = 5.0
+    reasoning_budget: int | None = None  # a request's <think> budget unless it sets one
 
 
 class ServerState:

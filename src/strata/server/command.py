@@ -80,15 +80,19 @@ def _stop_on_sigterm() -> None:
               help="Largest request body accepted (KiB); larger ones get 413 (default: "
                    "1024, or 16 bytes a token of a larger --ctx-size: an agent resends its "
                    "whole conversation each turn).")
+@click.option("--reasoning-budget", default=-1, show_default=True, type=click.IntRange(-1),
+              help="Tokens a reasoning model's <think> block may take before it is closed "
+                   "(-1: no limit; 0: closed at once). A request's own budget (Anthropic's "
+                   "thinking.budget_tokens) wins.")
 @click.option("--http-threads", default=DEFAULT_HTTP_THREADS, show_default=True,
               type=click.IntRange(1), help="Request threads (each open stream holds one).")
 @device_option
 @slot_options
 @expert_options
 @draft_options
-def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, http_threads, device,
-          parallel, read_chunk, conversation_cache_mib, ctx_checkpoints, expert_config,
-          draft_config):
+def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, reasoning_budget,
+          http_threads, device, parallel, read_chunk, conversation_cache_mib, ctx_checkpoints,
+          expert_config, draft_config):
     """Serve the model with OpenAI's API (/v1/chat/completions, /v1/completions,
     /v1/responses) and Anthropic's (/v1/messages)."""
     from strata.cli import fail, resolve_model
@@ -114,7 +118,8 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, ht
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
     config = ServerConfig(model_id=names[0] if names else path.stem, aliases=tuple(names[1:]),
-                          api_key=api_key, max_body_kib=body_limit_kib(max_body_kib, ctx_size))
+                          api_key=api_key, max_body_kib=body_limit_kib(max_body_kib, ctx_size),
+                          reasoning_budget=None if reasoning_budget < 0 else reasoning_budget)
     # The model loads on the engine thread; /health says "loading" until it is ready.
     app = create_app(lambda: Engine(engine_config), config)
     try:

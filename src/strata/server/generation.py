@@ -65,6 +65,8 @@ class GenerationRoutes:
         return worker.engine
 
     def _submit(self, prompt_tokens: list[int], options: GenerationOptions, engine) -> Job:
+        if options.thinking_budget is None:  # --reasoning-budget
+            options.thinking_budget = self.state.config.reasoning_budget
         params = sampling_params(options, len(prompt_tokens), engine.n_ctx,
                                  min(engine.tokenizer.vocab_size, engine.spec.vocab))
         job = Job(request_id=uuid.uuid4().hex[:12], prompt_tokens=prompt_tokens, params=params)

@@ -38,6 +38,7 @@ class GenerationOptions:
     tool_call_form: str = "json"                # sets both: json or xml, as its template asks)
     tool_call_required: bool = False  # the answer opens with a call (tool_choice required / named)
     is_parallel_tool_calls: bool = True  # False: at most one call (parallel_tool_calls false)
+    thinking_budget: int | None = None  # tokens a <think> block may take (None: the server's)
 
 
 @dataclass

@@ -1,0 +1,99 @@
+"""A <think> block held to a token budget (engine/thinking_budget.py): at the budget the
+sampler may only spell the block's close, then the answer goes on; inner constraints see
+every token."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata.engine.generate import collect
+from strata.engine.json_constraint import JsonObjectConstraint
+from strata.engine.sampling import Sampler, SamplingParams
+from strata.engine.thinking_budget import CLOSE, ThinkingBudget
+from strata.errors import RequestError
+from strata.server.output_parser import parse_complete
+
+from test_tool_call_constraint import feed, ids
+
+
+def test_the_block_closes_at_its_budget(tokenizer):
+    c = ThinkingBudget(tokenizer, 3)
+    think = tokenizer.token_id("<think>")
+    assert c.is_free and c.allows(think)
+    c.push(think)
+    assert feed(c, ids(tokenizer, " a b"))  # two thinking tokens (" a", " b")
+    assert c.num_thinking_tokens == 2 and not c.is_forcing
+    assert feed(c, ids(tokenizer, " c"))
+    assert c.is_forcing and not c.is_free
+    assert not c.allows(ids(tokenizer, " d")[0]) and not c.allows(sorted(tokenizer.stop_ids)[0])
+    allowed = {t for t in range(tokenizer.vocab_size) if c.allows(t)}
+    assert allowed and allowed <= set(c.candidates().tolist())
+    assert all(CLOSE.startswith(tokenizer.token_bytes(t)) for t in allowed)
+    assert feed(c, ids(tokenizer, CLOSE.decode()))
+    assert not c.is_forcing and c.is_free and feed(c, ids(tokenizer, "The answer."))
+
+
+def test_a_block_the_model_closes_in_time_is_left_alone(tokenizer):
+    c = ThinkingBudget(tokenizer, 10, starts_in_reasoning=True)
+    assert feed(c, ids(tokenizer, "short</think>\n\nDone"))
+    assert not c.is_forcing and not c.is_thinking and c.num_thinking_tokens < 10
+
+
+def test_budget_zero_closes_an_open_block_at_once(tokenizer):
+    c = ThinkingBudget(tokenizer, 0, starts_in_reasoning=True)
+    assert c.is_forcing and not c.allows(ids(tokenizer, "x")[0])
+    late = ThinkingBudget(tokenizer, 0)
+    late.push(tokenizer.token_id("<think>"))
+    assert late.is_forcing
+
+
+def test_an_inner_constraint_sees_the_forced_close(tokenizer):
+    json = JsonObjectConstraint(tokenizer, tokenizer.stop_ids, starts_in_reasoning=True)
+    c = ThinkingBudget(tokenizer, 2, json, starts_in_reasoning=True)
+    assert feed(c, ids(tokenizer, " x y") + ids(tokenizer, CLOSE.decode()))
+    assert not json.think.is_thinking and not c.allows(ids(tokenizer, "hello")[0])
+    assert feed(c, ids(tokenizer, '{"a": 1}')) and json.is_done
+
+
+def test_random_draws_spell_the_close(tokenizer):
+    """Sampled on random logits from inside an open block: after the budget every draw
+    spells CLOSE, then the answer is free again."""
+    V = tokenizer.vocab_size
+    c = ThinkingBudget(tokenizer, 7, starts_in_reasoning=True)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=4, thinking_budget=7), constraint=c)
+    rng = np.random.default_rng(4)
+    close = tokenizer.token_id("</think>")
+    out = []
+    for _ in range(30):
+        logits = rng.standard_normal(V).astype(np.float32)
+        logits[close] = -np.inf  # the model would not close it itself
+        out.append(sampler.sample(logits))
+    text = b"".join(tokenizer.token_bytes(t) for t in out)
+    assert text.index(CLOSE) >= 0 and c.num_thinking_tokens == 7
+    assert b"".join(tokenizer.token_bytes(t) for t in out[:7]) + CLOSE == \
+        text[:text.index(CLOSE) + len(CLOSE)]
+
+
+def test_the_engine_closes_the_block(tiny_model_path):
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+
+    with Engine(EngineConfig(tiny_model_path, n_ctx=256, threads=1)) as engine:
+        prompt = engine.tokenize("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+                                 "<think>\n", add_special=False)
+        close = engine.tokenizer.token_id("</think>")
+        params = dict(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={close: -100})
+        free = collect(engine.generate(prompt, SamplingParams(**params)))
+        engine.reset()
+        held = collect(engine.generate(prompt, SamplingParams(thinking_budget=6, **params)))
+    assert "</think>" not in free.text
+    reasoning_ids = held.token_ids[:6]
+    assert held.token_ids[:6] == free.token_ids[:6]
+    reasoning, content = parse_complete(held.text, starts_in_reasoning=True)[1::-1][:2]
+    assert reasoning == engine.detokenize(reasoning_ids, skip_special=True).strip()
+    assert "\n</think>\n\n" in held.text and content
+
+
+def test_the_budget_is_checked():
+    with pytest.raises(RequestError, match="thinking_budget"):
+        SamplingParams(thinking_budget=-1)
