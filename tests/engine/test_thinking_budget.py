@@ -13,6 +13,7 @@ from strata.engine.thinking_budget import CLOSE, ThinkingBudget
 from strata.errors import RequestError
 from strata.server.output_parser import parse_complete
 
+from sampling_ref import HostLogitRow
 from test_tool_call_constraint import feed, ids
 
 
@@ -72,6 +73,29 @@ def test_random_draws_spell_the_close(tokenizer):
     assert text.index(CLOSE) >= 0 and c.num_thinking_tokens == 7
     assert b"".join(tokenizer.token_bytes(t) for t in out[:7]) + CLOSE == \
         text[:text.index(CLOSE) + len(CLOSE)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_device_rows_give_the_host_rows_tokens(tokenizer, temperature):
+    """On rows left on the device (HostLogitRow stands in) the budget takes the device's
+    candidates while the block is open or closed, the whole row only while it spells the
+    close; the tokens equal the host path's."""
+    V = tokenizer.vocab_size
+    params = SamplingParams(temperature=temperature, top_k=40, seed=9, thinking_budget=4)
+
+    def sampler():
+        return Sampler(params, constraint=ThinkingBudget(tokenizer, 4, starts_in_reasoning=True))
+    on_device, on_host = sampler(), sampler()
+    rng = np.random.default_rng(9)
+    whole = []
+    for step in range(16):
+        logits = rng.standard_normal(V).astype(np.float32)
+        row = HostLogitRow(logits, with_greedy_id=True)
+        forcing = on_device.constraint.is_forcing
+        assert on_device.sample_candidates(row, V) == on_host.sample(logits)
+        whole.append(row.num_whole_copies > 0)
+        assert whole[-1] == forcing, step
+    assert any(whole) and not all(whole)
 
 
 def test_the_engine_closes_the_block(tiny_model_path):
