@@ -175,3 +175,43 @@ def test_held_tool_calls_on_device_rows_equal_copied_rows(synth_path):
         runs = [(kv, np.array([t], dtype=np.int32)) for kv, t in zip(kvs, tokens)]
     text = b"".join(tokenizer.token_bytes(t) for t in answer).lstrip()
     assert text.startswith(b"<tool_call>"), text
+
+
+def test_thinking_budget_on_device_rows_equals_copied_rows(synth_path):
+    """A <think> block held to 4 tokens (greedy and sampled): rows left on the device give the
+    copied rows' tokens, the close spelled after the budget."""
+    from strata.engine.thinking_budget import CLOSE, ThinkingBudget
+
+    gguf = GGUFModel.open(synth_path("tiny", "q8_0"))
+    from strata.backends.cuda import CudaModel
+
+    model = CudaModel(gguf)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    V = model.spec.vocab
+    close = {tokenizer.token_id("</think>"): -100}
+    params = [SamplingParams(temperature=0.0, thinking_budget=4, logit_bias=close),
+              SamplingParams(temperature=0.9, top_k=30, seed=6, thinking_budget=4,
+                             logit_bias=close)]
+
+    def samplers():
+        return [Sampler(p, constraint=ThinkingBudget(tokenizer, 4, starts_in_reasoning=True))
+                for p in params]
+    on_device, on_host = samplers(), samplers()
+    kvs = [model.new_kv(64) for _ in range(2)]
+    runs = [(kv, np.arange(7 + i, dtype=np.int32)) for i, kv in enumerate(kvs)]
+    outs = [[], []]
+    for _ in range(14):
+        window = Window.build(runs, logits="last")
+        rows = model.forward_window_lazy(window)
+        host = np.asarray(rows)
+        tokens = []
+        for i in range(2):
+            a = on_device[i].sample_candidates(window.logits_of(rows, i)[-1], V)
+            assert a == on_host[i].sample(window.logits_of(host, i)[-1])
+            tokens.append(a)
+            outs[i].append(a)
+        runs = [(kv, np.array([t], dtype=np.int32)) for kv, t in zip(kvs, tokens)]
+    for out in outs:
+        text = b"".join(tokenizer.token_bytes(t) for t in out)
+        assert CLOSE in text and b"".join(tokenizer.token_bytes(t) for t in out[:4]) + CLOSE \
+            == text[:text.index(CLOSE) + len(CLOSE)]
