@@ -131,6 +131,27 @@ def test_engine_sampler_on_device_rows_equals_copied_rows(synth_path):
         np.asarray(rows_then)
 
 
+def _device_rows_equal_copied_rows(model, samplers, prompt_len: int, num_steps: int,
+                                   num_cells: int) -> list[list[int]]:
+    """Decode one request per sampler of `samplers()` in windows: each token sampled on the
+    row left on the device equals the same sampler's on the copied row. The tokens of each."""
+    on_device, on_host = samplers(), samplers()
+    n, V = len(on_device), model.spec.vocab
+    kvs = [model.new_kv(num_cells) for _ in range(n)]
+    runs = [(kv, np.arange(prompt_len + i, dtype=np.int32)) for i, kv in enumerate(kvs)]
+    outs = [[] for _ in range(n)]
+    for _ in range(num_steps):
+        window = Window.build(runs, logits="last")
+        rows = model.forward_window_lazy(window)
+        host = np.asarray(rows)  # [n, V] the same pass's logits, copied
+        for i in range(n):
+            token = on_device[i].sample_candidates(window.logits_of(rows, i)[-1], V)
+            assert token == on_host[i].sample(window.logits_of(host, i)[-1])
+            outs[i].append(token)
+        runs = [(kv, np.array([out[-1]], dtype=np.int32)) for kv, out in zip(kvs, outs)]
+    return outs
+
+
 def test_held_tool_calls_on_device_rows_equal_copied_rows(synth_path):
     """A required call (JSON form, greedy, one call at most) and calls in the XML form with
     typed values (sampled): rows left on the device give the copied rows' tokens, and the
@@ -142,7 +163,6 @@ def test_held_tool_calls_on_device_rows_equal_copied_rows(synth_path):
     gguf = GGUFModel.open(synth_path("tiny", "q8_0"))
     model = CudaModel(gguf)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-    V = model.spec.vocab
     weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}
     no_think = {tokenizer.token_id("<think>"): -100, tokenizer.token_id('"'): 6,
@@ -158,21 +178,7 @@ def test_held_tool_calls_on_device_rows_equal_copied_rows(synth_path):
                     tokenizer, [weather], tokenizer.stop_ids, max_calls=1)),
                 Sampler(params[1], constraint=ToolCallConstraint(tokenizer, [weather],
                                                                  xml=True))]
-    on_device, on_host = samplers(), samplers()
-    kvs = [model.new_kv(128) for _ in range(2)]
-    runs = [(kv, np.arange(5 + i, dtype=np.int32)) for i, kv in enumerate(kvs)]
-    answer = []
-    for _ in range(40):
-        window = Window.build(runs, logits="last")
-        rows = model.forward_window_lazy(window)
-        host = np.asarray(rows)
-        tokens = []
-        for i in range(2):
-            a = on_device[i].sample_candidates(window.logits_of(rows, i)[-1], V)
-            assert a == on_host[i].sample(window.logits_of(host, i)[-1])
-            tokens.append(a)
-        answer.append(tokens[0])
-        runs = [(kv, np.array([t], dtype=np.int32)) for kv, t in zip(kvs, tokens)]
+    answer = _device_rows_equal_copied_rows(model, samplers, 5, 40, 128)[0]
     text = b"".join(tokenizer.token_bytes(t) for t in answer).lstrip()
     assert text.startswith(b"<tool_call>"), text
 
@@ -187,7 +193,6 @@ def test_thinking_budget_on_device_rows_equals_copied_rows(synth_path):
 
     model = CudaModel(gguf)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-    V = model.spec.vocab
     close = {tokenizer.token_id("</think>"): -100}
     params = [SamplingParams(temperature=0.0, thinking_budget=4, logit_bias=close),
               SamplingParams(temperature=0.9, top_k=30, seed=6, thinking_budget=4,
@@ -196,22 +201,7 @@ def test_thinking_budget_on_device_rows_equals_copied_rows(synth_path):
     def samplers():
         return [Sampler(p, constraint=ThinkingBudget(tokenizer, 4, starts_in_reasoning=True))
                 for p in params]
-    on_device, on_host = samplers(), samplers()
-    kvs = [model.new_kv(64) for _ in range(2)]
-    runs = [(kv, np.arange(7 + i, dtype=np.int32)) for i, kv in enumerate(kvs)]
-    outs = [[], []]
-    for _ in range(14):
-        window = Window.build(runs, logits="last")
-        rows = model.forward_window_lazy(window)
-        host = np.asarray(rows)
-        tokens = []
-        for i in range(2):
-            a = on_device[i].sample_candidates(window.logits_of(rows, i)[-1], V)
-            assert a == on_host[i].sample(window.logits_of(host, i)[-1])
-            tokens.append(a)
-            outs[i].append(a)
-        runs = [(kv, np.array([t], dtype=np.int32)) for kv, t in zip(kvs, tokens)]
-    for out in outs:
+    for out in _device_rows_equal_copied_rows(model, samplers, 7, 14, 64):
         text = b"".join(tokenizer.token_bytes(t) for t in out)
         assert CLOSE in text and b"".join(tokenizer.token_bytes(t) for t in out[:4]) + CLOSE \
             == text[:text.index(CLOSE) + len(CLOSE)]
