@@ -125,6 +125,14 @@ def test_output_config_holds_the_answer_to_its_schema_unless_tools_may_answer():
                  tool_choice={"type": "none"}).options.json_object
 
 
+def test_a_prefill_cannot_start_a_held_json_answer():
+    config = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+    prefilled = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "{"}]
+    refused("messages", ["prefill", "output_config.format"], output_config=config,
+            messages=prefilled)
+    assert parse(output_config=config, tools=[TOOL], messages=prefilled).assistant_prefill == "{"
+
+
 def test_count_tokens_needs_no_max_tokens():
     body = {"messages": [{"role": "user", "content": "hi"}], "model": "m"}
     req = parse_anthropic_request(body, N_CTX, is_count_only=True)

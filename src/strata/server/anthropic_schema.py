@@ -289,6 +289,11 @@ def parse_anthropic_request(body: dict, max_tokens_limit: int, *,
     response_format = _output_format(body)
     hold_json_answer(options, response_format, tools, tool_choice)
     messages, prefill = parse_anthropic_messages(body.get("messages", _MISSING))
+    if prefill and options.json_object:
+        # the held answer is the whole object, which a started one would break ("{{...")
+        raise invalid("A last assistant turn (prefill) cannot be combined with "
+                      "'output_config.format': the format holds the whole answer to the "
+                      "schema; drop the prefill.", "messages", "unsupported_value")
     system = _system_text(body.get("system"))
     if system:
         messages = [{"role": "system", "content": system}] + messages
