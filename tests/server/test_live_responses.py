@@ -149,3 +149,12 @@ def test_bad_requests_name_the_field(live, client, body, status, param, words):
         assert word in error["message"], error["message"]
     assert client.responses.create(model=MODEL_ID, input="still there?",
                                    max_output_tokens=1).usage.output_tokens == 1
+
+
+@pytest.mark.parametrize("method,path", [("GET", "resp_123"), ("DELETE", "resp_123"),
+                                         ("POST", "resp_123/cancel")])
+def test_stored_responses_are_not_kept_and_say_so(live, method, path):
+    response = requests.request(method, live.url + "/v1/responses/" + path, timeout=60)
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "response_not_found" and "stores no responses" in error["message"]

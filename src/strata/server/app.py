@@ -164,6 +164,12 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     app.add_url_rule("/v1/chat/completions", "chat", routes.chat, methods=["POST"])
     app.add_url_rule("/v1/completions", "completions", routes.completions, methods=["POST"])
     app.add_url_rule("/v1/responses", "responses", responses.responses, methods=["POST"])
+
+    @app.route("/v1/responses/<path:response_id>", methods=["GET", "DELETE", "POST"])
+    def stored_response(response_id: str):
+        raise ApiError(404, f"No response {response_id!r} is kept: this server stores no "
+                       "responses (every request is answered as with store: false); send the "
+                       "whole conversation in 'input'.", code="response_not_found")
     app.add_url_rule("/v1/messages", "messages", messages.messages, methods=["POST"])
     app.add_url_rule("/v1/messages/count_tokens", "count_tokens", messages.count_tokens,
                      methods=["POST"])
