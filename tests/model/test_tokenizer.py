@@ -150,6 +150,13 @@ def test_stream_decoder_flush_replaces_a_cut_character(tok):
     assert dec.flush() == "\ufffd"
 
 
+def test_lone_surrogates_encode_as_replacement_characters(tok):
+    # an undecodable command-line byte ("\udcff") or half of a UTF-16 pair from JSON
+    assert tok.encode("a\udcffb\ud83d") == tok.encode("a\ufffdb\ufffd")
+    assert tok.encode_plain("\ud800") == tok.encode("\ufffd")
+    assert tok.decode(tok.encode("x\udc80")) == "x\ufffd"
+
+
 def test_sentencepiece_model_is_refused(meta):
     with pytest.raises(ModelFormatError, match="'llama'"):
         Tokenizer.from_gguf_metadata(dict(meta, **{"tokenizer.ggml.model": "llama"}))

@@ -143,8 +143,11 @@ def test_overrides_and_layer_zero_independent_of_layer_count(tmp_path):
         np.testing.assert_array_equal(t.data, t2[t.name].data)
     meta = _meta(r1)
     tokens = meta["tokenizer.ggml.tokens"]
-    assert len(tokens) == 5000 and tokens[4096] == "[PAD4096]" and tokens[-1] == "[PAD4999]"
-    assert meta["tokenizer.ggml.token_type"][4095:4097] == [4, 5]
+    # Qwen's six FIM tokens come after the shipped tokenizer, then llama.cpp's padding
+    assert len(tokens) == 5000 and tokens[4096] == "<|fim_prefix|>"
+    assert tokens[4101] == "<|file_sep|>" and tokens[4102] == "[PAD4102]"
+    assert tokens[-1] == "[PAD4999]"
+    assert meta["tokenizer.ggml.token_type"][4095:4103] == [4] * 7 + [5]
 
 
 def test_errors_say_what_to_change(tmp_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import codecs
 import logging
+import re
+import threading
 from collections.abc import Iterable
 
 import numpy as np
@@ -14,6 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from strata.errors import ModelFormatError
+from strata.model.fim import FimTokens, find_fim_tokens
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +96,12 @@ class Tokenizer:
     """Byte-level BPE tokenizer of a GGUF model (`tokenizer.ggml.model == "gpt2"`)."""
 
     def __init__(self, backend: HFTokenizer, tokens: list[str], special_ids: set[int],
-                 added_ids: set[int], bos_id: int | None, eos_id: int | None, add_bos: bool):
+                 added_ids: set[int], bos_id: int | None, eos_id: int | None, add_bos: bool,
+                 fim: FimTokens | None = None):
         self._backend = backend
+        self._plain_backend: HFTokenizer | None = None  # encode_plain's, made on first use
+        self._plain_lock = threading.Lock()
+        self.fim = fim  # the fill-in-the-middle tokens, None where the model has none
         self._tokens = tokens
         self.special_ids = frozenset(special_ids)
         # every token matched whole in text: the special ones and user-defined tags (<think>)
@@ -144,6 +151,10 @@ class Tokenizer:
 
         special_ids = {i for i, t in enumerate(types) if t == TOKEN_CONTROL}
         user_ids = {i for i, t in enumerate(types) if t == TOKEN_USER_DEFINED}
+        fim = find_fim_tokens(meta, vocab.get, len(tokens), source)
+        if fim is not None:  # as llama.cpp does: FIM tokens are control tokens whatever their
+            special_ids |= fim.ids  # type (Qwen's files mark them user-defined)
+            user_ids -= fim.ids
         # Control tokens are special (skippable in decode); user-defined ones (e.g. `<think>`)
         # are plain added tokens. Both are matched whole in text, so each encodes as one id.
         backend.add_special_tokens(
@@ -163,7 +174,7 @@ class Tokenizer:
         return cls(backend, tokens, special_ids, special_ids | user_ids,
                    bos_id=opt_id("tokenizer.ggml.bos_token_id"),
                    eos_id=opt_id("tokenizer.ggml.eos_token_id"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), fim=fim)
 
     @property
     def vocab_size(self) -> int:
@@ -189,10 +200,19 @@ class Tokenizer:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text become their single ids.
         `add_special` prepends BOS when the model asks for it (tokenizer.ggml.add_bos_token)."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = self._backend.encode(valid_text(text), add_special_tokens=False).ids
         if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` read as plain text: a control token's spelling in it (e.g. a
+        source file that names '<|fim_prefix|>') is encoded as characters, not as the token."""
+        with self._plain_lock:
+            if self._plain_backend is None:
+                self._plain_backend = HFTokenizer.from_str(self._backend.to_str())
+                self._plain_backend.encode_special_tokens = True
+        return self._plain_backend.encode(valid_text(text), add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         special = self.special_ids if skip_special else frozenset()
@@ -204,6 +224,19 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` with each lone UTF-16 surrogate (a command-line argument's undecodable byte, a
+    JSON escape of half a pair) as U+FFFD: the tokenizer takes only whole characters."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return LONE_SURROGATE.sub("\ufffd", text)
+    return text
 
 
 def _pre_tokenizer(pre: str):

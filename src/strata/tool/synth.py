@@ -59,6 +59,10 @@ _FILE_TYPES = {
 }
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>")
+# Qwen's fill-in-the-middle tokens, in its order; a synth vocabulary larger than the shipped
+# tokenizer holds them after it (strata.model.fim finds them by these spellings).
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+              "<|repo_name|>", "<|file_sep|>")
 # Added tokens that stay in decoded text (llama.cpp's USER_DEFINED, type 4), as in Qwen's files.
 TEXT_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 _CHUNK_BYTES = 32 << 20  # rows are generated this many bytes at a time (fixed: keeps determinism)
@@ -101,13 +105,15 @@ def synth_tokenizer_meta(vocab: int | None = None) -> dict[str, object]:
         raise ConfigError(f"vocab {vocab} is smaller than the shipped tokenizer's "
                           f"{len(tokens)} tokens; use vocab >= {len(tokens)}")
     token_types = [3 if t in specials else 4 if t in TEXT_TAGS else 1 for t in tokens]
-    # llama.cpp pads embeddings larger than the tokenizer with unused [PAD{id}] tokens.
-    pad_ids = range(len(tokens), vocab)
+    # Where the vocabulary has room, Qwen's fill-in-the-middle tokens come next, typed as in
+    # Qwen's files (user-defined), and llama.cpp's unused [PAD{id}] tokens fill the rest.
+    fim = list(FIM_TOKENS) if vocab - len(tokens) >= len(FIM_TOKENS) else []
+    pad_ids = range(len(tokens) + len(fim), vocab)
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "qwen2",
-        "tokenizer.ggml.tokens": tokens + [f"[PAD{i}]" for i in pad_ids],
-        "tokenizer.ggml.token_type": token_types + [5] * len(pad_ids),
+        "tokenizer.ggml.tokens": tokens + fim + [f"[PAD{i}]" for i in pad_ids],
+        "tokenizer.ggml.token_type": token_types + [4] * len(fim) + [5] * len(pad_ids),
         "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
         "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>"),
