@@ -185,6 +185,19 @@ def test_unknown_endpoint_and_wrong_method(live):
     assert_error(requests.delete(live.url + "/v1/models", timeout=10), 405)
 
 
+@pytest.mark.parametrize("path,body", [
+    (CHAT, '{"messages": [{"role": "user", "content": "a\\ud83d b \\udc00"}], "max_tokens": 2}'),
+    (COMPLETIONS, '{"prompt": "\\uD800", "max_tokens": 2, "stop": ["\\udfff"]}'),
+    ("/v1/messages", '{"model": "tiny-server", "max_tokens": 2, "messages": [{"role": "user", '
+                     '"content": [{"type": "text", "text": "x\\ud800"}]}]}'),
+    ("/v1/responses", '{"input": "half \\ud83d of a pair", "max_output_tokens": 2}'),
+])
+def test_half_a_utf16_pair_is_read_as_a_replacement_character(live, path, body):
+    # JSON may escape one half of a surrogate pair alone: no character, but no reason to fail
+    response = post(live, path, data=body)
+    assert response.status_code == 200, response.text
+
+
 def test_server_still_serves_after_bad_input(live):
     response = post(live, CHAT, {"messages": USER, "max_tokens": 2, "temperature": 0})
     assert response.status_code == 200

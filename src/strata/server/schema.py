@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.model.tokenizer import valid_text
 from strata.server.api_error import ApiError, invalid, missing
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -39,6 +41,7 @@ class GenerationOptions:
     tool_call_required: bool = False  # the answer opens with a call (tool_choice required / named)
     is_parallel_tool_calls: bool = True  # False: at most one call (parallel_tool_calls false)
     thinking_budget: int | None = None  # tokens a <think> block may take (None: the server's)
+    stop_token_ids: list[int] = field(default_factory=list)  # beside EOS (a FIM prompt's)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class CompletionRequest:
     model: str | None
     prompt: str | list[int]
     options: GenerationOptions
+    suffix: str | None = None  # the text after the insertion: a fill-in-the-middle completion
 
 
 def parse_json_body(data: bytes) -> dict:
@@ -72,7 +76,25 @@ def parse_json_body(data: bytes) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, f"The request body must be a JSON object, not "
                        f"{_type_name(body)}.", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(data):
+        body = _without_lone_surrogates(body)
     return body
+
+
+# JSON may escape half of a UTF-16 pair alone ("\ud83d"), which is no character: clients that
+# cut text by UTF-16 units (JavaScript editors) send such halves. They become U+FFFD.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _without_lone_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return valid_text(value)
+    if isinstance(value, list):
+        return [_without_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_lone_surrogates(k): _without_lone_surrogates(v)
+                for k, v in value.items()}
+    return value
 
 
 def _type_name(value: Any) -> str:
@@ -433,7 +455,9 @@ def parse_completion_request(body: dict, max_tokens_limit: int) -> CompletionReq
         raise _wrong_type("prompt", prompt, "a string or an array of token ids")
     if not prompt:
         raise invalid("'prompt' is empty: send at least one character or token.", "prompt")
-    if body.get("suffix") is not None:
-        raise invalid("'suffix' is not supported by this server; leave it out.", "suffix",
-                      "unsupported_value")
-    return CompletionRequest(model=_string(body, "model"), prompt=prompt, options=options)
+    suffix = _string(body, "suffix")
+    if suffix is not None and not isinstance(prompt, str):
+        raise invalid("'suffix' needs 'prompt' as text (the code before the cursor), not token "
+                      "ids.", "suffix")
+    return CompletionRequest(model=_string(body, "model"), prompt=prompt, options=options,
+                             suffix=suffix)
