@@ -16,6 +16,7 @@ from werkzeug.exceptions import HTTPException
 from strata.server.anthropic_format import error_body as anthropic_error_body
 from strata.server.api_error import ApiError
 from strata.server.generation import GenerationRoutes
+from strata.server.infill_api import InfillRoutes
 from strata.server.messages import MessagesRoutes, is_messages_path
 from strata.server.metrics import ServerMetrics
 from strata.server.responses_api import ResponsesRoutes
@@ -66,7 +67,7 @@ class ServerState:
 _STATUS_TEXT = {
     404: ("not_found", "Unknown endpoint {method} {path}; this server serves "
           "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
-          "/v1/messages/count_tokens, /v1/models, /health and /metrics."),
+          "/v1/messages/count_tokens, /infill, /v1/models, /health and /metrics."),
     405: ("method_not_allowed", "{method} is not allowed on {path}; see the OpenAI API for the "
           "method this endpoint takes."),
     413: ("request_too_large", "The request body is larger than {limit} KiB; send a smaller "
@@ -90,6 +91,7 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     routes = GenerationRoutes(state)
     messages = MessagesRoutes(state)
     responses = ResponsesRoutes(state)
+    infill = InfillRoutes(state)
 
     @app.before_request
     def check_api_key():
@@ -164,6 +166,7 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     app.add_url_rule("/v1/chat/completions", "chat", routes.chat, methods=["POST"])
     app.add_url_rule("/v1/completions", "completions", routes.completions, methods=["POST"])
     app.add_url_rule("/v1/responses", "responses", responses.responses, methods=["POST"])
+    app.add_url_rule("/infill", "infill", infill.infill, methods=["POST"])
 
     @app.route("/v1/responses/<path:response_id>", methods=["GET", "DELETE", "POST"])
     def stored_response(response_id: str):

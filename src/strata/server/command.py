@@ -94,7 +94,7 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
           http_threads, device, parallel, read_chunk, conversation_cache_mib, ctx_checkpoints,
           expert_config, draft_config):
     """Serve the model with OpenAI's API (/v1/chat/completions, /v1/completions,
-    /v1/responses) and Anthropic's (/v1/messages)."""
+    /v1/responses), Anthropic's (/v1/messages) and llama.cpp's code completion (/infill)."""
     from strata.cli import fail, resolve_model
     from strata.config import EngineConfig
     from strata.engine.engine import Engine

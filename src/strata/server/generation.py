@@ -15,7 +15,8 @@ from strata.server.openai_format import (SSE_DONE, SSE_KEEPALIVE, ResponseHeader
 from strata.server.output_parser import (ContentDelta, OutputParser, ReasoningDelta, ToolCall,
                                          new_call_id)
 from strata.server.prompting import (build_chat_prompt, check_prompt_fits,
-                                     completion_prompt_tokens, sampling_params)
+                                     completion_prompt_tokens, fim_prompt_tokens,
+                                     sampling_params)
 from strata.server.schema import (GenerationOptions, parse_chat_request,
                                   parse_completion_request, parse_json_body)
 from strata.server.worker import Job, JobEnd, iterate_job
@@ -95,6 +96,7 @@ class GenerationRoutes:
                  "%.1f tokens/s, finish %s%s", job.request_id, outcome.num_prompt_tokens,
                  end.num_cached_tokens, end.num_generated_tokens, ttft,
                  end.decode_tokens_per_s, finish_reason,
+                 f" (stopped: {job.stop_reason})" if job.stop_reason else
                  " (cancelled: client went away)" if end.is_cancelled else "")
         if outcome.is_call_cut:
             log.warning("request %s: the output ended inside a tool call (engine finish %s); "
@@ -169,7 +171,11 @@ class GenerationRoutes:
         engine = self._engine()
         req = parse_completion_request(body, engine.n_ctx)
         self.check_model(req.model)
-        tokens = completion_prompt_tokens(engine, req.prompt)
+        if req.suffix is None:
+            tokens = completion_prompt_tokens(engine, req.prompt)
+        else:  # fill in the middle: the completion goes between prompt and suffix
+            tokens = fim_prompt_tokens(engine, req.prompt, req.suffix)
+            req.options.stop_token_ids = sorted(engine.tokenizer.fim.ids)
         check_prompt_fits(len(tokens), engine.n_ctx, "prompt")
         job = self._submit(tokens, req.options, engine)
         header = ResponseHeader("completion", self.state.model_id)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from strata.engine.sampling import SamplingParams
 from strata.errors import RequestError
+from strata.model.fim import FimTokens, InfillText, build_infill
 from strata.server.api_error import ApiError, invalid
 from strata.server.output_parser import TOOL_OPEN, prompt_opens_reasoning
 from strata.server.schema import ChatRequest, GenerationOptions
@@ -114,6 +115,25 @@ def completion_prompt_tokens(engine, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
+def fim_tokens(engine, param: str) -> FimTokens:
+    """The model's FIM tokens, or a 400 naming `param` (the field that asked for them)."""
+    fim = engine.tokenizer.fim
+    if fim is None:
+        raise ApiError(400, f"'{param}' asks for a fill-in-the-middle completion, but this "
+                       "model has no FIM tokens (<|fim_prefix|>, <|fim_suffix|>, "
+                       "<|fim_middle|> or llama.cpp's tokenizer.ggml.fim_*_token_id keys); "
+                       "serve a model trained for code completion, e.g. Qwen3-Coder or "
+                       "Qwen2.5-Coder.", param=param, code="model_not_supported")
+    return fim
+
+
+def fim_prompt_tokens(engine, prefix: str, suffix: str) -> list[int]:
+    """OpenAI's `prompt` + `suffix`: the whole FIM prompt (a prompt too long is refused by the
+    caller, as any completion's)."""
+    fim = fim_tokens(engine, "suffix")
+    return build_infill(engine.tokenizer, fim, InfillText(prefix, suffix)).tokens
+
+
 def check_prompt_fits(num_prompt_tokens: int, n_ctx: int, param: str = "messages") -> None:
     """`param` names the request field that holds the prompt ("messages" or "prompt")."""
     if num_prompt_tokens == 0:
@@ -142,7 +162,8 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
               "tool_call_required": options.tool_call_required,
               "max_tool_calls": (None if options.is_parallel_tool_calls or
                                  options.held_tool_calls is None else 1),
-              "thinking_budget": options.thinking_budget}
+              "thinking_budget": options.thinking_budget,
+              "stop_token_ids": list(options.stop_token_ids)}
     if options.temperature is not None and options.temperature < MIN_TEMPERATURE:
         # As vLLM does: a temperature this close to 0 is greedy (dividing logits by a tiny or
         # denormal value overflows to inf and the draw has nothing left to pick from).

@@ -36,6 +36,7 @@ class Job:
     events: queue.Queue = field(default_factory=queue.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
+    stop_reason: str | None = None  # why the server cancelled it itself (None: the client left)
 
 
 @dataclass
@@ -209,8 +210,8 @@ class EngineWorker:
                                  "the details.", code="engine_error")
         elif not run.is_finish_sent:
             end.is_cancelled = True
-            log.info("request %s: cancelled after %d generated tokens (the client went away)",
-                     job.request_id, end.num_generated_tokens)
+            log.info("request %s: cancelled after %d generated tokens (%s)", job.request_id,
+                     end.num_generated_tokens, job.stop_reason or "the client went away")
         self._metrics.prompt_tokens.inc(len(job.prompt_tokens))
         self._metrics.cached_tokens.inc(end.num_cached_tokens)
         self._metrics.generated_tokens.inc(end.num_generated_tokens)
