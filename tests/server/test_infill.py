@@ -159,13 +159,16 @@ def test_a_warm_up_reads_the_files_and_the_next_completion_reuses_them(fim_serve
     assert again["timings"]["prompt_n"] <= 2  # everything read before is reused
 
 
-def test_a_long_file_is_cut_to_fit(fim_server):
+def test_a_long_file_is_cut_to_fit(fim_server, caplog):
     prefix = "".join(f"value_{i} = {i}\n" for i in range(400))
-    reply = infill(fim_server, {"input_prefix": prefix, "input_suffix": "end()\n" * 100,
-                                "input_extra": EXTRA, "n_predict": 16, "temperature": 0})
+    with caplog.at_level("INFO", logger="strata.server"):
+        reply = infill(fim_server, {"input_prefix": prefix, "input_suffix": "end()\n" * 100,
+                                    "input_extra": EXTRA, "n_predict": 16, "temperature": 0})
     body = reply.json()
     assert reply.status_code == 200 and body["truncated"] is True
     assert body["tokens_evaluated"] <= N_CTX_TOKENS - 16
+    assert f"cut to {body['tokens_evaluated']} prompt tokens to leave 16 for the middle" in (
+        caplog.text)
 
 
 def test_response_fields_pick_nested_ones_by_path(fim_server):

@@ -4,6 +4,7 @@
 least, and answers in llama.cpp's fields, streamed as SSE without [DONE]."""
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import closing
 
@@ -19,6 +20,8 @@ from strata.server.openai_format import SSE_KEEPALIVE, sse
 from strata.server.prompting import fim_tokens
 from strata.server.schema import parse_json_body
 from strata.server.worker import Job
+
+log = logging.getLogger("strata.server")
 
 # Tokens kept free for the middle when a request names no limit (at most a quarter of the
 # context): what the prefix, suffix and other files may take is the rest.
@@ -43,6 +46,11 @@ class InfillRoutes(GenerationRoutes):
                            code="context_length_exceeded") from None
         req.options.stop_token_ids = sorted(fim.ids)
         job = self._submit(prompt.tokens, req.options, engine)
+        if prompt.is_truncated:
+            log.info("request %s: the completion was cut to %d prompt tokens to leave %d for "
+                     "the middle (%d of %d other files kept; the prefix's start and the "
+                     "suffix's end go next)", job.request_id, len(prompt.tokens), middle,
+                     prompt.num_extra, len(req.text.extra))
         reply = InfillReply(self, job, req, Outcome(len(prompt.tokens)), prompt.is_truncated,
                             started_s)
         if req.options.is_stream:
