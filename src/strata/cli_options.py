@@ -82,9 +82,11 @@ def slot_options(command):
         help="Recurrent states kept per slot (qwen3next), one after each prompt read, so a "
              "later prompt sharing that prompt starts there (0: only at the slot's end).")(command)
     command = click.option(
-        "--conversation-cache-mib", default=2048.0, show_default=True,
-        type=click.FloatRange(min=0),
-        help="Host RAM for KV of conversations moved out of their slot (0: none kept).")(command)
+        "--conversation-cache-mib", "--cache-ram", "conversation_cache_mib", default=8192.0,
+        show_default=True, type=click.FloatRange(min=-1),
+        help="Host RAM (MiB) for the KV of conversations moved out of their slot, at most half "
+             "the RAM available at start (0: none kept; -1: no limit but that). A "
+             "conversation larger than it keeps its longest prefix that fits.")(command)
     command = click.option(
         "--read-chunk", default="auto", show_default=True, type=ReadChunk(),
         help="Prompt tokens read per window; other slots decode between chunks. auto: 512, "

@@ -59,7 +59,9 @@ class EngineConfig:
     solo_chunk_tokens: int | str | None = None
     seed: int | None = None
     parallel: int = 1  # --parallel: slots (sequences decoded together)
-    conversation_cache_mib: float = 2048  # parked KVs in host RAM; 0 turns parking off
+    # parked KVs in host RAM (at most half the RAM available); 0 turns parking off, -1: no
+    # limit but the RAM's
+    conversation_cache_mib: float = 8192
     # --ctx-checkpoints: recurrent states a hybrid model's slot keeps (strata.engine.recurrent)
     ctx_checkpoints: int = DEFAULT_CHECKPOINTS
     device: str = "auto"  # --device auto|cpu|cuda (strata.backends.select)
@@ -123,10 +125,11 @@ class EngineConfig:
             raise ConfigError(f"parallel = {self.parallel} is more slots than Strata runs; give "
                               f"1 to {MAX_PARALLEL} (--parallel)")
         mib = self.conversation_cache_mib
-        if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib >= 0 \
-                or mib == float("inf"):
-            raise ConfigError(f"conversation_cache_mib = {mib!r} must be a number >= 0 "
-                              "(--conversation-cache-mib; 0 turns parking off)")
+        if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not (
+                mib >= 0 or mib == -1) or mib == float("inf"):
+            raise ConfigError(f"conversation_cache_mib = {mib!r} must be a number >= 0, or -1 "
+                              "(--conversation-cache-mib / --cache-ram; 0 turns parking off, "
+                              "-1 sets no limit but half the RAM available)")
         self._check_int("ctx_checkpoints", allow_none=False, minimum=0)
         self._check_expert_options()
         self._check_split_options()

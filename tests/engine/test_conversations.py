@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata.engine.conversations import ConversationCache
+from strata.engine.conversations import (ConversationCache, available_ram_bytes,
+                                         resolve_budget_mib)
 from strata.errors import ConfigError
 
 MIB = 2**20
@@ -174,3 +175,21 @@ def test_hybrid_entries_restore_only_at_their_reuse_points():
     assert cache.keys() == [k2, k3]
     # tokens an entry extends, at points it has: nothing new is stored
     assert cache.park([1, 2, 3, 4, 5, 6], "d", 100, reuse_points=(3, 6)) == k3
+
+
+@pytest.mark.parametrize("asked,available_mib,budget", [
+    (8192, 64 * 1024, 8192), (8192, 4096, 2048), (-1, 4096, 2048), (0, 4096, 0),
+    (100, None, 100)])
+def test_the_budget_is_at_most_half_the_ram_available(asked, available_mib, budget):
+    available = None if available_mib is None else available_mib * 2**20
+    assert resolve_budget_mib(asked, available) == budget
+
+
+def test_no_limit_needs_to_know_the_ram():
+    with pytest.raises(ConfigError, match="/proc/meminfo"):
+        resolve_budget_mib(-1, None)
+
+
+def test_available_ram_is_read_on_linux():
+    available = available_ram_bytes()
+    assert available is None or available > 0

@@ -108,6 +108,42 @@ def test_parked_conversations_are_restored_with_one_slot(model_8k, caplog):
             assert res.token_ids == solo(model_8k, prompt, params)
 
 
+def test_a_conversation_over_the_budget_parks_its_longest_prefix_that_fits(model_8k, caplog):
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    rng = np.random.default_rng(9)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    with new_engine(model_8k, parallel=1, conversation_cache_mib=0.05) as engine:
+        kv = engine.scheduler.kvs[0]
+        token_bytes = 2 * kv.num_layers * kv.spec.n_kv_heads * kv.spec.head_dim \
+            * kv.dtype.itemsize
+        fit = int(0.05 * 2**20) // token_bytes
+        a = random_tokens(rng, fit + 200)
+        answer = collect(engine.generate(a, params))
+        collect(engine.generate(random_tokens(rng, 30), params))  # a is parked: too large
+        assert f"slot 0: parked the first {fit} of its {len(a) + 3} tokens" in caplog.text
+        caplog.clear()
+        prompt = a + answer.token_ids + random_tokens(rng, 10)
+        res = collect(engine.generate(prompt, params))
+        assert f"slot 0 restored a parked conversation of {fit} tokens" in caplog.text
+        assert res.stats.num_cached_tokens == fit
+        assert res.token_ids == solo(model_8k, prompt, params)
+
+
+def test_the_budget_is_at_most_half_the_ram_available(model_8k, monkeypatch, caplog):
+    import strata.engine.engine as engine_module
+
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    monkeypatch.setattr(engine_module, "available_ram_bytes", lambda: 100 * 2**20)
+    with new_engine(model_8k, conversation_cache_mib=8192) as engine:
+        assert engine.scheduler.conversations.budget_bytes == 50 * 2**20
+    assert "up to 50 MiB of host RAM for parked conversations (asked: 8192 MiB; 50% of the " \
+        "100 MiB available)" in caplog.text
+    with new_engine(model_8k, conversation_cache_mib=-1) as engine:
+        assert engine.scheduler.conversations.budget_bytes == 50 * 2**20
+    with new_engine(model_8k, conversation_cache_mib=20) as engine:
+        assert engine.scheduler.conversations.budget_bytes == 20 * 2**20
+
+
 def test_parking_off_rebuilds_the_conversation(model_8k, caplog):
     caplog.set_level(logging.INFO, logger="strata.engine")
     rng = np.random.default_rng(4)
@@ -270,8 +306,10 @@ def test_parallel_must_be_a_slot_count(model_8k):
     for bad in (0, 9):
         with pytest.raises(ConfigError, match="parallel"):
             EngineConfig(model_8k, parallel=bad)
-    with pytest.raises(ConfigError, match="conversation_cache_mib"):
-        EngineConfig(model_8k, conversation_cache_mib=-1)
+    for bad in (-2, -0.5, float("inf"), True):
+        with pytest.raises(ConfigError, match="conversation_cache_mib"):
+            EngineConfig(model_8k, conversation_cache_mib=bad)
+    assert EngineConfig(model_8k, conversation_cache_mib=-1).conversation_cache_mib == -1
 
 
 class BadPicker:

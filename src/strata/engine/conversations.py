@@ -1,8 +1,9 @@
 """Parked conversations: KV copies of slots given to other requests, kept in host RAM within a
-byte budget (`--conversation-cache-mib`), least recently used dropped first.
+byte budget (`--conversation-cache-mib` / `--cache-ram`), least recently used dropped first.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -12,6 +13,45 @@ import numpy as np
 
 from strata.engine.slots import common_prefix_len
 from strata.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Parked KV may take at most this share of the host RAM available at start, whatever the option
+# asks: past it the experts' pages (or the host) would be pushed out of RAM.
+RAM_SHARE = 0.5
+
+
+def available_ram_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo; None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def resolve_budget_mib(asked_mib: float, available_bytes: int | None) -> float:
+    """The conversation cache's budget: `asked_mib` (-1: no limit of its own, as llama.cpp's
+    --cache-ram -1), at most RAM_SHARE of `available_bytes` when known."""
+    if asked_mib == 0:
+        return 0.0
+    bound = None if available_bytes is None else RAM_SHARE * available_bytes / 2**20
+    if asked_mib < 0:
+        if bound is None:
+            raise ConfigError("--conversation-cache-mib -1 (no limit) needs the RAM available "
+                              "from /proc/meminfo, which this system lacks; give a size in MiB")
+        budget = bound
+    else:
+        budget = asked_mib if bound is None else min(asked_mib, bound)
+    asked = "no limit" if asked_mib < 0 else f"{asked_mib:.0f} MiB"
+    if budget < asked_mib or asked_mib < 0:
+        log.info("conversation cache: up to %.0f MiB of host RAM for parked conversations "
+                 "(asked: %s; %.0f%% of the %.0f MiB available)", budget, asked,
+                 100 * RAM_SHARE, available_bytes / 2**20)
+    return budget
 
 
 @dataclass(frozen=True)

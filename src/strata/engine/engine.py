@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from strata.backends.select import build_model, is_cuda_model
 from strata.config import EngineConfig
+from strata.engine.conversations import available_ram_bytes, resolve_budget_mib
 from strata.engine.expert_tier import ExpertTier
 from strata.engine.generate import GenerationEvent, GenerationResult, GenerationStats, collect
 from strata.engine.sampling import SamplingParams
@@ -56,8 +57,10 @@ class Engine:
                                         num_slots=config.parallel)
             if self.expert_tier is not None:
                 self.expert_tier.start(choosers.tier_policy)
+            cache_mib = resolve_budget_mib(config.conversation_cache_mib,
+                                           available_ram_bytes())
             self.scheduler = Scheduler(self.model, self.tokenizer, self.n_ctx, config.parallel,
-                                       choosers, config.conversation_cache_mib,
+                                       choosers, cache_mib,
                                        expert_tier=self.expert_tier,
                                        kv_dtype=config.kv_dtype(is_cuda_model(self.model)),
                                        drafts=config.drafts,

@@ -424,21 +424,38 @@ class Scheduler:
                      ", ".join(map(str, kv.state.positions())))
 
     def _park(self, index: int) -> None:
-        """Copy slot `index`'s KV cells to the conversation cache (when the budget allows)."""
+        """Copy slot `index`'s KV cells to the conversation cache. A KV larger than the whole
+        budget parks its longest prefix that fits (the K/V of a prefix depend on it alone: an
+        agent's next turn starts with it); a hybrid model's, whose recurrent state exists at
+        its end and checkpoints only, is not parked then."""
         tokens = self.table.tokens(index)
         kv = self.kvs[index]
-        nbytes = 2 * kv.num_layers * kv.spec.n_kv_heads * len(tokens) * kv.spec.head_dim \
+        budget = self.conversations.budget_bytes
+        token_bytes = 2 * kv.num_layers * kv.spec.n_kv_heads * kv.spec.head_dim \
             * kv.dtype.itemsize
+        nbytes = token_bytes * len(tokens)
         if kv.state is not None:
             nbytes += kv.state.nbytes_per_state(kv.spec) * (1 + len(kv.state.checkpoints))
-        if not tokens or nbytes > self.conversations.budget_bytes:
-            return
-        k = np.stack([kv.keys(layer) for layer in range(kv.num_layers)])  # [L, KV, n, D]
-        v = np.stack([kv.values(layer) for layer in range(kv.num_layers)])  # [L, KV, n, D]
-        key = self.conversations.park(tokens, (k, v, kv.export_state()), nbytes,
+        num_kept = len(tokens)
+        if nbytes > budget:
+            num_kept = 0 if kv.state is not None else min(budget // token_bytes, len(tokens))
+            if num_kept == 0:
+                if tokens and budget > 0:
+                    log.info("slot %d: not parked: its %d tokens of KV (%.1f MiB) are over "
+                             "--conversation-cache-mib %.0f", index, len(tokens),
+                             nbytes / 2**20, budget / 2**20)
+                return
+            nbytes = token_bytes * num_kept
+        # [L, KV, n, D] each (int8 cells: [L, KV, n] of codes and scales)
+        k = np.stack([kv.keys(layer)[:, :num_kept] for layer in range(kv.num_layers)])
+        v = np.stack([kv.values(layer)[:, :num_kept] for layer in range(kv.num_layers)])
+        key = self.conversations.park(tokens[:num_kept], (k, v, kv.export_state()), nbytes,
                                       kv.reuse_points())
-        log.info("slot %d: parked %d tokens of KV in host RAM (entry %s, %d entries, %.1f MiB)",
-                 index, len(tokens), key, self.conversations.num_entries,
+        kept = (f"{num_kept} tokens" if num_kept == len(tokens) else
+                f"the first {num_kept} of its {len(tokens)} tokens (all of them are over "
+                f"--conversation-cache-mib {budget / 2**20:.0f})")
+        log.info("slot %d: parked %s of KV in host RAM (entry %s, %d entries, %.1f MiB)",
+                 index, kept, key, self.conversations.num_entries,
                  self.conversations.used_bytes / 2**20)
 
     # ---- the window -----------------------------------------------------------------------
