@@ -3,14 +3,14 @@ request streamed to its -n tokens, and an API the server refuses stops the run w
 import json
 import pathlib
 import sys
-import threading
 
 import pytest
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
-from strata.server.app import ServerConfig, create_app
-from strata.server.command import create_wsgi_server
+from strata.server.app import ServerConfig
+
+from live_server import start_live_server
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
 import bench_api  # noqa: E402
@@ -20,15 +20,10 @@ import bench_api  # noqa: E402
 def url():
     from strata.cli import resolve_model
 
-    app = create_app(Engine(EngineConfig(resolve_model(None), n_ctx=256, threads=1)),
-                     ServerConfig(model_id="default"))
-    server = create_wsgi_server(app, "127.0.0.1", 0, threads=2)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    assert app.extensions["strata"].worker.wait_loaded(60)
-    yield f"http://127.0.0.1:{server.effective_port}"
-    server.close()
-    app.extensions["strata"].close()
+    server = start_live_server(Engine(EngineConfig(resolve_model(None), n_ctx=256, threads=1)),
+                               ServerConfig(model_id="default"))
+    yield server.url
+    server.stop()
 
 
 def test_a_row_per_api(url, capsys):

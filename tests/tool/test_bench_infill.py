@@ -3,14 +3,14 @@ completion reads the files, each keystroke after it only the changed end."""
 import json
 import pathlib
 import sys
-import threading
 
 import pytest
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
-from strata.server.app import ServerConfig, create_app
-from strata.server.command import create_wsgi_server
+from strata.server.app import ServerConfig
+
+from live_server import start_live_server
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
 import bench_infill  # noqa: E402
@@ -22,15 +22,10 @@ def url(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("models") / "tiny-fim.gguf"
     synth_model(path, shape="tiny", weight_type="f32", seed=3, vocab=4160)
-    app = create_app(Engine(EngineConfig(path, n_ctx=2048, threads=1)),
-                     ServerConfig(model_id="tiny-fim"))
-    server = create_wsgi_server(app, "127.0.0.1", 0, threads=2)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    assert app.extensions["strata"].worker.wait_loaded(60)
-    yield f"http://127.0.0.1:{server.effective_port}"
-    server.close()
-    app.extensions["strata"].close()
+    server = start_live_server(Engine(EngineConfig(path, n_ctx=2048, threads=1)),
+                               ServerConfig(model_id="tiny-fim"))
+    yield server.url
+    server.stop()
 
 
 def test_keystrokes_read_only_what_changed(url, capsys):
