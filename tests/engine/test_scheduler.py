@@ -129,6 +129,28 @@ def test_a_conversation_over_the_budget_parks_its_longest_prefix_that_fits(model
         assert res.token_ids == solo(model_8k, prompt, params)
 
 
+def test_a_small_loss_is_not_parked_where_copies_are_dear(model_8k, monkeypatch, caplog):
+    """Device KV (min_copy_gain 0.25, set here on the host KV): an editor's next completion
+    keeps 95% of the slot; parking all of it to save the other 5% would cost more."""
+    from strata.engine.kv import KVCache
+
+    monkeypatch.setattr(KVCache, "min_copy_gain", 0.25)
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    rng = np.random.default_rng(11)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    with new_engine(model_8k, parallel=1) as engine:
+        prompt = random_tokens(rng, 200)
+        collect(engine.generate(prompt, params))
+        caplog.clear()
+        res = collect(engine.generate(prompt[:190] + [5], params))
+        assert engine.scheduler.conversations.num_entries == 0
+        assert res.stats.num_cached_tokens == 190
+        assert "slot 0 kept its KV (190 tokens reused); the 13 tokens after them dropped, " \
+            "not parked (a park copies all 203: worth it from 25% of them)" in caplog.text
+        res = collect(engine.generate(random_tokens(rng, 30), params))  # loses everything
+        assert engine.scheduler.conversations.num_entries == 1
+
+
 def test_the_budget_is_at_most_half_the_ram_available(model_8k, monkeypatch, caplog):
     import strata.engine.engine as engine_module
 

@@ -267,6 +267,34 @@ def test_divergent_turn_parks_the_slot_tail_it_drops():
     assert place_request([1, 2, 7], PICKER, slots) == Placement(0, 2, None, True)
 
 
+SLOT = list(range(1, 11))  # a slot's 10 tokens
+
+
+@pytest.mark.parametrize("prompt,parked", [
+    (SLOT[:8] + [99], False),  # keeps 8 of 10: losing 2 (under a quarter) parks nothing
+    (SLOT[:7] + [99], True),   # losing 3 is worth the copy of all 10
+    (SLOT[:8], True),          # keeps 7 (the last token is read again): loses 3
+])
+def test_device_kv_parks_only_a_quarters_loss(prompt, parked):
+    slots = make_slots((SLOT, False, 1))
+    placement = place_request(prompt, PICKER, slots, min_copy_gain=0.25)
+    assert (placement.parked_key, placement.is_parking_needed) == (None, parked)
+    # host KV: every loss is parked
+    assert place_request(prompt, PICKER, slots).is_parking_needed
+
+
+def test_device_kv_restores_only_a_quarters_gain():
+    cache, keys = make_cache(SLOT[:9] + [50], SLOT + [60, 61, 62])
+    slots = make_slots((SLOT[:8] + [40], False, 1))
+    # the first entry reuses 9 where the slot keeps 8: one cell more is not worth copying 9
+    near = place_request(SLOT[:9] + [50, 7], PICKER, slots, cache, min_copy_gain=0.25)
+    assert near == Placement(0, 8, None, False)
+    assert place_request(SLOT[:9] + [50, 7], PICKER, slots, cache).parked_key == keys[0]
+    # the second reuses 13: 5 of them new, over a quarter
+    far = place_request(SLOT + [60, 61, 62, 7], PICKER, slots, cache, min_copy_gain=0.25)
+    assert far == Placement(0, 13, keys[1], True)
+
+
 def test_place_request_checks_a_plugin_answer():
     slots = make_slots(([1], True, 1), ((), False, 0))
     with pytest.raises(ConfigError, match="not an idle slot"):

@@ -25,6 +25,11 @@ class SequenceReuse:
     `num_tokens` and `capacity`."""
 
     state = None
+    # A placement parks a slot's KV, or restores a parked one over the slot's own prefix, only
+    # where that keeps at least this share of the cells it copies that the slot would lose or
+    # lacks. Host KV: any (a memory copy costs far less than reading the tokens again on the
+    # CPU). Device KV overrides it: its copies cross PCIe.
+    min_copy_gain = 0.0
 
     @property
     def room_tokens(self) -> int:

@@ -372,8 +372,10 @@ class Scheduler:
                                   self.conversations,
                                   reusable=lambda slot, n: self.kvs[slot].reusable(n),
                                   # a busy slot's state exists at its own length only
-                                  copies_busy=self.kvs[0].state is None)
+                                  copies_busy=self.kvs[0].state is None,
+                                  min_copy_gain=self.kvs[0].min_copy_gain)
         index, kv = placement.slot_index, self.kvs[placement.slot_index]
+        num_slot_tokens, note = kv.num_tokens, ""
         if self.kv_lender is not None:
             self.kv_lender.grow_for_prompt(index, kv, len(prompt))
         # Take the parked entry before parking this slot: parking could evict that very entry.
@@ -398,6 +400,11 @@ class Scheduler:
             how = f"copied the first {n} cells of busy slot {placement.source_slot}'s KV"
         elif placement.num_reused_tokens > 0:
             how = "kept its KV"
+            num_lost = num_slot_tokens - placement.num_reused_tokens
+            if num_lost > 0 and not placement.is_parking_needed:
+                note = (f"; the {num_lost} tokens after them dropped, not parked (a park "
+                        f"copies all {num_slot_tokens}: worth it from "
+                        f"{kv.min_copy_gain:.0%} of them)")
         else:
             how = "rebuilt"
         self.table.acquire(index, placement.num_reused_tokens)
@@ -405,8 +412,8 @@ class Scheduler:
         handle.state, handle.slot_index = STATE_READING, index
         handle.stats.num_cached_tokens = placement.num_reused_tokens
         self.last_slot_index = index
-        log.info("request %d: slot %d %s (%d tokens reused)", handle.request_id, index, how,
-                 placement.num_reused_tokens)
+        log.info("request %d: slot %d %s (%d tokens reused)%s", handle.request_id, index, how,
+                 placement.num_reused_tokens, note)
         decoder = TokenDecoder(self.tokenizer, handle.params, prompt, handle.stats)
         self._active[index] = _Active(handle, index, decoder, placement.num_reused_tokens,
                                       started_at, arrival=next(self._arrivals),

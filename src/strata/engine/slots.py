@@ -177,12 +177,16 @@ class Placement:
 
 
 def place_request(prompt_tokens: Sequence[int], picker: SlotPicker, slots: Sequence[SlotView],
-                  conversations=None, reusable=None, copies_busy: bool = False) -> Placement:
+                  conversations=None, reusable=None, copies_busy: bool = False,
+                  min_copy_gain: float = 0.0) -> Placement:
     """Ask the picker for a slot, then prefer a parked conversation when it shares a longer
     prefix with the prompt than the chosen slot's own tokens do, and (`copies_busy`) a busy
     slot's cells when they share a longer one still. `reusable(slot, n)`: how many of a slot's
     first n tokens it can keep (a hybrid model's recurrent state goes back only to its
-    checkpoints); default all n."""
+    checkpoints); default all n. `min_copy_gain` (the KV's, `SequenceReuse.min_copy_gain`): a
+    parked conversation is restored only when at least that share of its reused cells are
+    more than the slot keeps, and the slot's tokens are parked only when at least that share
+    of them would be lost."""
     index, num_reused = check_pick(picker, picker.pick(prompt_tokens, slots), prompt_tokens,
                                    slots)
     if reusable is not None:
@@ -191,7 +195,8 @@ def place_request(prompt_tokens: Sequence[int], picker: SlotPicker, slots: Seque
     if conversations is not None:
         key, length = conversations.best_match(prompt_tokens)
         usable = max_reusable(length, len(prompt_tokens))
-        if key is not None and usable > num_reused:
+        if key is not None and usable > num_reused and (
+                usable - num_reused >= min_copy_gain * usable):
             parked_key, num_reused = key, usable
     source = None
     if copies_busy:
@@ -203,5 +208,6 @@ def place_request(prompt_tokens: Sequence[int], picker: SlotPicker, slots: Seque
             source, parked_key, num_reused = -minus_index, None, usable
     # Restoring or copying overwrites the whole slot; else cells past the reused prefix go.
     num_kept = 0 if parked_key is not None or source is not None else num_reused
-    is_parking_needed = slots[index].num_tokens > num_kept
+    num_lost = slots[index].num_tokens - num_kept
+    is_parking_needed = num_lost > 0 and num_lost >= min_copy_gain * slots[index].num_tokens
     return Placement(index, num_reused, parked_key, is_parking_needed, source)
