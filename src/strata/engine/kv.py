@@ -31,6 +31,27 @@ class SequenceReuse:
     # CPU). Device KV overrides it: its copies cross PCIe.
     min_copy_gain = 0.0
 
+    def fill_cells(self, layers, num_tokens: int) -> None:
+        """Hold the first `num_tokens` cells of `layers`: (keys, values) per layer, as a KV's
+        `keys(layer)` / `values(layer)` give them ([KV, n, D] or int8 cells [KV, n])."""
+        self.truncate(0)
+        for layer, (k, v) in enumerate(layers):
+            self.append(layer, k[:, :num_tokens], v[:, :num_tokens])
+        self.commit(num_tokens)
+
+    def copy_prefix(self, source, num_tokens: int) -> None:
+        """Hold `source`'s first `num_tokens` cells (a busy slot's shared prefix)."""
+        self.fill_cells(((source.keys(layer), source.values(layer))
+                         for layer in range(source.num_layers)), num_tokens)
+
+    def export_prefix(self, num_tokens: int):
+        """Host copies of the first `num_tokens` cells of every layer for parking: (keys,
+        values), each [L, KV, n, D] (a device KV's int8 cells: [L, KV, n] of codes and
+        scales)."""
+        k = np.stack([self.keys(layer)[:, :num_tokens] for layer in range(self.num_layers)])
+        v = np.stack([self.values(layer)[:, :num_tokens] for layer in range(self.num_layers)])
+        return k, v
+
     @property
     def room_tokens(self) -> int:
         return self.capacity - self.num_tokens

@@ -388,14 +388,13 @@ class Scheduler:
             n = min(k.shape[2], kv.capacity)  # (the cells past the prompt are dropped anyway)
             if restored.reuse_points is not None:  # the state exists at its points only
                 n = max((p for p in restored.reuse_points if p <= n), default=0)
-            _fill_cells(kv, zip(k, v), n)
+            kv.fill_cells(zip(k, v), n)
             kv.import_state(state, n)
             self.table.replace_tokens(index, restored.tokens[:n])
             how = f"restored a parked conversation of {restored.num_tokens} tokens"
         elif placement.source_slot is not None:
             source, n = self.kvs[placement.source_slot], placement.num_reused_tokens
-            _fill_cells(kv, ((source.keys(layer), source.values(layer))
-                             for layer in range(source.num_layers)), n)
+            kv.copy_prefix(source, n)
             self.table.replace_tokens(index, self.table.tokens(placement.source_slot)[:n])
             how = f"copied the first {n} cells of busy slot {placement.source_slot}'s KV"
         elif placement.num_reused_tokens > 0:
@@ -453,9 +452,7 @@ class Scheduler:
                              nbytes / 2**20, budget / 2**20)
                 return
             nbytes = token_bytes * num_kept
-        # [L, KV, n, D] each (int8 cells: [L, KV, n] of codes and scales)
-        k = np.stack([kv.keys(layer)[:, :num_kept] for layer in range(kv.num_layers)])
-        v = np.stack([kv.values(layer)[:, :num_kept] for layer in range(kv.num_layers)])
+        k, v = kv.export_prefix(num_kept)  # [L, KV, n, D] each (int8: [L, KV, n])
         key = self.conversations.park(tokens[:num_kept], (k, v, kv.export_state()), nbytes,
                                       kv.reuse_points())
         kept = (f"{num_kept} tokens" if num_kept == len(tokens) else
@@ -645,12 +642,3 @@ class Scheduler:
     def _end(self, handle: RequestHandle, error: BaseException | None) -> None:
         handle.state, handle.error = STATE_DONE, error
         self.choosers.request_done(handle.stats)
-
-
-def _fill_cells(kv, layers, num_tokens: int) -> None:
-    """Make `kv` hold the first `num_tokens` cells of `layers`: (keys, values) per layer, as
-    a KV's `keys(layer)` / `values(layer)` give them ([KV, n, D] or int8 codes [KV, n])."""
-    kv.truncate(0)
-    for layer, (k, v) in enumerate(layers):
-        kv.append(layer, k[:, :num_tokens], v[:, :num_tokens])
-    kv.commit(num_tokens)

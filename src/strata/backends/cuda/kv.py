@@ -98,25 +98,62 @@ class CudaKV(SequenceReuse):
             raise ValueError(f"cannot move a KV of {self.num_tokens} tokens into "
                              f"{capacity_tokens} cells")
         rows = self.num_layers * 2 * self.spec.n_kv_heads  # (layer, K/V, head) rows
-        row_bytes = self.spec.head_dim * self.dtype.itemsize
-        new_cells_bytes = rows * capacity_tokens * row_bytes
-        rt, n = self._rt, self.num_tokens
-        with rt.active():
-            for row in range(rows if n else 0):
-                rt.drv.memcpy_dtod_async(address + row * capacity_tokens * row_bytes,
-                                         self.address + row * self.capacity * row_bytes,
-                                         n * row_bytes, rt.stream)
-                if self.is_int8:
-                    rt.drv.memcpy_dtod_async(
-                        address + new_cells_bytes + 4 * row * capacity_tokens,
-                        self.address + self._cells_bytes + 4 * row * self.capacity, 4 * n,
-                        rt.stream)
-            rt.stream.synchronize()  # the old cells may be reused from here
+        new_cells_bytes = rows * capacity_tokens * self.spec.head_dim * self.dtype.itemsize
+        self._copy_rows((int(address), capacity_tokens, new_cells_bytes), self,
+                        self.num_tokens)  # the old cells may be reused from here
         self.capacity = capacity_tokens
         self._shape = self._shape[:3] + (capacity_tokens,) + self._shape[4:]
         self._cells_bytes = new_cells_bytes
         self.address = int(address)
         self.base = self.address | int(self.is_int8)
+
+    def _copy_rows(self, dst: tuple[int, int, int], src: "CudaKV", num_tokens: int) -> None:
+        """Device copies of cells [0, num_tokens) of every (layer, K/V, head) row of `src`
+        (and their int8 scales) into the cells at `dst` = (address, capacity, cells bytes),
+        on the compute stream after every kernel issued so far; returns once they landed."""
+        address, capacity, cells_bytes = dst
+        rows = self.num_layers * 2 * self.spec.n_kv_heads
+        row_bytes = self.spec.head_dim * self.dtype.itemsize
+        rt = self._rt
+        with rt.active():
+            for row in range(rows if num_tokens else 0):
+                rt.drv.memcpy_dtod_async(address + row * capacity * row_bytes,
+                                         src.address + row * src.capacity * row_bytes,
+                                         num_tokens * row_bytes, rt.stream)
+                if self.is_int8:
+                    rt.drv.memcpy_dtod_async(
+                        address + cells_bytes + 4 * row * capacity,
+                        src.address + src._cells_bytes + 4 * row * src.capacity,
+                        4 * num_tokens, rt.stream)
+            rt.stream.synchronize()
+
+    def copy_prefix(self, source, num_tokens: int) -> None:
+        """`source`'s first `num_tokens` cells (a busy slot's shared prefix), copied on the
+        device when it is a KV of the same GPU and cell type (no trip through host RAM)."""
+        if not (isinstance(source, CudaKV) and source._rt is self._rt
+                and source.dtype == self.dtype and source._shape[:3] == self._shape[:3]
+                and source.state is None and self.state is None):
+            super().copy_prefix(source, num_tokens)
+            return
+        self.truncate(0)
+        self.check_room(num_tokens)
+        self._copy_rows((self.address, self.capacity, self._cells_bytes), source, num_tokens)
+        self.commit(num_tokens)
+
+    def export_prefix(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of the first `num_tokens` cells of every layer, (keys, values) each
+        [L, KV, n, D] (int8 cells: [L, KV, n] of `host_dtype`), read straight into them."""
+        if self.is_int8:
+            return super().export_prefix(num_tokens)
+        L, KV, D, n = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim, num_tokens
+        out = np.empty((2, L, KV, n, D), dtype=self.dtype)  # [K/V, L, KV, n, D]
+        with self._rt.active():
+            for layer in range(L if n else 0):
+                for kind in (0, 1):
+                    for j in range(KV):
+                        self._rt.drv.memcpy_dtoh(out[kind, layer, j],
+                                                 self._cell_address(layer, kind, j, 0))
+        return out[0], out[1]
 
     def _head(self, layer: int, kind: int, head: int) -> int:
         return (layer * 2 + kind) * self.spec.n_kv_heads + head
@@ -170,19 +207,18 @@ class CudaKV(SequenceReuse):
                     "cell type it was parked from")
         with self._rt.active():
             for kind, src in ((0, k), (1, v)):
-                if self.is_int8:
-                    cells = np.ascontiguousarray(src["q"])  # [KV, T, D] int8
-                    scales = np.ascontiguousarray(src["scale"])  # [KV, T] float32
-                else:
-                    cells, scales = np.ascontiguousarray(src, dtype=self.dtype), None
-                for j in range(KV):
-                    if not num_new:
-                        continue
+                for j in range(KV if num_new else 0):
+                    # a head's [T, D] block: contiguous in a parked [KV, n, D] array cut to T
+                    # tokens, so copied as it is
+                    head = src[j]
+                    cells = head["q"] if self.is_int8 else head
                     self._rt.drv.memcpy_htod(
-                        self._cell_address(layer, kind, j, self.num_tokens), cells[j])
-                    if scales is not None:
+                        self._cell_address(layer, kind, j, self.num_tokens),
+                        np.ascontiguousarray(cells, dtype=self.dtype))
+                    if self.is_int8:
                         self._rt.drv.memcpy_htod(
-                            self._scale_address(layer, kind, j, self.num_tokens), scales[j])
+                            self._scale_address(layer, kind, j, self.num_tokens),
+                            np.ascontiguousarray(head["scale"]))
 
     def commit(self, num_new_tokens: int) -> None:
         """Make the rows written to every layer part of the sequence."""

@@ -108,6 +108,14 @@ class SplitKV(SequenceReuse):
         for part in self.parts:
             part.commit(num_new_tokens)
 
+    def copy_prefix(self, source, num_tokens: int) -> None:
+        """Part by part (each stage's cells on its own GPU) when `source` is split alike."""
+        if not (isinstance(source, SplitKV) and source._firsts == self._firsts):
+            super().copy_prefix(source, num_tokens)
+            return
+        for part, src in zip(self.parts, source.parts):
+            part.copy_prefix(src, num_tokens)
+
     def truncate(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self.num_tokens:
             raise ValueError(
