@@ -4,8 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata.engine.conversations import (ConversationCache, available_ram_bytes,
-                                         resolve_budget_mib)
+from strata.engine.conversations import ConversationCache, resolve_budget_mib
 from strata.errors import ConfigError
 
 MIB = 2**20
@@ -188,8 +187,3 @@ def test_the_budget_is_at_most_half_the_ram_available(asked, available_mib, budg
 def test_no_limit_needs_to_know_the_ram():
     with pytest.raises(ConfigError, match="/proc/meminfo"):
         resolve_budget_mib(-1, None)
-
-
-def test_available_ram_is_read_on_linux():
-    available = available_ram_bytes()
-    assert available is None or available > 0

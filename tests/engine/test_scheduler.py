@@ -155,7 +155,7 @@ def test_the_budget_is_at_most_half_the_ram_available(model_8k, monkeypatch, cap
     import strata.engine.engine as engine_module
 
     caplog.set_level(logging.INFO, logger="strata.engine")
-    monkeypatch.setattr(engine_module, "available_ram_bytes", lambda: 100 * 2**20)
+    monkeypatch.setattr(engine_module, "available_bytes", lambda: 100 * 2**20)
     with new_engine(model_8k, conversation_cache_mib=8192) as engine:
         assert engine.scheduler.conversations.budget_bytes == 50 * 2**20
     assert "up to 50 MiB of host RAM for parked conversations (asked: 8192 MiB; 50% of the " \

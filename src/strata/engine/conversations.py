@@ -21,18 +21,6 @@ log = logging.getLogger(__name__)
 RAM_SHARE = 0.5
 
 
-def available_ram_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo; None where there is none (not Linux)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def resolve_budget_mib(asked_mib: float, available_bytes: int | None) -> float:
     """The conversation cache's budget: `asked_mib` (-1: no limit of its own, as llama.cpp's
     --cache-ram -1), at most RAM_SHARE of `available_bytes` when known."""

@@ -9,13 +9,14 @@ from dataclasses import replace
 
 from strata.backends.select import build_model, is_cuda_model
 from strata.config import EngineConfig
-from strata.engine.conversations import available_ram_bytes, resolve_budget_mib
+from strata.engine.conversations import resolve_budget_mib
 from strata.engine.expert_tier import ExpertTier
 from strata.engine.generate import GenerationEvent, GenerationResult, GenerationStats, collect
 from strata.engine.sampling import SamplingParams
 from strata.engine.scheduler import RequestHandle, Scheduler
 from strata.model.chat import ChatTemplate
 from strata.model.gguf_file import GGUFModel
+from strata.model.host_pages import available_bytes
 from strata.model.tokenizer import Tokenizer
 from strata.plugins import get_plugin_manager, resolve_choosers
 
@@ -57,8 +58,7 @@ class Engine:
                                         num_slots=config.parallel)
             if self.expert_tier is not None:
                 self.expert_tier.start(choosers.tier_policy)
-            cache_mib = resolve_budget_mib(config.conversation_cache_mib,
-                                           available_ram_bytes())
+            cache_mib = resolve_budget_mib(config.conversation_cache_mib, available_bytes())
             self.scheduler = Scheduler(self.model, self.tokenizer, self.n_ctx, config.parallel,
                                        choosers, cache_mib,
                                        expert_tier=self.expert_tier,

@@ -12,6 +12,7 @@ from strata.engine.kv import SequenceReuse
 from strata.engine.recurrent import DEFAULT_CHECKPOINTS
 from strata.errors import ConfigError, RequestError
 from strata.model.arch import ModelSpec
+from strata.model.host_pages import anonymous_array
 
 # L = layers with cells (a hybrid model's attention layers), KV = KV heads,
 # C = capacity (tokens), D = head dim, T = rows appended now
@@ -146,7 +147,10 @@ class CudaKV(SequenceReuse):
         if self.is_int8:
             return super().export_prefix(num_tokens)
         L, KV, D, n = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim, num_tokens
-        out = np.empty((2, L, KV, n, D), dtype=self.dtype)  # [K/V, L, KV, n, D]
+        # [K/V, L, KV, n, D] in memory asked for huge pages: gigabytes copied into fresh 4 KiB
+        # pages fault each one in (the copy ran at ~2 GB/s so)
+        out = anonymous_array(2 * L * KV * n * D * self.dtype.itemsize).view(self.dtype)
+        out = out.reshape(2, L, KV, n, D)
         with self._rt.active():
             for layer in range(L if n else 0):
                 for kind in (0, 1):
