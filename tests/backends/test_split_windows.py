@@ -94,6 +94,31 @@ def test_split_kv_sends_each_layer_to_its_stage_and_moves_tokens_together(gguf):
         kv.part_of(4)
 
 
+def test_split_kv_copies_a_prefix_part_by_part_and_exports_it(gguf):
+    spec = gguf.spec
+    src, dst = _split_kv(spec, [0, 1, 3]), _split_kv(spec, [0, 1, 3])
+    rng = np.random.default_rng(1)
+    KV, D = spec.n_kv_heads, spec.head_dim
+    ks = [rng.standard_normal((KV, 5, D)).astype(np.float16) for _ in range(4)]
+    vs = [rng.standard_normal((KV, 5, D)).astype(np.float16) for _ in range(4)]
+    for layer in range(4):
+        src.append(layer, ks[layer], vs[layer])
+    src.commit(5)
+    dst.append(0, ks[0][:, :1], vs[0][:, :1])  # a cell the copy replaces
+    dst.commit(1)
+    dst.copy_prefix(src, 3)
+    assert [p.num_tokens for p in dst.parts] == [3, 3, 3]
+    for layer in range(4):
+        assert np.array_equal(dst.keys(layer), ks[layer][:, :3])
+        assert np.array_equal(dst.values(layer), vs[layer][:, :3])
+    k, v = src.export_prefix(4)  # [L, KV, n, D] each, as parking takes them
+    assert k.shape == (4, KV, 4, D)
+    assert np.array_equal(k, np.stack(ks)[:, :, :4]) and np.array_equal(v, np.stack(vs)[:, :, :4])
+    other = _split_kv(spec, [0, 2])  # split otherwise: layer by layer through host copies
+    other.copy_prefix(src, 2)
+    assert np.array_equal(other.keys(3), ks[3][:, :2])
+
+
 @pytest.mark.parametrize("firsts, cells, states", [([0, 1], [0, 2], [1, 1]),
                                                    ([0, 3], [1, 1], [2, 0])])
 def test_a_hybrid_split_kv_keeps_its_parts_states_together(firsts, cells, states):
