@@ -10,6 +10,7 @@ from strata._native.kernels import KV_KEY_TILE
 from strata.engine.recurrent import DEFAULT_CHECKPOINTS, RecurrentState
 from strata.errors import ConfigError, RequestError
 from strata.model.arch import ModelSpec
+from strata.model.host_pages import anonymous_array
 
 # L = attention layers (every layer but a hybrid model's recurrent ones), KV = KV heads,
 # C = capacity (tokens), D = head dim, T = rows appended now,
@@ -47,10 +48,20 @@ class SequenceReuse:
     def export_prefix(self, num_tokens: int):
         """Host copies of the first `num_tokens` cells of every layer for parking: (keys,
         values), each [L, KV, n, D] (a device KV's int8 cells: [L, KV, n] of codes and
-        scales)."""
-        k = np.stack([self.keys(layer)[:, :num_tokens] for layer in range(self.num_layers)])
-        v = np.stack([self.values(layer)[:, :num_tokens] for layer in range(self.num_layers)])
-        return k, v
+        scales), in memory asked for huge pages: a park of gigabytes into fresh 4 KiB pages
+        spends most of its time faulting them in."""
+        L = self.num_layers
+        if L == 0:  # a model (or stage) without attention layers
+            empty = np.empty((0, self.spec.n_kv_heads, num_tokens, self.spec.head_dim))
+            return empty, empty
+        first = self.values(0)[:, :num_tokens]
+        shape = (2, L) + first.shape  # [K/V, L, KV, n, D]
+        out = anonymous_array(int(np.prod(shape)) * first.dtype.itemsize)
+        out = out.view(first.dtype).reshape(shape)
+        for layer in range(L):
+            out[0, layer] = self.keys(layer)[:, :num_tokens]
+            out[1, layer] = self.values(layer)[:, :num_tokens]
+        return out[0], out[1]
 
     @property
     def room_tokens(self) -> int:
