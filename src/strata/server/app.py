@@ -20,6 +20,7 @@ from strata.server.infill_api import InfillRoutes
 from strata.server.messages import MessagesRoutes, is_messages_path
 from strata.server.metrics import ServerMetrics
 from strata.server.responses_api import ResponsesRoutes
+from strata.server.tokens_api import TokenRoutes
 from strata.server.worker import EngineWorker
 
 log = logging.getLogger("strata.server")
@@ -67,7 +68,8 @@ class ServerState:
 _STATUS_TEXT = {
     404: ("not_found", "Unknown endpoint {method} {path}; this server serves "
           "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
-          "/v1/messages/count_tokens, /infill, /v1/models, /health and /metrics."),
+          "/v1/messages/count_tokens, /infill, /tokenize, /detokenize, /apply-template, "
+          "/v1/models, /health and /metrics."),
     405: ("method_not_allowed", "{method} is not allowed on {path}; see the OpenAI API for the "
           "method this endpoint takes."),
     413: ("request_too_large", "The request body is larger than {limit} KiB; send a smaller "
@@ -92,6 +94,7 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     messages = MessagesRoutes(state)
     responses = ResponsesRoutes(state)
     infill = InfillRoutes(state)
+    tokens = TokenRoutes(state)
 
     @app.before_request
     def check_api_key():
@@ -167,6 +170,10 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     app.add_url_rule("/v1/completions", "completions", routes.completions, methods=["POST"])
     app.add_url_rule("/v1/responses", "responses", responses.responses, methods=["POST"])
     app.add_url_rule("/infill", "infill", infill.infill, methods=["POST"])
+    app.add_url_rule("/tokenize", "tokenize", tokens.tokenize, methods=["POST"])
+    app.add_url_rule("/detokenize", "detokenize", tokens.detokenize, methods=["POST"])
+    app.add_url_rule("/apply-template", "apply_template", tokens.apply_template,
+                     methods=["POST"])
 
     @app.route("/v1/responses/<path:response_id>", methods=["GET", "DELETE", "POST"])
     def stored_response(response_id: str):

@@ -8,7 +8,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 # Endpoints counted by name; anything else (unknown paths) is counted as "other" so a scanner
 # cannot grow the label set without bound.
 KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                   "/v1/messages/count_tokens", "/infill", "/v1/models", "/health", "/metrics")
+                   "/v1/messages/count_tokens", "/infill", "/tokenize", "/detokenize",
+                   "/apply-template", "/v1/models", "/health", "/metrics")
 _TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 

@@ -1,0 +1,60 @@
+"""llama.cpp's utility endpoints: `/tokenize`, `/detokenize` and `/apply-template`, answered on
+the request thread (the tokenizer and the chat template need no engine step)."""
+from __future__ import annotations
+
+from flask import jsonify, request
+
+from strata.server.api_error import invalid, missing
+from strata.server.generation import GenerationRoutes
+from strata.server.prompting import build_chat_prompt
+from strata.server.schema import _boolean, _wrong_type, parse_chat_request, parse_json_body
+
+
+def _piece(tokenizer, token_id: int) -> str | list[int]:
+    """A token's text, or its bytes where they are not whole UTF-8 (part of a character)."""
+    data = tokenizer.token_bytes(token_id)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
+
+
+class TokenRoutes(GenerationRoutes):
+    def tokenize(self):
+        body = parse_json_body(request.get_data())
+        engine = self._engine()
+        content = body.get("content")
+        if content is None:
+            raise missing("content", "the text to tokenize")
+        if not isinstance(content, str):
+            raise _wrong_type("content", content, "a string")
+        # as llama.cpp: special tokens written in the text become their ids, BOS only if asked
+        ids = engine.tokenize(content, add_special=_boolean(body, "add_special"))
+        if not _boolean(body, "with_pieces"):
+            return jsonify({"tokens": ids})
+        tokenizer = engine.tokenizer
+        return jsonify({"tokens": [{"id": i, "piece": _piece(tokenizer, i)} for i in ids]})
+
+    def detokenize(self):
+        body = parse_json_body(request.get_data())
+        engine = self._engine()
+        ids = body.get("tokens")
+        if ids is None:
+            raise missing("tokens", "an array of token ids")
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise _wrong_type("tokens", ids, "an array of token ids")
+        vocab = engine.tokenizer.vocab_size
+        for i, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise invalid(f"'tokens[{i}]' is {token}, outside the vocabulary [0, {vocab}).",
+                              f"tokens[{i}]")
+        return jsonify({"content": engine.tokenizer.decode(ids)})
+
+    def apply_template(self):
+        """The prompt the chat endpoint would read for these messages (and tools)."""
+        body = parse_json_body(request.get_data())
+        engine = self._engine()
+        req = parse_chat_request(body, engine.n_ctx)
+        prompt = build_chat_prompt(engine, req)
+        return jsonify({"prompt": prompt.text})
