@@ -67,18 +67,24 @@ def _split_kv(spec, firsts, capacity=16):
     return SplitKV(spec, parts, firsts)
 
 
+def _fill(kv, spec, num_tokens: int, seed: int):
+    """Random fp16 cells for every layer of `kv`, committed; (keys, values) per layer."""
+    rng = np.random.default_rng(seed)
+    shape = (spec.n_kv_heads, num_tokens, spec.head_dim)
+    ks = [rng.standard_normal(shape).astype(np.float16) for _ in range(spec.n_layers)]
+    vs = [rng.standard_normal(shape).astype(np.float16) for _ in range(spec.n_layers)]
+    for layer in range(spec.n_layers):
+        kv.append(layer, ks[layer], vs[layer])
+    kv.commit(num_tokens)
+    return ks, vs
+
+
 def test_split_kv_sends_each_layer_to_its_stage_and_moves_tokens_together(gguf):
     spec = gguf.spec
     kv = _split_kv(spec, [0, 1, 3])
     assert [kv.part_of(layer)[1] for layer in range(4)] == [0, 0, 1, 0]
     assert [kv.parts.index(kv.part_of(layer)[0]) for layer in range(4)] == [0, 1, 1, 2]
-    rng = np.random.default_rng(0)
-    KV, D = spec.n_kv_heads, spec.head_dim
-    ks = [rng.standard_normal((KV, 3, D)).astype(np.float16) for _ in range(4)]
-    vs = [rng.standard_normal((KV, 3, D)).astype(np.float16) for _ in range(4)]
-    for layer in range(4):
-        kv.append(layer, ks[layer], vs[layer])
-    kv.commit(3)
+    ks, vs = _fill(kv, spec, 3, seed=0)
     assert kv.num_tokens == 3 and [p.num_tokens for p in kv.parts] == [3, 3, 3]
     for layer in range(4):  # park: host copies per layer, as the scheduler takes them
         assert np.array_equal(kv.keys(layer), ks[layer])
@@ -97,13 +103,7 @@ def test_split_kv_sends_each_layer_to_its_stage_and_moves_tokens_together(gguf):
 def test_split_kv_copies_a_prefix_part_by_part_and_exports_it(gguf):
     spec = gguf.spec
     src, dst = _split_kv(spec, [0, 1, 3]), _split_kv(spec, [0, 1, 3])
-    rng = np.random.default_rng(1)
-    KV, D = spec.n_kv_heads, spec.head_dim
-    ks = [rng.standard_normal((KV, 5, D)).astype(np.float16) for _ in range(4)]
-    vs = [rng.standard_normal((KV, 5, D)).astype(np.float16) for _ in range(4)]
-    for layer in range(4):
-        src.append(layer, ks[layer], vs[layer])
-    src.commit(5)
+    ks, vs = _fill(src, spec, 5, seed=1)
     dst.append(0, ks[0][:, :1], vs[0][:, :1])  # a cell the copy replaces
     dst.commit(1)
     dst.copy_prefix(src, 3)
@@ -112,7 +112,7 @@ def test_split_kv_copies_a_prefix_part_by_part_and_exports_it(gguf):
         assert np.array_equal(dst.keys(layer), ks[layer][:, :3])
         assert np.array_equal(dst.values(layer), vs[layer][:, :3])
     k, v = src.export_prefix(4)  # [L, KV, n, D] each, as parking takes them
-    assert k.shape == (4, KV, 4, D)
+    assert k.shape == (4, spec.n_kv_heads, 4, spec.head_dim)
     assert np.array_equal(k, np.stack(ks)[:, :, :4]) and np.array_equal(v, np.stack(vs)[:, :, :4])
     other = _split_kv(spec, [0, 2])  # split otherwise: layer by layer through host copies
     other.copy_prefix(src, 2)
