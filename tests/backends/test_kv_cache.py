@@ -171,3 +171,37 @@ def test_ctx_checkpoints_must_be_a_count():
 
     with pytest.raises(ConfigError, match="--ctx-checkpoints"):
         _hybrid_kv(max_checkpoints=-1)
+
+
+def test_export_prefix_is_the_layers_first_cells():
+    kv = KVCache(SPEC, 32)
+    _fill(kv, np.random.default_rng(2), 20)
+    k, v = kv.export_prefix(13)
+    assert k.shape == v.shape == (SPEC.n_layers, SPEC.n_kv_heads, 13, SPEC.head_dim)
+    for layer in range(SPEC.n_layers):
+        assert np.array_equal(k[layer], kv.keys(layer)[:, :13])
+        assert np.array_equal(v[layer], kv.values(layer)[:, :13])
+
+
+class _StructuredCells(KVCache):
+    """A KV whose host copies are records of codes and a scale, as a GPU's int8 cells are."""
+    CELL = np.dtype([("q", np.int8, (SPEC.head_dim,)), ("scale", np.float32)])
+
+    def keys(self, layer):
+        out = np.zeros((SPEC.n_kv_heads, self.num_tokens), self.CELL)
+        out["scale"] = np.arange(self.num_tokens) + 100 * layer
+        return out
+
+    def values(self, layer):
+        out = self.keys(layer)
+        out["q"] = layer
+        return out
+
+
+def test_export_prefix_keeps_record_cells():
+    kv = _StructuredCells(SPEC, 8, np.float16)
+    kv.commit(6)
+    k, v = kv.export_prefix(4)
+    assert k.dtype == _StructuredCells.CELL and k.shape == (SPEC.n_layers, SPEC.n_kv_heads, 4)
+    assert list(k[1, 0]["scale"]) == [100, 101, 102, 103]
+    assert (v[1]["q"] == 1).all()
