@@ -244,3 +244,30 @@ def test_random_infill_requests_never_get_a_5xx(fim_server, body):
     elif body.get("stream") is True:
         frames = sse_events(reply)
         assert frames[-1].get("stop") is True, frames[-1]
+
+
+# What llama.vscode sends (its completion and its ring-buffer warm-up), field for field.
+VSCODE_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_second",
+                 "timings/predicted_n", "timings/predicted_ms", "timings/predicted_per_second",
+                 "truncated", "tokens_cached"]
+
+
+def test_an_editor_plugins_requests(fim_server):
+    chunks = [{"text": "import os\nimport sys\n", "time": 1733000000.5, "filename": "a.py"},
+              {"text": "def helper():\n    pass\n", "time": 1733000001.25, "filename": "b.py"}]
+    warm = infill(fim_server, {"input_extra": chunks, "input_prefix": "", "input_suffix": "",
+                               "n_predict": 0, "samplers": [], "cache_prompt": True,
+                               "t_max_prompt_ms": 1, "response_fields": []})
+    assert warm.status_code == 200 and warm.json()["content"] == ""  # [] names every field
+    reply = infill(fim_server, {
+        "input_prefix": "def main():\n    ", "input_suffix": "\n\nif __name__ == '__main__':\n",
+        "input_extra": chunks, "prompt": "    ", "n_predict": 16, "top_k": 40, "top_p": 0.99,
+        "stream": False, "n_indent": 4, "samplers": ["top_k", "top_p", "infill"],
+        "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
+        "response_fields": VSCODE_FIELDS})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert list(body) == VSCODE_FIELDS
+    assert body["timings/predicted_n"] <= 16 and body["truncated"] is False
+    # the files were read by the warm-up: only the current file's part is read now
+    assert body["timings/prompt_n"] < body["tokens_cached"] - len(chunks) * 8

@@ -153,8 +153,8 @@ class InfillReply:
                 "predicted_per_second": self.num_tokens / max(predicted_ms / 1000.0, 1e-9),
             },
         }
-        return out if self.req.response_fields is None else picked(out,
-                                                                   self.req.response_fields)
+        # as llama.cpp's: no fields named (or an empty list) gives them all
+        return picked(out, self.req.response_fields) if self.req.response_fields else out
 
 
 def picked(result: dict, fields: list[str]) -> dict:
