@@ -96,13 +96,13 @@ def test_layout_with_other_files_and_a_path(tok):
     f = FIM_IDS
     text = InfillText("a", "b", extra=[("u.py", "import os"), ("v.py", "x = 1\n")])
     got = build_infill(tok, tok.fim, text)
-    assert got.tokens == _layout(tok, f["sep"], "u.py\nimport os\n", f["sep"], "v.py\nx = 1\n",
-                                 f["sep"], "untitled\n", f["prefix"], "a", f["suffix"], "b",
-                                 f["middle"])
+    assert got.tokens == _layout(tok, f["repo"], "project\n", f["sep"], "u.py\nimport os\n",
+                                 f["sep"], "v.py\nx = 1\n", f["sep"], "untitled\n", f["prefix"],
+                                 "a", f["suffix"], "b", f["middle"])
     assert got.num_extra == 2
     named = build_infill(tok, tok.fim, InfillText("a", "b", filename="src/m.py"))
-    assert named.tokens == _layout(tok, f["sep"], "src/m.py\n", f["prefix"], "a", f["suffix"],
-                                   "b", f["middle"])
+    assert named.tokens == _layout(tok, f["repo"], "project\n", f["sep"], "src/m.py\n",
+                                   f["prefix"], "a", f["suffix"], "b", f["middle"])
 
 
 def test_other_files_need_a_file_separator(tok):
@@ -112,6 +112,14 @@ def test_other_files_need_a_file_separator(tok):
                                             filename="m.py"))
     assert got.tokens == _layout(tok, fim.prefix, "a", fim.suffix, "b", fim.middle)
     assert (got.num_extra, got.is_truncated) == (0, True)
+
+
+def test_without_a_repository_token_the_files_come_first(tok):
+    fim = FimTokens(prefix=FIM_IDS["prefix"], suffix=FIM_IDS["suffix"],
+                    middle=FIM_IDS["middle"], sep=FIM_IDS["sep"])
+    got = build_infill(tok, fim, InfillText("a", "b", extra=[("u.py", "x\n")]))
+    assert got.tokens == _layout(tok, fim.sep, "u.py\nx\n", fim.sep, "untitled\n", fim.prefix,
+                                 "a", fim.suffix, "b", fim.middle)
 
 
 def test_a_model_that_wants_bos_gets_it_first():
@@ -150,8 +158,9 @@ def test_other_files_go_first_the_earliest_first(tok):
     got = build_infill(tok, tok.fim, InfillText("a", "b", extra=files),
                        len(whole.tokens) - per_file)  # one file too many
     assert got.num_extra == 4 and got.is_truncated
-    assert got.tokens == whole.tokens[:0] + whole.tokens[per_file:]
-    assert tok.decode(got.tokens).startswith("<|file_sep|>f1.py\n")
+    repo = len(_layout(tok, 0, "project\n"))
+    assert got.tokens == whole.tokens[:repo] + whole.tokens[repo + per_file:]
+    assert tok.decode(got.tokens).startswith("<|repo_name|>project\n<|file_sep|>f1.py\n")
 
 
 def test_a_fixed_part_over_the_limit_is_refused(tok):

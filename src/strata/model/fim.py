@@ -2,8 +2,9 @@
 
 A model trained for it (Qwen2.5-Coder, Qwen3-Coder, StarCoder, DeepSeek-Coder) writes the text
 between a prefix and a suffix when they come in its token layout, other files first:
-    <|file_sep|>PATH\\nTEXT\\n ... <|file_sep|>PATH\\n     (only with other files or a path)
+    <|repo_name|>NAME\\n<|file_sep|>PATH\\nTEXT\\n ... <|file_sep|>PATH\\n
     <|fim_prefix|>PREFIX<|fim_suffix|>SUFFIX<|fim_middle|>PROMPT
+(the first line, Qwen's repository-level form, only with other files or the current file's path)
 and ends the middle with its end-of-text token (or another FIM token).
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ FIM_SPELLINGS = {
     "sep": ("<|file_sep|>", "<file_sep>", "<filename>"),
 }
 UNNAMED_FILE = "untitled"  # the current file's path when other files come and it has none
+UNNAMED_REPO = "project"  # the <|repo_name|> line's name (no client sends one)
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,11 @@ def build_infill(tokenizer, fim: FimTokens, text: InfillText,
              for path, body in text.extra] if fim.sep is not None else []
     head = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
     path = text.filename or (UNNAMED_FILE if extra else None)
-    current = [fim.sep] + encode(path + "\n") if path is not None and fim.sep is not None else []
-    fixed = len(head) + len(current) + 3 + len(typed)
+    repo, current = [], []  # the repository line; after the other files, the current path
+    if path is not None and fim.sep is not None:
+        repo = [fim.repo] + encode(UNNAMED_REPO + "\n") if fim.repo is not None else []
+        current = [fim.sep] + encode(path + "\n")
+    fixed = len(head) + len(repo) + len(current) + 3 + len(typed)
     if max_tokens is None:
         max_tokens = fixed + len(prefix) + len(suffix) + sum(len(e) + 1 for e in extra)
     room = max_tokens - fixed
@@ -124,8 +129,8 @@ def build_infill(tokenizer, fim: FimTokens, text: InfillText,
         kept.insert(0, [fim.sep] + tokens)
         room -= len(tokens) + 1
     if not kept and text.filename is None:
-        current = []  # a path line only introduces the current file after the others
-    out = head + [t for file in kept for t in file] + current
+        repo, current = [], []  # a path line only introduces the current file after others
+    out = head + repo + [t for file in kept for t in file] + current
     out += [fim.prefix] + prefix[len(prefix) - num_prefix:]
     out += [fim.suffix] + suffix[:num_suffix] + [fim.middle] + typed
     is_truncated = (num_prefix < len(prefix) or num_suffix < len(suffix)
