@@ -187,3 +187,15 @@ def test_the_budget_is_at_most_half_the_ram_available(asked, available_mib, budg
 def test_no_limit_needs_to_know_the_ram():
     with pytest.raises(ConfigError, match="/proc/meminfo"):
         resolve_budget_mib(-1, None)
+
+
+def test_counts_of_parks_restores_and_evictions():
+    cache = ConversationCache(budget_mib=200 / 2**20)  # 200 bytes
+    a = cache.park([1, 2], "kv-a", 100)
+    cache.park([1, 2], "kv-a", 100)  # already held: nothing new is stored
+    cache.park([3], "kv-b", 100)
+    cache.park([4], "kv-c", 100)  # evicts a
+    assert (cache.num_parked, cache.num_evicted, cache.num_taken) == (3, 1, 0)
+    assert a not in cache
+    cache.take(cache.best_match([3, 9])[0])
+    assert (cache.num_parked, cache.num_evicted, cache.num_taken) == (3, 1, 1)

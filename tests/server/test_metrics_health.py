@@ -69,6 +69,31 @@ def test_metrics_count_the_requests_made(live):
     assert after[("strata_requests_queued", ())] == 0
 
 
+def test_metrics_follow_the_parked_conversations(live):
+    """The live server has one slot: each new conversation parks the one before it, and the
+    first one's next turn restores it."""
+    def ask(text):
+        body = {"prompt": text, "max_tokens": 2, "temperature": 0}
+        reply = requests.post(live.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200
+        return reply.json()["choices"][0]["text"]
+
+    ask(" ".join(f"gamma{i}" for i in range(30)))  # the slot holds a conversation of its own
+    before = scrape(live)
+    first = " ".join(f"alpha{i}" for i in range(30))
+    answer = ask(first)  # parks the gamma conversation
+    ask(" ".join(f"beta{i}" for i in range(30)))  # parks the first conversation
+    ask(first + answer + " and more")  # restores it, parking the second
+    after = scrape(live)
+    assert delta(after, before, "strata_conversations_parked_total") == 3
+    assert delta(after, before, "strata_conversations_restored_total") == 1
+    assert after[("strata_conversation_cache_entries", ())] >= 1
+    assert after[("strata_conversation_cache_bytes", ())] > 0
+    state = live.state.worker.engine.scheduler.conversations
+    assert after[("strata_conversation_cache_budget_bytes", ())] == state.budget_bytes
+    assert after[("strata_conversations_evicted_total", ())] == state.num_evicted
+
+
 def test_each_app_has_its_own_registry(live, live_keyed):
     from conftest import API_KEY
 

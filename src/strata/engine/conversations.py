@@ -97,7 +97,9 @@ class ConversationCache:
         self._entries: OrderedDict[int, ParkedConversation] = OrderedDict()  # LRU first
         self._used_bytes = 0
         self._next_key = 1
-        self.num_evicted = 0
+        self.num_evicted = 0  # entries dropped to make room
+        self.num_parked = 0  # entries stored
+        self.num_taken = 0  # entries restored into a slot
 
     @property
     def used_bytes(self) -> int:
@@ -142,6 +144,7 @@ class ConversationCache:
         self._next_key += 1
         self._entries[key] = new
         self._used_bytes += nbytes
+        self.num_parked += 1
         while self._used_bytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
             self.num_evicted += 1
@@ -167,6 +170,7 @@ class ConversationCache:
                            "call best_match() again")
         entry = self._entries[key]
         self._drop(key)
+        self.num_taken += 1
         return entry
 
     def clear(self) -> None:

@@ -85,6 +85,8 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     worker = EngineWorker(engine, metrics)
     metrics.watch_expert_tier(
         lambda: getattr(worker.engine, "expert_tier", None) if worker.state == "ok" else None)
+    metrics.watch_conversations(
+        lambda: worker.engine.scheduler.conversations if worker.state == "ok" else None)
     state = ServerState(worker, config, metrics)
     app = Flask("strata.server")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_kib * 1024

@@ -52,6 +52,11 @@ class ServerMetrics:
         at each scrape."""
         self.registry.register(ExpertCacheCollector(get_tier))
 
+    def watch_conversations(self, get_cache) -> None:
+        """Export the parked conversations' figures, read from `get_cache()` (the engine's
+        ConversationCache, or None while it loads) at each scrape."""
+        self.registry.register(ConversationCacheCollector(get_cache))
+
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in KNOWN_ENDPOINTS else "other"
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -153,6 +158,35 @@ class ExpertCacheCollector:
         yield _gauge("strata_expert_cache_optimum_hit_rate", "The access hit rate Belady's "
                      "optimum (demand loads, same slots) would have had on the recent windows",
                      optimum.optimum_hit_rate)
+
+
+class ConversationCacheCollector:
+    """Parked conversations (`--cache-ram`): what the host RAM holds and how often a
+    conversation moved out of its slot and back, read at scrape time."""
+
+    def __init__(self, get_cache):
+        self._get_cache = get_cache
+
+    def describe(self):
+        return []  # the families exist only once an engine does
+
+    def collect(self):
+        cache = self._get_cache()
+        if cache is None:
+            return
+        yield _gauge("strata_conversation_cache_entries", "Conversations parked in host RAM",
+                     cache.num_entries)
+        yield _gauge("strata_conversation_cache_bytes", "Bytes of KV they hold",
+                     cache.used_bytes)
+        yield _gauge("strata_conversation_cache_budget_bytes", "What they may hold "
+                     "(--cache-ram, at most half the RAM available at start)",
+                     cache.budget_bytes)
+        yield _counter("strata_conversations_parked", "Conversations parked (whole, or their "
+                       "longest prefix that fits)", cache.num_parked)
+        yield _counter("strata_conversations_restored", "Parked conversations copied back into "
+                       "a slot", cache.num_taken)
+        yield _counter("strata_conversations_evicted", "Parked conversations dropped to make "
+                       "room, least recently used first", cache.num_evicted)
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
