@@ -65,6 +65,25 @@ class RequestHandle:
         return out
 
 
+@dataclass(frozen=True)
+class SlotState:
+    """One slot at one moment, for monitoring (GET /slots). The request fields are None / 0
+    while the slot is idle."""
+
+    index: int
+    num_tokens: int  # tokens the slot's KV cells hold (an idle slot keeps its last ones)
+    request_id: int | None = None  # the request in the slot (None: idle)
+    params: SamplingParams | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused (a kept, copied or restored prefix)
+    num_read_tokens: int = 0  # prompt tokens in the KV so far, the reused ones included
+    num_generated_tokens: int = 0
+
+    @property
+    def is_busy(self) -> bool:
+        return self.request_id is not None
+
+
 @dataclass
 class _Active:
     """A request placed in a slot: reading its prompt, then decoding."""
@@ -172,6 +191,24 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self._queue or self._active)
+
+    def slot_states(self) -> list[SlotState]:
+        """Every slot's state, safe to call from another thread while this one steps: it reads
+        copies of the containers (each copied in one step under the GIL), never iterates the
+        live ones. Figures of a slot may lag each other by the window that is running."""
+        active = dict(self._active)
+        states = []
+        for index in range(self.table.num_slots):
+            num_tokens = len(self.table.tokens(index))
+            run = active.get(index)
+            if run is None:
+                states.append(SlotState(index, num_tokens))
+                continue
+            handle = run.handle
+            states.append(SlotState(index, num_tokens, handle.request_id, handle.params,
+                                    len(handle.prompt_tokens), handle.stats.num_cached_tokens,
+                                    run.num_read_tokens, handle.stats.num_generated_tokens))
+        return states
 
     def check_prompt(self, prompt_tokens) -> list[int]:
         """The prompt as a list of ints; RequestError when it cannot be run."""

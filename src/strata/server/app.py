@@ -20,6 +20,7 @@ from strata.server.infill_api import InfillRoutes
 from strata.server.messages import MessagesRoutes, is_messages_path
 from strata.server.metrics import ServerMetrics
 from strata.server.responses_api import ResponsesRoutes
+from strata.server.slots_api import SlotsRoutes
 from strata.server.tokens_api import TokenRoutes
 from strata.server.worker import EngineWorker
 
@@ -36,6 +37,7 @@ class ServerConfig:
     max_body_kib: int = 1024
     keepalive_s: float = 5.0
     reasoning_budget: int | None = None  # a request's <think> budget unless it sets one
+    is_slots_endpoint_on: bool = True  # GET /slots answers (--no-slots: 501)
 
 
 class ServerState:
@@ -69,7 +71,7 @@ _STATUS_TEXT = {
     404: ("not_found", "Unknown endpoint {method} {path}; this server serves "
           "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
           "/v1/messages/count_tokens, /infill, /tokenize, /detokenize, /apply-template, "
-          "/v1/models, /health and /metrics."),
+          "/v1/models, /props, /slots, /health and /metrics."),
     405: ("method_not_allowed", "{method} is not allowed on {path}; see the OpenAI API for the "
           "method this endpoint takes."),
     413: ("request_too_large", "The request body is larger than {limit} KiB; send a smaller "
@@ -97,6 +99,7 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     responses = ResponsesRoutes(state)
     infill = InfillRoutes(state)
     tokens = TokenRoutes(state)
+    slots = SlotsRoutes(state)
 
     @app.before_request
     def check_api_key():
@@ -176,6 +179,8 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     app.add_url_rule("/detokenize", "detokenize", tokens.detokenize, methods=["POST"])
     app.add_url_rule("/apply-template", "apply_template", tokens.apply_template,
                      methods=["POST"])
+    app.add_url_rule("/props", "props", slots.props, methods=["GET"])
+    app.add_url_rule("/slots", "slots", slots.slots, methods=["GET"])
 
     @app.route("/v1/responses/<path:response_id>", methods=["GET", "DELETE", "POST"])
     def stored_response(response_id: str):

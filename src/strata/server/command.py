@@ -86,13 +86,15 @@ def _stop_on_sigterm() -> None:
                    "thinking.budget_tokens) wins.")
 @click.option("--http-threads", default=DEFAULT_HTTP_THREADS, show_default=True,
               type=click.IntRange(1), help="Request threads (each open stream holds one).")
+@click.option("--slots/--no-slots", "is_slots_endpoint_on", default=True, show_default=True,
+              help="Answer GET /slots (each slot's state, as llama.cpp's); --no-slots: 501.")
 @device_option
 @slot_options
 @expert_options
 @draft_options
 def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, reasoning_budget,
-          http_threads, device, parallel, read_chunk, conversation_cache_mib, ctx_checkpoints,
-          expert_config, draft_config):
+          http_threads, is_slots_endpoint_on, device, parallel, read_chunk,
+          conversation_cache_mib, ctx_checkpoints, expert_config, draft_config):
     """Serve the model with OpenAI's API (/v1/chat/completions, /v1/completions,
     /v1/responses), Anthropic's (/v1/messages) and llama.cpp's code completion (/infill)."""
     from strata.cli import fail, resolve_model
@@ -119,7 +121,8 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
                         "%(message)s")
     config = ServerConfig(model_id=names[0] if names else path.stem, aliases=tuple(names[1:]),
                           api_key=api_key, max_body_kib=body_limit_kib(max_body_kib, ctx_size),
-                          reasoning_budget=None if reasoning_budget < 0 else reasoning_budget)
+                          reasoning_budget=None if reasoning_budget < 0 else reasoning_budget,
+                          is_slots_endpoint_on=is_slots_endpoint_on)
     # The model loads on the engine thread; /health says "loading" until it is ready.
     app = create_app(lambda: Engine(engine_config), config)
     try:

@@ -1,0 +1,95 @@
+"""llama.cpp's monitoring endpoints: `GET /props` (the server's settings) and `GET /slots` (each
+slot's state), answered on the request thread from a snapshot of the scheduler
+(`Scheduler.slot_states`); the engine thread is never waited for."""
+from __future__ import annotations
+
+from flask import jsonify, request
+
+import strata
+from strata.engine.sampling import SamplingParams
+from strata.engine.scheduler import SlotState
+from strata.server.api_error import ApiError
+from strata.server.generation import GenerationRoutes
+
+# llama.cpp's seed for "none given" (LLAMA_DEFAULT_SEED): each request draws its own
+RANDOM_SEED = 0xFFFFFFFF
+_OFF_VALUES = ("", "0", "false")
+
+
+def sampling_fields(params: SamplingParams, max_tokens: int) -> dict:
+    """`params` under llama.cpp's names (only those Strata's sampler has); `max_tokens` -1:
+    up to the room the context leaves, as llama.cpp's n_predict -1."""
+    return {
+        "n_predict": max_tokens, "max_tokens": max_tokens,
+        "seed": RANDOM_SEED if params.seed is None else params.seed,
+        "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+        "min_p": params.min_p, "repeat_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "stop": list(params.stop), "ignore_eos": params.ignore_eos,
+        "logit_bias": [{"bias": bias, "token": token}
+                       for token, bias in sorted(params.logit_bias.items())],
+    }
+
+
+def slot_fields(slot: SlotState, n_ctx: int, is_speculative: bool) -> dict:
+    """One slot in llama.cpp's fields, and `n_kv_tokens` (Strata's: the tokens its KV holds,
+    which an idle slot keeps for the conversation's next turn). A busy slot adds its
+    request's prompt counts, parameters and progress."""
+    out = {"id": slot.index, "id_task": -1 if slot.request_id is None else slot.request_id,
+           "n_ctx": n_ctx, "speculative": is_speculative, "is_processing": slot.is_busy,
+           "n_kv_tokens": slot.num_tokens}
+    if not slot.is_busy:
+        return out
+    max_tokens = slot.params.max_tokens
+    out.update({
+        "n_prompt_tokens": slot.num_prompt_tokens,
+        "n_prompt_tokens_processed": slot.num_read_tokens - slot.num_cached_tokens,
+        "n_prompt_tokens_cache": slot.num_cached_tokens,
+        "params": sampling_fields(slot.params, max_tokens),
+        # a finished request leaves its slot at once: a busy slot has a next token to come
+        "next_token": {"has_next_token": True,
+                       "n_remain": max_tokens - slot.num_generated_tokens,
+                       "n_decoded": slot.num_generated_tokens},
+    })
+    return out
+
+
+class SlotsRoutes(GenerationRoutes):
+    def props(self):
+        engine = self._engine()
+        state = self.state
+        template = engine.chat_template
+        return jsonify({
+            "default_generation_settings": {
+                "id": 0, "id_task": -1, "n_ctx": engine.n_ctx,
+                "speculative": engine.scheduler.drafts.is_on, "is_processing": False,
+                "params": sampling_fields(SamplingParams(), -1),
+            },
+            "total_slots": engine.scheduler.table.num_slots,
+            "model_alias": state.model_id,
+            "model_path": str(engine.config.model_path),
+            "chat_template": template.source,  # the GGUF's, else the shipped ChatML one
+            "bos_token": template.bos_token,  # "" where the tokenizer has none
+            "eos_token": template.eos_token,
+            "modalities": {"vision": False, "audio": False},
+            "endpoint_slots": state.config.is_slots_endpoint_on,
+            "build_info": f"strata {strata.__version__}",
+        })
+
+    def slots(self):
+        if not self.state.config.is_slots_endpoint_on:
+            raise ApiError(501, "GET /slots is off: the server was started with --no-slots; "
+                           "restart it without that option to read the slots' state.",
+                           code="slots_endpoint_disabled", type="not_supported_error")
+        engine = self._engine()
+        scheduler = engine.scheduler
+        slots = scheduler.slot_states()
+        # as llama.cpp: a value turns it on (Strata reads 0 and false as off)
+        fail_on_no_slot = request.args.get("fail_on_no_slot", "").strip().lower()
+        if fail_on_no_slot not in _OFF_VALUES and all(s.is_busy for s in slots):
+            raise ApiError(503, f"No slot available: all {len(slots)} slots are busy; retry "
+                           "when one is free (a generating request queues for one anyway).",
+                           code="no_slot_available", type="unavailable_error")
+        return jsonify([slot_fields(s, scheduler.n_ctx, scheduler.drafts.is_on)
+                        for s in slots])
