@@ -115,9 +115,10 @@ def test_a_stop_string_is_a_word_stop(fim_server, fim_reference):
 
 def test_openai_suffix_is_a_fill_in_the_middle_completion(fim_server, fim_reference):
     tokens, events = reference_infill(fim_reference, InfillText(PREFIX, SUFFIX), 9)
-    client = openai.OpenAI(base_url=fim_server.url + "/v1", api_key="unused", max_retries=0)
-    reply = client.completions.create(model="tiny-fim", prompt=PREFIX, suffix=SUFFIX,
-                                      max_tokens=9, temperature=0)
+    with openai.OpenAI(base_url=fim_server.url + "/v1", api_key="unused",
+                       max_retries=0) as client:
+        reply = client.completions.create(model="tiny-fim", prompt=PREFIX, suffix=SUFFIX,
+                                          max_tokens=9, temperature=0)
     assert reply.choices[0].text == "".join(e.text for e in events)
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(tokens),
                                                                           len(events))

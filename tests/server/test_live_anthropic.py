@@ -24,7 +24,9 @@ OPENAI_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def client(live):
-    return anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=60)
+    with anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0,
+                             timeout=60) as client:
+        yield client  # closed: its pooled sockets would warn when collected
 
 
 def create(client, **kwargs):
@@ -192,14 +194,14 @@ def test_models_list_for_anthropic_clients(client):
 
 
 def test_x_api_key_is_accepted(live_keyed):
-    bad = anthropic.Anthropic(base_url=live_keyed.url, api_key="wrong", max_retries=0)
-    with pytest.raises(anthropic.AuthenticationError) as info:
+    with anthropic.Anthropic(base_url=live_keyed.url, api_key="wrong", max_retries=0) as bad, \
+            pytest.raises(anthropic.AuthenticationError) as info:
         bad.messages.create(model=MODEL_ID, max_tokens=1,
                             messages=[{"role": "user", "content": "hi"}])
     assert info.value.body["error"]["type"] == "authentication_error"
-    good = anthropic.Anthropic(base_url=live_keyed.url, api_key=API_KEY, max_retries=0)
-    reply = good.messages.create(model=MODEL_ID, max_tokens=2,
-                                 messages=[{"role": "user", "content": "hi"}])
+    with anthropic.Anthropic(base_url=live_keyed.url, api_key=API_KEY, max_retries=0) as good:
+        reply = good.messages.create(model=MODEL_ID, max_tokens=2,
+                                     messages=[{"role": "user", "content": "hi"}])
     assert reply.usage.output_tokens >= 1
 
 

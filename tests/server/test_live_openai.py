@@ -19,8 +19,9 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def client(live):
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        yield client  # closed: its pooled sockets would warn when collected
 
 
 def test_models(client):
@@ -220,15 +221,16 @@ def test_seeded_sampling_is_repeatable(client):
 
 
 def test_api_key_is_required(live_keyed):
-    bad = openai.OpenAI(base_url=live_keyed.url + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError) as info:
+    with openai.OpenAI(base_url=live_keyed.url + "/v1", api_key="wrong",
+                       max_retries=0) as bad, pytest.raises(openai.AuthenticationError) as info:
         bad.models.list()
     assert info.value.status_code == 401
     assert info.value.body["code"] == "invalid_api_key"
-    good = openai.OpenAI(base_url=live_keyed.url + "/v1", api_key=API_KEY, max_retries=0)
-    assert [m.id for m in good.models.list().data] == [MODEL_ID]
-    reply = good.chat.completions.create(model=MODEL_ID, max_tokens=2,
-                                         messages=[{"role": "user", "content": "hi"}])
+    with openai.OpenAI(base_url=live_keyed.url + "/v1", api_key=API_KEY,
+                       max_retries=0) as good:
+        assert [m.id for m in good.models.list().data] == [MODEL_ID]
+        reply = good.chat.completions.create(model=MODEL_ID, max_tokens=2,
+                                             messages=[{"role": "user", "content": "hi"}])
     assert reply.usage.completion_tokens >= 1
 
 

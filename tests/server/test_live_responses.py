@@ -23,8 +23,9 @@ CHAT_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def client(live):
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        yield client  # closed: its pooled sockets would warn when collected
 
 
 def test_response_equals_the_engine(client, reference):
