@@ -80,7 +80,7 @@ def main():
 @draft_options
 def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, threads,
         ctx_size, system, raw, device, parallel, read_chunk, conversation_cache_mib,
-        ctx_checkpoints, expert_config, draft_config):
+        ctx_checkpoints, conversation_files, expert_config, draft_config):
     """Generate a reply to PROMPT and stream it to stdout ('-' reads the prompt from stdin)."""
     from strata.config import EngineConfig
     from strata.engine.engine import Engine
@@ -98,6 +98,7 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
                                      **read_chunk_fields(read_chunk),
                                      conversation_cache_mib=conversation_cache_mib,
                                      ctx_checkpoints=ctx_checkpoints,
+                                     **conversation_files,
                                      **expert_config, **draft_config))
     except StrataError as e:
         fail(str(e))

@@ -74,8 +74,31 @@ def read_chunk_fields(read_chunk) -> dict:
 
 
 def slot_options(command):
-    """Add --parallel, --read-chunk, --conversation-cache-mib and --ctx-checkpoints (passed as
-    `parallel`, `read_chunk`, `conversation_cache_mib` and `ctx_checkpoints`)."""
+    """Add --parallel, --read-chunk, --conversation-cache-mib, --ctx-checkpoints (passed as
+    `parallel`, `read_chunk`, `conversation_cache_mib` and `ctx_checkpoints`) and the
+    conversation files' --conversation-cache-dir and --conversation-cache-disk-mib (passed as
+    one dict of EngineConfig keyword arguments, `conversation_files`)."""
+
+    inner = command
+
+    @functools.wraps(inner)
+    def with_conversation_files(*args, **kwargs):
+        files = {name: kwargs.pop(name)
+                 for name in ("conversation_cache_dir", "conversation_cache_disk_mib")}
+        return inner(*args, conversation_files=files, **kwargs)
+
+    command = with_conversation_files
+    command = click.option(
+        "--conversation-cache-disk-mib", default=65536.0, show_default=True,
+        type=click.FloatRange(min=0, min_open=True),
+        help="Disk space (MiB) the conversation files may take, at most half the space free "
+             "at start; the least recently used go first.")(command)
+    command = click.option(
+        "--conversation-cache-dir", default=None, metavar="DIR|auto",
+        help="Write parked conversations that leave the RAM cache, and at a graceful stop "
+             "every conversation, to files in DIR; a later server of the same model restores "
+             "them, so a conversation's next turn reads only its new tokens (auto: Strata's "
+             "cache folder). Default: no files.")(command)
     command = click.option(
         "--ctx-checkpoints", default=DEFAULT_CHECKPOINTS, show_default=True,
         type=click.IntRange(min=0),

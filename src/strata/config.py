@@ -62,6 +62,13 @@ class EngineConfig:
     # parked KVs in host RAM (at most half the RAM available); 0 turns parking off, -1: no
     # limit but the RAM's
     conversation_cache_mib: float = 8192
+    # --conversation-cache-dir DIR|auto: parked conversations evicted from RAM, and all of them
+    # at a graceful stop, are written there and restored by a later server of this model
+    # (engine/conversation_disk.py); None: no files. auto: the user cache folder's
+    # conversations/. --conversation-cache-disk-mib: what they may take (at most half the
+    # disk space free at start)
+    conversation_cache_dir: str | os.PathLike | None = None
+    conversation_cache_disk_mib: float = 65536
     # --ctx-checkpoints: recurrent states a hybrid model's slot keeps (strata.engine.recurrent)
     ctx_checkpoints: int = DEFAULT_CHECKPOINTS
     device: str = "auto"  # --device auto|cpu|cuda (strata.backends.select)
@@ -130,6 +137,7 @@ class EngineConfig:
             raise ConfigError(f"conversation_cache_mib = {mib!r} must be a number >= 0, or -1 "
                               "(--conversation-cache-mib / --cache-ram; 0 turns parking off, "
                               "-1 sets no limit but half the RAM available)")
+        self._check_conversation_files()
         self._check_int("ctx_checkpoints", allow_none=False, minimum=0)
         self._check_expert_options()
         self._check_split_options()
@@ -141,6 +149,32 @@ class EngineConfig:
         """The speculative-decoding options as one value (ConfigError when one is bad)."""
         return DraftSettings(self.spec_type, self.draft_max, self.draft_min,
                              self.spec_ngram_size_n)
+
+    def _check_conversation_files(self) -> None:
+        if self.conversation_cache_dir is None:
+            return
+        if str(self.conversation_cache_dir).strip() == "":
+            raise ConfigError("--conversation-cache-dir is empty; give a folder, or auto")
+        mib = self.conversation_cache_disk_mib
+        if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0 \
+                or mib == float("inf"):
+            raise ConfigError(f"conversation_cache_disk_mib = {mib!r} must be a number > 0 "
+                              "(--conversation-cache-disk-mib)")
+        if self.conversation_cache_mib == 0:
+            raise ConfigError("--conversation-cache-dir needs parked conversations in RAM "
+                              "first: drop --conversation-cache-mib 0 (--cache-ram 0)")
+        folder = self.resolve_conversation_dir()
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"--conversation-cache-dir {str(folder)!r} is a file; give a "
+                              "folder")
+
+    def resolve_conversation_dir(self) -> Path:
+        """The folder of the conversation files (auto: the user cache folder's)."""
+        if str(self.conversation_cache_dir).strip().lower() == "auto":
+            from strata.user_cache import cache_dir
+
+            return cache_dir() / "conversations"
+        return Path(self.conversation_cache_dir).expanduser()
 
     def _check_split_options(self) -> None:
         groups = str(self.batch_groups).strip().lower()

@@ -1,5 +1,6 @@
 """Parked conversations: KV copies of slots given to other requests, kept in host RAM within a
-byte budget (`--conversation-cache-mib` / `--cache-ram`), least recently used dropped first.
+byte budget (`--conversation-cache-mib` / `--cache-ram`), least recently used dropped first, or
+written to the disk tier below it (`--conversation-cache-dir`, conversation_disk.py).
 """
 from __future__ import annotations
 
@@ -88,7 +89,9 @@ class ConversationCache:
     at its reuse points, so it covers another only when it has all of that one's points too.
     """
 
-    def __init__(self, budget_mib: float):
+    def __init__(self, budget_mib: float, disk=None):
+        """`disk`: a ConversationDisk (its keys from `new_key`) that takes the entries evicted
+        from RAM, or a callable that builds one from `new_key`; None: evicted ones are lost."""
         if isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float)) \
                 or not math.isfinite(budget_mib) or budget_mib < 0:
             raise ConfigError(f"--conversation-cache-mib {budget_mib!r} must be a number >= 0 "
@@ -100,6 +103,12 @@ class ConversationCache:
         self.num_evicted = 0  # entries dropped to make room
         self.num_parked = 0  # entries stored
         self.num_taken = 0  # entries restored into a slot
+        self.disk = disk(self.new_key) if callable(disk) else disk
+
+    def new_key(self) -> int:
+        key = self._next_key
+        self._next_key += 1
+        return key
 
     @property
     def used_bytes(self) -> int:
@@ -114,7 +123,7 @@ class ConversationCache:
         return list(self._entries)
 
     def __contains__(self, key: int) -> bool:
-        return key in self._entries
+        return key in self._entries or (self.disk is not None and key in self.disk)
 
     def get(self, key: int) -> ParkedConversation:
         return self._entries[key]
@@ -137,18 +146,18 @@ class ConversationCache:
                 return key
         if nbytes > self.budget_bytes:
             return None
-        new = ParkedConversation(self._next_key, tokens, kv_arrays, nbytes, points)
+        new = ParkedConversation(self.new_key(), tokens, kv_arrays, nbytes, points)
         for key in [k for k, e in self._entries.items() if new.covers(e.tokens, e.reuse_points)]:
             self._drop(key)  # the new entry extends it
-        key = self._next_key
-        self._next_key += 1
-        self._entries[key] = new
+        self._entries[new.key] = new
         self._used_bytes += nbytes
         self.num_parked += 1
         while self._used_bytes > self.budget_bytes:
-            self._drop(next(iter(self._entries)))
+            evicted = self._drop(next(iter(self._entries)))
             self.num_evicted += 1
-        return key
+            if self.disk is not None:
+                self.disk.offer(evicted)
+        return new.key
 
     def best_match(self, prompt_tokens: Sequence[int]) -> tuple[int | None, int]:
         """(key, length) of the entry sharing the longest prefix with the prompt (a hybrid
@@ -161,10 +170,19 @@ class ConversationCache:
             length = entry.usable(common_prefix_len(entry.tokens, prompt), len(prompt))
             if length > best_len:
                 best_key, best_len = key, length
+        if self.disk is not None:
+            key, length = self.disk.best_match(prompt)
+            if length > best_len:  # (a tie stays in RAM: no file to read)
+                best_key, best_len = key, length
         return best_key, best_len
 
-    def take(self, key: int) -> ParkedConversation:
-        """Remove and return a parked entry (its KV goes back into a slot)."""
+    def take(self, key: int) -> ParkedConversation | None:
+        """Remove and return a parked entry (its KV goes back into a slot). An entry on disk
+        is read (its file stays); None when that file cannot be read any more (logged)."""
+        if self.disk is not None and key not in self._entries and key in self.disk:
+            entry = self.disk.take(key)
+            self.num_taken += entry is not None
+            return entry
         if key not in self._entries:
             raise KeyError(f"no parked conversation with key {key} (evicted or already taken); "
                            "call best_match() again")
@@ -174,8 +192,22 @@ class ConversationCache:
         return entry
 
     def clear(self) -> None:
+        """Forget every entry, the disk tier's files too."""
         self._entries.clear()
         self._used_bytes = 0
+        if self.disk is not None:
+            self.disk.clear()
 
-    def _drop(self, key: int) -> None:
-        self._used_bytes -= self._entries.pop(key).nbytes
+    def save_to_disk(self) -> None:
+        """Write every entry to the disk tier (least recently used first, so the files keep
+        the order) and wait for the writes: a graceful stop."""
+        if self.disk is None:
+            return
+        for entry in list(self._entries.values()):
+            self.disk.offer(entry, wait=True)
+        self.disk.close()
+
+    def _drop(self, key: int) -> ParkedConversation:
+        entry = self._entries.pop(key)
+        self._used_bytes -= entry.nbytes
+        return entry

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from strata.backends.select import build_model, is_cuda_model
 from strata.config import EngineConfig
+from strata.engine.conversation_disk import DiskSettings, model_fingerprint
 from strata.engine.conversations import resolve_budget_mib
 from strata.engine.expert_tier import ExpertTier
 from strata.engine.generate import GenerationEvent, GenerationResult, GenerationStats, collect
@@ -59,12 +60,18 @@ class Engine:
             if self.expert_tier is not None:
                 self.expert_tier.start(choosers.tier_policy)
             cache_mib = resolve_budget_mib(config.conversation_cache_mib, available_bytes())
+            files = None
+            if config.conversation_cache_dir is not None:
+                files = DiskSettings(config.resolve_conversation_dir(),
+                                     config.conversation_cache_disk_mib,
+                                     model_fingerprint(self.gguf))
             self.scheduler = Scheduler(self.model, self.tokenizer, self.n_ctx, config.parallel,
                                        choosers, cache_mib,
                                        expert_tier=self.expert_tier,
                                        kv_dtype=config.kv_dtype(is_cuda_model(self.model)),
                                        drafts=config.drafts,
-                                       ctx_checkpoints=config.ctx_checkpoints)
+                                       ctx_checkpoints=config.ctx_checkpoints,
+                                       conversation_files=files)
             if config.drafts.is_on:
                 log.info("%s", config.drafts.describe())
         except BaseException:
@@ -172,6 +179,8 @@ class Engine:
     def close(self) -> None:
         try:
             self.scheduler.drain()  # pipelined windows still in flight
+            # --conversation-cache-dir: every conversation to its file, for the next start
+            self.scheduler.save_conversations()
         finally:
             if self.expert_tier is not None:
                 self.expert_tier.close()

@@ -10,10 +10,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from strata.backends.window import Window
+from strata.engine.conversation_disk import ConversationDisk, DiskSettings, kv_format
 from strata.engine.conversations import ConversationCache
 from strata.engine.drafts import DraftSettings, NgramDrafter
 from strata.engine.generate import GenerationEvent, GenerationStats, TokenDecoder
@@ -65,6 +67,21 @@ class RequestHandle:
         return out
 
 
+@dataclass
+class _Active:
+    """A request placed in a slot: reading its prompt, then decoding."""
+
+    handle: RequestHandle
+    slot_index: int
+    decoder: TokenDecoder
+    num_read_tokens: int  # prompt tokens in the slot's KV (reused ones included)
+    started_at: float
+    next_token: int | None = None  # decoding: the token the next window reads back
+    drafter: NgramDrafter | None = None  # --spec-type: guesses of the tokens after next_token
+    is_started: bool = False  # reading: its first chunk was planned
+    arrival: int = 0  # order of placement: reads go first come first served
+
+
 @dataclass(frozen=True)
 class SlotState:
     """One slot at one moment, for monitoring (GET /slots). The request fields are None / 0
@@ -82,21 +99,6 @@ class SlotState:
     @property
     def is_busy(self) -> bool:
         return self.request_id is not None
-
-
-@dataclass
-class _Active:
-    """A request placed in a slot: reading its prompt, then decoding."""
-
-    handle: RequestHandle
-    slot_index: int
-    decoder: TokenDecoder
-    num_read_tokens: int  # prompt tokens in the slot's KV (reused ones included)
-    started_at: float
-    next_token: int | None = None  # decoding: the token the next window reads back
-    drafter: NgramDrafter | None = None  # --spec-type: guesses of the tokens after next_token
-    is_started: bool = False  # reading: its first chunk was planned
-    arrival: int = 0  # order of placement: reads go first come first served
 
 
 @dataclass
@@ -124,7 +126,8 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, n_ctx: int, num_slots: int, choosers,
                  conversation_cache_mib: float = 2048, expert_tier=None, kv_dtype=None,
-                 drafts: DraftSettings | None = None, ctx_checkpoints: int | None = None):
+                 drafts: DraftSettings | None = None, ctx_checkpoints: int | None = None,
+                 conversation_files: DiskSettings | None = None):
         self.model = model
         # --spec-type: decode runs carry draft tokens (strata.engine.drafts)
         self.drafts = drafts if drafts is not None else DraftSettings()
@@ -150,7 +153,14 @@ class Scheduler:
                                          kv_dtype) if expert_tier is not None else None)
         num_cells = self.kv_lender.base_cells if self.kv_lender is not None else self.n_ctx
         self.kvs: list[KVCache] = [model.new_kv(num_cells, **kv_args) for _ in range(num_slots)]
-        self.conversations = ConversationCache(conversation_cache_mib)
+        # --conversation-cache-dir: conversations evicted from RAM (and all, at a graceful
+        # stop) go to files a later server of this model and KV format restores from
+        disk = None
+        if conversation_files is not None:
+            files = conversation_files
+            disk = partial(ConversationDisk, files.folder, files.budget_mib, files.model,
+                           kv_format(self.kvs[0]))
+        self.conversations = ConversationCache(conversation_cache_mib, disk=disk)
         self._queue: deque[RequestHandle] = deque()
         self._active: dict[int, _Active] = {}  # by slot index
         self._ids = itertools.count(1)
@@ -278,6 +288,22 @@ class Scheduler:
                 self.kvs[view.index].clear()
         self.conversations.clear()
 
+    def save_conversations(self) -> None:
+        """A graceful stop with conversation files: park every slot's KV, then write every
+        parked conversation to its file and wait for the writes."""
+        if self.conversations.disk is None:
+            return
+        self.drain()
+        for view in self.table.views():
+            if self.table.tokens(view.index):
+                self._park(view.index)
+        disk = self.conversations.disk
+        log.info("writing the parked conversations to %s (%d in RAM, %.2f GiB)", disk.folder,
+                 self.conversations.num_entries, self.conversations.used_bytes / 2**30)
+        self.conversations.save_to_disk()
+        log.info("conversation files: %d in %s (%.2f GiB)", disk.num_entries, disk.folder,
+                 disk.used_bytes / 2**30)
+
     def step(self) -> bool:
         """Place queued requests, then run one window (pipelined: start the idle groups' decode
         windows and finish the oldest in flight). False when there was nothing to run."""
@@ -402,22 +428,31 @@ class Scheduler:
             *((tier.num_hits, tier.num_misses, tier.num_swaps, tier.wait_s) if tier else ())))
 
     # ---- placement ------------------------------------------------------------------------
+    def _placement(self, prompt):
+        """Where `prompt` goes, and the parked entry it restores (taken now: parking the slot
+        could evict that very entry), or None."""
+        while True:
+            placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
+                                      self.conversations,
+                                      reusable=lambda slot, n: self.kvs[slot].reusable(n),
+                                      # a busy slot's state exists at its own length only
+                                      copies_busy=self.kvs[0].state is None,
+                                      min_copy_gain=self.kvs[0].min_copy_gain)
+            if placement.parked_key is None:
+                return placement, None
+            restored = self.conversations.take(placement.parked_key)
+            if restored is not None:
+                return placement, restored
+            # a file that could not be read (logged, and dropped): place again without it
+
     def _place(self, handle: RequestHandle) -> None:
         prompt = handle.prompt_tokens
         started_at = time.perf_counter()
-        placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
-                                  self.conversations,
-                                  reusable=lambda slot, n: self.kvs[slot].reusable(n),
-                                  # a busy slot's state exists at its own length only
-                                  copies_busy=self.kvs[0].state is None,
-                                  min_copy_gain=self.kvs[0].min_copy_gain)
+        placement, restored = self._placement(prompt)
         index, kv = placement.slot_index, self.kvs[placement.slot_index]
         num_slot_tokens, note = kv.num_tokens, ""
         if self.kv_lender is not None:
             self.kv_lender.grow_for_prompt(index, kv, len(prompt))
-        # Take the parked entry before parking this slot: parking could evict that very entry.
-        restored = (self.conversations.take(placement.parked_key)
-                    if placement.parked_key is not None else None)
         if placement.is_parking_needed:
             self._park(index)
         if restored is not None:

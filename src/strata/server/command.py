@@ -94,7 +94,8 @@ def _stop_on_sigterm() -> None:
 @draft_options
 def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, reasoning_budget,
           http_threads, is_slots_endpoint_on, device, parallel, read_chunk,
-          conversation_cache_mib, ctx_checkpoints, expert_config, draft_config):
+          conversation_cache_mib, ctx_checkpoints, conversation_files, expert_config,
+          draft_config):
     """Serve the model with OpenAI's API (/v1/chat/completions, /v1/completions,
     /v1/responses), Anthropic's (/v1/messages) and llama.cpp's code completion (/infill)."""
     from strata.cli import fail, resolve_model
@@ -114,6 +115,7 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
                                      **read_chunk_fields(read_chunk),
                                      conversation_cache_mib=conversation_cache_mib,
                                      ctx_checkpoints=ctx_checkpoints,
+                                     **conversation_files,
                                      **expert_config, **draft_config)
     except StrataError as e:
         fail(str(e))

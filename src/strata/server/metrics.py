@@ -162,7 +162,8 @@ class ExpertCacheCollector:
 
 class ConversationCacheCollector:
     """Parked conversations (`--cache-ram`): what the host RAM holds and how often a
-    conversation moved out of its slot and back, read at scrape time."""
+    conversation moved out of its slot and back, and with `--conversation-cache-dir` the same
+    of the files, read at scrape time."""
 
     def __init__(self, get_cache):
         self._get_cache = get_cache
@@ -187,6 +188,24 @@ class ConversationCacheCollector:
                        "a slot", cache.num_taken)
         yield _counter("strata_conversations_evicted", "Parked conversations dropped to make "
                        "room, least recently used first", cache.num_evicted)
+        disk = cache.disk
+        if disk is None:
+            return
+        yield _gauge("strata_conversation_files", "Conversations in files "
+                     "(--conversation-cache-dir)", disk.num_entries)
+        yield _gauge("strata_conversation_files_bytes", "Bytes of those files",
+                     disk.used_bytes)
+        yield _gauge("strata_conversation_files_budget_bytes", "What they may take "
+                     "(--conversation-cache-disk-mib, at most half the disk space free at "
+                     "start)", disk.budget_bytes)
+        yield _counter("strata_conversation_files_written", "Conversation files written",
+                       disk.num_written)
+        yield _counter("strata_conversation_files_read", "Conversation files read back into "
+                       "a slot", disk.num_read)
+        yield _counter("strata_conversation_files_evicted", "Conversation files deleted to "
+                       "make room, least recently used first", disk.num_evicted)
+        yield _counter("strata_conversation_files_failed", "Conversation files that could not "
+                       "be written", disk.num_failed)
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

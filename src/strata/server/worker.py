@@ -60,6 +60,7 @@ class EngineWorker:
         self.engine = None
         self.state = "loading"
         self.error_message = ""
+        self.is_closing = False  # the engine thread has begun closing the engine
         self._is_loaded = threading.Event()
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
 
@@ -74,6 +75,11 @@ class EngineWorker:
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._thread.is_alive() and self.is_closing:
+            # the engine writes its conversations to --conversation-cache-dir: a file cut
+            # short would be lost
+            log.info("waiting for the engine to write its conversation files")
+            self._thread.join()
 
     def submit(self, job: Job) -> None:
         if self.state != "ok":
@@ -145,6 +151,7 @@ class EngineWorker:
             gauge.set(0)  # every job has its answer
         close = getattr(self.engine, "close", None)
         if close is not None:
+            self.is_closing = True
             # The worker owns the engine: its expert tier stops copying and writes the rest of
             # its --dump-routing trace.
             close()

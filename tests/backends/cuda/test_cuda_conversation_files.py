@@ -1,0 +1,52 @@
+"""--conversation-cache-dir on the GPU backend: a conversation written at a stop comes back
+into a new engine's device KV (fp16, int8 cells, a hybrid model's recurrent state) and the
+answer equals a fresh run's; files of another KV format or backend are left alone."""
+import numpy as np
+import pytest
+
+from strata import Engine, EngineConfig, SamplingParams
+from strata.engine.generate import collect
+from strata.engine.kv_file import SUFFIX
+
+pytestmark = pytest.mark.cuda
+
+PARAMS = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
+
+
+def engine(path, folder, device="cuda", kv_type="auto"):
+    return Engine(EngineConfig(path, n_ctx=1024, device=device, kv_type=kv_type,
+                               conversation_cache_dir=folder))
+
+
+@pytest.mark.parametrize("shape, kv_type", [("tiny", "f16"), ("tiny", "int8"),
+                                            ("tiny-qwen3next", "auto")])
+def test_a_conversation_comes_back_after_a_restart(synth_path, tmp_path, shape, kv_type):
+    path = synth_path(shape, "q8_0")
+    rng = np.random.default_rng(5)
+    a = rng.integers(10, 2000, 300).tolist()
+    with engine(path, tmp_path, kv_type=kv_type) as e:
+        first = collect(e.generate(a, PARAMS))
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 1
+    again = a + first.token_ids + rng.integers(10, 2000, 12).tolist()
+    with engine(path, tmp_path, kv_type=kv_type) as e:
+        res = collect(e.generate(again, PARAMS))
+        assert res.stats.num_cached_tokens >= len(a)
+        assert e.scheduler.conversations.disk.num_read == 1
+        e.reset()
+        assert collect(e.generate(again, PARAMS)).token_ids == res.token_ids
+
+
+def test_other_formats_are_left_alone(synth_path, tmp_path):
+    path = synth_path("tiny", "q8_0")
+    a = list(range(10, 200))
+    with engine(path, tmp_path, kv_type="int8") as e:
+        collect(e.generate(a, PARAMS))
+    for device, kv_type in (("cuda", "f16"), ("cpu", "auto")):
+        with engine(path, tmp_path, device=device, kv_type=kv_type) as e:
+            assert e.scheduler.conversations.disk.num_entries == 0
+            res = collect(e.generate(a + [5], PARAMS))
+            assert res.stats.num_cached_tokens == 0
+    # each engine left its own file; the int8 one is still there and still restores
+    with engine(path, tmp_path, kv_type="int8") as e:
+        assert e.scheduler.conversations.disk.num_entries == 1
+        assert collect(e.generate(a + [5], PARAMS)).stats.num_cached_tokens == len(a)
