@@ -120,6 +120,38 @@ def test_the_budget_deletes_the_least_recently_used_files(tmp_path):
     assert disk.used_bytes <= disk.budget_bytes
 
 
+def test_a_files_continuation_replaces_it_once_written(tmp_path):
+    disk = make_disk(tmp_path)
+    old = (1, 2, 3, 4, 5, 6)  # a turn and the reply's last tokens
+    disk.offer(ParkedConversation(0, old, kv(old), 100))
+    other = (9, 9, 9)
+    disk.offer(ParkedConversation(0, other, kv(other), 100))
+    disk.flush()
+    next_turn = (1, 2, 3, 4, 5, 7, 8)  # shares 5: the client rewrote the reply's end
+    disk.offer(ParkedConversation(0, next_turn[:6], kv(next_turn[:6]), 100))
+    disk.flush()
+    assert disk.num_entries == 3  # not restored from it: the old file stays
+    key = next(e.key for e in disk._entries.values() if e.tokens == old)
+    disk.take(key, num_used=5)
+    disk.offer(ParkedConversation(0, next_turn, kv(next_turn), 100))
+    disk.flush()
+    assert sorted(e.tokens for e in disk._entries.values()) == [next_turn, other]
+    assert len(files(tmp_path)) == 2
+    # a hybrid continuation without a state at the kept length does not replace it
+    hybrid = make_disk(tmp_path / "h")
+    hybrid.offer(ParkedConversation(0, old, kv(old), 100, reuse_points=(5, 6)))
+    hybrid.flush()
+    hybrid.take(next(iter(hybrid._entries)), num_used=5)
+    hybrid.offer(ParkedConversation(0, next_turn, kv(next_turn), 100, reuse_points=(3, 7)))
+    hybrid.flush()
+    assert hybrid.num_entries == 2
+    hybrid.offer(ParkedConversation(0, next_turn + (1,), kv(next_turn + (1,)), 100,
+                                    reuse_points=(5, 8)))
+    hybrid.flush()
+    assert sorted(e.tokens for e in hybrid._entries.values()) == [next_turn,
+                                                                  next_turn + (1,)]
+
+
 def test_an_entry_over_the_whole_budget_is_not_written(tmp_path, caplog):
     disk = make_disk(tmp_path, mib=0.001)
     with caplog.at_level(logging.INFO, "strata.engine"):

@@ -99,6 +99,9 @@ class DiskEntry:
     kv_nbytes: int  # the KV's bytes in RAM once read
     pending: ParkedConversation | None = None  # in RAM until the writer has written it
     is_dropped: bool = False
+    # the most of its tokens a slot kept when it was restored: a file that continues them
+    # replaces this one (its tail is a reply the next turn did not keep)
+    num_used: int = 0
 
     def as_parked(self) -> ParkedConversation:
         """The entry's tokens, for the prefix rule (no KV)."""
@@ -221,8 +224,8 @@ class ConversationDisk:
             entry = DiskEntry(self._new_key(), parked.tokens, parked.reuse_points,
                               self.folder / name, parked.nbytes, parked.nbytes, parked)
             for old in [e for e in self._entries.values()
-                        if parked.covers(e.tokens, e.reuse_points)]:
-                self._drop(old)  # the new file extends it
+                        if parked.covers(e.tokens, e.reuse_points) or _continues(parked, e)]:
+                self._drop(old)  # the new file extends it, or what a slot kept of it
             self._entries[entry.key] = entry
             self._pending_bytes += parked.nbytes
             self._evict_over_budget(keep=entry.key)
@@ -283,13 +286,16 @@ class ConversationDisk:
             self._writer = None
 
     # ---- reading ----------------------------------------------------------------------
-    def take(self, key: int) -> ParkedConversation | None:
+    def take(self, key: int, num_used: int | None = None) -> ParkedConversation | None:
         """The conversation of `key` with its KV, read from its file (or from RAM while it
-        is still queued); the file stays (it is still a valid prefix). None when the file
-        cannot be read any more (logged; the entry is dropped)."""
+        is still queued), for a slot that keeps `num_used` of its tokens (None: all). The
+        file stays until a file that continues those tokens is written (a crash meanwhile
+        loses nothing). None when the file cannot be read any more (logged; dropped)."""
         with self._lock:
             entry = self._entries[key]
             self._touch(entry)
+            used = len(entry.tokens) if num_used is None else int(num_used)
+            entry.num_used = max(entry.num_used, min(used, len(entry.tokens)))
             pending = entry.pending
         if pending is not None:
             return ParkedConversation(key, pending.tokens, pending.kv_arrays, pending.nbytes,
@@ -346,6 +352,14 @@ class ConversationDisk:
                      victim.path.name, len(victim.tokens), victim.nbytes / 2**30)
             self._drop(victim)
             self.num_evicted += 1
+
+
+def _continues(new: ParkedConversation, old: DiskEntry) -> bool:
+    """Whether `new` restores all that a slot kept of `old` when `old` was last restored."""
+    if old.num_used <= 0:
+        return False
+    shared = common_prefix_len(new.tokens, old.tokens)
+    return new.usable(shared, len(old.tokens) + 1) >= old.num_used
 
 
 def _read_tokens(path: Path, header: dict) -> tuple[int, ...]:

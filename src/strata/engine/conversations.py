@@ -176,11 +176,13 @@ class ConversationCache:
                 best_key, best_len = key, length
         return best_key, best_len
 
-    def take(self, key: int) -> ParkedConversation | None:
-        """Remove and return a parked entry (its KV goes back into a slot). An entry on disk
-        is read (its file stays); None when that file cannot be read any more (logged)."""
+    def take(self, key: int, num_used: int | None = None) -> ParkedConversation | None:
+        """Remove and return a parked entry (its KV goes back into a slot, which keeps
+        `num_used` of its tokens). An entry on disk is read (its file stays until a file of
+        the conversation's continuation replaces it); None when that file cannot be read any
+        more (logged)."""
         if self.disk is not None and key not in self._entries and key in self.disk:
-            entry = self.disk.take(key)
+            entry = self.disk.take(key, num_used)
             self.num_taken += entry is not None
             return entry
         if key not in self._entries:

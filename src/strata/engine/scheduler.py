@@ -440,7 +440,8 @@ class Scheduler:
                                       min_copy_gain=self.kvs[0].min_copy_gain)
             if placement.parked_key is None:
                 return placement, None
-            restored = self.conversations.take(placement.parked_key)
+            restored = self.conversations.take(placement.parked_key,
+                                               placement.num_reused_tokens)
             if restored is not None:
                 return placement, restored
             # a file that could not be read (logged, and dropped): place again without it
