@@ -4,6 +4,7 @@ exactly what an engine reading the whole prompt does; other models' files are le
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
@@ -143,3 +144,43 @@ def test_bad_options_are_config_errors(tiny_model_path, tmp_path, kw, match):
           for k, v in kw.items()}
     with pytest.raises(ConfigError, match=match):
         EngineConfig(tiny_model_path, **kw)
+
+
+def test_a_request_waits_for_its_file_while_the_others_run(tiny_model_path, tmp_path,
+                                                           monkeypatch, caplog):
+    from strata.engine import conversation_disk
+    from strata.engine.scheduler import STATE_QUEUED
+
+    next_a, _ = two_conversations(tiny_model_path, tmp_path)
+    release = threading.Event()
+    real = conversation_disk.read_kv_file
+
+    def slow_read(*args, **kw):
+        assert release.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(conversation_disk, "read_kv_file", slow_read)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    caplog.set_level(logging.INFO, "strata.engine")
+    with engine(tiny_model_path, tmp_path, parallel=2) as e:
+        waiting = e.submit(next_a, GREEDY)
+        other = e.submit([7, 8, 9] * 10, long)  # behind it in the queue, placed at once
+        assert waiting.state == STATE_QUEUED and other.state != STATE_QUEUED
+        assert "waits for its conversation file" in caplog.text
+        for _ in range(5):
+            assert e.step()
+        assert waiting.state == STATE_QUEUED and len(other.pop_events()) >= 5
+        release.set()
+        while not (waiting.is_finished and other.is_finished):
+            assert e.step()
+        got = [ev.token_id for ev in waiting.pop_events() if ev.token_id is not None]
+        assert waiting.stats.num_cached_tokens >= len(A)
+    assert got == fresh(tiny_model_path, next_a)
+
+
+def test_generate_waits_for_the_file_when_nothing_else_runs(tiny_model_path, tmp_path):
+    next_a, _ = two_conversations(tiny_model_path, tmp_path)
+    with engine(tiny_model_path, tmp_path) as e:
+        got = e.generate_text(next_a, GREEDY).token_ids
+        assert e.last_stats.num_cached_tokens >= len(A)
+    assert got == fresh(tiny_model_path, next_a)

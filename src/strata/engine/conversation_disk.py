@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -134,6 +135,8 @@ class ConversationDisk:
         self._pending_bytes = 0
         self._room = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
+        self._loads: dict[int, Future] = {}  # reads started ahead of take(), by key
+        self._loader: ThreadPoolExecutor | None = None
         self.num_written = self.num_read = self.num_evicted = self.num_failed = 0
         self.bytes_written = self.bytes_read = 0
         self._scan()
@@ -278,7 +281,11 @@ class ConversationDisk:
             self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued, then stop the writer (and the reader)."""
+        if self._loader is not None:
+            self._loads.clear()
+            self._loader.shutdown(wait=True, cancel_futures=True)
+            self._loader = None
         if self._writer is not None:
             self._queue.join()
             self._queue.put(None)
@@ -300,27 +307,63 @@ class ConversationDisk:
         if pending is not None:
             return ParkedConversation(key, pending.tokens, pending.kv_arrays, pending.nbytes,
                                       pending.reuse_points)
-        started = time.perf_counter()
+        load = self._loads.pop(key, None)
         try:
-            header = read_kv_header(entry.path)
-            if any(header.get(k) != v for k, v in self._meta.items()):
-                raise KVFileError(f"{entry.path} now holds another model's KV")
-            tokens, value = read_kv_file(entry.path, header)
-            if tokens != entry.tokens:
-                raise KVFileError(f"{entry.path} now holds other tokens")
+            tokens, value = load.result() if load is not None else self._read(entry)
         except KVFileError as e:
             log.warning("conversation files: cannot restore %s (%s); dropped", entry.path, e)
             with self._lock:
                 self._drop(entry)
             return None
-        seconds = time.perf_counter() - started
         self.num_read += 1
         self.bytes_read += entry.nbytes
+        return ParkedConversation(key, tokens, value, entry.kv_nbytes or entry.nbytes,
+                                  entry.reuse_points)
+
+    def _read(self, entry: DiskEntry):
+        """(tokens, KV value) of `entry`'s file, checked against the index."""
+        started = time.perf_counter()
+        header = read_kv_header(entry.path)
+        if any(header.get(k) != v for k, v in self._meta.items()):
+            raise KVFileError(f"{entry.path} now holds another model's KV")
+        tokens, value = read_kv_file(entry.path, header)
+        if tokens != entry.tokens:
+            raise KVFileError(f"{entry.path} now holds other tokens")
+        seconds = time.perf_counter() - started
         log.info("conversation files: read %d tokens (%.2f GiB) from %s in %.2f s (%.1f GB/s)",
                  len(tokens), entry.nbytes / 2**30, entry.path.name, seconds,
                  entry.nbytes / max(seconds, 1e-9) / 1e9)
-        return ParkedConversation(key, tokens, value, entry.kv_nbytes or entry.nbytes,
-                                  entry.reuse_points)
+        return tokens, value
+
+    # ---- reading ahead: a request waits for its file while the other slots run ---------
+    def prefetch(self, key: int) -> bool:
+        """Start reading `key`'s file on a thread; True once `take(key)` will not wait for the
+        disk (the KV is read, still in RAM, or the read failed)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.pending is not None:
+                return True
+        load = self._loads.get(key)
+        if load is None:
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="strata-conversation-read")
+            load = self._loads[key] = self._loader.submit(self._read, entry)
+        return load.done()
+
+    def is_loading(self, key: int) -> bool:
+        return key in self._loads
+
+    def keep_loads(self, keys) -> None:
+        """Forget the reads started for other keys (their requests went elsewhere)."""
+        for key in [k for k in self._loads if k not in keys]:
+            self._loads.pop(key).cancel()
+
+    def wait_loads(self) -> bool:
+        """Wait for the reads started; False when none was."""
+        loads = list(self._loads.values())
+        for load in loads:
+            load.exception()  # waits; take() reports a failure
+        return bool(loads)
 
     def clear(self) -> None:
         """Delete every file of this model and format (Engine.reset)."""

@@ -43,6 +43,7 @@ class RequestHandle:
         self.stats = GenerationStats(num_prompt_tokens=len(prompt_tokens))
         self.state = STATE_QUEUED
         self.slot_index: int | None = None
+        self.file_key: int | None = None  # the conversation file it waits for (scheduler)
         self.error: BaseException | None = None
         self._events: deque[GenerationEvent] = deque()
         self._is_cancel_asked = threading.Event()
@@ -252,19 +253,45 @@ class Scheduler:
                                params)
         self._queue.append(handle)
         self._place_queued()
-        if handle.state == STATE_QUEUED:
+        if handle.state == STATE_QUEUED and not self.table.has_idle():
             log.info("request %d waits: all %d slots are busy (%d queued)", handle.request_id,
                      self.table.num_slots, len(self._queue))
         return handle
 
     def _place_queued(self) -> None:
-        """Give idle slots to queued requests, first come first served."""
+        """Give idle slots to queued requests, first come first served. A request whose
+        longest prefix is in a conversation file stays queued while the file is read on a
+        thread; the requests behind it go on being placed and run."""
+        waiting = []
         while self._queue and self.table.has_idle():
             handle = self._queue.popleft()
+            if self._waits_for_file(handle):
+                waiting.append(handle)
+                continue
             try:
                 self._place(handle)
             except Exception as exc:  # noqa: BLE001 - e.g. a faulty slot-picker plugin
                 self._end(handle, exc)
+        self._queue.extendleft(reversed(waiting))
+        disk = self.conversations.disk
+        if disk is not None:
+            disk.keep_loads({handle.file_key for handle in self._queue})
+
+    def _waits_for_file(self, handle: RequestHandle) -> bool:
+        """Whether `handle`'s best parked prefix is a conversation file still being read (the
+        read is started here)."""
+        disk = self.conversations.disk
+        handle.file_key = None
+        if disk is None:
+            return False
+        key, length = self.conversations.best_match(handle.prompt_tokens)
+        if key is None or key not in disk:
+            return False
+        handle.file_key = key
+        if not disk.is_loading(key) and not disk.prefetch(key):
+            log.info("request %d waits for its conversation file (%d tokens reused); the "
+                     "other slots run meanwhile", handle.request_id, length)
+        return not disk.prefetch(key)
 
     def drop_cancelled(self) -> None:
         """End the requests whose cancel was asked: queued ones leave the queue, placed ones
@@ -317,7 +344,12 @@ class Scheduler:
         self.drop_cancelled()
         self._place_queued()
         if not self._active:
-            return False
+            # nothing runs: wait for the conversation files queued requests need
+            disk = self.conversations.disk
+            if disk is not None and disk.wait_loads():
+                self._place_queued()
+            if not self._active:
+                return False
         runs, modes, kinds = self._plan_window()
         window = Window.build(runs, logits=modes)
         t0 = time.perf_counter()
