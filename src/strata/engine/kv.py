@@ -4,6 +4,8 @@ into `cells` layer by layer; the pass commits them once all layers ran.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from strata._native.kernels import KV_KEY_TILE
@@ -39,6 +41,17 @@ class SequenceReuse:
         for layer, (k, v) in enumerate(layers):
             self.append(layer, k[:, :num_tokens], v[:, :num_tokens])
         self.commit(num_tokens)
+
+    def restore_cells(self, keys: np.ndarray, values: np.ndarray, num_tokens: int) -> None:
+        """Hold the first `num_tokens` cells of a parked conversation's `keys` and `values`
+        ([L, KV, n, D], or int8 cells [L, KV, n]), copied while `host_copies` holds."""
+        with self.host_copies(keys, values):
+            self.fill_cells(zip(keys, values), num_tokens)
+
+    def host_copies(self, *arrays):
+        """A context for copies between this KV and the host `arrays` (a device KV pins their
+        pages meanwhile); nothing here."""
+        return contextlib.nullcontext()
 
     def copy_prefix(self, source, num_tokens: int) -> None:
         """Hold `source`'s first `num_tokens` cells (a busy slot's shared prefix)."""

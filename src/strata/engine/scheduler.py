@@ -493,7 +493,7 @@ class Scheduler:
             n = min(k.shape[2], kv.capacity)  # (the cells past the prompt are dropped anyway)
             if restored.reuse_points is not None:  # the state exists at its points only
                 n = max((p for p in restored.reuse_points if p <= n), default=0)
-            kv.fill_cells(zip(k, v), n)
+            kv.restore_cells(k, v, n)
             kv.import_state(state, n)
             self.table.replace_tokens(index, restored.tokens[:n])
             how = f"restored a parked conversation of {restored.num_tokens} tokens"

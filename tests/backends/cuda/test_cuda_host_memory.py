@@ -44,3 +44,28 @@ def test_a_dropped_buffer_is_unpinned_and_another_takes_its_place(runtime, monke
         buf.array[::4096] = i
         assert np.array_equal(_read_back(runtime, buf)[::4096], buf.array[::4096])
         del buf
+
+
+def test_pinned_while_pins_touching_ranges_once_and_unpins_them(runtime, monkeypatch):
+    from strata._native import cuda_driver
+    from strata.backends.cuda import host_memory
+    from strata.model.host_pages import anonymous_array
+
+    calls = []
+    real = cuda_driver.host_register
+    monkeypatch.setattr(cuda_driver, "host_register",
+                        lambda ptr, n: calls.append((ptr, n)) or real(ptr, n))
+    out = anonymous_array(8 * MIB).view(np.float16).reshape(2, 4, -1)  # [K/V, ...] as a park's
+    with runtime.active():
+        with host_memory.pinned_while(out[0], out[1]):
+            pass
+        assert calls == [(out.ctypes.data, 8 * MIB)]  # the two halves touch: one range
+        # unpinned after the block: the same range pins again
+        with host_memory.pinned_while(out):
+            pass
+        apart = [np.empty(3 * MIB + 5, np.uint8), np.empty(MIB, np.uint8)]
+        with host_memory.pinned_while(*apart):
+            pass
+        # a range the driver refuses (pinned already) leaves the copies unpinned, no error
+        with host_memory.pinned_while(out[0]), host_memory.pinned_while(out[0]):
+            pass

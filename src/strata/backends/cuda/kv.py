@@ -5,8 +5,11 @@ state (backends/cuda/recurrent.py).
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
+from strata.backends.cuda.host_memory import PAGE_BYTES, pinned_while
 from strata.backends.cuda.recurrent import DeviceRecurrentState
 from strata.engine.kv import SequenceReuse
 from strata.engine.recurrent import DEFAULT_CHECKPOINTS
@@ -149,15 +152,23 @@ class CudaKV(SequenceReuse):
         L, KV, D, n = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim, num_tokens
         # [K/V, L, KV, n, D] in memory asked for huge pages: gigabytes copied into fresh 4 KiB
         # pages fault each one in (the copy ran at ~2 GB/s so)
-        out = anonymous_array(2 * L * KV * n * D * self.dtype.itemsize).view(self.dtype)
-        out = out.reshape(2, L, KV, n, D)
-        with self._rt.active():
+        out = anonymous_array(2 * L * KV * n * D * self.dtype.itemsize)
+        out[::PAGE_BYTES] = 0  # the pages come in (huge ones where the kernel gives them)
+        out = out.view(self.dtype).reshape(2, L, KV, n, D)
+        with self._rt.active(), self.host_copies(out):
             for layer in range(L if n else 0):
                 for kind in (0, 1):
                     for j in range(KV):
                         self._rt.drv.memcpy_dtoh(out[kind, layer, j],
                                                  self._cell_address(layer, kind, j, 0))
         return out[0], out[1]
+
+    def host_copies(self, *arrays):
+        """The copies of `arrays` run pinned (DMA) in this KV's context; int8 cells go
+        through gathered temporaries, so they are left as they are."""
+        if self.is_int8:
+            return super().host_copies(*arrays)
+        return _in_context(self._rt, pinned_while(*arrays))
 
     def _head(self, layer: int, kind: int, head: int) -> int:
         return (layer * 2 + kind) * self.spec.n_kv_heads + head
@@ -233,3 +244,10 @@ class CudaKV(SequenceReuse):
         cells = "int8 + scales" if self.is_int8 else "float16"
         return (f"CudaKV({self.num_tokens}/{self.capacity} tokens, {self.num_layers} layers, "
                 f"{cells} on the GPU)")
+
+
+@contextlib.contextmanager
+def _in_context(rt, copies):
+    """`copies` entered and left with `rt`'s context current (pins belong to a context)."""
+    with rt.active(), copies:
+        yield
