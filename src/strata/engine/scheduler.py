@@ -489,13 +489,7 @@ class Scheduler:
         if placement.is_parking_needed:
             self._park(index)
         if restored is not None:
-            k, v, state = restored.kv_arrays  # [L, KV, n, D] each; the recurrent state or None
-            n = min(k.shape[2], kv.capacity)  # (the cells past the prompt are dropped anyway)
-            if restored.reuse_points is not None:  # the state exists at its points only
-                n = max((p for p in restored.reuse_points if p <= n), default=0)
-            kv.restore_cells(k, v, n)
-            kv.import_state(state, n)
-            self.table.replace_tokens(index, restored.tokens[:n])
+            self._install(index, restored)
             how = f"restored a parked conversation of {restored.num_tokens} tokens"
         elif placement.source_slot is not None:
             source, n = self.kvs[placement.source_slot], placement.num_reused_tokens
@@ -523,6 +517,58 @@ class Scheduler:
                                       started_at, arrival=next(self._arrivals),
                                       drafter=self.drafts.drafter(prompt))
         self._checkpoint_if_due(self._active[index])
+
+    def _install(self, index: int, parked) -> int:
+        """Put a parked conversation's cells (as many as the slot holds, down to a reuse point
+        of a hybrid model) in slot `index`; return how many."""
+        kv = self.kvs[index]
+        k, v, state = parked.kv_arrays  # [L, KV, n, D] each; the recurrent state or None
+        n = min(k.shape[2], kv.capacity)  # (the cells past the prompt are dropped anyway)
+        if parked.reuse_points is not None:  # the state exists at its points only
+            n = max((p for p in parked.reuse_points if p <= n), default=0)
+        kv.restore_cells(k, v, n)
+        kv.import_state(state, n)
+        self.table.replace_tokens(index, parked.tokens[:n])
+        return n
+
+    # ---- one idle slot's cells, by request (llama.cpp's slot save / restore / erase) --------
+    def _idle_slot(self, index: int) -> int:
+        if isinstance(index, bool) or not isinstance(index, int) \
+                or not 0 <= index < self.table.num_slots:
+            raise RequestError(f"no slot {index!r}: this server has slots 0 to "
+                               f"{self.table.num_slots - 1} (--parallel)")
+        self.drain()
+        if index in self._active:
+            raise RequestError(f"slot {index} is processing a request; retry when it is idle "
+                               "(GET /slots shows which are)")
+        return index
+
+    def export_slot(self, index: int):
+        """(tokens, (keys, values, state), reuse points, KV bytes) of idle slot `index`."""
+        index = self._idle_slot(index)
+        kv, tokens = self.kvs[index], self.table.tokens(index)
+        k, v = kv.export_prefix(len(tokens))
+        nbytes = k.nbytes + v.nbytes
+        return tokens, (k, v, kv.export_state()), kv.reuse_points(), nbytes
+
+    def install_slot(self, index: int, parked) -> int:
+        """Put `parked` (a ParkedConversation) in idle slot `index`, parking what the slot
+        held first; return the tokens it holds now."""
+        index = self._idle_slot(index)
+        if self.table.tokens(index):
+            self._park(index)
+        n = self._install(index, parked)
+        log.info("slot %d: %d tokens restored from a slot file", index, n)
+        return n
+
+    def erase_slot(self, index: int) -> int:
+        """Forget idle slot `index`'s cells; return how many tokens it held."""
+        index = self._idle_slot(index)
+        n = len(self.table.tokens(index))
+        self.table.clear(index)
+        self.kvs[index].clear()
+        log.info("slot %d: %d tokens erased", index, n)
+        return n
 
     def _checkpoint_if_due(self, active: _Active) -> None:
         """A hybrid model's slot keeps its recurrent state when all but the prompt's last

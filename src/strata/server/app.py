@@ -38,6 +38,7 @@ class ServerConfig:
     keepalive_s: float = 5.0
     reasoning_budget: int | None = None  # a request's <think> budget unless it sets one
     is_slots_endpoint_on: bool = True  # GET /slots answers (--no-slots: 501)
+    slot_save_path: str | None = None  # POST /slots/ID?action=... files here (None: 501)
 
 
 class ServerState:
@@ -181,6 +182,8 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
                      methods=["POST"])
     app.add_url_rule("/props", "props", slots.props, methods=["GET"])
     app.add_url_rule("/slots", "slots", slots.slots, methods=["GET"])
+    app.add_url_rule("/slots/<int:id_slot>", "slot_action", slots.slot_action,
+                     methods=["POST"])
 
     @app.route("/v1/responses/<path:response_id>", methods=["GET", "DELETE", "POST"])
     def stored_response(response_id: str):

@@ -88,12 +88,16 @@ def _stop_on_sigterm() -> None:
               type=click.IntRange(1), help="Request threads (each open stream holds one).")
 @click.option("--slots/--no-slots", "is_slots_endpoint_on", default=True, show_default=True,
               help="Answer GET /slots (each slot's state, as llama.cpp's); --no-slots: 501.")
+@click.option("--slot-save-path", default=None, metavar="DIR",
+              type=click.Path(file_okay=False, dir_okay=True, exists=True),
+              help="Folder for POST /slots/ID?action=save|restore (an idle slot's KV as a file "
+                   "the request names; off without it).")
 @device_option
 @slot_options
 @expert_options
 @draft_options
 def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, reasoning_budget,
-          http_threads, is_slots_endpoint_on, device, parallel, read_chunk,
+          http_threads, is_slots_endpoint_on, slot_save_path, device, parallel, read_chunk,
           conversation_cache_mib, ctx_checkpoints, conversation_files, expert_config,
           draft_config):
     """Serve the model with OpenAI's API (/v1/chat/completions, /v1/completions,
@@ -124,7 +128,8 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
     config = ServerConfig(model_id=names[0] if names else path.stem, aliases=tuple(names[1:]),
                           api_key=api_key, max_body_kib=body_limit_kib(max_body_kib, ctx_size),
                           reasoning_budget=None if reasoning_budget < 0 else reasoning_budget,
-                          is_slots_endpoint_on=is_slots_endpoint_on)
+                          is_slots_endpoint_on=is_slots_endpoint_on,
+                          slot_save_path=slot_save_path)
     # The model loads on the engine thread; /health says "loading" until it is ready.
     app = create_app(lambda: Engine(engine_config), config)
     try:

@@ -1,6 +1,8 @@
-"""llama.cpp's monitoring endpoints: `GET /props` (the server's settings) and `GET /slots` (each
+"""llama.cpp's slot endpoints: `GET /props` (the server's settings) and `GET /slots` (each
 slot's state), answered on the request thread from a snapshot of the scheduler
-(`Scheduler.slot_states`); the engine thread is never waited for."""
+(`Scheduler.slot_states`), the engine thread never waited for; and `POST /slots/ID?action=
+save|restore|erase` (`--slot-save-path`), run on the engine thread between windows
+(engine/slot_files.py)."""
 from __future__ import annotations
 
 from flask import jsonify, request
@@ -8,8 +10,11 @@ from flask import jsonify, request
 import strata
 from strata.engine.sampling import SamplingParams
 from strata.engine.scheduler import SlotState
-from strata.server.api_error import ApiError
+from strata.engine.slot_files import SlotFiles
+from strata.errors import RequestError
+from strata.server.api_error import ApiError, missing
 from strata.server.generation import GenerationRoutes
+from strata.server.schema import parse_json_body
 
 # llama.cpp's seed for "none given" (LLAMA_DEFAULT_SEED): each request draws its own
 RANDOM_SEED = 0xFFFFFFFF
@@ -56,6 +61,8 @@ def slot_fields(slot: SlotState, n_ctx: int, is_speculative: bool) -> dict:
 
 
 class SlotsRoutes(GenerationRoutes):
+    _files: SlotFiles | None = None
+
     def props(self):
         engine = self._engine()
         state = self.state
@@ -93,3 +100,36 @@ class SlotsRoutes(GenerationRoutes):
                            code="no_slot_available", type="unavailable_error")
         return jsonify([slot_fields(s, scheduler.n_ctx, scheduler.drafts.is_on)
                         for s in slots])
+
+    def slot_action(self, id_slot: int):
+        """llama.cpp's `POST /slots/ID?action=save|restore|erase` (`filename` in the body for
+        save and restore)."""
+        folder = self.state.config.slot_save_path
+        if folder is None:
+            raise ApiError(501, "Slot actions are off: start the server with --slot-save-path "
+                           "DIR to save and restore slots' KV as files in DIR.",
+                           code="slot_actions_disabled", type="not_supported_error")
+        action = request.args.get("action", "")
+        if action not in ("save", "restore", "erase"):
+            raise ApiError(400, f"Unknown slot action {action!r}; give ?action=save, restore "
+                           "or erase.", param="action", code="invalid_action")
+        body = parse_json_body(request.get_data()) if action != "erase" else {}
+        filename = body.get("filename")
+        if action != "erase" and filename is None:
+            raise missing("filename", "the slot file's name in --slot-save-path")
+        engine = self._engine()
+        if self._files is None or self._files.engine is not engine:
+            self._files = SlotFiles(folder, engine)
+        files = self._files
+
+        def run(_engine):
+            if action == "erase":
+                return files.erase(id_slot)
+            return getattr(files, action)(id_slot, filename)
+
+        try:
+            return jsonify(self.state.worker.call(run))
+        except RequestError as e:
+            busy = "processing a request" in str(e)
+            raise ApiError(409 if busy else 400, str(e),
+                           code="slot_busy" if busy else "invalid_request") from e

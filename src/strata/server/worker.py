@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,6 +38,14 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
     stop_reason: str | None = None  # why the server cancelled it itself (None: the client left)
+
+
+@dataclass
+class EngineCall:
+    """`fn(engine)` run on the engine thread between windows (a slot's file saved or
+    restored); its result or exception comes back through `done`."""
+    fn: Callable
+    done: Future = field(default_factory=Future)
 
 
 @dataclass
@@ -81,6 +90,15 @@ class EngineWorker:
             log.info("waiting for the engine to write its conversation files")
             self._thread.join()
 
+    def call(self, fn: Callable, timeout_s: float | None = 600.0):
+        """Run `fn(engine)` on the engine thread between two windows and return its result
+        (its exception is raised here)."""
+        if self.state != "ok":
+            raise self.unavailable()
+        call = EngineCall(fn)
+        self._jobs.put(call)
+        return call.done.result(timeout_s)
+
     def submit(self, job: Job) -> None:
         if self.state != "ok":
             raise self.unavailable()
@@ -118,6 +136,9 @@ class EngineWorker:
                 if job is None:
                     is_stopping = True
                     break
+                if isinstance(job, EngineCall):
+                    self._run_call(job)
+                    continue
                 self._start(job, is_ok, running)
             if is_stopping or not running:
                 continue
@@ -144,9 +165,11 @@ class EngineWorker:
             run.job.events.put(run.end)
         # Answer whatever is still queued so no request thread waits forever.
         for job in self._take_jobs(block=False):
-            if job is not None:
-                job.events.put(JobEnd(error=ApiError(503, "The server is shutting down.",
-                                                     code="shutting_down")))
+            stopping = ApiError(503, "The server is shutting down.", code="shutting_down")
+            if isinstance(job, EngineCall):
+                job.done.set_exception(stopping)
+            elif job is not None:
+                job.events.put(JobEnd(error=stopping))
         for gauge in (self._metrics.queued, self._metrics.running, self._metrics.reading):
             gauge.set(0)  # every job has its answer
         close = getattr(self.engine, "close", None)
@@ -168,6 +191,12 @@ class EngineWorker:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_call(self, call: EngineCall) -> None:
+        try:
+            call.done.set_result(call.fn(self.engine))
+        except Exception as exc:  # noqa: BLE001 - the caller gets it; the thread goes on
+            call.done.set_exception(exc)
 
     def _start(self, job: Job, is_ok: bool, running: list[_Running]) -> None:
         """Submit a newly taken job to the engine (or answer it at once)."""

@@ -1,0 +1,88 @@
+"""llama.cpp's slot files (`--slot-save-path DIR`; POST /slots/ID?action=save|restore|erase):
+an idle slot's KV written to, or read back from, a file the client names in DIR, in the
+conversation files' format (kv_file.py), checked against the model and KV format on restore.
+Run on the engine thread (EngineWorker.call)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from strata.engine.conversation_disk import kv_format, model_fingerprint
+from strata.engine.conversations import ParkedConversation
+from strata.engine.kv_file import KVFileError, read_kv_file, read_kv_header, write_kv_file
+from strata.errors import ConfigError, RequestError
+
+MAX_NAME_BYTES = 255
+
+
+def check_filename(name) -> str:
+    """`name` when it is a plain file name (no folder, no '..', no control characters), else
+    RequestError saying what is wrong."""
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"'filename' must be a non-empty string, got {name!r}")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise RequestError(f"'filename' is longer than {MAX_NAME_BYTES} bytes")
+    if name in (".", "..") or any(c in name for c in "/\\") \
+            or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise RequestError(f"'filename' {name!r} must be a plain file name, without a folder, "
+                           "'..' or control characters")
+    if name != name.strip() or name.endswith("."):
+        raise RequestError(f"'filename' {name!r} must not start or end with a space or end "
+                           "with a dot")
+    return name
+
+
+class SlotFiles:
+    """The slot files of one engine, in `folder`."""
+
+    def __init__(self, folder, engine):
+        self.folder = Path(folder).expanduser()
+        if not self.folder.is_dir():
+            raise ConfigError(f"--slot-save-path {str(self.folder)!r} is not a folder; create "
+                              "it or give another")
+        self.engine = engine
+        self._meta: dict | None = None
+
+    def meta(self) -> dict:
+        """The model's fingerprint and the slots' KV format (computed once)."""
+        if self._meta is None:
+            self._meta = {"model": model_fingerprint(self.engine.gguf),
+                          "kv_format": kv_format(self.engine.scheduler.kvs[0])}
+        return self._meta
+
+    def save(self, index: int, filename: str) -> dict:
+        path = self.folder / check_filename(filename)
+        started = time.perf_counter()
+        tokens, value, points, nbytes = self.engine.scheduler.export_slot(index)
+        size = write_kv_file(path, tokens, value,
+                             {**self.meta(), "reuse_points": points, "kv_nbytes": nbytes})
+        return {"id_slot": index, "filename": filename, "n_saved": len(tokens),
+                "n_written": size,
+                "timings": {"save_ms": 1000 * (time.perf_counter() - started)}}
+
+    def restore(self, index: int, filename: str) -> dict:
+        path = self.folder / check_filename(filename)
+        if not path.is_file():
+            raise RequestError(f"no slot file {filename!r} in --slot-save-path")
+        started = time.perf_counter()
+        try:
+            header = read_kv_header(path)
+            for key, what in (("model", "model"), ("kv_format", "KV format")):
+                if header.get(key) != self.meta()[key]:
+                    raise RequestError(f"slot file {filename!r} holds the KV of another "
+                                       f"{what}; it restores only into a server of the model "
+                                       "and KV cells that saved it")
+            tokens, value = read_kv_file(path, header)
+        except KVFileError as e:
+            reason = str(e).replace(str(path), repr(filename))
+            raise RequestError(f"slot file {filename!r} cannot be read: {reason}") from e
+        points = header.get("reuse_points")
+        parked = ParkedConversation(0, tokens, value, int(header.get("kv_nbytes", 0)),
+                                    None if points is None else tuple(points))
+        n = self.engine.scheduler.install_slot(index, parked)
+        return {"id_slot": index, "filename": filename, "n_restored": n,
+                "n_read": path.stat().st_size,
+                "timings": {"restore_ms": 1000 * (time.perf_counter() - started)}}
+
+    def erase(self, index: int) -> dict:
+        return {"id_slot": index, "n_erased": self.engine.scheduler.erase_slot(index)}
