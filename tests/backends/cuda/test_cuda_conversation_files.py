@@ -50,3 +50,23 @@ def test_other_formats_are_left_alone(synth_path, tmp_path):
     with engine(path, tmp_path, kv_type="int8") as e:
         assert e.scheduler.conversations.disk.num_entries == 1
         assert collect(e.generate(a + [5], PARAMS)).stats.num_cached_tokens == len(a)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "int8"])
+def test_a_slot_file_restores_into_another_engine(synth_path, tmp_path, kv_type):
+    from strata.engine.slot_files import SlotFiles
+
+    path = synth_path("tiny", "q8_0")
+    rng = np.random.default_rng(6)
+    a = rng.integers(10, 2000, 280).tolist()
+    with Engine(EngineConfig(path, n_ctx=1024, device="cuda", kv_type=kv_type)) as e:
+        first = collect(e.generate(a, PARAMS))
+        saved = SlotFiles(tmp_path, e).save(0, "a.bin")
+    again = a + first.token_ids + rng.integers(10, 2000, 9).tolist()
+    with Engine(EngineConfig(path, n_ctx=1024, device="cuda", kv_type=kv_type)) as e:
+        restored = SlotFiles(tmp_path, e).restore(0, "a.bin")
+        assert restored["n_restored"] == saved["n_saved"] == len(a) + len(first.token_ids) - 1
+        res = collect(e.generate(again, PARAMS))
+        assert res.stats.num_cached_tokens == restored["n_restored"]
+        e.reset()
+        assert collect(e.generate(again, PARAMS)).token_ids == res.token_ids
