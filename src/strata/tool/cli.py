@@ -101,9 +101,10 @@ def inspect(path, trace_path):
 
 
 from strata.tool.calibrate import calibrate  # noqa: E402
+from strata.tool.conversations_cmd import conversations  # noqa: E402
 from strata.tool.pack_cmd import pack  # noqa: E402
 from strata.tool.plugins_cmd import plugins  # noqa: E402
 from strata.tool.replay_cmd import profile, replay, synth_trace_cmd  # noqa: E402
 
-for _command in (calibrate, pack, plugins, profile, replay, synth_trace_cmd):
+for _command in (calibrate, conversations, pack, plugins, profile, replay, synth_trace_cmd):
     main.add_command(_command)
