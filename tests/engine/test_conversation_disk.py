@@ -308,3 +308,20 @@ def test_files_written_by_hand_with_the_format_are_indexed(tmp_path):
     disk = make_disk(tmp_path)
     key, length = disk.best_match([5, 6, 7, 8])
     assert length == 3 and disk.take(key).nbytes == 96
+
+
+def test_at_a_stop_evictions_wait_for_the_writer(tmp_path, monkeypatch):
+    monkeypatch.setattr(conversation_disk, "PENDING_MAX_BYTES", 150)
+    real = conversation_disk.write_kv_file
+
+    def slow_write(*args, **kw):
+        time.sleep(0.1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(conversation_disk, "write_kv_file", slow_write)
+    cache = cache_over(tmp_path, 100)
+    cache.evictions_wait = True
+    for tokens in ([1], [2], [3], [4]):
+        cache.park(tokens, kv(tokens), 100)  # each evicts the one before, the writer behind
+    cache.save_to_disk()
+    assert cache.disk.num_written == 4 and len(files(tmp_path)) == 4

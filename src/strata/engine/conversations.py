@@ -104,6 +104,9 @@ class ConversationCache:
         self.num_parked = 0  # entries stored
         self.num_taken = 0  # entries restored into a slot
         self.disk = disk(self.new_key) if callable(disk) else disk
+        # an entry evicted to the disk tier waits for a writer that is behind (a stop) rather
+        # than being dropped (serving: the engine thread must not wait for the disk)
+        self.evictions_wait = False
 
     def new_key(self) -> int:
         key = self._next_key
@@ -156,7 +159,7 @@ class ConversationCache:
             evicted = self._drop(next(iter(self._entries)))
             self.num_evicted += 1
             if self.disk is not None:
-                self.disk.offer(evicted)
+                self.disk.offer(evicted, wait=self.evictions_wait)
         return new.key
 
     def best_match(self, prompt_tokens: Sequence[int]) -> tuple[int | None, int]:

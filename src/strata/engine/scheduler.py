@@ -321,6 +321,7 @@ class Scheduler:
         if self.conversations.disk is None:
             return
         self.drain()
+        self.conversations.evictions_wait = True  # nothing is dropped for a writer behind
         for view in self.table.views():
             if self.table.tokens(view.index):
                 self._park(view.index)
@@ -588,8 +589,10 @@ class Scheduler:
         tokens = self.table.tokens(index)
         kv = self.kvs[index]
         budget = self.conversations.budget_bytes
-        token_bytes = 2 * kv.num_layers * kv.spec.n_kv_heads * kv.spec.head_dim \
-            * kv.dtype.itemsize
+        # a head's cell of one token: D values, or an int8 record of D codes and its scale
+        cell_bytes = (kv.host_dtype.itemsize if getattr(kv, "is_int8", False)
+                      else kv.spec.head_dim * kv.dtype.itemsize)
+        token_bytes = 2 * kv.num_layers * kv.spec.n_kv_heads * cell_bytes
         nbytes = token_bytes * len(tokens)
         if kv.state is not None:
             nbytes += kv.state.nbytes_per_state(kv.spec) * (1 + len(kv.state.checkpoints))
