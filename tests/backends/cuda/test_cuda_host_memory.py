@@ -69,3 +69,38 @@ def test_pinned_while_pins_touching_ranges_once_and_unpins_them(runtime, monkeyp
         # a range the driver refuses (pinned already) leaves the copies unpinned, no error
         with host_memory.pinned_while(out[0]), host_memory.pinned_while(out[0]):
             pass
+
+
+def test_the_pool_reuses_a_given_back_block_and_trims_idle_ones(runtime, monkeypatch):
+    import gc
+
+    from strata.backends.cuda import host_pool
+
+    monkeypatch.setattr(host_pool, "SETTLE_S", 0.0)
+    pool = host_pool.PinnedPool(max_idle_bytes=200 * MIB)
+    with runtime.active():
+        first = pool.lease(100 * MIB)
+        assert first is not None and first.ctypes.data % (2 * MIB) == 0
+        view = first.view(np.float16).reshape(2, -1)[1]  # a park's values half
+        address = first.ctypes.data
+        del first
+        gc.collect()
+        assert pool.leased_bytes == 128 * MIB  # the view keeps the lease
+        view[:] = 1
+        del view
+        gc.collect()
+        assert pool.idle_bytes == 128 * MIB
+        again = pool.lease(90 * MIB)  # fits the idle block: the same pinned pages
+        assert again.ctypes.data == address and pool.num_reused == 1
+        big = pool.lease(300 * MIB)  # a new block
+        assert pool.num_made == 2 and pool.leased_bytes == 128 * MIB + 320 * MIB
+        # the GPU writes a pinned lease by DMA: bytes land exactly
+        src = runtime.drv.to_device(np.arange(1000, dtype=np.uint8))
+        runtime.drv.memcpy_dtoh(big[:1000], src)
+        assert np.array_equal(big[:1000], np.arange(1000, dtype=np.uint8))
+        del again, big
+        gc.collect()
+        pool.trim()  # 448 MiB idle, 200 allowed: the 320 MiB block goes
+        assert pool.idle_bytes == 128 * MIB and len(pool._blocks) == 1
+        pool.trim(0)
+        assert pool._blocks == []

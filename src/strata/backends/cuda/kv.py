@@ -10,6 +10,7 @@ import contextlib
 import numpy as np
 
 from strata.backends.cuda.host_memory import PAGE_BYTES, pinned_while
+from strata.backends.cuda.host_pool import PinnedPool
 from strata.backends.cuda.recurrent import DeviceRecurrentState
 from strata.engine.kv import SequenceReuse
 from strata.engine.recurrent import DEFAULT_CHECKPOINTS
@@ -150,12 +151,19 @@ class CudaKV(SequenceReuse):
         if self.is_int8:
             return super().export_prefix(num_tokens)
         L, KV, D, n = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim, num_tokens
-        # [K/V, L, KV, n, D] in memory asked for huge pages: gigabytes copied into fresh 4 KiB
-        # pages fault each one in (the copy ran at ~2 GB/s so)
-        out = anonymous_array(2 * L * KV * n * D * self.dtype.itemsize)
-        out[::PAGE_BYTES] = 0  # the pages come in (huge ones where the kernel gives them)
+        nbytes = 2 * L * KV * n * D * self.dtype.itemsize
+        # [K/V, L, KV, n, D] in a pinned block kept from an earlier park (host_pool.py), else in
+        # memory asked for huge pages and pinned for the copies: gigabytes copied into fresh
+        # pageable 4 KiB pages fault each one in (the copy ran at ~2 GB/s so)
+        with self._rt.active():
+            out = _host_pool(self._rt).lease(nbytes) if nbytes else None
+        copies = contextlib.nullcontext()
+        if out is None:
+            out = anonymous_array(nbytes)
+            out[::PAGE_BYTES] = 0  # the pages come in (huge ones where the kernel gives them)
+            copies = self.host_copies(out)
         out = out.view(self.dtype).reshape(2, L, KV, n, D)
-        with self._rt.active(), self.host_copies(out):
+        with self._rt.active(), copies:
             for layer in range(L if n else 0):
                 for kind in (0, 1):
                     for j in range(KV):
@@ -244,6 +252,14 @@ class CudaKV(SequenceReuse):
         cells = "int8 + scales" if self.is_int8 else "float16"
         return (f"CudaKV({self.num_tokens}/{self.capacity} tokens, {self.num_layers} layers, "
                 f"{cells} on the GPU)")
+
+
+def _host_pool(rt) -> PinnedPool:
+    """The pinned blocks parks reuse, one pool per GPU context."""
+    pool = getattr(rt, "kv_host_pool", None)
+    if pool is None:
+        pool = rt.kv_host_pool = PinnedPool()
+    return pool
 
 
 @contextlib.contextmanager
