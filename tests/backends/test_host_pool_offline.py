@@ -6,7 +6,7 @@ from strata.backends.cuda.host_pool import PinnedPool
 
 
 def test_without_a_driver_a_lease_is_refused_and_logged_once(caplog):
-    pool = PinnedPool()
+    pool = PinnedPool(rt=None)
     with caplog.at_level(logging.INFO, "strata.backends.cuda.host_pool"):
         assert pool.lease(1 << 20) is None and pool.lease(1 << 20) is None
     assert caplog.text.count("refused") == 1

@@ -77,7 +77,7 @@ def test_the_pool_reuses_a_given_back_block_and_trims_idle_ones(runtime, monkeyp
     from strata.backends.cuda import host_pool
 
     monkeypatch.setattr(host_pool, "SETTLE_S", 0.0)
-    pool = host_pool.PinnedPool(max_idle_bytes=200 * MIB)
+    pool = host_pool.PinnedPool(runtime, max_idle_bytes=200 * MIB)
     with runtime.active():
         first = pool.lease(100 * MIB)
         assert first is not None and first.ctypes.data % (2 * MIB) == 0

@@ -7,6 +7,11 @@ parked arrays dropped: restored, evicted or written) is kept pinned for the next
 A lease is an ndarray made with `np.frombuffer` straight on the block's mapping, so every view
 of it keeps it alive (numpy stops collapsing a view's base at the mapping) and its finalizer
 says when the last view is gone.
+
+A block is unpinned before its pages can be unmapped, whatever happens first: a trim, or the
+pool going (a finalizer on an array of the block's own, which dies before the mapping it
+holds). A mapping unmapped while still registered leaves the driver holding that address
+range, and a later pinning that reuses it fails ("resource already mapped").
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ SETTLE_S = 1.0
 
 
 class _Block:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, rt):
         self.capacity = capacity
         self.area = mmap.mmap(-1, capacity + HUGE_PAGE_BYTES,
                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -42,7 +47,9 @@ class _Block:
         self.offset = -probe.ctypes.data % HUGE_PAGE_BYTES
         self.address = probe.ctypes.data + self.offset
         probe[self.offset::4096] = 0  # the pages come in (huge ones where the kernel gives them)
-        del probe
+        self._holder = probe  # its finalizer unpins the block before the mapping can go
+        self.unpin = None
+        self.rt = rt
         self.is_leased = False
         self.freed_at = 0.0
 
@@ -51,7 +58,8 @@ class PinnedPool:
     """Pinned host blocks of one CUDA context. `lease` and `trim` run with the context current
     (the engine thread); a lease's finalizer only marks its block free."""
 
-    def __init__(self, max_idle_bytes: int = DEFAULT_MAX_IDLE_BYTES):
+    def __init__(self, rt, max_idle_bytes: int = DEFAULT_MAX_IDLE_BYTES):
+        self.rt = rt  # the context the blocks are pinned in
         self.max_idle_bytes = int(max_idle_bytes)
         self._blocks: list[_Block] = []
         self._lock = threading.Lock()
@@ -77,8 +85,10 @@ class PinnedPool:
         if block is None:
             capacity = -(-max(nbytes, 1) // BLOCK_ROUND_BYTES) * BLOCK_ROUND_BYTES
             try:
-                block = _Block(capacity)
+                block = _Block(capacity, self.rt)
                 cuda_driver.host_register(block.address, capacity)
+                block.unpin = weakref.finalize(block._holder, _unregister, self.rt,
+                                               block.address)
             except Exception as exc:  # noqa: BLE001 - the locked-memory limit, no THP, ...
                 if not self._is_refused:
                     log.info("parks copy through memory pinned for each copy: a pinned block "
@@ -111,8 +121,6 @@ class PinnedPool:
     def trim(self, max_idle_bytes: int | None = None) -> None:
         """Unpin and unmap idle blocks, largest first, until at most `max_idle_bytes` (default
         the pool's) are idle."""
-        from strata._native import cuda_driver
-
         limit = self.max_idle_bytes if max_idle_bytes is None else int(max_idle_bytes)
         now = time.monotonic()
         with self._lock:
@@ -128,11 +136,20 @@ class PinnedPool:
                 excess -= block.capacity
                 dropped.append(block)
         for block in dropped:
-            try:
-                cuda_driver.host_unregister(block.address)
-            except Exception:  # noqa: BLE001 - the context is gone: the pin went with it
-                pass
+            block.unpin()
+            block._holder = None
             try:
                 block.area.close()
             except BufferError:  # a view still holds it: the mapping goes with that view
                 pass
+
+
+def _unregister(rt, address: int) -> None:
+    """Unpin a block, in its context (a finalizer may run on any thread)."""
+    from strata._native import cuda_driver
+
+    try:
+        with rt.active():
+            cuda_driver.host_unregister(address)
+    except Exception:  # noqa: BLE001 - the context is gone: the pin went with it
+        pass

@@ -258,7 +258,7 @@ def _host_pool(rt) -> PinnedPool:
     """The pinned blocks parks reuse, one pool per GPU context."""
     pool = getattr(rt, "kv_host_pool", None)
     if pool is None:
-        pool = rt.kv_host_pool = PinnedPool()
+        pool = rt.kv_host_pool = PinnedPool(rt)
     return pool
 
 
