@@ -61,3 +61,11 @@ def test_anonymous_memory_is_private_writable_and_kept_by_its_views():
 def test_available_memory_is_a_positive_byte_count():
     available = available_bytes()
     assert available is not None and 0 < available < 1 << 50
+
+
+def test_a_range_inside_a_mapping_counts_at_most_its_own_bytes():
+    view = anonymous_array(8 * HUGE_PAGE_BYTES)
+    view[::4096] = 1
+    start = view.ctypes.data + 2 * HUGE_PAGE_BYTES
+    assert 0 <= huge_page_bytes(start, start + HUGE_PAGE_BYTES) <= HUGE_PAGE_BYTES
+    del view

@@ -36,20 +36,22 @@ def anonymous_array(nbytes: int, *, dontfork: bool = False) -> np.ndarray:
 
 def huge_page_bytes(start: int, stop: int) -> int | None:
     """AnonHugePages of the mappings of this process inside [start, stop), from
-    /proc/self/smaps (None where that file cannot be read)."""
+    /proc/self/smaps (None where that file cannot be read). A mapping that reaches past the
+    range (the kernel merges neighbouring mappings of the same kind) counts at most its
+    overlap with it: smaps does not say where in a mapping its huge pages lie."""
     try:
         with open("/proc/self/smaps") as smaps:
             lines = smaps.read().splitlines()
     except OSError:
         return None
-    total, inside = 0, False
+    total, overlap = 0, 0
     for line in lines:
         head = line.split(" ", 1)[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo < stop and hi > start
-        elif inside and line.startswith("AnonHugePages:"):
-            total += int(line.split()[1]) * 1024
+            overlap = max(0, min(hi, stop) - max(lo, start))
+        elif overlap and line.startswith("AnonHugePages:"):
+            total += min(int(line.split()[1]) * 1024, overlap)
     return total
 
 
