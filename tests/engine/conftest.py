@@ -14,6 +14,16 @@ def tiny_model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def hybrid_path(tmp_path_factory):
+    """A tiny F32 qwen3next synth: gated delta-net layers with a recurrent state."""
+    from strata.tool.synth import synth_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen3next.gguf"
+    synth_model(path, shape="tiny-qwen3next", weight_type="f32", seed=7)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_path):
     from strata.model.gguf_file import GGUFModel
     from strata.model.tokenizer import Tokenizer

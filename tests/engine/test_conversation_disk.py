@@ -43,6 +43,22 @@ def files(folder):
     return sorted(p.name for p in folder.glob(f"*{SUFFIX}"))
 
 
+def hold_writes(monkeypatch, started: threading.Event | None = None) -> threading.Event:
+    """The writer thread waits for the returned event before each write (`started` is set
+    when one begins)."""
+    release = threading.Event()
+    real = conversation_disk.write_kv_file
+
+    def held(*args, **kw):
+        if started is not None:
+            started.set()
+        assert release.wait(10)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(conversation_disk, "write_kv_file", held)
+    return release
+
+
 def test_an_entry_evicted_from_ram_is_written_and_restored_exactly(tmp_path):
     cache = cache_over(tmp_path, 1000)
     a, b = [1, 2, 3, 4], [9, 8, 7]
@@ -199,14 +215,7 @@ def test_a_file_gone_bad_is_dropped_and_the_scheduler_places_again(tmp_path, cap
 
 
 def test_take_while_the_write_is_queued_gives_the_arrays_in_ram(tmp_path, monkeypatch):
-    release = threading.Event()
-    real = conversation_disk.write_kv_file
-
-    def slow_write(*args, **kw):
-        release.wait(10)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(conversation_disk, "write_kv_file", slow_write)
+    release = hold_writes(monkeypatch)
     disk = make_disk(tmp_path)
     value = kv([1, 2, 3])
     disk.offer(ParkedConversation(0, (1, 2, 3), value, 100))
@@ -235,15 +244,8 @@ def test_a_failed_write_loses_that_file_only(tmp_path, monkeypatch, caplog):
 
 
 def test_a_dropped_entry_being_written_leaves_no_file(tmp_path, monkeypatch):
-    started, release = threading.Event(), threading.Event()
-    real = conversation_disk.write_kv_file
-
-    def slow_write(*args, **kw):
-        started.set()
-        release.wait(10)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(conversation_disk, "write_kv_file", slow_write)
+    started = threading.Event()
+    release = hold_writes(monkeypatch, started)
     disk = make_disk(tmp_path)
     disk.offer(ParkedConversation(0, (1, 2), kv([1, 2]), 100))
     assert started.wait(10)
@@ -255,14 +257,7 @@ def test_a_dropped_entry_being_written_leaves_no_file(tmp_path, monkeypatch):
 
 def test_the_writer_behind_drops_or_waits(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(conversation_disk, "PENDING_MAX_BYTES", 150)
-    release = threading.Event()
-    real = conversation_disk.write_kv_file
-
-    def slow_write(*args, **kw):
-        release.wait(10)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(conversation_disk, "write_kv_file", slow_write)
+    release = hold_writes(monkeypatch)
     disk = make_disk(tmp_path)
     assert disk.offer(ParkedConversation(0, (1,), kv([1]), 100))
     with caplog.at_level(logging.INFO, "strata.engine"):

@@ -20,15 +20,6 @@ B = list(range(200, 250))
 
 
 @pytest.fixture(scope="module")
-def hybrid_model_path(tmp_path_factory):
-    from strata.tool.synth import synth_model
-
-    path = tmp_path_factory.mktemp("models") / "tiny-qwen3next.gguf"
-    synth_model(path, shape="tiny-qwen3next", weight_type="f32", seed=7)
-    return path
-
-
-@pytest.fixture(scope="module")
 def other_model_path(tmp_path_factory):
     from strata.tool.synth import synth_model
 
@@ -57,9 +48,9 @@ def two_conversations(path, folder, **kw):
 
 
 @pytest.mark.parametrize("which", ["tiny", "hybrid"])
-def test_a_restarted_engine_restores_both_conversations(tiny_model_path, hybrid_model_path,
+def test_a_restarted_engine_restores_both_conversations(tiny_model_path, hybrid_path,
                                                         tmp_path, caplog, which):
-    path = tiny_model_path if which == "tiny" else hybrid_model_path
+    path = tiny_model_path if which == "tiny" else hybrid_path
     next_a, next_b = two_conversations(path, tmp_path)
     assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 2
     with caplog.at_level(logging.INFO, "strata.engine"), engine(path, tmp_path) as e:

@@ -5,21 +5,10 @@ from __future__ import annotations
 
 import logging
 
-import pytest
-
 from strata import Engine, EngineConfig, SamplingParams
 from strata.engine.generate import collect
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def hybrid_path(tmp_path_factory):
-    from strata.tool.synth import synth_model
-
-    path = tmp_path_factory.mktemp("models") / "tiny-qwen3next.gguf"
-    synth_model(path, shape="tiny-qwen3next", weight_type="f32", seed=7)
-    return path
 
 
 def fresh_tokens(path, prompt, params) -> list[int]:
