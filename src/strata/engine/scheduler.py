@@ -529,6 +529,11 @@ class Scheduler:
             n = max((p for p in parked.reuse_points if p <= n), default=0)
         kv.restore_cells(k, v, n)
         kv.import_state(state, n)
+        if n and kv.state is not None:
+            # a hybrid model's state where it was restored stays reachable: a later prompt (a
+            # retry of this turn) can go back here, and the conversation's next park restores
+            # there, so it replaces the file it came from
+            kv.keep_checkpoint()
         self.table.replace_tokens(index, parked.tokens[:n])
         return n
 
