@@ -4,8 +4,8 @@ request to answer, with the prompt tokens the server reused (`cached_tokens`).
 
 Usage: python tools/bench_agents.py [--url http://127.0.0.1:8080] [--agents 2] [--lines 2000]
            [--turns 3] [-n 4] [--api-key KEY] [--json]
-An agent's first prompt is --lines short sentences of its own (2000: ~26.9K tokens of the
-synth tokenizer, 2.46 GiB of Qwen3-30B-A3B's fp16 KV); each later turn adds a line. With fewer
+An agent's first prompt is --lines short sentences of its own (2000: 24,890 tokens of the
+synth tokenizer, 2.28 GiB of Qwen3-30B-A3B's fp16 KV); each later turn adds a line. With fewer
 slots than agents (`--parallel 1`) every turn after the first parks the other agent's KV and
 restores this one's (docs/conversations.md); with `--conversation-cache-dir`, stop and start
 the server between two runs and the first run's "switch" is the second run's "cold". Rows:
