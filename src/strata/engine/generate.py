@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata.engine.json_constraint import JsonObjectConstraint, opens_reasoning
+from strata.engine.logprobs import TokenLogprob, token_logprob
 from strata.engine.sampling import Sampler, SamplingParams
 from strata.engine.tool_call_constraint import ToolCallConstraint
 from strata.engine.thinking_budget import ThinkingBudget
@@ -67,6 +68,8 @@ class GenerationEvent:
     finish_reason: str | None = None
     stats: GenerationStats | None = None
     stop_string: str | None = None  # on the last event: the stop string that ended it, if one
+    # the token's log probability and alternatives, when the request asks (params.logprobs)
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -195,20 +198,24 @@ class TokenDecoder:
             raise ModelFormatError(
                 f"the model produced NaN logits after {stats.num_generated_tokens} generated "
                 "tokens; its weights are likely corrupt (check it with `strata-tool inspect`)")
+        lp = None
+        if self.params.logprobs is not None and token not in self._stop_ids:
+            # the row as the model gave it (logprobs.py); a stop token is not output: no entry
+            lp = token_logprob(logits, token, self.params.logprobs, self._vocab_tokens)
         stats.decode_seconds += time.perf_counter() - t0
         stats.num_generated_tokens += 1
         if token in self._stop_ids:
             return GenerationEvent(token, self._tail_text(), FINISH_STOP, stats,
-                                   self._matcher.matched)
+                                   self._matcher.matched, lp)
         text = self._matcher.push(self._detok.push(token))
         if self._matcher.is_stopped:
-            return GenerationEvent(token, text, FINISH_STOP, stats, self._matcher.matched)
+            return GenerationEvent(token, text, FINISH_STOP, stats, self._matcher.matched, lp)
         if stats.num_generated_tokens < self.params.max_tokens and has_room:
-            return GenerationEvent(token, text)
+            return GenerationEvent(token, text, logprob=lp)
         # max_tokens reached, or the context is full so the token cannot be read back.
         text += self._tail_text()
         finish = FINISH_STOP if self._matcher.is_stopped else FINISH_LENGTH
-        return GenerationEvent(token, text, finish, stats, self._matcher.matched)
+        return GenerationEvent(token, text, finish, stats, self._matcher.matched, lp)
 
     def _tail_text(self) -> str:
         # Held-back bytes and held-back text are final now: release what is not a stop.

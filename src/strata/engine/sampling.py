@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.errors import RequestError
 
 
@@ -48,6 +49,9 @@ class SamplingParams:
     # at most this many tokens inside a reasoning model's <think> block, then it is closed
     # (engine/thinking_budget.py); None: no budget
     thinking_budget: int | None = None
+    # OpenAI's logprobs: each generated token's log probability and this many alternatives
+    # (0 to logprobs.MAX_TOP_LOGPROBS) on its event (engine/logprobs.py); None: none
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -80,6 +84,12 @@ class SamplingParams:
                 or self.max_tool_calls < 1):
             raise RequestError(f"max_tool_calls = {self.max_tool_calls!r} is invalid: it must "
                                "be an integer >= 1 or None")
+        if self.logprobs is not None and (
+                isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs = {self.logprobs!r} is invalid: it must be an "
+                               f"integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token) "
+                               "or None")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, dict):
                 raise RequestError(f"json_schema = {self.json_schema!r} is invalid: it must be "

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from flask import Response, jsonify, request
 
 from strata.server.api_error import ApiError
+from strata.server.logprobs_format import LogprobFormatter
 from strata.server.openai_format import (SSE_DONE, SSE_KEEPALIVE, ResponseHeader, chat_deltas,
                                          sse, usage)
 from strata.server.output_parser import (ContentDelta, OutputParser, ReasoningDelta, ToolCall,
@@ -118,13 +119,15 @@ class GenerationRoutes:
         header = ResponseHeader("chat", self.state.model_id)
         outcome = Outcome(len(prompt.tokens))
         events = self._events(job)
+        logprobs = _Logprobs.of(engine, req.options)
         if req.options.is_stream:
             return _sse_response(self._chat_stream(job, events, parser, header, outcome,
-                                                   req.options.is_usage_streamed))
+                                                   req.options.is_usage_streamed, logprobs))
         pieces = []
         with closing(_generated(events, outcome)) as items:  # a failure here must not leave
             for item in items:                                 # the generation running
                 if item is not None:
+                    logprobs.add(item)
                     pieces += self._parse(parser, item, outcome)
         if outcome.end.error is not None:
             raise outcome.end.error
@@ -134,7 +137,7 @@ class GenerationRoutes:
         finish = outcome.finish_reason(len(calls))
         self._log(job, outcome, finish)
         return jsonify(header.chat_completion(content, reasoning, calls, finish,
-                                              outcome.usage()))
+                                              outcome.usage(), logprobs.chat()))
 
     @staticmethod
     def _parse(parser: OutputParser, event, outcome: Outcome) -> list:
@@ -149,16 +152,21 @@ class GenerationRoutes:
             out += parser.finish()
         return out
 
-    def _chat_stream(self, job, events, parser, header, outcome, is_usage_streamed):
-        def chunk(delta, finish=None):
-            return sse(header.chunk(delta, finish, is_usage_streamed))
+    def _chat_stream(self, job, events, parser, header, outcome, is_usage_streamed,
+                     logprobs=None):
+        logprobs = logprobs or _Logprobs(None)
+
+        def chunk(delta, finish=None):  # the tokens not yet sent go with the next chunk
+            return sse(header.chunk(delta, finish, is_usage_streamed, logprobs.chat(take=True)))
 
         with closing(_generated(events, outcome)) as items:
-            yield chunk({"role": "assistant", "content": ""})
+            yield sse(header.chunk({"role": "assistant", "content": ""}, None,
+                                   is_usage_streamed))
             for item in items:
                 if item is None:
                     yield SSE_KEEPALIVE
                     continue
+                logprobs.add(item)
                 for parsed in self._parse(parser, item, outcome):
                     for delta in chat_deltas(parsed):
                         yield chunk(delta)
@@ -181,33 +189,48 @@ class GenerationRoutes:
         header = ResponseHeader("completion", self.state.model_id)
         outcome = Outcome(len(tokens))
         events = self._events(job)
+        echo = ""
+        if req.is_echo:  # the prompt as sent (token ids: their text)
+            echo = req.prompt if isinstance(req.prompt, str) else \
+                engine.tokenizer.decode(req.prompt)
+        logprobs = _Logprobs.of(engine, req.options)
         if req.options.is_stream:
             return _sse_response(self._completion_stream(job, events, header, outcome,
-                                                         req.options.is_usage_streamed))
-        pieces = []
+                                                         req.options.is_usage_streamed, echo,
+                                                         logprobs))
+        pieces = [echo]
         with closing(_generated(events, outcome)) as items:
             for item in items:
                 if item is not None:
+                    logprobs.add(item)
                     pieces.append(item.text)
                     outcome.engine_finish = item.finish_reason or outcome.engine_finish
         if outcome.end.error is not None:
             raise outcome.end.error
         finish = outcome.finish_reason(0)
         self._log(job, outcome, finish)
-        return jsonify(header.text_completion("".join(pieces), finish, outcome.usage()))
+        return jsonify(header.text_completion("".join(pieces), finish, outcome.usage(),
+                                              logprobs.completion(len(echo))))
 
-    def _completion_stream(self, job, events, header, outcome, is_usage_streamed):
+    def _completion_stream(self, job, events, header, outcome, is_usage_streamed, echo,
+                           logprobs):
+        def chunk(text, finish=None):
+            return sse(header.chunk(text, finish, is_usage_streamed,
+                                    logprobs.completion(len(echo), take=True)))
+
         with closing(_generated(events, outcome)) as items:
+            if echo:
+                yield sse(header.chunk(echo, None, is_usage_streamed))
             for item in items:
                 if item is None:
                     yield SSE_KEEPALIVE
                     continue
+                logprobs.add(item)
                 outcome.engine_finish = item.finish_reason or outcome.engine_finish
                 if item.text:
-                    yield sse(header.chunk(item.text, None, is_usage_streamed))
-        yield from self._stream_end(
-            job, header, outcome, 0,
-            lambda finish: sse(header.chunk("", finish, is_usage_streamed)), is_usage_streamed)
+                    yield chunk(item.text)
+        yield from self._stream_end(job, header, outcome, 0, lambda finish: chunk("", finish),
+                                    is_usage_streamed)
 
     def _stream_end(self, job, header, outcome, num_calls, last_chunk, is_usage_streamed):
         """A stream's end: the job's error, or the chunk `last_chunk(finish)` (finish from
@@ -222,6 +245,54 @@ class GenerationRoutes:
         if is_usage_streamed:
             yield sse(header.usage_chunk(outcome.usage()))
         yield SSE_DONE
+
+
+class _Logprobs:
+    """A request's generated-token log probabilities, gathered from its events (those of the
+    stop token excepted) for the whole answer or, with `take`, chunk by chunk: each streamed
+    chunk carries the tokens that arrived since the last one. Inert when none were asked."""
+
+    def __init__(self, formatter: LogprobFormatter | None):
+        self._formatter = formatter
+        self._entries: list = []  # TokenLogprob, not yet sent
+        self._sent_chars = 0  # completions: text length of the tokens already sent
+
+    @classmethod
+    def of(cls, engine, options) -> "_Logprobs":
+        return cls(None if options.logprobs is None else LogprobFormatter(engine.tokenizer))
+
+    def add(self, event) -> None:
+        if self._formatter is not None and event.logprob is not None:
+            self._entries.append(event.logprob)
+
+    def _take(self, take: bool) -> list | None:
+        if self._formatter is None or (take and not self._entries):
+            return None
+        entries = self._entries
+        if take:
+            self._entries = []
+        return entries
+
+    def entries(self, take: bool = False) -> list[dict] | None:
+        """Chat's entries (token, logprob, bytes, top_logprobs); None when none were asked
+        (or, with `take`, none arrived since the last call)."""
+        entries = self._take(take)
+        return None if entries is None else [self._formatter.chat_entry(lp) for lp in entries]
+
+    def chat(self, take: bool = False) -> dict | None:
+        """`{"content": [...], "refusal": None}`, or None as `entries`."""
+        entries = self.entries(take)
+        return None if entries is None else {"content": entries, "refusal": None}
+
+    def completion(self, offset: int, take: bool = False) -> dict | None:
+        """The legacy lists; the answer's text starts at character `offset` (an echo)."""
+        entries = self._take(take)
+        if entries is None:
+            return None
+        out = self._formatter.completion_lists(entries, offset + self._sent_chars)
+        if take:
+            self._sent_chars += sum(len(t) for t in out["tokens"])
+        return out
 
 
 def _generated(events, outcome: Outcome):

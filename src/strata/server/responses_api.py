@@ -8,7 +8,8 @@ from contextlib import closing
 
 from flask import jsonify, request
 
-from strata.server.generation import GenerationRoutes, Outcome, _generated, _sse_response
+from strata.server.generation import (GenerationRoutes, Outcome, _generated, _Logprobs,
+                                      _sse_response)
 from strata.server.openai_format import SSE_KEEPALIVE
 from strata.server.prompting import build_chat_prompt, check_prompt_fits
 from strata.server.responses_format import OutputItems, ResponseHeader, sse_event, usage
@@ -32,14 +33,16 @@ class ResponsesRoutes(GenerationRoutes):
         header = ResponseHeader(self.state.model_id, echoed)
         outcome = Outcome(len(prompt.tokens))
         events = self._events(job)
+        logprobs = _Logprobs.of(engine, req.options)
         if req.options.is_stream:
-            return _sse_response(self._stream(job, events, parser, header, outcome))
+            return _sse_response(self._stream(job, events, parser, header, outcome, logprobs))
         items = OutputItems()
         with closing(_generated(events, outcome)) as generated:
             for item in generated:
                 if item is not None:
+                    logprobs.add(item)
                     for parsed in self._parse(parser, item, outcome):
-                        items.feed(parsed)
+                        items.feed(parsed, logprobs.entries(take=True))
         if outcome.end.error is not None:
             raise outcome.end.error
         items.finish()
@@ -56,7 +59,7 @@ class ResponsesRoutes(GenerationRoutes):
                                      end.num_generated_tokens, outcome.num_reasoning_tokens),
                                "max_output_tokens" if is_cut else None)
 
-    def _stream(self, job, events, parser, header, outcome):
+    def _stream(self, job, events, parser, header, outcome, logprobs):
         """response.created and .in_progress, each output item's events, then
         response.completed (or .incomplete); a failure ends it with response.failed. Every
         event carries its sequence_number."""
@@ -77,8 +80,9 @@ class ResponsesRoutes(GenerationRoutes):
                 if item is None:
                     yield SSE_KEEPALIVE
                     continue
+                logprobs.add(item)
                 for parsed in self._parse(parser, item, outcome):
-                    for payload in items.feed(parsed):
+                    for payload in items.feed(parsed, logprobs.entries(take=True)):
                         yield send(payload)
         for payload in items.finish():
             yield send(payload)

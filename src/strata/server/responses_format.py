@@ -58,7 +58,7 @@ class OutputItems:
             "response.output_text.done"
         text_done = dict(self._at(), type=done, content_index=0, text=part["text"])
         if kind == "message":
-            text_done["logprobs"] = []
+            text_done["logprobs"] = list(part["logprobs"])
         return [text_done,
                 dict(self._at(), type="response.content_part.done", content_index=0,
                      part=dict(part)),
@@ -70,7 +70,9 @@ class OutputItems:
         return {"type": "response.output_item.added", "output_index": len(self.items) - 1,
                 "item": _copy(item)}
 
-    def feed(self, event) -> list[dict]:
+    def feed(self, event, logprobs: list[dict] | None = None) -> list[dict]:
+        """`logprobs`: the entries (chat's shape) of the tokens that arrived since the last
+        call; kept on a message's text, dropped with reasoning or a tool call."""
         if isinstance(event, ToolCall):
             out = self._close()
             item = {"type": "function_call", "id": _new_id("fc_"), "call_id": event.id,
@@ -104,7 +106,8 @@ class OutputItems:
                      type="response.reasoning_text.delta" if kind == "reasoning" else
                      "response.output_text.delta")
         if kind == "message":
-            delta["logprobs"] = []
+            delta["logprobs"] = list(logprobs or [])
+            self.items[-1]["content"][0]["logprobs"] += delta["logprobs"]
         return out + [delta]
 
     def finish(self) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.server.api_error import ApiError, invalid, missing
 from strata.server.schema import (ChatRequest, _boolean, _integer, _object, _objects, _string,
                                   _wrong_type, flat_function_tool, hold_json_answer,
@@ -14,6 +15,7 @@ from strata.server.schema import (ChatRequest, _boolean, _integer, _object, _obj
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _MISSING = object()
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # `include`: the answer's token logprobs
 
 
 def _unsupported(param: str, value: Any, what: str) -> ApiError:
@@ -208,6 +210,18 @@ def _thinking(body: dict) -> dict:
     return {"enable_thinking": effort != "none"}
 
 
+def _include(body: dict) -> list[str]:
+    """The `include` list: extra output asked for. Only LOGPROBS_INCLUDE changes anything
+    here; the others name output this server never makes (search results, images, encrypted
+    reasoning), so they are accepted and leave nothing to add."""
+    value = body.get("include")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _wrong_type("include", value, "an array of strings")
+    return value
+
+
 def parse_responses_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     """A Responses API body as a ChatRequest. `max_output_tokens` may exceed the context: it
     is clipped to the room the prompt leaves. The chat endpoint's sampling fields (top_k,
@@ -221,9 +235,6 @@ def parse_responses_request(body: dict, max_tokens_limit: int) -> ChatRequest:
                                "(with store: false).")
     if body.get("background"):
         raise _unsupported("background", True, "this server answers in the request.")
-    if (_integer(body, "top_logprobs", 0, 20) or 0) > 0:
-        raise _unsupported("top_logprobs", body["top_logprobs"], "log probabilities are not "
-                           "returned by this server: leave it out.")
     options = parse_options({k: v for k, v in body.items()
                              if k not in ("max_tokens", "max_completion_tokens", "n")},
                             max_tokens_limit)
@@ -234,6 +245,10 @@ def parse_responses_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     response_format = _text_format(body)
     hold_json_answer(options, response_format, tools, tool_choice)
     options.is_parallel_tool_calls = _boolean(body, "parallel_tool_calls", default=True)
+    # logprobs on the answer's text: asked by `include` or by a count of alternatives
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if LOGPROBS_INCLUDE in _include(body) or top:
+        options.logprobs = top or 0
     kwargs = dict(_object(body, "chat_template_kwargs") or {})
     kwargs.update(_thinking(body))
     return ChatRequest(model=_string(body, "model"),

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.model.tokenizer import valid_text
 from strata.server.api_error import ApiError, invalid, missing
 
@@ -42,6 +43,7 @@ class GenerationOptions:
     is_parallel_tool_calls: bool = True  # False: at most one call (parallel_tool_calls false)
     thinking_budget: int | None = None  # tokens a <think> block may take (None: the server's)
     stop_token_ids: list[int] = field(default_factory=list)  # beside EOS (a FIM prompt's)
+    logprobs: int | None = None  # each token's log probability and this many alternatives
 
 
 @dataclass
@@ -62,6 +64,7 @@ class CompletionRequest:
     prompt: str | list[int]
     options: GenerationOptions
     suffix: str | None = None  # the text after the insertion: a fill-in-the-middle completion
+    is_echo: bool = False  # the answer's text starts with the prompt's
 
 
 def parse_json_body(data: bytes) -> dict:
@@ -209,11 +212,6 @@ def parse_options(body: dict, max_tokens_limit: int) -> GenerationOptions:
     if n is not None and n != 1:
         raise invalid(f"'n' is {n}; this server generates one choice per request: send n=1 or "
                       "leave it out.", "n", "unsupported_value")
-    for key in ("logprobs", "echo"):
-        value = body.get(key)
-        if value not in (None, False) and not (key == "logprobs" and value == 0):
-            raise invalid(f"'{key}' is not supported by this server; leave it out.", key,
-                          "unsupported_value")
     best_of = _integer(body, "best_of", 1, 2**31)
     if best_of not in (None, 1):
         raise invalid(f"'best_of' is {best_of}; only 1 is supported.", "best_of",
@@ -428,6 +426,11 @@ def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     response_format = parse_response_format(body.get("response_format"))
     hold_json_answer(options, response_format, tools, tool_choice)
     options.is_parallel_tool_calls = _boolean(body, "parallel_tool_calls", default=True)
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if _boolean(body, "logprobs"):
+        options.logprobs = top or 0
+    elif top is not None:
+        raise invalid("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
     return ChatRequest(
         model=_string(body, "model"),
         messages=parse_messages(body.get("messages", _MISSING)),
@@ -459,5 +462,15 @@ def parse_completion_request(body: dict, max_tokens_limit: int) -> CompletionReq
     if suffix is not None and not isinstance(prompt, str):
         raise invalid("'suffix' needs 'prompt' as text (the code before the cursor), not token "
                       "ids.", "suffix")
+    # the legacy endpoint's logprobs: how many alternatives per token (0: the token's own only)
+    options.logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    is_echo = _boolean(body, "echo")
+    if is_echo and options.logprobs is not None:
+        raise invalid("'echo' with 'logprobs' asks for the prompt's log probabilities, which "
+                      "this server does not compute; leave one of them out.", "echo",
+                      "unsupported_value")
+    if is_echo and suffix is not None:
+        raise invalid("'echo' and 'suffix' exclude each other: a fill-in-the-middle answer is "
+                      "the middle alone.", "echo")
     return CompletionRequest(model=_string(body, "model"), prompt=prompt, options=options,
-                             suffix=suffix)
+                             suffix=suffix, is_echo=is_echo)

@@ -1,0 +1,43 @@
+"""Log probabilities of generated tokens (OpenAI's `logprobs` / `top_logprobs`).
+
+A token's log probability is taken from the model's own distribution over the vocabulary: the
+log-softmax of the raw logits row, before temperature, penalties, logit_bias, filters or a
+constraint (vLLM's default, "raw logprobs"). So the figure says how likely the model found the
+token, whatever the sampler then did, and it is the same on every backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability and the `top` most likely tokens at its position,
+    as (token id, log probability), most likely first (ties: lower id first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits, token_id: int, num_top: int, num_valid: int) -> TokenLogprob:
+    """`logits` [V] (a host array or a row the backend left on the device: read whole here);
+    ids from `num_valid` on (padded embedding rows) are not tokens and take no share."""
+    row = np.asarray(logits, dtype=np.float32).reshape(-1)[:num_valid]
+    peak = float(row.max())
+    if not np.isfinite(peak):  # no finite logit: nothing has a probability
+        raise ValueError(f"the logits row has no finite value (max {peak})")
+    # log-sum-exp, summed in float64: 150K terms of float32 would lose the small ones
+    lse = peak + float(np.log(np.exp(row - peak).sum(dtype=np.float64)))
+    top: tuple[tuple[int, float], ...] = ()
+    if num_top > 0:
+        k = min(num_top, row.shape[0])
+        kth = -np.partition(-row, k - 1)[k - 1]  # the k-th highest logit
+        ids = np.flatnonzero(row >= kth)  # every id tied with it too, so ties go by id
+        ids = ids[np.lexsort((ids, -row[ids]))][:k]  # by logit, highest first; then lower id
+        top = tuple((int(i), float(row[i]) - lse) for i in ids)
+    return TokenLogprob(int(token_id), float(row[token_id]) - lse, top)

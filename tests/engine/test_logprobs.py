@@ -1,0 +1,136 @@
+"""Generated tokens' log probabilities (SamplingParams.logprobs): the figures against torch's
+log_softmax of the model's own logits for the same sequence, their top alternatives, the stop
+token left out, drafts and sampling changing nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from strata import Engine, EngineConfig, SamplingParams
+from strata.engine.logprobs import MAX_TOP_LOGPROBS, token_logprob
+from strata.errors import RequestError
+
+
+def torch_logprobs(row: np.ndarray, num_valid: int) -> np.ndarray:
+    return torch.log_softmax(torch.from_numpy(row[:num_valid].astype(np.float64)), -1).numpy()
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.float32, st.integers(1, 300),
+              elements=st.floats(-60, 60, width=32) | st.just(-np.inf)),
+       st.integers(0, MAX_TOP_LOGPROBS), st.data())
+def test_a_row_equals_torch(row, num_top, data):
+    num_valid = data.draw(st.integers(1, row.shape[0]))
+    row[data.draw(st.integers(0, num_valid - 1))] = 3.0  # at least one finite logit
+    token = data.draw(st.integers(0, num_valid - 1))
+    ref = torch_logprobs(row, num_valid)
+    got = token_logprob(row, token, num_top, num_valid)
+    assert got.token_id == token
+    if np.isfinite(ref[token]):
+        assert got.logprob == pytest.approx(ref[token], abs=2e-5)
+    else:
+        assert got.logprob == -np.inf
+    # the alternatives: the best num_top valid ids, by logit then id (padded ids never)
+    order = sorted(range(num_valid), key=lambda i: (-row[i], i))[:num_top]
+    assert [t for t, _ in got.top] == order
+    np.testing.assert_allclose([v for _, v in got.top], ref[order], atol=2e-5)
+
+
+def test_a_row_without_a_finite_logit_is_refused():
+    with pytest.raises(ValueError, match="no finite value"):
+        token_logprob(np.full(8, -np.inf, np.float32), 0, 2, 8)
+
+
+@pytest.mark.parametrize("value", [-1, MAX_TOP_LOGPROBS + 1, True, 1.5, "3"])
+def test_params_refuse_a_bad_count(value):
+    with pytest.raises(RequestError, match="logprobs"):
+        SamplingParams(logprobs=value)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    with Engine(EngineConfig(tiny_model_path, n_ctx=256, threads=2)) as engine:
+        yield engine
+
+
+def expected(engine, prompt: list[int], generated: list[int]) -> np.ndarray:
+    """log_softmax (torch) of the model's logits at each generated token's position [T, V]."""
+    model = engine.model
+    tokens = np.array(prompt + generated[:-1], dtype=np.int32)
+    logits = np.asarray(model.forward(tokens, model.new_kv(len(tokens) + 1), all_logits=True))
+    num_valid = engine.tokenizer.vocab_size
+    return np.stack([torch_logprobs(row, num_valid) for row in logits[len(prompt) - 1:]])
+
+
+PROMPT_TEXT = "The list of colours is red, green, blue, red, green,"
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.0),
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11),
+    dict(temperature=0.7, seed=5, repetition_penalty=1.3, logit_bias={7: 5.0}),
+])
+def test_events_carry_the_model_distribution(engine, params):
+    engine.reset()
+    prompt = engine.tokenize(PROMPT_TEXT)
+    events = list(engine.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True,
+                                                         logprobs=4, **params)))
+    generated = [e.token_id for e in events]
+    ref = expected(engine, prompt, generated)
+    for i, event in enumerate(events):
+        lp = event.logprob
+        assert lp.token_id == event.token_id
+        # the raw distribution, whatever temperature, penalties and bias did to the draw
+        assert lp.logprob == pytest.approx(ref[i, event.token_id], abs=1e-4)
+        best = np.argsort(-ref[i], kind="stable")[:4]
+        assert [t for t, _ in lp.top] == list(best)
+        np.testing.assert_allclose([v for _, v in lp.top], ref[i, best], atol=1e-4)
+        if params["temperature"] == 0.0:
+            assert lp.top[0][0] == event.token_id
+
+
+def test_off_by_default_and_zero_alternatives(engine):
+    engine.reset()
+    prompt = engine.tokenize(PROMPT_TEXT)
+    plain = list(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=4)))
+    assert all(e.logprob is None for e in plain)
+    engine.reset()
+    bare = list(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=4,
+                                                       logprobs=0)))
+    assert [e.token_id for e in bare] == [e.token_id for e in plain]  # asking changes nothing
+    assert all(e.logprob.top == () and e.logprob.logprob <= 0 for e in bare)
+
+
+def test_the_stop_token_has_no_entry(engine):
+    engine.reset()
+    prompt = engine.tokenize(PROMPT_TEXT)
+    first = list(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=3,
+                                                        ignore_eos=True)))
+    stop_id = first[1].token_id  # made a stop token: the request ends on it
+    engine.reset()
+    events = list(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=3,
+                                                         stop_token_ids=[stop_id],
+                                                         logprobs=1)))
+    assert [e.token_id for e in events] == [first[0].token_id, stop_id]
+    assert events[0].logprob is not None and events[1].logprob is None
+    assert events[1].finish_reason == "stop"
+
+
+def test_drafts_give_the_same_figures(tiny_model_path):
+    prompt_text = "one two three one two three one two three one two"
+    results = []
+    for spec in ({}, dict(spec_type="ngram-simple", spec_ngram_size_n=2)):
+        with Engine(EngineConfig(tiny_model_path, n_ctx=256, threads=2, **spec)) as engine:
+            prompt = engine.tokenize(prompt_text)
+            events = list(engine.generate(prompt, SamplingParams(
+                temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)))
+            results.append([(e.token_id, e.logprob) for e in events])
+    plain, drafted = results
+    assert [t for t, _ in plain] == [t for t, _ in drafted]
+    for (_, a), (_, b) in zip(plain, drafted):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
