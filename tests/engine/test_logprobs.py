@@ -134,3 +134,56 @@ def test_drafts_give_the_same_figures(tiny_model_path):
     for (_, a), (_, b) in zip(plain, drafted):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def prompt_expected(engine, prompt: list[int]) -> np.ndarray:
+    model = engine.model
+    tokens = np.array(prompt, dtype=np.int32)
+    logits = np.asarray(model.forward(tokens, model.new_kv(len(tokens)), all_logits=True))
+    return np.stack([torch_logprobs(row, engine.tokenizer.vocab_size) for row in logits[:-1]])
+
+
+def check_prompt_figures(engine, prompt, figures, num_top):
+    ref = prompt_expected(engine, prompt)
+    assert len(figures) == len(prompt) - 1
+    for i, lp in enumerate(figures):
+        assert lp.token_id == prompt[i + 1]
+        assert lp.logprob == pytest.approx(ref[i, prompt[i + 1]], abs=1e-4)
+        assert [t for t, _ in lp.top] == list(np.argsort(-ref[i], kind="stable")[:num_top])
+
+
+def test_prompt_logprobs_over_several_chunks(engine):
+    from strata.engine.scheduler import PROMPT_LOGPROBS_CHUNK
+
+    prompt = engine.tokenize(" ".join(f"w{i % 17}" for i in range(60)))
+    assert len(prompt) > PROMPT_LOGPROBS_CHUNK  # read in more than one window
+    engine.reset()
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    events = list(engine.generate(prompt, params))
+    check_prompt_figures(engine, prompt, events[0].prompt_logprobs, 2)
+    assert all(e.prompt_logprobs is None for e in events[1:])
+    assert events[0].logprob is None  # generated tokens' figures are asked apart
+    # the same prompt again: its cells are in the slot, but every row is read again
+    events = list(engine.generate(prompt, params))
+    assert engine.last_stats.num_cached_tokens == 0
+    check_prompt_figures(engine, prompt, events[0].prompt_logprobs, 2)
+
+
+def test_prompt_logprobs_beside_a_decoding_request(tiny_model_path):
+    with Engine(EngineConfig(tiny_model_path, n_ctx=512, threads=2, parallel=2)) as engine:
+        other = engine.submit(engine.tokenize("red green blue"),
+                              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        engine.step()
+        engine.step()  # decoding now
+        prompt = engine.tokenize(" ".join(f"v{i % 13}" for i in range(60)))
+        scored = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=2,
+                                                      ignore_eos=True, prompt_logprobs=0))
+        events = []
+        while not scored.is_finished:
+            engine.step()
+            events += scored.pop_events()
+        check_prompt_figures(engine, prompt, events[0].prompt_logprobs, 0)
+        assert not other.is_finished  # it decoded beside the scored prompt's windows
+        while not other.is_finished:
+            engine.step()
+        assert other.error is None and other.stats.num_generated_tokens == 40

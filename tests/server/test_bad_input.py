@@ -155,7 +155,7 @@ def test_prompt_longer_than_the_context(live):
     ({"prompt": ["a", "b"]}, ["array of token ids"]),
     ({"prompt": [1, -5]}, ["-5", "vocabulary"]),
     ({"prompt": [1, 10**6]}, ["1000000"]),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, ["echo", "prompt's log probabilities"]),
+    ({"prompt": "x", "echo": True, "logprobs": -1}, ["'logprobs' is -1"]),
     ({"prompt": "x", "echo": "yes"}, ["'echo'", "a boolean"]),
     ({"prompt": "x", "logprobs": 21}, ["'logprobs' is 21", "[0, 20]"]),
     ({"prompt": "x", "logprobs": True}, ["'logprobs'", "an integer"]),

@@ -184,3 +184,35 @@ def test_responses_logprobs(live):
         assert [x for d in deltas for x in d["logprobs"]] == entries
         done = [e for e in events if e["type"] == "response.output_text.done"]
         assert done[0]["logprobs"] == entries
+
+
+def test_echo_with_logprobs_scores_the_prompt(live, reference):
+    """As evaluation harnesses ask (echo, logprobs, one token): every prompt token after the
+    first with its figure, then the generated token's."""
+    prompt = "Colours: red, green, blue. Animals: cat,"
+    ids = reference.tokenize(prompt)
+    reference.reset()
+    events = list(reference.generate(ids, SamplingParams(temperature=0, max_tokens=1,
+                                                         logprobs=1, prompt_logprobs=1)))
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    reply = post(live, COMPLETIONS, body).json()
+    lists = reply["choices"][0]["logprobs"]
+    figures = list(events[0].prompt_logprobs) + [e.logprob for e in events if e.logprob]
+    assert len(figures) == len(ids)  # prompt tokens 1..n-1 and the generated one
+    assert len(lists["tokens"]) == len(ids) + 1
+    assert lists["token_logprobs"][0] is None and lists["top_logprobs"][0] is None
+    assert lists["tokens"][0] == token_entry(reference, ids[0], 0)[0]
+    for i, lp in enumerate(figures, start=1):
+        assert lists["tokens"][i] == token_entry(reference, lp.token_id, 0)[0]
+        assert lists["token_logprobs"][i] == pytest.approx(lp.logprob, abs=1e-6)
+        assert len(lists["top_logprobs"][i]) in (1, 2)
+    assert reply["choices"][0]["text"].startswith(prompt)
+    assert lists["text_offset"][len(ids)] == len(prompt)  # the answer's first token
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # again: the prompt's cells are cached now, and still every figure comes back; streamed
+    chunks = stream(live, COMPLETIONS, body)
+    parts = [c["choices"][0]["logprobs"] for c in chunks
+             if c["choices"] and c["choices"][0]["logprobs"]]
+    assert chunks[0]["choices"][0]["text"] == prompt
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for p in parts for v in p[key]] == lists[key]

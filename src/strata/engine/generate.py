@@ -70,6 +70,8 @@ class GenerationEvent:
     stop_string: str | None = None  # on the last event: the stop string that ended it, if one
     # the token's log probability and alternatives, when the request asks (params.logprobs)
     logprob: TokenLogprob | None = None
+    # on the first event, when the request asks (params.prompt_logprobs): prompt tokens 1..n-1
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass

@@ -52,6 +52,9 @@ class SamplingParams:
     # OpenAI's logprobs: each generated token's log probability and this many alternatives
     # (0 to logprobs.MAX_TOP_LOGPROBS) on its event (engine/logprobs.py); None: none
     logprobs: int | None = None
+    # the same for every prompt token after the first (the completions endpoint's echo): the
+    # prompt is then read whole, reusing no cached prefix, its rows' logits all returned
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -84,12 +87,13 @@ class SamplingParams:
                 or self.max_tool_calls < 1):
             raise RequestError(f"max_tool_calls = {self.max_tool_calls!r} is invalid: it must "
                                "be an integer >= 1 or None")
-        if self.logprobs is not None and (
-                isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise RequestError(f"logprobs = {self.logprobs!r} is invalid: it must be an "
-                               f"integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token) "
-                               "or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise RequestError(f"{name} = {value!r} is invalid: it must be an integer "
+                                   f"from 0 to {MAX_TOP_LOGPROBS} (alternatives per token) "
+                                   "or None")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, dict):
                 raise RequestError(f"json_schema = {self.json_schema!r} is invalid: it must be "

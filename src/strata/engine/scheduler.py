@@ -21,6 +21,7 @@ from strata.engine.drafts import DraftSettings, NgramDrafter
 from strata.engine.generate import GenerationEvent, GenerationStats, TokenDecoder
 from strata.engine.interleave import PendingRead, WindowTiming
 from strata.engine.kv import KVCache
+from strata.engine.logprobs import token_logprob
 from strata.engine.sampling import SamplingParams
 from strata.engine.slots import SlotTable, place_request
 from strata.errors import RequestError
@@ -30,6 +31,10 @@ from strata.hookspecs import WindowStats
 log = logging.getLogger("strata.engine")
 
 STATE_QUEUED, STATE_READING, STATE_DECODING, STATE_DONE = "queued", "reading", "decoding", "done"
+
+# Prompt rows per window for a request that asks for its prompt's logprobs: each row's logits
+# come back ([rows, vocab] floats: 78 MB at 128 rows of a 151,936-token vocabulary)
+PROMPT_LOGPROBS_CHUNK = 128
 
 
 class RequestHandle:
@@ -81,6 +86,8 @@ class _Active:
     drafter: NgramDrafter | None = None  # --spec-type: guesses of the tokens after next_token
     is_started: bool = False  # reading: its first chunk was planned
     arrival: int = 0  # order of placement: reads go first come first served
+    # params.prompt_logprobs: those of the prompt tokens read so far (after the first)
+    prompt_logprobs: list | None = None
 
 
 @dataclass(frozen=True)
@@ -461,9 +468,14 @@ class Scheduler:
             *((tier.num_hits, tier.num_misses, tier.num_swaps, tier.wait_s) if tier else ())))
 
     # ---- placement ------------------------------------------------------------------------
-    def _placement(self, prompt):
+    def _placement(self, prompt, reuses: bool = True):
         """Where `prompt` goes, and the parked entry it restores (taken now: parking the slot
-        could evict that very entry), or None."""
+        could evict that very entry), or None. `reuses` False: no cached prefix (the prompt's
+        logprobs need every row's logits); the slot's tokens are parked as usual."""
+        if not reuses:
+            return place_request(prompt, self.choosers.slot_picker, self.table.views(),
+                                 reusable=lambda slot, n: 0,
+                                 min_copy_gain=self.kvs[0].min_copy_gain), None
         while True:
             placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
                                       self.conversations,
@@ -482,7 +494,8 @@ class Scheduler:
     def _place(self, handle: RequestHandle) -> None:
         prompt = handle.prompt_tokens
         started_at = time.perf_counter()
-        placement, restored = self._placement(prompt)
+        wants_logprobs = handle.params.prompt_logprobs is not None
+        placement, restored = self._placement(prompt, reuses=not wants_logprobs)
         index, kv = placement.slot_index, self.kvs[placement.slot_index]
         num_slot_tokens, note = kv.num_tokens, ""
         if self.kv_lender is not None:
@@ -516,7 +529,8 @@ class Scheduler:
         decoder = TokenDecoder(self.tokenizer, handle.params, prompt, handle.stats)
         self._active[index] = _Active(handle, index, decoder, placement.num_reused_tokens,
                                       started_at, arrival=next(self._arrivals),
-                                      drafter=self.drafts.drafter(prompt))
+                                      drafter=self.drafts.drafter(prompt),
+                                      prompt_logprobs=[] if wants_logprobs else None)
         self._checkpoint_if_due(self._active[index])
 
     def _install(self, index: int, parked) -> int:
@@ -651,12 +665,15 @@ class Scheduler:
                                    f"{plan.chunk_tokens} tokens of a read with {num_left} left; "
                                    "fix or uninstall the plugin")
             num_tokens = plan.chunk_tokens
+            if active.prompt_logprobs is not None:  # every row's logits: chunks kept small
+                num_tokens = min(num_tokens, PROMPT_LOGPROBS_CHUNK)
             if (num_tokens == num_left > 1 and self.kvs[plan.slot_index].state is not None
                     and self.kvs[plan.slot_index].state.max_checkpoints > 0):
                 num_tokens -= 1  # the last token alone next: a checkpoint comes before it
             chunk = prompt[active.num_read_tokens:active.num_read_tokens + num_tokens]
             runs.append((self.kvs[plan.slot_index], chunk))
-            modes.append("last" if num_tokens == num_left else "none")
+            modes.append("all" if active.prompt_logprobs is not None else
+                         "last" if num_tokens == num_left else "none")
             kinds.append((plan.slot_index, "prompt"))
             self._decode_windows_left = plan.num_decode_windows_after
         elif reading:
@@ -709,6 +726,8 @@ class Scheduler:
     def _after_chunk(self, active: _Active, tokens: list[int], logits: np.ndarray) -> None:
         """A prompt chunk was read; after the last one, the first token."""
         handle, stats = active.handle, active.handle.stats
+        if active.prompt_logprobs is not None:
+            self._score_prompt(active, logits)
         self.table.extend(active.slot_index, tokens)
         active.num_read_tokens += len(tokens)
         self._checkpoint_if_due(active)
@@ -724,7 +743,20 @@ class Scheduler:
                  stats.prompt_seconds * 1e3)
         handle.state = STATE_DECODING
         event = self._next_event(active, logits[-1], self.kvs[active.slot_index].num_tokens)
+        if active.prompt_logprobs is not None:
+            event.prompt_logprobs = tuple(active.prompt_logprobs)
         self._after_events(active, [event])
+
+    def _score_prompt(self, active: _Active, logits) -> None:
+        """A chunk's rows [n, V] (all of them): each row's logits give the log probability of
+        the prompt token after it (the chunk's last row: of the next chunk's first token, or
+        of none after the prompt's last)."""
+        prompt, start = active.handle.prompt_tokens, active.num_read_tokens
+        rows = np.asarray(logits)  # a CUDA model's rows come to the host here
+        num_top = active.handle.params.prompt_logprobs
+        for i in range(min(rows.shape[0], len(prompt) - start - 1)):
+            active.prompt_logprobs.append(token_logprob(rows[i], prompt[start + i + 1],
+                                                        num_top, self.tokenizer.vocab_size))
 
     def _after_decode(self, active: _Active, tokens: list[int], logits: np.ndarray,
                       seconds: float) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from flask import Response, jsonify, request
 
 from strata.server.api_error import ApiError
-from strata.server.logprobs_format import LogprobFormatter
+from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.openai_format import (SSE_DONE, SSE_KEEPALIVE, ResponseHeader, chat_deltas,
                                          sse, usage)
 from strata.server.output_parser import (ContentDelta, OutputParser, ReasoningDelta, ToolCall,
@@ -119,7 +119,7 @@ class GenerationRoutes:
         header = ResponseHeader("chat", self.state.model_id)
         outcome = Outcome(len(prompt.tokens))
         events = self._events(job)
-        logprobs = _Logprobs.of(engine, req.options)
+        logprobs = AnswerLogprobs.of(engine, req.options)
         if req.options.is_stream:
             return _sse_response(self._chat_stream(job, events, parser, header, outcome,
                                                    req.options.is_usage_streamed, logprobs))
@@ -154,7 +154,7 @@ class GenerationRoutes:
 
     def _chat_stream(self, job, events, parser, header, outcome, is_usage_streamed,
                      logprobs=None):
-        logprobs = logprobs or _Logprobs(None)
+        logprobs = logprobs or AnswerLogprobs(None)
 
         def chunk(delta, finish=None):  # the tokens not yet sent go with the next chunk
             return sse(header.chunk(delta, finish, is_usage_streamed, logprobs.chat(take=True)))
@@ -193,7 +193,7 @@ class GenerationRoutes:
         if req.is_echo:  # the prompt as sent (token ids: their text)
             echo = req.prompt if isinstance(req.prompt, str) else \
                 engine.tokenizer.decode(req.prompt)
-        logprobs = _Logprobs.of(engine, req.options)
+        logprobs = AnswerLogprobs.of(engine, req.options, tokens if req.is_echo else None)
         if req.options.is_stream:
             return _sse_response(self._completion_stream(job, events, header, outcome,
                                                          req.options.is_usage_streamed, echo,
@@ -202,6 +202,7 @@ class GenerationRoutes:
         with closing(_generated(events, outcome)) as items:
             for item in items:
                 if item is not None:
+                    logprobs.add_prompt(item)
                     logprobs.add(item)
                     pieces.append(item.text)
                     outcome.engine_finish = item.finish_reason or outcome.engine_finish
@@ -219,12 +220,16 @@ class GenerationRoutes:
                                     logprobs.completion(len(echo), take=True)))
 
         with closing(_generated(events, outcome)) as items:
-            if echo:
+            if echo and not logprobs.wants_prompt:
                 yield sse(header.chunk(echo, None, is_usage_streamed))
             for item in items:
                 if item is None:
                     yield SSE_KEEPALIVE
                     continue
+                if logprobs.wants_prompt:  # the echo waits for its figures: the first event
+                    logprobs.add_prompt(item)
+                    yield sse(header.chunk(echo, None, is_usage_streamed,
+                                           logprobs.completion(len(echo), take=True)))
                 logprobs.add(item)
                 outcome.engine_finish = item.finish_reason or outcome.engine_finish
                 if item.text:
@@ -245,54 +250,6 @@ class GenerationRoutes:
         if is_usage_streamed:
             yield sse(header.usage_chunk(outcome.usage()))
         yield SSE_DONE
-
-
-class _Logprobs:
-    """A request's generated-token log probabilities, gathered from its events (those of the
-    stop token excepted) for the whole answer or, with `take`, chunk by chunk: each streamed
-    chunk carries the tokens that arrived since the last one. Inert when none were asked."""
-
-    def __init__(self, formatter: LogprobFormatter | None):
-        self._formatter = formatter
-        self._entries: list = []  # TokenLogprob, not yet sent
-        self._sent_chars = 0  # completions: text length of the tokens already sent
-
-    @classmethod
-    def of(cls, engine, options) -> "_Logprobs":
-        return cls(None if options.logprobs is None else LogprobFormatter(engine.tokenizer))
-
-    def add(self, event) -> None:
-        if self._formatter is not None and event.logprob is not None:
-            self._entries.append(event.logprob)
-
-    def _take(self, take: bool) -> list | None:
-        if self._formatter is None or (take and not self._entries):
-            return None
-        entries = self._entries
-        if take:
-            self._entries = []
-        return entries
-
-    def entries(self, take: bool = False) -> list[dict] | None:
-        """Chat's entries (token, logprob, bytes, top_logprobs); None when none were asked
-        (or, with `take`, none arrived since the last call)."""
-        entries = self._take(take)
-        return None if entries is None else [self._formatter.chat_entry(lp) for lp in entries]
-
-    def chat(self, take: bool = False) -> dict | None:
-        """`{"content": [...], "refusal": None}`, or None as `entries`."""
-        entries = self.entries(take)
-        return None if entries is None else {"content": entries, "refusal": None}
-
-    def completion(self, offset: int, take: bool = False) -> dict | None:
-        """The legacy lists; the answer's text starts at character `offset` (an echo)."""
-        entries = self._take(take)
-        if entries is None:
-            return None
-        out = self._formatter.completion_lists(entries, offset + self._sent_chars)
-        if take:
-            self._sent_chars += sum(len(t) for t in out["tokens"])
-        return out
 
 
 def _generated(events, outcome: Outcome):

@@ -40,19 +40,93 @@ class LogprobFormatter:
         return {"token": text, "logprob": _number(lp.logprob), "bytes": raw,
                 "top_logprobs": top}
 
-    def completion_lists(self, entries: list[TokenLogprob], offset: int) -> dict:
+    def completion_lists(self, entries: list[TokenLogprob | int], offset: int) -> dict:
         """The legacy `logprobs` object of `entries`, the first token's text starting at
         character `offset` of the answer's text. Each top_logprobs dict holds the asked-for
-        alternatives and the chosen token (so up to logprobs + 1 keys, as OpenAI's API)."""
+        alternatives and the chosen token (so up to logprobs + 1 keys, as OpenAI's API). A
+        bare token id (an echoed prompt's first token) has no figures: None in both lists."""
         tokens, values, tops, offsets = [], [], [], []
         for lp in entries:
-            text = self.token(lp.token_id)[0]
+            if isinstance(lp, int):
+                text, value, top = self.token(lp)[0], None, None
+            else:
+                text, value = self.token(lp.token_id)[0], _number(lp.logprob)
+                top = {self.token(t)[0]: _number(v) for t, v in lp.top}
+                top.setdefault(text, value)
             tokens.append(text)
-            values.append(_number(lp.logprob))
-            top = {self.token(t)[0]: _number(v) for t, v in lp.top}
-            top.setdefault(text, _number(lp.logprob))
+            values.append(value)
             tops.append(top)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
+
+
+class AnswerLogprobs:
+    """One request's log probabilities, gathered from its events for the whole answer or, with
+    `take`, chunk by chunk (each streamed chunk carries the tokens that arrived since the last
+    one): the generated tokens' (the stop token has none) and, for an echo, the prompt's.
+    Inert (every method None) when the request asked for none."""
+
+    def __init__(self, formatter: LogprobFormatter | None, prompt_tokens=None):
+        self._formatter = formatter
+        self._entries: list[TokenLogprob] = []  # generated, not yet sent
+        self._sent_chars = 0  # completions: text length of the generated tokens already sent
+        self._prompt_tokens = prompt_tokens  # an echo with logprobs: the prompt, until sent
+        self._prompt: list | None = None  # its first token id, then its TokenLogprobs
+
+    @classmethod
+    def of(cls, engine, options, prompt_tokens=None) -> "AnswerLogprobs":
+        """`prompt_tokens`: the prompt whose figures the first event brings (an echo)."""
+        if options.logprobs is None:
+            return cls(None)
+        return cls(LogprobFormatter(engine.tokenizer), prompt_tokens)
+
+    @property
+    def wants_prompt(self) -> bool:
+        return self._formatter is not None and self._prompt_tokens is not None
+
+    def add_prompt(self, event) -> None:
+        """The first event's prompt figures (params.prompt_logprobs)."""
+        if self.wants_prompt and event.prompt_logprobs is not None:
+            self._prompt = [int(self._prompt_tokens[0]), *event.prompt_logprobs]
+            self._prompt_tokens = None
+
+    def add(self, event) -> None:
+        if self._formatter is not None and event.logprob is not None:
+            self._entries.append(event.logprob)
+
+    def _take(self, take: bool) -> list | None:
+        if self._formatter is None or (take and not self._entries):
+            return None
+        entries = self._entries
+        if take:
+            self._entries = []
+        return entries
+
+    def entries(self, take: bool = False) -> list[dict] | None:
+        """Chat's entries (token, logprob, bytes, top_logprobs); None when none were asked
+        (or, with `take`, none arrived since the last call)."""
+        entries = self._take(take)
+        return None if entries is None else [self._formatter.chat_entry(lp) for lp in entries]
+
+    def chat(self, take: bool = False) -> dict | None:
+        """`{"content": [...], "refusal": None}`, or None as `entries`."""
+        entries = self.entries(take)
+        return None if entries is None else {"content": entries, "refusal": None}
+
+    def completion(self, offset: int, take: bool = False) -> dict | None:
+        """The legacy lists: the echoed prompt's first (once; its text from character 0),
+        then the generated tokens', whose text starts at character `offset` (the echo's
+        length)."""
+        prompt, self._prompt = self._prompt, None
+        entries = self._take(take)
+        if entries is None and prompt is None:
+            return None
+        out = self._formatter.completion_lists(entries or [], offset + self._sent_chars)
+        if take:
+            self._sent_chars += sum(len(t) for t in out["tokens"])
+        if prompt is not None:
+            head = self._formatter.completion_lists(prompt, 0)
+            out = {key: head[key] + out[key] for key in out}
+        return out

@@ -8,8 +8,8 @@ from contextlib import closing
 
 from flask import jsonify, request
 
-from strata.server.generation import (GenerationRoutes, Outcome, _generated, _Logprobs,
-                                      _sse_response)
+from strata.server.generation import GenerationRoutes, Outcome, _generated, _sse_response
+from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.openai_format import SSE_KEEPALIVE
 from strata.server.prompting import build_chat_prompt, check_prompt_fits
 from strata.server.responses_format import OutputItems, ResponseHeader, sse_event, usage
@@ -33,7 +33,7 @@ class ResponsesRoutes(GenerationRoutes):
         header = ResponseHeader(self.state.model_id, echoed)
         outcome = Outcome(len(prompt.tokens))
         events = self._events(job)
-        logprobs = _Logprobs.of(engine, req.options)
+        logprobs = AnswerLogprobs.of(engine, req.options)
         if req.options.is_stream:
             return _sse_response(self._stream(job, events, parser, header, outcome, logprobs))
         items = OutputItems()

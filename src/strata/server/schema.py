@@ -44,6 +44,7 @@ class GenerationOptions:
     thinking_budget: int | None = None  # tokens a <think> block may take (None: the server's)
     stop_token_ids: list[int] = field(default_factory=list)  # beside EOS (a FIM prompt's)
     logprobs: int | None = None  # each token's log probability and this many alternatives
+    prompt_logprobs: int | None = None  # ... of the prompt's tokens too (an echo)
 
 
 @dataclass
@@ -465,10 +466,8 @@ def parse_completion_request(body: dict, max_tokens_limit: int) -> CompletionReq
     # the legacy endpoint's logprobs: how many alternatives per token (0: the token's own only)
     options.logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     is_echo = _boolean(body, "echo")
-    if is_echo and options.logprobs is not None:
-        raise invalid("'echo' with 'logprobs' asks for the prompt's log probabilities, which "
-                      "this server does not compute; leave one of them out.", "echo",
-                      "unsupported_value")
+    if is_echo:  # the prompt's figures too (it is then read whole, no cached prefix reused)
+        options.prompt_logprobs = options.logprobs
     if is_echo and suffix is not None:
         raise invalid("'echo' and 'suffix' exclude each other: a fill-in-the-middle answer is "
                       "the middle alone.", "echo")
