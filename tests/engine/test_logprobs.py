@@ -187,3 +187,44 @@ def test_prompt_logprobs_beside_a_decoding_request(tiny_model_path):
         while not other.is_finished:
             engine.step()
         assert other.error is None and other.stats.num_generated_tokens == 40
+
+
+class _RowWithCandidates:
+    """A host row answering as a device row does (backends/cuda/logits.py's contract:
+    `candidates` best first, ties by id, with the softmax mass; `value` one logit), so the
+    reduction that runs on GPU rows is checked here against the host's."""
+
+    def __init__(self, row):
+        self.row = row
+        self.num_values_read = 0
+
+    def candidates(self, num, temperature, penalties, num_valid, want_mass):
+        from strata.backends.cuda.logits import Candidates
+
+        assert temperature == 1.0 and penalties is None and want_mass
+        valid = self.row[:num_valid].astype(np.float64)
+        ids = np.array(sorted(range(num_valid), key=lambda i: (-valid[i], i))[:num])
+        mass = float(np.exp(valid - valid.max()).sum())
+        return Candidates(ids.astype(np.int32), valid[ids].astype(np.float32), mass)
+
+    def value(self, token):
+        self.num_values_read += 1
+        return float(self.row[token])
+
+
+@settings(max_examples=100, deadline=None)
+@given(arrays(np.float32, st.integers(2, 200), elements=st.floats(-30, 30, width=32)),
+       st.integers(0, MAX_TOP_LOGPROBS), st.data())
+def test_the_device_reduction_equals_the_host_one(row, num_top, data):
+    num_valid = data.draw(st.integers(1, row.shape[0]))
+    token = data.draw(st.integers(0, num_valid - 1))
+    device_row = _RowWithCandidates(row)
+    got = token_logprob(device_row, token, num_top, num_valid)
+    want = token_logprob(row, token, num_top, num_valid)
+    assert got.token_id == want.token_id
+    assert got.logprob == pytest.approx(want.logprob, abs=2e-5)
+    assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    np.testing.assert_allclose([v for _, v in got.top], [v for _, v in want.top], atol=2e-5)
+    in_top = token in [t for t, _ in want.top[:max(num_top, 1)]] or (
+        num_top == 0 and token == sorted(range(num_valid), key=lambda i: (-row[i], i))[0])
+    assert device_row.num_values_read == (0 if in_top else 1)

@@ -7,6 +7,7 @@ token, whatever the sampler then did, and it is the same on every backend.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,8 +26,11 @@ class TokenLogprob:
 
 
 def token_logprob(logits, token_id: int, num_top: int, num_valid: int) -> TokenLogprob:
-    """`logits` [V] (a host array or a row the backend left on the device: read whole here);
-    ids from `num_valid` on (padded embedding rows) are not tokens and take no share."""
+    """`logits` [V]: a host array, or a row the backend left on the device (one with
+    `candidates`, backends/cuda/logits.py), whose figures the device reduces; ids from
+    `num_valid` on (padded embedding rows) are not tokens and take no share."""
+    if hasattr(logits, "candidates"):
+        return _device_logprob(logits, int(token_id), num_top, num_valid)
     row = np.asarray(logits, dtype=np.float32).reshape(-1)[:num_valid]
     peak = float(row.max())
     if not np.isfinite(peak):  # no finite logit: nothing has a probability
@@ -41,3 +45,18 @@ def token_logprob(logits, token_id: int, num_top: int, num_valid: int) -> TokenL
         ids = ids[np.lexsort((ids, -row[ids]))][:k]  # by logit, highest first; then lower id
         top = tuple((int(i), float(row[i]) - lse) for i in ids)
     return TokenLogprob(int(token_id), float(row[token_id]) - lse, top)
+
+
+def _device_logprob(row, token_id: int, num_top: int, num_valid: int) -> TokenLogprob:
+    """The same figures from a device row without copying it: its best candidates at
+    temperature 1 with their softmax mass (sum of exp(x - x_max) over the valid ids), and the
+    chosen token's logit read alone when it is not among them."""
+    found = row.candidates(max(num_top, 1), 1.0, None, num_valid, want_mass=True)
+    if found is None or not np.isfinite(found.values[0]):
+        raise ValueError("the logits row has a NaN or no finite value")
+    lse = float(found.values[0]) + math.log(found.mass)
+    hit = np.flatnonzero(found.ids == token_id)
+    value = float(found.values[hit[0]]) if hit.size else row.value(token_id)
+    best = zip(found.ids[:num_top], found.values[:num_top])
+    top = tuple((int(i), float(v) - lse) for i, v in best)
+    return TokenLogprob(token_id, value - lse, top)

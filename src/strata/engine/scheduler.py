@@ -752,10 +752,10 @@ class Scheduler:
         the prompt token after it (the chunk's last row: of the next chunk's first token, or
         of none after the prompt's last)."""
         prompt, start = active.handle.prompt_tokens, active.num_read_tokens
-        rows = np.asarray(logits)  # a CUDA model's rows come to the host here
         num_top = active.handle.params.prompt_logprobs
-        for i in range(min(rows.shape[0], len(prompt) - start - 1)):
-            active.prompt_logprobs.append(token_logprob(rows[i], prompt[start + i + 1],
+        for i in range(min(len(logits), len(prompt) - start - 1)):
+            # a CUDA model's rows stay on the device: each is reduced there (logprobs.py)
+            active.prompt_logprobs.append(token_logprob(logits[i], prompt[start + i + 1],
                                                         num_top, self.tokenizer.vocab_size))
 
     def _after_decode(self, active: _Active, tokens: list[int], logits: np.ndarray,

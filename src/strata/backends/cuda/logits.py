@@ -126,6 +126,19 @@ class LogitReader:
                 self._stream.synchronize()
         return np.array(out)
 
+    def value(self, row: int, token: int, generation: int) -> float:
+        """One logit: row `row`'s value at `token` (4 bytes back, one round trip)."""
+        self._check(generation)
+        rt = self._rt
+        with rt.active():
+            if self._bufs is None:
+                self._alloc()
+            got = self._host["out"][:1]
+            rt.drv.memcpy_dtoh_async(got, self._logits_ptr() + 4 * (row * self._vocab + token),
+                                     self._stream)
+            self._stream.synchronize()
+        return float(got.view(np.float32)[0])
+
     def _check(self, generation: int) -> None:
         if generation != self.generation:
             raise RequestError("these logits belong to an earlier pass of the CUDA model; "
@@ -186,6 +199,10 @@ class DeviceLogitRow:
                    want_mass: bool) -> Candidates | None:
         return self._reader.candidates(self._row, self._gen, num, temperature, penalties,
                                        num_valid, want_mass)
+
+    def value(self, token: int) -> float:
+        """The logit of `token` alone."""
+        return self._reader.value(self._row, token, self._gen)
 
     def __array__(self, dtype=None, copy=None):
         out = self._reader.rows(self._row, self._row + 1, self._gen)[0]
