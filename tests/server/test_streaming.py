@@ -2,17 +2,21 @@
 keep-alives), and a client that disconnects mid-stream."""
 import json
 import logging
+import queue
 import socket
+import threading
 import time
 
+import pytest
 import requests
 
 from strata.engine.generate import GenerationEvent, GenerationStats
 from strata.server.api_error import ApiError
-from strata.server.generation import GenerationRoutes, Outcome
+from strata.server.generation import GenerationRoutes, Outcome, _Choice
+from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.openai_format import ResponseHeader
 from strata.server.output_parser import OutputParser
-from strata.server.worker import Job, JobEnd, iterate_job
+from strata.server.worker import ChoiceQueue, Job, JobEnd, iterate_jobs
 
 MAX_TOKENS = 4000  # with ignore_eos: the generation would run to the end of the context
 
@@ -25,29 +29,30 @@ class _State:
 def run_stream(pieces, finish, end=None, is_usage_streamed=True, delay_first_s=0.0):
     """Frames `pieces` (text of consecutive tokens; the last one carries `finish`) as the
     chat stream would, and returns the SSE lines' payloads."""
-    job = Job(request_id="test", prompt_tokens=[1, 2, 3], params=None)
+    shared = queue.Queue()
+    job = Job(request_id="test", prompt_tokens=[1, 2, 3], params=None,
+              events=ChoiceQueue(shared, 0))
     stats = GenerationStats(num_prompt_tokens=3, num_cached_tokens=1,
                             num_generated_tokens=len(pieces))
-    for i, piece in enumerate(pieces):
-        is_last = i == len(pieces) - 1
-        job.events.put(GenerationEvent(i, piece, finish if is_last else None,
-                                       stats if is_last else None))
-    job.events.put(end or JobEnd(num_generated_tokens=len(pieces), num_cached_tokens=1))
-    if delay_first_s:
-        delayed = job.events
-        job.events = type(delayed)()
+    items = [GenerationEvent(i, piece, finish if i == len(pieces) - 1 else None,
+                             stats if i == len(pieces) - 1 else None)
+             for i, piece in enumerate(pieces)]
+    items.append(end or JobEnd(num_generated_tokens=len(pieces), num_cached_tokens=1))
 
-        def slow_events():
-            time.sleep(delay_first_s)
-            while not delayed.empty():
-                job.events.put(delayed.get())
-        import threading
-        threading.Thread(target=slow_events).start()
+    def put_all():
+        time.sleep(delay_first_s)
+        for item in items:
+            job.events.put(item)
+
+    if delay_first_s:
+        threading.Thread(target=put_all).start()
+    else:
+        put_all()
     routes = GenerationRoutes(_State)
-    parser = OutputParser(parse_tools=True)
+    choice = _Choice(0, job, Outcome(3), AnswerLogprobs(None), OutputParser(parse_tools=True))
     header = ResponseHeader("chat", "m")
-    lines = "".join(routes._chat_stream(job, iterate_job(job, 0.05), parser, header,
-                                        Outcome(3), is_usage_streamed))
+    lines = "".join(routes._chat_stream([choice], iterate_jobs([job], shared, 0.05), header,
+                                        is_usage_streamed))
     return lines.split("\n\n")[:-1]
 
 
@@ -118,11 +123,13 @@ def metric_value(live, name):
     raise KeyError(name)
 
 
-def test_disconnect_mid_stream_cancels_the_generation(live_long, caplog):
+@pytest.mark.parametrize("n", [1, 2])
+def test_disconnect_mid_stream_cancels_the_generation(live_long, caplog, n):
+    """With n = 2 both choices stop, the one still queued too (one slot here)."""
     live = live_long
     caplog.set_level(logging.INFO, logger="strata.server")
     body = json.dumps({"messages": [{"role": "user", "content": "Write a long story."}],
-                       "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True})
+                       "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True, "n": n})
     generated_before = metric_value(live, "strata_generated_tokens_total")
     host, port = live.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
@@ -130,9 +137,9 @@ def test_disconnect_mid_stream_cancels_the_generation(live_long, caplog):
                   "Content-Type: application/json\r\n"
                   f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
     received = b""
-    # the second chunk: the first one (the role) goes out before any token is generated, and a
+    # a chunk after the n role chunks: those go out before any token is generated, and a
     # client that left then could stop the generation before its first token
-    while received.count(b"data: {") < 2:
+    while received.count(b"data: {") < n + 1:
         received += sock.recv(4096)
     assert received.startswith(b"HTTP/1.1 200")
     sock.close()
@@ -142,7 +149,11 @@ def test_disconnect_mid_stream_cancels_the_generation(live_long, caplog):
         time.sleep(0.05)
     generated = metric_value(live, "strata_generated_tokens_total") - generated_before
     assert 1 <= generated < MAX_TOKENS
-    assert f"cancelled after {int(generated)} generated tokens" in caplog.text
+    if n == 1:
+        assert f"cancelled after {int(generated)} generated tokens" in caplog.text
+    time.sleep(0.3)  # nothing starts after: no choice was left queued
+    assert metric_value(live, "strata_requests_running") == 0
+    assert metric_value(live, "strata_generated_tokens_total") - generated_before == generated
     response = requests.post(live.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 3})
     assert response.status_code == 200

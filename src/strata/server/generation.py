@@ -3,9 +3,10 @@ then answer whole or stream it as SSE (keep-alives while waiting, errors as even
 from __future__ import annotations
 
 import logging
+import queue
 import uuid
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flask import Response, jsonify, request
 
@@ -20,7 +21,7 @@ from strata.server.prompting import (build_chat_prompt, check_prompt_fits,
                                      sampling_params)
 from strata.server.schema import (GenerationOptions, parse_chat_request,
                                   parse_completion_request, parse_json_body)
-from strata.server.worker import Job, JobEnd, iterate_job
+from strata.server.worker import ChoiceQueue, Job, JobEnd, iterate_job, iterate_jobs
 
 log = logging.getLogger("strata.server")
 
@@ -66,25 +67,33 @@ class GenerationRoutes:
             raise worker.unavailable()
         return worker.engine
 
-    def _submit(self, prompt_tokens: list[int], options: GenerationOptions, engine) -> Job:
+    def _submit(self, prompt_tokens: list[int], options: GenerationOptions, engine,
+                events=None, choice: int = 0) -> Job:
+        """Queue one answer (`choice` of a request's `n`: its seed is the request's + choice,
+        so seeded choices differ and repeat); `events`: its job's queue (a ChoiceQueue)."""
         if options.thinking_budget is None:  # --reasoning-budget
             options.thinking_budget = self.state.config.reasoning_budget
+        if choice and options.seed is not None:
+            options = replace(options, seed=(options.seed + choice) % 2**63)
         params = sampling_params(options, len(prompt_tokens), engine.n_ctx,
                                  min(engine.tokenizer.vocab_size, engine.spec.vocab))
         job = Job(request_id=uuid.uuid4().hex[:12], prompt_tokens=prompt_tokens, params=params)
+        if events is not None:
+            job.events = events
         self.state.worker.submit(job)
         return job
 
-    def _start_chat(self, engine, req, prompt, new_id=new_call_id) -> tuple[Job, OutputParser]:
+    def _start_chat(self, engine, req, prompt, new_id=new_call_id, events=None,
+                    choice: int = 0) -> tuple[Job, OutputParser]:
         """Queue a chat-shaped request whose prompt is built and checked: its tool calls held
         as the prompt's template asks; the parser that reads its output (`new_id`: the ids of
-        the tool calls it finds)."""
+        the tool calls it finds). `events`, `choice`: as `_submit`."""
         req.options.held_tool_calls = prompt.held_tool_calls
         req.options.tool_call_form = prompt.tool_call_form
         # a call the request requires is held to come first (where calls are held at all)
         req.options.tool_call_required = prompt.held_tool_calls is not None and (
             req.tool_choice == "required" or isinstance(req.tool_choice, dict))
-        job = self._submit(prompt.tokens, req.options, engine)
+        job = self._submit(prompt.tokens, req.options, engine, events, choice)
         parser = OutputParser(starts_in_reasoning=prompt.starts_in_reasoning,
                               parse_tools=prompt.is_tool_parsing,
                               param_types=prompt.param_types, new_id=new_id)
@@ -107,6 +116,24 @@ class GenerationRoutes:
         disconnected = request.environ.get("waitress.client_disconnected")
         return iterate_job(job, self.state.config.keepalive_s, disconnected)
 
+    def _choices(self, n: int, start) -> tuple[list["_Choice"], object]:
+        """Start a request's `n` answers, `start(index, events)` building each one's _Choice
+        (its job's events tagged into one queue); and the iterator over all their events."""
+        shared = queue.Queue()
+        choices = [start(i, ChoiceQueue(shared, i)) for i in range(n)]
+        disconnected = request.environ.get("waitress.client_disconnected")
+        events = iterate_jobs([c.job for c in choices], shared, self.state.config.keepalive_s,
+                              disconnected)
+        return choices, events
+
+    @staticmethod
+    def _ended(choice: "_Choice", end: JobEnd) -> None:
+        """A choice's JobEnd: kept; a failure ends the whole request (the caller's closing of
+        the events then cancels the other choices)."""
+        choice.outcome.end = end
+        if end.error is not None:
+            raise end.error
+
     # ---- /v1/chat/completions ---------------------------------------------------------------
     def chat(self):
         body = parse_json_body(request.get_data())
@@ -115,29 +142,38 @@ class GenerationRoutes:
         self.check_model(req.model)
         prompt = build_chat_prompt(engine, req)
         check_prompt_fits(len(prompt.tokens), engine.n_ctx)
-        job, parser = self._start_chat(engine, req, prompt)
+
+        def start(index, events):
+            job, parser = self._start_chat(engine, req, prompt, events=events, choice=index)
+            return _Choice(index, job, Outcome(len(prompt.tokens)),
+                           AnswerLogprobs.of(engine, req.options), parser)
+
+        choices, events = self._choices(req.n, start)
         header = ResponseHeader("chat", self.state.model_id)
-        outcome = Outcome(len(prompt.tokens))
-        events = self._events(job)
-        logprobs = AnswerLogprobs.of(engine, req.options)
         if req.options.is_stream:
-            return _sse_response(self._chat_stream(job, events, parser, header, outcome,
-                                                   req.options.is_usage_streamed, logprobs))
-        pieces = []
-        with closing(_generated(events, outcome)) as items:  # a failure here must not leave
-            for item in items:                                 # the generation running
-                if item is not None:
-                    logprobs.add(item)
-                    pieces += self._parse(parser, item, outcome)
-        if outcome.end.error is not None:
-            raise outcome.end.error
-        content = "".join(e.text for e in pieces if isinstance(e, ContentDelta))
-        reasoning = "".join(e.text for e in pieces if isinstance(e, ReasoningDelta))
-        calls = [e for e in pieces if isinstance(e, ToolCall)]
-        finish = outcome.finish_reason(len(calls))
-        self._log(job, outcome, finish)
-        return jsonify(header.chat_completion(content, reasoning, calls, finish,
-                                              outcome.usage(), logprobs.chat()))
+            return _sse_response(self._chat_stream(choices, events, header,
+                                                   req.options.is_usage_streamed))
+        with closing(events):  # a failure here must not leave the generations running
+            for got in events:
+                if got is None:
+                    continue
+                choice, item = choices[got[0]], got[1]
+                if isinstance(item, JobEnd):
+                    self._ended(choice, item)
+                    continue
+                choice.logprobs.add(item)
+                choice.pieces += self._parse(choice.parser, item, choice.outcome)
+        answers = []
+        for choice in choices:
+            pieces = choice.pieces
+            content = "".join(e.text for e in pieces if isinstance(e, ContentDelta))
+            reasoning = "".join(e.text for e in pieces if isinstance(e, ReasoningDelta))
+            calls = [e for e in pieces if isinstance(e, ToolCall)]
+            finish = choice.outcome.finish_reason(len(calls))
+            self._log(choice.job, choice.outcome, finish)
+            answers.append(header.chat_choice(choice.index, content, reasoning, calls, finish,
+                                              choice.logprobs.chat()))
+        return jsonify(header.chat_completion(answers, _usage(choices)))
 
     @staticmethod
     def _parse(parser: OutputParser, event, outcome: Outcome) -> list:
@@ -152,26 +188,53 @@ class GenerationRoutes:
             out += parser.finish()
         return out
 
-    def _chat_stream(self, job, events, parser, header, outcome, is_usage_streamed,
-                     logprobs=None):
-        logprobs = logprobs or AnswerLogprobs(None)
+    def _chat_stream(self, choices, events, header, is_usage_streamed):
+        def chunk(choice, delta, finish=None):  # with the tokens not sent yet, if asked
+            return sse(header.chunk(delta, finish, is_usage_streamed,
+                                    choice.logprobs.chat(take=True), choice.index))
 
-        def chunk(delta, finish=None):  # the tokens not yet sent go with the next chunk
-            return sse(header.chunk(delta, finish, is_usage_streamed, logprobs.chat(take=True)))
+        def frames(choice, item):
+            choice.logprobs.add(item)
+            return [chunk(choice, delta)
+                    for parsed in self._parse(choice.parser, item, choice.outcome)
+                    for delta in chat_deltas(parsed)]
 
-        with closing(_generated(events, outcome)) as items:
-            yield sse(header.chunk({"role": "assistant", "content": ""}, None,
-                                   is_usage_streamed))
-            for item in items:
-                if item is None:
+        def end(choice):
+            return choice.parser.num_tool_calls, lambda finish: chunk(choice, {}, finish)
+
+        yield from self._stream(choices, events, header, is_usage_streamed, end, [
+            sse(header.chunk({"role": "assistant", "content": ""}, None, is_usage_streamed,
+                             index=c.index)) for c in choices],
+            frames)
+
+    def _stream(self, choices, events, header, is_usage_streamed, end, opening, frames):
+        """The SSE stream of `n` choices: `opening` frames, then per event of a choice
+        `frames(choice, event)`, and for each choice that ends its last chunk (`end(choice)`:
+        its number of tool calls and a builder of its last chunk from the finish reason);
+        a failure ends it with the error event. Then the usage chunk when asked for, and
+        [DONE]."""
+        with closing(events):
+            yield from opening
+            for got in events:
+                if got is None:
                     yield SSE_KEEPALIVE
                     continue
-                logprobs.add(item)
-                for parsed in self._parse(parser, item, outcome):
-                    for delta in chat_deltas(parsed):
-                        yield chunk(delta)
-        yield from self._stream_end(job, header, outcome, parser.num_tool_calls,
-                                    lambda finish: chunk({}, finish), is_usage_streamed)
+                choice, item = choices[got[0]], got[1]
+                if not isinstance(item, JobEnd):
+                    yield from frames(choice, item)
+                    continue
+                choice.outcome.end = item
+                if item.error is not None:
+                    yield sse(item.error.body())
+                    yield SSE_DONE
+                    return
+                num_calls, last_chunk = end(choice)
+                finish = choice.outcome.finish_reason(num_calls)
+                self._log(choice.job, choice.outcome, finish)
+                yield last_chunk(finish)
+        if is_usage_streamed:
+            yield sse(header.usage_chunk(_usage(choices)))
+        yield SSE_DONE
 
     # ---- /v1/completions ------------------------------------------------------------------
     def completions(self):
@@ -185,71 +248,83 @@ class GenerationRoutes:
             tokens = fim_prompt_tokens(engine, req.prompt, req.suffix)
             req.options.stop_token_ids = sorted(engine.tokenizer.fim.ids)
         check_prompt_fits(len(tokens), engine.n_ctx, "prompt")
-        job = self._submit(tokens, req.options, engine)
-        header = ResponseHeader("completion", self.state.model_id)
-        outcome = Outcome(len(tokens))
-        events = self._events(job)
         echo = ""
         if req.is_echo:  # the prompt as sent (token ids: their text)
             echo = req.prompt if isinstance(req.prompt, str) else \
                 engine.tokenizer.decode(req.prompt)
-        logprobs = AnswerLogprobs.of(engine, req.options, tokens if req.is_echo else None)
+
+        def start(index, events):
+            job = self._submit(tokens, req.options, engine, events=events, choice=index)
+            return _Choice(index, job, Outcome(len(tokens)), AnswerLogprobs.of(
+                engine, req.options, tokens if req.is_echo else None))
+
+        choices, events = self._choices(req.n, start)
+        header = ResponseHeader("completion", self.state.model_id)
         if req.options.is_stream:
-            return _sse_response(self._completion_stream(job, events, header, outcome,
-                                                         req.options.is_usage_streamed, echo,
-                                                         logprobs))
-        pieces = [echo]
-        with closing(_generated(events, outcome)) as items:
-            for item in items:
-                if item is not None:
-                    logprobs.add_prompt(item)
-                    logprobs.add(item)
-                    pieces.append(item.text)
-                    outcome.engine_finish = item.finish_reason or outcome.engine_finish
-        if outcome.end.error is not None:
-            raise outcome.end.error
-        finish = outcome.finish_reason(0)
-        self._log(job, outcome, finish)
-        return jsonify(header.text_completion("".join(pieces), finish, outcome.usage(),
-                                              logprobs.completion(len(echo))))
-
-    def _completion_stream(self, job, events, header, outcome, is_usage_streamed, echo,
-                           logprobs):
-        def chunk(text, finish=None):
-            return sse(header.chunk(text, finish, is_usage_streamed,
-                                    logprobs.completion(len(echo), take=True)))
-
-        with closing(_generated(events, outcome)) as items:
-            if echo and not logprobs.wants_prompt:
-                yield sse(header.chunk(echo, None, is_usage_streamed))
-            for item in items:
-                if item is None:
-                    yield SSE_KEEPALIVE
+            return _sse_response(self._completion_stream(choices, events, header,
+                                                         req.options.is_usage_streamed, echo))
+        with closing(events):
+            for got in events:
+                if got is None:
                     continue
-                if logprobs.wants_prompt:  # the echo waits for its figures: the first event
-                    logprobs.add_prompt(item)
-                    yield sse(header.chunk(echo, None, is_usage_streamed,
-                                           logprobs.completion(len(echo), take=True)))
-                logprobs.add(item)
-                outcome.engine_finish = item.finish_reason or outcome.engine_finish
-                if item.text:
-                    yield chunk(item.text)
-        yield from self._stream_end(job, header, outcome, 0, lambda finish: chunk("", finish),
-                                    is_usage_streamed)
+                choice, item = choices[got[0]], got[1]
+                if isinstance(item, JobEnd):
+                    self._ended(choice, item)
+                    continue
+                choice.logprobs.add_prompt(item)
+                choice.logprobs.add(item)
+                choice.pieces.append(item.text)
+                choice.outcome.engine_finish = item.finish_reason or choice.outcome.engine_finish
+        answers = []
+        for choice in choices:
+            finish = choice.outcome.finish_reason(0)
+            self._log(choice.job, choice.outcome, finish)
+            answers.append(header.text_choice(choice.index, echo + "".join(choice.pieces),
+                                              finish, choice.logprobs.completion(len(echo))))
+        return jsonify(header.text_completion(answers, _usage(choices)))
 
-    def _stream_end(self, job, header, outcome, num_calls, last_chunk, is_usage_streamed):
-        """A stream's end: the job's error, or the chunk `last_chunk(finish)` (finish from
-        `num_calls` tool calls), then the usage chunk when asked for; then [DONE]."""
-        if outcome.end.error is not None:
-            yield sse(outcome.end.error.body())
-            yield SSE_DONE
-            return
-        finish = outcome.finish_reason(num_calls)
-        self._log(job, outcome, finish)
-        yield last_chunk(finish)
-        if is_usage_streamed:
-            yield sse(header.usage_chunk(outcome.usage()))
-        yield SSE_DONE
+    def _completion_stream(self, choices, events, header, is_usage_streamed, echo):
+        def chunk(choice, text, finish=None):
+            return sse(header.chunk(text, finish, is_usage_streamed,
+                                    choice.logprobs.completion(len(echo), take=True),
+                                    choice.index))
+
+        def frames(choice, item):
+            out = []
+            if choice.logprobs.wants_prompt:  # the echo waits for its figures: the first event
+                choice.logprobs.add_prompt(item)
+                out.append(chunk(choice, echo))
+            choice.logprobs.add(item)
+            choice.outcome.engine_finish = item.finish_reason or choice.outcome.engine_finish
+            if item.text:
+                out.append(chunk(choice, item.text))
+            return out
+
+        opening = [sse(header.chunk(echo, None, is_usage_streamed, index=c.index))
+                   for c in choices if echo and not c.logprobs.wants_prompt]
+        yield from self._stream(choices, events, header, is_usage_streamed,
+                                lambda choice: (0, lambda finish: chunk(choice, "", finish)),
+                                opening, frames)
+
+
+@dataclass
+class _Choice:
+    """One of a request's `n` answers: its job, what it produced, how its log probabilities
+    and (chat) its output are read."""
+    index: int
+    job: Job
+    outcome: Outcome
+    logprobs: AnswerLogprobs
+    parser: OutputParser | None = None
+    pieces: list = field(default_factory=list)  # parsed events (chat) or texts (completions)
+
+
+def _usage(choices: list[_Choice]) -> dict:
+    """One request's usage: its prompt once (and the first choice's cached tokens), every
+    choice's generated tokens."""
+    ends = [c.outcome.end or JobEnd() for c in choices]
+    return usage(choices[0].outcome.num_prompt_tokens, sum(e.num_generated_tokens for e in ends),
+                 ends[0].num_cached_tokens, sum(c.outcome.num_reasoning_tokens for c in choices))
 
 
 def _generated(events, outcome: Outcome):

@@ -43,16 +43,18 @@ class ResponseHeader:
                 "model": self.model, "system_fingerprint": None}
 
     def chunk(self, delta_or_text, finish_reason: str | None = None,
-              is_usage_streamed: bool = False, logprobs: dict | None = None) -> dict:
-        """One streamed chunk: a chat delta dict, or a completion's text; `logprobs`: the
-        choice's logprobs object for the tokens this chunk carries (logprobs_format.py)."""
+              is_usage_streamed: bool = False, logprobs: dict | None = None,
+              index: int = 0) -> dict:
+        """One streamed chunk of choice `index`: a chat delta dict, or a completion's text;
+        `logprobs`: the choice's logprobs object for the tokens this chunk carries
+        (logprobs_format.py)."""
         if self.kind == "chat":
             payload = self._base("chat.completion.chunk")
-            choice = {"index": 0, "delta": delta_or_text, "logprobs": logprobs,
+            choice = {"index": index, "delta": delta_or_text, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
             payload = self._base("text_completion")
-            choice = {"index": 0, "text": delta_or_text, "logprobs": logprobs,
+            choice = {"index": index, "text": delta_or_text, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         payload["choices"] = [choice]
         if is_usage_streamed:
@@ -66,26 +68,33 @@ class ResponseHeader:
         payload["usage"] = usage_dict
         return payload
 
-    def chat_completion(self, content: str, reasoning: str, tool_calls: list[ToolCall],
-                        finish_reason: str, usage_dict: dict,
-                        logprobs: dict | None = None) -> dict:
+    @staticmethod
+    def chat_choice(index: int, content: str, reasoning: str, tool_calls: list[ToolCall],
+                    finish_reason: str, logprobs: dict | None = None) -> dict:
         message: dict = {"role": "assistant",
                          "content": content if content or not tool_calls else None}
         if reasoning:
             message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = [tool_call_dict(call) for call in tool_calls]
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def chat_completion(self, choices: list[dict], usage_dict: dict) -> dict:
         payload = self._base("chat.completion")
-        payload["choices"] = [{"index": 0, "message": message, "logprobs": logprobs,
-                               "finish_reason": finish_reason}]
+        payload["choices"] = choices
         payload["usage"] = usage_dict
         return payload
 
-    def text_completion(self, text: str, finish_reason: str, usage_dict: dict,
-                        logprobs: dict | None = None) -> dict:
+    @staticmethod
+    def text_choice(index: int, text: str, finish_reason: str,
+                    logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def text_completion(self, choices: list[dict], usage_dict: dict) -> dict:
         payload = self._base("text_completion")
-        payload["choices"] = [{"index": 0, "text": text, "logprobs": logprobs,
-                               "finish_reason": finish_reason}]
+        payload["choices"] = choices
         payload["usage"] = usage_dict
         return payload
 

@@ -47,11 +47,16 @@ class GenerationOptions:
     prompt_logprobs: int | None = None  # ... of the prompt's tokens too (an echo)
 
 
+# `n`: most answers one request may ask for (each one is a request of its own to the engine)
+MAX_CHOICES = 16
+
+
 @dataclass
 class ChatRequest:
     model: str | None
     messages: list[dict]
     options: GenerationOptions
+    n: int = 1  # answers to the same prompt (choices)
     tools: list[dict] | None = None
     tool_choice: str | dict = "auto"
     response_format: dict | None = None
@@ -64,6 +69,7 @@ class CompletionRequest:
     model: str | None
     prompt: str | list[int]
     options: GenerationOptions
+    n: int = 1  # answers to the same prompt (choices)
     suffix: str | None = None  # the text after the insertion: a fill-in-the-middle completion
     is_echo: bool = False  # the answer's text starts with the prompt's
 
@@ -209,10 +215,6 @@ def _logit_bias(body: dict) -> dict[int, float]:
 
 def parse_options(body: dict, max_tokens_limit: int) -> GenerationOptions:
     """The generation fields of either endpoint; `max_tokens_limit` is the context size."""
-    n = _integer(body, "n", 1, 2**31)
-    if n is not None and n != 1:
-        raise invalid(f"'n' is {n}; this server generates one choice per request: send n=1 or "
-                      "leave it out.", "n", "unsupported_value")
     best_of = _integer(body, "best_of", 1, 2**31)
     if best_of not in (None, 1):
         raise invalid(f"'best_of' is {best_of}; only 1 is supported.", "best_of",
@@ -433,6 +435,7 @@ def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     elif top is not None:
         raise invalid("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
     return ChatRequest(
+        n=_integer(body, "n", 1, MAX_CHOICES) or 1,
         model=_string(body, "model"),
         messages=parse_messages(body.get("messages", _MISSING)),
         options=options,
@@ -472,4 +475,5 @@ def parse_completion_request(body: dict, max_tokens_limit: int) -> CompletionReq
         raise invalid("'echo' and 'suffix' exclude each other: a fill-in-the-middle answer is "
                       "the middle alone.", "echo")
     return CompletionRequest(model=_string(body, "model"), prompt=prompt, options=options,
-                             suffix=suffix, is_echo=is_echo)
+                             suffix=suffix, is_echo=is_echo,
+                             n=_integer(body, "n", 1, MAX_CHOICES) or 1)

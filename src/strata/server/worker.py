@@ -34,7 +34,7 @@ class Job:
     request_id: str
     prompt_tokens: list[int]
     params: object  # strata.engine.sampling.SamplingParams
-    events: queue.Queue = field(default_factory=queue.Queue)
+    events: queue.Queue | ChoiceQueue = field(default_factory=queue.Queue)  # the worker puts
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
     stop_reason: str | None = None  # why the server cancelled it itself (None: the client left)
@@ -257,17 +257,40 @@ class EngineWorker:
         return True
 
 
+class ChoiceQueue:
+    """A job's event queue that tags each item with its choice's index into a queue shared by
+    the choices of one request (`n` > 1): `iterate_jobs` reads them in arrival order."""
+
+    def __init__(self, shared: queue.Queue, index: int):
+        self.shared, self.index = shared, index
+
+    def put(self, item) -> None:
+        self.shared.put((self.index, item))
+
+
+class _DisconnectWatch:
+    """Asks `is_disconnected()` about every `poll_s` (a call costs a socket check)."""
+
+    def __init__(self, poll_s: float, is_disconnected: Callable[[], bool] | None):
+        self.poll_s, self.is_disconnected = poll_s, is_disconnected
+        self.next_check_s = time.monotonic() + poll_s
+
+    def gone(self) -> bool:
+        if self.is_disconnected is None or time.monotonic() < self.next_check_s:
+            return False
+        self.next_check_s = time.monotonic() + self.poll_s
+        return bool(self.is_disconnected())
+
+
 def iterate_job(job: Job, poll_s: float, is_disconnected: Callable[[], bool] | None = None):
     """Yields the job's GenerationEvents, None after each `poll_s` without one (a chance to send
     a keep-alive), and finally its JobEnd. Closing this generator early cancels the job, and so
     does `is_disconnected()` turning true (checked about every `poll_s`)."""
-    next_check_s = time.monotonic() + poll_s
+    watch = _DisconnectWatch(poll_s, is_disconnected)
     try:
         while True:
-            if is_disconnected is not None and time.monotonic() >= next_check_s:
-                next_check_s = time.monotonic() + poll_s
-                if is_disconnected():
-                    job.cancel.set()
+            if watch.gone():
+                job.cancel.set()
             try:
                 item = job.events.get(timeout=poll_s)
             except queue.Empty:
@@ -279,3 +302,27 @@ def iterate_job(job: Job, poll_s: float, is_disconnected: Callable[[], bool] | N
     finally:
         # Harmless once the job has ended; stops the generation when the reader went away.
         job.cancel.set()
+
+
+def iterate_jobs(jobs: list[Job], shared: queue.Queue, poll_s: float,
+                 is_disconnected: Callable[[], bool] | None = None):
+    """`iterate_job` for the choices of one request, whose events are ChoiceQueues on `shared`:
+    yields (choice index, item) in arrival order, None for a keep-alive, until every job's
+    JobEnd came. Closing it early, or the client going away, cancels every job."""
+    watch = _DisconnectWatch(poll_s, is_disconnected)
+    num_left = len(jobs)
+    try:
+        while num_left:
+            if watch.gone():
+                for job in jobs:
+                    job.cancel.set()
+            try:
+                index, item = shared.get(timeout=poll_s)
+            except queue.Empty:
+                yield None
+                continue
+            yield index, item
+            num_left -= isinstance(item, JobEnd)
+    finally:
+        for job in jobs:
+            job.cancel.set()
