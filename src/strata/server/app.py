@@ -16,6 +16,7 @@ from werkzeug.exceptions import HTTPException
 from strata.server.anthropic_format import error_body as anthropic_error_body
 from strata.server.api_error import ApiError
 from strata.server.generation import GenerationRoutes
+from strata.server.completion_api import CompletionRoutes
 from strata.server.infill_api import InfillRoutes
 from strata.server.messages import MessagesRoutes, is_messages_path
 from strata.server.metrics import ServerMetrics
@@ -71,7 +72,8 @@ class ServerState:
 _STATUS_TEXT = {
     404: ("not_found", "Unknown endpoint {method} {path}; this server serves "
           "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
-          "/v1/messages/count_tokens, /infill, /tokenize, /detokenize, /apply-template, "
+          "/v1/messages/count_tokens, /completion, /infill, /tokenize, /detokenize, "
+          "/apply-template, "
           "/v1/models, /props, /slots, /health and /metrics."),
     405: ("method_not_allowed", "{method} is not allowed on {path}; see the OpenAI API for the "
           "method this endpoint takes."),
@@ -176,6 +178,10 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     app.add_url_rule("/v1/completions", "completions", routes.completions, methods=["POST"])
     app.add_url_rule("/v1/responses", "responses", responses.responses, methods=["POST"])
     app.add_url_rule("/infill", "infill", infill.infill, methods=["POST"])
+    completion = CompletionRoutes(state)
+    for path in ("/completion", "/completions"):  # llama-server takes both
+        app.add_url_rule(path, "llama" + path.replace("/", "_"), completion.completion,
+                         methods=["POST"])
     app.add_url_rule("/tokenize", "tokenize", tokens.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", "detokenize", tokens.detokenize, methods=["POST"])
     app.add_url_rule("/apply-template", "apply_template", tokens.apply_template,

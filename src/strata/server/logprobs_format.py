@@ -31,14 +31,15 @@ class LogprobFormatter:
             found = self._texts[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
         return found
 
-    def chat_entry(self, lp: TokenLogprob) -> dict:
-        text, raw = self.token(lp.token_id)
-        top = []
-        for token_id, logprob in lp.top:
-            alt_text, alt_raw = self.token(token_id)
-            top.append({"token": alt_text, "logprob": _number(logprob), "bytes": alt_raw})
-        return {"token": text, "logprob": _number(lp.logprob), "bytes": raw,
-                "top_logprobs": top}
+    def chat_entry(self, lp: TokenLogprob, with_ids: bool = False) -> dict:
+        """Chat's entry; `with_ids`: llama.cpp's `completion_probabilities` entry, the same
+        with each token's `id`."""
+        entries = []
+        for token_id, logprob in ((lp.token_id, lp.logprob), *lp.top):
+            text, raw = self.token(token_id)
+            entry = {"id": token_id} if with_ids else {}
+            entries.append(dict(entry, token=text, logprob=_number(logprob), bytes=raw))
+        return dict(entries[0], top_logprobs=entries[1:])
 
     def completion_lists(self, entries: list[TokenLogprob | int], offset: int) -> dict:
         """The legacy `logprobs` object of `entries`, the first token's text starting at
@@ -109,6 +110,14 @@ class AnswerLogprobs:
         (or, with `take`, none arrived since the last call)."""
         entries = self._take(take)
         return None if entries is None else [self._formatter.chat_entry(lp) for lp in entries]
+
+    def llama(self, take: bool = False) -> list[dict] | None:
+        """llama.cpp's `completion_probabilities` (chat's entries with token ids), or None
+        as `entries`."""
+        entries = self._take(take)
+        if entries is None:
+            return None
+        return [self._formatter.chat_entry(lp, with_ids=True) for lp in entries]
 
     def chat(self, take: bool = False) -> dict | None:
         """`{"content": [...], "refusal": None}`, or None as `entries`."""

@@ -1,0 +1,189 @@
+"""The answers of llama.cpp's native endpoints (`/completion`, `/infill`): the generated text
+through an editor's limits (n_indent, t_max_predict_ms), streamed as SSE without [DONE], then
+llama.cpp's result fields (stop_type, timings, ...); with `n_probs`, each token's log
+probabilities as `completion_probabilities`. And the request fields both endpoints share."""
+from __future__ import annotations
+
+import time
+from contextlib import closing
+from dataclasses import dataclass
+
+from strata.engine.logprobs import MAX_TOP_LOGPROBS
+from strata.server.api_error import ApiError
+from strata.server.generation import Outcome, _generated
+from strata.server.line_limits import LineLimits
+from strata.server.logprobs_format import AnswerLogprobs
+from strata.server.openai_format import SSE_KEEPALIVE, sse
+from strata.server.schema import GenerationOptions, _integer, _number, _wrong_type, parse_options
+from strata.server.worker import Job
+
+
+@dataclass
+class LlamaFields:
+    """What llama.cpp's native requests share beside the sampling options."""
+    options: GenerationOptions
+    is_warm_up: bool = False  # n_predict 0: read the prompt into the cache, generate nothing
+    max_predict_ms: int = 0  # t_max_predict_ms: past this, the next line break ends it (0: off)
+    response_fields: list[str] | None = None  # only these fields in the answer
+
+
+def parse_llama_fields(body: dict, n_ctx: int) -> LlamaFields:
+    options = parse_options(body, n_ctx)
+    # llama.cpp's n_predict beside OpenAI's max_tokens: -1 runs to the context's end, 0 only
+    # reads the prompt (an editor warming the cache with the files it will send)
+    n_predict = _integer(body, "n_predict", -1, 2**31)
+    is_warm_up = n_predict == 0 and options.max_tokens is None
+    if options.max_tokens is None and n_predict is not None and n_predict > 0:
+        options.max_tokens = min(n_predict, n_ctx)
+    if is_warm_up:
+        options.max_tokens = 1  # the one token is not sent
+    if options.repetition_penalty is None:  # llama.cpp's name for it
+        options.repetition_penalty = _number(body, "repeat_penalty", 0.0, 10.0, low_open=True)
+    n_probs = _integer(body, "n_probs", 0, MAX_TOP_LOGPROBS)
+    if n_probs:  # each token's figure and its n_probs best alternatives
+        options.logprobs = n_probs
+    return LlamaFields(options, is_warm_up,
+                       max_predict_ms=_integer(body, "t_max_predict_ms", 0, 2**31) or 0,
+                       response_fields=_response_fields(body.get("response_fields")))
+
+
+def _response_fields(value) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(f, str) and f for f in value):
+        raise _wrong_type("response_fields", value, "an array of field names")
+    return value
+
+
+class LlamaReply:
+    """One answer: `collect` (whole) or `stream`, then `result`'s fields."""
+
+    def __init__(self, routes, job: Job, req: LlamaFields, outcome: Outcome, started_s: float,
+                 logprobs: AnswerLogprobs, is_truncated: bool = False, min_indent: int = 0,
+                 prompt_text: str | None = None, returns_tokens: bool = False):
+        self.routes, self.job, self.req, self.outcome = routes, job, req, outcome
+        self.limits = LineLimits(min_indent, req.max_predict_ms)
+        self.logprobs = logprobs
+        self.is_truncated = is_truncated
+        self.prompt_text = prompt_text  # /completion's answer names its prompt
+        self.returns_tokens = returns_tokens  # return_tokens: the token ids of each piece
+        self._token_ids: list[int] = []  # generated, not yet sent
+        self.started_s = started_s
+        self.first_token_s: float | None = None
+        self.num_tokens = 0
+        self.events = routes._events(job)  # made in the request's context, read in a stream
+
+    def _pieces(self):
+        """The text to send, piece by piece (None: a keep-alive tick); stops the generation
+        where a limit ends the completion, then waits for the job's end."""
+        with closing(_generated(self.events, self.outcome)) as items:
+            for item in items:
+                if item is None:
+                    yield None
+                    continue
+                if self.req.is_warm_up or self.limits.is_cut:
+                    continue  # a warm-up's token, or one generated before the stop arrived
+                self.first_token_s = self.first_token_s or time.perf_counter()
+                self.num_tokens += 1
+                self.logprobs.add(item)
+                self._token_ids.append(item.token_id)
+                self.outcome.engine_finish = item.finish_reason or self.outcome.engine_finish
+                self.outcome.stop_string = item.stop_string or self.outcome.stop_string
+                text = self.limits.feed(item.text)
+                if item.finish_reason is not None:
+                    text += self.limits.finish()
+                if self.limits.is_cut and not self.job.cancel.is_set():
+                    self.job.stop_reason = self.limits.cut_reason
+                    self.job.cancel.set()  # the engine stops it after this window
+                if text:
+                    yield text
+        if self.outcome.end.error is not None:
+            raise self.outcome.end.error
+
+    def collect(self) -> dict:
+        """The whole answer's result fields."""
+        content = "".join(p for p in self._pieces() if p is not None)
+        return self.result(content, self.logprobs.llama(), self._take_tokens())
+
+    def _take_tokens(self) -> list[int]:
+        taken, self._token_ids = self._token_ids, []
+        return taken if self.returns_tokens else []
+
+    def stream(self):
+        base = {"index": 0, "stop": False, "id_slot": -1}
+        try:
+            for piece in self._pieces():
+                if piece is None:
+                    yield SSE_KEEPALIVE
+                    continue
+                chunk = dict(base, content=piece, tokens=self._take_tokens(),
+                             tokens_predicted=self.num_tokens,
+                             tokens_evaluated=self.outcome.num_prompt_tokens)
+                probs = self.logprobs.llama(take=True)  # the tokens this piece brings
+                if probs is not None:
+                    chunk["completion_probabilities"] = probs
+                yield sse(chunk)
+        except ApiError as exc:
+            yield sse(exc.body())
+            return
+        yield sse(self.result("", self.logprobs.llama(take=True), self._take_tokens()))
+
+    def _stop_type(self) -> str:
+        if self.limits.is_cut or self.req.is_warm_up:
+            return "limit"
+        finish = self.outcome.engine_finish
+        if finish == "stop":
+            return "word" if self.outcome.stop_string else "eos"
+        return "limit" if finish == "length" else "none"
+
+    def result(self, content: str, probs: list | None = None,
+               tokens: list[int] | None = None) -> dict:
+        """llama.cpp's final fields (`response_fields` picks some, "a/b" naming a nested one)."""
+        end = self.outcome.end
+        now = time.perf_counter()
+        first = self.first_token_s or now
+        num_read = self.outcome.num_prompt_tokens - end.num_cached_tokens
+        prompt_ms = (first - self.started_s) * 1000.0
+        predicted_ms = (now - first) * 1000.0
+        stop_type = self._stop_type()
+        self.routes._log(self.job, self.outcome, stop_type)
+        out = {
+            "index": 0, "content": content, "tokens": tokens or [], "id_slot": -1, "stop": True,
+            "model": self.routes.state.model_id,
+            "tokens_predicted": self.num_tokens,
+            "tokens_evaluated": self.outcome.num_prompt_tokens,
+            "tokens_cached": self.outcome.num_prompt_tokens + self.num_tokens,
+            "has_new_line": self.limits.has_new_line,
+            "truncated": self.is_truncated,
+            "stop_type": stop_type,
+            "stopping_word": self.outcome.stop_string or "",
+            "timings": {
+                "prompt_n": num_read, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / max(num_read, 1),
+                "prompt_per_second": num_read / max(prompt_ms / 1000.0, 1e-9),
+                "predicted_n": self.num_tokens, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / max(self.num_tokens, 1),
+                "predicted_per_second": self.num_tokens / max(predicted_ms / 1000.0, 1e-9),
+            },
+        }
+        if self.prompt_text is not None:
+            out["prompt"] = self.prompt_text
+        if probs is not None:
+            out["completion_probabilities"] = probs
+        # as llama.cpp's: no fields named (or an empty list) gives them all
+        return picked(out, self.req.response_fields) if self.req.response_fields else out
+
+
+def picked(result: dict, fields: list[str]) -> dict:
+    """The named fields of `result`; "timings/prompt_n" reads a nested one and keeps that
+    name, as llama.cpp's `response_fields` do; a field it lacks is left out."""
+    out = {}
+    for name in fields:
+        value = result
+        for key in name.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[name] = value
+    return out

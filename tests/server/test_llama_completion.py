@@ -1,0 +1,112 @@
+"""llama.cpp's native /completion (and /completions) against a live server on a tiny synth
+model: text, token-id and mixed prompts, whole and streamed, `n_probs`, `return_tokens`,
+`response_fields`, and bad requests naming the field; each answer equal to what the engine
+generates for the same tokens."""
+import json
+
+import pytest
+import requests
+
+from strata.engine.sampling import SamplingParams
+
+PROMPT = "Colours: red, green,"
+
+
+def post(live, body, path="/completion"):
+    return requests.post(live.url + path, json=body, timeout=60)
+
+
+def engine_events(engine, tokens, max_tokens, **params):
+    engine.reset()
+    return list(engine.generate(tokens, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                       **params)))
+
+
+def test_a_text_prompt_equals_the_engine(live, reference):
+    tokens = reference.tokenize(PROMPT, add_special=True)
+    events = engine_events(reference, tokens, 8)
+    for path in ("/completion", "/completions"):
+        reply = post(live, {"prompt": PROMPT, "n_predict": 8, "temperature": 0}, path)
+        assert reply.status_code == 200, reply.text
+        out = reply.json()
+        assert out["content"] == "".join(e.text for e in events)
+        assert out["stop"] is True and out["prompt"] == PROMPT
+        assert out["tokens_predicted"] == len(events)
+        assert out["tokens_evaluated"] == len(tokens)
+        assert out["stop_type"] == {"length": "limit", "stop": "eos"}[events[-1].finish_reason]
+        assert out["timings"]["predicted_n"] == len(events)
+        assert "completion_probabilities" not in out
+
+
+def test_token_and_mixed_prompts(live, reference):
+    head = reference.tokenize("Colours:", add_special=True)
+    tail = reference.tokenize(" red, green,", add_special=False)
+    events = engine_events(reference, head + tail, 6)
+    want = "".join(e.text for e in events)
+    for prompt in (head + tail, ["Colours:", *tail], ["Colours:", " red, green,"]):
+        out = post(live, {"prompt": prompt, "n_predict": 6, "temperature": 0}).json()
+        assert out["content"] == want, prompt
+        assert out["tokens_evaluated"] == len(head + tail)
+
+
+def test_stream_pieces_make_the_content(live):
+    body = {"prompt": PROMPT, "n_predict": 10, "temperature": 0}
+    whole = post(live, body).json()
+    response = requests.post(live.url + "/completion", json=dict(body, stream=True),
+                             timeout=60, stream=True)
+    lines = [line for line in response.iter_lines(decode_unicode=True) if line]
+    assert "data: [DONE]" not in lines  # llama-server's stream ends with its last chunk
+    chunks = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+    assert "".join(c["content"] for c in chunks) == whole["content"]
+    assert [c["stop"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1]["tokens_predicted"] == whole["tokens_predicted"]
+
+
+def test_n_probs_and_return_tokens(live, reference):
+    tokens = reference.tokenize(PROMPT, add_special=True)
+    events = engine_events(reference, tokens, 5, logprobs=2)
+    out = post(live, {"prompt": PROMPT, "n_predict": 5, "temperature": 0, "n_probs": 2,
+                      "return_tokens": True}).json()
+    assert out["tokens"] == [e.token_id for e in events]
+    probs = out["completion_probabilities"]
+    wanted = [e for e in events if e.logprob is not None]
+    assert [p["id"] for p in probs] == [e.token_id for e in wanted]
+    for p, event in zip(probs, wanted):
+        assert p["logprob"] == pytest.approx(event.logprob.logprob, abs=1e-6)
+        assert [t["id"] for t in p["top_logprobs"]] == [t for t, _ in event.logprob.top]
+        assert p["token"] == reference.tokenizer.token_bytes(p["id"]).decode(
+            "utf-8", errors="replace")
+    # streamed: the same entries and ids, piece by piece
+    response = requests.post(live.url + "/completion", timeout=60, stream=True, json={
+        "prompt": PROMPT, "n_predict": 5, "temperature": 0, "n_probs": 2, "stream": True,
+        "return_tokens": True})
+    chunks = [json.loads(line[len("data: "):]) for line in
+              response.iter_lines(decode_unicode=True) if line.startswith("data: {")]
+    assert [p for c in chunks for p in c.get("completion_probabilities", [])] == probs
+    assert [t for c in chunks for t in c["tokens"]] == out["tokens"]
+
+
+def test_response_fields(live):
+    out = post(live, {"prompt": PROMPT, "n_predict": 2,
+                      "response_fields": ["content", "timings/predicted_n"]}).json()
+    assert set(out) == {"content", "timings/predicted_n"} and out["timings/predicted_n"] == 2
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({}, "prompt", ["'prompt' is required"]),
+    ({"prompt": ["a", ["b"]]}, "prompt", ["several prompts"]),
+    ({"prompt": ["a", 1.5]}, "prompt[1]", ["a string or a token id"]),
+    ({"prompt": [1, 10**7]}, "prompt", ["10000000", "vocabulary"]),
+    ({"prompt": 5}, "prompt", ["a string or an array"]),
+    ({"prompt": []}, "prompt", ["empty"]),
+    ({"prompt": "x", "n_probs": 21}, "n_probs", ["21", "[0, 20]"]),
+    ({"prompt": "x", "n_predict": -2}, "n_predict", ["-2"]),
+    ({"prompt": " ".join(["word"] * 600)}, "prompt", ["512"]),
+])
+def test_bad_requests_name_the_field(live, body, param, words):
+    reply = post(live, body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param
+    assert all(w in error["message"] for w in words), error["message"]
+    assert post(live, {"prompt": "still serving", "n_predict": 1}).status_code == 200
