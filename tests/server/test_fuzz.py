@@ -57,6 +57,7 @@ fields = {
     "chat_template_kwargs": st.one_of(st.dictionaries(st.sampled_from(
         ["enable_thinking", "tools", "x"]), json_scalars, max_size=2), json_values),
     "logprobs": json_scalars,
+    "top_logprobs": st.one_of(st.integers(-1, 22), json_scalars),
     "echo": json_scalars,
     "suffix": json_scalars,
     "best_of": json_scalars,
@@ -103,6 +104,31 @@ def test_random_chat_requests_never_get_a_5xx(live, body):
 @given(body=completion_body)
 def test_random_completion_requests_never_get_a_5xx(live, body):
     check(live, "/v1/completions", body)
+
+
+# llama-server's native /completion: random prompts (text, ids, mixes) and its own fields
+llama_body = st.fixed_dictionaries(
+    {"n_predict": small_tokens},
+    optional=dict(fields, prompt=st.one_of(
+        st.text(max_size=30), st.lists(st.one_of(st.integers(-5, 5000), st.text(max_size=6)),
+                                       max_size=5), json_values),
+        n_probs=st.one_of(st.integers(-1, 22), json_scalars), return_tokens=json_scalars,
+        n_indent=json_scalars, t_max_predict_ms=json_scalars, response_fields=json_values,
+        repeat_penalty=json_scalars))
+
+
+@SETTINGS
+@given(body=llama_body)
+def test_random_llama_completion_requests_never_get_a_5xx(live, body):
+    response = requests.post(live.url + "/completion", data=json.dumps(body), timeout=60,
+                             headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        assert response.json()["error"]["message"]
+    elif body.get("stream") is True:
+        frames = [f for f in response.text.split("\n\n") if f.startswith("data: {")]
+        assert frames and all('"error"' not in f[:20] for f in frames)
+        assert json.loads(frames[-1][len("data: "):]).get("stop", True) is True
 
 
 # Anthropic's Messages API: random blocks, tools and fields
