@@ -54,14 +54,6 @@ class ParkedConversation:
     # the lengths it can be restored at (a hybrid model's recurrent state exists only at its
     # checkpoints and end); None: any length
     reuse_points: tuple[int, ...] | None = None
-    # a park copied beside the windows (backends/cuda/kv_copies.py): the arrays hold the
-    # cells once it is done; None: copied already
-    copied: Any = None
-
-    def wait_copied(self) -> None:
-        """Block until the arrays hold the cells (before anything reads them on the host)."""
-        if self.copied is not None:
-            self.copied.wait()
 
     @property
     def num_tokens(self) -> int:
@@ -140,11 +132,10 @@ class ConversationCache:
         return self._entries[key]
 
     def park(self, tokens: Sequence[int], kv_arrays: Any, nbytes: int,
-             reuse_points: Sequence[int] | None = None, copied: Any = None) -> int | None:
+             reuse_points: Sequence[int] | None = None) -> int | None:
         """Keep the KV of `tokens`; return its key, or None when it cannot be kept (no tokens,
         or larger than the whole budget). Evicts least recently used entries to make room.
-        `reuse_points`: the lengths it can be restored at (None: any); `copied`: the copy
-        into `kv_arrays` still running, if one is (ParkedConversation.copied)."""
+        `reuse_points`: the lengths it can be restored at (None: any)."""
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"nbytes = {nbytes} must be >= 0")
@@ -158,7 +149,7 @@ class ConversationCache:
                 return key
         if nbytes > self.budget_bytes:
             return None
-        new = ParkedConversation(self.new_key(), tokens, kv_arrays, nbytes, points, copied)
+        new = ParkedConversation(self.new_key(), tokens, kv_arrays, nbytes, points)
         for key in [k for k, e in self._entries.items() if new.covers(e.tokens, e.reuse_points)]:
             self._drop(key)  # the new entry extends it
         self._entries[new.key] = new
@@ -168,7 +159,6 @@ class ConversationCache:
             evicted = self._drop(next(iter(self._entries)))
             self.num_evicted += 1
             if self.disk is not None:
-                evicted.wait_copied()  # (only the entry just parked can still be copying)
                 self.disk.offer(evicted, wait=self.evictions_wait)
         return new.key
 
@@ -219,7 +209,6 @@ class ConversationCache:
         if self.disk is None:
             return
         for entry in list(self._entries.values()):
-            entry.wait_copied()
             self.disk.offer(entry, wait=True)
         self.disk.close()
 

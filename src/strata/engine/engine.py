@@ -181,7 +181,6 @@ class Engine:
             self.scheduler.drain()  # pipelined windows still in flight
             # --conversation-cache-dir: every conversation to its file, for the next start
             self.scheduler.save_conversations()
-            self.scheduler.settle_copies()  # parks copying beside the windows
         finally:
             if self.expert_tier is not None:
                 self.expert_tier.close()

@@ -185,10 +185,6 @@ class Scheduler:
         if not callable(getattr(self._forwarder, "start_window", None)):
             self._num_groups = 1
         self._in_flight: deque[_Flight] = deque()
-        # parks and restores copying beside the windows (a CUDA KV's export_prefix_async /
-        # restore_cells_async): (slot, CopyDone), oldest first; the slot stays out of windows
-        # until its copies are done
-        self._copies: list[tuple[int, object]] = []
         self._next_group = 0
         if self._num_groups > 1 and not getattr(self._forwarder, "pipelines", True):
             log.info("batch groups: %d, but decode windows run one at a time: a stage's tier "
@@ -353,7 +349,6 @@ class Scheduler:
             log.debug("pipelined decode drained: a prompt to read, a request to place or a "
                       "cancel (%d windows in flight)", len(self._in_flight))
         self.drain()
-        self._copies = [(slot, done) for slot, done in self._copies if not done.is_done()]
         self.drop_cancelled()
         self._place_queued()
         if not self._active:
@@ -434,21 +429,6 @@ class Scheduler:
         self._after_window(flight.window, flight.runs, flight.kinds, logits,
                            time.perf_counter() - flight.started_at)
 
-    def _copying(self, index: int) -> bool:
-        """Whether slot `index` has cells still being copied beside the windows."""
-        return any(slot == index and not done.is_done() for slot, done in self._copies)
-
-    def _settle(self, index: int | None = None) -> None:
-        """Wait for slot `index`'s copies (every slot's: None), then forget the done ones."""
-        for slot, done in self._copies:
-            if index is None or slot == index:
-                done.wait()
-        self._copies = [(slot, done) for slot, done in self._copies if not done.is_done()]
-
-    def settle_copies(self) -> None:
-        """Wait for every copy beside the windows (before the KVs or host blocks go)."""
-        self._settle()
-
     def drain(self) -> None:
         """Finish every pipelined window in flight, oldest first."""
         while self._in_flight:
@@ -527,8 +507,6 @@ class Scheduler:
             how = f"restored a parked conversation of {restored.num_tokens} tokens"
         elif placement.source_slot is not None:
             source, n = self.kvs[placement.source_slot], placement.num_reused_tokens
-            self._settle(index)  # cells still copying, here or in the source, are settled
-            self._settle(placement.source_slot)
             kv.copy_prefix(source, n)
             self.table.replace_tokens(index, self.table.tokens(placement.source_slot)[:n])
             how = f"copied the first {n} cells of busy slot {placement.source_slot}'s KV"
@@ -563,14 +541,7 @@ class Scheduler:
         n = min(k.shape[2], kv.capacity)  # (the cells past the prompt are dropped anyway)
         if parked.reuse_points is not None:  # the state exists at its points only
             n = max((p for p in parked.reuse_points if p <= n), default=0)
-        restore = getattr(kv, "restore_cells_async", None)
-        done = restore(k, v, n) if restore is not None and state is None else None
-        if done is not None:  # after the slot's park on the same stream; windows wait for it
-            self._copies.append((index, done))
-        else:
-            parked.wait_copied()
-            self._settle(index)
-            kv.restore_cells(k, v, n)
+        kv.restore_cells(k, v, n)
         kv.import_state(state, n)
         if n and kv.state is not None:
             # a hybrid model's state where it was restored stays reachable: a later prompt (a
@@ -596,7 +567,6 @@ class Scheduler:
         """(tokens, (keys, values, state), reuse points, KV bytes) of idle slot `index`."""
         index = self._idle_slot(index)
         kv, tokens = self.kvs[index], self.table.tokens(index)
-        self._settle(index)
         k, v = kv.export_prefix(len(tokens))
         nbytes = k.nbytes + v.nbytes
         return tokens, (k, v, kv.export_state()), kv.reuse_points(), nbytes
@@ -655,24 +625,15 @@ class Scheduler:
                              nbytes / 2**20, budget / 2**20)
                 return
             nbytes = token_bytes * num_kept
-        export = getattr(kv, "export_prefix_async", None)
-        exported = export(num_kept) if export is not None else None
-        if exported is not None:  # copying beside the windows; held until done
-            k, v, copied = exported
-            self._copies.append((index, copied))
-        else:
-            self._settle(index)  # a restore still writing the cells comes first
-            k, v = kv.export_prefix(num_kept)  # [L, KV, n, D] each (int8: [L, KV, n])
-            copied = None
+        k, v = kv.export_prefix(num_kept)  # [L, KV, n, D] each (int8: [L, KV, n])
         key = self.conversations.park(tokens[:num_kept], (k, v, kv.export_state()), nbytes,
-                                      kv.reuse_points(), copied)
+                                      kv.reuse_points())
         kept = (f"{num_kept} tokens" if num_kept == len(tokens) else
                 f"the first {num_kept} of its {len(tokens)} tokens (all of them are over "
                 f"--conversation-cache-mib {budget / 2**20:.0f})")
-        log.info("slot %d: parked %s of KV in host RAM (entry %s, %d entries, %.1f MiB%s)",
+        log.info("slot %d: parked %s of KV in host RAM (entry %s, %d entries, %.1f MiB)",
                  index, kept, key, self.conversations.num_entries,
-                 self.conversations.used_bytes / 2**20,
-                 "; copying beside the other slots' windows" if copied is not None else "")
+                 self.conversations.used_bytes / 2**20)
 
     # ---- the window -----------------------------------------------------------------------
     def _plan_window(self):
@@ -686,11 +647,6 @@ class Scheduler:
             kinds.append((active.slot_index, "decode"))
         reading = sorted((a for a in self._active.values() if a.handle.state == STATE_READING),
                          key=lambda a: a.arrival)
-        ready = [a for a in reading if not self._copying(a.slot_index)]
-        if reading and not ready and not decoding:  # nothing else to run: wait for the copy
-            self._settle(reading[0].slot_index)
-            ready = [reading[0]]
-        reading = ready  # a slot whose cells are still copying sits this window out
         if reading and (not decoding or self._decode_windows_left <= 0):
             plan = self._read_plan(reading, len(decoding))
             active = self._active[plan.slot_index]

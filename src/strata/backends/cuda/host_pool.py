@@ -103,14 +103,6 @@ class PinnedPool:
         weakref.finalize(lease, self._give_back, block)
         return lease
 
-    def holds(self, array: np.ndarray) -> bool:
-        """Whether `array` lies in a leased block (pinned for as long as it lives)."""
-        low = array.__array_interface__["data"][0]
-        high = low + array.nbytes
-        with self._lock:
-            return any(b.is_leased and b.address <= low and high <= b.address + b.capacity
-                       for b in self._blocks)
-
     def _give_back(self, block: _Block) -> None:
         with self._lock:
             block.is_leased = False

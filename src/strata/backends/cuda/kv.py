@@ -9,7 +9,6 @@ import contextlib
 
 import numpy as np
 
-from strata.backends.cuda import kv_copies
 from strata.backends.cuda.host_memory import PAGE_BYTES, pinned_while
 from strata.backends.cuda.host_pool import PinnedPool
 from strata.backends.cuda.recurrent import DeviceRecurrentState
@@ -171,53 +170,6 @@ class CudaKV(SequenceReuse):
                         self._rt.drv.memcpy_dtoh(out[kind, layer, j],
                                                  self._cell_address(layer, kind, j, 0))
         return out[0], out[1]
-
-    def export_prefix_async(self, num_tokens: int):
-        """`export_prefix` copied beside the windows (kv_copies.py): (keys, values, CopyDone),
-        the arrays valid once it is done; None where the copy must stay synchronous (int8
-        cells, a recurrent state, no pinned block to keep)."""
-        if self.is_int8 or self.state is not None or num_tokens <= 0:
-            return None
-        L, KV, D, n = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim, num_tokens
-        rt = self._rt
-        with rt.active():
-            block = _host_pool(rt).lease(2 * L * KV * n * D * self.dtype.itemsize)
-            if block is None:
-                return None
-            out = block.view(self.dtype).reshape(2, L, KV, n, D)  # [K/V, L, KV, n, D]
-            stream = kv_copies.copy_stream(rt)
-            kv_copies.after_compute(rt, stream)
-            for layer in range(L):
-                for kind in (0, 1):
-                    for j in range(KV):
-                        rt.drv.memcpy_dtoh_async(out[kind, layer, j],
-                                                 self._cell_address(layer, kind, j, 0), stream)
-            done = kv_copies.finish(rt, stream, out)
-        return out[0], out[1], done
-
-    def restore_cells_async(self, keys: np.ndarray, values: np.ndarray, num_tokens: int):
-        """`restore_cells` beside the windows, after every copy already on the copy stream
-        (a park of this slot): a CopyDone, or None where it must stay synchronous (int8
-        cells, a recurrent state, arrays outside the pinned pool's blocks, as a file's)."""
-        pool = getattr(self._rt, "kv_host_pool", None)
-        if (self.is_int8 or self.state is not None or pool is None or num_tokens <= 0
-                or not (pool.holds(keys) and pool.holds(values))):
-            return None
-        self.truncate(0)
-        self.check_room(num_tokens)
-        rt, KV = self._rt, self.spec.n_kv_heads
-        with rt.active():
-            stream = kv_copies.copy_stream(rt)
-            kv_copies.after_compute(rt, stream)
-            for kind, src in ((0, keys), (1, values)):
-                for layer in range(self.num_layers):
-                    for j in range(KV):
-                        # a head's [n, D] block, contiguous in a parked [L, KV, n, D] array
-                        rt.drv.memcpy_htod_async(self._cell_address(layer, kind, j, 0),
-                                                 src[layer, j, :num_tokens], stream)
-            done = kv_copies.finish(rt, stream, (keys, values))
-        self.commit(num_tokens)
-        return done
 
     def host_copies(self, *arrays):
         """The copies of `arrays` run pinned (DMA) in this KV's context; int8 cells go
