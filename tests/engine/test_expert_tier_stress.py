@@ -81,8 +81,9 @@ def test_every_window_equals_the_tier_off_pass_while_swaps_land(skewed_q8, is_as
     totals = tier.totals
     # the cache really moved, and windows read many table versions. Asynchronous copies land
     # at the copier thread's pace, so how many do within the 60 windows depends on the machine's
-    # load (13 seen on a 2-core machine busy with a build; 20+ when idle): a lower floor there
-    min_swaps = 8 if is_async else 20
+    # load (13 seen on a 2-core machine busy with a build, 4 beside two other pytest workers;
+    # 20+ when idle): a lower floor there
+    min_swaps = 2 if is_async else 20
     assert totals.num_swaps >= min_swaps
     assert totals.num_hits > 0 and totals.num_misses > 0
     assert totals.num_bytes_moved == totals.num_swaps * tier.store.layer_expert_nbytes(0)
