@@ -92,15 +92,20 @@ def test_the_pool_reuses_a_given_back_block_and_trims_idle_ones(runtime, monkeyp
         assert pool.idle_bytes == 128 * MIB
         again = pool.lease(90 * MIB)  # fits the idle block: the same pinned pages
         assert again.ctypes.data == address and pool.num_reused == 1
-        big = pool.lease(300 * MIB)  # a new block
-        assert pool.num_made == 2 and pool.leased_bytes == 128 * MIB + 320 * MIB
+        big = pool.lease(300 * MIB)  # a new block, with room to grow: 375 MiB rounded up
+        assert pool.num_made == 2 and pool.leased_bytes == 128 * MIB + 384 * MIB
         # the GPU writes a pinned lease by DMA: bytes land exactly
         src = runtime.drv.to_device(np.arange(1000, dtype=np.uint8))
         runtime.drv.memcpy_dtoh(big[:1000], src)
         assert np.array_equal(big[:1000], np.arange(1000, dtype=np.uint8))
-        del again, big
+        address = big.ctypes.data
+        del big
         gc.collect()
-        pool.trim()  # 448 MiB idle, 200 allowed: the 320 MiB block goes
+        grown = pool.lease(370 * MIB)  # the same conversation a few turns on: its old block
+        assert grown.ctypes.data == address and pool.num_made == 2
+        del again, grown
+        gc.collect()
+        pool.trim()  # 512 MiB idle, 200 allowed: the 384 MiB block goes
         assert pool.idle_bytes == 128 * MIB and len(pool._blocks) == 1
         pool.trim(0)
         assert pool._blocks == []
