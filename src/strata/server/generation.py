@@ -127,12 +127,21 @@ class GenerationRoutes:
         return choices, events
 
     @staticmethod
-    def _ended(choice: "_Choice", end: JobEnd) -> None:
-        """A choice's JobEnd: kept; a failure ends the whole request (the caller's closing of
-        the events then cancels the other choices)."""
-        choice.outcome.end = end
-        if end.error is not None:
-            raise end.error
+    def _collect(choices: list["_Choice"], events, take) -> None:
+        """Read every choice's events to its end (whole answers), `take(choice, event)` for
+        each; a failed choice raises its error, and closing the events cancels the others
+        (a failure here must not leave the generations running)."""
+        with closing(events):
+            for got in events:
+                if got is None:
+                    continue
+                choice, item = choices[got[0]], got[1]
+                if not isinstance(item, JobEnd):
+                    take(choice, item)
+                    continue
+                choice.outcome.end = item
+                if item.error is not None:
+                    raise item.error
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
     def chat(self):
@@ -153,16 +162,12 @@ class GenerationRoutes:
         if req.options.is_stream:
             return _sse_response(self._chat_stream(choices, events, header,
                                                    req.options.is_usage_streamed))
-        with closing(events):  # a failure here must not leave the generations running
-            for got in events:
-                if got is None:
-                    continue
-                choice, item = choices[got[0]], got[1]
-                if isinstance(item, JobEnd):
-                    self._ended(choice, item)
-                    continue
-                choice.logprobs.add(item)
-                choice.pieces += self._parse(choice.parser, item, choice.outcome)
+
+        def take(choice, item):
+            choice.logprobs.add(item)
+            choice.pieces += self._parse(choice.parser, item, choice.outcome)
+
+        self._collect(choices, events, take)
         answers = []
         for choice in choices:
             pieces = choice.pieces
@@ -263,18 +268,14 @@ class GenerationRoutes:
         if req.options.is_stream:
             return _sse_response(self._completion_stream(choices, events, header,
                                                          req.options.is_usage_streamed, echo))
-        with closing(events):
-            for got in events:
-                if got is None:
-                    continue
-                choice, item = choices[got[0]], got[1]
-                if isinstance(item, JobEnd):
-                    self._ended(choice, item)
-                    continue
-                choice.logprobs.add_prompt(item)
-                choice.logprobs.add(item)
-                choice.pieces.append(item.text)
-                choice.outcome.engine_finish = item.finish_reason or choice.outcome.engine_finish
+
+        def take(choice, item):
+            choice.logprobs.add_prompt(item)
+            choice.logprobs.add(item)
+            choice.pieces.append(item.text)
+            choice.outcome.engine_finish = item.finish_reason or choice.outcome.engine_finish
+
+        self._collect(choices, events, take)
         answers = []
         for choice in choices:
             finish = choice.outcome.finish_reason(0)
