@@ -141,7 +141,7 @@ def test_busy_slots_show_their_requests(live_slots, engine):
     pool = ThreadPoolExecutor(NUM_SLOTS)
     try:
         first = pool.submit(complete, live_slots, prompts[0], max_tokens, temperature=0.5,
-                            top_k=7, seed=11, stop=["zz"])
+                            top_k=7, seed=11, stop=["zz"], logprobs=3)
         # placed on submit, before any window: its prompt not read yet
         busy = wait_for_slots(live_slots, lambda s: s[0]["is_processing"])
         assert busy[0]["n_prompt_tokens"] == len(prompts[0])
@@ -163,6 +163,7 @@ def test_busy_slots_show_their_requests(live_slots, engine):
         assert (params["temperature"], params["top_k"], params["seed"]) == (0.5, 7, 11)
         assert (params["stop"], params["ignore_eos"], params["n_predict"]) == (
             ["zz"], True, max_tokens)
+        assert (params["n_probs"], busy[1]["params"]["n_probs"]) == (3, 0)
         assert busy[0]["id_task"] >= 1 and busy[1]["id_task"] == busy[0]["id_task"] + 1
         assert busy[1]["n_prompt_tokens"] == len(prompts[1])
         assert busy[1]["params"]["seed"] == 0xFFFFFFFF  # none given: a random one

@@ -34,6 +34,7 @@ def sampling_fields(params: SamplingParams, max_tokens: int) -> dict:
         "stop": list(params.stop), "ignore_eos": params.ignore_eos,
         "logit_bias": [{"bias": bias, "token": token}
                        for token, bias in sorted(params.logit_bias.items())],
+        "n_probs": params.logprobs or 0,  # alternatives per token with their logprobs
     }
 
 
