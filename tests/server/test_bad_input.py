@@ -73,6 +73,8 @@ def test_malformed_json(live, data, words):
     ("chat_template_kwargs", [], "an object"),
     ("model", 7, "a string"),
     ("n", "1", "an integer"),
+    ("best_of", "2", "an integer"),
+    ("best_of", 1.5, "an integer"),
     ("logit_bias", [1], "an object"),
     ("logit_bias", {"5": "x"}, "a number"),
 ])
@@ -94,6 +96,8 @@ def test_wrong_types(live, field, value, expected):
     ("seed", -1, ["seed"]),
     ("n", 17, ["'n' is 17", "[1, 16]"]),
     ("n", 0, ["'n' is 0"]),
+    ("best_of", 17, ["'best_of' is 17", "[1, 16]"]),
+    ("best_of", 0, ["'best_of' is 0", "[1, 16]"]),
     ("stop", [""], ["stop"]),
     ("stop", ["s"] * 17, ["stop"]),
     ("tool_choice", "always", ["tool_choice"]),
@@ -160,7 +164,9 @@ def test_prompt_longer_than_the_context(live):
     ({"prompt": "x", "echo": "yes"}, ["'echo'", "a boolean"]),
     ({"prompt": "x", "logprobs": 21}, ["'logprobs' is 21", "[0, 20]"]),
     ({"prompt": "x", "logprobs": True}, ["'logprobs'", "an integer"]),
-    ({"prompt": "x", "best_of": 3}, ["best_of"]),
+    ({"prompt": "x", "n": 3, "best_of": 2}, ["'best_of' is 2", "below 'n' (3)", "[3, 16]"]),
+    ({"prompt": "x", "best_of": 3, "stream": True}, ["'best_of' is 3", "'stream': true"]),
+    ({"prompt": "x", "best_of": 17}, ["'best_of' is 17", "[1, 16]"]),
     ({"prompt": "x", "suffix": "y"}, ["suffix"]),
 ])
 def test_bad_completions(live, body, words):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from flask import Response, jsonify, request
 
 from strata.server.api_error import ApiError
+from strata.server.best_of import CandidateScore, best_candidates, candidate_options
 from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.openai_format import (SSE_DONE, SSE_KEEPALIVE, ResponseHeader, chat_deltas,
                                          sse, usage)
@@ -69,8 +70,9 @@ class GenerationRoutes:
 
     def _submit(self, prompt_tokens: list[int], options: GenerationOptions, engine,
                 events=None, choice: int = 0) -> Job:
-        """Queue one answer (`choice` of a request's `n`: its seed is the request's + choice,
-        so seeded choices differ and repeat); `events`: its job's queue (a ChoiceQueue)."""
+        """Queue one answer (`choice` of a request's `n`, or of its best_of candidates: its
+        seed is the request's + choice, so seeded choices differ and repeat); `events`: its
+        job's queue (a ChoiceQueue)."""
         if options.thinking_budget is None:  # --reasoning-budget
             options.thinking_budget = self.state.config.reasoning_budget
         if choice and options.seed is not None:
@@ -117,8 +119,9 @@ class GenerationRoutes:
         return iterate_job(job, self.state.config.keepalive_s, disconnected)
 
     def _choices(self, n: int, start) -> tuple[list["_Choice"], object]:
-        """Start a request's `n` answers, `start(index, events)` building each one's _Choice
-        (its job's events tagged into one queue); and the iterator over all their events."""
+        """Start a request's `n` answers (its best_of candidates), `start(index, events)`
+        building each one's _Choice (its job's events tagged into one queue); and the iterator
+        over all their events (closing it, or the client leaving, cancels every one)."""
         shared = queue.Queue()
         choices = [start(i, ChoiceQueue(shared, i)) for i in range(n)]
         disconnected = request.environ.get("waitress.client_disconnected")
@@ -137,6 +140,7 @@ class GenerationRoutes:
                     continue
                 choice, item = choices[got[0]], got[1]
                 if not isinstance(item, JobEnd):
+                    choice.score.add(item)
                     take(choice, item)
                     continue
                 choice.outcome.end = item
@@ -151,13 +155,15 @@ class GenerationRoutes:
         self.check_model(req.model)
         prompt = build_chat_prompt(engine, req)
         check_prompt_fits(len(prompt.tokens), engine.n_ctx)
+        asked = req.options  # the reply's logprobs are those the client asked for
+        req.options = candidate_options(asked, req.best_of > req.n)
 
         def start(index, events):
             job, parser = self._start_chat(engine, req, prompt, events=events, choice=index)
             return _Choice(index, job, Outcome(len(prompt.tokens)),
-                           AnswerLogprobs.of(engine, req.options), parser)
+                           AnswerLogprobs.of(engine, asked), parser)
 
-        choices, events = self._choices(req.n, start)
+        choices, events = self._choices(req.best_of, start)
         header = ResponseHeader("chat", self.state.model_id)
         if req.options.is_stream:
             return _sse_response(self._chat_stream(choices, events, header,
@@ -178,7 +184,7 @@ class GenerationRoutes:
             self._log(choice.job, choice.outcome, finish)
             answers.append(header.chat_choice(choice.index, content, reasoning, calls, finish,
                                               choice.logprobs.chat()))
-        return jsonify(header.chat_completion(answers, _usage(choices)))
+        return jsonify(header.chat_completion(_best(choices, answers, req.n), _usage(choices)))
 
     @staticmethod
     def _parse(parser: OutputParser, event, outcome: Outcome) -> list:
@@ -257,13 +263,14 @@ class GenerationRoutes:
         if req.is_echo:  # the prompt as sent (token ids: their text)
             echo = req.prompt if isinstance(req.prompt, str) else \
                 engine.tokenizer.decode(req.prompt)
+        options = candidate_options(req.options, req.best_of > req.n)
 
-        def start(index, events):
-            job = self._submit(tokens, req.options, engine, events=events, choice=index)
+        def start(index, events):  # the reply's logprobs are those the client asked for
+            job = self._submit(tokens, options, engine, events=events, choice=index)
             return _Choice(index, job, Outcome(len(tokens)), AnswerLogprobs.of(
                 engine, req.options, tokens if req.is_echo else None))
 
-        choices, events = self._choices(req.n, start)
+        choices, events = self._choices(req.best_of, start)
         header = ResponseHeader("completion", self.state.model_id)
         if req.options.is_stream:
             return _sse_response(self._completion_stream(choices, events, header,
@@ -282,7 +289,7 @@ class GenerationRoutes:
             self._log(choice.job, choice.outcome, finish)
             answers.append(header.text_choice(choice.index, echo + "".join(choice.pieces),
                                               finish, choice.logprobs.completion(len(echo))))
-        return jsonify(header.text_completion(answers, _usage(choices)))
+        return jsonify(header.text_completion(_best(choices, answers, req.n), _usage(choices)))
 
     def _completion_stream(self, choices, events, header, is_usage_streamed, echo):
         def chunk(choice, text, finish=None):
@@ -310,19 +317,30 @@ class GenerationRoutes:
 
 @dataclass
 class _Choice:
-    """One of a request's `n` answers: its job, what it produced, how its log probabilities
-    and (chat) its output are read."""
-    index: int
+    """One of a request's `n` answers (or best_of candidates): its job, what it produced, how
+    its log probabilities and (chat) its output are read, and its score for best_of."""
+    index: int  # the candidate's: its seed is the request's + index
     job: Job
     outcome: Outcome
     logprobs: AnswerLogprobs
     parser: OutputParser | None = None
     pieces: list = field(default_factory=list)  # parsed events (chat) or texts (completions)
+    score: CandidateScore = field(default_factory=CandidateScore)
+
+
+def _best(choices: list[_Choice], answers: list[dict], n: int) -> list[dict]:
+    """The answers of the `n` best candidates (best_of.py), best first, indexed 0..n-1; with
+    no more candidates than `n` (no best_of), every answer in its order."""
+    if len(choices) == n:
+        return answers
+    ranked = best_candidates([c.score for c in choices], n)
+    return [dict(answers[i], index=rank) for rank, i in enumerate(ranked)]
 
 
 def _usage(choices: list[_Choice]) -> dict:
     """One request's usage: its prompt once (and the first choice's cached tokens), every
-    choice's generated tokens."""
+    choice's generated tokens (every best_of candidate's, returned or not: all were
+    computed)."""
     ends = [c.outcome.end or JobEnd() for c in choices]
     return usage(choices[0].outcome.num_prompt_tokens, sum(e.num_generated_tokens for e in ends),
                  ends[0].num_cached_tokens, sum(c.outcome.num_reasoning_tokens for c in choices))

@@ -47,7 +47,8 @@ class GenerationOptions:
     prompt_logprobs: int | None = None  # ... of the prompt's tokens too (an echo)
 
 
-# `n`: most answers one request may ask for (each one is a request of its own to the engine)
+# `n`: most answers one request may ask for (each one is a request of its own to the engine);
+# `best_of`: most candidates it may have generated, of which the `n` best are returned
 MAX_CHOICES = 16
 
 
@@ -57,6 +58,7 @@ class ChatRequest:
     messages: list[dict]
     options: GenerationOptions
     n: int = 1  # answers to the same prompt (choices)
+    best_of: int = 1  # candidates generated, of which the n best are returned (best_of.py)
     tools: list[dict] | None = None
     tool_choice: str | dict = "auto"
     response_format: dict | None = None
@@ -70,6 +72,7 @@ class CompletionRequest:
     prompt: str | list[int]
     options: GenerationOptions
     n: int = 1  # answers to the same prompt (choices)
+    best_of: int = 1  # candidates generated, of which the n best are returned (best_of.py)
     suffix: str | None = None  # the text after the insertion: a fill-in-the-middle completion
     is_echo: bool = False  # the answer's text starts with the prompt's
 
@@ -213,12 +216,36 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
-def parse_options(body: dict, max_tokens_limit: int) -> GenerationOptions:
-    """The generation fields of either endpoint; `max_tokens_limit` is the context size."""
-    best_of = _integer(body, "best_of", 1, 2**31)
+def parse_choice_counts(body: dict, is_stream: bool) -> tuple[int, int]:
+    """`n` and `best_of` (default: n) of the chat and completions endpoints. A stream sends
+    each answer as it is generated, before it is known which are the best: it takes best_of
+    only equal to n."""
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
+    best_of = _integer(body, "best_of", 1, MAX_CHOICES)
+    if best_of is None:
+        return n, n
+    if best_of < n:
+        raise invalid(f"'best_of' is {best_of}, below 'n' ({n}): the n best of best_of "
+                      f"candidates are returned, so best_of must be in [{n}, {MAX_CHOICES}].",
+                      "best_of")
+    if is_stream and best_of > n:
+        raise invalid(f"'best_of' is {best_of} with 'n' {n} and 'stream': true; a stream "
+                      "cannot send the best candidates before all have finished. Leave "
+                      "'best_of' out (or equal to 'n') to stream, or do not stream.",
+                      "best_of", "unsupported_value")
+    return n, best_of
+
+
+def parse_options(body: dict, max_tokens_limit: int, *,
+                  is_best_of_read: bool = False) -> GenerationOptions:
+    """The generation fields of every generating endpoint; `max_tokens_limit` is the context
+    size. `is_best_of_read`: the caller reads `best_of` (parse_choice_counts); elsewhere only
+    1 is accepted, as the endpoint answers one choice."""
+    best_of = None if is_best_of_read else _integer(body, "best_of", 1, 2**31)
     if best_of not in (None, 1):
-        raise invalid(f"'best_of' is {best_of}; only 1 is supported.", "best_of",
-                      "unsupported_value")
+        raise invalid(f"'best_of' is {best_of}; this endpoint answers one choice, so only 1 "
+                      "is supported (POST /v1/completions and /v1/chat/completions take "
+                      "more).", "best_of", "unsupported_value")
     max_tokens = _integer(body, "max_tokens", 1, max_tokens_limit)
     max_completion = _integer(body, "max_completion_tokens", 1, max_tokens_limit)
     stop = body.get("stop")
@@ -422,7 +449,8 @@ def hold_json_answer(options: GenerationOptions, response_format: dict | None,
 
 
 def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
-    options = parse_options(body, max_tokens_limit)
+    options = parse_options(body, max_tokens_limit, is_best_of_read=True)
+    n, best_of = parse_choice_counts(body, options.is_stream)
     tools = parse_tools(body.get("tools"))
     kwargs = _object(body, "chat_template_kwargs") or {}
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
@@ -435,7 +463,8 @@ def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     elif top is not None:
         raise invalid("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
     return ChatRequest(
-        n=_integer(body, "n", 1, MAX_CHOICES) or 1,
+        n=n,
+        best_of=best_of,
         model=_string(body, "model"),
         messages=parse_messages(body.get("messages", _MISSING)),
         options=options,
@@ -447,7 +476,8 @@ def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
 
 
 def parse_completion_request(body: dict, max_tokens_limit: int) -> CompletionRequest:
-    options = parse_options(body, max_tokens_limit)
+    options = parse_options(body, max_tokens_limit, is_best_of_read=True)
+    n, best_of = parse_choice_counts(body, options.is_stream)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -475,5 +505,4 @@ def parse_completion_request(body: dict, max_tokens_limit: int) -> CompletionReq
         raise invalid("'echo' and 'suffix' exclude each other: a fill-in-the-middle answer is "
                       "the middle alone.", "echo")
     return CompletionRequest(model=_string(body, "model"), prompt=prompt, options=options,
-                             suffix=suffix, is_echo=is_echo,
-                             n=_integer(body, "n", 1, MAX_CHOICES) or 1)
+                             suffix=suffix, is_echo=is_echo, n=n, best_of=best_of)
