@@ -372,7 +372,7 @@ def test_the_parsers_raise_nothing_but_request_errors(body):
     from strata.server.anthropic_schema import parse_anthropic_request
     from strata.server.api_error import ApiError
     from strata.server.responses_schema import parse_responses_request
-    from strata.server.schema import parse_chat_request
+    from strata.server.chat_schema import parse_chat_request
 
     for parse in (parse_chat_request, parse_anthropic_request, parse_responses_request):
         try:

@@ -5,7 +5,7 @@ from strata.server.api_error import ApiError
 from strata.server.prompting import sampling_params
 from strata.server.anthropic_schema import parse_anthropic_request
 from strata.server.responses_schema import parse_responses_request
-from strata.server.schema import parse_chat_request
+from strata.server.chat_schema import parse_chat_request
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

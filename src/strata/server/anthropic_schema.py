@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from strata.server.api_error import ApiError, invalid, missing
+from strata.server.chat_schema import flat_function_tool, hold_json_answer
 from strata.server.schema import (MAX_STOP_STRINGS, ChatRequest, GenerationOptions, _boolean,
                                   _integer, _logit_bias, _number, _object, _objects,
-                                  _string, _wrong_type, flat_function_tool,
-                                  hold_json_answer)
+                                  _string, _wrong_type)
 
 ROLES = ("user", "assistant")
 _MISSING = object()

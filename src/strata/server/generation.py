@@ -20,8 +20,8 @@ from strata.server.output_parser import (ContentDelta, OutputParser, ReasoningDe
 from strata.server.prompting import (build_chat_prompt, check_prompt_fits,
                                      completion_prompt_tokens, fim_prompt_tokens,
                                      sampling_params)
-from strata.server.schema import (GenerationOptions, parse_chat_request,
-                                  parse_completion_request, parse_json_body)
+from strata.server.chat_schema import parse_chat_request
+from strata.server.schema import GenerationOptions, parse_completion_request, parse_json_body
 from strata.server.worker import ChoiceQueue, Job, JobEnd, iterate_job, iterate_jobs
 
 log = logging.getLogger("strata.server")

@@ -8,9 +8,9 @@ from typing import Any
 
 from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.server.api_error import ApiError, invalid, missing
+from strata.server.chat_schema import flat_function_tool, hold_json_answer, parse_tool_choice
 from strata.server.schema import (ChatRequest, _boolean, _integer, _object, _objects, _string,
-                                  _wrong_type, flat_function_tool, hold_json_answer,
-                                  parse_options, parse_tool_choice)
+                                  _wrong_type, parse_options)
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _MISSING = object()

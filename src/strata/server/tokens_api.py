@@ -7,7 +7,8 @@ from flask import jsonify, request
 from strata.server.api_error import invalid, missing
 from strata.server.generation import GenerationRoutes
 from strata.server.prompting import build_chat_prompt
-from strata.server.schema import _boolean, _wrong_type, parse_chat_request, parse_json_body
+from strata.server.chat_schema import parse_chat_request
+from strata.server.schema import _boolean, _wrong_type, parse_json_body
 
 
 def _piece(tokenizer, token_id: int) -> str | list[int]:
