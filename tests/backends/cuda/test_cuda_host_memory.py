@@ -77,7 +77,7 @@ def test_the_pool_reuses_a_given_back_block_and_trims_idle_ones(runtime, monkeyp
     from strata.backends.cuda import host_pool
 
     monkeypatch.setattr(host_pool, "SETTLE_S", 0.0)
-    pool = host_pool.PinnedPool(runtime, max_idle_bytes=200 * MIB)
+    pool = host_pool.PinnedPool(runtime, max_idle_bytes=200 * MIB, make_ahead=False)
     with runtime.active():
         first = pool.lease(100 * MIB)
         assert first is not None and first.ctypes.data % (2 * MIB) == 0
@@ -112,7 +112,7 @@ def test_a_conversation_that_grew_parks_into_its_old_block(runtime, monkeypatch)
     from strata.backends.cuda import host_pool
 
     monkeypatch.setattr(host_pool, "SETTLE_S", 0.0)
-    pool = host_pool.PinnedPool(runtime, max_idle_bytes=1024 * MIB)
+    pool = host_pool.PinnedPool(runtime, max_idle_bytes=1024 * MIB, make_ahead=False)
     with runtime.active():
         first = pool.lease(300 * MIB)  # made with room to grow: 375 MiB, rounded up to 384
         address = first.ctypes.data
@@ -123,3 +123,30 @@ def test_a_conversation_that_grew_parks_into_its_old_block(runtime, monkeypatch)
         del grown
         gc.collect()
         pool.trim(0)
+
+
+def test_the_spare_pinned_on_the_helper_thread_takes_a_grown_park_by_dma(runtime, monkeypatch):
+    import gc
+
+    from strata.backends.cuda import host_pool
+
+    monkeypatch.setattr(host_pool, "SETTLE_S", 0.0)
+    pool = host_pool.PinnedPool(runtime, max_idle_bytes=64 * MIB)
+    with runtime.active():
+        first = pool.lease(100 * MIB)  # 128 MiB; the helper thread pins a 192 MiB spare
+        pool.settle()
+        assert pool.num_made_ahead == 1 and pool.idle_bytes == 192 * MIB
+        del first
+        gc.collect()
+        grown = pool.lease(150 * MIB)  # outgrew its block: the spare, no wait
+        assert pool.num_made - pool.num_made_ahead == 1 and pool.num_waited == 0
+        # pinned in the pool's context from the other thread: the GPU writes it by DMA
+        data = np.arange(1 << 20, dtype=np.uint8) * 7
+        src = runtime.drv.to_device(data)
+        runtime.drv.memcpy_dtoh(grown[-(1 << 20):], src)
+        assert np.array_equal(grown[-(1 << 20):], data)
+        pool.settle()
+        del grown
+        gc.collect()
+        pool.trim(0)
+        assert pool._blocks == []

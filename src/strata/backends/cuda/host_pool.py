@@ -12,11 +12,24 @@ A block is unpinned before its pages can be unmapped, whatever happens first: a 
 pool going (a finalizer on an array of the block's own, which dies before the mapping it
 holds). A mapping unmapped while still registered leaves the driver holding that address
 range, and a later pinning that reuses it fails ("resource already mapped").
+
+Made ahead (`MAKE_AHEAD`): a park that finds no kept block makes one on the engine thread, and
+the other slots' windows wait for it (0.4-0.5 s for 2 GiB). So after every lease a helper
+thread makes a spare block, unless an idle one is there already, large enough (and not twice
+too large) for the largest recent park grown twice by `GROWTH_HEADROOM` (a conversation that
+outgrew its own block, or a new one of the size agents have had). Where the idle limit leaves
+no room for it, idle blocks smaller than each recent park (outgrown: agents' conversations
+grow) make room; a trim gives them up first too. A lease that finds nothing waits for the
+spare being made when it will fit, rather than make another. The helper also unpins and unmaps
+the blocks a trim drops. Its pinning runs in the pool's context, current in that thread too.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import mmap
+import queue
 import threading
 import time
 import weakref
@@ -37,6 +50,12 @@ DEFAULT_MAX_IDLE_BYTES = 4 * 2**30
 # a block given back this recently is not unmapped yet (its last view may still be releasing
 # its hold on the mapping in another thread)
 SETTLE_S = 1.0
+MAKE_AHEAD = True  # a spare block made by the helper thread after a lease (above)
+# the spare is sized for the largest of these many last parks; an idle block smaller than
+# each of them is outgrown (agents taking turns grow their conversations: none of them parks
+# into it again) and makes room for the spare
+RECENT_LEASES = 4
+MADE_AHEAD_WAIT_S = 30.0  # a lease waits at most this long for the spare being made
 
 
 class _Block:
@@ -60,26 +79,50 @@ class _Block:
 
 
 class PinnedPool:
-    """Pinned host blocks of one CUDA context. `lease` and `trim` run with the context current
-    (the engine thread); a lease's finalizer only marks its block free."""
+    """Pinned host blocks of one CUDA context. `lease` and `trim` run on the engine thread; a
+    lease's finalizer only marks its block free; a helper thread makes the spare and drops
+    what a trim gives up."""
 
-    def __init__(self, rt, max_idle_bytes: int = DEFAULT_MAX_IDLE_BYTES):
+    def __init__(self, rt, max_idle_bytes: int = DEFAULT_MAX_IDLE_BYTES,
+                 make_ahead: bool | None = None):
         self.rt = rt  # the context the blocks are pinned in
         self.max_idle_bytes = int(max_idle_bytes)
+        self.make_ahead = MAKE_AHEAD if make_ahead is None else bool(make_ahead)
         self._blocks: list[_Block] = []
         self._lock = threading.Lock()
+        self._recent = collections.deque(maxlen=RECENT_LEASES)  # the last leases' bytes
+        self._making: tuple[int, threading.Event] | None = None  # the spare's capacity
+        self._tasks: queue.Queue | None = None  # the helper thread's, made on first use
         self.num_made = self.num_reused = 0
+        self.num_made_ahead = 0  # of num_made, by the helper thread
+        self.num_waited = 0  # leases that waited for the spare being made
         self._is_refused = False  # logged once
 
     def lease(self, nbytes: int) -> np.ndarray | None:
         """`nbytes` of pinned memory (uint8) on a 2 MiB boundary; None when the driver refuses
         to pin a new block (the caller copies through unpinned memory then)."""
-        from strata._native import cuda_driver
-
         nbytes = int(nbytes)
         if self._is_refused:
             return None
         self.trim()
+        block = self._take_kept(nbytes)
+        if block is None and self._wait_for_spare(nbytes):
+            block = self._take_kept(nbytes)
+        if block is None:
+            block = self._make(_capacity_for(nbytes))
+            if block is None:
+                return None
+        lease = np.frombuffer(block.area, np.uint8, count=nbytes, offset=block.offset)
+        weakref.finalize(lease, self._give_back, block)
+        self._recent.append(nbytes)
+        if self.make_ahead:
+            self.trim()  # the idle limit and what is outgrown follow the parks
+            self._make_spare()
+        return lease
+
+    def _take_kept(self, nbytes: int) -> _Block | None:
+        """The smallest idle block that holds `nbytes` without wasting more than as much again,
+        leased."""
         with self._lock:
             fits = [b for b in self._blocks if not b.is_leased and nbytes <= b.capacity
                     <= 2 * nbytes + BLOCK_ROUND_BYTES]
@@ -87,37 +130,134 @@ class PinnedPool:
             if block is not None:
                 block.is_leased = True
                 self.num_reused += 1
-        if block is None:
-            wanted = int(max(nbytes, 1) * (1 + GROWTH_HEADROOM))
-            capacity = -(-wanted // BLOCK_ROUND_BYTES) * BLOCK_ROUND_BYTES
-            try:
-                block = _Block(capacity, self.rt)
+        return block
+
+    def _make(self, capacity: int, *, ahead: bool = False) -> _Block | None:
+        """A new block of `capacity` bytes, pinned (leased, or idle when made `ahead`); None
+        when the driver refuses it, logged once."""
+        from strata._native import cuda_driver
+
+        try:
+            block = _Block(capacity, self.rt)
+            with (self.rt.active() if ahead else contextlib.nullcontext()):
                 cuda_driver.host_register(block.address, capacity)
-                block.unpin = weakref.finalize(block._holder, _unregister, self.rt,
-                                               block.address)
-            except Exception as exc:  # noqa: BLE001 - the locked-memory limit, no THP, ...
-                if not self._is_refused:
-                    log.info("parks copy through memory pinned for each copy: a pinned block "
-                             "of %.2f GiB to keep was refused (%s)", capacity / 2**30, exc)
-                    self._is_refused = True
-                return None
-            block.is_leased = True
-            with self._lock:
-                self._blocks.append(block)
-                self.num_made += 1
-        lease = np.frombuffer(block.area, np.uint8, count=nbytes, offset=block.offset)
-        weakref.finalize(lease, self._give_back, block)
-        return lease
+            block.unpin = weakref.finalize(block._holder, _unregister, self.rt, block.address)
+        except Exception as exc:  # noqa: BLE001 - the locked-memory limit, no THP, ...
+            if ahead:  # the parks still get blocks of their own size
+                log.info("no pinned block made ahead of parks from now on: %.2f GiB was "
+                         "refused (%s)", capacity / 2**30, exc)
+                self.make_ahead = False
+            elif not self._is_refused:
+                log.info("parks copy through memory pinned for each copy: a pinned block "
+                         "of %.2f GiB to keep was refused (%s)", capacity / 2**30, exc)
+                self._is_refused = True
+            return None
+        block.is_leased = not ahead
+        block.freed_at = time.monotonic()
+        with self._lock:
+            self._blocks.append(block)
+            self.num_made += 1
+            self.num_made_ahead += ahead
+        return block
+
+    def _spare_capacity(self) -> int:
+        wanted = int(max(self._recent) * (1 + GROWTH_HEADROOM) ** 2)
+        return -(-wanted // BLOCK_ROUND_BYTES) * BLOCK_ROUND_BYTES
+
+    def _idle_limit(self) -> int:
+        """Idle bytes kept: `max_idle_bytes`, or room for a spare and one park's block."""
+        spare = self._spare_capacity() if self.make_ahead and self._recent else 0
+        return max(self.max_idle_bytes, 2 * spare)
+
+    def _make_spare(self) -> None:
+        capacity = self._spare_capacity()
+        with self._lock:
+            if self._making is not None or self._spare_locked() is not None:
+                return
+            excess = self.idle_bytes_locked() + capacity - self._idle_limit()
+            outgrown = self._outgrown_locked()
+            if excess > sum(b.capacity for b in outgrown):
+                return
+            dropped = []
+            for block in outgrown:  # room for the spare: blocks no recent park fits in
+                if excess <= 0:
+                    break
+                self._blocks.remove(block)
+                excess -= block.capacity
+                dropped.append(block)
+            done = threading.Event()
+            self._making = (capacity, done)
+
+        def make():
+            try:
+                _drop(dropped)
+                block = self._make(capacity, ahead=True)
+                if block is not None:
+                    log.debug("a spare pinned block of %.2f GiB made ahead of the next park",
+                              capacity / 2**30)
+            finally:
+                with self._lock:
+                    self._making = None
+                done.set()
+
+        self._run(make)
+
+    def _spare_locked(self) -> _Block | None:
+        """The idle block that serves as the spare: the smallest of the spare's size or more
+        that the largest recent park would still be leased (a far larger one, kept from longer
+        conversations, is passed by by the parks to come: _take_kept)."""
+        capacity, largest = self._spare_capacity(), max(self._recent)
+        return min((b for b in self._blocks if not b.is_leased
+                    and capacity <= b.capacity <= 2 * largest + BLOCK_ROUND_BYTES),
+                   key=lambda b: b.capacity, default=None)
+
+    def _outgrown_locked(self) -> list[_Block]:
+        """Idle, settled blocks smaller than each recent park, largest first: conversations
+        grow, so the parks to come will not fit in them."""
+        if not self._recent:
+            return []
+        smallest, now = min(self._recent), time.monotonic()
+        return sorted((b for b in self._blocks if not b.is_leased and b.capacity < smallest
+                       and now - b.freed_at > SETTLE_S),
+                      key=lambda b: b.capacity, reverse=True)
+
+    def _wait_for_spare(self, nbytes: int) -> bool:
+        """Wait for the spare being made when it will hold `nbytes`; True when one was."""
+        with self._lock:
+            making = self._making
+        if making is None or not nbytes <= making[0] <= 2 * nbytes + BLOCK_ROUND_BYTES:
+            return False
+        self.num_waited += 1
+        return making[1].wait(MADE_AHEAD_WAIT_S)
+
+    def _run(self, task) -> None:
+        """`task` on the helper thread (started on first use, ended when the pool goes)."""
+        if self._tasks is None:
+            self._tasks = queue.Queue()
+            threading.Thread(target=_serve, args=(self._tasks,), name="pinned-pool",
+                             daemon=True).start()
+            weakref.finalize(self, self._tasks.put, None)
+        self._tasks.put(task)
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait until the helper thread has done what it was given (tests, benchmarks)."""
+        if self._tasks is not None:
+            done = threading.Event()
+            self._tasks.put(done.set)
+            done.wait(timeout)
 
     def _give_back(self, block: _Block) -> None:
         with self._lock:
             block.is_leased = False
             block.freed_at = time.monotonic()
 
+    def idle_bytes_locked(self) -> int:
+        return sum(b.capacity for b in self._blocks if not b.is_leased)
+
     @property
     def idle_bytes(self) -> int:
         with self._lock:
-            return sum(b.capacity for b in self._blocks if not b.is_leased)
+            return self.idle_bytes_locked()
 
     @property
     def leased_bytes(self) -> int:
@@ -125,14 +265,21 @@ class PinnedPool:
             return sum(b.capacity for b in self._blocks if b.is_leased)
 
     def trim(self, max_idle_bytes: int | None = None) -> None:
-        """Unpin and unmap idle blocks, largest first, until at most `max_idle_bytes` (default
-        the pool's) are idle."""
-        limit = self.max_idle_bytes if max_idle_bytes is None else int(max_idle_bytes)
+        """Give up idle blocks until at most `max_idle_bytes` (default the pool's, or room for
+        a spare and one park's block when more) are idle: first the outgrown ones, then largest
+        first, the spare last. The helper thread unpins and unmaps them when
+        it runs (at once when `max_idle_bytes` is given)."""
+        limit = self._idle_limit() if max_idle_bytes is None else int(max_idle_bytes)
         now = time.monotonic()
         with self._lock:
-            idle = sorted((b for b in self._blocks
-                           if not b.is_leased and now - b.freed_at > SETTLE_S),
+            spare = self._spare_locked() if self.make_ahead and self._recent else None
+            outgrown = self._outgrown_locked()
+            idle = sorted((b for b in self._blocks if not b.is_leased and b not in outgrown
+                           and b is not spare and now - b.freed_at > SETTLE_S),
                           key=lambda b: b.capacity, reverse=True)
+            if spare is not None and now - spare.freed_at > SETTLE_S:
+                idle.append(spare)
+            idle = outgrown + idle
             excess = sum(b.capacity for b in idle) - limit
             dropped = []
             for block in idle:
@@ -141,13 +288,39 @@ class PinnedPool:
                 self._blocks.remove(block)
                 excess -= block.capacity
                 dropped.append(block)
-        for block in dropped:
-            block.unpin()
-            block._holder = None
-            try:
-                block.area.close()
-            except BufferError:  # a view still holds it: the mapping goes with that view
-                pass
+        if not dropped:
+            return
+        if max_idle_bytes is None and self.make_ahead:
+            self._run(lambda: _drop(dropped))
+        else:
+            _drop(dropped)
+
+
+def _capacity_for(nbytes: int) -> int:
+    """A new block's bytes for a park of `nbytes`: with room to grow, rounded up."""
+    wanted = int(max(nbytes, 1) * (1 + GROWTH_HEADROOM))
+    return -(-wanted // BLOCK_ROUND_BYTES) * BLOCK_ROUND_BYTES
+
+
+def _drop(blocks: list[_Block]) -> None:
+    """Unpin, then unmap, blocks taken out of a pool."""
+    for block in blocks:
+        block.unpin()
+        block._holder = None
+        try:
+            block.area.close()
+        except BufferError:  # a view still holds it: the mapping goes with that view
+            pass
+
+
+def _serve(tasks: queue.Queue) -> None:
+    """The helper thread: run tasks until a None; one that fails is logged, not fatal."""
+    while (task := tasks.get()) is not None:
+        try:
+            task()
+        except Exception:  # noqa: BLE001 - a spare not made is a park made on the engine thread
+            log.exception("the pinned pool's helper thread")
+        del task  # holds the pool until the next task otherwise
 
 
 def _unregister(rt, address: int) -> None:
