@@ -39,3 +39,16 @@ def start_live_server(engine_source, config: ServerConfig) -> LiveServer:
     thread.start()
     assert app.extensions["strata"].worker.wait_loaded(30)
     return LiveServer(f"http://127.0.0.1:{server.effective_port}", app, server, thread)
+
+
+def metric_value(live, name: str) -> float:
+    """One sample of a live server's /metrics, by its name."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(live.url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)

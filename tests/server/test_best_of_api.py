@@ -14,6 +14,7 @@ import requests
 from strata.engine.logprobs import TokenLogprob
 from strata.server.best_of import CandidateScore, best_candidates, candidate_options
 from strata.server.schema import GenerationOptions
+from live_server import metric_value
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -30,17 +31,6 @@ def post(live, path, body):
     response = requests.post(live.url + path, json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def metric_value(live, name):
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(live.url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return sample.value
-    raise KeyError(name)
 
 
 def ranking(values_per_candidate: list[list[float]]) -> list[int]:

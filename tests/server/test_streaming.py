@@ -17,6 +17,7 @@ from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.openai_format import ResponseHeader
 from strata.server.output_parser import OutputParser
 from strata.server.worker import ChoiceQueue, Job, JobEnd, iterate_jobs
+from live_server import metric_value
 
 MAX_TOKENS = 4000  # with ignore_eos: the generation would run to the end of the context
 
@@ -110,17 +111,6 @@ def test_keepalive_while_waiting():
     frames = run_stream(["Hi"], "stop", delay_first_s=0.3)
     assert frames[1] == ": keep-alive"
     assert payloads(frames)[1]["choices"][0]["delta"] == {"content": "Hi"}
-
-
-def metric_value(live, name):
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(live.url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return sample.value
-    raise KeyError(name)
 
 
 @pytest.mark.parametrize("n", [1, 2])
