@@ -376,3 +376,42 @@ def test_a_request_copies_a_busy_slots_prefix(model_8k, caplog):
                             rf"slot 0's KV \({len(shared)} tokens reused\)", r.getMessage())
                for r in caplog.records)
     assert answers == [solo(model_8k, first, params), solo(model_8k, second, params)]
+
+
+def test_a_slot_whose_kv_copies_run_sits_out_while_others_decode(model_8k, caplog):
+    """A device KV's park or restore may still be crossing PCIe when its request is placed
+    (backends/cuda/kv_copies.py): the request sits out of windows while another slot decodes,
+    and the engine waits for the copies only when nothing else can run. Here slot 1's KV says
+    its copies run for its first three looks."""
+    caplog.set_level(logging.DEBUG, logger="strata.engine")
+    rng = np.random.default_rng(11)
+    first, second = random_tokens(rng, 30), random_tokens(rng, 40)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    with new_engine(model_8k, parallel=2) as engine:
+        kv = engine.scheduler.kvs[1]
+        looks, settles = [], []
+        kv.copies_pending = lambda: (looks.append(1), len(looks) <= 3)[1]
+        kv.settle = lambda: settles.append(1)
+        a = engine.submit(first, params)
+        while a.state != STATE_DECODING:
+            assert engine.step()
+        a.pop_events()
+        b = engine.submit(second, params)
+        assert b.slot_index == 1 and b.state == STATE_READING
+        for _ in range(3):  # slot 1 sits out; slot 0 decodes a token each window
+            assert engine.step()
+            assert kv.num_tokens == 0 and len(a.pop_events()) == 1
+        assert "slots [1] sit out this window" in caplog.text
+        results = run_all(engine, [a, b])
+        assert not settles  # slot 0 had work every time slot 1 was held
+        assert results[1] == solo(model_8k, second, params)
+
+        # alone, a slot whose copies run is waited for, not skipped
+        for other in engine.scheduler.kvs:
+            other.copies_pending = lambda: not settles
+            other.settle = lambda: settles.append(1)
+        c = engine.submit(first, SamplingParams(max_tokens=3, **GREEDY))
+        assert engine.step()
+        assert settles == [1] and f"slot {c.slot_index}: waited" in caplog.text
+        assert c.state == STATE_DECODING  # its prompt was read in that window
+        run_all(engine, [c])

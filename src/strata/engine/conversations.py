@@ -54,6 +54,13 @@ class ParkedConversation:
     # the lengths it can be restored at (a hybrid model's recurrent state exists only at its
     # checkpoints and end); None: any length
     reuse_points: tuple[int, ...] | None = None
+    # the copies into kv_arrays (a device KV's park, backends/cuda/kv_copies.py): None, or
+    # has wait(); host readers of the arrays call wait_landed() first
+    landing: Any = None
+
+    def wait_landed(self) -> None:
+        if self.landing is not None:
+            self.landing.wait()
 
     @property
     def num_tokens(self) -> int:
@@ -132,10 +139,11 @@ class ConversationCache:
         return self._entries[key]
 
     def park(self, tokens: Sequence[int], kv_arrays: Any, nbytes: int,
-             reuse_points: Sequence[int] | None = None) -> int | None:
+             reuse_points: Sequence[int] | None = None, landing: Any = None) -> int | None:
         """Keep the KV of `tokens`; return its key, or None when it cannot be kept (no tokens,
         or larger than the whole budget). Evicts least recently used entries to make room.
-        `reuse_points`: the lengths it can be restored at (None: any)."""
+        `reuse_points`: the lengths it can be restored at (None: any). `landing`: the copies
+        into `kv_arrays` may still run until its wait() returns."""
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"nbytes = {nbytes} must be >= 0")
@@ -149,7 +157,7 @@ class ConversationCache:
                 return key
         if nbytes > self.budget_bytes:
             return None
-        new = ParkedConversation(self.new_key(), tokens, kv_arrays, nbytes, points)
+        new = ParkedConversation(self.new_key(), tokens, kv_arrays, nbytes, points, landing)
         for key in [k for k, e in self._entries.items() if new.covers(e.tokens, e.reuse_points)]:
             self._drop(key)  # the new entry extends it
         self._entries[new.key] = new
@@ -159,6 +167,7 @@ class ConversationCache:
             evicted = self._drop(next(iter(self._entries)))
             self.num_evicted += 1
             if self.disk is not None:
+                evicted.wait_landed()  # the writer thread reads its arrays
                 self.disk.offer(evicted, wait=self.evictions_wait)
         return new.key
 
@@ -209,6 +218,7 @@ class ConversationCache:
         if self.disk is None:
             return
         for entry in list(self._entries.values()):
+            entry.wait_landed()
             self.disk.offer(entry, wait=True)
         self.disk.close()
 

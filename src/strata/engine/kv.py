@@ -76,6 +76,20 @@ class SequenceReuse:
             out[1, layer] = self.values(layer)[:, :num_tokens]
         return out[0], out[1]
 
+    def park_prefix(self, num_tokens: int):
+        """(keys, values, landing): `export_prefix`'s arrays and what tells when their copies
+        have landed, None here (they have; a device KV may still be copying:
+        backends/cuda/kv_copies.py)."""
+        return (*self.export_prefix(num_tokens), None)
+
+    def copies_pending(self) -> bool:
+        """Whether copies into or out of the cells still run (a device KV's queued copies);
+        the scheduler keeps the slot out of windows meanwhile."""
+        return False
+
+    def settle(self) -> None:
+        """Wait for the copies `copies_pending` tells of."""
+
     @property
     def room_tokens(self) -> int:
         return self.capacity - self.num_tokens

@@ -625,9 +625,10 @@ class Scheduler:
                              nbytes / 2**20, budget / 2**20)
                 return
             nbytes = token_bytes * num_kept
-        k, v = kv.export_prefix(num_kept)  # [L, KV, n, D] each (int8: [L, KV, n])
+        # [L, KV, n, D] each (int8: [L, KV, n]); a device KV's copies may still be running
+        k, v, landing = kv.park_prefix(num_kept)
         key = self.conversations.park(tokens[:num_kept], (k, v, kv.export_state()), nbytes,
-                                      kv.reuse_points())
+                                      kv.reuse_points(), landing=landing)
         kept = (f"{num_kept} tokens" if num_kept == len(tokens) else
                 f"the first {num_kept} of its {len(tokens)} tokens (all of them are over "
                 f"--conversation-cache-mib {budget / 2**20:.0f})")
@@ -645,8 +646,7 @@ class Scheduler:
             runs.append(run)
             modes.append(mode)
             kinds.append((active.slot_index, "decode"))
-        reading = sorted((a for a in self._active.values() if a.handle.state == STATE_READING),
-                         key=lambda a: a.arrival)
+        reading = self._ready_reads(bool(decoding))
         if reading and (not decoding or self._decode_windows_left <= 0):
             plan = self._read_plan(reading, len(decoding))
             active = self._active[plan.slot_index]
@@ -679,6 +679,24 @@ class Scheduler:
         elif reading:
             self._decode_windows_left -= 1
         return runs, modes, kinds
+
+    def _ready_reads(self, others_run: bool) -> list[_Active]:
+        """The requests reading their prompts (arrival order) whose slots' cells are in place.
+        A slot whose parked or restored cells are still crossing PCIe (a device KV's queued
+        copies) sits out while `others_run`; else the engine waits for its copies."""
+        reading = sorted((a for a in self._active.values() if a.handle.state == STATE_READING),
+                         key=lambda a: a.arrival)
+        ready = [a for a in reading if not self.kvs[a.slot_index].copies_pending()]
+        if reading and not ready and not others_run:
+            t0 = time.perf_counter()
+            self.kvs[reading[0].slot_index].settle()
+            log.info("slot %d: waited %.0f ms for its KV copies (no other slot had work)",
+                     reading[0].slot_index, (time.perf_counter() - t0) * 1e3)
+            ready = [a for a in reading if not self.kvs[a.slot_index].copies_pending()]
+        elif len(ready) < len(reading):
+            log.debug("slots %s sit out this window: their KV copies are still running",
+                      [a.slot_index for a in reading if a not in ready])
+        return ready
 
     def _read_plan(self, reading: list[_Active], num_decoding: int):
         """Ask the read-interleave policy about the reads in progress (arrival order)."""

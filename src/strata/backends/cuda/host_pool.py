@@ -120,6 +120,18 @@ class PinnedPool:
             self._make_spare()
         return lease
 
+    def holds(self, *arrays: np.ndarray) -> bool:
+        """Whether every one of `arrays` lies in a leased block (pinned: DMA can read or write
+        it while the engine goes on)."""
+        with self._lock:
+            spans = [(b.address, b.address + b.capacity) for b in self._blocks if b.is_leased]
+        for array in arrays:
+            start = array.__array_interface__["data"][0]
+            stop = start + array.nbytes
+            if not any(lo <= start and stop <= hi for lo, hi in spans):
+                return False
+        return True
+
     def _take_kept(self, nbytes: int) -> _Block | None:
         """The smallest idle block that holds `nbytes` without wasting more than as much again,
         leased."""

@@ -11,6 +11,7 @@ import numpy as np
 
 from strata.backends.cuda.host_memory import PAGE_BYTES, pinned_while
 from strata.backends.cuda.host_pool import PinnedPool
+from strata.backends.cuda.kv_copies import copier as kv_copier
 from strata.backends.cuda.recurrent import DeviceRecurrentState
 from strata.engine.kv import SequenceReuse
 from strata.engine.recurrent import DEFAULT_CHECKPOINTS
@@ -69,6 +70,7 @@ class CudaKV(SequenceReuse):
         self.base = self.address | int(self.is_int8)
         self.state = (DeviceRecurrentState(runtime, spec, max_checkpoints)
                       if spec.recurrent_layers else None)
+        self._landings = []  # copies of the cells queued on the copy stream (kv_copies.py)
 
     @property
     def num_layers(self) -> int:
@@ -117,6 +119,7 @@ class CudaKV(SequenceReuse):
         (and their int8 scales) into the cells at `dst` = (address, capacity, cells bytes),
         on the compute stream after every kernel issued so far; returns once they landed."""
         address, capacity, cells_bytes = dst
+        self.settle()
         rows = self.num_layers * 2 * self.spec.n_kv_heads
         row_bytes = self.spec.head_dim * self.dtype.itemsize
         rt = self._rt
@@ -147,9 +150,18 @@ class CudaKV(SequenceReuse):
 
     def export_prefix(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the first `num_tokens` cells of every layer, (keys, values) each
-        [L, KV, n, D] (int8 cells: [L, KV, n] of `host_dtype`), read straight into them."""
+        [L, KV, n, D] (int8 cells: [L, KV, n] of `host_dtype`), landed when it returns."""
+        k, v, landing = self.park_prefix(num_tokens)
+        if landing is not None:
+            landing.wait()
+        return k, v
+
+    def park_prefix(self, num_tokens: int):
+        """(keys, values, landing) as `export_prefix`, but the copies into a kept pinned block
+        are only queued (kv_copies.py): the arrays hold the cells once `landing` is done (None:
+        they do now). The other slots' windows run meanwhile; this KV's next window waits."""
         if self.is_int8:
-            return super().export_prefix(num_tokens)
+            return (*super().export_prefix(num_tokens), None)
         L, KV, D, n = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim, num_tokens
         nbytes = 2 * L * KV * n * D * self.dtype.itemsize
         # [K/V, L, KV, n, D] in a pinned block kept from an earlier park (host_pool.py), else in
@@ -157,19 +169,64 @@ class CudaKV(SequenceReuse):
         # pageable 4 KiB pages fault each one in (the copy ran at ~2 GB/s so)
         with self._rt.active():
             out = _host_pool(self._rt).lease(nbytes) if nbytes else None
-        copies = contextlib.nullcontext()
-        if out is None:
+        is_kept = out is not None
+        pinned = contextlib.nullcontext()
+        if not is_kept:
             out = anonymous_array(nbytes)
             out[::PAGE_BYTES] = 0  # the pages come in (huge ones where the kernel gives them)
-            copies = self.host_copies(out)
+            pinned = self.host_copies(out)
         out = out.view(self.dtype).reshape(2, L, KV, n, D)
-        with self._rt.active(), copies:
-            for layer in range(L if n else 0):
-                for kind in (0, 1):
-                    for j in range(KV):
-                        self._rt.drv.memcpy_dtoh(out[kind, layer, j],
-                                                 self._cell_address(layer, kind, j, 0))
-        return out[0], out[1]
+        head_bytes = n * D * self.dtype.itemsize
+        copies = [(self._rt.drv.memcpy_dtoh_async, out[kind, layer, j],
+                   self._cell_address(layer, kind, j, 0), head_bytes)
+                  for layer in range(L if n else 0) for kind in (0, 1) for j in range(KV)]
+        with self._rt.active(), pinned:
+            landing = self._landed(kv_copier(self._rt).submit(copies, out, in_pieces=True))
+            if not is_kept:  # unpinned when `pinned` ends: the copies land first
+                landing.wait()
+                landing = None
+        return out[0], out[1], landing
+
+    def restore_cells(self, keys: np.ndarray, values: np.ndarray, num_tokens: int) -> None:
+        """Hold the first `num_tokens` cells of a parked conversation. From a kept pinned block
+        (a park of this GPU) the copies are only queued, behind the park that filled it
+        (kv_copies.py): this KV's next window waits for them, the other slots' do not."""
+        n = int(num_tokens)
+        if self.is_int8 or not n or not _host_pool(self._rt).holds(keys, values):
+            super().restore_cells(keys, values, n)
+            return
+        self.truncate(0)
+        self.check_room(n)
+        # a head's [n, D] block: contiguous in a parked [KV, n', D] array
+        copies = [(self._rt.drv.memcpy_htod_async, self._cell_address(layer, kind, j, 0),
+                   src[layer, j, :n], src[layer, j, :n].nbytes)
+                  for layer in range(self.num_layers) for kind, src in ((0, keys), (1, values))
+                  for j in range(self.spec.n_kv_heads)]
+        with self._rt.active():
+            self._landed(kv_copier(self._rt).submit(copies, (keys, values), in_pieces=False))
+        self.commit(n)
+
+    def _landed(self, landing):
+        self._landings = [x for x in self._landings if not x.done()] + [landing]
+        return landing
+
+    def copies_pending(self) -> bool:
+        """Whether copies into or out of this KV's cells are still running (kv_copies.py)."""
+        self._landings = [x for x in self._landings if not x.done()]
+        return bool(self._landings)
+
+    def order_copies(self, stream) -> None:
+        """Work queued on `stream` from now on (a window that runs this KV) comes after the
+        copies into or out of its cells."""
+        for landing in self._landings:
+            landing.order(stream)
+
+    def settle(self) -> None:
+        """Wait for every KV copy of this context handed over so far: a synchronous copy (the
+        legacy stream) is not ordered after the copy stream."""
+        if getattr(self._rt, "kv_copier", None) is not None:
+            self._rt.kv_copier.settle()
+        self._landings = []
 
     def host_copies(self, *arrays):
         """The copies of `arrays` run pinned (DMA) in this KV's context; int8 cells go
@@ -191,6 +248,7 @@ class CudaKV(SequenceReuse):
 
     def _read(self, layer: int, kind: int) -> np.ndarray:
         KV, D, n = self.spec.n_kv_heads, self.spec.head_dim, self.num_tokens
+        self.settle()
         out = np.empty((KV, n), dtype=self.host_dtype)  # [KV, num_tokens] (int8 cells)
         cells = np.empty((KV, n, D), dtype=self.dtype)  # [KV, num_tokens, D]
         if n:
@@ -228,6 +286,7 @@ class CudaKV(SequenceReuse):
                     f"{' and dtype ' + str(self.host_dtype) if self.is_int8 else ''}, got "
                     f"{tuple(src.shape)} {src.dtype}; restore a conversation into a KV of the "
                     "cell type it was parked from")
+        self.settle()
         with self._rt.active():
             for kind, src in ((0, k), (1, v)):
                 for j in range(KV if num_new else 0):

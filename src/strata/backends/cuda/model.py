@@ -306,6 +306,7 @@ class CudaModel:
                 raise RequestError(
                     f"slot {i}: its KV cache ({kv!r}) was not made by this CUDA model; make "
                     "every KV of a window with this model's new_kv")
+            kv.order_copies(self.runtime.stream)  # a park or restore of its cells still runs
         R, N = window.num_rows, window.num_logit_rows
         plan = self._plan(R, max(N, 1), self.deep_level(window), self.cell_types(window))
         ws = self._ws

@@ -1,0 +1,107 @@
+"""Parks and restores queued on the copy stream (backends/cuda/kv_copies.py): their order
+with each other and with the windows that run the KV, and agents taking turns in one slot
+while another decodes, against fresh runs."""
+import numpy as np
+import pytest
+
+from strata import Engine, EngineConfig, SamplingParams
+from strata.backends.cuda import kv_copies
+from strata.backends.cuda.kv import _host_pool
+from strata.engine.generate import collect
+
+pytestmark = pytest.mark.cuda
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+BIG = 200_000  # tokens: ~51 MB of tiny's cells, a few ms on the copy stream
+
+
+def random_cells(kv, num_tokens, seed):
+    """Fill `kv` with random fp16 cells; their (keys, values) per layer."""
+    rng = np.random.default_rng(seed)
+    shape = (kv.spec.n_kv_heads, num_tokens, kv.spec.head_dim)
+    layers = [(rng.standard_normal(shape).astype(np.float16),
+               rng.standard_normal(shape).astype(np.float16)) for _ in range(kv.num_layers)]
+    kv.fill_cells(layers, num_tokens)
+    return layers
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    """tiny with room for KVs of BIG tokens."""
+    from strata.tool.synth import synth_model
+
+    path = tmp_path_factory.mktemp("kv-copies") / "tiny-256k.gguf"
+    synth_model(path, shape="tiny", weight_type="q8_0", seed=7, context_length=2 * BIG)
+    with Engine(EngineConfig(path, n_ctx=1024, device="cuda")) as engine:
+        yield engine
+
+
+def test_a_restore_queued_behind_a_park_of_the_same_cells_keeps_the_order(tiny_engine):
+    model = tiny_engine.model
+    a, b = model.new_kv(BIG), model.new_kv(BIG)
+    cells_a, cells_b = random_cells(a, BIG, 1), random_cells(b, BIG, 2)
+    ka, va, landed_a = a.park_prefix(BIG)
+    kb, vb, landed_b = b.park_prefix(BIG)
+    assert _host_pool(model.runtime).holds(kb, vb)  # pinned: the queued path
+    a.restore_cells(kb, vb, BIG)  # behind both parks, into the cells a's park reads
+    landed_a.wait()
+    for layer, (k, v) in enumerate(cells_a):  # the park read them before the restore came
+        assert np.array_equal(ka[layer], k) and np.array_equal(va[layer], v)
+    for layer, (k, v) in enumerate(cells_b):  # keys() waits for the copies first
+        assert np.array_equal(a.keys(layer), k) and np.array_equal(a.values(layer), v)
+    assert not a.copies_pending() and landed_b.done()
+
+
+def test_a_window_right_after_a_queued_restore_reads_the_restored_cells(tiny_engine):
+    model = tiny_engine.model
+    rng = np.random.default_rng(5)
+    prompt, more = rng.integers(10, 2000, 300), rng.integers(10, 2000, 20)
+    source = model.new_kv(1024)
+    model.forward(prompt.tolist(), source)
+    k, v, landed = source.park_prefix(len(prompt))
+    landed.wait()
+    expected = model.forward(more.tolist(), source, all_logits=True)
+    # a large park queued first keeps the copy stream busy: the restore lands late, and the
+    # window must wait for it rather than read the random cells under it
+    big = model.new_kv(BIG)
+    random_cells(big, BIG, 3)
+    target = model.new_kv(1024)
+    random_cells(target, 1024, 4)
+    big.park_prefix(BIG)
+    target.restore_cells(k, v, len(prompt))
+    got = model.forward(more.tolist(), target, all_logits=True)
+    assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_agents_taking_turns_beside_a_decoding_slot_equal_fresh_runs(
+        synth_path, monkeypatch, queued):
+    monkeypatch.setattr(kv_copies, "ASYNC", queued)
+    path = synth_path("tiny", "q8_0")
+    rng = np.random.default_rng(6)
+    long_answer = SamplingParams(max_tokens=150, **GREEDY)
+    turn = SamplingParams(max_tokens=4, **GREEDY)
+    with Engine(EngineConfig(path, n_ctx=2048, parallel=2, device="cuda")) as engine:
+        decoding = engine.submit(rng.integers(10, 2000, 16).tolist(), long_answer)
+        agents = [rng.integers(10, 2000, 700).tolist() for _ in range(2)]
+        answers, streamed = [], []
+        for _ in range(3):
+            for i in range(2):
+                handle = engine.submit(agents[i], turn)
+                while not handle.is_finished:
+                    assert engine.step()
+                    streamed += [e.token_id for e in decoding.pop_events()]
+                out = [e.token_id for e in handle.pop_events()]
+                assert handle.error is None and len(out) == 4
+                answers.append((list(agents[i]), out))
+                agents[i] = agents[i] + out + rng.integers(10, 2000, 50).tolist()
+        assert engine.scheduler.conversations.num_taken >= 4  # agents came back from parks
+        while not decoding.is_finished:
+            assert engine.step()
+            streamed += [e.token_id for e in decoding.pop_events()]
+        for prompt, out in answers:
+            engine.reset()
+            assert collect(engine.generate(prompt, turn)).token_ids == out
+        engine.reset()
+        again = collect(engine.generate(decoding.prompt_tokens, long_answer)).token_ids
+        assert again == streamed
