@@ -2,16 +2,20 @@
 growing conversations take turns in slot 1, so every turn parks one agent's KV and restores
 another's (docs/conversations.md). Per turn: slot 0's longest pause while the agent's request
 runs (its placement, which parks and restores, counts into the first window's: slot 0 waits for
-both), the placement's time, the agent's first token, and the pinned blocks the park made on
-the engine thread or found made ahead.
+both; the agent's prompt chunks are windows too), the switch itself (the placement and the
+window after it), the placement's time, the agent's first token, and the pinned blocks the
+park made on the engine thread or found made ahead.
 
 Usage: python tools/bench_park_pause.py MODEL.gguf [--device cuda] [--start 12000]
-           [--grow 2000] [--turns 8] [--agents 2] [--rounds 2] [--modes ahead,engine]
+           [--grow 2000] [--turns 8] [--agents 2] [--rounds 2] [--modes ahead,sync]
            [--json FILE]
 Rounds alternate the modes in one process, each from an empty pool (`engine.reset()`, the
-pool trimmed to nothing): `ahead` makes spare blocks on the pool's helper thread
-(host_pool.MAKE_AHEAD), `engine` only makes blocks when a park finds none. On the CPU
-backend there is no pinned pool: the pauses are still measured.
+pool trimmed to nothing): `ahead` is the default (spare blocks made on the pool's helper
+thread, host_pool.MAKE_AHEAD; the park's and restore's copies queued on the copy stream while
+the other slots run, kv_copies.ASYNC); `sync` waits for those copies on the engine thread
+(the behaviour before kv_copies.py); `engine` also makes blocks only when a park finds none
+(before host_pool's helper). On the CPU backend there is no pinned pool or copy stream: the
+pauses are still measured.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import time
 
 import numpy as np
 
-from strata.backends.cuda import host_pool
+from strata.backends.cuda import host_pool, kv_copies
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.sampling import SamplingParams
@@ -36,10 +40,11 @@ def pinned_pool(engine):
     return getattr(runtime, "kv_host_pool", None)
 
 
-def empty_the_pool(engine, make_ahead: bool) -> None:
+def empty_the_pool(engine, make_ahead: bool, copies_async: bool) -> None:
     engine.reset()
     gc.collect()
     host_pool.MAKE_AHEAD = make_ahead
+    kv_copies.ASYNC = copies_async
     pool = pinned_pool(engine)
     if pool is not None:
         pool.settle()
@@ -115,6 +120,10 @@ def summary(mode: str, rows: list[dict]) -> dict:
             "longest_pause_median_s": statistics.median(r["longest_pause_s"] for r in later),
             "longest_pause_max_s": max(r["longest_pause_s"] for r in later),
             "place_median_s": statistics.median(r["place_s"] for r in later),
+            # what the switch itself costs slot 0: the placement and the window right after it
+            "switch_median_s": statistics.median(r["place_s"] + r["first_window_s"]
+                                                 for r in later),
+            "switch_max_s": max(r["place_s"] + r["first_window_s"] for r in later),
             "first_window_median_s": statistics.median(r["first_window_s"] for r in later),
             "first_token_median_s": statistics.median(r["first_token_s"] for r in later),
             "made_on_engine": sum(r["made_on_engine"] for r in rows),
@@ -131,13 +140,13 @@ def main(argv=None) -> int:
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of each mode")
     ap.add_argument("-n", "--tokens", type=int, default=4, help="an agent's answer, tokens")
-    ap.add_argument("--modes", default="ahead,engine")
+    ap.add_argument("--modes", default="ahead,sync")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="write every turn's row here")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",")]
-    if not set(modes) <= {"ahead", "engine"}:
-        ap.error(f"--modes takes ahead and/or engine, not {args.modes!r}")
+    if not set(modes) <= {"ahead", "sync", "engine"}:
+        ap.error(f"--modes takes ahead, sync and/or engine, not {args.modes!r}")
     n_ctx = args.start + args.turns * (args.grow + args.tokens) + 64
     config = EngineConfig(args.model, device=args.device, n_ctx=n_ctx, parallel=2,
                           threads=args.threads)
@@ -145,16 +154,17 @@ def main(argv=None) -> int:
     with Engine(config) as engine:
         for r in range(args.rounds):
             for mode in modes:
-                empty_the_pool(engine, mode == "ahead")
+                empty_the_pool(engine, mode != "engine", mode == "ahead")
                 rows = run_round(engine, args, seed=r)
                 results.append({"round": r, **summary(mode, rows), "rows": rows})
     print("| round | mode | switches | slot 0's longest pause, median / max (s) | "
-          "placement, median (s) | agent's first token, median (s) | blocks made on the engine "
-          "thread / ahead |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "the switch (placement + next window), median / max (s) | placement, median (s) | "
+          "agent's first token, median (s) | blocks made on the engine thread / ahead |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in results:
         print(f"| {s['round']} | {s['mode']} | {s['switches']} | "
               f"{s['longest_pause_median_s']:.3f} / {s['longest_pause_max_s']:.3f} | "
+              f"{s['switch_median_s']:.3f} / {s['switch_max_s']:.3f} | "
               f"{s['place_median_s']:.3f} | {s['first_token_median_s']:.3f} | "
               f"{s['made_on_engine']} / {s['made_ahead']} |")
     if args.json:
