@@ -147,7 +147,7 @@ class ConversationCache:
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"nbytes = {nbytes} must be >= 0")
-        tokens = tuple(int(t) for t in tokens)
+        tokens = tuple(np.asarray(tokens, dtype=np.int64).tolist())  # (fast for long ones)
         if not tokens:
             return None
         points = None if reuse_points is None else tuple(sorted({int(p) for p in reuse_points}))

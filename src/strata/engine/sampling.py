@@ -309,7 +309,10 @@ class Sampler:
                  constraint=None):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
-        self.seen: set[int] = set(int(t) for t in prompt_tokens or [])
+        # (through numpy: an agent's prompt is tens of thousands of tokens, placed between
+        # two windows of the other slots)
+        self.seen: set[int] = set(np.asarray(prompt_tokens if prompt_tokens is not None
+                                             else [], dtype=np.int64).tolist())
         self.generated: Counter = Counter()
         self.constraint = constraint
 

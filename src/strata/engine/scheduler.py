@@ -238,9 +238,11 @@ class Scheduler:
                 f"the prompt has {len(prompt)} tokens but the context holds {self.n_ctx}; "
                 "shorten the prompt or raise the context size (n_ctx / --ctx-size)")
         vocab = min(self.tokenizer.vocab_size, self.model.spec.vocab)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        ids = np.asarray(prompt, dtype=np.int64)  # (one pass in numpy: prompts run long)
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            raise RequestError(f"prompt token id {prompt[bad[0]]} is outside the vocabulary "
+                               f"[0, {vocab})")
         return prompt
 
     def check_request(self, prompt_tokens, params: SamplingParams) -> list[int]:

@@ -78,7 +78,7 @@ class SlotTable:
     def replace_tokens(self, index: int, tokens: Sequence[int]) -> None:
         """The slot's KV was overwritten (a parked conversation restored into it)."""
         self._check_index(index)
-        self._tokens[index] = [int(t) for t in tokens]
+        self._tokens[index] = np.asarray(tokens, dtype=np.int64).tolist()  # (long: numpy)
 
     def extend(self, index: int, tokens: Sequence[int]) -> None:
         """The slot's KV got cells for `tokens` (a prompt chunk or a decoded token)."""
