@@ -11,6 +11,7 @@ import logging
 import os
 import pathlib
 import re
+import sys
 import warnings
 
 import numpy as np
@@ -255,9 +256,10 @@ class Runtime:
         free, total = self.drv.mem_get_info()
         return int(free), int(total)
 
-    def alloc(self, num_bytes: int):
+    def alloc(self, num_bytes: int) -> DeviceMemory:
         """A device allocation of num_bytes (at least 1), kept alive by the runtime's caller."""
-        return self.drv.mem_alloc(max(int(num_bytes), _ALIGN_BYTES))
+        return DeviceMemory(self.drv.mem_alloc(max(int(num_bytes), _ALIGN_BYTES)),
+                            self.context, self.drv)
 
     def upload(self, array: np.ndarray):
         """A device copy of a (contiguous) host array; returns the allocation."""
@@ -272,6 +274,45 @@ class Runtime:
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+
+class DeviceMemory(int):
+    """A device allocation as its address (an int: PyCUDA's copies, cuda_driver and the
+    launches take it as it is; `alloc + offset` is a plain int that does not keep it alive),
+    freed when its last reference goes, from whichever thread that is.
+
+    PyCUDA frees its own allocations only in the thread that made the context, or where the
+    context is current; elsewhere it warns "device_allocation in out-of-thread context could
+    not be cleaned up" and the memory stays taken. The cyclic GC frees whatever it collects in
+    the thread that happens to trigger it: the HTTP server's threads, the conversation files'
+    I/O threads, the copy threads. So the free makes the context current around itself."""
+
+    def __new__(cls, allocation, context, drv):
+        self = super().__new__(cls, int(allocation))
+        self._allocation = allocation
+        self._context = context
+        self._pop = drv.Context.pop  # (held: at exit the module's names may be gone first)
+        return self
+
+    def free(self) -> None:
+        """Free it now (at most once; later uses of the address are the caller's error)."""
+        allocation = self.__dict__.pop("_allocation", None)
+        if allocation is None:
+            return
+        try:
+            self._context.push()
+        except Exception:  # noqa: BLE001 - the context is gone, and the memory with it
+            return
+        try:
+            allocation.free()
+        finally:
+            self._pop()
+
+    def __del__(self):
+        if sys.is_finalizing():  # PyCUDA frees it as before (the main thread made the context)
+            self.__dict__.pop("_allocation", None)
+            return
+        self.free()
 
 
 def _kernel_names(source: str) -> list[str]:
