@@ -4,7 +4,8 @@ another's (docs/conversations.md). Per turn: slot 0's longest pause while the ag
 runs (its placement, which parks and restores, counts into the first window's: slot 0 waits for
 both; the agent's prompt chunks are windows too), the switch itself (the placement and the
 window after it), the placement's time, the agent's first token, and the pinned blocks the
-park made on the engine thread or found made ahead.
+park made on the engine thread, had the copy thread pin before its copies (`sync` waits for
+them) or found made ahead.
 
 Usage: python tools/bench_park_pause.py MODEL.gguf [--device cuda] [--start 12000]
            [--grow 2000] [--turns 8] [--agents 2] [--rounds 2] [--modes ahead,sync]
@@ -52,12 +53,17 @@ def empty_the_pool(engine, make_ahead: bool, copies_async: bool) -> None:
         pool.make_ahead = make_ahead
 
 
-def made_counts(engine) -> tuple[int, int]:
+def made_counts(engine) -> tuple[int, int, int]:
+    """Pinned blocks made so far: on the engine thread, by the copy thread, ahead."""
     pool = pinned_pool(engine)
     if pool is None:
-        return 0, 0
+        return 0, 0, 0
     pool.settle()
-    return pool.num_made - pool.num_made_ahead, pool.num_made_ahead
+    runtime = engine.model.runtime
+    if getattr(runtime, "kv_copier", None) is not None:
+        runtime.kv_copier.settle()
+    later, ahead = pool.num_made_later, pool.num_made_ahead
+    return pool.num_made - later - ahead, later, ahead
 
 
 def run_round(engine, args, seed: int) -> list[dict]:
@@ -106,7 +112,8 @@ def run_round(engine, args, seed: int) -> list[dict]:
                          "first_token_s": first_token_s,
                          "windows": len(windows),
                          "made_on_engine": made_after[0] - made_before[0],
-                         "made_ahead": made_after[1] - made_before[1]})
+                         "made_by_copies": made_after[1] - made_before[1],
+                         "made_ahead": made_after[2] - made_before[2]})
     decoding.cancel()
     engine.scheduler.drop_cancelled()
     while engine.step():
@@ -127,6 +134,7 @@ def summary(mode: str, rows: list[dict]) -> dict:
             "first_window_median_s": statistics.median(r["first_window_s"] for r in later),
             "first_token_median_s": statistics.median(r["first_token_s"] for r in later),
             "made_on_engine": sum(r["made_on_engine"] for r in rows),
+            "made_by_copies": sum(r["made_by_copies"] for r in rows),
             "made_ahead": sum(r["made_ahead"] for r in rows)}
 
 
@@ -159,14 +167,15 @@ def main(argv=None) -> int:
                 results.append({"round": r, **summary(mode, rows), "rows": rows})
     print("| round | mode | switches | slot 0's longest pause, median / max (s) | "
           "the switch (placement + next window), median / max (s) | placement, median (s) | "
-          "agent's first token, median (s) | blocks made on the engine thread / ahead |")
+          "agent's first token, median (s) | blocks made on the engine thread / by the copy "
+          "thread / ahead |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in results:
         print(f"| {s['round']} | {s['mode']} | {s['switches']} | "
               f"{s['longest_pause_median_s']:.3f} / {s['longest_pause_max_s']:.3f} | "
               f"{s['switch_median_s']:.3f} / {s['switch_max_s']:.3f} | "
               f"{s['place_median_s']:.3f} | {s['first_token_median_s']:.3f} | "
-              f"{s['made_on_engine']} / {s['made_ahead']} |")
+              f"{s['made_on_engine']} / {s['made_by_copies']} / {s['made_ahead']} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

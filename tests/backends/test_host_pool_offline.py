@@ -19,8 +19,11 @@ def test_without_a_driver_a_lease_is_refused_and_logged_once(caplog):
     pool = PinnedPool(rt=None)
     with caplog.at_level(logging.INFO, "strata.backends.cuda.host_pool"):
         assert pool.lease(1 << 20) is None and pool.lease(1 << 20) is None
-    assert caplog.text.count("refused") == 1
-    assert pool.idle_bytes == pool.leased_bytes == 0
+        assert pool.lease_to_pin(1 << 20) is None
+        pool.settle()  # the spare the first lease asked for: refused too
+    assert caplog.text.count("parks copy through memory pinned for each copy") == 1
+    assert caplog.text.count("no pinned block made ahead") <= 1
+    assert pool.idle_bytes == pool.leased_bytes == 0 and pool.num_made == 0
 
 
 class FakeDriver:
@@ -240,3 +243,70 @@ def test_the_helper_thread_ends_with_its_pool(driver):
     while len(helpers()) > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(helpers()) == before
+
+
+def _pin_on(pin, name="kv-copies") -> bool:
+    """Run a lease's `pin` on another thread (as the copy thread does); its result."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(pin()), name=name)
+    worker.start()
+    worker.join(10)
+    return result[0]
+
+
+def test_a_block_made_for_a_park_is_pinned_by_the_thread_that_copies_into_it(driver):
+    pool = PinnedPool(FakeRuntime(), max_idle_bytes=256 * MIB, make_ahead=False)
+    lease, pin = pool.lease_to_pin(100 * MIB)
+    assert lease.nbytes == 100 * MIB and driver.pinned == {}  # only mapped so far
+    assert pool.holds(lease) and pool.num_made == 0
+    lease[:] = 7  # usable at once (the copies come after `pin`)
+    assert _pin_on(pin) and driver.threads == ["kv-copies"]
+    assert driver.pinned == {lease.ctypes.data: 128 * MIB}
+    assert pool.num_made == pool.num_made_later == 1
+    address = lease.ctypes.data
+    del lease, pin
+    gc.collect()
+    again, pin = pool.lease_to_pin(110 * MIB)  # kept, pinned: nothing to do
+    assert pin is None and again.ctypes.data == address and pool.num_reused == 1
+    del again
+    gc.collect()
+    pool.trim(0)
+    assert driver.pinned == {}
+
+
+def test_a_park_takes_the_spare_being_made_and_its_pin_waits_for_the_helper(driver):
+    pool = PinnedPool(FakeRuntime(), max_idle_bytes=64 * MIB)
+    driver.gate.clear()
+    driver.gate_bytes = 192 * MIB  # the spare's registration waits
+    first, pin = pool.lease_to_pin(100 * MIB)
+    assert _pin_on(pin)
+    t0 = time.monotonic()
+    second, pin = pool.lease_to_pin(110 * MIB)  # the spare being made: taken, not waited for
+    assert time.monotonic() - t0 < 0.1 and pin is not None and pool.num_waited == 1
+    threading.Timer(0.2, driver.gate.set).start()
+    t0 = time.monotonic()
+    assert _pin_on(pin) and time.monotonic() - t0 >= 0.15
+    assert driver.pinned[second.ctypes.data] == 192 * MIB
+    assert driver.threads.count("pinned-pool") >= 1 and driver.threads.count("kv-copies") == 1
+    pool.settle()
+    assert pool.num_made_ahead >= 1 and pool.num_made_later == 1
+    del first, second, pin
+    gc.collect()
+    pool.trim(0)
+    pool.settle()
+    assert driver.pinned == {}
+
+
+def test_a_pin_refused_on_the_copy_thread_leaves_pageable_memory_and_parks_their_own(
+        driver, caplog):
+    pool = PinnedPool(FakeRuntime(), max_idle_bytes=64 * MIB, make_ahead=False)
+    driver.refuse_over = 50 * MIB
+    with caplog.at_level(logging.INFO, "strata.backends.cuda.host_pool"):
+        lease, pin = pool.lease_to_pin(100 * MIB)
+        assert not _pin_on(pin)
+    assert "was refused" in caplog.text and driver.pinned == {}
+    lease[:] = 1  # still memory the copies can land in
+    assert pool.lease_to_pin(10 * MIB) is None  # the parks copy through memory of their own
+    del lease, pin
+    gc.collect()
+    assert pool._blocks == [] and pool.num_made == 0

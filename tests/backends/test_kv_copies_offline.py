@@ -1,8 +1,9 @@
 """kv_copies.KVCopier without a GPU: over a stand-in for PyCUDA's streams, events and context,
-the copy thread issues jobs in the order given, device-to-host jobs in pieces with a wait
-after each, restores whole; a landing holds the job's arrays until it is done, reports a
-failed copy to whoever waits for it, and ASYNC = False waits in submit. (The copies on the
-H200: tests/backends/cuda/test_cuda_kv_copies.py.)"""
+the copy thread issues jobs in the order given (inside their `around`), device-to-host
+jobs in pieces with a wait after each, restores whole; a landing holds the job's arrays until
+it is done, reports a failed copy to whoever waits for it, and ASYNC = False waits in submit.
+(The copies on the H200: tests/backends/cuda/test_cuda_kv_copies.py.)"""
+import contextlib
 import gc
 import threading
 import weakref
@@ -167,3 +168,21 @@ def test_not_async_waits_in_submit(monkeypatch):
     copies, outs = job(rt, "park", [MIB, MIB])
     landing = copier.submit(copies, keep=None, in_pieces=True)
     assert landing.done() and all((o == i + 1).all() for i, o in enumerate(outs))
+
+
+def test_around_is_entered_on_the_copy_thread_before_the_copies_and_left_after():
+    rt = FakeRuntime()
+    copier = KVCopier(rt)
+    copies, outs = job(rt, "park", [MIB, MIB])
+
+    @contextlib.contextmanager
+    def pinned():  # host_pool's pin of a fresh block, host_memory.pinned_while
+        rt.log.add("pin", threading.current_thread().name)
+        yield
+        rt.log.add("unpin", threading.current_thread().name)
+
+    copier.submit(copies, keep=None, in_pieces=True, around=pinned()).wait()
+    calls = [c for c in rt.log.calls if c[0] in ("pin", "copy", "wait", "sync", "unpin")]
+    assert calls[0] == ("pin", "kv-copies") and calls[-1] == ("unpin", "kv-copies")
+    assert [c[0] for c in calls[1:-1]] == ["wait", "copy", "copy", "sync"]
+    assert all((o == i + 1).all() for i, o in enumerate(outs))

@@ -1,11 +1,13 @@
 """Parks and restores queued on the copy stream (backends/cuda/kv_copies.py): their order
-with each other and with the windows that run the KV, and agents taking turns in one slot
-while another decodes, against fresh runs."""
+with each other and with the windows that run the KV, a park into a block the copy thread
+pins first, and agents taking turns in one slot while another decodes, against fresh runs."""
+import gc
+
 import numpy as np
 import pytest
 
 from strata import Engine, EngineConfig, SamplingParams
-from strata.backends.cuda import kv_copies
+from strata.backends.cuda import host_pool, kv_copies
 from strata.backends.cuda.kv import _host_pool
 from strata.engine.generate import collect
 
@@ -52,6 +54,47 @@ def test_a_restore_queued_behind_a_park_of_the_same_cells_keeps_the_order(tiny_e
     assert not a.copies_pending() and landed_b.done()
 
 
+def test_a_park_into_a_fresh_block_has_the_copy_thread_pin_it(tiny_engine, monkeypatch):
+    model = tiny_engine.model
+    pool = _host_pool(model.runtime)
+    monkeypatch.setattr(host_pool, "SETTLE_S", 0.0)
+    gc.collect()
+    pool.settle()
+    pool.trim(0)  # nothing kept (blocks just given back too): the park needs a new block
+    kv = model.new_kv(BIG)
+    cells = random_cells(kv, BIG, 9)
+    made = pool.num_made_later
+    k, v, landed = kv.park_prefix(BIG)
+    assert landed is not None and pool.holds(k, v)  # queued, into the block being pinned
+    landed.wait()
+    assert pool.num_made_later == made + 1
+    for layer, (keys, values) in enumerate(cells):
+        assert np.array_equal(k[layer], keys) and np.array_equal(v[layer], values)
+
+
+def test_a_restore_from_memory_of_its_own_is_queued_and_pinned_by_the_copy_thread(
+        tiny_engine):
+    from strata._native import cuda_driver
+    from strata.backends.cuda.host_memory import _page_range
+
+    model = tiny_engine.model
+    source = model.new_kv(BIG)
+    cells = random_cells(source, BIG, 11)
+    k, v = source.export_prefix(BIG)
+    k, v = np.array(k), np.array(v)  # pageable, like a conversation file's arrays
+    assert not _host_pool(model.runtime).holds(k, v)
+    target = model.new_kv(BIG)
+    random_cells(target, BIG, 12)
+    target.restore_cells(k, v, BIG)
+    for layer, (keys, values) in enumerate(cells):  # keys() waits for the copies first
+        assert np.array_equal(target.keys(layer), keys)
+        assert np.array_equal(target.values(layer), values)
+    low, high = _page_range(k)
+    with model.runtime.active():  # unpinned once the copies landed: pinning it again works
+        cuda_driver.host_register(low, high - low)
+        cuda_driver.host_unregister(low)
+
+
 def test_a_window_right_after_a_queued_restore_reads_the_restored_cells(tiny_engine):
     model = tiny_engine.model
     rng = np.random.default_rng(5)
@@ -79,7 +122,7 @@ def test_agents_taking_turns_beside_a_decoding_slot_equal_fresh_runs(
     monkeypatch.setattr(kv_copies, "ASYNC", queued)
     path = synth_path("tiny", "q8_0")
     rng = np.random.default_rng(6)
-    long_answer = SamplingParams(max_tokens=150, **GREEDY)
+    long_answer = SamplingParams(max_tokens=600, **GREEDY)  # beyond the turns
     turn = SamplingParams(max_tokens=4, **GREEDY)
     with Engine(EngineConfig(path, n_ctx=2048, parallel=2, device="cuda")) as engine:
         decoding = engine.submit(rng.integers(10, 2000, 16).tolist(), long_answer)
@@ -95,6 +138,7 @@ def test_agents_taking_turns_beside_a_decoding_slot_equal_fresh_runs(
                 assert handle.error is None and len(out) == 4
                 answers.append((list(agents[i]), out))
                 agents[i] = agents[i] + out + rng.integers(10, 2000, 50).tolist()
+        assert not decoding.is_finished  # slot 0 stayed busy: every turn parked and restored
         assert engine.scheduler.conversations.num_taken >= 4  # agents came back from parks
         while not decoding.is_finished:
             assert engine.step()

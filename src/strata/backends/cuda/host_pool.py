@@ -13,26 +13,36 @@ pool going (a finalizer on an array of the block's own, which dies before the ma
 holds). A mapping unmapped while still registered leaves the driver holding that address
 range, and a later pinning that reuses it fails ("resource already mapped").
 
-Made ahead (`MAKE_AHEAD`): a park that finds no kept block makes one on the engine thread, and
-the other slots' windows wait for it (0.4-0.5 s for 2 GiB). So after every lease a helper
-thread makes a spare block, unless an idle one is there already, large enough (and not twice
+Made ahead (`MAKE_AHEAD`): a park that finds no kept block needs a new one pinned (0.4-0.5 s
+for 2 GiB) before its copies can start. So after every lease a helper thread makes a spare
+block, unless an idle one is there already, large enough (and not twice
 too large) for the largest recent park grown twice by `GROWTH_HEADROOM` (a conversation that
 outgrew its own block, or a new one of the size agents have had). Where the idle limit leaves
 no room for it, idle blocks smaller than each recent park (outgrown: agents' conversations
-grow) make room; a trim gives them up first too. A lease that finds nothing waits for the
-spare being made when it will fit, rather than make another. The helper also unpins and unmaps
+grow) make room; a trim gives them up first too. A lease that finds nothing takes the spare
+being made when it will fit, rather than make another. The helper also unpins and unmaps
 the blocks a trim drops. Its pinning runs in the pool's context, current in that thread too.
+
+Pinned later (`lease_to_pin`): a park that finds no kept block (the first of a run, a much
+longer conversation than the spare was made for) gets a block that is only mapped, with a
+function that faults it in and pins it; the copy thread (kv_copies.py) calls it before the
+park's copies, so the engine thread and the other slots' windows no longer wait for it (they
+did until session 55). A park that takes the spare being made gets a function that waits
+for the helper instead. `lease` pins (or waits) before it returns. Where the driver refuses
+the pin, the copies still land (through the driver's staging buffers) and the block goes when
+given back.
 """
 from __future__ import annotations
 
 import collections
-import contextlib
+import functools
 import logging
 import mmap
 import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -59,6 +69,8 @@ MADE_AHEAD_WAIT_S = 30.0  # a lease waits at most this long for the spare being 
 
 
 class _Block:
+    """A block's mapping (made at once); `pin` faults it in and pins it (~0.4 s a 2.5 GiB)."""
+
     def __init__(self, capacity: int, rt):
         self.capacity = capacity
         self.area = mmap.mmap(-1, capacity + HUGE_PAGE_BYTES,
@@ -70,12 +82,31 @@ class _Block:
         probe = np.frombuffer(self.area, np.uint8)
         self.offset = -probe.ctypes.data % HUGE_PAGE_BYTES
         self.address = probe.ctypes.data + self.offset
-        probe[self.offset::4096] = 0  # the pages come in (huge ones where the kernel gives them)
         self._holder = probe  # its finalizer unpins the block before the mapping can go
         self.unpin = None
         self.rt = rt
         self.is_leased = False
+        self.is_claimed = False  # a thread pins it (or has)
+        self.pinned = threading.Event()  # set once `pin` has run, pinned or refused
+        self.is_pinned = False
         self.freed_at = 0.0
+
+    def pin(self) -> None:
+        """Fault the pages in (huge ones where the kernel gives them) and pin them in the
+        current context; raises what the driver refused."""
+        from strata._native import cuda_driver
+
+        try:
+            self._holder[self.offset::4096] = 0
+            cuda_driver.host_register(self.address, self.capacity)
+            self.unpin = weakref.finalize(self._holder, _unregister, self.rt, self.address)
+            self.is_pinned = True
+        finally:
+            self.pinned.set()
+
+    @property
+    def is_refused(self) -> bool:
+        return self.pinned.is_set() and not self.is_pinned
 
 
 class PinnedPool:
@@ -91,38 +122,58 @@ class PinnedPool:
         self._blocks: list[_Block] = []
         self._lock = threading.Lock()
         self._recent = collections.deque(maxlen=RECENT_LEASES)  # the last leases' bytes
-        self._making: tuple[int, threading.Event] | None = None  # the spare's capacity
+        self._making: _Block | None = None  # the spare the helper is pinning
         self._tasks: queue.Queue | None = None  # the helper thread's, made on first use
         self.num_made = self.num_reused = 0
         self.num_made_ahead = 0  # of num_made, by the helper thread
-        self.num_waited = 0  # leases that waited for the spare being made
+        self.num_made_later = 0  # of num_made, by lease_to_pin's `pin` (the copy thread)
+        self.num_waited = 0  # leases that took the spare being made
         self._is_refused = False  # logged once
 
     def lease(self, nbytes: int) -> np.ndarray | None:
         """`nbytes` of pinned memory (uint8) on a 2 MiB boundary; None when the driver refuses
         to pin a new block (the caller copies through unpinned memory then)."""
+        got = self.lease_to_pin(nbytes)
+        if got is None:
+            return None
+        lease, pin = got
+        if pin is not None and not pin.func(*pin.args, later=False):
+            return None  # the block goes with the lease
+        return lease
+
+    def lease_to_pin(self, nbytes: int) -> tuple[np.ndarray, Callable[[], bool] | None] | None:
+        """(lease, pin): `nbytes` (uint8) on a 2 MiB boundary of a block that is pinned when
+        `pin` is None, else once `pin()` has run, in the pool's context, on any thread (it
+        pins the block, or waits for the helper pinning it; False when the driver refused: the
+        lease is pageable memory then). None once the driver has refused a block: the caller
+        copies through memory of its own."""
         nbytes = int(nbytes)
         if self._is_refused:
             return None
         self.trim()
-        block = self._take_kept(nbytes)
-        if block is None and self._wait_for_spare(nbytes):
-            block = self._take_kept(nbytes)
+        block = self._take_kept(nbytes) or self._take_spare_being_made(nbytes)
         if block is None:
-            block = self._make(_capacity_for(nbytes))
-            if block is None:
+            try:
+                block = _Block(_capacity_for(nbytes), self.rt)
+            except OSError as exc:  # no memory to map
+                self._refused(None, _capacity_for(nbytes), exc, ahead=False)
                 return None
+            block.is_leased = True
+            with self._lock:
+                self._blocks.append(block)
         lease = np.frombuffer(block.area, np.uint8, count=nbytes, offset=block.offset)
         weakref.finalize(lease, self._give_back, block)
         self._recent.append(nbytes)
         if self.make_ahead:
             self.trim()  # the idle limit and what is outgrown follow the parks
             self._make_spare()
-        return lease
+        return lease, (None if block.is_pinned else functools.partial(self._pin, block,
+                                                                      later=True))
 
     def holds(self, *arrays: np.ndarray) -> bool:
-        """Whether every one of `arrays` lies in a leased block (pinned: DMA can read or write
-        it while the engine goes on)."""
+        """Whether every one of `arrays` lies in a leased block (pinned, or pinned by the copy
+        thread before the copies queued after the lease: DMA can read or write it while the
+        engine goes on)."""
         with self._lock:
             spans = [(b.address, b.address + b.capacity) for b in self._blocks if b.is_leased]
         for array in arrays:
@@ -133,44 +184,67 @@ class PinnedPool:
         return True
 
     def _take_kept(self, nbytes: int) -> _Block | None:
-        """The smallest idle block that holds `nbytes` without wasting more than as much again,
-        leased."""
+        """The smallest idle pinned block that holds `nbytes` without wasting more than as
+        much again, leased."""
         with self._lock:
-            fits = [b for b in self._blocks if not b.is_leased and nbytes <= b.capacity
-                    <= 2 * nbytes + BLOCK_ROUND_BYTES]
+            fits = [b for b in self._blocks if not b.is_leased and b.is_pinned and nbytes
+                    <= b.capacity <= 2 * nbytes + BLOCK_ROUND_BYTES]
             block = min(fits, key=lambda b: b.capacity, default=None)
             if block is not None:
                 block.is_leased = True
                 self.num_reused += 1
         return block
 
-    def _make(self, capacity: int, *, ahead: bool = False) -> _Block | None:
-        """A new block of `capacity` bytes, pinned (leased, or idle when made `ahead`); None
-        when the driver refuses it, logged once."""
-        from strata._native import cuda_driver
-
-        try:
-            block = _Block(capacity, self.rt)
-            with (self.rt.active() if ahead else contextlib.nullcontext()):
-                cuda_driver.host_register(block.address, capacity)
-            block.unpin = weakref.finalize(block._holder, _unregister, self.rt, block.address)
-        except Exception as exc:  # noqa: BLE001 - the locked-memory limit, no THP, ...
-            if ahead:  # the parks still get blocks of their own size
-                log.info("no pinned block made ahead of parks from now on: %.2f GiB was "
-                         "refused (%s)", capacity / 2**30, exc)
-                self.make_ahead = False
-            elif not self._is_refused:
-                log.info("parks copy through memory pinned for each copy: a pinned block "
-                         "of %.2f GiB to keep was refused (%s)", capacity / 2**30, exc)
-                self._is_refused = True
-            return None
-        block.is_leased = not ahead
-        block.freed_at = time.monotonic()
+    def _take_spare_being_made(self, nbytes: int) -> _Block | None:
+        """The spare the helper is pinning, leased, when it holds `nbytes` (its `pin` waits for
+        the helper): rather than make another."""
         with self._lock:
-            self._blocks.append(block)
-            self.num_made += 1
-            self.num_made_ahead += ahead
+            block = self._making
+            if block is None or block.is_leased or not (
+                    nbytes <= block.capacity <= 2 * nbytes + BLOCK_ROUND_BYTES):
+                return None
+            block.is_leased = True
+            self.num_waited += 1
+            self._making = None  # the next spare is made after it
         return block
+
+    def _pin(self, block: _Block, *, later: bool) -> bool:
+        """Pin a leased `block` in this thread, or wait for the helper pinning it; whether it
+        is pinned. `later`: after the lease, by the thread that copies into it."""
+        with self._lock:
+            is_mine = not block.is_claimed
+            block.is_claimed = True
+        if not is_mine:
+            return block.pinned.wait(MADE_AHEAD_WAIT_S) and block.is_pinned
+        try:
+            with self.rt.active():
+                block.pin()
+        except Exception as exc:  # noqa: BLE001 - the locked-memory limit, no THP, ...
+            self._refused(block, block.capacity, exc, ahead=False)
+            return False
+        with self._lock:
+            self.num_made += 1
+            self.num_made_later += later
+        return True
+
+    def _refused(self, block: _Block | None, capacity: int, exc: BaseException | str, *,
+                 ahead: bool) -> None:
+        """The driver refused to pin `block` (None: to map one): logged once; a block no lease
+        holds goes at once, a leased one when given back."""
+        exc = str(exc)  # not the exception: its traceback would hold the lease's frames
+        if ahead:  # the parks still get blocks of their own size
+            log.info("no pinned block made ahead of parks from now on: %.2f GiB was refused "
+                     "(%s)", capacity / 2**30, exc)
+            self.make_ahead = False
+        elif not self._is_refused:
+            log.info("parks copy through memory pinned for each copy: a pinned block of %.2f "
+                     "GiB to keep was refused (%s)", capacity / 2**30, exc)
+            self._is_refused = True
+        if block is not None:
+            block.pinned.set()  # (its context may have failed before `pin` ran)
+            with self._lock:
+                if not block.is_leased and block in self._blocks:
+                    self._blocks.remove(block)
 
     def _spare_capacity(self) -> int:
         wanted = int(max(self._recent) * (1 + GROWTH_HEADROOM) ** 2)
@@ -190,36 +264,48 @@ class PinnedPool:
             outgrown = self._outgrown_locked()
             if excess > sum(b.capacity for b in outgrown):
                 return
+            try:
+                block = _Block(capacity, self.rt)  # mapped here, pinned by the helper
+            except OSError:
+                return
             dropped = []
-            for block in outgrown:  # room for the spare: blocks no recent park fits in
+            for old in outgrown:  # room for the spare: blocks no recent park fits in
                 if excess <= 0:
                     break
-                self._blocks.remove(block)
-                excess -= block.capacity
-                dropped.append(block)
-            done = threading.Event()
-            self._making = (capacity, done)
+                self._blocks.remove(old)
+                excess -= old.capacity
+                dropped.append(old)
+            block.is_claimed = True
+            self._blocks.append(block)
+            self._making = block
 
         def make():
             try:
                 _drop(dropped)
-                block = self._make(capacity, ahead=True)
-                if block is not None:
-                    log.debug("a spare pinned block of %.2f GiB made ahead of the next park",
-                              capacity / 2**30)
-            finally:
+                with self.rt.active():
+                    block.pin()
+            except Exception as exc:  # noqa: BLE001 - the locked-memory limit, no THP, ...
+                self._refused(block, capacity, exc, ahead=True)
+            else:
                 with self._lock:
-                    self._making = None
-                done.set()
+                    self.num_made += 1
+                    self.num_made_ahead += 1
+                log.debug("a spare pinned block of %.2f GiB made ahead of the next park",
+                          capacity / 2**30)
+            finally:
+                block.pinned.set()
+                with self._lock:
+                    if self._making is block:
+                        self._making = None
 
         self._run(make)
 
     def _spare_locked(self) -> _Block | None:
-        """The idle block that serves as the spare: the smallest of the spare's size or more
-        that the largest recent park would still be leased (a far larger one, kept from longer
-        conversations, is passed by by the parks to come: _take_kept)."""
+        """The idle block that serves as the spare: the smallest pinned one of the spare's size
+        or more that the largest recent park would still be leased (a far larger one, kept from
+        longer conversations, is passed by by the parks to come: _take_kept)."""
         capacity, largest = self._spare_capacity(), max(self._recent)
-        return min((b for b in self._blocks if not b.is_leased
+        return min((b for b in self._blocks if not b.is_leased and b.is_pinned
                     and capacity <= b.capacity <= 2 * largest + BLOCK_ROUND_BYTES),
                    key=lambda b: b.capacity, default=None)
 
@@ -229,18 +315,9 @@ class PinnedPool:
         if not self._recent:
             return []
         smallest, now = min(self._recent), time.monotonic()
-        return sorted((b for b in self._blocks if not b.is_leased and b.capacity < smallest
-                       and now - b.freed_at > SETTLE_S),
+        return sorted((b for b in self._blocks if not b.is_leased and b.is_pinned
+                       and b.capacity < smallest and now - b.freed_at > SETTLE_S),
                       key=lambda b: b.capacity, reverse=True)
-
-    def _wait_for_spare(self, nbytes: int) -> bool:
-        """Wait for the spare being made when it will hold `nbytes`; True when one was."""
-        with self._lock:
-            making = self._making
-        if making is None or not nbytes <= making[0] <= 2 * nbytes + BLOCK_ROUND_BYTES:
-            return False
-        self.num_waited += 1
-        return making[1].wait(MADE_AHEAD_WAIT_S)
 
     def _run(self, task) -> None:
         """`task` on the helper thread (started on first use, ended when the pool goes)."""
@@ -262,6 +339,8 @@ class PinnedPool:
         with self._lock:
             block.is_leased = False
             block.freed_at = time.monotonic()
+            if block.is_refused and block in self._blocks:  # no pin to undo: the mapping
+                self._blocks.remove(block)  # goes with its last reference
 
     def idle_bytes_locked(self) -> int:
         return sum(b.capacity for b in self._blocks if not b.is_leased)
@@ -279,21 +358,26 @@ class PinnedPool:
     def trim(self, max_idle_bytes: int | None = None) -> None:
         """Give up idle blocks until at most `max_idle_bytes` (default the pool's, or room for
         a spare and one park's block when more) are idle: first the outgrown ones, then largest
-        first, the spare last. The helper thread unpins and unmaps them when
-        it runs (at once when `max_idle_bytes` is given)."""
+        first, the spare last (blocks whose pinning was refused go whatever the limit; the
+        spare being pinned stays). The helper thread unpins and unmaps them when it runs (at
+        once when `max_idle_bytes` is given)."""
         limit = self._idle_limit() if max_idle_bytes is None else int(max_idle_bytes)
         now = time.monotonic()
         with self._lock:
+            # pinning refused: they go whatever the limit
+            dropped = [b for b in self._blocks if not b.is_leased and b.is_refused]
+            for block in dropped:
+                self._blocks.remove(block)
             spare = self._spare_locked() if self.make_ahead and self._recent else None
             outgrown = self._outgrown_locked()
-            idle = sorted((b for b in self._blocks if not b.is_leased and b not in outgrown
-                           and b is not spare and now - b.freed_at > SETTLE_S),
+            idle = sorted((b for b in self._blocks if not b.is_leased and b.is_pinned
+                           and b not in outgrown and b is not spare
+                           and now - b.freed_at > SETTLE_S),
                           key=lambda b: b.capacity, reverse=True)
             if spare is not None and now - spare.freed_at > SETTLE_S:
                 idle.append(spare)
             idle = outgrown + idle
             excess = sum(b.capacity for b in idle) - limit
-            dropped = []
             for block in idle:
                 if excess <= 0:
                     break
@@ -317,7 +401,8 @@ def _capacity_for(nbytes: int) -> int:
 def _drop(blocks: list[_Block]) -> None:
     """Unpin, then unmap, blocks taken out of a pool."""
     for block in blocks:
-        block.unpin()
+        if block.unpin is not None:  # pinned
+            block.unpin()
         block._holder = None
         try:
             block.area.close()

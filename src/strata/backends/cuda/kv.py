@@ -164,12 +164,14 @@ class CudaKV(SequenceReuse):
             return (*super().export_prefix(num_tokens), None)
         L, KV, D, n = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim, num_tokens
         nbytes = 2 * L * KV * n * D * self.dtype.itemsize
-        # [K/V, L, KV, n, D] in a pinned block kept from an earlier park (host_pool.py), else in
-        # memory asked for huge pages and pinned for the copies: gigabytes copied into fresh
-        # pageable 4 KiB pages fault each one in (the copy ran at ~2 GB/s so)
+        # [K/V, L, KV, n, D] in a pinned block kept from an earlier park (host_pool.py; a new
+        # one is pinned by the copy thread before the copies), else in memory asked for huge
+        # pages and pinned for the copies: gigabytes copied into fresh pageable 4 KiB pages
+        # fault each one in (the copy ran at ~2 GB/s so)
         with self._rt.active():
-            out = _host_pool(self._rt).lease(nbytes) if nbytes else None
-        is_kept = out is not None
+            got = _host_pool(self._rt).lease_to_pin(nbytes) if nbytes else None
+        is_kept = got is not None
+        out, pin = got if is_kept else (None, None)
         pinned = contextlib.nullcontext()
         if not is_kept:
             out = anonymous_array(nbytes)
@@ -181,20 +183,24 @@ class CudaKV(SequenceReuse):
                    self._cell_address(layer, kind, j, 0), head_bytes)
                   for layer in range(L if n else 0) for kind in (0, 1) for j in range(KV)]
         with self._rt.active(), pinned:
-            landing = self._landed(kv_copier(self._rt).submit(copies, out, in_pieces=True))
+            around = None if pin is None else _calling_first(pin)
+            landing = self._landed(kv_copier(self._rt).submit(copies, out, in_pieces=True,
+                                                              around=around))
             if not is_kept:  # unpinned when `pinned` ends: the copies land first
                 landing.wait()
                 landing = None
         return out[0], out[1], landing
 
     def restore_cells(self, keys: np.ndarray, values: np.ndarray, num_tokens: int) -> None:
-        """Hold the first `num_tokens` cells of a parked conversation. From a kept pinned block
-        (a park of this GPU) the copies are only queued, behind the park that filled it
-        (kv_copies.py): this KV's next window waits for them, the other slots' do not."""
+        """Hold the first `num_tokens` cells of a parked conversation. The copies are only
+        queued (kv_copies.py), from a kept pinned block (a park of this GPU) behind the park
+        that filled it, from other memory (a file's) pinned by the copy thread around them:
+        this KV's next window waits for them, the other slots' do not."""
         n = int(num_tokens)
-        if self.is_int8 or not n or not _host_pool(self._rt).holds(keys, values):
+        if self.is_int8 or not n:
             super().restore_cells(keys, values, n)
             return
+        is_kept = _host_pool(self._rt).holds(keys, values)
         self.truncate(0)
         self.check_room(n)
         # a head's [n, D] block: contiguous in a parked [KV, n', D] array
@@ -202,8 +208,10 @@ class CudaKV(SequenceReuse):
                    src[layer, j, :n], src[layer, j, :n].nbytes)
                   for layer in range(self.num_layers) for kind, src in ((0, keys), (1, values))
                   for j in range(self.spec.n_kv_heads)]
+        around = None if is_kept else pinned_while(keys, values)
         with self._rt.active():
-            self._landed(kv_copier(self._rt).submit(copies, (keys, values), in_pieces=False))
+            self._landed(kv_copier(self._rt).submit(copies, (keys, values), in_pieces=False,
+                                                    around=around))
         self.commit(n)
 
     def _landed(self, landing):
@@ -319,6 +327,14 @@ def _host_pool(rt) -> PinnedPool:
     if pool is None:
         pool = rt.kv_host_pool = PinnedPool(rt)
     return pool
+
+
+@contextlib.contextmanager
+def _calling_first(function):
+    """A context that calls `function` when entered (a fresh block's pin, on the copy
+    thread)."""
+    function()
+    yield
 
 
 @contextlib.contextmanager

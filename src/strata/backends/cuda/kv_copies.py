@@ -11,6 +11,9 @@ context, created non-blocking so that nothing on the legacy stream waits for it,
   another stream waited 19.4 ms behind a 1 GiB one, where host-to-device copies passed each
   other), and every window reads its sampled tokens back so. A window then waits for one piece
   at most (~0.6 ms). Restores (host to device) go out whole.
+- The host memory is pinned here, around the copies (`around`), not on the engine thread: a
+  block the pinned pool had to make for a park (~0.4 s a 2.5 GiB), and a conversation read
+  from its file (pinned for its restore's copies, ~0.1 s).
 - A `Landing` says when a job's copies are done; the job holds the host arrays it reads or
   writes until then (a block given back to the pool while its DMA runs could be leased or
   unpinned under it).
@@ -29,6 +32,7 @@ the engine thread and the other slots wait), for benchmarks (tools/bench_park_pa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import queue
 import threading
@@ -74,11 +78,14 @@ class KVCopier:
         self._jobs: queue.Queue | None = None
         self._last: Landing | None = None
 
-    def submit(self, copies, keep, in_pieces: bool) -> Landing:
+    def submit(self, copies, keep, in_pieces: bool, around=None) -> Landing:
         """Hand over `copies`, (function, destination, source, bytes) each, called as
         function(destination, source, stream) (pycuda's memcpy_*_async); `keep` stays
-        referenced until they are done. `in_pieces`: device-to-host copies (above). Call in
-        the active context."""
+        referenced until they are done. `in_pieces`: device-to-host copies (above).
+        `around`: a context manager the copy thread enters before the copies and leaves once
+        they have landed (the host memory's pinning: a fresh pool block's, host_pool.
+        PinnedPool.lease_to_pin; a file's arrays', host_memory.pinned_while). Call in the
+        active context."""
         after = self.rt.drv.Event()
         after.record(self.rt.stream)  # the compute stream's work so far comes first
         landing = Landing()
@@ -91,7 +98,7 @@ class KVCopier:
             weakref.finalize(self, self._jobs.put, None)
             # PyCUDA aborts at exit when a thread still holds a context: end it before
             atexit.register(_stop, self._jobs, thread)
-        self._jobs.put((after, list(copies), keep, in_pieces, landing))
+        self._jobs.put((around, after, list(copies), keep, in_pieces, landing))
         self._last = landing
         if not ASYNC:
             landing.wait()
@@ -110,23 +117,24 @@ def _serve(context, drv, stream, jobs: queue.Queue) -> None:
     context.push()
     try:
         while (job := jobs.get()) is not None:
-            after, copies, keep, in_pieces, landing = job
+            around, after, copies, keep, in_pieces, landing = job
             try:
-                stream.wait_for_event(after)
-                piece = 0
-                for function, destination, source, nbytes in copies:
-                    function(destination, source, stream)
-                    piece += nbytes
-                    if in_pieces and piece >= PIECE_BYTES:
-                        stream.synchronize()
-                        piece = 0
-                stream.synchronize()
+                with around if around is not None else contextlib.nullcontext():
+                    stream.wait_for_event(after)
+                    piece = 0
+                    for function, destination, source, nbytes in copies:
+                        function(destination, source, stream)
+                        piece += nbytes
+                        if in_pieces and piece >= PIECE_BYTES:
+                            stream.synchronize()
+                            piece = 0
+                    stream.synchronize()
             except BaseException as exc:  # noqa: BLE001 - told to whoever waits for it
                 log.exception("KV copies failed")
                 landing.error = exc
             finally:
                 landing._done.set()
-            del job, after, copies, keep  # the arrays go back to the pool now
+            del job, around, after, copies, keep  # the arrays go back to the pool now
     finally:
         drv.Context.pop()
 
