@@ -1,7 +1,8 @@
 """runtime.DeviceMemory without a GPU: over a stand-in for PyCUDA's allocation, context and
 Context.pop, a device allocation is its address, is freed once, with its context made current
-around the free, in whichever thread drops it or whose cyclic GC collects it, and does nothing
-when the context is gone. (On the H200: tests/backends/cuda/test_cuda_device_memory.py.)"""
+around the free (unless it is), in whichever thread drops it or whose cyclic GC collects it,
+and does nothing when the context is gone. (On the H200:
+tests/backends/cuda/test_cuda_device_memory.py.)"""
 import gc
 import threading
 
@@ -45,13 +46,27 @@ class FakeDrv:
     def __init__(self, log):
         self.log = log
         self.Context = self
+        self.current = threading.local()  # PyCUDA's context stack is per thread
+
+    def get_current(self):
+        return getattr(self.current, "context", None)
 
     def pop(self):
         self.log.add("pop")
 
 
-def _memory(log, address=0x7F0000001000, is_gone=False):
-    return DeviceMemory(FakeAllocation(log, address), FakeContext(log, is_gone), FakeDrv(log))
+def _memory(log, address=0x7F0000001000, is_gone=False, drv=None):
+    drv = FakeDrv(log) if drv is None else drv
+    return DeviceMemory(FakeAllocation(log, address), FakeContext(log, is_gone), drv)
+
+
+def test_where_its_context_is_current_it_is_freed_as_it_is():
+    log = Log()
+    drv = FakeDrv(log)
+    mem = _memory(log, drv=drv)
+    drv.current.context = mem._context  # the engine thread's
+    del mem
+    assert [c[0] for c in log.calls] == ["free"]
 
 
 def test_it_is_its_address():

@@ -291,13 +291,17 @@ class DeviceMemory(int):
         self = super().__new__(cls, int(allocation))
         self._allocation = allocation
         self._context = context
-        self._pop = drv.Context.pop  # (held: at exit the module's names may be gone first)
+        # (held: at exit the module's names may be gone first)
+        self._current, self._pop = drv.Context.get_current, drv.Context.pop
         return self
 
     def free(self) -> None:
         """Free it now (at most once; later uses of the address are the caller's error)."""
         allocation = self.__dict__.pop("_allocation", None)
         if allocation is None:
+            return
+        if self._current() == self._context:  # the engine thread, the copy thread
+            allocation.free()
             return
         try:
             self._context.push()
