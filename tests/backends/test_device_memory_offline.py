@@ -3,10 +3,10 @@ Context.pop, a device allocation is its address, is freed once, with its context
 around the free (unless it is), in whichever thread drops it or whose cyclic GC collects it,
 and does nothing when the context is gone. (On the H200:
 tests/backends/cuda/test_cuda_device_memory.py.)"""
-import gc
 import threading
 
 import pytest
+from gc_threads import collect_in_a_thread
 
 from strata.backends.cuda.runtime import DeviceMemory
 
@@ -98,13 +98,7 @@ def test_a_cycle_collected_in_another_thread_frees_it_there():
     holder.me = holder
     holder.buf = _memory(log)
     del holder
-    gc.disable()
-    try:
-        worker = threading.Thread(target=gc.collect, name="io-thread")
-        worker.start()
-        worker.join()
-    finally:
-        gc.enable()
+    collect_in_a_thread("io-thread")
     assert log.calls == [("push", "io-thread"), ("free", 0x7F0000001000, "io-thread"),
                          ("pop", "io-thread")]
 

@@ -4,10 +4,10 @@ current (the HTTP server's, the conversation files' I/O threads) frees its VRAM.
 own allocations that memory stayed taken ("device_allocation in out-of-thread context could
 not be cleaned up")."""
 import gc
-import threading
 
 import numpy as np
 import pytest
+from gc_threads import collect_in_a_thread
 
 pytestmark = pytest.mark.cuda
 
@@ -16,17 +16,6 @@ GIB = 2**30
 
 class _Holder:
     pass
-
-
-def _collect_in_a_thread() -> None:
-    """gc.collect() in a new thread (no CUDA context is current there)."""
-    gc.disable()  # the collection happens there, not on this thread's next allocation
-    try:
-        worker = threading.Thread(target=gc.collect, name="no-context")
-        worker.start()
-        worker.join()
-    finally:
-        gc.enable()
 
 
 def test_a_cycle_collected_in_another_thread_gives_its_vram_back(runtime):
@@ -38,7 +27,7 @@ def test_a_cycle_collected_in_another_thread_gives_its_vram_back(runtime):
     holder.copy = runtime.upload(np.arange(1 << 20, dtype=np.float32))
     assert runtime.free_bytes()[0] <= free_before - GIB
     del holder
-    _collect_in_a_thread()
+    collect_in_a_thread()
     free_after, _ = runtime.free_bytes()
     assert free_after >= free_before - 64 * 2**20, (free_before, free_after)
 
