@@ -9,14 +9,16 @@ them) or found made ahead.
 
 Usage: python tools/bench_park_pause.py MODEL.gguf [--device cuda] [--start 12000]
            [--grow 2000] [--turns 8] [--agents 2] [--rounds 2] [--modes ahead,sync]
-           [--json FILE]
+           [--files DIR --cache-mib MIB] [--json FILE]
 Rounds alternate the modes in one process, each from an empty pool (`engine.reset()`, the
 pool trimmed to nothing): `ahead` is the default (spare blocks made on the pool's helper
 thread, host_pool.MAKE_AHEAD; the park's and restore's copies queued on the copy stream while
 the other slots run, kv_copies.ASYNC); `sync` waits for those copies on the engine thread
 (the behaviour before kv_copies.py); `engine` also makes blocks only when a park finds none
 (before host_pool's helper). On the CPU backend there is no pinned pool or copy stream: the
-pauses are still measured.
+pauses are still measured. `--files DIR --cache-mib MIB --agents 3`, MIB a little over one
+agent's conversation: each park evicts the one parked before it to its file, and each agent
+comes back from its file (read ahead on a thread while slot 0 decodes, then restored).
 """
 from __future__ import annotations
 
@@ -66,6 +68,11 @@ def made_counts(engine) -> tuple[int, int, int]:
     return pool.num_made - later - ahead, later, ahead
 
 
+def files_read(engine) -> int:
+    disk = engine.scheduler.conversations.disk
+    return 0 if disk is None else disk.num_read
+
+
 def run_round(engine, args, seed: int) -> list[dict]:
     """One round: slot 0's long answer, the agents' turns beside it; a row per turn after
     the first agent's first (every one of them parks)."""
@@ -83,7 +90,7 @@ def run_round(engine, args, seed: int) -> list[dict]:
     rows = []
     for turn in range(args.turns):
         for agent in range(args.agents):
-            made_before = made_counts(engine)
+            made_before, read_before = made_counts(engine), files_read(engine)
             t_start = time.perf_counter()
             # submit places the request at once: the park of slot 1's conversation and the
             # restore of this agent's run here, on the engine thread between two windows (the
@@ -113,7 +120,8 @@ def run_round(engine, args, seed: int) -> list[dict]:
                          "windows": len(windows),
                          "made_on_engine": made_after[0] - made_before[0],
                          "made_by_copies": made_after[1] - made_before[1],
-                         "made_ahead": made_after[2] - made_before[2]})
+                         "made_ahead": made_after[2] - made_before[2],
+                         "from_file": files_read(engine) - read_before})
     decoding.cancel()
     engine.scheduler.drop_cancelled()
     while engine.step():
@@ -135,7 +143,8 @@ def summary(mode: str, rows: list[dict]) -> dict:
             "first_token_median_s": statistics.median(r["first_token_s"] for r in later),
             "made_on_engine": sum(r["made_on_engine"] for r in rows),
             "made_by_copies": sum(r["made_by_copies"] for r in rows),
-            "made_ahead": sum(r["made_ahead"] for r in rows)}
+            "made_ahead": sum(r["made_ahead"] for r in rows),
+            "from_files": sum(r["from_file"] for r in later)}
 
 
 def main(argv=None) -> int:
@@ -150,14 +159,22 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--tokens", type=int, default=4, help="an agent's answer, tokens")
     ap.add_argument("--modes", default="ahead,sync")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--files", default=None,
+                    help="conversation files in this folder (--conversation-cache-dir)")
+    ap.add_argument("--cache-mib", type=float, default=None,
+                    help="--conversation-cache-mib: with --files and 3 agents, the size of "
+                         "one conversation makes every restore come from a file")
     ap.add_argument("--json", default=None, help="write every turn's row here")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",")]
     if not set(modes) <= {"ahead", "sync", "engine"}:
         ap.error(f"--modes takes ahead, sync and/or engine, not {args.modes!r}")
     n_ctx = args.start + args.turns * (args.grow + args.tokens) + 64
+    files = {} if args.files is None else {"conversation_cache_dir": args.files}
+    if args.cache_mib is not None:
+        files["conversation_cache_mib"] = args.cache_mib
     config = EngineConfig(args.model, device=args.device, n_ctx=n_ctx, parallel=2,
-                          threads=args.threads)
+                          threads=args.threads, **files)
     results = []
     with Engine(config) as engine:
         for r in range(args.rounds):
@@ -168,14 +185,15 @@ def main(argv=None) -> int:
     print("| round | mode | switches | slot 0's longest pause, median / max (s) | "
           "the switch (placement + next window), median / max (s) | placement, median (s) | "
           "agent's first token, median (s) | blocks made on the engine thread / by the copy "
-          "thread / ahead |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "thread / ahead | restored from files |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in results:
         print(f"| {s['round']} | {s['mode']} | {s['switches']} | "
               f"{s['longest_pause_median_s']:.3f} / {s['longest_pause_max_s']:.3f} | "
               f"{s['switch_median_s']:.3f} / {s['switch_max_s']:.3f} | "
               f"{s['place_median_s']:.3f} | {s['first_token_median_s']:.3f} | "
-              f"{s['made_on_engine']} / {s['made_by_copies']} / {s['made_ahead']} |")
+              f"{s['made_on_engine']} / {s['made_by_copies']} / {s['made_ahead']} | "
+              f"{s['from_files']} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
