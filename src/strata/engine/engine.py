@@ -118,6 +118,8 @@ class Engine:
                 if handle.is_finished:
                     return  # cancelled
                 if not self.scheduler.step():
+                    if handle.error is not None:  # it ended in this step (not placed)
+                        raise handle.error
                     raise RuntimeError("the scheduler stopped with a request unfinished")  # bug
         finally:
             if not handle.is_finished:

@@ -280,6 +280,8 @@ class Scheduler:
             try:
                 self._place(handle)
             except Exception as exc:  # noqa: BLE001 - e.g. a faulty slot-picker plugin
+                log.exception("request %d: not placed (%s: %s); it ends with that error",
+                              handle.request_id, type(exc).__name__, exc)
                 self._end(handle, exc)
         self._queue.extendleft(reversed(waiting))
         disk = self.conversations.disk
