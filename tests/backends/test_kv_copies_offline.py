@@ -176,7 +176,7 @@ def test_around_is_entered_on_the_copy_thread_before_the_copies_and_left_after()
     copies, outs = job(rt, "park", [MIB, MIB])
 
     @contextlib.contextmanager
-    def pinned():  # host_pool's pin of a fresh block, host_memory.pinned_while
+    def pinned():  # like host_pool's pin of a fresh block
         rt.log.add("pin", threading.current_thread().name)
         yield
         rt.log.add("unpin", threading.current_thread().name)

@@ -192,15 +192,15 @@ class CudaKV(SequenceReuse):
         return out[0], out[1], landing
 
     def restore_cells(self, keys: np.ndarray, values: np.ndarray, num_tokens: int) -> None:
-        """Hold the first `num_tokens` cells of a parked conversation. The copies are only
-        queued (kv_copies.py), from a kept pinned block (a park of this GPU) behind the park
-        that filled it, from other memory (a file's) pinned by the copy thread around them:
-        this KV's next window waits for them, the other slots' do not."""
+        """Hold the first `num_tokens` cells of a parked conversation. From a kept pinned block
+        (a park of this GPU) the copies are only queued, behind the park that filled it
+        (kv_copies.py): this KV's next window waits for them, the other slots' do not. From
+        other memory (a conversation file's, a slot file's) they are made here, pinned while
+        they run (host_copies)."""
         n = int(num_tokens)
-        if self.is_int8 or not n:
+        if self.is_int8 or not n or not _host_pool(self._rt).holds(keys, values):
             super().restore_cells(keys, values, n)
             return
-        is_kept = _host_pool(self._rt).holds(keys, values)
         self.truncate(0)
         self.check_room(n)
         # a head's [n, D] block: contiguous in a parked [KV, n', D] array
@@ -208,10 +208,8 @@ class CudaKV(SequenceReuse):
                    src[layer, j, :n], src[layer, j, :n].nbytes)
                   for layer in range(self.num_layers) for kind, src in ((0, keys), (1, values))
                   for j in range(self.spec.n_kv_heads)]
-        around = None if is_kept else pinned_while(keys, values)
         with self._rt.active():
-            self._landed(kv_copier(self._rt).submit(copies, (keys, values), in_pieces=False,
-                                                    around=around))
+            self._landed(kv_copier(self._rt).submit(copies, (keys, values), in_pieces=False))
         self.commit(n)
 
     def _landed(self, landing):

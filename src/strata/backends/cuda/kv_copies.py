@@ -11,9 +11,12 @@ context, created non-blocking so that nothing on the legacy stream waits for it,
   another stream waited 19.4 ms behind a 1 GiB one, where host-to-device copies passed each
   other), and every window reads its sampled tokens back so. A window then waits for one piece
   at most (~0.6 ms). Restores (host to device) go out whole.
-- The host memory is pinned here, around the copies (`around`), not on the engine thread: a
-  block the pinned pool had to make for a park (~0.4 s a 2.5 GiB), and a conversation read
-  from its file (pinned for its restore's copies, ~0.1 s).
+- A block the pinned pool had to make for a park is pinned here, around the copies (`around`),
+  not on the engine thread (~0.4 s a 2.5 GiB). A restore from other memory (a conversation
+  file's arrays) is not queued: pinning rounds to whole pages, and a page shared with another
+  array (small arrays come from malloc's heap) left that array's synchronous copy on the
+  engine thread failing ("cuMemcpyHtoD failed: invalid argument": a hybrid model's recurrent
+  state read from the same file), so it is copied and unpinned on the engine thread.
 - A `Landing` says when a job's copies are done; the job holds the host arrays it reads or
   writes until then (a block given back to the pool while its DMA runs could be leased or
   unpinned under it).
@@ -83,9 +86,8 @@ class KVCopier:
         function(destination, source, stream) (pycuda's memcpy_*_async); `keep` stays
         referenced until they are done. `in_pieces`: device-to-host copies (above).
         `around`: a context manager the copy thread enters before the copies and leaves once
-        they have landed (the host memory's pinning: a fresh pool block's, host_pool.
-        PinnedPool.lease_to_pin; a file's arrays', host_memory.pinned_while). Call in the
-        active context."""
+        they have landed (a fresh pool block's pinning, host_pool.PinnedPool.lease_to_pin).
+        Call in the active context."""
         after = self.rt.drv.Event()
         after.record(self.rt.stream)  # the compute stream's work so far comes first
         landing = Landing()
