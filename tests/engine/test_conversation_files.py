@@ -7,8 +7,8 @@ import logging
 import threading
 
 import pytest
+from faulty_plugins import BadPickerPlugin
 
-from strata import hookimpl
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.kv_file import SUFFIX
@@ -179,26 +179,13 @@ def test_generate_waits_for_the_file_when_nothing_else_runs(tiny_model_path, tmp
     assert got == fresh(tiny_model_path, next_a)
 
 
-class _BadPicker:
-    name = "bad"
-
-    def pick(self, prompt_tokens, slots):
-        return (len(slots), 0)  # a slot that does not exist
-
-
-class _BadPickerPlugin:
-    @hookimpl
-    def strata_slot_picker(self):
-        return _BadPicker()
-
-
 def test_a_request_that_fails_once_its_file_is_read_ends_with_its_error(
         tiny_model_path, tmp_path, caplog):
     """Placed in a step after the wait for its file, not at submit: the error that stopped
     the placement is what the caller gets, and the log names it."""
     next_a, _ = two_conversations(tiny_model_path, tmp_path)
     pm = get_plugin_manager(autoload=False)
-    pm.register(_BadPickerPlugin())
+    pm.register(BadPickerPlugin())
     caplog.set_level(logging.INFO, logger="strata.engine")
     with Engine(EngineConfig(tiny_model_path, n_ctx=256, threads=2,
                              conversation_cache_dir=tmp_path), plugin_manager=pm) as e:

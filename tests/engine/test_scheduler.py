@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from faulty_plugins import BadPickerPlugin
 
 from strata import Engine, EngineConfig, SamplingParams, hookimpl
 from strata.engine.generate import collect
@@ -332,19 +333,6 @@ def test_parallel_must_be_a_slot_count(model_8k):
         with pytest.raises(ConfigError, match="conversation_cache_mib"):
             EngineConfig(model_8k, conversation_cache_mib=bad)
     assert EngineConfig(model_8k, conversation_cache_mib=-1).conversation_cache_mib == -1
-
-
-class BadPicker:
-    name = "bad"
-
-    def pick(self, prompt_tokens, slots):
-        return (len(slots), 0)  # a slot that does not exist
-
-
-class BadPickerPlugin:
-    @hookimpl
-    def strata_slot_picker(self):
-        return BadPicker()
 
 
 def test_a_faulty_slot_picker_fails_the_request_with_a_message(model_8k):
