@@ -77,7 +77,7 @@ def test_a_spare_is_made_ahead_and_a_grown_conversation_parks_into_it(driver):
     pool.settle()
     # the spare: the largest recent park grown twice by the headroom, 156.25 -> 192 MiB
     assert sorted(driver.pinned.values()) == [128 * MIB, 192 * MIB]
-    assert driver.threads == ["MainThread", "pinned-pool"]
+    assert sorted(driver.threads) == ["MainThread", "pinned-pool"]  # (the two run side by side)
     assert pool.num_made == 2 and pool.num_made_ahead == 1 and pool.idle_bytes == 192 * MIB
     spare = next(a for a, n in driver.pinned.items() if n == 192 * MIB)
     del first
