@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import statistics
 import time
 
@@ -36,6 +37,7 @@ from strata.engine.engine import Engine
 from strata.engine.sampling import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+log = logging.getLogger("bench_park_pause")  # marks each turn in the engine's log
 
 
 def pinned_pool(engine):
@@ -91,6 +93,7 @@ def run_round(engine, args, seed: int) -> list[dict]:
     for turn in range(args.turns):
         for agent in range(args.agents):
             made_before, read_before = made_counts(engine), files_read(engine)
+            log.info("turn %d, agent %d: %d tokens submitted", turn, agent, len(prompts[agent]))
             t_start = time.perf_counter()
             # submit places the request at once: the park of slot 1's conversation and the
             # restore of this agent's run here, on the engine thread between two windows (the
@@ -98,6 +101,7 @@ def run_round(engine, args, seed: int) -> list[dict]:
             handle = engine.submit(prompts[agent],
                                    SamplingParams(max_tokens=args.tokens, **GREEDY))
             place_s = time.perf_counter() - t_start
+            log.info("turn %d, agent %d: submit returned after %.3f s", turn, agent, place_s)
             windows, first_token_s, answer = [], None, []
             while not handle.is_finished:
                 t0 = time.perf_counter()

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from strata.model.host_pages import (HUGE_PAGE_BYTES, anonymous_array, available_bytes,
-                                     huge_page_bytes)
+                                     huge_page_bytes, owns_pages)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads /proc/self/smaps")
@@ -28,6 +28,25 @@ def _rollup_huge_bytes() -> int:
             if line.startswith("AnonHugePages:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def test_memory_of_its_own_mapping_is_told_from_the_heap(tmp_path):
+    import numpy as np
+
+    from strata.engine.kv_file import read_kv_file, write_kv_file
+
+    cells = anonymous_array(3 * 4096).view(np.float16).reshape(2, 3, -1)
+    assert owns_pages(cells) and owns_pages(cells[1, :, 5:])      # views of it too
+    heap = np.zeros(3 * 4096, np.float16)
+    assert not owns_pages(heap) and not owns_pages(heap[10:].reshape(-1, 2))
+    assert not owns_pages(np.array(cells))                        # a copy is the heap's
+    # a conversation file's arrays of over 1 MiB come back in mappings of their own; the
+    # small ones (whole pages there would take in the heap's neighbours) in the heap
+    big, small = np.arange(2**19, dtype=np.float32), np.arange(7, dtype=np.float32)
+    write_kv_file(tmp_path / "c.kv", [1, 2], (big, small), {})
+    _, (big_read, small_read) = read_kv_file(tmp_path / "c.kv")
+    assert np.array_equal(big_read, big) and np.array_equal(small_read, small)
+    assert owns_pages(big_read) and not owns_pages(small_read)
 
 
 def test_a_range_no_mapping_holds_counts_nothing():

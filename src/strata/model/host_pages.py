@@ -34,6 +34,19 @@ def anonymous_array(nbytes: int, *, dontfork: bool = False) -> np.ndarray:
     return raw[at:at + nbytes]
 
 
+def owns_pages(array: np.ndarray) -> bool:
+    """Whether `array` lies in a memory mapping of its own (`anonymous_array`'s, or a file's
+    mapping), where no other object shares its pages: pinning whole pages around it (the CUDA
+    backend's queued copies) then touches nothing else. Numpy's own memory comes from the
+    heap, where a page may also hold another array that is being copied meanwhile."""
+    root = array
+    while isinstance(root, np.ndarray) and root.base is not None:
+        root = root.base
+    if isinstance(root, memoryview):
+        root = root.obj
+    return isinstance(root, mmap.mmap)
+
+
 def huge_page_bytes(start: int, stop: int) -> int | None:
     """AnonHugePages of the mappings of this process inside [start, stop), from
     /proc/self/smaps (None where that file cannot be read). A mapping that reaches past the

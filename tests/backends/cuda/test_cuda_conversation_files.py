@@ -36,6 +36,45 @@ def test_a_conversation_comes_back_after_a_restart(synth_path, tmp_path, shape, 
         assert collect(e.generate(again, PARAMS)).token_ids == res.token_ids
 
 
+@pytest.mark.parametrize("shape, num_tokens", [("tiny", 9000), ("tiny-qwen3next", 4500)])
+def test_a_long_conversation_comes_back_through_the_copy_thread(tmp_path, monkeypatch, shape,
+                                                                num_tokens):
+    """Cells of over 1 MiB come back from the file in mappings of their own, which the copy
+    thread pins and copies while the engine goes on (a hybrid model's recurrent state is
+    copied from the same file right after: session 55's pin of heap pages broke that copy)."""
+    from strata.backends.cuda import kv_copies
+    from strata.tool.synth import synth_model
+
+    path = tmp_path / f"{shape}-16k.gguf"
+    synth_model(path, shape=shape, weight_type="q8_0", seed=3, context_length=16384)
+    folder = tmp_path / "conversations"
+    rng = np.random.default_rng(8)
+    a = rng.integers(10, 2000, num_tokens).tolist()
+
+    def long_engine():
+        return Engine(EngineConfig(path, n_ctx=16384, device="cuda",
+                                   conversation_cache_dir=folder))
+
+    with long_engine() as e:
+        first = collect(e.generate(a, PARAMS))
+    jobs = []
+    real_submit = kv_copies.KVCopier.submit
+
+    def spy(self, copies, keep, in_pieces, around=None):
+        jobs.append((in_pieces, around is not None))
+        return real_submit(self, copies, keep, in_pieces, around=around)
+
+    monkeypatch.setattr(kv_copies.KVCopier, "submit", spy)
+    again = a + first.token_ids + rng.integers(10, 2000, 12).tolist()
+    with long_engine() as e:
+        res = collect(e.generate(again, PARAMS))
+        assert e.scheduler.conversations.disk.num_read == 1
+        assert res.stats.num_cached_tokens >= len(a)
+        assert (False, True) in jobs  # a restore, pinned around its copies
+        e.reset()
+        assert collect(e.generate(again, PARAMS)).token_ids == res.token_ids
+
+
 def test_other_formats_are_left_alone(synth_path, tmp_path):
     path = synth_path("tiny", "q8_0")
     a = list(range(10, 200))

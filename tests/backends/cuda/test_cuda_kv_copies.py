@@ -72,7 +72,7 @@ def test_a_park_into_a_fresh_block_has_the_copy_thread_pin_it(tiny_engine, monke
         assert np.array_equal(k[layer], keys) and np.array_equal(v[layer], values)
 
 
-def test_a_restore_from_memory_of_its_own_lands_before_it_returns_and_unpins_it(tiny_engine):
+def test_a_restore_from_the_heap_lands_before_it_returns_and_unpins_it(tiny_engine):
     from strata._native import cuda_driver
     from strata.backends.cuda.host_memory import _page_range
 
@@ -80,7 +80,7 @@ def test_a_restore_from_memory_of_its_own_lands_before_it_returns_and_unpins_it(
     source = model.new_kv(BIG)
     cells = random_cells(source, BIG, 11)
     k, v = source.export_prefix(BIG)
-    k, v = np.array(k), np.array(v)  # pageable, like a conversation file's arrays
+    k, v = np.array(k), np.array(v)  # the heap's, like a small conversation file's arrays
     assert not _host_pool(model.runtime).holds(k, v)
     target = model.new_kv(BIG)
     random_cells(target, BIG, 12)
@@ -93,6 +93,51 @@ def test_a_restore_from_memory_of_its_own_lands_before_it_returns_and_unpins_it(
     with model.runtime.active():  # unpinned once the copies landed: pinning it again works
         cuda_driver.host_register(low, high - low)
         cuda_driver.host_unregister(low)
+
+
+def test_a_restore_from_a_mapping_of_its_own_is_pinned_and_copied_on_the_copy_thread(
+        tiny_engine, monkeypatch):
+    import contextlib
+    import threading
+
+    from strata._native import cuda_driver
+    from strata.backends.cuda import kv as cuda_kv
+    from strata.backends.cuda.host_memory import _page_range
+    from strata.model.host_pages import anonymous_array
+
+    pinned_in = []
+    real_pinned_while = cuda_kv.pinned_while
+
+    @contextlib.contextmanager
+    def spy(*arrays):
+        pinned_in.append((threading.current_thread().name, [id(a) for a in arrays]))
+        with real_pinned_while(*arrays):
+            yield
+
+    monkeypatch.setattr(cuda_kv, "pinned_while", spy)
+    model = tiny_engine.model
+    source = model.new_kv(BIG)
+    cells = random_cells(source, BIG, 13)
+    parked = source.export_prefix(BIG)
+    k, v = (anonymous_array(a.nbytes).view(a.dtype).reshape(a.shape) for a in parked)
+    k[...], v[...] = parked  # as a conversation file's arrays of over 1 MiB are read
+    target = model.new_kv(BIG)
+    random_cells(target, BIG, 14)
+    # a large park queued first: the restore lands late, behind it
+    big = model.new_kv(BIG)
+    random_cells(big, BIG, 15)
+    big.park_prefix(BIG)
+    target.restore_cells(k, v, BIG)
+    assert target.num_tokens == BIG and target.copies_pending()
+    for layer, (keys, values) in enumerate(cells):  # keys() waits for the copies
+        assert np.array_equal(target.keys(layer), keys)
+        assert np.array_equal(target.values(layer), values)
+    assert [name for name, ids in pinned_in if ids == [id(k), id(v)]] == ["kv-copies"]
+    for array in (k, v):  # unpinned once the copies landed: pinning it again works
+        low, high = _page_range(array)
+        with model.runtime.active():
+            cuda_driver.host_register(low, high - low)
+            cuda_driver.host_unregister(low)
 
 
 def test_a_window_right_after_a_queued_restore_reads_the_restored_cells(tiny_engine):

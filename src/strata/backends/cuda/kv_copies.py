@@ -12,11 +12,12 @@ context, created non-blocking so that nothing on the legacy stream waits for it,
   other), and every window reads its sampled tokens back so. A window then waits for one piece
   at most (~0.6 ms). Restores (host to device) go out whole.
 - A block the pinned pool had to make for a park is pinned here, around the copies (`around`),
-  not on the engine thread (~0.4 s a 2.5 GiB). A restore from other memory (a conversation
-  file's arrays) is not queued: pinning rounds to whole pages, and a page shared with another
-  array (small arrays come from malloc's heap) left that array's synchronous copy on the
-  engine thread failing ("cuMemcpyHtoD failed: invalid argument": a hybrid model's recurrent
-  state read from the same file), so it is copied and unpinned on the engine thread.
+  not on the engine thread (~0.4 s a 2.5 GiB), and so are a conversation file's cells, which
+  come back in mappings of their own (kv_file.read_kv_file, host_pages.owns_pages). Cells in
+  malloc's heap (a small file's) are copied on the engine thread: pinning rounds to whole
+  pages, and a page shared with another array left that array's synchronous copy failing
+  ("cuMemcpyHtoD failed: invalid argument", a hybrid model's recurrent state read from the
+  same file, session 55).
 - A `Landing` says when a job's copies are done; the job holds the host arrays it reads or
   writes until then (a block given back to the pool while its DMA runs could be leased or
   unpinned under it).
