@@ -7,7 +7,12 @@ turn after a restart reads only its new tokens.
 Files hold the prefix rule of the RAM cache (conversations.py): a file whose tokens are a
 prefix of a newer entry's is deleted, an entry another file already covers is not written.
 Least recently used files go first when the folder's budget is full. Files of other models or
-KV formats in the folder are left alone.
+KV formats in the folder are left alone. Files leave the index at once and are deleted by the
+writer thread, in order with its writes: unlinking a file of gigabytes can take as long as the
+writer's fsync beside it (0.25-0.3 s for a 0.4 GiB file on the H200 machine's disk, on the
+engine thread while every slot waited, until session 57). A stop before the writer deleted a
+file leaves it; the next start indexes it like any other (it is a valid conversation).
+`clear` (Engine.reset) deletes at once.
 """
 from __future__ import annotations
 
@@ -88,6 +93,12 @@ def resolve_disk_budget(folder: Path, asked_mib: float, own_bytes: int = 0) -> i
         log.info("conversation files: up to %.1f GiB in %s (asked %.1f GiB; %.0f%% of the "
                  "disk space free)", bound / 2**30, folder, budget / 2**30, 100 * DISK_SHARE)
     return min(budget, bound)
+
+
+@dataclass(frozen=True)
+class _Delete:
+    """A file for the writer thread to delete (its entry has left the index)."""
+    path: Path
 
 
 @dataclass
@@ -232,18 +243,29 @@ class ConversationDisk:
             self._entries[entry.key] = entry
             self._pending_bytes += parked.nbytes
             self._evict_over_budget(keep=entry.key)
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_loop,
-                                                name="strata-conversation-files", daemon=True)
-                self._writer.start()
+            self._start_writer_locked()
         self._queue.put(entry)
         return True
+
+    def _start_writer_locked(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop,
+                                            name="strata-conversation-files", daemon=True)
+            self._writer.start()
 
     def _write_loop(self) -> None:
         while True:
             entry = self._queue.get()
             if entry is None:
                 return
+            if isinstance(entry, _Delete):
+                try:
+                    entry.path.unlink(missing_ok=True)
+                except OSError as e:
+                    log.warning("conversation files: cannot delete %s (%s)", entry.path,
+                                e.strerror or e)
+                self._queue.task_done()
+                continue
             parked, size, error = entry.pending, None, None
             try:
                 if not entry.is_dropped:
@@ -276,7 +298,7 @@ class ConversationDisk:
                 self._queue.task_done()
 
     def flush(self) -> None:
-        """Wait until every queued file is written."""
+        """Wait until every queued file is written (and every dropped one deleted)."""
         if self._writer is not None:
             self._queue.join()
 
@@ -366,10 +388,10 @@ class ConversationDisk:
         return bool(loads)
 
     def clear(self) -> None:
-        """Delete every file of this model and format (Engine.reset)."""
+        """Delete every file of this model and format (Engine.reset), here and now."""
         with self._lock:
             for entry in list(self._entries.values()):
-                self._drop(entry)
+                self._drop(entry, now=True)
 
     # ---- under the lock ---------------------------------------------------------------
     def _touch(self, entry: DiskEntry) -> None:
@@ -380,11 +402,18 @@ class ConversationDisk:
             except OSError:
                 pass
 
-    def _drop(self, entry: DiskEntry) -> None:
+    def _drop(self, entry: DiskEntry, now: bool = False) -> None:
+        """Out of the index now; its file deleted by the writer, or here with `now` (one still
+        being written: once written, when the writer drops it)."""
         self._entries.pop(entry.key, None)
         entry.is_dropped = True
-        if entry.pending is None:
+        if entry.pending is not None:
+            return
+        if now:
             entry.path.unlink(missing_ok=True)
+        else:
+            self._start_writer_locked()
+            self._queue.put(_Delete(entry.path))
 
     def _evict_over_budget(self, keep: int | None = None) -> None:
         while sum(e.nbytes for e in self._entries.values()) > self.budget_bytes:
