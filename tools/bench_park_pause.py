@@ -9,7 +9,7 @@ them) or found made ahead.
 
 Usage: python tools/bench_park_pause.py MODEL.gguf [--device cuda] [--start 12000]
            [--grow 2000] [--turns 8] [--agents 2] [--rounds 2] [--modes ahead,sync]
-           [--files DIR --cache-mib MIB] [--json FILE]
+           [--files DIR --cache-mib MIB] [--kv int8] [--json FILE]
 Rounds alternate the modes in one process, each from an empty pool (`engine.reset()`, the
 pool trimmed to nothing): `ahead` is the default (spare blocks made on the pool's helper
 thread, host_pool.MAKE_AHEAD; the park's and restore's copies queued on the copy stream while
@@ -163,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--tokens", type=int, default=4, help="an agent's answer, tokens")
     ap.add_argument("--modes", default="ahead,sync")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv", default="auto", help="the KV cells' type (--kv: auto, f16, int8)")
     ap.add_argument("--files", default=None,
                     help="conversation files in this folder (--conversation-cache-dir)")
     ap.add_argument("--cache-mib", type=float, default=None,
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     if args.cache_mib is not None:
         files["conversation_cache_mib"] = args.cache_mib
     config = EngineConfig(args.model, device=args.device, n_ctx=n_ctx, parallel=2,
-                          threads=args.threads, **files)
+                          threads=args.threads, kv_type=args.kv, **files)
     results = []
     with Engine(config) as engine:
         for r in range(args.rounds):

@@ -186,3 +186,33 @@ def test_around_is_entered_on_the_copy_thread_before_the_copies_and_left_after()
     assert calls[0] == ("pin", "kv-copies") and calls[-1] == ("unpin", "kv-copies")
     assert [c[0] for c in calls[1:-1]] == ["wait", "copy", "copy", "sync"]
     assert all((o == i + 1).all() for i, o in enumerate(outs))
+
+
+def test_before_runs_ahead_of_the_copies_and_then_after_they_landed_in_the_copy_thread():
+    rt = FakeRuntime()
+    copier = KVCopier(rt)
+    copies, outs = job(rt, "park", [MIB, MIB])
+
+    def host(name):
+        return lambda: rt.log.add(name, threading.current_thread().name)
+
+    copier.submit(copies, keep=None, in_pieces=True, before=host("before"),
+                  then=host("then")).wait()
+    calls = [c for c in rt.log.calls if c[0] in ("before", "copy", "wait", "sync", "then")]
+    assert [c[0] for c in calls] == ["before", "wait", "copy", "copy", "sync", "then"]
+    assert calls[0][1] == calls[-1][1] == "kv-copies"
+
+
+def test_a_failing_then_is_raised_to_whoever_waits(caplog):
+    rt = FakeRuntime()
+    copier = KVCopier(rt)
+    copies, _ = job(rt, "park", [MIB])
+
+    def gather():
+        raise MemoryError("no room for the records")
+
+    with caplog.at_level("ERROR"):
+        landing = copier.submit(copies, keep=None, in_pieces=True, then=gather)
+        with pytest.raises(MemoryError, match="no room"):
+            landing.wait()
+    assert "KV copies failed" in caplog.text

@@ -140,6 +140,48 @@ def test_a_restore_from_a_mapping_of_its_own_is_pinned_and_copied_on_the_copy_th
             cuda_driver.host_unregister(low)
 
 
+def test_int8_cells_park_and_restore_through_the_copy_thread(tiny_engine, monkeypatch):
+    model = tiny_engine.model
+    jobs = []
+    real_submit = kv_copies.KVCopier.submit
+
+    def spy(self, copies, keep, in_pieces, around=None, before=None, then=None):
+        jobs.append((in_pieces, before is not None, then is not None))
+        return real_submit(self, copies, keep, in_pieces, around=around, before=before,
+                           then=then)
+
+    monkeypatch.setattr(kv_copies.KVCopier, "submit", spy)
+    source = model.new_kv(BIG, dtype=np.int8)
+    rng = np.random.default_rng(21)
+    layers = []
+    for _ in range(source.num_layers):
+        pair = []
+        for _ in range(2):
+            records = np.empty((source.spec.n_kv_heads, BIG), source.host_dtype)
+            records["q"] = rng.integers(-127, 128, records["q"].shape)
+            records["scale"] = rng.uniform(1e-3, 1.0, records.shape).astype(np.float32)
+            pair.append(records)
+        layers.append(tuple(pair))
+    source.fill_cells(layers, BIG)
+    big = model.new_kv(BIG)  # an fp16 park queued first: the int8 jobs come behind it
+    random_cells(big, BIG, 22)
+    big.park_prefix(BIG)
+    k, v, landing = source.park_prefix(BIG)
+    assert landing is not None and jobs[-1] == (True, False, True)  # gathered by `then`
+    landing.wait()
+    for layer, pair in enumerate(layers):
+        for got, want in zip((k[layer], v[layer]), pair):
+            assert np.array_equal(got["q"], want["q"])
+            assert np.array_equal(got["scale"], want["scale"])
+    target = model.new_kv(BIG, dtype=np.int8)
+    target.restore_cells(k[:, :, :BIG - 5], v[:, :, :BIG - 5], BIG - 5)
+    assert jobs[-1] == (False, True, False) and target.num_tokens == BIG - 5
+    for layer, pair in enumerate(layers):  # keys() waits for the copies
+        for got, want in zip((target.keys(layer), target.values(layer)), pair):
+            assert np.array_equal(got["q"], want["q"][:, :BIG - 5])
+            assert np.array_equal(got["scale"], want["scale"][:, :BIG - 5])
+
+
 def test_a_window_right_after_a_queued_restore_reads_the_restored_cells(tiny_engine):
     model = tiny_engine.model
     rng = np.random.default_rng(5)

@@ -161,7 +161,7 @@ class CudaKV(SequenceReuse):
         are only queued (kv_copies.py): the arrays hold the cells once `landing` is done (None:
         they do now). The other slots' windows run meanwhile; this KV's next window waits."""
         if self.is_int8:
-            return (*super().export_prefix(num_tokens), None)
+            return self._park_int8(int(num_tokens))
         L, KV, D, n = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim, num_tokens
         nbytes = 2 * L * KV * n * D * self.dtype.itemsize
         # [K/V, L, KV, n, D] in a pinned block kept from an earlier park (host_pool.py; a new
@@ -191,15 +191,93 @@ class CudaKV(SequenceReuse):
                 landing = None
         return out[0], out[1], landing
 
+    def _park_int8(self, n: int):
+        """park_prefix of int8 cells: codes and scales copied into a pinned pool block (queued
+        as fp16 cells are), then gathered into the records [2, L, KV, n] of `host_dtype` by the
+        copy thread once they have landed; the block goes back to the pool after that."""
+        L, KV, D = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim
+        if not (L and n):
+            return (*super().export_prefix(n), None)
+        with self._rt.active():
+            got = _host_pool(self._rt).lease_to_pin(_int8_block_bytes(L, KV, n, D))
+        if got is None:  # no pinned block to be had: copied and gathered here
+            return (*super().export_prefix(n), None)
+        raw, pin = got
+        codes, scales = _int8_parts(raw, L, KV, n, D)
+        out = anonymous_array(2 * L * KV * n * self.host_dtype.itemsize)
+        out = out.view(self.host_dtype).reshape(2, L, KV, n)
+
+        def gather():
+            out["q"] = codes
+            out["scale"] = scales
+
+        copies = self._int8_copies(self._rt.drv.memcpy_dtoh_async, codes, scales, n, to_host=True)
+        with self._rt.active():
+            around = None if pin is None else _calling_first(pin)
+            landing = self._landed(kv_copier(self._rt).submit(
+                copies, (raw, out), in_pieces=True, around=around, then=gather))
+        return out[0], out[1], landing
+
+    def _restore_int8(self, keys: np.ndarray, values: np.ndarray, n: int) -> bool:
+        """restore_cells of int8 records: the copy thread takes codes and scales out of them
+        into a pinned pool block, then copies those; False (nothing done) when the records are
+        not this KV's kind or no pinned block is to be had."""
+        L, KV, D = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim
+        fits = all(a.dtype == self.host_dtype and a.ndim == 3 and a.shape[:2] == (L, KV)
+                   and a.shape[2] >= n for a in (keys, values))
+        if not (fits and L):
+            return False  # (the engine thread's path names what is wrong)
+        with self._rt.active():
+            got = _host_pool(self._rt).lease_to_pin(_int8_block_bytes(L, KV, n, D))
+        if got is None:
+            return False
+        raw, pin = got
+        codes, scales = _int8_parts(raw, L, KV, n, D)
+
+        def scatter():
+            for kind, records in ((0, keys), (1, values)):
+                part = records[:, :, :n]
+                codes[kind] = part["q"]
+                scales[kind] = part["scale"]
+
+        self.truncate(0)
+        self.check_room(n)
+        copies = self._int8_copies(self._rt.drv.memcpy_htod_async, codes, scales, n,
+                                   to_host=False)
+        with self._rt.active():
+            around = None if pin is None else _calling_first(pin)
+            self._landed(kv_copier(self._rt).submit(
+                copies, (raw, keys, values), in_pieces=False, around=around, before=scatter))
+        self.commit(n)
+        return True
+
+    def _int8_copies(self, function, codes, scales, n: int, to_host: bool) -> list:
+        """The copies of cells [0, n) of every (layer, K/V, head) row, codes and scales,
+        between the device and `codes` [2, L, KV, n, D] / `scales` [2, L, KV, n]."""
+        D, copies = self.spec.head_dim, []
+        for layer in range(self.num_layers):
+            for kind in (0, 1):
+                for j in range(self.spec.n_kv_heads):
+                    pairs = ((self._cell_address(layer, kind, j, 0), codes[kind, layer, j], n * D),
+                             (self._scale_address(layer, kind, j, 0), scales[kind, layer, j],
+                              4 * n))
+                    for address, host, nbytes in pairs:
+                        copies.append((function, host, address, nbytes) if to_host
+                                      else (function, address, host, nbytes))
+        return copies
+
     def restore_cells(self, keys: np.ndarray, values: np.ndarray, num_tokens: int) -> None:
         """Hold the first `num_tokens` cells of a parked conversation. The copies are only
         queued (kv_copies.py): this KV's next window waits for them, the other slots' do not.
         From a kept pinned block (a park of this GPU) they run behind the park that filled it;
         from memory of its own mapping (a conversation file's or a slot file's cells,
-        kv_file.read_kv_file) the copy thread pins it around them. Cells in the heap (small
-        arrays; pinning whole pages there would pin other arrays' bytes too) and int8 cells
-        are copied here."""
+        kv_file.read_kv_file) the copy thread pins it around them. int8 records go through a
+        pinned pool block the copy thread fills first (`_restore_int8`). fp16 cells in the
+        heap (small arrays; pinning whole pages there would pin other arrays' bytes too) are
+        copied here."""
         n = int(num_tokens)
+        if self.is_int8 and n and self._restore_int8(keys, values, n):
+            return
         if self.is_int8 or not n:
             super().restore_cells(keys, values, n)
             return
@@ -326,6 +404,21 @@ class CudaKV(SequenceReuse):
         cells = "int8 + scales" if self.is_int8 else "float16"
         return (f"CudaKV({self.num_tokens}/{self.capacity} tokens, {self.num_layers} layers, "
                 f"{cells} on the GPU)")
+
+
+def _int8_block_bytes(L: int, KV: int, n: int, D: int) -> int:
+    """Bytes of a pinned block holding int8 cells' codes [2, L, KV, n, D] and, from the next
+    64-byte boundary, their scales [2, L, KV, n] float32."""
+    return -(-2 * L * KV * n * D // 64) * 64 + 8 * L * KV * n
+
+
+def _int8_parts(raw: np.ndarray, L: int, KV: int, n: int, D: int):
+    """(codes, scales) views of a block of `_int8_block_bytes`."""
+    codes_bytes = 2 * L * KV * n * D
+    at = -(-codes_bytes // 64) * 64
+    codes = raw[:codes_bytes].view(np.int8).reshape(2, L, KV, n, D)
+    scales = raw[at:at + 8 * L * KV * n].view(np.float32).reshape(2, L, KV, n)
+    return codes, scales
 
 
 def _host_pool(rt) -> PinnedPool:

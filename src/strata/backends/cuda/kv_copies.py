@@ -18,6 +18,10 @@ context, created non-blocking so that nothing on the legacy stream waits for it,
   pages, and a page shared with another array left that array's synchronous copy failing
   ("cuMemcpyHtoD failed: invalid argument", a hybrid model's recurrent state read from the
   same file, session 55).
+- int8 cells: a park copies codes and scales into a pinned pool block and the copy thread
+  then gathers them into the (codes, scale) records that parks and files hold (`then`); a
+  restore has the copy thread take them out of the records into a block first (`before`).
+  Until session 57 both ran on the engine thread.
 - A `Landing` says when a job's copies are done; the job holds the host arrays it reads or
   writes until then (a block given back to the pool while its DMA runs could be leased or
   unpinned under it).
@@ -82,13 +86,17 @@ class KVCopier:
         self._jobs: queue.Queue | None = None
         self._last: Landing | None = None
 
-    def submit(self, copies, keep, in_pieces: bool, around=None) -> Landing:
+    def submit(self, copies, keep, in_pieces: bool, around=None, before=None,
+               then=None) -> Landing:
         """Hand over `copies`, (function, destination, source, bytes) each, called as
         function(destination, source, stream) (pycuda's memcpy_*_async); `keep` stays
         referenced until they are done. `in_pieces`: device-to-host copies (above).
         `around`: a context manager the copy thread enters before the copies and leaves once
         they have landed (a fresh pool block's pinning, host_pool.PinnedPool.lease_to_pin).
-        Call in the active context."""
+        `before` / `then`: host work the copy thread does inside `around`, before the copies
+        are issued / once they have landed (int8 cells: codes and scales gathered into
+        records and back, kv.py); the landing is done after `then`. Call in the active
+        context."""
         after = self.rt.drv.Event()
         after.record(self.rt.stream)  # the compute stream's work so far comes first
         landing = Landing()
@@ -101,7 +109,7 @@ class KVCopier:
             weakref.finalize(self, self._jobs.put, None)
             # PyCUDA aborts at exit when a thread still holds a context: end it before
             atexit.register(_stop, self._jobs, thread)
-        self._jobs.put((around, after, list(copies), keep, in_pieces, landing))
+        self._jobs.put((around, before, after, list(copies), then, keep, in_pieces, landing))
         self._last = landing
         if not ASYNC:
             landing.wait()
@@ -120,9 +128,11 @@ def _serve(context, drv, stream, jobs: queue.Queue) -> None:
     context.push()
     try:
         while (job := jobs.get()) is not None:
-            around, after, copies, keep, in_pieces, landing = job
+            around, before, after, copies, then, keep, in_pieces, landing = job
             try:
                 with around if around is not None else contextlib.nullcontext():
+                    if before is not None:
+                        before()
                     stream.wait_for_event(after)
                     piece = 0
                     for function, destination, source, nbytes in copies:
@@ -132,12 +142,15 @@ def _serve(context, drv, stream, jobs: queue.Queue) -> None:
                             stream.synchronize()
                             piece = 0
                     stream.synchronize()
+                    if then is not None:
+                        then()
             except BaseException as exc:  # noqa: BLE001 - told to whoever waits for it
                 log.exception("KV copies failed")
                 landing.error = exc
             finally:
                 landing._done.set()
-            del job, around, after, copies, keep  # the arrays go back to the pool now
+            # the arrays go back to the pool now
+            del job, around, before, after, copies, then, keep
     finally:
         drv.Context.pop()
 
