@@ -215,8 +215,8 @@ def test_a_file_gone_bad_is_dropped_and_the_scheduler_places_again(tmp_path, cap
     assert not path.exists()
 
 
-def test_files_are_deleted_by_the_writer_thread_in_order_with_its_writes(tmp_path,
-                                                                         monkeypatch):
+def test_files_are_deleted_by_the_writer_thread_after_the_writes_before_them(tmp_path,
+                                                                           monkeypatch):
     deleted_in = []
     real_unlink = conversation_disk.Path.unlink
 
@@ -226,21 +226,24 @@ def test_files_are_deleted_by_the_writer_thread_in_order_with_its_writes(tmp_pat
         real_unlink(self, missing_ok=missing_ok)
 
     monkeypatch.setattr(conversation_disk.Path, "unlink", unlink)
-    disk = make_disk(tmp_path, mib=150 / MIB)  # room for one entry
+    disk = make_disk(tmp_path)
     disk.offer(ParkedConversation(0, (1, 2, 3), kv([1, 2, 3]), 100))
     disk.flush()
     first, = files(tmp_path)
-    release = hold_writes(monkeypatch)
-    # over the budget: the first file leaves the index at once, its deletion waits its turn
-    # behind the write queued before it (an unlink beside a write's fsync took 0.25-0.3 s)
+    disk.budget_bytes = disk.used_bytes + 150  # the file and one entry of 100 queued
+    started = threading.Event()
+    release = hold_writes(monkeypatch, started)
     disk.offer(ParkedConversation(0, (7, 8), kv([7, 8]), 100))
+    assert started.wait(10)  # the writer is busy with it
+    # over the budget: the first file leaves the index at once; its deletion waits for the
+    # writer (an unlink beside a write's fsync took 0.25-0.3 s on the engine thread)
     disk.offer(ParkedConversation(0, (4, 5, 6), kv([4, 5, 6]), 100))
-    assert [e.tokens for e in disk._entries.values()] == [(4, 5, 6)]
-    assert first in files(tmp_path) and deleted_in == []
+    assert [e.tokens for e in disk._entries.values()] == [(7, 8), (4, 5, 6)]
+    assert files(tmp_path) == [first] and deleted_in == []
     release.set()
     disk.flush()
-    assert len(files(tmp_path)) == 1 and first not in files(tmp_path)
-    assert {name: thread for name, thread in deleted_in}[first] == "strata-conversation-files"
+    assert first not in files(tmp_path) and deleted_in[0][0] == first
+    assert {thread for _, thread in deleted_in} == {"strata-conversation-files"}
 
 
 def test_take_while_the_write_is_queued_gives_the_arrays_in_ram(tmp_path, monkeypatch):
