@@ -371,3 +371,26 @@ def test_kv_f16_cells_in_the_engine(tiny):
         assert engine.scheduler.kvs[0].dtype == np.float16
     with pytest.raises(ConfigError, match="--kv 'x' is not one of"):
         EngineConfig(tiny, kv_type="x")
+
+
+def test_run_follows_a_grammar_and_names_its_faults(tiny, tmp_path):
+    """--grammar / --grammar-file (llama-cli's): the reply is a sentence of it; a fault exits
+    2 naming its place."""
+    import re
+
+    gbnf = 'root ::= ("yes" | "no") ", " [a-z]{1,8} "."'
+    res = runner().invoke(main, ["run", "--model", tiny, "-n", "24", "--temp", "0", "--raw",
+                                 "--grammar", gbnf, "Hello"])
+    assert res.exit_code == 0, res.output
+    assert re.fullmatch(r"(?:yes|no), [a-z]{1,8}\.\n", res.stdout), res.stdout
+    path = tmp_path / "answer.gbnf"
+    path.write_text(gbnf + "\n# the same, from a file\n")
+    again = runner().invoke(main, ["run", "--model", tiny, "-n", "24", "--temp", "0", "--raw",
+                                   "--grammar-file", str(path), "Hello"])
+    assert again.exit_code == 0 and again.stdout == res.stdout
+    path.write_text('root ::= "x" (\n')
+    bad = runner().invoke(main, ["run", "--model", tiny, "--grammar-file", str(path), "Hi"])
+    assert bad.exit_code == 2 and "group is not closed at line 1, column 14" in bad.stderr
+    both = runner().invoke(main, ["run", "--model", tiny, "--grammar", gbnf,
+                                  "--grammar-file", str(path), "Hi"])
+    assert both.exit_code == 2 and "not both" in both.stderr

@@ -74,13 +74,19 @@ def main():
               help="Context size in tokens (default: min(model context, 8192)).")
 @click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
+@click.option("--grammar", default=None,
+              help="GBNF grammar (llama.cpp's) the reply must follow, e.g. 'root ::= \"yes\" "
+                   "| \"no\"'.")
+@click.option("--grammar-file", default=None, type=click.Path(dir_okay=False),
+              help="File holding the GBNF grammar (instead of --grammar).")
 @device_option
 @slot_options
 @expert_options
 @draft_options
 def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, threads,
-        ctx_size, system, raw, device, parallel, read_chunk, conversation_cache_mib,
-        ctx_checkpoints, conversation_files, expert_config, draft_config):
+        ctx_size, system, raw, grammar, grammar_file, device, parallel, read_chunk,
+        conversation_cache_mib, ctx_checkpoints, conversation_files, expert_config,
+        draft_config):
     """Generate a reply to PROMPT and stream it to stdout ('-' reads the prompt from stdin)."""
     from strata.config import EngineConfig
     from strata.engine.engine import Engine
@@ -89,10 +95,17 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
     if prompt == "-":
         prompt = sys.stdin.read()
     path = resolve_model(model)
+    if grammar_file is not None:
+        if grammar is not None:
+            fail("give --grammar or --grammar-file, not both")
+        try:
+            grammar = Path(grammar_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"--grammar-file {grammar_file}: {e}")
     try:
         params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repetition_penalty=repeat_penalty, max_tokens=max_tokens,
-                                seed=seed)
+                                seed=seed, grammar=grammar or None)
         engine = Engine(EngineConfig(path, n_ctx=ctx_size, threads=threads, seed=seed,
                                      device=device, parallel=parallel,
                                      **read_chunk_fields(read_chunk),

@@ -110,3 +110,32 @@ def test_bad_requests_name_the_field(live, body, param, words):
     assert error["param"] == param
     assert all(w in error["message"] for w in words), error["message"]
     assert post(live, {"prompt": "still serving", "n_predict": 1}).status_code == 200
+
+
+def test_a_grammar_holds_the_answer(live, reference):
+    """`grammar` (GBNF) on /completion and on the chat endpoint: the answer follows it and
+    equals the engine's own run held to it; a fault is a 400 naming its line and column."""
+    import re
+
+    gbnf = 'root ::= " " [0-9]{1,3} ("%" | " apples")'
+    think = reference.tokenizer.token_id("<think>")  # random weights would think on
+    tokens = reference.tokenize(PROMPT, add_special=True)
+    events = engine_events(reference, tokens, 32, grammar=gbnf, logit_bias={think: -100})
+    reply = post(live, {"prompt": PROMPT, "n_predict": 32, "temperature": 0, "grammar": gbnf,
+                        "logit_bias": {str(think): -100}})
+    assert reply.status_code == 200, reply.text
+    out = reply.json()
+    assert out["content"] == "".join(e.text for e in events)
+    assert re.fullmatch(r" [0-9]{1,3}(?:%| apples)", out["content"]), out["content"]
+    assert out["stop_type"] == "eos"
+    chat = post(live, {"messages": [{"role": "user", "content": "How many?"}],
+                       "max_tokens": 32, "temperature": 0, "grammar": gbnf,
+                       "logit_bias": {str(think): -100}}, "/v1/chat/completions")
+    assert chat.status_code == 200, chat.text
+    content = chat.json()["choices"][0]["message"]["content"]
+    assert re.fullmatch(r" [0-9]{1,3}(?:%| apples)", content), content
+    bad = post(live, {"prompt": PROMPT, "grammar": 'root ::= " " [0-9'})
+    assert bad.status_code == 400
+    err = bad.json()["error"]
+    assert err["param"] == "grammar" and "not closed at line 1, column 14" in err["message"]
+    assert post(live, {"prompt": PROMPT, "n_predict": 2}).status_code == 200  # still serving

@@ -67,3 +67,29 @@ def test_one_call_when_calls_are_not_parallel(body, parse):
     with pytest.raises(ApiError) as info:
         parse(serial("no"), 512)
     assert "a boolean" in info.value.message
+
+
+def test_a_grammar_reaches_the_engine_and_its_faults_are_named():
+    """llama.cpp's `grammar` on OpenAI's endpoints as llama-server takes it (and on its own,
+    test_llama_completion.py); "" is none; a fault is a 400 naming its place; a JSON format or
+    held tool calls exclude it."""
+    gbnf = 'root ::= "yes" | "no"'
+    for body, parse in (({"messages": USER}, parse_chat_request),
+                        ({"input": "hi"}, parse_responses_request)):
+        options = parse(dict(body, grammar=gbnf), 512).options
+        assert sampling_params(options, 10, 512, 1000).grammar == gbnf
+        assert parse(dict(body, grammar=""), 512).options.grammar is None
+        with pytest.raises(ApiError) as info:
+            parse(dict(body, grammar="root ::= yes"), 512)
+        assert info.value.param == "grammar"
+        assert "'yes' is used but not defined at line 1, column 10" in info.value.message
+    options = parse_chat_request({"messages": USER, "grammar": gbnf,
+                                  "response_format": {"type": "json_object"}}, 512).options
+    with pytest.raises(ApiError) as info:
+        sampling_params(options, 10, 512, 1000)
+    assert info.value.param == "grammar" and "send one of them" in info.value.message
+    options = parse_chat_request({"messages": USER, "grammar": gbnf, "tools": [TOOL]},
+                                 512).options
+    options.held_tool_calls = [{"name": "f"}]  # as the template's rendering sets them
+    with pytest.raises(ApiError):
+        sampling_params(options, 10, 512, 1000)

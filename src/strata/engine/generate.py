@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata.engine.json_constraint import JsonObjectConstraint, opens_reasoning
+from strata.engine.json_constraint import JsonObjectConstraint, TextConstraint, opens_reasoning
 from strata.engine.logprobs import TokenLogprob, token_logprob
 from strata.engine.sampling import Sampler, SamplingParams
 from strata.engine.tool_call_constraint import ToolCallConstraint
@@ -155,6 +155,13 @@ class TokenDecoder:
                 tokenizer, set(params.stop_token_ids) | tokenizer.stop_ids,
                 starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens),
                 schema=params.json_schema)
+        elif params.grammar is not None:  # the stop tokens only at a sentence's end
+            from strata.engine.gbnf import compiled_grammar
+
+            constraint = TextConstraint(
+                tokenizer, set(params.stop_token_ids) | tokenizer.stop_ids,
+                compiled_grammar(params.grammar).recognizer(),
+                starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens))
         elif params.tool_call_required:  # the stop tokens only after a call
             constraint = RequiredToolCallConstraint(
                 tokenizer, params.held_tool_calls,

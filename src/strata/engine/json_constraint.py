@@ -77,6 +77,11 @@ class JsonRecognizer:
         """The object is complete."""
         return self.mode == DONE
 
+    @property
+    def can_continue(self) -> bool:
+        """Whether more may follow: not once the object is complete."""
+        return self.mode != DONE
+
     def first_bytes(self) -> np.ndarray:
         """bool [256]: the bytes that may come next (shared, do not write to it)."""
         key = (self.mode, self.stack[-1] if self.stack else 0, len(self.stack) >= MAX_DEPTH,
@@ -338,43 +343,38 @@ class ThinkingLead:
         return tokenizer.token_id(THINK_OPEN.decode()) if self.is_first else None
 
 
-class JsonObjectConstraint:
-    """Which tokens may come next so that the output is one JSON object (following `schema`
-    where given, as json_schema.py holds it): `allows(token)` before
-    the draw, `push(token)` once it is taken. A `<think>` ... `</think>` block may come first
-    (its `<think>` as the first token, or the output starts inside one: `starts_in_reasoning`);
-    the stop tokens are allowed only once the object is complete. Special tokens and tags (the
-    tokenizer's added ones) never are, inside the object."""
+class TextConstraint:
+    """Which tokens may come next so that the output's bytes stay accepted by `recognizer`
+    (copy(), feed(bytes) -> bool, is_done, can_continue, first_bytes(): a JSON object's here,
+    a GBNF grammar's in gbnf.py): `allows(token)` before the draw, `push(token)` once it is
+    taken. A `<think>` ... `</think>` block may come first (its `<think>` as the first token, or
+    the output starts inside one: `starts_in_reasoning`); the stop tokens are allowed only once
+    the recognizer is done. Special tokens and tags (the tokenizer's added ones) never are,
+    inside the held text."""
 
-    def __init__(self, tokenizer, stop_ids, starts_in_reasoning: bool = False,
-                 schema: dict | None = None):
+    def __init__(self, tokenizer, stop_ids, recognizer, starts_in_reasoning: bool = False):
         self._tokenizer = tokenizer
         self._stop_ids = frozenset(stop_ids)
         self._special = tokenizer.special_ids
-        self._added = tokenizer.added_ids  # tags such as <tool_call>: never inside the object
+        self._added = tokenizer.added_ids  # tags such as <tool_call>: never inside the text
         self.think = ThinkingLead(starts_in_reasoning)
-        if schema is None:
-            self.json = JsonRecognizer()
-        else:  # the schema's structure too (json_schema.py says what is held)
-            from strata.engine.json_schema import SchemaRecognizer, compile_schema
-
-            self.json = SchemaRecognizer(compile_schema(schema))
+        self.recognizer = recognizer
 
     @property
     def is_done(self) -> bool:
-        return not self.think.is_thinking and self.json.is_done
+        return not self.think.is_thinking and self.recognizer.is_done
 
     def allows(self, token: int) -> bool:
         if token in self._stop_ids:
             return self.is_done
         data = self._tokenizer.token_bytes(token)
         decided = self.think.allows(token, data, self._special,
-                                    lambda rest: self.json.copy().feed(rest))
+                                    lambda rest: self.recognizer.copy().feed(rest))
         if decided is not None:
             return decided
         if token in self._added or not data:
             return False
-        return self.json.copy().feed(data)
+        return self.recognizer.copy().feed(data)
 
     def push(self, token: int) -> None:
         """Take `token` (one `allows` accepted)."""
@@ -382,22 +382,40 @@ class JsonObjectConstraint:
             return
         data = self.think.take(self._tokenizer.token_bytes(token))
         if data is not None:
-            self.json.feed(data)
+            self.recognizer.feed(data)
 
     def first_bytes(self) -> np.ndarray:
         """bool [256]: the bytes a token may start with now (inside reasoning: all)."""
         if self.think.is_thinking:
             return np.ones(256, dtype=bool)
-        return self.json.first_bytes()
+        return self.recognizer.first_bytes()
 
     def candidates(self) -> np.ndarray:
         """Ids that may pass `allows`, by their first byte (a superset; ascending)."""
-        if self.is_done:  # only the end of the turn
-            return np.array(sorted(self._stop_ids), dtype=np.int64)
+        stops = np.array(sorted(self._stop_ids), dtype=np.int64)
+        if self.is_done and not self.recognizer.can_continue:  # only the end of the turn
+            return stops
         first = self._tokenizer.first_byte_table()  # [V] int16, -1 for an empty token
         ok = np.append(self.first_bytes(), False)  # [257]: index -1 (empty) is False
         mask = ok[first]  # [V] (a mask, not a union of id arrays: that sorted 150k ids)
         think = self.think.think_id(self._tokenizer)
         if think is not None:
             mask[think] = True
+        if self.is_done:  # the text may end here or go on
+            mask[stops[stops < len(mask)]] = True
         return np.flatnonzero(mask)
+
+
+class JsonObjectConstraint(TextConstraint):
+    """The output is one JSON object (following `schema` where given, as json_schema.py holds
+    it), after any `<think>` block."""
+
+    def __init__(self, tokenizer, stop_ids, starts_in_reasoning: bool = False,
+                 schema: dict | None = None):
+        if schema is None:
+            recognizer = JsonRecognizer()
+        else:  # the schema's structure too (json_schema.py says what is held)
+            from strata.engine.json_schema import SchemaRecognizer, compile_schema
+
+            recognizer = SchemaRecognizer(compile_schema(schema))
+        super().__init__(tokenizer, stop_ids, recognizer, starts_in_reasoning)

@@ -36,6 +36,9 @@ class SamplingParams:
     # json_schema: that object also follows this JSON schema, as engine/json_schema.py holds it
     json_object: bool = False
     json_schema: dict | None = None
+    # llama.cpp's GBNF grammar: the output (after any <think> block) is a sentence of it,
+    # engine/gbnf.py; excludes json_object and held_tool_calls
+    grammar: str | None = None
     # each <tool_call> block a call of one of these functions ({"name", "parameters"}), in the
     # form tool_call_form says ("json": Qwen's, "xml": Qwen3-Coder's <function=...>):
     # engine/tool_call_constraint.py (the server sets both from the chat template)
@@ -94,6 +97,16 @@ class SamplingParams:
                 raise RequestError(f"{name} = {value!r} is invalid: it must be an integer "
                                    f"from 0 to {MAX_TOP_LOGPROBS} (alternatives per token) "
                                    "or None")
+        if self.grammar is not None:
+            if self.json_object or self.held_tool_calls is not None:
+                raise RequestError("grammar excludes json_object and held_tool_calls: the "
+                                   "answer follows one of them")
+            if not isinstance(self.grammar, str):
+                raise RequestError(f"grammar = {self.grammar!r} is invalid: it must be a GBNF "
+                                   "grammar's text or None")
+            from strata.engine.gbnf import compiled_grammar
+
+            compiled_grammar(self.grammar)  # GrammarError (a RequestError) names the fault
         if self.json_schema is not None:
             if not isinstance(self.json_schema, dict):
                 raise RequestError(f"json_schema = {self.json_schema!r} is invalid: it must be "

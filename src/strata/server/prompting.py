@@ -148,6 +148,10 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
                     vocab: int) -> SamplingParams:
     """The engine's parameters; max_tokens defaults to (and is clipped to) the room left in the
     context, as OpenAI's API does. `vocab`: the token ids [0, vocab) logit_bias may name."""
+    if options.grammar is not None and (options.json_object or options.held_tool_calls):
+        raise invalid("'grammar' holds the answer to a grammar, and so does a JSON response "
+                      "format or 'tools': send one of them (tools with tool_choice 'none' "
+                      "may come with a grammar).", "grammar")
     room = max(n_ctx - num_prompt_tokens, 1)
     max_tokens = room if options.max_tokens is None else min(options.max_tokens, room)
     for token in options.logit_bias:
@@ -157,6 +161,7 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
     fields = {"max_tokens": max_tokens, "stop": list(options.stop), "seed": options.seed,
               "ignore_eos": options.is_eos_ignored, "logit_bias": dict(options.logit_bias),
               "json_object": options.json_object, "json_schema": options.json_schema,
+              "grammar": options.grammar,
               "held_tool_calls": options.held_tool_calls,
               "tool_call_form": options.tool_call_form,
               "tool_call_required": options.tool_call_required,

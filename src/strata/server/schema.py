@@ -36,6 +36,7 @@ class GenerationOptions:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
     json_object: bool = False  # the answer held to one JSON object (response_format)
     json_schema: dict | None = None  # ... that follows this schema (json_schema format)
+    grammar: str | None = None  # llama.cpp's GBNF grammar: the answer is a sentence of it
     held_tool_calls: list[dict] | None = None  # the functions of held tool calls (the prompt
     tool_call_form: str = "json"                # sets both: json or xml, as its template asks)
     tool_call_required: bool = False  # the answer opens with a call (tool_choice required / named)
@@ -275,7 +276,23 @@ def parse_options(body: dict, max_tokens_limit: int, *,
         is_usage_streamed=is_stream and _boolean(stream_options, "include_usage"),
         is_eos_ignored=_boolean(body, "ignore_eos"),
         logit_bias=_logit_bias(body),
+        grammar=_grammar(body),
     )
+
+
+def _grammar(body: dict) -> str | None:
+    """llama.cpp's `grammar` (GBNF text; "" or null: none), compiled here so that a fault is
+    a 400 naming its line and column."""
+    from strata.engine.gbnf import GrammarError, compiled_grammar
+
+    text = _string(body, "grammar")
+    if not text:
+        return None
+    try:
+        compiled_grammar(text)
+    except GrammarError as exc:
+        raise invalid(f"'grammar': {str(exc).removeprefix('grammar: ')}", "grammar") from None
+    return text
 
 
 def parse_completion_request(body: dict, max_tokens_limit: int) -> CompletionRequest:

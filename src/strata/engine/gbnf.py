@@ -1,0 +1,579 @@
+"""llama.cpp's GBNF grammars (the `grammar` field of llama-server's requests, `strata run
+--grammar` / `--grammar-file`): `compile_grammar(text)` parses one into rules, and a
+`GrammarRecognizer` reads the output's bytes and says whether they are still a prefix of a
+sentence of the grammar (the sampler masks every token that would leave it).
+
+The language, as llama.cpp's grammars write it (its grammars/README.md):
+- `name ::= alternatives`, one rule per definition; `root` is where a sentence starts; a rule
+  may continue over several lines; `#` starts a comment to the end of the line;
+- alternatives separated by `|` (an empty one matches nothing), each a sequence of items;
+- items: `"literal"`, a character class `[a-z_]` or `[^"\\\\]`, `.` (any character), a rule's
+  name, a group `( ... )`, each optionally followed by `*`, `+`, `?`, `{m}`, `{m,}` or `{m,n}`;
+- escapes in literals and classes: `\\n \\r \\t \\\\ \\" \\[ \\] \\- \\xHH \\uHHHH \\UHHHHHHHH`.
+Characters are Unicode code points, read from the output's UTF-8 (a token may end inside one).
+Not held: llama.cpp's token references (`<[id]>`, `<think>`); a grammar that can reach a rule
+again without reading a character (left recursion) is refused, as llama.cpp refuses it.
+
+The recognizer is a set of stacks (as llama.cpp's is): each stack holds the positions in the
+rules still to be matched, innermost last, its top a character class; an empty stack means a
+sentence may end here. Reading a character keeps the stacks whose top matches it, advanced."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from strata.errors import RequestError
+
+MAX_GRAMMAR_BYTES = 64 * 1024
+MAX_REPEAT = 1000           # the largest m or n of x{m,n} (each copy is a rule item)
+MAX_STACKS = 4096           # a reading that leaves more stacks than this is refused
+_CACHE_LIMIT = 1 << 16      # memoised steps per grammar, then the memo starts over
+MAX_CODE_POINT = 0x10FFFF
+_UTF8_CLASSES = ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, MAX_CODE_POINT))
+
+
+class GrammarError(RequestError):
+    """A grammar that cannot be parsed or held; the message names the place and the cause."""
+
+
+class CharSet:
+    """The characters an item takes: sorted disjoint code point ranges (a negated class is
+    stored as its complement)."""
+
+    __slots__ = ("ranges",)
+
+    def __init__(self, ranges):
+        merged = []
+        for lo, hi in sorted(ranges):
+            if merged and lo <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        self.ranges = tuple(merged)
+
+    def complement(self) -> "CharSet":
+        out, start = [], 0
+        for lo, hi in self.ranges:
+            if lo > start:
+                out.append((start, lo - 1))
+            start = hi + 1
+        if start <= MAX_CODE_POINT:
+            out.append((start, MAX_CODE_POINT))
+        return CharSet(out)
+
+    def matches(self, cp: int) -> bool:
+        for lo, hi in self.ranges:
+            if cp < lo:
+                return False
+            if cp <= hi:
+                return True
+        return False
+
+    def meets(self, lo: int, hi: int) -> bool:
+        """Whether some character in [lo, hi] is in the set."""
+        return any(a <= hi and lo <= b for a, b in self.ranges)
+
+    def mark_first_bytes(self, out: np.ndarray) -> None:
+        """Set out[b] for every first byte of the UTF-8 of a character in the set."""
+        for a, b in self.ranges:
+            for c_lo, c_hi in _UTF8_CLASSES:
+                lo, hi = max(a, c_lo), min(b, c_hi)
+                if lo <= hi:
+                    out[_lead_byte(lo):_lead_byte(hi) + 1] = True
+
+
+def _lead_byte(cp: int) -> int:
+    return chr(cp).encode("utf-8", "surrogatepass")[0]
+
+
+class Grammar:
+    """Compiled rules: rules[r] is a list of alternatives, each a tuple of items (an int: a
+    rule's index; a CharSet: one character). `root` is the start rule's index, `names` each
+    rule's name (generated ones for groups and repetitions)."""
+
+    def __init__(self, rules, names, root: int, text: str):
+        self.rules = rules
+        self.names = names
+        self.root = root
+        self.text = text
+        self._expanded: dict = {}
+        self._steps: dict = {}
+        self.start = self._expand_all((((root, k, 0),) for k in range(len(rules[root]))))
+
+    def recognizer(self) -> "GrammarRecognizer":
+        return GrammarRecognizer(self)
+
+    # ---- the stacks -------------------------------------------------------------------------
+    def _expand(self, stack: tuple) -> tuple:
+        """The stacks `stack` stands for with a CharSet on top (or empty: the sentence may end):
+        finished alternatives popped, rules on top replaced by their alternatives."""
+        done = self._expanded.get(stack)
+        if done is not None:
+            return done
+        out, seen, todo = [], set(), [stack]
+        rules = self.rules
+        while todo:
+            st = todo.pop()
+            if st in seen:
+                continue
+            seen.add(st)
+            if not st:
+                out.append(st)
+                continue
+            r, a, p = st[-1]
+            alt = rules[r][a]
+            if p == len(alt):  # this alternative is read: back to what follows it
+                todo.append(st[:-1])
+                continue
+            item = alt[p]
+            if isinstance(item, CharSet):
+                out.append(st)
+                continue
+            # a rule: what follows it stays below (dropped when nothing does: right
+            # recursion, as in x*, keeps the stack flat), its alternatives on top
+            rest = st[:-1] + ((r, a, p + 1),) if p + 1 < len(alt) else st[:-1]
+            for k in range(len(rules[item])):
+                todo.append(rest + ((item, k, 0),))
+        result = tuple(out)
+        if len(self._expanded) > _CACHE_LIMIT:
+            self._expanded.clear()
+        self._expanded[stack] = result
+        return result
+
+    def _expand_all(self, stacks) -> frozenset:
+        out = set()
+        for st in stacks:
+            out.update(self._expand(st))
+        return frozenset(out)
+
+    def step(self, state: frozenset, cp: int) -> frozenset:
+        """The stacks after reading character `cp` (empty: the output left the grammar)."""
+        key = (state, cp)
+        got = self._steps.get(key)
+        if got is not None:
+            return got
+        advanced = []
+        for st in state:
+            if st and self._top(st).matches(cp):
+                r, a, p = st[-1]
+                advanced.append(st[:-1] + ((r, a, p + 1),))
+        result = self._expand_all(advanced)
+        if len(result) > MAX_STACKS:
+            result = frozenset()  # too ambiguous to follow: refused rather than slow
+        if len(self._steps) > _CACHE_LIMIT:
+            self._steps.clear()
+        self._steps[key] = result
+        return result
+
+    def _top(self, stack: tuple) -> CharSet:
+        r, a, p = stack[-1]
+        return self.rules[r][a][p]
+
+
+class GrammarRecognizer:
+    """Reads the output's bytes one at a time (`feed`); `copy()` is cheap, so a token can be
+    tried on a copy. `is_done`: the output so far is a whole sentence; `can_continue`: it may
+    also go on."""
+
+    __slots__ = ("grammar", "state", "partial", "need")
+
+    def __init__(self, grammar: Grammar):
+        self.grammar = grammar
+        self.state = grammar.start
+        self.partial = b""  # the first bytes of a character not yet whole
+        self.need = 0       # its continuation bytes still to come
+
+    def copy(self) -> "GrammarRecognizer":
+        other = GrammarRecognizer.__new__(GrammarRecognizer)
+        other.grammar, other.state = self.grammar, self.state
+        other.partial, other.need = self.partial, self.need
+        return other
+
+    @property
+    def is_done(self) -> bool:
+        return not self.partial and () in self.state
+
+    @property
+    def can_continue(self) -> bool:
+        return any(self.state)
+
+    def feed(self, data: bytes) -> bool:
+        """Read `data`; False (and the recognizer left unusable) when it leaves the grammar."""
+        for b in data:
+            if not self._byte(b):
+                return False
+        return True
+
+    def _byte(self, b: int) -> bool:
+        if self.need:
+            if b & 0xC0 != 0x80:
+                return False
+            self.partial += bytes((b,))
+            self.need -= 1
+            if self.need:
+                return self._partial_fits()
+            try:
+                cp = ord(self.partial.decode("utf-8"))
+            except UnicodeDecodeError:  # overlong or a surrogate
+                return False
+            self.partial = b""
+            return self._char(cp)
+        if b < 0x80:
+            return self._char(b)
+        need = 1 if 0xC2 <= b <= 0xDF else 2 if 0xE0 <= b <= 0xEF else 3 if 0xF0 <= b <= 0xF4 \
+            else 0
+        if not need:
+            return False
+        self.partial, self.need = bytes((b,)), need
+        return self._partial_fits()
+
+    def _partial_fits(self) -> bool:
+        """Whether some character that starts with the bytes read so far may come next."""
+        lo = max(_decode_bits(self.partial + b"\x80" * self.need),  # no overlong forms
+                 _UTF8_CLASSES[len(self.partial) + self.need - 1][0])
+        hi = _decode_bits(self.partial + b"\xbf" * self.need)
+        g = self.grammar
+        return any(st and g._top(st).meets(lo, hi) for st in self.state)
+
+    def _char(self, cp: int) -> bool:
+        self.state = self.grammar.step(self.state, cp)
+        return bool(self.state)
+
+    def first_bytes(self) -> np.ndarray:
+        """bool [256]: the bytes the next one may be."""
+        out = np.zeros(256, dtype=bool)
+        if self.need:  # inside a character: the continuation bytes that keep it possible
+            out[0x80:0xC0] = [self.copy()._byte(b) for b in range(0x80, 0xC0)]
+            return out
+        g = self.grammar
+        for st in self.state:
+            if st:
+                g._top(st).mark_first_bytes(out)
+        return out
+
+
+def _decode_bits(data: bytes) -> int:
+    """The code point UTF-8's bit layout gives `data` (no check for overlong forms)."""
+    n = len(data)
+    cp = data[0] & (0x7F >> n)
+    for b in data[1:]:
+        cp = (cp << 6) | (b & 0x3F)
+    return cp
+
+
+# ---- the parser -------------------------------------------------------------------------------
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+_SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"', "[": "[", "]": "]",
+                   "-": "-", "/": "/", "'": "'", "^": "^"}
+_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+
+
+class _Parser:
+    """Recursive descent over the grammar's text into `rules` (alternatives of items, names
+    referenced before they are resolved: ("name", pos) placeholders)."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.pos = 0
+        self.rules: list[list] = []
+        self.names: list[str] = []
+        self.defined: dict[str, int] = {}
+        self.index: dict[str, int] = {}
+
+    # positions and errors
+    def fail(self, message: str, pos: int | None = None):
+        pos = self.pos if pos is None else pos
+        line = self.text.count("\n", 0, pos) + 1
+        col = pos - (self.text.rfind("\n", 0, pos) + 1) + 1
+        near = self.text[pos:pos + 20].split("\n")[0]
+        where = f"line {line}, column {col}" + (f" (at {near!r})" if near else " (at the end)")
+        raise GrammarError(f"grammar: {message} at {where}")
+
+    def peek(self, n: int = 1) -> str:
+        return self.text[self.pos:self.pos + n]
+
+    def skip_space(self) -> None:
+        text = self.text
+        while self.pos < len(text):
+            c = text[self.pos]
+            if c in " \t\r\n":
+                self.pos += 1
+            elif c == "#":
+                end = text.find("\n", self.pos)
+                self.pos = len(text) if end < 0 else end + 1
+            else:
+                break
+
+    def name_at(self, pos: int) -> str:
+        end = pos
+        while end < len(self.text) and self.text[end] in _NAME_CHARS:
+            end += 1
+        return self.text[pos:end]
+
+    def rule_index(self, name: str) -> int:
+        if name not in self.index:
+            self.index[name] = len(self.rules)
+            self.rules.append(None)
+            self.names.append(name)
+        return self.index[name]
+
+    def new_rule(self, base: str, alts: list) -> int:
+        k = len(self.rules)
+        self.rules.append(alts)
+        self.names.append(f"{base}#{k}")  # '#' is no name character: a generated rule
+        return k
+
+    # the grammar
+    def parse(self) -> None:
+        self.skip_space()
+        while self.pos < len(self.text):
+            start = self.pos
+            name = self.name_at(self.pos)
+            if not name:
+                self.fail("expected a rule's name")
+            self.pos += len(name)
+            self.skip_space()
+            if self.peek(3) != "::=":
+                self.fail(f"expected '::=' after the rule name {name!r}")
+            self.pos += 3
+            if name in self.defined:
+                self.fail(f"the rule {name!r} is defined twice", start)
+            k = self.rule_index(name)
+            self.defined[name] = start
+            self.rules[k] = self.alternatives(name, nested=False)
+            self.skip_space()
+
+    def at_rule_start(self) -> bool:
+        """Whether the text here starts the next rule's definition (`name ::=`)."""
+        name = self.name_at(self.pos)
+        if not name:
+            return False
+        save = self.pos
+        self.pos += len(name)
+        self.skip_space()
+        is_def = self.peek(3) == "::="
+        self.pos = save
+        return is_def
+
+    def alternatives(self, rule: str, nested: bool) -> list:
+        alts = [self.sequence(rule, nested)]
+        while self.peek() == "|":
+            self.pos += 1
+            alts.append(self.sequence(rule, nested))
+        return alts
+
+    def sequence(self, rule: str, nested: bool) -> tuple:
+        items = []
+        while True:
+            self.skip_space()
+            c = self.peek()
+            if not c or c == "|" or (c == ")" and nested):
+                break
+            if c == ")":
+                self.fail("unexpected ')'")
+            if not nested and self.at_rule_start():
+                break
+            items.extend(self.repeated(rule, self.item(rule)))
+        return tuple(items)
+
+    def item(self, rule: str):
+        c = self.peek()
+        start = self.pos
+        if c == '"':
+            self.pos += 1
+            chars = []
+            while self.peek() != '"':
+                if not self.peek():
+                    self.fail("a literal is not closed", start)
+                chars.append(self.char())
+            self.pos += 1
+            return [CharSet([(cp, cp)]) for cp in chars]
+        if c == "[":
+            return [self.char_class()]
+        if c == ".":
+            self.pos += 1
+            return [CharSet([(0, MAX_CODE_POINT)])]
+        if c == "(":
+            self.pos += 1
+            alts = self.alternatives(rule, nested=True)
+            self.skip_space()
+            if self.peek() != ")":
+                self.fail("a group is not closed", start)
+            self.pos += 1
+            return [self.new_rule(rule, alts)]
+        if c in ("<", "!"):
+            self.fail("token references (<...>) are not supported")
+        name = self.name_at(self.pos)
+        if not name:
+            self.fail(f"unexpected {c!r}")
+        self.pos += len(name)
+        return [("name", name, start)]
+
+    def char(self) -> int:
+        """One character of a literal or class, escapes resolved."""
+        c = self.peek()
+        if c != "\\":
+            self.pos += 1
+            return ord(c)
+        start = self.pos
+        e = self.text[self.pos + 1:self.pos + 2]
+        if e in _SIMPLE_ESCAPES:
+            self.pos += 2
+            return ord(_SIMPLE_ESCAPES[e])
+        if e in _HEX_ESCAPES:
+            n = _HEX_ESCAPES[e]
+            digits = self.text[self.pos + 2:self.pos + 2 + n]
+            if len(digits) != n or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                self.fail(f"\\{e} takes {n} hex digits", start)
+            cp = int(digits, 16)
+            if cp > MAX_CODE_POINT:
+                self.fail(f"\\{e}{digits} is beyond Unicode", start)
+            self.pos += 2 + n
+            return cp
+        self.fail(f"unknown escape '\\{e}'", start)
+
+    def char_class(self) -> CharSet:
+        start = self.pos
+        self.pos += 1
+        negated = self.peek() == "^"
+        if negated:
+            self.pos += 1
+        ranges = []
+        while self.peek() != "]":
+            if not self.peek():
+                self.fail("a character class is not closed", start)
+            lo = self.char()
+            hi = lo
+            if self.peek() == "-" and self.text[self.pos + 1:self.pos + 2] not in ("]", ""):
+                self.pos += 1
+                hi = self.char()
+                if hi < lo:
+                    self.fail("a range ends below its start", start)
+            ranges.append((lo, hi))
+        self.pos += 1
+        chars = CharSet(ranges)
+        return chars.complement() if negated else chars
+
+    def repeated(self, rule: str, items: list) -> list:
+        """The items, under the repetition that follows them, if any."""
+        c = self.peek()
+        if c not in ("*", "+", "?", "{"):
+            return items
+        start = self.pos
+        if c == "{":
+            end = self.text.find("}", self.pos)
+            body = self.text[self.pos + 1:end] if end > 0 else ""
+            parts = body.split(",")
+            try:
+                if end < 0 or len(parts) > 2:
+                    raise ValueError
+                lo = int(parts[0])
+                hi = lo if len(parts) == 1 else (None if not parts[1].strip()
+                                                 else int(parts[1]))
+            except ValueError:
+                self.fail("a repetition is written {m}, {m,} or {m,n}", start)
+            if lo < 0 or (hi is not None and hi < lo) or max(lo, hi or 0) > MAX_REPEAT:
+                self.fail(f"a repetition's bounds must be 0 <= m <= n <= {MAX_REPEAT}", start)
+            self.pos = end + 1
+        else:
+            self.pos += 1
+            lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+        unit = tuple(items)
+        out = list(unit) * lo
+        if hi is None:  # x* = R ::= x R | ()
+            k = self.new_rule(rule, [])
+            self.rules[k] = [unit + (k,), ()]
+            out.append(k)
+        elif hi > lo:   # (n - m) nested optionals: R ::= x R' | (), innermost last
+            inner = None
+            for _ in range(hi - lo):
+                k = self.new_rule(rule, [unit + ((inner,) if inner is not None else ()), ()])
+                inner = k
+            out.append(inner)
+        return out
+
+
+def compile_grammar(text: str) -> Grammar:
+    """Parse and check a GBNF grammar; GrammarError names what is wrong and where."""
+    if not isinstance(text, str):
+        raise GrammarError(f"grammar: expected the grammar's text (a string), got "
+                           f"{type(text).__name__}")
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"grammar: {len(text)} characters; at most {MAX_GRAMMAR_BYTES} "
+                           "bytes are accepted")
+    p = _Parser(text)
+    p.parse()
+    if "root" not in p.defined:
+        raise GrammarError("grammar: no 'root' rule (the sentence starts at 'root ::= ...')")
+    for k, alts in enumerate(p.rules):  # names into rule indices
+        if alts is None:
+            continue
+        resolved = []
+        for alt in alts:
+            items = []
+            for item in alt:
+                if isinstance(item, tuple) and item[0] == "name":
+                    _, name, pos = item
+                    if name not in p.defined:
+                        p.fail(f"the rule {name!r} is used but not defined", pos)
+                    items.append(p.index[name])
+                else:
+                    items.append(item)
+            resolved.append(tuple(items))
+        p.rules[k] = resolved
+    _check_left_recursion(p.rules, p.names)
+    return Grammar(p.rules, p.names, p.index["root"], text)
+
+
+def _check_left_recursion(rules, names) -> None:
+    """Refuse a rule that can reach itself before reading a character (the stacks would grow
+    without end): an edge r -> s for each rule s that can come first in r, past nullable
+    items."""
+    nullable = [False] * len(rules)
+    changed = True
+    while changed:
+        changed = False
+        for r, alts in enumerate(rules):
+            if not nullable[r] and any(all(isinstance(i, int) and nullable[i] for i in alt)
+                                       for alt in alts):
+                nullable[r] = changed = True
+    firsts = []
+    for alts in rules:
+        edges = set()
+        for alt in alts:
+            for item in alt:
+                if isinstance(item, CharSet):
+                    break
+                edges.add(item)
+                if not nullable[item]:
+                    break
+        firsts.append(edges)
+    state = [0] * len(rules)  # 0 new, 1 on the path, 2 done
+    for start in range(len(rules)):
+        if state[start]:
+            continue
+        path = [(start, iter(firsts[start]))]
+        state[start] = 1
+        while path:
+            r, it = path[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[r] = 2
+                path.pop()
+            elif state[nxt] == 1:
+                who = names[nxt].split("#")[0]  # a group's or repetition's own rule
+                raise GrammarError(
+                    f"grammar: the rule {who!r} can reach itself before reading a character "
+                    "(left recursion, or a repetition of something that can match nothing); "
+                    "rewrite it to read a character first")
+            elif state[nxt] == 0:
+                state[nxt] = 1
+                path.append((nxt, iter(firsts[nxt])))
+
+
+@functools.lru_cache(maxsize=16)
+def compiled_grammar(text: str) -> Grammar:
+    """compile_grammar, kept for the last few grammars (an agent sends the same one with every
+    request; the compiled one keeps its memo of steps)."""
+    return compile_grammar(text)
