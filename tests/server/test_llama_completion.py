@@ -139,3 +139,25 @@ def test_a_grammar_holds_the_answer(live, reference):
     err = bad.json()["error"]
     assert err["param"] == "grammar" and "not closed at line 1, column 14" in err["message"]
     assert post(live, {"prompt": PROMPT, "n_predict": 2}).status_code == 200  # still serving
+
+
+def test_a_json_schema_holds_the_answer(live, reference):
+    """llama.cpp's `json_schema` on /completion: the answer is a JSON object following it,
+    equal to the engine's run held to it; a schema that is not an object's is refused."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    think = reference.tokenizer.token_id("<think>")
+    tokens = reference.tokenize(PROMPT, add_special=True)
+    events = engine_events(reference, tokens, 48, json_object=True, json_schema=schema,
+                           logit_bias={think: -100})
+    reply = post(live, {"prompt": PROMPT, "n_predict": 48, "temperature": 0,
+                        "json_schema": schema, "logit_bias": {str(think): -100}})
+    assert reply.status_code == 200, reply.text
+    content = reply.json()["content"]
+    assert content == "".join(e.text for e in events)
+    assert json.loads(content) in ({"ok": True}, {"ok": False}), content
+    for body, words in (({"json_schema": {"type": "array"}}, "of type 'object'"),
+                        ({"json_schema": "x"}, "must be a JSON schema"),
+                        ({"json_schema": {}, "grammar": 'root ::= "a"'}, "send one of them")):
+        bad = post(live, dict(body, prompt=PROMPT))
+        assert bad.status_code == 400 and words in bad.json()["error"]["message"], bad.text
