@@ -205,3 +205,32 @@ def test_thinking_budget_on_device_rows_equals_copied_rows(synth_path):
         text = b"".join(tokenizer.token_bytes(t) for t in out)
         assert CLOSE in text and b"".join(tokenizer.token_bytes(t) for t in out[:4]) + CLOSE \
             == text[:text.index(CLOSE) + len(CLOSE)]
+
+
+def test_engine_on_the_gpu_answers_with_a_sentence_of_a_grammar(synth_path):
+    """A GBNF grammar on the CUDA engine (rows left on the device; a held answer samples the
+    whole row on the host): greedy and sampled answers follow it beside a plain request in the
+    same windows, the greedy one equal to the CPU engine's."""
+    import re
+
+    from request_runs import run_requests
+    from strata import Engine, EngineConfig
+
+    path = synth_path("tiny", "f32")
+    gbnf = 'root ::= "The answer is " [0-9]{1,3} ("%" | " apples")'
+    greedy = {}
+    for device in ("cuda", "cpu"):
+        with Engine(EngineConfig(path, n_ctx=256, parallel=3, device=device)) as engine:
+            prompt = engine.tokenize("How many?", add_special=True)
+            think = engine.tokenizer.token_id("<think>")
+            params = [SamplingParams(temperature=0.0, max_tokens=24)] + [
+                SamplingParams(temperature=t, seed=5, max_tokens=64, grammar=gbnf,
+                               logit_bias={think: -100}) for t in (0.0, 1.0)]
+            runs = run_requests(engine, [prompt] * 3, params)
+            for tokens, handle in runs[1:]:
+                text = engine.detokenize([t for t in tokens
+                                          if t not in engine.tokenizer.stop_ids])
+                assert re.fullmatch(r"The answer is [0-9]{1,3}(?:%| apples)", text), text
+                assert len(tokens) < 64  # ended by the grammar, not by max_tokens
+            greedy[device] = runs[1][0]
+    assert greedy["cuda"] == greedy["cpu"]
