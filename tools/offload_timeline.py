@@ -15,6 +15,9 @@ Usage, on the GPU machine:
       [--pcie-frac F] [--expert-cache 0] [--greedy]
 Prints medians per round (ms per token) and tokens/s; --greedy reads only the argmax back
 (forward_window(..., greedy=True), as the engine's greedy decode does) instead of the logits.
+--profile N then runs N one-row windows launch by launch with CUDA events between the launches
+(CudaModel.profile_window; the pool serves them) and prints each kernel's median device time
+per window (each launch's time includes the gap before it, so small kernels read high).
 """
 import argparse
 import statistics
@@ -33,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pcie-frac", type=float, default=None)
     ap.add_argument("--expert-cache", default="0")
     ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="N")
     args = ap.parse_args(argv)
 
     from strata._native import kernels
@@ -93,9 +97,29 @@ def main(argv=None) -> int:
                 per_token = statistics.median(r["total"] + r["between"] for r in rows[1:])
                 print(f"round {rnd}: {1e3 / per_token:.1f} tokens/s; ms per token (medians): "
                       + ", ".join(f"{k} {med[k]:.3f}" for k in keys), flush=True)
+            if args.profile:
+                _profile(model, tier, args.profile, rng)
         finally:
             tier.close()
     return 0
+
+
+def _profile(model, tier, num_windows: int, rng) -> None:
+    """Per kernel name: median device us per one-row window over `num_windows` windows."""
+    from strata.backends.window import Window
+
+    kv = model.new_kv(num_windows + 1)
+    toks = rng.integers(0, model.spec.vocab, num_windows + 1, dtype=np.int32)
+    tier.forward_window(Window.build([(kv, toks[:1])], logits="last"))  # sets the where table
+    runs = []
+    for i in range(1, num_windows + 1):
+        runs.append(model.profile_window(Window.build([(kv, toks[i:i + 1])], logits="last")))
+    names = sorted(runs[0], key=lambda n: -statistics.median(r.get(n, 0.0) for r in runs))
+    total = statistics.median(sum(r.values()) for r in runs)
+    print(f"profile: {num_windows} windows, median {total:.3f} ms of launches a window")
+    for name in names:
+        us = statistics.median(r.get(name, 0.0) for r in runs) * 1e3
+        print(f"  {name:40s} {us:9.1f} us")
 
 
 if __name__ == "__main__":
