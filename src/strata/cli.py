@@ -66,6 +66,8 @@ def main():
 @click.option("--min-p", default=0.05, show_default=True, help="Min-p (0 = off).")
 @click.option("--repeat-penalty", default=1.0, show_default=True,
               help="Repetition penalty on seen tokens (1 = off).")
+@click.option("--repeat-last-n", default=-1, show_default=True, type=click.IntRange(min=-1),
+              help="Tokens the repetition penalty looks back over (-1 = all, 0 = none).")
 @click.option("--seed", default=None, type=int, help="Sampling seed (default: random).")
 @click.option("--threads", "-t", default=None, type=int,
               help="CPU threads (default: all usable cores; a CPU pool beside a GPU takes all "
@@ -83,8 +85,8 @@ def main():
 @slot_options
 @expert_options
 @draft_options
-def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, seed, threads,
-        ctx_size, system, raw, grammar, grammar_file, device, parallel, read_chunk,
+def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+        seed, threads, ctx_size, system, raw, grammar, grammar_file, device, parallel, read_chunk,
         conversation_cache_mib, ctx_checkpoints, conversation_files, expert_config,
         draft_config):
     """Generate a reply to PROMPT and stream it to stdout ('-' reads the prompt from stdin)."""
@@ -104,7 +106,8 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, se
             fail(f"--grammar-file {grammar_file}: {e}")
     try:
         params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repetition_penalty=repeat_penalty, max_tokens=max_tokens,
+                                repetition_penalty=repeat_penalty,
+                                repeat_last_n=repeat_last_n, max_tokens=max_tokens,
                                 seed=seed, grammar=grammar or None)
         engine = Engine(EngineConfig(path, n_ctx=ctx_size, threads=threads, seed=seed,
                                      device=device, parallel=parallel,

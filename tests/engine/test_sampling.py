@@ -19,7 +19,7 @@ P4 = np.log(np.array([0.1, 0.2, 0.3, 0.4]))
     ("min_p", 1.1), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
     ("frequency_penalty", -3), ("max_tokens", 0), ("temperature", float("nan")),
     ("top_k", 2.5), ("seed", "x"), ("seed", -1), ("stop", [""]), ("stop_token_ids", [-1]),
-    ("max_tokens", True),
+    ("max_tokens", True), ("repeat_last_n", -2), ("repeat_last_n", 1.5),
 ])
 def test_bad_params_name_field_and_value(field, value):
     with pytest.raises(RequestError, match=f"{field} = {re.escape(repr(value))}"):
@@ -183,6 +183,27 @@ def test_greedy_sampler_with_penalty_avoids_repeats():
     assert s.sample(logits) == 1  # 2 is now seen too: 0.3/4 < 0.2
     assert s.seen == {1, 2, 3}
     assert s.generated == Counter({2: 1, 1: 1})
+
+
+def test_repeat_last_n_windows_the_repetition_penalty():
+    """llama.cpp's repeat_last_n: the penalty covers the last N tokens, prompt and generated
+    (-1 all, 0 none); presence and frequency stay on every generated token."""
+    logits = np.array([0.1, 0.2, 0.3, 0.4, 0.35], dtype=np.float32)
+    s = Sampler(SamplingParams(temperature=0, repetition_penalty=4.0, repeat_last_n=2),
+                prompt_tokens=[3, 3, 2, 4])
+    assert s.seen == {2, 4}  # the prompt's last two
+    assert s.sample(logits) == 3  # 4 and 2 penalised, 3 fell out of the window
+    assert s.seen == {4, 3}
+    assert s.sample(logits) == 2  # 4 and 3 penalised; 2 has left the window
+    assert s.seen == {3, 2}
+    assert s.sample(logits) == 4
+    assert s.generated == Counter({3: 1, 2: 1, 4: 1})
+    none = Sampler(SamplingParams(temperature=0, repetition_penalty=4.0, repeat_last_n=0),
+                   prompt_tokens=[3])
+    assert none.sample(logits) == 3 and none.sample(logits) == 3 and not none.seen
+    every = Sampler(SamplingParams(temperature=0, repetition_penalty=4.0, repeat_last_n=-1),
+                    prompt_tokens=[3, 4])
+    assert every.seen == {3, 4} and every.sample(logits) == 2
 
 
 def test_frequency_penalty_grows_with_each_repeat():

@@ -93,3 +93,16 @@ def test_a_grammar_reaches_the_engine_and_its_faults_are_named():
     options.held_tool_calls = [{"name": "f"}]  # as the template's rendering sets them
     with pytest.raises(ApiError):
         sampling_params(options, 10, 512, 1000)
+
+
+def test_repeat_last_n_reaches_the_engine():
+    """llama.cpp's repeat_last_n (the repetition penalty's window) on every endpoint that
+    takes its sampling fields; below -1 is a 400 naming it."""
+    req = parse_chat_request({"messages": USER, "repeat_last_n": 64,
+                              "repetition_penalty": 1.1}, 512)
+    assert sampling_params(req.options, 10, 512, 1000).repeat_last_n == 64
+    assert sampling_params(parse_chat_request({"messages": USER}, 512).options,
+                           10, 512, 1000).repeat_last_n == -1
+    with pytest.raises(ApiError) as info:
+        parse_chat_request({"messages": USER, "repeat_last_n": -2}, 512)
+    assert info.value.param == "repeat_last_n"

@@ -4,7 +4,7 @@ Order (as transformers applies them): penalties, temperature, top-k, top-p, min-
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +22,9 @@ class SamplingParams:
     top_k: int = 40
     min_p: float = 0.05
     repetition_penalty: float = 1.0
+    # llama.cpp's repeat_last_n: the repetition penalty covers the last N tokens (prompt and
+    # generated) only; -1 every token (the default), 0 none
+    repeat_last_n: int = -1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     max_tokens: int = 256
@@ -154,9 +157,11 @@ class SamplingParams:
                      "presence_penalty", "frequency_penalty"):
             if not is_number(name):
                 bad(name, "a finite number")
-        for name in ("top_k", "max_tokens"):
+        for name in ("top_k", "max_tokens", "repeat_last_n"):
             if not is_int(name):
                 bad(name, "an integer")
+        if self.repeat_last_n < -1:
+            bad("repeat_last_n", ">= -1 (-1: every token, 0: none)")
         if self.temperature < 0:
             bad("temperature", ">= 0 (0 picks the most likely token)")
         if not 0 < self.top_p <= 1:
@@ -206,9 +211,10 @@ def penalty_entries(seen: set[int], generated: Counter, repetition_penalty: floa
     """The penalties and the logit bias as per-token entries (ids int32 ascending, repetition
     factor float32 (1 = none), subtraction float32), or None when none applies. A token's
     logit x becomes (x / f if x > 0 else x * f) - s: the repetition penalty (HF/llama.cpp) on
-    every token seen, prompt included; the presence and frequency penalties (vLLM's OpenAI
-    server) on the generated tokens and their counts, less the token's bias (OpenAI's
-    logit_bias, added after the penalties). The device's candidates take the same entries."""
+    every token in `seen` (prompt and generated, or the last repeat_last_n); the presence
+    and frequency penalties (vLLM's OpenAI server) on the generated tokens and their counts,
+    less the token's bias (OpenAI's logit_bias, added after the penalties). The device's
+    candidates take the same entries."""
     is_rep = repetition_penalty != 1.0 and bool(seen)
     is_count = (presence_penalty != 0.0 or frequency_penalty != 0.0) and bool(generated)
     bias = logit_bias or {}
@@ -324,17 +330,38 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
         # (through numpy: an agent's prompt is tens of thousands of tokens, placed between
         # two windows of the other slots)
-        self.seen: set[int] = set(np.asarray(prompt_tokens if prompt_tokens is not None
-                                             else [], dtype=np.int64).tolist())
+        prompt = np.asarray(prompt_tokens if prompt_tokens is not None else [],
+                            dtype=np.int64)
+        self._last_n = params.repeat_last_n
+        self._recent = None  # the last N tokens and their counts, with repeat_last_n N > 0
+        if self._last_n > 0:
+            tail = prompt[len(prompt) - self._last_n:].tolist() if len(prompt) else []
+            self._recent = (deque(tail), Counter(tail))
+            self.seen: set[int] = set(self._recent[1])
+        else:
+            self.seen = set(prompt.tolist()) if self._last_n else set()
         self.generated: Counter = Counter()
         self.constraint = constraint
 
     def accept(self, token_id: int) -> None:
         """Record a generated token for the penalties (and the constraint)."""
-        self.seen.add(int(token_id))
-        self.generated[int(token_id)] += 1
+        token_id = int(token_id)
+        if self._recent is not None:  # the window of the repetition penalty slides
+            window, counts = self._recent
+            window.append(token_id)
+            counts[token_id] += 1
+            self.seen.add(token_id)
+            if len(window) > self._last_n:
+                old = window.popleft()
+                counts[old] -= 1
+                if not counts[old]:
+                    del counts[old]
+                    self.seen.discard(old)
+        elif self._last_n:
+            self.seen.add(token_id)
+        self.generated[token_id] += 1
         if self.constraint is not None:
-            self.constraint.push(int(token_id))
+            self.constraint.push(token_id)
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token for logits [V]; also records it."""

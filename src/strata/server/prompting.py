@@ -175,7 +175,7 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
         # denormal value overflows to inf and the draw has nothing left to pick from).
         options = replace(options, temperature=0.0)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"):
+                 "frequency_penalty", "repetition_penalty", "repeat_last_n"):
         value = getattr(options, name)
         if value is not None:
             fields[name] = value

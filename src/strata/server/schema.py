@@ -30,6 +30,7 @@ class GenerationOptions:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    repeat_last_n: int | None = None  # llama.cpp's: the repetition penalty's window
     is_stream: bool = False
     is_usage_streamed: bool = False
     is_eos_ignored: bool = False  # vLLM's `ignore_eos` extension: generate to max_tokens
@@ -272,6 +273,7 @@ def parse_options(body: dict, max_tokens_limit: int, *,
         presence_penalty=_number(body, "presence_penalty", -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 0.0, 10.0, low_open=True),
+        repeat_last_n=_integer(body, "repeat_last_n", -1, 2**31),
         is_stream=is_stream,
         is_usage_streamed=is_stream and _boolean(stream_options, "include_usage"),
         is_eos_ignored=_boolean(body, "ignore_eos"),
