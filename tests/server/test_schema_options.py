@@ -106,3 +106,21 @@ def test_repeat_last_n_reaches_the_engine():
     with pytest.raises(ApiError) as info:
         parse_chat_request({"messages": USER, "repeat_last_n": -2}, 512)
     assert info.value.param == "repeat_last_n"
+
+
+@pytest.mark.parametrize("key,off,on", [
+    ("typical_p", 1.0, 0.9), ("mirostat", 0, 2), ("dry_multiplier", 0.0, 0.8),
+    ("xtc_probability", 0, 0.5), ("dynatemp_range", 0.0, 0.5), ("top_n_sigma", -1.0, 1.5),
+])
+def test_samplers_it_lacks_are_refused_only_when_turned_on(key, off, on):
+    """llama.cpp's samplers this server has not: their off values (what front ends send by
+    default) pass; a value that turns one on is a 400 naming it, on every endpoint."""
+    for body, parse in (({"messages": USER}, parse_chat_request),
+                        ({"input": "hi"}, parse_responses_request)):
+        parse(dict(body, **{key: off}), 512)
+        with pytest.raises(ApiError) as info:
+            parse(dict(body, **{key: on}), 512)
+        assert info.value.param == key and "no such sampler" in info.value.message
+        with pytest.raises(ApiError) as info:
+            parse(dict(body, **{key: "x"}), 512)
+        assert info.value.param == key and "a number" in info.value.message

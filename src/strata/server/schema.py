@@ -260,6 +260,7 @@ def parse_options(body: dict, max_tokens_limit: int, *,
         raise invalid(f"'stop' must hold 1 to {MAX_STOP_STRINGS} non-empty strings, got "
                       f"{len(stop)} with {sum(not s for s in stop)} empty.", "stop")
     top_k = _integer(body, "top_k", -1, 2**31)
+    _check_samplers_off(body)
     stream_options = _object(body, "stream_options") or {}
     is_stream = _boolean(body, "stream")
     return GenerationOptions(
@@ -280,6 +281,31 @@ def parse_options(body: dict, max_tokens_limit: int, *,
         logit_bias=_logit_bias(body),
         grammar=_grammar(body),
     )
+
+
+# llama.cpp's samplers this server does not have, each with the test of the values that leave
+# it off (what llama.cpp front ends send when the user has not turned it on): those are
+# accepted, any other value is a 400 naming the field rather than an answer sampled otherwise
+_SAMPLERS_OFF = {
+    "typical_p": (lambda v: v >= 1.0, "1"),
+    "mirostat": (lambda v: v == 0, "0"),
+    "dry_multiplier": (lambda v: v == 0.0, "0"),
+    "xtc_probability": (lambda v: v == 0.0, "0"),
+    "dynatemp_range": (lambda v: v == 0.0, "0"),
+    "top_n_sigma": (lambda v: v <= 0.0, "-1"),
+}
+
+
+def _check_samplers_off(body: dict) -> None:
+    for key, (is_off, off) in _SAMPLERS_OFF.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _wrong_type(key, value, "a number")
+        if not is_off(value):
+            raise invalid(f"'{key}' is {value}: this server has no such sampler (llama.cpp's); "
+                          f"send {off} or leave it out.", key, "unsupported_value")
 
 
 def _grammar(body: dict) -> str | None:
