@@ -153,6 +153,7 @@ def test_is_done_and_can_continue():
     ('root ::= ("a"?)*', ["can reach itself"]),
     ('root ::= "a"{3,1}', ["bounds"]),
     ('root ::= "a"{2000}', ["bounds"]),
+    ('root ::= ("' + "x" * 1000 + '"{1000}){1000}', ["more than 262144 items"]),
     ('root ::= "a"{x}', ["{m}, {m,} or {m,n}"]),
     ('root ::= "\\q"', ["unknown escape"]),
     ('root ::= "\\x4"', ["takes 2 hex digits"]),

@@ -28,6 +28,7 @@ from strata.errors import RequestError
 MAX_GRAMMAR_BYTES = 64 * 1024
 MAX_REPEAT = 1000           # the largest m or n of x{m,n} (each copy is a rule item)
 MAX_STACKS = 4096           # a reading that leaves more stacks than this is refused
+MAX_ITEMS = 1 << 18         # items in all rules, repetitions written out
 _CACHE_LIMIT = 1 << 16      # memoised steps per grammar, then the memo starts over
 MAX_CODE_POINT = 0x10FFFF
 _UTF8_CLASSES = ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, MAX_CODE_POINT))
@@ -280,6 +281,7 @@ class _Parser:
         self.names: list[str] = []
         self.defined: dict[str, int] = {}
         self.index: dict[str, int] = {}
+        self.num_items = 0
 
     # positions and errors
     def fail(self, message: str, pos: int | None = None):
@@ -480,6 +482,9 @@ class _Parser:
             self.pos += 1
             lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
         unit = tuple(items)
+        self.num_items += len(unit) * (max(lo, hi or 0) + 1)
+        if self.num_items > MAX_ITEMS:
+            self.fail(f"the grammar's repetitions write out more than {MAX_ITEMS} items", start)
         out = list(unit) * lo
         if hi is None:  # x* = R ::= x R | ()
             k = self.new_rule(rule, [])
