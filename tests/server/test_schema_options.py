@@ -124,3 +124,19 @@ def test_samplers_it_lacks_are_refused_only_when_turned_on(key, off, on):
         with pytest.raises(ApiError) as info:
             parse(dict(body, **{key: "x"}), 512)
         assert info.value.param == key and "a number" in info.value.message
+
+
+def test_llama_json_schema_on_the_chat_endpoint():
+    """llama-server's top-level `json_schema` on /v1/chat/completions: a json_schema response
+    format; beside a response_format or a grammar, or of another root type, a 400."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    req = parse_chat_request({"messages": USER, "json_schema": schema}, 512)
+    assert req.response_format == {"type": "json_schema", "json_schema": {"schema": schema}}
+    params = sampling_params(req.options, 10, 512, 1000)
+    assert params.json_object and params.json_schema == schema
+    for extra, words in (({"response_format": {"type": "json_object"}}, "send one of them"),
+                         ({"grammar": 'root ::= "a"'}, "send one of them"),
+                         ({"json_schema": {"type": "array"}}, "of type 'object'")):
+        with pytest.raises(ApiError) as info:
+            parse_chat_request(dict({"messages": USER, "json_schema": schema}, **extra), 512)
+        assert info.value.param == "json_schema" and words in info.value.message

@@ -9,8 +9,8 @@ from typing import Any
 from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.server.api_error import ApiError, invalid, missing
 from strata.server.schema import (_MISSING, ChatRequest, GenerationOptions, _boolean, _integer,
-                                  _object, _objects, _string, _wrong_type, parse_choice_counts,
-                                  parse_options)
+                                  _object, _objects, _string, _wrong_type, llama_json_schema,
+                                  parse_choice_counts, parse_options)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -191,6 +191,12 @@ def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     kwargs = _object(body, "chat_template_kwargs") or {}
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
     response_format = parse_response_format(body.get("response_format"))
+    schema = llama_json_schema(body, options)  # llama-server takes it here too
+    if schema is not None:
+        if response_format is not None:
+            raise invalid("'json_schema' and 'response_format' both say what the answer "
+                          "holds; send one of them.", "json_schema")
+        response_format = {"type": "json_schema", "json_schema": {"schema": schema}}
     hold_json_answer(options, response_format, tools, tool_choice)
     options.is_parallel_tool_calls = _boolean(body, "parallel_tool_calls", default=True)
     top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)

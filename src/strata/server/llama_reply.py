@@ -9,12 +9,13 @@ from contextlib import closing
 from dataclasses import dataclass
 
 from strata.engine.logprobs import MAX_TOP_LOGPROBS
-from strata.server.api_error import ApiError, invalid
+from strata.server.api_error import ApiError
 from strata.server.generation import Outcome, _generated
 from strata.server.line_limits import LineLimits
 from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.openai_format import SSE_KEEPALIVE, sse
-from strata.server.schema import GenerationOptions, _integer, _number, _wrong_type, parse_options
+from strata.server.schema import (GenerationOptions, _integer, _number, _wrong_type,
+                                  llama_json_schema, parse_options)
 from strata.server.worker import Job
 
 
@@ -39,17 +40,8 @@ def parse_llama_fields(body: dict, n_ctx: int) -> LlamaFields:
         options.max_tokens = 1  # the one token is not sent
     if options.repetition_penalty is None:  # llama.cpp's name for it
         options.repetition_penalty = _number(body, "repeat_penalty", 0.0, 10.0, low_open=True)
-    schema = body.get("json_schema")  # llama.cpp's: the answer is JSON following it
+    schema = llama_json_schema(body, options)
     if schema is not None:
-        if not isinstance(schema, dict):
-            raise _wrong_type("json_schema", schema, "a JSON schema (an object)")
-        if schema.get("type", "object") != "object":
-            raise invalid(f"'json_schema' has the type {schema.get('type')!r}; the answer is "
-                          "held to a JSON object: give a schema of type 'object'.",
-                          "json_schema")
-        if options.grammar is not None:
-            raise invalid("'json_schema' and 'grammar' both hold the answer; send one of "
-                          "them.", "json_schema")
         options.json_object, options.json_schema = True, schema
     n_probs = _integer(body, "n_probs", 0, MAX_TOP_LOGPROBS)
     if n_probs:  # each token's figure and its n_probs best alternatives

@@ -308,6 +308,23 @@ def _check_samplers_off(body: dict) -> None:
                           f"send {off} or leave it out.", key, "unsupported_value")
 
 
+def llama_json_schema(body: dict, options: GenerationOptions) -> dict | None:
+    """llama.cpp's top-level `json_schema` (the answer is a JSON object following it), checked:
+    an object's schema, and not beside a grammar."""
+    schema = body.get("json_schema")
+    if schema is None:
+        return None
+    if not isinstance(schema, dict):
+        raise _wrong_type("json_schema", schema, "a JSON schema (an object)")
+    if schema.get("type", "object") != "object":
+        raise invalid(f"'json_schema' has the type {schema.get('type')!r}; the answer is held "
+                      "to a JSON object: give a schema of type 'object'.", "json_schema")
+    if options.grammar is not None:
+        raise invalid("'json_schema' and 'grammar' both hold the answer; send one of them.",
+                      "json_schema")
+    return schema
+
+
 def _grammar(body: dict) -> str | None:
     """llama.cpp's `grammar` (GBNF text; "" or null: none), compiled here so that a fault is
     a 400 naming its line and column."""
