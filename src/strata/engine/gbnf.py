@@ -271,8 +271,9 @@ _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 
 
 class _Parser:
-    """Recursive descent over the grammar's text into `rules` (alternatives of items, names
-    referenced before they are resolved: ("name", pos) placeholders)."""
+    """Recursive descent over the grammar's text into `rules` (alternatives of items; a rule
+    name is kept as a ("name", name, pos) item until compile_grammar turns it into the rule's
+    index, since a rule may be used before its definition)."""
 
     def __init__(self, text: str):
         self.text = text
