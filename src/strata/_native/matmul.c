@@ -127,21 +127,64 @@ void st_block_give(void *p, size_t capacity) {
 
 /* ---- activations -------------------------------------------------------------------- */
 
-int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant) {
+static void act_shape(st_act *a, int64_t num_rows, int cols, int is_quant) {
     memset(a, 0, sizeof(*a));
     a->is_quant = is_quant;
     a->cols = cols;
     a->cols_pad = is_quant ? (cols + ST_PAD - 1) / ST_PAD * ST_PAD : (cols + 15) / 16 * 16;
     a->num_rows = num_rows;
-    size_t n = (size_t)num_rows * (size_t)a->cols_pad;
+}
+
+/* The four parts of a quantized act (q, dx, xc, xs) or its float rows, 64-byte aligned each */
+static void act_parts(const st_act *a, size_t bytes[4]) {
+    const size_t n = (size_t)a->num_rows * (size_t)a->cols_pad;
+    if (a->is_quant) {
+        bytes[0] = n;
+        bytes[1] = n / ST_LANE * sizeof(float);
+        bytes[2] = n / ST_LANE * sizeof(int32_t);
+        bytes[3] = n / ST_GROUP * sizeof(float);
+    } else {
+        bytes[0] = n * sizeof(float);
+        bytes[1] = bytes[2] = bytes[3] = 0;
+    }
+    for (int i = 0; i < 4; i++) bytes[i] = (bytes[i] + 63) / 64 * 64;
+}
+
+size_t st_act_bytes(int64_t num_rows, int cols, int is_quant) {
+    st_act a;
+    size_t bytes[4];
+    act_shape(&a, num_rows, cols, is_quant);
+    act_parts(&a, bytes);
+    return bytes[0] + bytes[1] + bytes[2] + bytes[3];
+}
+
+void st_act_place(st_act *a, int64_t num_rows, int cols, int is_quant, void *mem) {
+    size_t bytes[4];
+    act_shape(a, num_rows, cols, is_quant);
+    act_parts(a, bytes);
+    char *p = mem;
     if (is_quant) {
-        a->q = st_alloc64(n);
-        a->dx = st_alloc64(n / ST_LANE * sizeof(float));
-        a->xc = st_alloc64(n / ST_LANE * sizeof(int32_t));
-        a->xs = st_alloc64(n / ST_GROUP * sizeof(float));
+        a->q = (int8_t *)p;
+        a->dx = (float *)(p + bytes[0]);
+        a->xc = (int32_t *)(p + bytes[0] + bytes[1]);
+        a->xs = (float *)(p + bytes[0] + bytes[1] + bytes[2]);
+    } else {
+        a->xf = (float *)p;
+    }
+}
+
+int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant) {
+    size_t bytes[4];
+    act_shape(a, num_rows, cols, is_quant);
+    act_parts(a, bytes);
+    if (is_quant) {
+        a->q = st_alloc64(bytes[0]);
+        a->dx = st_alloc64(bytes[1]);
+        a->xc = st_alloc64(bytes[2]);
+        a->xs = st_alloc64(bytes[3]);
         if (!a->q || !a->dx || !a->xc || !a->xs) { st_act_free(a); return -1; }
     } else {
-        a->xf = st_alloc64(n * sizeof(float));
+        a->xf = st_alloc64(bytes[0]);
         if (!a->xf) { st_act_free(a); return -1; }
     }
     return 0;

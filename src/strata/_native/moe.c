@@ -31,13 +31,15 @@ static int64_t build_items(const int64_t *count, int E, int rows, moe_item *item
 }
 
 void st_moe_teardown(moe_call *c) {
-    st_act_free(&c->act_gate);
-    st_act_free(&c->act_up);
-    st_act_free(&c->act_h);
     st_block_give(c->block, c->block_bytes);
-    free(c->count); free(c->offset); free(c->pair_of); free(c->pair_tok); free(c->pair_ids);
-    free(c->items); free(c->items_2); free(c->left); free(c->h_ready);
     memset(c, 0, sizeof(*c));
+}
+
+/* Bump placement of a call's buffers in its one block (64-byte aligned each). */
+static size_t place(size_t *at, size_t num_bytes) {
+    const size_t here = *at;
+    *at += (num_bytes + 63) / 64 * 64;
+    return here;
 }
 
 int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, int K,
@@ -53,25 +55,56 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     c->gate_row_bytes = gate_row_bytes; c->up_row_bytes = up_row_bytes;
     c->down_row_bytes = down_row_bytes;
     c->weights = weights; c->out = out;
-    const size_t num_pairs = (size_t)(T * K > 0 ? T * K : 1);
-    c->count = calloc((size_t)E + 1, sizeof(int64_t));
-    c->offset = calloc((size_t)E + 1, sizeof(int64_t));
-    c->pair_of = malloc(num_pairs * sizeof(int32_t));
-    c->pair_tok = malloc(num_pairs * sizeof(int32_t));
-    c->pair_ids = malloc(num_pairs * sizeof(int32_t));
+    const int gate_quant = !st_is_float_type(gate_type);
+    const int up_quant = !st_is_float_type(up_type);
+    const int down_quant = !st_is_float_type(down_type);
+    c->shared_x = gate_quant == up_quant;
+
+    /* Every buffer in one kept block (st_block_take), sized for all T * K pairs: a decode
+     * layer's call allocates nothing (the CPU pool sets one up per layer on its critical path,
+     * between the device's ready and the team's start: ~4 us of mallocs and page faults a
+     * call, measured, before this). Only the prefix a call uses is touched. */
+    const int64_t pairs = T * K > 0 ? T * K : 1;
     const int max_rows = F > H ? F : H;
-    const int64_t max_items = (int64_t)E * ((max_rows + ITEM_ROWS - 1) / ITEM_ROWS) + 1;
-    c->items = malloc((size_t)max_items * sizeof(moe_item));
-    c->items_2 = malloc((size_t)max_items * sizeof(moe_item));
-    c->left = malloc(((size_t)E + 1) * sizeof(int32_t));
-    c->h_ready = calloc((size_t)E + 1, sizeof(int32_t));
-    int64_t *fill = calloc((size_t)E + 1, sizeof(int64_t));
-    if (!c->count || !c->offset || !c->pair_of || !c->pair_tok || !c->pair_ids || !c->items
-            || !c->items_2 || !c->left || !c->h_ready || !fill) {
-        free(fill);
-        st_moe_teardown(c);
-        return -1;
-    }
+    const int64_t spread = pairs < E ? pairs : E;       /* distinct experts at most */
+    const int64_t max_items = spread * ((max_rows + ITEM_ROWS - 1) / ITEM_ROWS) + 1;
+    size_t at = 0;
+    const size_t o_count = place(&at, ((size_t)E + 1) * sizeof(int64_t));
+    const size_t o_offset = place(&at, ((size_t)E + 1) * sizeof(int64_t));
+    const size_t o_fill = place(&at, ((size_t)E + 1) * sizeof(int64_t));
+    const size_t o_left = place(&at, ((size_t)E + 1) * sizeof(int32_t));
+    const size_t o_ready = place(&at, ((size_t)E + 1) * sizeof(int32_t));
+    const size_t zeroed = at;                           /* the five above start at zero */
+    const size_t o_pair_of = place(&at, (size_t)pairs * sizeof(int32_t));
+    const size_t o_pair_tok = place(&at, (size_t)pairs * sizeof(int32_t));
+    const size_t o_pair_ids = place(&at, (size_t)pairs * sizeof(int32_t));
+    const size_t o_items = place(&at, (size_t)max_items * sizeof(moe_item));
+    const size_t o_items_2 = place(&at, (size_t)max_items * sizeof(moe_item));
+    const size_t o_g = place(&at, (size_t)pairs * F * sizeof(float));
+    const size_t o_u = place(&at, (size_t)pairs * F * sizeof(float));
+    const size_t o_y = place(&at, (size_t)pairs * H * sizeof(float));
+    const size_t o_act_gate = place(&at, st_act_bytes(T, H, gate_quant));
+    const size_t o_act_up = place(&at, c->shared_x ? 0 : st_act_bytes(T, H, up_quant));
+    const size_t o_act_h = place(&at, st_act_bytes(pairs, F, down_quant));
+    c->block = st_block_take(at, &c->block_bytes);
+    if (!c->block) return -1;
+    char *base = c->block;
+    memset(base, 0, zeroed);
+    c->count = (int64_t *)(base + o_count);
+    c->offset = (int64_t *)(base + o_offset);
+    int64_t *fill = (int64_t *)(base + o_fill);
+    c->left = (int32_t *)(base + o_left);
+    c->h_ready = (int32_t *)(base + o_ready);
+    c->pair_of = (int32_t *)(base + o_pair_of);
+    c->pair_tok = (int32_t *)(base + o_pair_tok);
+    c->pair_ids = (int32_t *)(base + o_pair_ids);
+    c->items = (moe_item *)(base + o_items);
+    c->items_2 = (moe_item *)(base + o_items_2);
+    c->G = (float *)(base + o_g);
+    c->U = (float *)(base + o_u);
+    c->Y = (float *)(base + o_y);
+    st_act_place(&c->act_gate, T, H, gate_quant, base + o_act_gate);
+    if (!c->shared_x) st_act_place(&c->act_up, T, H, up_quant, base + o_act_up);
 
     /* ---- group the (token, k) pairs by expert (counting sort keeps token order) ---- */
     for (int64_t i = 0; i < T * K; i++)
@@ -87,25 +120,10 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
         c->pair_of[i] = (int32_t)p;
         c->pair_tok[p] = (int32_t)(i / K);
     }
-    free(fill);
     for (int64_t p = 0; p < P; p++) c->pair_ids[p] = (int32_t)p;
     if (P == 0) return 0;
+    st_act_place(&c->act_h, P, F, down_quant, base + o_act_h);
 
-    /* [P, F] gate, then SiLU(gate) * up; [P, F] up; [P, H]: each 64-byte aligned */
-    const size_t gu_bytes = ((size_t)P * F * sizeof(float) + 63) / 64 * 64;
-    c->block = st_block_take(2 * gu_bytes + (size_t)P * H * sizeof(float), &c->block_bytes);
-    c->G = c->block;
-    c->U = c->block ? (float *)((char *)c->block + gu_bytes) : NULL;
-    c->Y = c->block ? (float *)((char *)c->block + 2 * gu_bytes) : NULL;
-    const int gate_quant = !st_is_float_type(gate_type);
-    const int up_quant = !st_is_float_type(up_type);
-    c->shared_x = gate_quant == up_quant;
-    if (!c->G || !c->U || !c->Y || st_act_alloc(&c->act_gate, T, H, gate_quant) != 0
-            || (!c->shared_x && st_act_alloc(&c->act_up, T, H, up_quant) != 0)
-            || st_act_alloc(&c->act_h, P, F, !st_is_float_type(down_type)) != 0) {
-        st_moe_teardown(c);
-        return -1;
-    }
     size_t scratch_bytes = st_scratch_bytes(gate_type, H);
     size_t sb = st_scratch_bytes(up_type, H);
     if (sb > scratch_bytes) scratch_bytes = sb;

@@ -22,7 +22,7 @@ typedef struct {
     moe_item *items, *items_2;                     /* gate / up, down */
     int64_t P, num_items_1, num_items_2;
     float *G, *U, *Y;                              /* [P, F], [P, F], [P, H] */
-    void *block;                                   /* G, U and Y: st_block_take's */
+    void *block;                                   /* every buffer above: st_block_take's */
     size_t block_bytes;
     st_act act_gate, act_up, act_h;
     int32_t *left, *h_ready;                       /* [E]: gate/up items to go; act_h rows set */

@@ -109,6 +109,10 @@ void *st_block_take(size_t bytes, size_t *capacity);
 void st_block_give(void *p, size_t capacity);
 int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant);
 void st_act_free(st_act *a);
+/* st_act_alloc's buffers in one caller-owned range of st_act_bytes bytes (64-byte aligned;
+ * the caller owns that memory: never st_act_free such an act) */
+size_t st_act_bytes(int64_t num_rows, int cols, int is_quant);
+void st_act_place(st_act *a, int64_t num_rows, int cols, int is_quant, void *mem);
 /* Fill rows [r0, r1) of a from x (row stride ld_x floats). */
 void st_act_fill(st_act *a, const float *x, int64_t ld_x, int64_t r0, int64_t r1);
 
