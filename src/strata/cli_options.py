@@ -34,6 +34,24 @@ class ReadChunk(click.ParamType):
         self.fail(f"{value!r}: give auto or a number of tokens >= 1", param, ctx)
 
 
+class PcieFrac(click.ParamType):
+    """--pcie-frac F|auto (0 <= F <= 1)."""
+
+    name = "F|auto"
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            frac = float(text)
+        except ValueError:
+            frac = -1.0
+        if 0.0 <= frac <= 1.0:
+            return frac
+        self.fail(f"{value!r}: give a fraction from 0 to 1, or auto", param, ctx)
+
+
 class CommaInts(click.ParamType):
     """N[,M...]: integers >= `minimum`, kept in order, each once."""
 
@@ -196,11 +214,12 @@ def expert_options(command):
                      help="Slots start with N KV cells (auto: --read-chunk's) and borrow "
                           "expert-cache slots for more while a request needs them, returned "
                           "and refilled when it ends (needs --expert-cache)."),
-        click.option("--pcie-frac", default=None, type=click.FloatRange(0, 1),
+        click.option("--pcie-frac", default=None, type=PcieFrac(),
                      help="GPU with an expert cache: the share of each layer's missing "
                           "experts the GPU reads over PCIe in a decode window (the CPU pool "
                           "computes the rest). Default: the `strata-tool calibrate` result for "
-                          "this model, GPU and threads, else 0.3."),
+                          "this model, GPU and threads, else 0.3. auto: start there and move it "
+                          "while serving, from each window's timing (not with --adapt-every 0)."),
         click.option("--split-device", default=None, metavar="I,J",
                      help="Split the layers over these GPUs (stages in this order), each with "
                           "its own expert cache and tier; --vram-budget applies per card. "

@@ -89,8 +89,9 @@ class EngineConfig:
     adapt_swaps: int | None = None  # most swaps per round; None: the policy's default
     adapt_async: bool = True  # copies land while the next windows run
     # --pcie-frac: share of the cache misses' routed rows the GPU reads over PCIe, the rest go to
-    # the CPU pool; None: the stored `strata-tool calibrate` result, else 0.4
-    pcie_frac: float | None = None
+    # the CPU pool; None: the stored `strata-tool calibrate` result, else 0.3; "auto": that
+    # share to start from, then measured while serving (backends/cuda/share_tuner.py)
+    pcie_frac: float | str | None = None
     # --kv: KV cell type; auto is the backend's own (CPU float32, CUDA float16), int8 (a scale
     # per token and head) is CUDA's
     kv_type: str = "auto"
@@ -275,16 +276,16 @@ class EngineConfig:
             raise ConfigError(f"--kv {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         frac = self.pcie_frac
         if frac is not None:
-            if isinstance(frac, bool) or not isinstance(frac, (int, float)) \
-                    or not 0.0 <= frac <= 1.0:
+            if frac != "auto" and (isinstance(frac, bool) or not isinstance(frac, (int, float))
+                                   or not 0.0 <= frac <= 1.0):
                 raise ConfigError(f"--pcie-frac is {frac!r}; give a fraction from 0 (every cache "
                                   "miss computed by the CPU pool) to 1 (every one read by the GPU "
-                                  "over PCIe)")
+                                  "over PCIe), or auto (measured while serving)")
             if cache is None or self.device == "cpu":
                 raise ConfigError("--pcie-frac splits the GPU expert cache's misses between "
                                   "PCIe and the CPU pool; give it with --expert-cache auto|N "
                                   "and --device cuda (or auto)")
-            self.pcie_frac = float(frac)
+            self.pcie_frac = frac if frac == "auto" else float(frac)
 
     def _check_kv_grow(self) -> None:
         grow = self.kv_grow

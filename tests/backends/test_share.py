@@ -142,6 +142,11 @@ def test_pcie_frac_config_validation(tiny):
     assert EngineConfig(tiny, expert_cache=4, pcie_frac=0).pcie_frac == 0.0
     assert EngineConfig(tiny, expert_cache=4, pcie_frac=1, device="cuda").pcie_frac == 1.0
     assert EngineConfig(tiny).pcie_frac is None
+    assert EngineConfig(tiny, expert_cache=4, pcie_frac="auto").pcie_frac == "auto"
+    with pytest.raises(ConfigError, match="give it with --expert-cache auto|N"):
+        EngineConfig(tiny, pcie_frac="auto")
+    with pytest.raises(ConfigError, match=r"--pcie-frac is 'half'; .* or auto"):
+        EngineConfig(tiny, expert_cache=4, pcie_frac="half")
     with pytest.raises(ConfigError, match="--pcie-frac is 1.5; give a fraction from 0"):
         EngineConfig(tiny, expert_cache=4, pcie_frac=1.5)
     with pytest.raises(ConfigError, match="--pcie-frac is True"):
@@ -157,8 +162,11 @@ def test_pcie_frac_cli_option(tiny):
 
     for command in ("run", "bench", "serve"):
         assert "--pcie-frac" in CliRunner().invoke(main, [command, "--help"]).output
-    for flags, message in ((["--pcie-frac", "2"], "2.0 is not in the range 0<=x<=1"),
+    for flags, message in ((["--pcie-frac", "2"], "'2': give a fraction from 0 to 1, or auto"),
+                           (["--pcie-frac", "nan"], "'nan': give a fraction from 0 to 1"),
+                           (["--pcie-frac", "some"], "'some': give a fraction from 0 to 1"),
                            (["--pcie-frac", "0.5"], "give it with --expert-cache"),
+                           (["--pcie-frac", "AUTO"], "give it with --expert-cache"),
                            (["--pcie-frac", "0.5", "--expert-cache", "4", "--device", "cpu"],
                             "and --device cuda")):
         res = CliRunner().invoke(main, ["run", "--model", tiny, "-n", "1", "Hi"] + flags)

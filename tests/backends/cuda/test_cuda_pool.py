@@ -107,6 +107,53 @@ def test_cache_0_with_the_pool_matches_the_resident_model(pool_path, plans_and_r
     assert top1 >= 0.9
 
 
+def test_pcie_frac_auto_tries_shares_and_keeps_the_results(pool_path, tmp_path, monkeypatch):
+    """--pcie-frac auto: the tuner gets every pooled window's figures and tries neighbour
+    shares (its rounds shortened here), and the logits stay the resident model's within the
+    tolerance of a fixed share; frozen (--adapt-every 0), no tuner."""
+    from strata.backends.cuda import CudaModel
+    from strata.backends.cuda import share_tuner
+
+    monkeypatch.setattr(share_tuner, "WARMUP", 2)
+    monkeypatch.setattr(share_tuner, "PROBE", 2)
+    monkeypatch.setattr(share_tuner, "EVERY", 3)
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))  # no stored calibration: from 0.3
+    plans = make_windows(np.random.default_rng(14), 36)  # 28 of 3 rows (pooled), 8 of 33
+    resident = CudaModel(GGUFModel.open(pool_path))
+    resident.enable_routing_counts()
+    want = run_windows(resident, plans)
+    gguf = GGUFModel.open(pool_path)
+    model = CudaModel(gguf, experts_resident=False)
+    config = EngineConfig(pool_path, n_ctx=1024, parallel=3, expert_cache=0, device="cuda",
+                          pcie_frac="auto")
+    arena = model.new_expert_arena(ExpertStore.from_gguf(gguf), config)
+    tuner = arena.share_tuner
+    assert tuner is not None and tuner.start == 0.3
+    recorded = []
+    record = tuner.record
+    monkeypatch.setattr(tuner, "record", lambda *a: (recorded.append(a), record(*a)))
+    rows = iter([sum(len(t) for t in plan) for plan in plans])
+    try:  # each window planned for its own rows, as the engine plans them
+        got = run_windows(model, plans, before=lambda: arena.before_window(next(rows)),
+                          after=lambda c: arena.account_routed(arena.table.peek(), c))
+    finally:
+        arena.close()
+    # every pooled window (the last window, a chunk, reads the last pooled one's figures)
+    assert len(recorded) == 28 and all(rows == 3 and t > 0 for rows, _, t in recorded)
+    assert len({share for _, share, _ in recorded}) >= 3  # the start and tried neighbours
+    errors = np.concatenate([np.abs(a - b).max(axis=1) / np.abs(a).max(axis=1)
+                             for a, b in zip(want, got)])
+    assert np.percentile(errors, 90) < 3e-2
+    frozen = EngineConfig(pool_path, n_ctx=256, parallel=3, expert_cache=0, device="cuda",
+                          pcie_frac="auto", adapt_every=0)
+    model = CudaModel(GGUFModel.open(pool_path), experts_resident=False)
+    arena = model.new_expert_arena(ExpertStore.from_gguf(GGUFModel.open(pool_path)), frozen)
+    try:
+        assert arena.share_tuner is None and arena.pcie_frac == 0.3
+    finally:
+        arena.close()
+
+
 def test_greedy_tokens_do_not_depend_on_the_share(pool_path):
     rng = np.random.default_rng(4)
     prompts = [[int(t) for t in rng.integers(10, 4000, n)] for n in (30, 7)]

@@ -181,8 +181,9 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     # the pool's thread count, as `strata-tool calibrate` keys its stored share
     threads = config.threads or default_pool_threads()
     expert_types = {t for layer in range(store.n_layers) for t in store.types(layer)}
-    pcie_frac, _ = resolve_pcie_frac(config.pcie_frac, config.model_path, model.runtime.name,
-                                     threads, expert_types)
+    auto = config.pcie_frac == "auto"  # start from the share below, then measure it
+    pcie_frac, _ = resolve_pcie_frac(None if auto else config.pcie_frac, config.model_path,
+                                     model.runtime.name, threads, expert_types)
     if pcie_frac < 1:
         # windows that hand rows to the pool (DeviceTier.pools): decode windows of up to
         # POOL_MAX_ROWS rows and streamed prompt windows of up to PROMPT_POOL_MAX_ROWS (their
@@ -191,6 +192,16 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
         arena.attach_pool(pcie_frac, min(max(POOL_MAX_ROWS, PROMPT_POOL_MAX_ROWS),
                                          config.max_prompt_window_tokens()
                                          + 16 * config.parallel), threads=config.threads)
+        if auto and config.adapt_every == 0:
+            log.info("--pcie-frac auto: the tier is frozen (--adapt-every 0, deterministic "
+                     "greedy output), so the share stays %.2f", pcie_frac)
+        elif auto:
+            from strata.backends.cuda.share_tuner import ShareTuner
+
+            arena.share_tuner = ShareTuner(pcie_frac, model.spec.n_experts_used)
+            log.info("--pcie-frac auto: decode windows start at share %.2f and move it while "
+                     "serving, toward the split where the CPU pool and the GPU take as long "
+                     "as each other (by window rows; each move logged)", pcie_frac)
     log.info("VRAM expert cache: %d slots of %d bytes (%.2f GiB; %.2f GiB free for it), %d "
              "experts pinned in RAM (%.2f GiB); misses: %s", n, slot_bytes,
              n * slot_bytes / 2**30, room / 2**30, total, host.nbytes / 2**30,
@@ -231,6 +242,10 @@ class VramExpertArena(ExpertArena):
         self.copier = None  # the async tier's StreamCopier (copier.py), made by new_copier
         self.pool = None  # the CPU pool (attach_pool), None: every miss read over PCIe
         self.pcie_frac = 1.0
+        # --pcie-frac auto (share_tuner.py): the share of each decode window class, measured
+        # while serving; _tuned: {the pool seq a planned window gets: (rows, share)}
+        self.share_tuner = None
+        self._tuned: dict[int, tuple[int, float]] = {}
         self._where_version = -1
         self._pool_seq_taken = 0  # the last pool window counted by take_pool_window
         self._victims = None  # keep_misses: the tier's victims(residency, n), worst first
@@ -393,6 +408,11 @@ class VramExpertArena(ExpertArena):
             self._set_stream_where(num_rows)
             return
         share = window_share(self.pcie_frac, num_rows)
+        tuned = self.share_tuner.share(num_rows) if self.share_tuner is not None else None
+        if tuned is not None:
+            share = tuned
+            # the seq DeviceTier.before_run gives this window's hand-off
+            self._tuned[int(self.model.tier.seq_host[0]) + 1] = (num_rows, share)
         key = (self.table.version, share)
         if key == self._where_version:
             return
@@ -401,6 +421,19 @@ class VramExpertArena(ExpertArena):
             self.model.tier.set_where(where, pool_frac=pool_frac)
         self.pool.set_where(where)
         self._where_version = key
+
+    def _record_share(self) -> None:
+        """The pool's last window's compute + wait to the share tuner, when the tuner planned
+        that window."""
+        stats = self.pool.last_stats
+        if not self._tuned or stats is None:
+            return
+        planned = self._tuned.pop(stats.seq, None)
+        for seq in [seq for seq in self._tuned if seq < stats.seq]:
+            del self._tuned[seq]  # windows whose figures were never seen here
+        if planned is not None and planned[0] == stats.num_rows:
+            self.share_tuner.record(planned[0], planned[1],
+                                    (stats.pool_ms + stats.wait_ms) / 1e3)
 
     def _set_stream_where(self, num_rows: int) -> None:
         """A streamed window's where: its rare missing experts (the streamer's, as run() will
@@ -564,6 +597,7 @@ class VramExpertArena(ExpertArena):
             self.copier.pump()
         self.streamer.before_window(num_rows)  # staging for a prompt chunk, or given back
         if self.pool is not None:
+            self._record_share()
             self._set_where(num_rows)
         self._offer(num_rows)
 

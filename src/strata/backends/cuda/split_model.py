@@ -517,7 +517,8 @@ def build_split_model(gguf_model, config, offload: bool) -> SplitModel:
                  too_big)
     is_tiered = offload and config.expert_cache != 0 and config.adapt_every > 0
     blocking = is_tiered and not config.adapt_async
-    pool_asked = offload and config.pcie_frac is not None and config.pcie_frac < 1
+    pool_asked = offload and config.pcie_frac is not None and (
+        config.pcie_frac == "auto" or config.pcie_frac < 1)
     groups, why = sp.choose_batch_groups(config.batch_groups, len(devices), config.parallel,
                                          blocking_tier=blocking, cpu_pool=pool_asked,
                                          drafts=config.drafts.is_on)
@@ -526,7 +527,7 @@ def build_split_model(gguf_model, config, offload: bool) -> SplitModel:
     if groups > 1:  # (the engine reads config.drafts after the model is built)
         config.spec_type = "none"
     if groups > 1 and offload and config.expert_cache != 0 and (
-            config.pcie_frac is None or config.pcie_frac < 1):
+            config.pcie_frac is None or config.pcie_frac == "auto" or config.pcie_frac < 1):
         # A CPU pool takes one window at a time. With a cache, pipelined groups reading their
         # misses over PCIe decoded faster on two H200s from 74% of the routed experts in VRAM
         # up (docs/cuda.md, "Two GPUs"); with no cache (all misses) the pool stays.

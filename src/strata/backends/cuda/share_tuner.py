@@ -1,0 +1,128 @@
+"""`--pcie-frac auto`: the PCIe share of each decode window's misses found while serving.
+
+The best share is where the CPU pool's side and the GPU's side of a layer take as long as each
+other, and that moves with the host: the pool's RAM throughput beside the GPU (the H200 machine's
+pool computed a token's misses in 7.3 ms in one call and 11.6 in another, same build), the
+number of threads, other work on the CPU, the link. `strata-tool calibrate` measures it once;
+this measures it as windows run, from each window's own figures, and keeps measuring.
+
+Per class of windows by rows (1, 2, 3-4, 5-8, 9-16: a row's routed misses split differently
+with more rows), the tuner keeps a share and times windows at it: the pool's compute plus its
+wait for the GPU (cpu_pool.PoolWindowStats), which is the window minus the host's work and the
+head, so the host's noise stays out. Every `EVERY` windows of a class (sooner right after a
+move) it tries each neighbour for `PROBE` windows: the share -+ 1/K and -+ 1/(2K) for K experts
+a row; a neighbour whose median beats the share's median over the windows just before by more
+than `MARGIN` becomes the share (logged). A one-row window's split changes in whole experts,
+each 1/K of the share wide (Qwen3-30B-A3B, K = 8: the pool takes 5 of a token's 8 misses from
+0.26 to 0.375, 4 up to 0.5): a step of 1/K reaches the next split on either side, where 0.1
+from 0.4 would stay on 4 and see no difference.
+
+Shares change which side computes an expert, so results move by float rounding between the CPU
+and GPU kernels: with the tier frozen (`--adapt-every 0`, deterministic greedy output) the
+engine keeps the starting share instead (offload.build_vram_arena).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+
+log = logging.getLogger("strata.pool")
+
+CLASS_ROWS = (1, 2, 4, 8, 16)  # a window of R rows is in the first class of >= R rows
+PROBE = 8          # windows timed at a neighbour share per try
+WARMUP = 16        # windows at the starting share before the first tries
+EVERY = 512        # windows of a class between rounds of tries (PROBE after a move)
+MARGIN = 0.03      # a neighbour must be this much faster (median window) to be taken
+LOWEST, HIGHEST = 0.0, 0.9  # the shares tried (1: no pool at all is --pcie-frac 1's)
+
+
+@dataclass
+class _Class:
+    rows: int
+    share: float
+    base: list = field(default_factory=list)      # window times at `share`, the latest last
+    queue: list = field(default_factory=list)     # neighbours still to try this round
+    trying: float | None = None
+    tried: list = field(default_factory=list)     # window times at `trying`
+    results: dict = field(default_factory=dict)   # neighbour -> median of its windows
+    until_round: int = WARMUP
+    moves: int = 0
+
+
+class ShareTuner:
+    """share(num_rows) before a window, record(num_rows, share, seconds) once its pool's
+    figures are in. Pure bookkeeping: the arena applies the share (its where table)."""
+
+    def __init__(self, start: float, experts_per_row: int = 8):
+        self.start = float(start)
+        k = max(int(experts_per_row), 1)
+        self.steps = (1.0 / k, -1.0 / k, 0.5 / k, -0.5 / k)
+        self._classes = {rows: _Class(rows, self.start) for rows in CLASS_ROWS}
+
+    @staticmethod
+    def class_of(num_rows: int) -> int | None:
+        return next((rows for rows in CLASS_ROWS if num_rows <= rows), None)
+
+    def share(self, num_rows: int) -> float | None:
+        """The share for a window of `num_rows` rows (None: a window the pool takes no part
+        of, beyond the largest class)."""
+        rows = self.class_of(num_rows)
+        if rows is None:
+            return None
+        c = self._classes[rows]
+        return c.trying if c.trying is not None else c.share
+
+    def shares(self) -> dict[int, float]:
+        """{class rows: its share} (what /metrics shows)."""
+        return {rows: c.share for rows, c in self._classes.items()}
+
+    def record(self, num_rows: int, share: float, seconds: float) -> None:
+        rows = self.class_of(num_rows)
+        if rows is None or not seconds > 0:
+            return
+        c = self._classes[rows]
+        if c.trying is not None:
+            if share == c.trying:
+                c.tried.append(seconds)
+                if len(c.tried) >= PROBE:
+                    c.results[c.trying] = statistics.median(c.tried)
+                    self._next_try(c)
+            return
+        if share != c.share:
+            return  # a window planned before the last change
+        c.base.append(seconds)
+        del c.base[:-2 * PROBE]
+        c.until_round -= 1
+        if c.until_round <= 0 and len(c.base) >= PROBE:
+            c.queue = [s for s in (round(c.share + d, 4) for d in self.steps)
+                       if LOWEST <= s <= HIGHEST and s != c.share]
+            c.results = {}
+            self._next_try(c)
+
+    def _next_try(self, c: _Class) -> None:
+        c.tried = []
+        if c.queue:
+            c.trying = c.queue.pop(0)
+            return
+        c.trying = None
+        base = statistics.median(c.base[-PROBE:])
+        best = min(c.results, key=c.results.get, default=None)
+        if best is not None and c.results[best] < base * (1.0 - MARGIN):
+            log.info("PCIe share of %s-row windows %.3f -> %.3f: the CPU pool's compute + "
+                     "wait %.2f -> %.2f ms a window (medians of %d; --pcie-frac auto)",
+                     _rows_name(c.rows), c.share, best, base * 1e3, c.results[best] * 1e3,
+                     PROBE)
+            c.share, c.base, c.moves = best, [], c.moves + 1
+            c.until_round = PROBE
+        else:
+            c.until_round = EVERY
+            log.debug("PCIe share of %s-row windows stays %.3f (%.2f ms; tried %s)",
+                      _rows_name(c.rows), c.share, base * 1e3,
+                      ", ".join(f"{s:.3f}: {t * 1e3:.2f}" for s, t in sorted(c.results.items())))
+
+
+def _rows_name(rows: int) -> str:
+    i = CLASS_ROWS.index(rows)
+    low = CLASS_ROWS[i - 1] + 1 if i else 1
+    return str(rows) if low == rows else f"{low}-{rows}"

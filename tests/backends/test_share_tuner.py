@@ -1,0 +1,114 @@
+"""--pcie-frac auto's tuner (backends/cuda/share_tuner.py) against windows whose time is a
+function of the share: it finds the fastest share of each window class, leaves a flat one
+alone, does not follow noise, and follows a host that changes."""
+import numpy as np
+
+from strata.backends.cuda import share_tuner as st
+from strata.backends.cuda.share_tuner import ShareTuner
+
+
+def run(tuner, seconds_at, windows, rows=1, rng=None):
+    """`windows` windows of `rows` rows through the tuner; the shares they ran at."""
+    shares = []
+    for _ in range(windows):
+        share = tuner.share(rows)
+        t = seconds_at(share)
+        if rng is not None:
+            t *= 1.0 + rng.normal(0.0, 0.01)  # 1% noise per window
+        tuner.record(rows, share, t)
+        shares.append(share)
+    return shares
+
+
+def one_row_host(pool_ms_per_expert, gpu_ms_per_expert, serial_ms=2.5):
+    """A one-row window's time at a share on a host: per layer the slower of the pool's and
+    the GPU's experts (whole experts, as count_groups splits 8 misses of cost 17 each) plus the
+    serial part."""
+    def seconds_at(share):
+        budget = int(np.floor((1.0 - share) * 8 * 17 + 0.5))
+        pool = min(8, budget // 17)
+        return (max(pool * pool_ms_per_expert, (8 - pool) * gpu_ms_per_expert)
+                + serial_ms) / 1e3
+    return seconds_at
+
+
+def test_it_moves_to_the_fastest_split_and_stays():
+    # a host whose pool is slow: 4 experts each side beats the default's 5 / 3
+    host = one_row_host(pool_ms_per_expert=2.2, gpu_ms_per_expert=2.0)
+    tuner = ShareTuner(0.3)
+    shares = run(tuner, host, 600, rng=np.random.default_rng(0))
+    # 4 of 8 to each side (shares 0.375-0.5) is the fastest split there
+    settled = tuner.shares()[1]
+    assert 0.375 < settled <= 0.5 and host(settled) == host_best(host)
+    # after the move it tries around the new share, then settles there
+    assert set(shares[-(st.EVERY - 2 * st.PROBE):]) == {settled}
+    # other classes were never timed: still at the start
+    assert tuner.share(4) == 0.3 and tuner.share(16) == 0.3 and tuner.share(17) is None
+
+
+def test_steps_are_an_expert_of_a_row():
+    assert ShareTuner(0.3).steps == (0.125, -0.125, 0.0625, -0.0625)
+    assert ShareTuner(0.3, experts_per_row=10).steps == (0.1, -0.1, 0.05, -0.05)
+
+
+def test_it_climbs_more_than_one_step():
+    host = one_row_host(pool_ms_per_expert=3.0, gpu_ms_per_expert=1.0)  # GPU much faster
+    tuner = ShareTuner(0.2)
+    run(tuner, host, 400)
+    # 0.2 gives the pool 6 of 8; the fastest is 2 (0.7): reached in steps of an expert
+    assert host(tuner.shares()[1]) == host_best(host)
+    assert tuner.shares()[1] > 0.6
+
+
+def test_a_flat_host_and_noise_leave_the_share_alone():
+    tuner = ShareTuner(0.3)
+    rng = np.random.default_rng(1)
+    run(tuner, lambda share: 0.012, 2000, rng=rng)  # every share as fast, 1% noise
+    assert tuner.shares()[1] == 0.3
+    # shares that give the same split (0.3 and 0.35: 5 of 8 to the pool) are not a move
+    host = one_row_host(pool_ms_per_expert=1.9, gpu_ms_per_expert=2.6)
+    tuner = ShareTuner(0.3)
+    run(tuner, host, 2000, rng=rng)
+    assert host(tuner.shares()[1]) == host(0.3)
+
+
+def test_it_follows_a_host_that_changes():
+    fast_pool = one_row_host(pool_ms_per_expert=1.5, gpu_ms_per_expert=2.5)
+    busy_pool = one_row_host(pool_ms_per_expert=3.0, gpu_ms_per_expert=2.5)  # CPU taken
+    tuner = ShareTuner(0.3)
+    run(tuner, fast_pool, 600)
+    assert fast_pool(tuner.shares()[1]) == host_best(fast_pool)
+    run(tuner, busy_pool, 3000)
+    assert busy_pool(tuner.shares()[1]) == host_best(busy_pool)
+    assert tuner.shares()[1] > 0.375  # the pool gave up an expert or more
+
+
+def host_best(host):
+    return min(host(s / 1000) for s in range(0, 901))
+
+
+def test_classes_are_separate_and_late_figures_are_ignored():
+    tuner = ShareTuner(0.3)
+    assert [tuner.class_of(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, None]
+    host = one_row_host(pool_ms_per_expert=2.2, gpu_ms_per_expert=2.0)
+    run(tuner, host, 600, rows=3)  # windows of 3 rows: class 4
+    assert host(tuner.shares()[4]) == host_best(host) and tuner.shares()[1] == 0.3
+    # a window planned at another share (before a change) is not counted; nor a bad time
+    before = tuner.shares()[4]
+    while tuner.share(4) != before:  # finish a round of tries
+        tuner.record(4, tuner.share(4), host(tuner.share(4)))
+    for _ in range(3 * st.EVERY):
+        tuner.record(4, 0.9, 0.001)  # would look fast, but it is not the share in force
+        tuner.record(4, before, 0.0)
+        tuner.record(4, before, float("nan"))
+    assert tuner.shares()[4] == before
+    tuner.record(17, 0.3, 0.01)  # beyond the classes: nothing
+
+
+def test_tries_stay_within_the_shares_the_pool_can_take():
+    tuner = ShareTuner(0.0)
+    host = one_row_host(pool_ms_per_expert=9.0, gpu_ms_per_expert=0.1)  # push toward 1
+    shares = run(tuner, host, 3000)
+    assert max(shares) <= st.HIGHEST and min(shares) >= st.LOWEST
+    assert tuner.shares()[1] > st.HIGHEST - 0.125  # as far as the tries may go
