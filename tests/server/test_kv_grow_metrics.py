@@ -41,3 +41,28 @@ def test_no_kv_grow_metrics_without_it(tmp_path):
     synth_model(path, shape="tiny", weight_type="f32", seed=3)
     with Engine(EngineConfig(path, n_ctx=512, expert_cache=12)) as engine:
         assert samples(engine.expert_tier) == {}
+
+
+def test_the_pcie_share_gauge_of_pcie_frac_auto(tmp_path, monkeypatch):
+    """--pcie-frac auto's shares per window class, as /metrics shows them (the arena of a GPU
+    engine, stood in for by the CPU engine's with the GPU's attributes)."""
+    from strata.backends.cuda.share_tuner import ShareTuner
+
+    path = tmp_path / "tiny.gguf"
+    synth_model(path, shape="tiny", weight_type="f32", seed=3)
+    with Engine(EngineConfig(path, n_ctx=512, expert_cache=12)) as engine:
+        arena = engine.expert_tier.arena
+        monkeypatch.setattr(arena, "misses_on_gpu", True, raising=False)
+        registry = CollectorRegistry()
+        registry.register(ExpertCacheCollector(lambda: engine.expert_tier))
+
+        def shares():
+            return {s.labels["rows"]: s.value for family in registry.collect()
+                    for s in family.samples if s.name == "strata_expert_pcie_share"}
+
+        assert shares() == {}  # a fixed share: no gauge
+        tuner = ShareTuner(0.3)
+        monkeypatch.setattr(arena, "share_tuner", tuner, raising=False)
+        assert shares() == {"1": 0.3, "2": 0.3, "4": 0.3, "8": 0.3, "16": 0.3}
+        tuner._classes[4].share = 0.425
+        assert shares()["4"] == 0.425

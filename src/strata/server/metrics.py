@@ -107,6 +107,14 @@ class ExpertCacheCollector:
             yield _counter("strata_expert_cpu_pool_wait_seconds", "CPU pool time waiting for "
                            "the GPU to publish a layer (its dense work and PCIe reads)",
                            t.pool_wait_s)
+            tuner = getattr(tier.arena, "share_tuner", None)
+            if tuner is not None:  # --pcie-frac auto: the share each window class runs at
+                shares = GaugeMetricFamily("strata_expert_pcie_share", "PCIe share of a decode "
+                                           "window's misses (--pcie-frac auto), by the most "
+                                           "rows of the window class", labels=["rows"])
+                for rows, share in tuner.shares().items():
+                    shares.add_metric([str(rows)], share)
+                yield shares
             streamer = getattr(tier.arena, "streamer", None)
             if streamer is not None:  # prompt chunks' experts copied into staging slots
                 yield _counter("strata_expert_streamed_bytes", "Bytes of experts prompt chunks "
