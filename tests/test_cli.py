@@ -327,6 +327,11 @@ def test_tier_summary_line_names_the_cpu_pool():
     assert format_tier_summary(s).endswith(
         "tier wait 1.2 ms; CPU pool: 24 routed entries in 4 windows, per window 1.50 ms "
         "computing and 0.25 ms waiting for the GPU")
+    s["pcie_shares"] = [("1", 0.3, 0, 600), ("3-4", 0.425, 1, 80)]
+    assert format_tier_summary(s).endswith(
+        "waiting for the GPU; PCIe share (--pcie-frac auto) by window rows: 1: 0.300 (0 moves "
+        "in 600 windows), 3-4: 0.425 (1 move in 80 windows)")
+    del s["pcie_shares"]
     s.update(streamed_windows=2, streamed_gib=1.5, streamed_left=37.25, streamed_pulled=3)
     assert format_tier_summary(s).endswith(
         "waiting for the GPU; prompt windows: 2 streamed 1.50 GiB of experts, 37.2 rare ones "

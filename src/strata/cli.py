@@ -325,6 +325,9 @@ def tier_summary(tier) -> dict:
             out.update(pool_entries=t.num_pool_entries, pool_windows=pool.busy_windows,
                        pool_compute_ms=pool.busy_pool_ms / pool.busy_windows,
                        pool_wait_ms=pool.busy_wait_ms / pool.busy_windows)
+        tuner = getattr(tier.arena, "share_tuner", None)
+        if tuner is not None and tuner.summary():  # --pcie-frac auto: where each class ended
+            out["pcie_shares"] = tuner.summary()
         staged, routed, entries = getattr(tier.arena, "read_ahead_totals", lambda: (0, 0, 0))()
         if staged:
             out.update(ahead_staged=staged, ahead_routed=routed, ahead_entries=entries)
@@ -540,6 +543,10 @@ def format_tier_summary(s: dict) -> str:
                f"per window {s['pool_compute_ms']:.2f} ms computing and {s['pool_wait_ms']:.2f} "
                "ms waiting for the GPU"
                if "pool_entries" in s else "")
+            + ("; PCIe share (--pcie-frac auto) by window rows: " + ", ".join(
+                f"{rows}: {share:.3f} ({moves} move{'s' if moves != 1 else ''} in {n} windows)"
+                for rows, share, moves, n in s["pcie_shares"])
+               if "pcie_shares" in s else "")
             + (f"; read-ahead: {s['ahead_staged']} experts staged before their routing, "
                f"{s['ahead_routed']} of them routed ({s['ahead_routed'] / s['ahead_staged']:.1%}"
                f", {s['ahead_entries']} routed entries)"

@@ -42,8 +42,10 @@ def test_it_moves_to_the_fastest_split_and_stays():
     assert 0.375 < settled <= 0.5 and host(settled) == host_best(host)
     # after the move it tries around the new share, then settles there
     assert set(shares[-(st.EVERY - 2 * st.PROBE):]) == {settled}
-    # other classes were never timed: still at the start
+    # other classes were never timed: still at the start, and not in the summary
     assert tuner.share(4) == 0.3 and tuner.share(16) == 0.3 and tuner.share(17) is None
+    assert tuner.summary() == [("1", settled, tuner._classes[1].moves, 600)]
+    assert tuner._classes[1].moves >= 1
 
 
 def test_steps_are_an_expert_of_a_row():

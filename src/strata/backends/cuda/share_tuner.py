@@ -48,6 +48,7 @@ class _Class:
     results: dict = field(default_factory=dict)   # neighbour -> median of its windows
     until_round: int = WARMUP
     moves: int = 0
+    windows: int = 0                              # windows whose figures came in
 
 
 class ShareTuner:
@@ -77,11 +78,17 @@ class ShareTuner:
         """{class rows: its share} (what /metrics shows)."""
         return {rows: c.share for rows, c in self._classes.items()}
 
+    def summary(self) -> list[tuple[str, float, int, int]]:
+        """(rows, e.g. "3-4"; share; moves; windows timed) of each class that had windows."""
+        return [(_rows_name(c.rows), c.share, c.moves, c.windows)
+                for c in self._classes.values() if c.windows]
+
     def record(self, num_rows: int, share: float, seconds: float) -> None:
         rows = self.class_of(num_rows)
         if rows is None or not seconds > 0:
             return
         c = self._classes[rows]
+        c.windows += 1
         if c.trying is not None:
             if share == c.trying:
                 c.tried.append(seconds)
