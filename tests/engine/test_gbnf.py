@@ -158,7 +158,12 @@ def test_is_done_and_can_continue():
     ('root ::= "\\q"', ["unknown escape"]),
     ('root ::= "\\x4"', ["takes 2 hex digits"]),
     ('root ::= [z-a]', ["ends below its start"]),
-    ('root ::= <think>', ["token references"]),
+    ('root ::= <[12', ["<[ID]>, ID a number", "column 10"]),
+    ('root ::= <[x]>', ["<[ID]>"]),
+    ('root ::= <think', ["not closed on its line"]),
+    ('root ::= <\n>', ["not closed on its line"]),
+    ('root ::= !"a"', ["'!' must be followed by a token reference"]),
+    ('root ::= (<[1]>?)*', ["can reach itself"]),
     ('root ::= "a"\nroot ::= "b"', ["defined twice", "line 2, column 1"]),
     ('root = "a"', ["expected '::='"]),
     ('::= "a"', ["expected a rule's name"]),
@@ -256,3 +261,94 @@ def test_engine_answers_with_a_sentence_of_the_grammar(tiny_model_path):
             assert re.fullmatch(r"The answer is [0-9]{1,3}(?:%| apples)", result.text), \
                 result.text
             assert result.finish_reason == "stop"
+
+
+# ---- token references (<[id]>, <text>, !) ------------------------------------------------------
+def test_token_items_take_whole_tokens_beside_characters():
+    g = compile_grammar('root ::= <[5]> [a-z]+ <[7]> | !<[9]> "x"')
+    assert g.has_tokens
+    r = g.recognizer()
+    assert r.token_candidates() == (frozenset({5, 9}), True)  # !<[9]>: any token may come
+    assert not r.copy().feed(b"x")            # no character may come first
+    assert not r.copy().feed_token(9, b"x")   # 9 is the one token the negated item refuses
+    a = r.copy()
+    assert a.feed_token(5, b"<five>") and not a.is_done  # by the token item, bytes unread
+    assert a.token_candidates() == (frozenset(), False)  # characters now
+    assert a.feed_token(100, b"ab") and a.feed_token(101, b"c")
+    assert a.token_candidates() == (frozenset({7}), False)  # [a-z]+ may end: <[7]> may come
+    assert not a.copy().feed_token(8, b"")    # a special token (no bytes) only by its item
+    assert a.feed_token(7, b"") and a.is_done and not a.can_continue
+    b = r.copy()
+    assert b.feed_token(3, "\u00e9".encode()[:1]) and not b.is_done  # any token, whole
+    assert b.feed_token(4, b"x") and b.is_done
+
+
+def test_a_token_ending_inside_a_character_keeps_the_token_reading():
+    # `.` reads the lead byte of a two-byte character, while !<[1]> takes the token whole:
+    # one partial character is shared by all stacks, so the token items' reading is kept
+    g = compile_grammar('root ::= . "z" | !<[1]> "y"')
+    r = g.recognizer()
+    assert r.feed_token(2, "\u00e9".encode()[:1])
+    assert r.feed(b"y") and r.is_done
+    r = g.recognizer()  # a whole character and the token: both readings go on
+    assert r.feed_token(2, b"a")
+    assert r.copy().feed(b"z") and r.copy().feed(b"y")
+
+
+def test_text_token_items_are_bound_to_the_vocabulary(tokenizer):
+    g = compile_grammar('root ::= <think> [a-z ]* </think> "ok" | !<|im_end|> <[17]>')
+    bound = g.bound(tokenizer)
+    assert g.bound(tokenizer) is bound and compile_grammar('root ::= "a"').bound(tokenizer) \
+        .has_tokens is False
+    think, close, end = (tokenizer.token_id(t) for t in ("<think>", "</think>", "<|im_end|>"))
+    r = bound.recognizer()
+    ids, negated = r.token_candidates()
+    assert ids == {think, end} and negated
+    outside = f'root ::= <[{tokenizer.vocab_size}]>'
+    for text, words in (('root ::= <nope>', ["<nope> is not one token", "<[ID]>"]),
+                        (outside, ["outside this model's vocabulary"])):
+        with pytest.raises(GrammarError) as info:
+            compile_grammar(text).bound(tokenizer)
+        assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_the_token_constraint_reads_token_items(tokenizer):
+    gbnf = 'root ::= <think> [a-z ]* </think> "yes"'
+    think, close = tokenizer.token_id("<think>"), tokenizer.token_id("</think>")
+    stops = tokenizer.stop_ids
+    c = TextConstraint(tokenizer, stops, compile_grammar(gbnf).bound(tokenizer).recognizer(),
+                       starts_in_reasoning=True)  # the grammar holds the whole output
+    assert c.candidates().tolist() == [think]
+    assert c.allows(think) and not c.allows(close)
+    assert not any(c.allows(t) for t in tokenizer.encode("no", add_special=False))
+    c.push(think)
+    words = tokenizer.encode("so on", add_special=False)
+    assert all(c.allows(t) for t in words[:1]) and c.allows(close)
+    assert close in c.candidates()
+    for t in words:
+        c.push(t)
+    c.push(close)
+    assert not c.allows(close) and not c.is_done
+    for t in tokenizer.encode("yes", add_special=False):
+        assert c.allows(t)
+        c.push(t)
+    assert c.is_done and sorted(c.candidates().tolist()) == sorted(stops)
+    # a special token's bytes never pass as characters, even where the characters would
+    chars = TextConstraint(tokenizer, stops, compile_grammar(
+        'root ::= "<" [a-z/]+ ">" | <[17]>').bound(tokenizer).recognizer())
+    assert not chars.allows(think) and not chars.allows(close) and chars.allows(17)
+
+
+def test_the_engine_answers_with_token_items_and_refuses_an_unknown_one(tiny_model_path):
+    gbnf = 'root ::= <think> "hm" </think> "The answer is " [0-9]{1,2}'
+    with Engine(EngineConfig(tiny_model_path, n_ctx=256)) as engine:
+        tok = engine.tokenizer
+        prompt = engine.tokenize("How many?", add_special=True)
+        params = SamplingParams(temperature=0.0, max_tokens=32, grammar=gbnf)
+        result = collect(engine.generate(prompt, params))
+        assert result.token_ids[0] == tok.token_id("<think>")
+        assert tok.token_id("</think>") in result.token_ids
+        text = tok.decode([t for t in result.token_ids if t not in tok.stop_ids])
+        assert re.fullmatch(r"<think>hm</think>The answer is [0-9]{1,2}", text), text
+        with pytest.raises(RequestError, match="<nope> is not one token"):
+            engine.submit(prompt, SamplingParams(max_tokens=4, grammar='root ::= <nope>'))

@@ -138,6 +138,9 @@ def test_a_grammar_holds_the_answer(live, reference):
     assert bad.status_code == 400
     err = bad.json()["error"]
     assert err["param"] == "grammar" and "not closed at line 1, column 14" in err["message"]
+    unknown = post(live, {"prompt": PROMPT, "grammar": 'root ::= <nope> "a"'})
+    assert unknown.status_code == 400  # a token item that is not one token of the vocabulary
+    assert "<nope> is not one token" in unknown.json()["error"]["message"]
     assert post(live, {"prompt": PROMPT, "n_predict": 2}).status_code == 200  # still serving
 
 

@@ -10,9 +10,14 @@ The language, as llama.cpp's grammars write it (its grammars/README.md):
 - items: `"literal"`, a character class `[a-z_]` or `[^"\\\\]`, `.` (any character), a rule's
   name, a group `( ... )`, each optionally followed by `*`, `+`, `?`, `{m}`, `{m,}` or `{m,n}`;
 - escapes in literals and classes: `\\n \\r \\t \\\\ \\" \\[ \\] \\- \\xHH \\uHHHH \\UHHHHHHHH`.
+- token references: `<[id]>` (that token), `<text>` (the one token spelled so, e.g. `<think>`;
+  text that is not exactly one token is refused by name), `!` before either (any one token but
+  that one). A token item takes a whole token, whatever its bytes; with one in it a grammar
+  describes the whole output, a reasoning block included, and a special token is produced
+  only through a token item, never as characters.
 Characters are Unicode code points, read from the output's UTF-8 (a token may end inside one).
-Not held: llama.cpp's token references (`<[id]>`, `<think>`); a grammar that can reach a rule
-again without reading a character (left recursion) is refused, as llama.cpp refuses it.
+A grammar that can reach a rule again without reading a character (left recursion) is
+refused, as llama.cpp refuses it.
 
 The recognizer is a set of stacks (as llama.cpp's is): each stack holds the positions in the
 rules still to be matched, innermost last, its top a character class; an empty stack means a
@@ -84,6 +89,29 @@ class CharSet:
                     out[_lead_byte(lo):_lead_byte(hi) + 1] = True
 
 
+class TokenRef:
+    """A token item: `token` (an id; None until `Grammar.bound` resolves `text`) or, negated,
+    any one token but it. It reads no characters (a stack with it on top is dropped by a
+    character) and takes a token whole at a token's start."""
+
+    __slots__ = ("token", "text", "negated")
+
+    def __init__(self, token: int | None, text: str | None, negated: bool):
+        self.token, self.text, self.negated = token, text, negated
+
+    def takes(self, token: int) -> bool:
+        return (token == self.token) != self.negated
+
+    def matches(self, cp: int) -> bool:
+        return False
+
+    def meets(self, lo: int, hi: int) -> bool:
+        return False
+
+    def mark_first_bytes(self, out: np.ndarray) -> None:
+        pass
+
+
 def _lead_byte(cp: int) -> int:
     return chr(cp).encode("utf-8", "surrogatepass")[0]
 
@@ -100,7 +128,48 @@ class Grammar:
         self.text = text
         self._expanded: dict = {}
         self._steps: dict = {}
+        self._token_steps: dict = {}
+        self._bound: dict = {}
+        self.has_tokens = any(isinstance(item, TokenRef)
+                              for alts in rules for alt in alts for item in alt)
         self.start = self._expand_all((((root, k, 0),) for k in range(len(rules[root]))))
+
+    def bound(self, tokenizer) -> "Grammar":
+        """This grammar with its `<text>` items resolved to `tokenizer`'s ids (itself when it
+        has none); GrammarError naming an item that is not exactly one token."""
+        if not self.has_tokens:
+            return self
+        got = self._bound.get(id(tokenizer))
+        if got is not None and got[0] is tokenizer:
+            return got[1]
+
+        def resolve(item):
+            if not isinstance(item, TokenRef) or item.token is not None:
+                return item
+            token = tokenizer.token_id(item.text)
+            if token is None:
+                ids = tokenizer.encode(item.text, add_special=False)
+                if len(ids) != 1:
+                    raise GrammarError(f"the grammar's token reference {item.text} is not one "
+                                       f"token of this model's vocabulary (it reads as "
+                                       f"{len(ids)}); name the token by id: <[ID]>")
+                token = ids[0]
+            return TokenRef(int(token), item.text, item.negated)
+
+        rules = [[tuple(resolve(item) for item in alt) for alt in alts] for alts in self.rules]
+        vocab = getattr(tokenizer, "vocab_size", None)
+        for alts in rules:
+            for alt in alts:
+                for item in alt:
+                    if isinstance(item, TokenRef) and vocab is not None \
+                            and not 0 <= item.token < vocab:
+                        raise GrammarError(f"the grammar's token reference <[{item.token}]> is "
+                                           f"outside this model's vocabulary [0, {vocab})")
+        grammar = Grammar(rules, self.names, self.root, self.text)
+        if len(self._bound) > 8:
+            self._bound.clear()
+        self._bound[id(tokenizer)] = (tokenizer, grammar)
+        return grammar
 
     def recognizer(self) -> "GrammarRecognizer":
         return GrammarRecognizer(self)
@@ -128,7 +197,7 @@ class Grammar:
                 todo.append(st[:-1])
                 continue
             item = alt[p]
-            if isinstance(item, CharSet):
+            if isinstance(item, (CharSet, TokenRef)):
                 out.append(st)
                 continue
             # a rule: what follows it stays below (dropped when nothing does: right
@@ -167,7 +236,29 @@ class Grammar:
         self._steps[key] = result
         return result
 
-    def _top(self, stack: tuple) -> CharSet:
+    def step_token(self, state: frozenset, token: int) -> frozenset:
+        """The stacks after a whole token read by token items (the stacks with one on top that
+        takes `token`, advanced); empty when none does."""
+        key = (state, token)
+        got = self._token_steps.get(key)
+        if got is not None:
+            return got
+        advanced = []
+        for st in state:
+            if st:
+                top = self._top(st)
+                if isinstance(top, TokenRef) and top.takes(token):
+                    r, a, p = st[-1]
+                    advanced.append(st[:-1] + ((r, a, p + 1),))
+        result = self._expand_all(advanced) if advanced else frozenset()
+        if len(result) > MAX_STACKS:
+            result = frozenset()
+        if len(self._token_steps) > _CACHE_LIMIT:
+            self._token_steps.clear()
+        self._token_steps[key] = result
+        return result
+
+    def _top(self, stack: tuple):
         r, a, p = stack[-1]
         return self.rules[r][a][p]
 
@@ -205,6 +296,45 @@ class GrammarRecognizer:
             if not self._byte(b):
                 return False
         return True
+
+    @property
+    def has_tokens(self) -> bool:
+        return self.grammar.has_tokens
+
+    def feed_token(self, token: int, data: bytes) -> bool:
+        """Read one whole token: by the token items on top (at a character's boundary), and
+        its bytes `data` by the character items (b"" for a special token: it is never read as
+        characters). Both may go on, and the stacks are then both's, unless the bytes end
+        inside a character: the token items' reading is kept then (one partial character is
+        shared by all stacks). False (the recognizer left unusable) when neither can."""
+        g = self.grammar
+        by_token = g.step_token(self.state, token) if not self.need else frozenset()
+        chars = self.copy()
+        chars.state = frozenset(st for st in self.state
+                                if st and not isinstance(g._top(st), TokenRef))
+        by_chars = bool(data) and bool(chars.state) and chars.feed(data)
+        if by_chars and (not by_token or not chars.need):
+            self.state = chars.state | by_token
+            self.partial, self.need = chars.partial, chars.need
+            return True
+        if by_token:
+            self.state, self.partial, self.need = by_token, b"", 0
+            return True
+        return False
+
+    def token_candidates(self) -> tuple[frozenset, bool]:
+        """(the token ids the token items on top name, whether one of them is negated: then
+        any token may be taken)."""
+        ids, negated = set(), False
+        if self.need:
+            return frozenset(), False
+        for st in self.state:
+            if st:
+                top = self.grammar._top(st)
+                if isinstance(top, TokenRef):
+                    negated = negated or top.negated
+                    ids.add(top.token)
+        return frozenset(ids), negated
 
     def _byte(self, b: int) -> bool:
         if self.need:
@@ -406,12 +536,39 @@ class _Parser:
             self.pos += 1
             return [self.new_rule(rule, alts)]
         if c in ("<", "!"):
-            self.fail("token references (<...>) are not supported")
+            return [self.token_ref()]
         name = self.name_at(self.pos)
         if not name:
             self.fail(f"unexpected {c!r}")
         self.pos += len(name)
         return [("name", name, start)]
+
+    def token_ref(self) -> TokenRef:
+        """`<[id]>`, `<text>`, either after `!` (negated)."""
+        start = self.pos
+        negated = self.peek() == "!"
+        if negated:
+            self.pos += 1
+        if self.peek() != "<":
+            self.fail("'!' must be followed by a token reference <...>", start)
+        self.pos += 1
+        if self.peek() == "[":
+            self.pos += 1
+            digits = ""
+            while self.peek().isdigit() and self.peek().isascii():
+                digits += self.peek()
+                self.pos += 1
+            if not digits or self.peek(2) != "]>":
+                self.fail("a token reference by id is <[ID]>, ID a number", start)
+            self.pos += 2
+            return TokenRef(int(digits), None, negated)
+        end = self.text.find(">", self.pos)
+        newline = self.text.find("\n", self.pos)
+        if end < 0 or (0 <= newline < end) or end == self.pos:
+            self.fail("a token reference <...> is not closed on its line", start)
+        text = "<" + self.text[self.pos:end + 1]
+        self.pos = end + 1
+        return TokenRef(None, text, negated)
 
     def char(self) -> int:
         """One character of a literal or class, escapes resolved."""
@@ -549,7 +706,7 @@ def _check_left_recursion(rules, names) -> None:
         edges = set()
         for alt in alts:
             for item in alt:
-                if isinstance(item, CharSet):
+                if isinstance(item, (CharSet, TokenRef)):  # reads a character or a token
                     break
                 edges.add(item)
                 if not nullable[item]:

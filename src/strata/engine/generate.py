@@ -160,7 +160,7 @@ class TokenDecoder:
 
             constraint = TextConstraint(
                 tokenizer, set(params.stop_token_ids) | tokenizer.stop_ids,
-                compiled_grammar(params.grammar).recognizer(),
+                compiled_grammar(params.grammar).bound(tokenizer).recognizer(),
                 starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens))
         elif params.tool_call_required:  # the stop tokens only after a call
             constraint = RequiredToolCallConstraint(

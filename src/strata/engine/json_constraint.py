@@ -359,6 +359,11 @@ class TextConstraint:
         self._added = tokenizer.added_ids  # tags such as <tool_call>: never inside the text
         self.think = ThinkingLead(starts_in_reasoning)
         self.recognizer = recognizer
+        # a GBNF grammar with token items (gbnf.TokenRef) reads whole tokens too, and it
+        # describes the whole output: no reasoning block of its own before it
+        self._by_token = bool(getattr(recognizer, "has_tokens", False))
+        if self._by_token:
+            self.think.is_thinking = self.think.is_first = False
 
     @property
     def is_done(self) -> bool:
@@ -372,6 +377,9 @@ class TextConstraint:
                                     lambda rest: self.recognizer.copy().feed(rest))
         if decided is not None:
             return decided
+        if self._by_token:  # a special token only by a token item, never as characters
+            plain = token not in self._added and token not in self._special
+            return self.recognizer.copy().feed_token(token, data if plain else b"")
         if token in self._added or not data:
             return False
         return self.recognizer.copy().feed(data)
@@ -381,7 +389,10 @@ class TextConstraint:
         if token in self._stop_ids:
             return
         data = self.think.take(self._tokenizer.token_bytes(token))
-        if data is not None:
+        if data is not None and self._by_token:
+            plain = token not in self._added and token not in self._special
+            self.recognizer.feed_token(token, data if plain else b"")
+        elif data is not None:
             self.recognizer.feed(data)
 
     def first_bytes(self) -> np.ndarray:
@@ -401,6 +412,13 @@ class TextConstraint:
         think = self.think.think_id(self._tokenizer)
         if think is not None:
             mask[think] = True
+        if self._by_token:  # the ids the token items on top name, or any (a negated one)
+            ids, negated = self.recognizer.token_candidates()
+            if negated:
+                mask[:] = True
+            for token in ids:
+                if 0 <= token < len(mask):
+                    mask[token] = True
         if self.is_done:  # the text may end here or go on
             mask[stops[stops < len(mask)]] = True
         return np.flatnonzero(mask)

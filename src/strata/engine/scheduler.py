@@ -246,13 +246,18 @@ class Scheduler:
         return prompt
 
     def check_request(self, prompt_tokens, params: SamplingParams) -> list[int]:
-        """check_prompt, and the token ids the parameters name (logit_bias) in the vocabulary."""
+        """check_prompt, and the token ids the parameters name (logit_bias, a grammar's token
+        items) in the vocabulary."""
         prompt = self.check_prompt(prompt_tokens)
         vocab = min(self.tokenizer.vocab_size, self.model.spec.vocab)
         outside = [t for t in params.logit_bias if t >= vocab]
         if outside:
             raise RequestError(f"logit_bias names the token id {outside[0]}, outside the "
                                f"vocabulary [0, {vocab})")
+        if params.grammar is not None:  # its token items in this vocabulary (GrammarError)
+            from strata.engine.gbnf import compiled_grammar
+
+            compiled_grammar(params.grammar).bound(self.tokenizer)
         return prompt
 
     def submit(self, prompt_tokens, params: SamplingParams) -> RequestHandle:
