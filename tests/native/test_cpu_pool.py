@@ -45,9 +45,10 @@ class FakeDevice(threading.Thread):
     def run(self):
         ex, n = self.ex, self.num_rows
         for layer in range(self.layers):
-            x, ids, wts = self.inputs[layer]
+            x, ids, wts, *split = self.inputs[layer]
             time.sleep(self.delay_s)  # the pool must really wait for ready
             ex.x[:n], ex.ids[:n], ex.wts[:n] = x, ids, wts
+            ex.split[:] = split[0] if split else (0, 0)
             ex.ready[layer] = self.seq
             deadline = time.monotonic() + 20
             while ex.done[layer] != self.seq:
@@ -271,7 +272,7 @@ def test_pool_refuses_misuse():
     where[1, 5] = WHERE_VRAM
     kernels.pool_check_where(where, bad)  # the null expert is not the CPU's
     ctl = np.zeros(kernels.POOL_CTL_WORDS, np.int64)
-    args = (ex.ready, ex.done, ex.x, ex.ids, ex.wts, ex.y)
+    args = (ex.ready, ex.done, ex.x, ex.ids, ex.wts, ex.y, ex.split)
     with pytest.raises(ValueError, match=r"must be \[L, 3, E\]"):
         kernels.pool_serve(ctl, *args, where, np.ascontiguousarray(pointers[:, :2]), types, rb,
                            F, 1.0)
@@ -293,11 +294,12 @@ def test_pool_refuses_misuse():
 def test_exchange_layout_is_aligned_and_carves_views():
     layout = ExchangeLayout(num_layers=48, max_rows=16, top_k=8, hidden=2048)
     offsets = layout.offsets
-    assert list(offsets) == ["ready", "done", "status", "x", "ids", "wts", "y"]
+    assert list(offsets) == ["ready", "done", "status", "split", "x", "ids", "wts", "y"]
     assert all(at % 256 == 0 for at in offsets.values())
     # ready: 48 int64 = 384 bytes, rounded up to 512
-    assert offsets["done"] == 512 and offsets["status"] == 1024 and offsets["x"] == 1280
-    assert offsets["ids"] == 1280 + 16 * 2048 * 4 and offsets["wts"] == offsets["ids"] + 512
+    assert offsets["done"] == 512 and offsets["status"] == 1024 and offsets["split"] == 1280
+    assert offsets["x"] == 1536 and offsets["ids"] == 1536 + 16 * 2048 * 4
+    assert offsets["wts"] == offsets["ids"] + 512
     assert layout.nbytes == offsets["y"] + 16 * 2048 * 4
     ex = Exchange.in_host_memory(layout)
     assert ex.x.shape == (16, 2048) and ex.ids.dtype == np.int32 and ex.wts.shape == (16, 8)
@@ -377,3 +379,39 @@ def test_pool_warns_about_pinned_or_oversubscribed_threads(caplog):
         with CpuPool(ex, pointers, types, F, threads=threads):
             pass
     assert any("engine thread that drives the GPU" in r.getMessage() for r in caplog.records)
+
+
+def test_pool_computes_its_part_of_a_split_expert():
+    # the device splits a layer's boundary expert: split = (e, c) gives the pool gate/up rows
+    # and down columns [0, c) of e (its part of e's output), the other experts whole; a split
+    # that is not whole blocks of the down's type, or not inside (0, F), is no split
+    rng = np.random.default_rng(83)
+    layers, pointers, types = make_experts(rng)
+    ex = Exchange.in_host_memory(ExchangeLayout(L, R_MAX, K, H))
+    where = np.full((L, E), WHERE_CPU, np.uint8)
+    with CpuPool(ex, pointers, types, F, timeout_s=20, threads=2) as pool:
+        pool.set_where(where)
+        windows = ((1, (32, 64, 48)), (4, (64, 40, 96)), (R_MAX, (0, 32, 95)))
+        for seq, (num_rows, cols) in enumerate(windows, start=1):
+            inputs = window_inputs(rng, layers, num_rows)
+            split = []
+            for layer, (x, ids, wts) in enumerate(inputs):
+                e = int(ids[0, 1])
+                inputs[layer] = (x, ids, wts, (e, cols[layer]))
+                block = 1 if LAYER_TYPES[layer][2] == T.F32 else 32
+                is_split = 0 < cols[layer] < F and cols[layer] % block == 0
+                split.append((e, cols[layer]) if is_split else None)
+            _, outputs = serve(pool, ex, seq, inputs, num_rows)
+            for layer, (x, ids, wts, _) in enumerate(inputs):
+                gate, up, down = layers[layer]
+                if split[layer] is not None:  # rows [c, F) of e's gate zero: h[c:] = 0
+                    e, c = split[layer]
+                    gate = gate.copy()
+                    gate[e, c:] = 0
+                zeros = np.zeros((num_rows, H), dtype=np.float32)
+                expected, bound = reference(x, gate, up, down, LAYER_TYPES[layer], ids, wts,
+                                            zeros)
+                assert np.all(np.abs(outputs[layer] - expected) <= bound), (seq, layer)
+                whole, _ = reference(x, *layers[layer], LAYER_TYPES[layer], ids, wts, zeros)
+                if split[layer] is not None:  # the part differs from the whole expert
+                    assert (np.abs(whole - expected) > 2 * bound).any(), (seq, layer)

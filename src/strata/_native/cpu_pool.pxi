@@ -6,10 +6,10 @@
 
 cdef extern from "pool_window.h" nogil:
     int st_pool_serve(int64_t *ctl, const int64_t *ready, int64_t *done, const float *x,
-                      const int32_t *ids, const float *wts, float *y, int64_t max_rows,
-                      const uint8_t *where, const uint64_t *pointers, const int32_t *types,
-                      const int64_t *row_bytes, int L, int H, int K, int E, int F,
-                      int64_t timeout_ns)
+                      const int32_t *ids, const float *wts, float *y, const int32_t *split,
+                      int64_t max_rows, const uint8_t *where, const uint64_t *pointers,
+                      const int32_t *types, const int64_t *row_bytes, int L, int H, int K,
+                      int E, int F, int64_t timeout_ns)
     void st_pool_post(int64_t *ctl, int64_t seq, int64_t num_rows)
     int st_pool_wait_served(const int64_t *ctl, int64_t seq, int64_t timeout_ns)
     enum:
@@ -74,15 +74,17 @@ def pool_check_where(where, pointers):
                          "the CPU; every CPU-assigned expert needs its three matrices in RAM")
 
 
-def pool_serve(ctl, ready, done, x, ids, wts, y, where, pointers, types, row_bytes_table,
-               int F, double timeout_s):
+def pool_serve(ctl, ready, done, x, ids, wts, y, split, where, pointers, types,
+               row_bytes_table, int F, double timeout_s):
     """Serve the CPU pool's windows until ctl[POOL_CTL_STOP] != 0 (run it on a thread of its
     own; it holds no GIL). A window is posted by pool_post(ctl, seq, rows) and served layer by
     layer: wait for ready[l] == seq (up to timeout_s), y[:R] = the weighted sum of each row's
     pairs whose expert has where[l, e] == 2 (each distinct expert once over all its rows; rows
     without one get zeros), then done[l] = seq (release); pool_wait_served gives its stats.
     ctl int64 [POOL_CTL_WORDS]; ready/done int64 [L]; x/y float32 [R_max, H]; ids int32 / wts
-    float32 [R_max, K]; where uint8 [L, E] (read during each window: change it between windows
+    float32 [R_max, K]; split int32 [2] (e, c): the layer's expert e split with the device, of
+    which the pool computes gate/up rows and down columns [0, c) (0 < c < F, whole blocks of
+    the down's type; else none); where uint8 [L, E] (read during each window: change it between windows
     only; pool_check_where first); pointers uint64 [L, 3, E] (gate, up, down of every expert in
     host RAM); types int32 [L, 3] and row_bytes_table = pool_row_bytes(types, H, F). Sets
     ctl[POOL_CTL_EXITED] when it returns; MemoryError when its buffers cannot be allocated."""
@@ -93,6 +95,9 @@ def pool_serve(ctl, ready, done, x, ids, wts, y, where, pointers, types, row_byt
     _check_array("ids", ids, np.int32, 2)
     _check_array("wts", wts, np.float32, 2)
     _check_array("y", y, np.float32, 2, writable=True)
+    _check_array("split", split, np.int32, 1)
+    if split.shape[0] != 2:
+        raise ValueError(f"split must hold 2 int32 (expert, columns), got {split.shape}")
     _check_array("where", where, np.uint8, 2)
     _check_array("pointers", pointers, np.uint64, 3)
     _check_array("types", types, np.int32, 2)
@@ -128,6 +133,7 @@ def pool_serve(ctl, ready, done, x, ids, wts, y, where, pointers, types, row_byt
     cdef const int32_t[:, ::1] iv = ids
     cdef const float[:, ::1] wv = wts
     cdef float[:, ::1] yv = y
+    cdef const int32_t[::1] sv = split
     cdef const uint8_t[:, ::1] whv = where
     cdef const uint64_t[:, :, ::1] pv = pointers
     cdef const int32_t[:, ::1] tv = types
@@ -135,7 +141,7 @@ def pool_serve(ctl, ready, done, x, ids, wts, y, where, pointers, types, row_byt
     cdef int rc
     with nogil:
         rc = st_pool_serve(&cv[0], &rv[0], &dv[0], &xv[0, 0], &iv[0, 0], &wv[0, 0], &yv[0, 0],
-                           R_max, &whv[0, 0], &pv[0, 0, 0], &tv[0, 0], &row_bytes_v[0],
+                           &sv[0], R_max, &whv[0, 0], &pv[0, 0, 0], &tv[0, 0], &row_bytes_v[0],
                            L, H, K, E, F, timeout_ns)
     if rc != 0:
         raise MemoryError("the CPU pool could not allocate its routing buffers")

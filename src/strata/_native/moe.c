@@ -17,10 +17,19 @@
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-static int64_t build_items(const int64_t *count, int E, int rows, moe_item *items) {
+/* Expert e's gate/up rows in this call, which are also its down's columns: all F, or the
+ * split expert's first split_cols (the CPU pool's part of an expert it splits with the GPU). */
+static inline int expert_cols(const moe_call *c, int e) {
+    return e == c->split_expert ? c->split_cols : c->F;
+}
+
+/* Items of ITEM_ROWS rows over every expert with pairs: rows F of gate/up (of_gateup: the
+ * split expert's split_cols), else H of the down. */
+static int64_t build_items(const moe_call *c, int of_gateup, moe_item *items) {
     int64_t n = 0;
-    for (int e = 0; e < E; e++) {
-        if (count[e] == 0) continue;
+    for (int e = 0; e < c->E; e++) {
+        if (c->count[e] == 0) continue;
+        const int rows = of_gateup ? expert_cols(c, e) : c->H;
         for (int r0 = 0; r0 < rows; r0 += ITEM_ROWS) {
             items[n].expert = e;
             items[n].r0 = r0;
@@ -47,9 +56,11 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
                  const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                  const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                  const int32_t *experts, const float *weights, float *out,
-                 int64_t *routed_rows) {
+                 int64_t *routed_rows, int split_expert, int split_cols) {
     memset(c, 0, sizeof(*c));
     c->x = x; c->T = T; c->H = H; c->F = F; c->E = E; c->K = K;
+    c->split_expert = split_cols > 0 && split_cols < F ? split_expert : -1;
+    c->split_cols = c->split_expert >= 0 ? split_cols : F;
     c->gate_ptrs = gate_ptrs; c->up_ptrs = up_ptrs; c->down_ptrs = down_ptrs;
     c->gate_type = gate_type; c->up_type = up_type; c->down_type = down_type;
     c->gate_row_bytes = gate_row_bytes; c->up_row_bytes = up_row_bytes;
@@ -129,10 +140,17 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     if (sb > scratch_bytes) scratch_bytes = sb;
     sb = st_scratch_bytes(down_type, F);
     c->scratch_bytes = sb > scratch_bytes ? sb : scratch_bytes;
-    c->num_items_1 = build_items(c->count, E, F, c->items);
-    c->num_items_2 = build_items(c->count, E, H, c->items_2);
+    c->num_items_1 = build_items(c, 1, c->items);
+    c->num_items_2 = build_items(c, 0, c->items_2);
     for (int e = 0; e < E; e++)
-        c->left[e] = c->count[e] > 0 ? (F + ITEM_ROWS - 1) / ITEM_ROWS : 0;
+        c->left[e] = c->count[e] > 0 ? (expert_cols(c, e) + ITEM_ROWS - 1) / ITEM_ROWS : 0;
+    if (c->split_expert >= 0 && c->split_expert < E) {
+        /* the split expert's G columns past its part stay zero: its down rows read only the
+         * part's columns, but the activation rows are quantized (and some paths dot) whole */
+        const int e = c->split_expert, cols = c->split_cols;
+        for (int64_t p = c->offset[e]; p < c->offset[e] + c->count[e]; p++)
+            memset(c->G + p * F + cols, 0, (size_t)(F - cols) * sizeof(float));
+    }
     c->fill_by_last = P <= FILL_BY_LAST_PAIRS;
     /* a few rows are quicker filled here than behind one more barrier of the team */
     c->is_small = T * (int64_t)H <= 16384;
@@ -181,8 +199,8 @@ void st_moe_products(moe_call *c) {
     #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < c->num_items_1; it++) {
         int e = c->items[it].expert;
-        int r0 = c->items[it].r0;
-        int r1 = r0 + ITEM_ROWS < F ? r0 + ITEM_ROWS : F;
+        int r0 = c->items[it].r0, rows = expert_cols(c, e);
+        int r1 = r0 + ITEM_ROWS < rows ? r0 + ITEM_ROWS : rows;
         int64_t p0 = offset[e], n = count[e];
         if (scratch) {
             st_gemm_rows(c->gate_type, c->gate_ptrs[e], c->gate_row_bytes, H, r0, r1,
@@ -215,7 +233,7 @@ void st_moe_products(moe_call *c) {
         if (c->fill_by_last)     /* every gate/up item is taken before any down item */
             while (!__atomic_load_n(&c->h_ready[e], __ATOMIC_ACQUIRE)) st_cpu_relax();
         if (!scratch) continue;
-        st_gemm_rows(c->down_type, c->down_ptrs[e], c->down_row_bytes, F,
+        st_gemm_rows(c->down_type, c->down_ptrs[e], c->down_row_bytes, expert_cols(c, e),
                      r0, r1, &c->act_h, c->pair_ids + p0, n, c->Y + p0 * H + r0, H, scratch);
     }
     free(scratch);
@@ -256,7 +274,7 @@ int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
     moe_call c;
     if (st_moe_setup(&c, x, T, H, F, E, K, gate_ptrs, gate_type, gate_row_bytes, up_ptrs, up_type,
                   up_row_bytes, down_ptrs, down_type, down_row_bytes, experts, weights, out,
-                  routed_rows) != 0)
+                  routed_rows, -1, 0) != 0)
         return -1;
     if (c.P > 0) {
         #pragma omp parallel num_threads(st_get_num_threads()) if (c.is_parallel)

@@ -27,17 +27,21 @@ typedef struct {
     st_act act_gate, act_up, act_h;
     int32_t *left, *h_ready;                       /* [E]: gate/up items to go; act_h rows set */
     int shared_x, is_small, is_parallel, fill_by_last;
+    int split_expert, split_cols;                  /* -1, F: none (st_moe_setup) */
     size_t scratch_bytes;
     int failed;                                    /* a thread ran out of memory */
 } moe_call;
 
-/* 0, or -1 on allocation failure (c is then torn down); c->P == 0 leaves nothing to compute. */
+/* 0, or -1 on allocation failure (c is then torn down); c->P == 0 leaves nothing to compute.
+ * split_expert / split_cols (0 < split_cols < F, a multiple of the down type's block; else
+ * none): that expert's gate/up rows and down columns [0, split_cols) only, its part of an
+ * expert another device computes the rest of (the CPU pool's split expert). */
 int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, int K,
                  const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
                  const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                  const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                  const int32_t *experts, const float *weights, float *out,
-                 int64_t *routed_rows);
+                 int64_t *routed_rows, int split_expert, int split_cols);
 void st_moe_compute(moe_call *c);
 void st_moe_products(moe_call *c);
 void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1, int set);

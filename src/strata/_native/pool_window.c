@@ -54,6 +54,7 @@ typedef struct {
     int64_t *ctl;
     const int64_t *ready; int64_t *done;
     const float *x; const int32_t *ids; const float *wts; float *y;
+    const int32_t *split;           /* [2]: the layer's split expert and the pool's columns */
     const uint8_t *where; const uint64_t *pointers; const int32_t *types;
     const int64_t *row_bytes;
     int L, H, K, E, F;
@@ -108,11 +109,17 @@ static void layer_begin(pool_state *s, int l) {
         const int32_t *tl = s->types + 3 * l;
         const int64_t *bl = s->row_bytes + 3 * l;
         moe_call *c = &s->calls[p];
+        /* the layer's split expert: its first `cols` columns are the pool's (published with
+         * the ids, read after ready[l]); only whole blocks of the down's type */
+        int split_e = s->split[0], split_cols = s->split[1];
+        const int block = st_block_size(tl[2]);
+        if (split_e < 0 || split_e >= E || block <= 0 || split_cols % block != 0)
+            split_e = -1;
         if (st_moe_setup(c, s->x, s->rows, s->H, s->F, E, K,
                          (const uint8_t *const *)pl, tl[0], bl[0],
                          (const uint8_t *const *)(pl + E), tl[1], bl[1],
                          (const uint8_t *const *)(pl + 2 * E), tl[2], bl[2],
-                         s->masked, s->wts, s->y, NULL) != 0) {
+                         s->masked, s->wts, s->y, NULL, split_e, split_cols) != 0) {
             s->status = POOL_NO_MEMORY;
             s->failed_layer = l;
             s->go[p] = 0;
@@ -180,18 +187,20 @@ static int window_begin(pool_state *s) {
 }
 
 /* Serve windows until ctl[POOL_CTL_STOP] != 0 (a window waiting for the device then ends with
- * POOL_ABORTED and done[layer] = -seq). x, y [R_max, H]; ids, wts [R_max, K]; where [L, E] (read
+ * POOL_ABORTED and done[layer] = -seq). x, y [R_max, H]; ids, wts [R_max, K]; split [2] (the
+ * layer's expert split with the device and the pool's columns of it, 0: none); where [L, E] (read
  * during each window: change it only between windows); pointers [L, 3, E]; types [L, 3];
  * row_bytes [L, 3]. -1 when its buffers cannot be allocated, else 0 once stopped; either way
  * ctl[POOL_CTL_EXITED] = 1 last. */
 int st_pool_serve(int64_t *ctl, const int64_t *ready, int64_t *done, const float *x,
-                  const int32_t *ids, const float *wts, float *y, int64_t max_rows,
-                  const uint8_t *where, const uint64_t *pointers, const int32_t *types,
-                  const int64_t *row_bytes, int L, int H, int K, int E, int F,
-                  int64_t timeout_ns) {
+                  const int32_t *ids, const float *wts, float *y, const int32_t *split,
+                  int64_t max_rows, const uint8_t *where, const uint64_t *pointers,
+                  const int32_t *types, const int64_t *row_bytes, int L, int H, int K, int E,
+                  int F, int64_t timeout_ns) {
     pool_state s;
     memset(&s, 0, sizeof(s));
     s.ctl = ctl; s.ready = ready; s.done = done; s.x = x; s.ids = ids; s.wts = wts; s.y = y;
+    s.split = split;
     s.where = where; s.pointers = pointers; s.types = types; s.row_bytes = row_bytes;
     s.L = L; s.H = H; s.K = K; s.E = E; s.F = F; s.timeout_ns = timeout_ns;
     s.y_dirty = max_rows;   /* the exchange's y starts as whatever the allocation held */

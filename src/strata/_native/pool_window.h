@@ -15,10 +15,10 @@ enum {
 };
 
 int st_pool_serve(int64_t *ctl, const int64_t *ready, int64_t *done, const float *x,
-                  const int32_t *ids, const float *wts, float *y, int64_t max_rows,
-                  const uint8_t *where, const uint64_t *pointers, const int32_t *types,
-                  const int64_t *row_bytes, int L, int H, int K, int E, int F,
-                  int64_t timeout_ns);
+                  const int32_t *ids, const float *wts, float *y, const int32_t *split,
+                  int64_t max_rows, const uint8_t *where, const uint64_t *pointers,
+                  const int32_t *types, const int64_t *row_bytes, int L, int H, int K, int E,
+                  int F, int64_t timeout_ns);
 
 /* The engine's side: post window seq of num_rows rows (no lock, no GIL); wait until the pool has
  * served it: POOL_OK, POOL_TIMEOUT, or POOL_ABORTED when the serve loop has exited. */

@@ -252,7 +252,7 @@ class CpuPool:
         ex = self.exchange
         try:
             kernels.pool_serve(self._ctl, ex.ready, ex.done, ex.x, ex.ids, ex.wts, ex.y,
-                               self._where, self.pointers, self.types, self.row_bytes,
+                               ex.split, self._where, self.pointers, self.types, self.row_bytes,
                                self.expert_width, self.timeout_s)
         except BaseException as exc:  # wait() names it
             self._error = exc

@@ -5,6 +5,8 @@ admission: misses read over PCIe kept in slots the host offered (offload.cu).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from strata.backends.cuda.share import (NO_BUDGET, POOL_EXPERT_ROWS, POOL_MAX_ROWS,
@@ -76,6 +78,10 @@ class DeviceTier:
         self.exchange = None
         self._exchange_device = 0
         self._ahead = None  # enable_read_ahead: decode windows stage likely experts (ReadAhead)
+        # a decode layer's pool budget may end inside an expert: split it by columns between the
+        # pool and the GPU (offload.cu's count_groups); STRATA_SPLIT_EXPERT=0 keeps whole
+        # experts (to measure one against the other in one build)
+        self.splits_experts = os.environ.get("STRATA_SPLIT_EXPERT", "1") != "0"
         self.admission_on = False  # enable_admission: decode windows keep their PCIe misses
         self._offered = 0  # candidates offered for the next window (offer)
         self._kept_run = False  # did the running window take the offer (before_run)
@@ -272,6 +278,8 @@ class DeviceTier:
         window's own where), rows to the pool. A decode window's pool takes every expert the
         where table gives it; a prompt window's only those of at most PROMPT_POOL_ROWS rows, within
         the layer's budget (the rest are read over PCIe: offload.cu's count_groups)."""
+        from strata.backends.cuda.plan import expert_split_step
+
         ws, R, E = plan._ws, plan.num_rows, self.num_experts
         spec = self.model.spec
         pooled = self.pools(R)
@@ -281,17 +289,20 @@ class DeviceTier:
                     self.where_ptr(layer) if pooled else 0, self.win_ptr(layer), rows_cap,
                     DECODE_EXPERT_ROWS if is_decode else POOL_EXPERT_ROWS,
                     int(self._budget) + 4 * layer, int(self._frac)]
+        # a decode window splits the expert its pool budget ends in by columns (count_groups)
+        split = [expert_split_step(self.model, self.model.layers[layer])
+                 if pooled and is_decode and self.splits_experts else 0, spec.expert_ffn]
         if pooled and self.reads_ahead(R):  # the layer's staged experts landed first
             plan.launches.append(self._ahead.join(plan, layer))
-            plan._add("tier_groups_ahead", (1,), (256,), "PPiPPPiiPPPiPfP",
-                      [*grouping, *self._ahead.count_args(layer)])
+            plan._add("tier_groups_ahead", (1,), (256,), "PPiPPPiiPPPiPfPii",
+                      [*grouping, *self._ahead.count_args(layer), *split])
         elif plan.keeps_misses:  # and the misses this layer keeps (free admission)
             plan._add("tier_groups_keep", (1,), (256,), "PPiPPPiiPPPPPPPPiiPPPP",
                       [*grouping, self.model.expert_tables_ptr, int(self._atab),
                        int(self._part_off), int(self._cands), int(self._state), int(self._log),
                        layer, self.admit_per_layer, *self._keep_args])
         else:
-            plan._add("tier_groups", (1,), (256,), "PPiPPPiiPP", grouping)
+            plan._add("tier_groups", (1,), (256,), "PPiPPPiiPPii", [*grouping, *split])
         if not pooled:
             return
         if R > POOL_MAX_ROWS and self._pull_args is not None:  # a streamed prompt window
@@ -305,10 +316,11 @@ class DeviceTier:
             raise ConfigError(f"a window of {R} rows exceeds the CPU pool's exchange buffer of "
                               f"{self.exchange.layout.max_rows} rows")
         H, K = spec.hidden, spec.n_experts_used
-        plan._add("pool_publish", ((R * H + 255) // 256,), (256,), "PPPiiiPiiPPPPPP",
+        plan._add("pool_publish", ((R * H + 255) // 256,), (256,), "PPPiiiPiiPPPPPPPP",
                   [ws.ptr("hf"), ws.ptr("ids"), ws.ptr("wts"), R, K, H, self.win_ptr(layer), E,
                    layer, int(self._seq), self.exchange_ptr("x"), self.exchange_ptr("ids"),
-                   self.exchange_ptr("wts"), self.exchange_ptr("ready"), int(self._arrived)])
+                   self.exchange_ptr("wts"), self.exchange_ptr("ready"), int(self._arrived),
+                   ws.ptr("num_groups") + 4, self.exchange_ptr("split")])
 
     def add_combine(self, plan, layer: int, shared: tuple[int, int]) -> None:
         """The pool's wait and the combine that leaves CPU pairs out and adds the pool's y."""

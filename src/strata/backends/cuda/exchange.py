@@ -20,6 +20,10 @@ from strata.errors import ConfigError
 #   pool, layer l: wait until ready[l] == seq (acquire load), y[r] = sum over row r's pairs
 #     whose expert is CPU-assigned (where[l, e] == WHERE_CPU) of wts[r, k] * expert_e(x[r]),
 #     0 for rows without such a pair; store fence, then done[l] = seq (release store);
+#     split [2] int32 = (e, c) with 0 < c < F (written with ids, the same layer): the layer's
+#     boundary expert e is split, the pool computing gate/up rows [0, c) and the down's
+#     columns [0, c) (its part of e's output), the device the rest (offload.cu's
+#     count_groups); c = 0: none;
 #     a failing pool writes done[l] = -seq, so the device may stop waiting early;
 #   device: before layer l's combine wait until done[l] == seq, then add y to the GPU pairs.
 # One x/ids/wts/y serves every layer: the device publishes layer l + 1 only after layer l's
@@ -60,6 +64,7 @@ class ExchangeLayout:
             "ready": (np.dtype(np.int64), (L,)),      # [L] written by the device
             "done": (np.dtype(np.int64), (L,)),       # [L] written by the pool
             "status": (np.dtype(np.int64), (NUM_STATUS_WORDS,)),  # device error report
+            "split": (np.dtype(np.int32), (2,)),      # the layer's split expert and columns
             "x": (np.dtype(np.float32), (R, H)),      # [R_max, H] normed rows
             "ids": (np.dtype(np.int32), (R, K)),      # [R_max, K] routed expert ids
             "wts": (np.dtype(np.float32), (R, K)),    # [R_max, K] router weights
@@ -87,8 +92,9 @@ class ExchangeLayout:
 
 
 class Exchange:
-    """Numpy views (`ready`, `done`, `status`, `x`, `ids`, `wts`, `y`) of an exchange buffer
-    at a host address. `owner` (e.g. PyCUDA's pagelocked array) is kept alive with the views."""
+    """Numpy views (`ready`, `done`, `status`, `split`, `x`, `ids`, `wts`, `y`) of an exchange
+    buffer at a host address. `owner` (e.g. PyCUDA's pagelocked array) is kept alive with the
+    views."""
 
     def __init__(self, layout: ExchangeLayout, address: int, size_bytes: int, owner=None):
         if address % EXCHANGE_ALIGN_BYTES:
@@ -136,6 +142,7 @@ class Exchange:
         self.ready[:] = 0
         self.done[:] = 0
         self.status[:] = 0
+        self.split[:] = 0
 
     def device_error(self) -> tuple[int, int] | None:
         """(layer, seq) of the device's timed-out wait for the pool, or None."""

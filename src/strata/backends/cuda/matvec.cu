@@ -22,6 +22,10 @@
 // the other 32-column types) or super-block (k-quants: 256).
 // Grid (ceil(N / (MV_WARPS * mv_outputs_per_warp(K))), G), block MV_WARPS * 32 (plan.py
 // mirrors mv_outputs_per_warp and says which products take these kernels).
+// The expert a decode layer splits with the CPU pool (offload.cu's count_groups: num_groups [3]
+// = G, that expert or -1, its cut): a grouped gate/up computes only its rows >= cut, a grouped
+// down (store) only its columns >= cut, the pool the rest; cut is a multiple of 32 (of the
+// down's staged unit), so a warp's outputs are all on one side of it.
 #define MV_WARPS 4
 #define MV_CHUNKS 5                          // 16-byte copies in flight per lane per round
 #define MV_STAGE_BYTES (16 * WARP * MV_CHUNKS)  // shared bytes per staged range (2.5 KiB)
@@ -273,6 +277,10 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
     const int num_rows_w = min(outs, N - n0);          // weight rows this warp reads
     const int o = lane / lanes, sub = lane % lanes;     // this lane's output, its place there
     const int expert = groups[3 * g], first = groups[3 * g + 1], count = groups[3 * g + 2];
+    // the pool computes rows / columns [0, cut) of the split expert (routed products only)
+    const int cut = MODE != MODE_ADD && wtab != nullptr && expert == num_groups[1]
+                    ? num_groups[2] : 0;
+    if (is_gateup && n0 < cut) return;  // rows below the cut are the pool's
     const uint8_t *base = wtab ? reinterpret_cast<const uint8_t *>(wtab[expert]) : W;
     const uint8_t *base2 = !is_gateup ? base
                            : wtab2 ? reinterpret_cast<const uint8_t *>(wtab2[expert]) : W2;
@@ -282,11 +290,16 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
     int4 *stage = stage_all + warp * (is_gateup ? 2 : 1) * (MV_STAGE_BYTES / 16);
     int4 *stage2 = stage + MV_STAGE_BYTES / 16;
     const int num_blocks = K >> 5, num_units = num_blocks / blocks_per_unit;
+    // a split expert's down starts at the cut's unit; with several outputs a warp then stages
+    // each row's part on its own (one range would read the next row's pool columns too)
+    const int u_lo = is_gateup ? 0 : cut / (32 * blocks_per_unit);
+    const bool per_row = u_lo > 0 && num_rows_w > 1;
+    const int row_slot = (int)((num_units - u_lo) * unit_bytes + 31) / 16;  // int4s per row
     // units per round: whole rows when a warp has several outputs (they fit), else as many of
     // the one row as the stage holds
     const int round_units = outs > 1 ? num_units
                             : min(num_units, (MV_STAGE_BYTES - 32) / unit_bytes);
-    const bool is_one_round = round_units == num_units;
+    const bool is_one_round = round_units >= num_units - u_lo;
     const long long w_off = (long long)n0 * row_bytes;
     int off = 0, off2 = 0;
 
@@ -301,13 +314,19 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
         float acc[MV_TR], acc2[MV_TR];
 #pragma unroll
         for (int t = 0; t < MV_TR; t++) acc[t] = acc2[t] = 0.0f;
-        for (int s0 = 0; s0 < num_units; s0 += round_units) {
+        for (int s0 = u_lo; s0 < num_units; s0 += round_units) {
             const int nur = min(round_units, num_units - s0);
             const long long u_off = w_off + (long long)s0 * unit_bytes;
             if (!is_one_round || p0 == first) {
                 __syncwarp();  // the previous round's reads of the stage are done
                 const int num_bytes = (int)((num_rows_w - 1) * row_bytes) + nur * unit_bytes;
-                if (is_staged) {  // the first round: mv_prestage issued it (same bytes)
+                if (per_row) {  // this lane's output row's part at stage + o * row_slot
+                    for (int r = 0; r < num_rows_w; r++) {
+                        const int at = mv_stage(base + u_off + r * row_bytes, nur * unit_bytes,
+                                                stage + r * row_slot);
+                        if (r == o) off = r * row_slot * 16 + at - o * (int)row_bytes;
+                    }
+                } else if (is_staged) {  // the first round: mv_prestage issued it (same bytes)
                     is_staged = false;
                     off = (int)(reinterpret_cast<unsigned long long>(base + u_off) & 15);
                     off2 = (int)(reinterpret_cast<unsigned long long>(base2 + u_off) & 15);
@@ -316,7 +335,8 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
                     if (is_gateup) off2 = mv_stage(base2 + u_off, num_bytes, stage2);
                 }
                 mv_stage_wait();
-                if (keep != nullptr && p0 == first)  // each byte once: the first row tile's
+                // each byte once: the first row tile's (a split expert is never kept)
+                if (keep != nullptr && p0 == first && !per_row)
                     mv_keep(base + u_off, num_bytes, stage, keep + u_off);
                 if (keep2 != nullptr && p0 == first)
                     mv_keep(base2 + u_off, num_bytes, stage2, keep2 + u_off);
@@ -400,10 +420,19 @@ __device__ __forceinline__ void mv_body(MM_BODY_PARAMS,
                                       groups, num_groups, nullptr, nullptr, bv, Yv, Nkv,        \
                                       bx - nbq - nbkv, nullptr, nullptr);
 
+// Blocks per SM the store kernels are built for: the split expert's column range (the cut)
+// took mv_store_q4_0 from 48 to 64 registers (8 blocks of 128 threads an SM instead of 10);
+// bounded, the 32-column types stay at 48 with no spill, the 256-column ones at 56 (48 would
+// spill).
+__host__ __device__ constexpr int mv_store_min_blocks(int qt) {
+    return qt == ST_Q4_0 || qt == ST_Q8_0 || is_block32_type(qt) ? 10 : 9;
+}
+
 // store, add, gate/up and fused q/k/v entry points of one type (runtime._kernel_names knows the
 // macro; same arguments as mm_*)
 #define MV_KERNELS(NAME, QT)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) mv_store_##NAME(MM_ARGS) {                \
+    extern "C" __global__ void __launch_bounds__(128, mv_store_min_blocks(QT))                 \
+        mv_store_##NAME(MM_ARGS) {                                                              \
         mv_body<QT, MODE_STORE>(MV_PASS);                                                       \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) mv_add_##NAME(MM_ARGS) {                  \

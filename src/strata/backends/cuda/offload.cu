@@ -5,28 +5,35 @@
 // Legend: R = rows of the window, K = experts per row, H = hidden, E = experts, G = groups.
 // where [E] uint8 per layer: 0 = VRAM slot, 1 = PCIe (mapped host copy), 2 = CPU pool, as the
 // host assigned it; win [E] per layer: the window's own (count_groups: the pool takes a
-// CPU-assigned expert only within the window's row cap and the layer's budget). In a window that hands off
+// CPU-assigned expert only within the window's row cap and the layer's budget; 3 = split, the
+// layer's one expert whose first columns the pool computes and the rest the GPU, read over
+// PCIe). In a window that hands off
 // (DeviceTier.pools) every layer does (the pool walks all layers); only rows with a CPU pair
 // cross, each way (the pool reads x and sets y for those rows only).
 #include "common.cuh"
 
 #define WHERE_PCIE 1
 #define WHERE_CPU 2
+#define WHERE_SPLIT 3  // win only: the pool computes columns [0, cut) of it, the GPU the rest
 #define POOL_TIMEOUT_NS 10000000000ULL  // wait_host gives up after 10 s
 #define POOL_ERR_TIMEOUT 1
 #define POOL_ERR_FAILED 2
 
+// Does the pool compute (a part of) an expert with this win entry?
+__device__ __forceinline__ bool is_pools(uint8_t w) { return w == WHERE_CPU || w == WHERE_SPLIT; }
+
 __device__ __forceinline__ bool has_cpu_experts(const uint8_t *__restrict__ where, int E) {
     for (int e = 0; e < E; e++)
-        if (where[e] == WHERE_CPU) return true;
+        if (is_pools(where[e])) return true;
     return false;
 }
 
-// Does row r route to a CPU-assigned expert? Only such rows cross to the pool and back.
+// Does row r route to an expert the pool computes (a part of)? Only such rows cross to the
+// pool and back.
 __device__ __forceinline__ bool row_has_cpu_pair(const int *__restrict__ ids, int r, int K,
                                                  const uint8_t *__restrict__ where) {
     for (int k = 0; k < K; k++)
-        if (where[ids[r * K + k]] == WHERE_CPU) return true;
+        if (is_pools(where[ids[r * K + k]])) return true;
     return false;
 }
 
@@ -57,6 +64,14 @@ __device__ __forceinline__ bool row_has_cpu_pair(const int *__restrict__ ids, in
 // staged one, no faster; counted, the pool 5 and the GPU 2: docs/offload.md). score [E] (the read-ahead's guess for the next window)
 // decays and gains the window's rows; stats [3] counts the staged experts, those routed and
 // their rows.
+// The split expert (split != nullptr, split_step > 0, a decode window's budget): the candidate
+// the budget reaches into (the first one it does not hold whole) is split by columns, so the
+// two sides finish together where a whole expert is 1/8 of a one-row layer's misses (the
+// pool's side was the slower by ~40-60 us a layer on the H200 at 5 of 8, the GPU's at 4 of 8:
+// docs/offload.md). The pool takes gate/up rows and down columns [0, cut) of it, cut = the
+// budget left over that expert's cost in whole units of split_step columns (the down's quant
+// block), the GPU the rest: win[e] = WHERE_SPLIT, split [2] = (e, cut); (-1, 0) when no
+// expert is split (always written when split != nullptr: the mv_* products read it).
 __device__ __forceinline__ bool is_staged(const int *__restrict__ staged, int S, int e) {
     for (int s = 0; s < S; s++)
         if (staged[s] == e) return true;
@@ -78,7 +93,13 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
                                              const int *__restrict__ staged = nullptr, int S = 0,
                                              float *__restrict__ score = nullptr,
                                              float decay = 0.0f,
-                                             unsigned long long *__restrict__ stats = nullptr) {
+                                             unsigned long long *__restrict__ stats = nullptr,
+                                             int *__restrict__ split = nullptr,
+                                             int split_step = 0, int F = 0) {
+    if (split != nullptr && threadIdx.x == 0) {
+        split[0] = -1;
+        split[1] = 0;
+    }
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         counts[e] = 0;
         if (where != nullptr) win[e] = where[e] == WHERE_CPU ? WHERE_PCIE : where[e];
@@ -87,14 +108,18 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
     __syncthreads();
     const int G = *num_groups;
     if (where != nullptr) {
+        float exact = -1.0f;  // the budget before rounding (a decode window's)
         if (frac >= 0.0f) {  // a decode window's budget: the share of its candidates' cost
             long long total = 0;
             for (int g = 0; g < G; g++) {
                 const int e = groups[3 * g], count = groups[3 * g + 2];
                 if (where[e] == WHERE_CPU && count <= rows_cap) total += expert_cost + count;
             }
-            budget = (int)floorf(frac * (float)total + 0.5f);
+            exact = frac * (float)total;
+            budget = (int)floorf(exact + 0.5f);
         }
+        const int units = split_step > 0 && exact >= 0.0f && split != nullptr ? F / split_step
+                                                                                : 0;
         // candidate g is taken when the candidates before it in (rows, group) order and itself
         // fit the budget; the costs rise with the rows, so this is the greedy walk in that
         // order. One thread per group, O(G) each.
@@ -108,7 +133,20 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
                     && pool_candidate(where, f, c, rows_cap, staged, S))
                     before += expert_cost + c;
             }
-            if (before + expert_cost + count <= budget) win[e] = WHERE_CPU;
+            const int cost = expert_cost + count;
+            if (before + cost <= budget) {
+                win[e] = WHERE_CPU;
+            } else if (units > 1 && before <= budget) {  // the one the budget reaches into
+                const float part = (exact - (float)before) / (float)cost;
+                const int cut = (int)floorf(part * (float)units + 0.5f);
+                if (cut >= units) {
+                    win[e] = WHERE_CPU;
+                } else if (cut > 0) {
+                    win[e] = WHERE_SPLIT;
+                    split[0] = e;
+                    split[1] = cut * split_step;
+                }
+            }
         }
         __syncthreads();
     }
@@ -128,7 +166,7 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
             }
         } else if (where != nullptr && win[e] == WHERE_CPU) {  // the pool's (taken above)
             continue;
-        }
+        }  // a split expert (WHERE_SPLIT) stays: the GPU computes its columns past the cut
         groups[3 * kept] = e;
         groups[3 * kept + 1] = first;
         groups[3 * kept + 2] = count;
@@ -138,16 +176,19 @@ __device__ __forceinline__ void count_groups(int *__restrict__ groups, int *__re
 }
 
 // count_groups as a launch. Grid 1, block 256.
-// frac: the window's pool share word (count_groups; < 0 off).
+// frac: the window's pool share word (count_groups; < 0 off). num_groups [3]: G, then the
+// split expert and its cut (split_step: the down's columns per quant block, 0 none; F the
+// expert width).
 extern "C" __global__ void tier_groups(int *__restrict__ groups, int *__restrict__ num_groups,
                                        int E, int *__restrict__ counts,
                                        const uint8_t *__restrict__ where, uint8_t *win,
                                        int rows_cap, int expert_cost,
                                        const int *__restrict__ budget,
-                                       const float *__restrict__ frac) {
+                                       const float *__restrict__ frac, int split_step, int F) {
     kernel_entry();
     count_groups(groups, num_groups, E, counts, where, win, rows_cap, expert_cost,
-                 where != nullptr ? *budget : 0, where != nullptr ? *frac : -1.0f);
+                 where != nullptr ? *budget : 0, where != nullptr ? *frac : -1.0f, nullptr, 0,
+                 nullptr, 0.0f, nullptr, num_groups + 1, split_step, F);
 }
 
 // tier_groups in a decode window with a read-ahead (read_ahead below): staged [S] the layer's
@@ -161,16 +202,18 @@ extern "C" __global__ void tier_groups_ahead(int *__restrict__ groups,
                                              const float *__restrict__ frac,
                                              const int *__restrict__ staged, int S,
                                              float *__restrict__ score, float decay,
-                                             unsigned long long *__restrict__ stats) {
+                                             unsigned long long *__restrict__ stats,
+                                             int split_step, int F) {
     kernel_entry();
     count_groups(groups, num_groups, E, counts, where, win, rows_cap, expert_cost,
                  where != nullptr ? *budget : 0, where != nullptr ? *frac : -1.0f, staged, S,
-                 score, decay, stats);
+                 score, decay, stats, num_groups + 1, split_step, F);
 }
 
 // Copy the layer's ids [R, K] (-1 for a pair the pool does not compute: the pool takes
-// exactly the pairs win gives the CPU) and wts [R, K] into the mapped exchange buffer, and of
-// the normed rows hf [R, H] those with a CPU pair (the pool reads no other row of x: a prompt
+// exactly the pairs win gives the CPU, a split expert's too) and wts [R, K] into the mapped
+// exchange buffer, split [2] (count_groups' split expert and cut) to ex_split, and of the
+// normed rows hf [R, H] those with a CPU pair (the pool reads no other row of x: a prompt
 // window moves a few rows over PCIe, not all R), then (the last block to finish) ready[layer] =
 // *seq after a system-wide fence. Grid ceil(R*H / 256), block 256; arrived: one int per layer,
 // zero between launches (the last block resets it).
@@ -179,7 +222,8 @@ extern "C" __global__ void pool_publish(const float *__restrict__ hf, const int 
                                         const uint8_t *__restrict__ where, int E, int layer,
                                         const long long *__restrict__ seq, float *ex_x,
                                         int *ex_ids, float *ex_wts, long long *ready,
-                                        unsigned int *arrived) {
+                                        unsigned int *arrived, const int *__restrict__ split,
+                                        int *ex_split) {
     kernel_entry();
     __shared__ bool copy_x, last;
     if (threadIdx.x == 0) copy_x = has_cpu_experts(where, E);
@@ -188,9 +232,10 @@ extern "C" __global__ void pool_publish(const float *__restrict__ hf, const int 
     if (copy_x && i < (long long)R * H && row_has_cpu_pair(ids, (int)(i / H), K, where))
         ex_x[i] = hf[i];
     if (i < (long long)R * K) {
-        ex_ids[i] = where[ids[i]] == WHERE_CPU ? ids[i] : -1;
+        ex_ids[i] = is_pools(where[ids[i]]) ? ids[i] : -1;
         ex_wts[i] = wts[i];
     }
+    if (i < 2) ex_split[i] = split[i];
     __threadfence_system();  // this thread's stores reach the host before the count below
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(arrived + layer, 1u) == gridDim.x - 1;
@@ -240,8 +285,9 @@ extern "C" __global__ void pool_wait(const long long *done, const uint8_t *__res
 
 // x[r] += sum over the GPU's pairs k of w[r,k] * Y[r*K + k] (+ the shared expert) + ex_y[r]:
 // moe_combine with CPU-assigned pairs (whose Y rows were not written) left out and the pool's
-// weighted sum added, read over PCIe only for rows with a CPU pair. Grid ceil(R*H / 256),
-// block 256.
+// weighted sum added, read over PCIe only for rows with a CPU pair. A pair of the expert the two
+// sides split (WHERE_SPLIT) is in both: Y holds the GPU's columns' part, ex_y the pool's.
+// Grid ceil(R*H / 256), block 256.
 extern "C" __global__ void moe_combine_pool(float *__restrict__ x, const float *__restrict__ Y,
                                             const float *__restrict__ w,
                                             const int *__restrict__ ids, int R, int K, int H,
@@ -256,10 +302,9 @@ extern "C" __global__ void moe_combine_pool(float *__restrict__ x, const float *
     float acc = 0.0f;
     bool cpu_row = false;
     for (int k = 0; k < K; k++) {
-        if (where[ids[r * K + k]] == WHERE_CPU) {
-            cpu_row = true;
-            continue;
-        }
+        const uint8_t at = where[ids[r * K + k]];
+        if (is_pools(at)) cpu_row = true;
+        if (at == WHERE_CPU) continue;
         acc = fmaf(w[r * K + k], Y[((long long)r * K + k) * H + c], acc);
     }
     if (S != nullptr) {
@@ -363,8 +408,10 @@ extern "C" __global__ void tier_groups_keep(int *__restrict__ groups,
                                             unsigned long long slot_base,
                                             unsigned long long slot_bytes) {
     kernel_entry();
+    // no split expert here: a kept miss is copied whole as the products stage it
     count_groups(groups, num_groups, E, counts, where, win, rows_cap, expert_cost,
-                 where != nullptr ? *budget : 0, where != nullptr ? *frac : -1.0f);
+                 where != nullptr ? *budget : 0, where != nullptr ? *frac : -1.0f, nullptr, 0,
+                 nullptr, 0.0f, nullptr, num_groups + 1, 0, 0);
     __syncthreads();  // counts and the kept groups are in place
     if (threadIdx.x < WARP)
         keep_misses(groups, num_groups, counts, tables, atab, part_off, pool, state, log, layer,

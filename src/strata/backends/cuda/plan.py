@@ -228,10 +228,15 @@ def keeps_misses(model, num_rows: int) -> bool:
 def experts_can_keep(model) -> bool:
     """Does every routed product of a decode window run an mv_* kernel (every quantised type;
     they write what they stage), so that such windows can keep their misses?"""
+    return all(experts_can_keep_layer(ly) for ly in model.layers)
+
+
+def experts_can_keep_layer(ly) -> bool:
+    """experts_can_keep for one layer."""
     if os.environ.get("STRATA_DECODE_DOWN", "mv") == "mm":
         return False
-    return all(_mv_blocks(w) is not None and ly.gate_exps.suffix == ly.up_exps.suffix
-               for ly in model.layers for w in (ly.gate_exps, ly.down_exps))
+    return ly.gate_exps.suffix == ly.up_exps.suffix and all(
+        _mv_blocks(w) is not None for w in (ly.gate_exps, ly.down_exps))
 
 
 def _mmq_type(w) -> bool:
@@ -244,6 +249,23 @@ def _dense_tile_rows(w, num_out_tiles: int, num_rows: int) -> int:
     if w.suffix in MMQ_K_TYPES:
         return 32
     return 64 if num_out_tiles * ((num_rows + 63) // 64) >= MMQ_MIN_BLOCKS_64 else 32
+
+
+# 32-column quant blocks: the decode products' staged unit for these; 256 for the others
+_BLOCK32_SUFFIXES = frozenset({"q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "iq4_nl"})
+
+
+def expert_split_step(model, ly) -> int:
+    """Columns of layer ly's down per staged unit (its quant block: 32, or 256 for k-quants and
+    the grid i-quants) when a decode window may split one of its experts between the GPU and
+    the CPU pool by columns (offload.cu's count_groups; matvec.cu computes the GPU's side), 0
+    when it may not: a routed product off the mv_* kernels, float experts, or an expert width
+    of one unit."""
+    if ly.down_exps.is_float or not experts_can_keep_layer(ly):
+        return 0
+    step = 32 if ly.down_exps.suffix in _BLOCK32_SUFFIXES else 256
+    F = model.spec.expert_ffn
+    return step if F % step == 0 and F // step >= 2 else 0
 
 
 def _mmq_kernel(mode: str, w, w2, grouped: bool, num_rows: int, num_pairs: int = 0,
@@ -309,7 +331,9 @@ class Workspace:
             "vb": f4 * R * spec.kv_dim,       # [R, KVH*D]
             "router": f4 * R * spec.n_experts,  # [R, E]
             "ids": i4 * P, "wts": f4 * P,     # [R, K] each
-            "groups": i4 * 3 * min(spec.n_experts, P), "num_groups": i4,
+            # num_groups [3]: G, then the expert a decode layer splits with the CPU pool (-1
+            # none) and the pool's columns of it (offload.cu's count_groups; matvec.cu reads it)
+            "groups": i4 * 3 * min(spec.n_experts, P), "num_groups": i4 * 3,
             "act_rows": i4 * P, "out_rows": i4 * P,
             "hbuf": f4 * P * F, "hbq": i1 * P * F, "hbd": f4 * P * F // 32,  # [P, F]
             "ybuf": f4 * P * H,               # [P, H] each pair's down product
@@ -335,8 +359,8 @@ class Workspace:
         self.nbytes = total
         self._buf = runtime.alloc(total)
         self.base = int(self._buf)
-        # the kernels leave them zero again
-        for name in ("att_counts", "router_counts"):
+        # the kernels leave them zero again; no split expert until a tier launch sets one
+        for name in ("att_counts", "router_counts", "num_groups"):
             runtime.drv.memset_d32(self.ptr(name), 0, sizes[name] // 4)
         self.host_desc = runtime.pinned(sizes["desc"], np.uint8)
         self.host_kv = self.host_desc[:8 * R].view(np.uint64)  # [R]
