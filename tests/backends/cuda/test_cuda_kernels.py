@@ -624,7 +624,7 @@ def test_decode_products_mv(runtime, weight_type, num_cols):
         if len(members):
             groups += [e, int(members[0]), len(members)]
     num_groups = len(groups) // 3
-    g = dev.put(np.array(groups + [num_groups], dtype=np.int32))
+    g = dev.put(np.array(groups + [num_groups, -1, 0], dtype=np.int32))
     tables = [dev.put(np.array([dev.put(m[e]) for e in range(E)], dtype=np.uint64))
               for m in (gate_raw, up_raw)]
     act_rows = dev.put(order.astype(np.int32))
@@ -648,3 +648,33 @@ def test_decode_products_mv(runtime, weight_type, num_cols):
     for j, r in enumerate(order):
         want[scatter[j]] = xr[r] @ dense[E + experts[r]].T
     assert rel_err(dev.get(out, (T, N), np.float32), want) < 1e-5
+
+    # the expert a decode layer splits with the CPU pool (num_groups [G, expert, cut]): gate/up
+    # leaves its rows below the cut alone, store sums only its columns from the cut on (whole
+    # staged units: 32 columns, 256 for the k-quants and grid i-quants); the other experts whole
+    split_e, unit = int(experts[order[0]]), 256 if weight_type in K_TYPES + IQ_TYPES else 32
+    mine = experts[order] == split_e  # [T] the split expert's pairs, in grouped order
+    gs = dev.put(np.array(groups + [num_groups, split_e, 32], dtype=np.int32))
+    out = dev.put(np.full((T, N), 7.0, np.float32))
+    dev.launch(f"mv_gateup_{name}", (bx, E), (128,), fmt,
+               [0, 0, tables[0], tables[1], row_bytes, N, K, 0, xq, xd,
+                gs, gs + 12 * num_groups, act_rows, 0, 0, out, N, 0, 0])
+    got = dev.get(out, (T, N), np.float32)
+    want_gu = np.empty((T, N))
+    for j, r in enumerate(order):
+        gv, uv = xr[r] @ dense[experts[r]].T, xr[r] @ dense[E + experts[r]].T
+        want_gu[j] = gv / (1 + np.exp(-gv)) * uv
+    assert np.all(got[mine, :32] == 7.0)  # the pool's rows: not written
+    assert rel_err(got[mine, 32:], want_gu[mine, 32:]) < 1e-5
+    assert rel_err(got[~mine], want_gu[~mine]) < 1e-5
+    if K // unit >= 2:
+        cut = unit * (K // unit // 2)
+        gs = dev.put(np.array(groups + [num_groups, split_e, cut], dtype=np.int32))
+        out = dev.empty(4 * T * N)
+        dev.launch(f"mv_store_{name}", (bx, E), (128,), fmt,
+                   [0, 0, tables[1], 0, row_bytes, N, K, 0, xq, xd, gs, gs + 12 * num_groups,
+                    act_rows, dev.put(scatter), 0, out, N, 0, 0])
+        for j, r in enumerate(order):
+            if mine[j]:
+                want[scatter[j]] = xr[r, cut:] @ dense[E + split_e][:, cut:].T
+        assert rel_err(dev.get(out, (T, N), np.float32), want) < 1e-5
