@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from strata.backends.cuda.share import (CALIBRATION_FILE, DEFAULT_PCIE_FRAC, load_calibration,
-                                        miss_where, resolve_pcie_frac, share_from_rates,
-                                        store_calibration)
+from strata.backends.cuda.share import (CALIBRATION_FILE, DEFAULT_PCIE_FRAC, DEFAULT_SOURCE,
+                                        load_calibration, miss_where, resolve_pcie_frac,
+                                        share_from_rates, store_calibration,
+                                        whole_expert_share)
 from strata.config import EngineConfig
 from strata.errors import ConfigError
 
@@ -77,7 +78,7 @@ def test_calibration_store_load_round_trip(tiny, tmp_path, monkeypatch, caplog):
         assert resolve_pcie_frac(None, tiny, "GPU A", 8)[0] == 0.75
         assert resolve_pcie_frac(0.2, tiny, "GPU A", 8) == (0.2, "--pcie-frac")
         frac, source = resolve_pcie_frac(None, tiny, "GPU B", 8)
-    assert frac == DEFAULT_PCIE_FRAC == 0.3
+    assert frac == DEFAULT_PCIE_FRAC == 0.3 and source.startswith(DEFAULT_SOURCE)
     assert f"strata-tool calibrate {tiny} --threads 8" in source
     assert "PCIe share of cache misses 0.75" in caplog.text
     # experts of a type the pool has no SIMD rows for (IQ2_XXS = 16): every miss over PCIe,
@@ -195,3 +196,16 @@ def test_prompt_pool_budget_scales_with_the_copies_and_the_threads():
     assert budget[2] == want
     assert (prompt_pool_budget(copied, 30) >= 2 * budget - 1).all()  # twice the threads
     assert (prompt_pool_budget(copied, 0) == prompt_pool_budget(copied, 1)).all()
+
+
+def test_an_unmeasured_share_keeps_whole_experts_in_one_row_windows():
+    # count_groups before the split expert: of a row's K equal misses (cost 17 each) the pool
+    # took the whole experts its rounded budget held; whole_expert_share gives that split
+    assert whole_expert_share(0.3, 8) == 0.375     # the pool 5 of 8, as 0.3 gave
+    assert whole_expert_share(0.35, 8) == 0.375
+    assert whole_expert_share(0.25, 8) == 0.25     # 6 of 8: already whole
+    assert whole_expert_share(0.3, 10) == pytest.approx(0.3)  # 7 of 10
+    assert whole_expert_share(0.3, 6) == pytest.approx(1 / 3)  # 4 of 6
+    assert whole_expert_share(0.0, 8) == 0.0 and whole_expert_share(1.0, 8) == 1.0
+    with pytest.raises(ConfigError, match="pcie_frac"):
+        whole_expert_share(1.5, 8)

@@ -114,3 +114,30 @@ def test_tries_stay_within_the_shares_the_pool_can_take():
     shares = run(tuner, host, 3000)
     assert max(shares) <= st.HIGHEST and min(shares) >= st.LOWEST
     assert tuner.shares()[1] > st.HIGHEST - 0.125  # as far as the tries may go
+
+
+def split_host(pool_ms_per_expert, gpu_ms_per_expert, serial_ms=2.5):
+    """A one-row window's time on a host where the expert a layer's budget ends in is split by
+    columns (count_groups: the pool's part in 24ths of an expert, Q4_0 768 columns)."""
+    def seconds_at(share):
+        pool = np.floor((1.0 - share) * 8 * 24 + 0.5) / 24  # experts, in whole 24ths
+        return (max(pool * pool_ms_per_expert, (8 - pool) * gpu_ms_per_expert)
+                + serial_ms) / 1e3
+    return seconds_at
+
+
+def test_with_the_split_expert_it_settles_inside_an_expert():
+    # balance at 3.81 of 8 experts to the pool (share 0.524): half-expert steps get it within
+    # half an expert of that, between two whole splits
+    host = split_host(pool_ms_per_expert=2.2, gpu_ms_per_expert=2.0)
+    tuner = ShareTuner(0.3)
+    run(tuner, host, 1500, rng=np.random.default_rng(3))
+    settled = tuner.shares()[1]
+    assert abs(settled - 0.524) <= 0.0625 + 1e-9
+    assert round(settled * 8, 6) % 1 != 0  # between two whole splits
+    assert host(settled) <= 1.05 * host(0.5238)  # within the tuner's margin of the best
+
+
+def test_the_one_row_class_may_start_elsewhere():
+    tuner = ShareTuner(0.3, one_row_start=0.375)
+    assert tuner.share(1) == 0.375 and tuner.share(2) == 0.3 and tuner.share(16) == 0.3

@@ -16,7 +16,8 @@ import numpy as np
 
 from strata.errors import ModelFormatError
 
-SHARES = (0.0, 0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8, 1.0)  # finer where the best lies
+# finer where the best lies (a share between two whole splits splits one expert by columns)
+SHARES = (0.0, 0.1, 0.2, 0.25, 0.3, 0.35, 0.375, 0.4, 0.45, 0.5, 0.6, 0.8, 1.0)
 
 
 def sweep_shares(model_path, threads: int, device_index: int = 0, shares=SHARES,

@@ -89,11 +89,18 @@ def test_the_pool_and_the_gpu_split_the_boundary_expert(model_path, monkeypatch)
         assert np.abs(a - b).max() / np.abs(a).max() < 3e-2
     assert np.mean([np.argmax(a) == np.argmax(b) for a, b in zip(want, got)]) >= 0.9
 
+    # no share given or calibrated: one-row windows keep the whole experts the default gave
+    # (share.whole_expert_share: the pool one of the two)
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(path.parent / "cache"))
+    default, entries, splits = decode(gguf, path, tokens, frac=None)
+    assert entries == [spec.n_layers] * len(tokens) and set(splits) == {(-1, 0)}
+
     # whole experts only (STRATA_SPLIT_EXPERT=0): the pool takes one of the two
     monkeypatch.setenv("STRATA_SPLIT_EXPERT", "0")
     whole, entries, splits = decode(gguf, path, tokens)
     assert entries == [spec.n_layers] * len(tokens)
     assert set(splits) == {(-1, 0)}
+    assert all(np.array_equal(a, b) for a, b in zip(whole, default))  # the same split
     # the split moves results only by rounding: the parts are summed in another order
     for a, b in zip(whole, got):
         assert np.abs(a - b).max() / np.abs(a).max() < 3e-2

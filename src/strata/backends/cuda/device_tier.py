@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 
-from strata.backends.cuda.share import (NO_BUDGET, POOL_EXPERT_ROWS, POOL_MAX_ROWS,
-                                        PROMPT_POOL_ROWS)
+from strata.backends.cuda.share import (DECODE_EXPERT_ROWS, NO_BUDGET, POOL_EXPERT_ROWS,
+                                        POOL_MAX_ROWS, PROMPT_POOL_ROWS)
 from strata.errors import ConfigError
 
 WHERE_VRAM, WHERE_PCIE, WHERE_CPU = 0, 1, 2  # as backends/cuda/exchange.py
@@ -18,10 +18,6 @@ WHERE_VRAM, WHERE_PCIE, WHERE_CPU = 0, 1, 2  # as backends/cuda/exchange.py
 # products once per 32-row tile; with more rows than one tile, pull_rare copies it into its
 # staging slot first (one read). PULL_CHUNKS blocks share one expert's bytes.
 PULL_MIN_ROWS = 32
-# A decode window splits each layer's misses by cost (count_groups): an expert costs this plus
-# its rows, so that the split follows the bytes (each side reads a missing expert once for all
-# its rows) more than the rows.
-DECODE_EXPERT_ROWS = 16
 PULL_CHUNKS = 16
 # Read-ahead (enable_read_ahead; offload.cu's read_ahead): experts staged per layer and window,
 # at most READ_AHEAD_MAX; a score's decay per window (0.5: the last token's experts outrank

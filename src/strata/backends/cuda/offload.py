@@ -171,7 +171,8 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
                       room, slot_bytes, total)
     host = HostExperts(model.runtime, store, part_offsets, slot_bytes)
     arena = VramExpertArena(model, store, n, host)
-    from strata.backends.cuda.share import POOL_MAX_ROWS, resolve_pcie_frac
+    from strata.backends.cuda.share import (DEFAULT_SOURCE, POOL_MAX_ROWS, resolve_pcie_frac,
+                                            whole_expert_share)
     from strata.backends.cuda.stream import PROMPT_POOL_MAX_ROWS
 
     # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.3 (1 for experts the
@@ -182,8 +183,9 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     threads = config.threads or default_pool_threads()
     expert_types = {t for layer in range(store.n_layers) for t in store.types(layer)}
     auto = config.pcie_frac == "auto"  # start from the share below, then measure it
-    pcie_frac, _ = resolve_pcie_frac(None if auto else config.pcie_frac, config.model_path,
-                                     model.runtime.name, threads, expert_types)
+    pcie_frac, source = resolve_pcie_frac(None if auto else config.pcie_frac,
+                                          config.model_path, model.runtime.name, threads,
+                                          expert_types)
     if pcie_frac < 1:
         # windows that hand rows to the pool (DeviceTier.pools): decode windows of up to
         # POOL_MAX_ROWS rows and streamed prompt windows of up to PROMPT_POOL_MAX_ROWS (their
@@ -192,13 +194,16 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
         arena.attach_pool(pcie_frac, min(max(POOL_MAX_ROWS, PROMPT_POOL_MAX_ROWS),
                                          config.max_prompt_window_tokens()
                                          + 16 * config.parallel), threads=config.threads)
+        if source.startswith(DEFAULT_SOURCE):  # unmeasured: one-row windows split whole experts
+            arena.one_row_share = whole_expert_share(pcie_frac, model.spec.n_experts_used)
         if auto and config.adapt_every == 0:
             log.info("--pcie-frac auto: the tier is frozen (--adapt-every 0, deterministic "
                      "greedy output), so the share stays %.2f", pcie_frac)
         elif auto:
             from strata.backends.cuda.share_tuner import ShareTuner
 
-            arena.share_tuner = ShareTuner(pcie_frac, model.spec.n_experts_used)
+            arena.share_tuner = ShareTuner(pcie_frac, model.spec.n_experts_used,
+                                           arena.one_row_share)
             log.info("--pcie-frac auto: decode windows start at share %.2f and move it while "
                      "serving, toward the split where the CPU pool and the GPU take as long "
                      "as each other (by window rows; each move logged)", pcie_frac)
@@ -242,6 +247,8 @@ class VramExpertArena(ExpertArena):
         self.copier = None  # the async tier's StreamCopier (copier.py), made by new_copier
         self.pool = None  # the CPU pool (attach_pool), None: every miss read over PCIe
         self.pcie_frac = 1.0
+        # one-row decode windows' share when it is not pcie_frac (share.whole_expert_share)
+        self.one_row_share: float | None = None
         # --pcie-frac auto (share_tuner.py): the share of each decode window class, measured
         # while serving; _tuned: {the pool seq a planned window gets: (rows, share)}
         self.share_tuner = None
@@ -408,6 +415,8 @@ class VramExpertArena(ExpertArena):
             self._set_stream_where(num_rows)
             return
         share = window_share(self.pcie_frac, num_rows)
+        if num_rows == 1 and self.one_row_share is not None:
+            share = self.one_row_share
         tuned = self.share_tuner.share(num_rows) if self.share_tuner is not None else None
         if tuned is not None:
             share = tuned

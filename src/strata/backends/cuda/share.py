@@ -21,6 +21,12 @@ from strata.user_cache import cache_dir
 # 81.3 / 135.1, 0.25 78.3 / 126.2, 0.4 69-70 / 129-132; docs/offload.md); consumer cards read
 # PCIe slower than it, which moves the best share down, not up.
 DEFAULT_PCIE_FRAC = 0.3
+# Where the share comes from when neither --pcie-frac nor a calibration gives it (resolve_pcie_frac)
+DEFAULT_SOURCE = "default"
+# A decode window splits each layer's misses by cost (count_groups): an expert costs this plus
+# its rows, so that the split follows the bytes (each side reads a missing expert once for all
+# its rows) more than the rows.
+DECODE_EXPERT_ROWS = 16
 # Expert types the CPU pool is slow on: the grid i-quants (IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18,
 # IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29). Even with fused rows (fused_iq.c, AVX2 and AVX-512
 # VNNI) a row costs 2-4x a Q4_K row per call, so the pool reads them at ~9 GB/s beside the GPU's
@@ -82,6 +88,19 @@ def window_share(pcie_frac: float, num_rows: int) -> float:
     return pcie_frac if num_rows <= POOL_MAX_ROWS else 1.0
 
 
+def whole_expert_share(pcie_frac: float, top_k: int) -> float:
+    """The share at which a one-row window's pool takes the whole experts that `pcie_frac`
+    gave it before a layer's boundary expert was split by columns (count_groups: of top_k equal
+    misses, the budget rounded, then whole experts only): 0.3 of 8 -> the pool 5, the GPU 3,
+    0.375. With no measured share (DEFAULT_SOURCE) one-row windows keep that split: the default
+    was measured under it, and a host whose pool is the slower side loses by the pool's part
+    of a sixth expert (H200, 67-72 against 75-81 tokens/s at 0.3; docs/offload.md)."""
+    k = max(int(top_k), 1)
+    cost = DECODE_EXPERT_ROWS + 1
+    budget = int(np.floor((1.0 - check_pcie_frac(pcie_frac, "pcie_frac")) * k * cost + 0.5))
+    return 1.0 - min(budget // cost, k) / k
+
+
 def expected_reads(rows_per_window: np.ndarray, num_rows: int) -> np.ndarray:
     """The chance each expert is read at all in a window of `num_rows` rows, from the routed
     rows it is expected to get per window ([L, E] float64): a row routes to an expert at most
@@ -115,8 +134,10 @@ def miss_where(residency: np.ndarray, pcie_frac: float) -> tuple[np.ndarray, flo
 # ---- the stored calibration (`strata-tool calibrate`) -----------------------------------------
 CALIBRATION_FILE = "pcie-share.json"
 # How a decode window applies the share; a stored share measured under another split is ignored
-# (the best share moved from 0.4-0.5 to 0.3 when the split moved onto the device, session 32).
-SPLIT_METHOD = "per-layer-on-device"
+# (the best share moved from 0.4-0.5 to 0.3 when the split moved onto the device, session 32;
+# since session 60 the expert a layer's budget ends in is split by columns, so a share between
+# two whole splits means something else)
+SPLIT_METHOD = "per-layer-on-device-split-expert"
 _log = logging.getLogger("strata.pool")
 
 
@@ -196,7 +217,7 @@ def resolve_pcie_frac(pcie_frac: float | None, model_path, gpu_name: str,
             frac = 1.0 if slow else DEFAULT_PCIE_FRAC
             why = (f"the experts' types ({', '.join(_type_name(t) for t in slow)}) have no SIMD "
                    "rows on the CPU pool, so every miss is read over PCIe" if slow else
-                   "default")
+                   DEFAULT_SOURCE)
             what = ("the stored calibration for this model, "
                     f"{gpu_name} and {threads} threads was measured under an earlier split of "
                     "the misses and is ignored" if stale_calibration(model_path, gpu_name, threads)

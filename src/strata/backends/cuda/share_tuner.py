@@ -55,11 +55,15 @@ class ShareTuner:
     """share(num_rows) before a window, record(num_rows, share, seconds) once its pool's
     figures are in. Pure bookkeeping: the arena applies the share (its where table)."""
 
-    def __init__(self, start: float, experts_per_row: int = 8):
+    def __init__(self, start: float, experts_per_row: int = 8, one_row_start=None):
+        """one_row_start: the one-row class's start when it differs (share.whole_expert_share
+        of an unmeasured default)."""
         self.start = float(start)
         k = max(int(experts_per_row), 1)
         self.steps = (1.0 / k, -1.0 / k, 0.5 / k, -0.5 / k)
         self._classes = {rows: _Class(rows, self.start) for rows in CLASS_ROWS}
+        if one_row_start is not None:
+            self._classes[CLASS_ROWS[0]] = _Class(CLASS_ROWS[0], float(one_row_start))
 
     @staticmethod
     def class_of(num_rows: int) -> int | None:
