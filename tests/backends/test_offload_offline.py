@@ -65,3 +65,34 @@ def test_work_buffer_estimate_counts_logits_for_logit_rows_only(tmp_path):
     all_rows, one_row = work_buffer_bytes(spec, 4096), work_buffer_bytes(spec, 4096, 1)
     assert all_rows - one_row == 4095 * 4 * spec.vocab
     assert work_buffer_bytes(spec, 8, 64) == work_buffer_bytes(spec, 8)  # capped at the rows
+
+
+def test_which_layers_may_split_an_expert(monkeypatch):
+    # plan.expert_split_step: the down's staged unit (32 columns, 256 for k-quants / grid
+    # i-quants) when the routed products run on mv_* and the expert is 2 units wide or more
+    from types import SimpleNamespace as NS
+
+    from strata.backends.cuda.plan import expert_split_step
+
+    def layer(suffix, F=768, H=2048, is_float=False, up=None):
+        w = NS(suffix=suffix, rows=F, cols=H, is_float=is_float)
+        down = NS(suffix=suffix, rows=H, cols=F, is_float=is_float)
+        return NS(gate_exps=w, up_exps=NS(**{**vars(w), "suffix": up or suffix}),
+                  down_exps=down)
+
+    def model(F):
+        return NS(spec=NS(expert_ffn=F))
+
+    assert expert_split_step(model(768), layer("q4_0")) == 32
+    assert expert_split_step(model(768), layer("iq4_nl")) == 32
+    assert expert_split_step(model(768), layer("q4_k")) == 256
+    assert expert_split_step(model(512), layer("iq2_xxs", F=512)) == 256
+    assert expert_split_step(model(256), layer("q6_k", F=256)) == 0      # one unit wide
+    assert expert_split_step(model(32), layer("q8_0", F=32)) == 0
+    assert expert_split_step(model(768), layer("f16", is_float=True)) == 0
+    assert expert_split_step(model(768), layer("q4_0", up="q8_0")) == 0  # gate/up on mm_*
+    monkeypatch.setenv("STRATA_DECODE_DOWN", "mm")                        # down on mm_*
+    assert expert_split_step(model(768), layer("q4_0")) == 0
+    monkeypatch.delenv("STRATA_DECODE_DOWN")
+    monkeypatch.setenv("STRATA_DECODE_MM", "dp4a")
+    assert expert_split_step(model(768), layer("q4_k")) == 0
