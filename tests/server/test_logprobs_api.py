@@ -216,3 +216,31 @@ def test_echo_with_logprobs_scores_the_prompt(live, reference):
     assert chunks[0]["choices"][0]["text"] == prompt
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [v for p in parts for v in p[key]] == lists[key]
+
+
+def test_text_offsets_count_the_characters_of_split_ones(live, reference):
+    """Byte-level tokens split 'é', '🎉' and '日' over several tokens (each token's text then
+    reads U+FFFD): a token's text_offset is the answer's character its first byte belongs
+    to, whole and streamed, and after an echo too."""
+    answer = "héllo 🎉 日本 end"
+    grammar = f'root ::= "{answer}"'
+    ids = reference.tokenize("x")
+    reference.reset()
+    events = list(reference.generate(ids, SamplingParams(temperature=0, max_tokens=40,
+                                                         logprobs=1, grammar=grammar)))
+    raws = [reference.tokenizer.token_bytes(e.token_id) for e in events if e.logprob]
+    assert any(len(raw) == 1 and raw[0] >= 0x80 for raw in raws)  # a character is split
+    # the characters whole before each token's first byte
+    offsets = [len(b"".join(raws[:i]).decode("utf-8", errors="ignore"))
+               for i in range(len(raws))]
+    body = {"prompt": "x", "max_tokens": 40, "temperature": 0, "logprobs": 1,
+            "grammar": grammar}
+    for echo in ("", "x"):
+        reply = post(live, COMPLETIONS, dict(body, echo=bool(echo))).json()
+        lists = reply["choices"][0]["logprobs"]
+        assert reply["choices"][0]["text"] == echo + answer
+        assert lists["text_offset"] == [0] * bool(echo) + [len(echo) + o for o in offsets]
+        chunks = stream(live, COMPLETIONS, dict(body, echo=bool(echo)))
+        parts = [c["choices"][0]["logprobs"] for c in chunks
+                 if c["choices"] and c["choices"][0]["logprobs"]]
+        assert [v for p in parts for v in p["text_offset"]] == lists["text_offset"]

@@ -3,6 +3,7 @@
 token_logprobs, top_logprobs, text_offset). The figures come from engine/logprobs.py."""
 from __future__ import annotations
 
+import codecs
 import math
 
 from strata.engine.logprobs import TokenLogprob
@@ -14,6 +15,22 @@ LOGPROB_FLOOR = -9999.0
 
 def _number(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+class CharOffsets:
+    """The character of a text each of its tokens starts in, fed the tokens' bytes in order:
+    a character split over several tokens counts once it is whole, so each of its tokens
+    (whose texts read U+FFFD) starts in it."""
+
+    def __init__(self, start: int = 0):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.num_chars = start
+
+    def add(self, raw: bytes) -> int:
+        """The offset of the token of bytes `raw`, the next one of the text."""
+        offset = self.num_chars
+        self.num_chars += len(self._decoder.decode(raw))
+        return offset
 
 
 class LogprobFormatter:
@@ -41,24 +58,23 @@ class LogprobFormatter:
             entries.append(dict(entry, token=text, logprob=_number(logprob), bytes=raw))
         return dict(entries[0], top_logprobs=entries[1:])
 
-    def completion_lists(self, entries: list[TokenLogprob | int], offset: int) -> dict:
-        """The legacy `logprobs` object of `entries`, the first token's text starting at
-        character `offset` of the answer's text. Each top_logprobs dict holds the asked-for
+    def completion_lists(self, entries: list[TokenLogprob | int], chars: CharOffsets) -> dict:
+        """The legacy `logprobs` object of `entries`, `chars` counting the answer's text up to
+        the first one (and on past the last). Each top_logprobs dict holds the asked-for
         alternatives and the chosen token (so up to logprobs + 1 keys, as OpenAI's API). A
         bare token id (an echoed prompt's first token) has no figures: None in both lists."""
         tokens, values, tops, offsets = [], [], [], []
         for lp in entries:
             if isinstance(lp, int):
-                text, value, top = self.token(lp)[0], None, None
+                (text, raw), value, top = self.token(lp), None, None
             else:
-                text, value = self.token(lp.token_id)[0], _number(lp.logprob)
+                (text, raw), value = self.token(lp.token_id), _number(lp.logprob)
                 top = {self.token(t)[0]: _number(v) for t, v in lp.top}
                 top.setdefault(text, value)
             tokens.append(text)
             values.append(value)
             tops.append(top)
-            offsets.append(offset)
-            offset += len(text)
+            offsets.append(chars.add(bytes(raw)))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
@@ -72,7 +88,7 @@ class AnswerLogprobs:
     def __init__(self, formatter: LogprobFormatter | None, prompt_tokens=None):
         self._formatter = formatter
         self._entries: list[TokenLogprob] = []  # generated, not yet sent
-        self._sent_chars = 0  # completions: text length of the generated tokens already sent
+        self._answer_chars: CharOffsets | None = None  # a stream's generated text so far
         self._prompt_tokens = prompt_tokens  # an echo with logprobs: the prompt, until sent
         self._prompt: list | None = None  # its first token id, then its TokenLogprobs
 
@@ -132,10 +148,11 @@ class AnswerLogprobs:
         entries = self._take(take)
         if entries is None and prompt is None:
             return None
-        out = self._formatter.completion_lists(entries or [], offset + self._sent_chars)
-        if take:
-            self._sent_chars += sum(len(t) for t in out["tokens"])
+        chars = self._answer_chars if take else CharOffsets(offset)
+        if chars is None:  # a stream's first chunk: the count runs on across its chunks
+            chars = self._answer_chars = CharOffsets(offset)
+        out = self._formatter.completion_lists(entries or [], chars)
         if prompt is not None:
-            head = self._formatter.completion_lists(prompt, 0)
+            head = self._formatter.completion_lists(prompt, CharOffsets())
             out = {key: head[key] + out[key] for key in out}
         return out
