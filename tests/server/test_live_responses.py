@@ -40,6 +40,8 @@ def test_response_equals_the_engine(client, reference):
     assert reply.status == {"length": "incomplete", "stop": "completed"}[finish]
     if finish == "length":
         assert reply.incomplete_details.reason == "max_output_tokens"
+    # the item the cut ended inside is incomplete too (items closed before it are not)
+    assert reply.output[-1].status == reply.status
     assert reply.usage.input_tokens == len(tokens)
     assert reply.usage.output_tokens == num_generated
     assert reply.usage.total_tokens == len(tokens) + num_generated
@@ -68,6 +70,8 @@ def test_streamed_response_equals_the_whole_one(client, live):
     assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
     assert names[-1] == {"incomplete": "response.incomplete",
                          "completed": "response.completed"}[whole.status]
+    done = [p["item"] for p in payloads if p["type"] == "response.output_item.done"]
+    assert done[-1]["status"] == whole.status == payloads[-1]["response"]["output"][-1]["status"]
 
 
 def test_function_call_turns_render_as_on_the_chat_endpoint(client, live):

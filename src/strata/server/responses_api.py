@@ -45,7 +45,7 @@ class ResponsesRoutes(GenerationRoutes):
                         items.feed(parsed, logprobs.entries(take=True))
         if outcome.end.error is not None:
             raise outcome.end.error
-        items.finish()
+        items.finish(outcome.finish_reason(0) == "length")
         return jsonify(self._final(job, header, outcome, items.items))
 
     def _final(self, job, header: ResponseHeader, outcome: Outcome, output: list) -> dict:
@@ -84,7 +84,7 @@ class ResponsesRoutes(GenerationRoutes):
                 for parsed in self._parse(parser, item, outcome):
                     for payload in items.feed(parsed, logprobs.entries(take=True)):
                         yield send(payload)
-        for payload in items.finish():
+        for payload in items.finish(outcome.finish_reason(0) == "length"):
             yield send(payload)
         error = outcome.end.error
         if error is not None:

@@ -47,13 +47,13 @@ class OutputItems:
     def _at(self) -> dict:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
 
-    def _close(self) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         if self._open is None:
             return []
         item, kind = self.items[-1], self._open
         self._open = None
         part = item["content"][0]
-        item["status"] = "completed"
+        item["status"] = status
         done = "response.reasoning_text.done" if kind == "reasoning" else \
             "response.output_text.done"
         text_done = dict(self._at(), type=done, content_index=0, text=part["text"])
@@ -110,8 +110,10 @@ class OutputItems:
             self.items[-1]["content"][0]["logprobs"] += delta["logprobs"]
         return out + [delta]
 
-    def finish(self) -> list[dict]:
-        return self._close()
+    def finish(self, is_cut: bool = False) -> list[dict]:
+        """Close the open item; `is_cut`: max_output_tokens (or the context) ended the output
+        inside it, so it is "incomplete", as the response is."""
+        return self._close("incomplete" if is_cut else "completed")
 
 
 def _copy(item: dict) -> dict:
