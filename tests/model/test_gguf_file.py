@@ -156,6 +156,23 @@ def test_unknown_architecture(copy):
     assert "unknown architecture 'qwen9moe'" in msg and "qwen3moe" in msg
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("qwen3moe.context_length", 0, "context_length = 0 must be positive"),
+    ("qwen3moe.rope.freq_base", -5.0, "rope.freq_base = -5.0 must be a positive number"),
+    ("qwen3moe.rope.freq_base", float("nan"), "rope.freq_base = nan must be a positive number"),
+    ("qwen3moe.attention.layer_norm_rms_epsilon", -1.0,
+     "layer_norm_rms_epsilon = -1.0 must be a number >= 0"),
+])
+def test_impossible_hyperparameters_are_named(copy, key, value, message):
+    # they opened, then failed later as "KV cache capacity 0" or "NaN logits ... weights corrupt"
+    def edit(reader):
+        reader.fields[key].parts[-1][0] = value
+
+    _edit_header(copy, edit)
+    msg = _open_error(copy)
+    assert message in msg and "broken.gguf" in msg
+
+
 def test_missing_tensor(copy):
     name = "blk.1.ffn_up_exps.weight"
 
@@ -198,6 +215,19 @@ def test_unknown_type_id(copy):
     _edit_header(copy, edit)
     msg = _open_error(copy)
     assert "'blk.0.attn_v.weight'" in msg and "type id 77" in msg
+
+
+def test_a_huge_dimension_is_truncated_not_an_overflow(copy):
+    # A flipped high byte of a dimension: its size overflows int64, which must not wrap round
+    # to a size the file seems to hold.
+    name = "blk.0.ffn_up_exps.weight"
+
+    def edit(reader):
+        _tensor_field(reader, name).parts[3][2] = 2**62  # x 32 rows wraps to 0 in int64
+
+    _edit_header(copy, edit)
+    msg = _open_error(copy)
+    assert "truncated" in msg and repr(name) in msg
 
 
 def test_k_quant_row_not_a_multiple_of_256(copy):

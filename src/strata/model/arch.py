@@ -6,6 +6,7 @@ reads one (the loader): both go through `spec_to_metadata` / `spec_from_metadata
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from strata.errors import ModelFormatError
@@ -262,9 +263,16 @@ def _hybrid_fields(arch: str, meta: dict, n_layers: int, need, opt, source: str)
 
 def _check_spec(spec: ModelSpec, source: str) -> None:
     for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "n_experts",
-                 "n_experts_used", "expert_ffn", "vocab"):
+                 "n_experts_used", "expert_ffn", "vocab", "context_length"):
         if getattr(spec, name) <= 0:
             raise ModelFormatError(f"{source}: {name} = {getattr(spec, name)} must be positive")
+    # NaN fails both comparisons; either value would turn every logit into NaN
+    if not 0 < spec.rope_theta < math.inf:
+        raise ModelFormatError(f"{source}: {spec.arch}.rope.freq_base = {spec.rope_theta} must "
+                               "be a positive number; the metadata is corrupt")
+    if not 0 <= spec.rms_eps < math.inf:
+        raise ModelFormatError(f"{source}: {spec.arch}.attention.layer_norm_rms_epsilon = "
+                               f"{spec.rms_eps} must be a number >= 0; the metadata is corrupt")
     if spec.n_heads % spec.n_kv_heads:
         raise ModelFormatError(
             f"{source}: {spec.n_heads} query heads are not a multiple of {spec.n_kv_heads} KV heads")

@@ -5,6 +5,7 @@ Every problem with the file raises `ModelFormatError` naming the file and what i
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -303,7 +304,7 @@ def _read_tensors(reader: _Reader, src: str, file_bytes: int) -> dict[str, Tenso
                 f"{type_name(qtype)} block of {block}; this type cannot store it "
                 f"(use a model quantised with a type whose block divides {cols})")
         row_bytes = cols // block * block_bytes
-        nbytes = row_bytes * int(np.prod(shape[:-1], dtype=np.int64))
+        nbytes = row_bytes * math.prod(shape[:-1])  # Python ints: a corrupt dim cannot wrap
         offset = data_start + int(rel_offset[0])
         if offset + nbytes > file_bytes:
             raise ModelFormatError(
