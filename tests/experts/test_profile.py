@@ -52,3 +52,23 @@ def test_damaged_profiles_are_refused(tmp_path):
     (tmp_path / "short.txt").write_text("\n".join(lines[:-1]) + "\n")
     with pytest.raises(ModelFormatError, match="expected 8 ranked rows"):
         read_profile(tmp_path / "short.txt")
+
+
+@pytest.mark.parametrize("row, why", [("0 0 9 3 3", r"\(0, 9\) is out of range"),  # 4 experts
+                                      ("0 7 1 3 3", r"\(7, 1\) is out of range"),  # 2 layers
+                                      ("0 1 2 3 3", r"\(1, 2\) is ranked twice")])
+def test_a_profile_ranking_experts_the_model_lacks_is_refused(tmp_path, row, why):
+    # a hand-edited or damaged row would name a slot the expert cache cannot fill
+    write_profile(tmp_path / "p.txt", build_profile(_trace()))
+    lines = (tmp_path / "p.txt").read_text().splitlines()
+    assert lines[2] == "0 0 1 3 3"
+    lines[2] = row
+    (tmp_path / "bad.txt").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ModelFormatError, match=f"bad.txt: .*{why}"):
+        read_profile(tmp_path / "bad.txt")
+
+
+def test_a_binary_file_is_not_a_profile(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\xbd\xff" * 8)
+    with pytest.raises(ModelFormatError, match="not a Strata routing profile"):
+        read_profile(tmp_path / "model.gguf")

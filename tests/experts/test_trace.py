@@ -89,6 +89,27 @@ def test_damaged_files_are_refused(tmp_path):
         read_trace(wrong)
 
 
+@pytest.mark.parametrize("extra", [b"\xff" * 12, b'{"model": "x"', b"[1, 2]", b"xxxxxxxxxxxx"])
+def test_a_damaged_header_extra_is_refused(tmp_path, extra):
+    # the JSON extra between the header and the records: bytes flipped or cut, or not an object
+    good = tmp_path / "good.trace"
+    write_trace(good, make_trace(1, 2, [[[0, 1]]]))
+    data = good.read_bytes()
+    header_bytes, extra_len = 24, int.from_bytes(data[20:24], "little")
+    bad = tmp_path / "bad.trace"
+    bad.write_bytes(data[:20] + len(extra).to_bytes(4, "little") + extra
+                    + data[header_bytes + extra_len:])
+    with pytest.raises(ModelFormatError, match="bad.trace: damaged header"):
+        read_trace(bad)
+
+
+def test_the_trace_error_names_the_real_command(tmp_path):
+    bad = tmp_path / "bad.trace"
+    bad.write_bytes(b"GGUF" + bytes(40))
+    with pytest.raises(ModelFormatError, match="`strata serve --dump-routing FILE`"):
+        read_trace(bad)
+
+
 def test_skew_summary_exact():
     # 1 layer, 10 experts; expert 0 in all 4 windows, expert 1 in windows 0-1, others once.
     trace = make_trace(1, 10, [[[0, 1, 2]], [[0, 1, 3]], [[0, 4]], [[0, 5]]])

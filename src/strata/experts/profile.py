@@ -73,7 +73,7 @@ def write_profile(path: str | os.PathLike, profile: RoutingProfile) -> None:
 
 
 def read_profile(path: str | os.PathLike) -> RoutingProfile:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a binary file fails the header
         first = f.readline()
         if not first.startswith(PROFILE_HEADER):
             raise ModelFormatError(f"{path} is not a Strata routing profile (first line "
@@ -91,7 +91,20 @@ def read_profile(path: str | os.PathLike) -> RoutingProfile:
         raise ModelFormatError(f"{path}: expected {n_layers * n_experts} ranked rows of 5 "
                                f"numbers, found {table.shape}; make it again with "
                                "`strata-tool profile`")
-    return RoutingProfile(n_layers, n_experts, table[:, 1:3].copy(), table[:, 3].copy(),
+    ranking = table[:, 1:3]
+    in_range = (ranking >= 0).all(axis=1) & (ranking[:, 0] < n_layers) & (
+        ranking[:, 1] < n_experts)
+    if not in_range.all():
+        layer, expert = ranking[np.argmin(in_range)]
+        raise ModelFormatError(f"{path}: ranked expert ({layer}, {expert}) is out of range "
+                               f"for {n_layers} layers x {n_experts} experts; make it again "
+                               "with `strata-tool profile`")
+    flat = ranking[:, 0] * n_experts + ranking[:, 1]
+    if len(np.unique(flat)) != len(flat):
+        layer, expert = np.divmod(int(np.argmax(np.bincount(flat))), n_experts)
+        raise ModelFormatError(f"{path}: expert ({layer}, {expert}) is ranked twice; make it "
+                               "again with `strata-tool profile`")
+    return RoutingProfile(n_layers, n_experts, ranking.copy(), table[:, 3].copy(),
                           table[:, 4].copy())
 
 

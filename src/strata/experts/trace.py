@@ -126,7 +126,7 @@ def read_trace(path: str | os.PathLike) -> RoutingTrace:
         data = f.read()
     if len(data) < _HEADER.size or data[:8] != TRACE_MAGIC:
         raise ModelFormatError(f"{path} is not a Strata routing trace (no {TRACE_MAGIC!r} "
-                               "header); write one with `strata-server --dump-routing FILE` or "
+                               "header); write one with `strata serve --dump-routing FILE` or "
                                "`strata-tool synth-trace`")
     _, version, n_layers, n_experts, extra_len = _HEADER.unpack_from(data)
     if version != TRACE_VERSION:
@@ -137,7 +137,14 @@ def read_trace(path: str | os.PathLike) -> RoutingTrace:
         raise ModelFormatError(f"{path} ends in a partial record ({len(body)} record bytes, not "
                                f"a multiple of {RECORD_DTYPE.itemsize}): the writer was stopped "
                                "mid-write; truncate it to whole records or record it again")
-    extra = json.loads(bytes(data[_HEADER.size:_HEADER.size + extra_len]) or b"{}")
+    try:
+        extra = json.loads(bytes(data[_HEADER.size:_HEADER.size + extra_len]) or b"{}")
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+        raise ModelFormatError(f"{path}: damaged header: its {extra_len} bytes of JSON extra "
+                               f"cannot be read ({exc}); record it again") from None
+    if not isinstance(extra, dict):
+        raise ModelFormatError(f"{path}: damaged header: its JSON extra is a "
+                               f"{type(extra).__name__}, not an object; record it again")
     records = np.frombuffer(body, dtype=RECORD_DTYPE).copy()
     if len(records) and (records["layer"].max() >= n_layers
                          or records["expert"].max() >= n_experts):
