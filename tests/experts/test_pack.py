@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from strata._native import kernels
-from strata.errors import ModelFormatError
+from strata.errors import ConfigError, ModelFormatError
 from strata.experts.pack import ALIGN_BYTES, PACK_MAGIC, ExpertPack, model_identity, write_pack
 from strata.model.gguf_file import GGUFModel
 from strata.tool.pack_cmd import pack as pack_command
@@ -196,3 +196,26 @@ def test_pack_command(tmp_path, models):
     result = CliRunner().invoke(pack_command, [str(tmp_path / "nope.gguf"), str(out)])
     assert result.exit_code == 2
     assert "no such model file" in result.output
+
+
+def test_packing_a_model_onto_itself_is_refused_and_leaves_it(tmp_path, models):
+    # `strata-tool pack m.gguf m.gguf` replaced the model with its pack
+    model = make_model(tmp_path, "q4_0", seed=2)
+    before = model.path.read_bytes()
+    with pytest.raises(ConfigError, match="is the model itself"):
+        write_pack(model, tmp_path / ".." / tmp_path.name / model.path.name)
+    assert model.path.read_bytes() == before
+    result = CliRunner().invoke(pack_command, [str(model.path), str(model.path), "--quiet"])
+    assert result.exit_code == 2 and "is the model itself" in result.output
+    assert model.path.read_bytes() == before
+
+
+def test_a_gguf_given_as_the_pack_is_not_offered_to_be_overwritten(tmp_path, models):
+    # the hint for a file that is not a pack must not name that file as the pack to write
+    model, _ = models["q4_0"]
+    other = make_model(tmp_path, "q4_0", seed=3)
+    for not_a_pack in (model.path, other.path):
+        with pytest.raises(ModelFormatError, match="not a Strata expert pack") as info:
+            ExpertPack.open(not_a_pack, model)
+        assert f"`strata-tool pack {model.path} {not_a_pack}`" not in str(info.value)
+        assert f"`strata-tool pack {model.path} OUT.pack`" in str(info.value)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from strata.errors import ModelFormatError
+from strata.errors import ConfigError, ModelFormatError
 from strata.model.gguf_file import GGUFModel
 
 PACK_MAGIC = b"STRXPACK"
@@ -123,6 +123,9 @@ def write_pack(model: GGUFModel, out: str | os.PathLike, progress: bool = False)
     from tqdm import tqdm
 
     out = Path(out)
+    if out.exists() and out.samefile(model.path):
+        raise ConfigError(f"{out} is the model itself; give the pack another path, e.g. "
+                          f"`strata-tool pack {model.path} {model.path.with_suffix('.pack')}`")
     layouts = model_layouts(model)
     n_experts = model.spec.n_experts
     header = dict(model_identity(model))
@@ -211,7 +214,8 @@ class ExpertPack:
             if len(prefix) < _PREFIX.size or prefix[:8] != PACK_MAGIC:
                 raise ModelFormatError(
                     f"{src}: not a Strata expert pack (starts with {prefix[:8]!r}, expected "
-                    f"{PACK_MAGIC!r}); write one with `strata-tool pack {model.path} {src}`")
+                    f"{PACK_MAGIC!r}); write one with `strata-tool pack {model.path} OUT.pack`"
+                    " and give OUT.pack")
             magic, version, blob_bytes = _PREFIX.unpack(prefix)
             if version != PACK_VERSION:
                 raise ModelFormatError(
