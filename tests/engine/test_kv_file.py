@@ -129,6 +129,41 @@ def test_foreign_and_corrupt_headers_are_refused(good_file):
         read_kv_header(good_file)
 
 
+def _edit_header(path, edit):
+    """Rewrite the JSON header of the conversation file at `path` through `edit(header)`, its
+    length kept (the arrays stay where they are)."""
+    data = path.read_bytes()
+    _, _, header_bytes = struct.unpack("<8sII", data[:16])
+    header = json.loads(data[16:16 + header_bytes])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= header_bytes
+    path.write_bytes(data[:16] + text.ljust(header_bytes) + data[16 + header_bytes:])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda h: h["tree"]["tuple"].__setitem__(0, {"array": 7}),        # no array 7
+    lambda h: h["tree"]["tuple"].__setitem__(0, {"array": "1"}),
+    lambda h: h["tree"].__setitem__("tuple", 5),
+    lambda h: h["tree"]["tuple"][2]["tuple"].__setitem__(0, {"int": "x"}),
+    lambda h: h.__setitem__("reuse_points", "abc"),
+    lambda h: h.__setitem__("reuse_points", 5),
+    lambda h: h.__setitem__("kv_nbytes", "x"),
+    lambda h: h["arrays"][1].__setitem__("shape", [-3, -2, 5, 4]),     # -3 x -2: the same bytes
+    lambda h: h["arrays"][1].__setitem__("offset", -4096),
+    lambda h: h["arrays"][1].update(dtype="|O", nbytes=960),           # 120 objects
+    lambda h: h["arrays"][0].update(dtype="<i2", nbytes=80),  # tokens not int32
+], ids=["array-index", "array-index-text", "tuple-not-list", "int-not-int", "reuse-text",
+        "reuse-int", "kv-nbytes", "negative-shape", "negative-offset", "object-dtype",
+        "token-dtype"])
+def test_a_header_damaged_inside_its_json_is_refused(good_file, damage):
+    # JSON that still parses (one flipped digit, a hand edit) must not reach the engine:
+    # each of these crashed `strata run --conversation-cache-dir` with a traceback
+    _edit_header(good_file, damage)
+    with pytest.raises(KVFileError, match="good.strata-kv: corrupt header"):
+        read_kv_header(good_file)
+
+
 def test_a_missing_file_is_a_kv_file_error(tmp_path):
     with pytest.raises(KVFileError, match="cannot read"):
         read_kv_header(tmp_path / "none")

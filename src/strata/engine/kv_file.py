@@ -68,14 +68,16 @@ def _decode(node: Any, arrays: Sequence[np.ndarray]) -> Any:
     if not isinstance(node, dict) or len(node) != 1:
         raise KVFileError(f"bad node {node!r} in the KV tree")
     (kind, body), = node.items()
-    if kind == "array":
+    if kind == "array" and isinstance(body, int) and 0 <= body < len(arrays):
         return arrays[body]
-    if kind == "int":
-        return int(body)
-    if kind == "tuple":
+    if kind == "int" and isinstance(body, int):
+        return body
+    if kind == "tuple" and isinstance(body, list):
         return tuple(_decode(v, arrays) for v in body)
-    if kind == "dict":
+    if kind == "dict" and isinstance(body, list):
         return {_decode(k, arrays): _decode(v, arrays) for k, v in body}
+    if kind in ("array", "int", "tuple", "dict"):
+        raise KVFileError(f"bad node {node!r} in the KV tree")
     raise KVFileError(f"unknown node kind {kind!r} in the KV tree")
 
 
@@ -172,6 +174,7 @@ def read_kv_header(path: str | os.PathLike) -> dict:
                 raise KVFileError(f"{path}: an array's shape and bytes disagree")
         if int(header["num_tokens"]) != specs[0]["shape"][0]:
             raise KVFileError(f"{path}: the token count disagrees with the tokens stored")
+        _check_header(header, specs)
     except KVFileError:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -180,6 +183,26 @@ def read_kv_header(path: str | os.PathLike) -> dict:
         raise KVFileError(f"{path}: truncated ({size} bytes, the header needs {end})")
     header["data_start"] = data_start
     return header
+
+
+def _check_header(header: dict, specs: list) -> None:
+    """What the size checks leave to JSON that still parses (a flipped digit, a hand edit):
+    raises ValueError for a value the engine could not use."""
+    if npformat.descr_to_dtype(specs[0]["dtype"]) != np.int32 or len(specs[0]["shape"]) != 1:
+        raise ValueError("the tokens are not a list of int32")
+    for s in specs:
+        if npformat.descr_to_dtype(s["dtype"]).hasobject:
+            raise ValueError(f"an array of Python objects ({s['dtype']!r})")
+        if any(not isinstance(n, int) or n < 0 for n in [*s["shape"], s["offset"]]):
+            raise ValueError(f"array shape {s['shape']} or offset {s['offset']} is negative")
+    int(header.get("kv_nbytes", 0))
+    points = header.get("reuse_points")
+    if points is not None and not all(isinstance(p, int) for p in points):
+        raise ValueError(f"reuse points {points!r} are not token counts")
+    try:
+        _decode(header["tree"], range(len(specs)))  # a dry run: every node well formed
+    except KVFileError as e:
+        raise ValueError(str(e)) from None
 
 
 def read_kv_file(path: str | os.PathLike, header: dict | None = None
