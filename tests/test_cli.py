@@ -67,6 +67,14 @@ def test_bad_model_path_exits_2(tmp_path):
     assert "Traceback" not in res.output
 
 
+def test_a_folder_as_the_model_is_named_a_folder(tmp_path):
+    # it exists: "does not exist" sent the user looking for a typo
+    res = runner().invoke(main, ["run", "--model", str(tmp_path), "Hi"])
+    assert res.exit_code == 2
+    assert f"{str(tmp_path)!r} is a folder, not a GGUF file" in res.stderr
+    assert "does not exist" not in res.stderr and "Traceback" not in res.output
+
+
 def test_corrupt_model_exits_2_with_one_line(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"this is not a gguf file at all" * 10)
@@ -399,3 +407,22 @@ def test_run_follows_a_grammar_and_names_its_faults(tiny, tmp_path):
     both = runner().invoke(main, ["run", "--model", tiny, "--grammar", gbnf,
                                   "--grammar-file", str(path), "Hi"])
     assert both.exit_code == 2 and "not both" in both.stderr
+
+
+def test_serve_stops_with_the_error_when_the_model_cannot_load(tiny, tmp_path):
+    """The model loads on the engine thread while the server listens; a load that fails stops
+    the server with one line naming what was wrong (exit 2, no traceback), as llama-server
+    does, instead of serving 503s until someone looks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(Path(tiny).read_bytes()[:3000])
+    res = subprocess.run([sys.executable, "-m", "strata", "serve", "--model", str(bad),
+                          "--port", "0", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the model failed to load") and "cut.gguf" in last
+    assert "truncated" in last and "Traceback" not in res.stderr

@@ -37,6 +37,8 @@ def resolve_model(model: str | None) -> Path:
         path = default_model_path()
         if path is None:
             fail(f"no model given and no packaged default model; {HOW_TO_GET_A_MODEL}")
+    if path.is_dir():
+        fail(f"model {str(path)!r} is a folder, not a GGUF file; {HOW_TO_GET_A_MODEL}")
     if not path.is_file():
         fail(f"model file {str(path)!r} does not exist; {HOW_TO_GET_A_MODEL}")
     return path

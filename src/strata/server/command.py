@@ -3,6 +3,7 @@ The lead registers it with `main.add_command(serve)` in strata/cli.py."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -49,6 +50,19 @@ def create_wsgi_server(app, host: str, port: int, threads: int = DEFAULT_HTTP_TH
     except BaseException:
         sock.close()
         raise
+
+
+def _stop_if_the_load_fails(worker) -> None:
+    """A model that cannot load stops the server, as llama-server does: the engine thread
+    loads it while the server already listens (/health says "loading"), and when the load
+    fails this signals the main thread, which closes the server and exits with the error."""
+    def watch():
+        worker.wait_loaded()
+        if worker.state == "error":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    if threading.current_thread() is threading.main_thread():
+        threading.Thread(target=watch, name="strata-load-watch", daemon=True).start()
 
 
 def _stop_on_sigterm() -> None:
@@ -143,10 +157,14 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
                f"http://{host}:{server.effective_port} (OpenAI and Anthropic APIs under /v1)",
                err=True)
     _stop_on_sigterm()
+    worker = app.extensions["strata"].worker
     try:
+        _stop_if_the_load_fails(worker)
         server.run()  # returns on Ctrl-C (waitress catches it) or SIGTERM
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         pass
     finally:
         server.close()
         app.extensions["strata"].close()
+    if worker.state == "error":
+        fail(f"the model failed to load, so the server stopped: {worker.error_message}")

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from strata.errors import RequestError
+from strata.errors import RequestError, StrataError
 from strata.server.api_error import ApiError
 from strata.server.metrics import ServerMetrics
 
@@ -117,7 +117,10 @@ class EngineWorker:
         try:
             self.engine = self._source() if callable(self._source) else self._source
         except Exception as exc:  # noqa: BLE001 - any load failure is reported on /health
-            log.exception("loading the model failed")
+            if isinstance(exc, StrataError):  # says what to fix: no traceback
+                log.error("loading the model failed: %s", exc)
+            else:
+                log.exception("loading the model failed")
             self.error_message = str(exc) or type(exc).__name__
             self.state = "error"
             return False
