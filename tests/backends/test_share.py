@@ -133,8 +133,9 @@ def test_calibrate_measures_the_cpu_pool(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path / "cache"))
     res = CliRunner().invoke(main, ["calibrate", tiny, "-t", "1", "--seconds", "0.05"])
     assert res.exit_code == 2
-    assert res.stdout.startswith("CPU pool (1 thread): ")
+    assert res.stdout == ""                     # refused before timing the CPU pool
     assert "calibrate needs the GPU to measure its PCIe reach" in res.stderr
+    assert "--device cpu" not in res.stderr     # calibrate has no such option
     assert not (tmp_path / "cache").exists()   # nothing stored from half a measurement
 
 

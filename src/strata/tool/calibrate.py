@@ -4,6 +4,7 @@ and store the fastest share (share.py).
 """
 from __future__ import annotations
 
+import re
 import time
 
 import click
@@ -106,6 +107,23 @@ def measure_gpu_reach(device_index: int = 0, num_bytes: int = 256 << 20,
     return {"gpu": name, "gpu_reach_bytes_per_s": num_bytes / best_s, "gpu_read_bytes": num_bytes}
 
 
+def _no_gpu_message(exc: Exception) -> str:
+    """The error of a machine calibrate cannot measure: what CUDA said, without its hint to run
+    with --device cpu (calibrate has no CPU mode: the CPU backend splits nothing)."""
+    reason = re.sub(r"[,;]? ?(or )?run with --device cpu$", "", str(exc)).rstrip(" ,;")
+    return (f"calibrate needs the GPU to measure its PCIe reach: {reason}; the CPU backend "
+            f"needs no calibration (it has no PCIe share to set)")
+
+
+def _need_gpu() -> None:
+    """Refuse at once on a machine without a usable GPU, before timing the CPU pool."""
+    from strata.backends.cuda.runtime import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        _fail(_no_gpu_message(ConfigError(reason)))
+
+
 @click.command()
 @click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False))
 @click.option("--threads", "-t", default=None, type=click.IntRange(min=1),
@@ -131,6 +149,7 @@ def calibrate(model_path, threads, seconds, rows, device_index, sweep):
     from strata.model.gguf_file import GGUFModel
 
     threads = threads or default_pool_threads()
+    _need_gpu()
     try:
         with GGUFModel.open(model_path) as model:
             store = ExpertStore.from_gguf(model)
@@ -150,7 +169,7 @@ def calibrate(model_path, threads, seconds, rows, device_index, sweep):
     try:
         gpu = measure_gpu_reach(device_index)
     except ConfigError as exc:
-        _fail(f"calibrate needs the GPU to measure its PCIe reach: {exc}")
+        _fail(_no_gpu_message(exc))
     gpu_experts_per_s = gpu["gpu_reach_bytes_per_s"] / expert_nbytes
     click.echo(f"GPU reach ({gpu['gpu']}): {gpu['gpu_reach_bytes_per_s'] / 1e9:.1f} GB/s from "
                f"mapped pinned RAM = {gpu_experts_per_s:,.0f} experts/s")
