@@ -130,6 +130,12 @@ def test_commands_synth_trace_profile_replay_inspect(tmp_path):
     result = runner.invoke(replay, [path, "--slots", "4", "--policy", "nope"])
     assert result.exit_code == 2
     assert "no installed tier policy is called 'nope'; installed: decayed-count" in result.output
+    assert "windows" not in result.output          # refused before the header
+    for bad, says in (("-3", "-3 slots: the trace has 16 experts, so 0..16"), ("17", "0..16"),
+                      ("101%", "a share of all experts lies in 0..100%"), ("nan%", "0..100%")):
+        result = runner.invoke(replay, [path, "--slots", "25%", "--slots", bad])
+        assert result.exit_code == 2 and says in result.output, (bad, result.output)
+        assert "windows" not in result.output and "Traceback" not in result.output
     result = runner.invoke(tool_main, ["inspect", "--routing", path])
     assert result.exit_code == 0, result.output
     assert result.output.startswith("routing trace: 2 layers x 8 experts, 40 windows")

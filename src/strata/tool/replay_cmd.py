@@ -33,11 +33,19 @@ def parse_slots(text: str, num_experts_total: int) -> int:
     """`--slots` value: a count ("150") or a share of all experts ("10%", rounded)."""
     try:
         if text.endswith("%"):
-            return round(float(text[:-1]) / 100 * num_experts_total)
-        return int(text)
+            share = float(text[:-1])
+            if not 0 <= share <= 100:  # also NaN
+                raise click.BadParameter(f"{text!r}: a share of all experts lies in 0..100%",
+                                         param_hint="--slots")
+            return round(share / 100 * num_experts_total)
+        count = int(text)
     except ValueError:
         raise click.BadParameter(f"{text!r} is neither a slot count (e.g. 150) nor a share of "
                                  "all experts (e.g. 10%)", param_hint="--slots") from None
+    if not 0 <= count <= num_experts_total:
+        raise click.BadParameter(f"{count} slots: the trace has {num_experts_total} experts, so "
+                                 f"0..{num_experts_total}", param_hint="--slots")
+    return count
 
 
 def find_tier_policy(name: str | None, num_slots: int, adapt_swaps: int):
@@ -94,12 +102,13 @@ def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_s
             _fail(f"cannot read {profile_path}: {exc.strerror or exc}")
         except StrataError as exc:
             _fail(str(exc))
+    # every --slots and the policy checked before the first line is printed
+    runs = [(num_slots, find_tier_policy(policy_name, num_slots, adapt_swaps))
+            for num_slots in (parse_slots(text, total) for text in slots_text)]
     click.echo(f"{trace.num_windows} windows, {len(trace.records)} accesses, "
                f"{trace.n_layers} layers x {trace.n_experts} experts ({total})")
     click.echo(f"{'slots':>7}  {'policy':<16} {'hit rate':>8}  {'hits':>10}  {'loads':>9}")
-    for text in slots_text:
-        num_slots = parse_slots(text, total)
-        policy = find_tier_policy(policy_name, num_slots, adapt_swaps)
+    for num_slots, policy in runs:
         try:
             results = replay_all(trace, num_slots, policy, adapt_every, adapt_min_gain, profile)
             if free_admission:  # a fresh policy: they keep state
