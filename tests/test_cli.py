@@ -236,6 +236,12 @@ def test_bench_bad_repetitions(tiny):
     assert "-r" in res.output
 
 
+def test_bench_with_nothing_to_time(tiny):
+    res = runner().invoke(main, ["bench", "--model", tiny, "-p", "0", "-n", "0"])
+    assert res.exit_code == 2
+    assert "nothing to time: -p 0 and -n 0" in res.output and "| model" not in res.output
+
+
 def test_run_reads_the_prompt_from_stdin(tiny):
     args = ["run", "--model", tiny, "-n", "4", "--temp", "0", "--raw"]
     from_arg = runner().invoke(main, args + ["Hi there"])
@@ -407,6 +413,12 @@ def test_run_follows_a_grammar_and_names_its_faults(tiny, tmp_path):
     both = runner().invoke(main, ["run", "--model", tiny, "--grammar", gbnf,
                                   "--grammar-file", str(path), "Hi"])
     assert both.exit_code == 2 and "not both" in both.stderr
+    # an empty root (llama.cpp's grammar too) allows only the empty reply: the end token at once
+    empty = runner().invoke(main, ["run", "--model", tiny, "-n", "8", "--temp", "0", "--raw",
+                                   "--grammar", "root ::= ", "Hello"])
+    assert empty.exit_code == 0 and empty.stdout == "\n", empty.output
+    assert empty.stderr.strip().endswith(
+        "decode: 1 token (from the prompt's logits; no decode window ran)")
 
 
 def test_serve_stops_with_the_error_when_the_model_cannot_load(tiny, tmp_path):

@@ -154,10 +154,12 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, re
     click.echo("")
     if cache_line is not None:
         click.echo(cache_line, err=True)
+    generated = stats.num_generated_tokens
     click.echo(f"prompt: {stats.num_prompt_tokens_computed} tokens at "
-               f"{stats.prompt_tokens_per_s:.2f} tokens/s, decode: "
-               f"{stats.num_generated_tokens} tokens at {stats.decode_tokens_per_s:.2f} tokens/s",
-               err=True)
+               f"{stats.prompt_tokens_per_s:.2f} tokens/s, decode: {generated} "
+               f"token{'' if generated == 1 else 's'} "
+               + (f"at {stats.decode_tokens_per_s:.2f} tokens/s" if stats.num_decode_tokens
+                  else "(from the prompt's logits; no decode window ran)"), err=True)
     if stats.num_draft_tokens:
         click.echo(f"drafts: {stats.num_accepted_draft_tokens} of {stats.num_draft_tokens} "
                    f"accepted, {stats.num_decode_tokens} tokens in {stats.num_decode_forwards} "
@@ -509,6 +511,9 @@ def bench(model, n_prompt, n_gen, repetitions, threads, chunk, slot_counts, dept
                                  ("-r", repetitions, 1)):
         if value < minimum:
             raise click.BadParameter(f"{value} must be >= {minimum}", param_hint=name)
+    if n_prompt == 0 and n_gen == 0:
+        raise click.UsageError("nothing to time: -p 0 and -n 0 skip both tests; give -p N "
+                               "(prompt tokens) or -n N (generated tokens)")
     path = resolve_model(model)
     try:
         rows = run_bench(path, n_prompt, n_gen, repetitions, threads, chunk,
