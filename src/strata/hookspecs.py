@@ -92,7 +92,10 @@ class ReadInterleave(Protocol):
         """Given the prompts placed in slots and not yet fully read (in arrival order), the
         number of slots decoding now and the measured window timings (None before the first
         measurement), return which read gets the next chunk, its size in tokens and how many
-        decode windows run after it before the next chunk; None when `reads` is empty."""
+        decode windows run after it before the next chunk; None when `reads` is empty. The
+        engine checks the plan (`strata.engine.interleave.check_read_plan`: a chunk of 1 to the
+        read's tokens left) and uses the built-in's plan, with a warning, in place of a wrong
+        one or an exception."""
 
 
 @runtime_checkable

@@ -12,6 +12,7 @@ from faulty_plugins import BadPickerPlugin
 
 from strata import Engine, EngineConfig, SamplingParams, hookimpl
 from strata.engine.generate import collect
+from strata.engine.interleave import ReadPlan
 from strata.engine.scheduler import STATE_DECODING, STATE_QUEUED, STATE_READING
 from strata.errors import ConfigError
 from strata.plugins import get_plugin_manager
@@ -403,3 +404,95 @@ def test_a_slot_whose_kv_copies_run_sits_out_while_others_decode(model_8k, caplo
         assert settles == [1] and f"slot {c.slot_index}: waited" in caplog.text
         assert c.state == STATE_DECODING  # its prompt was read in that window
         run_all(engine, [c])
+
+
+# ---- faulty plugins: the engine goes on --------------------------------------------------
+class FaultyInterleave:
+    """A read-interleave plugin whose every plan is wrong in the same way."""
+
+    name = "faulty"
+
+    def __init__(self, answer):
+        self.answer, self.num_calls = answer, 0
+
+    def plan(self, reads, num_decoding_slots, timing):
+        self.num_calls += 1
+        return self.answer(reads[0]) if reads else None
+
+    @hookimpl
+    def strata_read_interleave(self):
+        return self
+
+
+def raises(read):
+    raise ZeroDivisionError("bad arithmetic")
+
+
+@pytest.mark.parametrize("answer, problem", [
+    (lambda read: None, "returned None, not a ReadPlan"),
+    (lambda read: ReadPlan(read.slot_index, 0, 0, None), "a chunk of 0 tokens of a read with"),
+    (lambda read: ReadPlan(read.slot_index, read.num_tokens_left + 1, 0, None),
+     "tokens of a read with"),
+    (lambda read: ReadPlan(7, 16, 0, None), "slot 7 has no prompt to read"),
+    (lambda read: ReadPlan(read.slot_index, 16.0, 0, None), "chunk_tokens 16.0 is not an int"),
+    (lambda read: ReadPlan(read.slot_index, 16, -1, None), "-1 decode windows"),
+    (raises, "raised ZeroDivisionError: bad arithmetic"),
+], ids=["none", "zero", "over", "no-slot", "float", "negative", "raises"])
+def test_a_faulty_read_plan_is_replaced_by_the_builtin_one(model_8k, caplog, answer, problem):
+    rng = np.random.default_rng(12)
+    prompts = [random_tokens(rng, 40), random_tokens(rng, 100)]
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    plugin = FaultyInterleave(answer)
+    pm = get_plugin_manager(autoload=False)
+    pm.register(plugin, name="faulty-plugin")
+    with new_engine(model_8k, parallel=2, prompt_chunk_tokens=32) as engine:
+        want = run_all(engine, [engine.submit(p, params) for p in prompts])
+    with new_engine(model_8k, parallel=2, prompt_chunk_tokens=32, plugin_manager=pm) as engine:
+        got = run_all(engine, [engine.submit(p, params) for p in prompts])
+        again = run_all(engine, [engine.submit(prompts[0][:20], params)])
+        assert engine.num_running == 0 and engine.scheduler.table.num_idle == 2
+    assert got == want and len(again[0]) == 6  # the built-in planned every chunk: same windows
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and plugin.num_calls > 1  # once, then at DEBUG
+    assert warnings[0].startswith("read-interleave policy 'faulty' (plugin 'faulty-plugin') ")
+    assert problem in warnings[0] and "the built-in 'half-rate' plans instead" in warnings[0]
+
+
+class FaultyObservers:
+    """Observer plugins that raise: after the third window, and at the first request's end."""
+
+    def __init__(self):
+        self.num_requests = 0
+
+    @hookimpl
+    def strata_window_done(self, stats):
+        if stats.window_index == 3:
+            raise RuntimeError("window observer failed")
+
+    @hookimpl
+    def strata_request_done(self, stats):
+        self.num_requests += 1
+        if self.num_requests == 1:
+            raise RuntimeError("request observer failed")
+
+
+def test_an_observer_that_raises_fails_no_request(model_8k, caplog):
+    rng = np.random.default_rng(13)
+    prompts = [random_tokens(rng, 10), random_tokens(rng, 100)]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (3, 8)]
+    pm = get_plugin_manager(autoload=False)
+    observers, windows = FaultyObservers(), WindowLog()
+    pm.register(observers, name="faulty-observers")
+    pm.register(windows, name="window-log")
+    with new_engine(model_8k, parallel=2, prompt_chunk_tokens=32, plugin_manager=pm) as engine:
+        got = run_all(engine, [engine.submit(p, sp) for p, sp in zip(prompts, params)])
+        assert engine.num_running == 0 and engine.scheduler.table.num_idle == 2
+    assert got == [solo(model_8k, p, sp) for p, sp in zip(prompts, params)]
+    assert observers.num_requests == 2  # (the first request's observer raised)
+    assert [w.window_index for w in windows.windows] == list(range(1, len(windows.windows) + 1))
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sorted(errors) == [
+        "plugin 'faulty-observers' failed in strata_request_done; the engine goes on (its later "
+        "failures are logged at DEBUG): fix or uninstall the plugin",
+        "plugin 'faulty-observers' failed in strata_window_done; the engine goes on (its later "
+        "failures are logged at DEBUG): fix or uninstall the plugin"]

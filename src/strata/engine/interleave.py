@@ -4,6 +4,7 @@ many decode windows run before the next one, so that decoding slots keep their s
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -117,6 +118,40 @@ class HalfRateInterleave:
         while k > 1 and (k - 1) * window_seconds * (1.0 - s) >= need:
             k -= 1
         return k
+
+
+class BadReadPlan(ValueError):
+    """A ReadInterleave's answer the engine cannot follow."""
+
+
+def check_read_plan(plan, reads: Sequence[PendingRead]) -> ReadPlan:
+    """A ReadInterleave's answer to `reads` (not empty) as a ReadPlan of plain ints: a chunk of
+    1 to the tokens left of one of the reads, then >= 0 decode windows. BadReadPlan says what
+    is wrong (a chunk of 0 tokens would never finish the read)."""
+    fields = ("slot_index", "chunk_tokens", "num_decode_windows_after")
+    if not all(hasattr(plan, name) for name in fields):
+        raise BadReadPlan(f"returned {plan!r}, not a ReadPlan, for {len(reads)} prompts to read")
+    values = []
+    for name in fields:
+        value = getattr(plan, name)
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            values.append(operator.index(value))
+        except TypeError:
+            raise BadReadPlan(f"returned {plan!r}: {name} {value!r} is not an integer") from None
+    slot_index, chunk_tokens, num_windows = values
+    read = next((r for r in reads if r.slot_index == slot_index), None)
+    if read is None:
+        raise BadReadPlan(f"returned {plan!r}: slot {slot_index} has no prompt to read (the "
+                          f"reads are in slots {[r.slot_index for r in reads]})")
+    if not 1 <= chunk_tokens <= read.num_tokens_left:
+        raise BadReadPlan(f"returned {plan!r}: a chunk of {chunk_tokens} tokens of a read "
+                          f"with {read.num_tokens_left} left (1 to {read.num_tokens_left})")
+    if num_windows < 0:
+        raise BadReadPlan(f"returned {plan!r}: {num_windows} decode windows after the chunk "
+                          "(0 or more)")
+    return ReadPlan(slot_index, chunk_tokens, num_windows, getattr(plan, "decode_share", None))
 
 
 def _check_seconds(value: float, name: str, allow_zero: bool) -> float:

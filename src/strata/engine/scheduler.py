@@ -19,7 +19,8 @@ from strata.engine.conversation_disk import ConversationDisk, DiskSettings, kv_f
 from strata.engine.conversations import ConversationCache
 from strata.engine.drafts import DraftSettings, NgramDrafter
 from strata.engine.generate import GenerationEvent, GenerationStats, TokenDecoder
-from strata.engine.interleave import PendingRead, WindowTiming
+from strata.engine.interleave import (BadReadPlan, HalfRateInterleave, PendingRead,
+                                      WindowTiming, check_read_plan)
 from strata.engine.kv import KVCache
 from strata.engine.logprobs import token_logprob
 from strata.engine.sampling import SamplingParams
@@ -176,6 +177,7 @@ class Scheduler:
         self._window_index = 0
         self._decode_windows_left = 0  # decode-only windows still due before the next chunk
         self._decode_window_s: float | None = None
+        self._num_bad_read_plans = 0  # faulty answers of a read-interleave plugin
         self._prompt_s_per_token: float | None = None
         self.last_slot_index = 0
         # pipelined decode: the model's slot groups and what starts / finishes their windows
@@ -669,10 +671,6 @@ class Scheduler:
                 self._decode_windows_left = max(plan.num_decode_windows_after - 1, 0)
                 return runs, modes, kinds
             active.is_started = True
-            if not 1 <= plan.chunk_tokens <= num_left:
-                raise RequestError(f"the read-interleave policy asked for a chunk of "
-                                   f"{plan.chunk_tokens} tokens of a read with {num_left} left; "
-                                   "fix or uninstall the plugin")
             num_tokens = plan.chunk_tokens
             if active.prompt_logprobs is not None:  # every row's logits: chunks kept small
                 num_tokens = min(num_tokens, PROMPT_LOGPROBS_CHUNK)
@@ -714,7 +712,23 @@ class Scheduler:
         timing = None
         if self._decode_window_s is not None and self._prompt_s_per_token is not None:
             timing = WindowTiming(self._decode_window_s, self._prompt_s_per_token)
-        plan = self.choosers.read_interleave.plan(pending, num_decoding, timing)
+        policy = self.choosers.read_interleave
+        fallback = self.choosers.fallback_read_interleave or HalfRateInterleave()
+        if policy is fallback:
+            return check_read_plan(policy.plan(pending, num_decoding, timing), pending)
+        try:
+            plan = check_read_plan(policy.plan(pending, num_decoding, timing), pending)
+        except Exception as exc:  # noqa: BLE001 - a faulty plugin: the built-in plans instead
+            problem = str(exc) if isinstance(exc, BadReadPlan) else \
+                f"raised {type(exc).__name__}: {exc}"
+            level = logging.WARNING if not self._num_bad_read_plans else logging.DEBUG
+            self._num_bad_read_plans += 1
+            log.log(level, "read-interleave policy %r (plugin %r) %s; the built-in %r plans "
+                    "instead (later faulty plans are logged at DEBUG): fix or uninstall the "
+                    "plugin", getattr(policy, "name", type(policy).__name__),
+                    self.choosers.sources.get("strata_read_interleave"), problem,
+                    fallback.name)
+            plan = fallback.plan(pending, num_decoding, timing)
         log.debug("read plan: slot %d, %d tokens, then %d decode windows (%s)",
                   plan.slot_index, plan.chunk_tokens, plan.num_decode_windows_after, timing)
         return plan
