@@ -3,6 +3,8 @@ entry-point group, and the chooser objects the engine resolves once when it is b
 """
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +19,8 @@ from strata.hookspecs import (CHOOSER_HOOKS, CHOOSER_INTERFACES, OBSERVER_HOOKS,
 ENTRY_POINT_GROUP = "strata"
 AUTOLOAD_OFF_ENV = "STRATA_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_PLUGIN_NAME = "strata.builtin"
+
+log = logging.getLogger("strata.plugins")
 
 
 class BuiltinDefaults:
@@ -51,7 +55,6 @@ class BuiltinDefaults:
         return DecayedCountTier(getattr(config, "expert_cache_slots", None),
                                 max_swaps=getattr(config, "adapt_swaps", None) or 64)
 
-
     @hookimpl(trylast=True)
     def strata_kv_grow(self):
         """Lends the run of expert-cache slots the tier values least; refills with the best."""
@@ -82,7 +85,25 @@ def get_plugin_manager(autoload: bool | None = None) -> pluggy.PluginManager:
                 f"a plugin in the {ENTRY_POINT_GROUP!r} entry-point group failed to load: "
                 f"{type(exc).__name__}: {exc}; fix or uninstall it, or set "
                 f"{AUTOLOAD_OFF_ENV}=1 to start without plugins") from exc
+        check_hook_names(pm)
     return pm
+
+
+def check_hook_names(pm: pluggy.PluginManager) -> None:
+    """ConfigError naming the plugin when one implements a hook that has no spec (a misspelled
+    name would otherwise never be called); optional hooks are left alone."""
+    known = sorted(CHOOSER_HOOKS + OBSERVER_HOOKS)
+    for hook_name, hook in vars(pm.hook).items():
+        if hook_name.startswith("_") or hook.has_spec():
+            continue
+        for impl in hook.get_hookimpls():
+            if impl.optionalhook:
+                continue
+            close = difflib.get_close_matches(hook_name, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"plugin {impl.plugin_name!r} implements {hook_name!r}, which is not a Strata "
+                f"hook ({hint}the hooks: {', '.join(known)}); fix or uninstall the plugin")
 
 
 @dataclass
@@ -95,22 +116,41 @@ class Choosers:
     tier_policy: TierPolicy | None
     kv_grow: KVGrow | None
     sources: dict[str, str | None] = field(default_factory=dict)
-    _window_done: tuple = field(default=(), repr=False)
+    # the built-in read interleave, which the engine uses for a plan the plugin's gets wrong
+    fallback_read_interleave: ReadInterleave | None = None
+    _window_done: tuple = field(default=(), repr=False)  # (plugin name, call) per observer
     _request_done: tuple = field(default=(), repr=False)
+    _failed_observers: set = field(default_factory=set, repr=False)
 
     def window_done(self, stats) -> None:
         """Tell the observers a window ended (no pluggy dispatch per window)."""
-        for notify in self._window_done:
-            notify(stats=stats)
+        self._notify("strata_window_done", self._window_done, stats)
 
     def request_done(self, stats) -> None:
-        for notify in self._request_done:
-            notify(stats=stats)
+        self._notify("strata_request_done", self._request_done, stats)
+
+    def _notify(self, hook_name: str, observers: tuple, stats) -> None:
+        """Call every observer; one that raises is logged and the others still run: an
+        observer never fails a window or a request."""
+        for plugin_name, notify in observers:
+            try:
+                notify(stats=stats)
+            except Exception:  # noqa: BLE001 - a faulty observer plugin is only logged
+                key = (plugin_name, hook_name)
+                if key in self._failed_observers:
+                    log.debug("plugin %r failed in %s again", plugin_name, hook_name,
+                              exc_info=True)
+                    continue
+                self._failed_observers.add(key)
+                log.exception("plugin %r failed in %s; the engine goes on (its later failures "
+                              "are logged at DEBUG): fix or uninstall the plugin", plugin_name,
+                              hook_name)
 
 
 def resolve_choosers(pm: pluggy.PluginManager, **engine_context: Any) -> Choosers:
     """Call each chooser hook once with the engine context (config, spec, num_slots; extra keys
     are ignored) and check each answer implements its interface."""
+    check_hook_names(pm)
     resolved: dict[str, Any] = {}
     sources: dict[str, str | None] = {}
     for hook_name in CHOOSER_HOOKS:
@@ -128,9 +168,13 @@ def resolve_choosers(pm: pluggy.PluginManager, **engine_context: Any) -> Chooser
             raise ConfigError(f"no plugin answered {hook_name}, not even the built-in default; "
                               f"a plugin must not unregister {BUILTIN_PLUGIN_NAME!r}")
     observers = {name: _observer_calls(pm, name) for name in OBSERVER_HOOKS}
+    fallback = resolved["strata_read_interleave"]
+    if sources["strata_read_interleave"] != BUILTIN_PLUGIN_NAME:
+        fallback = BuiltinDefaults().strata_read_interleave(engine_context.get("config"))
     return Choosers(resolved["strata_slot_picker"], resolved["strata_read_interleave"],
                     resolved["strata_tier_policy"], resolved["strata_kv_grow"], sources,
-                    observers["strata_window_done"], observers["strata_request_done"])
+                    fallback, observers["strata_window_done"],
+                    observers["strata_request_done"])
 
 
 def implementations_in_call_order(pm: pluggy.PluginManager, hook_name: str) -> list:
@@ -150,19 +194,33 @@ def _first_answer(pm: pluggy.PluginManager, hook_name: str,
     if any(impl.hookwrapper or impl.wrapper for impl in impls):
         # A wrapper may change the result: let pluggy run the whole chain; the source is unknown.
         args = {a: context[a] for a in hook.spec.argnames}
-        return hook(**args), "(wrapped)"
+        return _called(hook_name, "(wrapped)", hook, args), "(wrapped)"
     for impl in impls:
-        result = impl.function(**{a: context[a] for a in impl.argnames})
+        result = _called(hook_name, impl.plugin_name, impl.function,
+                         {a: context[a] for a in impl.argnames})
         if result is not None:
             return result, impl.plugin_name
     return None, None
 
 
+def _called(hook_name: str, plugin_name: str, function, args: dict[str, Any]) -> Any:
+    """A chooser hook's answer; ConfigError naming the plugin when it raises (the built-ins'
+    ConfigErrors, about an option, go through as they are)."""
+    try:
+        return function(**args)
+    except Exception as exc:
+        if plugin_name == BUILTIN_PLUGIN_NAME and isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"plugin {plugin_name!r} failed in {hook_name}: "
+                          f"{type(exc).__name__}: {exc}; fix or uninstall the plugin") from exc
+
+
 def _observer_calls(pm: pluggy.PluginManager, hook_name: str) -> tuple:
     impls = implementations_in_call_order(pm, hook_name)
     if any(impl.hookwrapper or impl.wrapper for impl in impls):
-        return (getattr(pm.hook, hook_name),)
-    return tuple(_bind_stats(impl.function, impl.argnames) for impl in impls)
+        return (("(wrapped)", getattr(pm.hook, hook_name)),)
+    return tuple((impl.plugin_name, _bind_stats(impl.function, impl.argnames))
+                 for impl in impls)
 
 
 def _bind_stats(function, argnames):

@@ -1,6 +1,7 @@
 """The plugin manager: entry-point autoload and its switch, checks on answers, the listing."""
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -94,6 +95,52 @@ def test_an_answer_that_misses_the_interface_is_rejected():
     pm.register(Wrong(), name="wrong")
     with pytest.raises(ConfigError, match="'wrong' answered strata_slot_picker with object, "
                                           "which does not implement SlotPicker"):
+        resolve_choosers(pm, **CONTEXT)
+
+
+MISSPELLED_SOURCE = """
+    from strata.hookspecs import hookimpl
+
+
+    @hookimpl
+    def strata_slot_piker():
+        return None
+"""
+
+
+def test_a_misspelled_hook_is_a_config_error_naming_the_plugin(tmp_path, monkeypatch):
+    make_distribution(tmp_path, "strata-typo", {"typo": "typo_plugin"},
+                      {"typo_plugin": MISSPELLED_SOURCE})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    message = ("plugin 'typo' implements 'strata_slot_piker', which is not a Strata hook (did "
+               "you mean 'strata_slot_picker'?")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        get_plugin_manager(autoload=True)
+
+    class RegisteredLater:  # after the manager was built: found when the engine resolves
+        @hookimpl
+        def strata_windows_done(self, stats):
+            pass
+
+    pm = get_plugin_manager(autoload=False)
+    pm.register(RegisteredLater(), name="later")
+    with pytest.raises(ConfigError, match=re.escape(
+            "plugin 'later' implements 'strata_windows_done', which is not a Strata hook (did "
+            "you mean 'strata_window_done'?")):
+        resolve_choosers(pm, **CONTEXT)
+
+
+def test_a_chooser_hook_that_raises_is_a_config_error_naming_the_plugin():
+    class Raises:
+        @hookimpl
+        def strata_tier_policy(self, config):
+            raise KeyError("expert_cache_slots")
+
+    pm = get_plugin_manager(autoload=False)
+    pm.register(Raises(), name="raises")
+    with pytest.raises(ConfigError, match=re.escape(
+            "plugin 'raises' failed in strata_tier_policy: KeyError: 'expert_cache_slots'; fix "
+            "or uninstall the plugin")):
         resolve_choosers(pm, **CONTEXT)
 
 
