@@ -204,6 +204,9 @@ class FixedPicker:
 @pytest.mark.parametrize("answer, message", [
     (None, "must return"), ((0,), "must return"), ((5, 0), "not an idle slot"),
     ((1, 0), "not an idle slot"), ((0, 3), "only 2 can be reused"), ((0, -1), "reuses -1"),
+    # not integers: int() would have taken them as (0, 1) and (0, 0)
+    ("01", "must return"), ((0, 1.5), "must return"), ((0.0, 0), "must return"),
+    ((False, 1), "must return"),
 ])
 def test_check_pick_rejects_bad_answers_with_the_plugin_name(answer, message):
     slots = make_slots(([1, 2, 3], False, 1), ((), True, 2))
@@ -215,6 +218,19 @@ def test_check_pick_rejects_bad_answers_with_the_plugin_name(answer, message):
 def test_check_pick_accepts_a_valid_answer():
     slots = make_slots(([1, 2, 3], False, 1))
     assert check_pick(PICKER, (0, 2), [1, 2, 3], slots) == (0, 2)
+    assert check_pick(PICKER, [np.int64(0), np.int32(2)], [1, 2, 3], slots) == (0, 2)
+
+
+def test_a_picker_that_raises_is_a_config_error_naming_it():
+    class Raises:
+        name = "raises"
+
+        def pick(self, prompt_tokens, slots):
+            raise KeyError("no such slot")
+
+    with pytest.raises(ConfigError, match="slot picker 'raises' failed: KeyError: 'no such "
+                                          "slot'; fix or uninstall the plugin"):
+        place_request([1, 2, 3], Raises(), make_slots(([1, 2], False, 1)))
 
 
 # ---- placement: slot picker + parked conversations ----------------------------------------

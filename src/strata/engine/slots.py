@@ -3,6 +3,7 @@ new request (slot picker + parked conversations).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -135,9 +136,12 @@ class LongestPrefixPicker:
 def check_pick(picker: SlotPicker, choice, prompt_tokens: Sequence[int],
                slots: Sequence[SlotView]) -> tuple[int, int]:
     """Validate a picker's answer so a faulty plugin fails with a message, not a corrupt KV."""
-    where = f"slot picker {getattr(picker, 'name', type(picker).__name__)!r}"
+    where = f"slot picker {picker_name(picker)!r}"
     try:
-        index, num_reused = (int(x) for x in choice)
+        index, num_reused = choice
+        if isinstance(index, bool) or isinstance(num_reused, bool):
+            raise TypeError
+        index, num_reused = operator.index(index), operator.index(num_reused)
     except (TypeError, ValueError):
         raise ConfigError(f"{where} returned {choice!r}; pick() must return "
                           "(slot_index, num_reused_tokens); fix or uninstall the plugin") from None
@@ -150,6 +154,21 @@ def check_pick(picker: SlotPicker, choice, prompt_tokens: Sequence[int],
         raise ConfigError(f"{where} reuses {num_reused} tokens of slot {index}, but only "
                           f"{limit} can be reused; fix or uninstall the plugin")
     return index, num_reused
+
+
+def picker_name(picker: SlotPicker) -> str:
+    return getattr(picker, "name", type(picker).__name__)
+
+
+def ask_picker(picker: SlotPicker, prompt_tokens: Sequence[int],
+               slots: Sequence[SlotView]) -> tuple[int, int]:
+    """The picker's checked answer; ConfigError naming it when it raises or answers wrong."""
+    try:
+        choice = picker.pick(prompt_tokens, slots)
+    except Exception as exc:
+        raise ConfigError(f"slot picker {picker_name(picker)!r} failed: {type(exc).__name__}: "
+                          f"{exc}; fix or uninstall the plugin") from exc
+    return check_pick(picker, choice, prompt_tokens, slots)
 
 
 @dataclass(frozen=True)
@@ -187,8 +206,7 @@ def place_request(prompt_tokens: Sequence[int], picker: SlotPicker, slots: Seque
     parked conversation is restored only when at least that share of its reused cells are
     more than the slot keeps, and the slot's tokens are parked only when at least that share
     of them would be lost."""
-    index, num_reused = check_pick(picker, picker.pick(prompt_tokens, slots), prompt_tokens,
-                                   slots)
+    index, num_reused = ask_picker(picker, prompt_tokens, slots)
     if reusable is not None:
         num_reused = int(reusable(index, num_reused))
     parked_key = None
