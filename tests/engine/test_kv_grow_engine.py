@@ -4,6 +4,7 @@ decoding request with "length" and fails a prompt that does not fit; and the str
 rounds and grow/trim while windows run, every window equal to the frozen-tier run."""
 from __future__ import annotations
 
+import logging
 import sys
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from strata import Engine, EngineConfig, SamplingParams, hookimpl
 from strata._native import kernels
 from strata.errors import RequestError
+from strata.experts.kv_grow import LeastValuedKVGrow
 from strata.plugins import get_plugin_manager
 from strata.tool.synth import synth_model
 
@@ -107,6 +109,56 @@ def test_a_refused_grow_ends_decoding_with_length_and_fails_a_long_prompt(wide):
         want = [e.token_id for e in plain.generate(prompt, SamplingParams(max_tokens=100,
                                                                           **GREEDY))]
     assert [e.token_id for e in events] == want
+
+
+class NumpyRunsBadRefills(LeastValuedKVGrow):
+    """The built-in's runs as a numpy array; refills that are not (layer, expert) pairs."""
+
+    name = "numpy-runs"
+
+    def grow(self, slot_index, num_cells_needed, cells_per_expert_slot, residency):
+        return np.asarray(super().grow(slot_index, num_cells_needed, cells_per_expert_slot,
+                                       residency))
+
+    def give_back(self, slot_index, expert_slots):
+        return [(0,)] + [None] * (len(expert_slots) - 1)
+
+
+class NumpyRunsPlugin:
+    @hookimpl
+    def strata_kv_grow(self):
+        return NumpyRunsBadRefills()
+
+
+def test_a_numpy_run_is_lent_and_bad_refills_return_the_slots_empty(wide, caplog):
+    pm = get_plugin_manager(autoload=False)
+    pm.register(NumpyRunsPlugin(), "numpy-runs")
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(10, 4000, n)] for n in (30, 100)]
+    want, _ = tokens_of(wide, prompts, (80, 80), expert_cache=48, adapt_every=0)
+    with Engine(EngineConfig(wide, n_ctx=512, parallel=2, prompt_chunk_tokens=24,
+                             expert_cache=48, adapt_every=0, kv_grow=64),
+                plugin_manager=pm) as engine:
+        for _ in range(2):  # the slots and the lent runs come back for the next requests
+            handles = [engine.submit(p, SamplingParams(max_tokens=80, **GREEDY))
+                       for p in prompts]
+            got = [[e.token_id for e in h.pop_events()] for h in handles]
+            while not all(h.is_finished for h in handles):
+                assert engine.step()
+                for tokens, h in zip(got, handles):
+                    tokens += [e.token_id for e in h.pop_events()]
+            assert [h.error for h in handles] == [None, None] and got == want
+            assert engine.scheduler.table.num_idle == 2
+            lender = engine.scheduler.kv_lender
+            assert lender.lent == {} and lender.num_refused == 0 and lender.num_refills == 0
+            table = engine.expert_tier.arena.table
+            assert not any(table.is_claimed(s) for s in range(table.n_slots))
+        assert lender.num_grows >= 4 and lender.num_trims == 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings and all(w.startswith("KV grow policy 'numpy-runs' returned ") and
+                            "refills that are not (layer, expert) pairs of integers (the first: "
+                            "(0,)); those slots return empty: fix the plugin" in w
+                            for w in warnings)
 
 
 @pytest.fixture

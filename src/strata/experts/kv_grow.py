@@ -5,6 +5,7 @@ is the built-in KVGrow policy; `KVLender` is the engine side that lends, moves a
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -250,9 +251,9 @@ class KVLender:
 
     def _check_run(self, answer, num_needed: int) -> list[int] | None:
         """The policy's slots as a run of consecutive lendable slots, else None (logged)."""
-        if not answer:
+        if answer is None or len(answer) == 0:  # (a numpy array has no truth value)
             return None
-        run = [int(s) for s in answer]
+        run = [operator.index(s) for s in answer]
         reserved, table = self.arena.reserved_slots(), self.arena.table
         problem = None
         if len(run) < num_needed:
@@ -300,13 +301,22 @@ class KVLender:
             pairs = []
         residency = self.arena.table.peek().table
         L, E = residency.shape
-        loads, seen = [], set()
+        loads, seen, bad = [], set(), []
         for slot, pair in zip(run, pairs):
-            layer, expert = (int(x) for x in pair)
+            try:
+                layer, expert = (operator.index(x) for x in pair)
+            except (TypeError, ValueError):
+                bad.append(pair)
+                continue
             if 0 <= layer < L and 0 <= expert < E and residency[layer, expert] < 0 \
                     and (layer, expert) not in seen:
                 seen.add((layer, expert))
                 loads.append((slot, layer, expert))
+        if bad:
+            # a faulty plugin: those slots return empty (the slot and its run must go back)
+            log.warning("KV grow policy %r returned %d refills that are not (layer, expert) "
+                        "pairs of integers (the first: %r); those slots return empty: fix "
+                        "the plugin", getattr(self.policy, "name", "?"), len(bad), bad[0])
         self.arena.unlend(run)
         self._tell_policy(len(run))
         self.tier.refill(loads)
