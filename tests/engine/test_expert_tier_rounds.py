@@ -171,3 +171,39 @@ def test_a_failing_policy_costs_its_round_not_the_window(model_path, caplog):
         assert owners(tier) == [(0, 0), (0, 1)]
         assert tier.snapshot_totals().num_rounds == 1
         tier.close()
+
+
+@pytest.mark.parametrize("answer", [
+    None,                                            # not a list of swaps
+    [ExpertSwap(N_LAYERS, 0, FREE_SLOT, FREE_SLOT)],  # a layer out of range
+    [ExpertSwap(0, -1, 0, 0)],                       # negative: numpy would wrap to expert 7
+    [ExpertSwap(1, 2, 0, N_EXPERTS)],                # an eviction out of range
+    [(1, 2.0, FREE_SLOT, FREE_SLOT)],                # not integers
+    [(1, 2)],                                        # not a swap
+    [None],
+])
+def test_malformed_swaps_cost_their_round_not_the_window(model_path, caplog, answer):
+    """A plugin's bad answer is skipped with a warning naming it; the window's logits and the
+    residency are what they were (it raised IndexError / TypeError out of the window before)."""
+    with GGUFModel.open(model_path) as gguf:
+        tier, kv = make_tier(model_path, gguf, ScriptedPolicy([answer]), expert_cache=3,
+                             adapt_every=1, adapt_async=False)
+        reference = CpuModel(gguf)
+        with caplog.at_level(logging.WARNING, logger="strata.tier"):
+            logits = run_window(tier, kv)
+        assert np.array_equal(logits, reference.forward(np.array([11, 12, 13]),
+                                                        reference.new_kv(256)))
+        assert "'scripted'" in caplog.text and "fix the plugin" in caplog.text
+        assert owners(tier) == [(0, 0), (0, 1), (0, 2)]
+        assert tier.snapshot_totals().num_evictions == 0
+        tier.close()
+
+
+def test_plain_tuples_of_integers_are_swaps(model_path):
+    with GGUFModel.open(model_path) as gguf:
+        tier, kv = make_tier(model_path, gguf,
+                             ScriptedPolicy([[(1, np.int64(6), 0, 1)]]), expert_cache=3,
+                             adapt_every=1, adapt_async=False)
+        run_window(tier, kv)
+        assert owners(tier) == [(0, 0), (1, 6), (0, 2)]
+        tier.close()

@@ -6,6 +6,7 @@ windows a round of swaps, applied through the arena's ordered path before the ne
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from strata.experts.profile import StoredProfileRecorder, read_profile
 from strata.experts.store import ExpertStore
 from strata.experts.tier import FREE_SLOT
 from strata.experts.trace import TraceWriter
+from strata.hookspecs import ExpertSwap
 from strata.engine.tier_copier import COPY_TIMEOUT_S, TierCopier
 from strata.engine.tier_stats import RecentRouting, TierTotals, WaitTotals, format_group
 
@@ -470,11 +472,11 @@ class ExpertTier:
         try:
             swaps = self.policy.plan_swaps(counts, residency.copy(), float(
                 self.config.adapt_min_gain))
+            loads = self._resolve(list(swaps), residency)
         except Exception:  # noqa: BLE001 - a faulty plugin must not fail the window's requests
             log.exception("tier policy %r failed; no swaps this round: fix the plugin",
                           getattr(self.policy, "name", type(self.policy).__name__))
             return 0
-        loads = self._resolve(swaps, residency)
         if not loads:
             return 0
         if self._copier is not None:
@@ -499,7 +501,19 @@ class ExpertTier:
         taken: set[int] = set(self.arena.offered_slots)  # the running window may take them
         loaded: set[tuple[int, int]] = set()
         loads, num_bad = [], 0
+        num_layers, num_experts = residency.shape
         for swap in swaps:
+            try:  # four ints (numpy's too) within [L, E]; an eviction may be FREE_SLOT
+                swap = ExpertSwap(*(operator.index(v) for v in swap))
+            except (TypeError, ValueError):
+                num_bad += 1
+                continue
+            if not (0 <= swap.load_layer < num_layers and 0 <= swap.load_expert < num_experts
+                    and (swap.evict_layer == FREE_SLOT or (
+                        0 <= swap.evict_layer < num_layers
+                        and 0 <= swap.evict_expert < num_experts))):
+                num_bad += 1  # (a negative index would wrap to another expert)
+                continue
             target = (swap.load_layer, swap.load_expert)
             if residency[target] >= 0 or target in loaded:
                 num_bad += 1
@@ -522,8 +536,9 @@ class ExpertTier:
             loaded.add(target)
             loads.append(_Load(slot, swap.load_layer, swap.load_expert, is_eviction))
         if num_bad:
-            log.warning("tier policy %r returned %d swaps that cannot be applied (a load "
-                        "already resident, an eviction of a missing expert, or no free slot); "
+            log.warning("tier policy %r returned %d swaps that cannot be applied (not four "
+                        "integers in range, a load already resident, an eviction of a missing "
+                        "expert, or no free slot); "
                         "they were skipped: fix the plugin",
                         getattr(self.policy, "name", type(self.policy).__name__), num_bad)
         return loads
