@@ -168,6 +168,7 @@ def test_is_done_and_can_continue():
     ('root = "a"', ["expected '::='"]),
     ('::= "a"', ["expected a rule's name"]),
     ('root ::= "a" $', ["unexpected '$'"]),
+    ('root ::= ' + "(" * 500 + '"a"' + ")" * 500, ["nest more than 100 deep", "column 110"]),
 ])
 def test_faults_are_named_with_their_place(text, words):
     with pytest.raises(GrammarError) as info:

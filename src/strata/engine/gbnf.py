@@ -34,6 +34,7 @@ MAX_GRAMMAR_BYTES = 64 * 1024
 MAX_REPEAT = 1000           # the largest m or n of x{m,n} (each copy is a rule item)
 MAX_STACKS = 4096           # a reading that leaves more stacks than this is refused
 MAX_ITEMS = 1 << 18         # items in all rules, repetitions written out
+MAX_NESTING = 100           # groups inside groups (the parser recurses into each)
 _CACHE_LIMIT = 1 << 16      # memoised steps per grammar, then the memo starts over
 MAX_CODE_POINT = 0x10FFFF
 _UTF8_CLASSES = ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, MAX_CODE_POINT))
@@ -413,6 +414,7 @@ class _Parser:
         self.defined: dict[str, int] = {}
         self.index: dict[str, int] = {}
         self.num_items = 0
+        self.depth = 0  # groups open at pos
 
     # positions and errors
     def fail(self, message: str, pos: int | None = None):
@@ -528,8 +530,13 @@ class _Parser:
             self.pos += 1
             return [CharSet([(0, MAX_CODE_POINT)])]
         if c == "(":
+            if self.depth >= MAX_NESTING:
+                self.fail(f"groups nest more than {MAX_NESTING} deep; name an inner group as "
+                          "a rule of its own")
             self.pos += 1
+            self.depth += 1
             alts = self.alternatives(rule, nested=True)
+            self.depth -= 1
             self.skip_space()
             if self.peek() != ")":
                 self.fail("a group is not closed", start)
