@@ -3,6 +3,7 @@ required keys, string enums, $ref, anyOf of types), and the sampler held to it."
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -169,3 +170,123 @@ def test_odd_schemas_compile_to_what_they_hold(schema):
     """Parts a schema gets wrong are not held (any value there), never an error."""
     r = SchemaRecognizer(compile_schema({"type": "object", "properties": {"v": schema}}))
     assert r.feed(b'{"v":')
+
+
+NODE = {"type": "object", "properties": {"v": {"type": "integer"},
+                                         "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["v", "next"], "additionalProperties": False}
+ITEM = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+        "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema,good,bad", [
+    # anyOf / oneOf of structured alternatives: each kind held by its alternative
+    (NODE, ['{"v":1,"next":{"v":2,"next":null}}'], ['{"v":1,"next":{}}', '{"v":1,"next":5}']),
+    ({"anyOf": [{"$ref": "#/$defs/i"}, {"type": "null"}], "$defs": {"i": ITEM}},
+     ['{"x":1}'], ['{"x":"a"}', '{"y":1}']),
+    ({"type": "object", "properties": {"c": {"oneOf": [{"enum": ["a"]}, {"type": "integer"}]}}},
+     ['{"c":"a"}', '{"c":7}'], ['{"c":"b"}', '{"c":1.5}', '{"c":true}']),
+    ({"type": "object", "properties": {"c": {"anyOf": [{"enum": ["a"]}, {"enum": ["b"]}]}}},
+     ['{"c":"a"}', '{"c":"b"}'], ['{"c":"c"}']),
+    # allOf: its parts merged; $ref as a JSON pointer
+    ({"allOf": [{"$ref": "#/$defs/i"}, {"properties": {"y": {"type": "null"}}}],
+      "$defs": {"i": ITEM}}, ['{"x":1,"y":null}'], ['{"y":null}', '{"x":1,"y":1}']),
+    ({"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"$ref": "#/properties/a"},
+                                       "c": {"$ref": "#/$defs/a~1b"}},
+      "$defs": {"a/b": {"type": "null"}}}, ['{"b":true,"c":null}'], ['{"b":1}', '{"c":1}']),
+    # enums and consts of other values than strings: each value as JSON writes it
+    ({"type": "object", "properties": {"c": {"enum": [1, 20, -3.5]}}},
+     ['{"c":1}', '{"c":20}', '{"c":-3.5}'], ['{"c":2}', '{"c":12}', '{"c":200}', '{"c":-3}']),
+    ({"type": "object", "properties": {"c": {"const": True}}}, ['{"c":true}'], ['{"c":false}']),
+    ({"type": "object", "properties": {"c": {"type": ["string", "null"],
+                                             "enum": ["red", None]}}},
+     ['{"c":"red"}', '{"c":null}'], ['{"c":"blue"}', '{"c":false}']),
+    # item counts
+    ({"type": "object", "properties": {"c": {"type": "array", "minItems": 2, "maxItems": 3}}},
+     ['{"c":[1,2]}', '{"c":[1,[],3]}'], ['{"c":[]}', '{"c":[1]}', '{"c":[1,2,3,4]}']),
+    ({"type": "object", "properties": {"c": {"type": "array", "maxItems": 0}}},
+     ['{"c":[]}', '{"c":[ ]}'], ['{"c":[1]}']),
+])
+def test_alternatives_refs_enums_and_counts_are_held(schema, good, bad):
+    for text in good:
+        assert accepts(schema, text) == (True, True), text
+    for text in bad:
+        assert not accepts(schema, text)[1], text
+
+
+@pytest.mark.parametrize("schema,text", [
+    ({"type": "object", "properties": {"a": {"type": "int"}}}, '{"a":"x"}'),  # unknown type
+    ({"type": "object", "properties": {"a": {"type": []}}}, '{"a":[]}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"],
+      "additionalProperties": False}, '{"a":1,"b":{}}'),  # a required key left undeclared
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, '{"k":1}'),  # a loop
+])
+def test_a_schema_no_value_could_follow_leaves_a_way_to_close(schema, text):
+    """A part of a schema that no value could follow is not held: the output can always close
+    (a dead end let the sampler draw any token, and the answer was no JSON)."""
+    assert accepts(schema, text) == (True, True)
+
+
+TASK = {"type": "object", "$defs": {"step": {"type": "object", "properties": {
+    "kind": {"enum": [1, 2, None]}, "sub": {"anyOf": [{"$ref": "#/$defs/step"},
+                                                      {"type": "null"}]}},
+    "required": ["kind", "sub"], "additionalProperties": False}},
+    "properties": {"steps": {"type": "array", "items": {"$ref": "#/$defs/step"},
+                             "minItems": 1, "maxItems": 2},
+                   "ok": {"allOf": [{"const": False}]}},
+    "required": ["steps", "ok"], "additionalProperties": False}
+
+
+def valid_task(value) -> bool:
+    """TASK checked by hand."""
+    def step(s) -> bool:
+        return (isinstance(s, dict) and set(s) == {"kind", "sub"} and s["kind"] in (1, 2, None)
+                and type(s["kind"]) is not bool and (s["sub"] is None or step(s["sub"])))
+    return (isinstance(value, dict) and set(value) == {"steps", "ok"} and value["ok"] is False
+            and isinstance(value["steps"], list) and 1 <= len(value["steps"]) <= 2
+            and all(step(s) for s in value["steps"]))
+
+
+def test_sampler_writes_instances_of_alternatives_and_refs(tokenizer):
+    V = tokenizer.vocab_size
+    closers = [t for t in range(V) if tokenizer.token_bytes(t) in (b"}", b"]", b"null", b",")]
+    stops = sorted(tokenizer.stop_ids)
+    think = tokenizer.token_id("<think>")
+    finished = 0
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed,
+                                json_object=True, json_schema=TASK, logit_bias={think: -100})
+        sampler = Sampler(params, constraint=JsonObjectConstraint(tokenizer, stops, schema=TASK))
+        tokens = []
+        for step in range(400):
+            logits = rng.standard_normal(V).astype(np.float32) * 2
+            logits[closers] += min(step / 10, 8)
+            logits[stops] += 8
+            tokens.append(sampler.sample(logits))
+            if tokens[-1] in tokenizer.stop_ids:
+                break
+        if tokens[-1] in tokenizer.stop_ids:
+            finished += 1
+            text = tokenizer.decode(tokens[:-1])
+            assert valid_task(json.loads(text)), text
+    assert finished >= 5
+
+
+def test_all_of_takes_each_part_once():
+    """allOf parts reached by several paths (or in a loop) are merged once: 22 levels of two
+    paths each compile at once, not in 2**22 merges."""
+    defs = {"A22": {"type": "object", "properties": {"x": {"type": "integer"}},
+                    "required": ["x"]},
+            "L": {"allOf": [{"$ref": "#/$defs/L"}, {"properties": {"y": {"type": "null"}}}]}}
+    for i in range(22):
+        defs[f"A{i}"] = {"allOf": [{"$ref": f"#/$defs/B{i}"}, {"$ref": f"#/$defs/C{i}"}]}
+        defs[f"B{i}"] = defs[f"C{i}"] = {"allOf": [{"$ref": f"#/$defs/A{i + 1}"}]}
+    start = time.perf_counter()
+    root = compile_schema({"$ref": "#/$defs/A0", "$defs": defs})
+    assert time.perf_counter() - start < 2
+    assert accepts({"$ref": "#/$defs/A0", "$defs": defs}, '{"x":1}') == (True, True)
+    assert not accepts({"$ref": "#/$defs/A0", "$defs": defs}, '{"x":"a"}')[0]
+    assert SchemaRecognizer(root).feed(b'{"x":1}')
+    assert accepts({"$ref": "#/$defs/L", "$defs": defs}, '{"y":null}') == (True, True)
+    assert not accepts({"$ref": "#/$defs/L", "$defs": defs}, '{"y":1}')[0]

@@ -136,7 +136,7 @@ class JsonRecognizer:
         if mode == NUMBER:
             if self._number_step(c):
                 return True
-            if self.number not in NUMBER_ENDS:
+            if self.number not in NUMBER_ENDS or not self._number_end():
                 return False
             self._value_done()  # the byte ends the number: read it as what follows a value
             mode = self.mode
@@ -214,7 +214,7 @@ class JsonRecognizer:
 
     def _number_step(self, c: int) -> bool:
         n, is_digit = self.number, c in DIGITS
-        if not is_digit and not self._number_byte_allowed(c):
+        if not self._number_byte_allowed(c):
             return False
         if n == N_SIGN:
             if not is_digit:
@@ -276,6 +276,9 @@ class JsonRecognizer:
         return True
 
     def _number_byte_allowed(self, c: int) -> bool:
+        return True
+
+    def _number_end(self) -> bool:
         return True
 
     def _comma_allowed(self, is_object: bool) -> bool:

@@ -1,21 +1,23 @@
 """A JSON schema's structure held while the answer is written (response_format json_schema):
-JsonRecognizer with the schema's types, object keys, required keys and string enums. What is
-held, and what is not (docs in README, "Serve"):
-- `type` (one or a list), and `properties` / `items` / `additionalProperties` (false: only the
-  declared keys), `required` (the object closes only once they are all there), each key once;
-- `enum` / `const` of strings (the string must be one of them); an enum of other values holds
-  its values' types only;
-- `$ref` to `#/$defs/...` or `#/definitions/...`; `anyOf` / `oneOf` whose alternatives only
-  name types (e.g. a string or null), as the union of those types;
-- not held: patterns, formats, lengths, bounds, and `anyOf` / `oneOf` / `allOf` of structured
-  alternatives (their value is any JSON value)."""
+JsonRecognizer with the schema's types, object keys, required keys and enums. What is held,
+and what is not (docs in README, "Serve"):
+- `type` (one or a list; unknown names are not held), and `properties` / `items` /
+  `additionalProperties` (false: only the declared keys, and any required ones), `required`
+  (the object closes only once they are all there), each key once; `minItems` / `maxItems`;
+- `enum` / `const`: each string, number, boolean or null value as JSON writes it (an object or
+  array value holds its type only);
+- local `$ref` ("#", "#/$defs/...", any JSON pointer); `allOf` (its parts merged); `anyOf` /
+  `oneOf` told apart by their value's kind (an object or null, a string or a number, ...;
+  alternatives of one kind hold only that kind);
+- not held: patterns, formats, string lengths, numeric bounds, `prefixItems`, `not`."""
 from __future__ import annotations
 
 import json
+from urllib.parse import unquote
 
 import numpy as np
 
-from strata.engine.json_constraint import JsonRecognizer
+from strata.engine.json_constraint import VALUE_OR_END, JsonRecognizer
 
 _KIND = {ord("{"): "object", ord("["): "array", ord('"'): "string", ord("t"): "boolean",
          ord("f"): "boolean", ord("n"): "null"}
@@ -28,7 +30,8 @@ class SchemaNode:
     value any), False: none, or a node for their values; strings: the allowed contents of a
     string, JSON-escaped, or None."""
 
-    __slots__ = ("types", "properties", "required", "additional", "items", "strings")
+    __slots__ = ("types", "properties", "required", "additional", "items", "strings",
+                 "variants", "scalars", "min_items", "max_items")
 
     def __init__(self):
         self.types: frozenset[str] | None = None
@@ -37,6 +40,11 @@ class SchemaNode:
         self.additional: bool | SchemaNode = True
         self.items: SchemaNode | None = None
         self.strings: tuple[bytes, ...] | None = None
+        # anyOf / oneOf: the node that holds a value of each kind (see _dispatch), or None
+        self.variants: dict[str, SchemaNode] | None = None
+        # an enum's numbers, booleans and null, as JSON writes them (None: not held)
+        self.scalars: tuple[bytes, ...] | None = None
+        self.min_items, self.max_items = 0, None  # an array's item count
 
     @property
     def is_free(self) -> bool:
@@ -58,13 +66,102 @@ def compile_schema(schema) -> SchemaNode:
     return _compile(schema, schema if isinstance(schema, dict) else {}, nodes)
 
 
+_TYPES = frozenset(_VALUE_TYPE.values())
+_NUMBER_START = frozenset(b"-0123456789")
+_NUMBER_BYTES = frozenset(b"-+.eE0123456789")
+_MAX_REFS = 64  # $ref hops followed in a row (a chain that loops is not held)
+
+
 def _resolve(ref: str, root: dict):
-    for prefix in ("#/$defs/", "#/definitions/"):
-        if ref.startswith(prefix):
-            table = root.get(prefix[2:-1])
-            if isinstance(table, dict):
-                return table.get(ref[len(prefix):])
+    """The schema a local `$ref` points to ("#", "#/$defs/x", any JSON pointer), or None."""
+    if not ref.startswith("#"):
+        return None
+    target = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else ():
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return None
+    return target
+
+
+def _dereferenced(schema, root: dict):
+    """`schema` with its `$ref` chain followed (None where it leads nowhere)."""
+    for _ in range(_MAX_REFS):
+        if not isinstance(schema, dict) or not isinstance(schema.get("$ref"), str):
+            return schema
+        schema = _resolve(schema["$ref"], root)
     return None
+
+
+def _types(kind) -> frozenset[str] | None:
+    """The known type names of a `type` (a name or a list); None (not held) for none known."""
+    names = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    known = frozenset(k for k in names if isinstance(k, str) and k in _TYPES)
+    return known or None
+
+
+def _all_of(schema: dict, root: dict, merged_ids: set | None = None) -> dict:
+    """`schema` with the parts of its `allOf` merged in: their properties, required keys, type
+    (the shared names), `additionalProperties` false if one says so, else the first value of
+    each other keyword. Each part is taken once (one met again, in a loop or by another path,
+    adds nothing)."""
+    merged = {k: v for k, v in schema.items() if k != "allOf"}
+    merged_ids = {id(schema)} if merged_ids is None else merged_ids
+    for part in schema["allOf"]:
+        part = _dereferenced(part, root)
+        if not isinstance(part, dict) or id(part) in merged_ids:
+            continue
+        merged_ids.add(id(part))
+        if isinstance(part.get("allOf"), list):
+            part = _all_of(part, root, merged_ids)
+        for key, value in part.items():
+            if key == "properties" and isinstance(value, dict):
+                props = dict(merged.get("properties") or {})
+                for name, sub in value.items():
+                    props[name] = {"allOf": [props[name], sub]} if name in props else sub
+                merged["properties"] = props
+            elif key == "required" and isinstance(value, list):
+                merged["required"] = list(merged.get("required") or []) + value
+            elif key == "type" and "type" in merged:
+                mine, theirs = _types(merged["type"]), _types(value)
+                if mine and theirs:
+                    merged["type"] = sorted(mine & theirs) or sorted(mine)
+            elif key == "additionalProperties" and value is False:
+                merged[key] = False
+            else:
+                merged.setdefault(key, value)
+    return merged
+
+
+def _kinds(types: frozenset[str]) -> set[str]:
+    """The kinds of a value's first byte (see _KIND) that `types` takes."""
+    return {"number" if t == "integer" else t for t in types}
+
+
+def _dispatch(node: SchemaNode, parts: list[SchemaNode]) -> None:
+    """anyOf / oneOf: the alternatives told apart by their value's kind (an object or null, a
+    string or a number, ...). A kind that one alternative takes is held by it; one that several
+    take only by its type (their strings, if each is an enum). An alternative of any type
+    leaves the value free."""
+    if any(p.types is None for p in parts):
+        return
+    node.types = frozenset().union(*(p.types for p in parts))
+    node.variants = {}
+    for kind in _kinds(node.types):
+        takers = [p for p in parts if kind in _kinds(p.types)]
+        if len(takers) == 1:
+            node.variants[kind] = takers[0]
+            continue
+        loose = node.variants[kind] = SchemaNode()
+        loose.types = frozenset(t for p in takers for t in p.types if _kinds({t}) == {kind})
+        if kind == "string" and all(p.strings is not None for p in takers):
+            loose.strings = tuple(dict.fromkeys(v for p in takers for v in p.strings))
+        elif kind != "string" and all(p.scalars is not None for p in takers):
+            loose.scalars = tuple(dict.fromkeys(v for p in takers for v in p.scalars))
 
 
 def _compile(schema, root: dict, nodes: dict[int, SchemaNode]) -> SchemaNode:
@@ -72,35 +169,30 @@ def _compile(schema, root: dict, nodes: dict[int, SchemaNode]) -> SchemaNode:
         return ANY
     if id(schema) in nodes:  # a recursive $ref: the node being built
         return nodes[id(schema)]
-    ref = schema.get("$ref")
-    if isinstance(ref, str):
-        target = _resolve(ref, root)
-        return ANY if target is None else _compile(target, root, nodes)
+    if isinstance(schema.get("$ref"), str):  # what it refers to (its other keywords aside)
+        target = _dereferenced(schema, root)
+        return _compile(target, root, nodes) if isinstance(target, dict) else ANY
     node = nodes[id(schema)] = SchemaNode()
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        node.types = frozenset((kind,))
-    elif isinstance(kind, list) and all(isinstance(k, str) for k in kind):
-        node.types = frozenset(kind)
-    alternatives = schema.get("anyOf", schema.get("oneOf"))
-    if node.types is None and isinstance(alternatives, list) and alternatives:
-        parts = [_compile(a, root, nodes) for a in alternatives]
-        if all(p.types is not None and p.is_free and p.items is None and p.strings is None
-               for p in parts):
-            node.types = frozenset().union(*(p.types for p in parts))
+    if isinstance(schema.get("allOf"), list):
+        schema = _all_of(schema, root)
+    node.types = _types(schema.get("type"))
+    properties = schema.get("properties")
+    if node.types is None and isinstance(properties, dict):
+        node.types = frozenset(("object",))  # before the properties: one may refer back
     values = schema["enum"] if isinstance(schema.get("enum"), list) else (
         [schema["const"]] if "const" in schema else None)
+    alternatives = schema.get("anyOf", schema.get("oneOf"))
     if values:
-        if all(isinstance(v, str) for v in values):
-            node.strings = tuple(_key(v) for v in values)
-            node.types = frozenset(("string",))
-        else:
-            node.types = frozenset(_VALUE_TYPE.get(type(v), "string") for v in values)
-    properties = schema.get("properties")
+        strings = [v for v in values if isinstance(v, str)]
+        node.types = frozenset(_VALUE_TYPE.get(type(v), "string") for v in values)
+        if strings:
+            node.strings = tuple(_key(v) for v in strings)
+        node.scalars = tuple(json.dumps(v).encode() for v in values
+                             if v is None or isinstance(v, (bool, int, float)))
+    elif node.types is None and isinstance(alternatives, list) and alternatives:
+        _dispatch(node, [_compile(a, root, nodes) for a in alternatives])
     if isinstance(properties, dict):
         node.properties = {_key(k): _compile(v, root, nodes) for k, v in properties.items()}
-        if node.types is None:
-            node.types = frozenset(("object",))
     required = schema.get("required")
     if isinstance(required, list):
         node.required = frozenset(_key(k) for k in required if isinstance(k, str))
@@ -108,29 +200,41 @@ def _compile(schema, root: dict, nodes: dict[int, SchemaNode]) -> SchemaNode:
     node.additional = (False if additional is False else
                        _compile(additional, root, nodes) if isinstance(additional, dict)
                        else True)
+    if node.additional is False:  # a required key left undeclared may still be written
+        for key in node.required - node.properties.keys():
+            node.properties[key] = ANY
     if isinstance(schema.get("items"), dict):
         node.items = _compile(schema["items"], root, nodes)
+    low, high = schema.get("minItems", 0), schema.get("maxItems")
+    if _is_count(low) and (high is None or _is_count(high) and high >= low):
+        node.min_items, node.max_items = low, high
     return node
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class SchemaRecognizer(JsonRecognizer):
     """JsonRecognizer that also holds a compiled schema (the root node is the object's, or with
     `is_any_value` the value's)."""
 
-    __slots__ = ("frames", "expect", "buf", "allowed", "int_only")
+    __slots__ = ("frames", "expect", "buf", "allowed", "int_only", "numbers")
 
     def __init__(self, root: SchemaNode, is_any_value: bool = False):
         super().__init__(is_any_value)
-        self.frames: tuple = ()        # per open container: (node, keys seen)
+        self.frames: tuple = ()        # per open container: (node, keys seen or items read)
         self.expect = root             # the node of the next value
         self.buf = b""                 # the string being read, when `allowed` holds it
         self.allowed: tuple[bytes, ...] | None = None  # what that string may be, or None
         self.int_only = False          # the number being read is an integer
+        self.numbers: tuple[bytes, ...] | None = None  # what it may be (in `buf`), or None
 
     def copy(self) -> "SchemaRecognizer":
         other = super().copy()
         other.frames, other.expect, other.buf = self.frames, self.expect, self.buf
         other.allowed, other.int_only = self.allowed, self.int_only
+        other.numbers = self.numbers
         return other
 
     def first_bytes(self) -> np.ndarray:
@@ -141,6 +245,8 @@ class SchemaRecognizer(JsonRecognizer):
     def _value_allowed(self, c: int) -> bool:
         node = self.expect
         kind = "number" if c == ord("-") or 0x30 <= c <= 0x39 else _KIND.get(c)
+        if node.variants is not None and kind in node.variants:
+            node = self.expect = node.variants[kind]
         types = node.types
         if types is not None:
             if kind == "number":
@@ -151,7 +257,15 @@ class SchemaRecognizer(JsonRecognizer):
                 return False
         else:
             self.int_only = False
+        if self.mode == VALUE_OR_END and self.frames[-1][0].max_items == 0:
+            return False  # an array's first item, where none may be
         self.allowed, self.buf = (node.strings, b"") if kind == "string" else (None, b"")
+        self.numbers = None
+        if node.scalars is not None and kind != "string":  # an enum's number, true, ...
+            if kind == "number":
+                self.numbers = tuple(v for v in node.scalars if v[0] in _NUMBER_START)
+                self.buf = bytes((c,))
+            return any(v[0] == c for v in node.scalars)
         return True
 
     def _key_allowed(self) -> bool:
@@ -192,22 +306,39 @@ class SchemaRecognizer(JsonRecognizer):
         return True
 
     def _number_byte_allowed(self, c: int) -> bool:
-        return not (self.int_only and c in b".eE")
+        if self.int_only and c in b".eE":
+            return False
+        if self.numbers is None or c not in _NUMBER_BYTES:
+            return True
+        self.buf += bytes((c,))
+        return any(v.startswith(self.buf) for v in self.numbers)
+
+    def _number_end(self) -> bool:
+        numbers, text = self.numbers, self.buf
+        self.numbers, self.buf = None, b""
+        return numbers is None or text in numbers
 
     def _comma_allowed(self, is_object: bool) -> bool:
         node, seen = self.frames[-1]
         if is_object:
             return node.additional is not False or any(k not in seen for k in node.properties)
+        if node.max_items is not None and seen + 2 > node.max_items:
+            return False
+        self.frames = self.frames[:-1] + ((node, seen + 1),)
         self.expect = node.items or ANY
         return True
 
     def _close_allowed(self) -> bool:
         node, seen = self.frames[-1]
-        return self.stack[-1] != ord("{") or node.required <= seen
+        if self.stack[-1] == ord("{"):
+            return node.required <= seen
+        return (0 if self.mode == VALUE_OR_END else seen + 1) >= node.min_items
 
     def _opened(self, c: int) -> None:
         node = self.expect
-        self.frames = self.frames + ((node, frozenset()),)
+        if node.variants is not None:  # the root object (no value step before it)
+            node = node.variants.get("object" if c == ord("{") else "array", node)
+        self.frames = self.frames + ((node, frozenset() if c == ord("{") else 0),)
         if c == ord("["):
             self.expect = node.items or ANY
 
