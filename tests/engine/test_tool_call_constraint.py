@@ -325,3 +325,18 @@ def test_a_token_that_closes_one_block_and_opens_another_counts_both(tokenizer):
         assert feed(c, ids(tokenizer, opened))
         c._tokenizer = WithExtraToken
         assert c.allows(extra) is expected
+
+
+@pytest.mark.parametrize("xml,body", [
+    (False, '{"name": "find", "arguments": {"path": "a", "limit": 3}}'),
+    (True, "<function=find><parameter=path>a</parameter><parameter=limit>3</parameter>"
+           "</function>"),
+])
+def test_a_required_parameter_left_undeclared_can_be_written(tokenizer, xml, body):
+    """A tool that requires a parameter its properties leave out (a sloppy definition): the
+    call can write it and close (it could neither, and the sampler then drew any token)."""
+    find = {"name": "find", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}}, "required": ["path", "limit"]}}
+    c = ToolCallConstraint(tokenizer, [find], xml=xml)
+    assert feed(c, ids(tokenizer, "<tool_call>" + body + "</tool_call>"))
+    assert c.is_free

@@ -232,17 +232,17 @@ def _xml_functions(functions: list[dict]) -> dict[bytes, tuple]:
     for f in functions:
         params = f.get("parameters") if isinstance(f.get("parameters"), dict) else {}
         props = params.get("properties")
-        declared = (frozenset(k.encode() for k in props)
-                    if isinstance(props, dict) and props else None)
         required = params.get("required") if isinstance(params.get("required"), list) else []
+        required = [k for k in required if isinstance(k, str)]
+        declared = (frozenset(k.encode() for k in [*props, *required])  # a required key
+                    if isinstance(props, dict) and props else None)  # may be left undeclared
         root = compile_schema(params)
         values = {}
         for key in props if declared else ():
             held = _held_value(root.properties[_key(key)])
             if held is not None:
                 values[key.encode()] = held
-        out[f["name"].encode()] = (frozenset(k.encode() for k in required if isinstance(k, str)),
-                                   declared, values)
+        out[f["name"].encode()] = (frozenset(k.encode() for k in required), declared, values)
     return out
 
 
