@@ -181,6 +181,8 @@ def test_count_tokens_needs_no_max_tokens():
      ["json_schema"]),
     ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema",
      ["required"]),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "string"}}}},
+     "output_config.format.schema", ["'string'", "of type 'object'"]),
     ({"output_config": {"effort": "huge"}}, "output_config.effort", ["'huge'"]),
     ({"logit_bias": {"x": 1}}, "logit_bias.x", ["token ids"]),
 ])

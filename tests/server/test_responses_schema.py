@@ -123,6 +123,8 @@ def test_tool_choice(choice, expected):
     ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice.type", ["'allowed_tools'"]),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type", ["'grammar'"]),
     ({"text": {"format": {"type": "json_schema"}}}, "text.format.schema", ["required"]),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "array"}}}},
+     "text.format.schema", ["'array'", "of type 'object'"]),
     ({"reasoning": {"effort": "max"}}, "reasoning.effort", ["'max'"]),
 ])
 def test_bad_fields_name_the_field(body, param, words):

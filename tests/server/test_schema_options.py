@@ -140,3 +140,20 @@ def test_llama_json_schema_on_the_chat_endpoint():
         with pytest.raises(ApiError) as info:
             parse_chat_request(dict({"messages": USER, "json_schema": schema}, **extra), 512)
         assert info.value.param == "json_schema" and words in info.value.message
+
+
+
+@pytest.mark.parametrize("response_format, param", [
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"type": ["string", "null"]}},
+     "response_format.json_schema"),
+])
+def test_a_response_format_whose_root_is_not_an_object_is_refused(response_format, param):
+    """The answer is held to a JSON object (as OpenAI's structured outputs): another root type
+    was answered with an object the schema refuses."""
+    with pytest.raises(ApiError) as info:
+        parse_chat_request({"messages": USER, "response_format": response_format}, 512)
+    assert info.value.param == param and "of type 'object'" in info.value.message
+    fine = {"type": "json_schema", "json_schema": {"schema": {"type": ["object", "null"]}}}
+    assert parse_chat_request({"messages": USER, "response_format": fine}, 512).options.json_object

@@ -9,7 +9,7 @@ from strata.server.api_error import ApiError, invalid, missing
 from strata.server.chat_schema import flat_function_tool, hold_json_answer
 from strata.server.schema import (MAX_STOP_STRINGS, ChatRequest, GenerationOptions, _boolean,
                                   _integer, _logit_bias, _number, _object, _objects,
-                                  _string, _wrong_type)
+                                  _string, _wrong_type, check_object_schema)
 
 ROLES = ("user", "assistant")
 _MISSING = object()
@@ -246,6 +246,7 @@ def _output_format(body: dict) -> dict | None:
     schema = _object(fmt, "schema", param="output_config.format.schema")
     if schema is None:
         raise missing("output_config.format.schema", "the JSON schema of the answer")
+    check_object_schema(schema, "output_config.format.schema")
     return {"type": "json_schema", "json_schema": {"schema": schema}}
 
 

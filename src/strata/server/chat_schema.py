@@ -9,8 +9,8 @@ from typing import Any
 from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.server.api_error import ApiError, invalid, missing
 from strata.server.schema import (_MISSING, ChatRequest, GenerationOptions, _boolean, _integer,
-                                  _object, _objects, _string, _wrong_type, llama_json_schema,
-                                  parse_choice_counts, parse_options)
+                                  _object, _objects, _string, _wrong_type, check_object_schema,
+                                  llama_json_schema, parse_choice_counts, parse_options)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -171,6 +171,10 @@ def parse_response_format(value: Any) -> dict | None:
             raise ApiError(400, "'response_format.json_schema' is required with type "
                            "'json_schema'.", param="response_format.json_schema",
                            code="missing_required_parameter")
+        inner = schema.get("schema", schema)
+        if isinstance(inner, dict):
+            check_object_schema(inner, "response_format.json_schema.schema"
+                                if "schema" in schema else "response_format.json_schema")
     return None if kind == "text" else value
 
 

@@ -10,7 +10,7 @@ from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.server.api_error import ApiError, invalid, missing
 from strata.server.chat_schema import flat_function_tool, hold_json_answer, parse_tool_choice
 from strata.server.schema import (ChatRequest, _boolean, _integer, _object, _objects, _string,
-                                  _wrong_type, parse_options)
+                                  _wrong_type, check_object_schema, parse_options)
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _MISSING = object()
@@ -195,6 +195,7 @@ def _text_format(body: dict) -> dict | None:
     schema = _object(fmt, "schema", param="text.format.schema")
     if schema is None:
         raise missing("text.format.schema", "the JSON schema of the answer")
+    check_object_schema(schema, "text.format.schema")
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": schema}}
 
 

@@ -308,6 +308,16 @@ def _check_samplers_off(body: dict) -> None:
                           f"send {off} or leave it out.", key, "unsupported_value")
 
 
+def check_object_schema(schema: dict, param: str) -> None:
+    """An answer held to a schema is a JSON object (as OpenAI's structured outputs): a 400 for
+    a schema whose root type cannot be one (it was answered with an object the schema refuses)."""
+    kind = schema.get("type", "object")
+    if kind == "object" or (isinstance(kind, list) and "object" in kind):
+        return
+    raise invalid(f"'{param}' has the type {kind!r}; the answer is held to a JSON object: give "
+                  "a schema of type 'object' (wrap other values in a property).", param)
+
+
 def llama_json_schema(body: dict, options: GenerationOptions) -> dict | None:
     """llama.cpp's top-level `json_schema` (the answer is a JSON object following it), checked:
     an object's schema, and not beside a grammar."""
@@ -316,9 +326,7 @@ def llama_json_schema(body: dict, options: GenerationOptions) -> dict | None:
         return None
     if not isinstance(schema, dict):
         raise _wrong_type("json_schema", schema, "a JSON schema (an object)")
-    if schema.get("type", "object") != "object":
-        raise invalid(f"'json_schema' has the type {schema.get('type')!r}; the answer is held "
-                      "to a JSON object: give a schema of type 'object'.", "json_schema")
+    check_object_schema(schema, "json_schema")
     if options.grammar is not None:
         raise invalid("'json_schema' and 'grammar' both hold the answer; send one of them.",
                       "json_schema")
