@@ -142,7 +142,6 @@ def test_llama_json_schema_on_the_chat_endpoint():
         assert info.value.param == "json_schema" and words in info.value.message
 
 
-
 @pytest.mark.parametrize("response_format, param", [
     ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array"}}},
      "response_format.json_schema.schema"),
