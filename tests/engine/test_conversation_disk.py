@@ -215,8 +215,31 @@ def test_a_file_gone_bad_is_dropped_and_the_scheduler_places_again(tmp_path, cap
     assert not path.exists()
 
 
-def test_files_are_deleted_by_the_writer_thread_after_the_writes_before_them(tmp_path,
-                                                                           monkeypatch):
+def test_a_file_the_writer_deleted_after_the_match_is_placed_again(tmp_path, monkeypatch,
+                                                                   caplog):
+    """The writer thread frees room once a write's size is known, between the engine
+    thread's best_match and its take: the matched file may be gone by then. The take gives
+    None (the scheduler places again), not a KeyError that failed the request."""
+    cache = cache_over(tmp_path, 100)
+    disk = cache.disk
+    disk.offer(ParkedConversation(0, (1, 2, 3), kv([1, 2, 3]), 100))
+    disk.flush()
+    disk.budget_bytes = disk.used_bytes + 150  # the file, and a write of 100 bytes of KV
+    release = hold_writes(monkeypatch)
+    disk.offer(ParkedConversation(0, (7, 8), kv([7, 8]), 100))  # its file is larger
+    key, length = cache.best_match([1, 2, 3, 4])
+    assert length == 3 and key in disk
+    release.set()
+    disk.flush()  # written: over the budget, the least recently used file goes
+    assert key not in disk
+    with caplog.at_level(logging.INFO, "strata.engine"):
+        assert cache.take(key, 3) is None
+    assert "placed again" in caplog.text
+    assert cache.best_match([1, 2, 3, 4]) == (None, 0)
+
+
+def test_files_are_deleted_by_the_writer_thread_after_the_writes_before_them(
+        tmp_path, monkeypatch):
     deleted_in = []
     real_unlink = conversation_disk.Path.unlink
 

@@ -176,6 +176,17 @@ def test_hybrid_entries_restore_only_at_their_reuse_points():
     assert cache.park([1, 2, 3, 4, 5, 6], "d", 100, reuse_points=(3, 6)) == k3
 
 
+def test_a_hybrid_entry_is_taken_with_the_points_the_slot_keeps():
+    """The slot restores the state at the tokens it keeps, not at the entry's end (a
+    checkpoint kept at the end could push out the one it goes back to)."""
+    cache = make_cache(10_000)
+    k1 = cache.park([1, 2, 3, 4, 5, 6], "a", 100, reuse_points=(3, 5, 6))
+    k2 = cache.park([7, 8, 9], "b", 100)
+    assert cache.take(k1, 5).reuse_points == (3, 5)
+    entry = cache.take(k2, 1)
+    assert entry.reuse_points is None and entry.tokens == (7, 8, 9)
+
+
 @pytest.mark.parametrize("asked,available_mib,budget", [
     (8192, 64 * 1024, 8192), (8192, 4096, 2048), (-1, 4096, 2048), (0, 4096, 0),
     (100, None, 100)])

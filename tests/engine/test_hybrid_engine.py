@@ -122,3 +122,23 @@ def test_a_layer_range_keeps_the_layer_pattern_and_costs(hybrid_path):
         costs = layer_costs(gguf)
         assert costs.kv_bytes_per_token[0] == costs.kv_bytes_per_token[2] == 0
         assert costs.kv_bytes_per_token[1] == 2 * spec.n_kv_heads * spec.head_dim * 2
+
+
+def test_a_parked_conversation_goes_back_to_its_oldest_checkpoint(hybrid_path):
+    """A parked entry restored for a prompt that keeps only its oldest checkpoint, with every
+    checkpoint taken: the state goes in at that checkpoint (restored at the entry's end, the
+    checkpoint kept there pushed the one the prompt needed out: the request failed)."""
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    config = EngineConfig(hybrid_path, n_ctx=160, parallel=1, ctx_checkpoints=1)
+    with Engine(config) as engine:
+        a1 = engine.tokenize("Conversation A asks a question here.")
+        ra = collect(engine.generate(a1, params))
+        collect(engine.generate(engine.tokenize("Conversation B, elsewhere."), params))
+        parked = engine.scheduler.conversations
+        key = parked.keys()[0]
+        assert parked.get(key).reuse_points == (len(a1) - 1, len(a1) + 3)
+        again = collect(engine.generate(a1, params))  # the same prompt: A's checkpoint
+        assert again.stats.num_cached_tokens == len(a1) - 1
+        assert again.token_ids == ra.token_ids
+        assert engine.scheduler.kvs[0].state.positions() == (len(a1) - 1,)
+    assert fresh_tokens(hybrid_path, a1, params) == again.token_ids

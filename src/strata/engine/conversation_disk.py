@@ -319,9 +319,17 @@ class ConversationDisk:
         """The conversation of `key` with its KV, read from its file (or from RAM while it
         is still queued), for a slot that keeps `num_used` of its tokens (None: all). The
         file stays until a file that continues those tokens is written (a crash meanwhile
-        loses nothing). None when the file cannot be read any more (logged; dropped)."""
+        loses nothing). None when the file cannot be read any more (logged; dropped), or
+        left the index meanwhile (the writer thread deleted it to make room; logged)."""
         with self._lock:
-            entry = self._entries[key]
+            entry = self._entries.get(key)
+            if entry is None:
+                load = self._loads.pop(key, None)
+                if load is not None:
+                    load.cancel()
+                log.info("conversation files: entry %d was deleted to make room before it "
+                         "was restored; the request is placed again without it", key)
+                return None
             self._touch(entry)
             used = len(entry.tokens) if num_used is None else int(num_used)
             entry.num_used = max(entry.num_used, min(used, len(entry.tokens)))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -65,6 +65,16 @@ class ParkedConversation:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    def kept(self, num_used: int | None) -> ParkedConversation:
+        """This entry as a slot that keeps `num_used` of its tokens restores it: a hybrid
+        model's reuse points past `num_used` dropped, so its state goes in at `num_used`
+        (restored at its end, the checkpoint the slot goes back to could be pushed out by the
+        one `Scheduler._install` keeps there when `--ctx-checkpoints` are all taken)."""
+        if self.reuse_points is None or num_used is None:
+            return self
+        points = tuple(p for p in self.reuse_points if p <= num_used)
+        return self if points == self.reuse_points else replace(self, reuse_points=points)
 
     def usable(self, prefix: int, num_prompt_tokens: int) -> int:
         """The shared `prefix`, or for an entry with reuse points the most tokens a prompt of
@@ -192,18 +202,19 @@ class ConversationCache:
         """Remove and return a parked entry (its KV goes back into a slot, which keeps
         `num_used` of its tokens). An entry on disk is read (its file stays until a file of
         the conversation's continuation replaces it); None when that file cannot be read any
-        more (logged)."""
-        if self.disk is not None and key not in self._entries and key in self.disk:
+        more, or left the disk tier since `best_match` (its writer thread frees room once a
+        write's size is known; logged)."""
+        if self.disk is not None and key not in self._entries:
             entry = self.disk.take(key, num_used)
             self.num_taken += entry is not None
-            return entry
+            return None if entry is None else entry.kept(num_used)
         if key not in self._entries:
             raise KeyError(f"no parked conversation with key {key} (evicted or already taken); "
                            "call best_match() again")
         entry = self._entries[key]
         self._drop(key)
         self.num_taken += 1
-        return entry
+        return entry.kept(num_used)
 
     def clear(self) -> None:
         """Forget every entry, the disk tier's files too."""
