@@ -120,6 +120,25 @@ def test_foreign_and_corrupt_files_are_refused(live, folder):
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
 
 
+def test_a_save_that_cannot_be_written_says_why(live, engine, folder, tmp_path):
+    """A name that is a folder is the request's fault (400); a folder gone from under the
+    server is its own (500), named either way (both were a bare 500 "internal_error")."""
+    from strata.engine.slot_files import SlotFiles
+    from strata.errors import StrataError
+
+    (folder / "taken.bin").mkdir()
+    reply = action(live, 0, "save", filename="taken.bin")
+    assert reply.status_code == 400 and "is a folder" in reply.json()["error"]["message"]
+    assert complete(live, [1, 2, 3], 2)["usage"]["completion_tokens"] == 2
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    files = SlotFiles(gone, engine)
+    gone.rmdir()
+    with pytest.raises(StrataError, match="could not be written in --slot-save-path: No such "
+                                          "file or directory"):
+        files.save(0, "a.bin")
+
+
 def test_a_busy_slot_is_a_conflict(model_path, folder):
     engine = Engine(EngineConfig(model_path, n_ctx=N_CTX_TOKENS, threads=2))
     gate = StepGate(engine)

@@ -341,7 +341,7 @@ class ConversationDisk:
         try:
             tokens, value = load.result() if load is not None else self._read(entry)
         except KVFileError as e:
-            log.warning("conversation files: cannot restore %s (%s); dropped", entry.path, e)
+            log.warning("conversation files: cannot restore a parked conversation: %s; dropped", e)
             with self._lock:
                 self._drop(entry)
             return None

@@ -10,7 +10,7 @@ from pathlib import Path
 from strata.engine.conversation_disk import kv_format, model_fingerprint
 from strata.engine.conversations import ParkedConversation
 from strata.engine.kv_file import KVFileError, read_kv_file, read_kv_header, write_kv_file
-from strata.errors import ConfigError, RequestError
+from strata.errors import ConfigError, RequestError, StrataError
 
 MAX_NAME_BYTES = 255
 
@@ -54,8 +54,16 @@ class SlotFiles:
         path = self.folder / check_filename(filename)
         started = time.perf_counter()
         tokens, value, points, nbytes = self.engine.scheduler.export_slot(index)
-        size = write_kv_file(path, tokens, value,
-                             {**self.meta(), "reuse_points": points, "kv_nbytes": nbytes})
+        try:
+            size = write_kv_file(path, tokens, value,
+                                 {**self.meta(), "reuse_points": points, "kv_nbytes": nbytes})
+        except IsADirectoryError:
+            raise RequestError(f"'filename' {filename!r} is a folder in --slot-save-path; give "
+                               "the name of a file") from None
+        except OSError as e:
+            raise StrataError(f"slot file {filename!r} could not be written in --slot-save-path"
+                              f": {e.strerror or type(e).__name__} (is the folder still there, "
+                              "writable, with room?)") from e
         return {"id_slot": index, "filename": filename, "n_saved": len(tokens),
                 "n_written": size,
                 "timings": {"save_ms": 1000 * (time.perf_counter() - started)}}

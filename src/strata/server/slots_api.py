@@ -11,7 +11,7 @@ import strata
 from strata.engine.sampling import SamplingParams
 from strata.engine.scheduler import SlotState
 from strata.engine.slot_files import SlotFiles
-from strata.errors import RequestError
+from strata.errors import RequestError, StrataError
 from strata.server.api_error import ApiError, missing
 from strata.server.generation import GenerationRoutes
 from strata.server.schema import parse_json_body
@@ -134,3 +134,5 @@ class SlotsRoutes(GenerationRoutes):
             busy = "processing a request" in str(e)
             raise ApiError(409 if busy else 400, str(e),
                            code="slot_busy" if busy else "invalid_request") from e
+        except StrataError as e:  # the server's side (the folder gone, a full disk): named
+            raise ApiError(500, str(e), code="server_error") from e
