@@ -275,7 +275,8 @@ def _check_spec(spec: ModelSpec, source: str) -> None:
                                f"{spec.rms_eps} must be a number >= 0; the metadata is corrupt")
     if spec.n_heads % spec.n_kv_heads:
         raise ModelFormatError(
-            f"{source}: {spec.n_heads} query heads are not a multiple of {spec.n_kv_heads} KV heads")
+            f"{source}: {spec.n_heads} query heads are not a multiple of "
+            f"{spec.n_kv_heads} KV heads")
     if spec.n_experts_used > spec.n_experts:
         raise ModelFormatError(
             f"{source}: uses {spec.n_experts_used} experts per token but has {spec.n_experts}")
