@@ -67,8 +67,9 @@ def test_sandbox_blocks_attribute_escapes():
         t.render([])
 
 
-def test_syntax_error_names_the_line():
-    with pytest.raises(ModelFormatError, match="line 2"):
+def test_syntax_error_names_the_key_and_line():
+    with pytest.raises(ModelFormatError, match=r"\(tokenizer.chat_template\) has a syntax error "
+                                               "at line 2"):
         ChatTemplate("ok\n{% if %}")
 
 
@@ -111,3 +112,69 @@ def test_default_template_matches_transformers_renderer(kwargs):
     expected, _ = render_jinja_template([messages], tools=tools, chat_template=default_template(),
                                         add_generation_prompt=True, **kwargs)
     assert ChatTemplate(default_template()).render(messages, tools=tools, **kwargs) == expected[0]
+
+
+GENERATION = ("{% for m in messages %}{% if m.role == 'assistant' %}"
+              "{% generation %}<a>{{ m.content }}</a>{% endgeneration %}"
+              "{% else %}<u>{{ m.content }}</u>{% endif %}{% endfor %}")
+
+
+def test_generation_blocks_render_their_body():
+    # transformers' `{% generation %}` tag (marks the assistant's text for training masks)
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert ChatTemplate(GENERATION).render(turns) == "<u>q</u><a>a</a>"
+
+
+def test_documents_are_none_when_not_given():
+    t = ChatTemplate("{% if documents is not none %}D{% endif %}|{{ documents }}")
+    assert t.render(MESSAGES) == "|None"
+
+
+def _gguf_metadata(tmp_path, templates) -> dict:
+    """The metadata of a GGUF holding `templates` as llama.cpp's writer stores them."""
+    import gguf
+
+    from strata.model.gguf_file import _read_metadata
+
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen3moe")
+    w.add_chat_template(templates)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return _read_metadata(gguf.GGUFReader(tmp_path / "t.gguf"), "t.gguf")
+
+
+def test_named_tool_use_template_renders_requests_with_tools(tmp_path):
+    meta = _gguf_metadata(tmp_path, [
+        {"name": "default", "template": "plain {{ messages | length }}"},
+        {"name": "tool_use", "template": "tools {{ tools | length }} {{ messages | length }}"},
+        {"name": "rag", "template": "rag"}])
+    t = ChatTemplate.from_gguf_metadata(meta)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert t.render(MESSAGES) == "plain 2"
+    assert t.render(MESSAGES, tools=tools) == "tools 1 2"
+    assert t.render(MESSAGES, tools=[]) == "plain 2"
+    assert t.source == "plain {{ messages | length }}"
+    # only named ones: the shipped ChatML template without tools
+    t = ChatTemplate.from_gguf_metadata(
+        _gguf_metadata(tmp_path, [{"name": "tool_use", "template": "T"}]))
+    assert t.source == default_template() and t.render(MESSAGES, tools=tools) == "T"
+
+
+def test_a_broken_tool_use_template_is_named():
+    meta = {"tokenizer.chat_template": "ok", "tokenizer.chat_template.tool_use": "{% if %}"}
+    with pytest.raises(ModelFormatError, match=r"template \(tokenizer.chat_template.tool_use\)"):
+        ChatTemplate.from_gguf_metadata(meta)
+
+
+@pytest.mark.parity
+def test_generation_and_documents_match_transformers_renderer():
+    pytest.importorskip("transformers")
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    docs = "{% if documents is not none %}D{% endif %}|{{ documents }}"
+    for template in (GENERATION, docs):
+        expected, _ = render_jinja_template([turns], chat_template=template)
+        assert ChatTemplate(template).render(turns, add_generation_prompt=False) == expected[0]
