@@ -119,6 +119,17 @@ def test_ids_and_stop_ids(tok, meta):
     assert tok.stop_ids == {tokens.index("<|im_end|>"), tokens.index("<|endoftext|>")}
 
 
+def test_end_of_turn_and_message_tokens_stop_generation(meta):
+    # llama.cpp's eot/eom keys (a model whose turn ends on a token other than its EOS)
+    tokens = meta["tokenizer.ggml.tokens"]
+    eot, eom = tokens.index("<think>"), tokens.index("</think>")
+    tok = Tokenizer.from_gguf_metadata(dict(meta, **{"tokenizer.ggml.eot_token_id": eot,
+                                                     "tokenizer.ggml.eom_token_id": eom}))
+    assert tok.stop_ids == {tokens.index("<|im_end|>"), tokens.index("<|endoftext|>"), eot, eom}
+    with pytest.raises(ModelFormatError, match="eot_token_id = 9999 is outside"):
+        Tokenizer.from_gguf_metadata(dict(meta, **{"tokenizer.ggml.eot_token_id": 9999}))
+
+
 def test_bos_only_when_the_model_asks(hf_tok):
     with_bos = Tokenizer.from_gguf_metadata(gguf_tokenizer_meta(hf_tok, add_bos=True))
     ids = with_bos.encode("hello")
@@ -176,6 +187,16 @@ def test_unknown_pre_tokenizer_warns_and_splits_like_qwen2(meta, tok, caplog):
         other = Tokenizer.from_gguf_metadata(dict(meta, **{"tokenizer.ggml.pre": "mystery-pre"}))
     assert "mystery-pre" in caplog.text
     for text in SAMPLES:
+        assert other.encode(text) == tok.encode(text)
+
+
+def test_a_file_without_pre_tokenizer_warns_and_splits_like_qwen2(meta, tok, caplog):
+    # llama.cpp's converters before the key existed (early Qwen1.5-MoE files) wrote none
+    bare = {k: v for k, v in meta.items() if k != "tokenizer.ggml.pre"}
+    with caplog.at_level(logging.WARNING, logger="strata.model.tokenizer"):
+        other = Tokenizer.from_gguf_metadata(bare)
+    assert "no tokenizer.ggml.pre" in caplog.text
+    for text in SAMPLES:  # GPT-2's split differs on some (runs of newlines and spaces)
         assert other.encode(text) == tok.encode(text)
 
 

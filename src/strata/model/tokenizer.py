@@ -97,7 +97,8 @@ class Tokenizer:
 
     def __init__(self, backend: HFTokenizer, tokens: list[str], special_ids: set[int],
                  added_ids: set[int], bos_id: int | None, eos_id: int | None, add_bos: bool,
-                 fim: FimTokens | None = None):
+                 fim: FimTokens | None = None, end_ids: Iterable[int] = ()):
+        """`end_ids`: tokens besides EOS that end a turn (llama.cpp's eot/eom ids)."""
         self._backend = backend
         self._plain_backend: HFTokenizer | None = None  # encode_plain's, made on first use
         self._plain_lock = threading.Lock()
@@ -112,6 +113,7 @@ class Tokenizer:
         self.eos_id = eos_id
         self.add_bos = add_bos
         stops = [eos_id] if eos_id is not None else []
+        stops += end_ids
         stops += [backend.token_to_id(name) for name in STOP_TOKEN_NAMES]
         self.stop_ids = frozenset(i for i in stops if i is not None)
 
@@ -146,7 +148,13 @@ class Tokenizer:
             pairs.append((left, right))
         backend = HFTokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=False,
                                   continuing_subword_prefix="", end_of_word_suffix=""))
-        backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
+        pre = meta.get("tokenizer.ggml.pre")
+        if pre is None:  # a file from llama.cpp's converter before the key (April 2024)
+            log.warning("%s: no tokenizer.ggml.pre key; splitting text the qwen2 way, as the "
+                        "Qwen models Strata runs do (llama.cpp would use its GPT-2-like default)",
+                        source)
+            pre = "qwen2"
+        backend.pre_tokenizer = _pre_tokenizer(str(pre))
         backend.decoder = decoders.ByteLevel()
 
         special_ids = {i for i, t in enumerate(types) if t == TOKEN_CONTROL}
@@ -171,10 +179,12 @@ class Tokenizer:
                                        f"of {len(tokens)} tokens")
             return int(value)
 
+        end_ids = [opt_id(f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom")]
         return cls(backend, tokens, special_ids, special_ids | user_ids,
                    bos_id=opt_id("tokenizer.ggml.bos_token_id"),
                    eos_id=opt_id("tokenizer.ggml.eos_token_id"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), fim=fim)
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), fim=fim,
+                   end_ids=[i for i in end_ids if i is not None])
 
     @property
     def vocab_size(self) -> int:
