@@ -206,6 +206,19 @@ def test_repeat_last_n_windows_the_repetition_penalty():
     assert every.seen == {3, 4} and every.sample(logits) == 2
 
 
+def test_repeat_last_n_longer_than_the_prompt_covers_the_whole_prompt():
+    """A window longer than the prompt holds every prompt token, not its last (2 len - N)."""
+    for last_n in (4, 5, 6, 9):
+        s = Sampler(SamplingParams(temperature=0, repetition_penalty=4.0, repeat_last_n=last_n),
+                    prompt_tokens=[1, 2, 3])
+        assert s.seen == {1, 2, 3}, last_n
+    s = Sampler(SamplingParams(temperature=0, repetition_penalty=4.0, repeat_last_n=5),
+                prompt_tokens=[3, 2, 1])
+    logits = np.array([0.1, 0.4, 0.3, 0.35], dtype=np.float32)
+    assert s.sample(logits) == 0  # 1, 2 and 3 are all in the window: each penalised
+    assert s.sample(logits) == 1  # the window of 5 holds [3, 2, 1, 0]: 0 penalised too
+
+
 def test_frequency_penalty_grows_with_each_repeat():
     s = Sampler(SamplingParams(temperature=0, frequency_penalty=0.3), prompt_tokens=[0])
     logits = np.array([1.0, 0.5, 0.0], dtype=np.float32)

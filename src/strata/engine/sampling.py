@@ -335,7 +335,7 @@ class Sampler:
         self._last_n = params.repeat_last_n
         self._recent = None  # the last N tokens and their counts, with repeat_last_n N > 0
         if self._last_n > 0:
-            tail = prompt[len(prompt) - self._last_n:].tolist() if len(prompt) else []
+            tail = prompt[max(len(prompt) - self._last_n, 0):].tolist()  # all if shorter
             self._recent = (deque(tail), Counter(tail))
             self.seen: set[int] = set(self._recent[1])
         else:
