@@ -22,7 +22,8 @@ def reference_candidates(logits, num, temperature, penalties, num_valid, want_ma
     mass = 0.0
     if want_mass and not has_nan:
         z = x.astype(np.float64) / temperature
-        mass = float(np.exp(z - z[order[0]]).sum())
+        with np.errstate(invalid="ignore"):  # a row without a finite peak: NaN, as no mass
+            mass = float(np.exp(z - z[order[0]]).sum())
     return order.astype(np.int32), x[order], mass, has_nan
 
 

@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from sampling_ref import HostLogitRow
 from strata import Engine, EngineConfig, SamplingParams
 from strata.engine.logprobs import MAX_TOP_LOGPROBS, token_logprob
-from strata.errors import RequestError
+from strata.errors import ModelFormatError, RequestError
 
 
 def torch_logprobs(row: np.ndarray, num_valid: int) -> np.ndarray:
@@ -40,9 +41,18 @@ def test_a_row_equals_torch(row, num_top, data):
     np.testing.assert_allclose([v for _, v in got.top], ref[order], atol=2e-5)
 
 
-def test_a_row_without_a_finite_logit_is_refused():
-    with pytest.raises(ValueError, match="no finite value"):
-        token_logprob(np.full(8, -np.inf, np.float32), 0, 2, 8)
+@pytest.mark.parametrize("fill,at_3,words", [
+    (-np.inf, -np.inf, "no finite logit"), (0.0, np.inf, r"an infinite logit \(token 3\)"),
+    (0.0, np.nan, "a NaN logit"),
+])
+def test_a_row_without_a_distribution_is_a_model_error(fill, at_3, words):
+    """A damaged model's row (NaN, +inf, or no finite logit), on the host or on the device,
+    ends the request with an error that says so, as NaN logits do for the sampler."""
+    row = np.full(8, fill, np.float32)
+    row[3] = at_3
+    for source in (row, HostLogitRow(row)):  # HostLogitRow: a device row's contract
+        with pytest.raises(ModelFormatError, match=words + ".*weights are likely corrupt"):
+            token_logprob(source, 3, 2, 8)
 
 
 @pytest.mark.parametrize("value", [-1, MAX_TOP_LOGPROBS + 1, True, 1.5, "3"])

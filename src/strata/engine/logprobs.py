@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from strata.errors import ModelFormatError
+
 MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
 
 
@@ -33,8 +35,8 @@ def token_logprob(logits, token_id: int, num_top: int, num_valid: int) -> TokenL
         return _device_logprob(logits, int(token_id), num_top, num_valid)
     row = np.asarray(logits, dtype=np.float32).reshape(-1)[:num_valid]
     peak = float(row.max())
-    if not np.isfinite(peak):  # no finite logit: nothing has a probability
-        raise ValueError(f"the logits row has no finite value (max {peak})")
+    if not np.isfinite(peak):  # NaN, +inf, or no finite logit: no distribution to read
+        raise _corrupt_row(peak, int(np.argmax(row)) if peak == np.inf else None)
     # log-sum-exp, summed in float64: 150K terms of float32 would lose the small ones
     lse = peak + float(np.log(np.exp(row - peak).sum(dtype=np.float64)))
     top: tuple[tuple[int, float], ...] = ()
@@ -47,14 +49,27 @@ def token_logprob(logits, token_id: int, num_top: int, num_valid: int) -> TokenL
     return TokenLogprob(int(token_id), float(row[token_id]) - lse, top)
 
 
+def _corrupt_row(peak: float, token_id: int | None) -> ModelFormatError:
+    """The error for a logits row whose largest value `peak` is not finite (NaN, +inf at
+    `token_id`, or -inf: every logit -inf): log probabilities are undefined there."""
+    what = ("a NaN logit" if np.isnan(peak) else "no finite logit" if peak < 0
+            else f"an infinite logit (token {token_id})")
+    return ModelFormatError(f"the model produced {what}, so the token's log probability is "
+                            "undefined; its weights are likely corrupt (check it with "
+                            "`strata-tool inspect`)")
+
+
 def _device_logprob(row, token_id: int, num_top: int, num_valid: int) -> TokenLogprob:
     """The same figures from a device row without copying it: its best candidates at
     temperature 1 with their softmax mass (sum of exp(x - x_max) over the valid ids), and the
     chosen token's logit read alone when it is not among them."""
     found = row.candidates(max(num_top, 1), 1.0, None, num_valid, want_mass=True)
-    if found is None or not np.isfinite(found.values[0]):
-        raise ValueError("the logits row has a NaN or no finite value")
-    lse = float(found.values[0]) + math.log(found.mass)
+    if found is None:
+        raise _corrupt_row(float("nan"), None)
+    peak = float(found.values[0])
+    if not np.isfinite(peak):
+        raise _corrupt_row(peak, int(found.ids[0]))
+    lse = peak + math.log(found.mass)
     hit = np.flatnonzero(found.ids == token_id)
     value = float(found.values[hit[0]]) if hit.size else row.value(token_id)
     best = zip(found.ids[:num_top], found.values[:num_top])
