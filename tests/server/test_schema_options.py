@@ -156,3 +156,12 @@ def test_a_response_format_whose_root_is_not_an_object_is_refused(response_forma
     assert info.value.param == param and "of type 'object'" in info.value.message
     fine = {"type": "json_schema", "json_schema": {"schema": {"type": ["object", "null"]}}}
     assert parse_chat_request({"messages": USER, "response_format": fine}, 512).options.json_object
+
+
+def test_top_p_zero_keeps_the_most_likely_token():
+    """OpenAI and llama.cpp take top_p 0 (the smallest set whose mass reaches it: one token);
+    it was a 400 here."""
+    options = parse_chat_request({"messages": USER, "top_p": 0, "top_k": 40}, 512).options
+    assert options.top_k == 1 and options.top_p is None
+    params = sampling_params(options, 10, 512, 1000)
+    assert params.top_k == 1

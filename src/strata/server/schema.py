@@ -260,13 +260,16 @@ def parse_options(body: dict, max_tokens_limit: int, *,
         raise invalid(f"'stop' must hold 1 to {MAX_STOP_STRINGS} non-empty strings, got "
                       f"{len(stop)} with {sum(not s for s in stop)} empty.", "stop")
     top_k = _integer(body, "top_k", -1, 2**31)
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    if top_p == 0:  # OpenAI and llama.cpp take 0: the smallest set, the most likely token
+        top_p, top_k = None, 1
     _check_samplers_off(body)
     stream_options = _object(body, "stream_options") or {}
     is_stream = _boolean(body, "stream")
     return GenerationOptions(
         max_tokens=max_completion if max_completion is not None else max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, low_open=True),
+        top_p=top_p,
         top_k=None if top_k is None else max(top_k, 0),  # -1 means "no top-k" to some clients
         min_p=_number(body, "min_p", 0.0, 1.0),
         seed=_integer(body, "seed", 0, 2**63 - 1),
