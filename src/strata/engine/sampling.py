@@ -220,16 +220,23 @@ def penalty_entries(seen: set[int], generated: Counter, repetition_penalty: floa
     bias = logit_bias or {}
     if not (is_rep or is_count or bias):
         return None
-    rep_ids = seen if is_rep else set()
+    # numpy throughout: a long context's `seen` holds tens of thousands of ids, every token
+    rep_ids = (np.fromiter(seen, dtype=np.int64, count=len(seen)) if is_rep
+               else np.zeros(0, np.int64))
     counts = generated if is_count else {}
-    ids = np.fromiter(sorted(rep_ids | set(counts) | set(bias)), dtype=np.int64)
-    rep = np.where(np.isin(ids, np.fromiter(rep_ids, dtype=np.int64, count=len(rep_ids))),
-                   np.float32(repetition_penalty), np.float32(1)).astype(np.float32)
-    n = np.array([counts.get(int(t), 0) for t in ids], dtype=np.float32)
+    count_ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+    bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+    ids = np.unique(np.concatenate((rep_ids, count_ids, bias_ids)))  # sorted, distinct
+    rep = np.ones(len(ids), dtype=np.float32)
+    rep[np.searchsorted(ids, rep_ids)] = np.float32(repetition_penalty)
+    n = np.zeros(len(ids), dtype=np.float32)
+    n[np.searchsorted(ids, count_ids)] = np.fromiter(counts.values(), dtype=np.float32,
+                                                      count=len(counts))
     sub = np.where(n > 0, n * np.float32(frequency_penalty) + np.float32(presence_penalty),
                    np.float32(0)).astype(np.float32)
     if bias:
-        sub -= np.array([bias.get(int(t), 0.0) for t in ids], dtype=np.float32)
+        sub[np.searchsorted(ids, bias_ids)] -= np.fromiter(bias.values(), dtype=np.float32,
+                                                           count=len(bias))
     return ids.astype(np.int32), rep, sub
 
 
