@@ -148,7 +148,7 @@ def test_tool_calls_are_tool_use_blocks_held_to_the_schema(client, reference):
     assert calls and [(b.name, b.input) for b in served] == [
         (c.name, json.loads(c.arguments)) for c in calls]
     assert all(b.id.startswith("toolu_") and isinstance(b.input["city"], str) for b in served)
-    # a run cut by max_tokens (inside a further call, dropped) says max_tokens, as Anthropic's
+    # a run cut by max_tokens (inside a further call, sent as text) says max_tokens, as Anthropic's
     assert reply.stop_reason == {"length": "max_tokens", "stop": "tool_use"}[
         events[-1].finish_reason]
 

@@ -4,6 +4,8 @@ import itertools
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from strata.server.output_parser import (ContentDelta, OutputParser, ReasoningDelta, ToolCall,
                                          parse_complete, parse_tool_call_body,
@@ -30,8 +32,8 @@ def merge(events):
     """Adjacent deltas of one kind joined: the form in which splits must agree."""
     out = []
     for event in events:
-        if out and type(event) is type(out[-1]) and isinstance(event, (ContentDelta,
-                                                                        ReasoningDelta)):
+        is_text = isinstance(event, (ContentDelta, ReasoningDelta))
+        if out and type(event) is type(out[-1]) and is_text:
             out[-1] = type(event)(out[-1].text + event.text)
         else:
             out.append(event)
@@ -56,13 +58,25 @@ SAMPLES = [
      "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", {},
      [ToolCall(0, "call_0", "get_weather", '{"city": "San Francisco", "days": 3}')], False),
     ("<think>plan</think>ok <tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": \"<b>\"}}",
-     {}, [ReasoningDelta("plan"), ContentDelta("ok")], True),
+     {}, [ReasoningDelta("plan"),
+          ContentDelta("ok <tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": \"<b>\"}}")],
+     True),
     ("a < b and c <tool d", {}, [ContentDelta("a < b and c <tool d")], False),
     ("text ends with <tool_", {}, [ContentDelta("text ends with <tool_")], False),
     ("<tool_call>{\"name\": \"f\"}</tool_call> x", {"parse_tools": False},
      [ContentDelta("<tool_call>{\"name\": \"f\"}</tool_call> x")], False),
     ("<tool_call>not json</tool_call>", {}, [ContentDelta("<tool_call>not json</tool_call>")],
      False),
+    ("Text\n\n<tool_call>\nnot json\n</tool_call>\n\nmore", {},
+     [ContentDelta("Text\n\n<tool_call>\nnot json\n</tool_call>\n\nmore")], False),
+    ("Write `<tool_call>` then the JSON.\nDone.", {},
+     [ContentDelta("Write `<tool_call>` then the JSON.\nDone.")], True),
+    ("Strip them: re.sub(r'<think>.*?</think>', '', s)", {},
+     [ContentDelta("Strip them: re.sub(r'<think>.*?</think>', '', s)")], False),
+    ("\n<think>\nhm\n</think>\n\nok <think>x</think>", {},
+     [ReasoningDelta("hm"), ContentDelta("ok <think>x</think>")], False),
+    ("plan</think>\n\n<think>more</think>", {"starts_in_reasoning": True},
+     [ReasoningDelta("plan"), ContentDelta("<think>more</think>")], False),
     ("line\n\n", {}, [ContentDelta("line\n\n")], False),
     ("<think>\nunfinished thought", {}, [ReasoningDelta("unfinished thought")], False),
 ]
@@ -109,11 +123,13 @@ def test_held_prefix_that_is_not_a_tag_is_released():
     assert parser.feed("s is fine") == [ContentDelta(" <this is fine")]
 
 
-def test_finish_drops_a_cut_call_and_reports_it():
+def test_finish_sends_a_cut_call_as_text_and_reports_it():
     parser = OutputParser()
-    parser.feed("<tool_call>\n{\"name\": \"f\", \"argu")
+    assert parser.feed("Sure.\n<tool_call>\n{\"name\": \"f\", \"argu") == [
+        ContentDelta("Sure.")]
     assert parser.is_inside_tool_call
-    assert parser.finish() == []
+    assert parser.finish() == [ContentDelta("\n<tool_call>\n{\"name\": \"f\", \"argu")]
+    assert not parser.is_inside_tool_call and parser.num_tool_calls == 0
 
 
 def test_reasoning_close_tag_in_content_is_plain_text():
@@ -156,3 +172,32 @@ def test_unicode_and_ids_are_stable():
     (call,) = events
     assert call.id.startswith("call_") and len(call.id) == 29
     assert json.loads(call.arguments) == {"t": "héllo ☃"}
+
+
+# pieces of model output that make tags, near-tags, calls and text when joined
+FRAGMENTS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "\n", " ", "\n\n", "a",
+             "é☃", "<", "<tool_", "</thi", "<th", '{"name": "f", "arguments": {"x": 1}}',
+             "not json", "<function=g>", "<parameter=p>", "</parameter>", "</function>",
+             "x <think>"]
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=14), st.data(), st.booleans(),
+       st.booleans())
+def test_any_split_gives_the_whole_outputs_events(parts, data, starts_in_reasoning, tools):
+    text = "".join(parts)
+    kwargs = {"starts_in_reasoning": starts_in_reasoning, "parse_tools": tools}
+    whole = run_pieces([text], **kwargs)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    assert run_pieces(pieces, **kwargs) == whole
+    assert run_pieces(list(text), **kwargs) == whole
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(FRAGMENTS[:13] + ["not json", "<function=g>"]), max_size=14))
+def test_an_answer_without_a_call_or_a_leading_think_comes_back_whole(parts):
+    """Tags in an answer's text (a `<tool_call>` never closed or holding no call, a `<think>`
+    after the answer began) and the whitespace around them are the client's text."""
+    text = "x" + "".join(parts)
+    assert parse_complete(text, parse_tools=True)[:3] == (text, "", [])

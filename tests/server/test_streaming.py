@@ -87,15 +87,19 @@ def test_tool_call_stream():
                                    "completion_tokens_details": {"reasoning_tokens": 3}}
 
 
-def test_call_cut_by_the_token_limit_is_dropped_and_logged(caplog):
+@pytest.mark.parametrize("finish", ["length", "stop"])
+def test_call_cut_by_the_end_of_the_output_is_text_and_logged(caplog, finish):
+    """Never half a call, nor text lost: what the model wrote comes as content."""
     with caplog.at_level(logging.INFO, logger="strata.server"):
-        frames = run_stream(["Sure.", "<tool_call>\n{\"name\": \"get_", "weather\""], "length")
+        frames = run_stream(["Sure.", "\n<tool_call>\n{\"name\": \"get_", "weather\""],
+                            finish)
     chunks = payloads(frames)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Sure."}, {}]
-    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Sure."},
+                      {"content": "\n<tool_call>\n{\"name\": \"get_weather\""}, {}]
+    assert chunks[-2]["choices"][0]["finish_reason"] == finish
     assert "ended inside a tool call" in caplog.text
-    assert "generated 3" in caplog.text and "finish length" in caplog.text
+    assert "generated 3" in caplog.text and f"finish {finish}" in caplog.text
 
 
 def test_error_after_the_stream_began_is_an_event():

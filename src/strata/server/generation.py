@@ -112,7 +112,7 @@ class GenerationRoutes:
                  " (cancelled: client went away)" if end.is_cancelled else "")
         if outcome.is_call_cut:
             log.warning("request %s: the output ended inside a tool call (engine finish %s); "
-                        "the partial call was dropped", job.request_id, outcome.engine_finish)
+                        "its text was sent as content", job.request_id, outcome.engine_finish)
 
     def _events(self, job: Job):
         disconnected = request.environ.get("waitress.client_disconnected")

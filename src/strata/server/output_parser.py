@@ -113,9 +113,13 @@ class OutputParser:
 
     Invariants: a piece of text that may still become a tag (`<tool_` at the end of a piece) is
     held back until the next piece decides it; a tool call is emitted whole once its closing tag
-    arrives, so a call the output ended inside is never half-sent (`finish()` drops it and
-    `is_inside_tool_call` says so). Whitespace right after `<think>`, `</think>` and a tool call is
-    dropped, and so is whitespace right before `</think>` and before a tool call.
+    arrives, so a call is never half-sent: one the output ended inside (check
+    `is_inside_tool_call` before `finish()` to report it) or one that cannot be read comes out
+    as the text the model wrote. Only a `<think>` that opens the output (after whitespace at
+    most) starts a reasoning block, as the engine's constraints and thinking budget read it;
+    a later one (an answer about the tags) is text. Whitespace right after `<think>`,
+    `</think>` and a tool call is dropped, and so is whitespace right before `</think>` and
+    before a tool call (kept where the call comes out as text).
     """
 
     def __init__(self, *, starts_in_reasoning: bool = False, parse_tools: bool = True,
@@ -128,6 +132,8 @@ class OutputParser:
         self._buffer = ""          # text not yet decided (partial tags, a tool call's body)
         self._held_space = ""      # whitespace that is dropped if a tag follows it
         self._strip_leading = starts_in_reasoning
+        self._space_before_call = ""  # whitespace before the open `<tool_call>`
+        self._may_open_reasoning = not starts_in_reasoning  # nothing but whitespace so far
         self.num_tool_calls = 0
         self.num_invalid_tool_calls = 0
 
@@ -143,9 +149,8 @@ class OutputParser:
     def _open_tags(self) -> tuple[str, ...]:
         if self._state == "reasoning":
             return (THINK_CLOSE,)
-        if self._parse_tools:
-            return (THINK_OPEN, TOOL_OPEN)
-        return (THINK_OPEN,)
+        think = (THINK_OPEN,) if self._may_open_reasoning else ()
+        return think + (TOOL_OPEN,) if self._parse_tools else think
 
     def _emit_text(self, text: str, out: list) -> None:
         """Emits plain text of the current state, holding back trailing whitespace."""
@@ -159,6 +164,7 @@ class OutputParser:
             kind = ReasoningDelta if self._state == "reasoning" else ContentDelta
             out.append(kind(self._held_space + body))
             self._held_space = ""
+            self._may_open_reasoning = False
         self._held_space += text[len(body):]
 
     def feed(self, text: str) -> list:
@@ -180,9 +186,14 @@ class OutputParser:
             positions = [(pos, tag) for pos, tag in positions if pos >= 0]
             if positions:
                 pos, tag = min(positions)
+                if tag == THINK_OPEN and self._buffer[:pos].strip():
+                    self._may_open_reasoning = False  # text came first: this one is text
+                    continue
                 self._emit_text(self._buffer[:pos], out)
                 self._buffer = self._buffer[pos + len(tag):]
+                self._space_before_call = self._held_space if tag == TOOL_OPEN else ""
                 self._held_space = ""
+                self._may_open_reasoning = False
                 self._strip_leading = tag != TOOL_OPEN
                 self._state = {THINK_OPEN: "reasoning", THINK_CLOSE: "content",
                                TOOL_OPEN: "tool_call"}[tag]
@@ -199,21 +210,27 @@ class OutputParser:
         if parsed is None:
             # Not a call we can read: the client sees it as text rather than losing it.
             self.num_invalid_tool_calls += 1
-            self._strip_leading = False
-            self._emit_text(TOOL_OPEN + body + TOOL_CLOSE, out)
+            self._emit_call_as_text(TOOL_OPEN + body + TOOL_CLOSE, out)
             return
         name, arguments = parsed
         out.append(ToolCall(self.num_tool_calls, self._new_id(), name,
                             json.dumps(arguments, ensure_ascii=False)))
         self.num_tool_calls += 1
 
+    def _emit_call_as_text(self, text: str, out: list) -> None:
+        """A `<tool_call>` block that is no call, as content: with the whitespace before it."""
+        self._strip_leading = False
+        self._held_space = self._space_before_call
+        self._emit_text(text, out)
+
     def finish(self) -> list:
         """Events of the text still held at the end of the output. A tool call the output ended
-        inside is dropped (check `is_inside_tool_call` first to report it)."""
+        inside comes out as its text (check `is_inside_tool_call` first to report it)."""
         out: list = []
         if self._state == "tool_call":
-            self._buffer = ""
-            return out
+            self._state = "content"
+            self._buffer, pending = "", self._buffer
+            self._emit_call_as_text(TOOL_OPEN + pending, out)
         pending = self._buffer
         self._buffer = ""
         if pending:
