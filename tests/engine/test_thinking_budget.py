@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from strata.engine.gbnf import compile_grammar
 from strata.engine.generate import collect
-from strata.engine.json_constraint import JsonObjectConstraint
+from strata.engine.json_constraint import JsonObjectConstraint, TextConstraint
 from strata.engine.sampling import Sampler, SamplingParams
 from strata.engine.thinking_budget import CLOSE, ThinkingBudget
 from strata.errors import RequestError
@@ -46,6 +47,23 @@ def test_budget_zero_closes_an_open_block_at_once(tokenizer):
     late = ThinkingBudget(tokenizer, 0)
     late.push(tokenizer.token_id("<think>"))
     assert late.is_forcing
+
+
+@pytest.mark.parametrize("starts_in_reasoning", [False, True])
+def test_a_grammar_that_holds_the_block_is_left_to_hold_it(tokenizer, starts_in_reasoning):
+    """A grammar with token items holds the whole output, `<think>` block included: forcing
+    the close (its newline here) would take the output out of the grammar's language."""
+    grammar = 'root ::= <think> [a-z ]* </think> "ok"'
+    inner = TextConstraint(tokenizer, tokenizer.stop_ids,
+                           compile_grammar(grammar).bound(tokenizer).recognizer(),
+                           starts_in_reasoning=starts_in_reasoning)
+    c = ThinkingBudget(tokenizer, 0 if starts_in_reasoning else 2, inner,
+                       starts_in_reasoning=starts_in_reasoning)
+    assert not c.is_forcing
+    assert feed(c, [tokenizer.token_id("<think>")] + ids(tokenizer, " a b c d"))
+    assert not c.is_forcing and not c.allows(ids(tokenizer, "\n")[0])
+    assert feed(c, [tokenizer.token_id("</think>")] + ids(tokenizer, "ok"))
+    assert inner.is_done
 
 
 def test_an_inner_constraint_sees_the_forced_close(tokenizer):

@@ -2,7 +2,8 @@
 `thinking.budget_tokens`, `strata serve --reasoning-budget`): once the block has taken that
 many tokens, the sampler may take only the tokens that spell CLOSE, and the answer goes on
 after it as the model writes it. Wraps the request's other constraint (JSON, tool calls), or
-none, which sees every token as before, the forced ones included."""
+none, which sees every token as before, the forced ones included; a grammar with token items
+(gbnf.py) holds the whole output, its `<think>` block included, so the budget leaves it be."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +26,12 @@ class ThinkingBudget:
         self.is_thinking = starts_in_reasoning
         self.is_first = not starts_in_reasoning   # a <think> may open the answer
         self.num_thinking_tokens = 0
-        self.forced = CLOSE if starts_in_reasoning and budget_tokens == 0 else b""
+        # the inner grammar reads the block itself: forced bytes could leave its language
+        self.is_held_by_inner = bool(getattr(getattr(inner, "recognizer", None), "has_tokens",
+                                             False))
+        self.forced = b""
+        if starts_in_reasoning:
+            self._start_forcing_if_spent()
 
     @property
     def is_forcing(self) -> bool:
@@ -65,7 +71,7 @@ class ThinkingBudget:
         self._start_forcing_if_spent()
 
     def _start_forcing_if_spent(self) -> None:
-        if self.num_thinking_tokens >= self.budget_tokens:
+        if self.num_thinking_tokens >= self.budget_tokens and not self.is_held_by_inner:
             self.forced = CLOSE
 
     def candidates(self) -> np.ndarray:
