@@ -196,3 +196,24 @@ def test_engine_answers_with_a_json_object(tiny_model_path):
             assert JsonRecognizer().feed(result.text.encode()), result.text
             if result.finish_reason == "stop":
                 assert isinstance(json.loads(result.text), dict)
+
+
+def test_only_a_think_after_the_last_turn_start_opens_reasoning(tokenizer):
+    """The answer starts in reasoning when the template (or a prefill) leaves `<think>` open
+    after the assistant's turn start; a `<think>` inside a message (a question about the tags,
+    a tool result holding code) is followed by its turn's end and opens nothing (the rendered
+    text's last `<think>` without a `</think>` after it turned the whole answer into reasoning)."""
+    from strata.engine.json_constraint import opens_reasoning
+
+    def opens(text):
+        return opens_reasoning(tokenizer, tokenizer.encode(text, add_special=False))
+
+    assert opens("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert opens("<|im_start|>assistant\n<think>\nLet me see: a prefill")
+    assert not opens("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not opens("<|im_start|>assistant\n")
+    question = "Why does my parser drop the text after <think> tags?"
+    assert not opens(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+    assert not opens("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<tool_call>"
+                     "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\ns = '<think>'"
+                     "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")

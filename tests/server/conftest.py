@@ -5,7 +5,8 @@ from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.sampling import SamplingParams
 from strata.server.app import ServerConfig
-from strata.server.output_parser import parse_complete, prompt_opens_reasoning
+from strata.engine.json_constraint import opens_reasoning
+from strata.server.output_parser import parse_complete
 
 from live_server import start_live_server
 
@@ -73,5 +74,6 @@ def reference_chat(engine, messages, max_tokens, tools=None, *, prefill="",
                                                          **params)))
     content, reasoning, calls, _ = parse_complete("".join(e.text for e in events),
                                                   parse_tools=bool(tools),
-                                                  starts_in_reasoning=prompt_opens_reasoning(text))
+                                                  starts_in_reasoning=opens_reasoning(
+                                                      engine.tokenizer, tokens))
     return tokens, content, reasoning, len(events), events[-1].finish_reason

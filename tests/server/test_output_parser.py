@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata.server.output_parser import (ContentDelta, OutputParser, ReasoningDelta, ToolCall,
-                                         parse_complete, parse_tool_call_body,
-                                         prompt_opens_reasoning)
+                                         parse_complete, parse_tool_call_body)
 
 
 def ids():
@@ -159,12 +158,6 @@ def test_arguments_given_as_a_json_string_are_decoded():
     assert parse_tool_call_body(body) == ("f", {"a": "b"})
 
 
-def test_prompt_opens_reasoning():
-    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
-    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
-
-
 def test_unicode_and_ids_are_stable():
     parser = OutputParser()
     events = parser.feed("<tool_call>{\"name\": \"f\", \"arguments\": {\"t\": \"héllo ☃\"}}"
@@ -201,3 +194,18 @@ def test_an_answer_without_a_call_or_a_leading_think_comes_back_whole(parts):
     after the answer began) and the whitespace around them are the client's text."""
     text = "x" + "".join(parts)
     assert parse_complete(text, parse_tools=True)[:3] == (text, "", [])
+
+
+def test_xml_values_of_a_nullable_string_stay_strings():
+    """A parameter typed ["string", "null"] keeps `123` as the string it is (it was decoded to
+    the number 123), and `null` as null."""
+    from strata.server.prompting import _param_types
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "s": {"type": ["string", "null"]}, "n": {"type": ["integer", "null"]}}}}}]
+    types = _param_types(tools)
+    body = ("<function=f>\n<parameter=s>\n123\n</parameter>\n<parameter=n>\n7\n</parameter>"
+            "\n</function>")
+    assert parse_tool_call_body(body, types) == ("f", {"s": "123", "n": 7})
+    body = "<function=f>\n<parameter=s>\nnull\n</parameter>\n</function>"
+    assert parse_tool_call_body(body, types) == ("f", {"s": None})

@@ -300,10 +300,21 @@ class JsonRecognizer:
 _FIRST_BYTES: dict[tuple, np.ndarray] = {}  # JsonRecognizer.first_bytes by state: a few hundred
 
 
-def opens_reasoning(tokenizer, prompt_tokens: list[int], tail: int = 16) -> bool:
-    """Whether the prompt's last tokens leave a `<think>` open (a reasoning model's template
-    starts the answer inside one), so the output starts in reasoning."""
-    text = b"".join(tokenizer.token_bytes(t) for t in prompt_tokens[-tail:])
+def opens_reasoning(tokenizer, prompt_tokens, tail: int = 4096) -> bool:
+    """Whether the prompt leaves a `<think>` open where the answer starts (a reasoning model's
+    template opens one after the assistant's turn start, or a prefill does), so the output
+    starts in reasoning. Only the text after the prompt's last special token counts (at most
+    `tail` tokens): a `<think>` in a message (a user's question about the tags, a tool result
+    holding code) is followed by its turn's end, and must not turn the answer into reasoning."""
+    special = tokenizer.special_ids
+    tokens = prompt_tokens[-tail:]
+    start = len(tokens)
+    while start > 0:
+        token = int(tokens[start - 1])
+        if token in special and tokenizer.token_bytes(token) not in (THINK_OPEN, THINK_CLOSE):
+            break
+        start -= 1
+    text = b"".join(tokenizer.token_bytes(int(t)) for t in tokens[start:])
     return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
 
 

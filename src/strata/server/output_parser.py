@@ -61,11 +61,14 @@ def _strip_one_newline(value: str) -> str:
     return value
 
 
-def _xml_value(raw: str, declared_type: str | None):
+def _xml_value(raw: str, declared_type: str | tuple | None):
     """A parameter value of the XML form: kept as a string where the tool declares a string
-    (or the text is not JSON), else the JSON value it spells (numbers, booleans, objects)."""
+    (or the text is not JSON), else the JSON value it spells (numbers, booleans, objects); a
+    type list with "string" keeps a string too, but for `null` where it also takes null."""
     if declared_type == "string":
         return raw
+    if isinstance(declared_type, tuple) and "string" in declared_type:
+        return None if raw == "null" and "null" in declared_type else raw
     try:
         return json.loads(raw)
     except ValueError:
@@ -73,7 +76,7 @@ def _xml_value(raw: str, declared_type: str | None):
 
 
 def parse_tool_call_body(body: str,
-                         param_types: dict[str, dict[str, str]] | None = None
+                         param_types: dict[str, dict] | None = None
                          ) -> tuple[str, dict] | None:
     """(name, arguments) of the text between `<tool_call>` and `</tool_call>`, or None when it is
     neither a JSON call `{"name": ..., "arguments": {...}}` nor the `<function=NAME>` XML form."""
@@ -240,11 +243,6 @@ class OutputParser:
             out.append(kind(self._held_space))
             self._held_space = ""
         return out
-
-
-def prompt_opens_reasoning(prompt_text: str) -> bool:
-    """True when the rendered prompt leaves a `<think>` open, so the output starts inside it."""
-    return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
 
 
 def parse_complete(text: str, **kwargs) -> tuple[str, str, list[ToolCall], bool]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
+from strata.engine.json_constraint import opens_reasoning
 from strata.engine.sampling import SamplingParams
 from strata.errors import RequestError
 from strata.model.fim import FimTokens, InfillText, build_infill
 from strata.server.api_error import ApiError, invalid
-from strata.server.output_parser import TOOL_OPEN, prompt_opens_reasoning
+from strata.server.output_parser import TOOL_OPEN
 from strata.server.schema import ChatRequest, GenerationOptions
 
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
@@ -54,16 +55,22 @@ def _with_system_note(messages: list[dict], notes: list[str]) -> list[dict]:
     return [{"role": "system", "content": note}] + messages
 
 
-def _param_types(tools: list[dict]) -> dict[str, dict[str, str]]:
-    """Declared JSON types of each tool's parameters (to type XML-form tool-call values)."""
-    out: dict[str, dict[str, str]] = {}
+def _param_types(tools: list[dict]) -> dict[str, dict[str, str | tuple]]:
+    """Declared JSON types of each tool's parameters (to type XML-form tool-call values): a
+    name, or a tuple of names for a type list such as ["string", "null"]."""
+    out: dict[str, dict[str, str | tuple]] = {}
     for tool in tools:
         function = tool["function"]
         props = (function.get("parameters") or {}).get("properties")
-        if isinstance(props, dict):
-            out[function["name"]] = {name: spec.get("type") for name, spec in props.items()
-                                     if isinstance(spec, dict) and isinstance(spec.get("type"),
-                                                                              str)}
+        if not isinstance(props, dict):
+            continue
+        types = out[function["name"]] = {}
+        for name, spec in props.items():
+            kind = spec.get("type") if isinstance(spec, dict) else None
+            if isinstance(kind, str):
+                types[name] = kind
+            elif isinstance(kind, list) and all(isinstance(k, str) for k in kind):
+                types[name] = tuple(kind)
     return out
 
 
@@ -89,7 +96,7 @@ def build_chat_prompt(engine, req: ChatRequest) -> ChatPrompt:
     tokens = engine.tokenize(text, add_special=False)
     form = tool_call_form(text) if tools else None
     return ChatPrompt(tokens=tokens, text=text, is_tool_parsing=bool(tools),
-                      starts_in_reasoning=prompt_opens_reasoning(text),
+                      starts_in_reasoning=opens_reasoning(engine.tokenizer, tokens),
                       param_types=_param_types(tools or []),
                       held_tool_calls=[t["function"] for t in tools] if form else None,
                       tool_call_form=form or "json")
