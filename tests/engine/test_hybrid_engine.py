@@ -142,3 +142,28 @@ def test_a_parked_conversation_goes_back_to_its_oldest_checkpoint(hybrid_path):
         assert again.token_ids == ra.token_ids
         assert engine.scheduler.kvs[0].state.positions() == (len(a1) - 1,)
     assert fresh_tokens(hybrid_path, a1, params) == again.token_ids
+
+
+def test_a_slot_file_whose_points_miss_its_states_is_refused_and_the_slot_kept(hybrid_path):
+    """A hand-made or damaged slot file naming a reuse point where it holds no recurrent state
+    is a RequestError (a 400) before the slot changes (it failed inside the restore, a 500 with
+    the slot's cells half replaced)."""
+    import pytest
+
+    from strata.engine.conversations import ParkedConversation
+    from strata.errors import RequestError
+
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    with Engine(EngineConfig(hybrid_path, n_ctx=160, parallel=1)) as engine:
+        prompt = engine.tokenize("A slot file is saved from this conversation.")
+        first = collect(engine.generate(prompt, params))
+        tokens, arrays, points, nbytes = engine.scheduler.export_slot(0)
+        bogus = tuple(sorted(set(points) | {3}))  # no state was kept at 3 tokens
+        with pytest.raises(RequestError, match=r"do not match its recurrent states \(none at"):
+            engine.scheduler.install_slot(0, ParkedConversation(
+                0, tokens[:4], arrays, nbytes, (3,)))
+        assert engine.scheduler.table.tokens(0) == tokens  # the slot is as it was
+        again = collect(engine.generate(prompt, params))
+        assert again.token_ids == first.token_ids
+        assert engine.scheduler.install_slot(0, ParkedConversation(
+            0, tokens, arrays, nbytes, bogus)) == len(tokens)  # the end still restores

@@ -549,9 +549,7 @@ class Scheduler:
         of a hybrid model) in slot `index`; return how many."""
         kv = self.kvs[index]
         k, v, state = parked.kv_arrays  # [L, KV, n, D] each; the recurrent state or None
-        n = min(k.shape[2], kv.capacity)  # (the cells past the prompt are dropped anyway)
-        if parked.reuse_points is not None:  # the state exists at its points only
-            n = max((p for p in parked.reuse_points if p <= n), default=0)
+        n = self._install_length(index, parked)
         kv.restore_cells(k, v, n)
         kv.import_state(state, n)
         if n and kv.state is not None:
@@ -560,6 +558,14 @@ class Scheduler:
             # there, so it replaces the file it came from
             kv.keep_checkpoint()
         self.table.replace_tokens(index, parked.tokens[:n])
+        return n
+
+    def _install_length(self, index: int, parked) -> int:
+        """How many of `parked`'s tokens slot `index` takes: as many as it holds, down to a
+        reuse point of a hybrid model."""
+        n = min(parked.kv_arrays[0].shape[2], self.kvs[index].capacity)
+        if parked.reuse_points is not None:  # the state exists at its points only
+            n = max((p for p in parked.reuse_points if p <= n), default=0)
         return n
 
     # ---- one idle slot's cells, by request (llama.cpp's slot save / restore / erase) --------
@@ -586,6 +592,11 @@ class Scheduler:
         """Put `parked` (a ParkedConversation) in idle slot `index`, parking what the slot
         held first; return the tokens it holds now."""
         index = self._idle_slot(index)
+        n = self._install_length(index, parked)
+        if not _state_reaches(parked.kv_arrays[2], n):  # before the slot changes
+            raise RequestError(f"the slot file's reuse points {list(parked.reuse_points or ())} "
+                               f"do not match its recurrent states (none at {n} tokens); the "
+                               "file is damaged or not Strata's")
         if self.table.tokens(index):
             self._park(index)
         n = self._install(index, parked)
@@ -874,3 +885,14 @@ class Scheduler:
     def _end(self, handle: RequestHandle, error: BaseException | None) -> None:
         handle.state, handle.error = STATE_DONE, error
         self.choosers.request_done(handle.stats)
+
+
+def _state_reaches(exported, num_tokens: int) -> bool:
+    """Whether a parked recurrent state (`KVCache.export_state`'s (end, state, checkpoints), a
+    layer split's tuple of them, or None) has its state at `num_tokens`."""
+    if exported is None or num_tokens == 0:
+        return True
+    if isinstance(exported, tuple) and exported and isinstance(exported[0], tuple):
+        return all(_state_reaches(part, num_tokens) for part in exported)
+    end, _state, checkpoints = exported
+    return num_tokens == end or num_tokens in checkpoints
