@@ -892,7 +892,7 @@ def _state_reaches(exported, num_tokens: int) -> bool:
     layer split's tuple of them, or None) has its state at `num_tokens`."""
     if exported is None or num_tokens == 0:
         return True
-    if isinstance(exported, tuple) and exported and isinstance(exported[0], tuple):
+    end = exported[0]
+    if not isinstance(end, (int, np.integer)):  # a split's stages: each its own, or None
         return all(_state_reaches(part, num_tokens) for part in exported)
-    end, _state, checkpoints = exported
-    return num_tokens == end or num_tokens in checkpoints
+    return num_tokens == end or num_tokens in exported[2]
