@@ -12,6 +12,7 @@ and what is not (docs in README, "Serve"):
 - not held: patterns, formats, string lengths, numeric bounds, `prefixItems`, `not`."""
 from __future__ import annotations
 
+import bisect
 import json
 from urllib.parse import unquote
 
@@ -159,7 +160,7 @@ def _dispatch(node: SchemaNode, parts: list[SchemaNode]) -> None:
         loose = node.variants[kind] = SchemaNode()
         loose.types = frozenset(t for p in takers for t in p.types if _kinds({t}) == {kind})
         if kind == "string" and all(p.strings is not None for p in takers):
-            loose.strings = tuple(dict.fromkeys(v for p in takers for v in p.strings))
+            loose.strings = tuple(sorted({v for p in takers for v in p.strings}))
         elif kind != "string" and all(p.scalars is not None for p in takers):
             loose.scalars = tuple(dict.fromkeys(v for p in takers for v in p.scalars))
 
@@ -186,7 +187,7 @@ def _compile(schema, root: dict, nodes: dict[int, SchemaNode]) -> SchemaNode:
         strings = [v for v in values if isinstance(v, str)]
         node.types = frozenset(_VALUE_TYPE.get(type(v), "string") for v in values)
         if strings:
-            node.strings = tuple(_key(v) for v in strings)
+            node.strings = tuple(sorted({_key(v) for v in strings}))
         node.scalars = tuple(json.dumps(v).encode() for v in values
                              if v is None or isinstance(v, (bool, int, float)))
     elif node.types is None and isinstance(alternatives, list) and alternatives:
@@ -209,6 +210,15 @@ def _compile(schema, root: dict, nodes: dict[int, SchemaNode]) -> SchemaNode:
     if _is_count(low) and (high is None or _is_count(high) and high >= low):
         node.min_items, node.max_items = low, high
     return node
+
+
+def _prefix_run(items: tuple[bytes, ...], prefix: bytes) -> tuple[int, int]:
+    """[lo, hi) of the sorted `items` that start with `prefix`."""
+    lo = bisect.bisect_left(items, prefix)
+    stem = prefix.rstrip(b"\xff")  # the least bytes above every string with the prefix
+    if not stem:
+        return lo, len(items)
+    return lo, bisect.bisect_left(items, stem[:-1] + bytes((stem[-1] + 1,)), lo)
 
 
 def _is_count(value) -> bool:
@@ -271,7 +281,7 @@ class SchemaRecognizer(JsonRecognizer):
     def _key_allowed(self) -> bool:
         node, seen = self.frames[-1]
         if node.additional is False:
-            self.allowed = tuple(k for k in node.properties if k not in seen)
+            self.allowed = tuple(sorted(k for k in node.properties if k not in seen))
             if not self.allowed:
                 return False
         else:
@@ -283,7 +293,15 @@ class SchemaRecognizer(JsonRecognizer):
         if self.allowed is None:
             return True
         self.buf += bytes((c,))
-        return not self.allowed or any(a.startswith(self.buf) for a in self.allowed)
+        if not self.allowed:  # (): a key tracked, any allowed
+            return True
+        # `allowed` is sorted and every item starts with the bytes before c: those that also
+        # start with c are one run of it (bisect: an enum of thousands costs log n a byte)
+        lo, hi = _prefix_run(self.allowed, self.buf)
+        if lo == hi:
+            return False
+        self.allowed = self.allowed[lo:hi]
+        return True
 
     def _string_end(self) -> bool:
         allowed, key = self.allowed, self.buf
