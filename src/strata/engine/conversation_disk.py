@@ -395,6 +395,13 @@ class ConversationDisk:
             load.exception()  # waits; take() reports a failure
         return bool(loads)
 
+    def discard(self, key: int) -> None:
+        """Drop `key`'s file (its KV does not fit the slots: damaged or edited)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._drop(entry)
+
     def clear(self) -> None:
         """Delete every file of this model and format (Engine.reset), here and now."""
         with self._lock:

@@ -216,6 +216,13 @@ class ConversationCache:
         self.num_taken += 1
         return entry.kept(num_used)
 
+    def discard(self, key: int) -> None:
+        """Forget entry `key` (in RAM, or on disk with its file): its KV turned out unfit."""
+        if key in self._entries:
+            self._drop(key)
+        elif self.disk is not None:
+            self.disk.discard(key)
+
     def clear(self) -> None:
         """Forget every entry, the disk tier's files too."""
         self._entries.clear()

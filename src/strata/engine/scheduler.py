@@ -286,6 +286,9 @@ class Scheduler:
                 continue
             try:
                 self._place(handle)
+            except RequestError as exc:  # the request's own (a prompt KV grow cannot hold)
+                log.info("request %d: not placed: %s", handle.request_id, exc)
+                self._end(handle, exc)
             except Exception as exc:  # noqa: BLE001 - e.g. a faulty slot-picker plugin
                 log.exception("request %d: not placed (%s: %s); it ends with that error",
                               handle.request_id, type(exc).__name__, exc)
@@ -482,11 +485,15 @@ class Scheduler:
     def _placement(self, prompt, reuses: bool = True):
         """Where `prompt` goes, and the parked entry it restores (taken now: parking the slot
         could evict that very entry), or None. `reuses` False: no cached prefix (the prompt's
-        logprobs need every row's logits); the slot's tokens are parked as usual."""
+        logprobs need every row's logits); the slot's tokens are parked as usual. With KV grow
+        the slot's KV grows for the prompt before the entry is taken: a refused grow (a
+        RequestError) leaves the entry parked for the next request."""
         if not reuses:
-            return place_request(prompt, self.choosers.slot_picker, self.table.views(),
-                                 reusable=lambda slot, n: 0,
-                                 min_copy_gain=self.kvs[0].min_copy_gain), None
+            placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
+                                      reusable=lambda slot, n: 0,
+                                      min_copy_gain=self.kvs[0].min_copy_gain)
+            self._grow_for_prompt(placement.slot_index, len(prompt))
+            return placement, None
         while True:
             placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
                                       self.conversations,
@@ -494,55 +501,91 @@ class Scheduler:
                                       # a busy slot's state exists at its own length only
                                       copies_busy=self.kvs[0].state is None,
                                       min_copy_gain=self.kvs[0].min_copy_gain)
+            self._grow_for_prompt(placement.slot_index, len(prompt))
             if placement.parked_key is None:
                 return placement, None
             restored = self.conversations.take(placement.parked_key,
                                                placement.num_reused_tokens)
-            if restored is not None:
+            if restored is None:
+                continue  # a file that could not be read (logged, and dropped)
+            problem = self._unfit(placement.slot_index, restored)
+            if problem is None:
                 return placement, restored
-            # a file that could not be read (logged, and dropped): place again without it
+            # a conversation file whose arrays are not this KV's (damaged or edited)
+            log.warning("a parked conversation of %d tokens cannot be restored: %s; dropped, "
+                        "the request is placed again without it", restored.num_tokens,
+                        problem)
+            self.conversations.discard(placement.parked_key)
+
+    def _grow_for_prompt(self, index: int, num_prompt_tokens: int) -> None:
+        """KV grow: room in slot `index`'s KV for the prompt (RequestError when refused)."""
+        if self.kv_lender is not None:
+            self.kv_lender.grow_for_prompt(index, self.kvs[index], num_prompt_tokens)
 
     def _place(self, handle: RequestHandle) -> None:
+        """Put `handle` in a slot. Whatever fails on the way (an exception out of here ends
+        the request) leaves no slot busy without a request, no cells the slot's tokens do not
+        describe, and the parked conversation it was to restore parked still, where the slot
+        had not changed yet."""
         prompt = handle.prompt_tokens
         started_at = time.perf_counter()
         wants_logprobs = handle.params.prompt_logprobs is not None
+        # the request's own parts first: nothing to undo when one of them fails
+        decoder = TokenDecoder(self.tokenizer, handle.params, prompt, handle.stats)
+        drafter = self.drafts.drafter(prompt)
         placement, restored = self._placement(prompt, reuses=not wants_logprobs)
         index, kv = placement.slot_index, self.kvs[placement.slot_index]
-        num_slot_tokens, note = kv.num_tokens, ""
-        if self.kv_lender is not None:
-            self.kv_lender.grow_for_prompt(index, kv, len(prompt))
-        if placement.is_parking_needed:
-            self._park(index)
-        if restored is not None:
-            self._install(index, restored)
-            how = f"restored a parked conversation of {restored.num_tokens} tokens"
-        elif placement.source_slot is not None:
-            source, n = self.kvs[placement.source_slot], placement.num_reused_tokens
-            kv.copy_prefix(source, n)
-            self.table.replace_tokens(index, self.table.tokens(placement.source_slot)[:n])
-            how = f"copied the first {n} cells of busy slot {placement.source_slot}'s KV"
-        elif placement.num_reused_tokens > 0:
-            how = "kept its KV"
-            num_lost = num_slot_tokens - placement.num_reused_tokens
-            if num_lost > 0 and not placement.is_parking_needed:
-                note = (f"; the {num_lost} tokens after them dropped, not parked (a park "
-                        f"copies all {num_slot_tokens}: worth it from "
-                        f"{kv.min_copy_gain:.0%} of them)")
-        else:
-            how = "rebuilt"
-        self.table.acquire(index, placement.num_reused_tokens)
-        kv.truncate(placement.num_reused_tokens)
+        is_changing = False
+        try:
+            num_slot_tokens, note = kv.num_tokens, ""
+            if placement.is_parking_needed:
+                self._park(index)
+            is_changing = True
+            if restored is not None:
+                self._install(index, restored)
+                how = f"restored a parked conversation of {restored.num_tokens} tokens"
+            elif placement.source_slot is not None:
+                source, n = self.kvs[placement.source_slot], placement.num_reused_tokens
+                kv.copy_prefix(source, n)
+                self.table.replace_tokens(index, self.table.tokens(placement.source_slot)[:n])
+                how = f"copied the first {n} cells of busy slot {placement.source_slot}'s KV"
+            elif placement.num_reused_tokens > 0:
+                how = "kept its KV"
+                num_lost = num_slot_tokens - placement.num_reused_tokens
+                if num_lost > 0 and not placement.is_parking_needed:
+                    note = (f"; the {num_lost} tokens after them dropped, not parked (a park "
+                            f"copies all {num_slot_tokens}: worth it from "
+                            f"{kv.min_copy_gain:.0%} of them)")
+            else:
+                how = "rebuilt"
+            self.table.acquire(index, placement.num_reused_tokens)
+            kv.truncate(placement.num_reused_tokens)
+            self._active[index] = _Active(handle, index, decoder, placement.num_reused_tokens,
+                                          started_at, arrival=next(self._arrivals),
+                                          drafter=drafter,
+                                          prompt_logprobs=[] if wants_logprobs else None)
+            self._checkpoint_if_due(self._active[index])
+        except BaseException:
+            self._unplace(index, restored if not is_changing else None, is_changing)
+            raise
         handle.state, handle.slot_index = STATE_READING, index
         handle.stats.num_cached_tokens = placement.num_reused_tokens
         self.last_slot_index = index
         log.info("request %d: slot %d %s (%d tokens reused)%s", handle.request_id, index, how,
                  placement.num_reused_tokens, note)
-        decoder = TokenDecoder(self.tokenizer, handle.params, prompt, handle.stats)
-        self._active[index] = _Active(handle, index, decoder, placement.num_reused_tokens,
-                                      started_at, arrival=next(self._arrivals),
-                                      drafter=self.drafts.drafter(prompt),
-                                      prompt_logprobs=[] if wants_logprobs else None)
-        self._checkpoint_if_due(self._active[index])
+
+    def _unplace(self, index: int, restored, is_changed: bool) -> None:
+        """Undo a placement in slot `index` that failed: the slot idle again, its cells
+        forgotten when they may have changed, else `restored` (taken for it) parked again."""
+        self._active.pop(index, None)
+        if self.table.view(index).is_busy:
+            self.table.release(index)
+        if is_changed:
+            self.table.clear(index)
+            self.kvs[index].clear()
+        elif restored is not None:
+            self.conversations.park(restored.tokens, restored.kv_arrays, restored.nbytes,
+                                    restored.reuse_points, landing=restored.landing)
 
     def _install(self, index: int, parked) -> int:
         """Put a parked conversation's cells (as many as the slot holds, down to a reuse point
@@ -560,10 +603,41 @@ class Scheduler:
         self.table.replace_tokens(index, parked.tokens[:n])
         return n
 
+    def _unfit(self, index: int, parked) -> str | None:
+        """What keeps `parked` (a conversation file's or a slot file's, above all) from going
+        into slot `index`: cells of another shape or type than the slot's KV, recurrent states
+        unlike its own, or none where its reuse points say; None when it fits."""
+        kv = self.kvs[index]
+        try:
+            k, v, state = parked.kv_arrays
+        except (TypeError, ValueError):
+            return "its KV is not (keys, values, recurrent state)"
+        cells = np.dtype(getattr(kv, "host_dtype", kv.dtype))
+        # [L, KV, n, D] (int8: [L, KV, n] of records of D codes and a scale), n >= its tokens
+        shape = (kv.num_layers, kv.spec.n_kv_heads, parked.num_tokens)
+        if not getattr(kv, "is_int8", False):
+            shape += (kv.spec.head_dim,)
+        for name, cell_array in (("keys", k), ("values", v)):
+            if kv.num_layers and not (
+                    isinstance(cell_array, np.ndarray) and cell_array.dtype == cells
+                    and cell_array.ndim == len(shape) and cell_array.shape[2] >= shape[2]
+                    and cell_array.shape[:2] + cell_array.shape[3:] == shape[:2] + shape[3:]):
+                return (f"its {name} are {getattr(cell_array, 'shape', cell_array)!r} of "
+                        f"{getattr(cell_array, 'dtype', type(cell_array).__name__)}, this "
+                        f"KV's {shape!r} of {cells} (layers, KV heads, tokens, head dim)")
+        problem = _state_problem(_state_shapes(kv), state)
+        if problem is not None:
+            return problem
+        n = self._install_length(index, parked)
+        if not _state_reaches(state, n):
+            return (f"its reuse points {list(parked.reuse_points or ())} do not match its "
+                    f"recurrent states (none at {n} tokens)")
+        return None
+
     def _install_length(self, index: int, parked) -> int:
         """How many of `parked`'s tokens slot `index` takes: as many as it holds, down to a
         reuse point of a hybrid model."""
-        n = min(parked.kv_arrays[0].shape[2], self.kvs[index].capacity)
+        n = min(parked.num_tokens, parked.kv_arrays[0].shape[2], self.kvs[index].capacity)
         if parked.reuse_points is not None:  # the state exists at its points only
             n = max((p for p in parked.reuse_points if p <= n), default=0)
         return n
@@ -592,11 +666,10 @@ class Scheduler:
         """Put `parked` (a ParkedConversation) in idle slot `index`, parking what the slot
         held first; return the tokens it holds now."""
         index = self._idle_slot(index)
-        n = self._install_length(index, parked)
-        if not _state_reaches(parked.kv_arrays[2], n):  # before the slot changes
-            raise RequestError(f"the slot file's reuse points {list(parked.reuse_points or ())} "
-                               f"do not match its recurrent states (none at {n} tokens); the "
-                               "file is damaged or not Strata's")
+        problem = self._unfit(index, parked)  # before the slot changes
+        if problem is not None:
+            raise RequestError(f"the slot file cannot be restored: {problem}; the file is "
+                               "damaged or not Strata's")
         if self.table.tokens(index):
             self._park(index)
         n = self._install(index, parked)
@@ -866,25 +939,76 @@ class Scheduler:
         self._release(active, None)
 
     def _release(self, active: _Active, error: BaseException | None) -> None:
-        del self._active[active.slot_index]
-        if error is not None:
-            # Cells of an unfinished pass cannot be trusted: the slot starts clean.
-            self.kvs[active.slot_index].truncate(0)
-            self.table.clear(active.slot_index)
-        if self.kv_lender is not None and self.kv_lender.is_lending(active.slot_index):
-            # KV grow: park the whole conversation first (as the conversation cache rules
-            # allow), then keep the base cells and return the lent expert slots
-            index = active.slot_index
-            if error is None:
-                self._park(index)
-            keep = self.kv_lender.trim(index, self.kvs[index])
-            self.table.replace_tokens(index, self.table.tokens(index)[:keep])
-        self.table.release(active.slot_index)
-        self._end(active.handle, error)
+        """End `active`'s request (`error`: it failed) and make its slot idle, whatever fails
+        on the way; a second call for the same request does nothing."""
+        index = active.slot_index
+        if self._active.get(index) is not active:
+            return  # released already (it failed inside its release)
+        del self._active[index]
+        try:
+            if error is not None:
+                # Cells of an unfinished pass cannot be trusted: the slot starts clean.
+                self.kvs[index].truncate(0)
+                self.table.clear(index)
+            if self.kv_lender is not None and self.kv_lender.is_lending(index):
+                # KV grow: park the whole conversation first (as the conversation cache rules
+                # allow), then keep the base cells and return the lent expert slots
+                if error is None:
+                    self._park(index)
+                keep = self.kv_lender.trim(index, self.kvs[index])
+                self.table.replace_tokens(index, self.table.tokens(index)[:keep])
+        except Exception as exc:  # noqa: BLE001 - the slot must come back all the same
+            log.exception("slot %d: releasing request %d failed (%s: %s); the slot's cells "
+                          "are dropped", index, active.handle.request_id,
+                          type(exc).__name__, exc)
+            self.table.clear(index)  # (the next request truncates the cells to none)
+        finally:
+            self.table.release(index)
+            self._end(active.handle, error)
 
     def _end(self, handle: RequestHandle, error: BaseException | None) -> None:
         handle.state, handle.error = STATE_DONE, error
         self.choosers.request_done(handle.stats)
+
+
+def _state_shapes(kv):
+    """The shapes of a state `kv.export_state()` holds, without copying one: None (no
+    recurrent layers), one KV's [conv shape, ssm shape] (float32 each), or a layer split's
+    tuple of its stages' (each such a list, or None)."""
+    if kv.state is None:
+        return None
+    parts = getattr(kv, "parts", None)
+    if parts is not None:
+        return tuple(_state_shapes(part) for part in parts)
+    state = kv.state
+    return [state.conv_shape(state.spec), state.ssm_shape(state.spec)]
+
+
+def _state_problem(shapes, parked) -> str | None:
+    """What makes a parked recurrent state (`KVCache.export_state`'s (end, (conv, ssm),
+    {position: (conv, ssm)}), a split's tuple of them, or None) unlike this KV's `shapes`
+    (`_state_shapes`); None when every state in it has this KV's arrays."""
+    if shapes is None:
+        return None if parked is None else "it holds a recurrent state, this model has none"
+    if isinstance(shapes, list):  # one KV's
+        try:
+            end, live, checkpoints = parked
+            states = [live, *checkpoints.values()]
+            fits = (isinstance(end, (int, np.integer)) and end >= 0
+                    and all(isinstance(p, (int, np.integer)) for p in checkpoints)
+                    and all(len(st) == len(shapes) and all(
+                        isinstance(a, np.ndarray) and a.dtype == np.float32 and a.shape == shape
+                        for a, shape in zip(st, shapes)) for st in states))
+        except (TypeError, ValueError, AttributeError):
+            fits = False
+        return None if fits else "its recurrent states are not of this model's shape"
+    if not isinstance(parked, tuple) or len(parked) != len(shapes):
+        return f"its recurrent state is not one of a split of {len(shapes)} stages"
+    for part_shapes, parked_part in zip(shapes, parked):
+        problem = _state_problem(part_shapes, parked_part)
+        if problem is not None:
+            return problem
+    return None
 
 
 def _state_reaches(exported, num_tokens: int) -> bool:
