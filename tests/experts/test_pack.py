@@ -219,3 +219,61 @@ def test_a_gguf_given_as_the_pack_is_not_offered_to_be_overwritten(tmp_path, mod
             ExpertPack.open(not_a_pack, model)
         assert f"`strata-tool pack {model.path} {not_a_pack}`" not in str(info.value)
         assert f"`strata-tool pack {model.path} OUT.pack`" in str(info.value)
+
+
+def _with_header(data: bytes, **changes) -> bytes:
+    """`data` (a pack) with its JSON header's keys changed as `changes` say."""
+    header_bytes = struct.unpack("<I", data[12:16])[0]
+    header = json.loads(data[16:16 + header_bytes])
+    header.update(changes)
+    blob = json.dumps(header).encode()
+    out = bytearray(data)
+    out[12:ALIGN_BYTES] = bytes(ALIGN_BYTES - 12)
+    out[12:16 + len(blob)] = struct.pack("<I", len(blob)) + blob
+    return bytes(out)
+
+
+@pytest.mark.parametrize("changes", [
+    {"index_offset": 10**12}, {"index_offset": -8}, {"index_offset": "73720"},
+    {"file_bytes": 0}, {"file_bytes": -1}, {"file_bytes": 100}, {"data_offset": 0},
+])
+def test_a_pack_whose_header_lies_about_offsets_is_refused(tmp_path, models, changes):
+    # these failed inside numpy ("offset must be non-negative and no greater than buffer
+    # length", "memory mapped length must be positive"): a traceback, not the pack named
+    model, path = models["q4_0"]
+    bad = tmp_path / "lying.pack"
+    bad.write_bytes(_with_header(path.read_bytes(), **changes))
+    with pytest.raises(ModelFormatError, match="lying.pack: the expert pack's header is corrupt"):
+        ExpertPack.open(bad, model)
+
+
+def test_packing_into_a_folder_is_refused_before_writing(tmp_path, models):
+    # the whole pack was written as folder.partial, then the rename failed with an
+    # IsADirectoryError traceback and the pack-sized .partial stayed behind
+    model, _ = models["q4_0"]
+    folder = tmp_path / "packs"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match=f"{folder} is a folder; give the pack's file path"):
+        write_pack(model, folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["packs"]
+    assert list(folder.iterdir()) == []
+
+
+def test_a_pack_write_that_fails_midway_leaves_no_partial_file(tmp_path, models):
+    # a full disk (here: a file size limit) left a pack-sized out.pack.partial behind
+    import resource
+    import signal
+
+    model, path = models["q4_0"]
+    out = tmp_path / "out.pack"
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a killed worker
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, old_limit[1]))
+    try:
+        with pytest.raises(OSError):
+            write_pack(model, out)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert list(tmp_path.iterdir()) == []
+    assert write_pack(model, out) == path.stat().st_size

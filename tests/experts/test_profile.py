@@ -72,3 +72,12 @@ def test_a_binary_file_is_not_a_profile(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\xbd\xff" * 8)
     with pytest.raises(ModelFormatError, match="not a Strata routing profile"):
         read_profile(tmp_path / "model.gguf")
+
+
+@pytest.mark.parametrize("sizes", ["n_layers=0 n_experts=0", "n_layers=-2 n_experts=-3"])
+def test_a_profile_of_no_experts_is_refused(tmp_path, sizes):
+    # 0 x 0 was read as an empty profile (with a loadtxt warning); -2 x -3 expects 6 rows
+    path = tmp_path / "empty.profile"
+    path.write_text(f"# strata routing profile v1 {sizes}\n# rank layer expert accesses rows\n")
+    with pytest.raises(ModelFormatError, match="empty.profile: damaged routing profile"):
+        read_profile(path)

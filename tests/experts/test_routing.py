@@ -21,7 +21,7 @@ def test_zipf_popularity_exact():
     expected = 1.0 / (ranks + 1.0)
     assert np.allclose(popularity, expected / expected.sum(), rtol=0, atol=1e-15)
     assert np.allclose(zipf_popularity(4, 0.0, rng), 0.25)
-    with pytest.raises(ConfigError, match="routing skew must be >= 0"):
+    with pytest.raises(ConfigError, match="routing skew must be a finite number >= 0"):
         zipf_popularity(4, -1.0, rng)
 
 
@@ -66,7 +66,7 @@ def test_synth_routing_skew_changes_only_the_routers(tmp_path):
         _top_share(router_before.reshape(shape), spec.n_experts_used) + 0.1
     fields = GGUFReader(skewed).fields
     assert float(fields["strata.synth.routing_skew"].parts[-1][0]) == 1.0
-    with pytest.raises(ConfigError, match="routing skew must be >= 0"):
+    with pytest.raises(ConfigError, match="routing skew must be a finite number >= 0"):
         synth_model(tmp_path / "bad.gguf", "tiny", "q4_0", routing_skew=-0.5)
 
 
@@ -215,3 +215,30 @@ def test_synth_trace_command_gives_each_stream_its_topic(tmp_path):
     assert read_trace(shared).extra["synthetic"]["stream_topics"] is False
     assert (skew_summary(written).mean_experts_per_window
             > skew_summary(read_trace(shared)).mean_experts_per_window + 3)
+
+
+@pytest.mark.parametrize("skew", [float("nan"), float("inf"), -0.5])
+def test_a_skew_that_is_not_a_finite_number_is_refused(tmp_path, skew):
+    # NaN was taken silently: synth wrote an unskewed model, synth-trace a trace of NaN
+    # popularities (every expert "routed again" 100%); inf routed to one expert only
+    with pytest.raises(ConfigError, match=f"skew must be a finite number >= 0 .* not {skew}"):
+        synth_trace(2, 8, 2, 10, skew=skew)
+    with pytest.raises(ConfigError, match=f"routing skew must be a finite number >= 0 .* not "
+                                          f"{skew}"):
+        synth_model(tmp_path / "m.gguf", "tiny", "f32", routing_skew=skew)
+    assert not (tmp_path / "m.gguf").exists()
+    result = CliRunner().invoke(synth_trace_cmd, [str(tmp_path / "t.trace"), "--skew", str(skew)])
+    assert result.exit_code == 2 and "skew must be a finite number" in result.output
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_a_seed_numpy_or_the_file_cannot_take_is_refused(tmp_path, seed):
+    # -1: a ValueError traceback from numpy; 2**64: a struct.error writing the metadata
+    with pytest.raises(ConfigError, match=f"the seed must be an integer in 0..{2**64 - 1}, "
+                                          f"not {seed}"):
+        synth_trace(2, 8, 2, 10, seed=seed)
+    with pytest.raises(ConfigError, match="the seed must be an integer"):
+        synth_model(tmp_path / "m.gguf", "tiny", "f32", seed=seed)
+    result = CliRunner().invoke(tool_main, ["synth", "--seed", str(seed),
+                                            str(tmp_path / "m.gguf")])
+    assert result.exit_code == 2 and "the seed must be an integer" in result.output

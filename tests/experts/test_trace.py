@@ -128,3 +128,39 @@ def test_skew_summary_exact():
 
 def test_record_dtype_is_compact():
     assert RECORD_DTYPE.itemsize == 12
+
+
+def _write_raw_trace(path, n_layers, n_experts, records, extra=b"{}", extra_len=None):
+    header = trace_module._HEADER.pack(trace_module.TRACE_MAGIC, trace_module.TRACE_VERSION,
+                                       n_layers, n_experts,
+                                       len(extra) if extra_len is None else extra_len)
+    path.write_bytes(header + extra + np.array(records, dtype=RECORD_DTYPE).tobytes())
+
+
+@pytest.mark.parametrize("n_layers, n_experts", [(0, 0), (0, 4), (2, 0), (2**32 - 1, 4),
+                                                 (2, 70000)])
+def test_a_header_with_impossible_counts_is_refused(tmp_path, n_layers, n_experts):
+    # 0 x 0 read as an empty trace (NaN skew in `inspect --routing`, a profile that could not
+    # be read back); 2**32 - 1 layers made [L, E] count tables of 128 GiB
+    path = tmp_path / "bad.trace"
+    _write_raw_trace(path, n_layers, n_experts, [])
+    with pytest.raises(ModelFormatError, match=f"bad.trace: damaged header: {n_layers} layers "
+                                               f"x {n_experts} experts"):
+        read_trace(path)
+
+
+def test_a_header_whose_extra_runs_past_the_end_is_refused(tmp_path):
+    # a cut file whose extra JSON still parsed was read as a whole, empty trace
+    path = tmp_path / "cut.trace"
+    _write_raw_trace(path, 2, 4, [], extra=b"{}", extra_len=500)
+    with pytest.raises(ModelFormatError, match="cut.trace: damaged or truncated header"):
+        read_trace(path)
+
+
+def test_merging_traces_past_the_window_numbers_is_refused():
+    # window numbers are u32: the second trace's windows wrapped round to 0.. silently
+    late = trace_module.RoutingTrace(1, 4, np.array([(2**32 - 10, 0, 1, 1)], RECORD_DTYPE), {})
+    with pytest.raises(ModelFormatError, match=r"8589934574 windows together, more than a "
+                                               r"trace numbers \(4294967296\)"):
+        merge_traces([late, late])
+    assert merge_traces([late]).num_windows == 2**32 - 9

@@ -278,3 +278,66 @@ def test_a_file_cut_short_after_opening_is_named_when_read_into_memory(copy):
                                                    r"into RAM: .* \(--mmap\)"):
             model.load_into_memory(progress=False)
         assert not model.in_memory
+
+
+@pytest.mark.parametrize("block_count, message", [
+    (2**32 - 1, "says 4294967295 layers but there is no tensor 'blk.4294967294.attn_norm.weight'"
+                " (the last layer with tensors is blk.1)"),
+    (3, "says 3 layers but there is no tensor 'blk.2.attn_norm.weight'"),
+    (1, "says 1 layers but the file has tensors of layer 1"),
+])
+def test_a_block_count_the_tensors_do_not_bear_out_is_named(copy, block_count, message):
+    # A corrupt count of 2**32 - 1 built per-layer tensor tables for hours (and GiBs); a count
+    # one short opened the 2-layer file as a 1-layer model and served it without its last layer.
+    def edit(reader):
+        reader.fields["qwen3moe.block_count"].parts[-1][0] = block_count
+
+    _edit_header(copy, edit)
+    msg = _open_error(copy)
+    assert message in msg and "'qwen3moe.block_count'" in msg and "broken.gguf" in msg
+
+
+def _write_tiny_with(path, extra_meta):
+    """The tiny F32 model with `extra_meta` replacing or adding metadata keys."""
+    from gguf import GGMLQuantizationType as QT
+
+    from strata.model.writer import write_gguf
+    from strata.tool.synth import _make_tensor, _write_order, build_spec, synth_tokenizer_meta
+
+    spec = build_spec("tiny")
+    tensors = [(n, QT.F32, _make_tensor(spec, n, QT.F32, 0)) for n in _write_order(spec)]
+    write_gguf(path, spec, tensors, synth_tokenizer_meta(spec.vocab), extra_meta=extra_meta)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    # a ValueError traceback from int('abc')
+    ("qwen3moe.expert_feed_forward_length", ["abc"],
+     "'qwen3moe.expert_feed_forward_length' is ['abc'], expected one integer per layer"),
+    # an OverflowError traceback from int(inf)
+    ("qwen3moe.expert_count", float("inf"),
+     "'qwen3moe.expert_count' has value inf, expected an integer"),
+    # these opened, silently read as 8 experts and as True
+    ("qwen3moe.expert_count", 8.5, "'qwen3moe.expert_count' has value 8.5, expected an integer"),
+    ("qwen3moe.block_count", "2", "'qwen3moe.block_count' has value '2', expected an integer"),
+    ("qwen3moe.expert_weights_norm", "false",
+     "'qwen3moe.expert_weights_norm' has value 'false', expected bool"),
+    # named as a block_count of 3, or as "n_layers = -2147483646 must be positive"
+    ("qwen3moe.nextn_predict_layers", -1, "'qwen3moe.nextn_predict_layers' = -1 must lie in 0..1"),
+    ("qwen3moe.nextn_predict_layers", 2**31,
+     "'qwen3moe.nextn_predict_layers' = 2147483648 must lie in 0..1"),
+])
+def test_metadata_of_the_wrong_type_is_named(tmp_path, key, value, message):
+    path = tmp_path / "typed.gguf"
+    _write_tiny_with(path, {key: value})
+    msg = _open_error(path)
+    assert message in msg and "typed.gguf" in msg
+
+
+def test_metadata_of_the_right_type_still_opens(tmp_path):
+    path = tmp_path / "typed.gguf"
+    _write_tiny_with(path, {"qwen3moe.expert_feed_forward_length": [32, 32],
+                            "qwen3moe.expert_weights_norm": False,
+                            "qwen3moe.rope.freq_base": 10000})  # an int where a float goes
+    with GGUFModel.open(path) as model:
+        assert (model.spec.expert_ffn, model.spec.norm_topk) == (32, False)
+        assert model.spec.rope_theta == 10000.0

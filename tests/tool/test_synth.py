@@ -214,3 +214,23 @@ def test_tokenizer_meta_keys():
     assert text_tags == ["<think>", "</think>", "<tool_call>", "</tool_call>"]
     assert meta["tokenizer.ggml.merges"][0].count(" ") == 1
     assert meta["tokenizer.chat_template"] == data_text("chat_template.jinja")
+
+
+@pytest.mark.parametrize("shape, arch_name", [("tiny-qwen3next", "qwen3moe"),
+                                              ("tiny-qwen3next", "qwen2moe")])
+def test_switching_away_from_qwen3next_writes_a_model_that_opens(tmp_path, shape, arch_name):
+    # the recurrent layers stayed in the spec: synth wrote a file whose own loader found
+    # "12 tensor(s) that qwen3moe needs are missing"
+    from strata.model.gguf_file import GGUFModel
+
+    out = tmp_path / "switched.gguf"
+    spec = synth_model(out, shape, "f32", arch=arch_name)
+    assert spec.recurrent_layers == () and spec.rope_dim == 0
+    with GGUFModel.open(out) as model:
+        assert model.spec.with_(rms_eps=spec.rms_eps) == spec  # the file keeps it as f32
+
+
+def test_switching_to_qwen3next_names_the_shapes_that_have_its_sizes(tmp_path):
+    with pytest.raises(ConfigError, match="shape 'tiny' has no gated delta-net sizes to switch "
+                                          "to qwen3next; use --shape tiny-qwen3next"):
+        synth_model(tmp_path / "x.gguf", "tiny", arch="qwen3next")

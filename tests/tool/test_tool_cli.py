@@ -61,7 +61,7 @@ def test_synth_context_length(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--shape", "tiny", "--routing-skew", "-1"), "routing skew must be >= 0"),
+    (("--shape", "tiny", "--routing-skew", "-1"), "routing skew must be a finite number >= 0"),
     (("--shape", "nope"), "unknown model shape 'nope'"),
     (("--type", "tq1_0"), "unknown weight type 'tq1_0'"),
     ((), "give the output path"),

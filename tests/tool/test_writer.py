@@ -110,3 +110,28 @@ def test_row_bytes_and_byte_shape():
     assert row_bytes(QT.Q6_K, 512) == 420
     assert row_bytes(QT.F16, 3) == 6
     assert byte_shape(QT.Q4_K, (8, 32, 256)) == (8, 32, 144)
+
+
+def test_a_failed_write_keeps_the_earlier_file_and_never_shows_half_a_model(tmp_path):
+    # the model was written under its own name: an interrupted write deleted whatever file was
+    # there before, and a killed one left a half-written model under the name
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"the earlier file")
+    tensors = [(n, t, d) for n, t, d, _ in _make_tensors(SPEC, np.random.default_rng(5))]
+    seen_while_writing = []
+
+    def interrupted():
+        seen_while_writing.append(path.read_bytes())
+        raise KeyboardInterrupt
+
+    broken = [(n, t, interrupted if n == "blk.0.ffn_up_exps.weight" else d)
+              for n, t, d in tensors]
+    with pytest.raises(KeyboardInterrupt):
+        write_gguf(path, SPEC, broken, synth_tokenizer_meta(SPEC.vocab))
+    assert seen_while_writing == [b"the earlier file"]
+    assert path.read_bytes() == b"the earlier file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    nbytes = write_gguf(path, SPEC, tensors, synth_tokenizer_meta(SPEC.vocab))
+    assert nbytes == path.stat().st_size and sorted(p.name for p in tmp_path.iterdir()) == [
+        "m.gguf"]
+    assert len(GGUFReader(path).tensors) == len(tensors)

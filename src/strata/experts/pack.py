@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -126,6 +127,9 @@ def write_pack(model: GGUFModel, out: str | os.PathLike, progress: bool = False)
     if out.exists() and out.samefile(model.path):
         raise ConfigError(f"{out} is the model itself; give the pack another path, e.g. "
                           f"`strata-tool pack {model.path} {model.path.with_suffix('.pack')}`")
+    if out.is_dir():
+        raise ConfigError(f"{out} is a folder; give the pack's file path, e.g. "
+                          f"{out / model.path.with_suffix('.pack').name}")
     layouts = model_layouts(model)
     n_experts = model.spec.n_experts
     header = dict(model_identity(model))
@@ -143,22 +147,28 @@ def write_pack(model: GGUFModel, out: str | os.PathLike, progress: bool = False)
                                f"{PACK_VERSION}")
     partial = out.with_name(out.name + ".partial")
     data_bytes = file_bytes - data_offset
-    with open(partial, "wb") as f, tqdm(total=data_bytes, unit="B", unit_scale=True,
-                                        desc=f"pack {out.name}", disable=not progress) as bar:
-        f.write(_PREFIX.pack(PACK_MAGIC, PACK_VERSION, len(blob)) + blob)
-        f.seek(index_offset)
-        f.write(index.tobytes())
-        for layer, lay in enumerate(layouts):
-            views = [model.tensor(expert_tensor_name(layer, p)).raw for p in PARTS]
-            pad = bytes(_align(lay.expert_nbytes) - lay.expert_nbytes)
-            for e in range(n_experts):
-                f.seek(int(index[layer, e]))
-                for view in views:
-                    f.write(view[e])  # [rows, row_bytes], contiguous in the mapping
-                f.write(pad)
-                bar.update(len(pad) + lay.expert_nbytes)
-        f.truncate(file_bytes)
-    os.replace(partial, out)
+    try:
+        with open(partial, "wb") as f, tqdm(total=data_bytes, unit="B", unit_scale=True,
+                                            desc=f"pack {out.name}", disable=not progress) as bar:
+            f.write(_PREFIX.pack(PACK_MAGIC, PACK_VERSION, len(blob)) + blob)
+            f.seek(index_offset)
+            f.write(index.tobytes())
+            for layer, lay in enumerate(layouts):
+                views = [model.tensor(expert_tensor_name(layer, p)).raw for p in PARTS]
+                pad = bytes(_align(lay.expert_nbytes) - lay.expert_nbytes)
+                for e in range(n_experts):
+                    f.seek(int(index[layer, e]))
+                    for view in views:
+                        f.write(view[e])  # [rows, row_bytes], contiguous in the mapping
+                    f.write(pad)
+                    bar.update(len(pad) + lay.expert_nbytes)
+            f.truncate(file_bytes)
+        os.replace(partial, out)
+    except BaseException:
+        # a full disk or ^C must not leave a pack-sized .partial behind
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise
     return file_bytes
 
 
@@ -239,19 +249,26 @@ class ExpertPack:
                 f"{src}: this expert pack was written for another model ({_describe(identity)})"
                 f", not for {model.path} ({_describe(expected)}); write a pack for this model "
                 f"with `strata-tool pack {model.path} OUT`")
+        if layers != model_layouts(model):
+            raise ModelFormatError(f"{src}: the expert pack's tensor layouts differ from "
+                                   f"{model.path}'s; write it again with `strata-tool pack`")
+        n_experts = identity["n_experts"]
+        # The header's offsets and size must be the layout's own before any of them is used
+        # to map or slice the file (a damaged header would otherwise fail inside numpy).
+        planned, planned_data, planned_bytes = _plan(layers, n_experts, ALIGN_BYTES)
+        if (index_offset, data_offset, file_bytes) != (ALIGN_BYTES, planned_data, planned_bytes):
+            raise ModelFormatError(
+                f"{src}: the expert pack's header is corrupt (index at {index_offset}, data at "
+                f"{data_offset}, {file_bytes} bytes; the layout puts them at {ALIGN_BYTES}, "
+                f"{planned_data}, {planned_bytes}); write it again with `strata-tool pack`")
         if actual_bytes < file_bytes:
             raise ModelFormatError(
                 f"{src}: truncated: the expert pack should be {file_bytes} bytes but has "
                 f"{actual_bytes}; write it again with `strata-tool pack {model.path} {src}`")
-        if layers != model_layouts(model):
-            raise ModelFormatError(f"{src}: the expert pack's tensor layouts differ from "
-                                   f"{model.path}'s; write it again with `strata-tool pack`")
         data = np.memmap(path, dtype=np.uint8, mode="r", shape=(file_bytes,))
-        n_experts = identity["n_experts"]
         index = np.frombuffer(data, dtype=np.int64, count=len(layers) * n_experts,
                               offset=index_offset).reshape(len(layers), n_experts)
-        planned, planned_data, _ = _plan(layers, n_experts, index_offset)
-        if planned_data != data_offset or not np.array_equal(index, planned):
+        if not np.array_equal(index, planned):
             raise ModelFormatError(f"{src}: the expert pack's index is corrupt (offsets are not "
                                    "the aligned layout); write it again with `strata-tool pack`")
         return cls(path, data, index, layers, identity)

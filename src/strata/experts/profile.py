@@ -82,6 +82,8 @@ def read_profile(path: str | os.PathLike) -> RoutingProfile:
         try:
             sizes = dict(item.split("=") for item in first[len(PROFILE_HEADER):].split())
             n_layers, n_experts = int(sizes["n_layers"]), int(sizes["n_experts"])
+            if n_layers <= 0 or n_experts <= 0:
+                raise ValueError(f"it ranks {n_layers} layers x {n_experts} experts")
             table = np.loadtxt(f, dtype=np.int64, comments="#", ndmin=2)
         except (KeyError, ValueError) as exc:
             raise ModelFormatError(f"{path}: damaged routing profile ({exc}); make it "

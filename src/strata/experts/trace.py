@@ -132,6 +132,13 @@ def read_trace(path: str | os.PathLike) -> RoutingTrace:
     if version != TRACE_VERSION:
         raise ModelFormatError(f"{path} is a version {version} routing trace; this Strata reads "
                                f"version {TRACE_VERSION}: record it again")
+    if not (0 < n_layers < 1 << 16 and 0 < n_experts < 1 << 16):
+        raise ModelFormatError(f"{path}: damaged header: {n_layers} layers x {n_experts} "
+                               "experts (a trace holds 1..65535 of each); record it again")
+    if _HEADER.size + extra_len > len(data):
+        raise ModelFormatError(f"{path}: damaged or truncated header: its JSON extra of "
+                               f"{extra_len} bytes runs past the end of the file "
+                               f"({len(data)} bytes); record it again")
     body = memoryview(data)[_HEADER.size + extra_len:]
     if len(body) % RECORD_DTYPE.itemsize:
         raise ModelFormatError(f"{path} ends in a partial record ({len(body)} record bytes, not "
@@ -171,6 +178,11 @@ def merge_traces(traces: list[RoutingTrace]) -> RoutingTrace:
             raise ModelFormatError(
                 f"trace {index} has {trace.n_layers} layers x {trace.n_experts} experts, trace 0 "
                 f"{first.n_layers} x {first.n_experts}: only traces of one model merge")
+        if offset + trace.num_windows > 1 << 32:  # window numbers are u32: they would wrap
+            raise ModelFormatError(
+                f"traces 0..{index} hold {offset + trace.num_windows} windows together, more "
+                f"than a trace numbers ({1 << 32}); merge fewer (or check trace {index}: its "
+                f"last window is {trace.num_windows - 1})")
         shifted = trace.records.copy()
         shifted["window"] += offset
         parts.append(shifted)
@@ -217,7 +229,7 @@ def format_skew_summary(trace: RoutingTrace) -> list[str]:
     """Lines for `strata-tool inspect --routing TRACE`."""
     summary = skew_summary(trace)
     shares = ", ".join(f"top {f:.0%} of experts take {s:.1%}"
-                        for f, s in summary.share_of_top.items())
+                       for f, s in summary.share_of_top.items())
     return [f"routing trace: {trace.n_layers} layers x {trace.n_experts} experts, "
             f"{summary.num_windows} windows, {len(trace.records)} records",
             f"  skew: {shares} of window accesses (uniform routing: the fraction itself)",

@@ -172,12 +172,12 @@ def spec_from_metadata(meta: dict, tensor_shapes: dict[str, tuple] | None = None
         if full not in meta:
             raise ModelFormatError(f"{source}: metadata key {full!r} is missing")
         value = meta[full]
-        try:
-            return kind(value)
-        except (TypeError, ValueError):
+        converted = _metadata_value(value, kind)
+        if converted is None:
             raise ModelFormatError(
-                f"{source}: metadata key {full!r} has value {value!r}, expected {kind.__name__}"
-            ) from None
+                f"{source}: metadata key {full!r} has value {value!r}, expected "
+                f"{'an integer' if kind is int else kind.__name__}; the metadata is corrupt")
+        return converted
 
     def opt(key: str, default, kind=int):
         return need(key, kind) if f"{arch}.{key}" in meta else default
@@ -195,10 +195,15 @@ def spec_from_metadata(meta: dict, tensor_shapes: dict[str, tuple] | None = None
         raise ModelFormatError(f"{source}: cannot tell the vocabulary size (no token_embd.weight)")
     expert_ffn = meta.get(f"{arch}.expert_feed_forward_length")
     if isinstance(expert_ffn, (list, tuple)):  # newer llama.cpp files: one width per layer
-        if len(set(expert_ffn)) != 1:
+        widths = [_metadata_value(width, int) for width in expert_ffn]
+        if not widths or None in widths:
+            raise ModelFormatError(
+                f"{source}: metadata key '{arch}.expert_feed_forward_length' is "
+                f"{expert_ffn[:8]!r}, expected one integer per layer; the metadata is corrupt")
+        if len(set(widths)) != 1:
             raise ModelFormatError(f"{source}: experts of different widths per layer "
-                                   f"({sorted(set(expert_ffn))}) are not supported")
-        expert_ffn = int(expert_ffn[0])
+                                   f"({sorted(set(widths))}) are not supported")
+        expert_ffn = widths[0]
     elif expert_ffn is not None:
         expert_ffn = need("expert_feed_forward_length")
     if expert_ffn is None:
@@ -209,7 +214,16 @@ def spec_from_metadata(meta: dict, tensor_shapes: dict[str, tuple] | None = None
                 f"{source}: metadata key '{arch}.expert_feed_forward_length' is missing")
     # llama.cpp counts a qwen3next file's multi-token-prediction layer in block_count; Strata
     # does not use it (nor does llama.cpp's forward pass)
-    n_layers = need("block_count") - opt("nextn_predict_layers", 0)
+    block_count = need("block_count")
+    num_nextn = opt("nextn_predict_layers", 0)
+    if block_count > 0 and not 0 <= num_nextn < block_count:
+        raise ModelFormatError(
+            f"{source}: metadata key '{arch}.nextn_predict_layers' = {num_nextn} must lie in "
+            f"0..{block_count - 1} ('{arch}.block_count' is {block_count}); the metadata is "
+            "corrupt")
+    n_layers = block_count - num_nextn
+    if tensor_shapes is not None:
+        _check_layer_count(arch, n_layers, block_count, shapes, source)
     hybrid = _hybrid_fields(arch, meta, n_layers, need, opt, source)
     spec = ModelSpec(
         arch=arch,
@@ -233,6 +247,46 @@ def spec_from_metadata(meta: dict, tensor_shapes: dict[str, tuple] | None = None
     )
     _check_spec(spec, source)
     return spec
+
+
+def _metadata_value(value, kind):
+    """`value` (as GGUF metadata decodes: int, float, bool, str or list) as `kind` (int, float
+    or bool), or None when it is not one: a count stored as 8.9, "8", inf or [8] is corrupt, not
+    8, and "false" is not True."""
+    if isinstance(value, bool):
+        return value if kind is bool else None
+    if kind is bool:
+        return bool(value) if isinstance(value, int) and value in (0, 1) else None
+    if kind is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _check_layer_count(arch: str, n_layers: int, block_count: int, shapes: dict,
+                       source: str) -> None:
+    """Refuse a block_count the tensors do not bear out before anything loops over the layers:
+    a corrupt count (say 2**32 - 1) would otherwise build per-layer tables for hours, and one
+    too small would drop the last layers silently."""
+    found = [int(name.split(".")[1]) for name in shapes
+             if name.startswith("blk.") and name.split(".")[1].isdigit()]
+    if found and max(found) >= block_count > 0:
+        raise ModelFormatError(
+            f"{source}: metadata key '{arch}.block_count' says {block_count} layers but the "
+            f"file has tensors of layer {max(found)} (e.g. "
+            f"{next(n for n in shapes if n.startswith(f'blk.{max(found)}.'))!r}); the metadata "
+            "and tensors disagree")
+    if n_layers <= 0 or f"blk.{n_layers - 1}.attn_norm.weight" in shapes:
+        return
+    last = (f"the last layer with tensors is blk.{max(found)}" if found
+            else "it has no blk.* tensors")
+    raise ModelFormatError(
+        f"{source}: metadata key '{arch}.block_count' says {n_layers} layers but there is no "
+        f"tensor 'blk.{n_layers - 1}.attn_norm.weight' ({last}); the metadata and tensors "
+        "disagree")
 
 
 def _hybrid_fields(arch: str, meta: dict, n_layers: int, need, opt, source: str) -> dict:

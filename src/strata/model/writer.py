@@ -125,7 +125,10 @@ def write_gguf(path: str | os.PathLike, spec: ModelSpec,
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"missing tensors: {', '.join(missing[:5])}{more}")
 
-    writer = GGUFWriter(os.fspath(path), spec.arch)
+    # Written beside `path` and renamed when whole: a failed or killed write leaves no
+    # half-written model under the name, and an earlier file there survives it.
+    partial = f"{os.fspath(path)}.partial"
+    writer = GGUFWriter(partial, spec.arch)
     try:
         meta = dict(arch.spec_to_metadata(spec))
         meta.pop("general.architecture")  # GGUFWriter adds it itself
@@ -166,8 +169,13 @@ def write_gguf(path: str | os.PathLike, spec: ModelSpec,
             bar.close()
     except BaseException:
         writer.close()
-        if os.path.exists(path):
-            os.unlink(path)  # never leave a half-written model behind
+        if os.path.exists(partial):
+            os.unlink(partial)
         raise
     writer.close()
+    try:
+        os.replace(partial, path)
+    except OSError:
+        os.unlink(partial)  # e.g. `path` is a folder
+        raise
     return os.path.getsize(path)

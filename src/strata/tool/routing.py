@@ -3,17 +3,32 @@
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from strata.errors import ConfigError
 from strata.experts.trace import RECORD_DTYPE, RoutingTrace
 
 
+def check_skew(skew: float, what: str) -> None:
+    """ConfigError unless `skew` is a finite number >= 0 (NaN made NaN popularities and routers
+    silently; inf a single expert with every other at probability 0)."""
+    if not (skew >= 0 and math.isfinite(skew)):
+        raise ConfigError(f"{what} must be a finite number >= 0 (0 = uniform), not {skew}")
+
+
+def check_seed(seed: int) -> None:
+    """ConfigError unless `seed` lies in 0..2**64 - 1: numpy's generators take no negative one
+    and the model file keeps it as a u64."""
+    if not 0 <= seed < 1 << 64:
+        raise ConfigError(f"the seed must be an integer in 0..{(1 << 64) - 1}, not {seed}")
+
+
 def zipf_popularity(n_experts: int, skew: float, rng: np.random.Generator) -> np.ndarray:
     """[E] float64 routing probabilities proportional to 1 / (rank + 1) ** skew, the ranks a
     random permutation of the experts (so each layer favours different experts)."""
-    if skew < 0:
-        raise ConfigError(f"routing skew must be >= 0 (0 = uniform), not {skew}")
+    check_skew(skew, "routing skew")
     ranks = rng.permutation(n_experts)
     weights = 1.0 / (ranks + 1.0) ** skew
     return weights / weights.sum()
@@ -24,8 +39,7 @@ def skew_router_rows(router: np.ndarray, skew: float, rng: np.random.Generator) 
     ranks, rms of the scales 1). On isotropic hidden states an expert's logit spread grows with
     its row norm, so top-k picks the large-norm experts more often: skew 0.5 gives the top 10% of
     64 experts about a quarter of the top-8 picks. Returns a new float32 array."""
-    if skew < 0:
-        raise ConfigError(f"--routing-skew must be >= 0 (0 = uniform), not {skew}")
+    check_skew(skew, "--routing-skew")
     ranks = rng.permutation(router.shape[0])
     scales = (ranks + 1.0) ** -skew  # [E]
     scales /= np.sqrt(np.mean(scales ** 2))
@@ -45,6 +59,8 @@ def synth_trace(n_layers: int, n_experts: int, top_k: int, num_windows: int,
     every `phase_windows` windows at its own time (staggered), as separate conversations do."""
     if not 1 <= top_k <= n_experts:
         raise ConfigError(f"top-k {top_k} must lie in 1..{n_experts} (the number of experts)")
+    check_skew(skew, "skew")
+    check_seed(seed)
     if not 0.0 <= locality < 1.0:
         raise ConfigError(f"locality must lie in [0, 1), not {locality}")
     if phase_windows < 0:

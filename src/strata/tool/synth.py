@@ -23,7 +23,7 @@ from strata.model import arch as model_arch
 from strata.model.arch import ModelSpec
 from strata.model.writer import row_bytes, write_gguf
 from strata.tool.presets import get_preset
-from strata.tool.routing import skew_router_rows
+from strata.tool.routing import check_seed, check_skew, skew_router_rows
 
 WEIGHT_TYPES: dict[str, QT] = {
     "f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
@@ -373,10 +373,15 @@ def build_spec(shape: str = "tiny", arch_name: str | None = None, **overrides) -
         if arch_name not in model_arch.ARCHITECTURES:
             raise ConfigError(f"unknown architecture {arch_name!r}; choose one of "
                               f"{', '.join(model_arch.ARCHITECTURES)}")
-        # llama.cpp's qwen3moe has no shared expert; qwen2moe needs one.
+        if arch_name == "qwen3next":
+            raise ConfigError(f"shape {shape!r} has no gated delta-net sizes to switch to "
+                              "qwen3next; use --shape tiny-qwen3next or qwen3-next-80b-a3b")
+        # llama.cpp's qwen3moe has no shared expert; qwen2moe needs one. Leaving qwen3next
+        # drops its recurrent layers (every layer attends) and partial RoPE.
         shared_ffn = spec.hidden if arch_name == "qwen2moe" else 0
         spec = spec.with_(arch=arch_name, shared_ffn=shared_ffn,
-                          norm_topk=arch_name == "qwen3moe")
+                          norm_topk=arch_name == "qwen3moe", full_attn_interval=0, ssm_conv=0,
+                          ssm_state=0, ssm_groups=0, ssm_heads=0, ssm_inner=0, rope_dim=0)
     known = {f.name for f in fields(ModelSpec)} - {"arch"}
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -419,8 +424,8 @@ def synth_model(path: str | os.PathLike, shape: str = "tiny", weight_type: str =
     if qtype is None:
         raise ConfigError(f"unknown weight type {weight_type!r}; choose one of "
                           f"{', '.join([*WEIGHT_TYPES, *MIXES])}")
-    if routing_skew < 0:
-        raise ConfigError(f"routing skew must be >= 0 (0 = uniform), not {routing_skew}")
+    check_skew(routing_skew, "routing skew")
+    check_seed(seed)
     spec = build_spec(shape, arch, **overrides)
     names = _write_order(spec)
     shapes = model_arch.expected_tensors(spec)
