@@ -207,3 +207,36 @@ def test_strata_run_takes_kv_grow(tmp_path):
     assert "(2 free fills + " in grown.stderr and "(0 free fills + " in plain.stderr
     refused = CliRunner().invoke(main, args[:-3] + ["--kv-grow", "16", "Hi"])
     assert refused.exit_code == 2 and "--kv-grow lends expert-cache slots" in refused.output
+
+
+@pytest.mark.parametrize("cache", [0, 1, 2])
+def test_kv_grow_is_off_when_the_cache_cannot_lend_beyond_the_base(wide, cache, caplog):
+    # 25 cells a slot, grown in whole K tiles of 64: under 3 slots no grow could ever succeed,
+    # so every prompt over the base failed for good with "retry later"
+    prompt = [int(t) for t in np.random.default_rng(4).integers(10, 4000, 100)]
+    caplog.set_level(logging.WARNING, logger="strata.tier")
+    got = []
+    for options in (dict(kv_grow=24), dict()):
+        with Engine(EngineConfig(wide, n_ctx=512, expert_cache=cache, adapt_every=0,
+                                 **options)) as engine:
+            assert engine.scheduler.kv_lender is None
+            got.append([e.token_id for e in engine.generate(prompt, SamplingParams(
+                max_tokens=20, **GREEDY))])
+    assert got[0] == got[1] and len(got[0]) == 20
+    assert f"--kv-grow is off: the expert cache's {cache} lendable slots of 25 cells cannot " \
+        "hold more than the 24 cells" in caplog.text
+
+
+def test_a_prompt_beyond_what_the_cache_can_ever_lend_says_so(wide, caplog):
+    caplog.set_level(logging.INFO, logger="strata.tier")
+    prompt = [int(t) for t in np.random.default_rng(4).integers(10, 4000, 100)]
+    with Engine(EngineConfig(wide, n_ctx=512, expert_cache=4, adapt_every=0,
+                             kv_grow=24)) as engine:
+        lender = engine.scheduler.kv_lender
+        assert lender.max_cells == 64  # 4 slots x 25 cells = 100, in whole tiles of 64
+        assert "grow to at most 64 by borrowing" in caplog.text
+        with pytest.raises(RequestError, match="needs 100 KV cells but a slot's KV grows to "
+                           "at most 64 .the expert cache's 4 lendable slots of 25 cells"):
+            list(engine.generate(prompt, SamplingParams(max_tokens=4)))
+        events = list(engine.generate(prompt[:60], SamplingParams(max_tokens=10, **GREEDY)))
+        assert len(events) == 5 and events[-1].finish_reason == "length"  # 60 + 4 read back

@@ -18,6 +18,12 @@ class TierCopier:
     def __init__(self, apply):
         self._apply = apply  # apply(loads, stop_event): the tier's ordered loads
         self._rounds: queue.Queue = queue.Queue()
+        # rounds submitted and not yet applied; `_idle` is set exactly when it is 0. Both
+        # change under `_lock` only: a round submitted while the thread finishes the one
+        # before must never find `_idle` set after it (a round planned, or a KV grow lending
+        # slots, while its copies are still to land).
+        self._lock = threading.Lock()
+        self._num_pending = 0
         self._idle = threading.Event()
         self._idle.set()
         self._stop = threading.Event()
@@ -32,7 +38,9 @@ class TierCopier:
         return not self._idle.is_set()
 
     def submit(self, loads: list) -> None:
-        self._idle.clear()
+        with self._lock:
+            self._num_pending += 1
+            self._idle.clear()
         self._rounds.put(loads)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
@@ -54,5 +62,7 @@ class TierCopier:
                 log.exception("the tier's copier failed on a round; its remaining swaps were "
                               "dropped")
             finally:
-                if self._rounds.empty():
-                    self._idle.set()
+                with self._lock:
+                    self._num_pending -= 1
+                    if not self._num_pending:
+                        self._idle.set()

@@ -171,10 +171,30 @@ class KVLender:
                         lender.arena.slot_bytes, n_ctx)
             tier.kv_lender = None
             return None
+        if lender.max_cells <= base:
+            # every grow would be refused: prompts longer than the base would fail for good
+            log.warning("--kv-grow is off: the expert cache's %d lendable slots of %d cells "
+                        "cannot hold more than the %d cells a slot starts with; every slot gets "
+                        "%d cells up front (give a larger --expert-cache to grow)",
+                        lender.num_lendable_slots, lender.cells_per_slot, base, n_ctx)
+            tier.kv_lender = None
+            return None
         log.info("KV grow (%s): slots start with %d cells, grow to at most %d by borrowing "
                  "expert-cache slots of %d cells each", getattr(policy, "name", "?"), base,
-                 n_ctx, lender.cells_per_slot)
+                 lender.max_cells, lender.cells_per_slot)
         return lender
+
+    @property
+    def num_lendable_slots(self) -> int:
+        """Expert-cache slots KV grow may ever lend (those the arena keeps are not)."""
+        return self.arena.n_slots - len(self.arena.reserved_slots())
+
+    @property
+    def max_cells(self) -> int:
+        """The most cells one slot's KV can ever grow to: n_ctx, or what every lendable slot
+        holds (in whole K tiles, as grow asks for them) when that is less."""
+        lendable = self.num_lendable_slots * self.cells_per_slot // self.tile * self.tile
+        return min(self.n_ctx, max(lendable, self.base_cells))
 
     @property
     def num_lent_slots(self) -> int:
@@ -233,6 +253,12 @@ class KVLender:
     def grow_for_prompt(self, slot_index: int, kv, num_prompt_tokens: int) -> None:
         """`grow` for a prompt about to be placed; RequestError when it is refused."""
         if not self.grow(slot_index, kv, num_prompt_tokens):
+            if num_prompt_tokens > self.max_cells:
+                raise RequestError(
+                    f"the prompt needs {num_prompt_tokens} KV cells but a slot's KV grows to "
+                    f"at most {self.max_cells} (the expert cache's {self.num_lendable_slots} "
+                    f"lendable slots of {self.cells_per_slot} cells, --kv-grow); shorten the "
+                    "prompt or give a larger --expert-cache")
             raise RequestError(
                 f"the prompt needs {num_prompt_tokens} KV cells but slot {slot_index} has "
                 f"{kv.capacity} and the expert cache lent none (--kv-grow); retry later, "

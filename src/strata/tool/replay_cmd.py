@@ -3,7 +3,9 @@ profiles, and synthetic skewed traces for tier benchmarks.
 """
 from __future__ import annotations
 
+import math
 import types
+from decimal import ROUND_HALF_UP, Decimal
 
 import click
 
@@ -30,16 +32,17 @@ def _read_traces(paths):
 
 
 def parse_slots(text: str, num_experts_total: int) -> int:
-    """`--slots` value: a count ("150") or a share of all experts ("10%", rounded)."""
+    """`--slots` value: a count ("150") or a share of all experts ("10%", rounded to the
+    nearest count, halves up: "12.5%" of 4 experts is 1 slot)."""
     try:
         if text.endswith("%"):
-            share = float(text[:-1])
-            if not 0 <= share <= 100:  # also NaN
+            share = Decimal(text[:-1].strip())  # decimal: "29%" of 50 is 14.5, not 14.4999...
+            if not share.is_finite() or not 0 <= share <= 100:
                 raise click.BadParameter(f"{text!r}: a share of all experts lies in 0..100%",
                                          param_hint="--slots")
-            return round(share / 100 * num_experts_total)
+            return int((share * num_experts_total / 100).to_integral_value(ROUND_HALF_UP))
         count = int(text)
-    except ValueError:
+    except (ValueError, ArithmeticError):  # (decimal's InvalidOperation is the latter)
         raise click.BadParameter(f"{text!r} is neither a slot count (e.g. 150) nor a share of "
                                  "all experts (e.g. 10%)", param_hint="--slots") from None
     if not 0 <= count <= num_experts_total:
@@ -92,6 +95,9 @@ def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_s
     from strata.experts.profile import read_profile
     from strata.experts.replay import replay_all, replay_tier
 
+    if not 0 <= adapt_min_gain < math.inf:  # also NaN, which no gain would ever clear
+        raise click.BadParameter(f"{adapt_min_gain!r}: give a finite number >= 0, as the "
+                                 "engine's --adapt-min-gain", param_hint="--adapt-min-gain")
     trace = _read_traces(traces)
     total = trace.n_layers * trace.n_experts
     profile = None
