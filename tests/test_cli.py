@@ -84,6 +84,17 @@ def test_corrupt_model_exits_2_with_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "bad.gguf" in lines[0]
 
 
+def test_more_threads_than_the_kernels_run_exits_2(tiny):
+    # checked in the config, before any backend (OpenMP segfaulted at 100000; the CUDA
+    # backend's CPU pool starts its threads too)
+    for device in ("cpu", "cuda"):
+        res = runner().invoke(main, ["run", "--model", tiny, "--device", device,
+                                     "--threads", "100000", "Hi"])
+        assert res.exit_code == 2, res.output
+        assert "threads = 100000" in res.stderr and "1024" in res.stderr
+        assert "Traceback" not in res.output
+
+
 def test_no_model_anywhere_says_how_to_get_one(monkeypatch):
     monkeypatch.setattr("strata.cli.default_model_path", lambda: None)
     res = runner().invoke(main, ["run", "Hi"], env={"STRATA_MODEL": ""})

@@ -123,6 +123,10 @@ class EngineConfig:
         self.model_path = path
         self._check_int("n_ctx", allow_none=True, minimum=1)
         self._check_int("threads", allow_none=True, minimum=1)
+        from strata._native.kernels import MAX_THREADS
+        if self.threads is not None and self.threads > MAX_THREADS:
+            raise ConfigError(f"threads = {self.threads} is more than the {MAX_THREADS} the CPU "
+                              "kernels run; give the number of cores or fewer (--threads)")
         self.device = check_device(self.device)
         self._check_int("prompt_chunk_tokens", allow_none=False, minimum=1)
         if self.solo_chunk_tokens != "auto":

@@ -183,3 +183,8 @@ def test_config_errors(models):
         model.new_kv(5000)
     with pytest.raises(ConfigError, match="num_threads = 0 must be positive"):
         CpuModel(model.gguf, num_threads=0)
+    # OpenMP segfaulted starting 100,000 threads; 2**31 was an OverflowError traceback
+    for num_threads in (100_000, 2**31):
+        with pytest.raises(ConfigError, match=f"num_threads = {num_threads} is more than the "
+                                              f"{kernels.MAX_THREADS} threads"):
+            CpuModel(model.gguf, num_threads=num_threads)

@@ -132,6 +132,42 @@ static int check(int qt, int rows, int cols, int T) {
     return ok;
 }
 
+/* A NaN or inf in an activation row makes that row's results non-finite (NaN for quantised
+ * weights, whose quantiser's max skips a NaN) and leaves the other rows finite: one bad element,
+ * and a whole row of NaN (a hidden state after rmsnorm), alone and among 5 tokens. */
+static int check_nonfinite(int qt) {
+    enum { ROWS = 9, T = 5 };
+    const int cols = st_block_size(qt) == 256 ? 512 : 128;
+    const int64_t row_bytes = (int64_t)cols / st_block_size(qt) * st_type_size(qt);
+    const float bad_values[3] = {NAN, INFINITY, -INFINITY};
+    uint8_t *w = malloc((size_t)(ROWS * row_bytes));
+    float *x = malloc(sizeof(float) * T * cols), out[T * ROWS];
+    random_weight(qt, w, ROWS, cols);
+    int ok = 1;
+    for (int ib = 0; ib < 3; ib++)
+        for (int whole = 0; whole < 2; whole++)
+            for (int nt = 1; nt <= T; nt += T - 1) {
+                const int bad_row = nt / 2;
+                for (int i = 0; i < nt * cols; i++) x[i] = uniform();
+                if (whole) {
+                    for (int i = 0; i < cols; i++) x[bad_row * cols + i] = bad_values[ib];
+                } else {
+                    x[bad_row * cols + 37] = bad_values[ib];
+                }
+                st_matmul(qt, w, ROWS, row_bytes, cols, x, nt, out);
+                for (int t = 0; t < nt; t++)
+                    for (int r = 0; r < ROWS; r++) {
+                        const float v = out[t * ROWS + r];
+                        const int want_nan = t == bad_row && (ib == 0 || !st_is_float_type(qt));
+                        if (t == bad_row ? (want_nan ? !isnan(v) : isfinite(v)) : !isfinite(v))
+                            ok = 0;
+                    }
+            }
+    printf("type=%d non-finite activations %s\n", qt, ok ? "ok" : "FAIL");
+    free(w); free(x);
+    return ok;
+}
+
 /* st_attention over cells written by st_kv_write(_keys), against a double reference of the same
  * (rounded) cells: 3 runs (a chunk across key tiles, a fresh prompt, a decode row), GQA. */
 static int check_attention(int D, int is_f16) {
@@ -210,6 +246,16 @@ int main(void) {
         for (int iw = 0; iw < 2; iw++)
             for (int jt = 0; jt < 4; jt++)
                 num_failed += !check(qt, 37, widths[iw], token_counts[jt]);
+        /* one block of columns (float types: 16 and 7), 1 and 17 rows (a row block and one),
+         * token counts around the fused limit (4 on AVX2, 9 on AVX-512 VNNI) and the tiles */
+        const int narrow[2] = {st_is_float_type(qt) ? 16 : st_block_size(qt),
+                               st_is_float_type(qt) ? 7 : 2 * st_block_size(qt)};
+        const int more_tokens[5] = {3, 4, 8, 10, 13};
+        for (int iw = 0; iw < 2; iw++)
+            for (int rows = 1; rows <= 17; rows += 16)
+                for (int jt = 0; jt < 5; jt++)
+                    num_failed += !check(qt, rows, narrow[iw], more_tokens[jt]);
+        num_failed += !check_nonfinite(qt);
     }
     const int head_dims[3] = {64, 40, 16};
     for (int id = 0; id < 3; id++)

@@ -89,3 +89,29 @@ def test_moe_bad_shapes_and_dtypes():
 def test_set_num_threads_rejects_negative():
     with pytest.raises(ValueError, match="threads must be >= 0, got -1"):
         kernels.set_num_threads(-1)
+
+
+@pytest.mark.parametrize("num_threads", [kernels.MAX_THREADS + 1, 100_000, 2**31, 3 * 10**9])
+def test_set_num_threads_rejects_more_than_it_can_start(num_threads):
+    """100,000 made OpenMP segfault starting its team (2**31 - 1 aborted it, out of memory);
+    2**31 and up were an OverflowError. The setting is left as it was."""
+    before = kernels.get_num_threads()
+    with pytest.raises(ValueError, match=f"at most {kernels.MAX_THREADS} threads, got "
+                                         f"{num_threads}"):
+        kernels.set_num_threads(num_threads)
+    assert kernels.get_num_threads() == before
+
+
+def test_set_num_threads_takes_more_than_the_cores():
+    before = kernels.get_num_threads()
+    rng = np.random.default_rng(5)
+    w = random_weight(rng, 8, 300, 4096)
+    x = rng.standard_normal((40, 4096)).astype(np.float32)
+    try:
+        kernels.set_num_threads(1)
+        one = kernels.matmul(w, 8, x)
+        kernels.set_num_threads(64)
+        assert kernels.get_num_threads() == 64
+        assert np.array_equal(kernels.matmul(w, 8, x), one)
+    finally:
+        kernels.set_num_threads(before)

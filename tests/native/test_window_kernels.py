@@ -72,6 +72,29 @@ def test_attention_ignores_cells_past_each_rows_position():
     np.testing.assert_array_equal(kernels.attention(q, runs, 2, 0.2), got)
 
 
+@pytest.mark.parametrize("n_q, n_kv", [(4, 4), (2, 1), (8, 2), (6, 2)])   # G = 1, 2, 4, 3
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_non_finite_cell_reaches_no_earlier_row(n_q, n_kv, bad, dtype):
+    """A NaN / inf in the K or V cell of a later row of the chunk (a corrupt token, an fp16
+    cell overflowed) leaves the rows before it as they were: a masked key's probability 0
+    times its NaN value was NaN in every earlier row of its 64-key tile, so those rows' later
+    layers, their KV cells and a prefix cache reusing them went NaN too."""
+    rng = np.random.default_rng(n_q + 10 * n_kv)
+    d = 32
+    runs, num_rows = _make_runs(rng, [(60, 30, 128), (0, 9, 9)], n_kv, d, dtype)
+    q = rng.standard_normal((num_rows, n_q * d)).astype(np.float32)
+    clean = kernels.attention(q, runs, n_kv, 0.2)
+    k, v = runs[0][0], runs[0][1]
+    k[:, 60 + 7, 3] = bad                 # row 7 of the chunk: position 67, tile 1 (64-127)
+    v[:, 60 + 7, 5] = bad
+    v[:, 60 + 20, :] = bad                # row 20: position 80
+    got = kernels.attention(q, runs, n_kv, 0.2)
+    np.testing.assert_array_equal(got[:7], clean[:7])
+    assert not np.isfinite(got[7:30]).all(axis=1).any()
+    np.testing.assert_array_equal(got[30:], clean[30:])      # the other run
+
+
 def test_a_rows_attention_does_not_depend_on_its_batch_or_threads():
     rng = np.random.default_rng(2)
     n_q, n_kv, d = 8, 2, 64

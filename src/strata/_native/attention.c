@@ -110,21 +110,39 @@ static void scores_tile(const float *qp, int D, const float *kt, float *s) {
     }
 }
 
-/* o[i] = o[i] * alpha[i] + sum_c p[i, c] v_c for MR rows (p [MR, TK], v [TK, ldv], o [MR, D]). */
+/* o[i] = o[i] * alpha[i] + sum_{c < lim[i]} p[i, c] v_c for MR rows (p [MR, TK], v [TK, ldv],
+ * o [MR, D]; lim [MR]: the keys of the tile each row sees). A key a row does not see is left out,
+ * not multiplied by its p of 0: a later row's cell may hold a NaN or inf (a corrupt token, an
+ * fp16 overflow), and 0 * NaN would carry it into every earlier row of the tile. Keys every row
+ * sees, [0, lo), take the vector loop; the few that only some see (the MR rows span at most 4
+ * positions), [lo, hi), a guarded one; past hi, none. */
 static void values_tile(const float *p, const float *v, int64_t ldv, int D, const float *alpha,
-                        float *o) {
+                        const int *lim, float *o) {
+    int lo = lim[0], hi = lim[0];
+    for (int i = 1; i < MR; i++) {
+        lo = lim[i] < lo ? lim[i] : lo;
+        hi = lim[i] > hi ? lim[i] : hi;
+    }
     int d0 = 0;
     for (; d0 + NV * VL <= D; d0 += NV * VL) {
         vf acc[MR][NV];
         for (int i = 0; i < MR; i++)
             for (int j = 0; j < NV; j++) acc[i][j] = vload(o + (size_t)i * D + d0 + j * VL) * alpha[i];
-        for (int c = 0; c < TK; c++) {
+        for (int c = 0; c < hi; c++) {
             const float *vr = v + c * ldv + d0;
             vf vv[NV];
             for (int j = 0; j < NV; j++) vv[j] = vload(vr + j * VL);
-            for (int i = 0; i < MR; i++) {
-                float pv = p[(size_t)i * TK + c];
-                for (int j = 0; j < NV; j++) acc[i][j] += vv[j] * pv;
+            if (c < lo) {
+                for (int i = 0; i < MR; i++) {
+                    float pv = p[(size_t)i * TK + c];
+                    for (int j = 0; j < NV; j++) acc[i][j] += vv[j] * pv;
+                }
+            } else {
+                for (int i = 0; i < MR; i++) {
+                    if (c >= lim[i]) continue;
+                    float pv = p[(size_t)i * TK + c];
+                    for (int j = 0; j < NV; j++) acc[i][j] += vv[j] * pv;
+                }
             }
         }
         for (int i = 0; i < MR; i++)
@@ -133,16 +151,17 @@ static void values_tile(const float *p, const float *v, int64_t ldv, int D, cons
     for (; d0 + VL <= D; d0 += VL) {
         vf acc[MR];
         for (int i = 0; i < MR; i++) acc[i] = vload(o + (size_t)i * D + d0) * alpha[i];
-        for (int c = 0; c < TK; c++) {
+        for (int c = 0; c < hi; c++) {
             vf vv = vload(v + c * ldv + d0);
-            for (int i = 0; i < MR; i++) acc[i] += vv * p[(size_t)i * TK + c];
+            for (int i = 0; i < MR; i++)
+                if (c < lim[i]) acc[i] += vv * p[(size_t)i * TK + c];
         }
         for (int i = 0; i < MR; i++) vstore(o + (size_t)i * D + d0, acc[i]);
     }
     for (; d0 < D; d0++) {
         for (int i = 0; i < MR; i++) {
             float a = o[(size_t)i * D + d0] * alpha[i];
-            for (int c = 0; c < TK; c++) a += v[c * ldv + d0] * p[(size_t)i * TK + c];
+            for (int c = 0; c < lim[i]; c++) a += v[c * ldv + d0] * p[(size_t)i * TK + c];
             o[(size_t)i * D + d0] = a;
         }
     }
@@ -157,13 +176,14 @@ int st_attention_key_tile(void) { return TK; }
 
 size_t st_attention_scratch_bytes(int Q, int KV, int D) {
     size_t mp = (size_t)pad_mr(max_queries(Q / KV));
-    /* qp [Mp, D], o [Mp, D], s [Mp, TK], kt [D, TK], vt [TK, D], m/l/alpha [Mp] */
-    size_t floats = 2 * mp * D + mp * TK + 2 * (size_t)D * TK + 3 * mp;
+    /* qp [Mp, D], o [Mp, D], s [Mp, TK], kt [D, TK], vt [TK, D], m/l/alpha [Mp], lim [Mp] */
+    size_t floats = 2 * mp * D + mp * TK + 2 * (size_t)D * TK + 4 * mp;
     return (floats * sizeof(float) + 63) / 64 * 64 + 64;
 }
 
 typedef struct {
     float *qp, *o, *s, *kt, *vt, *mrow, *lrow, *alpha;
+    int *lim;                      /* [Mp] keys of the current tile each query vector sees */
 } scratch_t;
 
 static scratch_t carve(void *base, int Q, int KV, int D) {
@@ -177,7 +197,8 @@ static scratch_t carve(void *base, int Q, int KV, int D) {
     s.vt = f; f += (size_t)TK * D;
     s.mrow = f; f += mp;
     s.lrow = f; f += mp;
-    s.alpha = f;
+    s.alpha = f; f += mp;
+    s.lim = (int *)f;
     return s;
 }
 
@@ -236,6 +257,7 @@ static void attend_item(const float *q, int Q, int KV, int D, float scale, const
             float *sr = sc->s + (size_t)m * TK;                             /* [TK] */
             int64_t lim = m < M ? run->pos0 + b0 + m / G - t0 + 1 : 0;      /* keys it sees */
             if (lim > TK) lim = TK;
+            sc->lim[m] = lim > 0 ? (int)lim : 0;
             if (lim <= 0) {     /* a tile wholly in this row's future: no change at all */
                 sc->alpha[m] = 1.0f;
                 memset(sr, 0, TK * sizeof(float));
@@ -261,7 +283,8 @@ static void attend_item(const float *q, int Q, int KV, int D, float scale, const
             sc->lrow[m] = sc->lrow[m] * sc->alpha[m] + hsum(sum);
         }
         for (int i = 0; i < Mp; i += MR)
-            values_tile(sc->s + (size_t)i * TK, vt, ldv, D, sc->alpha + i, sc->o + (size_t)i * D);
+            values_tile(sc->s + (size_t)i * TK, vt, ldv, D, sc->alpha + i, sc->lim + i,
+                        sc->o + (size_t)i * D);
     }
     for (int m = 0; m < M; m++) {
         float *dst = out + (run->row0 + b0 + m / G) * ldq + (int64_t)(h * G + m % G) * D;

@@ -109,10 +109,19 @@ def simd_level():
     return st_simd_level().decode()
 
 
+# More threads than any machine's cores: OpenMP segfaulted starting a team of 100,000 (the
+# process's thread limit) and aborted at 2**31 - 1; more than the cores only adds switching.
+MAX_THREADS = 1024
+
+
 def set_num_threads(n):
-    """Threads for the kernels (0: OpenMP's default, the number of cores)."""
+    """Threads for the kernels (0: OpenMP's default, the number of cores; at most
+    MAX_THREADS)."""
     if n < 0:
         raise ValueError(f"the number of threads must be >= 0, got {n}")
+    if n > MAX_THREADS:
+        raise ValueError(f"the kernels run at most {MAX_THREADS} threads, got {n}; give the "
+                         f"number of cores or fewer")
     st_set_num_threads(int(n))
 
 

@@ -1,5 +1,6 @@
 /* Threaded matmul on quantised weights: activation quantisation, row-block unpacking, the
  * tile loop (4 weight rows x 4 tokens per register tile) and the OpenMP work split. */
+#include <float.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -197,15 +198,27 @@ void st_act_free(st_act *a) {
 
 #if defined(__AVX2__)
 #include <immintrin.h>
-/* One 32-column block of quantize_row in AVX2, bit for bit the scalar loop's (for finite x):
- * the same max, scale and products, cvtps rounding half to even as lrintf does. Writes the
- * block's 32 q and returns d; lane_sum [8] = the sums of q per 4 columns. */
+/* One 32-column block of quantize_row in AVX2, bit for bit the scalar loop's: the same max,
+ * scale and products, cvtps rounding half to even as lrintf does; a block with a NaN or inf
+ * gets d = NaN and q = 0 as there. Writes the block's 32 q and returns d; lane_sum [8] = the
+ * sums of q per 4 columns. */
 static inline float quantize_block_avx2(const float *xb, int8_t *qb, int32_t *lane_sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
     const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
-    __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    const __m256 a0 = _mm256_andnot_ps(sign, v0), a1 = _mm256_andnot_ps(sign, v1);
+    const __m256 a2 = _mm256_andnot_ps(sign, v2), a3 = _mm256_andnot_ps(sign, v3);
+    /* max_ps drops a NaN operand: find NaN and inf (not <= FLT_MAX, unordered) apart */
+    const __m256 big = _mm256_set1_ps(FLT_MAX);
+    const __m256 bad = _mm256_or_ps(
+        _mm256_or_ps(_mm256_cmp_ps(a0, big, _CMP_NLE_UQ), _mm256_cmp_ps(a1, big, _CMP_NLE_UQ)),
+        _mm256_or_ps(_mm256_cmp_ps(a2, big, _CMP_NLE_UQ), _mm256_cmp_ps(a3, big, _CMP_NLE_UQ)));
+    if (_mm256_movemask_ps(bad)) {
+        memset(qb, 0, ST_XBLOCK);
+        memset(lane_sum, 0, 8 * sizeof(int32_t));
+        return NAN;
+    }
+    __m256 a = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
@@ -230,7 +243,10 @@ static inline float quantize_block_avx2(const float *xb, int8_t *qb, int32_t *la
 }
 #endif
 
-/* Quantise one row like llama.cpp's Q8_0: per 32 columns, dx = max|x| / 127, q = round(x / dx). */
+/* Quantise one row like llama.cpp's Q8_0: per 32 columns, dx = max|x| / 127, q = round(x / dx).
+ * A block holding a NaN or inf gets dx = NaN (and q = 0): every product with it is NaN, so a
+ * non-finite activation reaches its row's results (and the sampler's check) on every path,
+ * where the max (which skips NaN) made a finite dx and the NaN a stray -128 or 0. */
 static void quantize_row(const float *x, int cols, int cols_pad, int8_t *q, float *dx,
                          int32_t *xc, float *xs) {
     for (int b = 0; b < cols / ST_XBLOCK; b++) {
@@ -249,15 +265,17 @@ static void quantize_row(const float *x, int cols, int cols_pad, int8_t *q, floa
         }
 #endif
         float amax = 0.0f;
+        int is_finite = 1;
         /* a plain compare (not fmaxf, a libm call without -ffinite-math-only) vectorises */
         for (int i = 0; i < ST_XBLOCK; i++) {
             float v = fabsf(xb[i]);
             amax = v > amax ? v : amax;
+            is_finite &= v <= FLT_MAX;     /* false for NaN and inf */
         }
-        float d = amax / 127.0f;
+        float d = is_finite ? amax / 127.0f : NAN;
         float id = d > 0.0f ? 1.0f / d : 0.0f;
         int8_t *qb = q + b * ST_XBLOCK;
-        for (int i = 0; i < ST_XBLOCK; i++) qb[i] = (int8_t)lrintf(xb[i] * id);
+        for (int i = 0; i < ST_XBLOCK; i++) qb[i] = is_finite ? (int8_t)lrintf(xb[i] * id) : 0;
         for (int l = 0; l < ST_XBLOCK / ST_LANE; l++) {
             int lane = b * (ST_XBLOCK / ST_LANE) + l;
             const int8_t *ql = qb + l * ST_LANE;

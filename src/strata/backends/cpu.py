@@ -146,6 +146,10 @@ class CpuModel:
         if num_threads is not None:
             if int(num_threads) <= 0:
                 raise ConfigError(f"num_threads = {num_threads} must be positive (or None: all)")
+            if int(num_threads) > kernels.MAX_THREADS:
+                raise ConfigError(f"num_threads = {num_threads} is more than the "
+                                  f"{kernels.MAX_THREADS} threads the kernels run; give the "
+                                  f"number of cores or fewer (--threads)")
             kernels.set_num_threads(int(num_threads))
         self.gguf = gguf_model
         self.spec = spec = gguf_model.spec
