@@ -262,7 +262,8 @@ def parse_anthropic_request(body: dict, max_tokens_limit: int, *,
         if body.get("max_tokens") is None:
             raise missing("max_tokens", "the most tokens to generate")
         options.max_tokens = min(_integer(body, "max_tokens", 1, 2**31 - 1), max_tokens_limit)
-        stop = body.get("stop_sequences") or []
+        stop = body.get("stop_sequences")
+        stop = [] if stop is None else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise _wrong_type("stop_sequences", stop, "an array of strings")
         if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):

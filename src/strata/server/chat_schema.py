@@ -171,10 +171,15 @@ def parse_response_format(value: Any) -> dict | None:
             raise ApiError(400, "'response_format.json_schema' is required with type "
                            "'json_schema'.", param="response_format.json_schema",
                            code="missing_required_parameter")
+        if "schema" in schema and schema["schema"] is None:  # as if left out
+            schema = {k: v for k, v in schema.items() if k != "schema"}
+            value = dict(value, json_schema=schema)
         inner = schema.get("schema", schema)
-        if isinstance(inner, dict):
-            check_object_schema(inner, "response_format.json_schema.schema"
-                                if "schema" in schema else "response_format.json_schema")
+        if not isinstance(inner, dict):
+            raise _wrong_type("response_format.json_schema.schema", inner,
+                              "an object (a JSON schema)")
+        check_object_schema(inner, "response_format.json_schema.schema"
+                            if "schema" in schema else "response_format.json_schema")
     return None if kind == "text" else value
 
 

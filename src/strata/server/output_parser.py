@@ -8,6 +8,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from strata.model.tokenizer import LONE_SURROGATE, valid_text
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 TOOL_OPEN = "<tool_call>"
@@ -108,7 +110,7 @@ def parse_tool_call_body(body: str,
             return None
     if not isinstance(arguments, dict):
         return None
-    return call["name"], arguments
+    return valid_text(call["name"]), arguments  # a name escaping half a UTF-16 pair: U+FFFD
 
 
 class OutputParser:
@@ -217,7 +219,7 @@ class OutputParser:
             return
         name, arguments = parsed
         out.append(ToolCall(self.num_tool_calls, self._new_id(), name,
-                            json.dumps(arguments, ensure_ascii=False)))
+                            _arguments_json(arguments)))
         self.num_tool_calls += 1
 
     def _emit_call_as_text(self, text: str, out: list) -> None:
@@ -243,6 +245,13 @@ class OutputParser:
             out.append(kind(self._held_space))
             self._held_space = ""
         return out
+
+
+def _arguments_json(arguments) -> str:
+    """A call's arguments as JSON text. Half of a UTF-16 pair the model escaped alone
+    ("\\ud800") stays escaped: as a character it has no UTF-8 and would fail the answer."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def parse_complete(text: str, **kwargs) -> tuple[str, str, list[ToolCall], bool]:

@@ -74,7 +74,9 @@ def _param_types(tools: list[dict]) -> dict[str, dict[str, str | tuple]]:
     return out
 
 
-def build_chat_prompt(engine, req: ChatRequest) -> ChatPrompt:
+def build_chat_prompt(engine, req: ChatRequest, param: str = "messages") -> ChatPrompt:
+    """`param` names the request field that holds the conversation ("messages", or the
+    Responses API's "input"): a template that refuses it is a 400 naming that field."""
     clash = [k for k in _RESERVED_TEMPLATE_KWARGS if k in req.chat_template_kwargs]
     if clash:
         raise invalid(f"'chat_template_kwargs' may not set {clash[0]!r}: the server sets it "
@@ -88,10 +90,10 @@ def build_chat_prompt(engine, req: ChatRequest) -> ChatPrompt:
         text = engine.render_chat(messages, tools=tools, add_generation_prompt=True,
                                   **req.chat_template_kwargs) + req.assistant_prefill
     except RequestError as exc:
-        raise invalid(str(exc), "messages", "template_error") from None
+        raise invalid(str(exc), param, "template_error") from None
     except Exception as exc:  # noqa: BLE001 - a template that breaks on some input is a 400
         raise invalid(f"The chat template failed on these messages ({type(exc).__name__}: "
-                      f"{exc}).", "messages", "template_error") from None
+                      f"{exc}).", param, "template_error") from None
     # The template writes BOS itself where the model wants one.
     tokens = engine.tokenize(text, add_special=False)
     form = tool_call_form(text) if tools else None

@@ -26,7 +26,7 @@ class ResponsesRoutes(GenerationRoutes):
         engine = self._engine()
         req = parse_responses_request(body, engine.n_ctx)
         self.check_model(req.model)
-        prompt = build_chat_prompt(engine, req)
+        prompt = build_chat_prompt(engine, req, "input")
         check_prompt_fits(len(prompt.tokens), engine.n_ctx, "input")
         job, parser = self._start_chat(engine, req, prompt)
         echoed = {k: body[k] for k in _ECHOED if body.get(k) is not None}

@@ -14,6 +14,7 @@ from strata.server.api_error import ApiError, invalid
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024   # OpenAI's logit_bias: at most this many tokens, each biased by [-100, 100]
+_MAX_ID_DIGITS = 12  # a logit_bias key longer than this names no token of any vocabulary
 _MISSING = object()
 
 
@@ -83,21 +84,24 @@ def parse_json_body(data: bytes) -> dict:
     def refuse_constant(name):
         raise ValueError(f"{name} is not valid JSON")
     try:
-        body = json.loads(data, parse_constant=refuse_constant)
+        # as json.loads reads bytes (UTF-8, -16 or -32), but kept as text for the scan below
+        text = data.decode(json.detect_encoding(data), "surrogatepass")
+        body = json.loads(text, parse_constant=refuse_constant)
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"The request body is not valid JSON ({exc}). Send a JSON object "
                        "with Content-Type: application/json.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"The request body must be a JSON object, not "
                        f"{_type_name(body)}.", code="invalid_json")
-    if _SURROGATE_ESCAPE.search(data):
+    if _SURROGATE.search(text):
         body = _without_lone_surrogates(body)
     return body
 
 
 # JSON may escape half of a UTF-16 pair alone ("\ud83d"), which is no character: clients that
-# cut text by UTF-16 units (JavaScript editors) send such halves. They become U+FFFD.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# cut text by UTF-16 units (JavaScript editors) send such halves; a UTF-16 or -32 body may hold
+# one unescaped. They become U+FFFD (one left would fail the answer's UTF-8 encoding: a 500).
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
 
 
 def _without_lone_surrogates(value: Any) -> Any:
@@ -209,11 +213,15 @@ def _logit_bias(body: dict) -> dict[int, float]:
                       "biased.", "logit_bias")
     out = {}
     for key, value in bias.items():
-        param = f"logit_bias.{key}"
+        shown = key if len(key) <= _MAX_ID_DIGITS else key[:_MAX_ID_DIGITS] + "..."
+        param = f"logit_bias.{shown}"
         if not (key.isascii() and key.isdigit()):
-            raise invalid(f"'logit_bias' has the key {key!r}; its keys are token ids, written "
+            raise invalid(f"'logit_bias' has the key {shown!r}; its keys are token ids, written "
                           "as strings of digits (e.g. \"1734\").", param)
-        out[int(key)] = _number(bias, key, -100.0, 100.0, param=param)
+        if len(key.lstrip("0")) > _MAX_ID_DIGITS:  # int() refuses over 4300 digits
+            raise invalid(f"'logit_bias' names the token id {shown}, outside any vocabulary.",
+                          param)
+        out[int(key.lstrip("0") or "0")] = _number(bias, key, -100.0, 100.0, param=param)
     return out
 
 
