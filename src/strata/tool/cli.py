@@ -37,7 +37,8 @@ def main():
                    "for benchmarks deep into a context (`strata bench -d`).")
 @click.option("--list", "list_presets", is_flag=True, help="List the preset shapes and exit.")
 @click.option("--routing-skew", default=0.0, show_default=True, type=float,
-              help="Make routers favour a minority of experts (0 = uniform; 0.5 is moderate).")
+              help="Make routers favour a minority of experts (0: none beyond what random "
+                   "routers do, which concentrate in deep layers; 0.5 is moderate).")
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(min=1),
               help="Processes making the tensors (the same file whatever the count).")
 @click.argument("out", required=False, type=click.Path(dir_okay=False))
