@@ -324,3 +324,37 @@ def test_large_enum_is_not_linear_per_byte():
     assert len(r.allowed) == 100  # narrowed to the run that shares the prefix
     assert set(np.flatnonzero(r.first_bytes())) == set(b"0123456789")
     assert r.feed(b'34"}') and r.is_done
+
+
+PETS = {  # Pydantic's discriminated union: Cat | Dog tagged by pet_type
+    "type": "object",
+    "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                           "discriminator": {"propertyName": "pet_type"}}},
+    "required": ["pet"], "additionalProperties": False,
+    "$defs": {
+        "Cat": {"type": "object", "properties": {"pet_type": {"const": "cat"},
+                                                 "meows": {"type": "integer"}},
+                "required": ["pet_type", "meows"], "additionalProperties": False},
+        "Dog": {"type": "object", "properties": {"pet_type": {"const": "dog"},
+                                                 "barks": {"type": "number"}},
+                "required": ["pet_type", "barks"], "additionalProperties": False}},
+}
+
+
+@pytest.mark.parametrize("text, done", [
+    ('{"pet": {"pet_type": "cat", "meows": 3}}', True),
+    ('{"pet": {"pet_type": "dog", "barks": 1.5}}', True),
+    ('{"pet": {"pet_type": "cat", "barks": 1.5}}', False),   # the dog's key in a cat
+    ('{"pet": {"pet_type": "cat", "meows": 1.5}}', False),   # the cat's integer
+    ('{"pet": {"pet_type": "dog"}}', False),                 # the dog's required key
+    ('{"pet": {"pet_type": "cow", "meows": 1}}', False),     # no such tag
+    ('{"pet": {"meows": 3, "pet_type": "cat"}}', False),     # the tag comes first
+])
+def test_a_tagged_union_holds_the_object_its_tag_names(text, done):
+    assert accepts(PETS, text)[1] is done
+
+
+def test_objects_without_a_tag_stay_loose():
+    schema = {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                        {"type": "object", "properties": {"b": {"type": "string"}}}]}
+    assert accepts(schema, '{"a": "x", "b": 1}') == (True, True)  # only the type is held

@@ -69,7 +69,23 @@ def test_one_function_holds_its_parameters(tokenizer):
     c = ToolCallConstraint(tokenizer, [WEATHER])  # only its declared parameters
     assert feed(c, ids(tokenizer, "<tool_call>"))
     assert not feed(c, ids(tokenizer, '{"name": "get_weather", "arguments": {"town": "x"'))
-    assert call_schema([WEATHER, TIME])["properties"]["arguments"] == {"type": "object"}
+
+
+@pytest.mark.parametrize("body, ok", [
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', True),
+    ('{"name": "get_time", "arguments": {}}', True),
+    ('{"name": "get_time", "arguments": {"city": "Oslo"}}', False),   # get_weather's parameter
+    ('{"name": "get_weather", "arguments": {}}', False),              # its required city
+    ('{"name": "get_weather", "arguments": {"city": 5}}', False),
+    ('{"arguments": {}, "name": "get_time"}', False),                 # the name comes first
+])
+def test_several_functions_hold_the_named_ones_parameters(tokenizer, body, ok):
+    """With several functions the call is a union tagged by its name: the name first, then
+    that function's arguments held (they were a free object whatever the function)."""
+    assert "anyOf" in call_schema([WEATHER, TIME])
+    c = ToolCallConstraint(tokenizer, [WEATHER, TIME])
+    assert feed(c, ids(tokenizer, "<tool_call>"))
+    assert feed(c, ids(tokenizer, body) + ids(tokenizer, "</tool_call>")) == ok
 
 
 def test_a_tag_spelled_over_several_tokens_opens_a_block(tokenizer):
@@ -147,8 +163,8 @@ def test_params_check_the_functions():
     open_params = {"type": "object", "properties": {}, "additionalProperties": True}
     assert call_schema([{"name": "f", "parameters": open_params}])["properties"][
         "arguments"] == open_params
-    assert json.loads(json.dumps(call_schema([WEATHER, TIME])))["required"] == [
-        "name", "arguments"]
+    union = json.loads(json.dumps(call_schema([WEATHER, TIME])))["anyOf"]
+    assert [u["required"] for u in union] == [["name", "arguments"]] * 2
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

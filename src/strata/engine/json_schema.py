@@ -8,7 +8,9 @@ and what is not (docs in README, "Serve"):
   array value holds its type only);
 - local `$ref` ("#", "#/$defs/...", any JSON pointer); `allOf` (its parts merged); `anyOf` /
   `oneOf` told apart by their value's kind (an object or null, a string or a number, ...;
-  alternatives of one kind hold only that kind);
+  alternatives of one kind hold only that kind, except objects told apart by one key whose
+  value is a different string constant in each: that key comes first, then its object is
+  held);
 - not held: patterns, formats, string lengths, numeric bounds, `prefixItems`, `not`."""
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ class SchemaNode:
     string, JSON-escaped, or None."""
 
     __slots__ = ("types", "properties", "required", "additional", "items", "strings",
-                 "variants", "scalars", "min_items", "max_items")
+                 "variants", "scalars", "min_items", "max_items", "by_value")
 
     def __init__(self):
         self.types: frozenset[str] | None = None
@@ -46,6 +48,9 @@ class SchemaNode:
         # an enum's numbers, booleans and null, as JSON writes them (None: not held)
         self.scalars: tuple[bytes, ...] | None = None
         self.min_items, self.max_items = 0, None  # an array's item count
+        # a discriminated union of objects (see _discriminated): its one key's value -> the
+        # object's node, which holds the object from that value on; None otherwise
+        self.by_value: dict[bytes, SchemaNode] | None = None
 
     @property
     def is_free(self) -> bool:
@@ -157,12 +162,42 @@ def _dispatch(node: SchemaNode, parts: list[SchemaNode]) -> None:
         if len(takers) == 1:
             node.variants[kind] = takers[0]
             continue
+        if kind == "object":
+            union = _discriminated(takers)
+            if union is not None:
+                node.variants[kind] = union
+                continue
         loose = node.variants[kind] = SchemaNode()
         loose.types = frozenset(t for p in takers for t in p.types if _kinds({t}) == {kind})
         if kind == "string" and all(p.strings is not None for p in takers):
             loose.strings = tuple(sorted({v for p in takers for v in p.strings}))
         elif kind != "string" and all(p.scalars is not None for p in takers):
             loose.scalars = tuple(dict.fromkeys(v for p in takers for v in p.scalars))
+
+
+def _discriminated(parts: list[SchemaNode]) -> SchemaNode | None:
+    """Objects told apart by one key whose value is a different string constant in each (a
+    tagged union: Pydantic's discriminator, a tool call's name), as one node: that key first,
+    then the object its value names (with the key seen); None when no key tells them apart."""
+    for key in parts[0].properties:
+        values = []
+        for part in parts:
+            sub = part.properties.get(key)
+            if sub is None or sub.types != {"string"} or sub.strings is None \
+                    or len(sub.strings) != 1:
+                break
+            values.append(sub.strings[0])
+        else:
+            if len(set(values)) < len(parts):
+                continue
+            tag = SchemaNode()
+            tag.types, tag.strings = frozenset(("string",)), tuple(sorted(values))
+            union = SchemaNode()
+            union.types, union.additional = frozenset(("object",)), False
+            union.properties, union.required = {key: tag}, frozenset((key,))
+            union.by_value = dict(zip(values, parts))
+            return union
+    return None
 
 
 def _compile(schema, root: dict, nodes: dict[int, SchemaNode]) -> SchemaNode:
@@ -309,6 +344,9 @@ class SchemaRecognizer(JsonRecognizer):
         if allowed and key not in allowed:
             return False
         if not self.is_key:
+            if self.frames and self.frames[-1][0].by_value is not None:  # a union's tag
+                node, seen = self.frames[-1]
+                self.frames = self.frames[:-1] + ((node.by_value[key], seen),)
             return True
         node, seen = self.frames[-1]
         if allowed is None:  # a free object: nothing tracked

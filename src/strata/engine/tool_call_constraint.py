@@ -27,16 +27,31 @@ MAX_TRAILING = 2  # spaces or newlines between the object and </tool_call>
 
 
 def call_schema(functions: list[dict]) -> dict:
-    """The JSON schema of one call of any of `functions` ({"name", "parameters"} dicts)."""
-    arguments = {"type": "object"}
-    if len(functions) == 1 and isinstance(functions[0].get("parameters"), dict):
-        arguments = dict(functions[0]["parameters"])
-        if isinstance(arguments.get("properties"), dict):
-            arguments.setdefault("additionalProperties", False)
-    return {"type": "object",
-            "properties": {"name": {"enum": [f["name"] for f in functions]},
-                           "arguments": arguments},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    """The JSON schema of one call of any of `functions` ({"name", "parameters"} dicts): with
+    several, a union tagged by the name (json_schema holds "name" first, then that function's
+    arguments)."""
+    calls = [{"type": "object",
+              "properties": {"name": {"const": f["name"]}, "arguments": _arguments(f)},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for f in functions]
+    if len(calls) == 1:
+        return calls[0]
+    if len({f["name"] for f in functions}) < len(functions):  # a name twice: the name only
+        return {**calls[0], "properties": {"name": {"enum": [f["name"] for f in functions]},
+                                           "arguments": {"type": "object"}}}
+    return {"anyOf": calls}
+
+
+def _arguments(function: dict) -> dict:
+    """The schema of `function`'s arguments: its parameters, no undeclared key where it
+    declares its properties (a model's invented key would fail the call)."""
+    arguments = function.get("parameters")
+    if not isinstance(arguments, dict):
+        return {"type": "object"}
+    arguments = dict(arguments)
+    if isinstance(arguments.get("properties"), dict):
+        arguments.setdefault("additionalProperties", False)
+    return arguments
 
 
 class _Call:
