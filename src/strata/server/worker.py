@@ -211,6 +211,11 @@ class EngineWorker:
                 running.append(_Running(job, self.engine.submit(job.prompt_tokens, job.params)))
             except RequestError as exc:
                 job.events.put(JobEnd(error=ApiError(400, str(exc), code="invalid_request")))
+            except Exception:  # noqa: BLE001 - the engine thread must survive any request
+                log.exception("submitting a request to the engine failed; it ends with a 500")
+                job.events.put(JobEnd(error=ApiError(
+                    500, "The engine failed on this request; the server log has the details.",
+                    code="engine_error")))
         self._update_gauges()
 
     def _update_gauges(self) -> None:
