@@ -133,9 +133,9 @@ def test_decode_rows_match_the_tiles_at_an_odd_block_count(qtype, rows):
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_a_token_does_not_depend_on_its_batch(qtype):
-    """Decode (fused, 1-3 tokens) and batched (tiled) paths give a token the same result: bit
-    for bit where they share the arithmetic; Q2_K / Q4_K / Q5_K sum their min terms in another
-    order."""
+    """Decode (fused, 1-3 tokens) and batched (tiled) paths give a token the same result, bit
+    for bit (Q2_K / Q4_K / Q5_K too: their min terms summed in the tiles' order), so greedy
+    output does not depend on which requests share a window."""
     rng = np.random.default_rng(50 + int(qtype))
     rows, cols = 21, 2 * max(block_size(qtype), 128)
     w = random_weight(rng, qtype, rows, cols)
@@ -143,10 +143,4 @@ def test_a_token_does_not_depend_on_its_batch(qtype):
     batched = kernels.matmul(w, int(qtype), x)
     for lo, hi in ((0, 1), (1, 3), (6, 9), (2, 7), (4, 12)):
         alone = kernels.matmul(w, int(qtype), np.ascontiguousarray(x[lo:hi]))
-        if qtype in (gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q4_K,
-                     gguf.GGMLQuantizationType.Q5_K):
-            w64 = dequant64(w, qtype)
-            xq = q8_roundtrip(x[lo:hi])
-            assert np.all(np.abs(alone - batched[lo:hi]) <= 2 * float_error_bound(xq, w64))
-        else:
-            assert np.array_equal(alone, batched[lo:hi])
+        assert np.array_equal(alone, batched[lo:hi])

@@ -47,8 +47,9 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t
     /* group g (16 columns) has the min of sub-block g / 2, at 8 + g / 2 in ab */
     const __m512i pairs = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14,
                                             15, 15);
-    __m512 acc[3], min_acc[3];
-    for (int c = 0; c < NC; c++) acc[c] = min_acc[c] = _mm512_setzero_ps();
+    __m512 acc[3];
+    float B[cols / ST_GROUP];  /* dmin * m per 16-column group, as the tiles' B */
+    for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = superblock(row, ib, is_q5 ? 176 : 144, ahead);
         const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
@@ -82,13 +83,14 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t
                 _mm512_add_epi32(halves, _mm512_set1_epi32(2 * j)), ab);    /* [16] */
             chunk(NC, join256(lo, hi), scale, ib * 256 + 64 * j, -1, a, acc);
         }
-        /* the mins: sum over groups of dmin * m * dx * sum(q) */
-        const __m512 b = _mm512_permutexvar_ps(pairs, ab);           /* dmin * m per group */
-        for (int c = 0; c < NC; c++)
-            min_acc[c] = _mm512_fmadd_ps(b, _mm512_loadu_ps(a->xs[c] + ib * 16), min_acc[c]);
+        _mm512_storeu_ps(B + ib * 16, _mm512_permutexvar_ps(pairs, ab));  /* dmin * m */
     }
-    for (int c = 0; c < NC; c++)
-        res[c] = _mm512_reduce_add_ps(acc[c]) - _mm512_reduce_add_ps(min_acc[c]);
+    /* the mins, sum over groups of dmin * m * dx * sum(q), in the tiles' order (st_min_term):
+     * a token's result does not depend on the tokens beside it */
+    for (int c = 0; c < NC; c++) {
+        res[c] = _mm512_reduce_add_ps(acc[c]);
+        res[c] -= st_min_term(B, a->xs[c], cols / ST_GROUP);
+    }
 }
 
 ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int64_t ahead, int cols,
@@ -137,8 +139,9 @@ ALWAYS_INLINE void row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m256i four = _mm256_set1_epi8(4);
     const int bytes = is_q3 ? 110 : 84;
-    __m512 acc[3], min_acc[3];
-    for (int c = 0; c < NC; c++) acc[c] = min_acc[c] = _mm512_setzero_ps();
+    __m512 acc[3];
+    float B[is_q3 ? 1 : cols / ST_GROUP];  /* Q2_K: dmin * m per group, as the tiles' B */
+    for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = superblock(row, ib, bytes, ahead);
         __m512 a16, m16 = _mm512_setzero_ps();  /* [16] group scales (and Q2_K's mins) */
@@ -179,14 +182,11 @@ ALWAYS_INLINE void row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t
             /* Q3_K: u = s + 4, the correction -4 * sum(q) = xc >> 5 */
             chunk(NC, join256(lo, hi), scale, ib * 256 + 64 * c, is_q3 ? 5 : -1, a, acc);
         }
-        if (!is_q3)  /* the mins: sum over groups of dmin * m * dx * sum(q) */
-            for (int c = 0; c < NC; c++)
-                min_acc[c] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(a->xs[c] + ib * 16),
-                                             min_acc[c]);
+        if (!is_q3) _mm512_storeu_ps(B + ib * 16, m16);
     }
-    for (int c = 0; c < NC; c++) {
+    for (int c = 0; c < NC; c++) {  /* the mins in the tiles' order (st_min_term) */
         res[c] = _mm512_reduce_add_ps(acc[c]);
-        if (!is_q3) res[c] -= _mm512_reduce_add_ps(min_acc[c]);
+        if (!is_q3) res[c] -= st_min_term(B, a->xs[c], cols / ST_GROUP);
     }
 }
 
@@ -267,19 +267,9 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
  * scale dx): tiles.c's AVX2 lane arithmetic, in the same column order. Q3_K's, Q6_K's and
  * IQ4_XS's signed values take maddubs(|s|, q with the sign of s), as the tiles do, so a token's
  * result is the tiles' bit for bit; the min types (Q2_K, Q4_K, Q5_K) take their unsigned values
- * and subtract the mins from xs = dx * sum(q) per 16-column group, a sum in another order than
- * the tiles' st_min_term (equal within float rounding). */
+ * and subtract the mins from xs = dx * sum(q) per 16-column group by the tiles' st_min_term
+ * over the row's dmin * m, so theirs are the tiles' bit for bit too. */
 #include "fused_avx2.h"
-
-/* off[c] += sum over the 16 groups of super-block ib of f16[g] * xs[c][16 ib + g]: the part of
- * a group's weights that does not depend on its values (a min, or a fixed offset) */
-ALWAYS_INLINE void group_offsets(const int NC, const float *f16, int ib,
-                                 const float *const *xs, __m256 *off) {
-    const __m256 f0 = _mm256_loadu_ps(f16), f1 = _mm256_loadu_ps(f16 + 8);
-    for (int c = 0; c < NC; c++)
-        off[c] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xs[c] + ib * 16 + 8),
-                                 _mm256_fmadd_ps(f0, _mm256_loadu_ps(xs[c] + ib * 16), off[c]));
-}
 
 /* Q4_K / Q5_K: 144- / 176-byte super-blocks of 256 columns, 8 sub-blocks of 32 with a 6-bit
  * scale and min (w = d * sc * u - dmin * m); 32 bytes qs hold sub-block 2j in the low nibbles,
@@ -289,14 +279,16 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
                                  const float *const *xs, float *res) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
     const int bytes = is_q5 ? 176 : 144;
-    __m256 acc[3], min_acc[3];
-    for (int c = 0; c < NC; c++) acc[c] = min_acc[c] = _mm256_setzero_ps();
+    __m256 acc[3];
+    float B[cols / ST_GROUP];  /* dmin * m per 16-column group, as the tiles' B */
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * bytes;
         st_prefetch(blk + ahead, bytes);
         const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
+        float *mins = B + ib * 16;
         /* the 12 scale bytes to sc[0..7], m[0..7] (as quant_ref.c's scale_min_k4) */
-        float dsc[8], mins[16];  /* d * sc per sub-block, dmin * m per 16-column group */
+        float dsc[8];  /* d * sc per sub-block */
         for (int j = 0; j < 8; j++) {
             const uint8_t *sc = blk + 4;
             int scale, min;
@@ -325,9 +317,11 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
             piece(NC, lo, _mm256_set1_ps(dsc[2 * j]), k, q, dx, acc);
             piece(NC, hi, _mm256_set1_ps(dsc[2 * j + 1]), k + 32, q, dx, acc);
         }
-        group_offsets(NC, mins, ib, xs, min_acc);
     }
-    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - hsum8(min_acc[c]);
+    for (int c = 0; c < NC; c++) {  /* the mins in the tiles' order (st_min_term) */
+        res[c] = hsum8(acc[c]);
+        res[c] -= st_min_term(B, xs[c], cols / ST_GROUP);
+    }
 }
 
 /* Q6_K: 210-byte super-blocks (ql [128], qh [64], int8 scales [16], d): 16 groups of 16 columns,
@@ -379,12 +373,13 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
                                  const float *const *xs, float *res) {
     const __m256i four = _mm256_set1_epi8(4);
     const int bytes = is_q3 ? 110 : 84;
-    __m256 acc[3], off_acc[3];
-    for (int c = 0; c < NC; c++) acc[c] = off_acc[c] = _mm256_setzero_ps();
+    __m256 acc[3];
+    float B[is_q3 ? 1 : cols / ST_GROUP];  /* Q2_K: dmin * m per group, as the tiles' B */
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * bytes;
         st_prefetch(blk + ahead, bytes);
-        float a16[16], o16[16];  /* group scales; Q2_K's mins */
+        float a16[16], *o16 = B + (is_q3 ? 0 : ib * 16);  /* group scales; Q2_K's mins */
         __m256i hm = _mm256_setzero_si256();
         const uint8_t *qs;
         if (is_q3) {
@@ -420,9 +415,11 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
                 piece(NC, hi, two_groups(a16, 4 * c + 2), k + 32, q, dx, acc);
             }
         }
-        if (!is_q3) group_offsets(NC, o16, ib, xs, off_acc);
     }
-    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]) - hsum8(off_acc[c]);
+    for (int c = 0; c < NC; c++) {  /* Q2_K's mins in the tiles' order (st_min_term) */
+        res[c] = hsum8(acc[c]);
+        if (!is_q3) res[c] -= st_min_term(B, xs[c], cols / ST_GROUP);
+    }
 }
 
 /* IQ4_XS: 136-byte super-blocks, 8 blocks of 32 columns, each 16 bytes of indices (low nibbles
