@@ -13,3 +13,20 @@ class BadPickerPlugin:
     @hookimpl
     def strata_slot_picker(self):
         return BadPicker()
+
+
+class RefuseGrow:
+    """A KV grow policy that lends nothing."""
+    name = "refuse"
+
+    def grow(self, slot_index, num_cells_needed, cells_per_expert_slot, residency):
+        return []
+
+    def give_back(self, slot_index, expert_slots):
+        return []
+
+
+class RefusePlugin:
+    @hookimpl
+    def strata_kv_grow(self):
+        return RefuseGrow()

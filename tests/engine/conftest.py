@@ -30,3 +30,15 @@ def tokenizer(tiny_model_path):
 
     with GGUFModel.open(tiny_model_path) as m:
         return Tokenizer.from_gguf_metadata(m.metadata)
+
+
+@pytest.fixture(scope="session")
+def wide(tmp_path_factory):
+    """tiny with 32 experts of width 64 (Q8_0, 13056-byte slots: 25 f32 cells each), skewed:
+    an expert cache whose slots KV grow lends."""
+    from strata.tool.synth import synth_model
+
+    path = tmp_path_factory.mktemp("wide") / "tiny-wide.gguf"
+    synth_model(path, shape="tiny", weight_type="q8_0", seed=5, routing_skew=1.0, n_experts=32,
+                expert_ffn=64)
+    return path

@@ -17,18 +17,10 @@ from strata.experts.kv_grow import LeastValuedKVGrow
 from strata.plugins import get_plugin_manager
 from strata.tool.synth import synth_model
 
+from faulty_plugins import RefusePlugin
 from kv_grow_stress import assert_windows_equal, run_requests
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory):
-    """tiny with 32 experts of width 64 (Q8_0, 13056-byte slots: 25 f32 cells each), skewed."""
-    path = tmp_path_factory.mktemp("kvgrow") / "tiny-wide.gguf"
-    synth_model(path, shape="tiny", weight_type="q8_0", seed=5, routing_skew=1.0, n_experts=32,
-                expert_ffn=64)
-    return path
 
 
 def tokens_of(path, prompts, max_tokens, parallel=2, **options):
@@ -75,22 +67,6 @@ def test_a_conversation_parked_at_the_trim_continues_exactly(wide):
             results.append((turn1, turn2, handle.stats.num_cached_tokens))
     assert results[0] == results[1]
     assert results[1][2] == 50 + 60 - 1  # the whole first turn came back from host RAM
-
-
-class Refuse:
-    name = "refuse"
-
-    def grow(self, slot_index, num_cells_needed, cells_per_expert_slot, residency):
-        return []
-
-    def give_back(self, slot_index, expert_slots):
-        return []
-
-
-class RefusePlugin:
-    @hookimpl
-    def strata_kv_grow(self):
-        return Refuse()
 
 
 def test_a_refused_grow_ends_decoding_with_length_and_fails_a_long_prompt(wide):

@@ -9,40 +9,16 @@ import logging
 import numpy as np
 import pytest
 
-from strata import Engine, EngineConfig, SamplingParams, hookimpl
+from strata import Engine, EngineConfig, SamplingParams
 from strata.engine.conversations import ParkedConversation
 from strata.engine.generate import collect
 from strata.engine.kv_file import SUFFIX, read_kv_file, read_kv_header, write_kv_file
 from strata.errors import RequestError
 from strata.plugins import get_plugin_manager
-from strata.tool.synth import synth_model
+
+from faulty_plugins import RefusePlugin
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory):
-    """tiny with 32 experts of width 64 (Q8_0): an expert cache whose slots KV grow lends."""
-    path = tmp_path_factory.mktemp("lifecycle") / "tiny-wide.gguf"
-    synth_model(path, shape="tiny", weight_type="q8_0", seed=5, routing_skew=1.0, n_experts=32,
-                expert_ffn=64)
-    return path
-
-
-class Refuse:
-    name = "refuse"
-
-    def grow(self, slot_index, num_cells_needed, cells_per_expert_slot, residency):
-        return []
-
-    def give_back(self, slot_index, expert_slots):
-        return []
-
-
-class RefusePlugin:
-    @hookimpl
-    def strata_kv_grow(self):
-        return Refuse()
 
 
 def test_a_refused_kv_grow_keeps_the_parked_conversation_it_would_restore(wide):

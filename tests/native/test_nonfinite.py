@@ -7,6 +7,7 @@ import pytest
 from strata._native import kernels
 
 from .helpers import ALL_TYPES, FLOAT_TYPES, block_size, random_weight
+from .test_moe import make_moe
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
@@ -47,9 +48,7 @@ def test_moe_row_with_a_nan_is_nan_and_its_neighbours_are_not(qtype):
     E, T_, K = 4, 7, 2
     H = 2 * max(block_size(qtype), 64)
     F = 64 if block_size(qtype) <= 32 else 256
-    gate = np.stack([random_weight(rng, qtype, F, H) for _ in range(E)])
-    up = np.stack([random_weight(rng, qtype, F, H) for _ in range(E)])
-    down = np.stack([random_weight(rng, qtype, H, F) for _ in range(E)])
+    gate, up, down = make_moe(rng, (qtype, qtype, qtype), E, H, F)
     x = (0.05 * rng.standard_normal((T_, H))).astype(np.float32)
     experts = rng.integers(0, E, size=(T_, K)).astype(np.int32)
     weights = rng.random((T_, K)).astype(np.float32)
