@@ -315,15 +315,13 @@ def test_the_streamer_counts_streamed_windows_and_uses_their_share_where_the_poo
     such window on, in windows the CPU pool serves; without a pool the counts alone decide."""
     from types import SimpleNamespace
 
-    from strata.backends.cuda.stream import (HIT_REACH_COST, POOL_REACH_COST, HitShare,
-                                             PromptStreamer)
+    from strata.backends.cuda.stream import POOL_REACH_COST, HitShare, PromptStreamer
 
     L, E, R, K = 1, 16, 512, 8
     residency = np.full((L, E), -1, dtype=np.int32)
     streamer = PromptStreamer.__new__(PromptStreamer)  # the decisions only: no device
     streamer.min_rows, streamer.num_layers, streamer._top_k = 256, L, K
     streamer._routed, streamer._hits = np.zeros((L, E)), HitShare(L, E)
-    streamer.hit_cost = HIT_REACH_COST
     table = SimpleNamespace(peek=lambda: SimpleNamespace(table=residency))
     streamer.arena = SimpleNamespace(pool=object(), table=table)
 
@@ -353,21 +351,3 @@ def test_the_streamer_counts_streamed_windows_and_uses_their_share_where_the_poo
     streamer.arena.pool = None  # no pool: rare experts would cost per-tile reads
     by_counts = rare_experts(residency, streamer._routed, R, K)
     assert np.array_equal(streamer.rare_for(R), by_counts) and not by_counts[0, :7].any()
-
-
-def test_the_reach_cost_follows_the_copy_engines_idle_time():
-    """A window whose copy engine was held (idle) over a quarter of it copies more next time
-    (the cost rises a step, up to HIT_COST_MAX); one under 8% copies less, down to the base
-    cost; between them it stays. Skew-0 and skew-1 windows as measured on the H200."""
-    from strata.backends.cuda.stream import (HIT_COST_MAX, HIT_COST_STEP, HIT_REACH_COST,
-                                             next_hit_cost)
-
-    cost = HIT_REACH_COST
-    for _ in range(3):  # skew 0 at the default: held 87-91 of 126-129 ms
-        cost = next_hit_cost(cost, 89.0, 127.0)
-    assert cost == pytest.approx(HIT_REACH_COST + 3 * HIT_COST_STEP)
-    assert next_hit_cost(cost, 20.0, 116.0) == cost  # 17%: stays
-    assert next_hit_cost(cost, 4.0, 88.0) == pytest.approx(cost - HIT_COST_STEP)  # skew 1
-    assert next_hit_cost(HIT_REACH_COST, 4.0, 88.0) == HIT_REACH_COST  # never below the base
-    assert next_hit_cost(HIT_COST_MAX, 90.0, 100.0) == HIT_COST_MAX
-    assert next_hit_cost(cost, -1.0, 0.0) == pytest.approx(cost - HIT_COST_STEP)  # no time

@@ -73,19 +73,6 @@ COUNT_HALF_LIFE_ROWS = 4096
 # 44.3); a cost of 1.01 gave 4,890-5,017, 1.43 5,183 / 5,199, 1.67 5,118.
 HIT_DECAY = 0.8
 HIT_REACH_COST = 1.25
-# That cost moves with the copy engine's idle time. Whether a copy costs anything depends on
-# the routing: on the synth with routing skew 1 the copy engine is busy nearly all of a window
-# (idle 4-9 of 85-89 ms at pp512, no expert cached), and copying more lost (a cost of 1.6:
-# 5,102-5,366 tokens/s against 5,285-5,624); on the skew-0 synth it idled 87-91 of 126-129 ms,
-# held for a staging set while the products waited on rare experts read over PCIe, and 1.6
-# gained 6-8% (docs/offload.md, "Session 63"). So each streamed window that hands rare experts
-# to the pool records timing events, read one window later (no synchronisation); the cost
-# rises by HIT_COST_STEP while the copy engine was held more than HELD_HIGH of the window and
-# falls back towards HIT_REACH_COST while under HELD_LOW, within HIT_REACH_COST..HIT_COST_MAX.
-ADAPT_HIT_COST = True
-HELD_HIGH, HELD_LOW = 0.25, 0.08
-HIT_COST_STEP = 0.1
-HIT_COST_MAX = 2.0
 # STRATA_STREAM_TIMELINE=1: every streamed window records timing events, waits for its end and
 # logs where its time went (WindowTimeline; a diagnosis, it costs each window its overlap with
 # the next).
@@ -166,18 +153,6 @@ def rare_experts(residency: np.ndarray, routed: np.ndarray, num_rows: int, top_k
         reads = np.minimum(reads, hit_share)
         cost = HIT_REACH_COST if hit_cost is None else float(hit_cost)
     return (np.asarray(residency) < 0) & (reads * cost < 1.0)
-
-
-def next_hit_cost(cost: float, held_ms: float, total_ms: float) -> float:
-    """The rare experts' reach cost after a window whose copy engine was held `held_ms` (idle,
-    waiting for a staging set) of `total_ms`: up by HIT_COST_STEP over HELD_HIGH of the
-    window, down towards HIT_REACH_COST under HELD_LOW (ADAPT_HIT_COST, above)."""
-    share = max(0.0, held_ms) / max(total_ms, 1e-6)
-    if share > HELD_HIGH:
-        return min(HIT_COST_MAX, cost + HIT_COST_STEP)
-    if share < HELD_LOW:
-        return max(HIT_REACH_COST, cost - HIT_COST_STEP)
-    return cost
 
 
 class HitShare:
@@ -361,8 +336,6 @@ class PromptStreamer:
         self._hits = HitShare(store.n_layers, store.n_experts)  # streamed windows' routing
         self._top_k = arena.model.spec.n_experts_used
         self.timeline = os.environ.get(ENV_TIMELINE, "0") == "1"
-        self.hit_cost = HIT_REACH_COST  # adapted to the copy engine's idle time (above)
-        self._pending = None  # (timing events, streamed layers) of the last adapting window
         self._image_bytes: np.ndarray | None = None  # [L] of an expert's image (made by _build)
         self.timelines: list[WindowTimeline] = []  # with timeline on: one per streamed window
 
@@ -407,7 +380,7 @@ class PromptStreamer:
         if num_rows <= RARE_MAX_ROWS:
             hits = self._hits.share() if self.pools_rare(num_rows) else None
             return rare_experts(residency, self._routed, num_rows, self._top_k,
-                                self._reach_cost(num_rows), hits, self.hit_cost)
+                                self._reach_cost(num_rows), hits)
         return np.zeros(residency.shape, dtype=bool)
 
     def _reach_cost(self, num_rows: int) -> float:
@@ -517,10 +490,10 @@ class PromptStreamer:
             log.info("prompt streaming: %d windows streamed %.2f GiB of experts into staging; "
                      "%.1f rarely routed missing experts per layer and window left to PCIe reads, "
                      "%.1f of them by the share of windows that routed to them (%d pulled into "
-                     "staging since start-up: routed to many rows); their reach cost now %.2f",
+                     "staging since start-up: routed to many rows)",
                      self._streak_windows, self._streak_bytes / 2**30,
                      self._streak_left / per_window, self._streak_by_share / per_window,
-                     self.pulled, self.hit_cost)
+                     self.pulled)
             self._streak_windows = self._streak_bytes = self._streak_left = 0
             self._streak_by_share = 0
         if not self._borrowed:
@@ -587,7 +560,6 @@ class PromptStreamer:
             self.num_pulled += int(tier.pulled_host.sum())  # the last window's (landed)
             tier.pulled_host[:] = 0
             rt.drv.memcpy_htod_async(tier.pull_base_ptr, self._pull_bases(residency), rt.stream)
-        self._adapt_cost()  # the last window's events, before this one records them again
         entry[2].run(stream)
         a._publish()  # the tables back to the residency's, behind the window's kernels
         if pulls:
@@ -596,34 +568,11 @@ class PromptStreamer:
             rt.drv.memset_d32_async(tier.pulled_ptr, 0, self.num_layers, rt.stream)
         if self.timeline:
             self._time(plan.num_rows, entry[4], num_bytes)
-        elif entry[4] and self.pools_rare(plan.num_rows) and self._hits.share() is not None:
-            self._pending = (entry[4], streamed_layers(residency))  # read by the next window
         self.streamed_bytes += num_bytes
         self._streak_bytes += num_bytes
         self.num_windows += 1
         self._streak_windows += 1
         self._count_left(rare, residency, plan.num_rows)
-
-    def _adapt_cost(self) -> None:
-        """Move `hit_cost` by the share of the last adapting window that its copy engine was
-        held for a staging set (idle: the products had not released it), once that window's
-        events have completed (else leave it)."""
-        pending, self._pending = self._pending, None
-        if pending is None or not pending[0][("t", "end")].query():
-            return
-        marks, layers = pending
-        start = marks[("t", "start")]
-
-        def at(*key) -> float:
-            return cuda_driver.elapsed_ms(start, marks[("t",) + key])
-
-        total = at("end")
-        held = sum(at("copy", b) - at("copied", a) for a, b in zip(layers, layers[1:]))
-        before, self.hit_cost = self.hit_cost, next_hit_cost(self.hit_cost, held, total)
-        if self.hit_cost != before:
-            log.debug("prompt streaming: the copy engine was held %.1f of a %.1f ms window; "
-                      "rare experts' reach cost %.2f -> %.2f", held, total, before,
-                      self.hit_cost)
 
     def _count_left(self, rare: np.ndarray, residency: np.ndarray, num_rows: int) -> None:
         """Count a window's rare experts [L, E], and those of them the counts alone would
@@ -678,8 +627,7 @@ class PromptStreamer:
         stage = {layer: j % NUM_STAGES for j, layer in enumerate(sorted(runs))}
         out, events = cuda_driver.LaunchList(), {}
         entries = np.full(residency.shape, -1, dtype=np.int64)  # [L, E]
-        timed = self.timeline or (ADAPT_HIT_COST and self.arena.pool is not None)
-        for op in stream_schedule(len(plan.launches), plan.expert_spans, runs, timed):
+        for op in stream_schedule(len(plan.launches), plan.expert_spans, runs, self.timeline):
             stream = 0 if op.stream == COMPUTE else self.copy_stream_handle
             if op.kind == "launches":
                 out.extend(plan.launches, op.first, op.stop)
