@@ -340,8 +340,7 @@ def tier_summary(tier) -> dict:
             out.update(streamed_windows=streamer.num_windows,
                        streamed_gib=streamer.streamed_bytes / 2**30,
                        streamed_left=streamer.num_left / streamer.num_windows
-                       / max(1, streamer.num_layers), streamed_pulled=streamer.pulled,
-                       streamed_predicted=streamer.predicted)
+                       / max(1, streamer.num_layers), streamed_pulled=streamer.pulled)
         if streamer is not None and getattr(streamer, "timelines", None):
             out["stream_timeline"] = timeline_medians(streamer.timelines)
     return out
@@ -561,9 +560,7 @@ def format_tier_summary(s: dict) -> str:
                if "ahead_staged" in s else "")
             + (f"; prompt windows: {s['streamed_windows']} streamed {s['streamed_gib']:.2f} GiB "
                f"of experts, {s['streamed_left']:.1f} rare ones per layer left to PCIe reads "
-               f"(the GPU pulled {s['streamed_pulled']} of them into staging, and "
-               f"{s.get('streamed_predicted', (0, 0))[0]} a layer early on the predicted "
-               f"routing, {s.get('streamed_predicted', (0, 0))[1]} of those routed)"
+               f"(the GPU pulled {s['streamed_pulled']} of them into staging)"
                if "streamed_windows" in s else "")
             + (f"; timeline, medians of {t['windows']} streamed windows: {t['total']:.1f} ms, "
                f"the copy engine {t['copying']:.1f} ms copying ({t['copy_gb_per_s']:.1f} GB/s) "

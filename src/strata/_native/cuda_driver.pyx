@@ -78,9 +78,6 @@ ctypedef CUresult (*t_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUst
 ctypedef CUresult (*t_mem_host_register)(void *, size_t, unsigned int) noexcept nogil
 ctypedef CUresult (*t_mem_host_unregister)(void *) noexcept nogil
 ctypedef CUresult (*t_mem_host_get_device_pointer)(CUdeviceptr *, void *, unsigned int) noexcept nogil
-ctypedef CUresult (*t_stream_create_with_priority)(CUstream *, unsigned int, int) noexcept nogil
-ctypedef CUresult (*t_stream_destroy)(CUstream) noexcept nogil
-ctypedef CUresult (*t_ctx_get_stream_priority_range)(int *, int *) noexcept nogil
 
 cdef struct Driver:
     t_init init
@@ -113,9 +110,6 @@ cdef struct Driver:
     t_mem_host_register mem_host_register
     t_mem_host_unregister mem_host_unregister
     t_mem_host_get_device_pointer mem_host_get_device_pointer
-    t_stream_create_with_priority stream_create_with_priority
-    t_stream_destroy stream_destroy
-    t_ctx_get_stream_priority_range ctx_get_stream_priority_range
 
 cdef Driver drv
 cdef bint _loaded = False
@@ -192,11 +186,6 @@ def load() -> None:
     drv.mem_host_unregister = <t_mem_host_unregister>_sym(lib, "cuMemHostUnregister")
     drv.mem_host_get_device_pointer = <t_mem_host_get_device_pointer>_sym(
         lib, "cuMemHostGetDevicePointer_v2")
-    drv.stream_create_with_priority = <t_stream_create_with_priority>_sym(
-        lib, "cuStreamCreateWithPriority")
-    drv.stream_destroy = <t_stream_destroy>_sym(lib, "cuStreamDestroy_v2")
-    drv.ctx_get_stream_priority_range = <t_ctx_get_stream_priority_range>_sym(
-        lib, "cuCtxGetStreamPriorityRange")
     _loaded = True
     _check(drv.init(0), "cuInit")
 
@@ -452,31 +441,6 @@ cdef inline CUresult _launch(LaunchRec *r, CUstream stream) noexcept nogil:
     if r.nbytes == 0:  # a copy switched off for this run (LaunchList.set_copy_bytes)
         return 0
     return drv.memcpy_htod_async(r.dst, r.src, r.nbytes, stream)
-
-
-cdef class Stream:
-    """A stream of the current context (cuStreamCreateWithPriority, flags 0 as PyCUDA's): at
-    the greatest priority the device has when `high_priority`, so that its blocks are scheduled
-    before those of the other streams' kernels waiting for an SM (a running block is never
-    preempted). `handle` is what LaunchList entries and PyCUDA calls take."""
-
-    cdef CUstream stream
-
-    def __cinit__(self, bint high_priority=False):
-        _need()
-        cdef int least = 0, greatest = 0
-        if high_priority:
-            _check(drv.ctx_get_stream_priority_range(&least, &greatest),
-                   "cuCtxGetStreamPriorityRange")
-        _check(drv.stream_create_with_priority(&self.stream, 0, greatest), "cuStreamCreate")
-
-    def __dealloc__(self):
-        if _loaded and self.stream != NULL:
-            drv.stream_destroy(self.stream)
-
-    @property
-    def handle(self) -> int:
-        return <uintptr_t>self.stream
 
 
 cdef class Event:

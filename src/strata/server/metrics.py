@@ -127,12 +127,6 @@ class ExpertCacheCollector:
                                "chunk routed many rows to that the GPU copied into staging once "
                                "the routing was known, instead of reading them per row tile",
                                streamer.pulled)
-                fetched, routed = streamer.predicted
-                yield _counter("strata_expert_stream_predicted_experts", "Rare experts the GPU "
-                               "copied into staging a layer before a prompt chunk's routing, on "
-                               "the routing it predicted", fetched)
-                yield _counter("strata_expert_stream_predicted_routed_experts", "Of those, the "
-                               "experts the chunk's routing then named", routed)
         yield _gauge("strata_expert_cache_hit_rate", "Share of routed entries served by the "
                      "cache since start-up", t.hit_rate)
         yield _gauge("strata_expert_cache_slots", "Expert cache slots (one routed expert each)",

@@ -295,51 +295,6 @@ def test_rare_experts_with_many_rows_are_pulled_into_staging(path, resident, mon
         assert np.array_equal(a, b), f"window {index} differs with pulls"
 
 
-def test_predicted_rare_experts_are_pulled_a_layer_early(path, resident, monkeypatch):
-    """A streamed window with a pool guesses each layer's routing from the residual after the
-    attention of the layer before (router.cu's predict_route) and pulls the rare experts it
-    names into staging on a side stream (offload.cu's pull_predicted / point_predicted): the
-    same logits bit for bit as without the guess (the pool takes nothing here, so only the
-    address the products read changes), most guesses routed, and the tables and the where
-    table back at the host's after every window."""
-    from strata.backends.cuda import device_tier, stream
-
-    monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", 0)  # the pool takes none of them
-    monkeypatch.setattr(device_tier, "PULL_MIN_ROWS", 10_000)  # nor does pull_rare
-    monkeypatch.setattr(stream, "POOL_REACH_COST", 2.0)  # the rare half only (half_rare)
-    L, E = resident.spec.n_layers, resident.spec.n_experts
-    plans = [(40, 33, 20), (30, 1, 1), (1, 1, 1), (20, 20, 20)]  # three stream, one decodes
-    got, predicted = {}, {}
-    for min_rows in (0, 2):
-        monkeypatch.setattr(device_tier, "PREDICT_MIN_ROWS", min_rows)
-        model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
-        half_rare(arena, L, E)
-        tier, rt = model.tier, model.runtime
-
-        def forward(window):
-            arena.before_window(window.num_rows)
-            out = model.forward_window(window)
-            where = np.empty((L, E), dtype=np.uint8)
-            with rt.active():
-                rt.synchronize()
-                rt.drv.memcpy_dtoh(where, tier._where)
-            assert np.array_equal(where, tier.where_host)
-            assert np.array_equal(arena.device_table(), expected_tables(arena))
-            return out
-
-        try:
-            got[min_rows] = run(model, plans, forward)
-            predicted[min_rows] = arena.streamer.predicted
-            assert arena.streamer.num_windows == 3
-        finally:
-            arena.close()
-    assert predicted[0] == (0, 0)
-    fetched, routed = predicted[2]
-    assert fetched > 0 and 2 * routed >= fetched, predicted
-    for index, (a, b) in enumerate(zip(got[0], got[2])):
-        assert np.array_equal(a, b), f"window {index} differs with predicted pulls"
-
-
 @pytest.mark.parametrize("caps", ["rows", "budget", "none"])
 def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(
         path, resident, monkeypatch, caps):
@@ -353,7 +308,6 @@ def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(
 
     rows_cap = {"rows": 2, "budget": 10_000, "none": 10_000}[caps]
     monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", rows_cap)
-    monkeypatch.setattr(device_tier, "PREDICT_MIN_ROWS", 0)  # every rare expert a candidate
     if caps != "rows":
         units = 5 if caps == "budget" else 0
         monkeypatch.setattr(share, "prompt_pool_budget",

@@ -19,14 +19,6 @@ WHERE_VRAM, WHERE_PCIE, WHERE_CPU = 0, 1, 2  # as backends/cuda/exchange.py
 # staging slot first (one read). PULL_CHUNKS blocks share one expert's bytes.
 PULL_MIN_ROWS = 32
 PULL_CHUNKS = 16
-# Predicted pulls (enable_pulls; router.cu's predict_route, offload.cu's pull_predicted): a
-# streamed window with a pool guesses each layer's routing one layer early, from the residual
-# after the layer before's attention, and pulls the rare experts it expects at least
-# PREDICT_MIN_ROWS rows to name into staging on a side stream while that layer's experts run
-# (0: off).
-PREDICT_MIN_ROWS = int(os.environ.get("STRATA_PREDICT_MIN_ROWS", "4"))
-PREDICT_MAX_EXPERTS = 512  # router.cu: 32 x PREDICT_MAX_E_LANE
-PREDICT_ROWS, PREDICT_WARPS = 8, 8  # router.cu's PREDICT_RT, PREDICT_WARPS
 # Read-ahead (enable_read_ahead; offload.cu's read_ahead): experts staged per layer and window,
 # at most READ_AHEAD_MAX; a score's decay per window (0.5: the last token's experts outrank
 # every older one, and of those the ones the tokens before chose too); blocks per expert.
@@ -76,10 +68,8 @@ class DeviceTier:
         self.pulled_host = rt.pinned((L,), np.int32)
         self.pulled_host[:] = 0  # pinned memory comes uninitialised
         self._pull_args = None  # (host device base, slot bytes, part offsets on the device, [L])
-        self._predict = None  # enable_pulls with PREDICT_MIN_ROWS: PredictedPulls
         self.pool = None
         self._pool_window = False  # did the running window hand rows to the pool (before_run)
-        self._predict_window = False  # did it pull predicted experts (before_run)
         self._pools_rows: dict[int, bool] = {}  # rows -> pools(rows), until the pool changes
         self.exchange = None
         self._exchange_device = 0
@@ -149,45 +139,7 @@ class DeviceTier:
         part_off = self._rt.upload(np.ascontiguousarray(part_offsets, dtype=np.uint64))
         self._pull_args = (int(host_device_base), int(slot_bytes), part_off,
                            np.asarray(image_bytes, dtype=np.uint64).copy())
-        if PREDICT_MIN_ROWS > 0 and self.num_experts <= PREDICT_MAX_EXPERTS:
-            self._predict = PredictedPulls(self._rt, self.num_layers, self.num_experts)
         self.model.drop_plans()
-
-    def predicts(self, num_rows: int) -> bool:
-        """Does a window of `num_rows` rows pull predicted experts? Those that pull_rare
-        serves (streamed prompt windows with a pool), once enabled."""
-        return (self._predict is not None and num_rows > POOL_MAX_ROWS
-                and self.pools(num_rows))
-
-    def add_prediction(self, plan, layer: int) -> None:
-        """After the attention of layer - 1 (x [R, H] its residual): layer's routing guessed
-        on the compute stream, then on the side stream the rare experts it names pulled into
-        the layer's staging set and pointed at; the layer's tier_groups waits for them
-        (add_after_grouping). Nothing for a layer without a float router."""
-        spec, ly = self.model.spec, self.model.layers[layer]
-        w, H = getattr(ly, "router", None), spec.hidden
-        if w is None or not w.is_float or H % 4 or ly.ffn_norm is None:
-            return
-        p, E, R, ws = self._predict, self.num_experts, plan.num_rows, plan._ws
-        base = int(self._pull_base) + 8 * layer
-        # logits [R, E] into the router's buffer: this layer's router overwrites it after
-        plan._add(f"predict_logits_{w.suffix}", (-(-E // PREDICT_WARPS), -(-R // PREDICT_ROWS)),
-                  (32 * PREDICT_WARPS,), "PqiiPiPPP",
-                  [w.ptr, w.row_bytes, E, H, ws.ptr("x"), R, ly.ffn_norm.ptr, base,
-                   ws.ptr("router")])
-        plan._add("predict_topk", (-(-R // PREDICT_WARPS),), (32 * PREDICT_WARPS,), "PiiiPP",
-                  [ws.ptr("router"), R, E, spec.n_experts_used, base, p.pred_ptr(layer)])
-        host_base, slot_bytes, part_off, image = self._pull_args
-        p.add_pulls(plan, layer, [self.where_ptr(layer), E, layer, PREDICT_MIN_ROWS,
-                                  int(self._pull_base), host_base, slot_bytes, int(image[layer])],
-                    [self.where_ptr(layer), E, layer, int(self._pull_base), slot_bytes,
-                     int(part_off), self.model.expert_tables_ptr])
-
-    def after_predicted(self, stream) -> None:
-        """Behind a window that pulled predicted experts: where back to the host's (the pulls
-        made theirs VRAM), the guesses zeroed, what was fetched read back."""
-        self._rt.drv.memcpy_htod_async(self._where, self.where_host, stream)
-        self._predict.after_window(stream)
 
     @property
     def pull_base_ptr(self) -> int:
@@ -336,11 +288,6 @@ class DeviceTier:
         # a decode window splits the expert its pool budget ends in by columns (count_groups)
         split = [expert_split_step(self.model, self.model.layers[layer])
                  if pooled and is_decode and self.splits_experts else 0, spec.expert_ffn]
-        join = plan.predict_events.get(layer)
-        if join is not None:  # the layer's predicted pulls landed and are pointed at
-            from strata._native import cuda_driver
-
-            plan.launches.append(cuda_driver.wait_event(join[1]))
         if pooled and self.reads_ahead(R):  # the layer's staged experts landed first
             plan.launches.append(self._ahead.join(plan, layer))
             plan._add("tier_groups_ahead", (1,), (256,), "PPiPPPiiPPPiPfPii",
@@ -400,7 +347,6 @@ class DeviceTier:
             drv.memcpy_htod_async(self._state, self.state_host, stream)
         self._offered = 0
         self._pool_window = self.pools(num_rows)
-        self._predict_window = self.predicts(num_rows)
         if not self._pool_window:
             return
         self.seq_host[0] += 1
@@ -445,8 +391,6 @@ class DeviceTier:
             routing_counts += self.counts_host
         if self._kept_run:
             self._collect_kept()
-        if self._predict_window:
-            self._predict.count(self.counts_host)
         if not self._pool_window:
             return
         from strata.backends.cuda.cpu_pool import CpuPoolError
@@ -528,59 +472,3 @@ class ReadAhead:
 
     def totals(self) -> tuple[int, int, int]:
         return tuple(int(v) for v in self.stats_host)
-
-
-class PredictedPulls:
-    """Device state of the predicted pulls (DeviceTier.add_prediction): pred [L, E] int32 (rows
-    predict_route expects to name each expert, zero between windows), fetched [L, E] uint8
-    (the experts pull_predicted copied, read back after the window and zeroed), the side
-    stream the pulls run on, and totals: experts fetched, and of them routed after all."""
-
-    def __init__(self, rt, L: int, E: int):
-        self._rt, self.L, self.E = rt, L, E
-        self._pred = rt.alloc(4 * L * E)
-        rt.drv.memset_d32(self._pred, 0, L * E)
-        self._fetched = rt.alloc(L * E)
-        rt.drv.memset_d8(self._fetched, 0, L * E)
-        self.fetched_host = rt.pinned((L, E), np.uint8)
-        self.fetched_host[:] = 0
-        from strata._native import cuda_driver
-
-        # high priority: the pulls' blocks go before the queued blocks of the layer's products
-        self.stream = cuda_driver.Stream(high_priority=True)
-        self.stream_handle = int(self.stream.handle)
-        self.num_fetched = self.num_routed = 0
-
-    def pred_ptr(self, layer: int) -> int:
-        return int(self._pred) + 4 * layer * self.E
-
-    def add_pulls(self, plan, layer: int, pull_args: list, point_args: list) -> None:
-        """Fork to the side stream behind the launches so far (the prediction), pull and point
-        the layer's predicted rare experts there, and record the join event."""
-        from strata._native import cuda_driver
-
-        events = plan.predict_events.setdefault(layer, (cuda_driver.Event(), cuda_driver.Event()))
-        side, rt = self.stream_handle, self._rt
-        fetched = int(self._fetched) + layer * self.E
-        plan.launches.append(cuda_driver.record_event(events[0]))
-        plan.launches.append(cuda_driver.wait_event(events[0], side))
-        plan.launches.append(rt.kernel("pull_predicted").prepare(
-            (PULL_CHUNKS, self.E), (256,), "PPiiiPqqqP",
-            [self.pred_ptr(layer), *pull_args, fetched], programmatic=False, stream=side))
-        plan.launches.append(rt.kernel("point_predicted").prepare(
-            (1,), (256,), "PPiiPqPP", [fetched, *point_args], programmatic=False, stream=side))
-        plan.launches.append(cuda_driver.record_event(events[1], side))
-
-    def after_window(self, stream) -> None:
-        drv = self._rt.drv
-        drv.memset_d32_async(self._pred, 0, self.L * self.E, stream)
-        drv.memcpy_dtoh_async(self.fetched_host, self._fetched, stream)
-        drv.memset_d8_async(self._fetched, 0, self.L * self.E, stream)
-
-    def count(self, routed_counts: np.ndarray) -> None:
-        """After the window's synchronize: add its fetched experts, and those of them that
-        `routed_counts` [L, E] (the window's pairs) shows routed, to the totals."""
-        fetched = self.fetched_host.astype(bool)
-        self.num_fetched += int(fetched.sum())
-        self.num_routed += int((fetched & (routed_counts > 0)).sum())
-        self.fetched_host[:] = 0

@@ -474,53 +474,6 @@ extern "C" __global__ void pull_rare(const int *__restrict__ counts,
     }
 }
 
-// The pulls of a streamed prompt window's next layer before its routing (docs/offload.md,
-// "Predicted pulls"), on a side stream while this layer's experts run: each rare expert (where
-// CPU) of `layer` that predict_route (router.cu) expects at least min_rows rows to name, pred
-// [E], is copied from its host copy into its slot of the layer's staging set (base [layer], 0:
-// the layer is not streamed, nothing to do), as pull_rare would once the routing is known;
-// fetched [E] = 1. Slot e of the set is free for it: the copy stream's runs skip rare experts,
-// and the set's previous reader (streamed layer j - 2) ran before this layer's attention, which
-// this stream waited for. Grid (chunks, E), block 256: blockIdx.y the expert.
-extern "C" __global__ void pull_predicted(const int *__restrict__ pred,
-                                          const uint8_t *__restrict__ where, int E, int layer,
-                                          int min_rows, const unsigned long long *__restrict__ base,
-                                          unsigned long long host_dev_base,
-                                          unsigned long long slot_bytes,
-                                          unsigned long long image_bytes,
-                                          uint8_t *__restrict__ fetched) {
-    kernel_entry();
-    const int e = blockIdx.y;
-    const unsigned long long stage = base[layer];
-    if (stage == 0 || where[e] != WHERE_CPU || pred[e] < min_rows) return;
-    copy_image(host_dev_base + ((unsigned long long)layer * E + e) * slot_bytes,
-               stage + (unsigned long long)e * slot_bytes, image_bytes);
-    if (blockIdx.x == 0 && threadIdx.x == 0) fetched[e] = 1;
-}
-
-// Behind pull_predicted on its stream (its blocks read where, so it cannot change it): the
-// fetched experts of `layer` become the GPU's for the window: where [E] VRAM (count_groups,
-// pull_rare and the pool leave them; the streamer uploads the host's where again behind the
-// window) and the layer's tables [L, 3, E] at their staging slot (the residency's upload behind
-// the window puts them back). pulled [L] counts them. Grid 1, block 256.
-extern "C" __global__ void point_predicted(const uint8_t *__restrict__ fetched, uint8_t *where,
-                                           int E, int layer,
-                                           const unsigned long long *__restrict__ base,
-                                           unsigned long long slot_bytes,
-                                           const unsigned long long *__restrict__ part_off,
-                                           unsigned long long *tables) {
-    kernel_entry();
-    const unsigned long long stage = base[layer];
-    if (stage == 0) return;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        if (!fetched[e]) continue;
-        where[e] = 0;
-        const unsigned long long dst = stage + (unsigned long long)e * slot_bytes;
-        for (int p = 0; p < 3; p++)
-            tables[((unsigned long long)layer * 3 + p) * E + e] = dst + part_off[layer * 3 + p];
-    }
-}
-
 // Read-ahead of a decode window (docs/offload.md, "Reading ahead into VRAM"): while the GPU runs
 // a layer's dense part (and the pool the layer before's experts), the link to the pinned host
 // copies is idle. On a side stream, behind the previous layer's expert products, read_ahead

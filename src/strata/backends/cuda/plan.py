@@ -419,7 +419,6 @@ class WindowPlan:
         self._programmatic = num_rows <= pdl_max_rows()
         # read-ahead (DeviceTier.reads_ahead): per layer the side stream's fork and join events
         self.ahead_events: dict[int, tuple] = {}
-        self.predict_events: dict[int, tuple] = {}  # layer -> (fork, join): predicted pulls
         self._build()
 
     # ---- helpers --------------------------------------------------------------------------
@@ -640,7 +639,6 @@ class WindowPlan:
         H, K, F = spec.hidden, spec.n_experts_used, spec.expert_ffn
         P = R * K
         ahead = m.tier is not None and m.tier.reads_ahead(R)
-        predicts = m.tier is not None and m.tier.predicts(R)
         if ahead:  # layer 0's likeliest experts staged while the window starts (device_tier.py)
             m.tier.add_read_ahead(self, 0)
         if m.is_first:  # later stages of a layer split find x [R, H] copied in
@@ -656,8 +654,6 @@ class WindowPlan:
                 self._delta_net(ly)  # x += the gated delta net of the rows [R, H]
             else:
                 self._gated_or_plain_attention(ly)  # x += attention [R, H]
-            if predicts and li + 1 < len(m.layers):  # the next layer's rare experts pulled
-                m.tier.add_prediction(self, li + 1)  # early, from x [R, H] (device_tier.py)
             # -- the routed experts
             self._norm(ly.ffn_norm.ptr, R, quantize=m.quantize_h)
             self._router(ly)  # router [R, E], ids / wts [R, K], the pairs grouped by expert

@@ -489,12 +489,11 @@ class PromptStreamer:
             per_window = self._streak_windows * self.num_layers
             log.info("prompt streaming: %d windows streamed %.2f GiB of experts into staging; "
                      "%.1f rarely routed missing experts per layer and window left to PCIe reads, "
-                     "%.1f of them by the share of windows that routed to them (since "
-                     "start-up: %d pulled into staging, routed to many rows; %d pulled a layer "
-                     "early on the predicted routing, %d of them routed)",
+                     "%.1f of them by the share of windows that routed to them (%d pulled into "
+                     "staging since start-up: routed to many rows)",
                      self._streak_windows, self._streak_bytes / 2**30,
                      self._streak_left / per_window, self._streak_by_share / per_window,
-                     self.pulled, *self.predicted)
+                     self.pulled)
             self._streak_windows = self._streak_bytes = self._streak_left = 0
             self._streak_by_share = 0
         if not self._borrowed:
@@ -567,8 +566,6 @@ class PromptStreamer:
             rt.drv.memset_d32_async(tier.pull_base_ptr, 0, 2 * self.num_layers, rt.stream)
             rt.drv.memcpy_dtoh_async(tier.pulled_host, tier.pulled_ptr, rt.stream)
             rt.drv.memset_d32_async(tier.pulled_ptr, 0, self.num_layers, rt.stream)
-            if tier.predicts(plan.num_rows):
-                tier.after_predicted(rt.stream)
         if self.timeline:
             self._time(plan.num_rows, entry[4], num_bytes)
         self.streamed_bytes += num_bytes
@@ -587,13 +584,6 @@ class PromptStreamer:
             by_counts = rare_experts(residency, self._routed, num_rows, self._top_k,
                                      self._reach_cost(num_rows))
             self._streak_by_share += int((rare & ~by_counts).sum())
-
-    @property
-    def predicted(self) -> tuple[int, int]:
-        """(rare experts pulled a layer early on the predicted routing, of them routed) over
-        all windows (after a synchronize; DeviceTier.add_prediction)."""
-        p = getattr(self.arena.model.tier, "_predict", None)
-        return (p.num_fetched, p.num_routed) if p is not None else (0, 0)
 
     @property
     def pulled(self) -> int:
