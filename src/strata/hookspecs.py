@@ -149,13 +149,15 @@ class KVGrow(Protocol):
         """The KV of slot `slot_index` needs room for `num_cells_needed` cells in all: it moves
         whole into the lent slots. Return at least ceil(num_cells_needed /
         cells_per_expert_slot) expert-cache slots forming one run of consecutive slot numbers
-        (ascending), none lent or being copied into; the engine evicts them through the
-        ordered path. [] refuses (a decoding request ends with finish reason "length", a
+        (ascending), none lent or being copied into, except the KV's own slots that the view's
+        `own_run(slot_index)` offers (a run overlapping them extends the KV in place); the
+        engine evicts the new slots through the ordered path and gives back the old ones
+        outside the run. [] refuses (a decoding request ends with finish reason "length", a
         prompt that does not fit fails). `residency` [L, E] is read-only."""
 
     def give_back(self, slot_index: int, expert_slots: Sequence[int]) -> list[tuple[int, int]]:
         """Slot `slot_index`'s KV no longer uses `expert_slots` (its request ended, or it moved
-        to a larger run); they return to the cache. Return the (layer, expert) to refill each
+        to another run); they return to the cache. Return the (layer, expert) to refill each
         one with, in the same order (experts not resident; a slot without one stays free)."""
 
 

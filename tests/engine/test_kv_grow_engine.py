@@ -69,6 +69,30 @@ def test_a_conversation_parked_at_the_trim_continues_exactly(wide):
     assert results[1][2] == 50 + 60 - 1  # the whole first turn came back from host RAM
 
 
+def test_a_kv_grown_once_grows_again_into_nearly_the_whole_cache(wide):
+    # 24 slots of 25 cells: 512 cells need 21 of them. Growing 128 -> 256 -> 512 cells moved
+    # the KV to a run beside its own each time, so it stopped at 256 ("length" after 157 of
+    # 412 tokens); now it extends its run in place.
+    prompt = [int(t) for t in np.random.default_rng(7).integers(10, 4000, 100)]
+    got = []
+    for options in (dict(), dict(kv_grow=64)):
+        with Engine(EngineConfig(wide, n_ctx=512, expert_cache=24, adapt_every=0,
+                                 **options)) as engine:
+            handle = engine.submit(prompt, SamplingParams(max_tokens=412, **GREEDY))
+            tokens, most_lent = [], 0
+            while not handle.is_finished:
+                assert engine.step()
+                tokens += [e.token_id for e in handle.pop_events()]
+                lender = engine.scheduler.kv_lender
+                most_lent = max(most_lent, lender.num_lent_slots if lender else 0)
+            assert handle.error is None and handle.stats.num_generated_tokens == 412
+            got.append(tokens)
+    assert got[0] == got[1] and len(got[1]) == 412
+    assert most_lent >= 21 and lender.num_refused == 0 and lender.num_grows == 3
+    table = engine.expert_tier.arena.table
+    assert lender.lent == {} and not any(table.is_claimed(s) for s in range(table.n_slots))
+
+
 def test_a_refused_grow_ends_decoding_with_length_and_fails_a_long_prompt(wide):
     pm = get_plugin_manager(autoload=False)
     pm.register(RefusePlugin(), "refuse")

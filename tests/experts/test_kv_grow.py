@@ -4,6 +4,7 @@ larger run, a trim), a slot with a copy in flight not lent before it lands, refu
 and the KV's cells moved exactly (CPU)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -16,6 +17,7 @@ from strata.config import EngineConfig
 from strata.engine.expert_tier import ExpertTier
 from strata.engine.kv import KVCache
 from strata.errors import ConfigError
+from strata.experts import kv_grow
 from strata.experts.kv_grow import KVLender, LeastValuedKVGrow, LendView
 from strata.experts.residency import ResidencyTable
 from strata.model.gguf_file import GGUFModel
@@ -162,31 +164,136 @@ def test_grow_move_and_trim_evict_and_refill_in_exact_order(tiny):
         assert np.array_equal(kv.keys(1), keys) and np.array_equal(kv.values(1), values)
 
         events.clear()
-        kv.commit(68)  # 128 cells in use; grow to 256 (6 slots) moves the KV to slots 6-11
+        kv.commit(68)  # 128 cells in use; grow to 256 (6 slots): the KV's own slots cost 0, so
+        # the run 1-6 (4 + 0 + 0 + 0 + 11 + 10) wins: only slots 1, 5 and 6 are lent
         assert lender.grow(0, kv, 129)
-        assert events == [("evict", 6, (0, 6)), ("evict", 7, (0, 7)), ("evict", 8, (1, 0)),
-                          ("evict", 9, (1, 1)), ("evict", 10, (1, 2)), ("evict", 11, (1, 3)),
-                          ("abort", 2), ("abort", 3), ("abort", 4),
-                          ("evict", 2, None), ("land", 2, 0, 6), ("evict", 3, None),
-                          ("land", 3, 0, 7), ("evict", 4, None), ("land", 4, 1, 0)]
-        assert kv.capacity == 256 and lender.lent == {0: [6, 7, 8, 9, 10, 11]}
+        assert events == [("evict", 1, (0, 1)), ("evict", 5, (0, 5)), ("evict", 6, (0, 6))]
+        assert kv.capacity == 256 and lender.lent == {0: [1, 2, 3, 4, 5, 6]}
         assert tier.policy.num_cache_slots == 6
         assert np.array_equal(kv.keys(1)[:, :60], keys)
         assert np.array_equal(kv.values(1)[:, :60], values)
 
         events.clear()
         assert lender.trim(0, kv) == 64
-        assert events == [("abort", s) for s in range(6, 12)] + [
-            ("evict", 6, None), ("land", 6, 1, 1), ("evict", 7, None), ("land", 7, 1, 2),
-            ("evict", 8, None), ("land", 8, 1, 3), ("evict", 9, None), ("land", 9, 1, 4),
-            ("evict", 10, None), ("land", 10, 1, 5), ("evict", 11, None), ("land", 11, 1, 6)]
-        assert owners(table) == [(0, 0), (0, 1), (0, 6), (0, 7), (1, 0), (0, 5), (1, 1), (1, 2),
-                                 (1, 3), (1, 4), (1, 5), (1, 6)]
+        # refills: the best experts not resident, (0,5) (0,6) (0,1) (1,4) (1,5) (1,6)
+        assert events == [("abort", s) for s in range(1, 7)] + [
+            ("evict", 1, None), ("land", 1, 0, 5), ("evict", 2, None), ("land", 2, 0, 6),
+            ("evict", 3, None), ("land", 3, 0, 1), ("evict", 4, None), ("land", 4, 1, 4),
+            ("evict", 5, None), ("land", 5, 1, 5), ("evict", 6, None), ("land", 6, 1, 6)]
+        assert owners(table) == [(0, 0), (0, 5), (0, 6), (0, 1), (1, 4), (1, 5), (1, 6), (0, 7),
+                                 (1, 0), (1, 1), (1, 2), (1, 3)]
         assert kv.capacity == 64 and kv.num_tokens == 64 and lender.lent == {}
         assert tier.policy.num_cache_slots == 12
         assert not np.shares_memory(kv.cells[1], tier.arena.buffer)
         assert np.array_equal(kv.keys(1)[:, :60], keys)
-        assert (lender.num_grows, lender.num_trims, lender.num_refills) == (2, 1, 9)
+        assert (lender.num_grows, lender.num_trims, lender.num_refills) == (2, 1, 6)
+    finally:
+        tier.close()
+
+
+class Runs:
+    """Lends the given runs one grow after the other; records what it was asked and offered."""
+
+    name = "runs"
+
+    def __init__(self, *runs):
+        self.runs, self.asked, self.view = list(runs), [], None
+
+    def attach(self, view):
+        self.view = view
+
+    def grow(self, slot_index, num_cells_needed, cells_per_expert_slot, residency):
+        self.asked.append((slot_index, num_cells_needed, tuple(self.view.own_run(slot_index)),
+                           tuple(self.view.own_run(0))))
+        return self.runs.pop(0)
+
+    def give_back(self, slot_index, expert_slots):
+        return []
+
+
+def test_a_grow_that_moves_to_a_disjoint_run_gives_the_old_one_back(tiny):
+    policy = Runs([2, 3, 4], [6, 7, 8, 9, 10, 11])
+    tier, lender = make_lender(tiny, policy)
+    table, events = tier.arena.table, tier.events
+    kv = filled_kv(tiny[1], 60, np.random.default_rng(0))
+    keys, values = kv.keys(1).copy(), kv.values(1).copy()
+    try:
+        assert lender.grow(0, kv, 100)
+        events.clear()
+        kv.commit(68)
+        assert lender.grow(0, kv, 129)
+        assert policy.asked == [(0, 128, (), ()), (0, 256, (2, 3, 4), (2, 3, 4))]
+        assert events == [("evict", 6, (0, 6)), ("evict", 7, (0, 7)), ("evict", 8, (1, 0)),
+                          ("evict", 9, (1, 1)), ("evict", 10, (1, 2)), ("evict", 11, (1, 3)),
+                          ("abort", 2), ("abort", 3), ("abort", 4)]
+        assert kv.capacity == 256 and lender.lent == {0: [6, 7, 8, 9, 10, 11]}
+        assert table.free_slots() == [2, 3, 4]
+        assert np.array_equal(kv.keys(1)[:, :60], keys)
+        assert np.array_equal(kv.values(1)[:, :60], values)
+        assert policy.view.own_run(0) == ()  # offered only during the grow
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("second, lent, freed", [
+    (range(3, 9), [6, 7, 8], []),  # the same start: extended after its end
+    (range(0, 6), [0, 1, 2], []),  # extended before its start (the cells move up)
+    (range(1, 7), [1, 2, 6], []),  # both
+    (range(5, 11), [6, 7, 8, 9, 10], [3, 4]),  # overlapping its end: the rest given back
+    (range(0, 12), [0, 1, 2, 6, 7, 8, 9, 10, 11], []),  # the whole cache
+])
+def test_a_kv_that_grows_again_into_a_run_overlapping_its_own_keeps_its_cells(
+        tiny, dtype, second, lent, freed):
+    policy = Runs([3, 4, 5], list(second))
+    tier, lender = make_lender(tiny, policy)
+    table, events = tier.arena.table, tier.events
+    rng = np.random.default_rng(6)
+    spec = tiny[1].spec
+    kv = KVCache(spec, 64, dtype)
+    for layer in range(kv.num_layers):
+        kv.append(layer, rng.standard_normal((2, 60, 16)), rng.standard_normal((2, 60, 16)))
+    kv.commit(60)
+    try:
+        assert lender.grow(0, kv, 65)  # 128 cells: 3 slots
+        for layer in range(kv.num_layers):  # cells past the base, in the lent slots
+            kv.append(layer, rng.standard_normal((2, 68, 16)), rng.standard_normal((2, 68, 16)))
+        kv.commit(68)
+        want = [(kv.keys(layer), kv.values(layer).copy()) for layer in range(kv.num_layers)]
+        events.clear()
+        assert lender.grow(0, kv, 129)
+        assert policy.asked[1] == (0, 256, (3, 4, 5), (3, 4, 5))
+        assert [e for e in events if e[0] == "evict"] == [
+            ("evict", s, divmod(s, 8)) for s in lent]  # only the new slots
+        assert [e for e in events if e[0] == "abort"] == [("abort", s) for s in freed]
+        assert lender.lent == {0: list(second)} and table.free_slots() == freed
+        assert all(table.is_claimed(s) for s in second)
+        k, _ = kv.cells
+        start = second[0] * tier.arena.slot_bytes
+        assert k.__array_interface__["data"][0] == \
+            tier.arena.buffer.__array_interface__["data"][0] + start
+        for layer, (keys, values) in enumerate(want):
+            assert np.array_equal(kv.keys(layer), keys)
+            assert np.array_equal(kv.values(layer), values)
+        assert lender.trim(0, kv) == 64 and lender.lent == {}
+        assert not any(table.is_claimed(s) for s in range(table.n_slots))
+        for layer, (keys, values) in enumerate(want):
+            assert np.array_equal(kv.keys(layer), keys[:, :64])
+            assert np.array_equal(kv.values(layer), values[:, :64])
+    finally:
+        tier.close()
+
+
+def test_another_slots_run_is_never_offered(tiny):
+    policy = Runs([3, 4, 5], [3, 4, 5, 6, 7, 8])
+    tier, lender = make_lender(tiny, policy)
+    rng = np.random.default_rng(7)
+    kv0, kv1 = filled_kv(tiny[1], 64, rng), filled_kv(tiny[1], 64, rng)
+    try:
+        assert lender.grow(0, kv0, 65)
+        assert not lender.grow(1, kv1, 65)  # slot 0's run: lent, refused
+        assert policy.asked[1] == (1, 128, (), ())  # slot 0's run is not slot 1's to keep
+        assert lender.lent == {0: [3, 4, 5]} and lender.num_refused == 1
     finally:
         tier.close()
 
@@ -212,6 +319,106 @@ def test_a_slot_with_a_copy_in_flight_is_lent_only_after_it_lands(tiny):
         assert result == {"ok": True}
         assert events == [("evict", 4, None), ("land", 4, 1, 7), ("evict", 3, (0, 3)),
                           ("evict", 4, (1, 7)), ("evict", 5, (0, 5))]
+    finally:
+        tier.close()
+
+
+@pytest.fixture
+def short_lend_timeout(monkeypatch):
+    """Copies in flight and old readers are waited out for 0.05 s, not a minute (what the
+    tests below keep busy stays busy until they let it go)."""
+    monkeypatch.setattr(kv_grow, "LEND_TIMEOUT_S", 0.05)
+
+
+def test_a_grow_while_a_copy_stays_in_flight_is_refused(tiny, short_lend_timeout):
+    tier, lender = make_lender(tiny, FixedRun([6, 7, 8]), is_async=True, adapt_every=1)
+    table, events = tier.arena.table, tier.events
+    kv = filled_kv(tiny[1], 64, np.random.default_rng(8))
+    try:
+        table.begin_evict(4)
+        table.abort(4)  # slot 4 free
+        reader = table.snapshot()  # a window still reading: the copy into slot 4 waits for it
+        events.clear()
+        tier.refill([(4, 1, 7)])
+        assert not lender.grow(0, kv, 65)  # no slot is lent while a copy is in flight
+        assert lender.num_refused == 1 and lender.lent == {} and kv.capacity == 64
+        assert [table.slot_owner(s) for s in (6, 7, 8)] == [(0, 6), (0, 7), (1, 0)]
+        assert all(e[1] == 4 for e in events)
+        reader.release()
+        assert tier.wait_idle(30)
+        assert lender.grow(0, kv, 65) and lender.lent == {0: [6, 7, 8]}
+        assert events == [("evict", 4, None), ("land", 4, 1, 7), ("evict", 6, (0, 6)),
+                          ("evict", 7, (0, 7)), ("evict", 8, (1, 0))]
+    finally:
+        tier.close()
+
+
+def test_a_trim_while_a_copy_stays_in_flight_returns_the_slots_empty(tiny, short_lend_timeout,
+                                                                     caplog):
+    tier, lender = make_lender(tiny, LeastValuedKVGrow(), is_async=True, adapt_every=1)
+    table = tier.arena.table
+    kv = filled_kv(tiny[1], 64, np.random.default_rng(9))
+    try:
+        assert lender.grow(0, kv, 65) and lender.lent == {0: [2, 3, 4]}
+        table.begin_evict(11)
+        table.abort(11)  # (1, 3) evicted, slot 11 free
+        reader = table.snapshot()
+        tier.refill([(11, 1, 3)])  # in flight: (1, 3), the best expert not resident
+        assert lender.trim(0, kv) == 64 and lender.lent == {}
+        reader.release()
+        assert tier.wait_idle(30)
+        # the refills were not picked against a table a copy was changing: (1, 3) again
+        # into slot 2 failed the copier's round
+        assert table.slot_owner(11) == (1, 3) and table.free_slots() == [2, 3, 4]
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert "still in flight" in caplog.text
+    finally:
+        tier.close()
+
+
+def test_a_reader_that_keeps_its_snapshot_refuses_the_grow_and_keeps_no_slot(
+        tiny, short_lend_timeout):
+    tier, lender = make_lender(tiny, FixedRun([6, 7, 8]))
+    table = tier.arena.table
+    kv = filled_kv(tiny[1], 64, np.random.default_rng(10))
+    try:
+        reader = table.snapshot()  # may read slots 6-8's experts: they cannot be written
+        assert not lender.grow(0, kv, 65)
+        assert lender.num_refused == 1 and lender.lent == {} and kv.capacity == 64
+        assert not any(table.is_claimed(s) for s in range(table.n_slots))
+        assert table.free_slots() == [6, 7, 8]  # published missing, returned free
+        reader.release()
+        assert lender.grow(0, kv, 65) and lender.lent == {0: [6, 7, 8]}
+    finally:
+        tier.close()
+
+
+class NoRoomKV(KVCache):
+    """A KV whose cells cannot move into lent memory (as a device KV out of memory to stage
+    them would fail)."""
+
+    def rehome(self, capacity_tokens, memory=None):
+        if memory is not None:
+            raise MemoryError("no memory to stage the cells")
+        super().rehome(capacity_tokens, memory)
+
+
+def test_a_kv_whose_cells_cannot_move_refuses_the_grow_and_keeps_no_slot(tiny, caplog):
+    tier, lender = make_lender(tiny, FixedRun([6, 7, 8]))
+    table = tier.arena.table
+    rng = np.random.default_rng(11)
+    kv = NoRoomKV(tiny[1].spec, 64, np.float32)
+    for layer in range(kv.num_layers):
+        kv.append(layer, rng.standard_normal((2, 64, 16)), rng.standard_normal((2, 64, 16)))
+    kv.commit(64)
+    want = kv.keys(1)
+    try:
+        assert not lender.grow(0, kv, 65)
+        assert lender.num_refused == 1 and lender.lent == {} and lender.num_grows == 0
+        assert not any(table.is_claimed(s) for s in range(table.n_slots))
+        assert table.free_slots() == [6, 7, 8]
+        assert kv.capacity == 64 and np.array_equal(kv.keys(1), want)
+        assert "its cells could not move" in caplog.text
     finally:
         tier.close()
 

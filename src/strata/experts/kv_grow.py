@@ -8,7 +8,7 @@ import logging
 import operator
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -20,18 +20,28 @@ log = logging.getLogger("strata.tier")
 LEND_TIMEOUT_S = 60.0  # copies in flight must land, and old readers leave, within this
 
 
+def _no_run(slot_index: int) -> tuple[int, ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class LendView:
     """What a KVGrow policy may read of the cache (given by `attach(view)`, optional): the
     residency table (read only), the slots the arena keeps for itself, the tier policy's
-    scores ([L, E] expected routed rows, or None) and a profile rank ([L, E], 0 = hottest)."""
+    scores ([L, E] expected routed rows, or None), a profile rank ([L, E], 0 = hottest) and,
+    during a `grow` call, `own_run(slot_index)`: the slots that slot's KV holds now and may keep
+    (a run that overlaps them extends the KV in place; () when it may not)."""
 
     table: ResidencyTable
     reserved: frozenset
     scores: Callable[[], np.ndarray | None]
     profile_rank: np.ndarray | None = None
+    own_run: Callable[[int], Sequence[int]] = _no_run
 
-    def is_lendable(self, slot: int) -> bool:
+    def is_lendable(self, slot: int, slot_index: int | None = None) -> bool:
+        """May `slot` be in a run lent (to slot `slot_index`'s KV, which may keep its own)?"""
+        if slot_index is not None and slot in self.own_run(slot_index):
+            return True
         return slot not in self.reserved and not self.table.is_claimed(slot)
 
 
@@ -41,9 +51,11 @@ class LeastValuedKVGrow:
 
     Value order of the experts (worst first): the tier policy's scores, then the profile rank
     (unranked last), then (layer, expert). A run's cost is the sum of its slots' ordinal costs
-    (free 0, resident 1 + place in the value order); the cheapest run wins, ties to the lowest
-    slot. Without `attach` it sees only `residency`: it lends resident slots only, valued by
-    (layer, expert) alone."""
+    (free 0, the growing KV's own slots 0, resident 1 + place in the value order); the cheapest
+    run wins, ties to the lowest slot. So a KV that grows again extends its run in place where
+    the slots beside it are cheap, and can grow into (nearly) the whole cache. Without
+    `attach` it sees only `residency`: it lends resident slots only, valued by (layer, expert)
+    alone."""
 
     name = "least-valued"
 
@@ -65,8 +77,8 @@ class LeastValuedKVGrow:
         # lexsort: the last key is the primary one; worse rank (larger) first, then higher key
         return np.lexsort((-keys, -rank, scores))
 
-    def slot_costs(self, residency: np.ndarray) -> np.ndarray:
-        """[N] float: each slot's lending cost (inf: not lendable)."""
+    def slot_costs(self, residency: np.ndarray, slot_index: int | None = None) -> np.ndarray:
+        """[N] float: each slot's lending cost to slot `slot_index`'s KV (inf: not lendable)."""
         table = self.view.table if self.view is not None else None
         n_slots = table.n_slots if table is not None else int(residency.max(initial=-1)) + 1
         costs = np.full(n_slots, np.inf)
@@ -74,6 +86,10 @@ class LeastValuedKVGrow:
             for slot in range(n_slots):
                 if self.view.is_lendable(slot) and table.slot_owner(slot) is None:
                     costs[slot] = 0.0  # free
+            if slot_index is not None:
+                for slot in self.view.own_run(slot_index):
+                    if 0 <= slot < n_slots:
+                        costs[slot] = 0.0  # the KV's own already: nothing evicted
         flat = residency.reshape(-1)
         order = [int(i) for i in self._order(residency) if flat[i] >= 0]
         for place, key in enumerate(order):
@@ -86,7 +102,7 @@ class LeastValuedKVGrow:
              residency: np.ndarray) -> list[int]:
         self._residency = residency
         num = -(-int(num_cells_needed) // max(int(cells_per_expert_slot), 1))
-        costs = self.slot_costs(residency)
+        costs = self.slot_costs(residency, slot_index)
         if num <= 0 or num > len(costs):
             return []
         finite = np.isfinite(costs)
@@ -126,9 +142,11 @@ class KVLender:
     the KV's own base cells and returns the run, refilled with the experts the policy names.
 
     Lending goes through the arena's ordered path (`lend_slots`: claimed, evicted experts
-    published missing before the KV writes there) after every copy in flight has landed; a
-    lent slot stays claimed, so neither the tier nor the prompt streamer touches it. Returned
-    slots are freed and refilled by the tier's ordinary loads (`ExpertTier.refill`)."""
+    published missing before the KV writes there) after every copy in flight has landed (else
+    the grow is refused); a lent slot stays claimed, so neither the tier nor the prompt
+    streamer touches it. A KV that grows again may keep its run: only the new run's other
+    slots are lent, and its old slots outside it are returned. Returned slots are freed and
+    refilled by the tier's ordinary loads (`ExpertTier.refill`)."""
 
     def __init__(self, tier, policy, n_ctx: int, base_cells: int, kv_type, kv_dtype, tile: int):
         self.tier, self.arena, self.policy = tier, tier.arena, policy
@@ -138,6 +156,8 @@ class KVLender:
         self.cell_bytes = -(-self._nbytes_for(self.tile) // self.tile)
         self.cells_per_slot = self.arena.slot_bytes // self.cell_bytes
         self.lent: dict[int, list[int]] = {}  # engine slot -> its run of expert slots
+        self.timeout_s = LEND_TIMEOUT_S  # for copies in flight to land, old readers to leave
+        self._own: tuple[int, tuple] = (-1, ())  # (engine slot, run it may keep) in a grow
         self.num_grows = self.num_trims = self.num_refused = self.num_refills = 0
         tier.kv_lender = self  # logs and /metrics read the counters from the tier
         attach = getattr(policy, "attach", None)
@@ -146,7 +166,7 @@ class KVLender:
             attach(LendView(self.arena.table, self.arena.reserved_slots(),
                             lambda: getattr(tier.policy, "scores", None),
                             profile_rank(getattr(tier, "profile", None), store.n_layers,
-                                         store.n_experts)))
+                                         store.n_experts), self._own_run))
 
     @classmethod
     def build(cls, tier, policy, model, n_ctx: int, kv_dtype) -> "KVLender | None":
@@ -203,31 +223,54 @@ class KVLender:
     def is_lending(self, slot_index: int) -> bool:
         return slot_index in self.lent
 
-    def _settle(self) -> None:
-        """Until no copy into any slot is in flight (tier rounds, streamer refills)."""
-        self.tier.wait_idle(LEND_TIMEOUT_S)
+    def _settle(self) -> bool:
+        """Until no copy into any slot is in flight (tier rounds, streamer refills): False
+        (logged) when one is still in flight after `timeout_s`."""
+        waits = [("the tier's copies", self.tier.wait_idle)]
         streamer = getattr(self.arena, "streamer", None)
         if streamer is not None:
-            streamer.wait_idle(LEND_TIMEOUT_S)
+            waits.append(("the prompt streamer's refills", streamer.wait_idle))
+        for what, wait_idle in waits:
+            if not wait_idle(self.timeout_s):
+                log.warning("KV grow: %s into the expert cache are still in flight after %.0f "
+                            "s; no slot is lent or refilled meanwhile", what, self.timeout_s)
+                return False
+        return True
+
+    def _moves_through_overlap(self, kv) -> bool:
+        """Can `kv` move into a run that overlaps its own (its cells bit-identical)? A KV whose
+        `rehome` says so (`rehome_overlap_safe`), or the CPU's KVCache, whose `rehome` without
+        memory makes a fresh home (grow goes through one)."""
+        from strata.engine.kv import KVCache
+
+        return bool(getattr(kv, "rehome_overlap_safe", False)) or type(kv) is KVCache
 
     # ---- grow ---------------------------------------------------------------------------
     def grow(self, slot_index: int, kv, num_cells: int) -> bool:
         """Give slot `slot_index`'s KV room for `num_cells` cells in all (double its capacity,
         at most n_ctx; if the policy refuses that, just enough): False when that is beyond
-        n_ctx or the policy refuses both."""
+        n_ctx, a copy into the cache is still in flight, or the policy refuses both. A KV that
+        grows again may keep the slots it holds: only the run's other slots are lent, and
+        those of its old run outside the new one are given back."""
         if kv.capacity >= num_cells:
             return True
         if num_cells > self.n_ctx:
             return False
         t0 = time.perf_counter()
-        self._settle()
+        if not self._settle():
+            self.num_refused += 1
+            log.info("slot %d: KV grow to %d cells refused (%d cells now): copies in flight",
+                     slot_index, num_cells, kv.capacity)
+            return False
+        old_run = self.lent.get(slot_index, [])
+        own = tuple(old_run) if old_run and self._moves_through_overlap(kv) else ()
         doubled = min(self.n_ctx, max(int(num_cells), 2 * kv.capacity))
         # whole K tiles on the CPU; the doubled request first, then the bare need
         requests = dict.fromkeys(-(-cells // self.tile) * self.tile
                                  for cells in (doubled, int(num_cells)))
         run, request = None, 0
         for request in requests:
-            run = self._ask(slot_index, request)
+            run = self._ask(slot_index, request, own)
             if run:
                 break
         if not run:
@@ -235,19 +278,37 @@ class KVLender:
             log.info("slot %d: KV grow to %d cells refused (%d cells now)", slot_index,
                      num_cells, kv.capacity)
             return False
-        evicted = self.arena.lend_slots(run, LEND_TIMEOUT_S)
+        added = [s for s in run if s not in own]
+        try:
+            evicted = self.arena.lend_slots(added, self.timeout_s) if added else []
+        except TimeoutError as exc:
+            # a reader still pins the slots' old bytes: give them back untouched (free)
+            self.arena.unlend(added)
+            self.num_refused += 1
+            log.warning("slot %d: KV grow to %d cells refused: %s", slot_index, num_cells, exc)
+            return False
         fits = len(run) * self.arena.slot_bytes // self.cell_bytes // self.tile * self.tile
         capacity = min(self.n_ctx, max(fits, request))
-        kv.rehome(capacity, self.arena.slot_region(run[0], len(run)))
-        old_run = self.lent.get(slot_index)
+        try:
+            if set(run) & set(own) and not getattr(kv, "rehome_overlap_safe", False):
+                kv.rehome(max(kv.num_tokens, 1))  # the runs overlap: through a fresh home
+            kv.rehome(capacity, self.arena.slot_region(run[0], len(run)))
+        except Exception:  # noqa: BLE001 - e.g. no device memory to stage the cells
+            # the KV is whole where it was (or in its fresh home): the new slots go back
+            self.arena.unlend(added)
+            self.num_refused += 1
+            log.exception("slot %d: KV grow to %d cells refused: its cells could not move",
+                          slot_index, num_cells)
+            return False
         self.lent[slot_index] = run
-        self._tell_policy(-len(run))
+        self._tell_policy(-len(added))
         self.num_grows += 1
         log.info("slot %d: KV grown to %d cells in expert slots %d-%d (%d lent, %d experts "
-                 "evicted) in %.1f ms", slot_index, capacity, run[0], run[-1], len(run),
+                 "evicted) in %.1f ms", slot_index, capacity, run[0], run[-1], len(added),
                  sum(e is not None for e in evicted), (time.perf_counter() - t0) * 1e3)
-        if old_run:
-            self._give_back(slot_index, old_run, f"KV moved to slots {run[0]}-{run[-1]}")
+        freed = [s for s in old_run if s not in run]
+        if freed:
+            self._give_back(slot_index, freed, f"KV moved to slots {run[0]}-{run[-1]}")
         return True
 
     def grow_for_prompt(self, slot_index: int, kv, num_prompt_tokens: int) -> None:
@@ -264,19 +325,28 @@ class KVLender:
                 f"{kv.capacity} and the expert cache lent none (--kv-grow); retry later, "
                 "shorten the prompt or raise --kv-grow")
 
-    def _ask(self, slot_index: int, request: int) -> list[int] | None:
-        """The policy's run for `request` cells, checked; None when refused or unusable."""
+    def _ask(self, slot_index: int, request: int, own: tuple = ()) -> list[int] | None:
+        """The policy's run for `request` cells, checked; None when refused or unusable. `own`:
+        the slots the KV holds and may keep (the view's `own_run` meanwhile)."""
         residency = self.arena.table.peek().table
+        self._own = (slot_index, own)
         try:
             answer = self.policy.grow(slot_index, request, self.cells_per_slot, residency.copy())
-            return self._check_run(answer, -(-request // self.cells_per_slot))
+            return self._check_run(answer, -(-request // self.cells_per_slot), own)
         except Exception:  # noqa: BLE001 - a faulty plugin refuses, it does not fail windows
             log.exception("KV grow policy %r failed; slot %d's KV does not grow: fix the "
                           "plugin", getattr(self.policy, "name", "?"), slot_index)
             return None
+        finally:
+            self._own = (-1, ())
 
-    def _check_run(self, answer, num_needed: int) -> list[int] | None:
-        """The policy's slots as a run of consecutive lendable slots, else None (logged)."""
+    def _own_run(self, slot_index: int) -> tuple[int, ...]:
+        """LendView.own_run: the slots the growing KV may keep, during a grow."""
+        return self._own[1] if slot_index == self._own[0] else ()
+
+    def _check_run(self, answer, num_needed: int, own: tuple = ()) -> list[int] | None:
+        """The policy's slots as a run of consecutive lendable slots (or the KV's `own`
+        ones), else None (logged)."""
         if answer is None or len(answer) == 0:  # (a numpy array has no truth value)
             return None
         run = [operator.index(s) for s in answer]
@@ -288,7 +358,7 @@ class KVLender:
             problem = "slots that are not one run of consecutive numbers"
         elif not (0 <= run[0] and run[-1] < table.n_slots):
             problem = f"slots outside 0..{table.n_slots - 1}"
-        elif any(s in reserved or table.is_claimed(s) for s in run):
+        elif any(s not in own and (s in reserved or table.is_claimed(s)) for s in run):
             problem = "a slot that is lent, reserved or being copied into"
         if problem is not None:
             log.warning("KV grow policy %r returned %s; refused: fix the plugin",
@@ -318,9 +388,12 @@ class KVLender:
             policy.num_cache_slots += num_slots
 
     def _give_back(self, slot_index: int, run: list[int], why: str) -> None:
-        self._settle()  # refills are checked against a table no copy is changing
+        # refills are checked against a table no copy is changing; while one is, the slots
+        # return empty (the tier fills them later)
+        pairs = []
         try:
-            pairs = list(self.policy.give_back(slot_index, list(run)))
+            if self._settle():
+                pairs = list(self.policy.give_back(slot_index, list(run)))
         except Exception:  # noqa: BLE001
             log.exception("KV grow policy %r failed in give_back; slots %d-%d return empty",
                           getattr(self.policy, "name", "?"), run[0], run[-1])

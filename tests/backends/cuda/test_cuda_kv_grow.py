@@ -61,6 +61,40 @@ def test_rehome_moves_the_cells_exactly(wide, dtype):
         assert np.array_equal(kv.keys(layer), k) and np.array_equal(kv.values(layer), v)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.int8])
+def test_rehome_into_cells_overlapping_its_own_keeps_them_exactly(wide, dtype):
+    # KV grow extends a lent run in place: the new cells start at, before or after the old
+    from strata.backends.cuda import CudaModel
+    from strata.backends.cuda.kv import CudaKV, int8_cell_dtype
+
+    model = CudaModel(GGUFModel.open(wide))
+    spec, rng = model.spec, np.random.default_rng(1)
+    kv = model.new_kv(64, dtype=dtype)
+    n = 60
+    KV, D = spec.n_kv_heads, spec.head_dim
+    for layer in range(spec.n_layers):
+        if dtype == np.int8:
+            k, v = (np.zeros((KV, n), dtype=int8_cell_dtype(D)) for _ in range(2))
+            for a in (k, v):
+                a["q"] = rng.integers(-127, 128, (KV, n, D))
+                a["scale"] = rng.random((KV, n))
+        else:
+            k, v = (rng.standard_normal((KV, n, D)).astype(np.float16) for _ in range(2))
+        kv.append(layer, k, v)
+    kv.commit(n)
+    want = [(kv.keys(layer), kv.values(layer)) for layer in range(spec.n_layers)]
+    step = CudaKV.nbytes_for(spec, 16, dtype)
+    with model.runtime.active():
+        region = model.runtime.alloc(CudaKV.nbytes_for(spec, 512, dtype) + 4 * step)
+    start = int(region) + 2 * step
+    for capacity, address in ((100, start), (200, start), (300, start - 2 * step),
+                              (400, start + step)):
+        kv.rehome(capacity, address)
+        assert kv.capacity == capacity and kv.address == address
+        for layer, (k, v) in enumerate(want):
+            assert np.array_equal(kv.keys(layer), k) and np.array_equal(kv.values(layer), v)
+
+
 @pytest.mark.parametrize("is_async", [True, False], ids=["async", "blocking"])
 def test_every_window_equals_the_frozen_run_while_rounds_and_kv_grow_run(
         wide, is_async, monkeypatch):

@@ -24,6 +24,13 @@ from strata.model.host_pages import anonymous_array, owns_pages
 CELL_DTYPES = (np.dtype(np.float16), np.dtype(np.int8))
 
 
+class _Cells:
+    """Where cells are, as `_copy_rows` reads a source: (address, capacity, cells bytes)."""
+
+    def __init__(self, address: int, capacity: int, cells_bytes: int):
+        self.address, self.capacity, self._cells_bytes = address, capacity, cells_bytes
+
+
 def int8_cell_dtype(head_dim: int) -> np.dtype:
     """The host form of one int8 (token, head) cell: D int8 codes and their scale
     (value = q * scale, scale = max |value| / 127)."""
@@ -90,11 +97,15 @@ class CudaKV(SequenceReuse):
             return rows * (spec.head_dim + 4)
         return rows * spec.head_dim * np.dtype(dtype).itemsize
 
+    # KV grow may move the cells into a run that overlaps the one they are in (experts/kv_grow.py)
+    rehome_overlap_safe = True
+
     def rehome(self, capacity_tokens: int, address: int | None = None) -> None:
         """Move the committed cells into `capacity_tokens` cells at device `address` (at least
         `nbytes_for` bytes, e.g. expert-cache slots lent by KV grow), or back into the KV's
         own allocation when None. Copies on the compute stream, after every kernel issued so
-        far (which may still read the old cells); cells [0, num_tokens) are copied exactly."""
+        far (which may still read the old cells); cells [0, num_tokens) are copied exactly,
+        also where the new cells overlap the old ones (through a staging copy of them)."""
         capacity_tokens = int(capacity_tokens)
         if address is None:
             address = int(self._buf)
@@ -106,8 +117,19 @@ class CudaKV(SequenceReuse):
                              f"{capacity_tokens} cells")
         rows = self.num_layers * 2 * self.spec.n_kv_heads  # (layer, K/V, head) rows
         new_cells_bytes = rows * capacity_tokens * self.spec.head_dim * self.dtype.itemsize
-        self._copy_rows((int(address), capacity_tokens, new_cells_bytes), self,
-                        self.num_tokens)  # the old cells may be reused from here
+        source, staging, n = self, None, self.num_tokens
+        new_end = int(address) + self.nbytes_for(self.spec, capacity_tokens, self.dtype)
+        if n and int(address) < self.address + self.nbytes and self.address < new_end:
+            # the new cells overlap the old (a KV growing its lent run in place): a row copied
+            # into them could overwrite rows not copied yet, so stage the cells elsewhere first
+            with self._rt.active():
+                staging = self._rt.alloc(max(self.nbytes_for(self.spec, n, self.dtype), 256))
+            staged_bytes = rows * n * self.spec.head_dim * self.dtype.itemsize
+            self._copy_rows((int(staging), n, staged_bytes), self, n)
+            source = _Cells(int(staging), n, staged_bytes)
+        self._copy_rows((int(address), capacity_tokens, new_cells_bytes), source,
+                        n)  # the old cells (and the staging) may be reused from here
+        del staging
         self.capacity = capacity_tokens
         self._shape = self._shape[:3] + (capacity_tokens,) + self._shape[4:]
         self._cells_bytes = new_cells_bytes
