@@ -265,3 +265,29 @@ def test_synth_model_tokenizer_equals_transformers(tmp_path):
         expected = ref(text, add_special_tokens=False)["input_ids"]
         assert tok.encode(text) == expected, text
     assert tok.encode("<|im_start|>") == [tok.token_id("<|im_start|>")]
+
+
+@pytest.mark.parametrize("key, value, message", [
+    # ValueError and TypeError tracebacks from int()
+    ("tokenizer.ggml.eos_token_id", "abc", "'tokenizer.ggml.eos_token_id' has value 'abc'"),
+    ("tokenizer.ggml.bos_token_id", [1, 2], "'tokenizer.ggml.bos_token_id' has value [1, 2]"),
+    ("tokenizer.ggml.eot_token_id", float("nan"), "'tokenizer.ggml.eot_token_id' has value nan"),
+    ("tokenizer.ggml.fim_pre_token_id", "x", "'tokenizer.ggml.fim_pre_token_id' has value 'x'"),
+    # these were read silently as token 1 and as token 5
+    ("tokenizer.ggml.eos_token_id", True, "'tokenizer.ggml.eos_token_id' has value True"),
+    ("tokenizer.ggml.eom_token_id", 5.5, "'tokenizer.ggml.eom_token_id' has value 5.5"),
+    # and this as True: a BOS the model never asked for before every prompt
+    ("tokenizer.ggml.add_bos_token", "false",
+     "'tokenizer.ggml.add_bos_token' has value 'false', expected bool"),
+])
+def test_tokenizer_keys_of_the_wrong_type_are_named(meta, key, value, message):
+    with pytest.raises(ModelFormatError) as info:
+        Tokenizer.from_gguf_metadata(dict(meta, **{key: value}), source="m.gguf")
+    assert message in str(info.value) and "m.gguf" in str(info.value)
+
+
+def test_tokenizer_keys_of_the_right_type_still_read(meta):
+    # an id stored as a float of integral value (some converters) and add_bos as 0/1
+    tok = Tokenizer.from_gguf_metadata(dict(meta, **{"tokenizer.ggml.eos_token_id": 3.0,
+                                                     "tokenizer.ggml.add_bos_token": 1}))
+    assert (tok.eos_id, tok.add_bos) == (3, True)

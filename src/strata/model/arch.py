@@ -172,7 +172,7 @@ def spec_from_metadata(meta: dict, tensor_shapes: dict[str, tuple] | None = None
         if full not in meta:
             raise ModelFormatError(f"{source}: metadata key {full!r} is missing")
         value = meta[full]
-        converted = _metadata_value(value, kind)
+        converted = metadata_value(value, kind)
         if converted is None:
             raise ModelFormatError(
                 f"{source}: metadata key {full!r} has value {value!r}, expected "
@@ -195,7 +195,7 @@ def spec_from_metadata(meta: dict, tensor_shapes: dict[str, tuple] | None = None
         raise ModelFormatError(f"{source}: cannot tell the vocabulary size (no token_embd.weight)")
     expert_ffn = meta.get(f"{arch}.expert_feed_forward_length")
     if isinstance(expert_ffn, (list, tuple)):  # newer llama.cpp files: one width per layer
-        widths = [_metadata_value(width, int) for width in expert_ffn]
+        widths = [metadata_value(width, int) for width in expert_ffn]
         if not widths or None in widths:
             raise ModelFormatError(
                 f"{source}: metadata key '{arch}.expert_feed_forward_length' is "
@@ -249,7 +249,7 @@ def spec_from_metadata(meta: dict, tensor_shapes: dict[str, tuple] | None = None
     return spec
 
 
-def _metadata_value(value, kind):
+def metadata_value(value, kind):
     """`value` (as GGUF metadata decodes: int, float, bool, str or list) as `kind` (int, float
     or bool), or None when it is not one: a count stored as 8.9, "8", inf or [8] is corrupt, not
     8, and "false" is not True."""

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from strata.errors import ModelFormatError, RequestError
+from strata.model.arch import metadata_value
 
 # llama.cpp's GGUF keys for the FIM tokens (gguf.Keys.Tokenizer.FIM_*_ID).
 FIM_KEYS = {
@@ -60,18 +61,31 @@ def find_fim_tokens(meta: dict, token_id: Callable[[str], int | None], num_token
     the prefix, suffix or middle token is missing (the model does no fill-in-the-middle)."""
     found: dict[str, int | None] = {}
     for role, key in FIM_KEYS.items():
-        value = meta.get(key)
-        if value is not None:
-            if not 0 <= int(value) < num_tokens:
-                raise ModelFormatError(f"{source}: {key} = {value} is outside the vocabulary "
-                                       f"of {num_tokens} tokens")
-            found[role] = int(value)
+        found[role] = token_id_from_metadata(meta, key, num_tokens, source)
+        if found[role] is not None:
             continue
         ids = (token_id(spelling) for spelling in FIM_SPELLINGS[role])
         found[role] = next((i for i in ids if i is not None), None)
     if None in (found["prefix"], found["suffix"], found["middle"]):
         return None
     return FimTokens(**found)
+
+
+def token_id_from_metadata(meta: dict, key: str, num_tokens: int,
+                           source: str = "model") -> int | None:
+    """The token id metadata key `key` gives (None where the file has no such key), checked:
+    an integer inside the vocabulary of `num_tokens`, else ModelFormatError naming the key."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    token_id = metadata_value(value, int)
+    if token_id is None:
+        raise ModelFormatError(f"{source}: metadata key {key!r} has value {value!r}, expected "
+                               "a token id (an integer); the metadata is corrupt")
+    if not 0 <= token_id < num_tokens:
+        raise ModelFormatError(f"{source}: {key} = {value} is outside the vocabulary "
+                               f"of {num_tokens} tokens")
+    return token_id
 
 
 @dataclass

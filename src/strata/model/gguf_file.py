@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from gguf import (GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFReader,
+from gguf import (GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFEndian, GGUFReader,
                   GGUFValueType)
 
 from strata.errors import ModelFormatError
@@ -168,8 +168,17 @@ class GGUFModel:
             raise ModelFormatError(
                 f"{src}: unreadable GGUF header ({type(exc).__name__}: {exc}); the file is "
                 "corrupt or was written by an incompatible tool") from None
+        if reader.endianess == GGUFEndian.BIG:
+            # The reader swaps the header's numbers, but the tensors' bytes stay big-endian and
+            # every kernel reads little-endian: the model would run on garbage weights.
+            raise ModelFormatError(
+                f"{src}: big-endian GGUF is not supported; Strata reads little-endian files "
+                f"only. Convert it in place with `gguf-convert-endian {src} little` (from the "
+                "gguf package), or use the little-endian release of the model")
         metadata = _read_metadata(reader, src)
         tensors = _read_tensors(reader, src, file_bytes)
+        _check_layout(tensors.values(), data_start=int(reader.data_offset),
+                      alignment=int(reader.alignment), src=src)
         shapes = {name: t.shape for name, t in tensors.items()}
         spec = arch.spec_from_metadata(metadata, shapes, source=src)
         _check_tensors(spec, tensors, src)
@@ -313,6 +322,29 @@ def _read_tensors(reader: _Reader, src: str, file_bytes: int) -> dict[str, Tenso
         raw = reader.data[offset:offset + nbytes].reshape(*shape[:-1], row_bytes)
         out[name] = TensorInfo(name, qtype, shape, raw, offset)
     return out
+
+
+def _check_layout(tensors, *, data_start: int, alignment: int, src: str) -> None:
+    """Every tensor starts at a multiple of `alignment` from the data section's start, and no
+    two share a byte (adjacent is fine): a corrupt offset would otherwise hand one tensor's
+    bytes to another and run on garbage weights. Sorted by offset: O(n log n)."""
+    misaligned = [t for t in tensors if (t.offset_bytes - data_start) % alignment]
+    if misaligned:
+        t = misaligned[0]
+        more = f" (and {len(misaligned) - 1} more tensor(s))" if len(misaligned) > 1 else ""
+        raise ModelFormatError(
+            f"{src}: tensor {t.name!r} starts at data offset {t.offset_bytes - data_start} "
+            f"(byte {t.offset_bytes} of the file), not a multiple of the alignment "
+            f"{alignment} (general.alignment, default 32){more}; the file is corrupt")
+    ordered = sorted(tensors, key=lambda t: t.offset_bytes)
+    for before, after in zip(ordered, ordered[1:]):
+        end = before.offset_bytes + before.nbytes
+        if after.offset_bytes < end:
+            raise ModelFormatError(
+                f"{src}: tensors {before.name!r} (bytes {before.offset_bytes}..{end}) and "
+                f"{after.name!r} (bytes {after.offset_bytes}.."
+                f"{after.offset_bytes + after.nbytes}) overlap; the tensor offsets are "
+                "corrupt")
 
 
 def _check_tensors(spec: ModelSpec, tensors: dict[str, TensorInfo], src: str) -> None:

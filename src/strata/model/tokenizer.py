@@ -16,7 +16,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from strata.errors import ModelFormatError
-from strata.model.fim import FimTokens, find_fim_tokens
+from strata.model.arch import metadata_value
+from strata.model.fim import FimTokens, find_fim_tokens, token_id_from_metadata
 
 log = logging.getLogger(__name__)
 
@@ -171,19 +172,17 @@ class Tokenizer:
             [AddedToken(tokens[i], normalized=False, special=False) for i in sorted(user_ids)])
 
         def opt_id(key: str) -> int | None:
-            value = meta.get(key)
-            if value is None:
-                return None
-            if not 0 <= int(value) < len(tokens):
-                raise ModelFormatError(f"{source}: {key} = {value} is outside the vocabulary "
-                                       f"of {len(tokens)} tokens")
-            return int(value)
+            return token_id_from_metadata(meta, key, len(tokens), source)
 
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
+        if metadata_value(add_bos, bool) is None:
+            raise ModelFormatError(f"{source}: metadata key 'tokenizer.ggml.add_bos_token' has "
+                                   f"value {add_bos!r}, expected bool; the metadata is corrupt")
         end_ids = [opt_id(f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom")]
         return cls(backend, tokens, special_ids, special_ids | user_ids,
                    bos_id=opt_id("tokenizer.ggml.bos_token_id"),
                    eos_id=opt_id("tokenizer.ggml.eos_token_id"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), fim=fim,
+                   add_bos=metadata_value(add_bos, bool), fim=fim,
                    end_ids=[i for i in end_ids if i is not None])
 
     @property
