@@ -2,6 +2,7 @@
 The lead registers it with `main.add_command(serve)` in strata/cli.py."""
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
@@ -29,6 +30,66 @@ def body_limit_kib(max_body_kib: int | None, ctx_size: int | None) -> int:
 log = logging.getLogger("strata.server")
 
 
+_OVER_CAP = "strata.body_over_cap"  # environ key: waitress refused this request's body
+
+
+def _refusing_over_cap(app):
+    """The app as waitress calls it: a request whose body waitress refused (`_OVER_CAP`) gets
+    the app's own 413 (OpenAI- or Anthropic-style JSON, after the API-key check, counted in
+    /metrics) and runs no endpoint; every other request goes to the app as it is."""
+    from werkzeug.exceptions import RequestEntityTooLarge
+
+    def application(environ, start_response):
+        if not environ.get(_OVER_CAP):
+            return app(environ, start_response)
+        with app.request_context(environ):
+            try:
+                answer = app.preprocess_request()  # the API-key check, as for any request
+                if answer is None:
+                    raise RequestEntityTooLarge()
+            except Exception as exc:
+                answer = app.handle_user_exception(exc)
+            response = app.finalize_request(answer)
+        return response(environ, start_response)
+
+    return application
+
+
+def _channel_class():
+    """waitress's connection, but a body over waitress's cap goes to the app (marked
+    `_OVER_CAP`, with the body left out) instead of getting waitress's plain-text 413."""
+    from waitress.channel import HTTPChannel
+    from waitress.task import ErrorTask, WSGITask
+    from waitress.utilities import RequestEntityTooLarge
+
+    class OverCapTask(WSGITask):
+        def get_environment(self):
+            environ = super().get_environment()
+            request = self.request
+            environ[_OVER_CAP] = True
+            environ["wsgi.input"] = io.BytesIO()
+            # what the client declared or already sent, over the app's limit
+            environ["CONTENT_LENGTH"] = str(max(request.content_length,
+                                                request.body_bytes_received))
+            environ.pop("HTTP_TRANSFER_ENCODING", None)
+            return environ
+
+        def execute(self):
+            # The rest of the body is still on its way: this connection carries no more.
+            self.set_close_on_finish()
+            super().execute()
+
+    def error_task(channel, request):
+        if isinstance(request.error, RequestEntityTooLarge):
+            return OverCapTask(channel, request)
+        return ErrorTask(channel, request)
+
+    class Channel(HTTPChannel):
+        error_task_class = staticmethod(error_task)
+
+    return Channel
+
+
 def create_wsgi_server(app, host: str, port: int, threads: int = DEFAULT_HTTP_THREADS):
     """A waitress server for the app (port 0: a free one; see `.effective_port`). Lookahead
     lets waitress notice a client that went away while its request is still running. The
@@ -41,15 +102,20 @@ def create_wsgi_server(app, host: str, port: int, threads: int = DEFAULT_HTTP_TH
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        # Bodies a little over the app's limit get its OpenAI-style 413; waitress refuses
-        # far larger ones itself before buffering them.
-        body_limit_bytes = 4 * (app.config.get("MAX_CONTENT_LENGTH") or 2**20) + 2**16
-        return waitress.create_server(app, sockets=[sock], threads=threads,
-                                      channel_request_lookahead=1, ident="strata",
-                                      max_request_body_size=body_limit_bytes)
+        # waitress buffers a body whole before the app sees it, and refuses one past this cap
+        # as it arrives: by its Content-Length before reading it, a chunked one once this much
+        # has come. The slack over the app's limit is for chunked framing; whichever refuses
+        # it, the client gets the app's JSON 413.
+        body_limit_bytes = 2 * (app.config.get("MAX_CONTENT_LENGTH") or 2**20) + 2**16
+        server = waitress.create_server(_refusing_over_cap(app), sockets=[sock],
+                                        threads=threads,
+                                        channel_request_lookahead=1, ident="strata",
+                                        max_request_body_size=body_limit_bytes)
     except BaseException:
         sock.close()
         raise
+    server.channel_class = _channel_class()
+    return server
 
 
 def _stop_if_the_load_fails(worker) -> None:
