@@ -423,6 +423,34 @@ def test_a_kv_whose_cells_cannot_move_refuses_the_grow_and_keeps_no_slot(tiny, c
         tier.close()
 
 
+class StuckKV(KVCache):
+    """A KV that cannot move back into its own memory (a device error at trim)."""
+
+    def rehome(self, capacity_tokens, memory=None):
+        if memory is None and self.capacity > capacity_tokens:
+            raise RuntimeError("device error")
+        super().rehome(capacity_tokens, memory)
+
+
+def test_a_trim_whose_move_fails_keeps_the_run_lent(tiny):
+    tier, lender = make_lender(tiny, FixedRun([6, 7, 8]))
+    table = tier.arena.table
+    rng = np.random.default_rng(12)
+    kv = StuckKV(tiny[1].spec, 64, np.float32)
+    for layer in range(kv.num_layers):
+        kv.append(layer, rng.standard_normal((2, 64, 16)), rng.standard_normal((2, 64, 16)))
+    kv.commit(64)
+    try:
+        assert lender.grow(0, kv, 65) and lender.lent == {0: [6, 7, 8]}
+        with pytest.raises(RuntimeError, match="device error"):
+            lender.trim(0, kv)
+        # the KV's cells are still in slots 6-8: lent, claimed, not refilled under it
+        assert lender.lent == {0: [6, 7, 8]} and lender.num_trims == 0
+        assert all(table.is_claimed(s) for s in (6, 7, 8))
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("run, why", [
     ([3, 5, 6], "not one run"), ([3], "1 slots, 3 needed"), ([10, 11, 12], "outside 0..11"),
     ([], None)])

@@ -375,7 +375,11 @@ class KVLender:
             return kv.num_tokens
         keep = kv.reusable(min(kv.num_tokens, self.base_cells))  # (a recurrent state: a
         kv.truncate(keep)  # checkpoint at most)
-        kv.rehome(self.base_cells)
+        try:
+            kv.rehome(self.base_cells)
+        except BaseException:
+            self.lent[slot_index] = run  # the KV still lives in the run: it stays lent
+            raise
         self.num_trims += 1
         self._give_back(slot_index, run, f"KV trimmed to {self.base_cells} cells ({keep} kept)")
         return keep
