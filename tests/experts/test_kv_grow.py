@@ -96,9 +96,10 @@ def owners(table):
     return [table.slot_owner(s) for s in range(table.n_slots)]
 
 
-def filled_kv(model, num_tokens, rng):
-    """A base KV whose first `num_tokens` cells hold fresh random values."""
-    kv = model.new_kv(64)
+def filled_kv(model, num_tokens, rng, kv_class=None):
+    """A base KV (the model's, or a `kv_class` KVCache) whose first `num_tokens` cells hold
+    fresh random values."""
+    kv = model.new_kv(64) if kv_class is None else kv_class(model.spec, 64, np.float32)
     k, v = kv.cells
     k[:] = rng.standard_normal(k.shape)
     v[:] = rng.standard_normal(v.shape)
@@ -406,11 +407,7 @@ class NoRoomKV(KVCache):
 def test_a_kv_whose_cells_cannot_move_refuses_the_grow_and_keeps_no_slot(tiny, caplog):
     tier, lender = make_lender(tiny, FixedRun([6, 7, 8]))
     table = tier.arena.table
-    rng = np.random.default_rng(11)
-    kv = NoRoomKV(tiny[1].spec, 64, np.float32)
-    for layer in range(kv.num_layers):
-        kv.append(layer, rng.standard_normal((2, 64, 16)), rng.standard_normal((2, 64, 16)))
-    kv.commit(64)
+    kv = filled_kv(tiny[1], 64, np.random.default_rng(11), NoRoomKV)
     want = kv.keys(1)
     try:
         assert not lender.grow(0, kv, 65)
@@ -435,11 +432,7 @@ class StuckKV(KVCache):
 def test_a_trim_whose_move_fails_keeps_the_run_lent(tiny):
     tier, lender = make_lender(tiny, FixedRun([6, 7, 8]))
     table = tier.arena.table
-    rng = np.random.default_rng(12)
-    kv = StuckKV(tiny[1].spec, 64, np.float32)
-    for layer in range(kv.num_layers):
-        kv.append(layer, rng.standard_normal((2, 64, 16)), rng.standard_normal((2, 64, 16)))
-    kv.commit(64)
+    kv = filled_kv(tiny[1], 64, np.random.default_rng(12), StuckKV)
     try:
         assert lender.grow(0, kv, 65) and lender.lent == {0: [6, 7, 8]}
         with pytest.raises(RuntimeError, match="device error"):

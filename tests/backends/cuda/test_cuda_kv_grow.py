@@ -27,28 +27,35 @@ def wide(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.int8])
-def test_rehome_moves_the_cells_exactly(wide, dtype):
-    from strata.backends.cuda import CudaModel
-    from strata.backends.cuda.kv import CudaKV, int8_cell_dtype
+def fill(kv, spec, n, dtype, rng):
+    """Cells [0, n) of every layer of `kv` set to random fp16 values or int8 codes and scales,
+    committed; returns the (k, v) appended per layer."""
+    from strata.backends.cuda.kv import int8_cell_dtype
 
-    model = CudaModel(GGUFModel.open(wide))
-    spec, rng = model.spec, np.random.default_rng(0)
-    kv = model.new_kv(64, dtype=dtype)
-    L, KV, D, n = spec.n_layers, spec.n_kv_heads, spec.head_dim, 50
-    want = []
-    for layer in range(L):
+    KV, D, out = spec.n_kv_heads, spec.head_dim, []
+    for layer in range(spec.n_layers):
         if dtype == np.int8:
-            k = np.zeros((KV, n), dtype=int8_cell_dtype(D))
-            v = np.zeros((KV, n), dtype=int8_cell_dtype(D))
+            k, v = (np.zeros((KV, n), dtype=int8_cell_dtype(D)) for _ in range(2))
             for a in (k, v):
                 a["q"] = rng.integers(-127, 128, (KV, n, D))
                 a["scale"] = rng.random((KV, n))
         else:
             k, v = (rng.standard_normal((KV, n, D)).astype(np.float16) for _ in range(2))
         kv.append(layer, k, v)
-        want.append((k, v))
+        out.append((k, v))
     kv.commit(n)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int8])
+def test_rehome_moves_the_cells_exactly(wide, dtype):
+    from strata.backends.cuda import CudaModel
+    from strata.backends.cuda.kv import CudaKV
+
+    model = CudaModel(GGUFModel.open(wide))
+    spec, rng = model.spec, np.random.default_rng(0)
+    kv = model.new_kv(64, dtype=dtype)
+    want = fill(kv, spec, 50, dtype, rng)
     with model.runtime.active():
         region = model.runtime.alloc(CudaKV.nbytes_for(spec, 200, dtype))
     kv.rehome(200, int(region))
@@ -65,23 +72,12 @@ def test_rehome_moves_the_cells_exactly(wide, dtype):
 def test_rehome_into_cells_overlapping_its_own_keeps_them_exactly(wide, dtype):
     # KV grow extends a lent run in place: the new cells start at, before or after the old
     from strata.backends.cuda import CudaModel
-    from strata.backends.cuda.kv import CudaKV, int8_cell_dtype
+    from strata.backends.cuda.kv import CudaKV
 
     model = CudaModel(GGUFModel.open(wide))
     spec, rng = model.spec, np.random.default_rng(1)
     kv = model.new_kv(64, dtype=dtype)
-    n = 60
-    KV, D = spec.n_kv_heads, spec.head_dim
-    for layer in range(spec.n_layers):
-        if dtype == np.int8:
-            k, v = (np.zeros((KV, n), dtype=int8_cell_dtype(D)) for _ in range(2))
-            for a in (k, v):
-                a["q"] = rng.integers(-127, 128, (KV, n, D))
-                a["scale"] = rng.random((KV, n))
-        else:
-            k, v = (rng.standard_normal((KV, n, D)).astype(np.float16) for _ in range(2))
-        kv.append(layer, k, v)
-    kv.commit(n)
+    fill(kv, spec, 60, dtype, rng)
     want = [(kv.keys(layer), kv.values(layer)) for layer in range(spec.n_layers)]
     step = CudaKV.nbytes_for(spec, 16, dtype)
     with model.runtime.active():
