@@ -40,7 +40,15 @@ def resolve_model(model: str | None) -> Path:
     if path.is_dir():
         fail(f"model {str(path)!r} is a folder, not a GGUF file; {HOW_TO_GET_A_MODEL}")
     if not path.is_file():
+        if path.exists():  # a device, a pipe, a socket
+            fail(f"model {str(path)!r} is not a regular file; {HOW_TO_GET_A_MODEL}")
         fail(f"model file {str(path)!r} does not exist; {HOW_TO_GET_A_MODEL}")
+    try:  # a file this user may not read (or one whose reads fail) named, not a traceback
+        with open(path, "rb") as f:
+            f.read(4)
+    except OSError as e:
+        fail(f"model file {str(path)!r} cannot be read ({e.strerror or e}); check its "
+             "permissions, or give another file")
     return path
 
 
@@ -154,16 +162,25 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, re
     click.echo("")
     if cache_line is not None:
         click.echo(cache_line, err=True)
-    generated = stats.num_generated_tokens
     click.echo(f"prompt: {stats.num_prompt_tokens_computed} tokens at "
-               f"{stats.prompt_tokens_per_s:.2f} tokens/s, decode: {generated} "
-               f"token{'' if generated == 1 else 's'} "
-               + (f"at {stats.decode_tokens_per_s:.2f} tokens/s" if stats.num_decode_tokens
-                  else "(from the prompt's logits; no decode window ran)"), err=True)
+               f"{stats.prompt_tokens_per_s:.2f} tokens/s, decode: " + decode_text(stats),
+               err=True)
     if stats.num_draft_tokens:
         click.echo(f"drafts: {stats.num_accepted_draft_tokens} of {stats.num_draft_tokens} "
                    f"accepted, {stats.num_decode_tokens} tokens in {stats.num_decode_forwards} "
                    "decode windows", err=True)
+
+
+def decode_text(stats) -> str:
+    """The decode part of `strata run`'s last line: the tokens the decode windows gave and
+    their rate (the rate's own count: the first generated token comes from the prompt's
+    logits, in the prompt's time)."""
+    generated, decoded = stats.num_generated_tokens, stats.num_decode_tokens
+    if not decoded:
+        return (f"{generated} token{'' if generated == 1 else 's'} (from the prompt's logits; "
+                "no decode window ran)")
+    return (f"{decoded} token{'' if decoded == 1 else 's'} at {stats.decode_tokens_per_s:.2f} "
+            f"tokens/s ({generated} generated, the first from the prompt's logits)")
 
 
 # ---- bench ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import functools
 import click
 
 from strata.backends.select import DEVICES
-from strata.config import KV_TYPES, MAX_PARALLEL
+from strata.config import KV_TYPES, MAX_PARALLEL, parse_count
 from strata.engine.drafts import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_SIZE, SPEC_TYPES
 from strata.engine.recurrent import DEFAULT_CHECKPOINTS
 
@@ -29,8 +29,9 @@ class ReadChunk(click.ParamType):
         text = str(value).strip().lower()
         if text == "auto":
             return "auto"
-        if text.isdigit() and int(text) >= 1:
-            return int(text)
+        count = parse_count(text)
+        if count is not None and count >= 1:
+            return count
         self.fail(f"{value!r}: give auto or a number of tokens >= 1", param, ctx)
 
 
@@ -61,11 +62,11 @@ class CommaInts(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
-        parts = [p.strip() for p in str(value).split(",")]
-        if not parts or not all(p.isdigit() and int(p) >= self.minimum for p in parts):
+        counts = [parse_count(p) for p in str(value).split(",")]
+        if not all(count is not None and count >= self.minimum for count in counts):
             self.fail(f"{value!r}: give {self.what} separated by commas, e.g. {self.example}",
                       param, ctx)
-        return tuple(dict.fromkeys(int(p) for p in parts))
+        return tuple(dict.fromkeys(counts))
 
 
 class SlotCounts(CommaInts):

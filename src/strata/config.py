@@ -41,7 +41,43 @@ def parse_size_bytes(value: str | int, what: str = "--vram-budget") -> int:
                           "1000), e.g. 512M or 8GiB")
     number, prefix, suffix = match.groups()
     base = 1000 if suffix.lower() == "b" and prefix else 1024
-    return int(float(number) * base ** _SIZE_POWERS[prefix.lower()])
+    num_bytes = float(number) * base ** _SIZE_POWERS[prefix.lower()]
+    if not num_bytes < 2**63:  # inf, from a number of hundreds of digits: int() would raise
+        raise ConfigError(f"{what} is {value!r}, more bytes than any machine has; give a size "
+                          "such as 512M or 8GiB")
+    return int(num_bytes)
+
+
+def parse_count(value) -> int | None:
+    """The integer a plain decimal count such as '512' stands for (spaces around it allowed);
+    None when it is not one: a sign, a fraction, a digit int() does not read such as '²', or
+    more than 18 significant digits (no count Strata takes is that large; int() refuses strings
+    past 4300 digits with a ValueError)."""
+    text = str(value).strip()
+    if not text.isdecimal():
+        return None
+    significant = text.lstrip("0") or "0"
+    if len(significant) > 18:
+        return None
+    return int(significant)
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """ConfigError now, not a traceback once the engine is built, when `path` cannot be written
+    (a folder this user may not write, a read-only or virtual file system). A file that exists
+    is opened for appending and left as it is; one that does not is created and removed."""
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{option} {str(path)!r} cannot be written ({e.strerror or e}); "
+                          "give a file in a folder this user may write") from None
+    if not existed:
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 @dataclass
@@ -183,20 +219,22 @@ class EngineConfig:
 
     def _check_split_options(self) -> None:
         groups = str(self.batch_groups).strip().lower()
-        if groups != "auto" and (not groups.isdigit() or int(groups) < 1):
+        count = parse_count(groups)
+        is_count = count is not None and count >= 1
+        if isinstance(self.batch_groups, bool) or not (groups == "auto" or is_count):
             raise ConfigError(f"--batch-groups {self.batch_groups!r}: give auto or a number of "
                               "slot groups >= 1")
-        self.batch_groups = groups if groups == "auto" else int(groups)
+        self.batch_groups = groups if groups == "auto" else count
         # the form of the lists now, before a backend is built; counts and GPUs when it is
         # (backends/split.py knows the model's layers and the visible GPUs)
         if self.split_devices is not None:
-            parts = [p.strip() for p in str(self.split_devices).split(",")]
-            if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+            indices = [parse_count(p) for p in str(self.split_devices).split(",")]
+            if None in indices or len(set(indices)) != len(indices):
                 raise ConfigError(f"--split-device {self.split_devices!r}: give distinct GPU "
                                   "indices such as 0,1")
         if self.layer_split is not None and str(self.layer_split).strip().lower() != "auto":
-            parts = [p.strip() for p in str(self.layer_split).split(",")]
-            if not all(p.isdigit() and int(p) > 0 for p in parts):
+            counts = [parse_count(p) for p in str(self.layer_split).split(",")]
+            if not all(count is not None and count > 0 for count in counts):
                 raise ConfigError(f"--layer-split {self.layer_split!r}: give auto or a number "
                                   "of layers (>= 1) per GPU, such as 24,24")
         if self.is_split and self.device == "cpu":
@@ -216,10 +254,10 @@ class EngineConfig:
                                   "(--expert-cache auto|N)")
             if isinstance(cache, str):
                 text = cache.strip().lower()
-                if text != "auto" and not text.isdigit():
+                if text != "auto" and parse_count(text) is None:
                     raise ConfigError(f"--expert-cache is {cache!r}; give 'auto' or a number "
                                       "of slots >= 0")
-                cache = "auto" if text == "auto" else int(text)
+                cache = "auto" if text == "auto" else parse_count(text)
             elif cache < 0:
                 raise ConfigError(f"--expert-cache is {cache}; give 'auto' or a number of "
                                   "slots >= 0")
@@ -255,9 +293,11 @@ class EngineConfig:
                               "--expert-cache auto|N with it")
         if self.dump_routing_path is not None:
             path = Path(self.dump_routing_path)
-            if path.is_dir() or not path.parent.is_dir():
+            is_odd = path.exists() and not path.is_file()  # a pipe would block the open
+            if path.is_dir() or not path.parent.is_dir() or is_odd:
                 raise ConfigError(f"--dump-routing {str(path)!r} must name a file in an "
                                   "existing folder")
+            _check_writable(path, "--dump-routing")
             self.dump_routing_path = path
         self._check_int("adapt_every", allow_none=False, minimum=0)
         self._check_int("adapt_swaps", allow_none=True, minimum=1)
@@ -296,13 +336,14 @@ class EngineConfig:
         if grow is None:
             return
         text = str(grow).strip().lower()
-        if isinstance(grow, bool) or not (text == "auto" or text.isdigit()) or text == "0":
+        count = parse_count(text)
+        if isinstance(grow, bool) or not (text == "auto" or count is not None and count >= 1):
             raise ConfigError(f"--kv-grow is {grow!r}; give auto (a --read-chunk of cells per "
                               "slot to start with) or a number of cells >= 1")
         if self.expert_cache is None:
             raise ConfigError("--kv-grow lends expert-cache slots to the KV; give --expert-cache "
                               "auto|N with it")
-        self.kv_grow = "auto" if text == "auto" else int(text)
+        self.kv_grow = "auto" if text == "auto" else count
 
     def kv_base_cells(self, n_ctx: int) -> int:
         """KV cells each slot starts with: n_ctx without --kv-grow, else its value (auto: the

@@ -164,3 +164,10 @@ def test_merging_traces_past_the_window_numbers_is_refused():
                                                r"trace numbers \(4294967296\)"):
         merge_traces([late, late])
     assert merge_traces([late]).num_windows == 2**32 - 9
+
+
+def test_a_trace_that_cannot_be_written_is_a_config_error(tmp_path):
+    from strata.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--dump-routing .*cannot be written"):
+        TraceWriter(tmp_path / "gone" / "x.trace", 2, 4)  # its folder does not exist

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from strata.errors import ModelFormatError
+from strata.errors import ConfigError, ModelFormatError
 
 TRACE_MAGIC = b"STRTRACE"
 TRACE_VERSION = 1
@@ -63,7 +63,11 @@ class TraceWriter:
         self.path = os.fspath(path)
         self.n_layers, self.n_experts = n_layers, n_experts
         extra_bytes = json.dumps(extra or {}, sort_keys=True).encode()
-        self._file = open(self.path, "wb")
+        try:
+            self._file = open(self.path, "wb")
+        except OSError as e:
+            raise ConfigError(f"--dump-routing {self.path!r} cannot be written "
+                              f"({e.strerror or e})") from None
         self._file.write(_HEADER.pack(TRACE_MAGIC, TRACE_VERSION, n_layers, n_experts,
                                       len(extra_bytes)) + extra_bytes)
         self._pending: list[np.ndarray] = []
