@@ -127,7 +127,9 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
 
     @app.after_request
     def count(response: Response) -> Response:
-        metrics.count_request(request.path, response.status_code)
+        rule = request.url_rule
+        metrics.count_request(request.path, response.status_code,
+                              rule.rule if rule is not None else None)
         return response
 
     @app.errorhandler(ApiError)

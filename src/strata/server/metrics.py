@@ -1,15 +1,20 @@
 """Prometheus metrics of one app, in a registry of its own (two apps in a process never mix)."""
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-# Endpoints counted by name; anything else (unknown paths) is counted as "other" so a scanner
-# cannot grow the label set without bound.
+# Endpoints counted by name: the app's route that answered (its variable parts as <name>, e.g.
+# /slots/<id_slot>), else one of these paths (a 405 finds no route); anything else (unknown
+# paths) is counted as "other" so a scanner cannot grow the label set without bound.
 KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                   "/v1/messages/count_tokens", "/infill", "/tokenize", "/detokenize",
-                   "/apply-template", "/v1/models", "/health", "/metrics")
+                   "/v1/messages/count_tokens", "/infill", "/completion", "/completions",
+                   "/tokenize", "/detokenize", "/apply-template", "/props", "/slots",
+                   "/v1/models", "/health", "/metrics")
+_RULE_CONVERTER = re.compile(r"<(?:[^:<>]+:)?([^<>]+)>")
 _TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -57,8 +62,13 @@ class ServerMetrics:
         ConversationCache, or None while it loads) at each scrape."""
         self.registry.register(ConversationCacheCollector(get_cache))
 
-    def count_request(self, path: str, status: int) -> None:
-        endpoint = path if path in KNOWN_ENDPOINTS else "other"
+    def count_request(self, path: str, status: int, rule: str | None = None) -> None:
+        """Count one answered request under its route `rule` (the URL rule that matched, None
+        when none did) or its `path` when that is a known endpoint, else under "other"."""
+        if rule is not None:
+            endpoint = _RULE_CONVERTER.sub(r"<\1>", rule)
+        else:
+            endpoint = path if path in KNOWN_ENDPOINTS else "other"
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def render(self) -> bytes:
