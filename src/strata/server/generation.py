@@ -218,7 +218,8 @@ class GenerationRoutes:
                              index=c.index)) for c in choices],
             frames)
 
-    def _stream(self, choices, events, header, is_usage_streamed, end, opening, frames):
+    def _stream(self, choices, events, header, is_usage_streamed, end, opening, frames,
+                group=None):
         """The SSE stream of `n` choices: `opening` frames, then per event of a choice
         `frames(choice, event)`, and for each choice that ends its last chunk (`end(choice)`:
         its number of tool calls and a builder of its last chunk from the finish reason);
@@ -244,7 +245,7 @@ class GenerationRoutes:
                 self._log(choice.job, choice.outcome, finish)
                 yield last_chunk(finish)
         if is_usage_streamed:
-            yield sse(header.usage_chunk(_usage(choices)))
+            yield sse(header.usage_chunk(_usage(choices, group)))
         yield SSE_DONE
 
     # ---- /v1/completions ------------------------------------------------------------------
@@ -253,28 +254,36 @@ class GenerationRoutes:
         engine = self._engine()
         req = parse_completion_request(body, engine.n_ctx)
         self.check_model(req.model)
-        if req.suffix is None:
-            tokens = completion_prompt_tokens(engine, req.prompt)
-        else:  # fill in the middle: the completion goes between prompt and suffix
-            tokens = fim_prompt_tokens(engine, req.prompt, req.suffix)
+        is_batch = len(req.prompts) > 1
+        prompts = []  # (tokens, echo) of each prompt of the batch, all checked before any runs
+        for i, prompt in enumerate(req.prompts):
+            param = f"prompt[{i}]" if is_batch else "prompt"
+            if req.suffix is None:
+                tokens = completion_prompt_tokens(engine, prompt, param)
+            else:  # fill in the middle: the completion goes between prompt and suffix
+                tokens = fim_prompt_tokens(engine, prompt, req.suffix)
+            check_prompt_fits(len(tokens), engine.n_ctx, param)
+            echo = ""
+            if req.is_echo:  # the prompt as sent (token ids: their text)
+                echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
+            prompts.append((tokens, echo))
+        if req.suffix is not None:
             req.options.stop_token_ids = sorted(engine.tokenizer.fim.ids)
-        check_prompt_fits(len(tokens), engine.n_ctx, "prompt")
-        echo = ""
-        if req.is_echo:  # the prompt as sent (token ids: their text)
-            echo = req.prompt if isinstance(req.prompt, str) else \
-                engine.tokenizer.decode(req.prompt)
         options = candidate_options(req.options, req.best_of > req.n)
 
         def start(index, events):  # the reply's logprobs are those the client asked for
-            job = self._submit(tokens, options, engine, events=events, choice=index)
+            tokens, echo = prompts[index // req.best_of]
+            # a prompt's candidate j draws with seed + j, as a request of that prompt alone
+            job = self._submit(tokens, options, engine, events=events,
+                               choice=index % req.best_of)
             return _Choice(index, job, Outcome(len(tokens)), AnswerLogprobs.of(
-                engine, req.options, tokens if req.is_echo else None))
+                engine, req.options, tokens if req.is_echo else None), echo=echo)
 
-        choices, events = self._choices(req.best_of, start)
+        choices, events = self._choices(len(prompts) * req.best_of, start)
         header = ResponseHeader("completion", self.state.model_id)
         if req.options.is_stream:
-            return _sse_response(self._completion_stream(choices, events, header,
-                                                         req.options.is_usage_streamed, echo))
+            return _sse_response(self._completion_stream(
+                choices, events, header, req.options.is_usage_streamed, req.best_of))
 
         def take(choice, item):
             choice.logprobs.add_prompt(item)
@@ -287,63 +296,77 @@ class GenerationRoutes:
         for choice in choices:
             finish = choice.outcome.finish_reason(0)
             self._log(choice.job, choice.outcome, finish)
-            answers.append(header.text_choice(choice.index, echo + "".join(choice.pieces),
-                                              finish, choice.logprobs.completion(len(echo))))
-        return jsonify(header.text_completion(_best(choices, answers, req.n), _usage(choices)))
+            answers.append(header.text_choice(
+                choice.index, choice.echo + "".join(choice.pieces), finish,
+                choice.logprobs.completion(len(choice.echo))))
+        return jsonify(header.text_completion(_best(choices, answers, req.n, req.best_of),
+                                              _usage(choices, req.best_of)))
 
-    def _completion_stream(self, choices, events, header, is_usage_streamed, echo):
+    def _completion_stream(self, choices, events, header, is_usage_streamed, group):
         def chunk(choice, text, finish=None):
             return sse(header.chunk(text, finish, is_usage_streamed,
-                                    choice.logprobs.completion(len(echo), take=True),
+                                    choice.logprobs.completion(len(choice.echo), take=True),
                                     choice.index))
 
         def frames(choice, item):
             out = []
             if choice.logprobs.wants_prompt:  # the echo waits for its figures: the first event
                 choice.logprobs.add_prompt(item)
-                out.append(chunk(choice, echo))
+                out.append(chunk(choice, choice.echo))
             choice.logprobs.add(item)
             choice.outcome.engine_finish = item.finish_reason or choice.outcome.engine_finish
             if item.text:
                 out.append(chunk(choice, item.text))
             return out
 
-        opening = [sse(header.chunk(echo, None, is_usage_streamed, index=c.index))
-                   for c in choices if echo and not c.logprobs.wants_prompt]
+        opening = [sse(header.chunk(c.echo, None, is_usage_streamed, index=c.index))
+                   for c in choices if c.echo and not c.logprobs.wants_prompt]
         yield from self._stream(choices, events, header, is_usage_streamed,
                                 lambda choice: (0, lambda finish: chunk(choice, "", finish)),
-                                opening, frames)
+                                opening, frames, group)
 
 
 @dataclass
 class _Choice:
     """One of a request's `n` answers (or best_of candidates): its job, what it produced, how
     its log probabilities and (chat) its output are read, and its score for best_of."""
-    index: int  # the candidate's: its seed is the request's + index
+    index: int  # the candidate's (in a completions batch, prompt * best_of + candidate):
+    # its seed is the request's + its candidate number
     job: Job
     outcome: Outcome
     logprobs: AnswerLogprobs
     parser: OutputParser | None = None
     pieces: list = field(default_factory=list)  # parsed events (chat) or texts (completions)
     score: CandidateScore = field(default_factory=CandidateScore)
+    echo: str = ""  # a completion's prompt text, which its answer starts with (echo)
 
 
-def _best(choices: list[_Choice], answers: list[dict], n: int) -> list[dict]:
-    """The answers of the `n` best candidates (best_of.py), best first, indexed 0..n-1; with
-    no more candidates than `n` (no best_of), every answer in its order."""
-    if len(choices) == n:
+def _best(choices: list[_Choice], answers: list[dict], n: int,
+          group: int | None = None) -> list[dict]:
+    """The answers of the `n` best candidates (best_of.py) of each prompt's `group` of them
+    (a completions batch; None: one prompt), best first, indexed on from prompt * n; with no
+    more candidates than `n` (no best_of), every answer in its order."""
+    group = group or len(choices)
+    if group == n:
         return answers
-    ranked = best_candidates([c.score for c in choices], n)
-    return [dict(answers[i], index=rank) for rank, i in enumerate(ranked)]
+    out = []
+    for first in range(0, len(choices), group):
+        ranked = best_candidates([c.score for c in choices[first:first + group]], n)
+        out += [dict(answers[first + i], index=first // group * n + rank)
+                for rank, i in enumerate(ranked)]
+    return out
 
 
-def _usage(choices: list[_Choice]) -> dict:
-    """One request's usage: its prompt once (and the first choice's cached tokens), every
-    choice's generated tokens (every best_of candidate's, returned or not: all were
-    computed)."""
+def _usage(choices: list[_Choice], group: int | None = None) -> dict:
+    """One request's usage: each prompt once (a completions batch: every `group` choices
+    share one) and its first choice's cached tokens, every choice's generated tokens (every
+    best_of candidate's, returned or not: all were computed)."""
     ends = [c.outcome.end or JobEnd() for c in choices]
-    return usage(choices[0].outcome.num_prompt_tokens, sum(e.num_generated_tokens for e in ends),
-                 ends[0].num_cached_tokens, sum(c.outcome.num_reasoning_tokens for c in choices))
+    firsts = range(0, len(choices), group or len(choices))
+    return usage(sum(choices[i].outcome.num_prompt_tokens for i in firsts),
+                 sum(e.num_generated_tokens for e in ends),
+                 sum(ends[i].num_cached_tokens for i in firsts),
+                 sum(c.outcome.num_reasoning_tokens for c in choices))
 
 
 def _generated(events, outcome: Outcome):

@@ -113,14 +113,16 @@ def tool_call_form(prompt_text: str) -> str | None:
     return "xml" if "<function=" in prompt_text else "json"
 
 
-def completion_prompt_tokens(engine, prompt: str | list[int]) -> list[int]:
+def completion_prompt_tokens(engine, prompt: str | list[int],
+                             param: str = "prompt") -> list[int]:
+    """`param`: the field that holds the prompt (one of a batch: `prompt[i]`)."""
     if isinstance(prompt, str):
         return engine.tokenize(prompt, add_special=True)
     vocab = min(engine.tokenizer.vocab_size, engine.spec.vocab)
     for token in prompt:
         if not 0 <= token < vocab:
-            raise invalid(f"'prompt' holds the token id {token}, outside the vocabulary "
-                          f"[0, {vocab}).", "prompt")
+            raise invalid(f"'{param}' holds the token id {token}, outside the vocabulary "
+                          f"[0, {vocab}).", param)
     return list(prompt)
 
 

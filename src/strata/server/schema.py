@@ -71,7 +71,7 @@ class ChatRequest:
 @dataclass
 class CompletionRequest:
     model: str | None
-    prompt: str | list[int]
+    prompts: list[str | list[int]]  # OpenAI's batch: each prompt gets its own `n` choices
     options: GenerationOptions
     n: int = 1  # answers to the same prompt (choices)
     best_of: int = 1  # candidates generated, of which the n best are returned (best_of.py)
@@ -359,25 +359,47 @@ def _grammar(body: dict) -> str | None:
     return text
 
 
+# the most answers one /v1/completions request may ask for over its batch of prompts
+MAX_BATCH_ANSWERS = 128
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's `prompt`: a string, an array of token ids, or a batch of either (an array of
+    strings, or of arrays of token ids); each prompt a non-empty one."""
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required: a string, an array of token ids, or an "
+                       "array of either (a batch).", param="prompt",
+                       code="missing_required_parameter")
+    if isinstance(prompt, str):
+        prompts, param = [prompt], "prompt"
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, (str, list)) for p in prompt):
+        prompts, param = prompt, "prompt[{}]"
+    elif isinstance(prompt, list):
+        prompts, param = [prompt], "prompt"
+    else:
+        raise _wrong_type("prompt", prompt, "a string or an array of token ids")
+    for i, one in enumerate(prompts):
+        where = param.format(i)
+        if isinstance(one, list) and not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in one):
+            raise _wrong_type(where, one, "a string or an array of token ids (a batch: an "
+                              "array of strings, or of arrays of token ids)")
+        if not one:
+            raise invalid(f"'{where}' is empty: send at least one character or token.", where)
+    return prompts
+
+
 def parse_completion_request(body: dict, max_tokens_limit: int) -> CompletionRequest:
     options = parse_options(body, max_tokens_limit, is_best_of_read=True)
     n, best_of = parse_choice_counts(body, options.is_stream)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if prompt is None:
-        raise ApiError(400, "'prompt' is required: a string (or an array of token ids).",
-                       param="prompt", code="missing_required_parameter")
-    if isinstance(prompt, list):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise _wrong_type("prompt", prompt, "a string, one string in an array, or an array "
-                              "of token ids")
-    elif not isinstance(prompt, str):
-        raise _wrong_type("prompt", prompt, "a string or an array of token ids")
-    if not prompt:
-        raise invalid("'prompt' is empty: send at least one character or token.", "prompt")
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) * best_of > MAX_BATCH_ANSWERS:
+        raise invalid(f"'prompt' holds {len(prompts)} prompts with {best_of} answers each; "
+                      f"at most {MAX_BATCH_ANSWERS} answers (prompts x best_of, or n) may be "
+                      "asked for in one request.", "prompt")
     suffix = _string(body, "suffix")
-    if suffix is not None and not isinstance(prompt, str):
+    if suffix is not None and not all(isinstance(p, str) for p in prompts):
         raise invalid("'suffix' needs 'prompt' as text (the code before the cursor), not token "
                       "ids.", "suffix")
     # the legacy endpoint's logprobs: how many alternatives per token (0: the token's own only)
@@ -388,5 +410,5 @@ def parse_completion_request(body: dict, max_tokens_limit: int) -> CompletionReq
     if is_echo and suffix is not None:
         raise invalid("'echo' and 'suffix' exclude each other: a fill-in-the-middle answer is "
                       "the middle alone.", "echo")
-    return CompletionRequest(model=_string(body, "model"), prompt=prompt, options=options,
+    return CompletionRequest(model=_string(body, "model"), prompts=prompts, options=options,
                              suffix=suffix, is_echo=is_echo, n=n, best_of=best_of)
