@@ -70,6 +70,10 @@ class EngineWorker:
         self.state = "loading"
         self.error_message = ""
         self.is_closing = False  # the engine thread has begun closing the engine
+        # stop() was called: jobs and calls are refused (under the lock: none is queued
+        # after the engine thread's last look at its queue)
+        self.is_stopping = False
+        self._queue_lock = threading.Lock()
         self._is_loaded = threading.Event()
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
 
@@ -80,32 +84,44 @@ class EngineWorker:
         return self._is_loaded.wait(timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stops after the current window; running jobs end as cancelled, queued ones get 503."""
-        self._jobs.put(None)
+        """Stops after the current window, however long it takes (then the engine closes);
+        running and queued jobs end with a 503 (shutting_down; cancelled, those whose client
+        left) and later ones get it at once. A model still loading is waited for `timeout_s`."""
+        with self._queue_lock:
+            if not self.is_stopping:
+                self.is_stopping = True
+                self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout_s)
-        if self._thread.is_alive() and self.is_closing:
-            # the engine writes its conversations to --conversation-cache-dir: a file cut
-            # short would be lost
-            log.info("waiting for the engine to write its conversation files")
+        if self._thread.is_alive() and self.state == "ok":
+            # A loaded engine is in a window (it cannot be cut) or closing: it ends, then
+            # writes its conversations to --conversation-cache-dir and the rest of its
+            # --dump-routing trace, which a process ending now would lose. `timeout_s` bounds
+            # only a wait for a model still loading.
+            log.info("waiting for the engine's window to end and the engine to close (its "
+                     "conversation files written)")
             self._thread.join()
 
     def call(self, fn: Callable, timeout_s: float | None = 600.0):
         """Run `fn(engine)` on the engine thread between two windows and return its result
         (its exception is raised here)."""
-        if self.state != "ok":
-            raise self.unavailable()
         call = EngineCall(fn)
-        self._jobs.put(call)
+        self._put(call)
         return call.done.result(timeout_s)
 
     def submit(self, job: Job) -> None:
-        if self.state != "ok":
-            raise self.unavailable()
+        self._put(job)
         self._metrics.queued.inc()  # the engine thread sets the exact figure at its next step
-        self._jobs.put(job)
+
+    def _put(self, job: Job | EngineCall) -> None:
+        with self._queue_lock:
+            if self.state != "ok" or self.is_stopping:
+                raise self.unavailable()
+            self._jobs.put(job)
 
     def unavailable(self) -> ApiError:
+        if self.is_stopping:
+            return _shutting_down()
         if self.state == "loading":
             return ApiError(503, "The model is still loading; retry in a few seconds.",
                             code="model_loading")
@@ -164,15 +180,17 @@ class EngineWorker:
             self._update_gauges()
         for run in running:
             run.handle.cancel()
-            run.end.is_cancelled = True
+            if run.job.cancel.is_set():
+                run.end.is_cancelled = True  # the client left: nobody reads the error
+            else:  # never a finish reason: the answer was cut, not finished
+                run.end.error = _shutting_down()
             run.job.events.put(run.end)
         # Answer whatever is still queued so no request thread waits forever.
         for job in self._take_jobs(block=False):
-            stopping = ApiError(503, "The server is shutting down.", code="shutting_down")
             if isinstance(job, EngineCall):
-                job.done.set_exception(stopping)
+                job.done.set_exception(_shutting_down())
             elif job is not None:
-                job.events.put(JobEnd(error=stopping))
+                job.events.put(JobEnd(error=_shutting_down()))
         for gauge in (self._metrics.queued, self._metrics.running, self._metrics.reading):
             gauge.set(0)  # every job has its answer
         close = getattr(self.engine, "close", None)
@@ -263,6 +281,11 @@ class EngineWorker:
         self._metrics.draft_tokens_accepted.inc(stats.num_accepted_draft_tokens)
         job.events.put(end)
         return True
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "The server is shutting down; retry the request when it is back.",
+                    code="shutting_down")
 
 
 class ChoiceQueue:
