@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import click
 
@@ -131,12 +132,40 @@ def _stop_if_the_load_fails(worker) -> None:
         threading.Thread(target=watch, name="strata-load-watch", daemon=True).start()
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM (service managers, `kill`) shuts down as Ctrl-C does, not abruptly."""
+def _stop_gracefully(server, state, timeout_s: float = 5.0) -> None:
+    """The engine stops first, while the server's loop still sends: every running request
+    ends with its answer (a stream's error event and [DONE], a 503), whoever asks next gets a
+    503; then, once the request threads are done and their bytes went out (at most about
+    `timeout_s`), the loop ends and `server.run()` returns."""
+    from waitress import wasyncore
+
+    # no new connections (on the loop's thread; the trigger stays open)
+    server.trigger.pull_trigger(lambda: wasyncore.dispatcher.close(server))
+    state.close()
+    server.task_dispatcher.shutdown(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+            getattr(channel, "total_outbufs_len", 0) for channel in list(server._map.values())):
+        time.sleep(0.02)
+    server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
+
+
+def _stop_on_signals(server, state) -> None:
+    """SIGINT (Ctrl-C) and SIGTERM (service managers, `kill`) stop the server gracefully (a
+    thread runs `_stop_gracefully`); a second signal ends the loop at once (waitress still
+    gives its threads about 5 s)."""
+    stopper = threading.Thread(target=_stop_gracefully, args=(server, state),
+                               name="strata-stop", daemon=True)
+
     def handler(signum, frame):
-        raise SystemExit(0)
+        if stopper.ident is not None:
+            raise SystemExit(0)  # the second signal: no more waiting
+        log.info("stopping: the running requests end with 503 shutting_down (again to stop "
+                 "sooner)")
+        stopper.start()
 
     if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
 
 
@@ -222,11 +251,11 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
     click.echo(f"strata: serving {path.name} as {served} on "
                f"http://{host}:{server.effective_port} (OpenAI and Anthropic APIs under /v1)",
                err=True)
-    _stop_on_sigterm()
+    _stop_on_signals(server, app.extensions["strata"])
     worker = app.extensions["strata"].worker
     try:
         _stop_if_the_load_fails(worker)
-        server.run()  # returns on Ctrl-C (waitress catches it) or SIGTERM
+        server.run()  # returns when _stop_gracefully ends the loop, or on a second signal
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
