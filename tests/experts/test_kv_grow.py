@@ -299,16 +299,24 @@ def test_another_slots_run_is_never_offered(tiny):
         tier.close()
 
 
+def copy_held_into_slot_4(tier):
+    """Slot 4 freed, then refilled with (1, 7) by a copy that waits for the reader returned
+    (a window still reading the version before it); the tier's events cleared before it."""
+    table = tier.arena.table
+    table.begin_evict(4)
+    table.abort(4)  # slot 4 free
+    reader = table.snapshot()  # pins the version the copy into slot 4 must wait out
+    tier.events.clear()
+    tier.refill([(4, 1, 7)])
+    return reader
+
+
 def test_a_slot_with_a_copy_in_flight_is_lent_only_after_it_lands(tiny):
     tier, lender = make_lender(tiny, FixedRun([3, 4, 5]), is_async=True, adapt_every=1)
     table, events = tier.arena.table, tier.events
     kv = filled_kv(tiny[1], 64, np.random.default_rng(1))
     try:
-        table.begin_evict(4)
-        table.abort(4)  # slot 4 free
-        events.clear()
-        reader = table.snapshot()  # pins the version the copy into slot 4 must wait out
-        tier.refill([(4, 1, 7)])
+        reader = copy_held_into_slot_4(tier)
         result = {}
         grower = threading.Thread(target=lambda: result.update(ok=lender.grow(0, kv, 65)))
         grower.start()
@@ -336,11 +344,7 @@ def test_a_grow_while_a_copy_stays_in_flight_is_refused(tiny, short_lend_timeout
     table, events = tier.arena.table, tier.events
     kv = filled_kv(tiny[1], 64, np.random.default_rng(8))
     try:
-        table.begin_evict(4)
-        table.abort(4)  # slot 4 free
-        reader = table.snapshot()  # a window still reading: the copy into slot 4 waits for it
-        events.clear()
-        tier.refill([(4, 1, 7)])
+        reader = copy_held_into_slot_4(tier)
         assert not lender.grow(0, kv, 65)  # no slot is lent while a copy is in flight
         assert lender.num_refused == 1 and lender.lent == {} and kv.capacity == 64
         assert [table.slot_owner(s) for s in (6, 7, 8)] == [(0, 6), (0, 7), (1, 0)]
