@@ -73,6 +73,8 @@ def test_a_request_after_the_stop_is_refused_at_once(server):
     response = requests.post(server.url + "/slots/0?action=erase", timeout=60)
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "shutting_down"
+    health = requests.get(server.url + "/health", timeout=60)
+    assert (health.status_code, health.json()) == (503, {"status": "shutting_down"})
 
 
 class WindowGate:

@@ -154,7 +154,8 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
 
     @app.get("/health")
     def health():
-        status = worker.state
+        # a stopping server says so (503), so a load balancer sends no more work its way
+        status = "shutting_down" if worker.is_stopping else worker.state
         body = {"status": status}
         if status == "error":
             body["message"] = worker.error_message
