@@ -51,7 +51,7 @@ def test_requests_running_at_the_stop_end_with_a_shutting_down_error(server):
         assert time.monotonic() < deadline, "the whole-answer request never started"
         time.sleep(0.01)
     server.state.close()  # the stop path: the engine stops while both generate
-    frames = [line for line in lines if line.startswith(b"data: ")]
+    frames = [first] + [line for line in lines if line.startswith(b"data: ")]
     assert frames[-1] == b"data: [DONE]"
     error = json.loads(frames[-2][len("data: "):])["error"]
     assert error["code"] == "shutting_down", error
@@ -60,6 +60,10 @@ def test_requests_running_at_the_stop_end_with_a_shutting_down_error(server):
     response = whole["response"]
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "shutting_down"
+    # the cut answers' tokens were read and generated all the same: the counters have them
+    assert metric_value(server, "strata_prompt_tokens_total") == 6
+    num_streamed = sum(b'"text"' in frame for frame in frames)
+    assert metric_value(server, "strata_generated_tokens_total") >= num_streamed > 0
 
 
 def test_a_request_after_the_stop_is_refused_at_once(server):

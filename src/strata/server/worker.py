@@ -173,6 +173,7 @@ class EngineWorker:
                     run.handle.cancel()
                     run.end.error = ApiError(500, "The engine failed on this request; the "
                                              "server log has the details.", code="engine_error")
+                    self._count_tokens(run)
                     run.job.events.put(run.end)
                 running.clear()
                 self.engine.scheduler.drop_cancelled()
@@ -184,6 +185,7 @@ class EngineWorker:
                 run.end.is_cancelled = True  # the client left: nobody reads the error
             else:  # never a finish reason: the answer was cut, not finished
                 run.end.error = _shutting_down()
+            self._count_tokens(run)
             run.job.events.put(run.end)
         # Answer whatever is still queued so no request thread waits forever.
         for job in self._take_jobs(block=False):
@@ -274,13 +276,19 @@ class EngineWorker:
             end.is_cancelled = True
             log.info("request %s: cancelled after %d generated tokens (%s)", job.request_id,
                      end.num_generated_tokens, job.stop_reason or "the client went away")
-        self._metrics.prompt_tokens.inc(len(job.prompt_tokens))
-        self._metrics.cached_tokens.inc(end.num_cached_tokens)
-        self._metrics.generated_tokens.inc(end.num_generated_tokens)
-        self._metrics.draft_tokens.inc(stats.num_draft_tokens)
-        self._metrics.draft_tokens_accepted.inc(stats.num_accepted_draft_tokens)
+        self._count_tokens(run)
         job.events.put(end)
         return True
+
+    def _count_tokens(self, run: _Running) -> None:
+        """Add an ended job's tokens to the counters (finished, failed or cut by a stop: the
+        engine read and generated them all the same)."""
+        stats = run.handle.stats
+        self._metrics.prompt_tokens.inc(len(run.job.prompt_tokens))
+        self._metrics.cached_tokens.inc(stats.num_cached_tokens)
+        self._metrics.generated_tokens.inc(run.end.num_generated_tokens)
+        self._metrics.draft_tokens.inc(stats.num_draft_tokens)
+        self._metrics.draft_tokens_accepted.inc(stats.num_accepted_draft_tokens)
 
 
 def _shutting_down() -> ApiError:
