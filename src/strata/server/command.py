@@ -3,6 +3,7 @@ The lead registers it with `main.add_command(serve)` in strata/cli.py."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import signal
@@ -56,12 +57,34 @@ def _refusing_over_cap(app):
     return application
 
 
+# waitress's own refusals of a request it could not parse, as OpenAI-style error codes
+_WAITRESS_ERROR_CODES = {400: "malformed_http_request", 431: "headers_too_large",
+                         501: "unsupported_transfer_encoding"}
+
+
 def _channel_class():
     """waitress's connection, but a body over waitress's cap goes to the app (marked
-    `_OVER_CAP`, with the body left out) instead of getting waitress's plain-text 413."""
+    `_OVER_CAP`, with the body left out) instead of getting waitress's plain-text 413, and
+    waitress's other refusals (a malformed request line or header, headers too large, an
+    unknown transfer encoding) are JSON in OpenAI's error shape too."""
     from waitress.channel import HTTPChannel
     from waitress.task import ErrorTask, WSGITask
     from waitress.utilities import RequestEntityTooLarge
+
+    from strata.server.api_error import ApiError
+
+    class JsonErrorTask(ErrorTask):
+        def execute(self):
+            error = self.request.error  # waitress's Error: code, reason and body
+            message = f"{error.reason}: {error.body}".rstrip(". ") + "."
+            answer = ApiError(error.code, message,
+                              code=_WAITRESS_ERROR_CODES.get(error.code, "malformed_http_request"))
+            body = json.dumps(answer.body()).encode()
+            self.status = f"{error.code} {error.reason}"
+            self.response_headers.append(("Content-Type", "application/json"))
+            self.set_close_on_finish()  # waitress could not frame the request: no more on it
+            self.content_length = len(body)
+            self.write(body)
 
     class OverCapTask(WSGITask):
         def get_environment(self):
@@ -83,7 +106,7 @@ def _channel_class():
     def error_task(channel, request):
         if isinstance(request.error, RequestEntityTooLarge):
             return OverCapTask(channel, request)
-        return ErrorTask(channel, request)
+        return JsonErrorTask(channel, request)
 
     class Channel(HTTPChannel):
         error_task_class = staticmethod(error_task)
