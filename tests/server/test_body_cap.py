@@ -115,3 +115,16 @@ def test_waitress_own_refusals_are_json_errors(live, request_bytes, status, code
     error = json.loads(body)["error"]
     assert error["code"] == code and error["message"], error
     assert headers.get("connection") == "close"
+
+
+def test_the_openai_client_gets_the_413_as_an_api_error_not_a_connection_error(live):
+    # The server answers before the body has come and closes; the client must still read
+    # the answer (no reset while it sends), without retrying.
+    import openai
+
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="tiny-server", max_tokens=2, messages=[
+            {"role": "user", "content": "a" * (16 * 2**20)}])
+    assert caught.value.status_code == 413
+    assert "--max-body-kib" in caught.value.message
