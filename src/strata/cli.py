@@ -381,6 +381,9 @@ def run_bench(model_path: Path, n_prompt: int, n_gen: int, repetitions: int,
     config = EngineConfig(model_path, threads=threads, device=device,
                           parallel=max(slot_counts, default=1),
                           **read_chunk_fields(chunk_tokens), **(expert_config or {}))
+    # --expert-profile auto: start from the stored profile, but never fold the random tokens'
+    # routing into it (it is what the model's real prompts route to that the next run wants)
+    config.expert_profile_save = None
     with GGUFModel.open(model_path) as gguf:
         model = build_model(gguf, config.device, threads,
                             needs_cpu_experts=config.has_expert_tier, config=config)
@@ -532,6 +535,10 @@ def bench(model, n_prompt, n_gen, repetitions, threads, chunk, slot_counts, dept
         raise click.UsageError("nothing to time: -p 0 and -n 0 skip both tests; give -p N "
                                "(prompt tokens) or -n N (generated tokens)")
     path = resolve_model(model)
+    if expert_config.get("kv_grow") is not None:
+        click.echo("strata bench: --kv-grow is ignored: each test's KVs are made at its own "
+                   "length, so none grows (it acts in `strata run` and `strata serve`)", err=True)
+        expert_config = dict(expert_config, kv_grow=None)
     try:
         rows = run_bench(path, n_prompt, n_gen, repetitions, threads, chunk,
                          expert_config=expert_config, device=device, slot_counts=slot_counts,

@@ -137,3 +137,29 @@ def test_dump_routing_to_a_pipe_is_refused_not_waited_on(tiny, tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match="must name a file in an existing folder"):
         EngineConfig(tiny, dump_routing_path=fifo)
+
+
+def test_bench_says_it_ignores_kv_grow(tiny):
+    # It took the flag and said nothing, as though the timed KVs grew.
+    res = CliRunner().invoke(main, ["bench", "--model", tiny, "-p", "4", "-n", "2", "-r", "1",
+                                    "--expert-cache", "8", "--kv-grow", "16"])
+    assert res.exit_code == 0, res.output
+    assert "--kv-grow is ignored" in res.stderr
+
+
+def test_bench_reads_the_stored_profile_but_never_adds_its_random_routing(tiny, tmp_path,
+                                                                         monkeypatch):
+    # bench's random tokens' routing was folded into the profile the next `serve` fills from.
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    from strata.experts.profile import stored_profile_path
+
+    stored = stored_profile_path(tiny)
+    run = CliRunner().invoke(main, ["run", "--model", tiny, "-n", "2", "--temp", "0",
+                                    "--expert-cache", "8", "--expert-profile", "auto", "Hi"])
+    assert run.exit_code == 0, run.output
+    assert stored.is_file()  # a run adds its routing
+    before = stored.read_bytes()
+    res = CliRunner().invoke(main, ["bench", "--model", tiny, "-p", "4", "-n", "2", "-r", "1",
+                                    "--expert-cache", "8", "--expert-profile", "auto"])
+    assert res.exit_code == 0, res.output
+    assert stored.read_bytes() == before
