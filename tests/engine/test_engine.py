@@ -228,16 +228,22 @@ def test_engine_seed_applies_when_the_request_has_none(tiny_model_path):
     assert runs[0] == runs[1] != runs[2]
 
 
-def test_nan_logits_are_reported(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("value, what", [(np.nan, "NaN"), (np.inf, "infinite")])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_and_infinite_logits_are_reported(tiny_model_path, tmp_path, value, what,
+                                              temperature):
+    # An infinite output norm weight makes every logit +-inf: a softmax of that is NaN, and
+    # a token was drawn from it all the same.
     from strata.errors import ModelFormatError
     from strata.model.gguf_file import GGUFModel
 
     with GGUFModel.open(tiny_model_path) as m:
         offset = m.tensor("output_norm.weight").offset_bytes
     data = bytearray(tiny_model_path.read_bytes())
-    data[offset:offset + 4] = np.array([np.nan], dtype=np.float32).tobytes()
-    bad = tmp_path / "nan.gguf"
+    data[offset:offset + 4] = np.array([value], dtype=np.float32).tobytes()
+    bad = tmp_path / "bad.gguf"
     bad.write_bytes(bytes(data))
     with Engine(EngineConfig(bad, n_ctx=32)) as e:
-        with pytest.raises(ModelFormatError, match="NaN logits after 0 generated tokens"):
-            collect(e.generate([5, 6, 7], SamplingParams(max_tokens=4)))
+        with pytest.raises(ModelFormatError, match=f"{what} logits after 0 generated tokens"):
+            collect(e.generate([5, 6, 7], SamplingParams(max_tokens=4,
+                                                         temperature=temperature)))

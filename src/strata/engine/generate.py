@@ -197,12 +197,21 @@ class TokenDecoder:
         else:
             logits = np.asarray(logits).reshape(-1)
             token = None
-            if not np.isnan(logits.max()):  # max is NaN if any logit is: one cheap pass
+            # max is NaN if any logit is, +inf if one is, -inf if none is finite: one pass
+            peak = logits[:self._vocab_tokens].max()
+            if np.isfinite(peak):
                 if logits.shape[0] > self._vocab_tokens:
                     # Padded embedding rows have no token text: never pick them.
                     logits = logits.copy()
                     logits[self._vocab_tokens:] = -np.inf
                 token = self._sampler.sample(logits)
+            else:  # no distribution to sample: a softmax of it is NaN
+                what = ("NaN" if np.isnan(peak) else "infinite" if peak > 0
+                        else "no finite")
+                raise ModelFormatError(
+                    f"the model produced {what} logits after {stats.num_generated_tokens} "
+                    "generated tokens; its weights are likely corrupt (check it with "
+                    "`strata-tool inspect`)")
         if token is None:
             raise ModelFormatError(
                 f"the model produced NaN logits after {stats.num_generated_tokens} generated "
