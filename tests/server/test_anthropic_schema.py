@@ -185,6 +185,17 @@ def test_count_tokens_needs_no_max_tokens():
      "output_config.format.schema", ["'string'", "of type 'object'"]),
     ({"output_config": {"effort": "huge"}}, "output_config.effort", ["'huge'"]),
     ({"logit_bias": {"x": 1}}, "logit_bias.x", ["token ids"]),
+    # a nested field is named by its path, in the message too
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "is_error": "yes"}]}]},
+     "messages[0].content[0].is_error", ["'messages[0].content[0].is_error'", "a boolean"]),
+    ({"thinking": {"type": "enabled", "budget_tokens": -1}}, "thinking.budget_tokens",
+     ["'thinking.budget_tokens' is -1"]),
+    ({"thinking": {"type": "enabled", "budget_tokens": "many"}}, "thinking.budget_tokens",
+     ["'thinking.budget_tokens'", "an integer"]),
+    ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+     "tool_choice.disable_parallel_tool_use",
+     ["'tool_choice.disable_parallel_tool_use'", "a boolean"]),
 ])
 def test_bad_fields_name_the_field(body, param, words):
     refused(param, words, **body)

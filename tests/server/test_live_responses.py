@@ -163,3 +163,27 @@ def test_stored_responses_are_not_kept_and_say_so(live, method, path):
     assert response.status_code == 404
     error = response.json()["error"]
     assert error["code"] == "response_not_found" and "stores no responses" in error["message"]
+
+
+def _spelled(entries: list[dict]) -> str:
+    return b"".join(bytes(entry["bytes"]) for entry in entries).decode("utf-8", "replace")
+
+
+def test_message_logprobs_are_the_tokens_of_its_text(live, reference):
+    """The tokens of the <think> block (its close included) have no entry in the message's
+    logprobs: whole and streamed, the entries spell the message's text."""
+    tok = reference.tokenizer
+    body = {"model": MODEL_ID, "input": "Hi there", "max_output_tokens": 24, "temperature": 0,
+            "include": ["message.output_text.logprobs"],
+            "logit_bias": {str(tok.token_id("<think>")): 4, str(tok.token_id("</think>")): 3}}
+    reply = requests.post(live.url + "/v1/responses", json=body, timeout=60).json()
+    assert [item["type"] for item in reply["output"]][:2] == ["reasoning", "message"]
+    part = reply["output"][1]["content"][0]
+    assert part["text"] and _spelled(part["logprobs"]) == part["text"]
+    with requests.post(live.url + "/v1/responses", json=dict(body, stream=True), stream=True,
+                       timeout=60) as raw:
+        payloads = [json.loads(line[len("data: "):]) for line in raw.iter_lines(
+            decode_unicode=True) if line.startswith("data: ")]
+    deltas = [p for p in payloads if p["type"] == "response.output_text.delta"]
+    assert "".join(d["delta"] for d in deltas) == part["text"]
+    assert _spelled([e for d in deltas for e in d["logprobs"]]) == part["text"]

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from strata.server.api_error import ApiError
-from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall
-from strata.server.responses_format import OutputItems, usage
+from strata.server.output_parser import ContentDelta, OutputParser, ReasoningDelta, ToolCall
+from strata.server.responses_format import OutputItems, TextLogprobs, usage
 from strata.server.responses_schema import parse_responses_request
 
 N_CTX = 4096
@@ -69,6 +69,22 @@ def test_a_function_call_without_a_message_opens_an_assistant_turn():
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}
 
 
+def test_each_reasoning_item_stays_with_the_assistant_turn_after_it():
+    def reasoning(text):
+        return {"type": "reasoning", "summary": [{"type": "summary_text", "text": text}]}
+
+    req = parse(input=[
+        {"role": "user", "content": "a"}, reasoning("R1"),
+        {"role": "assistant", "content": "Looking."}, reasoning("R2"),
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "x"}, reasoning("R3"),
+        {"role": "user", "content": "b"}, {"role": "assistant", "content": "B"}])
+    turns = [m for m in req.messages if m["role"] == "assistant"]
+    # both of the first turn's; none of the last (R3 was followed by no assistant item)
+    assert turns[0]["reasoning_content"] == "R1\n\nR2" and turns[0]["tool_calls"]
+    assert "reasoning_content" not in turns[1]
+
+
 def test_generation_fields_and_extensions():
     req = parse(max_output_tokens=10**6, temperature=0.2, top_p=0.5, stream=True, top_k=7,
                 seed=4, stop=["END"], logit_bias={"3": 5}, reasoning={"effort": "none"},
@@ -126,6 +142,9 @@ def test_tool_choice(choice, expected):
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "array"}}}},
      "text.format.schema", ["'array'", "of type 'object'"]),
     ({"reasoning": {"effort": "max"}}, "reasoning.effort", ["'max'"]),
+    # echoed in the response object, whose metadata maps strings to strings
+    ({"metadata": 5}, "metadata", ["an object"]),
+    ({"metadata": {"run": 7}}, "metadata.run", ["a string"]),
 ])
 def test_bad_fields_name_the_field(body, param, words):
     refused(param, words, **body)
@@ -169,6 +188,29 @@ def test_output_items_and_their_events():
                for e in events if "item_id" in e)
     assert events[13]["item"] == message and last["content"][0]["text"] == "Done"
     assert json.loads(json.dumps(events)) == events
+
+
+@pytest.mark.parametrize("pieces,message", [
+    (["<think>", "Hm", " ", "</think>", "\n\n", "Hi", " ", "there"], "Hi there"),
+    (["Sure", " ", "<tool_call>", '{"name": "f", "arguments": {}}', "</tool_call>", "\n\n",
+      "Done", " ", "<tool_call>", "{bad"], "SureDone <tool_call>{bad")])
+def test_text_logprobs_are_those_of_the_text_passed_on(pieces, message):
+    """Each token one piece (its entry names it): the message's entries spell its text,
+    without the reasoning, the tool call or the whitespace the parser drops; a call cut off
+    comes out as text with its tokens."""
+    parser, text_logprobs = OutputParser(parse_tools=True), TextLogprobs()
+    text = spelled = ""
+    for i, piece in enumerate(pieces):
+        was = (parser.is_in_reasoning, parser.is_inside_tool_call)
+        events = parser.feed(piece) + (parser.finish() if i == len(pieces) - 1 else [])
+        taken = text_logprobs.feed([{"token": piece}], piece, was, parser, events)
+        for event, entries in zip(events, taken, strict=True):
+            if isinstance(event, ContentDelta):
+                text += event.text
+                spelled += "".join(entry["token"] for entry in entries)
+            else:
+                assert entries == []
+    assert text == spelled == message
 
 
 def test_usage():

@@ -47,7 +47,7 @@ def _tool_result_text(block: dict, param: str) -> str:
                 raise _unsupported_block(part.get("type"), f"{param}.content[{i}]", "'text'")
             parts.append(_text_of(part, f"{param}.content[{i}]"))
         text = "\n\n".join(parts)
-    if _boolean(block, "is_error", default=False):
+    if _boolean(block, "is_error", param=f"{param}.is_error"):
         text = "Error: " + text
     return text
 
@@ -221,7 +221,7 @@ def parse_thinking(thinking: Any) -> tuple[dict, bool, int | None]:
     if kind not in THINKING_TYPES:
         raise invalid(f"'thinking.type' is {kind!r}; use one of {', '.join(THINKING_TYPES)}.",
                       "thinking.type")
-    budget = _integer(thinking, "budget_tokens", 0, 2**31)
+    budget = _integer(thinking, "budget_tokens", 0, 2**31, param="thinking.budget_tokens")
     display = _string(thinking, "display", param="thinking.display")
     if display not in (None, "summarized", "omitted"):
         raise invalid(f"'thinking.display' is {display!r}; use 'summarized' or 'omitted'.",
@@ -287,7 +287,7 @@ def parse_anthropic_request(body: dict, max_tokens_limit: int, *,
     tool_choice = parse_anthropic_tool_choice(body.get("tool_choice"), tools)
     choice = body.get("tool_choice")
     options.is_parallel_tool_calls = not (isinstance(choice, dict) and _boolean(
-        choice, "disable_parallel_tool_use", default=False))
+        choice, "disable_parallel_tool_use", param="tool_choice.disable_parallel_tool_use"))
     response_format = _output_format(body)
     hold_json_answer(options, response_format, tools, tool_choice)
     messages, prefill = parse_anthropic_messages(body.get("messages", _MISSING))

@@ -12,7 +12,8 @@ from strata.server.generation import GenerationRoutes, Outcome, _generated, _sse
 from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.openai_format import SSE_KEEPALIVE
 from strata.server.prompting import build_chat_prompt, check_prompt_fits
-from strata.server.responses_format import OutputItems, ResponseHeader, sse_event, usage
+from strata.server.responses_format import (OutputItems, ResponseHeader, TextLogprobs,
+                                            sse_event, usage)
 from strata.server.responses_schema import parse_responses_request
 from strata.server.schema import parse_json_body
 
@@ -36,17 +37,26 @@ class ResponsesRoutes(GenerationRoutes):
         logprobs = AnswerLogprobs.of(engine, req.options)
         if req.options.is_stream:
             return _sse_response(self._stream(job, events, parser, header, outcome, logprobs))
-        items = OutputItems()
+        items, text_logprobs = OutputItems(), TextLogprobs()
         with closing(_generated(events, outcome)) as generated:
             for item in generated:
                 if item is not None:
-                    logprobs.add(item)
-                    for parsed in self._parse(parser, item, outcome):
-                        items.feed(parsed, logprobs.entries(take=True))
+                    self._feed(parser, item, outcome, logprobs, text_logprobs, items)
         if outcome.end.error is not None:
             raise outcome.end.error
         items.finish(outcome.finish_reason(0) == "length")
         return jsonify(self._final(job, header, outcome, items.items))
+
+    def _feed(self, parser, item, outcome: Outcome, logprobs: AnswerLogprobs,
+              text_logprobs: TextLogprobs, items: OutputItems) -> list[dict]:
+        """One generated token into the output items; the stream events of what changed (its
+        logprob entry goes with the message text it is part of, if any)."""
+        logprobs.add(item)
+        was = (parser.is_in_reasoning, parser.is_inside_tool_call)
+        parsed = self._parse(parser, item, outcome)
+        taken = text_logprobs.feed(logprobs.entries(take=True), item.text, was, parser, parsed)
+        return [payload for event, entries in zip(parsed, taken)
+                for payload in items.feed(event, entries)]
 
     def _final(self, job, header: ResponseHeader, outcome: Outcome, output: list) -> dict:
         """The finished response: completed, or incomplete when max_output_tokens (or the
@@ -71,7 +81,7 @@ class ResponsesRoutes(GenerationRoutes):
             sequence += 1
             return sse_event(payload)
 
-        items = OutputItems()
+        items, text_logprobs = OutputItems(), TextLogprobs()
         with closing(_generated(events, outcome)) as generated:
             started = header.response("in_progress", [], None)
             yield send({"type": "response.created", "response": started})
@@ -80,10 +90,9 @@ class ResponsesRoutes(GenerationRoutes):
                 if item is None:
                     yield SSE_KEEPALIVE
                     continue
-                logprobs.add(item)
-                for parsed in self._parse(parser, item, outcome):
-                    for payload in items.feed(parsed, logprobs.entries(take=True)):
-                        yield send(payload)
+                for payload in self._feed(parser, item, outcome, logprobs, text_logprobs,
+                                          items):
+                    yield send(payload)
         for payload in items.finish(outcome.finish_reason(0) == "length"):
             yield send(payload)
         error = outcome.end.error

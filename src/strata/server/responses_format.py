@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from strata.server.output_parser import ReasoningDelta, ToolCall
+from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall
 
 
 def _new_id(prefix: str) -> str:
@@ -114,6 +114,43 @@ class OutputItems:
         """Close the open item; `is_cut`: max_output_tokens (or the context) ended the output
         inside it, so it is "incomplete", as the response is."""
         return self._close("incomplete" if is_cut else "completed")
+
+
+class TextLogprobs:
+    """Which generated tokens' logprob entries go with the message text: those of the text the
+    output parser passes on as content. A token of a `<think>` block (either tag included), of
+    a tool call, or of the whitespace the parser drops after those has none; the tokens of a
+    call that comes out as text (unreadable, or cut) go with that text."""
+
+    def __init__(self):
+        self._content: list[dict] = []  # entries of content tokens not yet passed on
+        self._call: list[dict] = []  # of the tool call being read
+        self._is_after_tag = False  # the parser drops whitespace here
+
+    def feed(self, entries: list[dict] | None, text: str, was: tuple[bool, bool], parser,
+             events: list) -> list[list[dict]]:
+        """Each event's entries, for one token: `entries` its own (None: none), `text` its
+        text, `was` whether the parser was in reasoning / inside a call before it, `parser`
+        after it, `events` what the parser made of it."""
+        entries = entries or []
+        if was[0] or parser.is_in_reasoning:
+            self._content = []  # only whitespace comes before a <think>: dropped with it
+            self._is_after_tag = True
+        elif was[1] or parser.is_inside_tool_call:
+            self._call += entries
+        elif not (self._is_after_tag and not self._content and text and text.isspace()
+                  and not any(isinstance(e, ContentDelta) for e in events)):
+            self._content += entries
+        out = []
+        for event in events:
+            taken = []
+            if isinstance(event, ToolCall):  # the whitespace held before it is dropped too
+                self._content, self._call, self._is_after_tag = [], [], True
+            elif isinstance(event, ContentDelta):
+                taken, self._content, self._call = self._content + self._call, [], []
+                self._is_after_tag = False
+            out.append(taken)
+        return out
 
 
 def _copy(item: dict) -> dict:

@@ -61,7 +61,8 @@ def _reasoning_text(item: dict, where: str) -> str:
 
 class _Conversation:
     """Input items folded into chat messages: an assistant message, the function calls after it
-    and the reasoning before it make one assistant turn."""
+    and the reasoning before each of them make one assistant turn (a reasoning item that no
+    assistant item follows, before a user message or a tool output, belongs to none)."""
 
     def __init__(self):
         self.messages: list[dict] = []
@@ -73,7 +74,8 @@ class _Conversation:
             last = {"role": "assistant", "content": ""}
             self.messages.append(last)
         if self.reasoning:
-            last["reasoning_content"] = self.reasoning
+            before = last.get("reasoning_content")
+            last["reasoning_content"] = (before + "\n\n" if before else "") + self.reasoning
             self.reasoning = ""
         return last
 
@@ -89,6 +91,7 @@ class _Conversation:
         if role == "assistant":
             self._assistant_turn(is_new=True)["content"] = text
         else:
+            self.reasoning = ""
             self.messages.append({"role": "system" if role == "developer" else role,
                                   "content": text})
 
@@ -119,6 +122,7 @@ class _Conversation:
         output = item.get("output", _MISSING)
         if output is _MISSING or output is None:
             raise missing(f"{where}.output", "the function's output as text")
+        self.reasoning = ""
         self.messages.append({"role": "tool", "tool_call_id": call_id,
                               "content": _parts_text(output, f"{where}.output")})
 
@@ -236,6 +240,10 @@ def parse_responses_request(body: dict, max_tokens_limit: int) -> ChatRequest:
                                "(with store: false).")
     if body.get("background"):
         raise _unsupported("background", True, "this server answers in the request.")
+    metadata = _object(body, "metadata") or {}  # echoed in the response: strings only
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise _wrong_type(f"metadata.{key}", value, "a string")
     options = parse_options({k: v for k, v in body.items()
                              if k not in ("max_tokens", "max_completion_tokens", "n")},
                             max_tokens_limit)

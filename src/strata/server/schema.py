@@ -151,8 +151,10 @@ def _number(body: dict, key: str, low: float, high: float, *, low_open: bool = F
     return value
 
 
-def _integer(body: dict, key: str, low: int, high: int) -> int | None:
+def _integer(body: dict, key: str, low: int, high: int, *,
+             param: str | None = None) -> int | None:
     value = body.get(key)
+    key = param or key  # the name errors give
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
@@ -164,12 +166,12 @@ def _integer(body: dict, key: str, low: int, high: int) -> int | None:
     return value
 
 
-def _boolean(body: dict, key: str, default: bool = False) -> bool:
+def _boolean(body: dict, key: str, default: bool = False, *, param: str | None = None) -> bool:
     value = body.get(key)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _wrong_type(key, value, "a boolean")
+        raise _wrong_type(param or key, value, "a boolean")
     return value
 
 
