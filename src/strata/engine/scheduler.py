@@ -625,6 +625,12 @@ class Scheduler:
                 return (f"its {name} are {getattr(cell_array, 'shape', cell_array)!r} of "
                         f"{getattr(cell_array, 'dtype', type(cell_array).__name__)}, this "
                         f"KV's {shape!r} of {cells} (layers, KV heads, tokens, head dim)")
+        points = parked.reuse_points
+        if points is not None and not all(
+                isinstance(p, (int, np.integer)) and not isinstance(p, bool)
+                and 0 <= p <= parked.num_tokens for p in points):
+            return (f"its reuse points {list(points)} are not token counts from 0 to its "
+                    f"{parked.num_tokens} tokens")
         problem = _state_problem(_state_shapes(kv), state)
         if problem is not None:
             return problem
@@ -995,7 +1001,9 @@ def _state_problem(shapes, parked) -> str | None:
             end, live, checkpoints = parked
             states = [live, *checkpoints.values()]
             fits = (isinstance(end, (int, np.integer)) and end >= 0
-                    and all(isinstance(p, (int, np.integer)) for p in checkpoints)
+                    # a checkpoint is the state after 1 or more tokens
+                    and all(isinstance(p, (int, np.integer)) and not isinstance(p, bool)
+                            and p > 0 for p in checkpoints)
                     and all(len(st) == len(shapes) and all(
                         isinstance(a, np.ndarray) and a.dtype == np.float32 and a.shape == shape
                         for a, shape in zip(st, shapes)) for st in states))
