@@ -85,7 +85,7 @@ def test_random_draws_spell_the_close(tokenizer):
     out = []
     for _ in range(30):
         logits = rng.standard_normal(V).astype(np.float32)
-        logits[close] = -np.inf  # the model would not close it itself
+        logits[close] = -30.0  # the model would not close it itself
         out.append(sampler.sample(logits))
     text = b"".join(tokenizer.token_bytes(t) for t in out)
     assert text.index(CLOSE) >= 0 and c.num_thinking_tokens == 7
@@ -139,3 +139,36 @@ def test_the_engine_closes_the_block(tiny_model_path):
 def test_the_budget_is_checked():
     with pytest.raises(RequestError, match="thinking_budget"):
         SamplingParams(thinking_budget=-1)
+
+
+def test_the_forced_close_is_its_one_token(tokenizer):
+    """At the budget `</think>` is forced as the vocabulary's one token, never spelled in
+    pieces (`<`, `</`, ...): the inner constraint knows the close by that token only."""
+    json = JsonObjectConstraint(tokenizer, tokenizer.stop_ids, starts_in_reasoning=True)
+    c = ThinkingBudget(tokenizer, 1, json, starts_in_reasoning=True)
+    assert feed(c, ids(tokenizer, " x") + ids(tokenizer, "\n"))
+    close = tokenizer.token_id("</think>")
+    pieces = [t for t in range(tokenizer.vocab_size) if t != close
+              and tokenizer.token_bytes(t) and c.forced.startswith(tokenizer.token_bytes(t))]
+    assert pieces  # "<", "</": bytes of the close, but not all of it
+    assert not any(c.allows(t) for t in pieces) and c.allows(close)
+    c.push(close)
+    assert not json.think.is_thinking and c.allows(ids(tokenizer, "\n\n")[0])
+
+
+def test_a_json_answer_after_the_forced_close(tiny_model_path):
+    """json_object with a budget, sampled: the answer after the forced close is the object
+    (the close spelled in pieces left the JSON constraint inside the block: free text)."""
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+
+    with Engine(EngineConfig(tiny_model_path, n_ctx=256, threads=1)) as engine:
+        prompt = engine.tokenize("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+                                 "<think>\n", add_special=False)
+        for seed, budget in [(4, 2), (0, 5), (9, 5)]:
+            held = collect(engine.generate(prompt, SamplingParams(
+                max_tokens=40, temperature=1.0, seed=seed, thinking_budget=budget,
+                json_object=True)))
+            assert engine.tokenizer.token_id("</think>") in held.token_ids
+            answer = held.text.split("\n</think>\n\n", 1)[1]
+            assert answer.lstrip().startswith("{"), (seed, budget, held.text)

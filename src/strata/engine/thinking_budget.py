@@ -1,6 +1,7 @@
 """A reasoning model's `<think>` block held to a token budget (Anthropic's
 `thinking.budget_tokens`, `strata serve --reasoning-budget`): once the block has taken that
-many tokens, the sampler may take only the tokens that spell CLOSE, and the answer goes on
+many tokens, the sampler may take only the tokens that spell CLOSE (its `</think>` as the
+vocabulary's one token, as the model and the parsers know it), and the answer goes on
 after it as the model writes it. Wraps the request's other constraint (JSON, tool calls), or
 none, which sees every token as before, the forced ones included; a grammar with token items
 (gbnf.py) holds the whole output, its `<think>` block included, so the budget leaves it be."""
@@ -30,6 +31,9 @@ class ThinkingBudget:
         self.is_held_by_inner = bool(getattr(getattr(inner, "recognizer", None), "has_tokens",
                                              False))
         self.forced = b""
+        # the close as one token: the inner constraint, the output parser and the next turn's
+        # template know `</think>` by it, so the forced close never spells it in pieces
+        self._close_id = tokenizer.token_id(THINK_CLOSE.decode())
         if starts_in_reasoning:
             self._start_forcing_if_spent()
 
@@ -40,7 +44,7 @@ class ThinkingBudget:
     def allows(self, token: int) -> bool:
         if self.forced:
             data = self._tokenizer.token_bytes(token)
-            return bool(data) and self.forced.startswith(data)
+            return bool(data) and self.forced.startswith(data) and not self._splits_close(data)
         return True if self.inner is None else self.inner.allows(token)
 
     @property
@@ -69,6 +73,13 @@ class ThinkingBudget:
             return
         self.num_thinking_tokens += 1
         self._start_forcing_if_spent()
+
+    def _splits_close(self, data: bytes) -> bool:
+        """Whether a forced token of `data` would spell part of the forced `</think>` and not
+        all of it (as `<` or `</` would), where the vocabulary has the close as one token."""
+        at = self.forced.find(THINK_CLOSE)
+        return (self._close_id is not None and at >= 0 and len(data) > at
+                and THINK_CLOSE not in data)
 
     def _start_forcing_if_spent(self) -> None:
         if self.num_thinking_tokens >= self.budget_tokens and not self.is_held_by_inner:
