@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from strata.errors import ConfigError
 
 SPEC_TYPES = ("none", "ngram-simple")
@@ -31,6 +33,11 @@ DRAFT_ROW_COST = 0.25
 # so that after a copied stretch ends a few misses bring the drafts back to one token
 ACCEPT_DECAY = 0.7
 ACCEPT_CAP = 8.0
+# multiplier of the n-gram keys' polynomial hash (odd, 64-bit wrap-around); extends of more
+# tokens than _NUMPY_FROM are hashed in numpy, fewer (a decode window's) in Python
+_HASH_BASE = 0x9E3779B97F4A7C15
+_HASH_MASK = 2**64 - 1
+_NUMPY_FROM = 64
 
 
 def expected_tokens(rate: float, length: int) -> float:
@@ -43,12 +50,18 @@ def expected_tokens(rate: float, length: int) -> float:
 
 def best_length(rate: float, longest: int, row_cost: float = DRAFT_ROW_COST) -> int:
     """The draft length (1..longest) with the most expected tokens per unit of window time,
-    a window of 1 + k rows costing 1 + row_cost * k."""
+    a window of 1 + k rows costing 1 + row_cost * k. The speed rises to its peak and then
+    falls (a concave gain over a linear cost), so the search stops at the first fall: it costs
+    the best length's steps, not `longest`'s (a --draft-max of millions is checked per window)."""
+    longest = max(longest, 1)
+    if rate >= 1.0 and row_cost < 1.0:
+        return longest
     best, best_speed = 1, 0.0
-    for k in range(1, max(longest, 1) + 1):
+    for k in range(1, longest + 1):
         speed = expected_tokens(rate, k) / (1.0 + row_cost * k)
-        if speed > best_speed:
-            best, best_speed = k, speed
+        if speed <= best_speed:
+            break
+        best, best_speed = k, speed
     return best
 
 
@@ -92,10 +105,32 @@ class DraftSettings:
                 f"drafts of {self.draft_min}..{self.draft_max} tokens")
 
 
+def _ngram_hash(key: Sequence[int]) -> int:
+    """The hash of one run of tokens (as `_ngram_hashes` gives it)."""
+    h = 0
+    for token in key:
+        h = (h * _HASH_BASE + token) & _HASH_MASK
+    return h
+
+
+def _ngram_hashes(tokens: Sequence[int], n: int) -> list[int]:
+    """The hash of each run of n tokens in `tokens` (len(tokens) - n + 1 of them): in numpy for
+    many (a prompt of 100k tokens is indexed between two windows of the other slots)."""
+    if len(tokens) - n < _NUMPY_FROM:
+        return [_ngram_hash(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    ids = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+    windows = np.lib.stride_tricks.sliding_window_view(ids, n)  # [m, n]
+    out = np.zeros(windows.shape[0], dtype=np.uint64)
+    base = np.uint64(_HASH_BASE)
+    for j in range(n):
+        out = out * base + windows[:, j]  # (arrays wrap around silently)
+    return out.tolist()
+
+
 class NgramDrafter:
-    """One sequence's tokens and an index of its n-grams: key (n tokens) -> the end of its most
-    recent occurrence before the sequence's current end. `propose` looks up the current key;
-    `extend` adds tokens as they are generated."""
+    """One sequence's tokens and an index of its n-grams: key (n tokens, by hash) -> the end of
+    its most recent occurrence before the sequence's current end. `propose` looks up the current
+    key; `extend` adds tokens as they are generated."""
 
     def __init__(self, tokens: Sequence[int], ngram_size: int, draft_max: int,
                  draft_min: int = 0):
@@ -104,7 +139,7 @@ class NgramDrafter:
         # draft); the prior 1 / 1 reads as an acceptance rate of 0.5
         self._accepted, self._missed = 1.0, 1.0
         self._tokens: list[int] = []
-        self._ends: dict[tuple[int, ...], int] = {}
+        self._ends: dict[int, int] = {}  # a key's hash -> where its last occurrence ends
         self.extend(tokens)
 
     @property
@@ -118,8 +153,10 @@ class NgramDrafter:
         old = len(self._tokens)
         self._tokens.extend(int(t) for t in tokens)
         n, seq = self.n, self._tokens
-        for end in range(max(old, n), len(seq)):
-            self._ends[tuple(seq[end - n:end])] = end
+        first = max(old, n)  # the end of the first key to index
+        if first < len(seq):
+            hashes = _ngram_hashes(seq[first - n:len(seq) - 1], n)
+            self._ends.update(zip(hashes, range(first, len(seq))))  # later ones win
 
     @property
     def acceptance(self) -> float:
@@ -143,9 +180,11 @@ class NgramDrafter:
     def propose(self, limit: int) -> list[int]:
         """The next draft: `guess(min(limit, self.length))`, or [] when the room left (`limit`)
         is under draft_min."""
-        if int(limit) < max(self.draft_min, 1):
+        limit = int(limit)
+        if limit < max(self.draft_min, 1):
             return []
-        return self.guess(min(int(limit), self.length))
+        length = max(self.draft_min, best_length(self.acceptance, min(self.draft_max, limit)))
+        return self.guess(min(limit, length))
 
     def guess(self, limit: int) -> list[int]:
         """`limit` tokens guessed to follow the sequence, or [] when its current key never
@@ -154,8 +193,9 @@ class NgramDrafter:
         seq = self._tokens
         if limit <= 0 or len(seq) < self.n:
             return []
-        start = self._ends.get(tuple(seq[len(seq) - self.n:]))
-        if start is None:
+        key = seq[len(seq) - self.n:]
+        start = self._ends.get(_ngram_hash(key))
+        if start is None or seq[start - self.n:start] != key:  # (a hash collision)
             return []
         out: list[int] = []
         for i in range(limit):
