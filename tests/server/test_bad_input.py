@@ -90,6 +90,7 @@ def test_wrong_types(live, field, value, expected):
     ("max_completion_tokens", -3, ["-3"]),
     ("temperature", -0.1, ["temperature", "-0.1"]),
     ("temperature", 1e400, ["temperature"]),
+    ("top_p", 10**400, ["top_p", "inf"]),  # an integer past float's range was a 500
     ("top_p", -0.1, ["top_p"]),
     ("min_p", 1.5, ["min_p"]),
     ("presence_penalty", 3, ["presence_penalty"]),

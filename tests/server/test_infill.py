@@ -94,6 +94,11 @@ def test_streamed_infill_equals_the_whole_answer(fim_server, fim_reference):
     assert [f["stop"] for f in frames] == [False] * (len(frames) - 1) + [True]
     assert "".join(f["content"] for f in frames) == "".join(e.text for e in events)
     assert frames[-1]["tokens_predicted"] == len(events) and frames[-1]["stop_type"] == "limit"
+    # the ids: in every piece of a stream, and with return_tokens (it was ignored here)
+    assert [t for f in frames for t in f["tokens"]] == [e.token_id for e in events]
+    whole = infill(fim_server, {"input_prefix": PREFIX, "input_suffix": SUFFIX, "prompt": "re",
+                                "n_predict": 8, "temperature": 0, "return_tokens": True})
+    assert whole.json()["tokens"] == [e.token_id for e in events]
 
 
 def test_a_fim_token_ends_the_middle(fim_server, fim_reference):

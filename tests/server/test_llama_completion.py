@@ -43,10 +43,71 @@ def test_token_and_mixed_prompts(live, reference):
     tail = reference.tokenize(" red, green,", add_special=False)
     events = engine_events(reference, head + tail, 6)
     want = "".join(e.text for e in events)
-    for prompt in (head + tail, ["Colours:", *tail], ["Colours:", " red, green,"]):
+    for prompt in (head + tail, ["Colours:", *tail], [head + tail],
+                   {"prompt_string": ["Colours:", *tail]}):
         out = post(live, {"prompt": prompt, "n_predict": 6, "temperature": 0}).json()
         assert out["content"] == want, prompt
         assert out["tokens_evaluated"] == len(head + tail)
+
+
+def test_a_list_of_prompts_is_refused_and_a_list_of_one_is_that_prompt(live):
+    """llama.cpp reads an array without a token id at its top as a list of prompts: two
+    strings are two prompts (they were answered as one, their concatenation); one is that
+    prompt, as is llama.cpp's {"prompt_string": ...}."""
+    body = {"n_predict": 4, "temperature": 0}
+    reply = post(live, dict(body, prompt=["Colours:", " red, green,"]))
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "prompt" and "several prompts (2" in error["message"]
+    want = post(live, dict(body, prompt=PROMPT)).json()["content"]
+    for prompt in ([PROMPT], {"prompt_string": PROMPT}, [{"prompt_string": PROMPT}]):
+        reply = post(live, dict(body, prompt=prompt))
+        assert reply.status_code == 200, (prompt, reply.text)
+        assert reply.json()["content"] == want and reply.json()["prompt"] == PROMPT
+    reply = post(live, dict(body, prompt={"prompt_string": PROMPT, "multimodal_data": ["x"]}))
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "prompt.multimodal_data"
+
+
+def test_llama_cpp_spellings_of_seed_temperature_and_logit_bias(live, reference):
+    """What llama.cpp's front ends send: `seed` -1 (or 4294967295) for a random seed, a
+    negative `temperature` for greedy, `logit_bias` as [[token, bias]] pairs (a token by id or
+    by text, false: banned) or an object keyed by text; each was a 400."""
+    tokens = reference.tokenize(PROMPT, add_special=True)
+    first = engine_events(reference, tokens, 1)[0].token_id
+    text_ids = reference.tokenizer.encode_plain(" blue")
+    banned = {first: -100.0, **{t: -100.0 for t in text_ids}}
+    want = "".join(e.text for e in engine_events(reference, tokens, 6, logit_bias=banned))
+    for bias in ([[first, False], [" blue", False]], {str(first): False, " blue": -100}):
+        reply = post(live, {"prompt": PROMPT, "n_predict": 6, "temperature": -1, "seed": -1,
+                            "logit_bias": bias})
+        assert reply.status_code == 200, (bias, reply.text)
+        assert reply.json()["content"] == want
+        assert reply.json()["generation_settings"]["logit_bias"] == [
+            {"bias": -100.0, "token": t} for t in sorted(banned)]
+    sampled = {"prompt": PROMPT, "n_predict": 6, "temperature": 1.0}
+    for seed in (-1, 2**32 - 1):
+        assert post(live, dict(sampled, seed=seed)).status_code == 200
+    for bias, param in (([[first]], "logit_bias[0]"), ([[first, True]], "logit_bias[0][1]"),
+                        ([[-3, 1]], "logit_bias[0][0]"), ([[None, 1]], "logit_bias[0][0]"),
+                        ({"": 1}, "logit_bias.")):
+        reply = post(live, {"prompt": PROMPT, "logit_bias": bias})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_generation_settings_as_llama_cpp_names_them(live):
+    """The answer's `generation_settings` (llama.cpp's own response_fields example names
+    "generation_settings/n_predict"; it was left out)."""
+    out = post(live, {"prompt": PROMPT, "n_predict": 3, "temperature": 0, "top_k": 5,
+                      "stop": ["zz"], "n_probs": 2}).json()
+    settings = out["generation_settings"]
+    assert (settings["n_predict"], settings["temperature"], settings["top_k"],
+            settings["stop"], settings["n_probs"]) == (3, 0.0, 5, ["zz"], 2)
+    picked = post(live, {"prompt": PROMPT, "n_predict": 3, "response_fields":
+                         ["content", "generation_settings/n_predict"]}).json()
+    assert set(picked) == {"content", "generation_settings/n_predict"}
+    assert picked["generation_settings/n_predict"] == 3
+    assert post(live, {"prompt": PROMPT}).json()["generation_settings"]["n_predict"] == -1
 
 
 def test_stream_pieces_make_the_content(live):
@@ -60,6 +121,10 @@ def test_stream_pieces_make_the_content(live):
     assert "".join(c["content"] for c in chunks) == whole["content"]
     assert [c["stop"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
     assert chunks[-1]["tokens_predicted"] == whole["tokens_predicted"]
+    # as llama.cpp's, a stream's pieces carry their token ids without return_tokens
+    ids = [t for c in chunks for t in c["tokens"]]
+    assert len(ids) == whole["tokens_predicted"] and whole["tokens"] == []
+    assert post(live, dict(body, return_tokens=True)).json()["tokens"] == ids
 
 
 def test_n_probs_and_return_tokens(live, reference):

@@ -139,6 +139,28 @@ def test_a_save_that_cannot_be_written_says_why(live, engine, folder, tmp_path):
         files.save(0, "a.bin")
 
 
+def test_a_save_path_gone_before_the_first_action_is_named(model_path, tmp_path):
+    """--slot-save-path removed after the start: save and restore are a 500 naming the
+    folder (it was a bare 500 "internal_error" and a traceback), erase needs no folder."""
+    gone = tmp_path / "slots"
+    gone.mkdir()
+    server = start_live_server(Engine(EngineConfig(model_path, n_ctx=N_CTX_TOKENS, threads=2)),
+                               ServerConfig(model_id="tiny", slot_save_path=str(gone)))
+    try:
+        complete(server, PROMPT[:10], 2)
+        gone.rmdir()
+        for what in ("save", "restore"):
+            reply = action(server, 0, what, filename="a.bin")
+            assert reply.status_code == 500, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "server_error" and "is not a folder" in error["message"]
+        reply = action(server, 0, "erase")  # the prompt and the reply's first token
+        assert reply.status_code == 200 and reply.json() == {"id_slot": 0, "n_erased": 11}
+        assert complete(server, [1, 2, 3], 2)["usage"]["completion_tokens"] == 2
+    finally:
+        server.stop()
+
+
 def test_a_busy_slot_is_a_conflict(model_path, folder):
     engine = Engine(EngineConfig(model_path, n_ctx=N_CTX_TOKENS, threads=2))
     gate = StepGate(engine)

@@ -19,6 +19,18 @@ def test_tokenize_and_detokenize_round_trip(live, reference):
     assert post(live, "/detokenize", {"tokens": ids}).json() == {"content": text}
 
 
+def test_parse_special_false_reads_special_spellings_as_text(live, reference):
+    """llama.cpp's `parse_special` (default true): false tokenizes a control token's spelling
+    as plain text (it was ignored: the text's <|im_end|> became the token)."""
+    text = "a<|im_end|>b"
+    ids = post(live, "/tokenize", {"content": text, "parse_special": False}).json()["tokens"]
+    assert ids == reference.tokenizer.encode_plain(text)
+    assert reference.tokenizer.token_id("<|im_end|>") not in ids
+    assert post(live, "/detokenize", {"tokens": ids}).json() == {"content": text}
+    parsed = post(live, "/tokenize", {"content": text, "parse_special": True}).json()["tokens"]
+    assert parsed == reference.tokenize(text, add_special=False) != ids
+
+
 def test_pieces_are_text_or_the_bytes_of_part_of_a_character(live, reference):
     pieces = post(live, "/tokenize", {"content": "a é 🙂", "with_pieces": True}).json()["tokens"]
     assert [p["id"] for p in pieces] == reference.tokenize("a é 🙂", add_special=False)
@@ -38,7 +50,10 @@ def test_bad_requests_name_the_field(live):
                               ("/tokenize", {"content": "a", "with_pieces": "yes"},
                                "with_pieces"),
                               ("/detokenize", {}, "tokens"),
-                              ("/detokenize", {"tokens": [1, "2"]}, "tokens"),
+                              ("/detokenize", {"tokens": [1, "2"]}, "tokens[1]"),
+                              ("/detokenize", {"tokens": "12"}, "tokens"),
+                              ("/tokenize", {"content": "a", "parse_special": 0},
+                               "parse_special"),
                               ("/detokenize", {"tokens": [1, 10**7]}, "tokens[1]"),
                               ("/apply-template", {"messages": "hi"}, "messages")):
         reply = post(live, path, body)
@@ -56,7 +71,8 @@ json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-5, 1
 @given(path=st.sampled_from(["/tokenize", "/detokenize", "/apply-template"]),
        body=st.fixed_dictionaries({}, optional={
            "content": json_values, "tokens": json_values, "with_pieces": json_values,
-           "add_special": json_values, "messages": json_values}))
+           "add_special": json_values, "parse_special": json_values,
+           "messages": json_values}))
 def test_random_bodies_never_get_a_5xx(live, path, body):
     reply = post(live, path, body)
     assert reply.status_code < 500, (path, body, reply.text)

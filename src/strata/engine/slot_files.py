@@ -91,6 +91,3 @@ class SlotFiles:
         return {"id_slot": index, "filename": filename, "n_restored": n,
                 "n_read": path.stat().st_size,
                 "timings": {"restore_ms": 1000 * (time.perf_counter() - started)}}
-
-    def erase(self, index: int) -> dict:
-        return {"id_slot": index, "n_erased": self.engine.scheduler.erase_slot(index)}

@@ -15,7 +15,7 @@ from strata.server.generation import GenerationRoutes, Outcome, _sse_response
 from strata.server.llama_reply import LlamaReply, parse_llama_fields
 from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.prompting import check_prompt_fits, completion_prompt_tokens
-from strata.server.schema import _boolean, _integer, _string, _wrong_type, parse_json_body
+from strata.server.schema import _integer, _string, _wrong_type, parse_json_body
 
 
 class CompletionRoutes(GenerationRoutes):
@@ -23,7 +23,7 @@ class CompletionRoutes(GenerationRoutes):
         started_s = time.perf_counter()
         body = parse_json_body(request.get_data())
         engine = self._engine()
-        fields = parse_llama_fields(body, engine.n_ctx)
+        fields = parse_llama_fields(body, engine.n_ctx, engine.tokenizer)
         self.check_model(_string(body, "model"))
         tokens, text = _prompt(engine, body.get("prompt"))
         check_prompt_fits(len(tokens), engine.n_ctx, "prompt")
@@ -31,7 +31,7 @@ class CompletionRoutes(GenerationRoutes):
         reply = LlamaReply(self, job, fields, Outcome(len(tokens)), started_s,
                            AnswerLogprobs.of(engine, fields.options),
                            min_indent=_integer(body, "n_indent", 0, 2**31) or 0,
-                           prompt_text=text, returns_tokens=_boolean(body, "return_tokens"))
+                           prompt_text=text)
         if fields.options.is_stream:
             return _sse_response(reply.stream())
         return jsonify(reply.collect())
@@ -39,29 +39,49 @@ class CompletionRoutes(GenerationRoutes):
 
 def _prompt(engine, prompt) -> tuple[list[int], str]:
     """The prompt's tokens and text: a string (with the model's BOS, as llama.cpp adds it),
-    token ids, or a list mixing strings and ids (only a leading string gets the BOS)."""
+    token ids, a list mixing strings and ids (only a leading string gets the BOS), or
+    llama.cpp's `{"prompt_string": ...}`. As llama.cpp reads it, an array with no token id at
+    its top is a list of prompts: one prompt in it is answered, several are refused."""
     if prompt is None:
         raise ApiError(400, "'prompt' is required: a string, an array of token ids, or an "
                        "array mixing strings and token ids.", param="prompt",
                        code="missing_required_parameter")
+    param = "prompt"
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list, dict))
+                                                   for p in prompt):
+        if len(prompt) > 1:  # ["a", "b"] is two prompts to llama.cpp, not "ab"
+            raise invalid(f"'prompt' holds several prompts ({len(prompt)}: an array of "
+                          "strings or of arrays is a list of prompts); this server answers one "
+                          "prompt per request: send each in a request of its own.", "prompt")
+        prompt, param = prompt[0], "prompt[0]"  # a list of one prompt: that prompt
+    if isinstance(prompt, dict):
+        if prompt.get("multimodal_data"):
+            raise invalid(f"'{param}.multimodal_data' is not supported: this server reads "
+                          "text only; send the prompt without images or audio.",
+                          f"{param}.multimodal_data", "unsupported_value")
+        param += ".prompt_string"
+        prompt = prompt.get("prompt_string")
+        if prompt is None:
+            raise _wrong_type(param, prompt, "a string or an array of strings and token ids")
     if isinstance(prompt, str):
         pieces = [prompt]
     elif isinstance(prompt, list):
         pieces = prompt
-        if any(isinstance(p, list) for p in pieces):
-            raise invalid("'prompt' holds several prompts; this server answers one prompt per "
-                          "request: send each in a request of its own.", "prompt")
     else:
-        raise _wrong_type("prompt", prompt, "a string or an array of strings and token ids")
+        raise _wrong_type(param, prompt, "a string or an array of strings and token ids")
     tokens: list[int] = []
     for i, piece in enumerate(pieces):
         if isinstance(piece, str):
             tokens += engine.tokenize(piece, add_special=i == 0)
-        elif isinstance(piece, int) and not isinstance(piece, bool):
-            tokens += completion_prompt_tokens(engine, [piece])
+        elif _is_token_id(piece):
+            tokens += completion_prompt_tokens(engine, [piece], param)
         else:
-            raise _wrong_type(f"prompt[{i}]", piece, "a string or a token id")
+            raise _wrong_type(f"{param}[{i}]", piece, "a string or a token id")
     if not tokens:
-        raise invalid("'prompt' is empty: send at least one character or token.", "prompt")
+        raise invalid(f"'{param}' is empty: send at least one character or token.", param)
     text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(tokens)
     return tokens, text
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

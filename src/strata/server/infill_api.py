@@ -31,7 +31,7 @@ class InfillRoutes(GenerationRoutes):
         started_s = time.perf_counter()
         body = parse_json_body(request.get_data())
         engine = self._engine()
-        req = parse_infill_request(body, engine.n_ctx)
+        req = parse_infill_request(body, engine.n_ctx, engine.tokenizer)
         self.check_model(req.model)
         fim = fim_tokens(engine, "input_prefix")
         middle = req.options.max_tokens or min(DEFAULT_MIDDLE_TOKENS, engine.n_ctx // 4)

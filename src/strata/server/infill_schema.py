@@ -42,8 +42,8 @@ def _extra_files(value) -> list[tuple[str, str]]:
     return out
 
 
-def parse_infill_request(body: dict, n_ctx: int) -> InfillRequest:
-    fields = parse_llama_fields(body, n_ctx)
+def parse_infill_request(body: dict, n_ctx: int, tokenizer) -> InfillRequest:
+    fields = parse_llama_fields(body, n_ctx, tokenizer)
     text = InfillText(prefix=_text(body, "input_prefix"), suffix=_text(body, "input_suffix"),
                       prompt=_text(body, "prompt"), extra=_extra_files(body.get("input_extra")),
                       filename=_string(body, "filename") or None)

@@ -9,14 +9,18 @@ from contextlib import closing
 from dataclasses import dataclass
 
 from strata.engine.logprobs import MAX_TOP_LOGPROBS
-from strata.server.api_error import ApiError
+from strata.server.api_error import ApiError, invalid
 from strata.server.generation import Outcome, _generated
 from strata.server.line_limits import LineLimits
 from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.openai_format import SSE_KEEPALIVE, sse
-from strata.server.schema import (GenerationOptions, _integer, _number, _wrong_type,
+from strata.server.schema import (GenerationOptions, _boolean, _integer, _number, _wrong_type,
                                   llama_json_schema, parse_options)
+from strata.server.slots_api import RANDOM_SEED, sampling_fields
 from strata.server.worker import Job
+
+# llama.cpp's seeds for "a random one": -1 and LLAMA_DEFAULT_SEED (what /props shows)
+RANDOM_SEEDS = (-1, RANDOM_SEED)
 
 
 @dataclass
@@ -26,16 +30,19 @@ class LlamaFields:
     is_warm_up: bool = False  # n_predict 0: read the prompt into the cache, generate nothing
     max_predict_ms: int = 0  # t_max_predict_ms: past this, the next line break ends it (0: off)
     response_fields: list[str] | None = None  # only these fields in the answer
+    returns_tokens: bool = False  # return_tokens: the generated ids in `tokens`
+    n_predict: int = -1  # the answer's generation_settings (-1: up to the context's end)
 
 
-def parse_llama_fields(body: dict, n_ctx: int) -> LlamaFields:
-    options = parse_options(body, n_ctx)
+def parse_llama_fields(body: dict, n_ctx: int, tokenizer) -> LlamaFields:
+    options = parse_options(_openai_spellings(body, tokenizer), n_ctx)
     # llama.cpp's n_predict beside OpenAI's max_tokens: -1 runs to the context's end, 0 only
     # reads the prompt (an editor warming the cache with the files it will send)
     n_predict = _integer(body, "n_predict", -1, 2**31)
     is_warm_up = n_predict == 0 and options.max_tokens is None
     if options.max_tokens is None and n_predict is not None and n_predict > 0:
         options.max_tokens = min(n_predict, n_ctx)
+    shown_n_predict = 0 if is_warm_up else options.max_tokens or -1
     if is_warm_up:
         options.max_tokens = 1  # the one token is not sent
     if options.repetition_penalty is None:  # llama.cpp's name for it
@@ -48,7 +55,63 @@ def parse_llama_fields(body: dict, n_ctx: int) -> LlamaFields:
         options.logprobs = n_probs
     return LlamaFields(options, is_warm_up,
                        max_predict_ms=_integer(body, "t_max_predict_ms", 0, 2**31) or 0,
-                       response_fields=_response_fields(body.get("response_fields")))
+                       response_fields=_response_fields(body.get("response_fields")),
+                       returns_tokens=_boolean(body, "return_tokens"),
+                       n_predict=shown_n_predict)
+
+
+def _openai_spellings(body: dict, tokenizer) -> dict:
+    """`body` with llama.cpp's spellings of the fields it shares with OpenAI's API in OpenAI's,
+    as llama.cpp reads them: `seed` -1 or 4294967295 a random seed, a negative `temperature`
+    greedy, and `logit_bias` as [[token, bias], ...] or an object, a token given by its id or
+    by a text (each of the text's tokens biased) and a bias of false banning it."""
+    out = dict(body)
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed in RANDOM_SEEDS:
+        del out["seed"]
+    temperature = body.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
+            and temperature < 0:
+        out["temperature"] = 0.0
+    bias = body.get("logit_bias")
+    if isinstance(bias, list) or (isinstance(bias, dict) and not all(
+            k.isascii() and k.isdigit() and not isinstance(v, bool) for k, v in bias.items())):
+        out["logit_bias"] = _llama_logit_bias(bias, tokenizer)
+    return out
+
+
+def _llama_logit_bias(bias, tokenizer) -> dict[str, object]:
+    """llama.cpp's `logit_bias` as OpenAI's object (token id -> bias), checked there."""
+    if isinstance(bias, dict):  # the errors name "logit_bias.KEY"
+        pairs = [(f"logit_bias.{k}", f"logit_bias.{k}", k, v) for k, v in bias.items()]
+    else:
+        pairs = []
+        for i, pair in enumerate(bias):
+            param = f"logit_bias[{i}]"
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise _wrong_type(param, pair, "a [token, bias] pair")
+            pairs.append((f"{param}[0]", f"{param}[1]", *pair))
+    out: dict[str, object] = {}
+    for token_param, bias_param, token, value in pairs:
+        if value is False:  # llama.cpp's "never": the lowest bias there is here
+            value = -100.0
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _wrong_type(bias_param, value, "a number or false")
+        is_id = isinstance(token, int) and not isinstance(token, bool)
+        if isinstance(token, str) and not (token.isascii() and token.isdigit()):
+            ids = tokenizer.encode_plain(token)
+            if not ids:
+                raise invalid(f"'{token_param}' names an empty text: name a token by its id "
+                              "or by a text.", token_param)
+        elif isinstance(token, str) or (is_id and token >= 0):
+            ids = [token]
+        elif is_id:
+            raise invalid(f"'{token_param}' is {token}, not a token id (0 or more).",
+                          token_param)
+        else:
+            raise _wrong_type(token_param, token, "a token id or a text")
+        out.update((str(t), value) for t in ids)
+    return out
 
 
 def _response_fields(value) -> list[str] | None:
@@ -64,13 +127,12 @@ class LlamaReply:
 
     def __init__(self, routes, job: Job, req: LlamaFields, outcome: Outcome, started_s: float,
                  logprobs: AnswerLogprobs, is_truncated: bool = False, min_indent: int = 0,
-                 prompt_text: str | None = None, returns_tokens: bool = False):
+                 prompt_text: str | None = None):
         self.routes, self.job, self.req, self.outcome = routes, job, req, outcome
         self.limits = LineLimits(min_indent, req.max_predict_ms)
         self.logprobs = logprobs
         self.is_truncated = is_truncated
         self.prompt_text = prompt_text  # /completion's answer names its prompt
-        self.returns_tokens = returns_tokens  # return_tokens: the token ids of each piece
         self._token_ids: list[int] = []  # generated, not yet sent
         self.started_s = started_s
         self.first_token_s: float | None = None
@@ -107,11 +169,14 @@ class LlamaReply:
     def collect(self) -> dict:
         """The whole answer's result fields."""
         content = "".join(p for p in self._pieces() if p is not None)
-        return self.result(content, self.logprobs.llama(), self._take_tokens())
+        return self.result(content, self.logprobs.llama(),
+                           self._take_tokens(self.req.returns_tokens))
 
-    def _take_tokens(self) -> list[int]:
+    def _take_tokens(self, is_asked: bool = True) -> list[int]:
+        """The generated ids not sent yet; `is_asked` False: none (a whole answer without
+        return_tokens; a stream's pieces carry theirs always, as llama.cpp's do)."""
         taken, self._token_ids = self._token_ids, []
-        return taken if self.returns_tokens else []
+        return taken if is_asked else []
 
     def stream(self):
         base = {"index": 0, "stop": False, "id_slot": -1}
@@ -161,6 +226,7 @@ class LlamaReply:
             "truncated": self.is_truncated,
             "stop_type": stop_type,
             "stopping_word": self.outcome.stop_string or "",
+            "generation_settings": sampling_fields(self.job.params, self.req.n_predict),
             "timings": {
                 "prompt_n": num_read, "prompt_ms": prompt_ms,
                 "prompt_per_token_ms": prompt_ms / max(num_read, 1),

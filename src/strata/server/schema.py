@@ -142,7 +142,10 @@ def _number(body: dict, key: str, low: float, high: float, *, low_open: bool = F
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _wrong_type(param, value, "a number")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer past float's range: refused below as not finite
+        value = math.inf if value > 0 else -math.inf
     is_low_ok = value > low if low_open else value >= low
     if not (math.isfinite(value) and is_low_ok and value <= high):
         bracket = "(" if low_open else "["

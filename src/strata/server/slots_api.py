@@ -11,7 +11,7 @@ import strata
 from strata.engine.sampling import SamplingParams
 from strata.engine.scheduler import SlotState
 from strata.engine.slot_files import SlotFiles
-from strata.errors import RequestError, StrataError
+from strata.errors import ConfigError, RequestError, StrataError
 from strata.server.api_error import ApiError, missing
 from strata.server.generation import GenerationRoutes
 from strata.server.schema import parse_json_body
@@ -119,14 +119,15 @@ class SlotsRoutes(GenerationRoutes):
         if action != "erase" and filename is None:
             raise missing("filename", "the slot file's name in --slot-save-path")
         engine = self._engine()
-        if self._files is None or self._files.engine is not engine:
-            self._files = SlotFiles(folder, engine)
-        files = self._files
+        if action == "erase":  # no file: the folder is not needed
 
-        def run(_engine):
-            if action == "erase":
-                return files.erase(id_slot)
-            return getattr(files, action)(id_slot, filename)
+            def run(_engine):
+                return {"id_slot": id_slot, "n_erased": _engine.scheduler.erase_slot(id_slot)}
+        else:
+            files = self._slot_files(folder, engine)
+
+            def run(_engine):
+                return getattr(files, action)(id_slot, filename)
 
         try:
             return jsonify(self.state.worker.call(run))
@@ -136,3 +137,14 @@ class SlotsRoutes(GenerationRoutes):
                            code="slot_busy" if busy else "invalid_request") from e
         except StrataError as e:  # the server's side (the folder gone, a full disk): named
             raise ApiError(500, str(e), code="server_error") from e
+
+    def _slot_files(self, folder: str, engine) -> SlotFiles:
+        """The engine's slot files in `folder`; a folder gone since the start is the
+        server's fault, named (it was a bare 500 "internal_error")."""
+        if self._files is None or self._files.engine is not engine:
+            try:
+                self._files = SlotFiles(folder, engine)
+            except ConfigError as e:
+                raise ApiError(500, f"{e} (it was there when the server started)",
+                               code="server_error") from e
+        return self._files

@@ -29,8 +29,16 @@ class TokenRoutes(GenerationRoutes):
             raise missing("content", "the text to tokenize")
         if not isinstance(content, str):
             raise _wrong_type("content", content, "a string")
-        # as llama.cpp: special tokens written in the text become their ids, BOS only if asked
-        ids = engine.tokenize(content, add_special=_boolean(body, "add_special"))
+        # as llama.cpp: special tokens written in the text become their ids (parse_special
+        # false: plain text), BOS only if asked
+        is_bos_added = _boolean(body, "add_special")
+        if _boolean(body, "parse_special", True):
+            ids = engine.tokenize(content, add_special=is_bos_added)
+        else:
+            tokenizer = engine.tokenizer
+            ids = tokenizer.encode_plain(content)
+            if is_bos_added and tokenizer.add_bos and tokenizer.bos_id is not None:
+                ids = [tokenizer.bos_id] + ids
         if not _boolean(body, "with_pieces"):
             return jsonify({"tokens": ids})
         tokenizer = engine.tokenizer
@@ -42,11 +50,12 @@ class TokenRoutes(GenerationRoutes):
         ids = body.get("tokens")
         if ids is None:
             raise missing("tokens", "an array of token ids")
-        if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, list):
             raise _wrong_type("tokens", ids, "an array of token ids")
         vocab = engine.tokenizer.vocab_size
         for i, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise _wrong_type(f"tokens[{i}]", token, "a token id (an integer)")
             if not 0 <= token < vocab:
                 raise invalid(f"'tokens[{i}]' is {token}, outside the vocabulary [0, {vocab}).",
                               f"tokens[{i}]")
