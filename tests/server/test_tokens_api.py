@@ -44,6 +44,13 @@ def test_apply_template_is_the_chat_prompt(live, reference):
     assert reply == {"prompt": reference.render_chat(USER, add_generation_prompt=True)}
 
 
+def test_apply_template_without_the_generation_prompt(live, reference):
+    # llama.cpp honours add_generation_prompt: false; it was ignored (the header was added)
+    reply = post(live, "/apply-template", {"messages": USER, "add_generation_prompt": False})
+    assert reply.json() == {"prompt": reference.render_chat(USER, add_generation_prompt=False)}
+    assert reply.json() != post(live, "/apply-template", {"messages": USER}).json()
+
+
 def test_bad_requests_name_the_field(live):
     for path, body, param in (("/tokenize", {}, "content"),
                               ("/tokenize", {"content": 3}, "content"),

@@ -74,9 +74,12 @@ def _param_types(tools: list[dict]) -> dict[str, dict[str, str | tuple]]:
     return out
 
 
-def build_chat_prompt(engine, req: ChatRequest, param: str = "messages") -> ChatPrompt:
+def build_chat_prompt(engine, req: ChatRequest, param: str = "messages",
+                      add_generation_prompt: bool = True) -> ChatPrompt:
     """`param` names the request field that holds the conversation ("messages", or the
-    Responses API's "input"): a template that refuses it is a 400 naming that field."""
+    Responses API's "input"): a template that refuses it is a 400 naming that field.
+    `add_generation_prompt` False (llama.cpp's /apply-template may ask it): the prompt ends
+    with the last message, without the assistant's header."""
     clash = [k for k in _RESERVED_TEMPLATE_KWARGS if k in req.chat_template_kwargs]
     if clash:
         raise invalid(f"'chat_template_kwargs' may not set {clash[0]!r}: the server sets it "
@@ -87,7 +90,8 @@ def build_chat_prompt(engine, req: ChatRequest, param: str = "messages") -> Chat
         tools = [t for t in tools if t["function"]["name"] == name]
     messages = _with_system_note(req.messages, _instructions(req))
     try:
-        text = engine.render_chat(messages, tools=tools, add_generation_prompt=True,
+        text = engine.render_chat(messages, tools=tools,
+                                  add_generation_prompt=add_generation_prompt,
                                   **req.chat_template_kwargs) + req.assistant_prefill
     except RequestError as exc:
         raise invalid(str(exc), param, "template_error") from None

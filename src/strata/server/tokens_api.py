@@ -66,5 +66,7 @@ class TokenRoutes(GenerationRoutes):
         body = parse_json_body(request.get_data())
         engine = self._engine()
         req = parse_chat_request(body, engine.n_ctx)
-        prompt = build_chat_prompt(engine, req)
+        # as llama.cpp's: add_generation_prompt (default true) false leaves the header out
+        prompt = build_chat_prompt(engine, req, add_generation_prompt=_boolean(
+            body, "add_generation_prompt", True))
         return jsonify({"prompt": prompt.text})
