@@ -229,3 +229,12 @@ def test_a_json_schema_holds_the_answer(live, reference):
                         ({"json_schema": {}, "grammar": 'root ::= "a"'}, "send one of them")):
         bad = post(live, dict(body, prompt=PROMPT))
         assert bad.status_code == 400 and words in bad.json()["error"]["message"], bad.text
+
+
+def test_tokens_cached_is_what_the_slot_keeps(live):
+    # llama.cpp's n_past: the slot's KV after the answer (the last token not read back); it
+    # counted that token too, n_ctx + 1 for a prompt that filled the context
+    out = post(live, {"prompt": PROMPT, "n_predict": 6, "temperature": 0}).json()
+    slots = requests.get(live.url + "/slots", timeout=30).json()
+    assert out["tokens_cached"] in [s["n_kv_tokens"] for s in slots]
+    assert out["tokens_cached"] == out["tokens_evaluated"] + out["tokens_predicted"] - 1

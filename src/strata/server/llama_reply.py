@@ -221,7 +221,9 @@ class LlamaReply:
             "model": self.routes.state.model_id,
             "tokens_predicted": self.num_tokens,
             "tokens_evaluated": self.outcome.num_prompt_tokens,
-            "tokens_cached": self.outcome.num_prompt_tokens + self.num_tokens,
+            # llama.cpp's n_past: the tokens the slot's KV holds, the last generated one not
+            # read back (at a full context it may not be: this was n_ctx + 1 there)
+            "tokens_cached": self.outcome.num_prompt_tokens + max(self.num_tokens - 1, 0),
             "has_new_line": self.limits.has_new_line,
             "truncated": self.is_truncated,
             "stop_type": stop_type,
