@@ -118,7 +118,8 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, re
         params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repetition_penalty=repeat_penalty,
                                 repeat_last_n=repeat_last_n, max_tokens=max_tokens,
-                                seed=seed, grammar=grammar or None)
+                                seed=seed, grammar=grammar or None,
+                                reasoning_lead=not raw)  # --raw: the grammar holds it all
         engine = Engine(EngineConfig(path, n_ctx=ctx_size, threads=threads, seed=seed,
                                      device=device, parallel=parallel,
                                      **read_chunk_fields(read_chunk),

@@ -154,14 +154,15 @@ class TokenDecoder:
             constraint = JsonObjectConstraint(
                 tokenizer, set(params.stop_token_ids) | tokenizer.stop_ids,
                 starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens),
-                schema=params.json_schema)
+                schema=params.json_schema, reasoning_lead=params.reasoning_lead)
         elif params.grammar is not None:  # the stop tokens only at a sentence's end
             from strata.engine.gbnf import compiled_grammar
 
             constraint = TextConstraint(
                 tokenizer, set(params.stop_token_ids) | tokenizer.stop_ids,
                 compiled_grammar(params.grammar).bound(tokenizer).recognizer(),
-                starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens))
+                starts_in_reasoning=opens_reasoning(tokenizer, prompt_tokens),
+                reasoning_lead=params.reasoning_lead)
         elif params.tool_call_required:  # the stop tokens only after a call
             constraint = RequiredToolCallConstraint(
                 tokenizer, params.held_tool_calls,

@@ -366,7 +366,8 @@ class TextConstraint:
     the recognizer is done. Special tokens and tags (the tokenizer's added ones) never are,
     inside the held text."""
 
-    def __init__(self, tokenizer, stop_ids, recognizer, starts_in_reasoning: bool = False):
+    def __init__(self, tokenizer, stop_ids, recognizer, starts_in_reasoning: bool = False,
+                 reasoning_lead: bool = True):
         self._tokenizer = tokenizer
         self._stop_ids = frozenset(stop_ids)
         self._special = tokenizer.special_ids
@@ -374,9 +375,10 @@ class TextConstraint:
         self.think = ThinkingLead(starts_in_reasoning)
         self.recognizer = recognizer
         # a GBNF grammar with token items (gbnf.TokenRef) reads whole tokens too, and it
-        # describes the whole output: no reasoning block of its own before it
+        # describes the whole output: no reasoning block of its own before it; nor is there
+        # one where the caller says the whole output is held (`reasoning_lead` False)
         self._by_token = bool(getattr(recognizer, "has_tokens", False))
-        if self._by_token:
+        if self._by_token or not reasoning_lead:
             self.think.is_thinking = self.think.is_first = False
 
     @property
@@ -443,11 +445,11 @@ class JsonObjectConstraint(TextConstraint):
     it), after any `<think>` block."""
 
     def __init__(self, tokenizer, stop_ids, starts_in_reasoning: bool = False,
-                 schema: dict | None = None):
+                 schema: dict | None = None, reasoning_lead: bool = True):
         if schema is None:
             recognizer = JsonRecognizer()
         else:  # the schema's structure too (json_schema.py says what is held)
             from strata.engine.json_schema import SchemaRecognizer, compile_schema
 
             recognizer = SchemaRecognizer(compile_schema(schema))
-        super().__init__(tokenizer, stop_ids, recognizer, starts_in_reasoning)
+        super().__init__(tokenizer, stop_ids, recognizer, starts_in_reasoning, reasoning_lead)

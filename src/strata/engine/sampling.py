@@ -42,6 +42,10 @@ class SamplingParams:
     # llama.cpp's GBNF grammar: the output (after any <think> block) is a sentence of it,
     # engine/gbnf.py; excludes json_object and held_tool_calls
     grammar: str | None = None
+    # a reasoning model's <think> block may come before what json_object or grammar hold (a
+    # chat template's prompt); False: they hold the whole output, as llama.cpp's grammars do
+    # (a raw prompt: /completion, /infill, /v1/completions, `strata run --raw`)
+    reasoning_lead: bool = True
     # each <tool_call> block a call of one of these functions ({"name", "parameters"}), in the
     # form tool_call_form says ("json": Qwen's, "xml": Qwen3-Coder's <function=...>):
     # engine/tool_call_constraint.py (the server sets both from the chat template)

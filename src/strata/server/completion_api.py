@@ -27,7 +27,7 @@ class CompletionRoutes(GenerationRoutes):
         self.check_model(_string(body, "model"))
         tokens, text = _prompt(engine, body.get("prompt"))
         check_prompt_fits(len(tokens), engine.n_ctx, "prompt")
-        job = self._submit(tokens, fields.options, engine)
+        job = self._submit(tokens, fields.options, engine, is_raw_prompt=True)
         reply = LlamaReply(self, job, fields, Outcome(len(tokens)), started_s,
                            AnswerLogprobs.of(engine, fields.options),
                            min_indent=_integer(body, "n_indent", 0, 2**31) or 0,

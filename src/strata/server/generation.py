@@ -69,16 +69,18 @@ class GenerationRoutes:
         return worker.engine
 
     def _submit(self, prompt_tokens: list[int], options: GenerationOptions, engine,
-                events=None, choice: int = 0) -> Job:
+                events=None, choice: int = 0, is_raw_prompt: bool = False) -> Job:
         """Queue one answer (`choice` of a request's `n`, or of its best_of candidates: its
         seed is the request's + choice, so seeded choices differ and repeat); `events`: its
-        job's queue (a ChoiceQueue)."""
+        job's queue (a ChoiceQueue). `is_raw_prompt`: the client wrote the prompt (no chat
+        template), so a grammar holds the whole output, no <think> block before it."""
         if options.thinking_budget is None:  # --reasoning-budget
             options.thinking_budget = self.state.config.reasoning_budget
         if choice and options.seed is not None:
             options = replace(options, seed=(options.seed + choice) % 2**63)
         params = sampling_params(options, len(prompt_tokens), engine.n_ctx,
-                                 min(engine.tokenizer.vocab_size, engine.spec.vocab))
+                                 min(engine.tokenizer.vocab_size, engine.spec.vocab),
+                                 reasoning_lead=not is_raw_prompt)
         job = Job(request_id=uuid.uuid4().hex[:12], prompt_tokens=prompt_tokens, params=params)
         if events is not None:
             job.events = events
@@ -275,7 +277,7 @@ class GenerationRoutes:
             tokens, echo = prompts[index // req.best_of]
             # a prompt's candidate j draws with seed + j, as a request of that prompt alone
             job = self._submit(tokens, options, engine, events=events,
-                               choice=index % req.best_of)
+                               choice=index % req.best_of, is_raw_prompt=True)
             return _Choice(index, job, Outcome(len(tokens)), AnswerLogprobs.of(
                 engine, req.options, tokens if req.is_echo else None), echo=echo)
 

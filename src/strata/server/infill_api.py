@@ -43,7 +43,7 @@ class InfillRoutes(GenerationRoutes):
                            "or start the server with a larger --ctx-size.", param="prompt",
                            code="context_length_exceeded") from None
         req.options.stop_token_ids = sorted(fim.ids)
-        job = self._submit(prompt.tokens, req.options, engine)
+        job = self._submit(prompt.tokens, req.options, engine, is_raw_prompt=True)
         if prompt.is_truncated:
             log.info("request %s: the completion was cut to %d prompt tokens to leave %d for "
                      "the middle (%d of %d other files kept; the prefix's start and the "

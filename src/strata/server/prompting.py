@@ -160,9 +160,10 @@ def check_prompt_fits(num_prompt_tokens: int, n_ctx: int, param: str = "messages
 
 
 def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: int,
-                    vocab: int) -> SamplingParams:
+                    vocab: int, reasoning_lead: bool = True) -> SamplingParams:
     """The engine's parameters; max_tokens defaults to (and is clipped to) the room left in the
-    context, as OpenAI's API does. `vocab`: the token ids [0, vocab) logit_bias may name."""
+    context, as OpenAI's API does. `vocab`: the token ids [0, vocab) logit_bias may name;
+    `reasoning_lead`: SamplingParams'."""
     if options.grammar is not None and (options.json_object or options.held_tool_calls):
         raise invalid("'grammar' holds the answer to a grammar, and so does a JSON response "
                       "format or 'tools': send one of them (tools with tool_choice 'none' "
@@ -176,7 +177,7 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
     fields = {"max_tokens": max_tokens, "stop": list(options.stop), "seed": options.seed,
               "ignore_eos": options.is_eos_ignored, "logit_bias": dict(options.logit_bias),
               "json_object": options.json_object, "json_schema": options.json_schema,
-              "grammar": options.grammar,
+              "grammar": options.grammar, "reasoning_lead": reasoning_lead,
               "held_tool_calls": options.held_tool_calls,
               "tool_call_form": options.tool_call_form,
               "tool_call_required": options.tool_call_required,
