@@ -237,6 +237,10 @@ class EngineConfig:
             if not all(count is not None and count > 0 for count in counts):
                 raise ConfigError(f"--layer-split {self.layer_split!r}: give auto or a number "
                                   "of layers (>= 1) per GPU, such as 24,24")
+        if self.batch_groups != "auto" and self.batch_groups > 1 and not self.is_split:
+            raise ConfigError(f"--batch-groups {self.batch_groups} pipelines slot groups over "
+                              "the GPUs of a layer split; give --split-device / --layer-split "
+                              "with it, or drop it")
         if self.is_split and self.device == "cpu":
             raise ConfigError("--split-device / --layer-split split the layers over GPUs; "
                               "drop them or use --device cuda (or auto)")

@@ -163,3 +163,11 @@ def test_bench_reads_the_stored_profile_but_never_adds_its_random_routing(tiny, 
                                     "--expert-cache", "8", "--expert-profile", "auto"])
     assert res.exit_code == 0, res.output
     assert stored.read_bytes() == before
+
+
+def test_batch_groups_without_a_split_is_refused(tiny):
+    # it was taken and ignored, as though slot groups were pipelined over one device
+    res = CliRunner().invoke(main, ["run", "--model", tiny, "-n", "1", "--batch-groups", "2",
+                                    "Hi"])
+    assert res.exit_code == 2, res.output
+    assert "--batch-groups 2 pipelines slot groups" in res.stderr
