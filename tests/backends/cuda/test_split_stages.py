@@ -193,8 +193,9 @@ def test_pipelined_lanes_with_every_stage_tier_swapping(path, full, caplog):
     plans = make_windows(np.random.default_rng(7), 40, chunk_tokens=5)
     want = lanes_one_at_a_time(full, plans, "logits")
     devices = [0, 1] if num_gpus() >= 2 else [0, 0]
+    # (the config names the split its model has: --batch-groups needs one)
     model, tier = _split_tier(path, devices, 10, adapt_every=1, adapt_async=True,
-                              batch_groups=2)
+                              batch_groups=2, layer_split="2,2")
     for t in tier.stages:
         t.copy_chunk_bytes = 256
     tier.start(DecayedCountTier(10, decay=0.5, hysteresis=0.0))
