@@ -27,10 +27,24 @@ class SlotView:
     tokens: tuple[int, ...]  # the tokens whose K/V cells the slot holds, in order
     is_busy: bool  # a request is reading or decoding in it
     last_used_tick: int  # logical clock of its last acquire/release; 0 = never used
+    # the lengths its KV can be cut back to besides 0 (a hybrid model's recurrent state exists
+    # only at its checkpoints and its end); None: any length
+    reuse_points: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    def num_reusable(self, prompt_tokens: Sequence[int]) -> int:
+        """The most of this slot's leading cells a request with `prompt_tokens` can keep: the
+        common prefix, but not the prompt's last token (it is read for the first logits), cut
+        back to a reuse point where the slot has them."""
+        from strata.engine.slots import common_prefix_len, max_reusable
+
+        limit = max_reusable(common_prefix_len(self.tokens, prompt_tokens), len(prompt_tokens))
+        if self.reuse_points is None:
+            return limit
+        return max((p for p in self.reuse_points if p <= limit), default=0)
 
     @property
     def is_empty(self) -> bool:

@@ -210,3 +210,22 @@ def test_counts_of_parks_restores_and_evictions():
     assert a not in cache
     cache.take(cache.best_match([3, 9])[0])
     assert (cache.num_parked, cache.num_evicted, cache.num_taken) == (3, 1, 1)
+
+
+def test_a_prefix_lent_to_a_slot_stays_parked_and_evictions_are_logged(caplog):
+    """A slot that keeps only a prefix of an entry (another conversation's system prompt)
+    leaves the entry parked; one that keeps all of it takes it. An eviction says which entry
+    went and why."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="strata.engine")
+    cache = make_cache(1000)
+    k1, = park_all(cache, ([1, 2, 3, 4], 400))
+    assert cache.take(k1, num_used=2).tokens == (1, 2, 3, 4)
+    assert cache.keys() == [k1] and cache.used_bytes == 400 and cache.num_taken == 1
+    assert "parked entry 1 lends its first 2 of 4 tokens; it stays parked" in caplog.text
+    k2, = park_all(cache, ([5, 6], 700))
+    assert cache.keys() == [k2]
+    assert ("parked entry 1 (4 tokens) evicted, the least recently used, to make room for "
+            "entry 2 within 0.0 MiB") in caplog.text
+    assert cache.take(k2, num_used=2).tokens == (5, 6) and cache.num_entries == 0

@@ -139,11 +139,15 @@ def test_default_pick_is_valid_and_takes_the_longest_prefix(prompt, states):
         return
     index, reused = PICKER.pick(prompt, slots)
     assert check_pick(PICKER, (index, reused), prompt, slots) == (index, reused)
-    prefixes = [common_prefix_len(s.tokens, prompt) for s in slots if not s.is_busy]
-    chosen = common_prefix_len(slots[index].tokens, prompt)
-    if max(prefixes) > 0:
-        assert chosen == max(prefixes) and reused == max_reusable(chosen, len(prompt))
-    elif any(s.is_empty for s in slots if not s.is_busy):
+    idle = [s for s in slots if not s.is_busy]
+    most = max(max_reusable(common_prefix_len(s.tokens, prompt), len(prompt)) for s in idle)
+    chosen = max_reusable(common_prefix_len(slots[index].tokens, prompt), len(prompt))
+    keeps_all = [s for s in idle if s.num_reusable(prompt) == most == s.num_tokens]
+    if most > 0 and (keeps_all or not any(s.is_empty for s in idle)):
+        assert chosen == most and reused == most
+        least_lost = min(s.num_tokens - most for s in idle if s.num_reusable(prompt) == most)
+        assert slots[index].num_tokens - most == least_lost  # cuts the least it can
+    elif any(s.is_empty for s in idle):
         assert slots[index].is_empty
     else:
         idle_ticks = [s.last_used_tick for s in slots if not s.is_busy]
@@ -321,8 +325,8 @@ def test_place_request_checks_a_plugin_answer():
 def test_a_busy_slots_longer_prefix_is_copied():
     """Another request's slot holds the shared system prompt: its cells are copied into the
     idle slot the picker chose (whose own, shorter prefix is parked first)."""
-    slots = make_slots(([1, 2, 3, 4, 5, 9], True, 1), ([1, 2, 7], False, 2), ((), False, 0))
-    assert place_request([1, 2, 3, 4, 5, 6], PICKER, slots, copies_busy=True) == Placement(
+    slots = make_slots(([1, 2, 3, 4, 5, 9], True, 1), ([1, 2, 7], False, 2))
+    assert place_request([1, 2, 3, 4, 5, 6], PICKER, slots, copies_slots=True) == Placement(
         1, 5, None, True, 0)
     # without copying: the picker's slot and its own 2 tokens
     assert place_request([1, 2, 3, 4, 5, 6], PICKER, slots) == Placement(1, 2, None, True)
@@ -330,13 +334,13 @@ def test_a_busy_slots_longer_prefix_is_copied():
 
 def test_a_busy_prefix_no_longer_than_the_slots_own_is_not_copied():
     slots = make_slots(([1, 2, 3], True, 1), ([1, 2, 3, 8], False, 2))
-    assert place_request([1, 2, 3, 4], PICKER, slots, copies_busy=True) == Placement(
+    assert place_request([1, 2, 3, 4], PICKER, slots, copies_slots=True) == Placement(
         1, 3, None, True)
 
 
 def test_copy_into_an_empty_slot_parks_nothing_and_ties_go_to_the_lowest_index():
     slots = make_slots(((), False, 0), ([4, 5, 6, 7], True, 1), ([4, 5, 6, 8], True, 2))
-    assert place_request([4, 5, 6, 9, 9], PICKER, slots, copies_busy=True) == Placement(
+    assert place_request([4, 5, 6, 9, 9], PICKER, slots, copies_slots=True) == Placement(
         0, 3, None, False, 1)
 
 
@@ -344,13 +348,45 @@ def test_the_longest_of_parked_and_busy_wins():
     cache, keys = make_cache([1, 2, 3, 4, 5, 6, 7])
     slots = make_slots(([1, 2, 3, 4], True, 1), ((), False, 0))
     assert place_request([1, 2, 3, 4, 5, 6, 7, 8], PICKER, slots, cache,
-                         copies_busy=True) == Placement(1, 7, keys[0], False)
+                         copies_slots=True) == Placement(1, 7, keys[0], False)
     cache, _ = make_cache([1, 2])
     assert place_request([1, 2, 3, 4, 5], PICKER, slots, cache,
-                         copies_busy=True) == Placement(1, 4, None, False, 0)
+                         copies_slots=True) == Placement(1, 4, None, False, 0)
 
 
 def test_a_busy_copy_of_the_whole_prompt_still_reads_its_last_token():
     slots = make_slots(([1, 2, 3, 4], True, 1), ((), False, 0))
-    assert place_request([1, 2, 3], PICKER, slots, copies_busy=True) == Placement(
+    assert place_request([1, 2, 3], PICKER, slots, copies_slots=True) == Placement(
         1, 2, None, False, 0)
+
+
+# ---- the default picker leaves other conversations alone while a slot is empty -------------
+def test_an_empty_slot_beats_cutting_another_conversation_whose_prefix_is_copied():
+    """Slot 0 holds A (system prompt 1, 2, 3 and A's own 4, 5, 6, 7): B would cut 4 tokens
+    to keep 3, so it goes to the empty slot 1, and its system prompt is copied from idle slot
+    0, which keeps A."""
+    slots = make_slots(([1, 2, 3, 4, 5, 6, 7], False, 1), ((), False, 0))
+    assert PICKER.pick([1, 2, 3, 9, 9], slots) == (1, 0)
+    assert place_request([1, 2, 3, 9, 9], PICKER, slots, copies_slots=True) == Placement(
+        1, 3, None, False, 0)
+    # a turn that extends all of A stays in A's slot, and so does one that keeps more of A
+    # than it loses (A's next turn, its last answer re-rendered)
+    assert PICKER.pick([1, 2, 3, 4, 5, 6, 7, 8], slots) == (0, 7)
+    assert PICKER.pick([1, 2, 3, 4, 9], slots) == (0, 4)
+
+
+def test_hybrid_slots_are_ranked_by_their_reuse_points():
+    """Slot 0 shares 4 tokens but its state exists at 5 and 6 only (none of them reusable);
+    slot 1 shares 2 and has a checkpoint at 2."""
+    slots = (SlotView(0, (1, 2, 3, 4, 5, 6), False, 1, (5, 6)),
+             SlotView(1, (1, 2, 7, 8), False, 2, (2, 4)))
+    assert [s.num_reusable([1, 2, 3, 4, 9]) for s in slots] == [0, 2]
+    assert PICKER.pick([1, 2, 3, 4, 9], slots) == (1, 2)
+
+
+def test_a_hybrid_slot_that_keeps_more_than_it_loses_beats_an_empty_one():
+    """A hybrid slot cannot lend its cells: keeping 4 and losing 2 beats reading all again in
+    the empty slot; keeping 2 and losing 4 does not."""
+    slots = (SlotView(0, (1, 2, 3, 4, 5, 6), False, 1, (2, 4, 6)), SlotView(1, (), False, 0))
+    assert PICKER.pick([1, 2, 3, 4, 9], slots) == (0, 4)
+    assert PICKER.pick([1, 2, 3, 9], slots) == (1, 0)

@@ -176,6 +176,10 @@ class ConversationCache:
         while self._used_bytes > self.budget_bytes:
             evicted = self._drop(next(iter(self._entries)))
             self.num_evicted += 1
+            log.info("parked entry %d (%d tokens) evicted, the least recently used, to make "
+                     "room for entry %d within %.1f MiB%s", evicted.key, evicted.num_tokens,
+                     new.key, self.budget_bytes / 2**20,
+                     "" if self.disk is None else "; offered to the conversation files")
             if self.disk is not None:
                 evicted.wait_landed()  # the writer thread reads its arrays
                 self.disk.offer(evicted, wait=self.evictions_wait)
@@ -199,11 +203,13 @@ class ConversationCache:
         return best_key, best_len
 
     def take(self, key: int, num_used: int | None = None) -> ParkedConversation | None:
-        """Remove and return a parked entry (its KV goes back into a slot, which keeps
-        `num_used` of its tokens). An entry on disk is read (its file stays until a file of
-        the conversation's continuation replaces it); None when that file cannot be read any
-        more, or left the disk tier since `best_match` (its writer thread frees room once a
-        write's size is known; logged)."""
+        """Return a parked entry whose KV goes back into a slot that keeps `num_used` of its
+        tokens (None: all). It leaves the cache only when the slot keeps all of it: an entry
+        lending a prefix (another conversation's system prompt) stays parked, else its own
+        next turn would find it gone. An entry on disk is read (its file stays until a file
+        of the conversation's continuation replaces it); None when that file cannot be read
+        any more, or left the disk tier since `best_match` (its writer thread frees room once
+        a write's size is known; logged)."""
         if self.disk is not None and key not in self._entries:
             entry = self.disk.take(key, num_used)
             self.num_taken += entry is not None
@@ -212,7 +218,11 @@ class ConversationCache:
             raise KeyError(f"no parked conversation with key {key} (evicted or already taken); "
                            "call best_match() again")
         entry = self._entries[key]
-        self._drop(key)
+        if num_used is None or num_used >= entry.num_tokens:
+            self._drop(key)
+        else:
+            log.info("parked entry %d lends its first %d of %d tokens; it stays parked", key,
+                     num_used, entry.num_tokens)
         self.num_taken += 1
         return entry.kept(num_used)
 

@@ -488,18 +488,19 @@ class Scheduler:
         logprobs need every row's logits); the slot's tokens are parked as usual. With KV grow
         the slot's KV grows for the prompt before the entry is taken: a refused grow (a
         RequestError) leaves the entry parked for the next request."""
+        views = self.table.views([kv.reuse_points() for kv in self.kvs])
         if not reuses:
-            placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
+            placement = place_request(prompt, self.choosers.slot_picker, views,
                                       reusable=lambda slot, n: 0,
                                       min_copy_gain=self.kvs[0].min_copy_gain)
             self._grow_for_prompt(placement.slot_index, len(prompt))
             return placement, None
         while True:
-            placement = place_request(prompt, self.choosers.slot_picker, self.table.views(),
+            placement = place_request(prompt, self.choosers.slot_picker, views,
                                       self.conversations,
                                       reusable=lambda slot, n: self.kvs[slot].reusable(n),
-                                      # a busy slot's state exists at its own length only
-                                      copies_busy=self.kvs[0].state is None,
+                                      # a slot's state exists at its own length only
+                                      copies_slots=self.kvs[0].state is None,
                                       min_copy_gain=self.kvs[0].min_copy_gain)
             self._grow_for_prompt(placement.slot_index, len(prompt))
             if placement.parked_key is None:
@@ -548,7 +549,9 @@ class Scheduler:
                 source, n = self.kvs[placement.source_slot], placement.num_reused_tokens
                 kv.copy_prefix(source, n)
                 self.table.replace_tokens(index, self.table.tokens(placement.source_slot)[:n])
-                how = f"copied the first {n} cells of busy slot {placement.source_slot}'s KV"
+                how = (f"copied the first {n} cells of "
+                       f"{'busy' if placement.source_slot in self._active else 'idle'} slot "
+                       f"{placement.source_slot}'s KV")
             elif placement.num_reused_tokens > 0:
                 how = "kept its KV"
                 num_lost = num_slot_tokens - placement.num_reused_tokens

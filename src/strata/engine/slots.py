@@ -47,9 +47,14 @@ class SlotTable:
         self._last_used_tick = [0] * num_slots
         self._tick = 0
 
-    def views(self) -> tuple[SlotView, ...]:
+    def views(self, reuse_points: Sequence[tuple[int, ...] | None] | None = None
+              ) -> tuple[SlotView, ...]:
+        """Every slot's view; `reuse_points`: each slot's (its KV's `reuse_points()`, a
+        hybrid model's), None: any length."""
+        points = reuse_points if reuse_points is not None else [None] * self.num_slots
         return tuple(SlotView(i, tuple(self._tokens[i]), self._is_busy[i],
-                              self._last_used_tick[i]) for i in range(self.num_slots))
+                              self._last_used_tick[i], points[i])
+                     for i in range(self.num_slots))
 
     def view(self, index: int) -> SlotView:
         return self.views()[index]
@@ -109,9 +114,15 @@ class SlotTable:
 
 
 class LongestPrefixPicker:
-    """The default: the idle slot with the longest common prefix (> 0 tokens) with the prompt;
-    else an empty idle slot; else the least recently used idle slot. Ties go to the lowest
-    index."""
+    """The default: the idle slot that keeps the most of the prompt (`SlotView.num_reusable`:
+    a hybrid model's slot only up to a reuse point), unless it would lose more of its tokens
+    than it keeps while an idle slot is empty (another conversation that shares only a system
+    prompt with the request): then the empty one, so no conversation is displaced while a
+    slot is free (the engine copies the shared prefix into it where the KV can). A slot that
+    keeps at least as much as it loses stays the request's (the same conversation's next turn,
+    its last answer re-rendered without its reasoning: nothing to keep the tail for). Else an
+    empty idle slot; else the least recently used idle slot. Ties go to the slot that loses
+    the fewest tokens, then to the lowest index."""
 
     name = "longest-prefix"
 
@@ -119,16 +130,19 @@ class LongestPrefixPicker:
         idle = [s for s in slots if not s.is_busy]
         if not idle:
             raise ValueError("pick() needs at least one idle slot")
-        best, best_prefix = None, 0
+        best, best_reuse, best_lost = None, 0, 0
         for s in idle:
-            prefix = common_prefix_len(s.tokens, prompt_tokens)
-            if prefix > best_prefix:
-                best, best_prefix = s, prefix
+            reuse = s.num_reusable(prompt_tokens)
+            if reuse > best_reuse or (reuse == best_reuse > 0
+                                      and s.num_tokens - reuse < best_lost):
+                best, best_reuse, best_lost = s, reuse, s.num_tokens - reuse
+        empty = next((s for s in idle if s.is_empty), None)
         if best is not None:
-            return best.index, max_reusable(best_prefix, len(prompt_tokens))
-        for s in idle:
-            if s.is_empty:
-                return s.index, 0
+            num_lost = best.num_tokens - best_reuse
+            if empty is None or num_lost <= best_reuse:
+                return best.index, best_reuse
+        if empty is not None:
+            return empty.index, 0
         lru = min(idle, key=lambda s: (s.last_used_tick, s.index))
         return lru.index, 0
 
@@ -180,9 +194,9 @@ class Placement:
     - `parked_key`: restore that parked conversation into the slot (it beats the slot's own
       prefix), then keep its first `num_reused_tokens` cells; None: keep the slot's own first
       `num_reused_tokens` cells;
-    - `source_slot`: copy the first `num_reused_tokens` cells of that busy slot's KV into this
-      slot instead (another request holds the longest prefix: several agents sharing one
-      system prompt and tools).
+    - `source_slot`: copy the first `num_reused_tokens` cells of that other slot's KV (busy,
+      or idle and left to its own conversation) into this slot instead: it holds the longest
+      prefix (several agents sharing one system prompt and tools).
 
     Order for the engine: `take(parked_key)` first, then park the slot's KV, then copy the taken
     KV in; parking first could evict the very entry about to be restored.
@@ -196,16 +210,16 @@ class Placement:
 
 
 def place_request(prompt_tokens: Sequence[int], picker: SlotPicker, slots: Sequence[SlotView],
-                  conversations=None, reusable=None, copies_busy: bool = False,
+                  conversations=None, reusable=None, copies_slots: bool = False,
                   min_copy_gain: float = 0.0) -> Placement:
     """Ask the picker for a slot, then prefer a parked conversation when it shares a longer
-    prefix with the prompt than the chosen slot's own tokens do, and (`copies_busy`) a busy
-    slot's cells when they share a longer one still. `reusable(slot, n)`: how many of a slot's
-    first n tokens it can keep (a hybrid model's recurrent state goes back only to its
-    checkpoints); default all n. `min_copy_gain` (the KV's, `SequenceReuse.min_copy_gain`): a
-    parked conversation is restored only when at least that share of its reused cells are
-    more than the slot keeps, and the slot's tokens are parked only when at least that share
-    of them would be lost."""
+    prefix with the prompt than the chosen slot's own tokens do, and (`copies_slots`) another
+    slot's cells (busy or idle) when they share a longer one still. `reusable(slot, n)`: how
+    many of a slot's first n tokens it can keep (a hybrid model's recurrent state goes back
+    only to its checkpoints); default all n. `min_copy_gain` (the KV's,
+    `SequenceReuse.min_copy_gain`): a parked conversation is restored only when at least that
+    share of its reused cells are more than the slot keeps, and the slot's tokens are parked
+    only when at least that share of them would be lost."""
     index, num_reused = ask_picker(picker, prompt_tokens, slots)
     if reusable is not None:
         num_reused = int(reusable(index, num_reused))
@@ -217,10 +231,10 @@ def place_request(prompt_tokens: Sequence[int], picker: SlotPicker, slots: Seque
                 usable - num_reused >= min_copy_gain * usable):
             parked_key, num_reused = key, usable
     source = None
-    if copies_busy:
-        busy = [(common_prefix_len(s.tokens, prompt_tokens), -s.index) for s in slots
-                if s.is_busy]
-        length, minus_index = max(busy, default=(0, 0))
+    if copies_slots:
+        others = [(common_prefix_len(s.tokens, prompt_tokens), -s.index) for s in slots
+                  if s.index != index]
+        length, minus_index = max(others, default=(0, 0))
         usable = max_reusable(length, len(prompt_tokens))
         if usable > num_reused:
             source, parked_key, num_reused = -minus_index, None, usable
