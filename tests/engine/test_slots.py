@@ -142,10 +142,11 @@ def test_default_pick_is_valid_and_takes_the_longest_prefix(prompt, states):
     idle = [s for s in slots if not s.is_busy]
     most = max(max_reusable(common_prefix_len(s.tokens, prompt), len(prompt)) for s in idle)
     chosen = max_reusable(common_prefix_len(slots[index].tokens, prompt), len(prompt))
-    keeps_all = [s for s in idle if s.num_reusable(prompt) == most == s.num_tokens]
-    if most > 0 and (keeps_all or not any(s.is_empty for s in idle)):
+    least_lost = min((s.num_tokens - most for s in idle if s.num_reusable(prompt) == most),
+                     default=0)
+    # the best slot, unless it would lose more than it keeps while a slot is empty
+    if most > 0 and (least_lost <= most or not any(s.is_empty for s in idle)):
         assert chosen == most and reused == most
-        least_lost = min(s.num_tokens - most for s in idle if s.num_reusable(prompt) == most)
         assert slots[index].num_tokens - most == least_lost  # cuts the least it can
     elif any(s.is_empty for s in idle):
         assert slots[index].is_empty
