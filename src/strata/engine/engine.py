@@ -72,6 +72,7 @@ class Engine:
                                        drafts=config.drafts,
                                        ctx_checkpoints=config.ctx_checkpoints,
                                        conversation_files=files)
+            self.n_ctx = self._admitted_context(self.n_ctx)
             if config.drafts.is_on:
                 log.info("%s", config.drafts.describe())
         except BaseException:
@@ -80,6 +81,20 @@ class Engine:
             self.gguf.close()
             raise
         self.last_stats: GenerationStats | None = None
+
+    def _admitted_context(self, n_ctx: int) -> int:
+        """The context a request may fill: n_ctx, or less where --kv-grow's slots can never
+        grow that far (the expert cache lends too few cells). The server refuses longer prompts
+        with that figure, and tells it to clients (/v1/models, /props), rather than accepting
+        them only for the placement to fail."""
+        lender = self.scheduler.kv_lender
+        if lender is None or lender.max_cells >= n_ctx:
+            return n_ctx
+        log.warning("the context is %d tokens, not the %d of --ctx-size: with --kv-grow a "
+                    "slot's KV grows to at most %d cells (the expert cache's %d lendable slots "
+                    "of %d cells); give a larger --expert-cache for more", lender.max_cells,
+                    n_ctx, lender.max_cells, lender.num_lendable_slots, lender.cells_per_slot)
+        return lender.max_cells
 
     # ---- text helpers ---------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:

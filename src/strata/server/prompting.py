@@ -150,13 +150,19 @@ def fim_prompt_tokens(engine, prefix: str, suffix: str) -> list[int]:
 
 
 def check_prompt_fits(num_prompt_tokens: int, n_ctx: int, param: str = "messages") -> None:
-    """`param` names the request field that holds the prompt ("messages" or "prompt")."""
+    """`param` names the request field that holds the prompt ("messages", "input", "prompt"
+    or "prompt[i]"). A prompt over the context is refused in OpenAI's words, which agents
+    (LiteLLM, opencode, pi, ...) match to compact a conversation, with llama-server's
+    ("exceeds the available context size"), which clients written for it match."""
     if num_prompt_tokens == 0:
         raise invalid("The prompt is empty after tokenization; send some text.", param)
     if num_prompt_tokens > n_ctx:
-        raise ApiError(400, f"The prompt has {num_prompt_tokens} tokens but the context holds "
-                       f"{n_ctx}; shorten the prompt or start the server with a larger "
-                       "--ctx-size.", param=param, code="context_length_exceeded")
+        field = param.split("[")[0]
+        raise ApiError(400, f"This model's maximum context length is {n_ctx} tokens. However, "
+                       f"your {field} resulted in {num_prompt_tokens} tokens, more than the "
+                       "context holds (the request exceeds the available context size). "
+                       f"Please reduce the length of the {field}, or start the server with a "
+                       "larger --ctx-size.", param=param, code="context_length_exceeded")
 
 
 def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: int,
