@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from strata.server.anthropic_format import error_body as anthropic_error_body
+from strata.server import cors
 from strata.server.api_error import ApiError
 from strata.server.generation import GenerationRoutes
 from strata.server.completion_api import CompletionRoutes
@@ -40,6 +41,7 @@ class ServerConfig:
     reasoning_budget: int | None = None  # a request's <think> budget unless it sets one
     is_slots_endpoint_on: bool = True  # GET /slots answers (--no-slots: 501)
     slot_save_path: str | None = None  # POST /slots/ID?action=... files here (None: 501)
+    cors: cors.CorsPolicy = field(default_factory=cors.CorsPolicy)  # the --cors-* flags
 
 
 class ServerState:
@@ -103,6 +105,7 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     infill = InfillRoutes(state)
     tokens = TokenRoutes(state)
     slots = SlotsRoutes(state)
+    cors.install(app, config.cors)  # first: a browser's preflight carries no API key
 
     @app.before_request
     def check_api_key():

@@ -16,6 +16,7 @@ import click
 from strata.cli_options import (device_option, draft_options, expert_options,
                                 read_chunk_fields, slot_options)
 from strata.server.app import ServerConfig, create_app
+from strata.server.cors import CorsPolicy, parse_headers, parse_methods, parse_origins
 
 DEFAULT_HTTP_THREADS = 8
 DEFAULT_BODY_KIB = 1024
@@ -62,11 +63,12 @@ _WAITRESS_ERROR_CODES = {400: "malformed_http_request", 431: "headers_too_large"
                          501: "unsupported_transfer_encoding"}
 
 
-def _channel_class():
+def _channel_class(cors_policy: CorsPolicy):
     """waitress's connection, but a body over waitress's cap goes to the app (marked
     `_OVER_CAP`, with the body left out) instead of getting waitress's plain-text 413, and
     waitress's other refusals (a malformed request line or header, headers too large, an
-    unknown transfer encoding) are JSON in OpenAI's error shape too."""
+    unknown transfer encoding) are JSON in OpenAI's error shape too, with the CORS headers
+    the app would give (so a browser page reads the error)."""
     from waitress.channel import HTTPChannel
     from waitress.task import ErrorTask, WSGITask
     from waitress.utilities import RequestEntityTooLarge
@@ -82,6 +84,11 @@ def _channel_class():
             body = json.dumps(answer.body()).encode()
             self.status = f"{error.code} {error.reason}"
             self.response_headers.append(("Content-Type", "application/json"))
+            # waitress's header names; none read where the headers were too large to parse
+            origin = self.request.headers.get("ORIGIN")
+            cors_headers = (cors_policy.response_headers(origin, None) if origin
+                            else cors_policy.unread_origin_headers())
+            self.response_headers.extend(cors_headers.items())
             self.set_close_on_finish()  # waitress could not frame the request: no more on it
             self.content_length = len(body)
             self.write(body)
@@ -138,7 +145,8 @@ def create_wsgi_server(app, host: str, port: int, threads: int = DEFAULT_HTTP_TH
     except BaseException:
         sock.close()
         raise
-    server.channel_class = _channel_class()
+    state = app.extensions.get("strata")
+    server.channel_class = _channel_class(state.config.cors if state else CorsPolicy())
     return server
 
 
@@ -192,6 +200,17 @@ def _stop_on_signals(server, state) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def _cors_list(parse):
+    """A click callback: the flag's value parsed (a clear usage error if it is wrong)."""
+    def callback(ctx, param, value):
+        flag = param.opts[0]
+        try:
+            return parse(value, flag)
+        except ValueError as e:  # click names the flag already
+            raise click.BadParameter(str(e).removeprefix(flag).lstrip(": ")) from None
+    return callback
+
+
 @click.command()
 @click.option("--model", "-m", "model", default=None,
               help="GGUF model (default: $STRATA_MODEL, else the packaged default model).")
@@ -224,12 +243,31 @@ def _stop_on_signals(server, state) -> None:
               type=click.Path(file_okay=False, dir_okay=True, exists=True),
               help="Folder for POST /slots/ID?action=save|restore (an idle slot's KV as a file "
                    "the request names; off without it).")
+@click.option("--cors-origins", "--allowed-origins", "cors_origins", default="*",
+              show_default=True, envvar="STRATA_CORS_ORIGINS", metavar="ORIGINS",
+              callback=_cors_list(parse_origins),
+              help="Browser pages (origins) that may call the server, for web UIs served "
+                   "elsewhere: '*' (any, as llama-server and vLLM), 'localhost' (pages on "
+                   "this machine), or origins such as http://localhost:3000, comma-separated "
+                   "or a JSON list (default: $STRATA_CORS_ORIGINS, else '*').")
+@click.option("--cors-methods", "--allowed-methods", "cors_methods", default="*",
+              show_default=True, metavar="METHODS", callback=_cors_list(parse_methods),
+              help="HTTP methods a browser page may use, e.g. GET,POST ('*': any).")
+@click.option("--cors-headers", "--allowed-headers", "cors_headers", default="*",
+              show_default=True, metavar="HEADERS", callback=_cors_list(parse_headers),
+              help="Request headers a browser page may send besides the always-allowed ones "
+                   "(Content-Type, Accept...), e.g. Authorization,X-Api-Key ('*': any).")
+@click.option("--cors-credentials/--no-cors-credentials", "--allow-credentials",
+              "is_cors_credentials_on", default=True, show_default=True,
+              help="Let browser pages send credentials (cookies, an auth proxy's login): the "
+                   "page's origin is named in each answer instead of '*'.")
 @device_option
 @slot_options
 @expert_options
 @draft_options
 def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, reasoning_budget,
-          http_threads, is_slots_endpoint_on, slot_save_path, device, parallel, read_chunk,
+          http_threads, is_slots_endpoint_on, slot_save_path, cors_origins, cors_methods,
+          cors_headers, is_cors_credentials_on, device, parallel, read_chunk,
           conversation_cache_mib, ctx_checkpoints, conversation_files, expert_config,
           draft_config):
     """Serve the model with OpenAI's API (/v1/chat/completions, /v1/completions,
@@ -261,7 +299,10 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
                           api_key=api_key, max_body_kib=body_limit_kib(max_body_kib, ctx_size),
                           reasoning_budget=None if reasoning_budget < 0 else reasoning_budget,
                           is_slots_endpoint_on=is_slots_endpoint_on,
-                          slot_save_path=slot_save_path)
+                          slot_save_path=slot_save_path,
+                          cors=CorsPolicy(origins=cors_origins, methods=cors_methods,
+                                          headers=cors_headers,
+                                          allow_credentials=is_cors_credentials_on))
     # The model loads on the engine thread; /health says "loading" until it is ready.
     app = create_app(lambda: Engine(engine_config), config)
     try:
