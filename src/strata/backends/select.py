@@ -3,6 +3,7 @@ with every layer and expert on one GPU, or its dense part with the experts offlo
 from __future__ import annotations
 
 import logging
+import sys
 
 from strata.errors import ConfigError
 
@@ -19,6 +20,14 @@ def check_device(device: str | None) -> str:
     if name not in DEVICES:
         raise ConfigError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
     return name
+
+
+def release_thread_gpu() -> None:
+    """For a thread that built models and now ends: the GPU contexts it made current come off
+    its stack (else PyCUDA aborts the process as the thread ends). Nothing without CUDA."""
+    runtime = sys.modules.get("strata.backends.cuda.runtime")
+    if runtime is not None:
+        runtime.release_thread()
 
 
 def is_cuda_model(model) -> bool:

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+from strata.backends.select import release_thread_gpu
 from strata.errors import RequestError, StrataError
 from strata.server.api_error import ApiError
 from strata.server.metrics import ServerMetrics
@@ -75,7 +76,8 @@ class EngineWorker:
         self.is_stopping = False
         self._queue_lock = threading.Lock()
         self._is_loaded = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        self._thread = threading.Thread(target=self._engine_thread, name="strata-engine",
+                                        daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -144,6 +146,12 @@ class EngineWorker:
             self._is_loaded.set()
         self.state = "ok"
         return True
+
+    def _engine_thread(self) -> None:
+        try:
+            self._run()
+        finally:  # the engine, and a GPU's context, were this thread's
+            release_thread_gpu()
 
     def _run(self) -> None:
         is_ok = self._load()

@@ -12,6 +12,7 @@ import os
 import pathlib
 import re
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -185,7 +186,9 @@ class Runtime:
         self.arch = f"sm_{major}{minor}"
         self.context = self.device.retain_primary_context()
         self.context.push()
-        # PyCUDA aborts at exit when a context is left on the stack: pop ours then
+        _pushed_handles.add(int(self.context.handle))
+        # PyCUDA aborts at exit when a context is left on the main thread's stack: pop ours
+        # then (another thread that builds a model pops them as it ends: release_thread)
         atexit.register(_pop_if_current, drv, int(self.context.handle))
         self.stream = drv.Stream()
         self.stream_handle = int(self.stream.handle)
@@ -341,6 +344,28 @@ def _kernel_names(source: str) -> list[str]:
         names += [f"mmq{rows}{tag}_{kind}_{type_name}"
                   for kind in ("store", "add", "gateup", "qkv")]
     return [n for n in names if not n.startswith("__")]
+
+
+# The contexts a Runtime made current in the thread that built it (a GPU's primary context:
+# one handle per GPU however many Runtimes it has).
+_pushed_handles: set[int] = set()
+
+
+def release_thread() -> None:
+    """Take every context a Runtime made current off the calling thread's stack, for a thread
+    that built CUDA models and now ends: PyCUDA aborts the whole process (SIGABRT, "the
+    context stack was not empty") when a thread ends with a context on its stack. `strata
+    serve` builds its engine on the engine thread; a stop used to end in that abort."""
+    if not _pushed_handles:
+        return  # no Runtime was built in this process (CUDA may not even be there)
+    drv = import_pycuda()
+    try:
+        while cuda_driver.current_context() in _pushed_handles:
+            drv.Context.synchronize()  # the thread's last work lands before it lets go
+            drv.Context.pop()
+    except Exception as exc:  # a failed GPU: nothing left to hand back
+        _log.warning("releasing the GPU context of thread %s: %s",
+                     threading.current_thread().name, exc)
 
 
 def _pop_if_current(drv, handle: int) -> None:
