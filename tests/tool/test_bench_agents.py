@@ -44,3 +44,15 @@ def test_table(url, capsys):
                               "-n", "2"]) == 0
     out = capsys.readouterr().out
     assert "| cold |" in out and "| switch |" in out
+
+
+def test_a_shared_system_prompt_is_reused_by_each_new_agent(url, capsys):
+    """--system-lines: every agent's prompt starts with the same sentences, so each agent's
+    first turn after the first reuses them (the slot keeps them and parks the other's tail)."""
+    assert bench_agents.main(["--url", url, "--agents", "3", "--lines", "4",
+                              "--system-lines", "12", "--turns", "2", "-n", "2", "--json"]) == 0
+    cold, switch = json.loads(capsys.readouterr().out)
+    shared = len(bench_agents.agent_prompt(0, 0, 0, 12).split())  # words: fewer than tokens
+    assert cold["cached_runs"][0] == 0
+    assert all(shared <= n < cold["prompt_tokens"] for n in cold["cached_runs"][1:])
+    assert all(n >= cold["prompt_tokens"] - 1 for n in switch["cached_runs"])

@@ -46,10 +46,13 @@ class CudaKV(SequenceReuse):
     (what the kernels get) is the address with bit 0 set, which tells them the cells are int8.
     Host copies (`keys`, `values`, `append`) are then `int8_cell_dtype(D)` arrays [KV, n]."""
 
-    # Parking or restoring copies the whole KV between the GPU and host RAM (H200, synth
-    # Qwen3-30B-A3B: the 905 MiB of a 9.6K-token conversation parked in ~0.6 s, where its next
-    # request read its 635 new tokens in 0.2 s): worth it for a quarter of the cells or more.
-    min_copy_gain = 0.25
+    # Parking or restoring copies the whole KV between the GPU and host RAM. H200, synth
+    # Qwen3-30B-A3B, experts in RAM (session 66, tools/bench_agents.py with a shared system
+    # prompt): a park into a kept pinned block plus its restore ~9 us a cell, reading a token
+    # again ~135 us (less with experts in VRAM); the first parks of a run pin fresh blocks.
+    # So a park or restore pays from about a tenth of the cells at stake (0.25 until then
+    # dropped the own turns of agents whose shared system prompt was over 3x as long).
+    min_copy_gain = 0.1
 
     def __init__(self, runtime, spec: ModelSpec, capacity_tokens: int, dtype=np.float16,
                  max_checkpoints: int = DEFAULT_CHECKPOINTS):

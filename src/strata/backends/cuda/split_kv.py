@@ -46,7 +46,7 @@ class SplitKV(SequenceReuse):
     model's parts also hold their layers' recurrent state, with checkpoints kept and taken
     back together, so every part can go back to the same lengths."""
 
-    min_copy_gain = 0.25  # parks and restores cross PCIe: as CudaKV.min_copy_gain
+    min_copy_gain = 0.1  # parks and restores cross PCIe: as CudaKV.min_copy_gain
 
     def __init__(self, spec, parts: list, first_layers: list[int]):
         if not parts or len(parts) != len(first_layers) or first_layers[0] != 0:
