@@ -83,7 +83,9 @@ def main():
               help="CPU threads (default: all usable cores; a CPU pool beside a GPU takes all "
                    "but one, since the engine thread that drives the GPU needs its own).")
 @click.option("--ctx-size", "-c", default=None, type=int,
-              help="Context size in tokens (default: min(model context, 8192)).")
+              help="Context size of each slot in tokens (default: min(model context, 8192)); "
+                   "every --parallel slot holds this many (llama-server's -c, without "
+                   "--kv-unified, is split between its slots).")
 @click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--grammar", default=None,

@@ -225,7 +225,9 @@ def _cors_list(parse):
                    "name without .gguf); the first is the id in /v1/models. E.g. the names "
                    "an agent sends for its main and its small model.")
 @click.option("--ctx-size", "-c", default=None, type=int,
-              help="Context size in tokens (default: min(model context, 8192)).")
+              help="Context size of each slot in tokens (default: min(model context, 8192)); "
+                   "every --parallel slot holds this many (llama-server's -c, without "
+                   "--kv-unified, is split between its slots).")
 @click.option("--threads", "-t", default=None, type=int, help="CPU threads (default: all).")
 @click.option("--max-body-kib", default=None, type=click.IntRange(1),
               help="Largest request body accepted (KiB); larger ones get 413 (default: "
