@@ -321,18 +321,26 @@ def opens_reasoning(tokenizer, prompt_tokens, tail: int = 4096) -> bool:
 class ThinkingLead:
     """A reasoning model's `<think>` ... `</think>` block before the held text: its `<think>` as
     the first token, or the output starts inside one (`starts_in_reasoning`). Inside it any
-    token but a special one passes; the bytes after `</think>` are the held text's."""
+    token but a special one passes; the bytes after `</think>` are the held text's. The close
+    is found in the text, as the output parser finds it: spelled in pieces (`</`, `think`,
+    `>`) it ends the block too."""
 
     def __init__(self, starts_in_reasoning: bool = False):
         self.is_thinking = starts_in_reasoning
         self.is_first = not starts_in_reasoning  # nothing taken yet: a <think> may open
+        self._tail = b""  # the block's last bytes: a close may end in the next token
+
+    def _close_end(self, data: bytes) -> int:
+        """Where in `data` the block's `</think>` ends (with the bytes before it), or -1."""
+        at = (self._tail + data).find(THINK_CLOSE)
+        return -1 if at < 0 else at + len(THINK_CLOSE) - len(self._tail)
 
     def allows(self, token: int, data: bytes, special, rest_ok) -> bool | None:
         """Whether the block takes the token (`rest_ok(bytes)`: whether the held text may start
         with what follows `</think>`), or None when the token is the held text's to decide."""
         if self.is_thinking:
-            end = data.find(THINK_CLOSE)
-            return token not in special and (end < 0 or rest_ok(data[end + len(THINK_CLOSE):]))
+            end = self._close_end(data)
+            return token not in special and (end < 0 or rest_ok(data[end:]))
         if data == THINK_OPEN and self.is_first:
             return True
         return None
@@ -342,11 +350,12 @@ class ThinkingLead:
         the block takes them."""
         is_first, self.is_first = self.is_first, False
         if self.is_thinking:
-            end = data.find(THINK_CLOSE)
+            end = self._close_end(data)
             if end < 0:
+                self._tail = (self._tail + data)[1 - len(THINK_CLOSE):]
                 return None
-            self.is_thinking = False
-            return data[end + len(THINK_CLOSE):]
+            self.is_thinking, self._tail = False, b""
+            return data[end:]
         if data == THINK_OPEN and is_first:
             self.is_thinking = True
             return None

@@ -1,10 +1,12 @@
 """A reasoning model's `<think>` block held to a token budget (Anthropic's
 `thinking.budget_tokens`, `strata serve --reasoning-budget`): once the block has taken that
 many tokens, the sampler may take only the tokens that spell CLOSE (its `</think>` as the
-vocabulary's one token, as the model and the parsers know it), and the answer goes on
-after it as the model writes it. Wraps the request's other constraint (JSON, tool calls), or
-none, which sees every token as before, the forced ones included; a grammar with token items
-(gbnf.py) holds the whole output, its `<think>` block included, so the budget leaves it be."""
+vocabulary's one token), and the answer goes on after it as the model writes it. The block's
+tags are found in the text, as the output parser and Qwen3's template find them: a `</think>`
+the model spells in pieces (`</`, `think`, `>`) closes it too. Wraps the request's other
+constraint (JSON, tool calls), or none, which sees every token as before, the forced ones
+included; a grammar with token items (gbnf.py) holds the whole output, its `<think>` block
+included, so the budget leaves it be."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,6 +14,7 @@ import numpy as np
 from strata.engine.json_constraint import THINK_CLOSE, THINK_OPEN
 
 CLOSE = b"\n" + THINK_CLOSE + b"\n\n"  # what a Qwen3 template expects between thought and answer
+TAIL_BYTES = len(THINK_CLOSE) - 1  # the block's last bytes kept: a close may end in the next token
 
 
 class ThinkingBudget:
@@ -25,14 +28,18 @@ class ThinkingBudget:
         self.inner = inner
         self.budget_tokens = budget_tokens
         self.is_thinking = starts_in_reasoning
-        self.is_first = not starts_in_reasoning   # a <think> may open the answer
+        # the output so far, whitespace dropped, while it may still become a `<think>` that
+        # opens it (the output parser's rule); None once it cannot
+        self._lead: bytes | None = None if starts_in_reasoning else b""
+        self._tail = b""  # the block's last TAIL_BYTES bytes
         self.num_thinking_tokens = 0
         # the inner grammar reads the block itself: forced bytes could leave its language
         self.is_held_by_inner = bool(getattr(getattr(inner, "recognizer", None), "has_tokens",
                                              False))
         self.forced = b""
-        # the close as one token: the inner constraint, the output parser and the next turn's
-        # template know `</think>` by it, so the forced close never spells it in pieces
+        # the close as one token, as the model writes it and the tokenizer reads the next
+        # turn's `</think>` (and an inner constraint may know it by that token only), so the
+        # forced close never spells it in pieces
         self._close_id = tokenizer.token_id(THINK_CLOSE.decode())
         if starts_in_reasoning:
             self._start_forcing_if_spent()
@@ -58,19 +65,35 @@ class ThinkingBudget:
         data = self._tokenizer.token_bytes(token)
         if self.inner is not None:
             self.inner.push(token)
-        is_first, self.is_first = self.is_first, False
         if self.forced:
             self.forced = self.forced[len(data):]
             self.is_thinking = False
             return
-        if not self.is_thinking:
-            if is_first and data == THINK_OPEN:
-                self.is_thinking = True
+        if self.is_thinking:
+            self._take_thinking(data)
+            return
+        if self._lead is None:
+            return
+        self._lead = (self._lead + data).lstrip()
+        if self._lead.startswith(THINK_OPEN):  # as one token or spelled in pieces
+            rest, self._lead = self._lead[len(THINK_OPEN):], None
+            self.is_thinking, self._tail = True, b""
+            if THINK_CLOSE in rest:
+                self.is_thinking = False
+            else:
+                self._tail = rest[-TAIL_BYTES:]
                 self._start_forcing_if_spent()
+        elif not THINK_OPEN.startswith(self._lead):
+            self._lead = None  # the answer starts with text: no block
+
+    def _take_thinking(self, data: bytes) -> None:
+        """A token of the open block: it closes the block where it ends a `</think>` (with
+        the bytes before it, a close spelled in pieces), else it counts."""
+        text = self._tail + data
+        if THINK_CLOSE in text:
+            self.is_thinking, self._tail = False, b""
             return
-        if THINK_CLOSE in data:
-            self.is_thinking = False
-            return
+        self._tail = text[-TAIL_BYTES:]
         self.num_thinking_tokens += 1
         self._start_forcing_if_spent()
 
