@@ -111,7 +111,8 @@ class DiskEntry:
     kv_nbytes: int  # the KV's bytes in RAM once read
     pending: ParkedConversation | None = None  # in RAM until the writer has written it
     is_dropped: bool = False
-    # the most of its tokens a slot kept when it was restored: a file that continues them
+    # the most of its tokens a slot kept when it was restored, at least half of them (its
+    # own next turn, not a system prompt lent to another): a file that continues them
     # replaces this one (its tail is a reply the next turn did not keep)
     num_used: int = 0
 
@@ -331,8 +332,13 @@ class ConversationDisk:
                          "was restored; the request is placed again without it", key)
                 return None
             self._touch(entry)
-            used = len(entry.tokens) if num_used is None else int(num_used)
-            entry.num_used = max(entry.num_used, min(used, len(entry.tokens)))
+            used = min(len(entry.tokens) if num_used is None else int(num_used),
+                       len(entry.tokens))
+            if 2 * used >= len(entry.tokens):
+                # the conversation's own next turn (it keeps at least as much as it drops,
+                # the slot picker's rule): a file that continues it replaces this one. Not
+                # a prefix lent to another conversation: this one's own turn comes back.
+                entry.num_used = max(entry.num_used, used)
             pending = entry.pending
         if pending is not None:
             return ParkedConversation(key, pending.tokens, pending.kv_arrays, pending.nbytes,

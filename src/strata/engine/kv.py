@@ -257,6 +257,43 @@ class KVCache(SequenceReuse):
         (cells past num_tokens are not part of the sequence)."""
         return self._k, self._v
 
+    def fill_cells(self, layers, num_tokens: int) -> None:
+        """As `SequenceReuse.fill_cells`, written a key tile at a time: `append`'s scattered
+        writes took 0.32 s to restore 4256 cells of Qwen3-30B-A3B's shape (48 layers, 4 KV
+        heads, head dim 128, fp16), over 10x a plain copy's time."""
+        n = int(num_tokens)
+        self.truncate(0)
+        self.check_room(n)
+        KV, D, TILE = self.spec.n_kv_heads, self.spec.head_dim, KV_KEY_TILE
+        full, rest = divmod(n, TILE)
+        for layer, (k, v) in enumerate(layers):
+            if k.shape[1] < n or v.shape[1] < n:
+                raise ValueError(f"layer {layer} has {min(k.shape[1], v.shape[1])} cells, "
+                                 f"fewer than the {n} to fill")
+            # [KV, full * TILE, D] -> [KV, full, D, TILE]
+            self._k[layer, :, :full] = \
+                k[:, :full * TILE].reshape(KV, full, TILE, D).transpose(0, 1, 3, 2)
+            if rest:
+                self._k[layer, :, full, :, :rest] = k[:, full * TILE:n].transpose(0, 2, 1)
+            self._v[layer, :, :n] = v[:, :n]
+        self.commit(n)
+
+    def copy_prefix(self, source, num_tokens: int) -> None:
+        """From a host KV of the same shape and cell type: its key tiles and value cells as
+        they are (no trip through `keys()`, which copies all of the source's)."""
+        n = int(num_tokens)
+        if not (isinstance(source, KVCache) and source.dtype == self.dtype
+                and source._v.shape[:2] + source._v.shape[3:]
+                == self._v.shape[:2] + self._v.shape[3:] and n <= source.num_tokens):
+            super().copy_prefix(source, n)
+            return
+        self.truncate(0)
+        self.check_room(n)
+        num_tiles = -(-n // KV_KEY_TILE)  # the last one's columns past n are not cells
+        self._k[:, :, :num_tiles] = source._k[:, :, :num_tiles]
+        self._v[:, :, :n] = source._v[:, :, :n]
+        self.commit(n)
+
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Write k, v [KV, T, D] after the committed tokens of `layer`; return that layer's keys
         and values [KV, num_tokens + T, D] including the new rows (keys as a copy)."""

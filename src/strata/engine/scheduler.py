@@ -542,9 +542,11 @@ class Scheduler:
             if placement.is_parking_needed:
                 self._park(index)
             is_changing = True
-            if restored is not None:
-                self._install(index, restored)
-                how = f"restored a parked conversation of {restored.num_tokens} tokens"
+            if restored is not None:  # only the cells the request keeps are copied
+                n = self._install(index, restored, placement.num_reused_tokens)
+                how = (f"restored a parked conversation of {n} tokens" if n == restored.num_tokens
+                       else f"restored the first {n} of a parked conversation's "
+                       f"{restored.num_tokens} tokens")
             elif placement.source_slot is not None:
                 source, n = self.kvs[placement.source_slot], placement.num_reused_tokens
                 kv.copy_prefix(source, n)
@@ -590,12 +592,13 @@ class Scheduler:
             self.conversations.park(restored.tokens, restored.kv_arrays, restored.nbytes,
                                     restored.reuse_points, landing=restored.landing)
 
-    def _install(self, index: int, parked) -> int:
-        """Put a parked conversation's cells (as many as the slot holds, down to a reuse point
-        of a hybrid model) in slot `index`; return how many."""
+    def _install(self, index: int, parked, num_used: int | None = None) -> int:
+        """Put a parked conversation's cells (as many as the slot holds and, where it lends
+        a prefix, `num_used`; down to a reuse point of a hybrid model) in slot `index`;
+        return how many."""
         kv = self.kvs[index]
         k, v, state = parked.kv_arrays  # [L, KV, n, D] each; the recurrent state or None
-        n = self._install_length(index, parked)
+        n = self._install_length(index, parked, num_used)
         kv.restore_cells(k, v, n)
         kv.import_state(state, n)
         if n and kv.state is not None:
@@ -643,10 +646,12 @@ class Scheduler:
                     f"recurrent states (none at {n} tokens)")
         return None
 
-    def _install_length(self, index: int, parked) -> int:
-        """How many of `parked`'s tokens slot `index` takes: as many as it holds, down to a
-        reuse point of a hybrid model."""
+    def _install_length(self, index: int, parked, num_used: int | None = None) -> int:
+        """How many of `parked`'s tokens slot `index` takes: as many as it holds (at most
+        `num_used`), down to a reuse point of a hybrid model."""
         n = min(parked.num_tokens, parked.kv_arrays[0].shape[2], self.kvs[index].capacity)
+        if num_used is not None:
+            n = min(n, num_used)
         if parked.reuse_points is not None:  # the state exists at its points only
             n = max((p for p in parked.reuse_points if p <= n), default=0)
         return n
