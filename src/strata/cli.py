@@ -76,8 +76,9 @@ def main():
 @click.option("--min-p", default=0.05, show_default=True, help="Min-p (0 = off).")
 @click.option("--repeat-penalty", default=1.0, show_default=True,
               help="Repetition penalty on seen tokens (1 = off).")
-@click.option("--repeat-last-n", default=-1, show_default=True, type=click.IntRange(min=-1),
-              help="Tokens the repetition penalty looks back over (-1 = all, 0 = none).")
+@click.option("--repeat-last-n", default=64, show_default=True, type=click.IntRange(min=-1),
+              help="Tokens the repetition penalty looks back over (-1 = all, 0 = none; 64 as "
+                   "llama.cpp).")
 @click.option("--seed", default=None, type=int, help="Sampling seed (default: random).")
 @click.option("--threads", "-t", default=None, type=int,
               help="CPU threads (default: all usable cores; a CPU pool beside a GPU takes all "

@@ -146,8 +146,9 @@ def test_busy_slots_show_their_requests(live_slots, engine):
         busy = wait_for_slots(live_slots, lambda s: s[0]["is_processing"])
         assert busy[0]["n_prompt_tokens"] == len(prompts[0])
         assert busy[0]["n_prompt_tokens_processed"] == 0
-        assert busy[0]["next_token"] == {"has_next_token": True, "n_remain": max_tokens,
-                                         "n_decoded": 0}
+        # an array of one object, as llama.cpp's /slots (its clients read next_token[0])
+        assert busy[0]["next_token"] == [{"has_next_token": True, "n_remain": max_tokens,
+                                          "n_decoded": 0}]
         assert get(live_slots, "/slots?fail_on_no_slot=1").status_code == 200  # one is free
         second = pool.submit(complete, live_slots, prompts[1], max_tokens)
         wait_for(lambda: queued_jobs(live_slots) == 1)
@@ -157,8 +158,8 @@ def test_busy_slots_show_their_requests(live_slots, engine):
         busy = wait_for_slots(live_slots, lambda s: all(x["is_processing"] for x in s))
         assert busy[0]["n_prompt_tokens_processed"] == len(prompts[0])
         assert busy[0]["n_kv_tokens"] == len(prompts[0])
-        assert busy[0]["next_token"] == {"has_next_token": True,
-                                         "n_remain": max_tokens - 1, "n_decoded": 1}
+        assert busy[0]["next_token"] == [{"has_next_token": True,
+                                          "n_remain": max_tokens - 1, "n_decoded": 1}]
         params = busy[0]["params"]
         assert (params["temperature"], params["top_k"], params["seed"]) == (0.5, 7, 11)
         assert (params["stop"], params["ignore_eos"], params["n_predict"]) == (

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata.engine.json_constraint import JsonObjectConstraint, TextConstraint, opens_reasoning
-from strata.engine.logprobs import TokenLogprob, token_logprob
+from strata.engine.logprobs import TokenLogprob, chain_logprob, token_logprob
 from strata.engine.sampling import Sampler, SamplingParams
 from strata.engine.tool_call_constraint import ToolCallConstraint
 from strata.engine.thinking_budget import ThinkingBudget
@@ -219,8 +219,11 @@ class TokenDecoder:
                 "tokens; its weights are likely corrupt (check it with `strata-tool inspect`)")
         lp = None
         if self.params.logprobs is not None and token not in self._stop_ids:
-            # the row as the model gave it (logprobs.py); a stop token is not output: no entry
-            lp = token_logprob(logits, token, self.params.logprobs, self._vocab_tokens)
+            # a stop token is not output: no entry
+            if self.params.post_sampling_probs:  # what the sampler drew from (llama.cpp's)
+                lp = chain_logprob(*self._sampler.last_candidates, token, self.params.logprobs)
+            else:  # the row as the model gave it (logprobs.py)
+                lp = token_logprob(logits, token, self.params.logprobs, self._vocab_tokens)
         stats.decode_seconds += time.perf_counter() - t0
         stats.num_generated_tokens += 1
         if token in self._stop_ids:

@@ -1,4 +1,5 @@
-"""Log probabilities of generated tokens (OpenAI's `logprobs` / `top_logprobs`).
+"""Log probabilities of generated tokens (OpenAI's `logprobs` / `top_logprobs`; llama.cpp's
+`n_probs`, and with `post_sampling_probs` the sampler chain's figures: `chain_logprob`).
 
 A token's log probability is taken from the model's own distribution over the vocabulary: the
 log-softmax of the raw logits row, before temperature, penalties, logit_bias, filters or a
@@ -47,6 +48,29 @@ def token_logprob(logits, token_id: int, num_top: int, num_valid: int) -> TokenL
         ids = ids[np.lexsort((ids, -row[ids]))][:k]  # by logit, highest first; then lower id
         top = tuple((int(i), float(row[i]) - lse) for i in ids)
     return TokenLogprob(int(token_id), float(row[token_id]) - lse, top)
+
+
+def chain_logprob(ids, probs, token_id: int, num_top: int) -> TokenLogprob:
+    """llama.cpp's `post_sampling_probs` figures, as logs: the chosen token's probability in
+    the distribution the sampler drew it from (`ids` and their `probs`: what is left after
+    the penalties, logit_bias, temperature, top-k, top-p and min-p; a greedy pick alone with
+    1), and the `num_top` likeliest of those candidates (ties: lower id first). A candidate of
+    probability 0 is left out; a token picked outside them (a constraint's best allowed one)
+    was certain: 1, as llama.cpp reports a token its candidates lack."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    probs = np.asarray(probs, dtype=np.float64).reshape(-1)
+    keep = probs > 0
+    ids, probs = ids[keep], probs[keep]
+    hit = np.flatnonzero(ids == token_id)
+    logprob = math.log(probs[hit[0]]) if hit.size else 0.0
+    order = np.lexsort((ids, -probs))[:max(num_top, 0)]
+    top = tuple((int(ids[i]), math.log(probs[i])) for i in order)
+    return TokenLogprob(int(token_id), logprob, top)
+
+
+def certain(token_id: int) -> TokenLogprob:
+    """A token that was sure to be picked (a greedy one) in `chain_logprob`'s terms."""
+    return TokenLogprob(int(token_id), 0.0, ((int(token_id), 0.0),))
 
 
 def _corrupt_row(peak: float, token_id: int | None) -> ModelFormatError:

@@ -65,6 +65,9 @@ class SamplingParams:
     # the same for every prompt token after the first (the completions endpoint's echo): the
     # prompt is then read whole, reusing no cached prefix, its rows' logits all returned
     prompt_logprobs: int | None = None
+    # llama.cpp's post_sampling_probs: those figures are the sampler chain's (the distribution
+    # the token was drawn from: logprobs.chain_logprob), not the model's raw ones
+    post_sampling_probs: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -353,6 +356,9 @@ class Sampler:
             self.seen = set(prompt.tolist()) if self._last_n else set()
         self.generated: Counter = Counter()
         self.constraint = constraint
+        # the last pick's candidates and their probabilities: what the draw chose from (a
+        # greedy or forced pick alone with 1); logprobs.chain_logprob reads them
+        self.last_candidates: tuple[np.ndarray, np.ndarray] | None = None
 
     def accept(self, token_id: int) -> None:
         """Record a generated token for the penalties (and the constraint)."""
@@ -383,11 +389,16 @@ class Sampler:
         if self.constraint is not None:
             token = self._constrained(logits)
         elif p.is_greedy:
-            token = greedy(logits)
+            token = self._certain(greedy(logits))
         else:
             ids, probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
             token = self._draw(ids, probs)
         self.accept(token)
+        return token
+
+    def _certain(self, token: int) -> int:
+        """`token`, a pick that was sure (greedy, or forced by a constraint)."""
+        self.last_candidates = (np.array([token]), np.ones(1))
         return token
 
     def _constrained(self, logits: np.ndarray) -> int:
@@ -411,10 +422,10 @@ class Sampler:
         token = self._best_allowed(logits)
         if token is None:
             if p.is_greedy:
-                return greedy(logits)
+                return self._certain(greedy(logits))
             ids, probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
             return self._draw(ids, probs)
-        return token
+        return self._certain(token)
 
     def _best_allowed(self, logits: np.ndarray) -> int | None:
         """The allowed token of the largest logit (ties: the lowest id), or None: the argmax,
@@ -447,12 +458,12 @@ class Sampler:
         if best is not None and best < num_valid:  # the pass's argmax: -1 for a NaN row
             if best < 0:
                 return None
-            token = best
+            token = self._certain(best)
         elif p.is_greedy:
             found = row.candidates(1, 1.0, pen, num_valid, want_mass=False)
             if found is None:
                 return None
-            token = int(found.ids[0])
+            token = self._certain(int(found.ids[0]))
         else:
             has_top_k = 0 < p.top_k < num_valid
             if has_top_k and p.top_k > row.max_candidates:
@@ -464,7 +475,7 @@ class Sampler:
             with np.errstate(over="ignore"):
                 z = found.values.astype(np.float64) / p.temperature  # [C] best first
             if not np.isfinite(z[0]):
-                token = int(found.ids[0])  # as filter_probs: the limit is greedy
+                token = self._certain(int(found.ids[0]))  # as filter_probs: the limit is greedy
             else:
                 weights = np.exp(z - z[0])
                 total = found.mass if not has_top_k else weights.sum()
@@ -494,6 +505,7 @@ class Sampler:
 
     def _draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
         # Inverse-CDF draw: one uniform number per token keeps a seed's sequence stable.
+        self.last_candidates = (ids, probs)
         u = self.rng.random()
         pos = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), ids.shape[0] - 1)
         return int(ids[pos])

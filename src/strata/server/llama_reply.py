@@ -16,7 +16,7 @@ from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.openai_format import SSE_KEEPALIVE, sse
 from strata.server.schema import (GenerationOptions, _boolean, _integer, _number, _wrong_type,
                                   llama_json_schema, parse_options)
-from strata.server.slots_api import RANDOM_SEED, sampling_fields
+from strata.server.slots_api import LLAMA_REPEAT_LAST_N, RANDOM_SEED, sampling_fields
 from strata.server.worker import Job
 
 # llama.cpp's seeds for "a random one": -1 and LLAMA_DEFAULT_SEED (what /props shows)
@@ -47,12 +47,16 @@ def parse_llama_fields(body: dict, n_ctx: int, tokenizer) -> LlamaFields:
         options.max_tokens = 1  # the one token is not sent
     if options.repetition_penalty is None:  # llama.cpp's name for it
         options.repetition_penalty = _number(body, "repeat_penalty", 0.0, 10.0, low_open=True)
+    if options.repeat_last_n is None:  # llama.cpp's window, not the OpenAI endpoints' all
+        options.repeat_last_n = LLAMA_REPEAT_LAST_N
     schema = llama_json_schema(body, options)
     if schema is not None:
         options.json_object, options.json_schema = True, schema
     n_probs = _integer(body, "n_probs", 0, MAX_TOP_LOGPROBS)
     if n_probs:  # each token's figure and its n_probs best alternatives
         options.logprobs = n_probs
+    # those figures as probabilities after the sampler chain (`prob`, `top_probs`)
+    options.post_sampling_probs = _boolean(body, "post_sampling_probs")
     return LlamaFields(options, is_warm_up,
                        max_predict_ms=_integer(body, "t_max_predict_ms", 0, 2**31) or 0,
                        response_fields=_response_fields(body.get("response_fields")),
@@ -138,6 +142,9 @@ class LlamaReply:
         self.first_token_s: float | None = None
         self.num_tokens = 0
         self.events = routes._events(job)  # made in the request's context, read in a stream
+        # how completion_probabilities read: llama.cpp's post_sampling_probs, a greedy pick
+        self._probs_form = {"post_sampling": req.options.post_sampling_probs,
+                            "is_greedy": job.params.is_greedy}
 
     def _pieces(self):
         """The text to send, piece by piece (None: a keep-alive tick); stops the generation
@@ -169,7 +176,7 @@ class LlamaReply:
     def collect(self) -> dict:
         """The whole answer's result fields."""
         content = "".join(p for p in self._pieces() if p is not None)
-        return self.result(content, self.logprobs.llama(),
+        return self.result(content, self._probs(),
                            self._take_tokens(self.req.returns_tokens))
 
     def _take_tokens(self, is_asked: bool = True) -> list[int]:
@@ -188,14 +195,17 @@ class LlamaReply:
                 chunk = dict(base, content=piece, tokens=self._take_tokens(),
                              tokens_predicted=self.num_tokens,
                              tokens_evaluated=self.outcome.num_prompt_tokens)
-                probs = self.logprobs.llama(take=True)  # the tokens this piece brings
+                probs = self._probs(take=True)  # the tokens this piece brings
                 if probs is not None:
                     chunk["completion_probabilities"] = probs
                 yield sse(chunk)
         except ApiError as exc:
             yield sse(exc.body())
             return
-        yield sse(self.result("", self.logprobs.llama(take=True), self._take_tokens()))
+        yield sse(self.result("", self._probs(take=True), self._take_tokens()))
+
+    def _probs(self, take: bool = False) -> list[dict] | None:
+        return self.logprobs.llama(take, **self._probs_form)
 
     def _stop_type(self) -> str:
         if self.limits.is_cut or self.req.is_warm_up:

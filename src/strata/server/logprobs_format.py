@@ -6,7 +6,7 @@ from __future__ import annotations
 import codecs
 import math
 
-from strata.engine.logprobs import TokenLogprob
+from strata.engine.logprobs import TokenLogprob, certain
 
 # What OpenAI's API reports for a token the model gives no probability a float can hold (JSON
 # has no -Infinity).
@@ -57,6 +57,17 @@ class LogprobFormatter:
             entry = {"id": token_id} if with_ids else {}
             entries.append(dict(entry, token=text, logprob=_number(logprob), bytes=raw))
         return dict(entries[0], top_logprobs=entries[1:])
+
+    def prob_entry(self, lp: TokenLogprob) -> dict:
+        """llama.cpp's `completion_probabilities` entry with `post_sampling_probs`: `prob`
+        and `top_probs` (probabilities, those of 0 left out) for `logprob` and
+        `top_logprobs`."""
+        entries = []
+        for token_id, logprob in ((lp.token_id, lp.logprob), *lp.top):
+            text, raw = self.token(token_id)
+            entries.append({"id": token_id, "token": text, "bytes": raw,
+                            "prob": math.exp(logprob)})
+        return dict(entries[0], top_probs=[e for e in entries[1:] if e["prob"] > 0])
 
     def completion_lists(self, entries: list[TokenLogprob | int], chars: CharOffsets) -> dict:
         """The legacy `logprobs` object of `entries`, `chars` counting the answer's text up to
@@ -127,12 +138,17 @@ class AnswerLogprobs:
         entries = self._take(take)
         return None if entries is None else [self._formatter.chat_entry(lp) for lp in entries]
 
-    def llama(self, take: bool = False) -> list[dict] | None:
+    def llama(self, take: bool = False, post_sampling: bool = False,
+              is_greedy: bool = False) -> list[dict] | None:
         """llama.cpp's `completion_probabilities` (chat's entries with token ids), or None
-        as `entries`."""
+        as `entries`. `post_sampling`: as probabilities after the sampler chain (the engine's
+        figures are the chain's then; a greedy pick's, `is_greedy`, are 1 for it alone)."""
         entries = self._take(take)
         if entries is None:
             return None
+        if post_sampling:
+            return [self._formatter.prob_entry(certain(lp.token_id) if is_greedy else lp)
+                    for lp in entries]
         return [self._formatter.chat_entry(lp, with_ids=True) for lp in entries]
 
     def chat(self, take: bool = False) -> dict | None:

@@ -83,6 +83,14 @@ class MessagesRoutes(GenerationRoutes):
         return reason, outcome.stop_string if reason == "stop_sequence" else None
 
     @staticmethod
+    def _message_start(header: MessageHeader, outcome: Outcome, num_cached_tokens: int) -> str:
+        # output_tokens as Anthropic's message_start: what the output counts so far (its first
+        # token is in the first content event; message_delta has the final count)
+        start_usage = usage(outcome.num_prompt_tokens, num_cached_tokens, 0)
+        return sse_event({"type": "message_start",
+                          "message": header.message([], None, None, start_usage)})
+
+    @staticmethod
     def _usage(outcome: Outcome) -> dict:
         end = outcome.end
         return usage(outcome.num_prompt_tokens, end.num_cached_tokens, end.num_generated_tokens)
@@ -90,29 +98,49 @@ class MessagesRoutes(GenerationRoutes):
     def _message_stream(self, job, events, parser, header, outcome, max_tokens, blocks):
         """message_start, the content blocks' start / delta / stop events, then message_delta
         (stop reason, usage) and message_stop; a failure ends the stream with an error event.
-        A ping goes out for each keep-alive tick."""
+        A ping goes out for each keep-alive tick.
+
+        message_start waits for the first generated token: its usage splits the prompt into
+        the tokens read and those reused from a parked conversation (as Anthropic's does),
+        which only the request's placement in a slot tells. A failure before it (a request
+        the engine refused, a server shutting down) is the stream's only event."""
+        is_started = False
         with closing(_generated(events, outcome)) as items:
-            start_usage = usage(outcome.num_prompt_tokens, 0, 0)
-            yield sse_event({"type": "message_start",
-                             "message": header.message([], None, None, start_usage)})
             for item in items:
                 if item is None:
                     yield SSE_PING
                     continue
+                if not is_started:
+                    is_started = True
+                    yield self._message_start(header, outcome, _cached_tokens(job, item))
                 for parsed in self._parse(parser, item, outcome):
                     for event in blocks.feed(parsed):
                         yield sse_event(event)
-        for event in blocks.finish():
-            yield sse_event(event)
         if outcome.end.error is not None:
+            yield from (sse_event(e) for e in blocks.finish())
             yield sse_event(error_body(outcome.end.error))
             return
+        if not is_started:  # ended without a token (not a failure): the end has the split
+            yield self._message_start(header, outcome, outcome.end.num_cached_tokens)
+        for event in blocks.finish():
+            yield sse_event(event)
         reason, stop_string = self._stop(outcome, parser.num_tool_calls, max_tokens)
         self._log(job, outcome, reason)
         yield sse_event({"type": "message_delta",
                          "delta": {"stop_reason": reason, "stop_sequence": stop_string},
                          "usage": self._usage(outcome)})
         yield sse_event({"type": "message_stop"})
+
+
+def _cached_tokens(job, first_event) -> int:
+    """The prompt tokens reused from a parked conversation, when the request's first token
+    comes: the engine thread notes them on the job before that token's event (worker.py), and
+    a first event that is also the last carries the request's stats."""
+    noted = job.num_cached_tokens
+    if noted is not None:
+        return noted
+    stats = first_event.stats
+    return stats.num_cached_tokens if stats is not None else 0
 
 
 def is_messages_path(path: str) -> bool:

@@ -191,7 +191,8 @@ def sampling_params(options: GenerationOptions, num_prompt_tokens: int, n_ctx: i
                                  options.held_tool_calls is None else 1),
               "thinking_budget": options.thinking_budget,
               "stop_token_ids": list(options.stop_token_ids), "logprobs": options.logprobs,
-              "prompt_logprobs": options.prompt_logprobs}
+              "prompt_logprobs": options.prompt_logprobs,
+              "post_sampling_probs": options.post_sampling_probs}
     if options.temperature is not None and options.temperature < MIN_TEMPERATURE:
         # As vLLM does: a temperature this close to 0 is greedy (dividing logits by a tiny or
         # denormal value overflows to inf and the draw has nothing left to pick from).

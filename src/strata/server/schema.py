@@ -47,6 +47,8 @@ class GenerationOptions:
     stop_token_ids: list[int] = field(default_factory=list)  # beside EOS (a FIM prompt's)
     logprobs: int | None = None  # each token's log probability and this many alternatives
     prompt_logprobs: int | None = None  # ... of the prompt's tokens too (an echo)
+    # llama.cpp's post_sampling_probs: the figures are the sampler chain's probabilities
+    post_sampling_probs: bool = False
 
 
 # `n`: most answers one request may ask for (each one is a request of its own to the engine);

@@ -18,6 +18,9 @@ from strata.server.schema import parse_json_body
 
 # llama.cpp's seed for "none given" (LLAMA_DEFAULT_SEED): each request draws its own
 RANDOM_SEED = 0xFFFFFFFF
+# llama.cpp's repeat_last_n when a request gives none: the repetition penalty looks back over
+# the last 64 tokens (/completion, /infill; the OpenAI endpoints' covers every token)
+LLAMA_REPEAT_LAST_N = 64
 _OFF_VALUES = ("", "0", "false")
 
 
@@ -29,6 +32,7 @@ def sampling_fields(params: SamplingParams, max_tokens: int) -> dict:
         "seed": RANDOM_SEED if params.seed is None else params.seed,
         "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
         "min_p": params.min_p, "repeat_penalty": params.repetition_penalty,
+        "repeat_last_n": params.repeat_last_n,
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
         "stop": list(params.stop), "ignore_eos": params.ignore_eos,
@@ -53,10 +57,11 @@ def slot_fields(slot: SlotState, n_ctx: int, is_speculative: bool) -> dict:
         "n_prompt_tokens_processed": slot.num_read_tokens - slot.num_cached_tokens,
         "n_prompt_tokens_cache": slot.num_cached_tokens,
         "params": sampling_fields(slot.params, max_tokens),
-        # a finished request leaves its slot at once: a busy slot has a next token to come
-        "next_token": {"has_next_token": True,
-                       "n_remain": max_tokens - slot.num_generated_tokens,
-                       "n_decoded": slot.num_generated_tokens},
+        # a finished request leaves its slot at once: a busy slot has a next token to come.
+        # An array of one object, as llama.cpp's (its clients read next_token[0])
+        "next_token": [{"has_next_token": True,
+                        "n_remain": max_tokens - slot.num_generated_tokens,
+                        "n_decoded": slot.num_generated_tokens}],
     })
     return out
 
@@ -72,7 +77,9 @@ class SlotsRoutes(GenerationRoutes):
             "default_generation_settings": {
                 "id": 0, "id_task": -1, "n_ctx": engine.n_ctx,
                 "speculative": engine.scheduler.drafts.is_on, "is_processing": False,
-                "params": sampling_fields(SamplingParams(), -1),
+                # what /completion and /infill sample with when a request sets nothing
+                "params": sampling_fields(SamplingParams(repeat_last_n=LLAMA_REPEAT_LAST_N),
+                                          -1),
             },
             "total_slots": engine.scheduler.table.num_slots,
             "model_alias": state.model_id,

@@ -39,6 +39,9 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
     stop_reason: str | None = None  # why the server cancelled it itself (None: the client left)
+    # prompt tokens reused from a cached conversation: set by the engine thread before the
+    # job's first event (Anthropic's message_start reports them)
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -260,6 +263,7 @@ class EngineWorker:
             now = time.perf_counter()
             if end.ttft_s is None:
                 end.ttft_s = now - job.queued_at
+                job.num_cached_tokens = run.handle.stats.num_cached_tokens
                 self._metrics.ttft.observe(end.ttft_s)
             else:
                 self._metrics.token_latency.observe(now - run.last_event_s)
