@@ -109,3 +109,23 @@ def test_a_context_capped_by_kv_grow_is_the_one_refused_and_told(live_capped):
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["finish_reason"] == "length"
     assert reply.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("n_predict,truncated", [(None, True), (100, True), (2, False)])
+def test_completion_says_truncated_when_the_context_cut_it(live, n_predict, truncated):
+    """llama.cpp's `truncated`: the answer stopped for want of room in the context, short of
+    n_predict (it was always false)."""
+    body = {"prompt": LONG_IDS[:N_CTX_TOKENS - 3], "temperature": 0, "ignore_eos": True}
+    if n_predict is not None:
+        body["n_predict"] = n_predict
+    out = post(live.url, "/completion", body)
+    assert out.status_code == 200, out.text
+    answer = out.json()
+    assert answer["truncated"] is truncated and answer["stop_type"] == "limit"
+    assert answer["tokens_predicted"] == (2 if n_predict == 2 else 3)
+
+
+def test_slots_report_the_context_requests_get(live):
+    n_ctx = requests.get(live.url + "/props", timeout=30).json()["default_generation_settings"]
+    slots = requests.get(live.url + "/slots", timeout=30).json()
+    assert all(s["n_ctx"] == n_ctx["n_ctx"] for s in slots)

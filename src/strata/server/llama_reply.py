@@ -207,6 +207,13 @@ class LlamaReply:
     def _probs(self, take: bool = False) -> list[dict] | None:
         return self.logprobs.llama(take, **self._probs_form)
 
+    def _is_context_full(self) -> bool:
+        """The generation ended for want of room in the context (or in a slot's KV), short of
+        n_predict: llama.cpp's `truncated` says so too."""
+        asked = self.req.options.max_tokens  # the client's (None: up to the context's end)
+        return (self.outcome.engine_finish == "length" and not self.limits.is_cut
+                and not self.req.is_warm_up and (asked is None or self.num_tokens < asked))
+
     def _stop_type(self) -> str:
         if self.limits.is_cut or self.req.is_warm_up:
             return "limit"
@@ -235,7 +242,7 @@ class LlamaReply:
             # read back (at a full context it may not be: this was n_ctx + 1 there)
             "tokens_cached": self.outcome.num_prompt_tokens + max(self.num_tokens - 1, 0),
             "has_new_line": self.limits.has_new_line,
-            "truncated": self.is_truncated,
+            "truncated": self.is_truncated or self._is_context_full(),
             "stop_type": stop_type,
             "stopping_word": self.outcome.stop_string or "",
             "generation_settings": sampling_fields(self.job.params, self.req.n_predict),

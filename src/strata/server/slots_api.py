@@ -106,7 +106,7 @@ class SlotsRoutes(GenerationRoutes):
             raise ApiError(503, f"No slot available: all {len(slots)} slots are busy; retry "
                            "when one is free (a generating request queues for one anyway).",
                            code="no_slot_available", type="unavailable_error")
-        return jsonify([slot_fields(s, scheduler.n_ctx, scheduler.drafts.is_on)
+        return jsonify([slot_fields(s, engine.n_ctx, scheduler.drafts.is_on)
                         for s in slots])
 
     def slot_action(self, id_slot: int):
