@@ -85,8 +85,8 @@ def test_wrong_types(live, field, value, expected):
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("max_tokens", 0, ["'max_tokens' is 0", "[1, 512]"]),
-    ("max_tokens", 10**9, ["1000000000"]),
+    ("max_tokens", 0, ["'max_tokens' is 0", "[1, "]),
+    ("max_tokens", 2**31, ["2147483648"]),
     ("max_completion_tokens", -3, ["-3"]),
     ("temperature", -0.1, ["temperature", "-0.1"]),
     ("temperature", 1e400, ["temperature"]),

@@ -129,3 +129,22 @@ def test_slots_report_the_context_requests_get(live):
     n_ctx = requests.get(live.url + "/props", timeout=30).json()["default_generation_settings"]
     slots = requests.get(live.url + "/slots", timeout=30).json()
     assert all(s["n_ctx"] == n_ctx["n_ctx"] for s in slots)
+
+
+@pytest.mark.parametrize("path,field", [("/v1/chat/completions", "max_tokens"),
+                                        ("/v1/chat/completions", "max_completion_tokens"),
+                                        ("/v1/completions", "max_tokens")])
+def test_max_tokens_over_the_context_is_clipped_to_it(live, path, field):
+    """An agent configured with a large output limit (opencode asks 32000) gets its answer up
+    to the context's end, as from llama-server, not a 400 on every turn."""
+    body = {field: 32000, "temperature": 0, "ignore_eos": True}
+    if path == "/v1/completions":
+        body["prompt"] = LONG_IDS[:N_CTX_TOKENS - 4]
+    else:
+        body["messages"] = [{"role": "user", "content": "word " * 490}]
+    out = post(live.url, path, body)
+    assert out.status_code == 200, out.text
+    answer = out.json()
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == N_CTX_TOKENS
+    assert answer["choices"][0]["finish_reason"] == "length"

@@ -252,6 +252,10 @@ def parse_choice_counts(body: dict, is_stream: bool) -> tuple[int, int]:
     return n, best_of
 
 
+def _clipped(value: int | None, limit: int) -> int | None:
+    return None if value is None else min(value, limit)
+
+
 def parse_options(body: dict, max_tokens_limit: int, *,
                   is_best_of_read: bool = False) -> GenerationOptions:
     """The generation fields of every generating endpoint; `max_tokens_limit` is the context
@@ -262,8 +266,10 @@ def parse_options(body: dict, max_tokens_limit: int, *,
         raise invalid(f"'best_of' is {best_of}; this endpoint answers one choice, so only 1 "
                       "is supported (POST /v1/completions and /v1/chat/completions take "
                       "more).", "best_of", "unsupported_value")
-    max_tokens = _integer(body, "max_tokens", 1, max_tokens_limit)
-    max_completion = _integer(body, "max_completion_tokens", 1, max_tokens_limit)
+    # more than the context is clipped to it, as llama-server and the Anthropic and Responses
+    # endpoints do: an agent configured with a large output limit (opencode's 32K) works
+    max_tokens, max_completion = (_clipped(_integer(body, name, 1, 2**31 - 1), max_tokens_limit)
+                                  for name in ("max_tokens", "max_completion_tokens"))
     stop = body.get("stop")
     if stop is None:
         stop = []
