@@ -4,6 +4,7 @@ response format; the generation fields are schema.py's."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from strata.engine.logprobs import MAX_TOP_LOGPROBS
@@ -11,6 +12,8 @@ from strata.server.api_error import ApiError, invalid, missing
 from strata.server.schema import (_MISSING, ChatRequest, GenerationOptions, _boolean, _integer,
                                   _object, _objects, _string, _wrong_type, check_object_schema,
                                   llama_json_schema, parse_choice_counts, parse_options)
+
+log = logging.getLogger("strata.server")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -25,12 +28,14 @@ def _content_text(content: Any, param: str) -> str | None:
     for i, part in enumerate(content):
         if not isinstance(part, dict):
             raise _wrong_type(f"{param}[{i}]", part, "an object")
-        if part.get("type") != "text":
-            raise invalid(f"'{param}[{i}].type' is {part.get('type')!r}; this server reads only "
-                          "'text' parts.", f"{param}[{i}].type", "unsupported_value")
-        text = part.get("text")
+        kind = part.get("type")
+        if kind not in ("text", "refusal"):  # an assistant's refusal (OpenAI's) is its text
+            raise invalid(f"'{param}[{i}].type' is {kind!r}; this server reads only 'text' "
+                          "parts (it serves a text-only model).", f"{param}[{i}].type",
+                          "unsupported_value")
+        text = part.get(kind)
         if not isinstance(text, str):
-            raise _wrong_type(f"{param}[{i}].text", text, "a string")
+            raise _wrong_type(f"{param}[{i}].{kind}", text, "a string")
         texts.append(text)
     return "".join(texts)
 
@@ -45,14 +50,17 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise _wrong_type(f"{where}.function.name", name, "a non-empty string")
-        arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str):
+        arguments = function.get("arguments")
+        if isinstance(arguments, dict):  # decoded already (Ollama's form, some proxies')
+            decoded = arguments
+        elif arguments is not None and not isinstance(arguments, str):
             raise _wrong_type(f"{where}.function.arguments", arguments, "a JSON string")
-        try:
-            decoded = json.loads(arguments)
-        except ValueError:
-            raise invalid(f"'{where}.function.arguments' is not valid JSON: {arguments[:80]!r}.",
-                          f"{where}.function.arguments") from None
+        else:
+            try:  # "" (or none): a call without arguments, as servers stream some
+                decoded = json.loads(arguments or "{}")
+            except ValueError:
+                raise invalid(f"'{where}.function.arguments' is not valid JSON: "
+                              f"{arguments[:80]!r}.", f"{where}.function.arguments") from None
         call_id = _string(call, "id", param=f"{where}.id") or f"call_{i}"
         out.append({"id": call_id, "type": "function",
                     "function": {"name": name, "arguments": decoded}})
@@ -77,10 +85,12 @@ def parse_messages(messages: Any) -> list[dict]:
                       "content": content or ""}
         if role == "assistant" and message.get("tool_calls") is not None:
             item["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
-        elif content is None:
+        elif content is None and role != "assistant":  # an answer all reasoning: no content
             raise ApiError(400, f"'{where}.content' is required for a {role} message.",
                            param=f"{where}.content", code="missing_required_parameter")
         reasoning = _string(message, "reasoning_content", param=f"{where}.reasoning_content")
+        if reasoning is None and isinstance(message.get("reasoning"), str):
+            reasoning = message["reasoning"]  # vLLM's and OpenRouter's name for it
         if role == "assistant" and reasoning:
             item["reasoning_content"] = reasoning
         if role == "tool":
@@ -156,6 +166,21 @@ def parse_tool_choice(choice: Any, tools: list[dict] | None) -> str | dict:
     return {"type": "function", "function": {"name": name}}
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def reasoning_effort_thinking(effort: str | None, param: str) -> dict:
+    """A reasoning effort (OpenAI's `reasoning_effort`, the Responses API's `reasoning.effort`)
+    as the template's `enable_thinking`: "none" turns it off, any other effort on; absent, the
+    template's default."""
+    if effort is None:
+        return {}
+    if effort not in REASONING_EFFORTS:
+        raise invalid(f"'{param}' is {effort!r}; use one of {', '.join(REASONING_EFFORTS)}.",
+                      param)
+    return {"enable_thinking": effort != "none"}
+
+
 def parse_response_format(value: Any) -> dict | None:
     if value is None:
         return None
@@ -197,7 +222,16 @@ def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     options = parse_options(body, max_tokens_limit, is_best_of_read=True)
     n, best_of = parse_choice_counts(body, options.is_stream)
     tools = parse_tools(body.get("tools"))
-    kwargs = _object(body, "chat_template_kwargs") or {}
+    kwargs = dict(_object(body, "chat_template_kwargs") or {})
+    effort = _string(body, "reasoning_effort")
+    if effort not in REASONING_EFFORTS + (None,):
+        # another provider's level (the chat endpoint ignored the field before it was read):
+        # the template's default, rather than a 400 on every turn of a client that sends it
+        log.debug("reasoning_effort %r is none of %s; left to the template", effort,
+                  ", ".join(REASONING_EFFORTS))
+        effort = None
+    thinking = reasoning_effort_thinking(effort, "reasoning_effort")
+    kwargs = {**thinking, **kwargs}  # the template's own switch, where sent, wins
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
     response_format = parse_response_format(body.get("response_format"))
     schema = llama_json_schema(body, options)  # llama-server takes it here too

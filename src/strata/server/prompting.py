@@ -3,6 +3,7 @@ format become instructions in the system message; the chat template renders the 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 
 from strata.engine.json_constraint import opens_reasoning
@@ -12,6 +13,8 @@ from strata.model.fim import FimTokens, InfillText, build_infill
 from strata.server.api_error import ApiError, invalid
 from strata.server.output_parser import TOOL_OPEN
 from strata.server.schema import ChatRequest, GenerationOptions
+
+log = logging.getLogger("strata.server")
 
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 MIN_TEMPERATURE = 1e-5
@@ -90,9 +93,8 @@ def build_chat_prompt(engine, req: ChatRequest, param: str = "messages",
         tools = [t for t in tools if t["function"]["name"] == name]
     messages = _with_system_note(req.messages, _instructions(req))
     try:
-        text = engine.render_chat(messages, tools=tools,
-                                  add_generation_prompt=add_generation_prompt,
-                                  **req.chat_template_kwargs) + req.assistant_prefill
+        text = _render(engine, messages, tools, add_generation_prompt,
+                       req.chat_template_kwargs) + req.assistant_prefill
     except RequestError as exc:
         raise invalid(str(exc), param, "template_error") from None
     except Exception as exc:  # noqa: BLE001 - a template that breaks on some input is a 400
@@ -106,6 +108,27 @@ def build_chat_prompt(engine, req: ChatRequest, param: str = "messages",
                       param_types=_param_types(tools or []),
                       held_tool_calls=[t["function"] for t in tools] if form else None,
                       tool_call_form=form or "json")
+
+
+def _render(engine, messages: list[dict], tools: list[dict] | None,
+            add_generation_prompt: bool, template_kwargs: dict) -> str:
+    """The template's rendering. Agents send their system prompt as several system messages
+    (opencode: a header and the rest); a template that takes one only (it raises on a second)
+    gets them joined into one, as the Responses endpoint joins its instructions."""
+    def render(chat):
+        return engine.render_chat(chat, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  **template_kwargs)
+    try:
+        return render(messages)
+    except RequestError:
+        num_leading = next((i for i, m in enumerate(messages) if m["role"] != "system"),
+                           len(messages))
+        if num_leading < 2:
+            raise
+        log.debug("the chat template refused %d system messages; rendering them as one",
+                  num_leading)
+        joined = "\n\n".join(m["content"] for m in messages[:num_leading] if m["content"])
+        return render([{"role": "system", "content": joined}] + messages[num_leading:])
 
 
 def tool_call_form(prompt_text: str) -> str | None:

@@ -4,17 +4,30 @@ become messages, function_call / function_call_output items tool calls and tool 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.server.api_error import ApiError, invalid, missing
-from strata.server.chat_schema import flat_function_tool, hold_json_answer, parse_tool_choice
+from strata.server.chat_schema import (flat_function_tool, hold_json_answer, parse_tool_choice,
+                                       reasoning_effort_thinking)
 from strata.server.schema import (ChatRequest, _boolean, _integer, _object, _objects, _string,
                                   _wrong_type, check_object_schema, parse_options)
 
+log = logging.getLogger("strata.server")
+
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+# Tools OpenAI's servers run themselves (Codex sends web_search on every turn by default): this
+# server runs none, so the model is offered none of them; the rest of the request is served
+HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11",
+                "web_search_2025_08_26", "file_search", "code_interpreter", "image_generation",
+                "mcp")
+# input items of those tools' calls: they hold no text the model wrote or read (the results
+# stay on OpenAI's servers), so they are left out of the conversation
+HOSTED_CALL_ITEMS = ("web_search_call", "file_search_call", "code_interpreter_call",
+                     "image_generation_call", "mcp_list_tools", "mcp_call",
+                     "mcp_approval_request", "mcp_approval_response")
 _MISSING = object()
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # `include`: the answer's token logprobs
 
 
@@ -149,6 +162,8 @@ def parse_input(value: Any, instructions: str | None) -> list[dict]:
                 conversation.function_call_output(item, where)
             elif kind == "reasoning":
                 conversation.reasoning = _reasoning_text(item, where)
+            elif kind in HOSTED_CALL_ITEMS:
+                log.debug("left out %s: a call of a tool OpenAI's servers run", where)
             elif kind == "item_reference":
                 raise _unsupported(f"{where}.type", kind, "this server keeps no items: send "
                                    "the whole conversation in 'input'.")
@@ -171,9 +186,13 @@ def parse_responses_tools(tools: Any) -> list[dict] | None:
         return None
     out = []
     for where, tool in _objects(tools, "tools"):
-        if tool.get("type") != "function":
-            raise _unsupported(f"{where}.type", tool.get("type"), "this server runs no tools "
-                               "itself and takes only 'function' tools.")
+        kind = tool.get("type")
+        if kind in HOSTED_TOOLS:
+            log.debug("%s (%s) left out: this server runs no hosted tools", where, kind)
+            continue
+        if kind != "function":
+            raise _unsupported(f"{where}.type", kind, "this server takes 'function' tools "
+                               "(hosted ones, such as web_search, it leaves out).")
         out.append(flat_function_tool(tool, where, "parameters"))
     return out or None
 
@@ -182,8 +201,10 @@ def _tool_choice(choice: Any, tools: list[dict] | None) -> str | dict:
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         choice = {"type": "function", "function": {"name": choice["name"]}}
     elif isinstance(choice, dict) and choice.get("type") != "function":
-        raise _unsupported("tool_choice.type", choice.get("type"), "use 'none', 'auto', "
-                           "'required' or {\"type\": \"function\", \"name\": ...}.")
+        hosted = ("this server runs no hosted tools, so it cannot call one; "
+                  if choice.get("type") in HOSTED_TOOLS else "")
+        raise _unsupported("tool_choice.type", choice.get("type"), f"{hosted}use 'none', "
+                           "'auto', 'required' or {\"type\": \"function\", \"name\": ...}.")
     return parse_tool_choice(choice, tools)
 
 
@@ -201,18 +222,6 @@ def _text_format(body: dict) -> dict | None:
         raise missing("text.format.schema", "the JSON schema of the answer")
     check_object_schema(schema, "text.format.schema")
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": schema}}
-
-
-def _thinking(body: dict) -> dict:
-    """`reasoning.effort` as the template's `enable_thinking`: "none" turns it off, any other
-    effort on; absent, the template's default."""
-    effort = (_object(body, "reasoning") or {}).get("effort")
-    if effort is None:
-        return {}
-    if effort not in REASONING_EFFORTS:
-        raise invalid(f"'reasoning.effort' is {effort!r}; use one of "
-                      f"{', '.join(REASONING_EFFORTS)}.", "reasoning.effort")
-    return {"enable_thinking": effort != "none"}
 
 
 def _include(body: dict) -> list[str]:
@@ -259,7 +268,9 @@ def parse_responses_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     if LOGPROBS_INCLUDE in _include(body) or top:
         options.logprobs = top or 0
     kwargs = dict(_object(body, "chat_template_kwargs") or {})
-    kwargs.update(_thinking(body))
+    kwargs.update(reasoning_effort_thinking(
+        _string(_object(body, "reasoning") or {}, "effort", param="reasoning.effort"),
+        "reasoning.effort"))
     return ChatRequest(model=_string(body, "model"),
                        messages=parse_input(body.get("input", _MISSING),
                                             _string(body, "instructions")),
