@@ -319,34 +319,55 @@ class ChoiceQueue:
         self.shared.put((self.index, item))
 
 
-class _DisconnectWatch:
-    """Asks `is_disconnected()` about every `poll_s` (a call costs a socket check)."""
+# How often a request thread waiting for its job's next event asks whether its client left (a
+# look at waitress's flag, no socket call): a client that hangs up stops its generation this soon
+# after, not one keep-alive period (5 s by default) later.
+DISCONNECT_POLL_S = 0.1
 
-    def __init__(self, poll_s: float, is_disconnected: Callable[[], bool] | None):
-        self.poll_s, self.is_disconnected = poll_s, is_disconnected
-        self.next_check_s = time.monotonic() + poll_s
 
-    def gone(self) -> bool:
-        if self.is_disconnected is None or time.monotonic() < self.next_check_s:
-            return False
+class _EventWait:
+    """Takes the next item of a request's event queue: None once `keepalive_s` passed without
+    one (a keep-alive is due). While it waits, and between items at most every
+    DISCONNECT_POLL_S, it asks `is_disconnected()`; the first time that is true it calls
+    `on_gone()` (which cancels the request's jobs) and goes on waiting for their ends."""
+
+    def __init__(self, keepalive_s: float, is_disconnected: Callable[[], bool] | None,
+                 on_gone: Callable[[], None]):
+        self.keepalive_s, self.is_disconnected, self.on_gone = keepalive_s, is_disconnected, on_gone
+        self.poll_s = keepalive_s
+        if is_disconnected is not None:
+            self.poll_s = min(keepalive_s, DISCONNECT_POLL_S)
         self.next_check_s = time.monotonic() + self.poll_s
-        return bool(self.is_disconnected())
+        self.is_gone = False
+
+    def get(self, events: queue.Queue):
+        deadline = time.monotonic() + self.keepalive_s
+        while True:
+            self._check()
+            left_s = max(0.0, deadline - time.monotonic())
+            try:
+                return events.get(timeout=min(left_s, self.poll_s))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    return None
+
+    def _check(self) -> None:
+        if self.is_gone or self.is_disconnected is None or time.monotonic() < self.next_check_s:
+            return
+        self.next_check_s = time.monotonic() + self.poll_s
+        if self.is_disconnected():
+            self.is_gone = True
+            self.on_gone()
 
 
 def iterate_job(job: Job, poll_s: float, is_disconnected: Callable[[], bool] | None = None):
     """Yields the job's GenerationEvents, None after each `poll_s` without one (a chance to send
     a keep-alive), and finally its JobEnd. Closing this generator early cancels the job, and so
-    does `is_disconnected()` turning true (checked about every `poll_s`)."""
-    watch = _DisconnectWatch(poll_s, is_disconnected)
+    does `is_disconnected()` turning true (checked about every DISCONNECT_POLL_S)."""
+    wait = _EventWait(poll_s, is_disconnected, job.cancel.set)
     try:
         while True:
-            if watch.gone():
-                job.cancel.set()
-            try:
-                item = job.events.get(timeout=poll_s)
-            except queue.Empty:
-                yield None
-                continue
+            item = wait.get(job.events)
             yield item
             if isinstance(item, JobEnd):
                 return
@@ -360,20 +381,19 @@ def iterate_jobs(jobs: list[Job], shared: queue.Queue, poll_s: float,
     """`iterate_job` for the choices of one request, whose events are ChoiceQueues on `shared`:
     yields (choice index, item) in arrival order, None for a keep-alive, until every job's
     JobEnd came. Closing it early, or the client going away, cancels every job."""
-    watch = _DisconnectWatch(poll_s, is_disconnected)
+    def cancel_all() -> None:
+        for job in jobs:
+            job.cancel.set()
+
+    wait = _EventWait(poll_s, is_disconnected, cancel_all)
     num_left = len(jobs)
     try:
         while num_left:
-            if watch.gone():
-                for job in jobs:
-                    job.cancel.set()
-            try:
-                index, item = shared.get(timeout=poll_s)
-            except queue.Empty:
+            got = wait.get(shared)
+            if got is None:
                 yield None
                 continue
-            yield index, item
-            num_left -= isinstance(item, JobEnd)
+            yield got
+            num_left -= isinstance(got[1], JobEnd)
     finally:
-        for job in jobs:
-            job.cancel.set()
+        cancel_all()
