@@ -88,3 +88,16 @@ def test_a_range_inside_a_mapping_counts_at_most_its_own_bytes():
     start = view.ctypes.data + 2 * HUGE_PAGE_BYTES
     assert 0 <= huge_page_bytes(start, start + HUGE_PAGE_BYTES) <= HUGE_PAGE_BYTES
     del view
+
+
+def test_memory_under_a_huge_page_takes_only_its_own_pages():
+    """A park of a short conversation (a few KiB) held a whole 2 MiB huge page: a conversation
+    cache of short ones took over ten times its --cache-ram budget in RSS."""
+    view = anonymous_array(64 * 1024)
+    view[:] = 1
+    start = view.ctypes.data
+    assert huge_page_bytes(start, start + view.nbytes) == 0   # not a 2 MiB page for 64 KiB
+    big = anonymous_array(3 * HUGE_PAGE_BYTES + 4096)
+    big[::4096] = 1
+    tail = big.ctypes.data + 3 * HUGE_PAGE_BYTES
+    assert huge_page_bytes(tail, tail + 4096) == 0            # nor for a tail under one

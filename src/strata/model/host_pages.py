@@ -23,14 +23,26 @@ def anonymous_array(nbytes: int, *, dontfork: bool = False) -> np.ndarray:
     platform has no anonymous mappings, numpy's own memory."""
     if not hasattr(mmap, "MAP_ANONYMOUS"):
         return np.empty(nbytes, np.uint8)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if nbytes < HUGE_PAGE_BYTES:
+        # Less than a huge page (a short conversation's park): 4 KiB pages of a mapping of its
+        # own. A huge page would hold 2 MiB of RAM for it: a conversation cache full of short
+        # ones took over ten times its --cache-ram budget.
+        area = mmap.mmap(-1, max(nbytes, 1), flags=flags)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            area.madvise(mmap.MADV_NOHUGEPAGE)
+        if dontfork and hasattr(mmap, "MADV_DONTFORK"):
+            area.madvise(mmap.MADV_DONTFORK)
+        return np.frombuffer(area, np.uint8)[:nbytes]         # keeps `area` alive
     # private: a shared anonymous mapping is shmem, which THP leaves alone by default
-    area = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        area.madvise(mmap.MADV_HUGEPAGE)
-    if dontfork and hasattr(mmap, "MADV_DONTFORK"):
-        area.madvise(mmap.MADV_DONTFORK)
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=flags)
     raw = np.frombuffer(area, np.uint8)                       # keeps `area` alive
     at = -raw.ctypes.data % HUGE_PAGE_BYTES                   # the first 2 MiB boundary
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # whole huge pages only: a tail short of one stays in 4 KiB pages, not 2 MiB of RAM
+        area.madvise(mmap.MADV_HUGEPAGE, at, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
+    if dontfork and hasattr(mmap, "MADV_DONTFORK"):
+        area.madvise(mmap.MADV_DONTFORK)
     return raw[at:at + nbytes]
 
 
