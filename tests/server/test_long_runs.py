@@ -74,3 +74,16 @@ def test_a_client_that_hangs_up_before_its_answer_stops_the_generation(
     response = requests.post(live.url + "/v1/chat/completions", json=retry, timeout=60)
     assert response.status_code == 200
     assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_idle_keep_alive_connections_do_not_lock_new_clients_out(live):
+    """120 connections left open and idle (a pool's keep-alive sockets): a new client is still
+    answered (waitress's default limit, 100, made it wait until idle ones timed out, 120 s)."""
+    host, port = live.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(120)]
+    try:
+        answer = requests.get(live.url + "/health", timeout=10)
+        assert answer.status_code == 200
+    finally:
+        for s in idle:
+            s.close()

@@ -121,6 +121,22 @@ def _channel_class(cors_policy: CorsPolicy):
     return Channel
 
 
+def connection_limit() -> int:
+    """How many connections waitress keeps open at once: half the process's file descriptors,
+    at most 1000. waitress's default, 100, counts idle keep-alive connections (dropped only
+    after 120 s), so agents' connection pools holding ~100 of them locked every new client out
+    for up to two minutes."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 100
+    if soft == resource.RLIM_INFINITY:
+        return 1000
+    return max(100, min(1000, soft // 2))
+
+
 def create_wsgi_server(app, host: str, port: int, threads: int = DEFAULT_HTTP_THREADS):
     """A waitress server for the app (port 0: a free one; see `.effective_port`). Lookahead
     lets waitress notice a client that went away while its request is still running. The
@@ -141,7 +157,8 @@ def create_wsgi_server(app, host: str, port: int, threads: int = DEFAULT_HTTP_TH
         server = waitress.create_server(_refusing_over_cap(app), sockets=[sock],
                                         threads=threads,
                                         channel_request_lookahead=1, ident="strata",
-                                        max_request_body_size=body_limit_bytes)
+                                        max_request_body_size=body_limit_bytes,
+                                        connection_limit=connection_limit())
     except BaseException:
         sock.close()
         raise
