@@ -24,6 +24,7 @@ rules still to be matched, innermost last, its top a character class; an empty s
 sentence may end here. Reading a character keeps the stacks whose top matches it, advanced."""
 from __future__ import annotations
 
+import bisect
 import functools
 
 import numpy as np
@@ -33,10 +34,13 @@ from strata.errors import RequestError
 MAX_GRAMMAR_BYTES = 64 * 1024
 MAX_REPEAT = 1000           # the largest m or n of x{m,n} (each copy is a rule item)
 MAX_STACKS = 4096           # a reading that leaves more stacks than this is refused
+MAX_EXPANSION = 1 << 16     # stacks visited to expand one reading's stacks, then refused
 MAX_ITEMS = 1 << 18         # items in all rules, repetitions written out
 MAX_NESTING = 100           # groups inside groups (the parser recurses into each)
 _CACHE_LIMIT = 1 << 16      # memoised steps per grammar, then the memo starts over
+_CACHE_STACKS = 1 << 20     # stacks the memos of a grammar hold in all, then they start over
 MAX_CODE_POINT = 0x10FFFF
+_MISSING = object()
 _UTF8_CLASSES = ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, MAX_CODE_POINT))
 
 
@@ -130,10 +134,19 @@ class Grammar:
         self._expanded: dict = {}
         self._steps: dict = {}
         self._token_steps: dict = {}
+        self._indexes: dict = {}  # state -> its index (see `index`)
+        self._states: dict = {}   # each state the memos hold, once
         self._bound: dict = {}
+        self._cached_stacks = 0  # stacks the three memos hold
         self.has_tokens = any(isinstance(item, TokenRef)
                               for alts in rules for alt in alts for item in alt)
-        self.start = self._expand_all((((root, k, 0),) for k in range(len(rules[root]))))
+        start = self._expand_all([((root, k, 0),) for k in range(len(rules[root]))])
+        if start is None:
+            raise GrammarError(
+                f"grammar: 'root' can start in more than {MAX_STACKS} ways at once (rules "
+                "whose alternatives each lead to other rules with several alternatives multiply "
+                "them); factor the shared parts out so that fewer ways stay open")
+        self.start = start
 
     def bound(self, tokenizer) -> "Grammar":
         """This grammar with its `<text>` items resolved to `tokenizer`'s ids (itself when it
@@ -176,12 +189,15 @@ class Grammar:
         return GrammarRecognizer(self)
 
     # ---- the stacks -------------------------------------------------------------------------
-    def _expand(self, stack: tuple) -> tuple:
-        """The stacks `stack` stands for with a CharSet on top (or empty: the sentence may end):
-        finished alternatives popped, rules on top replaced by their alternatives."""
-        done = self._expanded.get(stack)
-        if done is not None:
-            return done
+    def _expand(self, stack: tuple, budget: int) -> tuple[frozenset, int] | None:
+        """(the stacks `stack` stands for with a CharSet or TokenRef on top, or empty: the
+        sentence may end; the stacks visited to find them): finished alternatives popped,
+        rules on top replaced by their alternatives. None when that visits more than `budget`
+        stacks or leaves more than MAX_STACKS (a grammar can multiply its ways without end:
+        rules of two alternatives, each naming the next)."""
+        done = self._expanded.get(stack, _MISSING)
+        if done is not _MISSING:
+            return None if done is None or done[1] > budget else done
         out, seen, todo = [], set(), [stack]
         rules = self.rules
         while todo:
@@ -189,6 +205,10 @@ class Grammar:
             if st in seen:
                 continue
             seen.add(st)
+            if len(out) > MAX_STACKS or len(seen) > budget:
+                if len(out) > MAX_STACKS or budget == MAX_EXPANSION:  # whatever the budget
+                    self._remember(self._expanded, stack, None, 0)
+                return None
             if not st:
                 out.append(st)
                 continue
@@ -206,17 +226,46 @@ class Grammar:
             rest = st[:-1] + ((r, a, p + 1),) if p + 1 < len(alt) else st[:-1]
             for k in range(len(rules[item])):
                 todo.append(rest + ((item, k, 0),))
-        result = tuple(out)
-        if len(self._expanded) > _CACHE_LIMIT:
-            self._expanded.clear()
-        self._expanded[stack] = result
+        result = (self._interned(frozenset(out)), len(seen))
+        self._remember(self._expanded, stack, result, 0)
         return result
 
-    def _expand_all(self, stacks) -> frozenset:
-        out = set()
+    def _expand_all(self, stacks) -> frozenset | None:
+        """The union of the stacks' expansions; None (too ambiguous to follow) when they visit
+        more than MAX_EXPANSION stacks in all or leave more than MAX_STACKS (counted the same
+        whether the memo has them or not: the answer does not depend on what came before)."""
+        parts, budget = [], MAX_EXPANSION
         for st in stacks:
-            out.update(self._expand(st))
-        return frozenset(out)
+            got = self._expand(st, budget)
+            if got is None:
+                return None
+            budget -= got[1]
+            parts.append(got[0])
+        if len(parts) == 1:  # (one stack read the character: its expansion as it is)
+            return parts[0]
+        out = frozenset().union(*parts)
+        return None if len(out) > MAX_STACKS else self._interned(out)
+
+    def _interned(self, state: frozenset) -> frozenset:
+        """The one copy of `state` the memos hold (equal states are one object: a memo entry
+        costs a reference, and a lookup compares by identity)."""
+        got = self._states.get(state)
+        if got is None:
+            self._remember(self._states, state, state, len(state))
+            got = state
+        return got
+
+    def _remember(self, memo: dict, key, result, num_stacks: int) -> None:
+        """Keep a memoised result (of `num_stacks` stacks); every memo starts over past
+        _CACHE_LIMIT entries in one or _CACHE_STACKS stacks in all (a grammar's memory stays
+        bounded)."""
+        if len(memo) > _CACHE_LIMIT or self._cached_stacks > _CACHE_STACKS:
+            for each in (self._expanded, self._steps, self._token_steps, self._indexes,
+                         self._states):
+                each.clear()
+            self._cached_stacks = 0
+        memo[key] = result
+        self._cached_stacks += num_stacks + 1
 
     def step(self, state: frozenset, cp: int) -> frozenset:
         """The stacks after reading character `cp` (empty: the output left the grammar)."""
@@ -224,17 +273,14 @@ class Grammar:
         got = self._steps.get(key)
         if got is not None:
             return got
-        advanced = []
-        for st in state:
-            if st and self._top(st).matches(cp):
-                r, a, p = st[-1]
-                advanced.append(st[:-1] + ((r, a, p + 1),))
-        result = self._expand_all(advanced)
-        if len(result) > MAX_STACKS:
-            result = frozenset()  # too ambiguous to follow: refused rather than slow
-        if len(self._steps) > _CACHE_LIMIT:
-            self._steps.clear()
-        self._steps[key] = result
+        singles, ranged, _, _ = self.index(state)
+        advanced = [self._advanced(st) for st in singles.get(cp, ())]
+        for chars, stacks in ranged:
+            if chars.matches(cp):
+                advanced.extend(self._advanced(st) for st in stacks)
+        # too ambiguous to follow: refused rather than slow
+        result = self._expand_all(advanced) or frozenset()
+        self._remember(self._steps, key, result, 0)
         return result
 
     def step_token(self, state: frozenset, token: int) -> frozenset:
@@ -249,15 +295,50 @@ class Grammar:
             if st:
                 top = self._top(st)
                 if isinstance(top, TokenRef) and top.takes(token):
-                    r, a, p = st[-1]
-                    advanced.append(st[:-1] + ((r, a, p + 1),))
-        result = self._expand_all(advanced) if advanced else frozenset()
-        if len(result) > MAX_STACKS:
-            result = frozenset()
-        if len(self._token_steps) > _CACHE_LIMIT:
-            self._token_steps.clear()
-        self._token_steps[key] = result
+                    advanced.append(self._advanced(st))
+        result = (self._expand_all(advanced) or frozenset()) if advanced else frozenset()
+        self._remember(self._token_steps, key, result, 0)
         return result
+
+    def index(self, state: frozenset) -> tuple:
+        """`state`'s stacks by their top character item, so that a step looks at those that
+        take the character only: (code point -> the stacks whose top is that one character,
+        [(a CharSet, the stacks whose top is of its ranges)] for the others, the sorted code
+        points of the first, bool [256]: the first bytes the tops take)."""
+        got = self._indexes.get(state)
+        if got is not None:
+            return got
+        singles, by_ranges = {}, {}
+        first = np.zeros(256, dtype=bool)
+        for st in state:
+            if not st:
+                continue
+            top = self._top(st)
+            if isinstance(top, TokenRef):
+                continue
+            lo, hi = top.ranges[0] if len(top.ranges) == 1 else (0, -1)
+            if lo == hi:
+                if lo not in singles:
+                    singles[lo] = []
+                    first[_lead_byte(lo)] = True
+                singles[lo].append(st)
+            else:
+                if top.ranges not in by_ranges:
+                    by_ranges[top.ranges] = (top, [])
+                    top.mark_first_bytes(first)
+                by_ranges[top.ranges][1].append(st)
+        got = (singles, list(by_ranges.values()), sorted(singles), first)
+        self._remember(self._indexes, state, got, len(state))
+        return got
+
+    def _advanced(self, stack: tuple) -> tuple:
+        """`stack` past the item on its top; an alternative read to its end is popped here
+        (what is below it always has an item left), so that the alternatives of one rule
+        that end alike share the memo of what follows them."""
+        r, a, p = stack[-1]
+        if p + 1 == len(self.rules[r][a]):
+            return stack[:-1]
+        return stack[:-1] + ((r, a, p + 1),)
 
     def _top(self, stack: tuple):
         r, a, p = stack[-1]
@@ -365,8 +446,10 @@ class GrammarRecognizer:
         lo = max(_decode_bits(self.partial + b"\x80" * self.need),  # no overlong forms
                  _UTF8_CLASSES[len(self.partial) + self.need - 1][0])
         hi = _decode_bits(self.partial + b"\xbf" * self.need)
-        g = self.grammar
-        return any(st and g._top(st).meets(lo, hi) for st in self.state)
+        singles, ranged, points, _ = self.grammar.index(self.state)
+        at = bisect.bisect_left(points, lo)
+        return (at < len(points) and points[at] <= hi) or any(
+            chars.meets(lo, hi) for chars, _ in ranged)
 
     def _char(self, cp: int) -> bool:
         self.state = self.grammar.step(self.state, cp)
@@ -378,11 +461,7 @@ class GrammarRecognizer:
         if self.need:  # inside a character: the continuation bytes that keep it possible
             out[0x80:0xC0] = [self.copy()._byte(b) for b in range(0x80, 0xC0)]
             return out
-        g = self.grammar
-        for st in self.state:
-            if st:
-                g._top(st).mark_first_bytes(out)
-        return out
+        return self.grammar.index(self.state)[3].copy()
 
 
 def _decode_bits(data: bytes) -> int:

@@ -21,6 +21,7 @@ from urllib.parse import unquote
 import numpy as np
 
 from strata.engine.json_constraint import VALUE_OR_END, JsonRecognizer
+from strata.errors import RequestError
 
 _KIND = {ord("{"): "object", ord("["): "array", ord('"'): "string", ord("t"): "boolean",
          ord("f"): "boolean", ord("n"): "null"}
@@ -34,7 +35,8 @@ class SchemaNode:
     string, JSON-escaped, or None."""
 
     __slots__ = ("types", "properties", "required", "additional", "items", "strings",
-                 "variants", "scalars", "min_items", "max_items", "by_value")
+                 "variants", "scalars", "min_items", "max_items", "by_value",
+                 "held_scalars")
 
     def __init__(self):
         self.types: frozenset[str] | None = None
@@ -47,6 +49,7 @@ class SchemaNode:
         self.variants: dict[str, SchemaNode] | None = None
         # an enum's numbers, booleans and null, as JSON writes them (None: not held)
         self.scalars: tuple[bytes, ...] | None = None
+        self.held_scalars = None  # (sorted numbers, first bytes) of `scalars`: _held_scalars
         self.min_items, self.max_items = 0, None  # an array's item count
         # a discriminated union of objects (see _discriminated): its one key's value -> the
         # object's node, which holds the object from that value on; None otherwise
@@ -66,10 +69,20 @@ def _key(name: str) -> bytes:
     return json.dumps(name, ensure_ascii=False)[1:-1].encode()
 
 
+class SchemaError(RequestError):
+    """A schema too deep or too large to hold; the message names the limit."""
+
+
+MAX_SCHEMA_DEPTH = 128       # subschemas inside subschemas (each a recursion of the compiler)
+MAX_SCHEMA_NODES = 1 << 14   # subschemas compiled for one schema, $ref and allOf copies included
+
+
 def compile_schema(schema) -> SchemaNode:
-    """The root node of a JSON schema (a dict); ANY for anything that is not one."""
-    nodes: dict[int, SchemaNode] = {}
-    return _compile(schema, schema if isinstance(schema, dict) else {}, nodes)
+    """The root node of a JSON schema (a dict); ANY for anything that is not one. SchemaError
+    (a 400) for one nested deeper than MAX_SCHEMA_DEPTH or of more than MAX_SCHEMA_NODES
+    subschemas, as written or as its $ref and allOf expand."""
+    nodes: dict[int, tuple[dict, SchemaNode]] = {}
+    return _compile(schema, schema if isinstance(schema, dict) else {}, nodes, 0)
 
 
 _TYPES = frozenset(_VALUE_TYPE.values())
@@ -200,15 +213,25 @@ def _discriminated(parts: list[SchemaNode]) -> SchemaNode | None:
     return None
 
 
-def _compile(schema, root: dict, nodes: dict[int, SchemaNode]) -> SchemaNode:
+def _compile(schema, root: dict, nodes: dict[int, tuple[dict, SchemaNode]],
+             depth: int) -> SchemaNode:
     if not isinstance(schema, dict):
         return ANY
     if id(schema) in nodes:  # a recursive $ref: the node being built
-        return nodes[id(schema)]
+        return nodes[id(schema)][1]
+    if depth > MAX_SCHEMA_DEPTH:
+        raise SchemaError(f"the JSON schema is nested too deeply: subschemas more than "
+                          f"{MAX_SCHEMA_DEPTH} deep (properties, items, anyOf, allOf and $ref "
+                          "each count); flatten it, or $ref an outer schema for recursion")
+    if len(nodes) >= MAX_SCHEMA_NODES:
+        raise SchemaError(f"the JSON schema has more than {MAX_SCHEMA_NODES} subschemas (its "
+                          "$ref and allOf written out); send a smaller one")
+    depth += 1
     if isinstance(schema.get("$ref"), str):  # what it refers to (its other keywords aside)
         target = _dereferenced(schema, root)
-        return _compile(target, root, nodes) if isinstance(target, dict) else ANY
-    node = nodes[id(schema)] = SchemaNode()
+        return _compile(target, root, nodes, depth) if isinstance(target, dict) else ANY
+    node = SchemaNode()
+    nodes[id(schema)] = (schema, node)  # (the schema kept: a copy allOf made keeps its id)
     if isinstance(schema.get("allOf"), list):
         schema = _all_of(schema, root)
     node.types = _types(schema.get("type"))
@@ -226,25 +249,35 @@ def _compile(schema, root: dict, nodes: dict[int, SchemaNode]) -> SchemaNode:
         node.scalars = tuple(json.dumps(v).encode() for v in values
                              if v is None or isinstance(v, (bool, int, float)))
     elif node.types is None and isinstance(alternatives, list) and alternatives:
-        _dispatch(node, [_compile(a, root, nodes) for a in alternatives])
+        _dispatch(node, [_compile(a, root, nodes, depth) for a in alternatives])
     if isinstance(properties, dict):
-        node.properties = {_key(k): _compile(v, root, nodes) for k, v in properties.items()}
+        node.properties = {_key(k): _compile(v, root, nodes, depth)
+                           for k, v in properties.items()}
     required = schema.get("required")
     if isinstance(required, list):
         node.required = frozenset(_key(k) for k in required if isinstance(k, str))
     additional = schema.get("additionalProperties", True)
     node.additional = (False if additional is False else
-                       _compile(additional, root, nodes) if isinstance(additional, dict)
+                       _compile(additional, root, nodes, depth) if isinstance(additional, dict)
                        else True)
     if node.additional is False:  # a required key left undeclared may still be written
         for key in node.required - node.properties.keys():
             node.properties[key] = ANY
     if isinstance(schema.get("items"), dict):
-        node.items = _compile(schema["items"], root, nodes)
+        node.items = _compile(schema["items"], root, nodes, depth)
     low, high = schema.get("minItems", 0), schema.get("maxItems")
     if _is_count(low) and (high is None or _is_count(high) and high >= low):
         node.min_items, node.max_items = low, high
     return node
+
+
+def _held_scalars(node: SchemaNode) -> tuple[tuple[bytes, ...], frozenset[int]]:
+    """(an enum's numbers, sorted; the first bytes of its scalars), made once per node: a
+    number is then read as a string is, a byte costing log n however long the enum."""
+    if node.held_scalars is None:
+        numbers = tuple(sorted({v for v in node.scalars if v[0] in _NUMBER_START}))
+        node.held_scalars = (numbers, frozenset(v[0] for v in node.scalars))
+    return node.held_scalars
 
 
 def _prefix_run(items: tuple[bytes, ...], prefix: bytes) -> tuple[int, int]:
@@ -307,10 +340,12 @@ class SchemaRecognizer(JsonRecognizer):
         self.allowed, self.buf = (node.strings, b"") if kind == "string" else (None, b"")
         self.numbers = None
         if node.scalars is not None and kind != "string":  # an enum's number, true, ...
+            numbers, firsts = _held_scalars(node)
             if kind == "number":
-                self.numbers = tuple(v for v in node.scalars if v[0] in _NUMBER_START)
-                self.buf = bytes((c,))
-            return any(v[0] == c for v in node.scalars)
+                self.numbers = numbers
+                self.buf = b""
+                return self._number_byte_allowed(c)
+            return c in firsts
         return True
 
     def _key_allowed(self) -> bool:
@@ -367,12 +402,15 @@ class SchemaRecognizer(JsonRecognizer):
         if self.numbers is None or c not in _NUMBER_BYTES:
             return True
         self.buf += bytes((c,))
-        return any(v.startswith(self.buf) for v in self.numbers)
+        # sorted, each starting with the bytes before c: a run of them goes on (as strings)
+        lo, hi = _prefix_run(self.numbers, self.buf)
+        self.numbers = self.numbers[lo:hi]
+        return lo < hi
 
     def _number_end(self) -> bool:
         numbers, text = self.numbers, self.buf
         self.numbers, self.buf = None, b""
-        return numbers is None or text in numbers
+        return numbers is None or (bool(numbers) and numbers[0] == text)  # the least: itself
 
     def _comma_allowed(self, is_object: bool) -> bool:
         node, seen = self.frames[-1]
