@@ -52,3 +52,19 @@ def metric_value(live, name: str) -> float:
             if sample.name == name:
                 return sample.value
     raise KeyError(name)
+
+
+def wait_until_healthy(server, url: str, tries: int = 600) -> None:
+    """Wait for a `strata serve` subprocess (`server`, a Popen) to answer /health with 200."""
+    import time
+
+    import requests
+
+    for _ in range(tries):
+        try:
+            if requests.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        assert server.poll() is None, "the server exited while starting"
+        time.sleep(0.1)

@@ -6,7 +6,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
@@ -17,6 +16,7 @@ from strata.server.app import ServerConfig, create_app
 from strata.server.command import serve
 from strata.server.cors import CorsPolicy, parse_headers, parse_methods, parse_origins
 from test_body_cap import declared_only, raw_exchange
+from live_server import wait_until_healthy
 
 UI = "http://localhost:5173"
 CHAT = "/v1/chat/completions"
@@ -286,14 +286,7 @@ def test_strata_serve_applies_the_flags(model_path):
          "--cors-methods", "GET,POST", "--cors-headers", "Authorization",
          "--no-cors-credentials"], stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert server.poll() is None, "the server exited while starting"
-            time.sleep(0.1)
+        wait_until_healthy(server, url)
         ok = requests.options(url + CHAT, timeout=10, headers=preflight_headers(
             "http://ui.test:8000", headers="authorization"))
         assert ok.status_code == 204

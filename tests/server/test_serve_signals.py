@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from live_server import metric_value
+from live_server import metric_value, wait_until_healthy
 
 SERVE = [sys.executable, "-m", "strata", "serve"]
 
@@ -30,14 +30,7 @@ def test_a_signal_ends_every_running_request_cleanly(model_path, signum):
     server = subprocess.Popen([*SERVE, "-m", str(model_path), "--port", str(port), "-c", "4096",
                                "--parallel", "2", "-t", "2"], stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert server.poll() is None, "the server exited while starting"
-            time.sleep(0.1)
+        wait_until_healthy(server, url)
         body = dict(prompt=[11, 12, 13], max_tokens=4000, temperature=0, ignore_eos=True)
         whole = {}
         thread = threading.Thread(target=lambda: whole.update(r=requests.post(
