@@ -148,3 +148,15 @@ def test_codex_web_search_tool_is_left_out(live, reference):
     response = requests.post(live.url + "/v1/responses", json=forced, timeout=60)
     assert response.status_code == 400
     assert "runs no hosted tools" in response.json()["error"]["message"]
+
+
+def test_seed_minus_one_is_a_random_seed():
+    """Chat UIs written for llama-server send `seed: -1` for "unset": a random seed, not a 400."""
+    from strata.server.schema import parse_options
+
+    assert parse_options({"seed": -1}, N_CTX_TOKENS).seed is None
+    assert parse_options({"seed": 7}, N_CTX_TOKENS).seed == 7
+    with pytest.raises(ApiError, match="seed"):
+        parse_options({"seed": -2}, N_CTX_TOKENS)
+    with pytest.raises(ApiError, match="seed"):
+        parse_options({"seed": True}, N_CTX_TOKENS)

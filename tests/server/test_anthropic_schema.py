@@ -174,6 +174,7 @@ def test_count_tokens_needs_no_max_tokens():
     ({"tool_choice": {"type": "maybe"}}, "tool_choice.type", ["'maybe'"]),
     ({"stop_sequences": "x"}, "stop_sequences", ["an array of strings"]),
     ({"stop_sequences": [""]}, "stop_sequences", ["non-empty"]),
+    ({"stop_sequences": ["x" * 5000]}, "stop_sequences[0]", ["5000 characters", "at most 4096"]),
     ({"temperature": 1.5}, "temperature", ["outside"]),
     ({"thinking": {"type": "on"}}, "thinking.type", ["'on'"]),
     ({"thinking": {"type": "adaptive", "display": "full"}}, "thinking.display", ["'full'"]),

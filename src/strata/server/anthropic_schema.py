@@ -9,7 +9,7 @@ from strata.server.api_error import ApiError, invalid, missing
 from strata.server.chat_schema import flat_function_tool, hold_json_answer
 from strata.server.schema import (MAX_STOP_STRINGS, ChatRequest, GenerationOptions, _boolean,
                                   _integer, _logit_bias, _number, _object, _objects,
-                                  _string, _wrong_type, check_object_schema)
+                                  _string, _wrong_type, check_object_schema, check_stop_lengths)
 
 ROLES = ("user", "assistant")
 _MISSING = object()
@@ -270,6 +270,7 @@ def parse_anthropic_request(body: dict, max_tokens_limit: int, *,
             raise invalid(f"'stop_sequences' must hold at most {MAX_STOP_STRINGS} non-empty "
                           f"strings, got {len(stop)} with {sum(not s for s in stop)} empty.",
                           "stop_sequences")
+        check_stop_lengths(stop, "stop_sequences")
         top_k = _integer(body, "top_k", 0, 2**31)
         options.stop = list(stop)
         options.temperature = _number(body, "temperature", 0.0, 1.0)

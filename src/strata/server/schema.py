@@ -13,6 +13,10 @@ from strata.model.tokenizer import valid_text
 from strata.server.api_error import ApiError, invalid
 
 MAX_STOP_STRINGS = 16
+# Characters a stop string may hold: the generation's stop matcher holds back a partial match
+# and, where the next token breaks it, looks for a shorter one, quadratic in its length (16
+# stops of 64K characters: ~2.5 s of the engine thread each time a long partial match breaks)
+MAX_STOP_CHARS = 4096
 MAX_LOGIT_BIAS = 1024   # OpenAI's logit_bias: at most this many tokens, each biased by [-100, 100]
 _MAX_ID_DIGITS = 12  # a logit_bias key longer than this names no token of any vocabulary
 _MISSING = object()
@@ -252,6 +256,14 @@ def parse_choice_counts(body: dict, is_stream: bool) -> tuple[int, int]:
     return n, best_of
 
 
+def check_stop_lengths(stop: list[str], param: str) -> None:
+    """A 400 naming the first stop string longer than MAX_STOP_CHARS."""
+    for i, text in enumerate(stop):
+        if len(text) > MAX_STOP_CHARS:
+            raise invalid(f"'{param}[{i}]' holds {len(text)} characters; a stop string may "
+                          f"hold at most {MAX_STOP_CHARS}.", f"{param}[{i}]")
+
+
 def _clipped(value: int | None, limit: int) -> int | None:
     return None if value is None else min(value, limit)
 
@@ -280,6 +292,7 @@ def parse_options(body: dict, max_tokens_limit: int, *,
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise invalid(f"'stop' must hold 1 to {MAX_STOP_STRINGS} non-empty strings, got "
                       f"{len(stop)} with {sum(not s for s in stop)} empty.", "stop")
+    check_stop_lengths(stop, "stop")
     top_k = _integer(body, "top_k", -1, 2**31)
     top_p = _number(body, "top_p", 0.0, 1.0)
     if top_p == 0:  # OpenAI and llama.cpp take 0: the smallest set, the most likely token
@@ -293,7 +306,9 @@ def parse_options(body: dict, max_tokens_limit: int, *,
         top_p=top_p,
         top_k=None if top_k is None else max(top_k, 0),  # -1 means "no top-k" to some clients
         min_p=_number(body, "min_p", 0.0, 1.0),
-        seed=_integer(body, "seed", 0, 2**63 - 1),
+        # -1: a random seed, as llama-server's OpenAI endpoints read it (UIs send it as "unset")
+        seed=None if body.get("seed") == -1 and type(body.get("seed")) is int else _integer(
+            body, "seed", 0, 2**63 - 1),
         stop=stop,
         presence_penalty=_number(body, "presence_penalty", -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
