@@ -356,3 +356,25 @@ def test_a_required_parameter_left_undeclared_can_be_written(tokenizer, xml, bod
     c = ToolCallConstraint(tokenizer, [find], xml=xml)
     assert feed(c, ids(tokenizer, "<tool_call>" + body + "</tool_call>"))
     assert c.is_free
+
+
+# Pydantic writes a model's parameters with `$defs` and local `$ref`s, as a document of its own
+MOVE = {"name": "move", "parameters": {
+    "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}},
+                        "required": ["x"]}},
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"]}}
+
+
+@pytest.mark.parametrize("functions", [[MOVE], [MOVE, TIME], [TIME, MOVE]])
+@pytest.mark.parametrize("body, ok", [
+    ('{"name": "move", "arguments": {"to": {"x": 3}}}', True),
+    ('{"name": "move", "arguments": {"to": {"x": "far"}}}', False),
+    ('{"name": "move", "arguments": {"to": 7}}', False),
+])
+def test_local_refs_in_parameters_resolve_in_the_functions_own_document(tokenizer, functions,
+                                                                          body, ok):
+    """A `$ref` of a tool's parameters resolved against the call schema around them, so the
+    arguments were held to nothing (any value went)."""
+    c = ToolCallConstraint(tokenizer, functions)
+    assert feed(c, ids(tokenizer, "<tool_call>"))
+    assert feed(c, ids(tokenizer, body) + ids(tokenizer, "</tool_call>")) == ok

@@ -20,7 +20,8 @@ import json
 import numpy as np
 
 from strata.engine.json_constraint import DONE
-from strata.engine.json_schema import SchemaNode, SchemaRecognizer, _key, compile_schema
+from strata.engine.json_schema import (MAX_SCHEMA_DEPTH, SchemaNode, SchemaRecognizer, _key,
+                                       compile_schema)
 
 TOOL_OPEN, TOOL_CLOSE = b"<tool_call>", b"</tool_call>"
 MAX_TRAILING = 2  # spaces or newlines between the object and </tool_call>
@@ -30,16 +31,45 @@ def call_schema(functions: list[dict]) -> dict:
     """The JSON schema of one call of any of `functions` ({"name", "parameters"} dicts): with
     several, a union tagged by the name (json_schema holds "name" first, then that function's
     arguments)."""
+    where = (["#/properties/arguments"] if len(functions) == 1 else
+             [f"#/anyOf/{i}/properties/arguments" for i in range(len(functions))])
     calls = [{"type": "object",
-              "properties": {"name": {"const": f["name"]}, "arguments": _arguments(f)},
+              "properties": {"name": {"const": f["name"]},
+                             "arguments": _rebased(_arguments(f), at)},
               "required": ["name", "arguments"], "additionalProperties": False}
-             for f in functions]
+             for f, at in zip(functions, where)]
     if len(calls) == 1:
         return calls[0]
     if len({f["name"] for f in functions}) < len(functions):  # a name twice: the name only
         return {**calls[0], "properties": {"name": {"enum": [f["name"] for f in functions]},
                                            "arguments": {"type": "object"}}}
     return {"anyOf": calls}
+
+
+# keywords whose values are data, not subschemas: a "$ref" key in them is not a reference
+_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
+
+
+def _rebased(schema, at: str, depth: int = 0):
+    """`schema` with its local references (`#`, `#/$defs/X`: a tool's parameters as their own
+    document, as Pydantic writes them) pointing where the call schema holds it (`at`). They
+    resolved against the call schema, so such a tool's arguments were held to nothing.
+    Deeper than json_schema would compile, the rest is left as it is."""
+    if depth > 4 * MAX_SCHEMA_DEPTH:
+        return schema
+    if isinstance(schema, list):
+        return [_rebased(item, at, depth + 1) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = at + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, at, depth + 1)
+    return out
 
 
 def _arguments(function: dict) -> dict:
