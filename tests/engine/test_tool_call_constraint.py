@@ -378,3 +378,15 @@ def test_local_refs_in_parameters_resolve_in_the_functions_own_document(tokenize
     c = ToolCallConstraint(tokenizer, functions)
     assert feed(c, ids(tokenizer, "<tool_call>"))
     assert feed(c, ids(tokenizer, body) + ids(tokenizer, "</tool_call>")) == ok
+
+
+@pytest.mark.parametrize("name, ok", [("ab", True), ("abc", True), ("abd", False), ("a", False),
+                                      ("b", True), ("ba", False), ("c", False)])
+def test_xml_names_checked_by_their_prefixes(tokenizer, name, ok):
+    """A name is read byte by byte against the sorted names (one the prefix of another, a
+    prefix between two neighbours): only a declared one closes."""
+    functions = [{"name": n, "parameters": {"type": "object", "properties": {}}}
+                 for n in ("b", "abc", "ab", "x_" * 40)]
+    c = ToolCallConstraint(tokenizer, functions, xml=True)
+    text = f"<tool_call>\n<function={name}>\n</function>\n</tool_call>"
+    assert feed(c, ids(tokenizer, text)) is ok

@@ -15,6 +15,7 @@ inside one, the block is a call of a declared function in the form the chat temp
   any keys."""
 from __future__ import annotations
 
+import bisect
 import json
 
 import numpy as np
@@ -128,9 +129,9 @@ class _XmlCall:
     __slots__ = ("functions", "state", "literals", "at", "name", "key", "seen", "ws", "value",
                  "json")
 
-    def __init__(self, functions: dict[bytes, tuple[frozenset, frozenset | None, dict]]):
-        # name -> (required keys, declared keys or None: any, key -> how its value is held:
-        # absent for free text, a tuple of the raw strings it may be, or a SchemaNode)
+    def __init__(self, functions: "_Names"):
+        # name -> (required keys, declared keys (_Names) or None: any, key -> how its value is
+        # held: absent for free text, a tuple of the raw strings it may be, or a SchemaNode)
         self.functions = functions
         self.state = "open"         # which part is read next (see _step)
         self.literals = (FUNCTION_OPEN,)  # what the bytes being matched may become
@@ -232,7 +233,7 @@ class _XmlCall:
         if c in b"\n<>":
             return -1
         sofar += bytes((c,))
-        if choices is not None and not any(k.startswith(sofar) for k in choices):
+        if choices is not None and not choices.has_prefix(sofar):
             return -1
         if state == "name":
             self.name = sofar
@@ -263,6 +264,20 @@ class _XmlCall:
         self.state, self.literals, self.at, self.ws = state, literals, 0, 0
 
 
+class _Names(dict):
+    """Names (bytes) -> what each holds, with a prefix test by binary search in the names sorted
+    once: an agent may declare thousands of tools, and each byte of a name is checked for every
+    candidate token (3,000 tools: ~0.12 s a token scanning them all)."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self._sorted = sorted(self)
+
+    def has_prefix(self, prefix: bytes) -> bool:
+        at = bisect.bisect_left(self._sorted, prefix)
+        return at < len(self._sorted) and self._sorted[at].startswith(prefix)
+
+
 def _held_value(node: SchemaNode):
     """How an XML value of a parameter with this compiled schema is held (see _XmlCall)."""
     if node.strings is not None:
@@ -272,15 +287,16 @@ def _held_value(node: SchemaNode):
     return node
 
 
-def _xml_functions(functions: list[dict]) -> dict[bytes, tuple]:
+def _xml_functions(functions: list[dict]) -> _Names:
     out = {}
     for f in functions:
         params = f.get("parameters") if isinstance(f.get("parameters"), dict) else {}
         props = params.get("properties")
         required = params.get("required") if isinstance(params.get("required"), list) else []
         required = [k for k in required if isinstance(k, str)]
-        declared = (frozenset(k.encode() for k in [*props, *required])  # a required key
-                    if isinstance(props, dict) and props else None)  # may be left undeclared
+        declared = (_Names(dict.fromkeys(k.encode() for k in [*props, *required]))  # a
+                    if isinstance(props, dict) and props else None)  # required key may be
+        # left undeclared
         root = compile_schema(params)
         values = {}
         for key in props if declared else ():
@@ -288,7 +304,7 @@ def _xml_functions(functions: list[dict]) -> dict[bytes, tuple]:
             if held is not None:
                 values[key.encode()] = held
         out[f["name"].encode()] = (frozenset(k.encode() for k in required), declared, values)
-    return out
+    return _Names(out)
 
 
 class ToolCallConstraint:
