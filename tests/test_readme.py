@@ -19,7 +19,8 @@ README = (ROOT / "README.md").read_text()
 # name profilers' and pip's options too
 USER_DOCS = ("expert-cache.md", "plugins.md", "conversations.md", "drafts.md", "qwen3next.md")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]")
-OTHER_FLAGS = {"--help", "--dist", "--maxprocesses", "--index-url",  # click, pytest, pip
+OTHER_FLAGS = {"--help", "--dist", "--maxprocesses", "--durations",  # click, pytest
+               "--index-url",  # pip
                "--kv-unified"}  # llama-server's, named where its -c differs
 
 
