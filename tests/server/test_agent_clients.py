@@ -5,15 +5,37 @@ the one those messages mean."""
 import pytest
 import requests
 
+from strata.model.chat import ChatTemplate, default_template
 from strata.server.api_error import ApiError
+from strata.server.app import ServerConfig
 from strata.server.chat_schema import parse_chat_request
 
-from conftest import N_CTX_TOKENS
+from conftest import N_CTX_TOKENS, new_engine
+from live_server import start_live_server
 
 READ = {"type": "function", "function": {
     "name": "read", "description": "Read a file.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
                    "required": ["path"]}}}
+
+
+LATER_SYSTEM = ("{%- if not loop.first -%}{{ '<|im_start|>system\\n' ~ text(message.content) ~ "
+                "'<|im_end|>\\n' }}{%- endif -%}")
+
+
+@pytest.fixture(scope="module")
+def live_one_system(model_path):
+    """A server whose template takes one system message, first (as many models' do): the
+    shipped template with its later system turn made a refusal."""
+    source = default_template()
+    assert LATER_SYSTEM in source
+    engine = new_engine(model_path)
+    engine.chat_template = ChatTemplate(source.replace(LATER_SYSTEM, (
+        "{{ raise_exception('a system message may only come first') "
+        "if not loop.first else '' }}")))
+    server = start_live_server(engine, ServerConfig(model_id="tiny-server"))
+    yield server
+    server.stop()
 
 
 def prompt_size(engine, messages, tools=None, **template_kwargs) -> int:
@@ -29,27 +51,45 @@ def chat(live, **body) -> dict:
     return response.json()
 
 
-def test_opencode_system_prompt_in_two_messages(live, reference):
+def test_opencode_system_prompt_in_two_messages(live_one_system, reference):
     """opencode sends its system prompt as two system messages (a header, then the rest); a
     template that takes one system message gets them joined (it refused the request)."""
     messages = [{"role": "system", "content": "You are opencode."},
                 {"role": "system", "content": "Working directory: /repo"},
                 {"role": "user", "content": "List the files."}]
-    reply = chat(live, messages=messages, tools=[READ])
+    reply = chat(live_one_system, messages=messages, tools=[READ])
     joined = [{"role": "system", "content": "You are opencode.\n\nWorking directory: /repo"},
               messages[2]]
     assert reply["usage"]["prompt_tokens"] == prompt_size(reference, joined, [READ])
 
 
-def test_only_the_leading_system_messages_are_joined(live):
+def test_only_the_leading_system_messages_are_joined(live_one_system):
     """A system message after the conversation began is left to the template (this one
     refuses it), not moved to the front."""
     body = {"model": "tiny-server", "max_tokens": 1,
             "messages": [{"role": "user", "content": "hi"},
                          {"role": "system", "content": "late"}]}
-    response = requests.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+    response = requests.post(live_one_system.url + "/v1/chat/completions", json=body,
+                             timeout=60)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "template_error"
+
+
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_the_shipped_template_takes_a_later_system_message_where_it_stands(live, reference,
+                                                                           role):
+    """Agents add system (Codex: developer) messages mid-conversation; the shipped template
+    renders each as a system turn in its place, as Qwen3's does (it refused them)."""
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": role, "content": "The user is in a hurry."},
+                {"role": "user", "content": "Files?"}]
+    reply = chat(live, messages=messages)
+    as_system = [dict(m, role="system") if m["role"] == "developer" else m for m in messages]
+    text = reference.render_chat(as_system, add_generation_prompt=True)
+    assert "Hello.<|im_end|>\n<|im_start|>system\nThe user is in a hurry.<|im_end|>\n" \
+        "<|im_start|>user\nFiles?" in text
+    assert reply["usage"]["prompt_tokens"] == prompt_size(reference, as_system)
 
 
 def test_tool_call_arguments_empty_or_already_decoded(live, reference):
