@@ -132,7 +132,7 @@ def test_tool_choice(choice, expected):
     ({"include": "message.output_text.logprobs"}, "include", ["an array of strings"]),
     ({"max_output_tokens": 0}, "max_output_tokens", ["outside"]),
     ({"temperature": 3}, "temperature", ["outside"]),
-    ({"tools": [{"type": "local_shell"}]}, "tools[0].type", ["'function' tools"]),
+    ({"tools": [{"type": "local_shell"}]}, "tools[0].type", ["'function' and 'custom' tools"]),
     ({"tools": [{"type": "function", "name": ""}]}, "tools[0].name", ["non-empty"]),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, "tool_choice",
      ["'nope'", "shell"]),

@@ -14,7 +14,7 @@ from strata.server.openai_format import SSE_KEEPALIVE
 from strata.server.prompting import build_chat_prompt, check_prompt_fits
 from strata.server.responses_format import (OutputItems, ResponseHeader, TextLogprobs,
                                             sse_event, usage)
-from strata.server.responses_schema import parse_responses_request
+from strata.server.responses_schema import custom_tool_names, parse_responses_request
 from strata.server.schema import parse_json_body
 
 _ECHOED = ("instructions", "max_output_tokens", "parallel_tool_calls", "reasoning",
@@ -35,9 +35,11 @@ class ResponsesRoutes(GenerationRoutes):
         outcome = Outcome(len(prompt.tokens))
         events = self._events(job)
         logprobs = AnswerLogprobs.of(engine, req.options)
+        items = OutputItems(custom_tool_names(body.get("tools")))
         if req.options.is_stream:
-            return _sse_response(self._stream(job, events, parser, header, outcome, logprobs))
-        items, text_logprobs = OutputItems(), TextLogprobs()
+            return _sse_response(self._stream(job, events, parser, header, outcome, logprobs,
+                                              items))
+        text_logprobs = TextLogprobs()
         with closing(_generated(events, outcome)) as generated:
             for item in generated:
                 if item is not None:
@@ -69,7 +71,7 @@ class ResponsesRoutes(GenerationRoutes):
                                      end.num_generated_tokens, outcome.num_reasoning_tokens),
                                "max_output_tokens" if is_cut else None)
 
-    def _stream(self, job, events, parser, header, outcome, logprobs):
+    def _stream(self, job, events, parser, header, outcome, logprobs, items: OutputItems):
         """response.created and .in_progress, each output item's events, then
         response.completed (or .incomplete); a failure ends it with response.failed. Every
         event carries its sequence_number."""
@@ -81,7 +83,7 @@ class ResponsesRoutes(GenerationRoutes):
             sequence += 1
             return sse_event(payload)
 
-        items, text_logprobs = OutputItems(), TextLogprobs()
+        text_logprobs = TextLogprobs()
         with closing(_generated(events, outcome)) as generated:
             started = header.response("in_progress", [], None)
             yield send({"type": "response.created", "response": started})

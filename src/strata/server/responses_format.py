@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall
+from strata.server.responses_schema import CUSTOM_INPUT
 
 
 def _new_id(prefix: str) -> str:
@@ -37,12 +38,14 @@ def _part(kind: str, text: str = "") -> dict:
 class OutputItems:
     """The output items of one response, built event by event: runs of reasoning or of text
     make one reasoning or message item (one content part each), every tool call a
-    function_call item. `feed` / `finish` return the stream events of what changed (without
-    sequence numbers); `items` holds the items so far, each complete once closed."""
+    function_call item (a custom_tool_call for a name in `custom_names`). `feed` / `finish`
+    return the stream events of what changed (without sequence numbers); `items` holds the
+    items so far, each complete once closed."""
 
-    def __init__(self):
+    def __init__(self, custom_names: frozenset[str] = frozenset()):
         self.items: list[dict] = []
         self._open: str | None = None  # "reasoning" or "message" while one is open
+        self._custom_names = custom_names
 
     def _at(self) -> dict:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
@@ -73,6 +76,8 @@ class OutputItems:
     def feed(self, event, logprobs: list[dict] | None = None) -> list[dict]:
         """`logprobs`: the entries (chat's shape) of the tokens that arrived since the last
         call; kept on a message's text, dropped with reasoning or a tool call."""
+        if isinstance(event, ToolCall) and event.name in self._custom_names:
+            return self._custom_call(event)
         if isinstance(event, ToolCall):
             out = self._close()
             item = {"type": "function_call", "id": _new_id("fc_"), "call_id": event.id,
@@ -109,6 +114,27 @@ class OutputItems:
             delta["logprobs"] = list(logprobs or [])
             self.items[-1]["content"][0]["logprobs"] += delta["logprobs"]
         return out + [delta]
+
+    def _custom_call(self, event: ToolCall) -> list[dict]:
+        """A custom tool's call: its input is the one string argument the model wrote (the
+        arguments' text as they are, if the model wrote something else)."""
+        out = self._close()
+        try:
+            arguments = json.loads(event.arguments)
+        except ValueError:
+            arguments = None
+        text = arguments.get(CUSTOM_INPUT) if isinstance(arguments, dict) else None
+        if not isinstance(text, str):
+            text = event.arguments
+        item = {"type": "custom_tool_call", "id": _new_id("ctc_"), "call_id": event.id,
+                "name": event.name, "input": ""}
+        out.append(self._add(item))
+        item["input"] = text
+        return out + [
+            dict(self._at(), type="response.custom_tool_call_input.delta", delta=text),
+            dict(self._at(), type="response.custom_tool_call_input.done", input=text),
+            {"type": "response.output_item.done", "output_index": len(self.items) - 1,
+             "item": _copy(item)}]
 
     def finish(self, is_cut: bool = False) -> list[dict]:
         """Close the open item; `is_cut`: max_output_tokens (or the context) ended the output

@@ -28,6 +28,9 @@ HOSTED_CALL_ITEMS = ("web_search_call", "file_search_call", "code_interpreter_ca
                      "image_generation_call", "mcp_list_tools", "mcp_call",
                      "mcp_approval_request", "mcp_approval_response")
 _MISSING = object()
+# A custom tool (free-form input: Codex's apply_patch where its config asks for the freeform
+# tool) is offered to the template as a function of one string argument by this name
+CUSTOM_INPUT = "input"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # `include`: the answer's token logprobs
 
 
@@ -128,6 +131,13 @@ class _Conversation:
             {"id": call_id, "type": "function", "function": {"name": name,
                                                              "arguments": decoded}})
 
+    def custom_tool_call(self, item: dict, where: str) -> None:
+        """A custom tool's call: the function call of its one string argument."""
+        text = item.get("input")
+        if not isinstance(text, str):
+            raise _wrong_type(f"{where}.input", text, "a string")
+        self.function_call(dict(item, arguments=json.dumps({CUSTOM_INPUT: text})), where)
+
     def function_call_output(self, item: dict, where: str) -> None:
         call_id = _string(item, "call_id", param=f"{where}.call_id")
         if not call_id:
@@ -158,7 +168,9 @@ def parse_input(value: Any, instructions: str | None) -> list[dict]:
                 conversation.message(item, where)
             elif kind == "function_call":
                 conversation.function_call(item, where)
-            elif kind == "function_call_output":
+            elif kind == "custom_tool_call":
+                conversation.custom_tool_call(item, where)
+            elif kind in ("function_call_output", "custom_tool_call_output"):
                 conversation.function_call_output(item, where)
             elif kind == "reasoning":
                 conversation.reasoning = _reasoning_text(item, where)
@@ -169,7 +181,8 @@ def parse_input(value: Any, instructions: str | None) -> list[dict]:
                                    "the whole conversation in 'input'.")
             else:
                 raise _unsupported(f"{where}.type", kind, "this server reads message, "
-                                   "function_call, function_call_output and reasoning items.")
+                                   "function_call, function_call_output, custom_tool_call, "
+                                   "custom_tool_call_output and reasoning items.")
     messages = conversation.messages
     if not messages:
         raise invalid("'input' holds no message: send at least one.", "input")
@@ -180,8 +193,36 @@ def parse_input(value: Any, instructions: str | None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + messages
 
 
+def _custom_tool(tool: dict, where: str) -> dict:
+    """A custom tool `{name, description, format}` as a function of one string argument. Its
+    grammar (Lark or a regex) is shown to the model in the description, not enforced."""
+    function = flat_function_tool({k: tool.get(k) for k in ("name", "description")
+                                   if tool.get(k) is not None}, where, "parameters")["function"]
+    fmt = _object(tool, "format", param=f"{where}.format")
+    kind = None if fmt is None else fmt.get("type")
+    if kind not in (None, "text", "grammar"):
+        raise invalid(f"'{where}.format.type' is {kind!r}; use 'text' or 'grammar'.",
+                      f"{where}.format.type")
+    what = "The tool's whole input, as raw text"
+    if kind == "grammar":
+        syntax = fmt.get("syntax")
+        if syntax not in ("lark", "regex"):
+            raise invalid(f"'{where}.format.syntax' is {syntax!r}; use 'lark' or 'regex'.",
+                          f"{where}.format.syntax")
+        definition = _string(fmt, "definition", param=f"{where}.format.definition")
+        if not definition:
+            raise missing(f"{where}.format.definition", "the grammar the input follows")
+        what += f", following this {'Lark grammar' if syntax == 'lark' else 'regex'}:\n" \
+            + definition
+    function["parameters"] = {"type": "object", "required": [CUSTOM_INPUT],
+                              "additionalProperties": False, "properties": {
+                                  CUSTOM_INPUT: {"type": "string", "description": what}}}
+    return {"type": "function", "function": function}
+
+
 def parse_responses_tools(tools: Any) -> list[dict] | None:
-    """Function tools `{type, name, description, parameters, strict}` in the chat form."""
+    """Function tools `{type, name, description, parameters, strict}` and custom tools
+    (`_custom_tool`) in the chat form."""
     if tools is None:
         return None
     out = []
@@ -190,21 +231,37 @@ def parse_responses_tools(tools: Any) -> list[dict] | None:
         if kind in HOSTED_TOOLS:
             log.debug("%s (%s) left out: this server runs no hosted tools", where, kind)
             continue
-        if kind != "function":
-            raise _unsupported(f"{where}.type", kind, "this server takes 'function' tools "
-                               "(hosted ones, such as web_search, it leaves out).")
-        out.append(flat_function_tool(tool, where, "parameters"))
+        if kind == "custom":
+            out.append(_custom_tool(tool, where))
+        elif kind == "function":
+            out.append(flat_function_tool(tool, where, "parameters"))
+        else:
+            raise _unsupported(f"{where}.type", kind, "this server takes 'function' and "
+                               "'custom' tools (hosted ones, such as web_search, it leaves "
+                               "out).")
+    names = [tool["function"]["name"] for tool in out]
+    for name in custom_tool_names(tools):  # its calls are told apart by name
+        if names.count(name) > 1:
+            raise invalid(f"'tools' names {name!r} twice: a custom tool needs a name of its "
+                          "own.", "tools")
     return out or None
 
 
+def custom_tool_names(tools: Any) -> frozenset[str]:
+    """The names of the custom tools among `tools` (checked by parse_responses_tools)."""
+    return frozenset(tool["name"] for tool in tools or () if tool.get("type") == "custom")
+
+
 def _tool_choice(choice: Any, tools: list[dict] | None) -> str | dict:
-    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") \
+            and "name" in choice:
         choice = {"type": "function", "function": {"name": choice["name"]}}
     elif isinstance(choice, dict) and choice.get("type") != "function":
         hosted = ("this server runs no hosted tools, so it cannot call one; "
                   if choice.get("type") in HOSTED_TOOLS else "")
         raise _unsupported("tool_choice.type", choice.get("type"), f"{hosted}use 'none', "
-                           "'auto', 'required' or {\"type\": \"function\", \"name\": ...}.")
+                           "'auto', 'required' or {\"type\": \"function\" or \"custom\", "
+                           "\"name\": ...}.")
     return parse_tool_choice(choice, tools)
 
 
