@@ -4,6 +4,7 @@ import pytest
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.sampling import SamplingParams
+from strata.model.chat import ChatTemplate, default_template
 from strata.server.app import ServerConfig
 from strata.engine.json_constraint import opens_reasoning
 from strata.server.output_parser import parse_complete
@@ -49,6 +50,25 @@ def live_long(model_path):
     """A long context and a short poll: generations that outlast a disconnect's detection."""
     engine = Engine(EngineConfig(model_path, n_ctx=4096, threads=2))
     server = start_live_server(engine, ServerConfig(model_id="tiny-server", keepalive_s=0.02))
+    yield server
+    server.stop()
+
+
+LATER_SYSTEM = ("{%- if not loop.first -%}{{ '<|im_start|>system\\n' ~ text(message.content) ~ "
+                "'<|im_end|>\\n' }}{%- endif -%}")
+
+
+@pytest.fixture(scope="module")
+def live_one_system(model_path):
+    """A server whose template takes one system message, first (as many models' do): the
+    shipped template with its later system turn made a refusal."""
+    source = default_template()
+    assert LATER_SYSTEM in source
+    engine = new_engine(model_path)
+    engine.chat_template = ChatTemplate(source.replace(LATER_SYSTEM, (
+        "{{ raise_exception('a system message may only come first') "
+        "if not loop.first else '' }}")))
+    server = start_live_server(engine, ServerConfig(model_id="tiny-server"))
     yield server
     server.stop()
 

@@ -5,37 +5,15 @@ the one those messages mean."""
 import pytest
 import requests
 
-from strata.model.chat import ChatTemplate, default_template
 from strata.server.api_error import ApiError
-from strata.server.app import ServerConfig
 from strata.server.chat_schema import parse_chat_request
 
-from conftest import N_CTX_TOKENS, new_engine
-from live_server import start_live_server
+from conftest import N_CTX_TOKENS
 
 READ = {"type": "function", "function": {
     "name": "read", "description": "Read a file.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
                    "required": ["path"]}}}
-
-
-LATER_SYSTEM = ("{%- if not loop.first -%}{{ '<|im_start|>system\\n' ~ text(message.content) ~ "
-                "'<|im_end|>\\n' }}{%- endif -%}")
-
-
-@pytest.fixture(scope="module")
-def live_one_system(model_path):
-    """A server whose template takes one system message, first (as many models' do): the
-    shipped template with its later system turn made a refusal."""
-    source = default_template()
-    assert LATER_SYSTEM in source
-    engine = new_engine(model_path)
-    engine.chat_template = ChatTemplate(source.replace(LATER_SYSTEM, (
-        "{{ raise_exception('a system message may only come first') "
-        "if not loop.first else '' }}")))
-    server = start_live_server(engine, ServerConfig(model_id="tiny-server"))
-    yield server
-    server.stop()
 
 
 def prompt_size(engine, messages, tools=None, **template_kwargs) -> int:

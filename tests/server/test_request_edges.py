@@ -65,12 +65,12 @@ def test_anthropic_stop_sequences_that_are_no_array_are_a_400(stop):
     assert error.param == "stop_sequences" and "an array of strings" in error.message
 
 
-def test_a_template_refusing_responses_input_names_input(live):
+def test_a_template_refusing_responses_input_names_input(live_one_system):
     # the chat template refuses a system message after a user one: on the Responses API the
     # conversation is 'input' (there is no 'messages' field to fix)
     body = {"input": [{"role": "user", "content": "hi"}, {"role": "system", "content": "s"}],
             "max_output_tokens": 16}
-    response = requests.post(live.url + "/v1/responses", json=body, timeout=60)
+    response = requests.post(live_one_system.url + "/v1/responses", json=body, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "template_error" and error["param"] == "input"
