@@ -131,8 +131,8 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
     @app.after_request
     def count(response: Response) -> Response:
         rule = request.url_rule
-        metrics.count_request(request.path, response.status_code,
-                              rule.rule if rule is not None else None)
+        metrics.count_response(response, request.path, rule.rule if rule is not None else None,
+                               request.environ.get("waitress.client_disconnected"))
         return response
 
     @app.errorhandler(ApiError)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -14,6 +15,11 @@ KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "
                    "/v1/messages/count_tokens", "/infill", "/completion", "/completions",
                    "/tokenize", "/detokenize", "/apply-template", "/props", "/slots",
                    "/v1/models", "/health", "/metrics")
+# The status a request is counted under when its client went away before its answer was whole
+# (a stream it stopped reading, a whole answer it did not wait for): nginx's "client closed
+# request", as proxies in front of such servers log it. The HTTP status the server had sent (a
+# stream's 200) says only that the answer began.
+CLIENT_CLOSED_STATUS = 499
 _RULE_CONVERTER = re.compile(r"<(?:[^:<>]+:)?([^<>]+)>")
 _TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -26,7 +32,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("strata_requests", "HTTP requests answered, by endpoint and "
-                                "status code", ["endpoint", "status"], registry=r)
+                                f"status code ({CLIENT_CLOSED_STATUS}: the client went away "
+                                "before its answer was whole)", ["endpoint", "status"],
+                                registry=r)
         self.running = Gauge("strata_requests_running", "Requests in a slot (reading their "
                              "prompt or generating)",
                              registry=r)
@@ -71,8 +79,52 @@ class ServerMetrics:
             endpoint = path if path in KNOWN_ENDPOINTS else "other"
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
+    def count_response(self, response, path: str, rule: str | None,
+                       is_disconnected: Callable[[], bool] | None) -> None:
+        """Count `response` (a Flask response about to be sent) as `count_request` does: a
+        stream once it ends, as CLIENT_CLOSED_STATUS when the client stopped reading it before
+        its end; a 200 whose client has gone (`is_disconnected()`, waitress's flag: it did not
+        wait for its answer, and its generation was cancelled) as CLIENT_CLOSED_STATUS too."""
+        status = response.status_code
+        if response.is_streamed:
+            response.response = _CountedStream(
+                response.response, status, lambda status: self.count_request(path, status, rule))
+            return
+        if status == 200 and is_disconnected is not None and is_disconnected():
+            status = CLIENT_CLOSED_STATUS
+        self.count_request(path, status, rule)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CountedStream:
+    """A response's stream that calls `count(status)` once, when the server closes it: `status`
+    when it was read to its end, CLIENT_CLOSED_STATUS when the server stopped reading it first
+    (a write to a client that had gone failed), 500 when it raised."""
+
+    def __init__(self, stream, status: int, count: Callable[[int], None]):
+        self._stream, self._count = stream, count
+        self._status = CLIENT_CLOSED_STATUS
+        self._whole_status = status
+
+    def __iter__(self):
+        try:
+            yield from self._stream
+        except Exception:
+            self._status = 500
+            raise
+        self._status = self._whole_status
+
+    def close(self) -> None:
+        count, self._count = self._count, None
+        try:
+            close = getattr(self._stream, "close", None)
+            if close is not None:
+                close()
+        finally:
+            if count is not None:
+                count(self._status)
 
 
 class ExpertCacheCollector:

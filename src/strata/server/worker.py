@@ -159,37 +159,9 @@ class EngineWorker:
     def _run(self) -> None:
         is_ok = self._load()
         running: list[_Running] = []
-        is_stopping = False
-        while not is_stopping:
-            # Block for a job only when nothing runs; otherwise take what has arrived.
-            for job in self._take_jobs(block=not running):
-                if job is None:
-                    is_stopping = True
-                    break
-                if isinstance(job, EngineCall):
-                    self._run_call(job)
-                    continue
-                self._start(job, is_ok, running)
-            if is_stopping or not running:
-                continue
-            for run in running:
-                if run.job.cancel.is_set():
-                    run.handle.cancel()
-            try:
-                self.engine.step()
-            except Exception:  # noqa: BLE001 - the engine thread must survive any request
-                log.exception("a window failed in the engine; ending its %d requests",
-                              len(running))
-                for run in running:
-                    run.handle.cancel()
-                    run.end.error = ApiError(500, "The engine failed on this request; the "
-                                             "server log has the details.", code="engine_error")
-                    self._count_tokens(run)
-                    run.job.events.put(run.end)
-                running.clear()
-                self.engine.scheduler.drop_cancelled()
-            running[:] = [run for run in running if not self._forward_events(run)]
-            self._update_gauges()
+        while self._take_new(running, is_ok):
+            if running:
+                self._step(running)
         for run in running:
             run.handle.cancel()
             if run.job.cancel.is_set():
@@ -212,6 +184,42 @@ class EngineWorker:
             # The worker owns the engine: its expert tier stops copying and writes the rest of
             # its --dump-routing trace.
             close()
+
+    # The loop's steps are methods of their own so that no local of the engine thread holds
+    # the last request (its prompt, handle and events) while the thread waits for the next.
+    def _take_new(self, running: list[_Running], is_ok: bool) -> bool:
+        """Start the jobs and run the calls queued now (waiting for one when nothing runs);
+        False once stop() was called."""
+        for job in self._take_jobs(block=not running):
+            if job is None:
+                return False
+            if isinstance(job, EngineCall):
+                self._run_call(job)
+                continue
+            self._start(job, is_ok, running)
+        return True
+
+    def _step(self, running: list[_Running]) -> None:
+        """One window over the running jobs (their cancels first); the jobs that ended leave
+        `running`."""
+        for run in running:
+            if run.job.cancel.is_set():
+                run.handle.cancel()
+        try:
+            self.engine.step()
+        except Exception:  # noqa: BLE001 - the engine thread must survive any request
+            log.exception("a window failed in the engine; ending its %d requests",
+                          len(running))
+            for run in running:
+                run.handle.cancel()
+                run.end.error = ApiError(500, "The engine failed on this request; the "
+                                         "server log has the details.", code="engine_error")
+                self._count_tokens(run)
+                run.job.events.put(run.end)
+            running.clear()
+            self.engine.scheduler.drop_cancelled()
+        running[:] = [run for run in running if not self._forward_events(run)]
+        self._update_gauges()
 
     def _take_jobs(self, block: bool):
         """The jobs queued now (waiting for the first one when `block`)."""
