@@ -135,14 +135,18 @@ def test_values_out_of_range(live, field, value, words):
     ([{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}],
      ["not valid JSON"]),
-    ([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}],
-     ["system message"]),
 ])
 def test_bad_messages(live, messages, words):
     body = {"max_tokens": 2}
     if messages is not None:
         body["messages"] = messages
     assert_error(post(live, CHAT, body), 400, words=words)
+
+
+def test_a_message_the_template_refuses_is_named(live_one_system):
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": "a"},
+                                          {"role": "system", "content": "late"}]}
+    assert_error(post(live_one_system, CHAT, body), 400, words=["system message"])
 
 
 def test_prompt_longer_than_the_context(live):
