@@ -9,6 +9,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
@@ -22,20 +23,71 @@ from strata.model.fim import FimTokens, find_fim_tokens, token_id_from_metadata
 log = logging.getLogger(__name__)
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 2, 3, 4, 5
 
-# Split regexes by `tokenizer.ggml.pre`, as llama.cpp names them.
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+# Split regexes by `tokenizer.ggml.pre`, as llama.cpp (src/llama-vocab.cpp) names and runs them.
+# llama.cpp spells the contractions case by case: the models' own `(?i:'s|...)` also takes 'ſ'
+# (U+017F, which case-folds to s), so "'ſx" would split as "'ſ" + "x" where llama.cpp keeps "'ſx".
+CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+QWEN2_SPLIT = (CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+QWEN35_SPLIT = (CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZER_SPLITS = {
-    "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT, "megrez": QWEN2_SPLIT,
-    "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "llama-bpe": LLAMA3_SPLIT,
-    "dbrx": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT, "falcon3": LLAMA3_SPLIT,
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# llama.cpp's stand-ins for the \p{Lu}/\p{Ll} runs of o200k-style regexes: any letter but a-z
+# ("upper") and any letter but A-Z ("lower"); marks end a word there.
+_UPPER, _LOWER = r"(?:(?=\p{L})[^a-z])", r"(?:(?=\p{L})[^A-Z])"
+GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{CONTRACTIONS}?"
+               rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{CONTRACTIONS}?"
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+"
+                rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+                    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
+                    r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+"
+                    r"|\s+(?!\S)|\s+")
+BAILINGMOE_SPLIT = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+")
+EXAONE_MOE_SPLIT = (CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+                    r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+")
+# llama.cpp's "default": punctuation runs first, then GPT-2's regex, then digits in threes.
+DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+",
+                  r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                  r"\p{N}+", r"[0-9][0-9][0-9]")
+
+
+@dataclass(frozen=True)
+class PreTokenizerRule:
+    """How llama.cpp pre-tokenizes for one `tokenizer.ggml.pre` value."""
+    splits: tuple[str, ...]  # regexes applied one after another, each to the previous pieces
+    ignore_merges: bool = False  # a piece that is a whole vocabulary entry is that token
+    add_bos: bool = False  # BOS before a prompt where the file has no add_bos_token key
+
+
+def _rules(names: str, rule: PreTokenizerRule) -> dict[str, PreTokenizerRule]:
+    return dict.fromkeys(names.split(), rule)
+
+
+PRE_TOKENIZERS = {
+    **_rules("qwen2 deepseek-r1-qwen kormo f2llmv2 megrez stablelm2 hunyuan solar-open grok-2",
+             PreTokenizerRule((QWEN2_SPLIT,))),
+    **_rules("qwen35", PreTokenizerRule((QWEN35_SPLIT,))),
+    **_rules("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano",
+             PreTokenizerRule((LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)),
+    **_rules("dbrx smaug-bpe chatglm-bpe", PreTokenizerRule((LLAMA3_SPLIT,))),
+    **_rules("glm4 glm5", PreTokenizerRule((LLAMA3_SPLIT,), ignore_merges=True)),
+    **_rules("gpt-2 phi-2 mpt olmo jais exaone4 trillion gigachat a.x-4.0 mellum granite-docling"
+             " gpt2", PreTokenizerRule((GPT2_SPLIT,))),  # gpt2: Strata's own older alias
+    **_rules("gpt-4o llama4 kanana2 talkie minimax-m2", PreTokenizerRule((GPT4O_SPLIT,))),
+    **_rules("tekken", PreTokenizerRule((TEKKEN_SPLIT,), ignore_merges=True, add_bos=True)),
+    **_rules("deepseek-v3 hunyuan-dense joyai-llm hy_v4", PreTokenizerRule(DEEPSEEK3_SPLITS)),
+    **_rules("bailingmoe bailingmoe2 llada-moe", PreTokenizerRule((BAILINGMOE_SPLIT,))),
+    **_rules("exaone-moe", PreTokenizerRule((EXAONE_MOE_SPLIT,))),
+    **_rules("default", PreTokenizerRule(DEFAULT_SPLITS)),
 }
-# These use GPT-2's own regex, which the ByteLevel pre-tokenizer carries built in.
-GPT2_STYLE_PRES = ("gpt2", "default", "gpt-2")
 
 # Names of end-of-turn tokens that also stop generation (chat models end a turn with them).
 STOP_TOKEN_NAMES = ("<|im_end|>", "<|endoftext|>")
@@ -98,8 +150,11 @@ class Tokenizer:
 
     def __init__(self, backend: HFTokenizer, tokens: list[str], special_ids: set[int],
                  added_ids: set[int], bos_id: int | None, eos_id: int | None, add_bos: bool,
-                 fim: FimTokens | None = None, end_ids: Iterable[int] = ()):
-        """`end_ids`: tokens besides EOS that end a turn (llama.cpp's eot/eom ids)."""
+                 fim: FimTokens | None = None, end_ids: Iterable[int] = (),
+                 unused_ids: Iterable[int] = ()):
+        """`end_ids`: tokens besides EOS that end a turn (llama.cpp's eot/eom ids).
+        `unused_ids`: placeholders (e.g. Qwen's '[PAD151669]') that decode to nothing, as in
+        llama.cpp."""
         self._backend = backend
         self._plain_backend: HFTokenizer | None = None  # encode_plain's, made on first use
         self._plain_lock = threading.Lock()
@@ -108,7 +163,9 @@ class Tokenizer:
         self.special_ids = frozenset(special_ids)
         # every token matched whole in text: the special ones and user-defined tags (<think>)
         self.added_ids = frozenset(added_ids) | self.special_ids
-        self._bytes = [_token_bytes(t, i in added_ids) for i, t in enumerate(tokens)]
+        unused = frozenset(unused_ids)
+        self._bytes = [b"" if i in unused else _token_bytes(t, i in self.added_ids)
+                       for i, t in enumerate(tokens)]
         self._first_bytes = None  # first_byte_table()
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -143,22 +200,27 @@ class Tokenizer:
             vocab.setdefault(tok, i)  # a duplicate spelling keeps its first id, as llama.cpp does
         pairs = []
         for m in merges:
-            left, sep, right = str(m).partition(" ")
-            if not sep:
+            m = str(m)
+            cut = m.find(" ", 1)  # from 1, as llama.cpp: a left token may start with a space
+            if cut < 0:
                 raise ModelFormatError(f"{source}: merge {m!r} is not two tokens split by a space")
-            pairs.append((left, right))
-        backend = HFTokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=False,
-                                  continuing_subword_prefix="", end_of_word_suffix=""))
-        pre = meta.get("tokenizer.ggml.pre")
-        if pre is None:  # a file from llama.cpp's converter before the key (April 2024)
-            log.warning("%s: no tokenizer.ggml.pre key; splitting text the qwen2 way, as the "
-                        "Qwen models Strata runs do (llama.cpp would use its GPT-2-like default)",
-                        source)
-            pre = "qwen2"
-        backend.pre_tokenizer = _pre_tokenizer(str(pre))
+            pairs.append((m[:cut], m[cut + 1:]))
+        rule = _pre_tokenizer_rule(meta.get("tokenizer.ggml.pre"), source)
+        try:
+            bpe = BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=False,
+                      continuing_subword_prefix="", end_of_word_suffix="",
+                      ignore_merges=rule.ignore_merges)
+        except Exception as e:  # tokenizers' own error, e.g. a merge of a token not in the vocab
+            raise ModelFormatError(f"{source}: the tokenizer's merges do not fit its tokens: "
+                                   f"{e}; the metadata is corrupt") from e
+        backend = HFTokenizer(bpe)
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in rule.splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         backend.decoder = decoders.ByteLevel()
 
-        special_ids = {i for i, t in enumerate(types) if t == TOKEN_CONTROL}
+        # llama.cpp treats an UNKNOWN token like a control one: matched in text and skippable
+        special_ids = {i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN)}
         user_ids = {i for i, t in enumerate(types) if t == TOKEN_USER_DEFINED}
         fim = find_fim_tokens(meta, vocab.get, len(tokens), source)
         if fim is not None:  # as llama.cpp does: FIM tokens are control tokens whatever their
@@ -174,7 +236,7 @@ class Tokenizer:
         def opt_id(key: str) -> int | None:
             return token_id_from_metadata(meta, key, len(tokens), source)
 
-        add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", rule.add_bos)
         if metadata_value(add_bos, bool) is None:
             raise ModelFormatError(f"{source}: metadata key 'tokenizer.ggml.add_bos_token' has "
                                    f"value {add_bos!r}, expected bool; the metadata is corrupt")
@@ -183,7 +245,8 @@ class Tokenizer:
                    bos_id=opt_id("tokenizer.ggml.bos_token_id"),
                    eos_id=opt_id("tokenizer.ggml.eos_token_id"),
                    add_bos=metadata_value(add_bos, bool), fim=fim,
-                   end_ids=[i for i in end_ids if i is not None])
+                   end_ids=[i for i in end_ids if i is not None],
+                   unused_ids=[i for i, t in enumerate(types) if t == TOKEN_UNUSED])
 
     @property
     def vocab_size(self) -> int:
@@ -248,15 +311,16 @@ def valid_text(text: str) -> str:
     return text
 
 
-def _pre_tokenizer(pre: str):
-    if pre in GPT2_STYLE_PRES:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    split = PRE_TOKENIZER_SPLITS.get(pre)
-    if split is None:
-        log.warning("tokenizer.ggml.pre %r is not known to Strata; splitting text the qwen2 way "
-                    "(token ids may differ from llama.cpp's for this model)", pre)
-        split = QWEN2_SPLIT
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+def _pre_tokenizer_rule(pre, source: str) -> PreTokenizerRule:
+    if pre is None:  # a file from llama.cpp's converter before the key (April 2024)
+        log.warning("%s: no tokenizer.ggml.pre key; splitting text the qwen2 way, as the Qwen "
+                    "models Strata runs do (llama.cpp would split it its 'default' way)", source)
+        return PRE_TOKENIZERS["qwen2"]
+    rule = PRE_TOKENIZERS.get(str(pre))
+    if rule is None:
+        log.warning("%s: tokenizer.ggml.pre is %r, a pre-tokenizer Strata does not know; it splits "
+                    "the text the qwen2 way instead, so the token ids can differ from the model's "
+                    "own (llama.cpp refuses such a file). Known values: %s", source, str(pre),
+                    ", ".join(sorted(PRE_TOKENIZERS)))
+        return PRE_TOKENIZERS["qwen2"]
+    return rule
