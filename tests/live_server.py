@@ -41,15 +41,15 @@ def start_live_server(engine_source, config: ServerConfig) -> LiveServer:
     return LiveServer(f"http://127.0.0.1:{server.effective_port}", app, server, thread)
 
 
-def metric_value(live, name: str) -> float:
-    """One sample of a live server's /metrics, by its name."""
+def metric_value(live, name: str, **labels: str) -> float:
+    """One sample of a live server's /metrics, by its name (and labels, those given)."""
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
     text = requests.get(live.url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name:
+            if sample.name == name and labels.items() <= sample.labels.items():
                 return sample.value
     raise KeyError(name)
 

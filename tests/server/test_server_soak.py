@@ -149,3 +149,24 @@ def _samples(metrics) -> dict:
     return {(s.labels["endpoint"], s.labels["status"]): s.value
             for family in metrics.registry.collect() if family.name == "strata_requests"
             for s in family.samples if s.name == "strata_requests_total"}
+
+
+def test_a_stream_that_ends_with_an_error_event_is_counted_under_its_status():
+    """The error event (the engine failed, the server stopped) is the stream's answer: counted
+    under its status, not the 200 the stream began with."""
+    from strata.server.api_error import ApiError
+    from strata.server.generation import _sse_response
+
+    ended = []
+
+    def stream():
+        yield b"data: {}\n\n"
+        ended.append(ApiError(503, "The server is shutting down.", code="shutting_down"))
+        yield b'data: {"error": {}}\n\n'
+
+    metrics = ServerMetrics()
+    response = _sse_response(stream(), lambda: ended[0] if ended else None)
+    metrics.count_response(response, "/v1/messages", "/v1/messages", None)
+    assert len(list(response.response)) == 2
+    response.close()
+    assert _samples(metrics) == {("/v1/messages", "503"): 1.0}

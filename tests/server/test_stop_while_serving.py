@@ -64,6 +64,22 @@ def test_requests_running_at_the_stop_end_with_a_shutting_down_error(server):
     assert metric_value(server, "strata_prompt_tokens_total") == 6
     num_streamed = sum(b'"text"' in frame for frame in frames)
     assert metric_value(server, "strata_generated_tokens_total") >= num_streamed > 0
+    # both are counted as the 503 they ended with, the stream too (its status line said 200)
+    stream.close()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            counted = metric_value(server, "strata_requests_total", endpoint="/v1/completions",
+                                   status="503")
+        except KeyError:
+            counted = 0
+        if counted == 2:
+            break
+        assert time.monotonic() < deadline, f"counted {counted} of 2 as 503"
+        time.sleep(0.02)
+    with pytest.raises(KeyError):
+        metric_value(server, "strata_requests_total", endpoint="/v1/completions",
+                     status="200")
 
 
 def test_a_request_after_the_stop_is_refused_at_once(server):

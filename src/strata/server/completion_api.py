@@ -33,7 +33,7 @@ class CompletionRoutes(GenerationRoutes):
                            min_indent=_integer(body, "n_indent", 0, 2**31) or 0,
                            prompt_text=text)
         if fields.options.is_stream:
-            return _sse_response(reply.stream())
+            return _sse_response(reply.stream(), reply.outcome.failure)
         return jsonify(reply.collect())
 
 

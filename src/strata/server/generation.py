@@ -43,6 +43,10 @@ class Outcome:
             return "length"
         return "tool_calls" if num_tool_calls else "stop"
 
+    def failure(self) -> ApiError | None:
+        """The error the request ended with, if it failed."""
+        return None if self.end is None else self.end.error
+
     def usage(self) -> dict:
         end = self.end or JobEnd()
         return usage(self.num_prompt_tokens, end.num_generated_tokens, end.num_cached_tokens,
@@ -169,7 +173,8 @@ class GenerationRoutes:
         header = ResponseHeader("chat", self.state.model_id)
         if req.options.is_stream:
             return _sse_response(self._chat_stream(choices, events, header,
-                                                   req.options.is_usage_streamed))
+                                                   req.options.is_usage_streamed),
+                                 lambda: _failure(choices))
 
         def take(choice, item):
             choice.logprobs.add(item)
@@ -285,7 +290,8 @@ class GenerationRoutes:
         header = ResponseHeader("completion", self.state.model_id)
         if req.options.is_stream:
             return _sse_response(self._completion_stream(
-                choices, events, header, req.options.is_usage_streamed, req.best_of))
+                choices, events, header, req.options.is_usage_streamed, req.best_of),
+                lambda: _failure(choices))
 
         def take(choice, item):
             choice.logprobs.add_prompt(item)
@@ -384,6 +390,14 @@ def _generated(events, outcome: Outcome):
         events.close()
 
 
-def _sse_response(stream) -> Response:
-    return Response(stream, mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def _sse_response(stream, failure=None) -> Response:
+    """`failure()`: the error the stream ended with, once it has ended (None: it did not fail);
+    /metrics counts the request under that error's status rather than the 200 it began with."""
+    response = Response(stream, mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response.stream_failure = failure
+    return response
+
+
+def _failure(choices: list["_Choice"]) -> ApiError | None:
+    return next((c.outcome.failure() for c in choices if c.outcome.failure()), None)

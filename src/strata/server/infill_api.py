@@ -53,5 +53,5 @@ class InfillRoutes(GenerationRoutes):
                            AnswerLogprobs.of(engine, req.options), prompt.is_truncated,
                            req.min_indent)
         if req.options.is_stream:
-            return _sse_response(reply.stream())
+            return _sse_response(reply.stream(), reply.outcome.failure)
         return jsonify(reply.collect())

@@ -60,7 +60,8 @@ class MessagesRoutes(GenerationRoutes):
         if req.options.is_stream:
             return _sse_response(self._message_stream(job, events, parser, header, outcome,
                                                       max_tokens,
-                                                      BlockStream(is_thinking_omitted)))
+                                                      BlockStream(is_thinking_omitted)),
+                                 outcome.failure)
         pieces = []
         with closing(_generated(events, outcome)) as items:
             for item in items:

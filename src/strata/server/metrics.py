@@ -88,7 +88,8 @@ class ServerMetrics:
         status = response.status_code
         if response.is_streamed:
             response.response = _CountedStream(
-                response.response, status, lambda status: self.count_request(path, status, rule))
+                response.response, status, lambda status: self.count_request(path, status, rule),
+                getattr(response, "stream_failure", None))
             return
         if status == 200 and is_disconnected is not None and is_disconnected():
             status = CLIENT_CLOSED_STATUS
@@ -100,13 +101,16 @@ class ServerMetrics:
 
 class _CountedStream:
     """A response's stream that calls `count(status)` once, when the server closes it: `status`
-    when it was read to its end, CLIENT_CLOSED_STATUS when the server stopped reading it first
-    (a write to a client that had gone failed), 500 when it raised."""
+    when it was read to its end (the status of the error it ended with, when `failure()` names
+    one: the engine failed, the server stopped), CLIENT_CLOSED_STATUS when the server stopped
+    reading it first (a write to a client that had gone failed), 500 when it raised."""
 
-    def __init__(self, stream, status: int, count: Callable[[int], None]):
+    def __init__(self, stream, status: int, count: Callable[[int], None],
+                 failure: Callable[[], object] | None = None):
         self._stream, self._count = stream, count
         self._status = CLIENT_CLOSED_STATUS
         self._whole_status = status
+        self._failure = failure
 
     def __iter__(self):
         try:
@@ -114,7 +118,8 @@ class _CountedStream:
         except Exception:
             self._status = 500
             raise
-        self._status = self._whole_status
+        error = None if self._failure is None else self._failure()
+        self._status = self._whole_status if error is None else error.status
 
     def close(self) -> None:
         count, self._count = self._count, None

@@ -38,7 +38,7 @@ class ResponsesRoutes(GenerationRoutes):
         items = OutputItems(custom_tool_names(body.get("tools")))
         if req.options.is_stream:
             return _sse_response(self._stream(job, events, parser, header, outcome, logprobs,
-                                              items))
+                                              items), outcome.failure)
         text_logprobs = TextLogprobs()
         with closing(_generated(events, outcome)) as generated:
             for item in generated:
