@@ -131,7 +131,7 @@ def test_values_out_of_range(live, field, value, words):
     ([{"role": "wizard", "content": "hi"}], ["wizard", "system, developer, user"]),
     ([{"content": "hi"}], ["role"]),
     ([{"role": "user"}], ["content", "required"]),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], ["image_url"]),
+    ([{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}], ["video_url"]),
     ([{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}],
      ["not valid JSON"]),

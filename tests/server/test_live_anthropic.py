@@ -221,9 +221,9 @@ def post(live, body=None, data=None, path="/v1/messages"):
     ({"max_tokens": 1, "messages": [{"role": "user", "content": "word " * 600}]}, None, 400,
      "invalid_request_error", ["prompt is too long:", f"> {N_CTX_TOKENS} maximum"]),
     ({"max_tokens": 1, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+        {"type": "video", "source": {"type": "base64", "media_type": "video/mp4",
                                      "data": "AA=="}}]}]},
-     None, 400, "invalid_request_error", ["'image'"]),
+     None, 400, "invalid_request_error", ["'video'"]),
 ])
 def test_bad_requests_get_anthropic_errors(live, client, body, data, status, kind, words):
     response = post(live, body, data)

@@ -7,6 +7,7 @@ from typing import Any
 
 from strata.server.api_error import ApiError, invalid, missing
 from strata.server.chat_schema import flat_function_tool, hold_json_answer
+from strata.server.media import is_media, omitted_note
 from strata.server.schema import (MAX_STOP_STRINGS, ChatRequest, GenerationOptions, _boolean,
                                   _integer, _logit_bias, _number, _object, _objects,
                                   _string, _wrong_type, check_object_schema, check_stop_lengths)
@@ -36,6 +37,23 @@ def _unsupported_block(kind: Any, param: str, allowed: str) -> ApiError:
                    "serves a text-only model).", f"{param}.type", "unsupported_value")
 
 
+def _media_text(block: dict, param: str) -> str:
+    """An image or document block: a plain-text document's text, else the note saying it was
+    left out."""
+    source = block.get("source")
+    if block.get("type") == "document" and isinstance(source, dict):
+        if source.get("type") == "text" and isinstance(source.get("data"), str):
+            return source["data"]
+        content = source.get("content")
+        if source.get("type") == "content" and isinstance(content, str):
+            return content
+        if source.get("type") == "content" and isinstance(content, list) and all(
+                isinstance(b, dict) and b.get("type") == "text" for b in content):
+            return "\n\n".join(_text_of(b, f"{param}.source.content[{i}]")
+                                for i, b in enumerate(content))
+    return omitted_note(block.get("type"), param)
+
+
 def _tool_result_text(block: dict, param: str) -> str:
     content = block.get("content", "")
     if isinstance(content, str):
@@ -43,8 +61,12 @@ def _tool_result_text(block: dict, param: str) -> str:
     else:
         parts = []
         for i, part in enumerate(_blocks(content, f"{param}.content")):
+            if is_media(part.get("type")):
+                parts.append(_media_text(part, f"{param}.content[{i}]"))
+                continue
             if part.get("type") != "text":
-                raise _unsupported_block(part.get("type"), f"{param}.content[{i}]", "'text'")
+                raise _unsupported_block(part.get("type"), f"{param}.content[{i}]",
+                                         "'text', 'image' and 'document'")
             parts.append(_text_of(part, f"{param}.content[{i}]"))
         text = "\n\n".join(parts)
     if _boolean(block, "is_error", param=f"{param}.is_error"):
@@ -67,6 +89,8 @@ def _user_messages(blocks: list[dict], param: str) -> list[dict]:
         kind = block.get("type")
         if kind == "text":
             texts.append(_text_of(block, where))
+        elif is_media(kind):
+            texts.append(_media_text(block, where))
         elif kind == "tool_result":
             flush_text()
             tool_use_id = _string(block, "tool_use_id", param=f"{where}.tool_use_id")
@@ -75,7 +99,8 @@ def _user_messages(blocks: list[dict], param: str) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": tool_use_id,
                         "content": _tool_result_text(block, where)})
         else:
-            raise _unsupported_block(kind, where, "'text' and 'tool_result'")
+            raise _unsupported_block(kind, where, "'text', 'image', 'document' and "
+                                     "'tool_result'")
     flush_text()
     return out
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.server.api_error import ApiError, invalid, missing
+from strata.server.media import is_media, omitted_note
 from strata.server.schema import (_MISSING, ChatRequest, GenerationOptions, _boolean, _integer,
                                   _object, _objects, _string, _wrong_type, check_object_schema,
                                   llama_json_schema, parse_choice_counts, parse_options)
@@ -29,10 +30,13 @@ def _content_text(content: Any, param: str) -> str | None:
         if not isinstance(part, dict):
             raise _wrong_type(f"{param}[{i}]", part, "an object")
         kind = part.get("type")
+        if is_media(kind):
+            texts.append(omitted_note(kind, f"{param}[{i}]"))
+            continue
         if kind not in ("text", "refusal"):  # an assistant's refusal (OpenAI's) is its text
-            raise invalid(f"'{param}[{i}].type' is {kind!r}; this server reads only 'text' "
-                          "parts (it serves a text-only model).", f"{param}[{i}].type",
-                          "unsupported_value")
+            raise invalid(f"'{param}[{i}].type' is {kind!r}; this server reads 'text' parts "
+                          "(and tells the model of images, audio and files, which it cannot "
+                          "read).", f"{param}[{i}].type", "unsupported_value")
         text = part.get(kind)
         if not isinstance(text, str):
             raise _wrong_type(f"{param}[{i}].{kind}", text, "a string")

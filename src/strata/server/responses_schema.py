@@ -11,6 +11,7 @@ from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.server.api_error import ApiError, invalid, missing
 from strata.server.chat_schema import (flat_function_tool, hold_json_answer, parse_tool_choice,
                                        reasoning_effort_thinking)
+from strata.server.media import is_media, omitted_note
 from strata.server.schema import (ChatRequest, _boolean, _integer, _object, _objects, _string,
                                   _wrong_type, check_object_schema, parse_options)
 
@@ -47,9 +48,13 @@ def _parts_text(content: Any, param: str) -> str:
     texts = []
     for where, part in _objects(content, param):
         kind = part.get("type")
+        if is_media(kind):
+            texts.append(omitted_note(kind, where))
+            continue
         if kind not in _TEXT_PARTS:
-            raise _unsupported(f"{where}.type", kind, "this server reads text parts only "
-                               "(input_text, output_text): it serves a text-only model.")
+            raise _unsupported(f"{where}.type", kind, "this server reads text parts "
+                               "(input_text, output_text), and tells the model of images, "
+                               "audio and files, which it cannot read.")
         key = "refusal" if kind == "refusal" else "text"
         text = part.get(key)
         if not isinstance(text, str):
