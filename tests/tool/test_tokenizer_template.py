@@ -114,6 +114,9 @@ def test_template_tools_tool_calls_and_responses(template):
 def test_template_rejects_bad_roles(template):
     with pytest.raises(jinja2.exceptions.TemplateError, match="unknown message role robot"):
         template.render(messages=[{"role": "robot", "content": "x"}])
-    with pytest.raises(jinja2.exceptions.TemplateError, match="system message may only come"):
-        template.render(messages=[{"role": "user", "content": "x"},
-                                  {"role": "system", "content": "y"}])
+
+
+def test_template_renders_a_later_system_message_where_it_stands(template):
+    text = template.render(messages=[{"role": "user", "content": "x"},
+                                     {"role": "system", "content": "y"}])
+    assert text == "<|im_start|>user\nx<|im_end|>\n<|im_start|>system\ny<|im_end|>\n"
