@@ -277,3 +277,20 @@ def test_a_pack_write_that_fails_midway_leaves_no_partial_file(tmp_path, models)
         signal.signal(signal.SIGXFSZ, old_handler)
     assert list(tmp_path.iterdir()) == []
     assert write_pack(model, out) == path.stat().st_size
+
+
+def test_a_model_of_94_layers_packs(tmp_path):
+    """Qwen3-235B-A22B's 94 layers: the header outgrew its one page at ~55 layers and the pack
+    was refused; it now takes two, and the index follows them."""
+    model = make_model(tmp_path, "q4_0", n_layers=94)
+    out = make_pack(tmp_path, model)
+    data = out.read_bytes()
+    header_bytes = struct.unpack("<I", data[12:16])[0]
+    assert 16 + header_bytes > ALIGN_BYTES
+    assert json.loads(data[16:16 + header_bytes])["index_offset"] == 2 * ALIGN_BYTES
+    pack = ExpertPack.open(out, model)
+    for layer, expert in ((0, 0), (50, 3), (93, 7)):
+        assert tuple(bytes(b) for b in pack.expert(layer, expert)) == tuple(
+            bytes(b) for b in gguf_expert(model, layer, expert))
+    pack.close()
+    model.close()

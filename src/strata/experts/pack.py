@@ -102,6 +102,11 @@ def _describe(identity: dict) -> str:
             f"{identity['model_hash'][:12]}")
 
 
+def _header_pages(blob_bytes: int) -> int:
+    """Where the index starts: the page after the prefix and the header's JSON."""
+    return _align(_PREFIX.size + blob_bytes)
+
+
 def _plan(layouts: list[LayerLayout], n_experts: int, index_offset: int):
     """Offsets of every expert: layer by layer, expert by expert, each aligned."""
     index_bytes = len(layouts) * n_experts * 8
@@ -135,16 +140,17 @@ def write_pack(model: GGUFModel, out: str | os.PathLike, progress: bool = False)
     header = dict(model_identity(model))
     header["layers"] = [{p: [part.qtype, part.rows, part.row_bytes]
                          for p, part in zip(PARTS, lay.parts)} for lay in layouts]
-    # The header takes the first page and the index starts on the next, so the offsets can be
-    # planned before the header (which records them) is encoded.
+    # The index starts on the page after the header, which records the offsets: plan them
+    # after the pages the header takes (one up to ~55 layers; Qwen3-235B-A22B's 94 take two),
+    # again while it outgrows them (the offsets only grow, so this ends).
     index_offset = ALIGN_BYTES
-    index, data_offset, file_bytes = _plan(layouts, n_experts, index_offset)
-    header.update(index_offset=index_offset, data_offset=data_offset, file_bytes=file_bytes)
-    blob = json.dumps(header, sort_keys=True).encode()
-    if _PREFIX.size + len(blob) > index_offset:
-        raise ModelFormatError(f"{model.path}: pack header of {len(blob)} bytes does not fit "
-                               f"in {index_offset}; too many layers for pack version "
-                               f"{PACK_VERSION}")
+    while True:
+        index, data_offset, file_bytes = _plan(layouts, n_experts, index_offset)
+        header.update(index_offset=index_offset, data_offset=data_offset, file_bytes=file_bytes)
+        blob = json.dumps(header, sort_keys=True).encode()
+        if _header_pages(len(blob)) <= index_offset:
+            break
+        index_offset = _header_pages(len(blob))
     partial = out.with_name(out.name + ".partial")
     data_bytes = file_bytes - data_offset
     try:
@@ -255,11 +261,13 @@ class ExpertPack:
         n_experts = identity["n_experts"]
         # The header's offsets and size must be the layout's own before any of them is used
         # to map or slice the file (a damaged header would otherwise fail inside numpy).
-        planned, planned_data, planned_bytes = _plan(layers, n_experts, ALIGN_BYTES)
-        if (index_offset, data_offset, file_bytes) != (ALIGN_BYTES, planned_data, planned_bytes):
+        planned_index = _header_pages(blob_bytes)
+        planned, planned_data, planned_bytes = _plan(layers, n_experts, planned_index)
+        if (index_offset, data_offset, file_bytes) != (planned_index, planned_data,
+                                                       planned_bytes):
             raise ModelFormatError(
                 f"{src}: the expert pack's header is corrupt (index at {index_offset}, data at "
-                f"{data_offset}, {file_bytes} bytes; the layout puts them at {ALIGN_BYTES}, "
+                f"{data_offset}, {file_bytes} bytes; the layout puts them at {planned_index}, "
                 f"{planned_data}, {planned_bytes}); write it again with `strata-tool pack`")
         if actual_bytes < file_bytes:
             raise ModelFormatError(
