@@ -150,10 +150,15 @@ class GGUFModel:
         path = Path(path)
         src = str(path)
         if not path.is_file():
+            if path.exists():  # /dev/null or a pipe: "no such file" sent users looking for a typo
+                raise ModelFormatError(f"{src}: not a regular file; give the path of a .gguf "
+                                       "model")
             raise ModelFormatError(f"{src}: no such model file")
         file_bytes = path.stat().st_size
         with open(path, "rb") as f:
             magic = f.read(4)
+        if not magic:
+            raise ModelFormatError(f"{src}: not a GGUF file: it is empty (0 bytes)")
         if magic != _MAGIC_BYTES:
             raise ModelFormatError(
                 f"{src}: not a GGUF file (starts with {magic!r}, expected {_MAGIC_BYTES!r}); "

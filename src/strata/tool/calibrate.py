@@ -129,7 +129,7 @@ def _need_gpu() -> None:
 @click.option("--threads", "-t", default=None, type=click.IntRange(min=1),
               help="CPU pool threads (default: the pool's, all cores but one); the share is "
                    "stored for this count.")
-@click.option("--seconds", default=2.0, show_default=True, type=click.FloatRange(min=0.01),
+@click.option("--seconds", default=2.0, show_default=True, type=click.FloatRange(0.01, 3600),
               help="How long to time the CPU pool.")
 @click.option("--rows", default=1, show_default=True, type=click.IntRange(min=1),
               help="Rows per timed CPU window (1: decode), each with its own top-K experts.")
@@ -148,6 +148,9 @@ def calibrate(model_path, threads, seconds, rows, device_index, sweep):
     from strata.experts.store import ExpertStore
     from strata.model.gguf_file import GGUFModel
 
+    if seconds != seconds:  # NaN passes click's range check; the timing loop stopped at once
+        raise click.BadParameter("nan: give a number of seconds in 0.01..3600",
+                                 param_hint="--seconds")
     threads = threads or default_pool_threads()
     _need_gpu()
     try:

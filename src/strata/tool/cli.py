@@ -1,4 +1,4 @@
-"""`strata-tool`: maintenance commands (synth, inspect, plugins)."""
+"""`strata-tool`: maintenance commands; synth and inspect here, the others in their modules."""
 from __future__ import annotations
 
 import os
@@ -32,7 +32,7 @@ def main():
 @click.option("--arch", "arch_name", default=None, help="Switch the preset's architecture.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
 @click.option("--layers", default=None, type=click.IntRange(min=1), help="Number of layers.")
-@click.option("--context-length", default=None, type=click.IntRange(min=1),
+@click.option("--context-length", default=None, type=click.IntRange(1, 2**32 - 1),
               help="Context length the file declares (default: the preset's), e.g. 131072 "
                    "for benchmarks deep into a context (`strata bench -d`).")
 @click.option("--list", "list_presets", is_flag=True, help="List the preset shapes and exit.")
@@ -44,8 +44,10 @@ def main():
 @click.argument("out", required=False, type=click.Path(dir_okay=False))
 def synth(shape, weight_type, arch_name, seed, layers, context_length, list_presets, routing_skew,
           jobs, out):
-    """Write a random-weight MoE model at a preset shape to OUT (a .gguf file)."""
+    """Write a random-weight MoE model at a preset shape to OUT (a .gguf file). An existing OUT
+    is replaced once the new file is whole."""
     from strata.tool.inspect import format_spec
+    from strata.tool.output import output_target
     from strata.tool.presets import PRESETS
     from strata.tool.synth import synth_model
 
@@ -59,8 +61,8 @@ def synth(shape, weight_type, arch_name, seed, layers, context_length, list_pres
     if context_length is not None:
         overrides["context_length"] = context_length
     try:
-        spec = synth_model(out, shape, weight_type, arch=arch_name, seed=seed, progress=True,
-                           routing_skew=routing_skew, jobs=jobs, **overrides)
+        spec = synth_model(output_target(out), shape, weight_type, arch=arch_name, seed=seed,
+                           progress=True, routing_skew=routing_skew, jobs=jobs, **overrides)
     except StrataError as exc:
         _fail(str(exc))
     except OSError as exc:
@@ -76,29 +78,49 @@ def synth(shape, weight_type, arch_name, seed, layers, context_length, list_pres
 @click.option("--routing", "trace_path", default=None, type=click.Path(dir_okay=False),
               help="Also print the measured skew and locality of this routing trace.")
 def inspect(path, trace_path):
-    """Describe the GGUF model at PATH: hyperparameters, tensor types, bytes per token."""
+    """Describe the GGUF model at PATH: hyperparameters, file and tensor types, tokenizer, chat
+    template, bytes per token; and/or the routing trace of --routing."""
     from strata.tool.inspect import format_report, inspect_model
 
+    if path is None and trace_path is None:
+        _fail("give a model path, e.g. `strata-tool inspect model.gguf`, or --routing TRACE")
+    trace = None
     if trace_path is not None:
-        from strata.experts.trace import format_skew_summary, read_trace
+        from strata.experts.trace import read_trace
 
         try:
-            click.echo("\n".join(format_skew_summary(read_trace(trace_path))))
+            trace = read_trace(trace_path)
         except StrataError as exc:
             _fail(str(exc))
         except OSError as exc:
             _fail(f"cannot read {trace_path}: {exc.strerror or exc}")
-        if path is None:
-            return
-    if path is None:
-        _fail("give a model path, e.g. `strata-tool inspect model.gguf`, or --routing TRACE")
-    try:
-        report = inspect_model(path)
-    except StrataError as exc:
-        _fail(str(exc))
-    except OSError as exc:
-        _fail(f"cannot read {path}: {exc.strerror or exc}")
-    click.echo(format_report(report))
+    report = None
+    if path is not None:
+        try:
+            report = inspect_model(path)
+        except StrataError as exc:
+            _fail(str(exc))
+        except OSError as exc:
+            _fail(f"cannot read {path}: {exc.strerror or exc}")
+    if trace is not None and report is not None and \
+            (trace.n_layers, trace.n_experts) != (report.spec.n_layers, report.spec.n_experts):
+        _fail(f"{trace_path} routes {trace.n_layers} layers x {trace.n_experts} experts but "
+              f"{path} has {report.spec.n_layers} x {report.spec.n_experts}: the trace was "
+              "recorded from another model")
+    if trace is not None:
+        _echo_trace(trace, trace_path)
+    if report is not None:
+        click.echo(format_report(report))
+
+
+def _echo_trace(trace, trace_path) -> None:
+    from strata.experts.trace import format_skew_summary
+
+    if len(trace.records):
+        click.echo("\n".join(format_skew_summary(trace)))
+    else:  # its skew and locality would read as 0.0%, as though measured
+        click.echo(f"routing trace: {trace.n_layers} layers x {trace.n_experts} experts, no "
+                   f"records: nothing was routed while {trace_path} was recorded")
 
 
 from strata.tool.calibrate import calibrate  # noqa: E402

@@ -35,26 +35,34 @@ def conversations(folder, model_path, clear):
         except (StrataError, OSError) as exc:
             click.echo(f"error: {exc}", err=True)
             raise SystemExit(2)
-    rows, total, skipped = [], 0, 0
+    rows, total, skipped, undeleted = [], 0, 0, []
     for file in sorted(p for p in path.iterdir() if p.is_file()):
         try:
             header = read_kv_header(file)
-        except KVFileError:
-            skipped += 1  # not one of ours, or cut short (the server skips it too)
+            stat = file.stat()
+        except (KVFileError, FileNotFoundError):
+            # not one of ours, or cut short (the server skips it too), or since evicted by it
+            skipped += 1
             continue
         mine = fingerprint is None or header.get("model") == fingerprint
         if clear and not mine:
             continue
-        stat = file.stat()
+        if clear:
+            try:
+                file.unlink(missing_ok=True)  # a running server may have evicted it meanwhile
+            except OSError as exc:
+                undeleted.append(f"error: cannot delete {file}: {exc.strerror or exc}")
+                continue
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(stat.st_mtime))
         whose = "" if fingerprint is None else ("  this model" if mine else "  another model")
         rows.append(f"{file.name:<48} {header['num_tokens']:>8} tokens {stat.st_size / 2**30:7.2f}"
                     f" GiB  used {used}  model {str(header.get('model', '?'))[:12]}{whose}")
         total += stat.st_size
-        if clear:
-            file.unlink()
     for row in rows:
         click.echo(row)
-    verb = "deleted" if clear else "in"
+    verb = "deleted from" if clear else "in"
     click.echo(f"{len(rows)} conversation files {verb} {path} ({total / 2**30:.2f} GiB)"
                + (f"; {skipped} other files left alone" if skipped else ""))
+    if undeleted:
+        click.echo("\n".join(undeleted), err=True)
+        raise SystemExit(2)

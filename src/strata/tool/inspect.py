@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+from gguf import LlamaFileType
 
 from strata.model.arch import ModelSpec, is_routed_expert
 from strata.model.gguf_file import GGUFModel
@@ -22,6 +23,10 @@ class ModelReport:
     spec: ModelSpec
     num_tokens: int
     tokenizer_model: str
+    file_type: str = "not stated"  # general.file_type, as llama.cpp's quantiser names it
+    tokenizer_detail: str = ""  # pre-tokenizer and special tokens
+    chat_template_chars: int = 0  # tokenizer.chat_template's length (0: the file has none)
+    has_tool_use_template: bool = False
     tensors_by_type: Counter = field(default_factory=Counter)
     bytes_by_type: Counter = field(default_factory=Counter)
     dense_bytes: int = 0
@@ -53,6 +58,10 @@ def inspect_model(path: str | os.PathLike) -> ModelReport:
             name=str(meta.get("general.name", "")),
             num_tokens=len(meta.get("tokenizer.ggml.tokens", [])),
             tokenizer_model=str(meta.get("tokenizer.ggml.model", "none")),
+            file_type=_file_type(meta.get("general.file_type")),
+            tokenizer_detail=_tokenizer_detail(meta),
+            chat_template_chars=len(str(meta.get("tokenizer.chat_template") or "")),
+            has_tool_use_template=bool(meta.get("tokenizer.chat_template.tool_use")),
         )
         for name in model.tensor_names:
             info = model.tensor(name)
@@ -71,6 +80,40 @@ def inspect_model(path: str | os.PathLike) -> ModelReport:
                 report.dense_bytes += info.nbytes
                 report.num_active_params += num_values
     return report
+
+
+def _file_type(value) -> str:
+    """general.file_type as llama.cpp names it ("Q4_K_M"), with its number."""
+    if value is None:
+        return "not stated"
+    try:
+        name = LlamaFileType(int(value)).name
+    except (TypeError, ValueError):
+        return f"unknown ({value!r})"
+    return f"{name.removeprefix('MOSTLY_').removeprefix('ALL_')} (general.file_type {value})"
+
+
+def _tokenizer_detail(meta: dict) -> str:
+    """The pre-tokenizer and the special tokens a user checks a chat model by."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+
+    def token(key: str) -> str | None:
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is None:
+            return None
+        if isinstance(token_id, (int, np.integer)) and 0 <= token_id < len(tokens):
+            return f"{tokens[token_id]!r} ({token_id})"
+        return f"id {token_id!r}, outside the vocabulary"
+
+    parts = [f"pre-tokenizer {meta.get('tokenizer.ggml.pre', 'not stated')}"]
+    bos = token("bos")
+    if bos is not None:
+        add_bos = meta.get("tokenizer.ggml.add_bos_token")
+        parts.append(f"BOS {bos}" + {True: ", added to prompts",
+                                     False: ", not added to prompts"}.get(add_bos, ""))
+    parts += [f"{key.upper()} {text}" for key in ("eos", "eot")
+              if (text := token(key)) is not None]
+    return "; ".join(parts)
 
 
 def _size(num_bytes: int) -> str:
@@ -110,9 +153,16 @@ def format_spec(spec: ModelSpec) -> list[str]:
 
 
 def format_report(r: ModelReport) -> str:
+    if r.chat_template_chars:
+        template = (f"in the file ({r.chat_template_chars} characters"
+                    f"{'; and a tool-use one' if r.has_tool_use_template else ''})")
+    else:
+        template = "none in the file (Strata uses its ChatML default)"
     lines = [f"{r.path}: {r.spec.arch} '{r.name}', {_size(r.file_bytes)}",
+             f"file type: {r.file_type}",
              "hyperparameters:", *format_spec(r.spec),
-             f"tokenizer: {r.tokenizer_model}, {r.num_tokens} tokens",
+             f"tokenizer: {r.tokenizer_model}, {r.num_tokens} tokens", f"  {r.tokenizer_detail}",
+             f"chat template: {template}",
              "tensors by type:"]
     for type_name, count in sorted(r.tensors_by_type.items()):
         type_bytes = _size(r.bytes_by_type[type_name])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from strata.errors import StrataError
+from strata.tool.output import output_target
 
 
 @click.command()
@@ -12,14 +13,16 @@ from strata.errors import StrataError
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def pack(model_path, out, quiet):
     """Write the expert pack of the GGUF model MODEL to OUT: each (layer, expert)'s gate, up
-    and down blocks contiguous and 4096-aligned, with an index (serve it with the model)."""
+    and down blocks contiguous and 4096-aligned, with an index (serve it with the model). An
+    existing OUT is replaced once the new pack is whole."""
     from strata.experts.pack import ExpertPack, write_pack
     from strata.model.gguf_file import GGUFModel
 
     try:
+        target = output_target(out)
         with GGUFModel.open(model_path) as model:
-            nbytes = write_pack(model, out, progress=not quiet)
-            packed = ExpertPack.open(out, model)  # read back: the header, index and size
+            nbytes = write_pack(model, target, progress=not quiet)
+            packed = ExpertPack.open(target, model)  # read back: the header, index and size
             description = packed.describe()
             packed.close()
     except StrataError as exc:

@@ -20,15 +20,32 @@ def _fail(message: str) -> None:
 
 
 def _read_traces(paths):
+    """The traces at `paths` merged in order; exits naming the file that is unreadable, of
+    another model than the first, or when together they hold no routing at all."""
     from strata.experts.trace import merge_traces, read_trace
 
+    traces = []
+    for path in paths:
+        try:
+            trace = read_trace(path)
+        except OSError as exc:
+            _fail(f"cannot read {path}: {exc.strerror or exc}")
+        except StrataError as exc:
+            _fail(str(exc))
+        if traces and (trace.n_layers, trace.n_experts) != (traces[0].n_layers,
+                                                            traces[0].n_experts):
+            _fail(f"{path} routes {trace.n_layers} layers x {trace.n_experts} experts, "
+                  f"{paths[0]} {traces[0].n_layers} x {traces[0].n_experts}: only traces of "
+                  "one model merge")
+        traces.append(trace)
     try:
-        traces = [read_trace(path) for path in paths]
-        return traces[0] if len(traces) == 1 else merge_traces(traces)
-    except OSError as exc:
-        _fail(f"cannot read {exc.filename}: {exc.strerror or exc}")
+        trace = traces[0] if len(traces) == 1 else merge_traces(traces)
     except StrataError as exc:
         _fail(str(exc))
+    if not len(trace.records):  # its profile would rank by layer order, its hit rates be 0%
+        _fail(f"{', '.join(paths)} hold{'s' if len(paths) == 1 else ''} no routing records: "
+              "nothing was routed while recording; record a trace of some requests")
+    return trace
 
 
 def parse_slots(text: str, num_experts_total: int) -> int:
@@ -91,7 +108,7 @@ def find_tier_policy(name: str | None, num_slots: int, adapt_swaps: int):
 def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_swaps,
            profile_path, free_admission):
     """Replay routing TRACES (merged in order) through N cache slots: the tier policy beside
-    LRU, LFU, the static profile cache and the Belady optimum."""
+    LRU, LFU, the static profile cache, the per-round oracle and the Belady optimum."""
     from strata.experts.profile import read_profile
     from strata.experts.replay import replay_all, replay_tier
 
@@ -108,7 +125,11 @@ def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_s
             _fail(f"cannot read {profile_path}: {exc.strerror or exc}")
         except StrataError as exc:
             _fail(str(exc))
-    # every --slots and the policy checked before the first line is printed
+        if (profile.n_layers, profile.n_experts) != (trace.n_layers, trace.n_experts):
+            _fail(f"{profile_path} ranks {profile.n_layers} layers x {profile.n_experts} "
+                  f"experts but the trace routes {trace.n_layers} x {trace.n_experts}; use a "
+                  "profile made from traces of the same model")
+    # every --slots, the profile and the policy checked before the first line is printed
     runs = [(num_slots, find_tier_policy(policy_name, num_slots, adapt_swaps))
             for num_slots in (parse_slots(text, total) for text in slots_text)]
     click.echo(f"{trace.num_windows} windows, {len(trace.records)} accesses, "
@@ -135,12 +156,19 @@ def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_s
 @click.option("--show", default=10, show_default=True, type=click.IntRange(min=0),
               help="How many of the hottest experts to print.")
 def profile(traces, out, show):
-    """Rank every (layer, expert) of routing TRACES (merged) by how often it is routed to."""
+    """Rank every (layer, expert) of routing TRACES (merged) by how often it is routed to. An
+    existing OUT is replaced once the new profile is whole."""
     from strata.experts.profile import build_profile, write_profile
+    from strata.tool.output import output_target, replacing
 
+    try:
+        target = output_target(out, inputs=traces)
+    except StrataError as exc:
+        _fail(str(exc))
     routing_profile = build_profile(_read_traces(traces))
     try:
-        write_profile(out, routing_profile)
+        with replacing(target) as partial:
+            write_profile(partial, routing_profile)
     except OSError as exc:
         _fail(f"cannot write {out}: {exc.strerror or exc}")
     click.echo(f"wrote {out}: {len(routing_profile.ranking)} experts ranked")
@@ -152,10 +180,14 @@ def profile(traces, out, show):
 
 @click.command("synth-trace")
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option("--layers", default=24, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--experts", default=64, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--top-k", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--windows", default=3000, show_default=True, type=click.IntRange(min=1))
+@click.option("--layers", default=24, show_default=True, type=click.IntRange(1, 65535),
+              help="MoE layers of the model the trace is of.")
+@click.option("--experts", default=64, show_default=True, type=click.IntRange(1, 65535),
+              help="Routed experts per layer.")
+@click.option("--top-k", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Experts each token is routed to per layer (at most --experts).")
+@click.option("--windows", default=3000, show_default=True, type=click.IntRange(min=1),
+              help="Decode windows (steps) to record.")
 @click.option("--rows", default=4, show_default=True, type=click.IntRange(min=1),
               help="Decode rows (token streams) per window.")
 @click.option("--skew", default=1.0, show_default=True, type=float,
@@ -169,17 +201,21 @@ def profile(traces, out, show):
               help="Each stream its own popularity (its topic), changed every --phase-windows "
                    "windows at its own, staggered time, as separate conversations do; by "
                    "default the streams share one and change it together.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
 def synth_trace_cmd(out, layers, experts, top_k, windows, rows, skew, locality, phase_windows,
                     stream_topics, seed):
-    """Write a synthetic routing trace with skew and locality to OUT."""
+    """Write a synthetic routing trace with skew and locality to OUT. An existing OUT is
+    replaced once the new trace is whole."""
     from strata.experts.trace import format_skew_summary, write_trace
+    from strata.tool.output import output_target, replacing
     from strata.tool.routing import synth_trace
 
     try:
+        target = output_target(out)
         trace = synth_trace(layers, experts, top_k, windows, rows, skew, locality, phase_windows,
                             seed, stream_topics=stream_topics)
-        write_trace(out, trace)
+        with replacing(target) as partial:
+            write_trace(partial, trace)
     except StrataError as exc:
         _fail(str(exc))
     except OSError as exc:

@@ -444,9 +444,13 @@ def synth_model(path: str | os.PathLike, shape: str = "tiny", weight_type: str =
         write_gguf(path, spec, tensors, tokenizer_meta, extra_meta=extra, progress=progress,
                    name=name)
         return spec
+    import signal
     from multiprocessing import Pool
 
-    with Pool(jobs) as pool:
+    # Ctrl-C reaches the whole process group: only this process handles it (the partial file
+    # goes, the pool is terminated); a worker interrupted too printed its traceback and left
+    # the pool waiting for it forever.
+    with Pool(jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
         # made in write order by the pool; each writer call takes the next one
         arrays = pool.imap(_make_job, [(spec, n, int(types[n]), seed, routing_skew)
                                        for n in names])
