@@ -242,11 +242,19 @@ def _apply_swaps(residency: np.ndarray, free_slots: list[int], swaps, policy_nam
 
 
 def replay_all(trace: RoutingTrace, num_slots: int, policy: TierPolicy, adapt_every: int = 4,
-               min_gain: float = 0.0,
-               profile: RoutingProfile | None = None) -> list[ReplayResult]:
+               min_gain: float = 0.0, profile: RoutingProfile | None = None,
+               progress=None) -> list[ReplayResult]:
     """The policy, then LRU, LFU, the static profile cache, the round oracle and Belady. (The
-    free-admission row is `replay_tier(..., free_admission=True)` with a fresh policy.)"""
-    return [replay_tier(trace, num_slots, policy, adapt_every, min_gain),
-            replay_lru(trace, num_slots), replay_lfu(trace, num_slots),
-            replay_static(trace, num_slots, profile),
-            replay_round_oracle(trace, num_slots, adapt_every), replay_belady(trace, num_slots)]
+    free-admission row is `replay_tier(..., free_admission=True)` with a fresh policy.)
+    `progress`: a tqdm bar advanced by one as each row is done."""
+    rows = (lambda: replay_tier(trace, num_slots, policy, adapt_every, min_gain),
+            lambda: replay_lru(trace, num_slots), lambda: replay_lfu(trace, num_slots),
+            lambda: replay_static(trace, num_slots, profile),
+            lambda: replay_round_oracle(trace, num_slots, adapt_every),
+            lambda: replay_belady(trace, num_slots))
+    results = []
+    for row in rows:
+        results.append(row())
+        if progress is not None:
+            progress.update(1)
+    return results

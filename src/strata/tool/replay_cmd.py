@@ -8,6 +8,7 @@ import types
 from decimal import ROUND_HALF_UP, Decimal
 
 import click
+from tqdm import tqdm
 
 from strata.errors import StrataError
 
@@ -136,14 +137,21 @@ def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_s
                f"{trace.n_layers} layers x {trace.n_experts} experts ({total})")
     click.echo(f"{'slots':>7}  {'policy':<16} {'hit rate':>8}  {'hits':>10}  {'loads':>9}")
     for num_slots, policy in runs:
-        try:
-            results = replay_all(trace, num_slots, policy, adapt_every, adapt_min_gain, profile)
-            if free_admission:  # a fresh policy: they keep state
-                results.insert(1, replay_tier(
-                    trace, num_slots, find_tier_policy(policy_name, num_slots, adapt_swaps),
-                    adapt_every, adapt_min_gain, free_admission=True))
-        except StrataError as exc:
-            _fail(str(exc))
+        # a bar per --slots value on a terminal (a long real trace takes minutes), cleared
+        # before its rows are printed
+        with tqdm(total=6 + free_admission, desc=f"{num_slots} slots", unit="row",
+                  leave=False, disable=None) as bar:
+            try:
+                results = replay_all(trace, num_slots, policy, adapt_every, adapt_min_gain,
+                                     profile, progress=bar)
+                if free_admission:  # a fresh policy: they keep state
+                    results.insert(1, replay_tier(
+                        trace, num_slots, find_tier_policy(policy_name, num_slots, adapt_swaps),
+                        adapt_every, adapt_min_gain, free_admission=True))
+                    bar.update(1)
+            except StrataError as exc:
+                bar.close()
+                _fail(str(exc))
         for result in results:
             click.echo(f"{num_slots:>7}  {result.name:<16} {result.hit_rate:>8.1%}  "
                        f"{result.num_hits:>10}  {result.num_loads:>9}")
