@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from strata.server.api_error import ApiError
-from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall
+from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall, json_text
 
 SSE_PING = "event: ping\ndata: {\"type\": \"ping\"}\n\n"
 
@@ -17,7 +17,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 def sse_event(payload: dict) -> str:
-    return f"event: {payload['type']}\ndata: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
+    return f"event: {payload['type']}\ndata: " + json_text(payload) + "\n\n"
 
 
 def error_body(err: ApiError) -> dict:

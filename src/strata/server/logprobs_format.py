@@ -33,19 +33,40 @@ class CharOffsets:
         return offset
 
 
+def legacy_token_text(raw: bytes) -> str:
+    """A token's text in the legacy lists, as OpenAI's API writes it: its UTF-8 text, or for
+    a token that is not whole UTF-8 (part of a character) "bytes:" and its bytes, printable
+    ASCII as itself and the others escaped ("bytes:\\xe4\\xb8"). Those lists have no `bytes`
+    field, and as U+FFFD two such tokens would be one key of a `top_logprobs` object."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}"
+                                  for b in raw)
+
+
 class LogprobFormatter:
     """Token texts and entries for one tokenizer. A token's text is its bytes read as UTF-8
-    (a token that holds part of a character shows U+FFFD there; `bytes` has them exactly)."""
+    (a token that holds part of a character shows U+FFFD there; `bytes` has them exactly),
+    in the legacy lists `legacy_token_text`."""
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._texts: dict[int, tuple[str, list[int]]] = {}
+        self._legacy_texts: dict[int, str] = {}
 
     def token(self, token_id: int) -> tuple[str, list[int]]:
         found = self._texts.get(token_id)
         if found is None:
             raw = self._tokenizer.token_bytes(token_id)
             found = self._texts[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return found
+
+    def legacy_token(self, token_id: int) -> str:
+        found = self._legacy_texts.get(token_id)
+        if found is None:
+            found = self._legacy_texts[token_id] = legacy_token_text(
+                self._tokenizer.token_bytes(token_id))
         return found
 
     def chat_entry(self, lp: TokenLogprob, with_ids: bool = False) -> dict:
@@ -76,16 +97,16 @@ class LogprobFormatter:
         bare token id (an echoed prompt's first token) has no figures: None in both lists."""
         tokens, values, tops, offsets = [], [], [], []
         for lp in entries:
-            if isinstance(lp, int):
-                (text, raw), value, top = self.token(lp), None, None
-            else:
-                (text, raw), value = self.token(lp.token_id), _number(lp.logprob)
-                top = {self.token(t)[0]: _number(v) for t, v in lp.top}
+            token_id = lp if isinstance(lp, int) else lp.token_id
+            text, value, top = self.legacy_token(token_id), None, None
+            if not isinstance(lp, int):
+                value = _number(lp.logprob)
+                top = {self.legacy_token(t): _number(v) for t, v in lp.top}
                 top.setdefault(text, value)
             tokens.append(text)
             values.append(value)
             tops.append(top)
-            offsets.append(chars.add(bytes(raw)))
+            offsets.append(chars.add(self._tokenizer.token_bytes(token_id)))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 

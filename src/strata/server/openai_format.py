@@ -1,19 +1,18 @@
 """OpenAI response objects and Server-Sent Events framing (chunks, usage, keep-alive, [DONE])."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall
+from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall, json_text
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_KEEPALIVE = ": keep-alive\n\n"
 
 
 def sse(payload: dict) -> str:
-    return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
+    return "data: " + json_text(payload) + "\n\n"
 
 
 def usage(num_prompt_tokens: int, num_generated_tokens: int, num_cached_tokens: int,

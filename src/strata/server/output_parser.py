@@ -219,7 +219,7 @@ class OutputParser:
             return
         name, arguments = parsed
         out.append(ToolCall(self.num_tool_calls, self._new_id(), name,
-                            _arguments_json(arguments)))
+                            json_text(arguments)))
         self.num_tool_calls += 1
 
     def _emit_call_as_text(self, text: str, out: list) -> None:
@@ -247,10 +247,11 @@ class OutputParser:
         return out
 
 
-def _arguments_json(arguments) -> str:
-    """A call's arguments as JSON text. Half of a UTF-16 pair the model escaped alone
-    ("\\ud800") stays escaped: as a character it has no UTF-8 and would fail the answer."""
-    text = json.dumps(arguments, ensure_ascii=False)
+def json_text(value) -> str:
+    """`value` as JSON text that has UTF-8 (a call's arguments, an SSE event's data): half of
+    a UTF-16 pair the model escaped alone ("\\ud800", kept in a string it parsed) stays
+    escaped, as Flask's jsonify writes it; as a character it would fail the answer."""
+    text = json.dumps(value, ensure_ascii=False)
     return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 

@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall
+from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall, json_text
 from strata.server.responses_schema import CUSTOM_INPUT
 
 
@@ -17,7 +17,7 @@ def _new_id(prefix: str) -> str:
 
 
 def sse_event(payload: dict) -> str:
-    return f"event: {payload['type']}\ndata: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
+    return f"event: {payload['type']}\ndata: " + json_text(payload) + "\n\n"
 
 
 def usage(num_prompt_tokens: int, num_cached_tokens: int, num_generated_tokens: int,
