@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 
-import gguf
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -19,6 +17,8 @@ from strata.errors import ModelFormatError
 from strata.model.gguf_file import GGUFModel
 from strata.model.tokenizer import PRE_TOKENIZERS, Tokenizer, valid_text
 from strata.tool.synth import synth_tokenizer_meta
+
+from test_tokenizer import _write_tokenizer_gguf
 
 FUZZ = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -166,30 +166,6 @@ def _byte_char(b: int) -> str:
 
 
 # ---------------------------------------------------------------- parity with transformers
-
-def _write_tokenizer_gguf(path, meta: dict) -> None:
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_merges(meta["tokenizer.ggml.merges"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
-        w.add_uint32(f"tokenizer.ggml.{key}", int(meta[f"tokenizer.ggml.{key}"]))
-    w.add_add_bos_token(bool(meta["tokenizer.ggml.add_bos_token"]))
-    for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 8),
-                       ("feed_forward_length", 8), ("attention.head_count", 1),
-                       ("expert_count", 2), ("expert_used_count", 1)):
-        w.add_uint32(f"qwen3moe.{key}", value)
-    w.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_float32("qwen3moe.rope.freq_base", 10000.0)
-    w.add_tensor("token_embd.weight", np.zeros((len(meta["tokenizer.ggml.tokens"]), 8),
-                                               dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, default_meta, synth_meta, tok, synth_tok):

@@ -11,6 +11,7 @@ import click
 import numpy as np
 
 from strata.errors import ConfigError, StrataError
+from strata.tool.fail import fail
 
 # A plain read of mapped pinned host memory: every byte crosses PCIe once (the GPU's reach of a
 # missing expert reads its blocks the same way, once per window).
@@ -121,7 +122,7 @@ def _need_gpu() -> None:
 
     reason = unavailable_reason()
     if reason is not None:
-        _fail(_no_gpu_message(ConfigError(reason)))
+        fail(_no_gpu_message(ConfigError(reason)))
 
 
 @click.command()
@@ -160,9 +161,9 @@ def calibrate(model_path, threads, seconds, rows, device_index, sweep):
             cpu = measure_cpu_pool(store, threads, seconds, rows)
             del store
     except StrataError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     except OSError as exc:
-        _fail(f"cannot read {model_path}: {exc.strerror or exc}")
+        fail(f"cannot read {model_path}: {exc.strerror or exc}")
     size = (f"{expert_nbytes / 2**20:.2f} MiB" if expert_nbytes >= 2**20
             else f"{expert_nbytes / 2**10:.1f} KiB")
     click.echo(f"CPU pool ({threads} thread{'s' if threads > 1 else ''}): "
@@ -172,7 +173,7 @@ def calibrate(model_path, threads, seconds, rows, device_index, sweep):
     try:
         gpu = measure_gpu_reach(device_index)
     except ConfigError as exc:
-        _fail(_no_gpu_message(exc))
+        fail(_no_gpu_message(exc))
     gpu_experts_per_s = gpu["gpu_reach_bytes_per_s"] / expert_nbytes
     click.echo(f"GPU reach ({gpu['gpu']}): {gpu['gpu_reach_bytes_per_s'] / 1e9:.1f} GB/s from "
                f"mapped pinned RAM = {gpu_experts_per_s:,.0f} experts/s")
@@ -186,7 +187,7 @@ def calibrate(model_path, threads, seconds, rows, device_index, sweep):
         try:
             timed = sweep_shares(model_path, threads, device_index)
         except StrataError as exc:
-            _fail(f"timing decode at each share: {exc} (--no-sweep stores the rates' share)")
+            fail(f"timing decode at each share: {exc} (--no-sweep stores the rates' share)")
         click.echo("decode tokens/s, every routed expert a miss, by PCIe share (in brackets, ms "
                    "per window: the CPU pool's compute / wait for the GPU / start after the "
                    "post):")
@@ -207,8 +208,3 @@ def calibrate(model_path, threads, seconds, rows, device_index, sweep):
     path = store_calibration(model_path, gpu["gpu"], threads, frac, details)
     click.echo(f"PCIe share of cache misses: {frac:.3f} (CPU pool {1 - frac:.3f}); stored in "
                f"{path}")
-
-
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    raise SystemExit(2)

@@ -6,14 +6,7 @@ import os
 import click
 
 from strata.errors import StrataError
-
-# Exit status for input the command cannot use (bad file, bad option value), as click uses it.
-EXIT_BAD_INPUT = 2
-
-
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    raise SystemExit(EXIT_BAD_INPUT)
+from strata.tool.fail import fail, read_or_fail
 
 
 @click.group()
@@ -56,7 +49,7 @@ def synth(shape, weight_type, arch_name, seed, layers, context_length, list_pres
             click.echo(f"{name:<22} {description}")
         return
     if out is None:
-        _fail("give the output path, e.g. `strata-tool synth --shape tiny tiny.gguf`")
+        fail("give the output path, e.g. `strata-tool synth --shape tiny tiny.gguf`")
     overrides = {} if layers is None else {"n_layers": layers}
     if context_length is not None:
         overrides["context_length"] = context_length
@@ -64,9 +57,9 @@ def synth(shape, weight_type, arch_name, seed, layers, context_length, list_pres
         spec = synth_model(output_target(out), shape, weight_type, arch=arch_name, seed=seed,
                            progress=True, routing_skew=routing_skew, jobs=jobs, **overrides)
     except StrataError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     except OSError as exc:
-        _fail(f"cannot write {out}: {exc.strerror or exc}")
+        fail(f"cannot write {out}: {exc.strerror or exc}")
     click.echo(f"wrote {out}: {spec.arch}, shape {shape}, {weight_type}, seed {seed}, "
                f"{os.path.getsize(out)} bytes ({os.path.getsize(out) / 2**20:.1f} MiB)")
     for line in format_spec(spec):
@@ -83,28 +76,18 @@ def inspect(path, trace_path):
     from strata.tool.inspect import format_report, inspect_model
 
     if path is None and trace_path is None:
-        _fail("give a model path, e.g. `strata-tool inspect model.gguf`, or --routing TRACE")
+        fail("give a model path, e.g. `strata-tool inspect model.gguf`, or --routing TRACE")
     trace = None
     if trace_path is not None:
         from strata.experts.trace import read_trace
 
-        try:
-            trace = read_trace(trace_path)
-        except StrataError as exc:
-            _fail(str(exc))
-        except OSError as exc:
-            _fail(f"cannot read {trace_path}: {exc.strerror or exc}")
+        trace = read_or_fail(read_trace, trace_path)
     report = None
     if path is not None:
-        try:
-            report = inspect_model(path)
-        except StrataError as exc:
-            _fail(str(exc))
-        except OSError as exc:
-            _fail(f"cannot read {path}: {exc.strerror or exc}")
+        report = read_or_fail(inspect_model, path)
     if trace is not None and report is not None and \
             (trace.n_layers, trace.n_experts) != (report.spec.n_layers, report.spec.n_experts):
-        _fail(f"{trace_path} routes {trace.n_layers} layers x {trace.n_experts} experts but "
+        fail(f"{trace_path} routes {trace.n_layers} layers x {trace.n_experts} experts but "
               f"{path} has {report.spec.n_layers} x {report.spec.n_experts}: the trace was "
               "recorded from another model")
     if trace is not None:

@@ -11,13 +11,7 @@ import click
 from tqdm import tqdm
 
 from strata.errors import StrataError
-
-EXIT_BAD_INPUT = 2
-
-
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    raise SystemExit(EXIT_BAD_INPUT)
+from strata.tool.fail import fail, read_or_fail
 
 
 def _read_traces(paths):
@@ -27,24 +21,19 @@ def _read_traces(paths):
 
     traces = []
     for path in paths:
-        try:
-            trace = read_trace(path)
-        except OSError as exc:
-            _fail(f"cannot read {path}: {exc.strerror or exc}")
-        except StrataError as exc:
-            _fail(str(exc))
+        trace = read_or_fail(read_trace, path)
         if traces and (trace.n_layers, trace.n_experts) != (traces[0].n_layers,
                                                             traces[0].n_experts):
-            _fail(f"{path} routes {trace.n_layers} layers x {trace.n_experts} experts, "
+            fail(f"{path} routes {trace.n_layers} layers x {trace.n_experts} experts, "
                   f"{paths[0]} {traces[0].n_layers} x {traces[0].n_experts}: only traces of "
                   "one model merge")
         traces.append(trace)
     try:
         trace = traces[0] if len(traces) == 1 else merge_traces(traces)
     except StrataError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if not len(trace.records):  # its profile would rank by layer order, its hit rates be 0%
-        _fail(f"{', '.join(paths)} hold{'s' if len(paths) == 1 else ''} no routing records: "
+        fail(f"{', '.join(paths)} hold{'s' if len(paths) == 1 else ''} no routing records: "
               "nothing was routed while recording; record a trace of some requests")
     return trace
 
@@ -85,7 +74,7 @@ def find_tier_policy(name: str | None, num_slots: int, adapt_swaps: int):
         if name is None or policy.name == name:
             return policy
         names.append(policy.name)
-    _fail(f"no installed tier policy is called {name!r}; installed: {', '.join(names) or 'none'}")
+    fail(f"no installed tier policy is called {name!r}; installed: {', '.join(names) or 'none'}")
 
 
 @click.command()
@@ -120,14 +109,9 @@ def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_s
     total = trace.n_layers * trace.n_experts
     profile = None
     if profile_path is not None:
-        try:
-            profile = read_profile(profile_path)
-        except OSError as exc:
-            _fail(f"cannot read {profile_path}: {exc.strerror or exc}")
-        except StrataError as exc:
-            _fail(str(exc))
+        profile = read_or_fail(read_profile, profile_path)
         if (profile.n_layers, profile.n_experts) != (trace.n_layers, trace.n_experts):
-            _fail(f"{profile_path} ranks {profile.n_layers} layers x {profile.n_experts} "
+            fail(f"{profile_path} ranks {profile.n_layers} layers x {profile.n_experts} "
                   f"experts but the trace routes {trace.n_layers} x {trace.n_experts}; use a "
                   "profile made from traces of the same model")
     # every --slots, the profile and the policy checked before the first line is printed
@@ -151,7 +135,7 @@ def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_s
                     bar.update(1)
             except StrataError as exc:
                 bar.close()
-                _fail(str(exc))
+                fail(str(exc))
         for result in results:
             click.echo(f"{num_slots:>7}  {result.name:<16} {result.hit_rate:>8.1%}  "
                        f"{result.num_hits:>10}  {result.num_loads:>9}")
@@ -172,13 +156,13 @@ def profile(traces, out, show):
     try:
         target = output_target(out, inputs=traces)
     except StrataError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     routing_profile = build_profile(_read_traces(traces))
     try:
         with replacing(target) as partial:
             write_profile(partial, routing_profile)
     except OSError as exc:
-        _fail(f"cannot write {out}: {exc.strerror or exc}")
+        fail(f"cannot write {out}: {exc.strerror or exc}")
     click.echo(f"wrote {out}: {len(routing_profile.ranking)} experts ranked")
     for rank in range(min(show, len(routing_profile.ranking))):
         layer, expert = routing_profile.ranking[rank]
@@ -225,9 +209,9 @@ def synth_trace_cmd(out, layers, experts, top_k, windows, rows, skew, locality, 
         with replacing(target) as partial:
             write_trace(partial, trace)
     except StrataError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     except OSError as exc:
-        _fail(f"cannot write {out}: {exc.strerror or exc}")
+        fail(f"cannot write {out}: {exc.strerror or exc}")
     click.echo(f"wrote {out}")
     for line in format_skew_summary(trace):
         click.echo(line)
