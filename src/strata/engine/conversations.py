@@ -16,7 +16,7 @@ import numpy as np
 from strata.engine.slots import common_prefix_len
 from strata.errors import ConfigError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("strata.engine")
 
 # Parked KV may take at most this share of the host RAM available at start, whatever the option
 # asks: past it the experts' pages (or the host) would be pushed out of RAM.

@@ -7,6 +7,8 @@ import logging
 from collections.abc import Iterator
 from dataclasses import replace
 
+import numpy as np
+
 from strata.backends.select import build_model, is_cuda_model
 from strata.config import EngineConfig
 from strata.engine.conversation_disk import DiskSettings, model_fingerprint
@@ -75,12 +77,28 @@ class Engine:
             self.n_ctx = self._admitted_context(self.n_ctx)
             if config.drafts.is_on:
                 log.info("%s", config.drafts.describe())
+            log.info("%s", self._describe(cache_mib))
         except BaseException:
             if self.expert_tier is not None:
                 self.expert_tier.close()
             self.gguf.close()
             raise
         self.last_stats: GenerationStats | None = None
+
+    def _describe(self, cache_mib: float) -> str:
+        """The start-up line: what runs where, and how much of it."""
+        spec, kvs = self.spec, self.scheduler.kvs
+        if is_cuda_model(self.model):
+            where = "cuda"
+        else:
+            from strata._native import kernels
+            where = f"cpu, {kernels.get_num_threads()} threads"
+        kv_mib = sum(kv.nbytes for kv in kvs) / 2**20
+        return (f"model {self.config.model_path.name}: {spec.arch}, {spec.n_layers} layers, "
+                f"{spec.n_experts} experts (top {spec.n_experts_used}) on {where}; "
+                f"{len(kvs)} slots x {self.n_ctx} tokens of context, KV "
+                f"{np.dtype(kvs[0].dtype).name} {kv_mib:.1f} MiB; conversation cache "
+                f"{cache_mib:.0f} MiB of RAM")
 
     def _admitted_context(self, n_ctx: int) -> int:
         """The context a request may fill: n_ctx, or less where --kv-grow's slots can never
@@ -141,12 +159,14 @@ class Engine:
                 handle.cancel()
                 self.scheduler.drop_cancelled()
 
-    def submit(self, prompt_tokens: list[int], params: SamplingParams) -> RequestHandle:
+    def submit(self, prompt_tokens: list[int], params: SamplingParams,
+               name: str | None = None) -> RequestHandle:
         """Place a request in a slot (or queue it while all are busy) without running it;
-        `step()` runs it with the others (the server's engine thread)."""
+        `step()` runs it with the others (the server's engine thread). `name`: what the log
+        lines call it (the server's request id; default: its number)."""
         if params.seed is None and self.config.seed is not None:
             params = _with_seed(params, self.config.seed)
-        return self.scheduler.submit(prompt_tokens, params)
+        return self.scheduler.submit(prompt_tokens, params, name)
 
     def step(self) -> bool:
         """Run one window over every running request; False when nothing is queued or running."""

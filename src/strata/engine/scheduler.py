@@ -42,8 +42,12 @@ class RequestHandle:
     """One submitted request as its submitter sees it: events to take (GenerationEvents; the
     last has the finish reason), an error if it failed, and `cancel()` (any thread)."""
 
-    def __init__(self, request_id: int, prompt_tokens: list[int], params: SamplingParams):
+    def __init__(self, request_id: int, prompt_tokens: list[int], params: SamplingParams,
+                 name: str | None = None):
         self.request_id = request_id
+        # what log lines call it: the submitter's id (the server's), so that its lines and the
+        # engine's name one request alike
+        self.name = name or str(request_id)
         self.prompt_tokens = prompt_tokens
         self.params = params
         self.stats = GenerationStats(num_prompt_tokens=len(prompt_tokens))
@@ -262,15 +266,16 @@ class Scheduler:
             compiled_grammar(params.grammar).bound(self.tokenizer)
         return prompt
 
-    def submit(self, prompt_tokens, params: SamplingParams) -> RequestHandle:
+    def submit(self, prompt_tokens, params: SamplingParams,
+               name: str | None = None) -> RequestHandle:
         """Place a request in an idle slot, or queue it (FIFO) until a slot frees up; `step()`
-        runs it."""
+        runs it. `name`: what the log lines call it (default: its number)."""
         handle = RequestHandle(next(self._ids), self.check_request(prompt_tokens, params),
-                               params)
+                               params, name)
         self._queue.append(handle)
         self._place_queued()
         if handle.state == STATE_QUEUED and not self.table.has_idle():
-            log.info("request %d waits: all %d slots are busy (%d queued)", handle.request_id,
+            log.info("request %s waits: all %d slots are busy (%d queued)", handle.name,
                      self.table.num_slots, len(self._queue))
         return handle
 
@@ -287,11 +292,11 @@ class Scheduler:
             try:
                 self._place(handle)
             except RequestError as exc:  # the request's own (a prompt KV grow cannot hold)
-                log.info("request %d: not placed: %s", handle.request_id, exc)
+                log.info("request %s: not placed: %s", handle.name, exc)
                 self._end(handle, exc)
             except Exception as exc:  # noqa: BLE001 - e.g. a faulty slot-picker plugin
-                log.exception("request %d: not placed (%s: %s); it ends with that error",
-                              handle.request_id, type(exc).__name__, exc)
+                log.exception("request %s: not placed (%s: %s); it ends with that error",
+                              handle.name, type(exc).__name__, exc)
                 self._end(handle, exc)
         self._queue.extendleft(reversed(waiting))
         disk = self.conversations.disk
@@ -310,8 +315,9 @@ class Scheduler:
             return False
         handle.file_key = key
         if not disk.is_loading(key) and not disk.prefetch(key):
-            log.info("request %d waits for its conversation file (%d tokens reused); the "
-                     "other slots run meanwhile", handle.request_id, length)
+            log.info("request %s waits for its conversation file (%d of its %d prompt tokens "
+                     "there); the other slots run meanwhile", handle.name, length,
+                     len(handle.prompt_tokens))
         return not disk.prefetch(key)
 
     def drop_cancelled(self) -> None:
@@ -323,9 +329,10 @@ class Scheduler:
             self._queue.remove(handle)
             self._end(handle, None)
         for active in [a for a in self._active.values() if a.handle.is_cancel_asked]:
-            log.info("request %d: cancelled in slot %d after %d generated tokens",
-                     active.handle.request_id, active.slot_index,
-                     active.handle.stats.num_generated_tokens)
+            # the server's line says why (its own stop or the client leaving)
+            log.debug("request %s: cancelled in slot %d after %d generated tokens",
+                      active.handle.name, active.slot_index,
+                      active.handle.stats.num_generated_tokens)
             self._release(active, None)
 
     def reset(self) -> None:
@@ -561,8 +568,11 @@ class Scheduler:
                     note = (f"; the {num_lost} tokens after them dropped, not parked (a park "
                             f"copies all {num_slot_tokens}: worth it from "
                             f"{kv.min_copy_gain:.0%} of them)")
-            else:
+            elif num_slot_tokens == 0:
                 how = "rebuilt"
+            else:  # the picker's choice among slots none of which shares a prefix (a park,
+                # when there was one, has its own line above)
+                how = f"rebuilt: no cached prefix; its {num_slot_tokens} earlier tokens replaced"
             self.table.acquire(index, placement.num_reused_tokens)
             kv.truncate(placement.num_reused_tokens)
             self._active[index] = _Active(handle, index, decoder, placement.num_reused_tokens,
@@ -576,7 +586,7 @@ class Scheduler:
         handle.state, handle.slot_index = STATE_READING, index
         handle.stats.num_cached_tokens = placement.num_reused_tokens
         self.last_slot_index = index
-        log.info("request %d: slot %d %s (%d tokens reused)%s", handle.request_id, index, how,
+        log.info("request %s: slot %d %s (%d tokens reused)%s", handle.name, index, how,
                  placement.num_reused_tokens, note)
 
     def _unplace(self, index: int, restored, is_changed: bool) -> None:
@@ -873,12 +883,17 @@ class Scheduler:
         total = len(handle.prompt_tokens)
         num_to_read = total - stats.num_cached_tokens
         if active.num_read_tokens < total:
-            log.info("request %d: reading the prompt: %d of %d tokens", handle.request_id,
-                     active.num_read_tokens - stats.num_cached_tokens, num_to_read)
+            num_read = active.num_read_tokens - stats.num_cached_tokens
+            # a long prompt's progress at INFO once a quarter, not once a chunk (hundreds)
+            quarter = 4 * num_read // num_to_read
+            is_new_quarter = quarter > 4 * (num_read - len(tokens)) // num_to_read
+            log.log(logging.INFO if is_new_quarter else logging.DEBUG,
+                    "request %s: reading the prompt: %d of %d tokens", handle.name, num_read,
+                    num_to_read)
             return
         stats.prompt_seconds = time.perf_counter() - active.started_at
-        log.info("request %d: prompt %d tokens = %d reused + %d read in %.0f ms",
-                 handle.request_id, total, stats.num_cached_tokens, num_to_read,
+        log.info("request %s: prompt %d tokens = %d reused + %d read in %.0f ms",
+                 handle.name, total, stats.num_cached_tokens, num_to_read,
                  stats.prompt_seconds * 1e3)
         handle.state = STATE_DECODING
         event = self._next_event(active, logits[-1], self.kvs[active.slot_index].num_tokens)
@@ -945,8 +960,8 @@ class Scheduler:
             return
         stats = active.handle.stats
         if stats.num_draft_tokens:
-            log.info("request %d: drafts: %d of %d accepted (%.0f%%), %d tokens in %d decode "
-                     "windows", active.handle.request_id, stats.num_accepted_draft_tokens,
+            log.info("request %s: drafts: %d of %d accepted (%.0f%%), %d tokens in %d decode "
+                     "windows", active.handle.name, stats.num_accepted_draft_tokens,
                      stats.num_draft_tokens,
                      100 * stats.num_accepted_draft_tokens / stats.num_draft_tokens,
                      stats.num_decode_tokens, stats.num_decode_forwards)
@@ -972,8 +987,8 @@ class Scheduler:
                 keep = self.kv_lender.trim(index, self.kvs[index])
                 self.table.replace_tokens(index, self.table.tokens(index)[:keep])
         except Exception as exc:  # noqa: BLE001 - the slot must come back all the same
-            log.exception("slot %d: releasing request %d failed (%s: %s); the slot's cells "
-                          "are dropped", index, active.handle.request_id,
+            log.exception("slot %d: releasing request %s failed (%s: %s); the slot's cells "
+                          "are dropped", index, active.handle.name,
                           type(exc).__name__, exc)
             self.table.clear(index)  # (the next request truncates the cells to none)
         finally:

@@ -123,6 +123,9 @@ def create_app(engine, config: ServerConfig | None = None) -> Flask:
         return None
 
     def error_response(err: ApiError) -> Response:
+        # the client is told; the operator sees what was refused, and why, here
+        log.info("%s %s refused: %d %s: %s", request.method, request.path, err.status,
+                 err.code, err.message)
         body = anthropic_error_body(err) if is_messages_path(request.path) else err.body()
         response = jsonify(body)
         response.status_code = err.status

@@ -280,13 +280,16 @@ def _cors_list(parse):
               "is_cors_credentials_on", default=True, show_default=True,
               help="Let browser pages send credentials (cookies, an auth proxy's login): the "
                    "page's origin is named in each answer instead of '*'.")
+@click.option("--verbose", "-v", "is_verbose", is_flag=True,
+              help="Log the engine's every step too (DEBUG): each prompt chunk, each window's "
+                   "expert cache use, the tier's rounds.")
 @device_option
 @slot_options
 @expert_options
 @draft_options
 def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, reasoning_budget,
           http_threads, is_slots_endpoint_on, slot_save_path, cors_origins, cors_methods,
-          cors_headers, is_cors_credentials_on, device, parallel, read_chunk,
+          cors_headers, is_cors_credentials_on, is_verbose, device, parallel, read_chunk,
           conversation_cache_mib, ctx_checkpoints, conversation_files, expert_config,
           draft_config):
     """Serve the model with OpenAI's API (/v1/chat/completions, /v1/completions,
@@ -314,6 +317,8 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
         fail(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
+    if is_verbose:  # Strata's own loggers only: waitress's and the libraries' stay at INFO
+        logging.getLogger("strata").setLevel(logging.DEBUG)
     config = ServerConfig(model_id=names[0] if names else path.stem, aliases=tuple(names[1:]),
                           api_key=api_key, max_body_kib=body_limit_kib(max_body_kib, ctx_size),
                           reasoning_budget=None if reasoning_budget < 0 else reasoning_budget,

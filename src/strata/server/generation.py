@@ -110,7 +110,7 @@ class GenerationRoutes:
     def _log(self, job: Job, outcome: Outcome, finish_reason: str) -> None:
         end = outcome.end or JobEnd()
         ttft = f"{end.ttft_s:.3f} s" if end.ttft_s is not None else "-"
-        log.info("request %s: prompt %d tokens (%d cached), generated %d, ttft %s, "
+        log.info("request %s: prompt %d tokens (%d reused), generated %d, ttft %s, "
                  "%.1f tokens/s, finish %s%s", job.request_id, outcome.num_prompt_tokens,
                  end.num_cached_tokens, end.num_generated_tokens, ttft,
                  end.decode_tokens_per_s, finish_reason,

@@ -247,7 +247,8 @@ class EngineWorker:
                                   is_cancelled=job.cancel.is_set()))
         else:
             try:
-                running.append(_Running(job, self.engine.submit(job.prompt_tokens, job.params)))
+                running.append(_Running(job, self.engine.submit(job.prompt_tokens, job.params,
+                                                                 job.request_id)))
             except RequestError as exc:
                 job.events.put(JobEnd(error=ApiError(400, str(exc), code="invalid_request")))
             except Exception:  # noqa: BLE001 - the engine thread must survive any request
