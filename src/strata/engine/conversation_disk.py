@@ -37,6 +37,7 @@ from strata.engine.kv_file import SUFFIX, KVFileError, read_kv_file, read_kv_hea
     write_kv_file
 from strata.engine.slots import common_prefix_len
 from strata.errors import ConfigError
+from strata.sizes import size_text
 
 log = logging.getLogger("strata.engine")
 
@@ -90,8 +91,8 @@ def resolve_disk_budget(folder: Path, asked_mib: float, own_bytes: int = 0) -> i
     bound = int(DISK_SHARE * (free + own_bytes))
     budget = int(asked_mib * 2**20)
     if budget > bound:
-        log.info("conversation files: up to %.1f GiB in %s (asked %.1f GiB; %.0f%% of the "
-                 "disk space free)", bound / 2**30, folder, budget / 2**30, 100 * DISK_SHARE)
+        log.info("conversation files: up to %s in %s (asked %s; %.0f%% of the disk space "
+                 "free)", size_text(bound), folder, size_text(budget), 100 * DISK_SHARE)
     return min(budget, bound)
 
 
@@ -156,8 +157,8 @@ class ConversationDisk:
         with self._lock:
             self._evict_over_budget()
         if self._entries:
-            log.info("conversation files: %d conversations (%.2f GiB, %d tokens) of this model "
-                     "found in %s", len(self._entries), self.used_bytes / 2**30,
+            log.info("conversation files: %d conversations (%s, %d tokens) of this model "
+                     "found in %s", len(self._entries), size_text(self.used_bytes),
                      sum(len(e.tokens) for e in self._entries.values()), self.folder)
 
     # ---- the index --------------------------------------------------------------------
@@ -223,16 +224,16 @@ class ConversationDisk:
                     self._touch(entry)
                     return False
             if parked.nbytes > self.budget_bytes:
-                log.info("conversation files: a conversation of %d tokens (%.2f GiB) is over "
-                         "the folder's budget of %.2f GiB; not written", parked.num_tokens,
-                         parked.nbytes / 2**30, self.budget_bytes / 2**30)
+                log.info("conversation files: a conversation of %d tokens (%s) is over the "
+                         "folder's budget of %s; not written", parked.num_tokens,
+                         size_text(parked.nbytes), size_text(self.budget_bytes))
                 return False
             while self._pending_bytes and self._pending_bytes + parked.nbytes \
                     > PENDING_MAX_BYTES:
                 if not wait:
-                    log.info("conversation files: the writer is %.2f GiB behind; a "
-                             "conversation of %d tokens evicted from RAM is dropped",
-                             self._pending_bytes / 2**30, parked.num_tokens)
+                    log.info("conversation files: the writer is %s behind; a conversation "
+                             "of %d tokens evicted from RAM is dropped",
+                             size_text(self._pending_bytes), parked.num_tokens)
                     return False
                 self._room.wait()
             name = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:12]}{SUFFIX}"
@@ -274,8 +275,8 @@ class ConversationDisk:
                     size = write_kv_file(entry.path, entry.tokens, parked.kv_arrays,
                                          {**self._meta, "reuse_points": entry.reuse_points,
                                           "kv_nbytes": parked.nbytes})
-                    log.info("conversation files: wrote %d tokens (%.2f GiB) to %s in %.2f s",
-                             len(entry.tokens), size / 2**30, entry.path.name,
+                    log.info("conversation files: wrote %d tokens (%s) to %s in %.2f s",
+                             len(entry.tokens), size_text(size), entry.path.name,
                              time.perf_counter() - started)
             except Exception as e:  # noqa: BLE001 - a full or failing disk loses the file only
                 error = e
@@ -366,8 +367,8 @@ class ConversationDisk:
         if tokens != entry.tokens:
             raise KVFileError(f"{entry.path} now holds other tokens")
         seconds = time.perf_counter() - started
-        log.info("conversation files: read %d tokens (%.2f GiB) from %s in %.2f s (%.1f GB/s)",
-                 len(tokens), entry.nbytes / 2**30, entry.path.name, seconds,
+        log.info("conversation files: read %d tokens (%s) from %s in %.2f s (%.2f GB/s)",
+                 len(tokens), size_text(entry.nbytes), entry.path.name, seconds,
                  entry.nbytes / max(seconds, 1e-9) / 1e9)
         return tokens, value
 
@@ -441,8 +442,8 @@ class ConversationDisk:
             victim = next((e for e in self._entries.values() if e.key != keep), None)
             if victim is None:
                 return
-            log.info("conversation files: %s (%d tokens, %.2f GiB) deleted to make room",
-                     victim.path.name, len(victim.tokens), victim.nbytes / 2**30)
+            log.info("conversation files: %s (%d tokens, %s) deleted to make room",
+                     victim.path.name, len(victim.tokens), size_text(victim.nbytes))
             self._drop(victim)
             self.num_evicted += 1
 

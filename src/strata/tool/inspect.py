@@ -10,6 +10,7 @@ from gguf import LlamaFileType
 
 from strata.model.arch import ModelSpec, is_routed_expert
 from strata.model.gguf_file import GGUFModel
+from strata.sizes import size_text
 
 
 @dataclass
@@ -116,14 +117,6 @@ def _tokenizer_detail(meta: dict) -> str:
     return "; ".join(parts)
 
 
-def _size(num_bytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if num_bytes < 1024 or unit == "GiB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
-        num_bytes /= 1024
-    raise AssertionError("unreachable")
-
-
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
@@ -158,24 +151,24 @@ def format_report(r: ModelReport) -> str:
                     f"{'; and a tool-use one' if r.has_tool_use_template else ''})")
     else:
         template = "none in the file (Strata uses its ChatML default)"
-    lines = [f"{r.path}: {r.spec.arch} '{r.name}', {_size(r.file_bytes)}",
+    lines = [f"{r.path}: {r.spec.arch} '{r.name}', {size_text(r.file_bytes)}",
              f"file type: {r.file_type}",
              "hyperparameters:", *format_spec(r.spec),
              f"tokenizer: {r.tokenizer_model}, {r.num_tokens} tokens", f"  {r.tokenizer_detail}",
              f"chat template: {template}",
              "tensors by type:"]
     for type_name, count in sorted(r.tensors_by_type.items()):
-        type_bytes = _size(r.bytes_by_type[type_name])
+        type_bytes = size_text(r.bytes_by_type[type_name])
         lines.append(f"  {type_name:<6} {count:>5} tensors  {type_bytes:>12}")
     pct = 100 * r.expert_bytes / max(r.tensor_bytes, 1)
     lines += [
-        f"dense weights:       {_size(r.dense_bytes):>12}",
-        f"routed experts:      {_size(r.expert_bytes):>12}  ({pct:.1f}% of the weights)",
-        f"experts per token:   {_size(r.expert_bytes_per_token):>12}  "
+        f"dense weights:       {size_text(r.dense_bytes):>12}",
+        f"routed experts:      {size_text(r.expert_bytes):>12}  ({pct:.1f}% of the weights)",
+        f"experts per token:   {size_text(r.expert_bytes_per_token):>12}  "
         f"(top-{r.spec.n_experts_used} of {r.spec.n_experts} in each of {r.spec.n_layers} layers)",
-        f"read per token:      {_size(r.active_bytes_per_token):>12}  "
+        f"read per token:      {size_text(r.active_bytes_per_token):>12}  "
         "(dense + experts, one embedding row)",
-        f"total weights:       {_size(r.tensor_bytes):>12}  "
+        f"total weights:       {size_text(r.tensor_bytes):>12}  "
         f"({_count(r.num_params)} parameters, {_count(r.num_active_params)} active)",
     ]
     return "\n".join(lines)
