@@ -13,6 +13,7 @@ import numpy as np
 
 from strata.cli_options import (Depths, ReadChunk, SlotCounts, device_option, draft_options,
                                 expert_options, read_chunk_fields, slot_options)
+from strata.cli_chat import COMMANDS_HELP, ReplyPrinter, chat, speed_line
 from strata.errors import StrataError
 
 MODEL_ENV = "STRATA_MODEL"
@@ -66,7 +67,14 @@ def main():
 
 # ---- run -----------------------------------------------------------------------------------
 @main.command()
-@click.argument("prompt")
+@click.argument("prompt", required=False)
+@click.option("-cnv/-no-cnv", "--conversation/--no-conversation", "conversation", default=None,
+              help="Chat: a prompt (`> `), your turn, the reply streamed, the next turn; the "
+                   "history stays in the KV, so each turn reads only its new tokens. Default: "
+                   "on with no PROMPT on a terminal. PROMPT, if given, is the first turn. A line "
+                   "ending in \\ continues on the next; " + COMMANDS_HELP + "; Ctrl-C stops a "
+                   "reply, Ctrl-C or Ctrl-D at the prompt exits. With stdin not a terminal, "
+                   "-cnv reads one turn a line.")
 @click.option("--model", "-m", "model", default=None,
               help="GGUF model (default: $STRATA_MODEL, else the packaged default model).")
 @click.option("-n", "--max-tokens", default=256, show_default=True, help="Tokens to generate.")
@@ -87,8 +95,14 @@ def main():
               help="Context size of each slot in tokens (default: min(model context, 8192)); "
                    "every --parallel slot holds this many (llama-server's -c, without "
                    "--kv-unified, is split between its slots).")
-@click.option("--system", default=None, help="System message for the chat template.")
-@click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
+@click.option("--system", "-sys", "--system-prompt", "system", default=None,
+              help="System message for the chat template.")
+@click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template "
+              "(not with conversation mode, which needs the template).")
+@click.option("--thinking", type=click.Choice(["show", "hide"]), default="show",
+              show_default=True,
+              help="A thinking model's <think> block: printed as the model wrote it (dimmed on "
+                   "a terminal), or left out.")
 @click.option("--grammar", default=None,
               help="GBNF grammar (llama.cpp's) the reply must follow, e.g. 'root ::= \"yes\" "
                    "| \"no\"'.")
@@ -98,15 +112,25 @@ def main():
 @slot_options
 @expert_options
 @draft_options
-def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-        seed, threads, ctx_size, system, raw, grammar, grammar_file, device, parallel, read_chunk,
-        conversation_cache_mib, ctx_checkpoints, conversation_files, expert_config,
-        draft_config):
-    """Generate a reply to PROMPT and stream it to stdout ('-' reads the prompt from stdin)."""
+def run(prompt, conversation, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
+        repeat_last_n, seed, threads, ctx_size, system, raw, thinking, grammar, grammar_file,
+        device, parallel, read_chunk, conversation_cache_mib, ctx_checkpoints,
+        conversation_files, expert_config, draft_config):
+    """Generate a reply to PROMPT and stream it to stdout ('-' reads the prompt from stdin);
+    with no PROMPT on a terminal (or with -cnv), chat turn by turn."""
     from strata.config import EngineConfig
     from strata.engine.engine import Engine
+    from strata.engine.json_constraint import opens_reasoning
     from strata.engine.sampling import SamplingParams
 
+    if conversation is None:
+        conversation = prompt is None and sys.stdin.isatty()
+    if conversation and raw:
+        fail("--raw feeds one prompt without the chat template, and conversation mode needs "
+             "the template to keep the turns apart: drop --raw, or give a PROMPT with -no-cnv")
+    if prompt is None and not conversation:
+        fail("no PROMPT given and stdin is not a terminal (or -no-cnv is given): give PROMPT, "
+             "'-' to read it from stdin, or -cnv to read one turn a line")
     if prompt == "-":
         prompt = sys.stdin.read()
     path = resolve_model(model)
@@ -135,19 +159,25 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, re
     plan_text = getattr(engine.model, "plan_text", None)  # a layer split's stages
     if plan_text:
         click.echo(plan_text, err=True)
+    if conversation:
+        with engine:
+            chat(engine, params, system, thinking, prompt)
+        return
     with engine:
         try:
             if raw:
-                events = engine.generate(engine.tokenize(prompt), params)
+                tokens = engine.tokenize(prompt)
             else:
                 messages = [{"role": "system", "content": system}] if system else []
                 messages.append({"role": "user", "content": prompt})
-                events = engine.chat(messages, params)
+                tokens = engine.chat_prompt(messages)
+            events = engine.generate(tokens, params)
             stats = None
+            # --raw: the text as it comes (its grammar, if one, holds any <think> too)
+            printer = ReplyPrinter("show" if raw else thinking,
+                                   not raw and opens_reasoning(engine.tokenizer, tokens))
             for ev in events:
-                if ev.text:
-                    click.echo(ev.text, nl=False)
-                    sys.stdout.flush()
+                printer.push(ev.text)
                 stats = ev.stats or stats
             tier = engine.expert_tier
             cache_line = None
@@ -163,28 +193,14 @@ def run(prompt, model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, re
             click.echo("")
             click.echo("interrupted", err=True)
             sys.exit(130)
-    click.echo("")
+    printer.finish()
     if cache_line is not None:
         click.echo(cache_line, err=True)
-    click.echo(f"prompt: {stats.num_prompt_tokens_computed} tokens at "
-               f"{stats.prompt_tokens_per_s:.2f} tokens/s, decode: " + decode_text(stats),
-               err=True)
+    click.echo(speed_line(stats), err=True)
     if stats.num_draft_tokens:
         click.echo(f"drafts: {stats.num_accepted_draft_tokens} of {stats.num_draft_tokens} "
                    f"accepted, {stats.num_decode_tokens} tokens in {stats.num_decode_forwards} "
                    "decode windows", err=True)
-
-
-def decode_text(stats) -> str:
-    """The decode part of `strata run`'s last line: the tokens the decode windows gave and
-    their rate (the rate's own count: the first generated token comes from the prompt's
-    logits, in the prompt's time)."""
-    generated, decoded = stats.num_generated_tokens, stats.num_decode_tokens
-    if not decoded:
-        return (f"{generated} token{'' if generated == 1 else 's'} (from the prompt's logits; "
-                "no decode window ran)")
-    return (f"{decoded} token{'' if decoded == 1 else 's'} at {stats.decode_tokens_per_s:.2f} "
-            f"tokens/s ({generated} generated, the first from the prompt's logits)")
 
 
 # ---- bench ---------------------------------------------------------------------------------

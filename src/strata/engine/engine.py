@@ -193,10 +193,15 @@ class Engine:
     def chat(self, messages: list[dict], params: SamplingParams,
              tools: list[dict] | None = None, **template_kwargs) -> Iterator[GenerationEvent]:
         """Render `messages` with the model's chat template and generate the reply."""
+        return self.generate(self.chat_prompt(messages, tools, **template_kwargs), params)
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                    **template_kwargs) -> list[int]:
+        """The prompt of `messages` in the model's chat template, the assistant's turn opened."""
         template_kwargs.setdefault("add_generation_prompt", True)
         text = self.render_chat(messages, tools=tools, **template_kwargs)
         # The template writes BOS itself where the model wants one.
-        return self.generate(self.tokenize(text, add_special=False), params)
+        return self.tokenize(text, add_special=False)
 
     def reset(self) -> None:
         """Forget the cached KVs of idle slots and the parked conversations (the next prompt is
