@@ -15,6 +15,7 @@ from strata.cli_options import (Depths, ReadChunk, SlotCounts, device_option, dr
                                 expert_options, read_chunk_fields, slot_options)
 from strata.cli_chat import COMMANDS_HELP, ReplyPrinter, chat, speed_line
 from strata.errors import StrataError
+from strata.sizes import size_text
 
 MODEL_ENV = "STRATA_MODEL"
 HOW_TO_GET_A_MODEL = ("give --model PATH or set $STRATA_MODEL to a GGUF file; for a small test "
@@ -211,11 +212,6 @@ def _weight_type(gguf) -> str:
         t = gguf.tensor(name)
         totals[t.type_name] = totals.get(t.type_name, 0) + t.nbytes
     return max(totals, key=totals.get)
-
-
-def _size_text(num_bytes: int) -> str:
-    gib = num_bytes / 2**30
-    return f"{gib:.2f} GiB" if gib >= 1 else f"{num_bytes / 2**20:.2f} MiB"
 
 
 class DepthKVs:
@@ -506,7 +502,7 @@ def _default_threads() -> int:
 
 def format_table(rows: list[dict]) -> str:
     header = ["model", "size", "type", "backend", "threads", "test", "t/s"]
-    body = [[r["model"], _size_text(r["size_bytes"]), r["type"], r.get("backend", "cpu"),
+    body = [[r["model"], size_text(r["size_bytes"]), r["type"], r.get("backend", "cpu"),
              str(r["threads"]), r["test"],
              f"{r['median_tokens_per_s']:.2f} ± {r['stdev_tokens_per_s']:.2f}"] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(header, *body)]
