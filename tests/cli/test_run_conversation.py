@@ -128,14 +128,22 @@ def test_hidden_thinking_leaves_the_block_out(capsys):
     assert capsys.readouterr().out == "Yes\n<think>x</think>y\n"
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Terminal:
     """`strata run` with stdin and stdout on a pseudo-terminal, stderr on a pipe."""
 
     def __init__(self, args: list[str]):
         self.master, slave = pty.openpty()
+        # Ctrl-C as a terminal's user has it: a test runner's worker, or a shell's background
+        # job, starts with SIGINT ignored, which the child would inherit (and Python then
+        # leaves it ignored)
         self.proc = subprocess.Popen([sys.executable, "-m", "strata", "run", *args],
                                      stdin=slave, stdout=slave, stderr=subprocess.PIPE,
-                                     env={**os.environ, "TERM": "dumb"})
+                                     env={**os.environ, "TERM": "dumb"},
+                                     preexec_fn=_default_sigint)
         os.close(slave)
         self.out = b""
         self.err = b""
