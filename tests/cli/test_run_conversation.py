@@ -192,6 +192,10 @@ class Terminal:
         self.proc.stderr.close()
         try:
             return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # a hung chat fails its test, not the next one (as a leaked child)
+            self.proc.wait()
+            raise
         finally:
             os.close(self.master)
 
