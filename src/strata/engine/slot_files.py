@@ -12,7 +12,9 @@ from strata.engine.conversations import ParkedConversation
 from strata.engine.kv_file import KVFileError, read_kv_file, read_kv_header, write_kv_file
 from strata.errors import ConfigError, RequestError, StrataError
 
-MAX_NAME_BYTES = 255
+# a file system's longest name, less the ".partial" a save writes first (a longer name was
+# a 500 "File name too long")
+MAX_NAME_BYTES = 255 - len(".partial")
 
 
 def check_filename(name) -> str:
@@ -50,8 +52,17 @@ class SlotFiles:
                           "kv_format": kv_format(self.engine.scheduler.kvs[0])}
         return self._meta
 
-    def save(self, index: int, filename: str) -> dict:
+    def _path(self, filename) -> Path:
+        """The file `filename` names in the folder; a link leading out of it (the operator's
+        doing: a client cannot make one) is refused, so a request reads and writes only there."""
         path = self.folder / check_filename(filename)
+        if path.resolve().parent != self.folder.resolve():
+            raise RequestError(f"'filename' {filename!r} is a link out of --slot-save-path; "
+                               "name a file in the folder")
+        return path
+
+    def save(self, index: int, filename: str) -> dict:
+        path = self._path(filename)
         started = time.perf_counter()
         tokens, value, points, nbytes = self.engine.scheduler.export_slot(index)
         try:
@@ -69,7 +80,7 @@ class SlotFiles:
                 "timings": {"save_ms": 1000 * (time.perf_counter() - started)}}
 
     def restore(self, index: int, filename: str) -> dict:
-        path = self.folder / check_filename(filename)
+        path = self._path(filename)
         if not path.is_file():
             raise RequestError(f"no slot file {filename!r} in --slot-save-path")
         started = time.perf_counter()

@@ -302,6 +302,8 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
     path = resolve_model(model)
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty; give a key or leave the option out")
+    if api_key is not None:  # a key read from an env file may end in '\r': clients strip it
+        api_key = api_key.strip()
     names = [n.strip() for n in (alias or "").split(",") if n.strip()]
     if alias is not None and not names:
         fail("--alias is empty; give one or more model names, comma-separated")

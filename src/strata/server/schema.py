@@ -110,15 +110,26 @@ def parse_json_body(data: bytes) -> dict:
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
 
 
-def _without_lone_surrogates(value: Any) -> Any:
-    if isinstance(value, str):
-        return valid_text(value)
-    if isinstance(value, list):
-        return [_without_lone_surrogates(v) for v in value]
-    if isinstance(value, dict):
-        return {_without_lone_surrogates(k): _without_lone_surrogates(v)
-                for k, v in value.items()}
-    return value
+def _without_lone_surrogates(body: dict) -> dict:
+    """`body` (just parsed: changed in place) with its strings, keys included, made valid.
+    A loop, not recursion: json.loads takes nesting the interpreter's stack would not (a
+    lone surrogate under ~500 levels was a RecursionError, a 500)."""
+    containers = [body]
+    while containers:
+        node = containers.pop()
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                if isinstance(v, str):
+                    node[i] = valid_text(v)
+                elif isinstance(v, (list, dict)):
+                    containers.append(v)
+            continue
+        items = [(valid_text(k), valid_text(v) if isinstance(v, str) else v)
+                 for k, v in node.items()]
+        node.clear()
+        node.update(items)
+        containers.extend(v for _, v in items if isinstance(v, (list, dict)))
+    return body
 
 
 def _type_name(value: Any) -> str:

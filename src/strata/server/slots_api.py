@@ -5,6 +5,8 @@ save|restore|erase` (`--slot-save-path`), run on the engine thread between windo
 (engine/slot_files.py)."""
 from __future__ import annotations
 
+import logging
+
 from flask import jsonify, request
 
 import strata
@@ -22,6 +24,7 @@ RANDOM_SEED = 0xFFFFFFFF
 # the last 64 tokens (/completion, /infill; the OpenAI endpoints' covers every token)
 LLAMA_REPEAT_LAST_N = 64
 _OFF_VALUES = ("", "0", "false")
+log = logging.getLogger("strata.server")
 
 
 def sampling_fields(params: SamplingParams, max_tokens: int) -> dict:
@@ -152,6 +155,9 @@ class SlotsRoutes(GenerationRoutes):
             try:
                 self._files = SlotFiles(folder, engine)
             except ConfigError as e:
-                raise ApiError(500, f"{e} (it was there when the server started)",
+                # the operator's log names the folder; a client is not told the server's paths
+                log.error("slot action refused: %s (it was there when the server started)", e)
+                raise ApiError(500, "--slot-save-path is not a folder any more (it was there "
+                               "when the server started); the server's log names it.",
                                code="server_error") from e
         return self._files
