@@ -143,25 +143,30 @@ class TierPolicy(Protocol):
                    min_gain: float) -> list[ExpertSwap]:
         """Called every `--adapt-every` windows with `counts` [L, E] (routing counts since the
         last call) and `residency` [L, E] (the VRAM slot of each expert, -1 when not resident).
-        Return the swaps whose expected gain clears `min_gain`, best first; [] for none. Must not
-        modify its arguments."""
+        Return the swaps whose expected gain clears `min_gain` (`--adapt-min-gain`; its unit is
+        the policy's), best first; [] for none. An eviction of (FREE_SLOT, FREE_SLOT)
+        (`strata.experts.tier.FREE_SLOT`, -1) takes a free slot. Must not modify its
+        arguments."""
 
 
 @runtime_checkable
 class KVGrow(Protocol):
     """Lends expert-cache slots to the KV of a request that needs more cells (`--kv-grow`).
 
-    One OPTIONAL method: `attach(view)`, called once when the engine starts, with a
-    `strata.experts.kv_grow.LendView` (the residency table, the slots the arena keeps for
-    itself, the tier policy's scores, the profile rank) for policies that want more than
-    `residency`."""
+    One OPTIONAL method: `attach(view)`, called once when the engine starts (before any
+    `grow`), with a `strata.experts.kv_grow.LendView` (`table`, the residency table, whose
+    `n_slots` is the cache's slot count; `reserved`, the slots the arena keeps for itself;
+    `scores()`, the tier policy's; `profile_rank`; `own_run`; `is_lendable`) for policies that
+    want more than `residency`."""
 
     name: str
 
     def grow(self, slot_index: int, num_cells_needed: int, cells_per_expert_slot: int,
              residency: np.ndarray) -> list[int]:
         """The KV of slot `slot_index` needs room for `num_cells_needed` cells in all: it moves
-        whole into the lent slots. Return at least ceil(num_cells_needed /
+        whole into the lent slots. The engine asks first for max(the need, twice the KV's
+        capacity), then, if refused, for the need alone (each in whole KV tiles, at most the
+        context). Return at least ceil(num_cells_needed /
         cells_per_expert_slot) expert-cache slots forming one run of consecutive slot numbers
         (ascending), none lent or being copied into, except the KV's own slots that the view's
         `own_run(slot_index)` offers (a run overlapping them extends the KV in place); the
@@ -201,7 +206,8 @@ def strata_tier_policy(config: Any, spec: Any, num_slots: int) -> TierPolicy | N
     """Return the TierPolicy that moves experts into and out of the VRAM expert cache.
 
     Called once when the engine is built with an expert cache (`--expert-cache`); `num_slots`
-    is the cache's slot count. The first non-None result wins; the built-in default
+    is `--parallel` as for every chooser: the cache's slot count is `config.expert_cache_slots`
+    (`auto` resolved before this call). The first non-None result wins; the built-in default
     (`decayed-count`, strata.experts.tier) answers last. `--adapt-every 0` freezes the
     cache and the policy is never asked for swaps.
     """

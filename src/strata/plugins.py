@@ -4,6 +4,7 @@ entry-point group, and the chooser objects the engine resolves once when it is b
 from __future__ import annotations
 
 import difflib
+import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass, field
@@ -82,17 +83,41 @@ def get_plugin_manager(autoload: bool | None = None) -> pluggy.PluginManager:
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         except Exception as exc:
             raise ConfigError(
-                f"a plugin in the {ENTRY_POINT_GROUP!r} entry-point group failed to load: "
-                f"{type(exc).__name__}: {exc}; fix or uninstall it, or set "
-                f"{AUTOLOAD_OFF_ENV}=1 to start without plugins") from exc
+                f"a plugin in the {ENTRY_POINT_GROUP!r} entry-point group failed to load"
+                f"{_failed_entry_point(pm, exc)}: {type(exc).__name__}: {exc}; fix or uninstall "
+                f"it, or set {AUTOLOAD_OFF_ENV}=1 to start without plugins") from exc
         check_hook_names(pm)
     return pm
 
 
+def _failed_entry_point(pm: pluggy.PluginManager, exc: Exception) -> str:
+    """' (entry point NAME = VALUE, from DIST VERSION)' for the entry point pluggy stopped at:
+    it loads them in this order and registers each before the next, so the first one not
+    registered (a PluginValidationError names its plugin itself: '')."""
+    if isinstance(exc, pluggy.PluginValidationError):
+        return ""
+    for dist in importlib.metadata.distributions():
+        for ep in dist.entry_points:
+            if (ep.group == ENTRY_POINT_GROUP and not pm.has_plugin(ep.name)
+                    and not pm.is_blocked(ep.name)):
+                return (f" (entry point {ep.name} = {ep.value}, from {dist.metadata['Name']} "
+                        f"{dist.version})")
+    return ""
+
+
 def check_hook_names(pm: pluggy.PluginManager) -> None:
     """ConfigError naming the plugin when one implements a hook that has no spec (a misspelled
-    name would otherwise never be called); optional hooks are left alone."""
+    name would otherwise never be called; optional hooks are left alone), or defines a hook's
+    function without the @hookimpl marker."""
     known = sorted(CHOOSER_HOOKS + OBSERVER_HOOKS)
+    for plugin_name, plugin in pm.list_name_plugin():
+        for hook_name in known:  # pluggy skips an unmarked function without a word
+            if (callable(getattr(plugin, hook_name, None))
+                    and pm.parse_hookimpl_opts(plugin, hook_name) is None):
+                raise ConfigError(
+                    f"plugin {plugin_name!r} defines {hook_name} without @hookimpl (from "
+                    "strata.hookspecs import hookimpl), so it is never called; fix or "
+                    "uninstall the plugin")
     for hook_name, hook in vars(pm.hook).items():
         if hook_name.startswith("_") or hook.has_spec():
             continue
@@ -156,6 +181,10 @@ def resolve_choosers(pm: pluggy.PluginManager, **engine_context: Any) -> Chooser
     for hook_name in CHOOSER_HOOKS:
         result, source = _first_answer(pm, hook_name, engine_context)
         interface = CHOOSER_INTERFACES[hook_name]
+        if isinstance(result, type):  # a class passes the Protocol check; its methods are unbound
+            raise ConfigError(
+                f"plugin {source!r} answered {hook_name} with the class {result.__name__}, not "
+                f"an instance: return {result.__name__}(); fix or uninstall the plugin")
         if result is not None and not isinstance(result, interface):
             raise ConfigError(
                 f"plugin {source!r} answered {hook_name} with {type(result).__name__}, which "

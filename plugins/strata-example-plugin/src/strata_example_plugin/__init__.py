@@ -17,12 +17,9 @@ class LeastRecentlyUsedPicker:
         if not idle:
             raise ValueError("pick() needs at least one idle slot")
         slot = min(idle, key=lambda s: (s.last_used_tick, s.index))
-        prefix = 0
-        while (prefix < min(slot.num_tokens, len(prompt_tokens))
-               and slot.tokens[prefix] == prompt_tokens[prefix]):
-            prefix += 1
-        # The last prompt token is always read again: its logits give the first new token.
-        return slot.index, max(0, min(prefix, len(prompt_tokens) - 1))
+        # The common prefix, less the prompt's last token (read again for the first logits),
+        # cut back to a point a hybrid model's slot can keep.
+        return slot.index, slot.num_reusable(prompt_tokens)
 
 
 @hookimpl
