@@ -207,3 +207,24 @@ def test_plain_tuples_of_integers_are_swaps(model_path):
         run_window(tier, kv)
         assert owners(tier) == [(0, 0), (1, 6), (0, 2)]
         tier.close()
+
+
+def test_a_policy_failing_every_round_is_logged_once_then_now_and_then(model_path, caplog,
+                                                                        monkeypatch):
+    """Its traceback and an ERROR every 2 rounds here (POLICY_FAILURE_REPEAT), not a traceback
+    a round: with --adapt-every 1 that buried the log."""
+    import strata.engine.expert_tier as expert_tier
+
+    monkeypatch.setattr(expert_tier, "POLICY_FAILURE_REPEAT", 2)
+    with GGUFModel.open(model_path) as gguf:
+        tier, kv = make_tier(model_path, gguf, FailingPolicy(), expert_cache=2, adapt_every=1,
+                             adapt_async=False)
+        with caplog.at_level(logging.WARNING, logger="strata.tier"):
+            for _ in range(5):
+                kv.truncate(0)
+                run_window(tier, kv)
+        errors = [r for r in caplog.records if "tier policy 'failing' failed" in r.message]
+        assert tier.snapshot_totals().num_rounds == 5
+        assert [r.exc_info is not None for r in errors] == [True, False, False]
+        assert "(4 failures so far)" in errors[-1].message
+        tier.close()

@@ -28,6 +28,7 @@ from strata.engine.tier_stats import RecentRouting, TierTotals, WaitTotals, form
 log = logging.getLogger("strata.tier")
 
 LOG_EVERY_WINDOWS = 32  # windows per INFO summary line
+POLICY_FAILURE_REPEAT = 100  # a failing policy plugin is logged again every this many rounds
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class ExpertTier:
         self._pointers = self._store_pointers
         self._pointer_version = -1
         self._windows_since_round = 0
+        self._num_policy_failures = 0  # rounds the policy plugin failed (see _policy_failed)
         self._lock = threading.Lock()  # guards totals (the copier adds to them)
         self.totals = TierTotals()
         self._logged = TierTotals()
@@ -474,8 +476,7 @@ class ExpertTier:
                 self.config.adapt_min_gain))
             loads = self._resolve(list(swaps), residency)
         except Exception:  # noqa: BLE001 - a faulty plugin must not fail the window's requests
-            log.exception("tier policy %r failed; no swaps this round: fix the plugin",
-                          getattr(self.policy, "name", type(self.policy).__name__))
+            self._policy_failed("failed; no swaps this round")
             return 0
         if not loads:
             return 0
@@ -490,9 +491,22 @@ class ExpertTier:
         try:
             return list(self.policy.victims(residency.copy(), n))
         except Exception:  # noqa: BLE001 - a faulty plugin must not fail the window's requests
-            log.exception("tier policy %r failed to name victims; nothing kept: fix the plugin",
-                          getattr(self.policy, "name", type(self.policy).__name__))
+            self._policy_failed("failed to name victims; nothing kept")
             return []
+
+    def _policy_failed(self, what: str) -> None:
+        """Log a policy plugin's failure (inside an except block): the first with its
+        traceback, then one line every POLICY_FAILURE_REPEAT failures (a round every few
+        windows would bury the log); the rest at DEBUG."""
+        self._num_policy_failures += 1
+        name = getattr(self.policy, "name", type(self.policy).__name__)
+        num = self._num_policy_failures
+        if num == 1:
+            log.exception("tier policy %r %s: fix the plugin", name, what)
+        elif num % POLICY_FAILURE_REPEAT == 0:
+            log.error("tier policy %r %s: fix the plugin (%d failures so far)", name, what, num)
+        else:
+            log.debug("tier policy %r %s (failure %d)", name, what, num, exc_info=True)
 
     def _resolve(self, swaps, residency: np.ndarray) -> list[_Load]:
         """The slot of each swap: a free one for FREE_SLOT, else the evicted expert's. Swaps
