@@ -153,8 +153,8 @@ class Tokenizer:
                  fim: FimTokens | None = None, end_ids: Iterable[int] = (),
                  unused_ids: Iterable[int] = ()):
         """`end_ids`: tokens besides EOS that end a turn (llama.cpp's eot/eom ids).
-        `unused_ids`: placeholders (e.g. Qwen's '[PAD151669]') that decode to nothing, as in
-        llama.cpp."""
+        `unused_ids`: tokens of type UNUSED (the converter's padding entries of Qwen's
+        vocabulary, e.g. '[PAD151669]'), which decode to nothing, as in llama.cpp."""
         self._backend = backend
         self._plain_backend: HFTokenizer | None = None  # encode_plain's, made on first use
         self._plain_lock = threading.Lock()
