@@ -3,7 +3,7 @@
 # ./device-logs): the CUDA tests file by file in risk order, then the benchmarks of the CUDA
 # backend with its opt-in / opt-out switches. Run on the device machine from the repository
 # root after `source .device/setup.sh` (docs/DEVELOPING.md):
-#   tools/device_check.sh tests [FILE ...]   the CUDA test files (default: all, in risk order)
+#   tools/device_check.sh tests [FILE ...]   the CUDA test files (default: all, the risky first)
 #   tools/device_check.sh bench              bench_cuda.py pp512 / tg128 / 1,2,4,8 slots, with
 #                                            and without each switch, and the mmq profile
 #   tools/device_check.sh all                both
@@ -43,7 +43,14 @@ synth() {
 
 run_tests() {
     local files=("$@")
-    [ ${#files[@]} -gt 0 ] || files=("${TESTS[@]}")
+    if [ ${#files[@]} -eq 0 ]; then  # the risky ones first, then every other CUDA test file
+        files=("${TESTS[@]}")
+        for path in tests/backends/cuda/test_*.py; do
+            local name
+            name=$(basename "$path" .py)
+            [[ " ${TESTS[*]} " == *" $name "* ]] || files+=("$name")
+        done
+    fi
     for f in "${files[@]}"; do
         part 150 "$f" python3 -m pytest -q -p no:cacheprovider "tests/backends/cuda/$f.py"
     done

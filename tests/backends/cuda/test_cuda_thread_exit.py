@@ -7,10 +7,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.request
 
 import pytest
+
+from live_server import wait_until_healthy
 
 pytestmark = pytest.mark.cuda
 
@@ -58,13 +59,7 @@ def test_a_served_gpu_engine_stops_with_exit_code_0(synth_path):
                 break
         assert port is not None, "the server never said where it serves"
         url = f"http://127.0.0.1:{port}"
-        for _ in range(240):  # the model loads on the engine thread
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.25)
+        wait_until_healthy(server, url)  # the model loads on the engine thread
         body = b'{"prompt": "hello there", "max_tokens": 4}'
         request = urllib.request.Request(url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
