@@ -132,6 +132,16 @@ def test_a_character_may_be_split_between_tokens():
     assert not grammar.recognizer().feed(b"\xff")
 
 
+def test_a_start_only_an_overlong_form_or_a_surrogate_could_finish_is_refused_at_once():
+    """Each such start used to be taken, leaving no byte to follow it: a sampler held to
+    [^\n]* wrote b"\xf0\x8d\xab" and was stuck (every next token refused)."""
+    anything = compile_grammar(r'root ::= [^\n]*')
+    for start in (b"\xf0\x8d", b"\xe0\x9f", b"\xed\xa0", b"\xf4\x90"):
+        assert not anything.recognizer().feed(start), start
+    for start in (b"\xf0\x90", b"\xe0\xa0", b"\xed\x9f", b"\xf4\x8f", b"\xed"):
+        assert anything.recognizer().feed(start), start
+
+
 def test_is_done_and_can_continue():
     r = compile_grammar('root ::= "a" "b"?').recognizer()
     assert not r.is_done and r.can_continue

@@ -447,9 +447,14 @@ class GrammarRecognizer:
                  _UTF8_CLASSES[len(self.partial) + self.need - 1][0])
         hi = _decode_bits(self.partial + b"\xbf" * self.need)
         singles, ranged, points, _ = self.grammar.index(self.state)
-        at = bisect.bisect_left(points, lo)
-        return (at < len(points) and points[at] <= hi) or any(
-            chars.meets(lo, hi) for chars, _ in ranged)
+        # an overlong start (b"\xf0\x8d") leaves lo above hi, and surrogates are no characters:
+        # a start that only they could finish is refused now, not at its last byte
+        for a, b in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)):
+            at = bisect.bisect_left(points, a)
+            if a <= b and ((at < len(points) and points[at] <= b) or any(
+                    chars.meets(a, b) for chars, _ in ranged)):
+                return True
+        return False
 
     def _char(self, cp: int) -> bool:
         self.state = self.grammar.step(self.state, cp)
