@@ -57,9 +57,9 @@ def test_a_second_turn_names_one_request_and_its_reused_tokens(logged, caplog):
     usage = chat(logged, messages)["usage"]
     num_reused = usage["prompt_tokens_details"]["cached_tokens"]
     assert num_reused > 0
-    placed = request_ids(caplog, r"request (\w+): slot (\d+) .*\((\d+) tokens reused\)")
-    read = request_ids(caplog, r"request (\w+): prompt (\d+) tokens = (\d+) reused \+ (\d+) read")
-    ended = request_ids(caplog, r"request (\w+): prompt (\d+) tokens \((\d+) reused\), "
+    placed = request_ids(caplog, r"request (\S+): slot (\d+) .*\((\d+) tokens reused\)")
+    read = request_ids(caplog, r"request (\S+): prompt (\d+) tokens = (\d+) reused \+ (\d+) read")
+    ended = request_ids(caplog, r"request (\S+): prompt (\d+) tokens \((\d+) reused\), "
                                 r"generated (\d+).*finish (\w+)")
     # the engine's lines and the server's name the request alike
     [request_id] = ended
@@ -160,7 +160,7 @@ def test_verbose_serve_logs_each_chunk_and_a_restart_its_conversation_file(model
                                                                           tmp_path):
     prompt = list(range(10, 110))
     usage, log_text = serve_one(model_path, tmp_path, 1, prompt, "-v")
-    chunks = re.findall(r"strata\.engine (\w+) request \w+: reading the prompt: (\d+) of 100",
+    chunks = re.findall(r"strata\.engine (\w+) request \S+: reading the prompt: (\d+) of 100",
                         log_text)
     assert [int(n) for _, n in chunks] == list(range(16, 100, 16))  # every chunk but the last
     assert {level for level, _ in chunks} == {"INFO", "DEBUG"}
@@ -172,9 +172,9 @@ def test_verbose_serve_logs_each_chunk_and_a_restart_its_conversation_file(model
     assert "DEBUG" not in log_text
     num_reused = usage["prompt_tokens_details"]["cached_tokens"]
     assert num_reused == len(prompt) - 1
-    [there] = re.findall(r"request (\w+) waits for its conversation file \((\d+) of its (\d+) "
+    [there] = re.findall(r"request (\S+) waits for its conversation file \((\d+) of its (\d+) "
                          r"prompt tokens", log_text)
     assert (int(there[1]), int(there[2])) == (len(prompt), len(prompt))
-    [placed] = re.findall(r"request (\w+): slot 0 restored .*\((\d+) tokens reused\)",
+    [placed] = re.findall(r"request (\S+): slot 0 restored .*\((\d+) tokens reused\)",
                           log_text)
     assert placed == (there[0], str(num_reused))

@@ -26,6 +26,9 @@ from strata.server.worker import ChoiceQueue, Job, JobEnd, iterate_job, iterate_
 
 log = logging.getLogger("strata.server")
 
+# A client's X-Request-Id is logged beside the request's own id, escaped, up to this length
+MAX_CLIENT_ID_CHARS = 128
+
 
 @dataclass
 class Outcome:
@@ -73,11 +76,14 @@ class GenerationRoutes:
         return worker.engine
 
     def _submit(self, prompt_tokens: list[int], options: GenerationOptions, engine,
-                events=None, choice: int = 0, is_raw_prompt: bool = False) -> Job:
+                events=None, choice: int = 0, is_raw_prompt: bool = False,
+                request_id: str | None = None) -> Job:
         """Queue one answer (`choice` of a request's `n`, or of its best_of candidates: its
         seed is the request's + choice, so seeded choices differ and repeat); `events`: its
         job's queue (a ChoiceQueue). `is_raw_prompt`: the client wrote the prompt (no chat
-        template), so a grammar holds the whole output, no <think> block before it."""
+        template), so a grammar holds the whole output, no <think> block before it.
+        `request_id`: what every log line of the job calls it, the id the client gets
+        (`job_id`); None: a new one (an answer that carries no id)."""
         if options.thinking_budget is None:  # --reasoning-budget
             options.thinking_budget = self.state.config.reasoning_budget
         if choice and options.seed is not None:
@@ -85,23 +91,29 @@ class GenerationRoutes:
         params = sampling_params(options, len(prompt_tokens), engine.n_ctx,
                                  min(engine.tokenizer.vocab_size, engine.spec.vocab),
                                  reasoning_lead=not is_raw_prompt)
-        job = Job(request_id=uuid.uuid4().hex[:12], prompt_tokens=prompt_tokens, params=params)
+        job = Job(request_id=request_id or uuid.uuid4().hex[:12], prompt_tokens=prompt_tokens,
+                  params=params)
         if events is not None:
             job.events = events
+        client_id = request.headers.get("X-Request-Id")
+        if client_id:  # a proxy's or client's own id: grep either to find the request's lines
+            log.info("request %s: the client's X-Request-Id is %s", job.request_id,
+                     _printable(client_id))
         self.state.worker.submit(job)
         return job
 
     def _start_chat(self, engine, req, prompt, new_id=new_call_id, events=None,
-                    choice: int = 0) -> tuple[Job, OutputParser]:
+                    choice: int = 0, *, request_id: str) -> tuple[Job, OutputParser]:
         """Queue a chat-shaped request whose prompt is built and checked: its tool calls held
         as the prompt's template asks; the parser that reads its output (`new_id`: the ids of
-        the tool calls it finds). `events`, `choice`: as `_submit`."""
+        the tool calls it finds). `request_id`, `events`, `choice`: as `_submit`."""
         req.options.held_tool_calls = prompt.held_tool_calls
         req.options.tool_call_form = prompt.tool_call_form
         # a call the request requires is held to come first (where calls are held at all)
         req.options.tool_call_required = prompt.held_tool_calls is not None and (
             req.tool_choice == "required" or isinstance(req.tool_choice, dict))
-        job = self._submit(prompt.tokens, req.options, engine, events, choice)
+        job = self._submit(prompt.tokens, req.options, engine, events, choice,
+                           request_id=request_id)
         parser = OutputParser(starts_in_reasoning=prompt.starts_in_reasoning,
                               parse_tools=prompt.is_tool_parsing,
                               param_types=prompt.param_types, new_id=new_id)
@@ -124,12 +136,14 @@ class GenerationRoutes:
         disconnected = request.environ.get("waitress.client_disconnected")
         return iterate_job(job, self.state.config.keepalive_s, disconnected)
 
-    def _choices(self, n: int, start) -> tuple[list["_Choice"], object]:
-        """Start a request's `n` answers (its best_of candidates), `start(index, events)`
-        building each one's _Choice (its job's events tagged into one queue); and the iterator
-        over all their events (closing it, or the client leaving, cancels every one)."""
+    def _choices(self, n: int, start, response_id: str) -> tuple[list["_Choice"], object]:
+        """Start a request's `n` answers (its best_of candidates), `start(index, events,
+        request_id)` building each one's _Choice (its job's events tagged into one queue, its
+        log id from `response_id`: `job_id`); and the iterator over all their events (closing
+        it, or the client leaving, cancels every one)."""
         shared = queue.Queue()
-        choices = [start(i, ChoiceQueue(shared, i)) for i in range(n)]
+        choices = [start(i, ChoiceQueue(shared, i), job_id(response_id, i, n))
+                   for i in range(n)]
         disconnected = request.environ.get("waitress.client_disconnected")
         events = iterate_jobs([c.job for c in choices], shared, self.state.config.keepalive_s,
                               disconnected)
@@ -164,13 +178,14 @@ class GenerationRoutes:
         asked = req.options  # the reply's logprobs are those the client asked for
         req.options = candidate_options(asked, req.best_of > req.n)
 
-        def start(index, events):
-            job, parser = self._start_chat(engine, req, prompt, events=events, choice=index)
+        def start(index, events, request_id):
+            job, parser = self._start_chat(engine, req, prompt, events=events, choice=index,
+                                           request_id=request_id)
             return _Choice(index, job, Outcome(len(prompt.tokens)),
                            AnswerLogprobs.of(engine, asked), parser)
 
-        choices, events = self._choices(req.best_of, start)
         header = ResponseHeader("chat", self.state.model_id)
+        choices, events = self._choices(req.best_of, start, header.id)
         if req.options.is_stream:
             return _sse_response(self._chat_stream(choices, events, header,
                                                    req.options.is_usage_streamed),
@@ -278,16 +293,17 @@ class GenerationRoutes:
             req.options.stop_token_ids = sorted(engine.tokenizer.fim.ids)
         options = candidate_options(req.options, req.best_of > req.n)
 
-        def start(index, events):  # the reply's logprobs are those the client asked for
+        def start(index, events, request_id):  # the reply's logprobs: those the client asked
             tokens, echo = prompts[index // req.best_of]
             # a prompt's candidate j draws with seed + j, as a request of that prompt alone
             job = self._submit(tokens, options, engine, events=events,
-                               choice=index % req.best_of, is_raw_prompt=True)
+                               choice=index % req.best_of, is_raw_prompt=True,
+                               request_id=request_id)
             return _Choice(index, job, Outcome(len(tokens)), AnswerLogprobs.of(
                 engine, req.options, tokens if req.is_echo else None), echo=echo)
 
-        choices, events = self._choices(len(prompts) * req.best_of, start)
         header = ResponseHeader("completion", self.state.model_id)
+        choices, events = self._choices(len(prompts) * req.best_of, start, header.id)
         if req.options.is_stream:
             return _sse_response(self._completion_stream(
                 choices, events, header, req.options.is_usage_streamed, req.best_of),
@@ -347,6 +363,22 @@ class _Choice:
     pieces: list = field(default_factory=list)  # parsed events (chat) or texts (completions)
     score: CandidateScore = field(default_factory=CandidateScore)
     echo: str = ""  # a completion's prompt text, which its answer starts with (echo)
+
+
+def job_id(response_id: str, index: int, num_jobs: int) -> str:
+    """What the log calls job `index` of a response's `num_jobs` (its n answers, best_of
+    candidates, a batch's prompts): the response's id the client got, or with several jobs
+    `<id>/<index>` (a completions batch: prompt * best_of + candidate)."""
+    return response_id if num_jobs == 1 else f"{response_id}/{index}"
+
+
+def _printable(text: str) -> str:
+    """A client's text as one safe log line's part: quoted, escaped (no newline, no control
+    or non-ASCII character can forge a line), at most MAX_CLIENT_ID_CHARS of it."""
+    shown = ascii(text[:MAX_CLIENT_ID_CHARS])
+    if len(text) > MAX_CLIENT_ID_CHARS:
+        shown += f" (its first {MAX_CLIENT_ID_CHARS} of {len(text)} characters)"
+    return shown
 
 
 def _best(choices: list[_Choice], answers: list[dict], n: int,

@@ -52,8 +52,8 @@ class MessagesRoutes(GenerationRoutes):
         body = parse_json_body(request.get_data())
         engine, req, prompt = self._prompt(body)
         is_thinking_omitted = parse_thinking(body.get("thinking"))[1]
-        job, parser = self._start_chat(engine, req, prompt, new_tool_use_id)
         header = MessageHeader(self.state.model_id)
+        job, parser = self._start_chat(engine, req, prompt, new_tool_use_id, request_id=header.id)
         outcome = Outcome(len(prompt.tokens))
         max_tokens = req.options.max_tokens
         events = self._events(job)

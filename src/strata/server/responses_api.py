@@ -29,9 +29,9 @@ class ResponsesRoutes(GenerationRoutes):
         self.check_model(req.model)
         prompt = build_chat_prompt(engine, req, "input")
         check_prompt_fits(len(prompt.tokens), engine.n_ctx, "input")
-        job, parser = self._start_chat(engine, req, prompt)
         echoed = {k: body[k] for k in _ECHOED if body.get(k) is not None}
         header = ResponseHeader(self.state.model_id, echoed)
+        job, parser = self._start_chat(engine, req, prompt, request_id=header.id)
         outcome = Outcome(len(prompt.tokens))
         events = self._events(job)
         logprobs = AnswerLogprobs.of(engine, req.options)

@@ -208,8 +208,8 @@ class EngineWorker:
         try:
             self.engine.step()
         except Exception:  # noqa: BLE001 - the engine thread must survive any request
-            log.exception("a window failed in the engine; ending its %d requests",
-                          len(running))
+            log.exception("a window failed in the engine; ending its %d requests: %s",
+                          len(running), ", ".join(run.job.request_id for run in running))
             for run in running:
                 run.handle.cancel()
                 run.end.error = ApiError(500, "The engine failed on this request; the "
@@ -252,7 +252,8 @@ class EngineWorker:
             except RequestError as exc:
                 job.events.put(JobEnd(error=ApiError(400, str(exc), code="invalid_request")))
             except Exception:  # noqa: BLE001 - the engine thread must survive any request
-                log.exception("submitting a request to the engine failed; it ends with a 500")
+                log.exception("request %s: submitting it to the engine failed; it ends with "
+                              "a 500", job.request_id)
                 job.events.put(JobEnd(error=ApiError(
                     500, "The engine failed on this request; the server log has the details.",
                     code="engine_error")))
