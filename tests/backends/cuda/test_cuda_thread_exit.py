@@ -73,3 +73,4 @@ def test_a_served_gpu_engine_stops_with_exit_code_0(synth_path):
         if server.poll() is None:
             server.kill()
             server.wait()
+        server.stderr.close()  # (left open, its pipe is a ResourceWarning, an error here)
