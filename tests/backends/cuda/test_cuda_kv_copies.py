@@ -182,6 +182,41 @@ def test_int8_cells_park_and_restore_through_the_copy_thread(tiny_engine, monkey
             assert np.array_equal(got["scale"], want["scale"][:, :BIG - 5])
 
 
+@pytest.mark.parametrize("num_tokens", [BIG // 8, BIG])
+def test_a_file_prefix_is_gathered_and_a_whole_file_pinned(tiny_engine, monkeypatch, num_tokens):
+    """Cells in a mapping of their own (a conversation or slot file's): a prefix of them is
+    gathered into a pinned pool block by the copy thread (`before`), not pinned whole around
+    the copies; all of them are pinned where they lie (`around`)."""
+    from strata.model.host_pages import anonymous_array
+
+    model = tiny_engine.model
+    jobs = []
+    real_submit = kv_copies.KVCopier.submit
+
+    def spy(self, copies, keep, in_pieces, around=None, before=None, then=None):
+        jobs.append((around is not None, before is not None))
+        return real_submit(self, copies, keep, in_pieces, around=around, before=before,
+                           then=then)
+
+    monkeypatch.setattr(kv_copies.KVCopier, "submit", spy)
+    target = model.new_kv(BIG)
+    L, KV, D = target.num_layers, target.spec.n_kv_heads, target.spec.head_dim
+    rng = np.random.default_rng(31)
+    files = []
+    for _ in range(2):
+        cells = anonymous_array(L * KV * BIG * D * 2).view(np.float16).reshape(L, KV, BIG, D)
+        cells[...] = rng.standard_normal(cells.shape).astype(np.float16)
+        files.append(cells)
+    k, v = files
+    target.restore_cells(k, v, num_tokens)
+    # (a gathered prefix's `around` pins a fresh pool block, or is None for a pinned one)
+    assert (jobs[-1][1] if num_tokens < BIG else jobs[-1] == (True, False))
+    assert target.num_tokens == num_tokens
+    for layer in range(L):  # keys() waits for the copies
+        assert np.array_equal(target.keys(layer), k[layer, :, :num_tokens])
+        assert np.array_equal(target.values(layer), v[layer, :, :num_tokens])
+
+
 def test_a_window_right_after_a_queued_restore_reads_the_restored_cells(tiny_engine):
     model = tiny_engine.model
     rng = np.random.default_rng(5)

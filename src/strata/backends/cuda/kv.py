@@ -296,10 +296,11 @@ class CudaKV(SequenceReuse):
         queued (kv_copies.py): this KV's next window waits for them, the other slots' do not.
         From a kept pinned block (a park of this GPU) they run behind the park that filled it;
         from memory of its own mapping (a conversation file's or a slot file's cells,
-        kv_file.read_kv_file) the copy thread pins it around them. int8 records go through a
-        pinned pool block the copy thread fills first (`_restore_int8`). fp16 cells in the
-        heap (small arrays; pinning whole pages there would pin other arrays' bytes too) are
-        copied here."""
+        kv_file.read_kv_file) the copy thread pins it around them, or, for a prefix of the
+        file's cells, gathers them into a pinned pool block (`_restore_gathered`). int8
+        records go through a pinned pool block the copy thread fills first (`_restore_int8`).
+        fp16 cells in the heap (small arrays; pinning whole pages there would pin other
+        arrays' bytes too) are copied here."""
         n = int(num_tokens)
         if self.is_int8 and n and self._restore_int8(keys, values, n):
             return
@@ -310,19 +311,58 @@ class CudaKV(SequenceReuse):
         if not (is_kept or (owns_pages(keys) and owns_pages(values))):
             super().restore_cells(keys, values, n)
             return
+        if not is_kept and self._restore_gathered(keys, values, n):
+            return
         self.truncate(0)
         self.check_room(n)
-        # a head's [n, D] block: contiguous in a parked [KV, n', D] array
-        copies = [(self._rt.drv.memcpy_htod_async, self._cell_address(layer, kind, j, 0),
-                   src[layer, j, :n], src[layer, j, :n].nbytes)
-                  for layer in range(self.num_layers) for kind, src in ((0, keys), (1, values))
-                  for j in range(self.spec.n_kv_heads)]
         # (a file's mapping: pinned on the copy thread, ~0.4 s a 2.5 GiB, and unpinned there)
         around = None if is_kept else pinned_while(keys, values)
         with self._rt.active():
-            self._landed(kv_copier(self._rt).submit(copies, (keys, values), in_pieces=False,
+            self._landed(kv_copier(self._rt).submit(self._fp16_copies(keys, values, n),
+                                                    (keys, values), in_pieces=False,
                                                     around=around))
         self.commit(n)
+
+    def _fp16_copies(self, keys: np.ndarray, values: np.ndarray, n: int) -> list:
+        """The copies host -> device of cells [0, n) of every (layer, K/V, head) row of `keys`
+        / `values` [L, KV, n', D]: a head's [n, D] block is contiguous in them."""
+        return [(self._rt.drv.memcpy_htod_async, self._cell_address(layer, kind, j, 0),
+                 src[layer, j, :n], src[layer, j, :n].nbytes)
+                for layer in range(self.num_layers) for kind, src in ((0, keys), (1, values))
+                for j in range(self.spec.n_kv_heads)]
+
+    def _restore_gathered(self, keys: np.ndarray, values: np.ndarray, n: int) -> bool:
+        """restore_cells of the first `n` of a file's longer fp16 cells (a prefix lent from a
+        conversation file): the copy thread gathers them into a pinned pool block, then
+        copies those, instead of pinning the file's whole arrays for a prefix of any length.
+        False (nothing done) for a whole file's cells, arrays not of this KV's shape, or no
+        pinned block to be had."""
+        L, KV, D = self.num_layers, self.spec.n_kv_heads, self.spec.head_dim
+        fits = all(a.dtype == self.dtype and a.ndim == 4 and a.shape[:2] == (L, KV)
+                   and a.shape[3] == D for a in (keys, values))
+        if not (fits and L and n < keys.shape[2] and n <= values.shape[2]):
+            return False
+        nbytes = 2 * L * KV * n * D * self.dtype.itemsize
+        with self._rt.active():
+            got = _host_pool(self._rt).lease_to_pin(nbytes)
+        if got is None:
+            return False
+        raw, pin = got
+        cells = raw[:nbytes].view(self.dtype).reshape(2, L, KV, n, D)
+
+        def gather():
+            cells[0] = keys[:, :, :n]
+            cells[1] = values[:, :, :n]
+
+        self.truncate(0)
+        self.check_room(n)
+        with self._rt.active():
+            around = None if pin is None else _calling_first(pin)
+            self._landed(kv_copier(self._rt).submit(
+                self._fp16_copies(cells[0], cells[1], n), (raw, keys, values), in_pieces=False,
+                around=around, before=gather))
+        self.commit(n)
+        return True
 
     def _landed(self, landing):
         self._landings = [x for x in self._landings if not x.done()] + [landing]
