@@ -30,3 +30,44 @@ def test_minus_keeps_the_pool_fields():
     group = later.minus(earlier)
     assert (group.num_windows, group.num_pool_entries) == (8, 30)
     assert abs(group.pool_s - 0.3) < 1e-12 and abs(group.pool_wait_s - 0.2) < 1e-12
+
+
+class _Clock:
+    """expert_tier's log clock: `step` seconds later at each call."""
+
+    def __init__(self, step):
+        self.now, self.step = 0.0, step
+
+    def __call__(self):
+        self.now += self.step
+        return self.now
+
+
+def _group_lines(tiny_model_path, monkeypatch, caplog, step_s) -> list[str]:
+    import logging
+
+    from strata import Engine, EngineConfig, SamplingParams
+    from strata.engine import expert_tier
+    from strata.engine.generate import collect
+
+    monkeypatch.setattr(expert_tier, "_log_clock", _Clock(step_s))
+    caplog.set_level(logging.INFO, logger=expert_tier.log.name)
+    with Engine(EngineConfig(tiny_model_path, n_ctx=256, threads=2, expert_cache=4)) as engine:
+        collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=100, temperature=0.0,
+                                                          ignore_eos=True)))
+    return [r.getMessage() for r in caplog.records if "expert cache, windows" in r.getMessage()]
+
+
+def test_the_group_line_comes_every_32_windows_at_most_once_in_ten_seconds(
+        tiny_model_path, monkeypatch, caplog):
+    """100 windows: a line at windows 32, 64 and 96 when seconds pass between them, only the
+    first when they come faster (a GPU at 200 windows a second wrote six lines a second); and
+    the rest at the end."""
+    slow = _group_lines(tiny_model_path, monkeypatch, caplog, step_s=60.0)
+    assert [line.split(":")[0] for line in slow] == [
+        "expert cache, windows 0-31", "expert cache, windows 32-63",
+        "expert cache, windows 64-95", "expert cache, windows 96-99"]
+    caplog.clear()
+    fast = _group_lines(tiny_model_path, monkeypatch, caplog, step_s=1e-3)
+    assert [line.split(":")[0] for line in fast] == ["expert cache, windows 0-31",
+                                                     "expert cache, windows 32-99"]

@@ -6,6 +6,7 @@ windows a round of swaps, applied through the arena's ordered path before the ne
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import threading
 import time
@@ -27,7 +28,9 @@ from strata.engine.tier_stats import RecentRouting, TierTotals, WaitTotals, form
 
 log = logging.getLogger("strata.tier")
 
-LOG_EVERY_WINDOWS = 32  # windows per INFO summary line
+LOG_EVERY_WINDOWS = 32  # windows per INFO summary line, at most one line per
+LOG_MIN_INTERVAL_S = 10.0  # seconds (a GPU decoding 200 windows a second wrote six a second)
+_log_clock = time.monotonic  # (tests step it)
 POLICY_FAILURE_REPEAT = 100  # a failing policy plugin is logged again every this many rounds
 
 
@@ -94,6 +97,7 @@ class ExpertTier:
         self.totals = TierTotals()
         self._logged = TierTotals()
         self._max_wait_since_log = 0.0
+        self._logged_at = -math.inf  # _log_clock() at the last log_group line
         self._ahead_logged = (0, 0, 0)  # the arena's read_ahead_totals at the last log_group
         self.last_window = TierWindow()
         self.recent = (RecentRouting(store.n_layers, store.n_experts, arena.n_slots)
@@ -361,7 +365,8 @@ class ExpertTier:
         if self.totals.num_windows % LOG_EVERY_WINDOWS == 0:
             if self.trace is not None:
                 self.trace.flush()  # a server killed hard keeps all but the last group
-            if self.arena is not None:
+            if self.arena is not None and \
+                    _log_clock() - self._logged_at >= LOG_MIN_INTERVAL_S:
                 self.log_group()
 
     @property
@@ -398,6 +403,7 @@ class ExpertTier:
                      self.wait_by_kind["solo"].describe("solo"),
                      self.wait_by_kind["batch"].describe("batch"))
         self._logged, self._ahead_logged = now, ahead
+        self._logged_at = _log_clock()
         self._max_wait_since_log = 0.0
 
     def _fold_routing(self, window_index: int, counts: np.ndarray) -> None:
