@@ -358,3 +358,21 @@ def test_objects_without_a_tag_stay_loose():
     schema = {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
                         {"type": "object", "properties": {"b": {"type": "string"}}}]}
     assert accepts(schema, '{"a": "x", "b": 1}') == (True, True)  # only the type is held
+
+
+def test_a_pattern_holds_its_strings(caplog):
+    code = {"type": "object", "properties": {"code": {"type": "string",
+                                                      "pattern": "^[A-Z]{2}[0-9]+$"}}}
+    assert accepts(code, '{"code": "AB12"}') == (True, True)
+    assert accepts(code, '{"code": "ab"}')[0] is False
+    assert accepts(code, '{"code": "AB"}')[0] is False  # no digit before the quote
+    contains = {"type": "object", "properties": {"x": {"type": "string", "pattern": "a\\\\b"}}}
+    assert accepts(contains, '{"x": "za\\\\by"}') == (True, True)  # a search: "a\b" inside
+    assert accepts(contains, '{"x": "zy"}')[0] is False
+    # an enum decides where both are given; a pattern no grammar says is not held (logged)
+    both = {"type": "object", "properties": {"k": {"enum": ["zz"], "pattern": "^a$"}}}
+    assert accepts(both, '{"k": "zz"}') == (True, True)
+    with caplog.at_level("INFO", logger="strata.engine"):
+        look = {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)"}}}
+        assert accepts(look, '{"x": "anything"}') == (True, True)
+    assert "not held" in caplog.text and "lookaround" in caplog.text

@@ -3,6 +3,7 @@ apply_patch when its config asks for the freeform tool): offered to the template
 of one string argument, answered as custom_tool_call items, and their calls and outputs read
 back from the conversation."""
 import json
+import re
 
 import openai
 import pytest
@@ -14,6 +15,10 @@ MODEL_ID = "tiny-server"
 GRAMMAR = 'start: "*** Begin Patch" LF body "*** End Patch" LF?\nbody: /(.|\\n)*/\nLF: "\\n"'
 PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
          "format": {"type": "grammar", "syntax": "lark", "definition": GRAMMAR}}
+# a grammar whose every text ends soon: the random model's forced input is held to it
+SHORT = 'start: "*** Begin Patch" LF ("+" /[a-z]{0,6}/ LF) ~ 1..2 "*** End Patch"\nLF: "\\n"'
+SHORT_RE = r"\*\*\* Begin Patch\n(\+[a-z]{0,6}\n){1,2}\*\*\* End Patch"
+SHORT_PATCH = dict(PATCH, format={"type": "grammar", "syntax": "lark", "definition": SHORT})
 SHELL = {"type": "function", "name": "shell", "parameters": {
     "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
 
@@ -40,7 +45,7 @@ def test_a_custom_tool_is_a_function_of_its_input():
 def test_a_forced_custom_call_is_a_custom_tool_call_item(client, live, reference):
     tok = reference.tokenizer  # the tiny model's text is random: a closing quote ends it
     bias = {str(tok.token_id(t)): b for t, b in (('"', 8), ("}", 4))}
-    kwargs = dict(model=MODEL_ID, input="Add a README.", tools=[PATCH, SHELL],
+    kwargs = dict(model=MODEL_ID, input="Add a README.", tools=[SHORT_PATCH, SHELL],
                   tool_choice={"type": "custom", "name": "apply_patch"},
                   max_output_tokens=200, temperature=0, reasoning={"effort": "none"},
                   extra_body={"logit_bias": bias})
@@ -48,7 +53,7 @@ def test_a_forced_custom_call_is_a_custom_tool_call_item(client, live, reference
     calls = [item for item in reply.output if item.type == "custom_tool_call"]
     assert len(calls) == 1, reply.output
     call = calls[0]
-    assert call.name == "apply_patch" and isinstance(call.input, str)
+    assert call.name == "apply_patch" and re.fullmatch(SHORT_RE, call.input), call.input
     assert call.call_id.startswith("call_") and call.id.startswith("ctc_")
     assert not [item for item in reply.output if item.type == "function_call"]
     # streamed: the same item, its input in delta / done events
@@ -114,3 +119,29 @@ def test_a_custom_call_item_without_input_is_refused(live):
             {"type": "custom_tool_call", "call_id": "c", "name": "apply_patch"}]})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "input[1].input"
+
+
+@pytest.mark.parametrize("syntax, definition", [("regex", r"[0-9]{3}-[a-z]{2}"),
+                                                ("regex", r"(?=x)[0-9]+"),  # shown only
+                                                ("lark", 'start: N "-" N\nN: /[0-9]/')])
+def test_a_custom_tools_input_is_held_to_its_grammar(live, reference, caplog, syntax,
+                                                     definition):
+    """Where the grammar converts, the forced input is a text of it (the random model would
+    write anything else); where it does not, the request is served and the log says so."""
+    tok = reference.tokenizer
+    bias = {str(tok.token_id(t)): b for t, b in (('"', 8), ("}", 4))}
+    tool = dict(PATCH, name="code", format={"type": "grammar", "syntax": syntax,
+                                            "definition": definition})
+    body = {"model": MODEL_ID, "input": "Write a code.", "tools": [tool],
+            "tool_choice": {"type": "custom", "name": "code"}, "max_output_tokens": 60,
+            "temperature": 0, "reasoning": {"effort": "none"}, "logit_bias": bias}
+    with caplog.at_level("WARNING", logger="strata.server"):
+        reply = requests.post(live.url + "/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    calls = [item for item in reply.json()["output"] if item["type"] == "custom_tool_call"]
+    if "(?=" in definition:
+        assert "not held" in caplog.text and "lookaround" in caplog.text
+        return
+    assert len(calls) == 1, reply.json()["output"]
+    expected = definition if syntax == "regex" else r"[0-9]-[0-9]"
+    assert re.fullmatch(expected, calls[0]["input"]), calls[0]["input"]

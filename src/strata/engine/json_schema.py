@@ -11,18 +11,30 @@ and what is not (docs in README, "Serve"):
   alternatives of one kind hold only that kind, except objects told apart by one key whose
   value is a different string constant in each: that key comes first, then its object is
   held);
-- not held: patterns, formats, string lengths, numeric bounds, `prefixItems`, `not`."""
+- `pattern` (a regex the string contains a match of, as JSON Schema reads it), in the forms
+  engine/grammar_convert.py turns into a grammar (a string's text then held by it,
+  held_text.py); a pattern it cannot convert (lookarounds, backreferences, ...) is not held
+  (logged once per pattern);
+- not held: formats, string lengths, numeric bounds, `prefixItems`, `not`.
+A string schema may also carry GRAMMAR_KEY, a GBNF grammar its text follows in full (a custom
+tool's input: server/responses_schema.py), which takes the place of a `pattern`."""
 from __future__ import annotations
 
 import bisect
+import functools
 import json
+import logging
 from urllib.parse import unquote
 
 import numpy as np
 
+from strata.engine.gbnf import Grammar, GrammarError, compiled_grammar
+from strata.engine.held_text import JsonText
 from strata.engine.json_constraint import VALUE_OR_END, JsonRecognizer
 from strata.errors import RequestError
 
+log = logging.getLogger("strata.engine")
+GRAMMAR_KEY = "x-strata-grammar"  # a string schema's GBNF grammar (see the docstring)
 _KIND = {ord("{"): "object", ord("["): "array", ord('"'): "string", ord("t"): "boolean",
          ord("f"): "boolean", ord("n"): "null"}
 _VALUE_TYPE = {bool: "boolean", int: "integer", float: "number", str: "string",
@@ -36,7 +48,7 @@ class SchemaNode:
 
     __slots__ = ("types", "properties", "required", "additional", "items", "strings",
                  "variants", "scalars", "min_items", "max_items", "by_value",
-                 "held_scalars")
+                 "held_scalars", "grammar")
 
     def __init__(self):
         self.types: frozenset[str] | None = None
@@ -54,6 +66,7 @@ class SchemaNode:
         # a discriminated union of objects (see _discriminated): its one key's value -> the
         # object's node, which holds the object from that value on; None otherwise
         self.by_value: dict[bytes, SchemaNode] | None = None
+        self.grammar: Grammar | None = None  # what a string's text follows (held_text.py)
 
     @property
     def is_free(self) -> bool:
@@ -265,10 +278,33 @@ def _compile(schema, root: dict, nodes: dict[int, tuple[dict, SchemaNode]],
             node.properties[key] = ANY
     if isinstance(schema.get("items"), dict):
         node.items = _compile(schema["items"], root, nodes, depth)
+    if node.types is None or "string" in node.types:
+        node.grammar = _string_grammar(schema)
     low, high = schema.get("minItems", 0), schema.get("maxItems")
     if _is_count(low) and (high is None or _is_count(high) and high >= low):
         node.min_items, node.max_items = low, high
     return node
+
+
+def _string_grammar(schema: dict) -> Grammar | None:
+    """The grammar a string's text follows: GRAMMAR_KEY's, else the `pattern`'s (None where
+    there is neither, or the pattern is not one grammar_convert can turn into a grammar)."""
+    text = schema.get(GRAMMAR_KEY)
+    if isinstance(text, str):
+        return compiled_grammar(text)
+    pattern = schema.get("pattern")
+    return _pattern_grammar(pattern) if isinstance(pattern, str) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _pattern_grammar(pattern: str) -> Grammar | None:
+    from strata.engine.grammar_convert import regex_to_gbnf
+
+    try:
+        return compiled_grammar(regex_to_gbnf(pattern, search=True))
+    except GrammarError as exc:
+        log.info("a JSON schema's pattern %r is not held: %s", pattern[:200], exc)
+        return None
 
 
 def _held_scalars(node: SchemaNode) -> tuple[tuple[bytes, ...], frozenset[int]]:
@@ -297,7 +333,7 @@ class SchemaRecognizer(JsonRecognizer):
     """JsonRecognizer that also holds a compiled schema (the root node is the object's, or with
     `is_any_value` the value's)."""
 
-    __slots__ = ("frames", "expect", "buf", "allowed", "int_only", "numbers")
+    __slots__ = ("frames", "expect", "buf", "allowed", "int_only", "numbers", "text")
 
     def __init__(self, root: SchemaNode, is_any_value: bool = False):
         super().__init__(is_any_value)
@@ -307,12 +343,14 @@ class SchemaRecognizer(JsonRecognizer):
         self.allowed: tuple[bytes, ...] | None = None  # what that string may be, or None
         self.int_only = False          # the number being read is an integer
         self.numbers: tuple[bytes, ...] | None = None  # what it may be (in `buf`), or None
+        self.text: JsonText | None = None  # the string being read, held to a grammar
 
     def copy(self) -> "SchemaRecognizer":
         other = super().copy()
         other.frames, other.expect, other.buf = self.frames, self.expect, self.buf
         other.allowed, other.int_only = self.allowed, self.int_only
         other.numbers = self.numbers
+        other.text = None if self.text is None else self.text.copy()
         return other
 
     def first_bytes(self) -> np.ndarray:
@@ -338,6 +376,8 @@ class SchemaRecognizer(JsonRecognizer):
         if self.mode == VALUE_OR_END and self.frames[-1][0].max_items == 0:
             return False  # an array's first item, where none may be
         self.allowed, self.buf = (node.strings, b"") if kind == "string" else (None, b"")
+        self.text = (JsonText(node.grammar) if kind == "string" and node.strings is None
+                     and node.grammar is not None else None)
         self.numbers = None
         if node.scalars is not None and kind != "string":  # an enum's number, true, ...
             numbers, firsts = _held_scalars(node)
@@ -360,6 +400,8 @@ class SchemaRecognizer(JsonRecognizer):
         return True
 
     def _string_byte(self, c: int) -> bool:
+        if self.text is not None:
+            return self.text.byte(c)
         if self.allowed is None:
             return True
         self.buf += bytes((c,))
@@ -374,6 +416,10 @@ class SchemaRecognizer(JsonRecognizer):
         return True
 
     def _string_end(self) -> bool:
+        if self.text is not None:
+            text, self.text = self.text, None
+            if not text.is_done:
+                return False
         allowed, key = self.allowed, self.buf
         self.allowed, self.buf = None, b""
         if allowed and key not in allowed:

@@ -8,7 +8,9 @@ inside one, the block is a call of a declared function in the form the chat temp
   declared parameters of that function (each once; the required ones before
   `</function>`), whitespace between them. A VALUE is held by the parameter's declared type:
   a string (or any type, or a type list with a string) is free text up to its `</parameter>`;
-  a string enum is one of its values, as raw text; any other type (integer, number, boolean,
+  a string enum is one of its values, as raw text; a string with a grammar (a `pattern`, or a
+  custom tool's grammar: json_schema.GRAMMAR_KEY) is a text of it (held_text.XmlText); any
+  other type (integer, number, boolean,
   null, object, array, or a list of them) is one JSON value of it, as json_schema.py holds
   it, after at most one newline and before at most 4 whitespace bytes (what
   server/output_parser reads with json.loads). A function that declares no parameters takes
@@ -20,6 +22,8 @@ import json
 
 import numpy as np
 
+from strata.engine.gbnf import Grammar
+from strata.engine.held_text import XmlText
 from strata.engine.json_constraint import DONE
 from strata.engine.json_schema import (MAX_SCHEMA_DEPTH, SchemaNode, SchemaRecognizer, _key,
                                        compile_schema)
@@ -127,11 +131,12 @@ class _XmlCall:
     """One XML block being read (Qwen3-Coder): the same feed() as _Call."""
 
     __slots__ = ("functions", "state", "literals", "at", "name", "key", "seen", "ws", "value",
-                 "json")
+                 "json", "text")
 
     def __init__(self, functions: "_Names"):
         # name -> (required keys, declared keys (_Names) or None: any, key -> how its value is
-        # held: absent for free text, a tuple of the raw strings it may be, or a SchemaNode)
+        # held: absent for free text, a tuple of the raw strings it may be, a Grammar its
+        # text follows, or a SchemaNode)
         self.functions = functions
         self.state = "open"         # which part is read next (see _step)
         self.literals = (FUNCTION_OPEN,)  # what the bytes being matched may become
@@ -142,6 +147,7 @@ class _XmlCall:
         self.ws = 0                 # whitespace bytes in a row
         self.value = b""            # the value's last bytes (its closing tag may be coming)
         self.json = None            # a typed value's SchemaRecognizer while it is read
+        self.text = None            # a grammar's value (XmlText) while it is read
 
     def copy(self) -> "_XmlCall":
         other = _XmlCall.__new__(_XmlCall)
@@ -149,6 +155,8 @@ class _XmlCall:
             setattr(other, name, getattr(self, name))
         if self.json is not None:
             other.json = self.json.copy()
+        if self.text is not None:
+            other.text = self.text.copy()
         return other
 
     def feed(self, data: bytes) -> int:
@@ -185,6 +193,12 @@ class _XmlCall:
             if self.value == PARAMETER_CLOSE:
                 self._expect("body", self._body_literals())
             return 0
+        if state == "text":
+            done = self.text.byte(c)
+            if done > 0:
+                self.text = None
+                self._expect("body", self._body_literals())
+            return min(done, 0)
         if state == "json":
             if self.json.feed(bytes((c,))):
                 if self.json.is_done:
@@ -247,6 +261,8 @@ class _XmlCall:
             self.state, self.value = "value", b""
         elif isinstance(held, SchemaNode):
             self.state, self.json = "json", SchemaRecognizer(held, is_any_value=True)
+        elif isinstance(held, Grammar):
+            self.state, self.text = "text", XmlText(held, PARAMETER_CLOSE)
         else:  # a string enum: one of its values, then the closing tag
             self._expect("enum", tuple(v + end for v in held
                                        for end in (PARAMETER_CLOSE, b"\n" + PARAMETER_CLOSE)))
@@ -282,6 +298,8 @@ def _held_value(node: SchemaNode):
     """How an XML value of a parameter with this compiled schema is held (see _XmlCall)."""
     if node.strings is not None:
         return tuple(json.loads(b'"' + v + b'"').encode() for v in node.strings)
+    if node.grammar is not None and (node.types is None or node.types == {"string"}):
+        return node.grammar
     if node.types is None or "string" in node.types:
         return None  # free text: a string can be any text, so any text is a value
     return node

@@ -7,11 +7,13 @@ import logging
 from dataclasses import dataclass, replace
 
 from strata.engine.json_constraint import opens_reasoning
+from strata.engine.json_schema import GRAMMAR_KEY
 from strata.engine.sampling import SamplingParams
 from strata.errors import RequestError
 from strata.model.fim import FimTokens, InfillText, build_infill
 from strata.server.api_error import ApiError, invalid
 from strata.server.output_parser import TOOL_OPEN
+from strata.server.responses_schema import CUSTOM_INPUT
 from strata.server.schema import ChatRequest, GenerationOptions
 
 log = logging.getLogger("strata.server")
@@ -106,8 +108,20 @@ def build_chat_prompt(engine, req: ChatRequest, param: str = "messages",
     return ChatPrompt(tokens=tokens, text=text, is_tool_parsing=bool(tools),
                       starts_in_reasoning=opens_reasoning(engine.tokenizer, tokens),
                       param_types=_param_types(tools or []),
-                      held_tool_calls=[t["function"] for t in tools] if form else None,
+                      held_tool_calls=[_held_function(t["function"], req.input_grammars)
+                                       for t in tools] if form else None,
                       tool_call_form=form or "json")
+
+
+def _held_function(function: dict, grammars: dict[str, str]) -> dict:
+    """`function` as its calls are held: a custom tool's input with its grammar (a copy: the
+    template shows the function as the client sent it)."""
+    grammar = grammars.get(function["name"])
+    if grammar is None:
+        return function
+    parameters = function["parameters"]
+    held = {**parameters["properties"][CUSTOM_INPUT], GRAMMAR_KEY: grammar}
+    return {**function, "parameters": {**parameters, "properties": {CUSTOM_INPUT: held}}}
 
 
 def _render(engine, messages: list[dict], tools: list[dict] | None,

@@ -200,7 +200,8 @@ def parse_input(value: Any, instructions: str | None) -> list[dict]:
 
 def _custom_tool(tool: dict, where: str) -> dict:
     """A custom tool `{name, description, format}` as a function of one string argument. Its
-    grammar (Lark or a regex) is shown to the model in the description, not enforced."""
+    grammar (Lark or a regex) is shown to the model in the description, and its calls' input
+    is held to it (`custom_tool_grammars`)."""
     function = flat_function_tool({k: tool.get(k) for k in ("name", "description")
                                    if tool.get(k) is not None}, where, "parameters")["function"]
     fmt = _object(tool, "format", param=f"{where}.format")
@@ -250,6 +251,31 @@ def parse_responses_tools(tools: Any) -> list[dict] | None:
             raise invalid(f"'tools' names {name!r} twice: a custom tool needs a name of its "
                           "own.", "tools")
     return out or None
+
+
+def custom_tool_grammars(tools: Any) -> dict[str, str]:
+    """Custom tool name -> the GBNF grammar (engine/gbnf.py) its input follows, for the tools
+    among `tools` (checked by parse_responses_tools) whose format is a grammar that
+    engine/grammar_convert.py can turn into one. One it cannot (a Lark feature or regex
+    construct it lacks) is shown to the model only: logged, the request served."""
+    from strata.engine.gbnf import GrammarError, compiled_grammar
+    from strata.engine.grammar_convert import lark_to_gbnf, regex_to_gbnf
+
+    out = {}
+    for tool in tools or ():
+        fmt = tool.get("format") if tool.get("type") == "custom" else None
+        if not isinstance(fmt, dict) or fmt.get("type") != "grammar":
+            continue
+        syntax, definition = fmt["syntax"], fmt["definition"]
+        try:
+            text = lark_to_gbnf(definition) if syntax == "lark" else regex_to_gbnf(definition)
+            compiled_grammar(text)
+        except GrammarError as exc:
+            log.warning("custom tool %r: its %s grammar is shown to the model but not held "
+                        "(%s)", tool["name"], syntax, exc)
+            continue
+        out[tool["name"]] = text
+    return out
 
 
 def custom_tool_names(tools: Any) -> frozenset[str]:
@@ -321,6 +347,7 @@ def parse_responses_request(body: dict, max_tokens_limit: int) -> ChatRequest:
     max_output = _integer(body, "max_output_tokens", 1, 2**31 - 1)
     options.max_tokens = None if max_output is None else min(max_output, max_tokens_limit)
     tools = parse_responses_tools(body.get("tools"))
+    grammars = custom_tool_grammars(body.get("tools"))
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
     response_format = _text_format(body)
     hold_json_answer(options, response_format, tools, tool_choice)
@@ -337,4 +364,5 @@ def parse_responses_request(body: dict, max_tokens_limit: int) -> ChatRequest:
                        messages=parse_input(body.get("input", _MISSING),
                                             _string(body, "instructions")),
                        options=options, tools=tools, tool_choice=tool_choice,
-                       response_format=response_format, chat_template_kwargs=kwargs)
+                       response_format=response_format, chat_template_kwargs=kwargs,
+                       input_grammars=grammars)

@@ -72,6 +72,8 @@ class ChatRequest:
     response_format: dict | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
     assistant_prefill: str = ""  # the answer continues this text (Anthropic's last assistant turn)
+    # a custom tool's name -> the GBNF grammar its one string argument follows (Responses)
+    input_grammars: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
