@@ -12,7 +12,7 @@ and what is not (docs in README, "Serve"):
   value is a different string constant in each: that key comes first, then its object is
   held);
 - `pattern` (a regex the string contains a match of, as JSON Schema reads it), in the forms
-  engine/grammar_convert.py turns into a grammar (a string's text then held by it,
+  engine/regex_grammar.py turns into a grammar (a string's text then held by it,
   held_text.py); a pattern it cannot convert (lookarounds, backreferences, ...) is not held
   (logged once per pattern);
 - not held: formats, string lengths, numeric bounds, `prefixItems`, `not`.
@@ -288,7 +288,7 @@ def _compile(schema, root: dict, nodes: dict[int, tuple[dict, SchemaNode]],
 
 def _string_grammar(schema: dict) -> Grammar | None:
     """The grammar a string's text follows: GRAMMAR_KEY's, else the `pattern`'s (None where
-    there is neither, or the pattern is not one grammar_convert can turn into a grammar)."""
+    there is neither, or the pattern is not one regex_grammar can turn into a grammar)."""
     text = schema.get(GRAMMAR_KEY)
     if isinstance(text, str):
         return compiled_grammar(text)
@@ -298,7 +298,7 @@ def _string_grammar(schema: dict) -> Grammar | None:
 
 @functools.lru_cache(maxsize=64)
 def _pattern_grammar(pattern: str) -> Grammar | None:
-    from strata.engine.grammar_convert import regex_to_gbnf
+    from strata.engine.regex_grammar import regex_to_gbnf
 
     try:
         return compiled_grammar(regex_to_gbnf(pattern, search=True))

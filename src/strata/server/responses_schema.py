@@ -256,10 +256,12 @@ def parse_responses_tools(tools: Any) -> list[dict] | None:
 def custom_tool_grammars(tools: Any) -> dict[str, str]:
     """Custom tool name -> the GBNF grammar (engine/gbnf.py) its input follows, for the tools
     among `tools` (checked by parse_responses_tools) whose format is a grammar that
-    engine/grammar_convert.py can turn into one. One it cannot (a Lark feature or regex
-    construct it lacks) is shown to the model only: logged, the request served."""
+    engine/lark_grammar.py or regex_grammar.py can turn into one. One they cannot (a Lark
+    feature or regex construct they lack) is shown to the model only: logged, the request
+    served."""
     from strata.engine.gbnf import GrammarError, compiled_grammar
-    from strata.engine.grammar_convert import lark_to_gbnf, regex_to_gbnf
+    from strata.engine.lark_grammar import lark_to_gbnf
+    from strata.engine.regex_grammar import regex_to_gbnf
 
     out = {}
     for tool in tools or ():
