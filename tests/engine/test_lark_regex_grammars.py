@@ -279,3 +279,32 @@ def test_lark_faults_are_named_with_their_line(text, words, line):
         lark_to_gbnf(text)
     assert words in str(info.value), str(info.value)
     assert line is None or f"line {line}" in str(info.value), str(info.value)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet='start:|()[]?*+~.."ab/\\%ignore WS\n_AB0123->{}', max_size=60))
+def test_any_lark_text_converts_or_is_a_grammar_error(text):
+    """Whatever a client sends as a Lark grammar is held or refused by name, never a crash
+    (brackets nested 5,000 deep were a RecursionError)."""
+    try:
+        lark_to_gbnf(text)
+    except GrammarError:
+        pass
+
+
+@pytest.mark.parametrize("depth", [5000])
+def test_deep_brackets_are_refused_by_name(depth):
+    with pytest.raises(GrammarError, match="nest"):
+        lark_to_gbnf("start: " + "(" * depth + '"a"' + ")" * depth + "\n")
+    with pytest.raises(GrammarError, match="nest"):
+        regex_to_gbnf("(" * depth + "a" + ")" * depth)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="ab()[]{}|?*+^$.\\-,:<>=!PdwsbuxN0129i", max_size=30),
+       st.booleans())
+def test_any_regex_converts_or_is_a_grammar_error(pattern, search):
+    try:
+        regex_to_gbnf(pattern, search=search)
+    except GrammarError:
+        pass

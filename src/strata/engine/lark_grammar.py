@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 
-from strata.engine.gbnf import (MAX_CODE_POINT, MAX_GRAMMAR_BYTES, MAX_REPEAT, CharSet,
-                                GrammarError, compiled_grammar)
+from strata.engine.gbnf import (MAX_CODE_POINT, MAX_GRAMMAR_BYTES, MAX_NESTING, MAX_REPEAT,
+                                CharSet, GrammarError, compiled_grammar)
 from strata.engine.grammar_tree import (Alt, Chars, Normal, Ref, Rep, Seq, Writer, checked,
                                         folded, one)
 from strata.engine.regex_grammar import regex_tree
@@ -350,6 +350,8 @@ class _Lark:
                           "terminals)", line)
             return self.token(_Name(name, line)) if is_term else _Name(name, line)
         if kind == "op" and text in "([":
+            if self.depth >= MAX_NESTING:  # (the readers recurse into each)
+                self.fail(f"brackets nest more than {MAX_NESTING} deep", line)
             self.take()
             self.depth += 1
             inner = self.expansions(top=False)
