@@ -376,3 +376,17 @@ def test_a_pattern_holds_its_strings(caplog):
         look = {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)"}}}
         assert accepts(look, '{"x": "anything"}') == (True, True)
     assert "not held" in caplog.text and "lookaround" in caplog.text
+
+
+def test_a_converter_fault_leaves_the_pattern_unheld(monkeypatch, caplog):
+    from strata.engine import regex_grammar
+
+    def broken(pattern, search=False):
+        raise IndexError("a converter bug")
+
+    monkeypatch.setattr(regex_grammar, "regex_to_gbnf", broken)
+    schema = {"type": "object", "properties": {"x": {"type": "string",
+                                                     "pattern": "^fault-test-[0-9]$"}}}
+    with caplog.at_level("ERROR", logger="strata.engine"):
+        assert accepts(schema, '{"x": "anything"}') == (True, True)
+    assert "converting it failed" in caplog.text

@@ -145,3 +145,17 @@ def test_a_custom_tools_input_is_held_to_its_grammar(live, reference, caplog, sy
     assert len(calls) == 1, reply.json()["output"]
     expected = definition if syntax == "regex" else r"[0-9]-[0-9]"
     assert re.fullmatch(expected, calls[0]["input"]), calls[0]["input"]
+
+
+def test_a_converter_fault_leaves_the_tool_shown_only(monkeypatch, caplog):
+    from strata.engine import lark_grammar
+    from strata.server.responses_schema import custom_tool_grammars
+
+    def broken(text):
+        raise IndexError("a converter bug")
+
+    monkeypatch.setattr(lark_grammar, "lark_to_gbnf", broken)
+    with caplog.at_level("ERROR", logger="strata.server"):
+        assert custom_tool_grammars([PATCH]) == {}
+    assert "converting its lark grammar failed" in caplog.text
+    assert parse_responses_request({"input": "hi", "tools": [PATCH]}, 512).input_grammars == {}

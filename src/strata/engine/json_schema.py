@@ -305,6 +305,10 @@ def _pattern_grammar(pattern: str) -> Grammar | None:
     except GrammarError as exc:
         log.info("a JSON schema's pattern %r is not held: %s", pattern[:200], exc)
         return None
+    except Exception:  # noqa: BLE001 - a converter's fault must not fail the request
+        log.exception("a JSON schema's pattern %r is not held: converting it failed",
+                      pattern[:200])
+        return None
 
 
 def _held_scalars(node: SchemaNode) -> tuple[tuple[bytes, ...], frozenset[int]]:

@@ -276,6 +276,10 @@ def custom_tool_grammars(tools: Any) -> dict[str, str]:
             log.warning("custom tool %r: its %s grammar is shown to the model but not held "
                         "(%s)", tool["name"], syntax, exc)
             continue
+        except Exception:  # noqa: BLE001 - a converter's fault must not end the agent's turns
+            log.exception("custom tool %r: converting its %s grammar failed; it is shown to "
+                          "the model but not held", tool["name"], syntax)
+            continue
         out[tool["name"]] = text
     return out
 
