@@ -160,7 +160,10 @@ class SequenceReuse:
                              f"parked one has {end} and checkpoints {sorted(checkpoints)}")
         self.state.load(live if num_tokens == end else checkpoints[num_tokens])
         self.state.checkpoints.clear()
-        for position in sorted(p for p in checkpoints if p <= num_tokens):
+        # the newest --ctx-checkpoints of them: a file of a server that kept more (with 0, a
+        # restored slot kept its file's checkpoints for good)
+        kept = sorted(p for p in checkpoints if p <= num_tokens)
+        for position in kept[max(0, len(kept) - self.state.max_checkpoints):]:
             self.state.checkpoints[position] = checkpoints[position]
 
     def keep_checkpoint(self) -> bool:

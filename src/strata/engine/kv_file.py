@@ -195,7 +195,8 @@ def _check_header(header: dict, specs: list) -> None:
             raise ValueError(f"an array of Python objects ({s['dtype']!r})")
         if any(not isinstance(n, int) or n < 0 for n in [*s["shape"], s["offset"]]):
             raise ValueError(f"array shape {s['shape']} or offset {s['offset']} is negative")
-    int(header.get("kv_nbytes", 0))
+    if int(header.get("kv_nbytes", 0)) < 0:
+        raise ValueError(f"kv_nbytes {header['kv_nbytes']} is negative")
     points = header.get("reuse_points")
     if points is not None and not all(isinstance(p, int) for p in points):
         raise ValueError(f"reuse points {points!r} are not token counts")

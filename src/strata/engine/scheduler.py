@@ -688,7 +688,10 @@ class Scheduler:
 
     def install_slot(self, index: int, parked) -> int:
         """Put `parked` (a ParkedConversation) in idle slot `index`, parking what the slot
-        held first; return the tokens it holds now."""
+        held first; return the tokens its next turn can reuse. With KV grow an idle slot
+        keeps its base cells (a request's conversation is parked whole at its trim): a file
+        longer than them goes in up to them and is parked whole, for the next turn to restore
+        with the KV grown (it was cut to the base cells)."""
         index = self._idle_slot(index)
         problem = self._unfit(index, parked)  # before the slot changes
         if problem is not None:
@@ -697,6 +700,12 @@ class Scheduler:
         if self.table.tokens(index):
             self._park(index)
         n = self._install(index, parked)
+        if n < parked.num_tokens and self.kv_lender is not None and self.conversations.park(
+                parked.tokens, parked.kv_arrays, parked.nbytes, parked.reuse_points) is not None:
+            log.info("slot %d: %d tokens restored from a slot file, all %d parked for its "
+                     "next turn (KV grow: an idle slot keeps %d cells)", index, n,
+                     parked.num_tokens, self.kv_lender.base_cells)
+            return parked.num_tokens
         log.info("slot %d: %d tokens restored from a slot file", index, n)
         return n
 

@@ -34,6 +34,14 @@ def check_filename(name) -> str:
     return name
 
 
+def _differences(saved, ours: str) -> str:
+    """The fields of two KV formats (conversation_disk.kv_format) that differ."""
+    theirs, mine = str(saved).split(";"), ours.split(";")
+    if len(theirs) != len(mine):
+        return f"{str(saved)!r} in the file, {ours!r} here"
+    return ", ".join(f"{a} in the file, {b} here" for a, b in zip(theirs, mine) if a != b)
+
+
 class SlotFiles:
     """The slot files of one engine, in `folder`."""
 
@@ -46,11 +54,37 @@ class SlotFiles:
         self._meta: dict | None = None
 
     def meta(self) -> dict:
-        """The model's fingerprint and the slots' KV format (computed once)."""
+        """The model's fingerprint and name, and the slots' KV format (computed once)."""
         if self._meta is None:
-            self._meta = {"model": model_fingerprint(self.engine.gguf),
+            gguf = self.engine.gguf
+            self._meta = {"model": model_fingerprint(gguf),
+                          "model_name": f"{Path(gguf.path).name} ({gguf.spec.arch})",
                           "kv_format": kv_format(self.engine.scheduler.kvs[0])}
         return self._meta
+
+    def _check_header(self, filename: str, header: dict) -> None:
+        """RequestError naming what keeps the file's KV out of this server's slots: another
+        model, another KV format, or more tokens than a slot's context (a prefix of them
+        was restored without a word, none at all for a hybrid model's)."""
+        meta = self.meta()
+        if header.get("model") != meta["model"]:
+            saved_by = header.get("model_name")
+            raise RequestError(
+                f"slot file {filename!r} holds the KV of another model"
+                f"{f' ({saved_by})' if isinstance(saved_by, str) else ''}, not of this "
+                f"server's {meta['model_name']}; it restores only into a server of the model "
+                "that saved it")
+        if header.get("kv_format") != meta["kv_format"]:
+            raise RequestError(
+                f"slot file {filename!r} holds KV cells of another KV format "
+                f"({_differences(header.get('kv_format'), meta['kv_format'])}); it restores "
+                "only into a server with the KV cells that saved it (--kv)")
+        num_tokens, n_ctx = int(header["num_tokens"]), self.engine.n_ctx
+        if num_tokens > n_ctx:
+            raise RequestError(
+                f"slot file {filename!r} holds {num_tokens} tokens, more than this server's "
+                f"context of {n_ctx} tokens (--ctx-size); restore it into a server whose "
+                "context holds them")
 
     def _path(self, filename) -> Path:
         """The file `filename` names in the folder; a link leading out of it (the operator's
@@ -86,11 +120,7 @@ class SlotFiles:
         started = time.perf_counter()
         try:
             header = read_kv_header(path)
-            for key, what in (("model", "model"), ("kv_format", "KV format")):
-                if header.get(key) != self.meta()[key]:
-                    raise RequestError(f"slot file {filename!r} holds the KV of another "
-                                       f"{what}; it restores only into a server of the model "
-                                       "and KV cells that saved it")
+            self._check_header(filename, header)
             tokens, value = read_kv_file(path, header)
         except KVFileError as e:
             reason = str(e).replace(str(path), repr(filename))
