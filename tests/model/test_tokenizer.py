@@ -161,6 +161,29 @@ def test_stream_decoder_flush_replaces_a_cut_character(tok):
     assert dec.flush() == "\ufffd"
 
 
+def _byte_ids(tok, data: bytes) -> list[int]:
+    """The single-byte tokens spelling `data` (a byte-level BPE has one for every byte)."""
+    single = {tok.token_bytes(i): i for i in range(tok.vocab_size)
+              if len(tok.token_bytes(i)) == 1}
+    return [single[bytes((b,))] for b in data]
+
+
+@pytest.mark.parametrize("text, cut", [("東", 1), ("東", 2), ("🙂", 1), ("🙂", 3), ("é", 1)])
+def test_a_character_begun_in_the_prompt_is_whole_in_the_output(tok, text, cut):
+    """A prompt of token ids may end inside a character: the output's first text was a
+    U+FFFD for the character's last bytes; it is the character, whole (as vLLM's)."""
+    data = text.encode()
+    prompt = tok.encode("x") + _byte_ids(tok, data[:cut])
+    dec = tok.stream_decoder().after(prompt)
+    pieces = [dec.push(i) for i in _byte_ids(tok, data[cut:]) + tok.encode("ab")]
+    assert "".join(pieces) + dec.flush() == text + "ab"
+    # an output that does not go on with the character drops its first bytes
+    dec = tok.stream_decoder().after(prompt)
+    assert "".join(dec.push(i) for i in tok.encode("ab")) + dec.flush() == "ab"
+    dec = tok.stream_decoder().after(tok.encode("whole é"))  # nothing begun: as before
+    assert "".join(dec.push(i) for i in _byte_ids(tok, data)) == text
+
+
 def test_lone_surrogates_encode_as_replacement_characters(tok):
     # an undecodable command-line byte ("\udcff") or half of a UTF-16 pair from JSON
     assert tok.encode("a\udcffb\ud83d") == tok.encode("a\ufffdb\ufffd")

@@ -182,7 +182,7 @@ class TokenDecoder:
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids |= tokenizer.stop_ids
-        self._detok = tokenizer.stream_decoder(skip_special=True)
+        self._detok = tokenizer.stream_decoder(skip_special=True).after(prompt_tokens)
         self._matcher = StopStringMatcher(params.stop)
         self._vocab_tokens = tokenizer.vocab_size
 

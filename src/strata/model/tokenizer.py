@@ -133,16 +133,62 @@ class StreamDecoder:
         self._tok = tokenizer
         self._skip_special = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._lead = b""  # a character's first bytes that ended the prompt (`after`)
+
+    def after(self, prompt_tokens: list[int]) -> "StreamDecoder":
+        """Start after `prompt_tokens`: where they end inside a character (a prompt given as
+        token ids), the character the first tokens complete is text of the output, whole (as
+        vLLM's detokenizer has it), not a U+FFFD for its last bytes; where the output does not
+        go on with that character, its first bytes are dropped."""
+        tail = b"".join(self._tok.token_bytes(t) for t in prompt_tokens[-4:]
+                        if t not in self._tok.special_ids)
+        self._lead = _incomplete_character(tail)
+        return self
 
     def push(self, token_id: int) -> str:
         """The text that is complete after this token ('' while a character is incomplete)."""
         if self._skip_special and token_id in self._tok.special_ids:
             return ""
-        return self._utf8.decode(self._tok.token_bytes(token_id))
+        data = self._tok.token_bytes(token_id)
+        if self._lead:
+            lead, self._lead = self._lead, b""
+            if data and _continues(lead, data):
+                data = lead + data
+                if _incomplete_character(data) == data:  # still short of its last bytes
+                    self._lead = data
+                    return ""
+        return self._utf8.decode(data)
 
     def flush(self) -> str:
         """Whatever is held back, as replacement characters (call at the end of a stream)."""
         return self._utf8.decode(b"", final=True)
+
+
+def _utf8_length(lead: int) -> int:
+    """Bytes of the UTF-8 character that starts with byte `lead` (0: not a lead byte)."""
+    return 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else \
+        4 if 0xF0 <= lead <= 0xF4 else 0
+
+
+def _incomplete_character(data: bytes) -> bytes:
+    """The first bytes of a character at the end of `data` that its last bytes would
+    complete (b"" where it ends at a character's end)."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 != 0x80:  # a lead byte or ASCII: the last character starts here
+            need = _utf8_length(b)
+            return data[-back:] if need > back else b""
+    return b""
+
+
+def _continues(lead: bytes, data: bytes) -> bool:
+    """Whether `data` goes on with the character `lead` begins, as valid UTF-8."""
+    whole = (lead + data)[:_utf8_length(lead[0])]
+    try:
+        whole.decode("utf-8")
+        return True
+    except UnicodeDecodeError as exc:  # short of its end, but valid so far: "unexpected end"
+        return exc.start == 0 and exc.reason == "unexpected end of data"
 
 
 class Tokenizer:
