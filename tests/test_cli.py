@@ -449,3 +449,20 @@ def test_serve_stops_with_the_error_when_the_model_cannot_load(tiny, tmp_path):
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the model failed to load") and "cut.gguf" in last
     assert "truncated" in last and "Traceback" not in res.stderr
+
+
+def test_serve_refuses_one_folder_for_slot_files_and_conversation_files(tiny, tmp_path):
+    """The conversation cache indexes every *.strata-kv file of its folder and deletes them
+    as it evicts: slot files saved there would be lost, so the server does not start (a
+    server that did start runs into the timeout)."""
+    import subprocess
+    import sys
+
+    shared = tmp_path / "kv"
+    shared.mkdir()
+    res = subprocess.run([sys.executable, "-m", "strata", "serve", "--model", tiny, "--port",
+                          "0", "--device", "cpu", "--slot-save-path", str(shared),
+                          "--conversation-cache-dir", str(shared / ".")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "--slot-save-path" in res.stderr and "folder of its own" in res.stderr

@@ -317,6 +317,12 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
                                      **expert_config, **draft_config)
     except StrataError as e:
         fail(str(e))
+    if slot_save_path is not None and engine_config.conversation_cache_dir is not None:
+        conversations = engine_config.resolve_conversation_dir()
+        if conversations.exists() and os.path.samefile(slot_save_path, conversations):
+            fail(f"--slot-save-path {slot_save_path} is the conversation cache's folder "
+                 "(--conversation-cache-dir): the cache would take its slot files for "
+                 "conversations and delete them as it evicts; give each a folder of its own")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
     if is_verbose:  # Strata's own loggers only: waitress's and the libraries' stay at INFO
