@@ -9,6 +9,8 @@ from typing import Any
 
 from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.server.api_error import ApiError, invalid, missing
+from strata.server.custom_tools import (CUSTOM_INPUT, chat_custom_tool, custom_tool,
+                                        custom_tool_grammars)
 from strata.server.media import is_media, omitted_note
 from strata.server.schema import (_MISSING, ChatRequest, GenerationOptions, _boolean, _integer,
                                   _object, _objects, _string, _wrong_type, check_object_schema,
@@ -48,6 +50,13 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
     """Assistant tool calls in the template's form (arguments decoded to an object)."""
     out = []
     for i, (where, call) in enumerate(_objects(calls, param)):
+        if call.get("type") == "custom":  # a custom tool's call: its function's, of its input
+            custom = call.get("custom")
+            text = custom.get("input") if isinstance(custom, dict) else None
+            if not isinstance(text, str):
+                raise _wrong_type(f"{where}.custom.input", text, "a string")
+            call = {**call, "function": {"name": custom.get("name"),
+                                         "arguments": {CUSTOM_INPUT: text}}}
         function = call.get("function")
         if not isinstance(function, dict):
             raise _wrong_type(f"{where}.function", function, "an object")
@@ -112,9 +121,12 @@ def parse_tools(tools: Any) -> list[dict] | None:
         return None
     out = []
     for where, tool in _objects(tools, "tools"):
+        if tool.get("type") == "custom":
+            out.append(custom_tool(chat_custom_tool(tool, where), f"{where}.custom"))
+            continue
         if tool.get("type", "function") != "function":
-            raise invalid(f"'{where}.type' is {tool.get('type')!r}; only 'function' tools are "
-                          "supported.", f"{where}.type", "unsupported_value")
+            raise invalid(f"'{where}.type' is {tool.get('type')!r}; use 'function' or "
+                          "'custom'.", f"{where}.type", "unsupported_value")
         function = tool.get("function")
         if not isinstance(function, dict):
             raise _wrong_type(f"{where}.function", function, "an object")
@@ -159,7 +171,7 @@ def parse_tool_choice(choice: Any, tools: list[dict] | None) -> str | dict:
         return choice
     if not isinstance(choice, dict):
         raise _wrong_type("tool_choice", choice, "a string or an object")
-    function = choice.get("function")
+    function = choice.get("custom" if choice.get("type") == "custom" else "function")
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise _wrong_type("tool_choice.function.name", name, "a string")
@@ -251,7 +263,11 @@ def parse_chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:
         options.logprobs = top or 0
     elif top is not None:
         raise invalid("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    customs = [chat_custom_tool(tool, where) for where, tool in _objects(body.get("tools"), "tools")
+               if tool.get("type") == "custom"] if body.get("tools") is not None else []
     return ChatRequest(
+        input_grammars=custom_tool_grammars(customs),
+        custom_tools=frozenset(tool["name"] for tool in customs),
         n=n,
         best_of=best_of,
         model=_string(body, "model"),

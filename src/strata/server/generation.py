@@ -184,7 +184,7 @@ class GenerationRoutes:
             return _Choice(index, job, Outcome(len(prompt.tokens)),
                            AnswerLogprobs.of(engine, asked), parser)
 
-        header = ResponseHeader("chat", self.state.model_id)
+        header = ResponseHeader("chat", self.state.model_id, custom_tools=req.custom_tools)
         choices, events = self._choices(req.best_of, start, header.id)
         if req.options.is_stream:
             return _sse_response(self._chat_stream(choices, events, header,
@@ -230,7 +230,7 @@ class GenerationRoutes:
             choice.logprobs.add(item)
             return [chunk(choice, delta)
                     for parsed in self._parse(choice.parser, item, choice.outcome)
-                    for delta in chat_deltas(parsed)]
+                    for delta in chat_deltas(parsed, header.custom_tools)]
 
         def end(choice):
             return choice.parser.num_tool_calls, lambda finish: chunk(choice, {}, finish)

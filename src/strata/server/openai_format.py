@@ -5,6 +5,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from strata.server.custom_tools import custom_input
 from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall, json_text
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -31,6 +32,7 @@ class ResponseHeader:
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    custom_tools: frozenset[str] = frozenset()  # tools whose calls are custom calls (chat)
 
     def __post_init__(self):
         if not self.id:
@@ -67,15 +69,15 @@ class ResponseHeader:
         payload["usage"] = usage_dict
         return payload
 
-    @staticmethod
-    def chat_choice(index: int, content: str, reasoning: str, tool_calls: list[ToolCall],
+    def chat_choice(self, index: int, content: str, reasoning: str, tool_calls: list[ToolCall],
                     finish_reason: str, logprobs: dict | None = None) -> dict:
         message: dict = {"role": "assistant",
                          "content": content if content or not tool_calls else None}
         if reasoning:
             message["reasoning_content"] = reasoning
         if tool_calls:
-            message["tool_calls"] = [tool_call_dict(call) for call in tool_calls]
+            message["tool_calls"] = [tool_call_dict(call, self.custom_tools)
+                                     for call in tool_calls]
         return {"index": index, "message": message, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
@@ -98,19 +100,31 @@ class ResponseHeader:
         return payload
 
 
-def tool_call_dict(call: ToolCall) -> dict:
+def tool_call_dict(call: ToolCall, custom_tools: frozenset[str] = frozenset()) -> dict:
+    """A chat message's tool call: a function's, or a custom tool's with its input."""
+    if call.name in custom_tools:
+        return {"id": call.id, "type": "custom",
+                "custom": {"name": call.name, "input": custom_input(call.arguments)}}
     return {"id": call.id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def chat_deltas(event) -> list[dict]:
+def chat_deltas(event, custom_tools: frozenset[str] = frozenset()) -> list[dict]:
     """The chat deltas of one parser event: a tool call goes out as a first delta with its id
-    and name, then one with its arguments."""
+    and name, then one with its arguments (a custom tool's: its input, in the shape OpenAI's
+    stream has, which its SDK types only in whole messages)."""
     if isinstance(event, ContentDelta):
         return [{"content": event.text}]
     if isinstance(event, ReasoningDelta):
         return [{"reasoning_content": event.text}]
     assert isinstance(event, ToolCall)
+    if event.name in custom_tools:
+        return [
+            {"tool_calls": [{"index": event.index, "id": event.id, "type": "custom",
+                             "custom": {"name": event.name, "input": ""}}]},
+            {"tool_calls": [{"index": event.index,
+                             "custom": {"input": custom_input(event.arguments)}}]},
+        ]
     return [
         {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
                          "function": {"name": event.name, "arguments": ""}}]},

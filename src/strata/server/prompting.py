@@ -13,7 +13,7 @@ from strata.errors import RequestError
 from strata.model.fim import FimTokens, InfillText, build_infill
 from strata.server.api_error import ApiError, invalid
 from strata.server.output_parser import TOOL_OPEN
-from strata.server.responses_schema import CUSTOM_INPUT
+from strata.server.custom_tools import CUSTOM_INPUT
 from strata.server.schema import ChatRequest, GenerationOptions
 
 log = logging.getLogger("strata.server")

@@ -14,7 +14,8 @@ from strata.server.openai_format import SSE_KEEPALIVE
 from strata.server.prompting import build_chat_prompt, check_prompt_fits
 from strata.server.responses_format import (OutputItems, ResponseHeader, TextLogprobs,
                                             sse_event, usage)
-from strata.server.responses_schema import custom_tool_names, parse_responses_request
+from strata.server.custom_tools import custom_tool_names
+from strata.server.responses_schema import parse_responses_request
 from strata.server.schema import parse_json_body
 
 _ECHOED = ("instructions", "max_output_tokens", "parallel_tool_calls", "reasoning",

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall, json_text
-from strata.server.responses_schema import CUSTOM_INPUT
+from strata.server.custom_tools import CUSTOM_INPUT
 
 
 def _new_id(prefix: str) -> str:

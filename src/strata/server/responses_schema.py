@@ -11,6 +11,8 @@ from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.server.api_error import ApiError, invalid, missing
 from strata.server.chat_schema import (flat_function_tool, hold_json_answer, parse_tool_choice,
                                        reasoning_effort_thinking)
+from strata.server.custom_tools import (CUSTOM_INPUT, custom_tool, custom_tool_grammars,
+                                        custom_tool_names)
 from strata.server.media import is_media, omitted_note
 from strata.server.schema import (ChatRequest, _boolean, _integer, _object, _objects, _string,
                                   _wrong_type, check_object_schema, parse_options)
@@ -29,9 +31,6 @@ HOSTED_CALL_ITEMS = ("web_search_call", "file_search_call", "code_interpreter_ca
                      "image_generation_call", "mcp_list_tools", "mcp_call",
                      "mcp_approval_request", "mcp_approval_response")
 _MISSING = object()
-# A custom tool (free-form input: Codex's apply_patch where its config asks for the freeform
-# tool) is offered to the template as a function of one string argument by this name
-CUSTOM_INPUT = "input"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # `include`: the answer's token logprobs
 
 
@@ -198,37 +197,9 @@ def parse_input(value: Any, instructions: str | None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + messages
 
 
-def _custom_tool(tool: dict, where: str) -> dict:
-    """A custom tool `{name, description, format}` as a function of one string argument. Its
-    grammar (Lark or a regex) is shown to the model in the description, and its calls' input
-    is held to it (`custom_tool_grammars`)."""
-    function = flat_function_tool({k: tool.get(k) for k in ("name", "description")
-                                   if tool.get(k) is not None}, where, "parameters")["function"]
-    fmt = _object(tool, "format", param=f"{where}.format")
-    kind = None if fmt is None else fmt.get("type")
-    if kind not in (None, "text", "grammar"):
-        raise invalid(f"'{where}.format.type' is {kind!r}; use 'text' or 'grammar'.",
-                      f"{where}.format.type")
-    what = "The tool's whole input, as raw text"
-    if kind == "grammar":
-        syntax = fmt.get("syntax")
-        if syntax not in ("lark", "regex"):
-            raise invalid(f"'{where}.format.syntax' is {syntax!r}; use 'lark' or 'regex'.",
-                          f"{where}.format.syntax")
-        definition = _string(fmt, "definition", param=f"{where}.format.definition")
-        if not definition:
-            raise missing(f"{where}.format.definition", "the grammar the input follows")
-        what += f", following this {'Lark grammar' if syntax == 'lark' else 'regex'}:\n" \
-            + definition
-    function["parameters"] = {"type": "object", "required": [CUSTOM_INPUT],
-                              "additionalProperties": False, "properties": {
-                                  CUSTOM_INPUT: {"type": "string", "description": what}}}
-    return {"type": "function", "function": function}
-
-
 def parse_responses_tools(tools: Any) -> list[dict] | None:
     """Function tools `{type, name, description, parameters, strict}` and custom tools
-    (`_custom_tool`) in the chat form."""
+    (`custom_tools.custom_tool`) in the chat form."""
     if tools is None:
         return None
     out = []
@@ -238,7 +209,7 @@ def parse_responses_tools(tools: Any) -> list[dict] | None:
             log.debug("%s (%s) left out: this server runs no hosted tools", where, kind)
             continue
         if kind == "custom":
-            out.append(_custom_tool(tool, where))
+            out.append(custom_tool(tool, where))
         elif kind == "function":
             out.append(flat_function_tool(tool, where, "parameters"))
         else:
@@ -251,42 +222,6 @@ def parse_responses_tools(tools: Any) -> list[dict] | None:
             raise invalid(f"'tools' names {name!r} twice: a custom tool needs a name of its "
                           "own.", "tools")
     return out or None
-
-
-def custom_tool_grammars(tools: Any) -> dict[str, str]:
-    """Custom tool name -> the GBNF grammar (engine/gbnf.py) its input follows, for the tools
-    among `tools` (checked by parse_responses_tools) whose format is a grammar that
-    engine/lark_grammar.py or regex_grammar.py can turn into one. One they cannot (a Lark
-    feature or regex construct they lack) is shown to the model only: logged, the request
-    served."""
-    from strata.engine.gbnf import GrammarError, compiled_grammar
-    from strata.engine.lark_grammar import lark_to_gbnf
-    from strata.engine.regex_grammar import regex_to_gbnf
-
-    out = {}
-    for tool in tools or ():
-        fmt = tool.get("format") if tool.get("type") == "custom" else None
-        if not isinstance(fmt, dict) or fmt.get("type") != "grammar":
-            continue
-        syntax, definition = fmt["syntax"], fmt["definition"]
-        try:
-            text = lark_to_gbnf(definition) if syntax == "lark" else regex_to_gbnf(definition)
-            compiled_grammar(text)
-        except GrammarError as exc:
-            log.warning("custom tool %r: its %s grammar is shown to the model but not held "
-                        "(%s)", tool["name"], syntax, exc)
-            continue
-        except Exception:  # noqa: BLE001 - a converter's fault must not end the agent's turns
-            log.exception("custom tool %r: converting its %s grammar failed; it is shown to "
-                          "the model but not held", tool["name"], syntax)
-            continue
-        out[tool["name"]] = text
-    return out
-
-
-def custom_tool_names(tools: Any) -> frozenset[str]:
-    """The names of the custom tools among `tools` (checked by parse_responses_tools)."""
-    return frozenset(tool["name"] for tool in tools or () if tool.get("type") == "custom")
 
 
 def _tool_choice(choice: Any, tools: list[dict] | None) -> str | dict:

@@ -74,6 +74,7 @@ class ChatRequest:
     assistant_prefill: str = ""  # the answer continues this text (Anthropic's last assistant turn)
     # a custom tool's name -> the GBNF grammar its one string argument follows (Responses)
     input_grammars: dict[str, str] = field(default_factory=dict)
+    custom_tools: frozenset[str] = frozenset()  # their calls answer as custom calls (chat)
 
 
 @dataclass
