@@ -390,3 +390,24 @@ def test_xml_names_checked_by_their_prefixes(tokenizer, name, ok):
     c = ToolCallConstraint(tokenizer, functions, xml=True)
     text = f"<tool_call>\n<function={name}>\n</function>\n</tool_call>"
     assert feed(c, ids(tokenizer, text)) is ok
+
+
+@pytest.mark.parametrize("xml", [False, True])
+def test_the_closing_tag_is_refused_inside_a_call(tokenizer, xml):
+    """The reader ends a block at the first `</tool_call>` in its text: a string value that
+    spelled one (the tag's own token, or its bytes in pieces) cut the call short, so the text
+    of an open call may not hold it; at the call's end it closes the block as before."""
+    if xml:
+        head = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+        tail = "is\n</parameter>\n</function>\n</tool_call>"
+    else:
+        head = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+        tail = 'is"}}</tool_call>'
+    for inside in ("</tool_call>", "</tool_" + "call>"):
+        c = ToolCallConstraint(tokenizer, [WEATHER, TIME], xml=xml)
+        assert feed(c, ids(tokenizer, head))
+        pieces = [tokenizer.token_id("</tool_call>")] if inside == "</tool_call>" else \
+            ids(tokenizer, "</tool_") + ids(tokenizer, "call>")
+        assert not feed(c, pieces), inside
+    c = ToolCallConstraint(tokenizer, [WEATHER, TIME], xml=xml)
+    assert feed(c, ids(tokenizer, head + tail)) and c.is_free and c.num_closed == 1

@@ -352,10 +352,14 @@ class ToolCallConstraint:
 
     def _run(self, call, tail: bytes, data: bytes) -> tuple[_Call | None, bytes, int, int]:
         """From the block state `call` (not changed) and `tail`: (the state after `data`, the
-        new tail, -1 if refused, the blocks it closed)."""
+        new tail, -1 if refused, the blocks it closed). `tail`: outside a block the text's
+        last bytes (an opening tag may span tokens), inside one the block's last bytes: the
+        reader ends a block at the first `</tool_call>` in its text, so that text may hold
+        one only at the block's end (a string value spelling it cut the call short)."""
         if call is not None:
             call = call.copy()
         closed = 0
+        keep = len(TOOL_CLOSE) - 1
         while data:
             if call is None:
                 text = tail + data
@@ -369,8 +373,13 @@ class ToolCallConstraint:
             if used < 0:
                 return call, tail, -1, closed
             if used > len(data):
-                return call, tail, 0, closed
-            call, data, closed = None, data[used:], closed + 1
+                body = tail + data
+                if TOOL_CLOSE in body:
+                    return call, tail, -1, closed
+                return call, body[-keep:], 0, closed
+            if TOOL_CLOSE in (tail + data[:used])[:-len(TOOL_CLOSE)]:
+                return call, tail, -1, closed
+            call, tail, data, closed = None, b"", data[used:], closed + 1
         return call, tail, 0, closed
 
     @property
