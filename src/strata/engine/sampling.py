@@ -411,13 +411,17 @@ class Sampler:
         allows = self.constraint.allows
         if not p.is_greedy:
             ids, probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
-            for _ in range(MAX_REFUSED):
+            for attempt in range(MAX_REFUSED):
                 if ids.shape[0] == 0 or not probs.sum() > 0:
                     break
                 token = self._draw(ids, probs / probs.sum())
                 if allows(token):
                     return token
                 keep = ids != token
+                if attempt == 0:  # refused: of the rest, only the candidates can pass (a
+                    # superset of the allowed ids, so the allowed ones keep their odds; a
+                    # grammar that takes few ids refused all 16 draws of a wide vocabulary)
+                    keep &= self._candidate_mask(logits.shape[0])[ids]
                 ids, probs = ids[keep], probs[keep]
         token = self._best_allowed(logits)
         if token is None:
@@ -426,6 +430,13 @@ class Sampler:
             ids, probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
             return self._draw(ids, probs)
         return self._certain(token)
+
+    def _candidate_mask(self, size: int) -> np.ndarray:
+        """bool [size]: the ids the constraint's `candidates` names."""
+        candidates = self.constraint.candidates()
+        mask = np.zeros(size, dtype=bool)
+        mask[candidates[candidates < size]] = True
+        return mask
 
     def _best_allowed(self, logits: np.ndarray) -> int | None:
         """The allowed token of the largest logit (ties: the lowest id), or None: the argmax,
