@@ -18,22 +18,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-APPLY_PATCH = """start: begin_patch hunk+ end_patch
-begin_patch: "*** Begin Patch" LF
-end_patch: "*** End Patch" LF?
-hunk: add_hunk | delete_hunk | update_hunk
-add_hunk: "*** Add File: " filename LF add_line+
-delete_hunk: "*** Delete File: " filename LF
-update_hunk: "*** Update File: " filename LF change_move? change?
-filename: /(.+)/
-add_line: "+" /(.*)/ LF -> line
-change_move: "*** Move to: " filename LF
-change: (change_context | change_line)+ eof_line?
-change_context: ("@@" | "@@ " /(.+)/) LF
-change_line: ("+" | "-" | " ") /(.*)/ LF
-eof_line: "*** End of File" LF
-%import common.LF
-"""
 
 
 def big_tokenizer(vocab: int):
@@ -72,6 +56,9 @@ def main() -> None:
     from strata.engine.lark_grammar import lark_to_gbnf
     from strata.engine.sampling import Sampler, SamplingParams
     from strata.engine.tool_call_constraint import ToolCallConstraint
+
+    sys.path.insert(0, str(ROOT / "tests" / "engine"))
+    from test_lark_regex_grammars import APPLY_PATCH  # Codex's grammar, as the tests hold it
 
     tok = big_tokenizer(args.vocab)
     V = tok.vocab_size
