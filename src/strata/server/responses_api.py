@@ -12,8 +12,8 @@ from strata.server.generation import GenerationRoutes, Outcome, _generated, _sse
 from strata.server.logprobs_format import AnswerLogprobs
 from strata.server.openai_format import SSE_KEEPALIVE
 from strata.server.prompting import build_chat_prompt, check_prompt_fits
-from strata.server.responses_format import (OutputItems, ResponseHeader, TextLogprobs,
-                                            sse_event, usage)
+from strata.server.responses_format import (REASONING_INCLUDE, OutputItems, ResponseHeader,
+                                            TextLogprobs, sse_event, usage)
 from strata.server.custom_tools import custom_tool_names
 from strata.server.responses_schema import parse_responses_request
 from strata.server.schema import parse_json_body
@@ -36,7 +36,8 @@ class ResponsesRoutes(GenerationRoutes):
         outcome = Outcome(len(prompt.tokens))
         events = self._events(job)
         logprobs = AnswerLogprobs.of(engine, req.options)
-        items = OutputItems(custom_tool_names(body.get("tools")))
+        items = OutputItems(custom_tool_names(body.get("tools")),
+                            REASONING_INCLUDE in (body.get("include") or ()))
         if req.options.is_stream:
             return _sse_response(self._stream(job, events, parser, header, outcome, logprobs,
                                               items), outcome.failure)

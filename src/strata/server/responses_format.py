@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 from strata.server.output_parser import ContentDelta, ReasoningDelta, ToolCall, json_text
 from strata.server.custom_tools import CUSTOM_INPUT
 
+# `include: ["reasoning.encrypted_content"]` (Codex, store false): the client sends each
+# reasoning item back with this field and without its reasoning_text content, so a reasoning
+# item's text rides in the field too, after this mark (no cipher: this server keeps no
+# secret and no state), and is read back from it (responses_schema._reasoning_text)
+REASONING_INCLUDE = "reasoning.encrypted_content"
+REASONING_MARK = "strata-reasoning-v1:"
+
 
 def _new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
@@ -42,10 +49,12 @@ class OutputItems:
     return the stream events of what changed (without sequence numbers); `items` holds the
     items so far, each complete once closed."""
 
-    def __init__(self, custom_names: frozenset[str] = frozenset()):
+    def __init__(self, custom_names: frozenset[str] = frozenset(),
+                 is_reasoning_kept: bool = False):
         self.items: list[dict] = []
         self._open: str | None = None  # "reasoning" or "message" while one is open
         self._custom_names = custom_names
+        self._is_reasoning_kept = is_reasoning_kept  # REASONING_INCLUDE was asked
 
     def _at(self) -> dict:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
@@ -57,6 +66,8 @@ class OutputItems:
         self._open = None
         part = item["content"][0]
         item["status"] = status
+        if kind == "reasoning" and self._is_reasoning_kept:
+            item["encrypted_content"] = REASONING_MARK + part["text"]
         done = "response.reasoning_text.done" if kind == "reasoning" else \
             "response.output_text.done"
         text_done = dict(self._at(), type=done, content_index=0, text=part["text"])

@@ -63,7 +63,14 @@ def _parts_text(content: Any, param: str) -> str:
 
 
 def _reasoning_text(item: dict, where: str) -> str:
-    """A reasoning item's text: its reasoning_text content, else its summary."""
+    """A reasoning item's text: its reasoning_text content, else what this server kept in its
+    encrypted_content (responses_format.REASONING_MARK: Codex sends the field back and drops
+    the content), else its summary. Another server's encrypted_content is left out."""
+    from strata.server.responses_format import REASONING_MARK
+
+    kept = item.get("encrypted_content")
+    if not item.get("content") and isinstance(kept, str) and kept.startswith(REASONING_MARK):
+        return kept[len(REASONING_MARK):]
     texts = []
     for key in ("content", "summary"):
         parts = item.get(key)
@@ -254,9 +261,9 @@ def _text_format(body: dict) -> dict | None:
 
 
 def _include(body: dict) -> list[str]:
-    """The `include` list: extra output asked for. Only LOGPROBS_INCLUDE changes anything
-    here; the others name output this server never makes (search results, images, encrypted
-    reasoning), so they are accepted and leave nothing to add."""
+    """The `include` list: extra output asked for. LOGPROBS_INCLUDE and
+    responses_format.REASONING_INCLUDE change what is answered; the others name output this
+    server never makes (search results, images), so they are accepted and add nothing."""
     value = body.get("include")
     if value is None:
         return []
