@@ -57,8 +57,8 @@ def main() -> None:
     from strata.engine.sampling import Sampler, SamplingParams
     from strata.engine.tool_call_constraint import ToolCallConstraint
 
-    sys.path.insert(0, str(ROOT / "tests" / "engine"))
-    from test_lark_regex_grammars import APPLY_PATCH  # Codex's grammar, as the tests hold it
+    sys.path.insert(0, str(ROOT / "tests"))
+    from codex_apply_patch import APPLY_PATCH_LARK as APPLY_PATCH  # Codex's grammar
 
     tok = big_tokenizer(args.vocab)
     V = tok.vocab_size

@@ -14,6 +14,8 @@ from strata.engine.gbnf import GrammarError, compile_grammar
 from strata.engine.lark_grammar import lark_to_gbnf
 from strata.engine.regex_grammar import regex_to_gbnf
 
+from codex_apply_patch import APPLY_PATCH_LARK
+
 
 def takes(text_gbnf: str, text: str) -> bool:
     r = compile_grammar(text_gbnf).recognizer()
@@ -123,27 +125,7 @@ def test_repetitions_are_written_as_gbnf_writes_them_and_limits_are_errors():
 
 
 # ---- Lark -------------------------------------------------------------------------------------
-# Codex's apply_patch tool (its freeform form), as Codex sends it
-APPLY_PATCH = r'''start: begin_patch hunk+ end_patch
-begin_patch: "*** Begin Patch" LF
-end_patch: "*** End Patch" LF?
-
-hunk: add_hunk | delete_hunk | update_hunk
-add_hunk: "*** Add File: " filename LF add_line+
-delete_hunk: "*** Delete File: " filename LF
-update_hunk: "*** Update File: " filename LF change_move? change?
-
-filename: /(.+)/
-add_line: "+" /(.*)/ LF -> line
-
-change_move: "*** Move to: " filename LF
-change: (change_context | change_line)+ eof_line?
-change_context: ("@@" | "@@ " /(.+)/) LF
-change_line: ("+" | "-" | " ") /(.*)/ LF
-eof_line: "*** End of File" LF
-
-%import common.LF
-'''
+APPLY_PATCH = APPLY_PATCH_LARK  # Codex's apply_patch tool (its freeform form)
 
 
 @pytest.mark.parametrize("patch", [
