@@ -1,5 +1,6 @@
-"""From a validated request to prompt tokens and sampling parameters: tool choice and response
-format become instructions in the system message; the chat template renders the rest."""
+"""From a validated request to prompt tokens and sampling parameters: a response format becomes
+an instruction in the system message, a forced tool choice the hold on the calls; the chat
+template renders the rest."""
 from __future__ import annotations
 
 import json
@@ -34,12 +35,15 @@ class ChatPrompt:
 
 
 def _instructions(req: ChatRequest) -> list[str]:
+    """Notes for the system message. A forced tool choice ("required", a named function) adds
+    none: the sampler holds the answer to a call (of the named function) whatever the prompt
+    says, as vLLM and llama.cpp do. A note in the first system message would change the
+    conversation's first tokens, so the agent's next turn (tool_choice "auto") would match
+    its parked KV only up to there; a note after the last message would keep the conversation
+    but not the reply (the next turn has the reply where the note stood, so the call and its
+    reasoning are read again), and templates that take one system message, first, refuse it.
+    Without it the forced prompt is token for token the "auto" one."""
     out = []
-    if req.tools and req.tool_choice == "required":
-        out.append("You must answer by calling one or more of the tools.")
-    elif isinstance(req.tool_choice, dict):
-        out.append(f"You must answer by calling the function "
-                   f"{req.tool_choice['function']['name']}.")
     fmt = req.response_format
     if fmt is not None and fmt["type"] == "json_object":
         out.append("Answer with one valid JSON object and nothing else.")
@@ -89,10 +93,13 @@ def build_chat_prompt(engine, req: ChatRequest, param: str = "messages",
     if clash:
         raise invalid(f"'chat_template_kwargs' may not set {clash[0]!r}: the server sets it "
                       "from the request.", "chat_template_kwargs")
+    # A named function's calls are held to it alone, but the template lists every tool, as
+    # "auto" does: the system prompt (the conversation's parked KV) stays the same.
     tools = req.tools if req.tool_choice != "none" else None
+    held_tools = tools
     if tools and isinstance(req.tool_choice, dict):
         name = req.tool_choice["function"]["name"]
-        tools = [t for t in tools if t["function"]["name"] == name]
+        held_tools = [t for t in tools if t["function"]["name"] == name]
     messages = _with_system_note(req.messages, _instructions(req))
     try:
         text = _render(engine, messages, tools, add_generation_prompt,
@@ -109,7 +116,7 @@ def build_chat_prompt(engine, req: ChatRequest, param: str = "messages",
                       starts_in_reasoning=opens_reasoning(engine.tokenizer, tokens),
                       param_types=_param_types(tools or []),
                       held_tool_calls=[_held_function(t["function"], req.input_grammars)
-                                       for t in tools] if form else None,
+                                       for t in held_tools] if form else None,
                       tool_call_form=form or "json")
 
 
