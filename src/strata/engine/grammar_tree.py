@@ -66,27 +66,17 @@ BRACES = re.compile(r"\{(\d*)(,(\d*))?\}")
 
 @functools.lru_cache(maxsize=1)
 def _case_classes() -> tuple:
-    """(code point, the others of its case class) for every cased character: the classes
-    joined by simple (one character) lower and upper case mappings."""
-    parent: dict[int, int] = {}
-
-    def find(x):
-        while parent.get(x, x) != x:
-            x = parent[x]
-        return x
-    for cp in range(0x1E944):  # past the last cased script (Adlam)
-        c = chr(cp)
-        for other in (c.lower(), c.upper()):
-            if len(other) == 1 and other != c:
-                parent[find(cp)] = find(ord(other))
-    groups: dict[int, list] = {}
-    for cp in parent:
-        groups.setdefault(find(cp), []).append(cp)
-    for root in list(groups):
-        if root not in parent:
-            groups[root].append(root)
-    return tuple((cp, tuple(o for o in members if o != cp))
-                 for members in groups.values() for cp in members)
+    """(code point, the others of its case class) for every cased character, as Python's re
+    pairs them under IGNORECASE (asked of re: its simple case mappings join i and İ, and its
+    table joins lower case letters with one upper case form, as U+0390 and U+1FD3, ﬅ and ﬆ)."""
+    cased = "".join(c for c in map(chr, range(0x1E944))  # past the last cased script (Adlam)
+                    if c.lower() != c or c.upper() != c)
+    out = []
+    for c in cased:
+        others = tuple(ord(o) for o in re.findall("(?i)" + re.escape(c), cased) if o != c)
+        if others:
+            out.append((ord(c), others))
+    return tuple(out)
 
 
 def folded(chars: CharSet) -> CharSet:

@@ -335,8 +335,8 @@ class _Lark:
             self.take()
             end = text.rindex("/")
             flags = text[end + 1:]
-            if set(flags) - set("is"):
-                self.fail(f"the regex flags {flags!r} (only i and s are supported)", line)
+            if set(flags) - set("isx"):
+                self.fail(f"the regex flags {flags!r} (only i, s and x are supported)", line)
             return self.token(regex_tree(text[1:end], f"lark: line {line}: regex", flags,
                                           anchors=False))
         if kind == "name":
