@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from strata.engine.best_allowed import best_in_tree, irregular_ids, spelled_irregular
 from strata.engine.logprobs import MAX_TOP_LOGPROBS
 from strata.errors import RequestError
 
@@ -336,7 +337,11 @@ def _top_p_threshold(z: np.ndarray, weights: np.ndarray, total: float, top_p: fl
 class Sampler:
     """Picks the next token from logits; remembers the tokens it has seen for the penalties.
     With a `constraint` (allows(token), push(token), candidates(): json_constraint.py) only
-    tokens it allows are picked: a refused draw is masked and drawn again."""
+    tokens it allows are picked: a refused draw is masked and drawn again. Its best allowed
+    token is found in the vocabulary's prefix tree (engine/best_allowed.py), which takes
+    `allows` to read a token's bytes in order: where it refuses a plain token, it refuses every
+    plain token that starts with those bytes (best_allowed.irregular_ids names the tokens
+    judged otherwise)."""
 
     def __init__(self, params: SamplingParams, prompt_tokens: list[int] | None = None,
                  constraint=None):
@@ -359,6 +364,7 @@ class Sampler:
         # the last pick's candidates and their probabilities: what the draw chose from (a
         # greedy or forced pick alone with 1); logprobs.chain_logprob reads them
         self.last_candidates: tuple[np.ndarray, np.ndarray] | None = None
+        self._prefix = None  # _prefix_tree()
 
     def accept(self, token_id: int) -> None:
         """Record a generated token for the penalties (and the constraint)."""
@@ -409,6 +415,7 @@ class Sampler:
         ignore_eos)."""
         p = self.params
         allows = self.constraint.allows
+        candidates = None  # the constraint's, asked once a pick (no token is taken between)
         if not p.is_greedy:
             ids, probs = filter_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
             for attempt in range(MAX_REFUSED):
@@ -421,9 +428,10 @@ class Sampler:
                 if attempt == 0:  # refused: of the rest, only the candidates can pass (a
                     # superset of the allowed ids, so the allowed ones keep their odds; a
                     # grammar that takes few ids refused all 16 draws of a wide vocabulary)
-                    keep &= self._candidate_mask(logits.shape[0])[ids]
+                    candidates = self.constraint.candidates()
+                    keep &= _id_mask(candidates, logits.shape[0])[ids]
                 ids, probs = ids[keep], probs[keep]
-        token = self._best_allowed(logits)
+        token = self._best_allowed(logits, candidates)
         if token is None:
             if p.is_greedy:
                 return self._certain(greedy(logits))
@@ -431,27 +439,39 @@ class Sampler:
             return self._draw(ids, probs)
         return self._certain(token)
 
-    def _candidate_mask(self, size: int) -> np.ndarray:
-        """bool [size]: the ids the constraint's `candidates` names."""
-        candidates = self.constraint.candidates()
-        mask = np.zeros(size, dtype=bool)
-        mask[candidates[candidates < size]] = True
-        return mask
-
-    def _best_allowed(self, logits: np.ndarray) -> int | None:
-        """The allowed token of the largest logit (ties: the lowest id), or None: the argmax,
-        then among the ids whose first byte the constraint could take the best 64, then all."""
+    def _best_allowed(self, logits: np.ndarray,
+                      candidates: np.ndarray | None = None) -> int | None:
+        """The allowed token of the largest finite logit (ties: the lowest id) among the
+        constraint's candidates, or None: the argmax when allowed, else a search of the
+        vocabulary's prefix tree (engine/best_allowed.py), or where that cannot be used the best 64
+        candidates, then all, in logit order."""
         allows = self.constraint.allows
         best = greedy(logits)
         if allows(best):
             return best
-        candidates = self.constraint.candidates()
+        if candidates is None:
+            candidates = self.constraint.candidates()
         candidates = candidates[candidates < logits.shape[0]]
-        for ids in (_ranked(logits, candidates, 64), _ranked(logits, candidates, None)):
-            for token in ids:
+        prefix = self._prefix_tree()
+        irregular = irregular_ids(self.constraint) if prefix is not None else None
+        if irregular is not None:
+            return best_in_tree(self.constraint.allows, logits, candidates, *prefix, irregular)
+        for k in (64, None):
+            for token in _ranked(logits, candidates, k):
                 if np.isfinite(logits[token]) and allows(int(token)):
                     return int(token)
         return None
+
+    def _prefix_tree(self):
+        """(the PrefixTree of the constraint's tokenizer, `spelled_irregular` of it), or None
+        where the constraint names no tokenizer (each keeps its own as `_tokenizer`)."""
+        if self._prefix is None:
+            tokenizer = getattr(self.constraint, "_tokenizer", None)
+            if tokenizer is None or not hasattr(tokenizer, "prefix_tree"):
+                return None
+            tree = tokenizer.prefix_tree()
+            self._prefix = (tree, spelled_irregular(tokenizer, tree))
+        return self._prefix
 
     def sample_candidates(self, row, num_valid: int) -> int | None:
         """The next token for a logit row left on the device (`row.candidates`, see
@@ -520,3 +540,10 @@ class Sampler:
         u = self.rng.random()
         pos = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), ids.shape[0] - 1)
         return int(ids[pos])
+
+
+def _id_mask(ids: np.ndarray, size: int) -> np.ndarray:
+    """bool [size]: `ids` (those below size)."""
+    mask = np.zeros(size, dtype=bool)
+    mask[ids[ids < size]] = True
+    return mask

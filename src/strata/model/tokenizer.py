@@ -191,6 +191,49 @@ def _continues(lead: bytes, data: bytes) -> bool:
         return exc.start == 0 and exc.reason == "unexpected end of data"
 
 
+@dataclass(frozen=True)
+class PrefixTree:
+    """Tokens as a tree of byte strings: a node is one distinct spelling (node 0 is b"", the
+    root, tokens or not), its parent the longest other node that is a prefix of it. With the
+    tokens sorted by (bytes, id), a node's own tokens and its subtree are runs of positions;
+    its children's subtrees tile its subtree after its own tokens. N = nodes."""
+
+    order: np.ndarray     # int32 [V]: the token ids by (bytes, id)
+    position: np.ndarray  # int32 [V]: each id's place in `order`
+    start: np.ndarray     # int32 [N + 1]: node n's own tokens are order[start[n]:start[n + 1]]
+    end: np.ndarray       # int32 [N]: its subtree is order[start[n]:end[n]]
+    child_at: np.ndarray  # int32 [N + 1]: its children are children[child_at[n]:child_at[n + 1]]
+    children: np.ndarray  # int32 [N - 1]: every node but the root, grouped by parent, in order
+
+    @classmethod
+    def of(cls, spellings: list[bytes]) -> "PrefixTree":
+        num_tokens = len(spellings)
+        order = sorted(range(num_tokens), key=lambda i: (spellings[i], i))
+        spelled, start, parent, end = [b""], [0], [-1], [num_tokens]
+        path = [0]  # the nodes whose subtree is open: each a prefix of the next
+        for at, token in enumerate(order):
+            data = spellings[token]
+            if data == spelled[-1]:
+                continue  # one more token of the last node (the root's: an empty token)
+            while not data.startswith(spelled[path[-1]]):  # the root's b"" stops it
+                end[path.pop()] = at
+            parent.append(path[-1])
+            path.append(len(spelled))
+            spelled.append(data)
+            start.append(at)
+            end.append(num_tokens)
+        start.append(num_tokens)
+        parent = np.array(parent[1:], dtype=np.int32)  # [N - 1], node 1 on
+        order = np.array(order, dtype=np.int32)
+        position = np.empty(num_tokens, dtype=np.int32)
+        position[order] = np.arange(num_tokens, dtype=np.int32)
+        return cls(order=order, position=position, start=np.array(start, dtype=np.int32),
+                   end=np.array(end, dtype=np.int32),
+                   child_at=np.concatenate(([0], np.cumsum(np.bincount(
+                       parent, minlength=len(spelled))))).astype(np.int32),
+                   children=(np.argsort(parent, kind="stable") + 1).astype(np.int32))
+
+
 class Tokenizer:
     """Byte-level BPE tokenizer of a GGUF model (`tokenizer.ggml.model == "gpt2"`)."""
 
@@ -213,6 +256,7 @@ class Tokenizer:
         self._bytes = [b"" if i in unused else _token_bytes(t, i in self.added_ids)
                        for i, t in enumerate(tokens)]
         self._first_bytes = None  # first_byte_table()
+        self._prefix_tree: PrefixTree | None = None  # prefix_tree()
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos
@@ -310,6 +354,12 @@ class Tokenizer:
             self._first_bytes = np.array([b[0] if b else -1 for b in self._bytes],
                                          dtype=np.int16)
         return self._first_bytes
+
+    def prefix_tree(self) -> "PrefixTree":
+        """The vocabulary's tokens as a tree of their bytes (made once: ~0.2 s for 150k)."""
+        if self._prefix_tree is None:
+            self._prefix_tree = PrefixTree.of(self._bytes)
+        return self._prefix_tree
 
     def token_id(self, text: str) -> int | None:
         """The id of a vocabulary entry spelled exactly `text` (e.g. '<|im_end|>'), or None."""
