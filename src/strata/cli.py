@@ -374,6 +374,11 @@ def tier_summary(tier) -> dict:
                        streamed_gib=streamer.streamed_bytes / 2**30,
                        streamed_left=streamer.num_left / streamer.num_windows
                        / max(1, streamer.num_layers), streamed_pulled=streamer.pulled)
+        device_tier = getattr(getattr(tier.arena, "model", None), "tier", None)
+        guessed = getattr(device_tier, "guess_totals", lambda: (0,) * 5)()
+        if guessed[0]:  # backends/cuda/guess.py
+            out.update(guess_windows=guessed[0], guess_listed=guessed[1],
+                       guess_routed=guessed[2], guess_gib=guessed[4] / 2**30)
         if streamer is not None and getattr(streamer, "timelines", None):
             out["stream_timeline"] = timeline_medians(streamer.timelines)
     return out
@@ -602,6 +607,11 @@ def format_tier_summary(s: dict) -> str:
                f"of experts, {s['streamed_left']:.1f} rare ones per layer left to PCIe reads "
                f"(the GPU pulled {s['streamed_pulled']} of them into staging)"
                if "streamed_windows" in s else "")
+            + (f"; guessed copies: {s['guess_listed']} rare experts copied a layer ahead in "
+               f"{s['guess_windows']} windows, {s['guess_routed']} of them routed "
+               f"({s['guess_routed'] / max(1, s['guess_listed']):.1%}), "
+               f"{s['guess_gib']:.2f} GiB"
+               if "guess_windows" in s else "")
             + (f"; timeline, medians of {t['windows']} streamed windows: {t['total']:.1f} ms, "
                f"the copy engine {t['copying']:.1f} ms copying ({t['copy_gb_per_s']:.1f} GB/s) "
                f"and {t['held']:.1f} ms held, the compute stream {t['waiting']:.1f} ms waiting "

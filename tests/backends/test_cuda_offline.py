@@ -155,6 +155,21 @@ def test_read_ahead_setting():
             read_ahead_experts({"STRATA_READ_AHEAD": bad})
 
 
+def test_guess_rows_setting():
+    """STRATA_GUESS_ROWS: the least guessed rows that get a rare expert copied a layer ahead
+    (backends/cuda/guess.py; off by default and with 0); anything else is refused with the
+    value named."""
+    from strata.backends.cuda.guess import guess_min_rows
+    from strata.errors import ConfigError
+
+    assert guess_min_rows({}) == 0
+    assert guess_min_rows({"STRATA_GUESS_ROWS": " 0 "}) == 0
+    assert guess_min_rows({"STRATA_GUESS_ROWS": "32"}) == 32
+    for bad in ("eight", "-1", "1.5"):
+        with pytest.raises(ConfigError, match="STRATA_GUESS_ROWS="):
+            guess_min_rows({"STRATA_GUESS_ROWS": bad})
+
+
 def test_attention_prompt_shared_memory_is_what_the_runtime_allows():
     """attention_prompt's two buffers of K/V tiles need more than the default 48 KB of dynamic
     shared memory at D = 128: the runtime raises the kernel's limit to exactly the most any

@@ -78,6 +78,7 @@ ctypedef CUresult (*t_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUst
 ctypedef CUresult (*t_mem_host_register)(void *, size_t, unsigned int) noexcept nogil
 ctypedef CUresult (*t_mem_host_unregister)(void *) noexcept nogil
 ctypedef CUresult (*t_mem_host_get_device_pointer)(CUdeviceptr *, void *, unsigned int) noexcept nogil
+ctypedef CUresult (*t_stream_write_value32)(CUstream, CUdeviceptr, uint32_t, unsigned int) noexcept nogil
 
 cdef struct Driver:
     t_init init
@@ -110,6 +111,7 @@ cdef struct Driver:
     t_mem_host_register mem_host_register
     t_mem_host_unregister mem_host_unregister
     t_mem_host_get_device_pointer mem_host_get_device_pointer
+    t_stream_write_value32 stream_write_value32  # NULL where the driver lacks it (no guesses)
 
 cdef Driver drv
 cdef bint _loaded = False
@@ -186,6 +188,7 @@ def load() -> None:
     drv.mem_host_unregister = <t_mem_host_unregister>_sym(lib, "cuMemHostUnregister")
     drv.mem_host_get_device_pointer = <t_mem_host_get_device_pointer>_sym(
         lib, "cuMemHostGetDevicePointer_v2")
+    drv.stream_write_value32 = <t_stream_write_value32>dlsym(lib, b"cuStreamWriteValue32_v2")
     _loaded = True
     _check(drv.init(0), "cuInit")
 
@@ -679,3 +682,129 @@ cdef class Graph:
         with nogil:
             rc = drv.graph_launch(self.exec_, <CUstream>stream)
         _check(rc, "cuGraphLaunch")
+
+
+# ---- guessed copies (backends/cuda/guess.py; docs/offload.md, "Guessed copies") -------------
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <time.h>
+    static inline int64_t st_load_acquire_i64(const int64_t *p) {
+        return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    }
+    static inline int32_t st_load_acquire_i32(const int32_t *p) {
+        return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    }
+    static inline void st_relax(void) {
+    #if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+    #elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+    #endif
+    }
+    static inline void st_nap(void) {  /* the pool's threads hold the other cores */
+        struct timespec t = {0, 20000};
+        nanosleep(&t, NULL);
+    }
+    static inline int64_t st_now_ns(void) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+    }
+    """
+    int64_t st_load_acquire_i64(const int64_t *p) nogil
+    int32_t st_load_acquire_i32(const int32_t *p) nogil
+    void st_relax() nogil
+    void st_nap() nogil
+    int64_t st_now_ns() nogil
+
+
+def has_stream_write_value() -> bool:
+    """Does the driver have cuStreamWriteValue32 (guessed copies need it)?"""
+    _need()
+    return drv.stream_write_value32 != NULL
+
+
+def issue_guessed_copies(uintptr_t flags, uintptr_t lists, int num_experts,
+                         const int32_t[::1] layers, int64_t seq, const uint64_t[::1] stage,
+                         uint64_t host_base, uint64_t slot_bytes,
+                         const uint64_t[::1] image_bytes, uint64_t landed, uintptr_t stream,
+                         double timeout_s) -> tuple:
+    """Serve a window's guesses, layer by layer in `layers`' order (GIL released): wait until
+    the device's guess_publish wrote flags [l] == seq (int64, mapped host memory), then copy
+    each expert e of its list (lists [L, 1 + E] int32: count, experts) from the pinned host
+    copies [host_base + (l * E + e) * slot_bytes] into [stage [l] + e * slot_bytes] on
+    `stream`, image_bytes [l] each (a run of consecutive experts in one copy), then write
+    landed [l] = (uint32) seq there (a device address; cuStreamWriteValue32 fences the copies
+    before it), which the layer's guess_point waits for. It spins briefly, then naps 20 us at a
+    time (the CPU pool's threads hold the other cores). After `timeout_s` without a flag the
+    layer and the rest are given up: their landed words are still written, so no kernel waits
+    for copies that never come. Returns (experts, copies, bytes, the first layer given up or
+    -1)."""
+    _need()
+    if drv.stream_write_value32 == NULL:
+        raise CudaUnavailable(f"{LIBRARY} has no cuStreamWriteValue32_v2: guessed copies need "
+                              "a CUDA 12 or later driver")
+    cdef int E = num_experts, n = layers.shape[0], i, j, k, l, cnt, e, first
+    cdef int64_t deadline_ns = <int64_t>(timeout_s * 1e9), t0
+    cdef int64_t experts = 0, copies = 0, gave_up = -1
+    cdef uint64_t nbytes = 0, size
+    cdef const int64_t *flag = <const int64_t *>flags
+    cdef const int32_t *lst
+    cdef int32_t *ids = <int32_t *>malloc(sizeof(int32_t) * (E if E > 0 else 1))
+    cdef CUresult rc = 0
+    cdef CUstream st = <CUstream>stream
+    if ids == NULL:
+        raise MemoryError()
+    try:
+        with nogil:
+            for i in range(n):
+                l = layers[i]
+                if gave_up < 0:
+                    t0 = st_now_ns()
+                    k = 0
+                    while st_load_acquire_i64(flag + l) != seq:
+                        k += 1
+                        if k < 64:
+                            st_relax()
+                        else:  # a layer is ~1-3 ms: a nap of 20 us costs it little
+                            st_nap()
+                            if st_now_ns() - t0 > deadline_ns:
+                                gave_up = l
+                                break
+                if gave_up < 0:
+                    lst = <const int32_t *>lists + <int64_t>l * (E + 1)
+                    cnt = st_load_acquire_i32(lst)
+                    if cnt > E:
+                        cnt = E
+                    for j in range(cnt):  # insertion sort: the list comes in no order
+                        e = lst[1 + j]
+                        k = j
+                        while k > 0 and ids[k - 1] > e:
+                            ids[k] = ids[k - 1]
+                            k -= 1
+                        ids[k] = e
+                    j = 0
+                    while j < cnt and rc == 0:
+                        first = ids[j]
+                        while j + 1 < cnt and ids[j + 1] == ids[j] + 1:
+                            j += 1
+                        size = <uint64_t>(ids[j] - first) * slot_bytes + image_bytes[l]
+                        rc = drv.memcpy_htod_async(
+                            <CUdeviceptr>(stage[l] + <uint64_t>first * slot_bytes),
+                            <const void *><uintptr_t>(
+                                host_base + (<uint64_t>l * E + first) * slot_bytes),
+                            size, st)
+                        nbytes += size
+                        copies += 1
+                        j += 1
+                    experts += cnt
+                if rc == 0:
+                    rc = drv.stream_write_value32(st, <CUdeviceptr>(landed + 4 * <uint64_t>l),
+                                                  <uint32_t>seq, 0)
+                if rc != 0:
+                    break
+    finally:
+        free(ids)
+    _check(rc, "guessed copies (cuMemcpyHtoDAsync / cuStreamWriteValue32)")
+    return int(experts), int(copies), int(nbytes), int(gave_up)

@@ -234,6 +234,7 @@ def test_the_cpu_pool_computes_the_rare_experts_a_streamed_window_routes(
 
     monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", 10_000)
     monkeypatch.setattr(share, "POOL_SHARE_OF_COPY", 1e6)
+    monkeypatch.setenv("STRATA_GUESS_ROWS", "0")  # every rare expert the pool's (guess.py)
     monkeypatch.setattr(stream, "POOL_REACH_COST", 2.0)  # the rare half only (half_rare)
     L, E = resident.spec.n_layers, resident.spec.n_experts
     model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
@@ -295,6 +296,53 @@ def test_rare_experts_with_many_rows_are_pulled_into_staging(path, resident, mon
         assert np.array_equal(a, b), f"window {index} differs with pulls"
 
 
+def test_guessed_rare_experts_are_copied_a_layer_early(path, resident, monkeypatch):
+    """A streamed window with a pool guesses each layer's routing from the residual after the
+    attention of the layer before (router.cu's predict_*), and the host has the copy engine
+    copy the rare experts guessed for enough rows into staging (guess.py, offload.cu's
+    guess_publish / guess_point): the same logits bit for bit as without guesses (the pool
+    takes nothing here, so only the address the products read changes), the guesses mostly
+    routed, and the tables and the where table back at the host's after every window; a
+    decode window between the streamed ones guesses nothing."""
+    from strata.backends.cuda import device_tier, stream
+
+    monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", 0)  # the pool takes none of them
+    monkeypatch.setattr(device_tier, "PULL_MIN_ROWS", 10_000)  # nor does pull_rare
+    monkeypatch.setattr(stream, "POOL_REACH_COST", 2.0)  # the rare half only (half_rare)
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    plans = [(40, 33, 20), (30, 1, 1), (1, 1, 1), (20, 20, 20)]  # three stream, one decodes
+    got, totals = {}, {}
+    for min_rows in ("0", "2"):
+        monkeypatch.setenv("STRATA_GUESS_ROWS", min_rows)
+        model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
+        half_rare(arena, L, E)
+        tier, rt = model.tier, model.runtime
+
+        def forward(window):
+            arena.before_window(window.num_rows)
+            out = model.forward_window(window)
+            where = np.empty((L, E), dtype=np.uint8)
+            with rt.active():
+                rt.synchronize()
+                rt.drv.memcpy_dtoh(where, tier._where)
+            assert np.array_equal(where, tier.where_host)
+            assert np.array_equal(arena.device_table(), expected_tables(arena))
+            return out
+
+        try:
+            got[min_rows] = run(model, plans, forward)
+            totals[min_rows] = tier.guess_totals()
+            assert arena.streamer.num_windows == 3
+        finally:
+            arena.close()
+    assert totals["0"] == (0, 0, 0, 0, 0)
+    windows, listed, routed, pointed, nbytes = totals["2"]
+    assert windows == 3 and listed > 0 and pointed == listed and nbytes > 0, totals
+    assert 2 * routed >= listed, totals
+    for index, (a, b) in enumerate(zip(got["0"], got["2"])):
+        assert np.array_equal(a, b), f"window {index} differs with guessed copies"
+
+
 @pytest.mark.parametrize("caps", ["rows", "budget", "none"])
 def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(
         path, resident, monkeypatch, caps):
@@ -308,6 +356,7 @@ def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(
 
     rows_cap = {"rows": 2, "budget": 10_000, "none": 10_000}[caps]
     monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", rows_cap)
+    monkeypatch.setenv("STRATA_GUESS_ROWS", "0")  # every rare expert a candidate (guess.py)
     if caps != "rows":
         units = 5 if caps == "budget" else 0
         monkeypatch.setattr(share, "prompt_pool_budget",

@@ -5,6 +5,7 @@ admission: misses read over PCIe kept in slots the host offered (offload.cu).
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -12,6 +13,8 @@ import numpy as np
 from strata.backends.cuda.share import (DECODE_EXPERT_ROWS, NO_BUDGET, POOL_EXPERT_ROWS,
                                         POOL_MAX_ROWS, PROMPT_POOL_ROWS)
 from strata.errors import ConfigError
+
+log = logging.getLogger("strata.tier")
 
 WHERE_VRAM, WHERE_PCIE, WHERE_CPU = 0, 1, 2  # as backends/cuda/exchange.py
 # A streamed window's rare expert that the pool does not take is read over PCIe by the grouped
@@ -68,6 +71,8 @@ class DeviceTier:
         self.pulled_host = rt.pinned((L,), np.int32)
         self.pulled_host[:] = 0  # pinned memory comes uninitialised
         self._pull_args = None  # (host device base, slot bytes, part offsets on the device, [L])
+        self._guess = None  # enable_pulls with guess_min_rows(): GuessedCopies (guess.py)
+        self._guess_window = False  # is the running window's host serving guesses (start_guesses)
         self.pool = None
         self._pool_window = False  # did the running window hand rows to the pool (before_run)
         self._pools_rows: dict[int, bool] = {}  # rows -> pools(rows), until the pool changes
@@ -139,7 +144,73 @@ class DeviceTier:
         part_off = self._rt.upload(np.ascontiguousarray(part_offsets, dtype=np.uint64))
         self._pull_args = (int(host_device_base), int(slot_bytes), part_off,
                            np.asarray(image_bytes, dtype=np.uint64).copy())
+        self._enable_guesses(host_device_base, slot_bytes, part_off, image_bytes)
         self.model.drop_plans()
+
+    def _enable_guesses(self, host_device_base, slot_bytes, part_off, image_bytes) -> None:
+        """Guessed copies (guess.py) beside the pulls, unless STRATA_GUESS_ROWS=0, the layer is
+        too wide for predict_topk or the driver lacks cuStreamWriteValue32."""
+        from strata._native import cuda_driver
+        from strata.backends.cuda.guess import GUESS_MAX_EXPERTS, GuessedCopies, guess_min_rows
+
+        min_rows = guess_min_rows()
+        if min_rows == 0 or self.num_experts > GUESS_MAX_EXPERTS:
+            return
+        if not cuda_driver.has_stream_write_value():
+            log.info("guessed copies off: the driver has no cuStreamWriteValue32")
+            return
+        arena = getattr(self.model, "expert_arena", None)
+        host_base = arena.host.host_base if arena is not None else 0
+        if not host_base:
+            return
+        self._guess = GuessedCopies(self._rt, self.num_layers, self.num_experts, min_rows,
+                                    host_base, slot_bytes, image_bytes, part_off)
+        self._guess.set_layers(self.model)
+
+    def guesses(self, num_rows: int) -> bool:
+        """Does a window of `num_rows` rows guess its routing a layer early (guess.py)? The
+        streamed prompt windows that pull_rare serves (with a pool), once enabled."""
+        return (self._guess is not None and num_rows > POOL_MAX_ROWS and self.pools(num_rows)
+                and len(self._guess.layers) > 0 and self.model.is_first and self.model.is_last)
+
+    def add_guess(self, plan, layer: int) -> None:
+        """After the attention of layer - 1: layer's routing guessed and published (guess.py),
+        when the layer is one whose routing is guessed."""
+        if self._guess.guesses_layer(layer):
+            self._guess.add_guess(plan, self.model, layer, int(self._pull_base),
+                                  self.where_ptr(layer))
+
+    def start_guesses(self, num_rows: int) -> None:
+        """Before the plan (model._run): this window's guesses are served by its host."""
+        self._guess_window = self.guesses(num_rows)
+        if self._guess_window:
+            self._guess.before_run(self._rt.stream)
+
+    def issue_guesses(self) -> None:
+        """The window queued (model._run): wait for the guessed copies' worker to finish its
+        pass, then the host's where and no seq again behind the window."""
+        if not self._guess_window or self._guess._issued:
+            return
+        try:
+            self._guess.wait()
+        finally:
+            drv, stream = self._rt.drv, self._rt.stream
+            drv.memcpy_htod_async(self._where, self.where_host, stream)
+            self._guess.after_run(stream)
+
+    @property
+    def guess_stage_bases(self):
+        """[L] uint64 pinned: the streamed layers' staging sets the guessed copies write into
+        (the streamer fills it beside pull_rare's), or None without guesses."""
+        return None if self._guess is None else self._guess.stage_bases
+
+    def guess_totals(self) -> tuple[int, int, int, int, int]:
+        """(windows, experts listed, of them routed, of them pointed at, bytes copied) since
+        start-up, up to the last finished window."""
+        g = self._guess
+        if g is None:
+            return (0, 0, 0, 0, 0)
+        return (g.num_windows, g.num_listed, g.num_routed, g.num_pointed, g.copied_bytes)
 
     @property
     def pull_base_ptr(self) -> int:
@@ -288,6 +359,9 @@ class DeviceTier:
         # a decode window splits the expert its pool budget ends in by columns (count_groups)
         split = [expert_split_step(self.model, self.model.layers[layer])
                  if pooled and is_decode and self.splits_experts else 0, spec.expert_ffn]
+        if pooled and R > POOL_MAX_ROWS and self.guesses(R) and self._guess.guesses_layer(layer):
+            self._guess.add_point(plan, layer, int(self._pull_base), self.where_ptr(layer),
+                                  self.model.expert_tables_ptr)  # its guessed copies first
         if pooled and self.reads_ahead(R):  # the layer's staged experts landed first
             plan.launches.append(self._ahead.join(plan, layer))
             plan._add("tier_groups_ahead", (1,), (256,), "PPiPPPiiPPPiPfPii",
@@ -389,6 +463,9 @@ class DeviceTier:
         for the pool, raise on a failed hand-off."""
         if routing_counts is not None:
             routing_counts += self.counts_host
+        if self._guess_window:
+            self._guess_window = False
+            self._guess.finish(self.counts_host)
         if self._kept_run:
             self._collect_kept()
         if not self._pool_window:

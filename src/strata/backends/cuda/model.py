@@ -352,8 +352,10 @@ class CudaModel:
             ws = self._ws
             if tier is not None:
                 tier.before_run(R)
+                tier.start_guesses(R)  # a worker serves this window's guessed copies
             plan.run(rt.stream_handle, self.use_graphs and R <= GRAPH_MAX_ROWS)
             if tier is not None:
+                tier.issue_guesses()  # (the streamer waits for it before its timeline)
                 tier.after_run()
             if lazy or not want_logits:  # (lazy: the greedy ids beside the rows left there)
                 out = ws.host_argmax[:max(N, 1)]  # [N]

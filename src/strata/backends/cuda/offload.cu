@@ -474,6 +474,98 @@ extern "C" __global__ void pull_rare(const int *__restrict__ counts,
     }
 }
 
+// Guessed copies (docs/offload.md, "Guessed copies"): in a streamed prompt window with a pool,
+// after the attention of layer - 1, router.cu's predict_* count in pred [E] the rows whose
+// guessed top-K names each expert of `layer`. guess_publish (compute stream, right behind them)
+// lists the rare experts (where CPU) guessed for at least min_rows rows in the mapped host
+// memory lists [L, 1 + E] int32 (count, then the experts, in no order), marks them in fetched
+// [E], then writes flags [layer] = *seq: the host (cuda_driver.issue_guessed_copies) waits for
+// that flag, has the copy engine copy each listed expert's image into its slot of the layer's
+// staging set on its own stream, then writes landed [layer] = seq there (cuStreamWriteValue32,
+// fenced). pred is zeroed for the next window whatever happens. *seq == 0: the host does not
+// take guesses in this window (a plan run without before_run): nothing is listed or flagged.
+// Slot e of the set is free: the copy stream's runs skip rare experts, pull_rare skips experts
+// no longer where CPU, and the set's previous reader (streamed layer j - 2) finished before
+// this launch, so before the host saw the flag. Grid 1, block 256.
+extern "C" __global__ void guess_publish(int *__restrict__ pred, const uint8_t *__restrict__ where,
+                                         int E, int layer, int min_rows,
+                                         const unsigned long long *__restrict__ base,
+                                         const long long *__restrict__ seq, int *lists,
+                                         long long *flags, uint8_t *__restrict__ fetched) {
+    kernel_entry();
+    __shared__ int count;
+    const long long want = *seq;
+    const bool active = want != 0 && base[layer] != 0;
+    if (threadIdx.x == 0) count = 0;
+    __syncthreads();
+    int *list = lists + (long long)layer * (E + 1);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const int rows = pred[e];
+        pred[e] = 0;
+        if (active && where[e] == WHERE_CPU && rows >= min_rows) {
+            list[1 + atomicAdd(&count, 1)] = e;
+            fetched[e] = 1;
+        }
+    }
+    __threadfence_system();  // every thread's list entries before the flag
+    __syncthreads();
+    if (threadIdx.x == 0 && want != 0) {
+        *reinterpret_cast<volatile int *>(list) = count;
+        __threadfence_system();
+        *reinterpret_cast<volatile long long *>(flags + layer) = want;
+        __threadfence_system();
+    }
+}
+
+// Before the layer's tier_groups (compute stream): wait until the host's copies of the layer's
+// guessed experts landed (landed [layer] == (uint32) *seq, device memory the copy stream writes),
+// then make them the GPU's for the window: where [E] VRAM (so neither the pool nor pull_rare
+// takes them; the host's where is uploaded again behind the window) and the layer's tables
+// [L, 3, E] at their staging slot (the residency's upload behind the window puts them back).
+// fetched [E] is cleared; guessed [L] counts the experts. After GUESS_TIMEOUT_NS the experts
+// stay at their host copies (read as rare ones) and status [0] gets layer + 1 (the host logs it).
+// Grid 1, block 256.
+#define GUESS_TIMEOUT_NS 5000000000ULL
+extern "C" __global__ void guess_point(int E, int layer, const long long *__restrict__ seq,
+                                       const unsigned int *landed, uint8_t *__restrict__ fetched,
+                                       uint8_t *where, const unsigned long long *__restrict__ base,
+                                       unsigned long long slot_bytes,
+                                       const unsigned long long *__restrict__ part_off,
+                                       unsigned long long *tables, int *guessed, int *status) {
+    kernel_entry();
+    __shared__ int ok;
+    const long long want = *seq;
+    if (want == 0) return;
+    if (threadIdx.x == 0) {
+        ok = 1;
+        volatile const unsigned int *l = landed + layer;
+        const unsigned long long t0 = global_ns();
+        while (*l != (unsigned int)want) {
+            if (global_ns() - t0 > GUESS_TIMEOUT_NS) {
+                ok = 0;
+                atomicCAS(status, 0, layer + 1);
+                break;
+            }
+            __nanosleep(100);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+    const unsigned long long stage = base[layer];
+    int n = 0;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        if (!fetched[e]) continue;
+        fetched[e] = 0;
+        if (!ok || stage == 0) continue;
+        where[e] = 0;
+        const unsigned long long dst = stage + (unsigned long long)e * slot_bytes;
+        for (int p = 0; p < 3; p++)
+            tables[((unsigned long long)layer * 3 + p) * E + e] = dst + part_off[layer * 3 + p];
+        n++;
+    }
+    if (n) atomicAdd(guessed + layer, n);
+}
+
 // Read-ahead of a decode window (docs/offload.md, "Reading ahead into VRAM"): while the GPU runs
 // a layer's dense part (and the pool the layer before's experts), the link to the pinned host
 // copies is idle. On a side stream, behind the previous layer's expert products, read_ahead

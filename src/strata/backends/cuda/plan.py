@@ -639,6 +639,7 @@ class WindowPlan:
         H, K, F = spec.hidden, spec.n_experts_used, spec.expert_ffn
         P = R * K
         ahead = m.tier is not None and m.tier.reads_ahead(R)
+        guesses = m.tier is not None and m.tier.guesses(R)
         if ahead:  # layer 0's likeliest experts staged while the window starts (device_tier.py)
             m.tier.add_read_ahead(self, 0)
         if m.is_first:  # later stages of a layer split find x [R, H] copied in
@@ -654,6 +655,8 @@ class WindowPlan:
                 self._delta_net(ly)  # x += the gated delta net of the rows [R, H]
             else:
                 self._gated_or_plain_attention(ly)  # x += attention [R, H]
+            if guesses and li + 1 < len(m.layers):  # the next layer's routing guessed from
+                m.tier.add_guess(self, li + 1)  # x [R, H] and published (guess.py)
             # -- the routed experts
             self._norm(ly.ffn_norm.ptr, R, quantize=m.quantize_h)
             self._router(ly)  # router [R, E], ids / wts [R, K], the pairs grouped by expert

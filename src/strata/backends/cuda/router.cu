@@ -408,3 +408,117 @@ extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_f16(ROUTE
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_bf16(ROUTER_ARGS) {
     router_body<ST_BF16>(ROUTER_PASS);
 }
+
+// ---- the next layer's experts guessed ahead (a streamed prompt window with a CPU pool;
+// docs/offload.md, "Guessed copies"), in two launches; offload.cu's guess_publish hands the
+// guess to the host, which has the copy engine copy the guessed rare experts. x [R, H] is the residual after this
+// layer's attention: the next layer's input but for this layer's experts, so most of the next
+// layer's routing is known a layer early. Both do nothing when *base == 0 (the next layer is
+// not streamed in this window).
+// predict_logits: logits [R, E] = W [E, H] (the next layer's router, float) x (x * nw) [R, H]
+// (nw [H] its FFN norm's weight). The RMS scale of a row is left out: it multiplies the row's
+// logits by one positive number, which keeps their order. Grid (ceil(E / PREDICT_WARPS),
+// ceil(R / PREDICT_RT)), block PREDICT_WARPS * 32: a warp per expert over the tile's rows.
+#define PREDICT_WARPS 8
+#define PREDICT_RT 8
+template <int QT>
+__device__ __forceinline__ void predict_logits_body(const uint8_t *__restrict__ W,
+                                                    long long row_bytes, int E, int H,
+                                                    const float *__restrict__ x, int R,
+                                                    const float *__restrict__ nw,
+                                                    const unsigned long long *__restrict__ base,
+                                                    float *__restrict__ logits) {
+    kernel_entry();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int e = blockIdx.x * PREDICT_WARPS + warp;
+    const int r0 = blockIdx.y * PREDICT_RT, nt = min(PREDICT_RT, R - r0);
+    if (*base == 0 || e >= E) return;
+    const uint8_t *wrow = W + (long long)e * row_bytes;  // [H]
+    float acc[PREDICT_RT];
+#pragma unroll
+    for (int t = 0; t < PREDICT_RT; t++) acc[t] = 0.0f;
+    for (int c = 4 * lane; c < H; c += 4 * WARP) {
+        float4 w = load_float4_weight<QT>(wrow, c);
+        const float4 n = *reinterpret_cast<const float4 *>(nw + c);
+        w.x *= n.x;
+        w.y *= n.y;
+        w.z *= n.z;
+        w.w *= n.w;
+#pragma unroll
+        for (int t = 0; t < PREDICT_RT; t++) {
+            if (t < nt) {
+                const float4 v =
+                    *reinterpret_cast<const float4 *>(x + (long long)(r0 + t) * H + c);
+                acc[t] = fmaf(w.x, v.x, fmaf(w.y, v.y, fmaf(w.z, v.z,
+                                                            fmaf(w.w, v.w, acc[t]))));
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < PREDICT_RT; t++) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nt) logits[(long long)(r0 + t) * E + e] = s;
+    }
+}
+
+#define PREDICT_ARGS                                                                            \
+    const uint8_t *W, long long row_bytes, int E, int H, const float *x, int R,                \
+        const float *nw, const unsigned long long *base, float *logits
+#define PREDICT_PASS W, row_bytes, E, H, x, R, nw, base, logits
+extern "C" __global__ void __launch_bounds__(PREDICT_WARPS * 32)
+predict_logits_f32(PREDICT_ARGS) {
+    predict_logits_body<ST_F32>(PREDICT_PASS);
+}
+extern "C" __global__ void __launch_bounds__(PREDICT_WARPS * 32)
+predict_logits_f16(PREDICT_ARGS) {
+    predict_logits_body<ST_F16>(PREDICT_PASS);
+}
+extern "C" __global__ void __launch_bounds__(PREDICT_WARPS * 32)
+predict_logits_bf16(PREDICT_ARGS) {
+    predict_logits_body<ST_BF16>(PREDICT_PASS);
+}
+
+// predict_topk: pred [E] += the rows of logits [R, E] whose top-K names each expert (ties to
+// the lower id; NaN never). Grid ceil(R / PREDICT_WARPS), block PREDICT_WARPS * 32: a warp
+// per row; E <= 32 * PREDICT_MAX_E_LANE.
+#define PREDICT_MAX_E_LANE 16
+extern "C" __global__ void __launch_bounds__(PREDICT_WARPS * 32)
+predict_topk(const float *__restrict__ logits, int R, int E, int K,
+             const unsigned long long *__restrict__ base, int *__restrict__ pred) {
+    kernel_entry();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = blockIdx.x * PREDICT_WARPS + warp;
+    if (*base == 0 || r >= R) return;
+    float v[PREDICT_MAX_E_LANE];  // this lane's experts lane, lane + 32, ...; NaN: none or taken
+#pragma unroll
+    for (int i = 0; i < PREDICT_MAX_E_LANE; i++) {
+        const int e = lane + WARP * i;
+        v[i] = e < E ? logits[(long long)r * E + e] : __int_as_float(0x7fc00000);
+    }
+    for (int k = 0; k < K; k++) {
+        float bv = 0.0f;
+        int best = -1;
+#pragma unroll
+        for (int i = 0; i < PREDICT_MAX_E_LANE; i++) {
+            if (!isnan(v[i]) && (best < 0 || v[i] > bv)) {
+                bv = v[i];
+                best = lane + WARP * i;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int ob = __shfl_xor_sync(0xffffffffu, best, o);
+            if (ob >= 0 && (best < 0 || ov > bv || (ov == bv && ob < best))) {
+                bv = ov;
+                best = ob;
+            }
+        }
+        if (best < 0) break;  // the same on every lane (xor reduction)
+        if (lane == 0) atomicAdd(pred + best, 1);
+        if ((best & (WARP - 1)) == lane) {
+#pragma unroll
+            for (int i = 0; i < PREDICT_MAX_E_LANE; i++)
+                if (lane + WARP * i == best) v[i] = __int_as_float(0x7fc00000);
+        }
+    }
+}

@@ -559,13 +559,18 @@ class PromptStreamer:
         if pulls:  # pull_rare's staging set per layer, for this window only
             self.num_pulled += int(tier.pulled_host.sum())  # the last window's (landed)
             tier.pulled_host[:] = 0
-            rt.drv.memcpy_htod_async(tier.pull_base_ptr, self._pull_bases(residency), rt.stream)
+            bases = self._pull_bases(residency)
+            if tier.guess_stage_bases is not None:  # before the upload: before any guess
+                tier.guess_stage_bases[:] = bases
+            rt.drv.memcpy_htod_async(tier.pull_base_ptr, bases, rt.stream)
         entry[2].run(stream)
         a._publish()  # the tables back to the residency's, behind the window's kernels
         if pulls:
             rt.drv.memset_d32_async(tier.pull_base_ptr, 0, 2 * self.num_layers, rt.stream)
             rt.drv.memcpy_dtoh_async(tier.pulled_host, tier.pulled_ptr, rt.stream)
             rt.drv.memset_d32_async(tier.pulled_ptr, 0, self.num_layers, rt.stream)
+        if pulls:  # the guessed copies' worker has seen the window through (guess.py)
+            tier.issue_guesses()
         if self.timeline:
             self._time(plan.num_rows, entry[4], num_bytes)
         self.streamed_bytes += num_bytes
