@@ -137,7 +137,7 @@ class GuessedCopies:
     def add_point(self, plan, layer: int, pull_base: int, where_ptr: int,
                   tables_ptr: int) -> None:
         """Before the layer's tier_groups: wait for its copies, point where and tables there."""
-        plan._add("guess_point", (1,), (256,), "iiPPPPPqPPPP",
+        plan._add("guess_point", (1,), (256,), "iiPPPPPPPPPP",
                   [self.E, layer, int(self._seq), int(self._landed),
                    int(self._fetched) + layer * self.E, where_ptr, int(pull_base),
                    self.slot_bytes, int(self._part_off), tables_ptr, int(self._stats),
