@@ -4,12 +4,11 @@ order: `best_in_tree`, with `spelled_irregular` / `irregular_ids`, the tokens a 
 judge by more than their bytes read in order (engine/sampling.py's Sampler uses them)."""
 from __future__ import annotations
 
-import bisect
 import heapq
 
 import numpy as np
 
-from strata.engine.json_constraint import THINK_OPEN
+from strata.engine.json_constraint import THINK_OPEN, spelled_ids
 
 
 def best_in_tree(allows, logits: np.ndarray, candidates: np.ndarray, tree,
@@ -72,16 +71,12 @@ def spelled_irregular(tokenizer, tree) -> np.ndarray:
     got = _SPELLED.get(id(tree))
     if got is not None and got[0] is tree:
         return got[1]
-    num_tokens, order = tree.order.shape[0], tree.order
+    num_tokens = tree.order.shape[0]
     out = np.zeros(num_tokens, dtype=bool)
     added = [t for t in tokenizer.added_ids if 0 <= t < num_tokens]
     out[added] = True
-    spelling = tokenizer.token_bytes
     for data in (THINK_OPEN, b""):
-        at = bisect.bisect_left(range(num_tokens), data, key=lambda p: spelling(int(order[p])))
-        while at < num_tokens and spelling(int(order[at])) == data:
-            out[order[at]] = True
-            at += 1
+        out[spelled_ids(tokenizer, data)] = True
     if len(_SPELLED) >= 8:
         _SPELLED.clear()
     _SPELLED[id(tree)] = (tree, out)

@@ -7,6 +7,8 @@ through the hooks at the end of JsonRecognizer; the schema also reaches the mode
 instruction in the prompt (server/prompting.py)."""
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 WHITESPACE = frozenset(b" \t\n\r")
@@ -300,6 +302,19 @@ class JsonRecognizer:
 _FIRST_BYTES: dict[tuple, np.ndarray] = {}  # JsonRecognizer.first_bytes by state: a few hundred
 
 
+def spelled_ids(tokenizer, data: bytes) -> list[int]:
+    """The ids spelled exactly `data`, ascending: a vocabulary may spell `<think>` twice (its
+    added token and a plain one), and the model may write either. A bisection of the
+    vocabulary's prefix tree (made once per tokenizer)."""
+    order, spelling = tokenizer.prefix_tree().order, tokenizer.token_bytes
+    at = bisect.bisect_left(range(order.shape[0]), data, key=lambda p: spelling(int(order[p])))
+    out = []
+    while at < order.shape[0] and spelling(int(order[at])) == data:
+        out.append(int(order[at]))
+        at += 1
+    return out
+
+
 def opens_reasoning(tokenizer, prompt_tokens, tail: int = 4096) -> bool:
     """Whether the prompt leaves a `<think>` open where the answer starts (a reasoning model's
     template opens one after the assistant's turn start, or a prefill does), so the output
@@ -361,9 +376,10 @@ class ThinkingLead:
             return None
         return data
 
-    def think_id(self, tokenizer) -> int | None:
-        """The `<think>` token's id while it may open the block."""
-        return tokenizer.token_id(THINK_OPEN.decode()) if self.is_first else None
+    def think_ids(self, tokenizer) -> list[int]:
+        """The ids spelled `<think>` while one may open the block (each opens it: the text
+        is what the output parser reads)."""
+        return spelled_ids(tokenizer, THINK_OPEN) if self.is_first else []
 
 
 class TextConstraint:
@@ -429,14 +445,15 @@ class TextConstraint:
     def candidates(self) -> np.ndarray:
         """Ids that may pass `allows`, by their first byte (a superset; ascending)."""
         stops = np.array(sorted(self._stop_ids), dtype=np.int64)
-        if self.is_done and not self.recognizer.can_continue:  # only the end of the turn
-            return stops
+        if self.is_done and not self.recognizer.can_continue:  # only the end of the turn, or
+            # a <think> block before it (a grammar of only the empty text)
+            return np.union1d(stops, np.array(self.think.think_ids(self._tokenizer),
+                                              dtype=np.int64))
         first = self._tokenizer.first_byte_table()  # [V] int16, -1 for an empty token
-        ok = np.append(self.first_bytes(), False)  # [257]: index -1 (empty) is False
+        # [257]: index -1, an empty token, is free reasoning's only (the held text refuses it)
+        ok = np.append(self.first_bytes(), self.think.is_thinking)
         mask = ok[first]  # [V] (a mask, not a union of id arrays: that sorted 150k ids)
-        think = self.think.think_id(self._tokenizer)
-        if think is not None:
-            mask[think] = True
+        mask[self.think.think_ids(self._tokenizer)] = True
         if self._by_token:  # the ids the token items on top name, or any (a negated one)
             ids, negated = self.recognizer.token_candidates()
             if negated:

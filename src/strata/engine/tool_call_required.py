@@ -86,7 +86,5 @@ class RequiredToolCallConstraint(ToolCallConstraint):
             return np.arange(first.shape[0])
         ok = np.array([self._lead_status(self.lead + bytes((b,))) >= 0 for b in range(256)])
         mask = np.append(ok, False)[first]  # [V]
-        think = self.think.think_id(self._tokenizer)
-        if think is not None:
-            mask[think] = True
+        mask[self.think.think_ids(self._tokenizer)] = True
         return np.flatnonzero(mask)
