@@ -21,13 +21,10 @@ streamer). A window queued without `before_run` (seq 0 on the device) does none 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 
 import numpy as np
-
-from strata.errors import ConfigError
 
 log = logging.getLogger("strata.tier")
 
@@ -42,18 +39,9 @@ HOST_TIMEOUT_S = 5.0  # the host gives a layer's flag up after this (the device:
 
 def guess_min_rows(env=None) -> int:
     """STRATA_GUESS_ROWS, default GUESS_MIN_ROWS (off); 0 turns guessed copies off."""
-    env = os.environ if env is None else env
-    text = env.get("STRATA_GUESS_ROWS", "").strip()
-    if not text:
-        return GUESS_MIN_ROWS
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"STRATA_GUESS_ROWS={text!r} is not a whole number of rows (0 turns "
-                          "guessed copies off, as by default)") from None
-    if value < 0:
-        raise ConfigError(f"STRATA_GUESS_ROWS={value}: give 0 (off) or more rows")
-    return value
+    from strata.backends.cuda.offload import count_setting
+
+    return count_setting("STRATA_GUESS_ROWS", GUESS_MIN_ROWS, "rows", None, env)
 
 
 class GuessedCopies:

@@ -19,24 +19,32 @@ from strata.experts.store import ExpertStore
 log = logging.getLogger("strata.tier")
 
 
+def count_setting(name: str, default: int, unit: str, most: int | None = None,
+                  env=None) -> int:
+    """A whole number >= 0 from environment variable `name` (empty: `default`; 0 turns the
+    feature off), `unit` naming what it counts in the error for anything else."""
+    env = os.environ if env is None else env
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a whole number of {unit} (0 turns it "
+                          "off)") from None
+    if value < 0 or (most is not None and value > most):
+        upto = "or more" if most is None else f"to {most}"
+        raise ConfigError(f"{name}={value}: give 0 (off) {upto} {unit}")
+    return value
+
+
 def read_ahead_experts(env=None) -> int:
     """Experts per layer a decode window with every expert in RAM stages ahead of its routing
     (device_tier.ReadAhead): STRATA_READ_AHEAD, default READ_AHEAD_EXPERTS, 0 off."""
     from strata.backends.cuda.device_tier import READ_AHEAD_EXPERTS, READ_AHEAD_MAX
 
-    env = os.environ if env is None else env
-    text = env.get("STRATA_READ_AHEAD", "").strip()
-    if not text:
-        return READ_AHEAD_EXPERTS
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"STRATA_READ_AHEAD={text!r} is not a whole number of experts per "
-                          "layer (0 turns the read-ahead off)") from None
-    if not 0 <= value <= READ_AHEAD_MAX:
-        raise ConfigError(f"STRATA_READ_AHEAD={value}: give 0 (off) to {READ_AHEAD_MAX} experts "
-                          "per layer")
-    return value
+    return count_setting("STRATA_READ_AHEAD", READ_AHEAD_EXPERTS, "experts per layer",
+                         READ_AHEAD_MAX, env)
 
 
 PART_ALIGN_BYTES = 256      # gate, up and down each start on 256 bytes inside a slot
