@@ -39,7 +39,7 @@ SQL = 'root ::= "SELECT " [a-z]+ " FROM " [a-z_]+ (" WHERE " [a-z]+ " = " [0-9]+
 
 # plain tokens no merge makes: one spelled as another plain one (`ok`), and ones whose shorter
 # prefixes a constraint refuses where it takes them (see test_irregular_tokens)
-ODD = ["ok", "Ċ</think>", "Ċ<", "Ċ</", "ĠFROM", "<t", "xyz", "</think>x"]
+ODD = ["ok", "Ċ</think>", "Ċ<", "Ċ</", "ĠFROM", "<t", "xyz", "</think>x", "<think>Ċ"]
 
 
 def odd_tokenizer(plain_think: bool = False) -> Tokenizer:
@@ -238,9 +238,13 @@ IRREGULAR = {  # a token allowed whose shorter prefix, a plain token, is refused
     # an added token is never held text, a plain one that starts with its spelling may be
     "added prefix": (lambda tok: JsonObjectConstraint(tok, tok.stop_ids), '{"a": "',
                      "</think>x"),
-    # forcing the close: `\n</` splits it, `\n</think>` does not
+    # forcing the close: `\n</` splits it, `\n</think>` does not (the inner constraint
+    # starts in reasoning too, as generate.py builds it: the budget forces only what it takes)
     "forced close": (lambda tok: ThinkingBudget(tok, 0, JsonObjectConstraint(
-        tok, tok.stop_ids), starts_in_reasoning=True), "", "Ċ</think>"),
+        tok, tok.stop_ids, starts_in_reasoning=True), starts_in_reasoning=True), "",
+        "Ċ</think>"),
+    # a first token spelled `<think>` and more opens the block as `<think>` does ("<" refused)
+    "think and more": (lambda tok: JsonObjectConstraint(tok, tok.stop_ids), "", "<think>Ċ"),
     # a plain stop token before the sentence's end (" F"), refused whatever its bytes
     "plain stop": (lambda tok: TextConstraint(tok, plain_stop(tok, " F"), compile_grammar(
         SQL).recognizer()), "SELECT ab", "ĠFROM"),

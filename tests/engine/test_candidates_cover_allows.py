@@ -22,8 +22,9 @@ from strata.tool.synth import synth_tokenizer_meta
 from test_best_allowed_fast import CITY, ODD, PATCH, SQL, TIME, WEATHER, reference
 
 # plain tokens spelled as the tags (a vocabulary's added `<think>` and a BPE spelling of it:
-# the model may write either) and a plain empty one, after test_best_allowed_fast's ODD
-DOUBLES = ["<think>", "</think>", "<tool_call>", "</tool_call>", ""]
+# the model may write either), a plain empty one and one spelled `<think>\n` (as the first
+# token it opens the block too), after test_best_allowed_fast's ODD
+DOUBLES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "", "<think>Ċ"]
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +188,17 @@ def test_the_guides_are_taken_whole(tok):
         for token in tok.encode(text, add_special=False):
             assert c.allows(token), (kind, tok.token_bytes(token))
             c.push(token)
+
+
+def test_think_and_more_opens_where_think_does(tok):
+    """A first token spelled `<think>\n` is taken wherever the plain `<think>` is (both open
+    the block, as the output parser reads the text), and is among the candidates there."""
+    longer, think = plain(tok, "<think>Ċ"), plain(tok, "<think>")
+    for kind, (make, _) in KINDS.items():
+        c = make(tok)
+        assert c.allows(longer) == c.allows(think), kind
+        assert not c.allows(longer) or longer in c.candidates(), kind
+    assert JsonObjectConstraint(tok, tok.stop_ids).allows(longer)
 
 
 # ---- the disagreements found, each through the sampler: the best allowed token is picked ----

@@ -66,8 +66,9 @@ def best_in_tree(allows, logits: np.ndarray, candidates: np.ndarray, tree,
 
 def spelled_irregular(tokenizer, tree) -> np.ndarray:
     """bool [V]: the tokens a constraint may judge by more than their bytes read in order: the
-    added and special ones, the empty ones, and any spelled `<think>` (a reasoning block's
-    opening, allowed by its spelling where a plain token spells it). Made once per tree."""
+    added and special ones, the empty ones, and any spelled `<think>` or `<think>` and more (a
+    reasoning block's opening, allowed by its spelling where a plain token spells it). Made
+    once per tree."""
     got = _SPELLED.get(id(tree))
     if got is not None and got[0] is tree:
         return got[1]
@@ -75,8 +76,8 @@ def spelled_irregular(tokenizer, tree) -> np.ndarray:
     out = np.zeros(num_tokens, dtype=bool)
     added = [t for t in tokenizer.added_ids if 0 <= t < num_tokens]
     out[added] = True
-    for data in (THINK_OPEN, b""):
-        out[spelled_ids(tokenizer, data)] = True
+    out[spelled_ids(tokenizer, THINK_OPEN, is_prefix=True)] = True
+    out[spelled_ids(tokenizer, b"")] = True
     if len(_SPELLED) >= 8:
         _SPELLED.clear()
     _SPELLED[id(tree)] = (tree, out)

@@ -302,14 +302,18 @@ class JsonRecognizer:
 _FIRST_BYTES: dict[tuple, np.ndarray] = {}  # JsonRecognizer.first_bytes by state: a few hundred
 
 
-def spelled_ids(tokenizer, data: bytes) -> list[int]:
-    """The ids spelled exactly `data`, ascending: a vocabulary may spell `<think>` twice (its
-    added token and a plain one), and the model may write either. A bisection of the
-    vocabulary's prefix tree (made once per tokenizer)."""
+def spelled_ids(tokenizer, data: bytes, is_prefix: bool = False) -> list[int]:
+    """The ids spelled exactly `data` (`is_prefix`: spelled `data` and maybe more), in the
+    prefix tree's order: a vocabulary may spell `<think>` twice (its added token and a plain
+    one), and the model may write either. A bisection of the vocabulary's prefix tree (made
+    once per tokenizer)."""
     order, spelling = tokenizer.prefix_tree().order, tokenizer.token_bytes
     at = bisect.bisect_left(range(order.shape[0]), data, key=lambda p: spelling(int(order[p])))
     out = []
-    while at < order.shape[0] and spelling(int(order[at])) == data:
+    while at < order.shape[0]:
+        spelled = spelling(int(order[at]))
+        if not (spelled.startswith(data) if is_prefix else spelled == data):
+            break
         out.append(int(order[at]))
         at += 1
     return out
@@ -354,16 +358,24 @@ class ThinkingLead:
         """Whether the block takes the token (`rest_ok(bytes)`: whether the held text may start
         with what follows `</think>`), or None when the token is the held text's to decide."""
         if self.is_thinking:
-            end = self._close_end(data)
-            return token not in special and (end < 0 or rest_ok(data[end:]))
-        if data == THINK_OPEN and self.is_first:
-            return True
+            return self._block_takes(token, data, special, rest_ok)
+        if self.is_first and data.startswith(THINK_OPEN):
+            # a token spelled `<think>` and more (`<think>\n`) opens the block as the output
+            # parser reads it: what follows the tag is the block's
+            rest = data[len(THINK_OPEN):]
+            return not rest or self._block_takes(token, rest, special, rest_ok)
         return None
+
+    def _block_takes(self, token: int, data: bytes, special, rest_ok) -> bool:
+        end = self._close_end(data)
+        return token not in special and (end < 0 or rest_ok(data[end:]))
 
     def take(self, data: bytes) -> bytes | None:
         """Push a token's bytes: those the held text reads (after `</think>`), or None while
         the block takes them."""
         is_first, self.is_first = self.is_first, False
+        if not self.is_thinking and is_first and data.startswith(THINK_OPEN):
+            self.is_thinking, data = True, data[len(THINK_OPEN):]
         if self.is_thinking:
             end = self._close_end(data)
             if end < 0:
@@ -371,15 +383,12 @@ class ThinkingLead:
                 return None
             self.is_thinking, self._tail = False, b""
             return data[end:]
-        if data == THINK_OPEN and is_first:
-            self.is_thinking = True
-            return None
         return data
 
     def think_ids(self, tokenizer) -> list[int]:
-        """The ids spelled `<think>` while one may open the block (each opens it: the text
-        is what the output parser reads)."""
-        return spelled_ids(tokenizer, THINK_OPEN) if self.is_first else []
+        """The ids spelled `<think>` (and maybe more) while one may open the block (each opens
+        it: the text is what the output parser reads)."""
+        return spelled_ids(tokenizer, THINK_OPEN, is_prefix=True) if self.is_first else []
 
 
 class TextConstraint:
@@ -403,7 +412,9 @@ class TextConstraint:
         # describes the whole output: no reasoning block of its own before it; nor is there
         # one where the caller says the whole output is held (`reasoning_lead` False)
         self._by_token = bool(getattr(recognizer, "has_tokens", False))
-        if self._by_token or not reasoning_lead:
+        # (a thinking budget over it then forces nothing: its close would leave the language)
+        self.holds_whole_output = self._by_token or not reasoning_lead
+        if self.holds_whole_output:
             self.think.is_thinking = self.think.is_first = False
 
     @property

@@ -5,13 +5,15 @@ vocabulary's one token), and the answer goes on after it as the model writes it.
 tags are found in the text, as the output parser and Qwen3's template find them: a `</think>`
 the model spells in pieces (`</`, `think`, `>`) closes it too. Wraps the request's other
 constraint (JSON, tool calls), or none, which sees every token as before, the forced ones
-included; a grammar with token items (gbnf.py) holds the whole output, its `<think>` block
-included, so the budget leaves it be."""
+included: a forced token is one it allows too, and the forcing ends where it takes none (a
+grammar that refuses the `\n\n` after the close). A grammar that holds the whole output, its
+`<think>` block included (token items, gbnf.py, or a raw prompt's: `holds_whole_output`), is
+left be."""
 from __future__ import annotations
 
 import numpy as np
 
-from strata.engine.json_constraint import THINK_CLOSE, THINK_OPEN
+from strata.engine.json_constraint import THINK_CLOSE, THINK_OPEN, spelled_ids
 
 CLOSE = b"\n" + THINK_CLOSE + b"\n\n"  # what a Qwen3 template expects between thought and answer
 TAIL_BYTES = len(THINK_CLOSE) - 1  # the block's last bytes kept: a close may end in the next token
@@ -34,8 +36,7 @@ class ThinkingBudget:
         self._tail = b""  # the block's last TAIL_BYTES bytes
         self.num_thinking_tokens = 0
         # the inner grammar reads the block itself: forced bytes could leave its language
-        self.is_held_by_inner = bool(getattr(getattr(inner, "recognizer", None), "has_tokens",
-                                             False))
+        self.is_held_by_inner = bool(getattr(inner, "holds_whole_output", False))
         self.forced = b""
         # the close as one token, as the model writes it and the tokenizer reads the next
         # turn's `</think>` (and an inner constraint may know it by that token only), so the
@@ -51,7 +52,8 @@ class ThinkingBudget:
     def allows(self, token: int) -> bool:
         if self.forced:
             data = self._tokenizer.token_bytes(token)
-            return bool(data) and self.forced.startswith(data) and not self._splits_close(data)
+            return (bool(data) and self.forced.startswith(data) and not self._splits_close(data)
+                    and (self.inner is None or self.inner.allows(token)))
         return True if self.inner is None else self.inner.allows(token)
 
     @property
@@ -68,6 +70,7 @@ class ThinkingBudget:
         if self.forced:
             self.forced = self.forced[len(data):]
             self.is_thinking = False
+            self._end_forcing_if_refused()
             return
         if self.is_thinking:
             self._take_thinking(data)
@@ -107,6 +110,16 @@ class ThinkingBudget:
     def _start_forcing_if_spent(self) -> None:
         if self.num_thinking_tokens >= self.budget_tokens and not self.is_held_by_inner:
             self.forced = CLOSE
+            self._end_forcing_if_refused()
+
+    def _end_forcing_if_refused(self) -> None:
+        """Stop forcing where no token of the rest passes `allows` (the inner constraint
+        refuses them all): else the sampler would have nothing to draw."""
+        forced = self.forced
+        if forced and self.inner is not None and not any(
+                self.allows(t) for n in range(1, len(forced) + 1)
+                for t in spelled_ids(self._tokenizer, forced[:n])):
+            self.forced = b""
 
     def candidates(self) -> np.ndarray:
         """Ids that may pass `allows` (a superset): while forcing, those whose first byte is
