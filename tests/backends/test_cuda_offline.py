@@ -157,12 +157,12 @@ def test_read_ahead_setting():
 
 def test_guess_rows_setting():
     """STRATA_GUESS_ROWS: the least guessed rows that get a rare expert copied a layer ahead
-    (backends/cuda/guess.py; off by default and with 0); anything else is refused with the
+    (backends/cuda/guess.py; 16 by default, off with 0); anything else is refused with the
     value named."""
     from strata.backends.cuda.guess import guess_min_rows
     from strata.errors import ConfigError
 
-    assert guess_min_rows({}) == 0
+    assert guess_min_rows({}) == 16
     assert guess_min_rows({"STRATA_GUESS_ROWS": " 0 "}) == 0
     assert guess_min_rows({"STRATA_GUESS_ROWS": "32"}) == 32
     for bad in ("eight", "-1", "1.5"):

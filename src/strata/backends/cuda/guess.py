@@ -28,17 +28,18 @@ import numpy as np
 
 log = logging.getLogger("strata.tier")
 
-# The least guessed rows that make a rare expert worth a copy (STRATA_GUESS_ROWS=N). Off
-# unless asked for: on the skew-0 synth pp512 did not gain from it on an H100 (docs/offload.md,
-# "Session 70"); 8 is the setting those runs measured.
-GUESS_MIN_ROWS = 0
+# The least guessed rows that make a rare expert worth a copy (STRATA_GUESS_ROWS=N, 0 off).
+# 16: pp512 +9% on the skew-0 synth and a tie on the skew-1 one on an H100, where 8 gained
+# 11% and lost 2% (docs/offload.md, "Session 71"); fewer rows take more of the rare experts
+# from the CPU pool, which the skew-1 routing keeps busy.
+GUESS_MIN_ROWS = 16
 GUESS_MAX_EXPERTS = 512  # router.cu's predict_topk: 32 x PREDICT_MAX_E_LANE experts
 PREDICT_ROWS, PREDICT_WARPS = 8, 8  # router.cu's PREDICT_RT, PREDICT_WARPS
 HOST_TIMEOUT_S = 5.0  # the host gives a layer's flag up after this (the device: 5 s too)
 
 
 def guess_min_rows(env=None) -> int:
-    """STRATA_GUESS_ROWS, default GUESS_MIN_ROWS (off); 0 turns guessed copies off."""
+    """STRATA_GUESS_ROWS, default GUESS_MIN_ROWS; 0 turns guessed copies off."""
     from strata.backends.cuda.offload import count_setting
 
     return count_setting("STRATA_GUESS_ROWS", GUESS_MIN_ROWS, "rows", None, env)
