@@ -132,6 +132,20 @@ class _CountedStream:
                 count(self._status)
 
 
+def guess_metrics(device_tier):
+    """The guessed copies' counters (backends/cuda/guess.py), once a window has guessed."""
+    windows, listed, routed, _, nbytes = getattr(device_tier, "guess_totals",
+                                                 lambda: (0,) * 5)()
+    if not windows:
+        return
+    yield _counter("strata_expert_guessed_copies", "Rare experts prompt chunks copied into "
+                   "staging a layer before their routing, from the layer's routing guessed on "
+                   "the layer before's residual (STRATA_GUESS_ROWS)", listed)
+    yield _counter("strata_expert_guessed_copies_routed", "Of those, the experts the routing "
+                   "then chose", routed)
+    yield _counter("strata_expert_guessed_copies_bytes", "Bytes of those copies", nbytes)
+
+
 class ExpertCacheCollector:
     """The expert cache's counters, read from the engine's ExpertTier at scrape time (nothing
     per window). Absent while the engine loads or runs without `--expert-cache`. The optimum
@@ -194,6 +208,7 @@ class ExpertCacheCollector:
                                "chunk routed many rows to that the GPU copied into staging once "
                                "the routing was known, instead of reading them per row tile",
                                streamer.pulled)
+                yield from guess_metrics(getattr(tier.arena.model, "tier", None))
         yield _gauge("strata_expert_cache_hit_rate", "Share of routed entries served by the "
                      "cache since start-up", t.hit_rate)
         yield _gauge("strata_expert_cache_slots", "Expert cache slots (one routed expert each)",

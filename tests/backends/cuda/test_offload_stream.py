@@ -311,7 +311,9 @@ def test_guessed_rare_experts_are_copied_a_layer_early(path, resident, monkeypat
     monkeypatch.setattr(stream, "POOL_REACH_COST", 2.0)  # the rare half only (half_rare)
     L, E = resident.spec.n_layers, resident.spec.n_experts
     plans = [(40, 33, 20), (30, 1, 1), (1, 1, 1), (20, 20, 20)]  # three stream, one decodes
-    got, totals = {}, {}
+    from strata.server.metrics import guess_metrics
+
+    got, totals, metrics = {}, {}, {}
     for min_rows in ("0", "2"):
         monkeypatch.setenv("STRATA_GUESS_ROWS", min_rows)
         model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
@@ -332,6 +334,7 @@ def test_guessed_rare_experts_are_copied_a_layer_early(path, resident, monkeypat
         try:
             got[min_rows] = run(model, plans, forward)
             totals[min_rows] = tier.guess_totals()
+            metrics[min_rows] = {m.name: m.samples[0].value for m in guess_metrics(tier)}
             assert arena.streamer.num_windows == 3
         finally:
             arena.close()
@@ -339,6 +342,10 @@ def test_guessed_rare_experts_are_copied_a_layer_early(path, resident, monkeypat
     windows, listed, routed, pointed, nbytes = totals["2"]
     assert windows == 3 and listed > 0 and pointed == listed and nbytes > 0, totals
     assert 2 * routed >= listed, totals
+    assert metrics["0"] == {}  # /metrics: the counters exist once a window has guessed
+    assert metrics["2"] == {"strata_expert_guessed_copies": listed,
+                            "strata_expert_guessed_copies_routed": routed,
+                            "strata_expert_guessed_copies_bytes": nbytes}, metrics
     for index, (a, b) in enumerate(zip(got["0"], got["2"])):
         assert np.array_equal(a, b), f"window {index} differs with guessed copies"
 

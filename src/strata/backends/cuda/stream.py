@@ -494,6 +494,12 @@ class PromptStreamer:
                      self._streak_windows, self._streak_bytes / 2**30,
                      self._streak_left / per_window, self._streak_by_share / per_window,
                      self.pulled)
+            tier = self.arena.model.tier
+            windows, listed, routed, _, _ = tier.guess_totals() if tier else (0,) * 5
+            if windows:
+                log.info("prompt streaming: guessed copies since start-up: %d rare experts "
+                         "copied a layer ahead in %d windows, %d of them routed (%.1f%%)",
+                         listed, windows, routed, 100.0 * routed / max(1, listed))
             self._streak_windows = self._streak_bytes = self._streak_left = 0
             self._streak_by_share = 0
         if not self._borrowed:
