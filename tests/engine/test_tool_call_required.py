@@ -55,12 +55,8 @@ def test_a_think_block_may_come_first(tokenizer):
     assert c.think.is_thinking and not c.allows(stop)
     assert feed(c, ids(tokenizer, "I should call it, not chat.</think>\n\n" + CALL))
     assert c.num_closed == 1
-    spaced = constraint(tokenizer)  # after leading whitespace too (the parser drops it,
-    # so it does not count towards the MAX_LEAD after the block)
-    assert feed(spaced, ids(tokenizer, " " * MAX_LEAD) + [think])
-    assert feed(spaced, ids(tokenizer, "hm</think>" + " " * MAX_LEAD + CALL))
     later = constraint(tokenizer)
-    assert feed(later, ids(tokenizer, " <")) and not later.allows(think)  # not after text
+    assert feed(later, ids(tokenizer, " ")) and not later.allows(think)  # only first
     opened = constraint(tokenizer, starts_in_reasoning=True)  # the prompt opened it
     assert feed(opened, ids(tokenizer, "hmm</think>" + CALL))
 

@@ -339,21 +339,15 @@ def opens_reasoning(tokenizer, prompt_tokens, tail: int = 4096) -> bool:
 
 class ThinkingLead:
     """A reasoning model's `<think>` ... `</think>` block before the held text: its `<think>` as
-    the first token or after whitespace-only tokens the held text took (the output parser drops
-    them before the tag, and the thinking budget skips them too), or the output
-    starts inside one (`starts_in_reasoning`). Inside it any token but a special one passes;
-    the bytes after `</think>` are the held text's. The close is found in the text, as the
-    output parser finds it: spelled in pieces (`</`, `think`, `>`) it ends the block too."""
+    the first token, or the output starts inside one (`starts_in_reasoning`). Inside it any
+    token but a special one passes; the bytes after `</think>` are the held text's. The close
+    is found in the text, as the output parser finds it: spelled in pieces (`</`, `think`,
+    `>`) it ends the block too."""
 
     def __init__(self, starts_in_reasoning: bool = False):
         self.is_thinking = starts_in_reasoning
-        self.may_open = not starts_in_reasoning  # nothing but whitespace taken: a <think> may open
+        self.is_first = not starts_in_reasoning  # nothing taken yet: a <think> may open
         self._tail = b""  # the block's last bytes: a close may end in the next token
-
-    def opens(self, data: bytes) -> bool:
-        """Whether a token of `data` opens the block: a `<think>` and more (`<think>\\n`) as
-        the output parser reads it, while one may open."""
-        return self.may_open and data.startswith(THINK_OPEN)
 
     def _close_end(self, data: bytes) -> int:
         """Where in `data` the block's `</think>` ends (with the bytes before it), or -1."""
@@ -365,7 +359,9 @@ class ThinkingLead:
         with what follows `</think>`), or None when the token is the held text's to decide."""
         if self.is_thinking:
             return self._block_takes(token, data, special, rest_ok)
-        if self.opens(data):  # what follows the tag is the block's
+        if self.is_first and data.startswith(THINK_OPEN):
+            # a token spelled `<think>` and more (`<think>\n`) opens the block as the output
+            # parser reads it: what follows the tag is the block's
             rest = data[len(THINK_OPEN):]
             return not rest or self._block_takes(token, rest, special, rest_ok)
         return None
@@ -377,10 +373,9 @@ class ThinkingLead:
     def take(self, data: bytes) -> bytes | None:
         """Push a token's bytes: those the held text reads (after `</think>`), or None while
         the block takes them."""
-        if self.opens(data):
+        is_first, self.is_first = self.is_first, False
+        if not self.is_thinking and is_first and data.startswith(THINK_OPEN):
             self.is_thinking, data = True, data[len(THINK_OPEN):]
-        # (an empty token is no whitespace: it ends the lead, as it did as the first token)
-        self.may_open = self.may_open and not self.is_thinking and data.isspace()
         if self.is_thinking:
             end = self._close_end(data)
             if end < 0:
@@ -393,18 +388,17 @@ class ThinkingLead:
     def think_ids(self, tokenizer) -> list[int]:
         """The ids spelled `<think>` (and maybe more) while one may open the block (each opens
         it: the text is what the output parser reads)."""
-        return spelled_ids(tokenizer, THINK_OPEN, is_prefix=True) if self.may_open else []
+        return spelled_ids(tokenizer, THINK_OPEN, is_prefix=True) if self.is_first else []
 
 
 class TextConstraint:
     """Which tokens may come next so that the output's bytes stay accepted by `recognizer`
     (copy(), feed(bytes) -> bool, is_done, can_continue, first_bytes(): a JSON object's here,
     a GBNF grammar's in gbnf.py): `allows(token)` before the draw, `push(token)` once it is
-    taken. A `<think>` ... `</think>` block may come first (its `<think>` as the first token or
-    after whitespace the recognizer took, which the block's opening then drops from the held
-    text, or the output starts inside one: `starts_in_reasoning`); the stop tokens are allowed
-    only once the recognizer is done. Special tokens and tags (the tokenizer's added ones) never
-    are, inside the held text."""
+    taken. A `<think>` ... `</think>` block may come first (its `<think>` as the first token, or
+    the output starts inside one: `starts_in_reasoning`); the stop tokens are allowed only once
+    the recognizer is done. Special tokens and tags (the tokenizer's added ones) never are,
+    inside the held text."""
 
     def __init__(self, tokenizer, stop_ids, recognizer, starts_in_reasoning: bool = False,
                  reasoning_lead: bool = True):
@@ -414,9 +408,6 @@ class TextConstraint:
         self._added = tokenizer.added_ids  # tags such as <tool_call>: never inside the text
         self.think = ThinkingLead(starts_in_reasoning)
         self.recognizer = recognizer
-        # the recognizer before the leading whitespace, while a <think> may still open after it:
-        # the output parser drops that whitespace, so the answer after `</think>` starts here
-        self._before_space = None
         # a GBNF grammar with token items (gbnf.TokenRef) reads whole tokens too, and it
         # describes the whole output: no reasoning block of its own before it; nor is there
         # one where the caller says the whole output is held (`reasoning_lead` False)
@@ -424,7 +415,7 @@ class TextConstraint:
         # (a thinking budget over it then forces nothing: its close would leave the language)
         self.holds_whole_output = self._by_token or not reasoning_lead
         if self.holds_whole_output:
-            self.think.is_thinking = self.think.may_open = False
+            self.think.is_thinking = self.think.is_first = False
 
     @property
     def is_done(self) -> bool:
@@ -435,7 +426,7 @@ class TextConstraint:
             return self.is_done
         data = self._tokenizer.token_bytes(token)
         decided = self.think.allows(token, data, self._special,
-                                    lambda rest: self._answer_start().copy().feed(rest))
+                                    lambda rest: self.recognizer.copy().feed(rest))
         if decided is not None:
             return decided
         if self._by_token:  # a special token only by a token item, never as characters
@@ -449,24 +440,12 @@ class TextConstraint:
         """Take `token` (one `allows` accepted)."""
         if token in self._stop_ids:
             return
-        data = self._tokenizer.token_bytes(token)
-        if self.think.may_open:
-            if self._before_space is None:
-                self._before_space = self.recognizer.copy()
-            if self.think.opens(data):
-                self.recognizer = self._before_space
-        data = self.think.take(data)
-        if not self.think.may_open:
-            self._before_space = None
+        data = self.think.take(self._tokenizer.token_bytes(token))
         if data is not None and self._by_token:
             plain = token not in self._added and token not in self._special
             self.recognizer.feed_token(token, data if plain else b"")
         elif data is not None:
             self.recognizer.feed(data)
-
-    def _answer_start(self):
-        """The recognizer a `<think>` block opened now would leave the answer after it."""
-        return self.recognizer if self._before_space is None else self._before_space
 
     def first_bytes(self) -> np.ndarray:
         """bool [256]: the bytes a token may start with now (inside reasoning: all)."""

@@ -21,8 +21,7 @@ class RequiredToolCallConstraint(ToolCallConstraint):
                  starts_in_reasoning: bool = False, max_calls: int | None = None):
         super().__init__(tokenizer, functions, xml, max_calls)
         self._stop_ids = frozenset(stop_ids)
-        # a <think> block before the call (after whitespace too: the output parser's reading)
-        self.think = ThinkingLead(starts_in_reasoning)
+        self.think = ThinkingLead(starts_in_reasoning)  # a <think> block before the call
         self.lead = b""  # the text before the first call (after any </think>)
 
     @property
@@ -67,10 +66,7 @@ class RequiredToolCallConstraint(ToolCallConstraint):
             return
         if token in self._stop_ids:
             return
-        data = self._tokenizer.token_bytes(token)
-        if self.think.opens(data):
-            self.lead = b""  # the output parser drops the whitespace before the tag
-        data = self.think.take(data)
+        data = self.think.take(self._tokenizer.token_bytes(token))
         if data is None:
             return
         self.lead += data
