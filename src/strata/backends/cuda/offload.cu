@@ -523,8 +523,9 @@ extern "C" __global__ void guess_publish(int *__restrict__ pred, const uint8_t *
 // takes them; the host's where is uploaded again behind the window) and the layer's tables
 // [L, 3, E] at their staging slot (the residency's upload behind the window puts them back).
 // fetched [E] is cleared; guessed [L] counts the experts. After GUESS_TIMEOUT_NS the experts
-// stay at their host copies (read as rare ones) and status [0] gets layer + 1 (the host logs it).
-// Grid 1, block 256.
+// stay at their host copies (read as rare ones) and status [0] gets layer + 1 (the host logs it);
+// the later layers of the window then do not wait (a worker that failed writes no landed word:
+// one wait of 5 s a window, not one a layer). Grid 1, block 256.
 #define GUESS_TIMEOUT_NS 5000000000ULL
 extern "C" __global__ void guess_point(int E, int layer, const long long *__restrict__ seq,
                                        const unsigned int *landed, uint8_t *__restrict__ fetched,
@@ -537,10 +538,10 @@ extern "C" __global__ void guess_point(int E, int layer, const long long *__rest
     const long long want = *seq;
     if (want == 0) return;
     if (threadIdx.x == 0) {
-        ok = 1;
+        ok = *reinterpret_cast<volatile int *>(status) == 0;  // no layer before timed out
         volatile const unsigned int *l = landed + layer;
         const unsigned long long t0 = global_ns();
-        while (*l != (unsigned int)want) {
+        while (ok && *l != (unsigned int)want) {
             if (global_ns() - t0 > GUESS_TIMEOUT_NS) {
                 ok = 0;
                 atomicCAS(status, 0, layer + 1);
