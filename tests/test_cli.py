@@ -91,7 +91,7 @@ def test_more_threads_than_the_kernels_run_exits_2(tiny):
         res = runner().invoke(main, ["run", "--model", tiny, "--device", device,
                                      "--threads", "100000", "Hi"])
         assert res.exit_code == 2, res.output
-        assert "threads = 100000" in res.stderr and "1024" in res.stderr
+        assert "threads (--threads) = 100000" in res.stderr and "1024" in res.stderr
         assert "Traceback" not in res.output
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from strata.cli_options import (Depths, ReadChunk, SlotCounts, device_option, draft_options,
-                                expert_options, read_chunk_fields, slot_options)
+from strata.cli_options import (Depths, ReadChunk, SlotCounts, ctx_size_option, device_option,
+                                draft_options, expert_options, read_chunk_fields, slot_options)
 from strata.cli_chat import COMMANDS_HELP, ReplyPrinter, chat, speed_line
 from strata.errors import StrataError
 from strata.sizes import size_text
@@ -92,10 +92,7 @@ def main():
 @click.option("--threads", "-t", default=None, type=int,
               help="CPU threads (default: all usable cores; a CPU pool beside a GPU takes all "
                    "but one, since the engine thread that drives the GPU needs its own).")
-@click.option("--ctx-size", "-c", default=None, type=int,
-              help="Context size of each slot in tokens (default: min(model context, 8192)); "
-                   "every --parallel slot holds this many (llama-server's -c, without "
-                   "--kv-unified, is split between its slots).")
+@ctx_size_option
 @click.option("--system", "-sys", "--system-prompt", "system", default=None,
               help="System message for the chat template.")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template "

@@ -11,6 +11,13 @@ from strata.config import KV_TYPES, MAX_PARALLEL, parse_count
 from strata.engine.drafts import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_SIZE, SPEC_TYPES
 from strata.engine.recurrent import DEFAULT_CHECKPOINTS
 
+# --ctx-size of `strata run` and `strata serve`
+ctx_size_option = click.option(
+    "--ctx-size", "-c", default=None, type=click.IntRange(min=0),
+    help="Context size of each slot in tokens (default: min(model context, 8192); 0: the "
+         "model's whole context, as llama.cpp's -c 0); every --parallel slot holds this many "
+         "(llama-server's -c, without --kv-unified, is split between its slots).")
+
 
 def device_option(command):
     """Add --device auto|cpu|cuda (passed as `device`)."""

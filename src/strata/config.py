@@ -80,6 +80,13 @@ def _check_writable(path: Path, option: str) -> None:
             pass
 
 
+# The command-line flag of an EngineConfig field, named beside it in errors
+_FLAGS = {"n_ctx": "--ctx-size", "threads": "--threads", "parallel": "--parallel",
+          "seed": "--seed", "prompt_chunk_tokens": "--read-chunk",
+          "solo_chunk_tokens": "--read-chunk", "ctx_checkpoints": "--ctx-checkpoints",
+          "adapt_every": "--adapt-every", "adapt_swaps": "--adapt-swaps"}
+
+
 @dataclass
 class EngineConfig:
     """Options of one engine. `n_ctx` None means min(the model's context length, 8192);
@@ -157,12 +164,13 @@ class EngineConfig:
         if not path.is_file():
             raise ConfigError(f"model path {str(path)!r} is not a file; give a .gguf file")
         self.model_path = path
-        self._check_int("n_ctx", allow_none=True, minimum=1)
+        self._check_int("n_ctx", allow_none=True, minimum=0)  # 0: the model's whole context
         self._check_int("threads", allow_none=True, minimum=1)
         from strata._native.kernels import MAX_THREADS
         if self.threads is not None and self.threads > MAX_THREADS:
-            raise ConfigError(f"threads = {self.threads} is more than the {MAX_THREADS} the CPU "
-                              "kernels run; give the number of cores or fewer (--threads)")
+            raise ConfigError(f"threads (--threads) = {self.threads} is more than the "
+                              f"{MAX_THREADS} the CPU kernels run; give the number of cores or "
+                              "fewer")
         self.device = check_device(self.device)
         self._check_int("prompt_chunk_tokens", allow_none=False, minimum=1)
         if self.solo_chunk_tokens != "auto":
@@ -397,17 +405,22 @@ class EngineConfig:
         value = getattr(self, name)
         if value is None and allow_none:
             return
+        said = f"{name} ({_FLAGS[name]})" if name in _FLAGS else name  # the user gave the flag
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name} = {value!r} must be an integer")
+            raise ConfigError(f"{said} = {value!r} must be an integer")
         if value < minimum:
-            raise ConfigError(f"{name} = {value} must be >= {minimum}")
+            raise ConfigError(f"{said} = {value} must be >= {minimum}")
 
     def resolve_n_ctx(self, model_context_tokens: int) -> int:
-        """The KV size to allocate: n_ctx, or min(model context, 8192) when unset. Asking for more
-        than the model was trained on is an error the user can fix."""
+        """The KV size to allocate: n_ctx, min(model context, 8192) when unset, the model's
+        whole context at 0 (llama.cpp's `-c 0`). Asking for more than the model was trained on
+        is an error the user can fix."""
         if self.n_ctx is None:
             return min(int(model_context_tokens), DEFAULT_MAX_CTX_TOKENS)
+        if self.n_ctx == 0:
+            return int(model_context_tokens)
         if self.n_ctx > model_context_tokens:
-            raise ConfigError(f"n_ctx = {self.n_ctx} is larger than the model's context length "
-                              f"{model_context_tokens}; use at most {model_context_tokens}")
+            raise ConfigError(f"n_ctx (--ctx-size) = {self.n_ctx} is larger than the model's "
+                              f"context length {model_context_tokens}; use at most "
+                              f"{model_context_tokens}, or 0 for all of it")
         return self.n_ctx

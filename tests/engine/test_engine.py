@@ -189,16 +189,28 @@ def test_chat_renders_the_template(engine):
 def test_config_errors(tiny_model_path, tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         EngineConfig(tmp_path / "nope.gguf")
-    with pytest.raises(ConfigError, match="n_ctx = 0"):
-        EngineConfig(tiny_model_path, n_ctx=0)
-    with pytest.raises(ConfigError, match="prompt_chunk_tokens"):
+    with pytest.raises(ConfigError, match=r"n_ctx \(--ctx-size\) = -1 must be >= 0"):
+        EngineConfig(tiny_model_path, n_ctx=-1)
+    with pytest.raises(ConfigError, match=r"prompt_chunk_tokens \(--read-chunk\) = 0"):
         EngineConfig(tiny_model_path, prompt_chunk_tokens=0)
-    with pytest.raises(ConfigError, match="seed = -1"):
+    with pytest.raises(ConfigError, match=r"seed \(--seed\) = -1"):
         EngineConfig(tiny_model_path, seed=-1)
-    with pytest.raises(ConfigError, match="threads = 'x'"):
+    with pytest.raises(ConfigError, match=r"threads \(--threads\) = 'x'"):
         EngineConfig(tiny_model_path, threads="x")
-    with pytest.raises(ConfigError, match="larger than the model's context length 4096"):
+    with pytest.raises(ConfigError, match="larger than the model's context length 4096; use at "
+                       "most 4096, or 0 for all of it"):
         Engine(EngineConfig(tiny_model_path, n_ctx=5000))
+
+
+def test_ctx_size_0_is_the_models_whole_context(tiny_model_path):
+    """llama.cpp's -c 0: the context the model was trained on (tiny's 4096 here; the default
+    caps it at 8192, which a longer model's 0 goes past)."""
+    from strata.config import DEFAULT_MAX_CTX_TOKENS
+
+    assert EngineConfig(tiny_model_path, n_ctx=0).resolve_n_ctx(40960) == 40960
+    assert EngineConfig(tiny_model_path).resolve_n_ctx(40960) == DEFAULT_MAX_CTX_TOKENS
+    with Engine(EngineConfig(tiny_model_path, n_ctx=0)) as e:
+        assert e.n_ctx == 4096 and e.kv.capacity == 4096
 
 
 def test_default_context_is_model_context_capped(tiny_model_path):

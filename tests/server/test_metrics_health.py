@@ -158,9 +158,9 @@ def test_serve_rejects_a_missing_model(tmp_path):
 
 
 def test_serve_rejects_a_bad_context_size(model_path):
-    result = CliRunner().invoke(serve, ["--model", str(model_path), "--ctx-size", "0"])
-    assert result.exit_code == 2
-    assert "n_ctx" in result.output
+    result = CliRunner().invoke(serve, ["--model", str(model_path), "--ctx-size", "-1"])
+    assert result.exit_code == 2  # (0 is the model's whole context, as llama.cpp's -c 0)
+    assert "'--ctx-size' / '-c': -1 is not in the range x>=0" in result.output
 
 
 def test_serve_reports_a_busy_port(model_path):

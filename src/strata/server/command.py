@@ -13,7 +13,7 @@ import time
 
 import click
 
-from strata.cli_options import (device_option, draft_options, expert_options,
+from strata.cli_options import (ctx_size_option, device_option, draft_options, expert_options,
                                 read_chunk_fields, slot_options)
 from strata.server.app import ServerConfig, create_app
 from strata.server.cors import CorsPolicy, parse_headers, parse_methods, parse_origins
@@ -137,18 +137,30 @@ def connection_limit() -> int:
     return max(100, min(1000, soft // 2))
 
 
-def create_wsgi_server(app, host: str, port: int, threads: int = DEFAULT_HTTP_THREADS):
-    """A waitress server for the app (port 0: a free one; see `.effective_port`). Lookahead
-    lets waitress notice a client that went away while its request is still running. The
-    socket is bound here so a busy port fails cleanly (OSError), leaking nothing."""
-    import waitress
-
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: a free one), for `create_wsgi_server`; a busy
+    port or an unknown host fails here (OSError), leaking nothing."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def create_wsgi_server(app, host: str, port: int, threads: int = DEFAULT_HTTP_THREADS,
+                       sock: socket.socket | None = None):
+    """A waitress server for the app on `sock`, else on a socket bound here to host:port (port
+    0: a free one; see `.effective_port`). Lookahead lets waitress notice a client that went
+    away while its request is still running."""
+    import waitress
+
+    sock = sock if sock is not None else bind_socket(host, port)
+    try:
         # waitress buffers a body whole before the app sees it, and refuses one past this cap
         # as it arrives: by its Content-Length before reading it, a chunked one once this much
         # has come. The slack over the app's limit is for chunked framing; whichever refuses
@@ -241,10 +253,7 @@ def _cors_list(parse):
               help="The model name(s) requests give, comma-separated (default: the file "
                    "name without .gguf); the first is the id in /v1/models. E.g. the names "
                    "an agent sends for its main and its small model.")
-@click.option("--ctx-size", "-c", default=None, type=int,
-              help="Context size of each slot in tokens (default: min(model context, 8192)); "
-                   "every --parallel slot holds this many (llama-server's -c, without "
-                   "--kv-unified, is split between its slots).")
+@ctx_size_option
 @click.option("--threads", "-t", default=None, type=int, help="CPU threads (default: all).")
 @click.option("--max-body-kib", default=None, type=click.IntRange(1),
               help="Largest request body accepted (KiB); larger ones get 413 (default: "
@@ -335,18 +344,24 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
                           cors=CorsPolicy(origins=cors_origins, methods=cors_methods,
                                           headers=cors_headers,
                                           allow_credentials=is_cors_credentials_on))
-    # The model loads on the engine thread; /health says "loading" until it is ready.
-    app = create_app(lambda: Engine(engine_config), config)
+    # Bound before the model loads: a busy port fails at once, not after a load, and the
+    # address is printed before a load error can be.
     try:
-        server = create_wsgi_server(app, host, port, threads=http_threads)
+        sock = bind_socket(host, port)
     except OSError as e:
-        app.extensions["strata"].close()
         fail(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or "
              "--host")
     served = ", ".join((config.model_id,) + config.aliases)
     click.echo(f"strata: serving {path.name} as {served} on "
-               f"http://{host}:{server.effective_port} (OpenAI and Anthropic APIs under /v1)",
+               f"http://{host}:{sock.getsockname()[1]} (OpenAI and Anthropic APIs under /v1)",
                err=True)
+    # The model loads on the engine thread; /health says "loading" until it is ready.
+    app = create_app(lambda: Engine(engine_config), config)
+    try:
+        server = create_wsgi_server(app, host, port, threads=http_threads, sock=sock)
+    except BaseException:  # (the socket is closed by now)
+        app.extensions["strata"].close()
+        raise
     _stop_on_signals(server, app.extensions["strata"])
     worker = app.extensions["strata"].worker
     try:
