@@ -78,8 +78,10 @@ def main():
                    "-cnv reads one turn a line.")
 @click.option("--model", "-m", "model", default=None,
               help="GGUF model (default: $STRATA_MODEL, else the packaged default model).")
-@click.option("-n", "--max-tokens", default=256, show_default=True, help="Tokens to generate.")
-@click.option("--temp", default=0.8, show_default=True, help="Temperature (0 = greedy).")
+@click.option("-n", "--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Tokens to generate.")
+@click.option("--temp", default=0.8, show_default=True, type=click.FloatRange(min=0),
+              help="Temperature (0 = greedy).")
 @click.option("--top-k", default=40, show_default=True, help="Top-k (0 = off).")
 @click.option("--top-p", default=0.95, show_default=True, help="Top-p (1 = off).")
 @click.option("--min-p", default=0.05, show_default=True, help="Min-p (0 = off).")
@@ -131,6 +133,8 @@ def run(prompt, conversation, model, max_tokens, temp, top_k, top_p, min_p, repe
              "'-' to read it from stdin, or -cnv to read one turn a line")
     if prompt == "-":
         prompt = sys.stdin.read()
+        if not prompt.strip():
+            fail("'-' read an empty PROMPT from stdin: pipe the prompt in, or give it as PROMPT")
     path = resolve_model(model)
     if grammar_file is not None:
         if grammar is not None:
@@ -449,8 +453,10 @@ def _bench_rows(model_path, gguf, model, tier, n_prompt, n_gen, repetitions, thr
     for depth in depths:
         if depth + room > spec.context_length:
             raise click.UsageError(
-                f"-d {depth} with {room} tokens per test needs {depth + room} tokens of "
-                f"context but the model's context is {spec.context_length}")
+                f"{'-p' if n_prompt >= n_gen else '-n'} {room}"
+                + (f" at -d {depth}" if depth else "")
+                + f" needs {depth + room} tokens of context but the model's context is "
+                  f"{spec.context_length}")
     for depth in depths:
         start = DepthKVs(model, depth, room, chunk_tokens, forward, kv_args, seed=seed + 1)
         rows += _depth_rows(model, info, start, n_prompt, n_gen, repetitions, chunk_tokens,

@@ -24,8 +24,13 @@ def conversations(folder, model_path, clear):
     from strata.user_cache import cache_dir
 
     path = cache_dir() / "conversations" if folder == "auto" else Path(folder).expanduser()
+    if folder == "auto" and not path.exists():  # no server has written any here yet
+        click.echo(f"0 conversation files in {path} (none written yet: `strata serve "
+                   "--conversation-cache-dir auto` writes them there)")
+        return
     if not path.is_dir():
-        click.echo(f"error: {str(path)!r} is not a folder", err=True)
+        click.echo(f"error: {str(path)!r} is not a folder; give the --conversation-cache-dir "
+                   "or --slot-save-path folder of a server", err=True)
         raise SystemExit(2)
     fingerprint = None
     if model_path is not None:
