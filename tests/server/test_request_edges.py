@@ -65,6 +65,16 @@ def test_anthropic_stop_sequences_that_are_no_array_are_a_400(stop):
     assert error.param == "stop_sequences" and "an array of strings" in error.message
 
 
+@pytest.mark.parametrize("parse, key", [(parse_anthropic_request, "stop_sequences"),
+                                        (parse_chat_request, "stop")])
+def test_a_stop_array_names_its_item_that_is_no_string(parse, key):
+    # the whole array's type was named ("got an array"), not the item at fault
+    body = {"messages": USER, "max_tokens": 4, key: ["a", 5]}
+    error = _error(parse, body)
+    assert error.param == f"{key}[1]", error.message
+    assert error.message == f"'{key}[1]' must be a string, got a number.", error.message
+
+
 def test_a_template_refusing_responses_input_names_input(live_one_system):
     # the chat template refuses a system message after a user one: on the Responses API the
     # conversation is 'input' (there is no 'messages' field to fix)

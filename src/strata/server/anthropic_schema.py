@@ -10,7 +10,8 @@ from strata.server.chat_schema import flat_function_tool, hold_json_answer
 from strata.server.media import is_media, omitted_note
 from strata.server.schema import (MAX_STOP_STRINGS, ChatRequest, GenerationOptions, _boolean,
                                   _integer, _logit_bias, _number, _object, _objects,
-                                  _string, _wrong_type, check_object_schema, check_stop_lengths)
+                                  _string, _wrong_type, check_object_schema, check_stop_lengths,
+                                  check_strings)
 
 ROLES = ("user", "assistant")
 _MISSING = object()
@@ -289,8 +290,9 @@ def parse_anthropic_request(body: dict, max_tokens_limit: int, *,
         options.max_tokens = min(_integer(body, "max_tokens", 1, 2**31 - 1), max_tokens_limit)
         stop = body.get("stop_sequences")
         stop = [] if stop is None else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        if not isinstance(stop, list):
             raise _wrong_type("stop_sequences", stop, "an array of strings")
+        check_strings(stop, "stop_sequences")
         if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
             raise invalid(f"'stop_sequences' must hold at most {MAX_STOP_STRINGS} non-empty "
                           f"strings, got {len(stop)} with {sum(not s for s in stop)} empty.",

@@ -154,6 +154,13 @@ def _wrong_type(param: str, value: Any, expected: str) -> ApiError:
                     param=param, code="invalid_type")
 
 
+def check_strings(values: list, param: str) -> None:
+    """Every item of the array `param` a string; the first that is not is named (stop[1])."""
+    for index, value in enumerate(values):
+        if not isinstance(value, str):
+            raise _wrong_type(f"{param}[{index}]", value, "a string")
+
+
 def _number(body: dict, key: str, low: float, high: float, *, low_open: bool = False,
             param: str | None = None) -> float | None:
     value = body.get(key)
@@ -301,8 +308,9 @@ def parse_options(body: dict, max_tokens_limit: int, *,
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
-    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+    elif not isinstance(stop, list):
         raise _wrong_type("stop", stop, "a string or an array of strings")
+    check_strings(stop, "stop")
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise invalid(f"'stop' must hold 1 to {MAX_STOP_STRINGS} non-empty strings, got "
                       f"{len(stop)} with {sum(not s for s in stop)} empty.", "stop")
