@@ -59,7 +59,7 @@ def test_malformed_json(live, data, words):
     ("min_p", {}, "a number"),
     ("seed", "1", "an integer"),
     ("stop", 5, "a string or an array of strings"),
-    ("stop", ["a", 1], "a string or an array of strings"),
+    ("stop", ["a", 1], "'stop[1]' must be a string"),
     ("presence_penalty", "x", "a number"),
     ("frequency_penalty", [1], "a number"),
     ("repetition_penalty", "1", "a number"),
