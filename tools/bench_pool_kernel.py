@@ -4,7 +4,8 @@ count: the figure `strata-tool calibrate` turns into --pcie-frac, without a mode
 
 Usage: python tools/bench_pool_kernel.py [--threads 1,2] [--types Q4_0,Q8_0,Q4_K,Q6_K]
                                          [--experts 512] [--rows 1] [--per-window 8]
-                                         [--rows-per-expert 1,4,16] [--seconds 3] [--repeats 3]
+                                         [--rows-per-expert 1,4,16] [--amx off|on|both]
+                                         [--seconds 3] [--repeats 3]
 Each call is one layer's window: `rows` rows routed to --per-window experts in all (top-8 each
 by default; fewer: the pool's part of a layer's misses, e.g. 4 at --pcie-frac 0.5), no expert
 shared between rows, taken in turn from a set of --experts experts (512 x 2.5 MiB of Q4_0 is far more than the L3 cache:
@@ -39,10 +40,10 @@ def make_experts(rng, qtype, n):
     return pointers, mats, sum(m.nbytes for m in mats[0])
 
 
-def run(pointers, qtype, n, rows, per_call, seconds, rng, shared=False):
+def run(pointers, qtype, n, rows, per_call, seconds, rng, shared=False, amx=False):
     """Distinct experts per second over `seconds` of one-layer windows of `per_call` experts
     (the rest of each row's top-K slots are -1: another side's). shared: every row routed to
-    the same TOP_K experts (per_call = TOP_K)."""
+    the same TOP_K experts (per_call = TOP_K). amx: the pool's call (allow_amx)."""
     x = rng.standard_normal((rows, HIDDEN)).astype(np.float32)            # [R, H]
     wts = rng.random((rows, TOP_K)).astype(np.float32)                    # [R, K]
     out = np.zeros((rows, HIDDEN), dtype=np.float32)
@@ -56,7 +57,7 @@ def run(pointers, qtype, n, rows, per_call, seconds, rng, shared=False):
             ids = np.where(mine, (np.arange(rows * TOP_K) + first) % n, -1)
             ids = ids.astype(np.int32).reshape(rows, TOP_K)
         kernels.moe_ffn_ptrs(x, pointers, int(qtype), int(qtype), int(qtype), EXPERT_WIDTH,
-                             ids, wts, out)
+                             ids, wts, out, allow_amx=amx)
         calls += 1
     return calls * per_call / elapsed
 
@@ -71,6 +72,9 @@ def main():
                         help="distinct experts per window (default: rows x top-8)")
     parser.add_argument("--rows-per-expert", default=None,
                         help="comma list: prompt-shaped calls, each expert read once for N rows")
+    parser.add_argument("--amx", choices=("off", "on", "both"), default="off",
+                        help="--rows-per-expert calls as the CPU pool makes them (allow_amx: "
+                             "the AMX rows from STRATA_AMX_ROWS rows, where the CPU has AMX)")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -81,18 +85,22 @@ def main():
     rng = np.random.default_rng(0)
     before = kernels.get_num_threads()
     print(f"simd {kernels.simd_level()}, {args.experts} experts, {args.rows} row(s) and "
-          f"{per_call} experts per window")
+          f"{per_call} experts per window; AMX rows {'yes' if kernels.amx_available() else 'no'}"
+          f" (from {kernels.amx_rows()} rows)")
+    amx_modes = {"off": [False], "on": [True], "both": [False, True]}[args.amx]
     for name in args.types.split(","):
         qtype = T[name.strip()]
         pointers, owners, expert_bytes = make_experts(rng, qtype, args.experts)
         for threads in (int(t) for t in args.threads.split(",")):
             kernels.set_num_threads(threads)
             if args.rows_per_expert:
-                for shared_rows in (int(r) for r in args.rows_per_expert.split(",")):
+                for shared_rows, amx in ((int(r), a) for r in args.rows_per_expert.split(",")
+                                         for a in amx_modes):
                     rates = [run(pointers, qtype, args.experts, shared_rows, TOP_K, args.seconds,
-                                 rng, shared=True) for _ in range(args.repeats)]
+                                 rng, shared=True, amx=amx) for _ in range(args.repeats)]
                     mid = statistics.median(rates)
-                    print(f"{qtype.name:5s} threads {threads:3d} rows/expert {shared_rows:4d}: "
+                    print(f"{qtype.name:5s} threads {threads:3d} rows/expert {shared_rows:4d}"
+                          f"{' amx' if amx else '    '}: "
                           f"{mid:9,.0f} experts/s ({min(rates):,.0f}-{max(rates):,.0f}), "
                           f"{mid * shared_rows:10,.0f} rows/s, {mid * expert_bytes / 1e9:6.2f} "
                           "GB/s", flush=True)

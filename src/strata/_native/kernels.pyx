@@ -29,7 +29,9 @@ cdef extern from "quant.h" nogil:
                         const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                         const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                         const int32_t *experts, const float *weights, float *out,
-                        int64_t *routed_rows)
+                        int64_t *routed_rows, int allow_amx)
+    int st_amx_available()
+    int st_moe_amx_rows()
     void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, float *out)
     void st_set_num_threads(int n)
     int st_get_num_threads()
@@ -243,11 +245,13 @@ def moe_ffn(x, gate, gate_type, up, up_type, down, down_type, experts, weights, 
 
 
 def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights, out,
-                 routed_rows=None):
+                 routed_rows=None, allow_amx=False):
     """moe_ffn with each expert's matrices given by address: `pointers` [3, E] uint64 holds the
     start of expert e's gate [F, H], up [F, H] and down [H, F] rows (row-major GGUF blocks).
     The caller keeps that memory alive and unchanged during the call. `routed_rows` (int64 [E],
-    optional) gets the number of rows routed to each expert added to it."""
+    optional) gets the number of rows routed to each expert added to it. allow_amx: experts of
+    amx_rows() or more rows take the AMX rows where the CPU has them (the CPU pool's calls; not
+    bit-equal to the default path: amx_available)."""
     gate_type = _check_type(gate_type, "gate_type")
     up_type = _check_type(up_type, "up_type")
     down_type = _check_type(down_type, "down_type")
@@ -280,7 +284,7 @@ def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights
     if routed_rows is not None:
         cv = routed_rows
         counts = &cv[0]
-    cdef int gt = gate_type, ut = up_type, dt = down_type, rc
+    cdef int gt = gate_type, ut = up_type, dt = down_type, rc, amx = bool(allow_amx)
     cdef int64_t gb = row_bytes(gate_type, H), ub = row_bytes(up_type, H)
     cdef int64_t db = row_bytes(down_type, F)
     with nogil:
@@ -288,9 +292,21 @@ def moe_ffn_ptrs(x, pointers, gate_type, up_type, down_type, F, experts, weights
                              <const uint8_t *const *>&pv[0, 0], gt, gb,
                              <const uint8_t *const *>&pv[1, 0], ut, ub,
                              <const uint8_t *const *>&pv[2, 0], dt, db,
-                             &ev[0, 0], &wv[0, 0], &ov[0, 0], counts)
+                             &ev[0, 0], &wv[0, 0], &ov[0, 0], counts, amx)
     if rc != 0:
         raise MemoryError("moe_ffn_ptrs could not allocate its work buffers")
+
+
+def amx_available():
+    """Does this CPU run the CPU pool's AMX-BF16 rows (amx.c: Sapphire Rapids and later Xeons,
+    Linux >= 5.16, a GCC 12+ x86-64 build; STRATA_AMX=0 turns them off)?"""
+    return bool(st_amx_available())
+
+
+def amx_rows():
+    """The fewest rows an expert of the CPU pool's call needs to take the AMX rows
+    (STRATA_AMX_ROWS; 16)."""
+    return st_moe_amx_rows()
 
 
 def rmsnorm(x, w, eps, out=None):

@@ -39,11 +39,6 @@ static int64_t build_items(const moe_call *c, int of_gateup, moe_item *items) {
     return n;
 }
 
-void st_moe_teardown(moe_call *c) {
-    st_block_give(c->block, c->block_bytes);
-    memset(c, 0, sizeof(*c));
-}
-
 /* Bump placement of a call's buffers in its one block (64-byte aligned each). */
 static size_t place(size_t *at, size_t num_bytes) {
     const size_t here = *at;
@@ -51,13 +46,67 @@ static size_t place(size_t *at, size_t num_bytes) {
     return here;
 }
 
+/* Below this many rows an expert's products stay on the lane tiles / fused rows, which read
+ * its weights once for all rows as the AMX rows do but need no dequantised copy */
+#define AMX_MIN_ROWS 16
+
+int st_moe_amx_rows(void) {
+    static int rows = -1;
+    int r = __atomic_load_n(&rows, __ATOMIC_RELAXED);
+    if (r < 0) {
+        const char *env = getenv("STRATA_AMX_ROWS");
+        r = env && atoi(env) > 0 ? atoi(env) : AMX_MIN_ROWS;
+        __atomic_store_n(&rows, r, __ATOMIC_RELAXED);
+    }
+    return r;
+}
+
+/* Which experts take the AMX rows, and where their packed activations go (one more kept
+ * block); none when the CPU has no AMX or that block cannot be had (the lane tiles then). */
+static void plan_amx(moe_call *c) {
+    c->num_amx = 0;
+    if (!c->allow_amx || !st_amx_available()) return;
+    const int gu = c->shared_x && st_amx_takes(c->gate_type, c->H)
+                   && st_amx_takes(c->up_type, c->H);
+    const int dn = st_amx_takes(c->down_type, c->F);
+    const int min_rows = st_moe_amx_rows();
+    size_t at = 0;
+    for (int e = 0; e < c->E; e++) {
+        c->xp_off[e] = c->hp_off[e] = -1;
+        if (c->count[e] < min_rows || e == c->split_expert || !(gu || dn)) continue;
+        if (gu) c->xp_off[e] = (int64_t)place(&at, st_amx_pack_bytes(c->count[e], c->H));
+        if (dn) c->hp_off[e] = (int64_t)place(&at, st_amx_pack_bytes(c->count[e], c->F));
+        c->amx_list[c->num_amx++] = e;
+    }
+    if (c->num_amx == 0) return;
+    c->amx_block = st_block_take(at, &c->amx_block_bytes);
+    if (!c->amx_block) {
+        for (int i = 0; i < c->num_amx; i++)
+            c->xp_off[c->amx_list[i]] = c->hp_off[c->amx_list[i]] = -1;
+        c->num_amx = 0;
+        return;
+    }
+    c->amx_scratch_bytes = st_amx_scratch_bytes(c->H > c->F ? c->H : c->F);
+}
+
+static inline uint16_t *packed_at(const moe_call *c, int64_t off) {
+    return (uint16_t *)((char *)c->amx_block + off);
+}
+
+void st_moe_teardown(moe_call *c) {
+    if (c->amx_block) st_block_give(c->amx_block, c->amx_block_bytes);
+    st_block_give(c->block, c->block_bytes);
+    memset(c, 0, sizeof(*c));
+}
+
 int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, int K,
                  const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
                  const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                  const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                  const int32_t *experts, const float *weights, float *out,
-                 int64_t *routed_rows, int split_expert, int split_cols) {
+                 int64_t *routed_rows, int split_expert, int split_cols, int allow_amx) {
     memset(c, 0, sizeof(*c));
+    c->allow_amx = allow_amx;
     c->x = x; c->T = T; c->H = H; c->F = F; c->E = E; c->K = K;
     c->split_expert = split_cols > 0 && split_cols < F ? split_expert : -1;
     c->split_cols = c->split_expert >= 0 ? split_cols : F;
@@ -89,6 +138,9 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     const size_t o_pair_of = place(&at, (size_t)pairs * sizeof(int32_t));
     const size_t o_pair_tok = place(&at, (size_t)pairs * sizeof(int32_t));
     const size_t o_pair_ids = place(&at, (size_t)pairs * sizeof(int32_t));
+    const size_t o_xp_off = place(&at, ((size_t)E + 1) * sizeof(int64_t));
+    const size_t o_hp_off = place(&at, ((size_t)E + 1) * sizeof(int64_t));
+    const size_t o_amx_list = place(&at, ((size_t)E + 1) * sizeof(int32_t));
     const size_t o_items = place(&at, (size_t)max_items * sizeof(moe_item));
     const size_t o_items_2 = place(&at, (size_t)max_items * sizeof(moe_item));
     const size_t o_g = place(&at, (size_t)pairs * F * sizeof(float));
@@ -109,6 +161,9 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     c->pair_of = (int32_t *)(base + o_pair_of);
     c->pair_tok = (int32_t *)(base + o_pair_tok);
     c->pair_ids = (int32_t *)(base + o_pair_ids);
+    c->xp_off = (int64_t *)(base + o_xp_off);
+    c->hp_off = (int64_t *)(base + o_hp_off);
+    c->amx_list = (int32_t *)(base + o_amx_list);
     c->items = (moe_item *)(base + o_items);
     c->items_2 = (moe_item *)(base + o_items_2);
     c->G = (float *)(base + o_g);
@@ -151,6 +206,7 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
         for (int64_t p = c->offset[e]; p < c->offset[e] + c->count[e]; p++)
             memset(c->G + p * F + cols, 0, (size_t)(F - cols) * sizeof(float));
     }
+    plan_amx(c);
     c->fill_by_last = P <= FILL_BY_LAST_PAIRS;
     /* a few rows are quicker filled here than behind one more barrier of the team */
     c->is_small = T * (int64_t)H <= 16384;
@@ -170,10 +226,21 @@ static inline int has_pair(const moe_call *c, int64_t t) {
 
 /* SiLU(gate) * up of an expert's pairs, quantized for the down product, and the flag its down
  * items wait on (fill_by_last). */
+/* G[p, f] = SiLU(G[p, f]) * U[p, f] for pairs [p0, p0 + n), columns [r0, r1) */
+static void silu_mul(moe_call *c, int64_t p0, int64_t n, int r0, int r1) {
+    for (int64_t p = p0; p < p0 + n; p++) {
+        float *g = c->G + p * c->F;                                /* [F] */
+        const float *u = c->U + p * c->F;
+        for (int f = r0; f < r1; f++) g[f] = silu(g[f]) * u[f];
+    }
+}
+
 static void fill_expert_rows(moe_call *c, int e) {
     const int64_t p0 = c->offset[e], n = c->count[e];
-    for (int64_t p = p0; p < p0 + n; p++) st_act_fill(&c->act_h, c->G, c->F, p, p + 1);
-    __atomic_store_n(&c->h_ready[e], 1, __ATOMIC_RELEASE);
+    if (c->num_amx && c->hp_off[e] >= 0)
+        st_amx_pack(c->G + p0 * c->F, c->F, NULL, n, c->F, packed_at(c, c->hp_off[e]));
+    else
+        for (int64_t p = p0; p < p0 + n; p++) st_act_fill(&c->act_h, c->G, c->F, p, p + 1);
 }
 
 void st_moe_products(moe_call *c) {
@@ -186,6 +253,11 @@ void st_moe_products(moe_call *c) {
         c->failed = 1;
     }
     const st_act *ax_up = c->shared_x ? &c->act_gate : &c->act_up;
+    void *amx_scratch = c->num_amx ? st_alloc64(c->amx_scratch_bytes) : NULL;
+    if (c->num_amx && !amx_scratch) {
+        #pragma omp atomic write
+        c->failed = 1;
+    }
     if (!c->is_small) {
         /* only rows routed to one of the call's experts (the pool's call masks the others) */
         #pragma omp for schedule(static)
@@ -195,6 +267,16 @@ void st_moe_products(moe_call *c) {
             if (!c->shared_x) st_act_fill(&c->act_up, c->x, H, t, t + 1);
         }
     }
+    if (c->num_amx) {
+        /* the AMX experts' gate/up activations, packed once per expert from x */
+        #pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < c->num_amx; i++) {
+            const int e = c->amx_list[i];
+            if (c->xp_off[e] >= 0)
+                st_amx_pack(c->x, H, c->pair_tok + offset[e], count[e], H,
+                            packed_at(c, c->xp_off[e]));
+        }
+    }
     /* ---- gate and up: G[p, f], U[p, f] for every expert's pairs ---- */
     #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < c->num_items_1; it++) {
@@ -202,26 +284,39 @@ void st_moe_products(moe_call *c) {
         int r0 = c->items[it].r0, rows = expert_cols(c, e);
         int r1 = r0 + ITEM_ROWS < rows ? r0 + ITEM_ROWS : rows;
         int64_t p0 = offset[e], n = count[e];
-        if (scratch) {
+        if (c->num_amx && c->xp_off[e] >= 0) {
+            if (amx_scratch) {
+                const uint16_t *xp = packed_at(c, c->xp_off[e]);
+                st_amx_rows(c->gate_type, c->gate_ptrs[e], c->gate_row_bytes, H, r0, r1, xp, n,
+                            c->G + p0 * F + r0, F, amx_scratch);
+                st_amx_rows(c->up_type, c->up_ptrs[e], c->up_row_bytes, H, r0, r1, xp, n,
+                            c->U + p0 * F + r0, F, amx_scratch);
+                silu_mul(c, p0, n, r0, r1);
+            }
+        } else if (scratch) {
             st_gemm_rows(c->gate_type, c->gate_ptrs[e], c->gate_row_bytes, H, r0, r1,
                          &c->act_gate, c->pair_tok + p0, n, c->G + p0 * F + r0, F, scratch);
             st_gemm_rows(c->up_type, c->up_ptrs[e], c->up_row_bytes, H, r0, r1, ax_up,
                          c->pair_tok + p0, n, c->U + p0 * F + r0, F, scratch);
-            for (int64_t p = p0; p < p0 + n; p++) {
-                float *g = c->G + p * F;                           /* [F] */
-                const float *u = c->U + p * F;
-                for (int f = r0; f < r1; f++) g[f] = silu(g[f]) * u[f];
-            }
+            silu_mul(c, p0, n, r0, r1);
         }
         /* the last of the expert's items (every thread's G writes before it: acq_rel) */
-        if (c->fill_by_last && __atomic_sub_fetch(&c->left[e], 1, __ATOMIC_ACQ_REL) == 0)
+        if (c->fill_by_last && __atomic_sub_fetch(&c->left[e], 1, __ATOMIC_ACQ_REL) == 0) {
             fill_expert_rows(c, e);
+            __atomic_store_n(&c->h_ready[e], 1, __ATOMIC_RELEASE);
+        }
     }
     if (!c->fill_by_last) {
         /* ---- the activation rows of the down projection: SiLU(gate) * up ---- */
         #pragma omp barrier
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; p++) st_act_fill(&c->act_h, c->G, F, p, p + 1);
+        if (c->num_amx) {   /* by expert: the AMX experts' rows are packed instead */
+            #pragma omp for schedule(dynamic, 1)
+            for (int e = 0; e < c->E; e++)
+                if (count[e] > 0) fill_expert_rows(c, e);
+        } else {
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < P; p++) st_act_fill(&c->act_h, c->G, F, p, p + 1);
+        }
     }
     /* ---- down: Y[p, h] ---- */
     #pragma omp for schedule(dynamic, 1)
@@ -232,11 +327,18 @@ void st_moe_products(moe_call *c) {
         int64_t p0 = offset[e], n = count[e];
         if (c->fill_by_last)     /* every gate/up item is taken before any down item */
             while (!__atomic_load_n(&c->h_ready[e], __ATOMIC_ACQUIRE)) st_cpu_relax();
+        if (c->num_amx && c->hp_off[e] >= 0) {
+            if (amx_scratch)
+                st_amx_rows(c->down_type, c->down_ptrs[e], c->down_row_bytes, F, r0, r1,
+                            packed_at(c, c->hp_off[e]), n, c->Y + p0 * H + r0, H, amx_scratch);
+            continue;
+        }
         if (!scratch) continue;
         st_gemm_rows(c->down_type, c->down_ptrs[e], c->down_row_bytes, expert_cols(c, e),
                      r0, r1, &c->act_h, c->pair_ids + p0, n, c->Y + p0 * H + r0, H, scratch);
     }
     free(scratch);
+    free(amx_scratch);
 }
 
 /* out[t] += sum_k weights[t, k] * Y[pair(t, k)], in k order (deterministic), rows [t0, t1);
@@ -264,17 +366,18 @@ void st_moe_compute(moe_call *c) {
 
 /* Each expert's three matrices come through pointer tables [E] (gate and up [F, H] rows, down
  * [H, F] rows): an expert may sit in the GGUF mapping, an expert pack or a cache slot. When
- * routed_rows is not NULL, routed_rows[e] += the rows routed to expert e. */
+ * routed_rows is not NULL, routed_rows[e] += the rows routed to expert e. allow_amx: experts
+ * of many rows may take the AMX rows (not batch-invariant: moe_call.h). */
 int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
                     const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
                     const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                     const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                     const int32_t *experts, const float *weights, float *out,
-                    int64_t *routed_rows) {
+                    int64_t *routed_rows, int allow_amx) {
     moe_call c;
     if (st_moe_setup(&c, x, T, H, F, E, K, gate_ptrs, gate_type, gate_row_bytes, up_ptrs, up_type,
                   up_row_bytes, down_ptrs, down_type, down_row_bytes, experts, weights, out,
-                  routed_rows, -1, 0) != 0)
+                  routed_rows, -1, 0, allow_amx) != 0)
         return -1;
     if (c.P > 0) {
         #pragma omp parallel num_threads(st_get_num_threads()) if (c.is_parallel)
@@ -300,7 +403,7 @@ int st_moe_ffn(const float *x, int64_t T, int H, int F, int E, int K,
     }
     int rc = st_moe_ffn_ptrs(x, T, H, F, E, K, ptrs, gate_type, gate_row_bytes,
                              ptrs + E, up_type, up_row_bytes, ptrs + 2 * E, down_type,
-                             down_row_bytes, experts, weights, out, NULL);
+                             down_row_bytes, experts, weights, out, NULL, 0);
     free((void *)ptrs);
     return rc;
 }

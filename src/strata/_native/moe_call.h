@@ -28,11 +28,21 @@ typedef struct {
     int32_t *left, *h_ready;                       /* [E]: gate/up items to go; act_h rows set */
     int shared_x, is_small, is_parallel, fill_by_last;
     int split_expert, split_cols;                  /* -1, F: none (st_moe_setup) */
+    /* Experts of many rows on the AMX rows (amx.c; allow_amx callers only): their activations
+     * packed once per expert, gate/up's from x and down's from G, at byte offsets xp_off[e] /
+     * hp_off[e] of amx_block (-1: that product takes the lane tiles) */
+    int allow_amx, num_amx;
+    int32_t *amx_list;                             /* [num_amx] the experts with an offset */
+    int64_t *xp_off, *hp_off;                      /* [E] */
+    void *amx_block;
+    size_t amx_block_bytes, amx_scratch_bytes;
     size_t scratch_bytes;
     int failed;                                    /* a thread ran out of memory */
 } moe_call;
 
 /* 0, or -1 on allocation failure (c is then torn down); c->P == 0 leaves nothing to compute.
+ * allow_amx: experts of at least st_moe_amx_rows() rows may take the AMX rows where the CPU
+ * has them (the CPU pool's calls: not batch-invariant, amx.c).
  * split_expert / split_cols (0 < split_cols < F, a multiple of the down type's block; else
  * none): that expert's gate/up rows and down columns [0, split_cols) only, its part of an
  * expert another device computes the rest of (the CPU pool's split expert). */
@@ -41,8 +51,10 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
                  const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                  const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                  const int32_t *experts, const float *weights, float *out,
-                 int64_t *routed_rows, int split_expert, int split_cols);
+                 int64_t *routed_rows, int split_expert, int split_cols, int allow_amx);
 void st_moe_compute(moe_call *c);
 void st_moe_products(moe_call *c);
 void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1, int set);
 void st_moe_teardown(moe_call *c);
+/* The fewest rows an expert needs to take the AMX rows (16; STRATA_AMX_ROWS=N sets it). */
+int st_moe_amx_rows(void);

@@ -119,7 +119,10 @@ static void layer_begin(pool_state *s, int l) {
                          (const uint8_t *const *)pl, tl[0], bl[0],
                          (const uint8_t *const *)(pl + E), tl[1], bl[1],
                          (const uint8_t *const *)(pl + 2 * E), tl[2], bl[2],
-                         s->masked, s->wts, s->y, NULL, split_e, split_cols) != 0) {
+                         s->masked, s->wts, s->y, NULL, split_e, split_cols,
+                         /* a prompt window's experts of many rows may take the AMX rows
+                          * (the CPU backend's own layers stay batch-invariant) */
+                         1) != 0) {
             s->status = POOL_NO_MEMORY;
             s->failed_layer = l;
             s->go[p] = 0;

@@ -165,7 +165,24 @@ int st_moe_ffn_ptrs(const float *x, int64_t T, int H, int F, int E, int K,
                     const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
                     const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes,
                     const int32_t *experts, const float *weights, float *out,
-                    int64_t *routed_rows);
+                    int64_t *routed_rows, int allow_amx);
+
+/* AMX-BF16 rows (amx.c) for products of many activation rows with Q4_0 / Q8_0 weights.
+ * st_amx_available: 1 when this CPU and kernel let the process use them (STRATA_AMX=0: never);
+ * st_amx_takes: whether the rows handle this type and column count. st_amx_pack puts n float
+ * rows (row j at src + (idx ? idx[j] : j) * ld) in the tiles' bf16 layout (st_amx_pack_bytes);
+ * st_amx_rows then sets out[j * ld_out + (r - r0)] = dot(row r of w, row j) for r in [r0, r1),
+ * j < n, with st_amx_scratch_bytes(cols) of 64-byte aligned scratch; 0 when it did not. Not
+ * bit-equal to st_gemm_rows (bf16 roundings): for callers that need no batch invariance. */
+int st_amx_available(void);
+int st_amx_takes(int qtype, int cols);
+size_t st_amx_pack_bytes(int64_t n, int cols);
+size_t st_amx_scratch_bytes(int cols);
+void st_amx_pack(const float *src, int64_t ld, const int32_t *idx, int64_t n, int cols,
+                 uint16_t *dst);
+int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t r0,
+                int64_t r1, const uint16_t *packed, int64_t n, float *out, int64_t ld_out,
+                void *scratch);
 
 void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, float *out);
 

@@ -418,7 +418,7 @@ cdef class WindowModel:
             <const uint8_t *const *>ptrs, ly.gate_type, row_bytes_c(ly.gate_type, H),
             <const uint8_t *const *>(ptrs + E), ly.up_type, row_bytes_c(ly.up_type, H),
             <const uint8_t *const *>(ptrs + 2 * E), ly.down_type, row_bytes_c(ly.down_type, F),
-            experts, weights, tmp, counts)                                   # [R, H]
+            experts, weights, tmp, counts, 0)                                # [R, H]
         if ly.has_shared:
             rc |= _mat_mul(&ly.sh_gate, h, R, sh_g)                          # [R, SH]
             rc |= _mat_mul(&ly.sh_up, h, R, sh_u)                            # [R, SH]

@@ -1,0 +1,277 @@
+/* Products of Q4_0 / Q8_0 weight rows with many activation rows on Intel AMX (AMX-BF16:
+ * Sapphire Rapids and later Xeons), for the CPU pool's prompt-window calls, where an expert
+ * gets tens of rows: the lane tiles (tiles.c) cost ~20 thread-us a row there, so the pool could
+ * take only the rarely routed experts and left the others to the PCIe link (docs/offload.md,
+ * "AMX-BF16 rows").
+ *
+ * Weights are dequantised to bf16 once per call (the scale folded in, one rounding), so the
+ * tiles accumulate in fp32 across the whole row with no per-block scaling; session 32's
+ * AMX-INT8 rows (reverted) spent their time scaling every block's int32 tile instead.
+ *
+ * Per 16 weight rows (a group) and up to 64 tokens (4 token tiles), per 32 columns s:
+ *   C[i] [16 rows, 16 tokens] fp32 += W_s [16 rows, 32 bf16] . X_s,i [32, 16 tokens] bf16
+ * W_s goes to tile A row-major (the group dequantised first, [S][16][32] bf16 in the scratch);
+ * the activations to tile B in the VNNI layout, packed once per expert by st_amx_pack:
+ *   packed[((tile * S + s) * 16 + r) * 32 + 2 * c + b] = bf16(x[16 * tile + c][32 * s + 2 * r + b])
+ * A token's result does not depend on the other tokens (each C column sums its own products),
+ * but it differs from the lane tiles' in the last bits (bf16 rounding of weights and
+ * activations): only callers that allow it take this path (the CPU pool, not the CPU backend's
+ * batch-invariant layers).
+ *
+ * ST_AMX_EMULATE (tests/native/amx_check.c, for machines without AMX) swaps the tile operations
+ * for C; the dequantisation and packing stay this file's AVX-512 code. */
+#define _GNU_SOURCE   /* syscall() */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "quant.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && __GNUC__ >= 12 && !defined(__clang__)
+#define ST_AMX_BUILD 1
+#endif
+
+#if defined(ST_AMX_BUILD) || defined(ST_AMX_EMULATE)
+#include <cpuid.h>
+#include <immintrin.h>
+
+#define GROUP_ROWS 16    /* weight rows per tile (C rows) */
+#define TILE_TOKENS 16   /* tokens per tile (C columns) */
+#define STEP_COLS 32     /* columns per tile step (bf16 pairs: 16 rows of B) */
+#define TILE_BYTES 1024  /* every tile here: 16 rows of 64 bytes */
+#define MAX_TILES 4      /* token tiles in flight (C tiles 0-3) */
+
+#define SIMD_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
+
+#ifdef ST_AMX_EMULATE
+#define AMX_TARGET SIMD_TARGET
+static __thread float emu_c[MAX_TILES][GROUP_ROWS][TILE_TOKENS];
+static __thread uint16_t emu_a[GROUP_ROWS][STEP_COLS];
+static __thread uint16_t emu_b[STEP_COLS / 2][2 * TILE_TOKENS];
+static float emu_bf16(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+static void amx_configure(void) {}
+static void amx_release(void) {}
+#define tile_zero_c(i) memset(emu_c[i], 0, sizeof emu_c[i])
+#define tile_load_a(p) memcpy(emu_a, (p), sizeof emu_a)
+#define tile_load_b(p) memcpy(emu_b, (p), sizeof emu_b)
+static void emu_dp(int c) {
+    for (int m = 0; m < GROUP_ROWS; m++)
+        for (int t = 0; t < TILE_TOKENS; t++) {
+            float acc = emu_c[c][m][t];
+            for (int r = 0; r < STEP_COLS / 2; r++)
+                acc += emu_bf16(emu_a[m][2 * r]) * emu_bf16(emu_b[r][2 * t])
+                       + emu_bf16(emu_a[m][2 * r + 1]) * emu_bf16(emu_b[r][2 * t + 1]);
+            emu_c[c][m][t] = acc;
+        }
+}
+#define tile_dp(c) emu_dp(c)
+#define tile_store_c(i, p) memcpy((p), emu_c[i], sizeof emu_c[i])
+static int cpu_ready(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));   /* AVX512_BF16 */
+}
+#else
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* tiles 0-3: C [16 rows, 16 fp32]; 4: A [16 rows, 32 bf16]; 5: B [16, 16 x 2 bf16]. Loaded
+ * at the start of every st_amx_rows call and released at its end: the pool's threads run other
+ * kernels between calls, and a thread holding tile state costs every context switch more. */
+AMX_TARGET static void amx_configure(void) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+AMX_TARGET static void amx_release(void) { _tile_release(); }
+#define tile_zero_c(i) _tile_zero(i)
+#define tile_load_a(p) _tile_loadd(4, (p), 64)
+#define tile_load_b(p) _tile_loadd(5, (p), 64)
+#define tile_dp(c) _tile_dpbf16ps(c, 4, 5)
+#define tile_store_c(i, p) _tile_stored(i, (p), 64)
+static int cpu_ready(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!((d & (1u << 22)) && (d & (1u << 24))         /* AMX-BF16, AMX-TILE */
+          && (b & (1u << 16)) && (b & (1u << 30))))    /* AVX512F, AVX512BW */
+        return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5)))   /* AVX512_BF16 */
+        return 0;
+    /* Linux >= 5.16 hands out the tile data per process on request */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+#endif
+
+/* -1 not asked yet, 0 no, 1 yes; STRATA_AMX=0 turns the path off */
+static int amx_state = -1;
+
+int st_amx_available(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state >= 0) return state;
+    const char *env = getenv("STRATA_AMX");
+    state = !(env && env[0] == '0') && cpu_ready();
+    __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    return state;
+}
+
+int st_amx_takes(int qtype, int cols) {
+    return (qtype == ST_Q4_0 || qtype == ST_Q8_0) && cols % STEP_COLS == 0;
+}
+
+size_t st_amx_pack_bytes(int64_t n, int cols) {
+    return (size_t)((n + TILE_TOKENS - 1) / TILE_TOKENS) * (size_t)(cols / STEP_COLS) * TILE_BYTES;
+}
+
+size_t st_amx_scratch_bytes(int cols) {
+    return (size_t)(cols / STEP_COLS) * TILE_BYTES + (size_t)MAX_TILES * TILE_BYTES;
+}
+
+/* 32 floats -> 32 bf16 (round to nearest even), as one 64-byte vector */
+SIMD_TARGET static inline __m512i to_bf16(__m512 lo, __m512 hi) {
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+SIMD_TARGET void st_amx_pack(const float *src, int64_t ld, const int32_t *idx, int64_t n,
+                             int cols, uint16_t *dst) {
+    const int S = cols / STEP_COLS;
+    const int64_t tiles = (n + TILE_TOKENS - 1) / TILE_TOKENS;
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        uint32_t *blk = (uint32_t *)(dst + (size_t)tile * S * (TILE_BYTES / 2));   /* [S][16][16] */
+        for (int c = 0; c < TILE_TOKENS; c++) {
+            const int64_t j = tile * TILE_TOKENS + c;
+            if (j >= n) {     /* padding tokens: zero columns */
+                for (int s = 0; s < S; s++)
+                    for (int r = 0; r < 16; r++) blk[((size_t)s * 16 + r) * 16 + c] = 0;
+                continue;
+            }
+            const float *x = src + (idx ? (int64_t)idx[j] : j) * ld;
+            for (int s = 0; s < S; s++) {
+                /* 32 columns -> 16 bf16 pairs, pair r to row r of step s, column c */
+                uint32_t pairs[16];
+                __m512i v = to_bf16(_mm512_loadu_ps(x + s * STEP_COLS),
+                                    _mm512_loadu_ps(x + s * STEP_COLS + 16));
+                _mm512_storeu_si512(pairs, v);
+                uint32_t *col = blk + (size_t)s * 256 + c;
+                for (int r = 0; r < 16; r++) col[r * 16] = pairs[r];
+            }
+        }
+    }
+}
+
+/* One 32-column block of a Q4_0 / Q8_0 row -> 32 bf16 at out (w = d * q, rounded once). */
+SIMD_TARGET static inline void dequant_block(int qtype, const uint8_t *blk, uint16_t *out) {
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(h));
+    __m512 lo, hi;
+    if (qtype == ST_Q4_0) {
+        /* q[j] = (qs[j] & 15) - 8, q[j + 16] = (qs[j] >> 4) - 8 */
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i m = _mm_set1_epi8(15);
+        const __m128i ql = _mm_sub_epi8(_mm_and_si128(qs, m), _mm_set1_epi8(8));
+        const __m128i qh = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), m),
+                                        _mm_set1_epi8(8));
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ql));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qh));
+    } else {   /* Q8_0: 32 int8 */
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+    }
+    _mm512_store_si512(out, to_bf16(_mm512_mul_ps(lo, d), _mm512_mul_ps(hi, d)));
+}
+
+/* Rows [rb, rb + nr) (nr <= 16) of w -> wb [S][16][32] bf16 (rows past nr zero). */
+SIMD_TARGET static void dequant_group(int qtype, const uint8_t *w, int64_t row_bytes, int S,
+                                      int64_t rb, int nr, uint16_t *wb) {
+    const int bs = st_type_size(qtype);
+    for (int i = 0; i < GROUP_ROWS; i++) {
+        uint16_t *o = wb + (size_t)i * STEP_COLS;
+        if (i >= nr) {
+            for (int s = 0; s < S; s++)
+                _mm512_store_si512(o + (size_t)s * GROUP_ROWS * STEP_COLS, _mm512_setzero_si512());
+            continue;
+        }
+        const uint8_t *row = w + (rb + i) * row_bytes;
+        for (int s = 0; s < S; s++)
+            dequant_block(qtype, row + (size_t)s * bs, o + (size_t)s * GROUP_ROWS * STEP_COLS);
+    }
+}
+
+AMX_TARGET int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
+                           int64_t r0, int64_t r1, const uint16_t *packed, int64_t n,
+                           float *out, int64_t ld_out, void *scratch) {
+    if (!st_amx_takes(qtype, cols) || n <= 0) return 0;
+    const int S = cols / STEP_COLS;
+    const int64_t tiles = (n + TILE_TOKENS - 1) / TILE_TOKENS;
+    uint16_t *wb = scratch;                                            /* [S][16][32] bf16 */
+    float *cbuf = (float *)((char *)scratch + (size_t)S * TILE_BYTES); /* [4][16][16] fp32 */
+    amx_configure();
+    for (int64_t rb = r0; rb < r1; rb += GROUP_ROWS) {
+        const int nr = r1 - rb < GROUP_ROWS ? (int)(r1 - rb) : GROUP_ROWS;
+        dequant_group(qtype, w, row_bytes, S, rb, nr, wb);
+        for (int64_t t0 = 0; t0 < tiles; t0 += MAX_TILES) {
+            const int m = tiles - t0 < MAX_TILES ? (int)(tiles - t0) : MAX_TILES;
+            const uint16_t *b = packed + (size_t)t0 * S * (TILE_BYTES / 2);
+            tile_zero_c(0); tile_zero_c(1); tile_zero_c(2); tile_zero_c(3);
+            for (int s = 0; s < S; s++) {
+                tile_load_a(wb + (size_t)s * (TILE_BYTES / 2));
+                const uint16_t *bs = b + (size_t)s * (TILE_BYTES / 2);
+                /* token tile i's step s sits S tiles after tile i - 1's */
+                tile_load_b(bs); tile_dp(0);
+                if (m > 1) { tile_load_b(bs + (size_t)S * (TILE_BYTES / 2)); tile_dp(1); }
+                if (m > 2) { tile_load_b(bs + (size_t)2 * S * (TILE_BYTES / 2)); tile_dp(2); }
+                if (m > 3) { tile_load_b(bs + (size_t)3 * S * (TILE_BYTES / 2)); tile_dp(3); }
+            }
+            tile_store_c(0, cbuf);
+            if (m > 1) tile_store_c(1, cbuf + 256);
+            if (m > 2) tile_store_c(2, cbuf + 512);
+            if (m > 3) tile_store_c(3, cbuf + 768);
+            /* C [row, token] -> out [token, row] */
+            for (int i = 0; i < m; i++) {
+                const float *ci = cbuf + i * 256;
+                for (int c = 0; c < TILE_TOKENS; c++) {
+                    const int64_t j = (t0 + i) * TILE_TOKENS + c;
+                    if (j >= n) break;
+                    float *o = out + j * ld_out + (rb - r0);
+                    for (int r = 0; r < nr; r++) o[r] = ci[r * TILE_TOKENS + c];
+                }
+            }
+        }
+    }
+    amx_release();
+    return 1;
+}
+
+#else  /* no AMX build: the callers keep the lane tiles */
+
+int st_amx_available(void) { return 0; }
+int st_amx_takes(int qtype, int cols) { (void)qtype; (void)cols; return 0; }
+size_t st_amx_pack_bytes(int64_t n, int cols) { (void)n; (void)cols; return 0; }
+size_t st_amx_scratch_bytes(int cols) { (void)cols; return 0; }
+void st_amx_pack(const float *src, int64_t ld, const int32_t *idx, int64_t n, int cols,
+                 uint16_t *dst) {
+    (void)src; (void)ld; (void)idx; (void)n; (void)cols; (void)dst;
+}
+int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t r0,
+                int64_t r1, const uint16_t *packed, int64_t n, float *out, int64_t ld_out,
+                void *scratch) {
+    (void)qtype; (void)w; (void)row_bytes; (void)cols; (void)r0; (void)r1; (void)packed;
+    (void)n; (void)out; (void)ld_out; (void)scratch;
+    return 0;
+}
+
+#endif
