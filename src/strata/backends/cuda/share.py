@@ -72,6 +72,26 @@ POOL_SHARE_OF_COPY = 1.5
 POOL_EXPERT_ROWS = 2
 POOL_ROW_UNITS_PER_COPY_THREAD = 48.0 / 300.0
 NO_BUDGET = 1 << 30
+# STRATA_POOL_COSTS=E,U,C (a diagnosis, for measuring another pool kernel's costs): the three
+# above, POOL_EXPERT_ROWS, POOL_ROW_UNITS_PER_COPY_THREAD and PROMPT_POOL_ROWS, read at import.
+ENV_POOL_COSTS = "STRATA_POOL_COSTS"
+
+
+def _pool_costs_from_env() -> None:
+    global POOL_EXPERT_ROWS, POOL_ROW_UNITS_PER_COPY_THREAD, PROMPT_POOL_ROWS
+    text = os.environ.get(ENV_POOL_COSTS, "").strip()
+    if not text:
+        return
+    try:
+        expert, units, cap = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{ENV_POOL_COSTS}={text!r}: give three numbers, expert cost (rows), "
+                          "row units per copy and thread, and the rows cap, e.g. 28,0.96,64")
+    POOL_EXPERT_ROWS, POOL_ROW_UNITS_PER_COPY_THREAD, PROMPT_POOL_ROWS = (
+        int(expert), units, int(cap))
+
+
+_pool_costs_from_env()
 
 
 def prompt_pool_budget(copied: np.ndarray, threads: int,
