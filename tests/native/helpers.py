@@ -1,4 +1,6 @@
 """Random GGUF weight bytes for the kernel tests, and the float64 references they are checked with."""
+from pathlib import Path
+
 import gguf
 import numpy as np
 
@@ -90,3 +92,15 @@ def q8_roundtrip(x):
 
 def silu64(v):
     return v / (1.0 + np.exp(-np.clip(v, -700.0, 700.0)))
+
+
+def cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()

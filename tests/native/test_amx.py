@@ -10,7 +10,7 @@ import pytest
 
 from strata._native import kernels
 
-from .helpers import dequant64, silu64
+from .helpers import cpu_flags, dequant64, silu64
 from .test_moe import routed_layer
 
 SRC_DIR = Path(__file__).resolve().parents[2] / "src" / "strata" / "_native"
@@ -18,20 +18,9 @@ C_FILES = ["amx.c", "moe.c", "matmul.c", "quant_ref.c", "tiles.c", "unpack_simd.
            "unpack_neon.c", "fused.c", "fused_k.c", "fused_iq.c"]
 
 
-def _cpu_flags():
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @pytest.mark.skipif(shutil.which("gcc") is None or not (SRC_DIR / "amx.c").exists(),
                     reason="needs the source tree and gcc")
-@pytest.mark.skipif("avx512_bf16" not in _cpu_flags(),
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
                     reason="the emulated tiles still run amx.c's AVX-512 BF16 packing")
 def test_amx_rows_emulated(tmp_path):
     exe = tmp_path / "amx_check"

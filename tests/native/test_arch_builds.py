@@ -7,26 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import cpu_flags
+
 SRC_DIR = Path(__file__).resolve().parents[2] / "src" / "strata" / "_native"
-C_FILES = ["matmul.c", "quant_ref.c", "tiles.c", "unpack_simd.c", "unpack_neon.c", "fused.c",
-           "fused_k.c", "fused_iq.c", "moe.c", "attention.c", "window_ops.c"]
+C_FILES = ["amx.c", "matmul.c", "quant_ref.c", "tiles.c", "unpack_simd.c", "unpack_neon.c",
+           "fused.c", "fused_k.c", "fused_iq.c", "moe.c", "attention.c", "window_ops.c"]
 HARNESS = Path(__file__).resolve().parent / "arch_check.c"
-
-
-def _cpu_flags():
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def _x86_variant(march, needed_flags):
     is_x86 = platform.machine() in ("x86_64", "AMD64")
-    has_flags = needed_flags <= _cpu_flags()
+    has_flags = needed_flags <= cpu_flags()
     return pytest.param(
         ("gcc", march, None), id=march,
         marks=pytest.mark.skipif(not (is_x86 and has_flags and shutil.which("gcc")),
