@@ -580,7 +580,8 @@ def bench(model, n_prompt, n_gen, repetitions, threads, chunk, slot_counts, dept
 def timeline_medians(timelines) -> dict:
     """Medians over streamed windows' WindowTimelines (STRATA_STREAM_TIMELINE=1), ms."""
     out = {name: float(np.median([getattr(t, name) for t in timelines]))
-           for name in ("total", "fill", "copying", "held", "waiting", "experts", "tail")}
+           for name in ("total", "fill", "copying", "held", "waiting", "experts", "tail",
+                        "grouping", "pool")}
     out["copy_gb_per_s"] = float(np.median([t.copied_bytes / max(t.copying, 1e-6) / 1e6
                                             for t in timelines]))
     out["windows"] = len(timelines)
@@ -618,7 +619,8 @@ def format_tier_summary(s: dict) -> str:
             + (f"; timeline, medians of {t['windows']} streamed windows: {t['total']:.1f} ms, "
                f"the copy engine {t['copying']:.1f} ms copying ({t['copy_gb_per_s']:.1f} GB/s) "
                f"and {t['held']:.1f} ms held, the compute stream {t['waiting']:.1f} ms waiting "
-               f"for copies and {t['experts']:.1f} ms in the experts"
+               f"for copies, {t['experts']:.1f} ms in the experts, {t['grouping']:.1f} ms "
+               f"after the grouping and {t['pool']:.1f} ms combining with the pool"
                if (t := s.get("stream_timeline")) else ""))
 
 

@@ -6,8 +6,9 @@ import pytest
 
 from strata._native import cuda_driver
 from strata.backends.cuda.stream import (COMPUTE, COPY, NUM_STAGES, REACH_COST, WindowTimeline,
-                                         copy_runs, decay_counts, rare_experts, run_bytes, seeded_counts,
-                                         stream_schedule, stream_tables, streamed_layers)
+                                         copy_runs, decay_counts, rare_experts, run_bytes,
+                                         seeded_counts, stream_schedule, stream_tables,
+                                         streamed_layers)
 
 
 def test_copy_runs_are_the_runs_of_missing_experts():
@@ -177,6 +178,36 @@ def test_the_timeline_only_adds_timing_records_around_each_layer():
         assert max(launch) < at[("done", l)]
         assert all(timed[at[(k, l)]].stream == COMPUTE for k in ("ready", "go", "done"))
     assert not any(key[1:] == (1,) for key in at)  # layer 1 is resident: no marks
+    # the tier's spans outside the expert launches: marked around them, empty ones not at all
+    tier = {"grouping": [(l * per_layer + 2, l * per_layer + 4) for l in range(L)],
+            "pool": [(l * per_layer + 7, l * per_layer + (9 if l != 3 else 7))
+                     for l in range(L)]}
+    marked = stream_schedule(L * per_layer, spans, runs, timeline=True, tier_spans=tier)
+
+    def covered(ops):  # the launches run, in order
+        return [i for op in ops if op.kind == "launches" for i in range(op.first, op.stop)]
+
+    def others(ops):  # copies, events: everything but launches and timing records
+        return [op for op in ops if op.kind != "launches" and op.event[:1] != ("t",)]
+
+    assert covered(marked) == covered(plain) == list(range(L * per_layer))
+    assert others(marked) == others(plain)
+    at = {op.event[1:]: i for i, op in enumerate(marked) if op.event[:1] == ("t",)}
+    for l in runs:
+        for name, per_layer_spans in tier.items():
+            first, stop = per_layer_spans[l]
+            if first == stop:
+                assert (name, l) not in at and (name + "_end", l) not in at
+                continue
+            inside = launch_ops(marked, first, stop)
+            assert at[(name, l)] < min(inside) and max(inside) < at[(name + "_end", l)]
+            assert not launch_ops(marked, stop, stop + 1) or (
+                at[(name + "_end", l)] < min(launch_ops(marked, stop, stop + 1)))
+        # the grouping ends where the experts begin: before the wait for the layer's copies
+        assert at[("grouping_end", l)] < at[("ready", l)]
+        if ("pool", l) in at:  # the pool's combine follows the layer's experts
+            assert max(launch_ops(marked, *spans[l])) < at[("pool", l)]
+    assert stream_schedule(L * per_layer, spans, runs, tier_spans=tier) == plain  # timeline off
 
 
 def test_window_timeline_sums_each_layers_spans():
@@ -190,8 +221,15 @@ def test_window_timeline_sums_each_layers_spans():
     t = WindowTimeline.measure(512, [0, 1, 2], lambda a, b: times[b] - times[a], 3 * 2**30)
     assert (t.total, t.fill, t.copying, t.held) == (8.5, 2.0, 6.0, 1.0)
     assert (t.waiting, t.experts, t.tail) == (1.5 + 0.5 + 1.5, 3.0, 1.5)
+    assert (t.grouping, t.pool) == (0.0, 0.0)  # no tier spans marked
     line = t.describe()
     assert "512 rows: 8.5 ms" in line and "3.00 GiB" in line and "held" in line
+    # the tier's spans: summed over the layers that have them
+    times.update({("grouping", 0): 0.2, ("grouping_end", 0): 0.5, ("grouping", 2): 5.0,
+                  ("grouping_end", 2): 5.5, ("pool", 1): 5.0, ("pool_end", 1): 5.25})
+    t = WindowTimeline.measure(512, [0, 1, 2], lambda a, b: times[b] - times[a], 3 * 2**30)
+    assert (t.grouping, t.pool) == (0.3 + 0.5, 0.25)
+    assert "0.8 ms in the tier's launches after the grouping" in t.describe()
 
 
 def test_no_streamed_layer_is_the_plain_list():
@@ -322,6 +360,7 @@ def test_the_streamer_counts_streamed_windows_and_uses_their_share_where_the_poo
     streamer = PromptStreamer.__new__(PromptStreamer)  # the decisions only: no device
     streamer.min_rows, streamer.num_layers, streamer._top_k = 256, L, K
     streamer._routed, streamer._hits = np.zeros((L, E)), HitShare(L, E)
+    streamer.sure_percent = 0
     table = SimpleNamespace(peek=lambda: SimpleNamespace(table=residency))
     streamer.arena = SimpleNamespace(pool=object(), table=table)
 
@@ -351,3 +390,29 @@ def test_the_streamer_counts_streamed_windows_and_uses_their_share_where_the_poo
     streamer.arena.pool = None  # no pool: rare experts would cost per-tile reads
     by_counts = rare_experts(residency, streamer._routed, R, K)
     assert np.array_equal(streamer.rare_for(R), by_counts) and not by_counts[0, :7].any()
+
+
+def test_sure_experts_left_to_the_pool_are_the_fewest_expected_rows_of_the_copied_ones():
+    """sure_for_pool (STRATA_POOL_SURE): per layer the given percent of the experts a window
+    copies (missing, not rare), the fewest expected rows first, none above the rows cap; their
+    expected rows are the budget added for them."""
+    from strata.backends.cuda.stream import sure_for_pool
+
+    L, E, R, K = 2, 8, 512, 8
+    residency = np.full((L, E), -1, dtype=np.int32)
+    residency[1, 0] = 0  # resident: never left
+    routed = np.tile(np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.float64) * 1000, (L, 1))
+    rare = np.zeros((L, E), dtype=bool)
+    rare[:, 0] = True
+    sure, rows = sure_for_pool(residency, routed, rare, R, K, 50, rows_cap=4096)
+    # layer 0 copies experts 1..7 (7): 50% -> 3, the fewest rows (1, 2, 3); layer 1 the same
+    assert np.flatnonzero(sure[0]).tolist() == [1, 2, 3]
+    assert np.flatnonzero(sure[1]).tolist() == [1, 2, 3]
+    expected = (routed + 1) / (routed.sum(axis=1, keepdims=True) + E) * R * K
+    assert np.allclose(rows, expected[:, 1:4].sum(axis=1))
+    # the rows cap keeps experts expected to get more rows out; 0% leaves none
+    cap = float(expected[0, 2]) + 1e-6
+    sure, _ = sure_for_pool(residency, routed, rare, R, K, 50, rows_cap=cap)
+    assert np.flatnonzero(sure[0]).tolist() == [1, 2]
+    assert not sure_for_pool(residency, routed, rare, R, K, 0, 4096)[0].any()
+    assert sure_for_pool(residency, routed, rare, R, K, 100, 4096)[0].sum() == 14

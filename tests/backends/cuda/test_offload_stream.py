@@ -415,6 +415,66 @@ def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(
     assert np.percentile(errors, 90) < 3e-2
 
 
+def test_sure_experts_left_to_the_pool_are_computed_there_not_guessed(path, resident,
+                                                                      monkeypatch):
+    """STRATA_POOL_SURE (stream.sure_for_pool): a streamed window with a pool also leaves that
+    share of each layer's copied experts at their host copies, where CPU, and the guessed
+    copies skip the experts the pool's budget walk takes (offload.cu's guess_publish): with a
+    budget that takes every routed CPU expert, nothing is guessed (something is without the
+    setting), the pool computes every pair routed to them, and the logits stay within the
+    pool's rounding of the all-resident model's."""
+    from strata.backends.cuda import device_tier, share
+    from strata.backends.cuda.exchange import WHERE_CPU
+
+    monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", 10_000)  # no rows cap
+    monkeypatch.setattr(share, "PROMPT_POOL_ROWS", 10_000)
+    monkeypatch.setattr(device_tier, "PULL_MIN_ROWS", 10_000)  # nor pulls
+    monkeypatch.setattr(share, "prompt_pool_budget",
+                        lambda copied, threads: np.full(len(copied), 1 << 20, np.int32))
+    monkeypatch.setenv("STRATA_GUESS_ROWS", "1")
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    plans = [(40, 33, 20), (30, 1, 1), (12, 12, 12)]  # all three stream
+    want = run(resident, plans, resident.forward_window)
+    listed = {}
+    for percent in ("0", "50"):
+        monkeypatch.setenv("STRATA_POOL_SURE", percent)
+        model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
+        half_rare(arena, L, E)  # experts E/2.. rare; 0..E/2-1 copied, half of them left if 50
+        tier, rt = model.tier, model.runtime
+        assert arena.streamer.sure_percent == int(percent)
+
+        seen = []
+
+        def forward(window):
+            arena.before_window(window.num_rows)
+            rare, sure, _ = arena.streamer.left_for(window.num_rows)
+            out = model.forward_window(window)
+            with rt.active():
+                rt.synchronize()
+            cpu = tier.where_host == WHERE_CPU  # [L, E] as uploaded for the window
+            assert np.array_equal(cpu, rare | sure)
+            copied = (arena.table.peek().table < 0) & ~rare
+            assert (sure.sum(axis=1) == copied.sum(axis=1) * int(percent) // 100).all()
+            if not seen:  # the first window: the upper half rare, half the lower half sure
+                assert (cpu.sum(axis=1) == E // 2 + (E // 4 if percent == "50" else 0)).all()
+            entries = arena.pool.last_stats.num_entries
+            if percent == "50":  # nothing guessed: the pool computes every pair routed there
+                assert entries == tier.counts_host[cpu].sum()
+            seen.append(entries)
+            return out
+
+        try:
+            got = run(model, plans, forward)
+            windows, listed[percent], _, _, _ = tier.guess_totals()
+            assert windows == 3
+        finally:
+            arena.close()
+        errors = np.concatenate([np.abs(a - b).max(axis=1) / np.abs(a).max(axis=1)
+                                 for a, b in zip(want, got)])
+        assert np.percentile(errors, 90) < 3e-2, percent
+    assert listed["0"] > 0 and listed["50"] == 0, listed
+
+
 def test_profile_seeds_the_rare_experts_of_the_first_prompt(path, resident, tmp_path):
     """With --expert-profile the streamer's counts start from the profile's rows: the first
     streamed window of a fresh tier already leaves the experts the profile never saw routed,

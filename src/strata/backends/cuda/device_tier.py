@@ -177,8 +177,13 @@ class DeviceTier:
         """After the attention of layer - 1: layer's routing guessed and published (guess.py),
         when the layer is one whose routing is guessed."""
         if self._guess.guesses_layer(layer):
+            arena = getattr(self.model, "expert_arena", None)
+            streamer = getattr(arena, "streamer", None)
+            pooled = (int(self._budget) + 4 * layer  # the pool's experts are not guessed
+                      if streamer is not None and streamer.sure_percent else 0)
             self._guess.add_guess(plan, self.model, layer, int(self._pull_base),
-                                  self.where_ptr(layer))
+                                  self.where_ptr(layer), pooled, PROMPT_POOL_ROWS,
+                                  POOL_EXPERT_ROWS)
 
     def start_guesses(self, num_rows: int) -> None:
         """Before the plan (model._run): this window's guesses are served by its host."""

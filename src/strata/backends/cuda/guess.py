@@ -104,9 +104,12 @@ class GuessedCopies:
     def guesses_layer(self, layer: int) -> bool:
         return bool((self.layers == layer).any())
 
-    def add_guess(self, plan, model, layer: int, pull_base: int, where_ptr: int) -> None:
+    def add_guess(self, plan, model, layer: int, pull_base: int, where_ptr: int,
+                  budget_ptr: int = 0, rows_cap: int = 0, expert_cost: int = 0) -> None:
         """After the attention of layer - 1 (x [R, H] its residual): layer's routing guessed and
-        its rare guessed experts published (a layer of `layers`)."""
+        its rare guessed experts published (a layer of `layers`). With `budget_ptr` (the layer's
+        pool budget, int32 on the device) the guessed experts the pool's budget walk would take
+        (offload.cu's count_groups on the guessed rows: `rows_cap`, `expert_cost`) are not."""
         spec, ly = model.spec, model.layers[layer]
         w, H = ly.router, spec.hidden
         E, R, ws = self.E, plan.num_rows, plan._ws
@@ -119,9 +122,10 @@ class GuessedCopies:
                    ws.ptr("router")])
         plan._add("predict_topk", (-(-R // PREDICT_WARPS),), (32 * PREDICT_WARPS,), "PiiiPP",
                   [ws.ptr("router"), R, E, spec.n_experts_used, base, pred])
-        plan._add("guess_publish", (1,), (256,), "PPiiiPPPPP",
+        plan._add("guess_publish", (1,), (256,), "PPiiiPPPPPPii",
                   [pred, where_ptr, E, layer, self.min_rows, int(pull_base), int(self._seq),
-                   self._lists_dev, self._flags_dev, int(self._fetched) + layer * E])
+                   self._lists_dev, self._flags_dev, int(self._fetched) + layer * E,
+                   int(budget_ptr), int(rows_cap), int(expert_cost)])
 
     def add_point(self, plan, layer: int, pull_base: int, where_ptr: int,
                   tables_ptr: int) -> None:

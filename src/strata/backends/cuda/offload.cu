@@ -486,23 +486,43 @@ extern "C" __global__ void pull_rare(const int *__restrict__ counts,
 // take guesses in this window (a plan run without before_run): nothing is listed or flagged.
 // Slot e of the set is free: the copy stream's runs skip rare experts, pull_rare skips experts
 // no longer where CPU, and the set's previous reader (streamed layer j - 2) finished before
-// this launch, so before the host saw the flag. Grid 1, block 256.
+// this launch, so before the host saw the flag. budget (the layer's pool budget; nullptr: none):
+// an expert the pool's budget walk takes on the guessed rows (count_groups' walk: the fewest rows
+// first, rows_cap, expert_cost) is left to the pool, not listed (stream.py's STRATA_POOL_SURE).
+// E <= GUESS_MAX_E. Grid 1, block 256.
+#define GUESS_MAX_E 512
 extern "C" __global__ void guess_publish(int *__restrict__ pred, const uint8_t *__restrict__ where,
                                          int E, int layer, int min_rows,
                                          const unsigned long long *__restrict__ base,
                                          const long long *__restrict__ seq, int *lists,
-                                         long long *flags, uint8_t *__restrict__ fetched) {
+                                         long long *flags, uint8_t *__restrict__ fetched,
+                                         const int *__restrict__ budget, int rows_cap,
+                                         int expert_cost) {
     kernel_entry();
     __shared__ int count;
+    __shared__ int guessed[GUESS_MAX_E];  // [E] the guessed rows
     const long long want = *seq;
     const bool active = want != 0 && base[layer] != 0;
     if (threadIdx.x == 0) count = 0;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) guessed[e] = pred[e];
     __syncthreads();
+    const long long pool_time = budget != nullptr ? (long long)*budget : -1;
     int *list = lists + (long long)layer * (E + 1);
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const int rows = pred[e];
+        const int rows = guessed[e];
         pred[e] = 0;
-        if (active && where[e] == WHERE_CPU && rows >= min_rows) {
+        bool pooled = false;
+        if (pool_time >= 0 && where[e] == WHERE_CPU && rows <= rows_cap) {
+            long long before = 0;  // the pool's candidates before e in (rows, expert) order
+            for (int f = 0; f < E; f++) {
+                const int c = guessed[f];
+                if (c > 0 && c <= rows_cap && where[f] == WHERE_CPU
+                    && (c < rows || (c == rows && f < e)))
+                    before += expert_cost + c;
+            }
+            pooled = before + expert_cost + rows <= pool_time;
+        }
+        if (active && where[e] == WHERE_CPU && rows >= min_rows && !pooled) {
             list[1 + atomicAdd(&count, 1)] = e;
             fetched[e] = 1;
         }

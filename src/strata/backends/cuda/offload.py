@@ -460,18 +460,23 @@ class VramExpertArena(ExpertArena):
         share.prompt_pool_budget of its time); the kernels read the rest over PCIe."""
         from strata.backends.cuda.exchange import WHERE_CPU, WHERE_PCIE, WHERE_VRAM
 
-        rare = self.streamer.rare_for(num_rows)  # [L, E]
+        rare, sure, sure_rows = self.streamer.left_for(num_rows)  # [L, E], [L, E], [L]
+        rare = rare | sure
         key = (self.table.version, "stream", np.packbits(rare).tobytes())
         if key == self._where_version:
             return
-        from strata.backends.cuda.share import prompt_pool_budget
+        from strata.backends.cuda.share import POOL_EXPERT_ROWS, prompt_pool_budget
 
         residency = self.table.peek().table
         where = np.where(residency >= 0, WHERE_VRAM, WHERE_PCIE).astype(np.uint8)
         where[rare] = WHERE_CPU
         copied = ((residency < 0) & ~rare).sum(axis=1)  # [L] experts the window copies
+        budget = prompt_pool_budget(copied, self.pool.threads)
+        if sure.any():  # the sure experts left to the pool: their expected cost on top
+            budget = budget + np.ceil(sure.sum(axis=1) * POOL_EXPERT_ROWS
+                                      + sure_rows).astype(np.int32)
         with self._rt.active():
-            self.model.tier.set_where(where, prompt_pool_budget(copied, self.pool.threads))
+            self.model.tier.set_where(where, budget)
         self.pool.set_where(where)
         self._where_version = key
 

@@ -414,6 +414,10 @@ class WindowPlan:
         # per layer (first, stop): the launches that read its routed experts (gate/up .. down);
         # a prompt window streaming its experts (stream.py) puts its copy waits around them
         self.expert_spans: list[tuple[int, int]] = []
+        # per layer (first, stop) of the tier's launches after the grouping (guessed copies'
+        # wait, tier_groups, rows to the pool) and of the pool's combine (its wait): the
+        # streamed window's timeline marks them (stream.py, STRATA_STREAM_TIMELINE)
+        self.tier_spans: dict[str, list[tuple[int, int]]] = {"grouping": [], "pool": []}
         # free admission: its expert products write the misses they read into offered slots
         self.keeps_misses = keeps_misses(model, num_rows)
         self._programmatic = num_rows <= pdl_max_rows()
@@ -660,8 +664,10 @@ class WindowPlan:
             # -- the routed experts
             self._norm(ly.ffn_norm.ptr, R, quantize=m.quantize_h)
             self._router(ly)  # router [R, E], ids / wts [R, K], the pairs grouped by expert
+            at = len(self.launches)
             if m.tier is not None:  # counts [E] of this layer; CPU groups out, rows to the pool
                 m.tier.add_after_grouping(self, li)  # (and the misses it keeps: keeps_misses)
+            self.tier_spans["grouping"].append((at, len(self.launches)))
             keep = m.tier.keep_tables(li) if self.keeps_misses else ((0, 0), (0, 0))
             # gate/up + SiLU per distinct expert over its rows: hbuf [P (grouped order), F]
             first_expert_launch = len(self.launches)
@@ -692,6 +698,7 @@ class WindowPlan:
             is_pooled = m.tier is not None and m.tier.pools(R)
             is_normed = (li + 1 < len(m.layers) and H % 4 == 0 and H <= NORM_MAX_HIDDEN
                          and not is_pooled)
+            at = len(self.launches)
             if is_pooled:  # wait for the CPU pool; its y added, CPU pairs left out
                 m.tier.add_combine(self, li, shared)
             elif is_normed:  # x += combine, then the next layer's attention norm, one launch
@@ -703,6 +710,7 @@ class WindowPlan:
             else:
                 self._add("moe_combine", ((R * H + 255) // 256,), (256,), "PPPiiiPP",
                           [ws.ptr("x"), ws.ptr("ybuf"), ws.ptr("wts"), R, K, H, *shared])
+            self.tier_spans["pool"].append((at, len(self.launches) if is_pooled else at))
         if not m.is_last:  # a layer split's next stage takes x [R, H] from here
             return
         # -- the head over the N logit rows

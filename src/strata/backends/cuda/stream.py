@@ -73,6 +73,12 @@ COUNT_HALF_LIFE_ROWS = 4096
 # 44.3); a cost of 1.01 gave 4,890-5,017, 1.43 5,183 / 5,199, 1.67 5,118.
 HIT_DECAY = 0.8
 HIT_REACH_COST = 1.25
+# STRATA_POOL_SURE=S (percent of a layer's copies, 0 off; a measurement knob): a streamed
+# window whose pool takes rare experts also leaves to the pool S% of each layer's sure experts
+# (those it would copy), the fewest expected rows first (at most share.PROMPT_POOL_ROWS), and
+# adds their cost to the pool's budget: each one the pool computes (AMX rows from 16 rows,
+# amx.c) takes an expert's bytes off the link, which the copies of the sure experts hold.
+ENV_POOL_SURE = "STRATA_POOL_SURE"
 # STRATA_STREAM_TIMELINE=1: every streamed window records timing events, waits for its end and
 # logs where its time went (WindowTimeline; a diagnosis, it costs each window its overlap with
 # the next).
@@ -155,6 +161,26 @@ def rare_experts(residency: np.ndarray, routed: np.ndarray, num_rows: int, top_k
     return (np.asarray(residency) < 0) & (reads * cost < 1.0)
 
 
+def sure_for_pool(residency: np.ndarray, routed: np.ndarray, rare: np.ndarray, num_rows: int,
+                  top_k: int, percent: int, rows_cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """([L, E] bool, [L] float64): per layer the `percent`% of its copied experts (missing,
+    not `rare`) with the fewest expected rows, of those expected to get at most `rows_cap`
+    (expected rows as in rare_experts), left to the CPU pool; and their expected rows per
+    layer (the pool's added budget)."""
+    routed = np.asarray(routed, dtype=np.float64)
+    L, E = routed.shape
+    copied = (np.asarray(residency) < 0) & ~np.asarray(rare, dtype=bool)  # [L, E]
+    spread = (routed + 1.0) / (routed.sum(axis=1, keepdims=True) + E)
+    rows = spread * max(int(num_rows), 1) * int(top_k)  # [L, E] expected rows
+    sure = np.zeros((L, E), dtype=bool)
+    take = np.floor(copied.sum(axis=1) * max(0, int(percent)) / 100.0).astype(int)  # [L]
+    for layer in np.flatnonzero(take):
+        cand = np.flatnonzero(copied[layer] & (rows[layer] <= rows_cap))
+        pick = cand[np.argsort(rows[layer, cand], kind="stable")[:take[layer]]]
+        sure[layer, pick] = True
+    return sure, np.where(sure, rows, 0.0).sum(axis=1)
+
+
 class HitShare:
     """Per (layer, expert) the share of the recent streamed windows that routed to it, each
     window weighing HIT_DECAY times the next: [L, E] in 0..1, or None before two windows."""
@@ -209,7 +235,8 @@ def stream_tables(mirror: np.ndarray, residency: np.ndarray, stage_bases, slot_b
 
 
 def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, int]]],
-                    timeline: bool = False) -> list[Op]:
+                    timeline: bool = False,
+                    tier_spans: dict[str, list[tuple[int, int]]] | None = None) -> list[Op]:
     """The entries of a streamed window in issue order. `spans[l]` = (first, stop) of layer
     l's expert launches in the plan's list; `runs[l]` its copies (streamed layers only).
 
@@ -218,13 +245,34 @@ def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, in
     launches are done (event read j: they share a staging set); the compute stream waits for
     a layer's copies (event copied l) right before its expert launches.
     `timeline` adds records of timing events, keys ("t", what, ...) (WindowTimeline), and
-    nothing else: the order of the other entries is the same."""
+    nothing else: the order of the other entries is the same. With it, `tier_spans` {name:
+    per layer (first, stop)} (WindowPlan.tier_spans) adds ("t", name, l) and ("t", name +
+    "_end", l) around each streamed layer's non-empty span outside its expert launches."""
     layers = sorted(runs)
     ops = [Op("record", COMPUTE, event=("start",)), Op("wait", COPY, event=("start",))]
+    at_launch: dict[int, list[tuple]] = {}  # launch index -> the marks recorded before it
+    for name, per_layer in (tier_spans or {}).items() if timeline else ():
+        for layer in layers:
+            first, stop = per_layer[layer]
+            if first < stop:
+                at_launch.setdefault(first, []).append((name, layer))
+                at_launch.setdefault(stop, []).append((name + "_end", layer))
 
     def mark(stream: str, *key) -> None:
         if timeline:
             ops.append(Op("record", stream, event=("t",) + key))
+
+    def launches(first: int, stop: int) -> None:
+        """Launches [first, stop) on the compute stream, the marks at_launch from first to stop
+        among them (a span ending at stop is marked before what follows the launches)."""
+        for index in sorted(i for i in at_launch if first <= i <= stop):
+            if index > first:
+                ops.append(Op("launches", COMPUTE, first, index))
+            for key in at_launch.pop(index):
+                mark(COMPUTE, *key)
+            first = index
+        if stop > first:
+            ops.append(Op("launches", COMPUTE, first, stop))
 
     mark(COMPUTE, "start")
 
@@ -239,20 +287,20 @@ def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, in
     at = 0
     for j, layer in enumerate(layers):
         first, stop = spans[layer]
-        if first > at:
-            ops.append(Op("launches", COMPUTE, at, first))
+        launches(at, first)
         mark(COMPUTE, "ready", layer)
         ops.append(Op("wait", COMPUTE, event=("copied", layer)))
         mark(COMPUTE, "go", layer)
-        ops.append(Op("launches", COMPUTE, first, stop))
+        launches(first, stop)
         mark(COMPUTE, "done", layer)
         at = stop
         if j + NUM_STAGES < len(layers):
             ops += [Op("record", COMPUTE, event=("read", layer)),
                     Op("wait", COPY, event=("read", layer))]
             copies(layers[j + NUM_STAGES])
-    if at < num_launches:
-        ops.append(Op("launches", COMPUTE, at, num_launches))
+    launches(at, num_launches)
+    for key in at_launch.pop(num_launches, []):
+        mark(COMPUTE, *key)
     mark(COMPUTE, "end")
     return ops
 
@@ -263,8 +311,10 @@ class WindowTimeline:
     = 1): `total` from the window's start to its last launch; `fill` until the first streamed
     layer's experts could start; the copy engine `copying` (sum of each layer's copies) and
     `held` (waiting for the compute stream to release a staging set); the compute stream
-    `waiting` for copies and `experts` (the streamed layers' expert launches, the pool's wait
-    included); `tail` from the last copy to the end."""
+    `waiting` for copies and `experts` (the streamed layers' expert launches); `tail` from the
+    last copy to the end; `grouping` (the tier's launches after each layer's grouping: the
+    guessed copies' wait, tier_groups, the rows to the pool) and `pool` (the combine with the
+    pool's y, its wait for the pool included), summed over the streamed layers."""
 
     rows: int
     total: float
@@ -275,17 +325,30 @@ class WindowTimeline:
     experts: float
     tail: float
     copied_bytes: int
+    grouping: float = 0.0
+    pool: float = 0.0
 
     @classmethod
     def measure(cls, rows: int, layers: list[int], elapsed, copied_bytes: int) -> "WindowTimeline":
         """`elapsed(a, b)` = ms from key a's record to key b's (keys without the leading "t")."""
         at = lambda *key: elapsed(("start",), key)  # noqa: E731
         held = sum(at("copy", b) - at("copied", a) for a, b in zip(layers, layers[1:]))
+
+        def span(name: str) -> float:  # a tier span's sum over the layers that have it
+            total = 0.0
+            for j in layers:
+                try:
+                    total += elapsed((name, j), (name + "_end", j))
+                except KeyError:
+                    pass
+            return total
+
         return cls(rows, at("end"), at("go", layers[0]),
                    sum(elapsed(("copy", j), ("copied", j)) for j in layers), max(0.0, held),
                    sum(elapsed(("ready", j), ("go", j)) for j in layers),
                    sum(elapsed(("go", j), ("done", j)) for j in layers),
-                   at("end") - at("copied", layers[-1]), copied_bytes)
+                   at("end") - at("copied", layers[-1]), copied_bytes,
+                   span("grouping"), span("pool"))
 
     def describe(self) -> str:
         rate = self.copied_bytes / max(self.copying, 1e-6) / 1e6  # GB/s
@@ -293,7 +356,9 @@ class WindowTimeline:
                 f"{self.copying:.1f} ms copying {self.copied_bytes / 2**30:.2f} GiB "
                 f"({rate:.1f} GB/s), {self.held:.1f} ms held for a staging set; compute waited "
                 f"{self.waiting:.1f} ms for copies, {self.experts:.1f} ms in the streamed layers' "
-                f"experts; first experts at {self.fill:.1f} ms, {self.tail:.1f} ms after the last "
+                f"experts, {self.grouping:.1f} ms in the tier's launches after the grouping "
+                f"(the guessed copies' wait), {self.pool:.1f} ms combining with the pool (its "
+                f"wait); first experts at {self.fill:.1f} ms, {self.tail:.1f} ms after the last "
                 "copy")
 
 
@@ -338,6 +403,9 @@ class PromptStreamer:
         self.timeline = os.environ.get(ENV_TIMELINE, "0") == "1"
         self._image_bytes: np.ndarray | None = None  # [L] of an expert's image (made by _build)
         self.timelines: list[WindowTimeline] = []  # with timeline on: one per streamed window
+        from strata.backends.cuda.offload import count_setting
+
+        self.sure_percent = count_setting(ENV_POOL_SURE, 0, "percent", 100)
 
     # ---- between windows ----------------------------------------------------------------
     def before_window(self, num_rows: int) -> None:
@@ -376,12 +444,25 @@ class PromptStreamer:
         """[L, E] bool: the missing experts a streamed window of `num_rows` rows leaves at their
         host copies now (rare_experts on the published residency and the counts; none past
         RARE_MAX_ROWS). The same before the window (the arena's where table) and in run()."""
+        rare, sure, _ = self.left_for(num_rows)
+        return rare | sure
+
+    def left_for(self, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rare [L, E], sure [L, E], sure's expected rows [L]): the rare experts, and the sure
+        ones left to the pool (STRATA_POOL_SURE, sure_for_pool) that rare_for adds to them."""
         residency = self.arena.table.peek().table  # [L, E]
-        if num_rows <= RARE_MAX_ROWS:
-            hits = self._hits.share() if self.pools_rare(num_rows) else None
-            return rare_experts(residency, self._routed, num_rows, self._top_k,
-                                self._reach_cost(num_rows), hits)
-        return np.zeros(residency.shape, dtype=bool)
+        none = np.zeros(residency.shape, dtype=bool)
+        if num_rows > RARE_MAX_ROWS:
+            return none, none, np.zeros(self.num_layers)
+        hits = self._hits.share() if self.pools_rare(num_rows) else None
+        rare = rare_experts(residency, self._routed, num_rows, self._top_k,
+                            self._reach_cost(num_rows), hits)
+        if not (self.sure_percent and self.pools_rare(num_rows)):
+            return rare, none, np.zeros(self.num_layers)
+        from strata.backends.cuda.share import PROMPT_POOL_ROWS
+
+        return (rare, *sure_for_pool(residency, self._routed, rare, num_rows, self._top_k,
+                                     self.sure_percent, PROMPT_POOL_ROWS))
 
     def _reach_cost(self, num_rows: int) -> float:
         """REACH_COST, or POOL_REACH_COST where the CPU pool computes the rare experts a window
@@ -638,7 +719,8 @@ class PromptStreamer:
         stage = {layer: j % NUM_STAGES for j, layer in enumerate(sorted(runs))}
         out, events = cuda_driver.LaunchList(), {}
         entries = np.full(residency.shape, -1, dtype=np.int64)  # [L, E]
-        for op in stream_schedule(len(plan.launches), plan.expert_spans, runs, self.timeline):
+        for op in stream_schedule(len(plan.launches), plan.expert_spans, runs, self.timeline,
+                                  plan.tier_spans):
             stream = 0 if op.stream == COMPUTE else self.copy_stream_handle
             if op.kind == "launches":
                 out.extend(plan.launches, op.first, op.stop)
