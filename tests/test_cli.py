@@ -366,12 +366,13 @@ def test_tier_summary_line_names_the_cpu_pool():
 
     s["stream_timeline"] = timeline_medians(
         [WindowTimeline(512, total, 3.0, total - 2, 0.5, 60.0, 30.0, 1.0, 6 * 10**9, 9.0,
-                        total / 10) for total in (120.0, 130.0, 140.0)])
+                        total / 10, 4.0, 2.0, 1.5) for total in (120.0, 130.0, 140.0)])
     assert format_tier_summary(s).endswith(
         "(the GPU pulled 3 of them into staging); timeline, medians of 3 streamed windows: "
         "130.0 ms, the copy engine 128.0 ms copying (46.9 GB/s) and 0.5 ms held, the compute "
         "stream 60.0 ms waiting for copies, 30.0 ms in the experts, 9.0 ms after the grouping "
-        "and 13.0 ms combining with the pool")
+        "(4.0 waiting for guessed copies, 2.0 pulling, 1.5 publishing) and 13.0 ms combining "
+        "with the pool")
 
 
 def test_help_lists_the_expert_options():

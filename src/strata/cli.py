@@ -581,7 +581,7 @@ def timeline_medians(timelines) -> dict:
     """Medians over streamed windows' WindowTimelines (STRATA_STREAM_TIMELINE=1), ms."""
     out = {name: float(np.median([getattr(t, name) for t in timelines]))
            for name in ("total", "fill", "copying", "held", "waiting", "experts", "tail",
-                        "grouping", "pool")}
+                        "grouping", "pool", "guess", "pulls", "publish")}
     out["copy_gb_per_s"] = float(np.median([t.copied_bytes / max(t.copying, 1e-6) / 1e6
                                             for t in timelines]))
     out["windows"] = len(timelines)
@@ -620,7 +620,9 @@ def format_tier_summary(s: dict) -> str:
                f"the copy engine {t['copying']:.1f} ms copying ({t['copy_gb_per_s']:.1f} GB/s) "
                f"and {t['held']:.1f} ms held, the compute stream {t['waiting']:.1f} ms waiting "
                f"for copies, {t['experts']:.1f} ms in the experts, {t['grouping']:.1f} ms "
-               f"after the grouping and {t['pool']:.1f} ms combining with the pool"
+               f"after the grouping ({t['guess']:.1f} waiting for guessed copies, "
+               f"{t['pulls']:.1f} pulling, {t['publish']:.1f} publishing) and "
+               f"{t['pool']:.1f} ms combining with the pool"
                if (t := s.get("stream_timeline")) else ""))
 
 

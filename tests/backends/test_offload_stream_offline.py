@@ -179,9 +179,9 @@ def test_the_timeline_only_adds_timing_records_around_each_layer():
         assert all(timed[at[(k, l)]].stream == COMPUTE for k in ("ready", "go", "done"))
     assert not any(key[1:] == (1,) for key in at)  # layer 1 is resident: no marks
     # the tier's spans outside the expert launches: marked around them, empty ones not at all
-    tier = {"grouping": [(l * per_layer + 2, l * per_layer + 4) for l in range(L)],
-            "pool": [(l * per_layer + 7, l * per_layer + (9 if l != 3 else 7))
-                     for l in range(L)]}
+    tier = {"grouping": {l: (l * per_layer + 2, l * per_layer + 4) for l in range(L)},
+            "guess": {l: (l * per_layer + 2, l * per_layer + 3) for l in range(L)},
+            "pool": {l: (l * per_layer + 7, l * per_layer + 9) for l in range(L) if l != 3}}
     marked = stream_schedule(L * per_layer, spans, runs, timeline=True, tier_spans=tier)
 
     def covered(ops):  # the launches run, in order
@@ -195,7 +195,7 @@ def test_the_timeline_only_adds_timing_records_around_each_layer():
     at = {op.event[1:]: i for i, op in enumerate(marked) if op.event[:1] == ("t",)}
     for l in runs:
         for name, per_layer_spans in tier.items():
-            first, stop = per_layer_spans[l]
+            first, stop = per_layer_spans.get(l, (0, 0))
             if first == stop:
                 assert (name, l) not in at and (name + "_end", l) not in at
                 continue
@@ -226,9 +226,12 @@ def test_window_timeline_sums_each_layers_spans():
     assert "512 rows: 8.5 ms" in line and "3.00 GiB" in line and "held" in line
     # the tier's spans: summed over the layers that have them
     times.update({("grouping", 0): 0.2, ("grouping_end", 0): 0.5, ("grouping", 2): 5.0,
-                  ("grouping_end", 2): 5.5, ("pool", 1): 5.0, ("pool_end", 1): 5.25})
+                  ("grouping_end", 2): 5.5, ("pool", 1): 5.0, ("pool_end", 1): 5.25,
+                  ("guess", 2): 5.0, ("guess_end", 2): 5.25, ("publish", 0): 0.25,
+                  ("publish_end", 0): 0.5})
     t = WindowTimeline.measure(512, [0, 1, 2], lambda a, b: times[b] - times[a], 3 * 2**30)
     assert (t.grouping, t.pool) == (0.3 + 0.5, 0.25)
+    assert (t.guess, t.pulls, t.publish) == (0.25, 0.0, 0.25)
     assert "0.8 ms in the tier's launches after the grouping" in t.describe()
 
 

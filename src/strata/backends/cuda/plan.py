@@ -414,10 +414,11 @@ class WindowPlan:
         # per layer (first, stop): the launches that read its routed experts (gate/up .. down);
         # a prompt window streaming its experts (stream.py) puts its copy waits around them
         self.expert_spans: list[tuple[int, int]] = []
-        # per layer (first, stop) of the tier's launches after the grouping (guessed copies'
-        # wait, tier_groups, rows to the pool) and of the pool's combine (its wait): the
-        # streamed window's timeline marks them (stream.py, STRATA_STREAM_TIMELINE)
-        self.tier_spans: dict[str, list[tuple[int, int]]] = {"grouping": [], "pool": []}
+        # {name: {layer: (first, stop)}} of the tier's launches: "grouping" (all after the
+        # layer's grouping), inside it "guess" (the guessed copies' wait), "pulls" (pull_rare),
+        # "publish" (the rows to the pool), and "pool" (the combine with the pool, its wait):
+        # a streamed window's timeline marks them (stream.py, STRATA_STREAM_TIMELINE)
+        self.tier_spans: dict[str, dict[int, tuple[int, int]]] = {}
         # free admission: its expert products write the misses they read into offered slots
         self.keeps_misses = keeps_misses(model, num_rows)
         self._programmatic = num_rows <= pdl_max_rows()
@@ -426,6 +427,11 @@ class WindowPlan:
         self._build()
 
     # ---- helpers --------------------------------------------------------------------------
+    def mark_span(self, name: str, layer: int, first: int) -> None:
+        """The launches from `first` to now are `layer`'s span `name` (tier_spans)."""
+        if len(self.launches) > first:
+            self.tier_spans.setdefault(name, {})[layer] = (first, len(self.launches))
+
     def _add(self, kernel: str, grid, block, fmt: str, args, shared_bytes: int = 0) -> None:
         k = self._rt.kernel(kernel)
         self.launches.append(k.prepare(grid, block, fmt, args, shared_bytes,
@@ -667,7 +673,7 @@ class WindowPlan:
             at = len(self.launches)
             if m.tier is not None:  # counts [E] of this layer; CPU groups out, rows to the pool
                 m.tier.add_after_grouping(self, li)  # (and the misses it keeps: keeps_misses)
-            self.tier_spans["grouping"].append((at, len(self.launches)))
+            self.mark_span("grouping", li, at)
             keep = m.tier.keep_tables(li) if self.keeps_misses else ((0, 0), (0, 0))
             # gate/up + SiLU per distinct expert over its rows: hbuf [P (grouped order), F]
             first_expert_launch = len(self.launches)
@@ -710,7 +716,8 @@ class WindowPlan:
             else:
                 self._add("moe_combine", ((R * H + 255) // 256,), (256,), "PPPiiiPP",
                           [ws.ptr("x"), ws.ptr("ybuf"), ws.ptr("wts"), R, K, H, *shared])
-            self.tier_spans["pool"].append((at, len(self.launches) if is_pooled else at))
+            if is_pooled:
+                self.mark_span("pool", li, at)
         if not m.is_last:  # a layer split's next stage takes x [R, H] from here
             return
         # -- the head over the N logit rows

@@ -236,7 +236,8 @@ def stream_tables(mirror: np.ndarray, residency: np.ndarray, stage_bases, slot_b
 
 def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, int]]],
                     timeline: bool = False,
-                    tier_spans: dict[str, list[tuple[int, int]]] | None = None) -> list[Op]:
+                    tier_spans: dict[str, dict[int, tuple[int, int]]] | None = None
+                    ) -> list[Op]:
     """The entries of a streamed window in issue order. `spans[l]` = (first, stop) of layer
     l's expert launches in the plan's list; `runs[l]` its copies (streamed layers only).
 
@@ -246,14 +247,14 @@ def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, in
     a layer's copies (event copied l) right before its expert launches.
     `timeline` adds records of timing events, keys ("t", what, ...) (WindowTimeline), and
     nothing else: the order of the other entries is the same. With it, `tier_spans` {name:
-    per layer (first, stop)} (WindowPlan.tier_spans) adds ("t", name, l) and ("t", name +
-    "_end", l) around each streamed layer's non-empty span outside its expert launches."""
+    {layer: (first, stop)}} (WindowPlan.tier_spans) adds ("t", name, l) and ("t", name +
+    "_end", l) around each streamed layer's span outside its expert launches."""
     layers = sorted(runs)
     ops = [Op("record", COMPUTE, event=("start",)), Op("wait", COPY, event=("start",))]
     at_launch: dict[int, list[tuple]] = {}  # launch index -> the marks recorded before it
     for name, per_layer in (tier_spans or {}).items() if timeline else ():
         for layer in layers:
-            first, stop = per_layer[layer]
+            first, stop = per_layer.get(layer, (0, 0))
             if first < stop:
                 at_launch.setdefault(first, []).append((name, layer))
                 at_launch.setdefault(stop, []).append((name + "_end", layer))
@@ -312,9 +313,10 @@ class WindowTimeline:
     layer's experts could start; the copy engine `copying` (sum of each layer's copies) and
     `held` (waiting for the compute stream to release a staging set); the compute stream
     `waiting` for copies and `experts` (the streamed layers' expert launches); `tail` from the
-    last copy to the end; `grouping` (the tier's launches after each layer's grouping: the
-    guessed copies' wait, tier_groups, the rows to the pool) and `pool` (the combine with the
-    pool's y, its wait for the pool included), summed over the streamed layers."""
+    last copy to the end; `grouping` (the tier's launches after each layer's grouping), of it
+    `guess` (the wait for the guessed copies), `pulls` (pull_rare) and `publish` (the rows to
+    the pool), and `pool` (the combine with the pool's y, its wait for the pool included),
+    summed over the streamed layers."""
 
     rows: int
     total: float
@@ -327,6 +329,9 @@ class WindowTimeline:
     copied_bytes: int
     grouping: float = 0.0
     pool: float = 0.0
+    guess: float = 0.0
+    pulls: float = 0.0
+    publish: float = 0.0
 
     @classmethod
     def measure(cls, rows: int, layers: list[int], elapsed, copied_bytes: int) -> "WindowTimeline":
@@ -348,7 +353,8 @@ class WindowTimeline:
                    sum(elapsed(("ready", j), ("go", j)) for j in layers),
                    sum(elapsed(("go", j), ("done", j)) for j in layers),
                    at("end") - at("copied", layers[-1]), copied_bytes,
-                   span("grouping"), span("pool"))
+                   span("grouping"), span("pool"), span("guess"), span("pulls"),
+                   span("publish"))
 
     def describe(self) -> str:
         rate = self.copied_bytes / max(self.copying, 1e-6) / 1e6  # GB/s
@@ -357,9 +363,10 @@ class WindowTimeline:
                 f"({rate:.1f} GB/s), {self.held:.1f} ms held for a staging set; compute waited "
                 f"{self.waiting:.1f} ms for copies, {self.experts:.1f} ms in the streamed layers' "
                 f"experts, {self.grouping:.1f} ms in the tier's launches after the grouping "
-                f"(the guessed copies' wait), {self.pool:.1f} ms combining with the pool (its "
-                f"wait); first experts at {self.fill:.1f} ms, {self.tail:.1f} ms after the last "
-                "copy")
+                f"({self.guess:.1f} waiting for the guessed copies, {self.pulls:.1f} pulling, "
+                f"{self.publish:.1f} publishing rows to the pool), {self.pool:.1f} ms combining "
+                f"with the pool (its wait); first experts at {self.fill:.1f} ms, "
+                f"{self.tail:.1f} ms after the last copy")
 
 
 class PromptStreamer:
