@@ -154,29 +154,56 @@ SIMD_TARGET static inline __m512i to_bf16(__m512 lo, __m512 hi) {
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
+/* m [16] rows of 16 dwords -> their transpose in place (m[r][c] = old m[c][r]): pairs of rows
+ * interleaved by dword, then by qword (each 128-bit lane then holds a 4 x 4 block), then the
+ * lanes gathered across the four groups of rows. */
+SIMD_TARGET static inline void transpose16(__m512i m[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
+    }
+    /* u[4 g + k]: rows 4g..4g+3 of columns k, k + 4, k + 8, k + 12 (one per lane) */
+    for (int g = 0; g < 16; g += 4) {
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i lo01 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44);   /* lanes 0, 1 */
+        const __m512i hi01 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);   /* lanes 2, 3 */
+        const __m512i lo23 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+        const __m512i hi23 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+        m[k] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);        /* column k: lane 0 of each */
+        m[k + 4] = _mm512_shuffle_i32x4(lo01, lo23, 0xDD);    /* column k + 4: lane 1 */
+        m[k + 8] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);
+        m[k + 12] = _mm512_shuffle_i32x4(hi01, hi23, 0xDD);
+    }
+}
+
+/* Per token tile and 32-column step: the 16 tokens' columns as 16 bf16 pairs each (one vector
+ * per token), transposed so that pair r of all 16 tokens is row r of the tile (64 bytes). */
 SIMD_TARGET void st_amx_pack(const float *src, int64_t ld, const int32_t *idx, int64_t n,
                              int cols, uint16_t *dst) {
     const int S = cols / STEP_COLS;
     const int64_t tiles = (n + TILE_TOKENS - 1) / TILE_TOKENS;
     for (int64_t tile = 0; tile < tiles; tile++) {
-        uint32_t *blk = (uint32_t *)(dst + (size_t)tile * S * (TILE_BYTES / 2));   /* [S][16][16] */
+        uint8_t *blk = (uint8_t *)(dst + (size_t)tile * S * (TILE_BYTES / 2));   /* [S][16][64] */
+        const float *x[TILE_TOKENS];   /* each token's row; NULL: a padding token (zeros) */
         for (int c = 0; c < TILE_TOKENS; c++) {
             const int64_t j = tile * TILE_TOKENS + c;
-            if (j >= n) {     /* padding tokens: zero columns */
-                for (int s = 0; s < S; s++)
-                    for (int r = 0; r < 16; r++) blk[((size_t)s * 16 + r) * 16 + c] = 0;
-                continue;
-            }
-            const float *x = src + (idx ? (int64_t)idx[j] : j) * ld;
-            for (int s = 0; s < S; s++) {
-                /* 32 columns -> 16 bf16 pairs, pair r to row r of step s, column c */
-                uint32_t pairs[16];
-                __m512i v = to_bf16(_mm512_loadu_ps(x + s * STEP_COLS),
-                                    _mm512_loadu_ps(x + s * STEP_COLS + 16));
-                _mm512_storeu_si512(pairs, v);
-                uint32_t *col = blk + (size_t)s * 256 + c;
-                for (int r = 0; r < 16; r++) col[r * 16] = pairs[r];
-            }
+            x[c] = j < n ? src + (idx ? (int64_t)idx[j] : j) * ld : NULL;
+        }
+        for (int s = 0; s < S; s++) {
+            __m512i m[16];
+            for (int c = 0; c < TILE_TOKENS; c++)
+                m[c] = x[c] ? to_bf16(_mm512_loadu_ps(x[c] + s * STEP_COLS),
+                                      _mm512_loadu_ps(x[c] + s * STEP_COLS + 16))
+                            : _mm512_setzero_si512();
+            transpose16(m);
+            for (int r = 0; r < 16; r++)
+                _mm512_storeu_si512(blk + ((size_t)s * 16 + r) * 64, m[r]);
         }
     }
 }
