@@ -419,3 +419,44 @@ def test_sure_experts_left_to_the_pool_are_the_fewest_expected_rows_of_the_copie
     assert np.flatnonzero(sure[0]).tolist() == [1, 2]
     assert not sure_for_pool(residency, routed, rare, R, K, 0, 4096)[0].any()
     assert sure_for_pool(residency, routed, rare, R, K, 100, 4096)[0].sum() == 14
+
+
+def test_pool_sure_auto_follows_the_pools_share_of_each_streamed_window():
+    """STRATA_POOL_SURE=auto (stream.SurePercent): after each streamed window the pool served,
+    the percent rises a step while the pool computed under the band's low end of the window,
+    falls above its high end, stays within 0..most, and a window seen twice counts once; the
+    streamer takes it before a streamed window only, from the pool's last prompt window."""
+    from types import SimpleNamespace
+
+    from strata.backends.cuda.cpu_pool import PoolWindowStats
+    from strata.backends.cuda.stream import (SURE_AUTO_BAND, SURE_AUTO_MAX, SURE_AUTO_STEP,
+                                             PromptStreamer, SurePercent)
+
+    auto = SurePercent(step=10, most=30, band=(0.3, 0.45))
+    assert auto.record(1, 20.0, 80.0) == 10  # the pool computed 20% of the window: up
+    assert auto.record(1, 20.0, 80.0) == 10  # the same window again: unchanged
+    assert [auto.record(seq, 10.0, 90.0) for seq in (2, 3, 4)] == [20, 30, 30]  # at most 30
+    assert auto.record(5, 40.0, 60.0) == 30  # 40%: within the band
+    assert auto.record(6, 60.0, 40.0) == 20  # 60%: down
+    assert [auto.record(seq, 90.0, 10.0) for seq in (7, 8, 9)] == [10, 0, 0]  # at least 0
+    assert auto.record(10, 0.0, 0.0) == 0  # nothing timed: unchanged
+    assert 0 < SURE_AUTO_BAND[0] < SURE_AUTO_BAND[1] < 1 and 0 < SURE_AUTO_STEP <= SURE_AUTO_MAX
+
+    streamer = PromptStreamer.__new__(PromptStreamer)  # the decision only: no device
+    streamer.min_rows, streamer.sure_percent = 256, 0
+    streamer.sure_auto = SurePercent()
+    streamer.leaves_rare = lambda num_rows: True
+    pool = SimpleNamespace(last_stats=None)
+    streamer.arena = SimpleNamespace(pool=pool)
+    streamer._follow_pool(512)  # no window served yet
+    assert streamer.sure_percent == 0
+    pool.last_stats = PoolWindowStats(7, 1, 8, 8, 0.5, 20.0)  # a decode window: not counted
+    streamer._follow_pool(512)
+    assert streamer.sure_percent == 0
+    pool.last_stats = PoolWindowStats(8, 512, 900, 300, 20.0, 90.0)  # a streamed one, 18%
+    streamer._follow_pool(512)
+    streamer._follow_pool(512)  # the same window: one step
+    assert streamer.sure_percent == SURE_AUTO_STEP
+    streamer.arena.pool = None  # no pool: nothing to follow
+    streamer._follow_pool(512)
+    assert streamer.sure_percent == SURE_AUTO_STEP

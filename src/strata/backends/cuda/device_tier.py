@@ -180,7 +180,8 @@ class DeviceTier:
             arena = getattr(self.model, "expert_arena", None)
             streamer = getattr(arena, "streamer", None)
             pooled = (int(self._budget) + 4 * layer  # the pool's experts are not guessed
-                      if streamer is not None and streamer.sure_percent else 0)
+                      if streamer is not None
+                      and (streamer.sure_percent or streamer.sure_auto is not None) else 0)
             self._guess.add_guess(plan, self.model, layer, int(self._pull_base),
                                   self.where_ptr(layer), pooled, PROMPT_POOL_ROWS,
                                   POOL_EXPERT_ROWS)

@@ -79,6 +79,14 @@ HIT_REACH_COST = 1.25
 # adds their cost to the pool's budget: each one the pool computes (AMX rows from 16 rows,
 # amx.c) takes an expert's bytes off the link, which the copies of the sure experts hold.
 ENV_POOL_SURE = "STRATA_POOL_SURE"
+# STRATA_POOL_SURE=auto: the percent follows the pool's share of each streamed window it served
+# (SurePercent): up SURE_AUTO_STEP while the pool computed under the band's low end of the
+# window (its compute + its wait for the GPU), down above the high end, 0..SURE_AUTO_MAX. On an
+# H100, skew-0 synth, pp512: S = 0 / 30 / 60 put the pool at ~20% / ~31% / ~53% of the window
+# (docs/offload.md, "Session 74").
+SURE_AUTO_STEP = 10
+SURE_AUTO_MAX = 50
+SURE_AUTO_BAND = (0.30, 0.45)
 # STRATA_STREAM_TIMELINE=1: every streamed window records timing events, waits for its end and
 # logs where its time went (WindowTimeline; a diagnosis, it costs each window its overlap with
 # the next).
@@ -179,6 +187,29 @@ def sure_for_pool(residency: np.ndarray, routed: np.ndarray, rare: np.ndarray, n
         pick = cand[np.argsort(rows[layer, cand], kind="stable")[:take[layer]]]
         sure[layer, pick] = True
     return sure, np.where(sure, rows, 0.0).sum(axis=1)
+
+
+class SurePercent:
+    """STRATA_POOL_SURE=auto's percent: `record` each streamed window the pool served (its
+    seq, compute and wait ms; a window seen before changes nothing) moves it by `step` towards
+    keeping the pool's compute within `band` of the window, 0..`most`."""
+
+    def __init__(self, step: int = SURE_AUTO_STEP, most: int = SURE_AUTO_MAX,
+                 band: tuple[float, float] = SURE_AUTO_BAND):
+        self.step, self.most, self.band = int(step), int(most), band
+        self.percent = 0
+        self._seen = None
+
+    def record(self, seq: int, pool_ms: float, wait_ms: float) -> int:
+        if seq == self._seen or pool_ms + wait_ms <= 0.0:
+            return self.percent
+        self._seen = seq
+        share = pool_ms / (pool_ms + wait_ms)
+        if share < self.band[0]:
+            self.percent = min(self.most, self.percent + self.step)
+        elif share > self.band[1]:
+            self.percent = max(0, self.percent - self.step)
+        return self.percent
 
 
 class HitShare:
@@ -412,7 +443,9 @@ class PromptStreamer:
         self.timelines: list[WindowTimeline] = []  # with timeline on: one per streamed window
         from strata.backends.cuda.offload import count_setting
 
-        self.sure_percent = count_setting(ENV_POOL_SURE, 0, "percent", 100)
+        auto = os.environ.get(ENV_POOL_SURE, "").strip().lower() == "auto"
+        self.sure_auto = SurePercent() if auto else None  # STRATA_POOL_SURE=auto
+        self.sure_percent = 0 if auto else count_setting(ENV_POOL_SURE, 0, "percent", 100)
 
     # ---- between windows ----------------------------------------------------------------
     def before_window(self, num_rows: int) -> None:
@@ -421,8 +454,26 @@ class PromptStreamer:
         if self.wants(num_rows):
             if self.stage_bases is None and self._has_misses():
                 self._ready_staging()
+            self._follow_pool(num_rows)
         elif self._streak_windows or self._borrowed:
             self.release()
+
+    def _follow_pool(self, num_rows: int) -> None:
+        """STRATA_POOL_SURE=auto, before a streamed window (and before the arena's where table,
+        so that the table and run() leave the same experts): the percent after the last
+        streamed window the pool served."""
+        stats = self.arena.pool.last_stats if self.arena.pool is not None else None
+        if self.sure_auto is None or stats is None or not self.pools_rare(num_rows):
+            return
+        from strata.backends.cuda.share import POOL_MAX_ROWS
+
+        if stats.num_rows > POOL_MAX_ROWS and self.pools_rare(stats.num_rows):
+            before = self.sure_percent
+            self.sure_percent = self.sure_auto.record(stats.seq, stats.pool_ms, stats.wait_ms)
+            if self.sure_percent != before:
+                log.info("prompt streaming: the pool computed %.1f of %.1f ms of the last "
+                         "window; STRATA_POOL_SURE=auto now leaves it %d%% of the sure experts",
+                         stats.pool_ms, stats.pool_ms + stats.wait_ms, self.sure_percent)
 
     def account(self, counts: np.ndarray) -> None:
         """A window's routed pairs [L, E] (the arena's account_routed): into the decayed counts
