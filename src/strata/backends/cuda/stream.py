@@ -73,17 +73,20 @@ COUNT_HALF_LIFE_ROWS = 4096
 # 44.3); a cost of 1.01 gave 4,890-5,017, 1.43 5,183 / 5,199, 1.67 5,118.
 HIT_DECAY = 0.8
 HIT_REACH_COST = 1.25
-# STRATA_POOL_SURE=S (percent of a layer's copies, 0 off; a measurement knob): a streamed
+# STRATA_POOL_SURE=S (percent of a layer's copies, 0 off; or auto, below): a streamed
 # window whose pool takes rare experts also leaves to the pool S% of each layer's sure experts
 # (those it would copy), the fewest expected rows first (at most share.PROMPT_POOL_ROWS), and
 # adds their cost to the pool's budget: each one the pool computes (AMX rows from 16 rows,
 # amx.c) takes an expert's bytes off the link, which the copies of the sure experts hold.
 ENV_POOL_SURE = "STRATA_POOL_SURE"
-# STRATA_POOL_SURE=auto: the percent follows the pool's share of each streamed window it served
-# (SurePercent): up SURE_AUTO_STEP while the pool computed under the band's low end of the
-# window (its compute + its wait for the GPU), down above the high end, 0..SURE_AUTO_MAX. On an
-# H100, skew-0 synth, pp512: S = 0 / 30 / 60 put the pool at ~20% / ~31% / ~53% of the window
-# (docs/offload.md, "Session 74").
+# STRATA_POOL_SURE=auto (not with the tier frozen, --adapt-every 0: which side computes an
+# expert then depends on timing, and the pool rounds differently; offload.py's
+# build_vram_arena; off by default until the CUDA suite has run with it): the percent follows
+# the pool's share of each streamed window it served (SurePercent): up SURE_AUTO_STEP while the
+# pool computed under the band's low end of the window (its compute + its wait for the GPU),
+# down above the high end, 0..SURE_AUTO_MAX. On an
+# H100, skew-0 synth, pp512: S = 0 / 30 / 60 put the pool at ~20% / ~31% / ~53% of the window;
+# auto against 0: +8.3% there, +10.3% on the skew-1 synth (docs/offload.md, "Session 74").
 SURE_AUTO_STEP = 10
 SURE_AUTO_MAX = 50
 SURE_AUTO_BAND = (0.30, 0.45)
@@ -444,7 +447,7 @@ class PromptStreamer:
         from strata.backends.cuda.offload import count_setting
 
         auto = os.environ.get(ENV_POOL_SURE, "").strip().lower() == "auto"
-        self.sure_auto = SurePercent() if auto else None  # STRATA_POOL_SURE=auto
+        self.sure_auto = SurePercent() if auto else None  # not frozen (build_vram_arena)
         self.sure_percent = 0 if auto else count_setting(ENV_POOL_SURE, 0, "percent", 100)
 
     # ---- between windows ----------------------------------------------------------------
