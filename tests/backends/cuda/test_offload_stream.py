@@ -243,6 +243,7 @@ def test_the_cpu_pool_computes_the_rare_experts_a_streamed_window_routes(
     monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", 10_000)
     monkeypatch.setattr(share, "POOL_SHARE_OF_COPY", 1e6)
     monkeypatch.setenv("STRATA_GUESS_ROWS", "0")  # every rare expert the pool's (guess.py)
+    monkeypatch.setenv("STRATA_POOL_SURE", "0")  # and only those (counted below)
     monkeypatch.setattr(stream, "POOL_REACH_COST", 2.0)  # the rare half only (half_rare)
     L, E = resident.spec.n_layers, resident.spec.n_experts
     model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
@@ -483,6 +484,50 @@ def test_sure_experts_left_to_the_pool_are_computed_there_not_guessed(path, resi
         # measured up to 1.7e-1 on an H100); a pair left out or counted twice moves most rows.
         assert np.median(errors) < 4e-2 and top1 >= 0.8, percent
     assert listed["0"] > 0 and listed["50"] == 0, listed
+
+
+def test_pool_sure_auto_follows_the_pools_share_and_stays_off_with_the_tier_frozen(
+        path, resident, monkeypatch):
+    """STRATA_POOL_SURE=auto (stream.SurePercent): before each streamed window the percent of
+    the sure experts left to the pool moves after the pool's last streamed window (here a band
+    the pool never reaches, so it climbs a step a window: 0, 10, 20), the where table and the
+    streamer leave the same experts, and the logits stay within the pool's rounding of the
+    all-resident model's; with --adapt-every 0 it stays off."""
+    from strata.backends.cuda.exchange import WHERE_CPU
+    from strata.backends.cuda.stream import SurePercent
+
+    monkeypatch.setenv("STRATA_POOL_SURE", "auto")
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    plans = [(40, 33, 20), (30, 1, 1), (12, 12, 12)]  # all three stream
+    want = run(resident, plans, resident.forward_window)
+    model, arena, _, _ = offload(path, 0, pcie_frac=0.5, adapt_every=0)
+    try:
+        assert arena.streamer.sure_auto is None and arena.streamer.sure_percent == 0
+    finally:
+        arena.close()
+    model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
+    half_rare(arena, L, E)
+    streamer, tier = arena.streamer, model.tier
+    streamer.sure_auto = SurePercent(step=10, most=50, band=(0.99, 1.0))
+    percents = []
+
+    def forward(window):
+        arena.before_window(window.num_rows)
+        percents.append(streamer.sure_percent)
+        rare, sure, _ = streamer.left_for(window.num_rows)
+        out = model.forward_window(window)
+        assert np.array_equal(tier.where_host == WHERE_CPU, rare | sure)
+        copied = (arena.table.peek().table < 0) & ~rare
+        assert (sure.sum(axis=1) == copied.sum(axis=1) * percents[-1] // 100).all()
+        return out
+
+    try:
+        got = run(model, plans, forward)
+    finally:
+        arena.close()
+    assert percents == [0, 10, 20], percents
+    errors, top1 = logit_errors(want, got)
+    assert np.median(errors) < 4e-2 and top1 >= 0.8, (np.median(errors), top1)
 
 
 def test_profile_seeds_the_rare_experts_of_the_first_prompt(path, resident, tmp_path):
