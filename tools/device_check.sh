@@ -7,6 +7,10 @@
 #   tools/device_check.sh bench              bench_cuda.py pp512 / tg128 / 1,2,4,8 slots, with
 #                                            and without each switch, and the mmq profile
 #   tools/device_check.sh all                both
+#   tools/device_check.sh offload            issue #7's rows with every expert in RAM on the
+#                                            skew-0 and skew-1 synths: pp512 with
+#                                            STRATA_POOL_SURE 0 / auto alternating (ROUNDS,
+#                                            default 3), tg64 at 1 and 4 slots
 #   tools/device_check.sh ab                 the working tree against the revision that
 #                                            tools/prepare_ab.sh REV packed (run here first):
 #                                            bench_cuda.py twice each, interleaved, and
@@ -88,10 +92,32 @@ run_ab() {  # NEW: the working tree (setup.sh's /tmp/site); OLD: .device/old.tar
     part 60 breakdown_old "${old[@]}" python3 tools/decode_breakdown.py "$MODEL"
 }
 
+run_offload() {  # issue #7's rows, experts in RAM, on both synths; STRATA_POOL_SURE 0 / auto
+    local skew1=/tmp/q1.gguf threads=$(( $(nproc) - 1 ))
+    synth
+    [ -f "$skew1" ] || part 120 synth_skew1 python3 -m strata.tool synth "$skew1" \
+        --shape qwen3-30b-a3b --type q4_0 --routing-skew 1 --jobs "$(nproc)"
+    local bench=(python3 -m strata bench --device cuda -t "$threads" --expert-cache 0)
+    for round in $(seq "${ROUNDS:-3}"); do  # alternating, so drift spreads over both
+        for m in "$MODEL" "$skew1"; do
+            for sure in 0 auto; do
+                part 100 "pp512_$(basename "$m" .gguf)_${sure}_$round" env STRATA_POOL_SURE=$sure \
+                    "${bench[@]}" -m "$m" -p 512 -n 0 -r 6
+            done
+        done
+    done
+    for m in "$MODEL" "$skew1"; do
+        part 150 "tg64_$(basename "$m" .gguf)" "${bench[@]}" -m "$m" -p 0 -n 64 -r 3 -np 1,4
+    done
+    grep -H -o 'pp512 |[^|]*|\|tg64[ x4]* |[^|]*|' "$OUT"/pp512_*.log "$OUT"/tg64_*.log
+}
+
 case "${1:-all}" in
     tests) shift; run_tests "$@" ;;
     bench) run_bench ;;
     all) run_tests; run_bench ;;
     ab) run_ab ;;
-    *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all | ab" >&2; exit 2 ;;
+    offload) run_offload ;;
+    *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all | ab | offload" >&2
+       exit 2 ;;
 esac
