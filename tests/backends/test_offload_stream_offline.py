@@ -460,3 +460,15 @@ def test_pool_sure_auto_follows_the_pools_share_of_each_streamed_window():
     streamer.arena.pool = None  # no pool: nothing to follow
     streamer._follow_pool(512)
     assert streamer.sure_percent == SURE_AUTO_STEP
+
+
+def test_pool_sure_setting_reads_a_percent_or_auto_and_names_what_was_wrong():
+    from strata.backends.cuda.stream import pool_sure_setting
+    from strata.errors import ConfigError
+
+    assert pool_sure_setting({}) == 0 and pool_sure_setting({"STRATA_POOL_SURE": ""}) == 0
+    assert pool_sure_setting({"STRATA_POOL_SURE": "30"}) == 30
+    assert pool_sure_setting({"STRATA_POOL_SURE": " Auto "}) == "auto"
+    for bad in ("abc", "101", "-1", "0.5"):
+        with pytest.raises(ConfigError, match="STRATA_POOL_SURE.*or auto"):
+            pool_sure_setting({"STRATA_POOL_SURE": bad})

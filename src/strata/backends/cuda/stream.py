@@ -192,6 +192,20 @@ def sure_for_pool(residency: np.ndarray, routed: np.ndarray, rare: np.ndarray, n
     return sure, np.where(sure, rows, 0.0).sum(axis=1)
 
 
+def pool_sure_setting(env=None) -> int | str:
+    """STRATA_POOL_SURE: a percent 0..100 (empty: 0, off) or "auto" (SurePercent)."""
+    from strata.backends.cuda.offload import count_setting
+    from strata.errors import ConfigError
+
+    env = os.environ if env is None else env
+    if env.get(ENV_POOL_SURE, "").strip().lower() == "auto":
+        return "auto"
+    try:
+        return count_setting(ENV_POOL_SURE, 0, "percent", 100, env)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; or auto (the pool's share of each window decides)") from None
+
+
 class SurePercent:
     """STRATA_POOL_SURE=auto's percent: `record` each streamed window the pool served (its
     seq, compute and wait ms; a window seen before changes nothing) moves it by `step` towards
@@ -444,11 +458,9 @@ class PromptStreamer:
         self.timeline = os.environ.get(ENV_TIMELINE, "0") == "1"
         self._image_bytes: np.ndarray | None = None  # [L] of an expert's image (made by _build)
         self.timelines: list[WindowTimeline] = []  # with timeline on: one per streamed window
-        from strata.backends.cuda.offload import count_setting
-
-        auto = os.environ.get(ENV_POOL_SURE, "").strip().lower() == "auto"
-        self.sure_auto = SurePercent() if auto else None  # not frozen (build_vram_arena)
-        self.sure_percent = 0 if auto else count_setting(ENV_POOL_SURE, 0, "percent", 100)
+        sure = pool_sure_setting()
+        self.sure_auto = SurePercent() if sure == "auto" else None  # (build_vram_arena)
+        self.sure_percent = 0 if sure == "auto" else sure
 
     # ---- between windows ----------------------------------------------------------------
     def before_window(self, num_rows: int) -> None:
