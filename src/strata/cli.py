@@ -375,6 +375,9 @@ def tier_summary(tier) -> dict:
                        streamed_gib=streamer.streamed_bytes / 2**30,
                        streamed_left=streamer.num_left / streamer.num_windows
                        / max(1, streamer.num_layers), streamed_pulled=streamer.pulled)
+            auto = getattr(streamer, "sure_auto", None) is not None
+            if auto or getattr(streamer, "sure_percent", 0):  # STRATA_POOL_SURE
+                out.update(streamed_sure=streamer.sure_percent, streamed_sure_auto=auto)
         device_tier = getattr(getattr(tier.arena, "model", None), "tier", None)
         guessed = getattr(device_tier, "guess_totals", lambda: (0,) * 5)()
         if guessed[0]:  # backends/cuda/guess.py
@@ -611,6 +614,10 @@ def format_tier_summary(s: dict) -> str:
                f"of experts, {s['streamed_left']:.1f} rare ones per layer left to PCIe reads "
                f"(the GPU pulled {s['streamed_pulled']} of them into staging)"
                if "streamed_windows" in s else "")
+            + (f"; {s['streamed_sure']}% of the copied experts left to the pool "
+               + ("(STRATA_POOL_SURE=auto, where it ended)" if s["streamed_sure_auto"]
+                  else f"(STRATA_POOL_SURE={s['streamed_sure']})")
+               if "streamed_sure" in s else "")
             + (f"; guessed copies: {s['guess_listed']} rare experts copied a layer ahead in "
                f"{s['guess_windows']} windows, {s['guess_routed']} of them routed "
                f"({s['guess_routed'] / max(1, s['guess_listed']):.1%}), "
