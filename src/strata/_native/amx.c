@@ -215,19 +215,23 @@ SIMD_TARGET static inline void dequant_block(int qtype, const uint8_t *blk, uint
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(h));
     __m512 lo, hi;
     if (qtype == ST_Q4_0) {
-        /* q[j] = (qs[j] & 15) - 8, q[j + 16] = (qs[j] >> 4) - 8 */
-        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
-        const __m128i m = _mm_set1_epi8(15);
-        const __m128i ql = _mm_sub_epi8(_mm_and_si128(qs, m), _mm_set1_epi8(8));
-        const __m128i qh = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), m),
-                                        _mm_set1_epi8(8));
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ql));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qh));
+        /* w[j] = d ((qs[j] & 15) - 8), w[j + 16] = d ((qs[j] >> 4) - 8): the block's 16 values
+         * d (i - 8) (exact in fp32) looked up by nibble; vpermps reads only an index's low 4
+         * bits, so the bytes zero-extended serve as the low nibbles and shifted by 4 as the
+         * high ones. The same bf16 as converting each q and multiplying, in fewer uops (one
+         * thread on the CPU machine, a 768 x 2,048 matrix in L2: 99.8 -> 81.8 us). */
+        const __m512 iota = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+        const __m512 table = _mm512_mul_ps(iota, d);
+        const __m512i nib = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        lo = _mm512_permutexvar_ps(nib, table);
+        hi = _mm512_permutexvar_ps(_mm512_srli_epi32(nib, 4), table);
     } else {   /* Q8_0: 32 int8 */
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                 _mm_loadu_si128((const __m128i *)(blk + 2)))), d);
+        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                 _mm_loadu_si128((const __m128i *)(blk + 18)))), d);
     }
-    _mm512_store_si512(out, to_bf16(_mm512_mul_ps(lo, d), _mm512_mul_ps(hi, d)));
+    _mm512_store_si512(out, to_bf16(lo, hi));
 }
 
 /* Rows [rb, rb + nr) (nr <= 16) of w -> wb [S][16][32] bf16 (rows past nr zero). */
