@@ -84,9 +84,9 @@ ENV_POOL_SURE = "STRATA_POOL_SURE"
 # build_vram_arena; off by default until the CUDA suite has run with it): the percent follows
 # the pool's share of each streamed window it served (SurePercent): up SURE_AUTO_STEP while the
 # pool computed under the band's low end of the window (its compute + its wait for the GPU),
-# down above the high end, 0..SURE_AUTO_MAX. On an
-# H100, skew-0 synth, pp512: S = 0 / 30 / 60 put the pool at ~20% / ~31% / ~53% of the window;
-# auto against 0: +8.3% there, +10.3% on the skew-1 synth (docs/offload.md, "Session 74").
+# down above the high end, 0..SURE_AUTO_MAX. On an H100, skew-0 synth, pp512: S = 0 / 30 / 60
+# put the pool at ~20% / ~31% / ~53% of the window; auto against 0: +8.3% there, +10.3% on
+# the skew-1 synth (docs/offload.md, "Session 74").
 SURE_AUTO_STEP = 10
 SURE_AUTO_MAX = 50
 SURE_AUTO_BAND = (0.30, 0.45)
