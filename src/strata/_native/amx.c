@@ -280,14 +280,19 @@ AMX_TARGET int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int c
             if (m > 1) tile_store_c(1, cbuf + 256);
             if (m > 2) tile_store_c(2, cbuf + 512);
             if (m > 3) tile_store_c(3, cbuf + 768);
-            /* C [row, token] -> out [token, row] */
+            /* C [row, token] -> out [token, row]: each tile transposed in registers, a token's
+             * nr rows stored at once (16.8 -> 5.5 us per 768 rows x 64 tokens, the CPU machine) */
+            const __mmask16 rows = (__mmask16)((1u << nr) - 1u);
             for (int i = 0; i < m; i++) {
-                const float *ci = cbuf + i * 256;
+                __m512i ct[GROUP_ROWS];
+                for (int r = 0; r < GROUP_ROWS; r++)
+                    ct[r] = _mm512_loadu_si512(cbuf + i * 256 + r * TILE_TOKENS);
+                transpose16(ct);   /* ct[c]: token c's 16 rows */
                 for (int c = 0; c < TILE_TOKENS; c++) {
                     const int64_t j = (t0 + i) * TILE_TOKENS + c;
                     if (j >= n) break;
-                    float *o = out + j * ld_out + (rb - r0);
-                    for (int r = 0; r < nr; r++) o[r] = ci[r * TILE_TOKENS + c];
+                    _mm512_mask_storeu_ps(out + j * ld_out + (rb - r0), rows,
+                                          _mm512_castsi512_ps(ct[c]));
                 }
             }
         }
