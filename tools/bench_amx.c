@@ -17,14 +17,6 @@
 #define COLS 2048
 #define RING 64
 
-/* a group's weights dequantised step by step into wb [S][16][32] (what st_amx_rows does
- * interleaved with the tile products) */
-SIMD_TARGET static void dequant_steps(int qtype, const uint8_t *w, int64_t row_bytes, int S,
-                                      int64_t rb, int nr, uint16_t *wb) {
-    for (int s = 0; s < S; s++)
-        dequant_step(qtype, w, row_bytes, rb, nr, s, wb + (size_t)s * (TILE_BYTES / 2));
-}
-
 static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -74,7 +66,7 @@ static double run(ctx *c, int n_mats, int n, int mode) {
                             c->scratch);
             else if (mode == 1)
                 for (int rb = 0; rb < ROWS; rb += GROUP_ROWS)
-                    dequant_steps(ST_Q4_0, w, c->row_bytes, COLS / STEP_COLS, rb, GROUP_ROWS,
+                    dequant_group(ST_Q4_0, w, c->row_bytes, COLS / STEP_COLS, rb, GROUP_ROWS,
                                   c->scratch);
             else
                 st_amx_pack(x, COLS, NULL, n, COLS, c->packed);

@@ -10,8 +10,7 @@
  *
  * Per 16 weight rows (a group) and up to 64 tokens (4 token tiles), per 32 columns s:
  *   C[i] [16 rows, 16 tokens] fp32 += W_s [16 rows, 32 bf16] . X_s,i [32, 16 tokens] bf16
- * W_s goes to tile A row-major ([S][16][32] bf16 in the scratch, each step dequantised just
- * before its products in the first pass over the tokens, reused by the later ones);
+ * W_s goes to tile A row-major (the group dequantised first, [S][16][32] bf16 in the scratch);
  * the activations to tile B in the VNNI layout, packed once per expert by st_amx_pack:
  *   packed[((tile * S + s) * 16 + r) * 32 + 2 * c + b] = bf16(x[16 * tile + c][32 * s + 2 * r + b])
  * A token's result does not depend on the other tokens (each C column sums its own products),
@@ -235,14 +234,20 @@ SIMD_TARGET static inline void dequant_block(int qtype, const uint8_t *blk, uint
     _mm512_store_si512(out, to_bf16(lo, hi));
 }
 
-/* Step s (columns 32 s ..) of rows [rb, rb + nr) (nr <= 16) of w -> out [16][32] bf16, one
- * tile A (rows past nr zero). */
-SIMD_TARGET static inline void dequant_step(int qtype, const uint8_t *w, int64_t row_bytes,
-                                            int64_t rb, int nr, int s, uint16_t *out) {
-    const uint8_t *blk = w + rb * row_bytes + (size_t)s * st_type_size(qtype);
-    for (int i = 0; i < GROUP_ROWS; i++, blk += row_bytes) {
-        if (i < nr) dequant_block(qtype, blk, out + (size_t)i * STEP_COLS);
-        else _mm512_store_si512(out + (size_t)i * STEP_COLS, _mm512_setzero_si512());
+/* Rows [rb, rb + nr) (nr <= 16) of w -> wb [S][16][32] bf16 (rows past nr zero). */
+SIMD_TARGET static void dequant_group(int qtype, const uint8_t *w, int64_t row_bytes, int S,
+                                      int64_t rb, int nr, uint16_t *wb) {
+    const int bs = st_type_size(qtype);
+    for (int i = 0; i < GROUP_ROWS; i++) {
+        uint16_t *o = wb + (size_t)i * STEP_COLS;
+        if (i >= nr) {
+            for (int s = 0; s < S; s++)
+                _mm512_store_si512(o + (size_t)s * GROUP_ROWS * STEP_COLS, _mm512_setzero_si512());
+            continue;
+        }
+        const uint8_t *row = w + (rb + i) * row_bytes;
+        for (int s = 0; s < S; s++)
+            dequant_block(qtype, row + (size_t)s * bs, o + (size_t)s * GROUP_ROWS * STEP_COLS);
     }
 }
 
@@ -257,16 +262,12 @@ AMX_TARGET int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int c
     amx_configure();
     for (int64_t rb = r0; rb < r1; rb += GROUP_ROWS) {
         const int nr = r1 - rb < GROUP_ROWS ? (int)(r1 - rb) : GROUP_ROWS;
+        dequant_group(qtype, w, row_bytes, S, rb, nr, wb);
         for (int64_t t0 = 0; t0 < tiles; t0 += MAX_TILES) {
             const int m = tiles - t0 < MAX_TILES ? (int)(tiles - t0) : MAX_TILES;
             const uint16_t *b = packed + (size_t)t0 * S * (TILE_BYTES / 2);
             tile_zero_c(0); tile_zero_c(1); tile_zero_c(2); tile_zero_c(3);
             for (int s = 0; s < S; s++) {
-                /* the group's weights are dequantised in the first pass over the tokens, a
-                 * step at a time just before its products (the AVX-512 work can then overlap
-                 * the tile unit's; later passes reuse wb) */
-                if (t0 == 0) dequant_step(qtype, w, row_bytes, rb, nr, s,
-                                          wb + (size_t)s * (TILE_BYTES / 2));
                 tile_load_a(wb + (size_t)s * (TILE_BYTES / 2));
                 const uint16_t *bs = b + (size_t)s * (TILE_BYTES / 2);
                 /* token tile i's step s sits S tiles after tile i - 1's */
