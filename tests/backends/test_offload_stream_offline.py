@@ -466,7 +466,9 @@ def test_pool_sure_setting_reads_a_percent_or_auto_and_names_what_was_wrong():
     from strata.backends.cuda.stream import pool_sure_setting
     from strata.errors import ConfigError
 
-    assert pool_sure_setting({}) == 0 and pool_sure_setting({"STRATA_POOL_SURE": ""}) == 0
+    assert pool_sure_setting({}) == "auto"  # the default
+    assert pool_sure_setting({"STRATA_POOL_SURE": " "}) == "auto"
+    assert pool_sure_setting({"STRATA_POOL_SURE": "0"}) == 0
     assert pool_sure_setting({"STRATA_POOL_SURE": "30"}) == 30
     assert pool_sure_setting({"STRATA_POOL_SURE": " Auto "}) == "auto"
     for bad in ("abc", "101", "-1", "0.5"):

@@ -218,9 +218,9 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     if arena.pool is not None and arena.streamer.sure_auto is not None \
             and config.adapt_every == 0:
         arena.streamer.sure_auto = None
-        log.info("STRATA_POOL_SURE=auto: the tier is frozen (--adapt-every 0, deterministic "
-                 "greedy output), so the CPU pool takes none of the experts a prompt chunk "
-                 "copies (STRATA_POOL_SURE=P: a fixed share of them)")
+        log.info("STRATA_POOL_SURE=auto (the default): the tier is frozen (--adapt-every 0, "
+                 "deterministic greedy output), so the CPU pool takes none of the experts a "
+                 "prompt chunk copies (STRATA_POOL_SURE=P: a fixed share of them)")
     log.info("VRAM expert cache: %d slots of %d bytes (%.2f GiB; %.2f GiB free for it), %d "
              "experts pinned in RAM (%.2f GiB); misses: %s", n, slot_bytes,
              n * slot_bytes / 2**30, room / 2**30, total, host.nbytes / 2**30,

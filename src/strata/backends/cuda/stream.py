@@ -79,9 +79,9 @@ HIT_REACH_COST = 1.25
 # adds their cost to the pool's budget: each one the pool computes (AMX rows from 16 rows,
 # amx.c) takes an expert's bytes off the link, which the copies of the sure experts hold.
 ENV_POOL_SURE = "STRATA_POOL_SURE"
-# STRATA_POOL_SURE=auto (not with the tier frozen, --adapt-every 0: which side computes an
-# expert then depends on timing, and the pool rounds differently; offload.py's
-# build_vram_arena; off by default until the CUDA suite has run with it): the percent follows
+# STRATA_POOL_SURE=auto (the default; not with the tier frozen, --adapt-every 0: which side
+# computes an expert then depends on timing, and the pool rounds differently; offload.py's
+# build_vram_arena): the percent follows
 # the pool's share of each streamed window it served (SurePercent): up SURE_AUTO_STEP while the
 # pool computed under the band's low end of the window (its compute + its wait for the GPU),
 # down above the high end, 0..SURE_AUTO_MAX. On an H100, skew-0 synth, pp512: S = 0 / 30 / 60
@@ -193,12 +193,12 @@ def sure_for_pool(residency: np.ndarray, routed: np.ndarray, rare: np.ndarray, n
 
 
 def pool_sure_setting(env=None) -> int | str:
-    """STRATA_POOL_SURE: a percent 0..100 (empty: 0, off) or "auto" (SurePercent)."""
+    """STRATA_POOL_SURE: a percent 0..100 (0: off) or "auto" (SurePercent; unset or empty)."""
     from strata.backends.cuda.offload import count_setting
     from strata.errors import ConfigError
 
     env = os.environ if env is None else env
-    if env.get(ENV_POOL_SURE, "").strip().lower() == "auto":
+    if env.get(ENV_POOL_SURE, "").strip().lower() in ("", "auto"):
         return "auto"
     try:
         return count_setting(ENV_POOL_SURE, 0, "percent", 100, env)
