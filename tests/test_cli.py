@@ -460,6 +460,52 @@ def test_serve_stops_with_the_error_when_the_model_cannot_load(tiny, tmp_path):
     assert "truncated" in last and "Traceback" not in res.stderr
 
 
+# serve, with waitress's trigger slowed where the race was: the loop, woken for the stop's first
+# thunk, waits before running the queued thunks, and the second wake-up byte comes late
+RACE_SCRIPT = """
+import sys, time
+import waitress.trigger as T
+pull, read = T.trigger._physical_pull, T.trigger.handle_read
+calls = []
+def slow_pull(self):
+    calls.append(1)
+    if len(calls) == 2:
+        time.sleep(0.5)
+    return pull(self)
+def slow_read(self):
+    time.sleep(0.2)
+    return read(self)
+T.trigger._physical_pull, T.trigger.handle_read = slow_pull, slow_read
+from strata.cli import main
+sys.argv = ["strata", "serve", "--model", sys.argv[1], "--port", "0", "--device", "cpu"]
+try:
+    main()
+except SystemExit:
+    time.sleep(1.0)  # a daemon thread still running would print its traceback now
+    raise
+"""
+
+
+def test_serve_stopping_closes_the_loop_before_its_wake_up_byte_can_miss(tiny, tmp_path):
+    """The stop's last thunk (close every channel, the trigger's pipe too) was queued before
+    its wake-up byte was written; a loop awake for the first thunk could run it in between, and
+    the write to the closed pipe printed a thread's traceback after the server's last line
+    (seen in CI under load). Forced here by slowing the trigger: still one error line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(Path(tiny).read_bytes()[:3000])
+    script = tmp_path / "race.py"
+    script.write_text(RACE_SCRIPT)
+    res = subprocess.run([sys.executable, str(script), str(bad)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("error: the model failed to load")
+    assert "Traceback" not in res.stderr and "Exception in thread" not in res.stderr, res.stderr
+
+
 def test_serve_refuses_one_folder_for_slot_files_and_conversation_files(tiny, tmp_path):
     """The conversation cache indexes every *.strata-kv file of its folder and deletes them
     as it evicts: slot files saved there would be lost, so the server does not start (a

@@ -207,13 +207,21 @@ def _stop_gracefully(server, state, timeout_s: float = 5.0) -> None:
     while time.monotonic() < deadline and any(
             getattr(channel, "total_outbufs_len", 0) for channel in list(server._map.values())):
         time.sleep(0.02)
-    server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
+    # The last thunk closes every channel, the trigger's pipe too. pull_trigger queues it and
+    # then writes the wake-up byte, and the loop, awake for the first thunk's byte, may run it
+    # between the two: the write then went to a closed (or reused) descriptor, and its
+    # traceback came out after the server's last line. Queued and written under the lock the
+    # loop runs thunks under, the byte is in before the pipe can close.
+    trigger = server.trigger
+    with trigger.lock:
+        trigger.thunks.append(lambda: wasyncore.close_all(server._map))
+        trigger._physical_pull()
 
 
-def _stop_on_signals(server, state) -> None:
-    """SIGINT (Ctrl-C) and SIGTERM (service managers, `kill`) stop the server gracefully (a
-    thread runs `_stop_gracefully`); a second signal ends the loop at once (waitress still
-    gives its threads about 5 s)."""
+def _stop_on_signals(server, state) -> threading.Thread:
+    """SIGINT (Ctrl-C) and SIGTERM (service managers, `kill`) stop the server gracefully (the
+    returned thread runs `_stop_gracefully`); a second signal ends the loop at once (waitress
+    still gives its threads about 5 s)."""
     stopper = threading.Thread(target=_stop_gracefully, args=(server, state),
                                name="strata-stop", daemon=True)
 
@@ -227,6 +235,7 @@ def _stop_on_signals(server, state) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
+    return stopper
 
 
 def _cors_list(parse):
@@ -362,11 +371,13 @@ def serve(model, host, port, api_key, alias, ctx_size, threads, max_body_kib, re
     except BaseException:  # (the socket is closed by now)
         app.extensions["strata"].close()
         raise
-    _stop_on_signals(server, app.extensions["strata"])
+    stopper = _stop_on_signals(server, app.extensions["strata"])
     worker = app.extensions["strata"].worker
     try:
         _stop_if_the_load_fails(worker)
         server.run()  # returns when _stop_gracefully ends the loop, or on a second signal
+        if stopper.ident is not None:  # it ended the loop: let it return before the exit
+            stopper.join(timeout=5.0)
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
