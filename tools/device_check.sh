@@ -11,6 +11,15 @@
 #                                            skew-0 and skew-1 synths: pp512 with
 #                                            STRATA_POOL_SURE 0 / auto alternating (ROUNDS,
 #                                            default 3), tg64 at 1 and 4 slots
+#   tools/device_check.sh pair "A" "B" ARGS  strata bench ARGS (experts in RAM unless ARGS set
+#                                            --expert-cache) on $PAIR_MODEL (default the skew-0
+#                                            synth; one missing is written with routing skew
+#                                            $PAIR_SKEW, default 1) under side A and side B
+#                                            alternating (ROUNDS,
+#                                            default 3); a side is words, NAME=VALUE ones the
+#                                            environment, the others more bench flags (e.g.
+#                                            "STRATA_POOL_SURE=0" "--pcie-frac auto"); then each
+#                                            row's runs, medians and B/A
 #   tools/device_check.sh ab                 the working tree against the revision that
 #                                            tools/prepare_ab.sh REV packed (run here first):
 #                                            bench_cuda.py twice each, interleaved, and
@@ -112,12 +121,49 @@ run_offload() {  # issue #7's rows, experts in RAM, on both synths; STRATA_POOL_
     grep -H -o 'pp512 |[^|]*|\|tg64[ x4]* |[^|]*|' "$OUT"/pp512_*.log "$OUT"/tg64_*.log
 }
 
+run_pair() {  # pair "SIDE A" "SIDE B" BENCH_ARGS...
+    local sides=("$1" "$2") model=${PAIR_MODEL:-$MODEL} threads=$(( $(nproc) - 1 ))
+    shift 2
+    [ "$model" = "$MODEL" ] && synth
+    [ -f "$model" ] || part 120 synth_pair python3 -m strata.tool synth "$model" \
+        --shape qwen3-30b-a3b --type q4_0 --routing-skew "${PAIR_SKEW:-1}" --jobs "$(nproc)"
+    for round in $(seq "${ROUNDS:-3}"); do  # alternating, so drift spreads over both
+        for i in 0 1; do
+            local envs=() flags=() word
+            for word in ${sides[$i]}; do
+                if [[ $word == [A-Za-z_]*=* ]]; then envs+=("$word"); else flags+=("$word"); fi
+            done
+            part 150 "pair_$(( i == 0 ? 0 : 1 ))_$round" env "${envs[@]}" python3 -m strata bench \
+                -m "$model" --device cuda -t "$threads" --expert-cache 0 "$@" "${flags[@]}"
+        done
+    done
+    python3 - "$OUT" "${sides[0]}" "${sides[1]}" <<'PY'
+import glob, re, statistics, sys
+out, names = sys.argv[1], sys.argv[2:]
+rows = {}  # test -> side -> [tokens/s of each round]
+for side in (0, 1):
+    for path in sorted(glob.glob(f"{out}/pair_{side}_*.log"), key=lambda p: int(p[:-4].split("_")[-1])):
+        for line in open(path):
+            m = re.search(r"\|\s*([a-z]+\d+[^|]*?)\s*\|\s*([\d.]+)\s*±", line)
+            if m:
+                rows.setdefault(m.group(1), ([], []))[side].append(float(m.group(2)))
+for test, (a, b) in rows.items():
+    won = sum(y > x for x, y in zip(a, b))
+    ma, mb = statistics.median(a or [0]), statistics.median(b or [0])
+    print(f"{test}: A ({names[0] or 'as is'}) {', '.join(f'{v:.1f}' for v in a)} median {ma:.1f}; "
+          f"B ({names[1] or 'as is'}) {', '.join(f'{v:.1f}' for v in b)} median {mb:.1f}; "
+          f"B/A {mb / ma if ma else float('nan'):.3f}, B won {won} of {min(len(a), len(b))}")
+PY
+}
+
 case "${1:-all}" in
     tests) shift; run_tests "$@" ;;
     bench) run_bench ;;
     all) run_tests; run_bench ;;
     ab) run_ab ;;
     offload) run_offload ;;
-    *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all | ab | offload" >&2
+    pair) shift; run_pair "$@" ;;
+    *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all | ab | offload |" \
+            "pair \"A\" \"B\" BENCH_ARGS" >&2
        exit 2 ;;
 esac
