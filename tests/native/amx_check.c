@@ -156,6 +156,10 @@ int main(void) {
         fails += check(qt, 70, 512, 5, 70, 100, 64, 1);      /* a partial row group at each end */
         fails += check(qt, 48, 2048, 0, 48, 200, 97, 1);     /* more than 4 token tiles */
         fails += check(qt, 33, 768, 1, 2, 20, 20, 0);        /* one row */
+        /* a pass of 4 row groups (one token tile) and of 2 (two), each with a short last pass */
+        fails += check(qt, 80, 256, 3, 80, 30, 11, 1);       /* 77 rows: 4 groups, then 1 */
+        fails += check(qt, 64, 512, 0, 40, 50, 29, 1);       /* 40 rows: 2 groups, then 1 */
+        fails += check(qt, 64, 256, 8, 64, 50, 32, 0);       /* 56 rows, 2 full token tiles */
     }
     for (int t = 0; t < 2; t++) {
         fails += check_moe(types[t], 18, 3, 3, 1, 2);     /* P <= 64: filled by the last item */

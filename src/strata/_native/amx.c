@@ -8,9 +8,10 @@
  * tiles accumulate in fp32 across the whole row with no per-block scaling; session 32's
  * AMX-INT8 rows (reverted) spent their time scaling every block's int32 tile instead.
  *
- * Per 16 weight rows (a group) and up to 64 tokens (4 token tiles), per 32 columns s:
- *   C[i] [16 rows, 16 tokens] fp32 += W_s [16 rows, 32 bf16] . X_s,i [32, 16 tokens] bf16
- * W_s goes to tile A row-major (the group dequantised first, [S][16][32] bf16 in the scratch);
+ * Per 16 weight rows (a group g) and 16 tokens (a token tile i), per 32 columns s:
+ *   C[g, i] [16 rows, 16 tokens] fp32 += W_g,s [16 rows, 32 bf16] . X_s,i [32, 16 tokens] bf16
+ * with 4 C tiles in flight: 4 groups x 1 token tile, 2 x 2, or 1 x up to 4 (st_amx_rows).
+ * W_g,s goes to tile A row-major (the groups dequantised first, [S][16][32] bf16 each);
  * the activations to tile B in the VNNI layout, packed once per expert by st_amx_pack:
  *   packed[((tile * S + s) * 16 + r) * 32 + 2 * c + b] = bf16(x[16 * tile + c][32 * s + 2 * r + b])
  * A token's result does not depend on the other tokens (each C column sums its own products),
@@ -39,14 +40,14 @@
 #define STEP_COLS 32     /* columns per tile step (bf16 pairs: 16 rows of B) */
 #define TILE_BYTES 1024  /* every tile here: 16 rows of 64 bytes */
 #define MAX_TILES 4      /* token tiles in flight (C tiles 0-3) */
+#define MAX_GROUPS 4     /* row groups in flight (C tiles 0-3, with one token tile) */
 
 #define SIMD_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
 
 #ifdef ST_AMX_EMULATE
 #define AMX_TARGET SIMD_TARGET
 static __thread float emu_c[MAX_TILES][GROUP_ROWS][TILE_TOKENS];
-static __thread uint16_t emu_a[GROUP_ROWS][STEP_COLS];
-static __thread uint16_t emu_b[STEP_COLS / 2][2 * TILE_TOKENS];
+static __thread uint16_t emu_t[8][16][32];   /* tiles 4-7: A [16 rows, 32 bf16] or B (VNNI) */
 static float emu_bf16(uint16_t h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};
     return v.f;
@@ -54,19 +55,18 @@ static float emu_bf16(uint16_t h) {
 static void amx_configure(void) {}
 static void amx_release(void) {}
 #define tile_zero_c(i) memset(emu_c[i], 0, sizeof emu_c[i])
-#define tile_load_a(p) memcpy(emu_a, (p), sizeof emu_a)
-#define tile_load_b(p) memcpy(emu_b, (p), sizeof emu_b)
-static void emu_dp(int c) {
+#define tile_load(t, p) memcpy(emu_t[t], (p), sizeof emu_t[t])
+static void emu_dp(int c, int a, int b) {   /* C[c] += A[a] . B[b] */
     for (int m = 0; m < GROUP_ROWS; m++)
         for (int t = 0; t < TILE_TOKENS; t++) {
             float acc = emu_c[c][m][t];
             for (int r = 0; r < STEP_COLS / 2; r++)
-                acc += emu_bf16(emu_a[m][2 * r]) * emu_bf16(emu_b[r][2 * t])
-                       + emu_bf16(emu_a[m][2 * r + 1]) * emu_bf16(emu_b[r][2 * t + 1]);
+                acc += emu_bf16(emu_t[a][m][2 * r]) * emu_bf16(emu_t[b][r][2 * t])
+                       + emu_bf16(emu_t[a][m][2 * r + 1]) * emu_bf16(emu_t[b][r][2 * t + 1]);
             emu_c[c][m][t] = acc;
         }
 }
-#define tile_dp(c) emu_dp(c)
+#define tile_dp(c, a, b) emu_dp(c, a, b)
 #define tile_store_c(i, p) memcpy((p), emu_c[i], sizeof emu_c[i])
 static int cpu_ready(void) {
     unsigned a, b, c, d;
@@ -87,7 +87,8 @@ typedef struct {
     uint8_t rows[16];
 } amx_tilecfg;
 
-/* tiles 0-3: C [16 rows, 16 fp32]; 4: A [16 rows, 32 bf16]; 5: B [16, 16 x 2 bf16]. The
+/* tiles 0-3: C [16 rows, 16 fp32]; 4 and 6: A [16 rows, 32 bf16]; 5 and 7: B [16, 16 x 2
+ * bf16]. The
  * configuration stays loaded between calls: each call reads the thread's configuration back
  * (STTILECFG) and loads its own only when another user of the tiles on this thread changed
  * it. Releasing after every call (amx_release_each, tools/bench_amx.c) measured the same on
@@ -97,7 +98,7 @@ AMX_TARGET static void amx_configure(void) {
     amx_tilecfg cfg, now;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     if (!amx_release_each) {
         _tile_storeconfig(&now);
         if (memcmp(&now, &cfg, sizeof cfg) == 0) return;
@@ -108,9 +109,8 @@ AMX_TARGET static void amx_release(void) {
     if (amx_release_each) _tile_release();
 }
 #define tile_zero_c(i) _tile_zero(i)
-#define tile_load_a(p) _tile_loadd(4, (p), 64)
-#define tile_load_b(p) _tile_loadd(5, (p), 64)
-#define tile_dp(c) _tile_dpbf16ps(c, 4, 5)
+#define tile_load(t, p) _tile_loadd(t, (p), 64)
+#define tile_dp(c, a, b) _tile_dpbf16ps(c, a, b)
 #define tile_store_c(i, p) _tile_stored(i, (p), 64)
 static int cpu_ready(void) {
     unsigned a, b, c, d;
@@ -145,8 +145,8 @@ size_t st_amx_pack_bytes(int64_t n, int cols) {
     return (size_t)((n + TILE_TOKENS - 1) / TILE_TOKENS) * (size_t)(cols / STEP_COLS) * TILE_BYTES;
 }
 
-size_t st_amx_scratch_bytes(int cols) {
-    return (size_t)(cols / STEP_COLS) * TILE_BYTES + (size_t)MAX_TILES * TILE_BYTES;
+size_t st_amx_scratch_bytes(int cols) {   /* MAX_GROUPS dequantised groups, 4 C tiles */
+    return (size_t)MAX_GROUPS * (cols / STEP_COLS) * TILE_BYTES + (size_t)MAX_TILES * TILE_BYTES;
 }
 
 /* 32 floats -> 32 bf16 (round to nearest even), as one 64-byte vector */
@@ -288,50 +288,84 @@ SIMD_TARGET static void dequant_group(int qtype, const uint8_t *w, int64_t row_b
     }
 }
 
+/* C tile [16 rows, 16 tokens] at c -> out [token j, rows [row0, row0 + nr)] for the tile's
+ * tokens j = tok0 .. < n: transposed in registers, a token's rows stored at once (16.8 -> 5.5
+ * us per 768 rows x 64 tokens on the CPU machine, scalar copies before). */
+SIMD_TARGET static inline void scatter_tile(const float *c, int64_t tok0, int64_t n, float *out,
+                                            int64_t ld_out, int64_t row0, int nr) {
+    const __mmask16 rows = (__mmask16)((1u << nr) - 1u);
+    __m512i ct[GROUP_ROWS];
+    for (int r = 0; r < GROUP_ROWS; r++) ct[r] = _mm512_loadu_si512(c + r * TILE_TOKENS);
+    transpose16(ct);   /* ct[t]: token t's 16 rows */
+    for (int t = 0; t < TILE_TOKENS && tok0 + t < n; t++)
+        _mm512_mask_storeu_ps(out + (tok0 + t) * ld_out + row0, rows, _mm512_castsi512_ps(ct[t]));
+}
+
+/* Rows [r0, r1) of w against the n packed tokens -> out [n, r1 - r0] (ld_out). The 4 C tiles
+ * hold G row groups x M token tiles a pass: with one token tile (n <= 16) 4 groups, so a step
+ * loads its B tile once for 4 products (A, B, A, B... loaded 8 tiles for 4); with two, 2 x 2
+ * (4 loads for 4 products, was 6); with more, one group and up to 4 token tiles at a time.
+ * Each C element sums its steps in the same order whatever the pass: the same bits. Tiles 4 / 6
+ * take A in turn, 5 / 7 B, so a load need not wait for the product reading the last one. */
 AMX_TARGET int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
                            int64_t r0, int64_t r1, const uint16_t *packed, int64_t n,
                            float *out, int64_t ld_out, void *scratch) {
     if (!st_amx_takes(qtype, cols) || n <= 0) return 0;
     const int S = cols / STEP_COLS;
+    const size_t step = TILE_BYTES / 2, group = (size_t)S * step;   /* in bf16 */
     const int64_t tiles = (n + TILE_TOKENS - 1) / TILE_TOKENS;
-    uint16_t *wb = scratch;                                            /* [S][16][32] bf16 */
-    float *cbuf = (float *)((char *)scratch + (size_t)S * TILE_BYTES); /* [4][16][16] fp32 */
+    const int G = tiles == 1 ? MAX_GROUPS : tiles == 2 ? 2 : 1;     /* row groups a pass */
+    uint16_t *wb = scratch;                                          /* [G][S][16][32] bf16 */
+    float *cbuf = (float *)(wb + (size_t)MAX_GROUPS * group);        /* [4][16][16] fp32 */
     amx_configure();
-    for (int64_t rb = r0; rb < r1; rb += GROUP_ROWS) {
-        const int nr = r1 - rb < GROUP_ROWS ? (int)(r1 - rb) : GROUP_ROWS;
-        dequant_group(qtype, w, row_bytes, S, rb, nr, wb);
-        for (int64_t t0 = 0; t0 < tiles; t0 += MAX_TILES) {
-            const int m = tiles - t0 < MAX_TILES ? (int)(tiles - t0) : MAX_TILES;
-            const uint16_t *b = packed + (size_t)t0 * S * (TILE_BYTES / 2);
+    for (int64_t rb = r0; rb < r1; rb += (int64_t)G * GROUP_ROWS) {
+        int nr[MAX_GROUPS], ng = 0;   /* rows of each group of the pass */
+        for (; ng < G && rb + ng * GROUP_ROWS < r1; ng++) {
+            const int64_t gb = rb + ng * GROUP_ROWS;
+            nr[ng] = r1 - gb < GROUP_ROWS ? (int)(r1 - gb) : GROUP_ROWS;
+            dequant_group(qtype, w, row_bytes, S, gb, nr[ng], wb + ng * group);
+        }
+        for (int64_t t0 = 0; t0 < tiles; t0 += MAX_TILES / G) {
+            const int m = G > 1 ? (int)tiles
+                                : tiles - t0 < MAX_TILES ? (int)(tiles - t0) : MAX_TILES;
+            const uint16_t *b = packed + (size_t)t0 * group;   /* token tile t0's step 0 */
             tile_zero_c(0); tile_zero_c(1); tile_zero_c(2); tile_zero_c(3);
-            for (int s = 0; s < S; s++) {
-                tile_load_a(wb + (size_t)s * (TILE_BYTES / 2));
-                const uint16_t *bs = b + (size_t)s * (TILE_BYTES / 2);
-                /* token tile i's step s sits S tiles after tile i - 1's */
-                tile_load_b(bs); tile_dp(0);
-                if (m > 1) { tile_load_b(bs + (size_t)S * (TILE_BYTES / 2)); tile_dp(1); }
-                if (m > 2) { tile_load_b(bs + (size_t)2 * S * (TILE_BYTES / 2)); tile_dp(2); }
-                if (m > 3) { tile_load_b(bs + (size_t)3 * S * (TILE_BYTES / 2)); tile_dp(3); }
-            }
-            tile_store_c(0, cbuf);
-            if (m > 1) tile_store_c(1, cbuf + 256);
-            if (m > 2) tile_store_c(2, cbuf + 512);
-            if (m > 3) tile_store_c(3, cbuf + 768);
-            /* C [row, token] -> out [token, row]: each tile transposed in registers, a token's
-             * nr rows stored at once (16.8 -> 5.5 us per 768 rows x 64 tokens, the CPU machine) */
-            const __mmask16 rows = (__mmask16)((1u << nr) - 1u);
-            for (int i = 0; i < m; i++) {
-                __m512i ct[GROUP_ROWS];
-                for (int r = 0; r < GROUP_ROWS; r++)
-                    ct[r] = _mm512_loadu_si512(cbuf + i * 256 + r * TILE_TOKENS);
-                transpose16(ct);   /* ct[c]: token c's 16 rows */
-                for (int c = 0; c < TILE_TOKENS; c++) {
-                    const int64_t j = (t0 + i) * TILE_TOKENS + c;
-                    if (j >= n) break;
-                    _mm512_mask_storeu_ps(out + j * ld_out + (rb - r0), rows,
-                                          _mm512_castsi512_ps(ct[c]));
+            if (G == MAX_GROUPS) {         /* m = 1 */
+                for (int s = 0; s < S; s++) {
+                    const uint16_t *a = wb + s * step;
+                    tile_load(5, b + s * step);
+                    tile_load(4, a); tile_dp(0, 4, 5);
+                    if (ng > 1) { tile_load(6, a + group); tile_dp(1, 6, 5); }
+                    if (ng > 2) { tile_load(4, a + 2 * group); tile_dp(2, 4, 5); }
+                    if (ng > 3) { tile_load(6, a + 3 * group); tile_dp(3, 6, 5); }
+                }
+            } else if (G == 2) {           /* m = 2 */
+                for (int s = 0; s < S; s++) {
+                    const uint16_t *a = wb + s * step, *bs = b + s * step;
+                    tile_load(4, a); tile_load(5, bs); tile_dp(0, 4, 5);
+                    tile_load(7, bs + group); tile_dp(1, 4, 7);
+                    if (ng > 1) { tile_load(6, a + group); tile_dp(2, 6, 5); tile_dp(3, 6, 7); }
+                }
+            } else {                       /* one group, m <= 4 token tiles */
+                for (int s = 0; s < S; s++) {
+                    /* token tile i's step s sits S tiles after tile i - 1's */
+                    const uint16_t *bs = b + s * step;
+                    tile_load(4, wb + s * step);
+                    tile_load(5, bs); tile_dp(0, 4, 5);
+                    if (m > 1) { tile_load(7, bs + group); tile_dp(1, 4, 7); }
+                    if (m > 2) { tile_load(5, bs + 2 * group); tile_dp(2, 4, 5); }
+                    if (m > 3) { tile_load(7, bs + 3 * group); tile_dp(3, 4, 7); }
                 }
             }
+            const int used = ng * m;   /* C tile g m + i: group g x token tile t0 + i */
+            tile_store_c(0, cbuf);
+            if (used > 1) tile_store_c(1, cbuf + 256);
+            if (used > 2) tile_store_c(2, cbuf + 512);
+            if (used > 3) tile_store_c(3, cbuf + 768);
+            for (int g = 0; g < ng; g++)
+                for (int i = 0; i < m; i++)
+                    scatter_tile(cbuf + (g * m + i) * 256, (t0 + i) * TILE_TOKENS, n, out,
+                                 ld_out, rb + g * GROUP_ROWS - r0, nr[g]);
         }
     }
     amx_release();
