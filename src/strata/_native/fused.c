@@ -46,7 +46,10 @@ ALWAYS_INLINE void fused_row(const int NC, int qtype, const uint8_t *row, int64_
     }
     for (int ib = 0; ib < num_blocks; ib += 2) {
         const uint8_t *blk = row + (int64_t)ib * block_bytes;
-        __builtin_prefetch(blk + ahead, 0, 3);
+        /* every line of the pair `ahead`: one prefetch a turn left every 17th line of Q8_0's
+         * 68 bytes to the hardware (one EPYC thread, 2,048 columns from RAM: 13.3 -> 18.1
+         * GB/s, shuffled 11.6 -> 16.3; L2 36.2 -> 35.4) */
+        st_prefetch(blk + ahead, 2 * block_bytes);
         const int has_second = ib + 1 < num_blocks;
         __m512i u = is_q4 ? q4_0_pair(blk, has_second) : q8_0_pair(blk, has_second);
         float d1 = has_second ? fp16_at(blk + block_bytes) : 0.0f;
