@@ -282,7 +282,9 @@ def test_a_park_takes_the_spare_being_made_and_its_pin_waits_for_the_helper(driv
     assert _pin_on(pin)
     t0 = time.monotonic()
     second, pin = pool.lease_to_pin(110 * MIB)  # the spare being made: taken, not waited for
-    assert time.monotonic() - t0 < 0.1 and pin is not None and pool.num_waited == 1
+    # (waiting would last until the gate opens, which nothing here does: 1 s is room for a
+    # loaded CI machine, not a bound on the lease)
+    assert time.monotonic() - t0 < 1.0 and pin is not None and pool.num_waited == 1
     threading.Timer(0.2, driver.gate.set).start()
     t0 = time.monotonic()
     assert _pin_on(pin) and time.monotonic() - t0 >= 0.15
