@@ -20,6 +20,11 @@
 #                                            environment, the others more bench flags (e.g.
 #                                            "STRATA_POOL_SURE=0" "--pcie-frac auto"); then each
 #                                            row's runs, medians and B/A
+#   tools/device_check.sh amx OLD_AMX_C      on a CPU with AMX: tools/bench_amx.c built against
+#                                            the tree's amx.c and against OLD_AMX_C (e.g.
+#                                            `git show REV:src/strata/_native/amx.c >
+#                                            .device/amx_old.c` here), alternating (ROUNDS,
+#                                            default 2), then tests/native/test_amx.py
 #   tools/device_check.sh ab                 the working tree against the revision that
 #                                            tools/prepare_ab.sh REV packed (run here first):
 #                                            bench_cuda.py twice each, interleaved, and
@@ -156,6 +161,33 @@ for test, (a, b) in rows.items():
 PY
 }
 
+run_amx() {  # amx OLD_AMX_C
+    local old=${1:-}
+    if [ -z "$old" ] || [ ! -f "$old" ]; then
+        echo "amx: give the old amx.c to compare with (a file)" >&2
+        return 2
+    fi
+    grep -q amx_tile /proc/cpuinfo || { echo "amx: this CPU has no AMX" >&2; return 2; }
+    local n=src/strata/_native srcs=()
+    for f in quant_ref matmul tiles unpack_simd unpack_neon fused fused_k fused_iq; do
+        srcs+=("$n/$f.c")
+    done
+    cp "$old" "$n/amx_old.c"
+    sed 's#../src/strata/_native/amx.c#../src/strata/_native/amx_old.c#' tools/bench_amx.c \
+        > tools/bench_amx_old.c
+    part 60 amx_build_new gcc -O3 -march=native -fopenmp -I"$n" tools/bench_amx.c "${srcs[@]}" \
+        -lm -o /tmp/bench_amx_new
+    part 60 amx_build_old gcc -O3 -march=native -fopenmp -I"$n" tools/bench_amx_old.c \
+        "${srcs[@]}" -lm -o /tmp/bench_amx_old
+    rm -f "$n/amx_old.c" tools/bench_amx_old.c
+    for round in $(seq "${ROUNDS:-2}"); do  # alternating, so drift spreads over both
+        part 90 "amx_new_$round" /tmp/bench_amx_new "$(( $(nproc) - 1 ))"
+        part 90 "amx_old_$round" /tmp/bench_amx_old "$(( $(nproc) - 1 ))"
+    done
+    grep -H "dequantise\|n  16\|n  32\|n  64" "$OUT"/amx_new_*.log "$OUT"/amx_old_*.log
+    part 150 test_amx python3 -m pytest -q -p no:cacheprovider tests/native/test_amx.py
+}
+
 case "${1:-all}" in
     tests) shift; run_tests "$@" ;;
     bench) run_bench ;;
@@ -163,7 +195,8 @@ case "${1:-all}" in
     ab) run_ab ;;
     offload) run_offload ;;
     pair) shift; run_pair "$@" ;;
+    amx) shift; run_amx "$@" ;;
     *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all | ab | offload |" \
-            "pair \"A\" \"B\" BENCH_ARGS" >&2
+            "pair \"A\" \"B\" BENCH_ARGS | amx OLD_AMX_C" >&2
        exit 2 ;;
 esac
