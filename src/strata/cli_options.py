@@ -225,9 +225,10 @@ def expert_options(command):
         click.option("--pcie-frac", default=None, type=PcieFrac(),
                      help="GPU with an expert cache: the share of each layer's missing "
                           "experts the GPU reads over PCIe in a decode window (the CPU pool "
-                          "computes the rest). Default: the `strata-tool calibrate` result for "
-                          "this model, GPU and threads, else 0.3. auto: start there and move it "
-                          "while serving, from each window's timing (not with --adapt-every 0)."),
+                          "computes the rest); F fixes it. Default auto: start from the "
+                          "`strata-tool calibrate` result for this model, GPU and threads, else "
+                          "0.3, and move it while serving, from each window's timing (kept "
+                          "with --adapt-every 0)."),
         click.option("--split-device", default=None, metavar="I,J",
                      help="Split the layers over these GPUs (stages in this order), each with "
                           "its own expert cache and tier; --vram-budget applies per card. "

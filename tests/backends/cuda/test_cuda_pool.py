@@ -110,7 +110,7 @@ def test_cache_0_with_the_pool_matches_the_resident_model(pool_path, plans_and_r
 def test_pcie_frac_auto_tries_shares_and_keeps_the_results(pool_path, tmp_path, monkeypatch):
     """--pcie-frac auto: the tuner gets every pooled window's figures and tries neighbour
     shares (its rounds shortened here), and the logits stay the resident model's within the
-    tolerance of a fixed share; frozen (--adapt-every 0), no tuner."""
+    tolerance of a fixed share; frozen (--adapt-every 0), no tuner; auto is the default."""
     from strata.backends.cuda import CudaModel
     from strata.backends.cuda import share_tuner
 
@@ -152,6 +152,16 @@ def test_pcie_frac_auto_tries_shares_and_keeps_the_results(pool_path, tmp_path, 
         assert arena.share_tuner is None and arena.pcie_frac == 0.3
     finally:
         arena.close()
+    # no --pcie-frac: auto is the default; a given share is kept as it is
+    for frac, tuned in ((None, True), (0.3, False)):
+        config = EngineConfig(pool_path, n_ctx=256, parallel=3, expert_cache=0, device="cuda",
+                              pcie_frac=frac)
+        model = CudaModel(GGUFModel.open(pool_path), experts_resident=False)
+        arena = model.new_expert_arena(ExpertStore.from_gguf(GGUFModel.open(pool_path)), config)
+        try:
+            assert (arena.share_tuner is not None) == tuned and arena.pool is not None
+        finally:
+            arena.close()
 
 
 def test_greedy_tokens_do_not_depend_on_the_share(pool_path):

@@ -190,7 +190,10 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
     # the pool's thread count, as `strata-tool calibrate` keys its stored share
     threads = config.threads or default_pool_threads()
     expert_types = {t for layer in range(store.n_layers) for t in store.types(layer)}
-    auto = config.pcie_frac == "auto"  # start from the share below, then measure it
+    # unset or auto: start from the share below, then move it while serving (share_tuner);
+    # --pcie-frac F fixes it. Measured on H200 and H100 hosts (docs/offload.md, sessions 59
+    # and 76): one slot +3 to +6% on the H100, four +1 to +8%, no loss beyond the spread
+    auto = config.pcie_frac in (None, "auto")
     pcie_frac, source = resolve_pcie_frac(None if auto else config.pcie_frac,
                                           config.model_path, model.runtime.name, threads,
                                           expert_types)
@@ -205,16 +208,17 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
         if source.startswith(DEFAULT_SOURCE):  # unmeasured: one-row windows split whole experts
             arena.one_row_share = whole_expert_share(pcie_frac, model.spec.n_experts_used)
         if auto and config.adapt_every == 0:
-            log.info("--pcie-frac auto: the tier is frozen (--adapt-every 0, deterministic "
-                     "greedy output), so the share stays %.2f", pcie_frac)
+            log.info("--pcie-frac auto (the default): the tier is frozen (--adapt-every 0, "
+                     "deterministic greedy output), so the share stays %.2f", pcie_frac)
         elif auto:
             from strata.backends.cuda.share_tuner import ShareTuner
 
             arena.share_tuner = ShareTuner(pcie_frac, model.spec.n_experts_used,
                                            arena.one_row_share)
-            log.info("--pcie-frac auto: decode windows start at share %.2f and move it while "
-                     "serving, toward the split where the CPU pool and the GPU take as long "
-                     "as each other (by window rows; each move logged)", pcie_frac)
+            log.info("--pcie-frac auto (the default; --pcie-frac F fixes the share): decode "
+                     "windows start at share %.2f and move it while serving, toward the split "
+                     "where the CPU pool and the GPU take as long as each other (by window "
+                     "rows; each move logged)", pcie_frac)
     if arena.pool is not None and arena.streamer.sure_auto is not None \
             and config.adapt_every == 0:
         arena.streamer.sure_auto = None
