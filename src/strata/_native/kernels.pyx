@@ -305,7 +305,7 @@ def amx_available():
 
 def amx_rows():
     """The fewest rows an expert of the CPU pool's call needs to take the AMX rows
-    (STRATA_AMX_ROWS; 16)."""
+    (STRATA_AMX_ROWS; 8)."""
     return st_moe_amx_rows()
 
 

@@ -47,8 +47,11 @@ static size_t place(size_t *at, size_t num_bytes) {
 }
 
 /* Below this many rows an expert's products stay on the lane tiles / fused rows, which read
- * its weights once for all rows as the AMX rows do but need no dequantised copy */
-#define AMX_MIN_ROWS 16
+ * its weights once for all rows as the AMX rows do but need no dequantised copy. The pool's
+ * kernel on an H100 host's Xeon (session 76, tools/bench_pool_kernel.py --rows-per-expert,
+ * 15 threads, Q4_0 experts from RAM), experts/s lane tiles / AMX rows: 4 rows 26.0k / 22.8k,
+ * 6 21.0k / 20.7k, 8 15.9k / 20.0k, 12 10.7k / 17.0k, 16 8.8k / 15.6k */
+#define AMX_MIN_ROWS 8
 
 int st_moe_amx_rows(void) {
     static int rows = -1;
