@@ -56,5 +56,5 @@ void st_moe_compute(moe_call *c);
 void st_moe_products(moe_call *c);
 void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1, int set);
 void st_moe_teardown(moe_call *c);
-/* The fewest rows an expert needs to take the AMX rows (16; STRATA_AMX_ROWS=N sets it). */
+/* The fewest rows an expert needs to take the AMX rows (8; STRATA_AMX_ROWS=N sets it). */
 int st_moe_amx_rows(void);
