@@ -119,8 +119,11 @@ def test_ctrl_c_during_a_parallel_synth_stops_it_cleanly(tmp_path):
         pytest.skip("needs Linux's /proc/PID/task/TID/children")
     out = tmp_path / "m.gguf"
     partial = tmp_path / "m.gguf.partial"
-    proc = subprocess.Popen(TOOL + ["synth", "--shape", "cpu-bench", "--type", "q4_0",
-                                    "--layers", "6", "-j", "2", str(out)],
+    # -X faulthandler: a command that hangs is sent SIGABRT below, which prints every thread's
+    # stack (seen once in CI under load: still running 60 s after the ^C)
+    proc = subprocess.Popen(TOOL[:1] + ["-X", "faulthandler"] + TOOL[1:]
+                            + ["synth", "--shape", "cpu-bench", "--type", "q4_0",
+                               "--layers", "6", "-j", "2", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -136,7 +139,16 @@ def test_ctrl_c_during_a_parallel_synth_stops_it_cleanly(tmp_path):
             os.kill(int(pid), signal.SIGINT)
         time.sleep(0.2)
         os.kill(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for pid in [proc.pid, *workers]:
+                try:
+                    os.kill(int(pid), signal.SIGABRT)
+                except ProcessLookupError:
+                    pass
+            _, stderr = proc.communicate(timeout=30)
+            pytest.fail(f"synth still ran 60 s after ^C; its threads' stacks:\n{stderr[-6000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
