@@ -421,6 +421,30 @@ def test_sure_experts_left_to_the_pool_are_the_fewest_expected_rows_of_the_copie
     assert sure_for_pool(residency, routed, rare, R, K, 100, 4096)[0].sum() == 14
 
 
+def test_sure_costs_are_the_row_units_of_what_sure_for_pool_leaves_at_each_percent():
+    """sure_costs (STRATA_POOL_SURE=auto's model): at each percent, expert_rows per expert that
+    sure_for_pool leaves to the pool plus their expected rows, summed over the layers; a rows
+    cap that keeps experts out keeps them out of the cost too."""
+    from strata.backends.cuda.stream import sure_costs, sure_for_pool
+
+    rng = np.random.default_rng(7)
+    L, E, R, K = 4, 16, 512, 8
+    residency = np.where(rng.random((L, E)) < 0.2, 0, -1).astype(np.int32)
+    routed = rng.gamma(0.7, 300.0, size=(L, E))
+    rare = (residency < 0) & (rng.random((L, E)) < 0.25)
+    percents = [0, 10, 35, 50, 70, 100]
+    for cap in (4096, 40):
+        got = sure_costs(residency, routed, rare, R, K, percents, cap, 13.0)
+        want = []
+        for p in percents:
+            sure, rows = sure_for_pool(residency, routed, rare, R, K, p, cap)
+            want.append(sure.sum() * 13.0 + rows.sum())
+        assert np.allclose(got, want), (cap, got, want)
+        assert got[0] == 0 and np.all(np.diff(got) >= 0) and got[-1] > 0
+    assert sure_costs(residency, routed, rare, R, K, [100], 40, 13.0)[0] < \
+        sure_costs(residency, routed, rare, R, K, [100], 4096, 13.0)[0]
+
+
 def test_pool_sure_auto_follows_the_pools_share_of_each_streamed_window():
     """STRATA_POOL_SURE=auto (stream.SurePercent): after each streamed window the pool served,
     the percent rises a step while the pool computed under the band's low end of the window,
@@ -462,6 +486,77 @@ def test_pool_sure_auto_follows_the_pools_share_of_each_streamed_window():
     assert streamer.sure_percent == SURE_AUTO_STEP
 
 
+def test_pool_sure_model_goes_to_the_percent_whose_modelled_pool_time_fits_the_band():
+    """STRATA_POOL_SURE=model (stream.SurePercent.modelled): after each streamed window the pool served,
+    the percent stays while the pool computed within the band of the window; outside it, it
+    goes to the highest percent whose modelled pool time (the last window's time per row unit,
+    times its units less the sure experts it had plus those at the new percent) is the band's
+    middle of the window, at most `rise` above the last and within 0..most; a window seen twice
+    counts once. The streamer takes it before a streamed window only, from the pool's last
+    prompt window."""
+    from types import SimpleNamespace
+
+    from strata.backends.cuda.cpu_pool import PoolWindowStats
+    from strata.backends.cuda.stream import (SURE_AUTO_STEP, SURE_MODEL_BAND, SURE_MODEL_MAX,
+                                             SURE_MODEL_RISE, PromptStreamer, SurePercent)
+
+    asked = []
+
+    def costs(grid):  # 10 row units a percent
+        asked.append(list(grid))
+        return np.asarray(grid, dtype=np.float64) * 10.0
+
+    auto = SurePercent(step=10, most=70, band=(0.35, 0.45), rise=40)
+    # 20% of a 100 ms window, 200 units at 0%: 0.1 ms a unit, 40 ms fits 200 more units: 20%
+    assert auto.record(1, 20.0, 80.0, 200.0, costs) == 20
+    assert asked == [[0, 10, 20, 30, 40, 50, 60, 70]]
+    assert auto.record(1, 5.0, 95.0, 50.0, costs) == 20  # the same window again: unchanged
+    assert auto.record(2, 40.0, 60.0, 600.0, costs) == 20  # 40%: within the band
+    assert len(asked) == 1  # (and the model is not asked)
+    # 10 of 100 ms, 100 units at 20% (modelled 200: none besides the sure): 40 ms fits 40%
+    assert auto.record(3, 10.0, 90.0, 100.0, costs) == 40
+    # 1 of 100 ms: everything fits, but 40 above the last at most, and 70 at most
+    assert auto.record(4, 1.0, 99.0, 400.0, costs) == 70
+    # 60%, 600 units at 70% (700 modelled: none besides): 40 ms fits 40%; then 200 units
+    # besides the sure ones at 40%: 20%
+    assert auto.record(5, 60.0, 40.0, 600.0, costs) == 40
+    assert auto.record(6, 60.0, 40.0, 600.0, costs) == 20
+    # the pool over the band with the sure experts gone: 0
+    assert auto.record(7, 90.0, 10.0, 900.0, costs) == 0
+    # under the band, though the sure experts came short of the model (100 units at 40%
+    # where 400 were modelled, so 40 ms fits only 20%): never down
+    assert auto.record(20, 0.0, 100.0, 0.0, costs) == 40
+    assert auto.record(21, 20.0, 80.0, 100.0, costs) == 40
+    auto.percent = 0
+    assert auto.record(8, 0.0, 0.0, 0.0, costs) == 0  # nothing timed: unchanged
+    assert auto.record(9, 0.0, 100.0, 0.0, costs) == 40  # the pool computed nothing: a rise
+    assert 0 < SURE_MODEL_BAND[0] < SURE_MODEL_BAND[1] < 1 and SURE_AUTO_STEP <= SURE_MODEL_MAX
+    assert SURE_MODEL_MAX % SURE_AUTO_STEP == 0 and SURE_AUTO_STEP <= SURE_MODEL_RISE
+
+    streamer = PromptStreamer.__new__(PromptStreamer)  # the decision only: no device
+    streamer.min_rows, streamer.sure_percent = 256, 0
+    streamer.sure_auto, streamer.sure_model = SurePercent.modelled(), True
+    streamer.leaves_rare = lambda num_rows: True
+    modelled = []
+    streamer.sure_costs = lambda num_rows, grid, expert_rows: (
+        modelled.append((num_rows, expert_rows)) or np.zeros(len(grid)))
+    pool = SimpleNamespace(last_stats=None)
+    streamer.arena = SimpleNamespace(pool=pool)
+    streamer._follow_pool(512)  # no window served yet
+    assert streamer.sure_percent == 0
+    pool.last_stats = PoolWindowStats(7, 1, 8, 8, 0.5, 20.0)  # a decode window: not counted
+    streamer._follow_pool(512)
+    assert streamer.sure_percent == 0 and not modelled
+    pool.last_stats = PoolWindowStats(8, 480, 900, 300, 20.0, 90.0)  # a streamed one, 18%
+    streamer._follow_pool(512)
+    streamer._follow_pool(512)  # the same window: once
+    assert streamer.sure_percent == min(SURE_MODEL_RISE, SURE_MODEL_MAX)
+    assert len(modelled) == 1 and modelled[0][0] == 480  # modelled on the window's rows
+    streamer.arena.pool = None  # no pool: nothing to follow
+    streamer._follow_pool(512)
+    assert streamer.sure_percent == min(SURE_MODEL_RISE, SURE_MODEL_MAX)
+
+
 def test_pool_sure_setting_reads_a_percent_or_auto_and_names_what_was_wrong():
     from strata.backends.cuda.stream import pool_sure_setting
     from strata.errors import ConfigError
@@ -471,6 +566,7 @@ def test_pool_sure_setting_reads_a_percent_or_auto_and_names_what_was_wrong():
     assert pool_sure_setting({"STRATA_POOL_SURE": "0"}) == 0
     assert pool_sure_setting({"STRATA_POOL_SURE": "30"}) == 30
     assert pool_sure_setting({"STRATA_POOL_SURE": " Auto "}) == "auto"
+    assert pool_sure_setting({"STRATA_POOL_SURE": "model"}) == "model"
     for bad in ("abc", "101", "-1", "0.5"):
         with pytest.raises(ConfigError, match="STRATA_POOL_SURE.*or auto"):
             pool_sure_setting({"STRATA_POOL_SURE": bad})

@@ -486,18 +486,21 @@ def test_sure_experts_left_to_the_pool_are_computed_there_not_guessed(path, resi
     assert listed["0"] > 0 and listed["50"] == 0, listed
 
 
+@pytest.mark.parametrize("by_model", [False, True], ids=["auto", "model"])
 def test_pool_sure_auto_follows_the_pools_share_and_stays_off_with_the_tier_frozen(
-        path, resident, monkeypatch):
+        path, resident, monkeypatch, by_model):
     """STRATA_POOL_SURE=auto (stream.SurePercent): before each streamed window the percent of
     the sure experts left to the pool moves after the pool's last streamed window (here a band
-    the pool never reaches, so it climbs a step a window: 0, 30, 60), the where table and the
+    the pool never reaches, so it climbs a step a window: 0, 30, 60; with
+    STRATA_POOL_SURE=model a target any percent fits, asking the model of the real sure
+    experts each time, session 77, not yet run on a GPU), the where table and the
     streamer leave the same experts, and the logits stay within the pool's rounding of the
     all-resident model's; with --adapt-every 0 it stays off."""
     from strata.backends.cuda import stream
     from strata.backends.cuda.exchange import WHERE_CPU
     from strata.backends.cuda.stream import SurePercent
 
-    monkeypatch.setenv("STRATA_POOL_SURE", "auto")
+    monkeypatch.setenv("STRATA_POOL_SURE", "model" if by_model else "auto")
     monkeypatch.setattr(stream, "POOL_REACH_COST", 2.0)  # the rare half only: 4 copied a layer
     L, E = resident.spec.n_layers, resident.spec.n_experts
     plans = [(40, 33, 20), (30, 1, 1), (12, 12, 12)]  # all three stream
@@ -510,7 +513,14 @@ def test_pool_sure_auto_follows_the_pools_share_and_stays_off_with_the_tier_froz
     model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
     half_rare(arena, L, E)
     streamer, tier = arena.streamer, model.tier
-    streamer.sure_auto = SurePercent(step=30, most=60, band=(0.99, 1.0))
+    # a band the pool never reaches (with model, one whose middle, 25 windows, any modelled
+    # percent fits)
+    streamer.sure_auto = SurePercent(step=30, most=60, band=(0.99, 49.0 if by_model else 1.0))
+    streamer.sure_model = by_model
+    modelled = []
+    sure_costs = streamer.sure_costs
+    monkeypatch.setattr(streamer, "sure_costs", lambda *args, **kw: modelled.append(
+        sure_costs(*args, **kw)) or modelled[-1])
     percents, left = [], []
 
     def forward(window):
@@ -529,6 +539,9 @@ def test_pool_sure_auto_follows_the_pools_share_and_stays_off_with_the_tier_froz
     finally:
         arena.close()
     assert percents == [0, 30, 60] and left[0] == 0 < left[1] < left[2], (percents, left)
+    # the model's sure experts at 0, 30 and 60%: none, then more (stream.sure_costs)
+    assert len(modelled) == (2 if by_model else 0), modelled
+    assert all(m[0] == 0 < m[1] < m[2] for m in modelled), modelled
     errors, top1 = logit_errors(want, got)
     assert np.median(errors) < 4e-2 and top1 >= 0.8, (np.median(errors), top1)
 

@@ -5,6 +5,7 @@ compute stream, and the same kernels read them there: only the device tables poi
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -90,6 +91,23 @@ ENV_POOL_SURE = "STRATA_POOL_SURE"
 SURE_AUTO_STEP = 10
 SURE_AUTO_MAX = 50
 SURE_AUTO_BAND = (0.30, 0.45)
+# STRATA_POOL_SURE=model (opt-in, built in session 77 and not yet measured on a GPU: no device
+# could be started; docs/offload.md, "Session 77"): the same, but outside SURE_MODEL_BAND the
+# percent goes to the highest multiple of SURE_AUTO_STEP up to SURE_MODEL_MAX, at most
+# SURE_MODEL_RISE above the last, whose modelled pool time is the band's middle of the window:
+# the last window's pool time per row unit (SURE_MODEL_EXPERT_ROWS an expert + its rows) times
+# its units less the sure experts it had, plus the sure experts' at that percent (sure_costs).
+# Why: on an H100 host, skew-0 synth, pp512, fixed percents 60 / 70 / 80 put the pool at 38% /
+# 43% / 47% of the window and gained 5.1% / 5.8% / 0.8% over auto, whose climb of 10 a window
+# from 0 a 7-window bench ends at 50; on the skew-1 synth 70 put it at 52% and lost 2.1%.
+SURE_MODEL_MAX = 70
+SURE_MODEL_RISE = 40
+SURE_MODEL_BAND = (0.35, 0.45)
+# An expert's pool cost in rows' worth, for the model above: the AMX rows (amx.c, from
+# kernels.amx_rows() rows) on an H100 host's Xeon, tools/bench_pool_kernel.py --rows-per-expert
+# at 15 threads from RAM: ~31 us an expert + ~2.4 a row (8 rows 50 us, 16 64, 24 89), so 13;
+# without AMX, the lane tiles' share.POOL_EXPERT_ROWS.
+SURE_MODEL_EXPERT_ROWS = 13
 # STRATA_STREAM_TIMELINE=1: every streamed window records timing events, waits for its end and
 # logs where its time went (WindowTimeline; a diagnosis, it costs each window its overlap with
 # the next).
@@ -172,61 +190,135 @@ def rare_experts(residency: np.ndarray, routed: np.ndarray, num_rows: int, top_k
     return (np.asarray(residency) < 0) & (reads * cost < 1.0)
 
 
+def _sure_order(residency: np.ndarray, routed: np.ndarray, rare: np.ndarray, num_rows: int,
+                top_k: int, rows_cap: float) -> tuple[np.ndarray, ...]:
+    """(copied [L], order [L, E], rows [L, E], candidates [L]): per layer the experts a streamed
+    window copies (missing, not `rare`), each layer's experts with those of them expected to get
+    at most `rows_cap` rows first, fewest expected rows first (ties by expert), their expected
+    rows (as in rare_experts), and how many there are."""
+    routed = np.asarray(routed, dtype=np.float64)
+    E = routed.shape[1]
+    copied = (np.asarray(residency) < 0) & ~np.asarray(rare, dtype=bool)  # [L, E]
+    spread = (routed + 1.0) / (routed.sum(axis=1, keepdims=True) + E)
+    rows = spread * max(int(num_rows), 1) * int(top_k)  # [L, E] expected rows
+    cand = copied & (rows <= rows_cap)
+    order = np.argsort(np.where(cand, rows, np.inf), axis=1, kind="stable")  # [L, E]
+    return copied.sum(axis=1), order, rows, cand.sum(axis=1)
+
+
+def _sure_take(copied: np.ndarray, candidates: np.ndarray, percent: int) -> np.ndarray:
+    """[L] int: how many experts a layer leaves to the pool at `percent`% of its copies."""
+    take = np.floor(copied * max(0, int(percent)) / 100.0).astype(np.int64)
+    return np.minimum(take, candidates)
+
+
 def sure_for_pool(residency: np.ndarray, routed: np.ndarray, rare: np.ndarray, num_rows: int,
                   top_k: int, percent: int, rows_cap: int) -> tuple[np.ndarray, np.ndarray]:
     """([L, E] bool, [L] float64): per layer the `percent`% of its copied experts (missing,
     not `rare`) with the fewest expected rows, of those expected to get at most `rows_cap`
     (expected rows as in rare_experts), left to the CPU pool; and their expected rows per
     layer (the pool's added budget)."""
-    routed = np.asarray(routed, dtype=np.float64)
-    L, E = routed.shape
-    copied = (np.asarray(residency) < 0) & ~np.asarray(rare, dtype=bool)  # [L, E]
-    spread = (routed + 1.0) / (routed.sum(axis=1, keepdims=True) + E)
-    rows = spread * max(int(num_rows), 1) * int(top_k)  # [L, E] expected rows
+    copied, order, rows, candidates = _sure_order(residency, routed, rare, num_rows, top_k,
+                                                  rows_cap)
+    take = _sure_take(copied, candidates, percent)
+    L, E = rows.shape
     sure = np.zeros((L, E), dtype=bool)
-    take = np.floor(copied.sum(axis=1) * max(0, int(percent)) / 100.0).astype(int)  # [L]
-    for layer in np.flatnonzero(take):
-        cand = np.flatnonzero(copied[layer] & (rows[layer] <= rows_cap))
-        pick = cand[np.argsort(rows[layer, cand], kind="stable")[:take[layer]]]
-        sure[layer, pick] = True
+    picked = np.arange(E)[None, :] < take[:, None]  # [L, E] over each layer's order
+    np.put_along_axis(sure, order, picked, axis=1)
     return sure, np.where(sure, rows, 0.0).sum(axis=1)
 
 
+def sure_costs(residency: np.ndarray, routed: np.ndarray, rare: np.ndarray, num_rows: int,
+               top_k: int, percents, rows_cap: int, expert_rows: float) -> np.ndarray:
+    """[len(percents)] float64: the pool's row units (`expert_rows` an expert + its expected
+    rows) of the sure experts sure_for_pool leaves it at each of `percents`, summed over the
+    layers."""
+    copied, order, rows, candidates = _sure_order(residency, routed, rare, num_rows, top_k,
+                                                  rows_cap)
+    ranked = np.take_along_axis(rows, order, axis=1)  # [L, E] fewest first
+    L, E = rows.shape
+    ranked[np.arange(E)[None, :] >= candidates[:, None]] = 0.0
+    cum = np.concatenate((np.zeros((L, 1)), np.cumsum(ranked, axis=1)), axis=1)  # [L, E + 1]
+    out = []
+    for percent in percents:
+        take = _sure_take(copied, candidates, percent)
+        out.append(float(take.sum() * expert_rows + cum[np.arange(L), take].sum()))
+    return np.asarray(out)
+
+
 def pool_sure_setting(env=None) -> int | str:
-    """STRATA_POOL_SURE: a percent 0..100 (0: off) or "auto" (SurePercent; unset or empty)."""
+    """STRATA_POOL_SURE: a percent 0..100 (0: off), "auto" (SurePercent; unset or empty) or
+    "model" (SurePercent.modelled)."""
     from strata.backends.cuda.offload import count_setting
     from strata.errors import ConfigError
 
     env = os.environ if env is None else env
-    if env.get(ENV_POOL_SURE, "").strip().lower() in ("", "auto"):
-        return "auto"
+    word = env.get(ENV_POOL_SURE, "").strip().lower()
+    if word in ("", "auto", "model"):
+        return word or "auto"
     try:
         return count_setting(ENV_POOL_SURE, 0, "percent", 100, env)
     except ConfigError as exc:
-        raise ConfigError(f"{exc}; or auto (the pool's share of each window decides)") from None
+        raise ConfigError(f"{exc}; or auto (the pool's share of each window decides) or model "
+                          "(the same, jumping where the pool's modelled time fits)") from None
 
 
 class SurePercent:
     """STRATA_POOL_SURE=auto's percent: `record` each streamed window the pool served (its
-    seq, compute and wait ms; a window seen before changes nothing) moves it by `step` towards
-    keeping the pool's compute within `band` of the window, 0..`most`."""
+    seq, compute and wait ms, the row units it computed, and `costs`, a function giving the
+    sure experts' modelled row units at the percents of `grid`, or None; a window seen before
+    changes nothing). While the pool's compute is within `band` of the window the percent
+    stays. Outside it, with no `costs` it moves a `step` towards the band, within 0..`most`;
+    with them (STRATA_POOL_SURE=model, `modelled`) it goes to the highest percent of `grid`
+    (0..`most` by `step`; at most `rise` above the last) whose modelled pool time is the band's
+    middle of the window (the module's comment above SURE_MODEL_MAX)."""
 
     def __init__(self, step: int = SURE_AUTO_STEP, most: int = SURE_AUTO_MAX,
-                 band: tuple[float, float] = SURE_AUTO_BAND):
+                 band: tuple[float, float] = SURE_AUTO_BAND, rise: int | None = None):
         self.step, self.most, self.band = int(step), int(most), band
+        self.rise = self.step if rise is None else int(rise)
+        self.grid = list(range(0, self.most + 1, self.step))
         self.percent = 0
         self._seen = None
 
-    def record(self, seq: int, pool_ms: float, wait_ms: float) -> int:
-        if seq == self._seen or pool_ms + wait_ms <= 0.0:
+    @classmethod
+    def modelled(cls) -> "SurePercent":
+        return cls(SURE_AUTO_STEP, SURE_MODEL_MAX, SURE_MODEL_BAND, SURE_MODEL_RISE)
+
+    def record(self, seq: int, pool_ms: float, wait_ms: float, units: float = 0.0,
+               costs=None) -> int:
+        window_ms = pool_ms + wait_ms
+        if seq == self._seen or window_ms <= 0.0:
             return self.percent
         self._seen = seq
-        share = pool_ms / (pool_ms + wait_ms)
-        if share < self.band[0]:
-            self.percent = min(self.most, self.percent + self.step)
-        elif share > self.band[1]:
-            self.percent = max(0, self.percent - self.step)
+        share = pool_ms / window_ms
+        if self.band[0] <= share <= self.band[1]:
+            return self.percent
+        if costs is None:  # a step towards the band
+            step = self.step if share < self.band[0] else -self.step
+            self.percent = min(self.most, max(0, self.percent + step))
+            return self.percent
+        modelled = np.asarray(costs(self.grid), dtype=np.float64)  # [grid] row units
+        now = modelled[self.grid.index(self.percent)] if self.percent in self.grid else 0.0
+        if units > 0.0 and pool_ms > 0.0:  # ms per row unit, and the units besides the sure
+            per_unit, rest = pool_ms / units, max(0.0, units - now)
+            fits = per_unit * (rest + modelled) <= 0.5 * sum(self.band) * window_ms
+        else:  # the pool computed nothing timed: the model has no figures, all fit
+            fits = np.ones(len(self.grid), dtype=bool)
+        best = max((p for p, ok in zip(self.grid, fits)
+                    if ok and p <= self.percent + self.rise), default=0)
+        # the model moves it the way the measured share asks, never the other way
+        self.percent = max(best, self.percent) if share < self.band[0] else min(best, self.percent)
         return self.percent
+
+
+def sure_model_expert_rows() -> float:
+    """SURE_MODEL_EXPERT_ROWS where the pool's kernel takes the AMX rows, else the lane tiles'
+    share.POOL_EXPERT_ROWS."""
+    from strata._native import kernels
+    from strata.backends.cuda.share import POOL_EXPERT_ROWS
+
+    return float(SURE_MODEL_EXPERT_ROWS if kernels.amx_available() else POOL_EXPERT_ROWS)
 
 
 class HitShare:
@@ -459,8 +551,10 @@ class PromptStreamer:
         self._image_bytes: np.ndarray | None = None  # [L] of an expert's image (made by _build)
         self.timelines: list[WindowTimeline] = []  # with timeline on: one per streamed window
         sure = pool_sure_setting()
-        self.sure_auto = SurePercent() if sure == "auto" else None  # (build_vram_arena)
-        self.sure_percent = 0 if sure == "auto" else sure
+        self.sure_auto = (SurePercent() if sure == "auto" else SurePercent.modelled()
+                          if sure == "model" else None)  # (build_vram_arena)
+        self.sure_model = sure == "model"
+        self.sure_percent = 0 if isinstance(sure, str) else sure
 
     # ---- between windows ----------------------------------------------------------------
     def before_window(self, num_rows: int) -> None:
@@ -476,7 +570,8 @@ class PromptStreamer:
     def _follow_pool(self, num_rows: int) -> None:
         """STRATA_POOL_SURE=auto, before a streamed window (and before the arena's where table,
         so that the table and run() leave the same experts): the percent after the last
-        streamed window the pool served."""
+        streamed window the pool served (SurePercent; with STRATA_POOL_SURE=model, modelled on
+        that window's rows)."""
         stats = self.arena.pool.last_stats if self.arena.pool is not None else None
         if self.sure_auto is None or stats is None or not self.pools_rare(num_rows):
             return
@@ -484,11 +579,28 @@ class PromptStreamer:
 
         if stats.num_rows > POOL_MAX_ROWS and self.pools_rare(stats.num_rows):
             before = self.sure_percent
-            self.sure_percent = self.sure_auto.record(stats.seq, stats.pool_ms, stats.wait_ms)
+            units, costs = 0.0, None
+            if getattr(self, "sure_model", False):  # STRATA_POOL_SURE=model
+                expert_rows = sure_model_expert_rows()
+                units = stats.num_experts * expert_rows + stats.num_entries
+                costs = functools.partial(self.sure_costs, stats.num_rows,
+                                          expert_rows=expert_rows)
+            self.sure_percent = self.sure_auto.record(stats.seq, stats.pool_ms, stats.wait_ms,
+                                                      units, costs)
             if self.sure_percent != before:
                 log.info("prompt streaming: the pool computed %.1f of %.1f ms of the last "
-                         "window; STRATA_POOL_SURE=auto now leaves it %d%% of the sure experts",
-                         stats.pool_ms, stats.pool_ms + stats.wait_ms, self.sure_percent)
+                         "window; STRATA_POOL_SURE=%s now leaves it %d%% of the sure experts",
+                         stats.pool_ms, stats.pool_ms + stats.wait_ms,
+                         "model" if costs is not None else "auto", self.sure_percent)
+
+    def sure_costs(self, num_rows: int, percents, expert_rows: float) -> np.ndarray:
+        """[len(percents)]: the pool's modelled row units of the sure experts a window of
+        `num_rows` rows would leave it at each of `percents` (stream.sure_costs)."""
+        from strata.backends.cuda.share import PROMPT_POOL_ROWS
+
+        rare, _, _ = self.left_for(num_rows)
+        return sure_costs(self.arena.table.peek().table, self._routed, rare, num_rows,
+                          self._top_k, percents, PROMPT_POOL_ROWS, expert_rows)
 
     def account(self, counts: np.ndarray) -> None:
         """A window's routed pairs [L, E] (the arena's account_routed): into the decayed counts
