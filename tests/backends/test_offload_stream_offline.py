@@ -445,16 +445,38 @@ def test_sure_costs_are_the_row_units_of_what_sure_for_pool_leaves_at_each_perce
         sure_costs(residency, routed, rare, R, K, [100], 4096, 13.0)[0]
 
 
+def _sure_follower(auto, model: bool, costs=None):
+    """A PromptStreamer with only what _follow_pool reads (no device) and `auto` as its
+    SurePercent, and its pool; it follows no window before one is served, nor a decode one."""
+    from types import SimpleNamespace
+
+    from strata.backends.cuda.cpu_pool import PoolWindowStats
+    from strata.backends.cuda.stream import PromptStreamer
+
+    streamer = PromptStreamer.__new__(PromptStreamer)
+    streamer.min_rows, streamer.sure_percent = 256, 0
+    streamer.sure_auto, streamer.sure_model = auto, model
+    streamer.leaves_rare = lambda num_rows: True
+    if costs is not None:
+        streamer.sure_costs = costs
+    pool = SimpleNamespace(last_stats=None)
+    streamer.arena = SimpleNamespace(pool=pool)
+    streamer._follow_pool(512)  # no window served yet
+    assert streamer.sure_percent == 0
+    pool.last_stats = PoolWindowStats(7, 1, 8, 8, 0.5, 20.0)  # a decode window: not counted
+    streamer._follow_pool(512)
+    assert streamer.sure_percent == 0
+    return streamer, pool
+
+
 def test_pool_sure_auto_follows_the_pools_share_of_each_streamed_window():
     """STRATA_POOL_SURE=auto (stream.SurePercent): after each streamed window the pool served,
     the percent rises a step while the pool computed under the band's low end of the window,
     falls above its high end, stays within 0..most, and a window seen twice counts once; the
     streamer takes it before a streamed window only, from the pool's last prompt window."""
-    from types import SimpleNamespace
-
     from strata.backends.cuda.cpu_pool import PoolWindowStats
     from strata.backends.cuda.stream import (SURE_AUTO_BAND, SURE_AUTO_MAX, SURE_AUTO_STEP,
-                                             PromptStreamer, SurePercent)
+                                             SurePercent)
 
     auto = SurePercent(step=10, most=30, band=(0.3, 0.45))
     assert auto.record(1, 20.0, 80.0) == 10  # the pool computed 20% of the window: up
@@ -466,17 +488,7 @@ def test_pool_sure_auto_follows_the_pools_share_of_each_streamed_window():
     assert auto.record(10, 0.0, 0.0) == 0  # nothing timed: unchanged
     assert 0 < SURE_AUTO_BAND[0] < SURE_AUTO_BAND[1] < 1 and 0 < SURE_AUTO_STEP <= SURE_AUTO_MAX
 
-    streamer = PromptStreamer.__new__(PromptStreamer)  # the decision only: no device
-    streamer.min_rows, streamer.sure_percent = 256, 0
-    streamer.sure_auto = SurePercent()
-    streamer.leaves_rare = lambda num_rows: True
-    pool = SimpleNamespace(last_stats=None)
-    streamer.arena = SimpleNamespace(pool=pool)
-    streamer._follow_pool(512)  # no window served yet
-    assert streamer.sure_percent == 0
-    pool.last_stats = PoolWindowStats(7, 1, 8, 8, 0.5, 20.0)  # a decode window: not counted
-    streamer._follow_pool(512)
-    assert streamer.sure_percent == 0
+    streamer, pool = _sure_follower(SurePercent(), False)
     pool.last_stats = PoolWindowStats(8, 512, 900, 300, 20.0, 90.0)  # a streamed one, 18%
     streamer._follow_pool(512)
     streamer._follow_pool(512)  # the same window: one step
@@ -487,18 +499,17 @@ def test_pool_sure_auto_follows_the_pools_share_of_each_streamed_window():
 
 
 def test_pool_sure_model_goes_to_the_percent_whose_modelled_pool_time_fits_the_band():
-    """STRATA_POOL_SURE=model (stream.SurePercent.modelled): after each streamed window the pool served,
+    """STRATA_POOL_SURE=model (stream.SurePercent.modelled): after each streamed window the
+    pool served,
     the percent stays while the pool computed within the band of the window; outside it, it
     goes to the highest percent whose modelled pool time (the last window's time per row unit,
     times its units less the sure experts it had plus those at the new percent) is the band's
     middle of the window, at most `rise` above the last and within 0..most; a window seen twice
     counts once. The streamer takes it before a streamed window only, from the pool's last
     prompt window."""
-    from types import SimpleNamespace
-
     from strata.backends.cuda.cpu_pool import PoolWindowStats
     from strata.backends.cuda.stream import (SURE_AUTO_STEP, SURE_MODEL_BAND, SURE_MODEL_MAX,
-                                             SURE_MODEL_RISE, PromptStreamer, SurePercent)
+                                             SURE_MODEL_RISE, SurePercent)
 
     asked = []
 
@@ -533,20 +544,11 @@ def test_pool_sure_model_goes_to_the_percent_whose_modelled_pool_time_fits_the_b
     assert 0 < SURE_MODEL_BAND[0] < SURE_MODEL_BAND[1] < 1 and SURE_AUTO_STEP <= SURE_MODEL_MAX
     assert SURE_MODEL_MAX % SURE_AUTO_STEP == 0 and SURE_AUTO_STEP <= SURE_MODEL_RISE
 
-    streamer = PromptStreamer.__new__(PromptStreamer)  # the decision only: no device
-    streamer.min_rows, streamer.sure_percent = 256, 0
-    streamer.sure_auto, streamer.sure_model = SurePercent.modelled(), True
-    streamer.leaves_rare = lambda num_rows: True
     modelled = []
-    streamer.sure_costs = lambda num_rows, grid, expert_rows: (
-        modelled.append((num_rows, expert_rows)) or np.zeros(len(grid)))
-    pool = SimpleNamespace(last_stats=None)
-    streamer.arena = SimpleNamespace(pool=pool)
-    streamer._follow_pool(512)  # no window served yet
-    assert streamer.sure_percent == 0
-    pool.last_stats = PoolWindowStats(7, 1, 8, 8, 0.5, 20.0)  # a decode window: not counted
-    streamer._follow_pool(512)
-    assert streamer.sure_percent == 0 and not modelled
+    streamer, pool = _sure_follower(
+        SurePercent.modelled(), True, lambda num_rows, grid, expert_rows: (
+            modelled.append((num_rows, expert_rows)) or np.zeros(len(grid))))
+    assert not modelled
     pool.last_stats = PoolWindowStats(8, 480, 900, 300, 20.0, 90.0)  # a streamed one, 18%
     streamer._follow_pool(512)
     streamer._follow_pool(512)  # the same window: once
