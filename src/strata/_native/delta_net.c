@@ -6,6 +6,7 @@
 #include <string.h>
 #include "delta_net.h"
 #include "quant.h"
+#include "silu.h"
 
 /* Legend: T = rows, C = conv channels, K = conv taps, Hk / Hv = key / value heads,
  * Dk / Dv = key / value head dims. */
@@ -13,8 +14,6 @@
 #define CONV_CHANNEL_BLOCK 256  /* channels one conv work item takes */
 #define DV_PANEL 64             /* state columns per delta-rule work item: a [Dk, 64] panel */
 #define PARALLEL_MIN_OPS 32768  /* below this a call stays on one thread */
-
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
 /* torch's F.softplus (threshold 20: past it softplus(x) rounds to x) */
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
@@ -44,7 +43,7 @@ void st_conv_silu(const float *x, int64_t ldx, int64_t T, int C, int K, const fl
                 const float *restrict xr = conv_input_row(x, ldx, C, K, state_in, t + j);
                 for (int c = c0; c < c1; c++) yr[c] += w[(int64_t)c * K + j] * xr[c];
             }
-            for (int c = c0; c < c1; c++) yr[c] = silu(yr[c]);
+            for (int c = c0; c < c1; c++) yr[c] = st_silu(yr[c]);
         }
         /* state_out row r = xin row T + r; going up, a row is read before any write reaches
          * it (T + r >= r), so state_out may be state_in. */
@@ -137,7 +136,7 @@ void st_gated_rmsnorm(float *x, int64_t T, int Hv, int Dv, const float *z, int64
             for (int i = 0; i < Dv; i++) sum_sq += (double)xh[i] * xh[i];
             /* like transformers: norm before gate, x * rsqrt(mean(x^2) + eps) * w * silu(z) */
             const float scale = 1.0f / sqrtf((float)(sum_sq / Dv) + eps);
-            for (int i = 0; i < Dv; i++) xh[i] = w[i] * (xh[i] * scale) * silu(zh[i]);
+            for (int i = 0; i < Dv; i++) xh[i] = w[i] * (xh[i] * scale) * st_silu(zh[i]);
         }
     }
 }

@@ -5,6 +5,7 @@
 #include <string.h>
 #include "moe_call.h"
 #include "pool_sync.h"
+#include "silu.h"
 
 /* Legend: T = tokens, K = experts per token, E = experts, H = hidden, F = expert width,
  * P = routed (token, k) pairs with an expert id >= 0. */
@@ -14,8 +15,6 @@
  * quantizes its SiLU(gate) * up rows and the down items wait for that expert alone: no barrier
  * between the two products. Bigger calls quantize every row on the team behind a barrier. */
 #define FILL_BY_LAST_PAIRS 64
-
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
 /* Expert e's gate/up rows in this call, which are also its down's columns: all F, or the
  * split expert's first split_cols (the CPU pool's part of an expert it splits with the GPU). */
@@ -231,11 +230,8 @@ static inline int has_pair(const moe_call *c, int64_t t) {
  * items wait on (fill_by_last). */
 /* G[p, f] = SiLU(G[p, f]) * U[p, f] for pairs [p0, p0 + n), columns [r0, r1) */
 static void silu_mul(moe_call *c, int64_t p0, int64_t n, int r0, int r1) {
-    for (int64_t p = p0; p < p0 + n; p++) {
-        float *g = c->G + p * c->F;                                /* [F] */
-        const float *u = c->U + p * c->F;
-        for (int f = r0; f < r1; f++) g[f] = silu(g[f]) * u[f];
-    }
+    for (int64_t p = p0; p < p0 + n; p++)
+        st_silu_times(c->G + p * c->F + r0, c->U + p * c->F + r0, r1 - r0);   /* [r1 - r0] */
 }
 
 static void fill_expert_rows(moe_call *c, int e) {

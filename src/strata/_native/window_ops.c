@@ -4,6 +4,7 @@
 #include <math.h>
 #include <string.h>
 #include "quant.h"
+#include "silu.h"
 #include "window.h"
 
 /* Legend: R = rows, E = experts, K = experts per row, D = head dim, KV = KV heads. */
@@ -139,7 +140,7 @@ void st_add_bias(float *x, const float *b, int64_t T, int n) {
 }
 
 void st_silu_mul(float *g, const float *u, int64_t num_values) {
-    for (int64_t i = 0; i < num_values; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    st_silu_times(g, u, num_values);
 }
 
 void st_add_gated(float *out, const float *y, const float *logit, int64_t T, int n) {
