@@ -47,6 +47,25 @@ def test_allow_amx_without_amx_is_the_default_path():
     assert np.array_equal(got, plain)
 
 
+@pytest.mark.skipif(not kernels.amx_available(), reason="needs a CPU with AMX-BF16")
+def test_strata_amx_0_set_in_the_process_turns_the_amx_rows_off(monkeypatch):
+    # read at every call (a test of the GPU pool sets it to compare greedy paths with the GPU)
+    rng = np.random.default_rng(78)
+    E, H, F, K, T_ = 4, 256, 192, 4, 40
+    gate, up, down, x, experts, weights = routed_layer(rng, (2, 2, 2), E, H, F, T_, K)
+    pointers = np.array([[m[e].ctypes.data for e in range(E)] for m in (gate, up, down)],
+                        dtype=np.uint64)
+    on, off, plain = (np.zeros((T_, H), np.float32) for _ in range(3))
+    kernels.moe_ffn_ptrs(x, pointers, 2, 2, 2, F, experts, weights, on, allow_amx=True)
+    monkeypatch.setenv("STRATA_AMX", "0")
+    assert not kernels.amx_available()
+    kernels.moe_ffn_ptrs(x, pointers, 2, 2, 2, F, experts, weights, off, allow_amx=True)
+    kernels.moe_ffn_ptrs(x, pointers, 2, 2, 2, F, experts, weights, plain)
+    monkeypatch.delenv("STRATA_AMX")
+    assert kernels.amx_available()
+    assert np.array_equal(off, plain) and not np.array_equal(on, plain)
+
+
 def _exact(x, gate, up, down, qtype, experts, weights):
     """float64 result of the routed experts, weights and activations unrounded."""
     out = np.zeros(x.shape, np.float64)

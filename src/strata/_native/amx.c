@@ -125,14 +125,16 @@ static int cpu_ready(void) {
 }
 #endif
 
-/* -1 not asked yet, 0 no, 1 yes; STRATA_AMX=0 turns the path off */
+/* Can this CPU run the tiles: -1 not asked yet, 0 no, 1 yes. STRATA_AMX=0 turns the path off,
+ * read at every call (not cached like the CPU's answer), so a test can turn it off in-process. */
 static int amx_state = -1;
 
 int st_amx_available(void) {
+    const char *env = getenv("STRATA_AMX");
+    if (env && env[0] == '0') return 0;
     int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
     if (state >= 0) return state;
-    const char *env = getenv("STRATA_AMX");
-    state = !(env && env[0] == '0') && cpu_ready();
+    state = cpu_ready();
     __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
     return state;
 }

@@ -164,7 +164,11 @@ def test_pcie_frac_auto_tries_shares_and_keeps_the_results(pool_path, tmp_path, 
             arena.close()
 
 
-def test_greedy_tokens_do_not_depend_on_the_share(pool_path):
+def test_greedy_tokens_do_not_depend_on_the_share(pool_path, monkeypatch):
+    # the pool's AMX rows (an expert of kernels.amx_rows() rows or more in a window) round to
+    # bf16 and so part from the GPU's products: on an AMX host with 8 rows this model's greedy
+    # path parted (session 78, H100 host); with the lane tiles it is the GPU's, as it was at 16
+    monkeypatch.setenv("STRATA_AMX", "0")
     rng = np.random.default_rng(4)
     prompts = [[int(t) for t in rng.integers(10, 4000, n)] for n in (30, 7)]
     results = []
