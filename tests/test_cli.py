@@ -361,11 +361,13 @@ def test_tier_summary_line_names_the_cpu_pool():
     assert format_tier_summary(s).endswith(
         "waiting for the GPU; prompt windows: 2 streamed 1.50 GiB of experts, 37.2 rare ones "
         "per layer left to PCIe reads (the GPU pulled 3 of them into staging)")
-    s.update(streamed_sure=30, streamed_sure_auto=True)
+    s.update(streamed_sure=30, streamed_sure_auto="auto")
     assert format_tier_summary(s).endswith(
         "(the GPU pulled 3 of them into staging); 30% of the copied experts left to the pool "
         "(STRATA_POOL_SURE=auto, where it ended)")
-    s.update(streamed_sure_auto=False)
+    s.update(streamed_sure_auto="model")   # (session 78's runs of it said auto)
+    assert format_tier_summary(s).endswith("(STRATA_POOL_SURE=model, where it ended)")
+    s.update(streamed_sure_auto="")
     assert format_tier_summary(s).endswith("left to the pool (STRATA_POOL_SURE=30)")
     del s["streamed_sure"], s["streamed_sure_auto"]
     from strata.backends.cuda.stream import WindowTimeline

@@ -375,9 +375,11 @@ def tier_summary(tier) -> dict:
                        streamed_gib=streamer.streamed_bytes / 2**30,
                        streamed_left=streamer.num_left / streamer.num_windows
                        / max(1, streamer.num_layers), streamed_pulled=streamer.pulled)
-            auto = getattr(streamer, "sure_auto", None) is not None
-            if auto or getattr(streamer, "sure_percent", 0):  # STRATA_POOL_SURE
-                out.update(streamed_sure=streamer.sure_percent, streamed_sure_auto=auto)
+            # STRATA_POOL_SURE: the rule that moved the percent ("auto", "model") or "" (fixed)
+            rule = ("" if getattr(streamer, "sure_auto", None) is None
+                    else "model" if getattr(streamer, "sure_model", False) else "auto")
+            if rule or getattr(streamer, "sure_percent", 0):
+                out.update(streamed_sure=streamer.sure_percent, streamed_sure_auto=rule)
         device_tier = getattr(getattr(tier.arena, "model", None), "tier", None)
         guessed = getattr(device_tier, "guess_totals", lambda: (0,) * 5)()
         if guessed[0]:  # backends/cuda/guess.py
@@ -615,7 +617,8 @@ def format_tier_summary(s: dict) -> str:
                f"(the GPU pulled {s['streamed_pulled']} of them into staging)"
                if "streamed_windows" in s else "")
             + (f"; {s['streamed_sure']}% of the copied experts left to the pool "
-               + ("(STRATA_POOL_SURE=auto, where it ended)" if s["streamed_sure_auto"]
+               + (f"(STRATA_POOL_SURE={s['streamed_sure_auto']}, where it ended)"
+                  if s["streamed_sure_auto"]
                   else f"(STRATA_POOL_SURE={s['streamed_sure']})")
                if "streamed_sure" in s else "")
             + (f"; guessed copies: {s['guess_listed']} rare experts copied a layer ahead in "
