@@ -11,7 +11,8 @@
 #                                            skew-0 and skew-1 synths: pp512 with
 #                                            STRATA_POOL_SURE 0 / auto alternating (ROUNDS,
 #                                            default 3), tg64 at 1 and 4 slots
-#   tools/device_check.sh pair "A" "B" ARGS  strata bench ARGS (experts in RAM unless ARGS set
+#   tools/device_check.sh pair "A" "B" ARGS  strata bench ARGS (tools/bench_logged.py, so the
+#                                            tier's log too; experts in RAM unless ARGS set
 #                                            --expert-cache) on $PAIR_MODEL (default the skew-0
 #                                            synth; one missing is written with routing skew
 #                                            $PAIR_SKEW, default 1) under side A and side B
@@ -138,8 +139,10 @@ run_pair() {  # pair "SIDE A" "SIDE B" BENCH_ARGS...
             for word in ${sides[$i]}; do
                 if [[ $word == [A-Za-z_]*=* ]]; then envs+=("$word"); else flags+=("$word"); fi
             done
-            part 150 "pair_$(( i == 0 ? 0 : 1 ))_$round" env "${envs[@]}" python3 -m strata bench \
-                -m "$model" --device cuda -t "$threads" --expert-cache 0 "$@" "${flags[@]}"
+            # bench_logged: the tier's decisions too (where STRATA_POOL_SURE moved, e.g.)
+            part 150 "pair_$(( i == 0 ? 0 : 1 ))_$round" env "${envs[@]}" python3 \
+                tools/bench_logged.py -- -m "$model" --device cuda -t "$threads" \
+                --expert-cache 0 "$@" "${flags[@]}"
         done
     done
     python3 - "$OUT" "${sides[0]}" "${sides[1]}" <<'PY'
