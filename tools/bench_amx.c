@@ -66,9 +66,12 @@ static double run(ctx *c, int n_mats, int n, int mode) {
                 st_amx_rows(ST_Q4_0, w, c->row_bytes, COLS, 0, ROWS, c->packed, n, c->out, ROWS,
                             c->scratch);
             else if (mode == 1)
-                for (int rb = 0; rb < ROWS; rb += GROUP_ROWS)
-                    dequant_group(ST_Q4_0, w, c->row_bytes, COLS / STEP_COLS, rb, GROUP_ROWS,
-                                  c->scratch);
+                for (int rb = 0; rb < ROWS; rb += GROUP_ROWS) {
+                    deq_block d;
+                    deq_start(&d, ST_Q4_0, w, c->row_bytes, COLS / STEP_COLS, rb, GROUP_ROWS,
+                              c->scratch, 0);
+                    deq_finish(&d);
+                }
             else
                 st_amx_pack(x, COLS, NULL, n, COLS, c->packed);
             calls++;

@@ -160,6 +160,10 @@ int main(void) {
         fails += check(qt, 80, 256, 3, 80, 30, 11, 1);       /* 77 rows: 4 groups, then 1 */
         fails += check(qt, 64, 512, 0, 40, 50, 29, 1);       /* 40 rows: 2 groups, then 1 */
         fails += check(qt, 64, 256, 8, 64, 50, 32, 0);       /* 56 rows, 2 full token tiles */
+        /* the next block dequantised among a pass's steps: an odd number of steps (3), blocks
+         * of 2 groups over 3 token tiles (passes of 2 and 1), the last block a partial group */
+        fails += check(qt, 100, 96, 0, 100, 60, 40, 1);
+        fails += check(qt, 90, 2080, 2, 90, 120, 81, 1);     /* 65 steps, 6 token tiles */
     }
     for (int t = 0; t < 2; t++) {
         fails += check_moe(types[t], 18, 3, 3, 1, 2);     /* P <= 64: filled by the last item */

@@ -79,7 +79,7 @@ def _exact(x, gate, up, down, qtype, experts, weights):
 
 @pytest.mark.skipif(not kernels.amx_available(), reason="needs a CPU with AMX-BF16")
 @pytest.mark.parametrize("qtype", [2, 8], ids=["Q4_0", "Q8_0"])
-@pytest.mark.parametrize("num_tokens", [16, 29, 37, 90])  # C tiles 4 x 1, 2 x 2, 1 x 3
+@pytest.mark.parametrize("num_tokens", [16, 29, 37, 90])  # C tiles 4 x 1, 2 x 2, then 2 x 1
 def test_pool_products_on_amx_match_the_reference(qtype, num_tokens):
     # every token routed to all 4 experts: each has num_tokens rows, over amx_rows(); the AMX
     # rows' error against float64 is that of the lane tiles' 8-bit activations or less, and

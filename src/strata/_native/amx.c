@@ -147,8 +147,9 @@ size_t st_amx_pack_bytes(int64_t n, int cols) {
     return (size_t)((n + TILE_TOKENS - 1) / TILE_TOKENS) * (size_t)(cols / STEP_COLS) * TILE_BYTES;
 }
 
-size_t st_amx_scratch_bytes(int cols) {   /* MAX_GROUPS dequantised groups, 4 C tiles */
-    return (size_t)MAX_GROUPS * (cols / STEP_COLS) * TILE_BYTES + (size_t)MAX_TILES * TILE_BYTES;
+size_t st_amx_scratch_bytes(int cols) {   /* 2 x MAX_GROUPS dequantised groups, 4 C tiles */
+    return (size_t)2 * MAX_GROUPS * (cols / STEP_COLS) * TILE_BYTES
+           + (size_t)MAX_TILES * TILE_BYTES;
 }
 
 /* 32 floats -> 32 bf16 (round to nearest even), as one 64-byte vector */
@@ -256,37 +257,91 @@ SIMD_TARGET static inline void dequant_q8_0(const uint8_t *blk, uint16_t *out) {
     _mm512_store_si512(out, to_bf16(lo, hi));
 }
 
-/* How far ahead of the block it dequantises a group asks for its weights (into L1): rows are
- * contiguous, so ~2.7 rows of 2,048 Q4_0 columns, reaching into the next group at its end. One
+/* How far ahead of the block it dequantises a row asks for its weights (into L1): rows are
+ * contiguous, so ~2.7 rows of 2,048 Q4_0 columns, reaching into the next block at its end. One
  * thread on the CPU machine (EPYC), a 768 x 2,048 matrix from RAM: 119 -> 78 us (1.5 KB ahead
  * 84, 4-8 KB 80); in L2 no change (67.5). */
 #define AMX_PREFETCH_BYTES 3072
 
-/* Rows [rb, rb + nr) (nr <= 16) of w -> wb [S][16][32] bf16 (rows past nr zero). */
-SIMD_TARGET static void dequant_group(int qtype, const uint8_t *w, int64_t row_bytes, int S,
-                                      int64_t rb, int nr, uint16_t *wb) {
-    const int bs = st_type_size(qtype);
+/* Steps [s, s + 2) (the last: [s, S)) of one weight row (blocks of bs bytes) -> o + s * step,
+ * o the row's place in its group ([S][16][32] bf16); row NULL: a padding row (zeros). */
+SIMD_TARGET static inline void dequant_two_steps(int qtype, int bs, const uint8_t *row, int S,
+                                                 int s, uint16_t *o) {
     const size_t step = (size_t)GROUP_ROWS * STEP_COLS;   /* bf16 from one step to the next */
-    for (int i = 0; i < GROUP_ROWS; i++) {
-        uint16_t *o = wb + (size_t)i * STEP_COLS;
-        if (i >= nr) {
-            for (int s = 0; s < S; s++) _mm512_store_si512(o + s * step, _mm512_setzero_si512());
-            continue;
-        }
-        const uint8_t *row = w + (rb + i) * row_bytes;
-        if (qtype == ST_Q4_0) {
-            for (int s = 0; s < S; s += 2) {
-                _mm_prefetch((const char *)row + (size_t)s * bs + AMX_PREFETCH_BYTES, _MM_HINT_T0);
-                const int two = s + 1 < S;
-                dequant_q4_0_pair(row + (size_t)s * bs, two ? row + (size_t)(s + 1) * bs : NULL,
-                                  o + s * step, two ? o + (s + 1) * step : NULL);
-            }
-        } else {
-            for (int s = 0; s < S; s++) {
-                _mm_prefetch((const char *)row + (size_t)s * bs + AMX_PREFETCH_BYTES, _MM_HINT_T0);
-                dequant_q8_0(row + (size_t)s * bs, o + s * step);
-            }
-        }
+    const int two = s + 1 < S;
+    if (!row) {
+        _mm512_store_si512(o + s * step, _mm512_setzero_si512());
+        if (two) _mm512_store_si512(o + (s + 1) * step, _mm512_setzero_si512());
+        return;
+    }
+    const uint8_t *blk = row + (size_t)s * bs;
+    _mm_prefetch((const char *)blk + AMX_PREFETCH_BYTES, _MM_HINT_T0);
+    if (qtype == ST_Q4_0) {
+        dequant_q4_0_pair(blk, two ? blk + bs : NULL, o + s * step,
+                          two ? o + (s + 1) * step : NULL);
+    } else {
+        dequant_q8_0(blk, o + s * step);
+        if (two) dequant_q8_0(blk + bs, o + (s + 1) * step);
+    }
+}
+
+/* A block of weight rows (the row groups of one pass, G x 16 rows) dequantised two steps of a
+ * row at a time, so that the next block's runs among the current block's tile products, its
+ * AVX-512 work beside theirs (one thread on the CPU machine, a 768 x 2,048 Q4_0 matrix from RAM,
+ * tools/bench_amx.c: 32 tokens 220 -> 198 us, 64 324 -> 282, 128 503 -> 410). Rows go in
+ * order and steps in order within a row, so the weights are read in address order with the
+ * prefetch ahead of them: dequantising a step of every row of the block at once, just before
+ * its tiles read it, read the rows side by side and made the pool 10-25% slower. */
+typedef struct {
+    int qtype, bs, S;          /* the weight type, its block bytes, the row's 32-column steps */
+    const uint8_t *w;          /* the block's first row */
+    int64_t row_bytes;
+    int rows, padded;          /* its rows; rounded up to whole groups */
+    uint16_t *wb;              /* [padded / 16][S][16][32] bf16 */
+    int row, s;                /* the next two steps to do: of this row, from this step */
+    const uint8_t *src;        /* the row's weights (NULL: a padding row) */
+    uint16_t *dst;             /* its place in wb */
+    int64_t per, rem, acc, steps;   /* units a tile step: per, one more when acc passes steps */
+} deq_block;
+
+static inline void deq_row(deq_block *d, int row) {
+    const size_t group = (size_t)d->S * GROUP_ROWS * STEP_COLS;
+    d->row = row, d->s = 0;
+    d->src = row < d->rows ? d->w + (int64_t)row * d->row_bytes : NULL;
+    d->dst = d->wb + (size_t)(row / GROUP_ROWS) * group + (size_t)(row % GROUP_ROWS) * STEP_COLS;
+}
+
+/* The block of rows [rb, rb + rows) of w into wb, spread over `steps` tile steps (0: none) */
+static void deq_start(deq_block *d, int qtype, const uint8_t *w, int64_t row_bytes, int S,
+                      int64_t rb, int rows, uint16_t *wb, int64_t steps) {
+    d->qtype = qtype, d->bs = st_type_size(qtype), d->S = S;
+    d->w = w + rb * row_bytes, d->row_bytes = row_bytes, d->wb = wb;
+    d->rows = rows > 0 ? rows : 0;
+    d->padded = (d->rows + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS;
+    deq_row(d, 0);
+    const int64_t units = (int64_t)d->padded * ((S + 1) / 2);   /* two steps of a row each */
+    d->steps = steps > 0 ? steps : 1, d->acc = 0;
+    d->per = steps > 0 ? units / steps : 0, d->rem = steps > 0 ? units % steps : 0;
+}
+
+SIMD_TARGET static inline void deq_unit(deq_block *d) {
+    dequant_two_steps(d->qtype, d->bs, d->src, d->S, d->s, d->dst);
+    if ((d->s += 2) >= d->S) deq_row(d, d->row + 1);
+}
+
+/* One tile step's share of the block's units */
+SIMD_TARGET static inline void deq_step(deq_block *d) {
+    int64_t n = d->per;
+    if ((d->acc += d->rem) >= d->steps) d->acc -= d->steps, n++;
+    for (; n > 0 && d->row < d->padded; n--) deq_unit(d);
+}
+
+/* What is left of the block, a row at a time */
+SIMD_TARGET static void deq_finish(deq_block *d) {
+    while (d->row < d->padded) {
+        for (int s = d->s; s < d->S; s += 2)
+            dequant_two_steps(d->qtype, d->bs, d->src, d->S, s, d->dst);
+        deq_row(d, d->row + 1);
     }
 }
 
@@ -303,10 +358,12 @@ SIMD_TARGET static inline void scatter_tile(const float *c, int64_t tok0, int64_
         _mm512_mask_storeu_ps(out + (tok0 + t) * ld_out + row0, rows, _mm512_castsi512_ps(ct[t]));
 }
 
-/* Rows [r0, r1) of w against the n packed tokens -> out [n, r1 - r0] (ld_out). The 4 C tiles
- * hold G row groups x M token tiles a pass: with one token tile (n <= 16) 4 groups, so a step
- * loads its B tile once for 4 products (A, B, A, B... loaded 8 tiles for 4); with two, 2 x 2
- * (4 loads for 4 products, was 6); with more, one group and up to 4 token tiles at a time.
+/* Rows [r0, r1) of w against the n packed tokens -> out [n, r1 - r0] (ld_out), a block of G
+ * row groups at a time. The 4 C tiles hold G groups x M token tiles a pass: with one token
+ * tile (n <= 16) 4 groups, so a step loads its B tile once for 4 products (A, B, A, B...
+ * loaded 8 tiles for 4); with more, 2 x 2 (4 loads for 4 products; 1 group x 4 token tiles
+ * loaded 5, and took 2-4% longer on the CPU machine's AMX). The next block's weights are
+ * dequantised among this block's steps (deq_block) into the other half of the scratch.
  * Each C element sums its steps in the same order whatever the pass: the same bits. Tiles 4 / 6
  * take A in turn, 5 / 7 B, so a load need not wait for the product reading the last one. */
 AMX_TARGET int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
@@ -316,20 +373,31 @@ AMX_TARGET int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int c
     const int S = cols / STEP_COLS;
     const size_t step = TILE_BYTES / 2, group = (size_t)S * step;   /* in bf16 */
     const int64_t tiles = (n + TILE_TOKENS - 1) / TILE_TOKENS;
-    const int G = tiles == 1 ? MAX_GROUPS : tiles == 2 ? 2 : 1;     /* row groups a pass */
-    uint16_t *wb = scratch;                                          /* [G][S][16][32] bf16 */
-    float *cbuf = (float *)(wb + (size_t)MAX_GROUPS * group);        /* [4][16][16] fp32 */
+    const int G = tiles == 1 ? MAX_GROUPS : 2;                      /* row groups a pass */
+    const int64_t block_rows = (int64_t)G * GROUP_ROWS;
+    const int64_t passes = G == MAX_GROUPS ? 1 : (tiles + 1) / 2;   /* a block's */
+    uint16_t *sets[2] = {scratch, (uint16_t *)scratch + (size_t)MAX_GROUPS * group};
+    float *cbuf = (float *)(sets[1] + (size_t)MAX_GROUPS * group);   /* [4][16][16] fp32 */
     amx_configure();
-    for (int64_t rb = r0; rb < r1; rb += (int64_t)G * GROUP_ROWS) {
-        int nr[MAX_GROUPS], ng = 0;   /* rows of each group of the pass */
+    deq_block next;
+    deq_start(&next, qtype, w, row_bytes, S, r0, (int)(r1 - r0 < block_rows ? r1 - r0
+                                                                          : block_rows),
+              sets[0], 0);
+    deq_finish(&next);                 /* the first block, before any tiles */
+    int set = 0;
+    for (int64_t rb = r0; rb < r1; rb += block_rows, set ^= 1) {
+        const uint16_t *wb = sets[set];                               /* [G][S][16][32] bf16 */
+        int nr[MAX_GROUPS], ng = 0;    /* rows of each group of the pass */
         for (; ng < G && rb + ng * GROUP_ROWS < r1; ng++) {
             const int64_t gb = rb + ng * GROUP_ROWS;
             nr[ng] = r1 - gb < GROUP_ROWS ? (int)(r1 - gb) : GROUP_ROWS;
-            dequant_group(qtype, w, row_bytes, S, gb, nr[ng], wb + ng * group);
         }
+        const int64_t nb = rb + block_rows;   /* the next block, among this one's steps */
+        deq_start(&next, qtype, w, row_bytes, S, nb,
+                  nb >= r1 ? 0 : (int)(r1 - nb < block_rows ? r1 - nb : block_rows),
+                  sets[set ^ 1], G == MAX_GROUPS ? 0 : passes * S);
         for (int64_t t0 = 0; t0 < tiles; t0 += MAX_TILES / G) {
-            const int m = G > 1 ? (int)tiles
-                                : tiles - t0 < MAX_TILES ? (int)(tiles - t0) : MAX_TILES;
+            const int m = G == MAX_GROUPS || tiles - t0 < 2 ? 1 : 2;   /* token tiles */
             const uint16_t *b = packed + (size_t)t0 * group;   /* token tile t0's step 0 */
             tile_zero_c(0); tile_zero_c(1); tile_zero_c(2); tile_zero_c(3);
             if (G == MAX_GROUPS) {         /* m = 1 */
@@ -340,23 +408,24 @@ AMX_TARGET int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int c
                     if (ng > 1) { tile_load(6, a + group); tile_dp(1, 6, 5); }
                     if (ng > 2) { tile_load(4, a + 2 * group); tile_dp(2, 4, 5); }
                     if (ng > 3) { tile_load(6, a + 3 * group); tile_dp(3, 6, 5); }
+                    deq_step(&next);
                 }
-            } else if (G == 2) {           /* m = 2 */
+            } else if (m == 2) {           /* 2 groups x 2 token tiles */
                 for (int s = 0; s < S; s++) {
+                    /* token tile t0 + 1's step s sits S tiles after tile t0's */
                     const uint16_t *a = wb + s * step, *bs = b + s * step;
                     tile_load(4, a); tile_load(5, bs); tile_dp(0, 4, 5);
                     tile_load(7, bs + group); tile_dp(1, 4, 7);
                     if (ng > 1) { tile_load(6, a + group); tile_dp(2, 6, 5); tile_dp(3, 6, 7); }
+                    deq_step(&next);
                 }
-            } else {                       /* one group, m <= 4 token tiles */
+            } else {                       /* 2 groups x the last token tile */
                 for (int s = 0; s < S; s++) {
-                    /* token tile i's step s sits S tiles after tile i - 1's */
-                    const uint16_t *bs = b + s * step;
-                    tile_load(4, wb + s * step);
-                    tile_load(5, bs); tile_dp(0, 4, 5);
-                    if (m > 1) { tile_load(7, bs + group); tile_dp(1, 4, 7); }
-                    if (m > 2) { tile_load(5, bs + 2 * group); tile_dp(2, 4, 5); }
-                    if (m > 3) { tile_load(7, bs + 3 * group); tile_dp(3, 4, 7); }
+                    const uint16_t *a = wb + s * step;
+                    tile_load(5, b + s * step);
+                    tile_load(4, a); tile_dp(0, 4, 5);
+                    if (ng > 1) { tile_load(6, a + group); tile_dp(1, 6, 5); }
+                    deq_step(&next);
                 }
             }
             const int used = ng * m;   /* C tile g m + i: group g x token tile t0 + i */
@@ -369,6 +438,7 @@ AMX_TARGET int st_amx_rows(int qtype, const uint8_t *w, int64_t row_bytes, int c
                     scatter_tile(cbuf + (g * m + i) * 256, (t0 + i) * TILE_TOKENS, n, out,
                                  ld_out, rb + g * GROUP_ROWS - r0, nr[g]);
         }
+        deq_finish(&next);
     }
     amx_release();
     return 1;
