@@ -11,6 +11,11 @@
  * P = routed (token, k) pairs with an expert id >= 0. */
 
 #define ITEM_ROWS 64   /* weight rows per work item */
+/* An AMX expert's: amx.c dequantises a block's weights among the last block's tile steps, so
+ * the first block of an item is dequantised alone; 128 rows (4 blocks of 2 groups) against
+ * 64 made the pool's kernel 3-8% faster at 8-128 rows an expert (2 threads, the CPU machine's
+ * AMX, tools/bench_pool_kernel.py --rows-per-expert). */
+#define AMX_ITEM_ROWS 128
 /* Up to this many pairs (decode windows), the thread that finishes an expert's last gate/up item
  * quantizes its SiLU(gate) * up rows and the down items wait for that expert alone: no barrier
  * between the two products. Bigger calls quantize every row on the team behind a barrier. */
@@ -22,16 +27,23 @@ static inline int expert_cols(const moe_call *c, int e) {
     return e == c->split_expert ? c->split_cols : c->F;
 }
 
-/* Items of ITEM_ROWS rows over every expert with pairs: rows F of gate/up (of_gateup: the
- * split expert's split_cols), else H of the down. */
+/* The weight rows of expert e's items: of gate/up (of_gateup) or of the down */
+static inline int item_rows(const moe_call *c, int e, int of_gateup) {
+    return c->num_amx && (of_gateup ? c->xp_off[e] : c->hp_off[e]) >= 0 ? AMX_ITEM_ROWS
+                                                                         : ITEM_ROWS;
+}
+
+/* Items over every expert with pairs: rows F of gate/up (of_gateup: the split expert's
+ * split_cols), else H of the down, item_rows at a time. */
 static int64_t build_items(const moe_call *c, int of_gateup, moe_item *items) {
     int64_t n = 0;
     for (int e = 0; e < c->E; e++) {
         if (c->count[e] == 0) continue;
-        const int rows = of_gateup ? expert_cols(c, e) : c->H;
-        for (int r0 = 0; r0 < rows; r0 += ITEM_ROWS) {
+        const int rows = of_gateup ? expert_cols(c, e) : c->H, step = item_rows(c, e, of_gateup);
+        for (int r0 = 0; r0 < rows; r0 += step) {
             items[n].expert = e;
             items[n].r0 = r0;
+            items[n].r1 = r0 + step < rows ? r0 + step : rows;
             n++;
         }
     }
@@ -197,10 +209,13 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     if (sb > scratch_bytes) scratch_bytes = sb;
     sb = st_scratch_bytes(down_type, F);
     c->scratch_bytes = sb > scratch_bytes ? sb : scratch_bytes;
+    plan_amx(c);   /* before the items: an AMX expert's are bigger */
     c->num_items_1 = build_items(c, 1, c->items);
     c->num_items_2 = build_items(c, 0, c->items_2);
-    for (int e = 0; e < E; e++)
-        c->left[e] = c->count[e] > 0 ? (expert_cols(c, e) + ITEM_ROWS - 1) / ITEM_ROWS : 0;
+    for (int e = 0; e < E; e++) {
+        const int step = item_rows(c, e, 1);
+        c->left[e] = c->count[e] > 0 ? (expert_cols(c, e) + step - 1) / step : 0;
+    }
     if (c->split_expert >= 0 && c->split_expert < E) {
         /* the split expert's G columns past its part stay zero: its down rows read only the
          * part's columns, but the activation rows are quantized (and some paths dot) whole */
@@ -208,7 +223,6 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
         for (int64_t p = c->offset[e]; p < c->offset[e] + c->count[e]; p++)
             memset(c->G + p * F + cols, 0, (size_t)(F - cols) * sizeof(float));
     }
-    plan_amx(c);
     c->fill_by_last = P <= FILL_BY_LAST_PAIRS;
     /* a few rows are quicker filled here than behind one more barrier of the team */
     c->is_small = T * (int64_t)H <= 16384;
@@ -280,8 +294,7 @@ void st_moe_products(moe_call *c) {
     #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < c->num_items_1; it++) {
         int e = c->items[it].expert;
-        int r0 = c->items[it].r0, rows = expert_cols(c, e);
-        int r1 = r0 + ITEM_ROWS < rows ? r0 + ITEM_ROWS : rows;
+        int r0 = c->items[it].r0, r1 = c->items[it].r1;
         int64_t p0 = offset[e], n = count[e];
         if (c->num_amx && c->xp_off[e] >= 0) {
             if (amx_scratch) {
@@ -321,8 +334,7 @@ void st_moe_products(moe_call *c) {
     #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < c->num_items_2; it++) {
         int e = c->items_2[it].expert;
-        int r0 = c->items_2[it].r0;
-        int r1 = r0 + ITEM_ROWS < H ? r0 + ITEM_ROWS : H;
+        int r0 = c->items_2[it].r0, r1 = c->items_2[it].r1;
         int64_t p0 = offset[e], n = count[e];
         if (c->fill_by_last)     /* every gate/up item is taken before any down item */
             while (!__atomic_load_n(&c->h_ready[e], __ATOMIC_ACQUIRE)) st_cpu_relax();

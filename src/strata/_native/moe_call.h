@@ -9,7 +9,7 @@
 #include "quant.h"
 
 /* Work items (expert, row block) over the experts that have rows. */
-typedef struct { int32_t expert; int32_t r0; } moe_item;
+typedef struct { int32_t expert; int32_t r0, r1; } moe_item;   /* rows [r0, r1) of an expert */
 
 typedef struct {
     const float *x; int64_t T; int H, F, E, K;
