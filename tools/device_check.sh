@@ -141,8 +141,8 @@ run_pair() {  # pair "SIDE A" "SIDE B" BENCH_ARGS...
             done
             # bench_logged: the tier's decisions too (where STRATA_POOL_SURE moved, e.g.)
             part 150 "pair_$(( i == 0 ? 0 : 1 ))_$round" env "${envs[@]}" python3 \
-                tools/bench_logged.py -- -m "$model" --device cuda -t "$threads" \
-                --expert-cache 0 "$@" "${flags[@]}"
+                "$(dirname "${BASH_SOURCE[0]}")/bench_logged.py" -- -m "$model" --device cuda \
+                -t "$threads" --expert-cache 0 "$@" "${flags[@]}"
         done
     done
     python3 - "$OUT" "${sides[0]}" "${sides[1]}" <<'PY'

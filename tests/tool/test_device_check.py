@@ -1,7 +1,7 @@
 """tools/device_check.sh pair: the A/B of two settings of `strata bench`, alternating. Run here
-with a stand-in for `python3 -m strata bench` (the GPU machine runs the real one): each side's
-NAME=VALUE words reach the environment and its other words the bench's flags, and the summary
-gives each row's runs, medians and B/A."""
+with a stand-in for `python3 tools/bench_logged.py -- ...` (`strata bench` with the tier's log;
+the GPU machine runs the real one): each side's NAME=VALUE words reach the environment and its
+other words the bench's flags, and the summary gives each row's runs, medians and B/A."""
 import os
 import shutil
 import subprocess
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # prints a table row whose tokens/s come from the environment (BOOST) and the flags it got
 FAKE_PYTHON = """#!/bin/bash
-if [ "$1" = "-m" ] && [ "$2" = "strata" ]; then
+if [[ "$1" == */tools/bench_logged.py ]] && [ "$2" = "--" ]; then
   echo "args: $*" >&2
   [[ " $* " == *" --pcie-frac auto "* ]] && flag=1 || flag=0
   round=$(cat "$COUNTER" 2>/dev/null || echo 0); echo $((round + 1)) > "$COUNTER"
