@@ -5,6 +5,7 @@ quantising floats), so even the qwen3-30b-a3b shape is written in minutes with b
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -445,18 +446,32 @@ def synth_model(path: str | os.PathLike, shape: str = "tiny", weight_type: str =
                    name=name)
         return spec
     import signal
-    from multiprocessing import Pool
+    from concurrent.futures import ProcessPoolExecutor
 
     # Ctrl-C reaches the whole process group: only this process handles it (the partial file
-    # goes, the pool is terminated); a worker interrupted too printed its traceback and left
-    # the pool waiting for it forever.
-    with Pool(jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
-        # made in write order by the pool; each writer call takes the next one
-        arrays = pool.imap(_make_job, [(spec, n, int(types[n]), seed, routing_skew)
-                                       for n in names])
-        tensors = [(n, types[n], lambda it=arrays: next(it)) for n in names]
-        write_gguf(path, spec, tensors, tokenizer_meta, extra_meta=extra, progress=progress,
-                   name=name)
+    # goes, the jobs not started are cancelled, those running end and are dropped); a worker
+    # interrupted too printed its traceback and left the pool waiting for it forever.
+    # Not multiprocessing.Pool: its terminate() could hang for good (CI, under load): its
+    # result thread had stopped reading, a worker blocked writing a big tensor into the full
+    # result pipe while holding the pipe's lock, and terminate() waited for that lock to put
+    # its sentinel. The executor's thread reads results until its workers have exited.
+    jobs_args = iter([(spec, n, int(types[n]), seed, routing_skew) for n in names])
+    with ProcessPoolExecutor(jobs, initializer=signal.signal,
+                             initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+        ahead = collections.deque()   # futures in write order; 2 a worker made ahead at most
+
+        def next_tensor() -> np.ndarray:
+            while len(ahead) < 2 * jobs and (job := next(jobs_args, None)) is not None:
+                ahead.append(pool.submit(_make_job, job))
+            return ahead.popleft().result()
+
+        try:
+            tensors = [(n, types[n], next_tensor) for n in names]
+            write_gguf(path, spec, tensors, tokenizer_meta, extra_meta=extra,
+                       progress=progress, name=name)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     return spec
 
 
