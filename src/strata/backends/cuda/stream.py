@@ -91,22 +91,23 @@ ENV_POOL_SURE = "STRATA_POOL_SURE"
 SURE_AUTO_STEP = 10
 SURE_AUTO_MAX = 50
 SURE_AUTO_BAND = (0.30, 0.45)
-# STRATA_POOL_SURE=model (opt-in, built in session 77 and not yet measured on a GPU: no device
-# could be started; docs/offload.md, "Session 77"): the same, but outside SURE_MODEL_BAND the
+# STRATA_POOL_SURE=model (opt-in; against auto on H100 hosts, sessions 78-79, no gain in 12 rounds
+# on either synth: docs/offload.md, "Session 79"): the same, but outside SURE_MODEL_BAND the
 # percent goes to the highest multiple of SURE_AUTO_STEP up to SURE_MODEL_MAX, at most
-# SURE_MODEL_RISE above the last, whose modelled pool time is the band's middle of the window:
-# the last window's pool time per row unit (SURE_MODEL_EXPERT_ROWS an expert + its rows) times
-# its units less the sure experts it had, plus the sure experts' at that percent (sure_costs).
-# Why: on an H100 host, skew-0 synth, pp512, fixed percents 60 / 70 / 80 put the pool at 38% /
-# 43% / 47% of the window and gained 5.1% / 5.8% / 0.8% over auto, whose climb of 10 a window
-# from 0 a 7-window bench ends at 50; on the skew-1 synth 70 put it at 52% and lost 2.1%.
+# SURE_MODEL_RISE above the last, whose modelled pool time is the band's middle of the window: the
+# last window's pool time per row unit (SURE_MODEL_EXPERT_ROWS an expert + its rows) times its
+# units less the sure experts it had, plus the sure experts' at that percent (sure_costs). Why: on
+# an H100 host, skew-0 synth, pp512, fixed percents 60 / 70 / 80 put the pool at 38% / 43% / 47%
+# of the window and gained 5.1% / 5.8% / 0.8% over auto, whose climb of 10 a window from 0 a
+# 7-window bench ends at 50; on the skew-1 synth 70 put it at 52% and lost 2.1%.
 SURE_MODEL_MAX = 70
 SURE_MODEL_RISE = 40
 SURE_MODEL_BAND = (0.35, 0.45)
 # An expert's pool cost in rows' worth, for the model above: the AMX rows (amx.c, from
 # kernels.amx_rows() rows) on an H100 host's Xeon, tools/bench_pool_kernel.py --rows-per-expert
 # at 15 threads from RAM: ~31 us an expert + ~2.4 a row (8 rows 50 us, 16 64, 24 89), so 13;
-# without AMX, the lane tiles' share.POOL_EXPERT_ROWS.
+# without AMX, the lane tiles' share.POOL_EXPERT_ROWS. Session 79's host, with session 78's
+# kernel: ~61 + ~2.0 a row, i.e. ~31 (left at 13, the value the A/B above ran with).
 SURE_MODEL_EXPERT_ROWS = 13
 # STRATA_STREAM_TIMELINE=1: every streamed window records timing events, waits for its end and
 # logs where its time went (WindowTimeline; a diagnosis, it costs each window its overlap with
