@@ -26,6 +26,19 @@
 #                                            `git show REV:src/strata/_native/amx.c >
 #                                            .device/amx_old.c` here), alternating (ROUNDS,
 #                                            default 2), then tests/native/test_amx.py
+#   tools/device_check.sh old                the revision that tools/prepare_ab.sh REV packed
+#                                            (.device/old.tar.gz) unpacked in $OLD_TREE
+#                                            (/tmp/old) and built into $OLD_SITE
+#                                            (/tmp/site_old): a pair side
+#                                            "PYTHONPATH=/tmp/site_old:/tmp/site" then runs it
+#                                            (with STRATA_STREAM_TIMELINE=1 on both sides the
+#                                            pair's summary gives each run's timeline too)
+#   tools/device_check.sh kernel [ARGS]      tools/bench_pool_kernel.py ARGS (default: Q4_0,
+#                                            8-128 rows an expert, both kernels, all cores but
+#                                            one) of the tree and, once `old` has built it, of
+#                                            the old tree, alternating (ROUNDS, default 2),
+#                                            then each line's experts/s side by side. Run it
+#                                            on a quiet host: not beside a synth being written
 #   tools/device_check.sh ab                 the working tree against the revision that
 #                                            tools/prepare_ab.sh REV packed (run here first):
 #                                            bench_cuda.py twice each, interleaved, and
@@ -41,6 +54,8 @@ fi
 [ -d .device/cubins ] && export STRATA_CUBIN_DIR="${STRATA_CUBIN_DIR:-$PWD/.device/cubins}"
 mkdir -p "$OUT"
 MODEL=/tmp/q.gguf
+OLD_TREE=${OLD_TREE:-/tmp/old}      # the old revision's source (build_old)
+OLD_SITE=${OLD_SITE:-/tmp/site_old}  # and its build
 TESTS=(test_cuda_kernels test_cuda_mmq test_prompt_kernels test_cuda_parity test_cuda_sample
        test_cuda_drafts test_cuda_kv_int8 test_cuda_offload test_offload_stream test_cuda_pool test_cuda_kv_grow
        test_split_stages)
@@ -85,6 +100,55 @@ run_bench() {
     part 90 mmq python3 tools/bench_mmq.py "$MODEL" --rows 512 -r 5 --profile
 }
 
+build_old() {  # .device/old.tar.gz (tools/prepare_ab.sh REV) into $OLD_TREE, built into $OLD_SITE
+    if [ ! -f .device/old.tar.gz ]; then
+        echo "no .device/old.tar.gz: run tools/prepare_ab.sh REV here" >&2
+        return 2
+    fi
+    rm -rf "$OLD_TREE" "$OLD_SITE" && mkdir -p "$OLD_TREE"
+    tar -xzf .device/old.tar.gz -C "$OLD_TREE"
+    part 150 old_build bash -c "cd '$OLD_TREE' && python3 -m pip install -q --no-index --no-deps \
+        --no-build-isolation --target '$OLD_SITE' ."
+}
+
+run_kernel() {  # kernel [ARGS]: the pool's kernel, the tree against the old build if there
+    local args=("$@")
+    [ ${#args[@]} -eq 0 ] && args=(--types Q4_0 --rows-per-expert 8,16,32,64,128 --amx both
+                                   --threads "$(( $(nproc) - 1 ))" --seconds 1 --repeats 2)
+    local sides=(new)
+    [ -d "$OLD_SITE" ] && [ -f "$OLD_TREE/tools/bench_pool_kernel.py" ] && sides+=(old)
+    for round in $(seq "${ROUNDS:-2}"); do  # alternating, so drift spreads over both
+        for side in "${sides[@]}"; do
+            if [ "$side" = new ]; then
+                part 150 "kernel_new_$round" python3 tools/bench_pool_kernel.py "${args[@]}"
+            else
+                part 150 "kernel_old_$round" env PYTHONPATH="$OLD_SITE:/tmp/site" \
+                    python3 "$OLD_TREE/tools/bench_pool_kernel.py" "${args[@]}"
+            fi
+        done
+    done
+    python3 - "$OUT" <<'PY'
+import glob, re, sys
+rows = {}  # the line's setting -> side -> [experts/s of each round]
+for side in ("new", "old"):
+    for path in sorted(glob.glob(f"{sys.argv[1]}/kernel_{side}_*.log")):
+        for line in open(path):
+            m = re.match(r"\s*(\S+\s+threads\s+\d+\s+rows/expert\s+\d+\s*(?:amx)?)\s*:"
+                         r"\s*([\d,]+) experts/s", line)
+            if m:
+                rate = float(m.group(2).replace(",", ""))
+                key = " ".join(m.group(1).split())
+                rows.setdefault(key, {"new": [], "old": []})[side].append(rate)
+for key, got in rows.items():
+    new, old = got["new"], got["old"]
+    text = f"{key}: tree {' / '.join(f'{v:,.0f}' for v in new)}"
+    if old:
+        ratio = (sum(new) / len(new)) / (sum(old) / len(old)) if new else float("nan")
+        text += f"; old {' / '.join(f'{v:,.0f}' for v in old)}; tree/old {ratio:.3f}"
+    print(text)
+PY
+}
+
 run_ab() {  # NEW: the working tree (setup.sh's /tmp/site); OLD: .device/old.tar.gz
     if [ ! -f .device/old.tar.gz ] || [ ! -d .device/cubins ]; then
         echo "no .device/old.tar.gz or .device/cubins(.tar.xz): run tools/prepare_ab.sh REV here" >&2
@@ -92,11 +156,9 @@ run_ab() {  # NEW: the working tree (setup.sh's /tmp/site); OLD: .device/old.tar
     fi
     echo "== working tree against $(cat .device/old.rev 2>/dev/null || echo '?')"
     synth
-    rm -rf /tmp/old /tmp/site_old && mkdir -p /tmp/old && tar -xzf .device/old.tar.gz -C /tmp/old
-    part 150 old_build bash -c "cd /tmp/old && python3 -m pip install -q --no-index --no-deps \
-        --no-build-isolation --target /tmp/site_old ."
+    build_old || return 2
     local new=(env PYTHONPATH=/tmp/site STRATA_CUBIN_DIR="$PWD/.device/cubins")
-    local old=(env PYTHONPATH=/tmp/site_old:/tmp/site STRATA_CUBIN_DIR="$PWD/.device/cubins")
+    local old=(env PYTHONPATH="$OLD_SITE:/tmp/site" STRATA_CUBIN_DIR="$PWD/.device/cubins")
     for round in 1 2; do
         part 90 "bench_new_$round" "${new[@]}" python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 \
             -r 3 --slots 1,4,8
@@ -149,12 +211,20 @@ run_pair() {  # pair "SIDE A" "SIDE B" BENCH_ARGS...
 import glob, re, statistics, sys
 out, names = sys.argv[1], sys.argv[2:]
 rows = {}  # test -> side -> [tokens/s of each round]
+logs = [sorted(glob.glob(f"{out}/pair_{side}_*.log"), key=lambda p: int(p[:-4].split("_")[-1]))
+        for side in (0, 1)]
 for side in (0, 1):
-    for path in sorted(glob.glob(f"{out}/pair_{side}_*.log"), key=lambda p: int(p[:-4].split("_")[-1])):
+    for path in logs[side]:
         for line in open(path):
             m = re.search(r"\|\s*([a-z]+\d+[^|]*?)\s*\|\s*([\d.]+)\s*±", line)
             if m:
                 rows.setdefault(m.group(1), ([], []))[side].append(float(m.group(2)))
+for side in (0, 1):  # with STRATA_STREAM_TIMELINE=1: each run's timeline of settled windows
+    for path in logs[side]:
+        for line in open(path):
+            m = re.search(r"timeline, medians of .*", line)
+            if m:
+                print(f"{'AB'[side]} round {path[:-4].split('_')[-1]}: {m.group(0)}")
 for test, (a, b) in rows.items():
     won = sum(y > x for x, y in zip(a, b))
     ma, mb = statistics.median(a or [0]), statistics.median(b or [0])
@@ -196,10 +266,12 @@ case "${1:-all}" in
     bench) run_bench ;;
     all) run_tests; run_bench ;;
     ab) run_ab ;;
+    old) build_old ;;
+    kernel) shift; run_kernel "$@" ;;
     offload) run_offload ;;
     pair) shift; run_pair "$@" ;;
     amx) shift; run_amx "$@" ;;
     *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all | ab | offload |" \
-            "pair \"A\" \"B\" BENCH_ARGS | amx OLD_AMX_C" >&2
+            "pair \"A\" \"B\" BENCH_ARGS | amx OLD_AMX_C | old | kernel [ARGS]" >&2
        exit 2 ;;
 esac

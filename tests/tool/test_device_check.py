@@ -1,7 +1,10 @@
 """tools/device_check.sh pair: the A/B of two settings of `strata bench`, alternating. Run here
 with a stand-in for `python3 tools/bench_logged.py -- ...` (`strata bench` with the tier's log;
 the GPU machine runs the real one): each side's NAME=VALUE words reach the environment and its
-other words the bench's flags, and the summary gives each row's runs, medians and B/A."""
+other words the bench's flags, and the summary gives each row's runs, medians and B/A (and each
+run's timeline when the sides turn it on). `old` and `kernel`: the packed old revision built
+beside the tree, and the pool's kernel bench of both trees side by side (stand-ins for pip and
+tools/bench_pool_kernel.py)."""
 import os
 import shutil
 import subprocess
@@ -56,3 +59,103 @@ def test_pair_alternates_the_two_sides_and_summarises_each_row(tmp_path):
             "B/A 1.075, B won 3 of 3") in res.stdout
     assert "tg64 x4: A (as is) 100.0, 100.0, 100.0 median 100.0" in res.stdout
     assert "B/A 1.100, B won 3 of 3" in res.stdout
+
+
+# bench_pool_kernel.py's lines: the old tree's (its path under OLD_TREE) at 1,000 experts/s,
+# the working tree's at 1,200 (1,500 for AMX rows); pip's install of the old tree makes the
+# target folder; a bench run with STRATA_STREAM_TIMELINE=1 prints a timeline line too
+FAKE_KERNEL_PYTHON = """#!/bin/bash
+if [[ "$1" == */tools/bench_pool_kernel.py ]] || [ "$1" = tools/bench_pool_kernel.py ]; then
+  [[ "$1" == "$OLD_TREE"/* ]] && base=1000 || base=1200
+  echo "simd test, args: ${*:2}"
+  echo "Q4_0  threads   3 rows/expert    8    : $(printf "%'d" $base) experts/s (1-2),  8 rows/s"
+  echo "Q4_0  threads   3 rows/expert    8 amx: $(printf "%'d" $((base + 300))) experts/s (1-2)"
+  exit 0
+fi
+if [ "$1" = -m ] && [ "$2" = pip ]; then
+  for a in "$@"; do [ "$prev" = --target ] && mkdir -p "$a"; prev=$a; done
+  exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+def _fake_bin(tmp_path, text):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(text)
+    fake.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("tar") is None,
+                    reason="needs bash and tar")
+def test_old_builds_the_packed_revision_and_kernel_sets_the_trees_side_by_side(tmp_path):
+    import subprocess as sp
+    import sys
+
+    work = tmp_path / "work"
+    (work / "tools").mkdir(parents=True)
+    (work / ".device").mkdir()
+    src = tmp_path / "rev"
+    (src / "tools").mkdir(parents=True)
+    (src / "tools" / "bench_pool_kernel.py").write_text("# the old revision's bench\n")
+    sp.run(["tar", "-czf", str(work / ".device" / "old.tar.gz"), "-C", str(src), "."],
+           check=True)
+    bin_dir = _fake_bin(tmp_path, FAKE_KERNEL_PYTHON)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), ROUNDS="2",
+               REAL_PYTHON=sys.executable, OLD_TREE=str(tmp_path / "old"),
+               OLD_SITE=str(tmp_path / "site_old"), LC_ALL="C.UTF-8")
+    script = str(ROOT / "tools" / "device_check.sh")
+    res = sp.run(["bash", script, "kernel", "--threads", "3"], cwd=work, env=env,
+                 capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    # no old build yet: the tree alone, its own arguments passed through
+    assert "Q4_0 threads 3 rows/expert 8: tree 1,200 / 1,200" in res.stdout
+    assert "old" not in res.stdout.split("== kernel_new_2")[-1]
+    assert "args: --threads 3" in (out / "kernel_new_1.log").read_text()
+    res = sp.run(["bash", script, "old"], cwd=work, env=env, capture_output=True, text=True,
+                 timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "old" / "tools" / "bench_pool_kernel.py").is_file()
+    assert (tmp_path / "site_old").is_dir()
+    res = sp.run(["bash", script, "kernel"], cwd=work, env=env, capture_output=True, text=True,
+                 timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in out.glob("kernel_*.log")) == [
+        "kernel_new_1.log", "kernel_new_2.log", "kernel_old_1.log", "kernel_old_2.log"]
+    # the default arguments: all cores but one, both kernels
+    assert "--amx both" in (out / "kernel_old_1.log").read_text()
+    assert ("Q4_0 threads 3 rows/expert 8: tree 1,200 / 1,200; old 1,000 / 1,000; "
+            "tree/old 1.200") in res.stdout
+    assert ("Q4_0 threads 3 rows/expert 8 amx: tree 1,500 / 1,500; old 1,300 / 1,300; "
+            "tree/old 1.154") in res.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_pair_gives_each_runs_timeline_when_the_sides_ask_for_it(tmp_path):
+    import sys
+
+    fake_text = FAKE_PYTHON.replace(
+        '  exit 0\n',
+        '  [ "$STRATA_STREAM_TIMELINE" = 1 ] && echo "expert cache: ...; timeline, medians of '
+        '7 streamed windows: $((100 + ${BOOST:-0})).0 ms"\n  exit 0\n', 1)
+    bin_dir = _fake_bin(tmp_path, fake_text)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
+               PAIR_MODEL=str(model), ROUNDS="2", REAL_PYTHON=sys.executable,
+               COUNTER=str(tmp_path / "count"))
+    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), "pair",
+                          "STRATA_STREAM_TIMELINE=1", "STRATA_STREAM_TIMELINE=1 BOOST=7",
+                          "-p", "512"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    for side, ms in (("A", 100), ("B", 107)):
+        for r in (1, 2):
+            assert f"{side} round {r}: timeline, medians of 7 streamed windows: {ms}.0 ms" \
+                in lines
