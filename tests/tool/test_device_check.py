@@ -107,7 +107,7 @@ def test_old_builds_the_packed_revision_and_kernel_sets_the_trees_side_by_side(t
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), ROUNDS="2",
                REAL_PYTHON=sys.executable, OLD_TREE=str(tmp_path / "old"),
-               OLD_SITE=str(tmp_path / "site_old"), LC_ALL="C.UTF-8")
+               OLD_SITE=str(tmp_path / "site_old"))
     script = str(ROOT / "tools" / "device_check.sh")
     res = sp.run(["bash", script, "kernel", "--threads", "3"], cwd=work, env=env,
                  capture_output=True, text=True, timeout=60)
