@@ -28,25 +28,37 @@ exec "$REAL_PYTHON" "$@"
 """
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_pair_alternates_the_two_sides_and_summarises_each_row(tmp_path):
-    import sys
-
+def _fake_bin(tmp_path, text):
+    """A folder holding `text` as an executable python3, to put first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "python3"
-    fake.write_text(FAKE_PYTHON)
+    fake.write_text(text)
     fake.chmod(0o755)
+    return bin_dir
+
+
+def _run_pair(tmp_path, fake_text, rounds, *args):
+    """device_check.sh pair ARGS with `fake_text` as python3: (the run, its $OUT)."""
+    import sys
+
+    bin_dir = _fake_bin(tmp_path, fake_text)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
-               PAIR_MODEL=str(model), ROUNDS="3", REAL_PYTHON=sys.executable,
+               PAIR_MODEL=str(model), ROUNDS=str(rounds), REAL_PYTHON=sys.executable,
                COUNTER=str(tmp_path / "count"))
-    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), "pair", "",
-                          "BOOST=300 --pcie-frac auto", "-p", "512", "-n", "0"],
+    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), "pair", *args],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+    return res, out
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_pair_alternates_the_two_sides_and_summarises_each_row(tmp_path):
+    res, out = _run_pair(tmp_path, FAKE_PYTHON, 3, "", "BOOST=300 --pcie-frac auto",
+                         "-p", "512", "-n", "0")
     logs = sorted(p.name for p in out.glob("pair_*.log"))
     assert logs == [f"pair_{side}_{r}.log" for side in (0, 1) for r in (1, 2, 3)]
     a_args = (out / "pair_0_1.log").read_text()
@@ -78,15 +90,6 @@ if [ "$1" = -m ] && [ "$2" = pip ]; then
 fi
 exec "$REAL_PYTHON" "$@"
 """
-
-
-def _fake_bin(tmp_path, text):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "python3"
-    fake.write_text(text)
-    fake.chmod(0o755)
-    return bin_dir
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("tar") is None,
@@ -136,24 +139,12 @@ def test_old_builds_the_packed_revision_and_kernel_sets_the_trees_side_by_side(t
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_pair_gives_each_runs_timeline_when_the_sides_ask_for_it(tmp_path):
-    import sys
-
     fake_text = FAKE_PYTHON.replace(
         '  exit 0\n',
         '  [ "$STRATA_STREAM_TIMELINE" = 1 ] && echo "expert cache: ...; timeline, medians of '
         '7 streamed windows: $((100 + ${BOOST:-0})).0 ms"\n  exit 0\n', 1)
-    bin_dir = _fake_bin(tmp_path, fake_text)
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"")
-    out = tmp_path / "out"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
-               PAIR_MODEL=str(model), ROUNDS="2", REAL_PYTHON=sys.executable,
-               COUNTER=str(tmp_path / "count"))
-    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), "pair",
-                          "STRATA_STREAM_TIMELINE=1", "STRATA_STREAM_TIMELINE=1 BOOST=7",
-                          "-p", "512"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=60)
-    assert res.returncode == 0, res.stderr
+    res, _ = _run_pair(tmp_path, fake_text, 2, "STRATA_STREAM_TIMELINE=1",
+                       "STRATA_STREAM_TIMELINE=1 BOOST=7", "-p", "512")
     lines = res.stdout.splitlines()
     for side, ms in (("A", 100), ("B", 107)):
         for r in (1, 2):
