@@ -17,7 +17,7 @@ def test_offload_kernels_are_named():
     names = set(cuda_runtime._kernel_names(cuda_runtime.module_source("offload.cu")))
     assert names == {"tier_groups", "tier_groups_keep", "tier_groups_ahead", "pool_publish",
                      "pool_wait", "moe_combine_pool", "pull_rare", "read_ahead", "ahead_point",
-                     "guess_publish", "guess_point"}
+                     "guess_publish", "guess_claim", "guess_point"}
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")

@@ -365,11 +365,12 @@ class DeviceTier:
         # a decode window splits the expert its pool budget ends in by columns (count_groups)
         split = [expert_split_step(self.model, self.model.layers[layer])
                  if pooled and is_decode and self.splits_experts else 0, spec.expert_ffn]
-        if pooled and R > POOL_MAX_ROWS and self.guesses(R) and self._guess.guesses_layer(layer):
-            at = len(plan.launches)
-            self._guess.add_point(plan, layer, int(self._pull_base), self.where_ptr(layer),
-                                  self.model.expert_tables_ptr)  # its guessed copies first
-            plan.mark_span("guess", layer, at)
+        # a streamed prompt window's guessed experts: claimed for the GPU here, waited for
+        # after pool_publish (the pool starts on the layer while the guessed copies land)
+        guessed = (pooled and R > POOL_MAX_ROWS and self.guesses(R)
+                   and self._guess.guesses_layer(layer))
+        if guessed:
+            self._guess.add_claim(plan, layer, int(self._pull_base), self.where_ptr(layer))
         if pooled and self.reads_ahead(R):  # the layer's staged experts landed first
             plan.launches.append(self._ahead.join(plan, layer))
             plan._add("tier_groups_ahead", (1,), (256,), "PPiPPPiiPPPiPfPii",
@@ -383,15 +384,6 @@ class DeviceTier:
             plan._add("tier_groups", (1,), (256,), "PPiPPPiiPPii", [*grouping, *split])
         if not pooled:
             return
-        if R > POOL_MAX_ROWS and self._pull_args is not None:  # a streamed prompt window
-            host_base, slot_bytes, part_off, image = self._pull_args
-            at = len(plan.launches)
-            plan._add("pull_rare", (PULL_CHUNKS, E), (256,), "PPPiiiPPPPPPP",
-                      [self.counts_ptr(layer), self.where_ptr(layer), self.win_ptr(layer), E,
-                       layer, PULL_MIN_ROWS, int(self._pull_base), host_base, slot_bytes,
-                       int(image[layer]), int(part_off), self.model.expert_tables_ptr,
-                       int(self._pulled)])
-            plan.mark_span("pulls", layer, at)
         if R > self.exchange.layout.max_rows:
             raise ConfigError(f"a window of {R} rows exceeds the CPU pool's exchange buffer of "
                               f"{self.exchange.layout.max_rows} rows")
@@ -403,6 +395,20 @@ class DeviceTier:
                    self.exchange_ptr("wts"), self.exchange_ptr("ready"), int(self._arrived),
                    ws.ptr("num_groups") + 4, self.exchange_ptr("split")])
         plan.mark_span("publish", layer, at)
+        if guessed:  # the guessed copies landed, the tables at them
+            at = len(plan.launches)
+            self._guess.add_point(plan, layer, int(self._pull_base),
+                                  self.model.expert_tables_ptr)
+            plan.mark_span("guess", layer, at)
+        if R > POOL_MAX_ROWS and self._pull_args is not None:  # a streamed prompt window
+            host_base, slot_bytes, part_off, image = self._pull_args
+            at = len(plan.launches)
+            plan._add("pull_rare", (PULL_CHUNKS, E), (256,), "PPPiiiPPPPPPP",
+                      [self.counts_ptr(layer), self.where_ptr(layer), self.win_ptr(layer), E,
+                       layer, PULL_MIN_ROWS, int(self._pull_base), host_base, slot_bytes,
+                       int(image[layer]), int(part_off), self.model.expert_tables_ptr,
+                       int(self._pulled)])
+            plan.mark_span("pulls", layer, at)
 
     def add_combine(self, plan, layer: int, shared: tuple[int, int]) -> None:
         """The pool's wait and the combine that leaves CPU pairs out and adds the pool's y."""

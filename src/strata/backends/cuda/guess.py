@@ -12,9 +12,11 @@ Per layer l >= 1 of such a window (shapes: R rows, E experts, L layers):
   stream waits for layer 1's copies; cuda_driver.issue_guessed_copies, GIL released): waits for
   the flag, copies the listed experts' images into their slots of the layer's staging set on
   its own copy stream, then writes landed [l] = seq on that stream;
-- compute stream, before layer l's tier_groups: guess_point waits for landed [l] and points the
-  layer's where and tables at the copies, so the products read them from VRAM and neither the
-  pool nor pull_rare takes them.
+- compute stream, before layer l's tier_groups: guess_claim makes the guessed experts the
+  GPU's (where VRAM), without waiting, so neither the pool nor pull_rare takes them; then
+  tier_groups and pool_publish, so the pool starts on the layer while the copies land; then
+  guess_point waits for landed [l] and points the layer's tables at the copies, so the
+  products read them from VRAM.
 Behind the window the host's where is uploaded again (the residency's tables are, by the
 streamer). A window queued without `before_run` (seq 0 on the device) does none of it.
 """
@@ -127,12 +129,17 @@ class GuessedCopies:
                    self._lists_dev, self._flags_dev, int(self._fetched) + layer * E,
                    int(budget_ptr), int(rows_cap), int(expert_cost)])
 
-    def add_point(self, plan, layer: int, pull_base: int, where_ptr: int,
-                  tables_ptr: int) -> None:
-        """Before the layer's tier_groups: wait for its copies, point where and tables there."""
-        plan._add("guess_point", (1,), (256,), "iiPPPPPPPPPP",
+    def add_claim(self, plan, layer: int, pull_base: int, where_ptr: int) -> None:
+        """Before the layer's tier_groups, without waiting: its guessed experts the GPU's."""
+        plan._add("guess_claim", (1,), (256,), "iPPPPiP",
+                  [self.E, int(self._seq), int(self._fetched) + layer * self.E, where_ptr,
+                   int(pull_base), layer, int(self._stats) + 4 * self.L])
+
+    def add_point(self, plan, layer: int, pull_base: int, tables_ptr: int) -> None:
+        """After the layer's pool_publish: wait for its copies, point the tables there."""
+        plan._add("guess_point", (1,), (256,), "iiPPPPPPPPP",
                   [self.E, layer, int(self._seq), int(self._landed),
-                   int(self._fetched) + layer * self.E, where_ptr, int(pull_base),
+                   int(self._fetched) + layer * self.E, int(pull_base),
                    self.slot_bytes, int(self._part_off), tables_ptr, int(self._stats),
                    int(self._stats) + 4 * self.L])
 

@@ -537,19 +537,37 @@ extern "C" __global__ void guess_publish(int *__restrict__ pred, const uint8_t *
     }
 }
 
-// Before the layer's tier_groups (compute stream): wait until the host's copies of the layer's
-// guessed experts landed (landed [layer] == (uint32) *seq, device memory the copy stream writes),
-// then make them the GPU's for the window: where [E] VRAM (so neither the pool nor pull_rare
-// takes them; the host's where is uploaded again behind the window) and the layer's tables
-// [L, 3, E] at their staging slot (the residency's upload behind the window puts them back).
-// fetched [E] is cleared; guessed [L] counts the experts. After GUESS_TIMEOUT_NS the experts
-// stay at their host copies (read as rare ones) and status [0] gets layer + 1 (the host logs it);
-// the later layers of the window then do not wait (a worker that failed writes no landed word:
-// one wait of 5 s a window, not one a layer). Grid 1, block 256.
+// Before the layer's tier_groups (compute stream), without waiting: the layer's guessed experts
+// (fetched [E]) become the GPU's for the window, where [E] VRAM, so that tier_groups gives them
+// neither to the pool nor to PCIe and pull_rare skips them (the host's where is uploaded again
+// behind the window). The copies may still be on their way: the tables keep the host copies
+// until guess_point, after pool_publish, has waited for them. So the pool starts on the layer
+// without waiting for the guessed copies. Nothing is claimed after a layer timed out
+// (status [0] != 0). Grid 1, block 256.
+extern "C" __global__ void guess_claim(int E, const long long *__restrict__ seq,
+                                       const uint8_t *__restrict__ fetched, uint8_t *where,
+                                       const unsigned long long *__restrict__ base, int layer,
+                                       const int *status) {
+    kernel_entry();
+    if (*seq == 0 || base[layer] == 0 || *reinterpret_cast<const volatile int *>(status) != 0)
+        return;
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        if (fetched[e]) where[e] = 0;
+}
+
+// After the layer's pool_publish, before pull_rare and its products (compute stream): wait
+// until the host's copies of the layer's guessed experts landed (landed [layer] == (uint32)
+// *seq, device memory the copy stream writes), then point the layer's tables [L, 3, E] at their
+// staging slots (the residency's upload behind the window puts them back). fetched [E] is
+// cleared; guessed [L] counts the experts. After GUESS_TIMEOUT_NS the tables keep the host
+// copies (guess_claim made the experts the GPU's: its products read them over PCIe, as rare
+// ones) and status [0] gets layer + 1 (the host logs it); the later layers of the window then
+// neither claim nor wait (a worker that failed writes no landed word: one wait of 5 s a window,
+// not one a layer). Grid 1, block 256.
 #define GUESS_TIMEOUT_NS 5000000000ULL
 extern "C" __global__ void guess_point(int E, int layer, const long long *__restrict__ seq,
                                        const unsigned int *landed, uint8_t *__restrict__ fetched,
-                                       uint8_t *where, const unsigned long long *__restrict__ base,
+                                       const unsigned long long *__restrict__ base,
                                        unsigned long long slot_bytes,
                                        const unsigned long long *__restrict__ part_off,
                                        unsigned long long *tables, int *guessed, int *status) {
@@ -578,7 +596,6 @@ extern "C" __global__ void guess_point(int E, int layer, const long long *__rest
         if (!fetched[e]) continue;
         fetched[e] = 0;
         if (!ok || stage == 0) continue;
-        where[e] = 0;
         const unsigned long long dst = stage + (unsigned long long)e * slot_bytes;
         for (int p = 0; p < 3; p++)
             tables[((unsigned long long)layer * 3 + p) * E + e] = dst + part_off[layer * 3 + p];
