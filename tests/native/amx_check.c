@@ -102,8 +102,8 @@ static int check(int qt, int rows, int cols, int64_t r0, int64_t r1, int n_act, 
  * experts get AMX rows and some not, through both ways of filling the down's rows (P <= 64:
  * by the expert's last item; more: behind a barrier). Relative difference of the whole output,
  * which a misplaced row or token makes ~1 and the two paths' roundings keep near 1%. */
-static int check_moe(int qt, int T, int E, int K, int step, int threads) {
-    const int H = 256, F = 192, ts = st_type_size(qt);
+static int check_moe(int qt, int T, int E, int K, int step, int threads, int H, int F) {
+    const int ts = st_type_size(qt);
     const int64_t gb = (int64_t)H / 32 * ts, db = (int64_t)F / 32 * ts;
     uint8_t *gate = malloc((size_t)E * F * gb), *up = malloc((size_t)E * F * gb);
     uint8_t *down = malloc((size_t)E * H * db);
@@ -140,8 +140,9 @@ static int check_moe(int qt, int T, int E, int K, int step, int threads) {
     const double rel = sqrt(diff / norm);
     const int bad = rc != 0 || !(rel < 0.03) || same;
     if (bad)
-        printf("moe type %d T %d E %d K %d threads %d: rc %d, relative difference %.3g%s\n", qt,
-               T, E, K, threads, rc, rel, same ? " (bit-equal: the AMX rows did not run)" : "");
+        printf("moe type %d T %d E %d K %d threads %d H %d F %d: rc %d, relative difference "
+               "%.3g%s\n", qt, T, E, K, threads, H, F, rc, rel,
+               same ? " (bit-equal: the AMX rows did not run)" : "");
     free(gate); free(up); free(down); free(ptrs); free(x); free(wts); free(ex); free(a); free(b);
     return bad;
 }
@@ -164,12 +165,17 @@ int main(void) {
          * of 2 groups over 3 token tiles (passes of 2 and 1), the last block a partial group */
         fails += check(qt, 100, 96, 0, 100, 60, 40, 1);
         fails += check(qt, 90, 2080, 2, 90, 120, 81, 1);     /* 65 steps, 6 token tiles */
+        fails += check(qt, 32, 64, 0, 32, 93, 40, 1);        /* the tiny shape's gate / up */
+        fails += check(qt, 64, 32, 0, 64, 93, 40, 1);        /* and its down: one step */
     }
     for (int t = 0; t < 2; t++) {
-        fails += check_moe(types[t], 18, 3, 3, 1, 2);     /* P <= 64: filled by the last item */
-        fails += check_moe(types[t], 60, 8, 4, 2, 2);     /* 30 rows an expert, behind a barrier */
-        fails += check_moe(types[t], 50, 8, 3, 5, 1);     /* some experts under 16 rows */
-        fails += check_moe(types[t], 200, 6, 2, 1, 2);    /* over 64 rows an expert */
+        fails += check_moe(types[t], 18, 3, 3, 1, 2, 256, 192);  /* P <= 64: by the last item */
+        fails += check_moe(types[t], 60, 8, 4, 2, 2, 256, 192);  /* 30 rows an expert, barrier */
+        fails += check_moe(types[t], 50, 8, 3, 5, 1, 256, 192);  /* some experts under 16 rows */
+        fails += check_moe(types[t], 200, 6, 2, 1, 2, 256, 192); /* over 64 rows an expert */
+        /* the tiny synth shape of the GPU pool's tests: one column step for the down (F 32) */
+        fails += check_moe(types[t], 93, 8, 2, 3, 2, 64, 32);
+        fails += check_moe(types[t], 40, 8, 2, 1, 1, 64, 32);
     }
     if (st_amx_takes(ST_Q4_K, 256) || st_amx_takes(ST_Q4_0, 48)) {
         printf("st_amx_takes took a type or width it has no rows for\n");
