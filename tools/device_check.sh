@@ -67,6 +67,9 @@ part() {  # part SECONDS NAME COMMAND...: run with a limit, log to $OUT/NAME.log
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc $rc in $((SECONDS - t0)) s (limit $limit)"
+    # a failure's reasons too (pytest's "E " lines, errors): the call's stdout always comes
+    # back, its logs only up to the device tool's count of files
+    [ $rc -ne 0 ] && grep -E '^E |Error|error:' "$OUT/$name.log" | head -n 20
     tail -n 4 "$OUT/$name.log"
 }
 

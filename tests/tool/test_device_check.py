@@ -4,7 +4,7 @@ the GPU machine runs the real one): each side's NAME=VALUE words reach the envir
 other words the bench's flags, and the summary gives each row's runs, medians and B/A (and each
 run's timeline when the sides turn it on). `old` and `kernel`: the packed old revision built
 beside the tree, and the pool's kernel bench of both trees side by side (stand-ins for pip and
-tools/bench_pool_kernel.py)."""
+tools/bench_pool_kernel.py). Every part: a failure's reasons printed (a stand-in pytest)."""
 import os
 import shutil
 import subprocess
@@ -150,3 +150,41 @@ def test_pair_gives_each_runs_timeline_when_the_sides_ask_for_it(tmp_path):
         for r in (1, 2):
             assert f"{side} round {r}: timeline, medians of 7 streamed windows: {ms}.0 ms" \
                 in lines
+
+
+# pytest's output for tests/backends/cuda/FILE.py: test_bad fails with its reason far above the
+# log's tail, test_good passes with an "E " line of its own output
+FAKE_PYTEST_PYTHON = """#!/bin/bash
+if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then
+  if [[ "$*" == *test_bad.py* ]]; then
+    echo "F"
+    echo "E   AssertionError: the pool's logits 0.05 off"
+    for i in $(seq 20); do echo "context line $i"; done
+    echo "1 failed in 1.00s"
+    exit 1
+  fi
+  echo "E   printed by a passing test"
+  for i in $(seq 5); do echo "more output $i"; done
+  echo "1 passed in 1.00s"
+  exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_failing_parts_reasons_reach_stdout(tmp_path):
+    # the device tool brings back a call's stdout always but only some of its log files
+    import sys
+
+    bin_dir = _fake_bin(tmp_path, FAKE_PYTEST_PYTHON)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               REAL_PYTHON=sys.executable)
+    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), "tests", "test_bad",
+                          "test_good"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    bad, good = res.stdout.split("== test_good")
+    assert "== test_bad: rc 1" in bad
+    assert "E   AssertionError: the pool's logits 0.05 off" in bad
+    assert "1 failed" in bad
+    assert "rc 0" in good and "1 passed" in good and "printed by a passing test" not in good
