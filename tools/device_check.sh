@@ -21,6 +21,11 @@
 #                                            environment, the others more bench flags (e.g.
 #                                            "STRATA_POOL_SURE=0" "--pcie-frac auto"); then each
 #                                            row's runs, medians and B/A
+#   tools/device_check.sh sides "A" "B" "C" ... -- ARGS
+#                                            as pair, with any number of sides, each row's
+#                                            medians against side A's (PAIR_TAG names the
+#                                            logs, default pair: two calls in one device call,
+#                                            e.g. one per synth, need two tags)
 #   tools/device_check.sh amx OLD_AMX_C      on a CPU with AMX: tools/bench_amx.c built against
 #                                            the tree's amx.c and against OLD_AMX_C (e.g.
 #                                            `git show REV:src/strata/_native/amx.c >
@@ -192,48 +197,54 @@ run_offload() {  # issue #7's rows, experts in RAM, on both synths; STRATA_POOL_
     grep -H -o 'pp512 |[^|]*|\|tg64[ x4]* |[^|]*|' "$OUT"/pp512_*.log "$OUT"/tg64_*.log
 }
 
-run_pair() {  # pair "SIDE A" "SIDE B" BENCH_ARGS...
-    local sides=("$1" "$2") model=${PAIR_MODEL:-$MODEL} threads=$(( $(nproc) - 1 ))
-    shift 2
+run_sides() {  # run_sides N "SIDE A" "SIDE B" ... BENCH_ARGS...: N sides alternating
+    local n=$1 model=${PAIR_MODEL:-$MODEL} threads=$(( $(nproc) - 1 )) tag=${PAIR_TAG:-pair}
+    shift
+    local sides=("${@:1:$n}")
+    shift "$n"
     [ "$model" = "$MODEL" ] && synth
     [ -f "$model" ] || part 120 synth_pair python3 -m strata.tool synth "$model" \
         --shape qwen3-30b-a3b --type q4_0 --routing-skew "${PAIR_SKEW:-1}" --jobs "$(nproc)"
-    for round in $(seq "${ROUNDS:-3}"); do  # alternating, so drift spreads over both
-        for i in 0 1; do
+    for round in $(seq "${ROUNDS:-3}"); do  # alternating, so drift spreads over every side
+        for i in $(seq 0 $(( n - 1 ))); do
             local envs=() flags=() word
             for word in ${sides[$i]}; do
                 if [[ $word == [A-Za-z_]*=* ]]; then envs+=("$word"); else flags+=("$word"); fi
             done
             # bench_logged: the tier's decisions too (where STRATA_POOL_SURE moved, e.g.)
-            part 150 "pair_$(( i == 0 ? 0 : 1 ))_$round" env "${envs[@]}" python3 \
+            part 150 "${tag}_${i}_$round" env "${envs[@]}" python3 \
                 "$(dirname "${BASH_SOURCE[0]}")/bench_logged.py" -- -m "$model" --device cuda \
                 -t "$threads" --expert-cache 0 "$@" "${flags[@]}"
         done
     done
-    python3 - "$OUT" "${sides[0]}" "${sides[1]}" <<'PY'
+    python3 - "$OUT" "$tag" "${sides[@]}" <<'PY'
 import glob, re, statistics, sys
-out, names = sys.argv[1], sys.argv[2:]
+out, tag, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+letters = [chr(ord("A") + i) for i in range(len(names))]
 rows = {}  # test -> side -> [tokens/s of each round]
-logs = [sorted(glob.glob(f"{out}/pair_{side}_*.log"), key=lambda p: int(p[:-4].split("_")[-1]))
-        for side in (0, 1)]
-for side in (0, 1):
-    for path in logs[side]:
+logs = [sorted(glob.glob(f"{out}/{tag}_{side}_*.log"), key=lambda p: int(p[:-4].split("_")[-1]))
+        for side in range(len(names))]
+for side, paths in enumerate(logs):
+    for path in paths:
         for line in open(path):
             m = re.search(r"\|\s*([a-z]+\d+[^|]*?)\s*\|\s*([\d.]+)\s*±", line)
             if m:
-                rows.setdefault(m.group(1), ([], []))[side].append(float(m.group(2)))
-for side in (0, 1):  # with STRATA_STREAM_TIMELINE=1: each run's timeline of settled windows
-    for path in logs[side]:
+                rows.setdefault(m.group(1), [[] for _ in names])[side].append(float(m.group(2)))
+for side, paths in enumerate(logs):  # with STRATA_STREAM_TIMELINE=1: each run's timeline
+    for path in paths:
         for line in open(path):
             m = re.search(r"timeline, medians of .*", line)
             if m:
-                print(f"{'AB'[side]} round {path[:-4].split('_')[-1]}: {m.group(0)}")
-for test, (a, b) in rows.items():
-    won = sum(y > x for x, y in zip(a, b))
-    ma, mb = statistics.median(a or [0]), statistics.median(b or [0])
-    print(f"{test}: A ({names[0] or 'as is'}) {', '.join(f'{v:.1f}' for v in a)} median {ma:.1f}; "
-          f"B ({names[1] or 'as is'}) {', '.join(f'{v:.1f}' for v in b)} median {mb:.1f}; "
-          f"B/A {mb / ma if ma else float('nan'):.3f}, B won {won} of {min(len(a), len(b))}")
+                print(f"{letters[side]} round {path[:-4].split('_')[-1]}: {m.group(0)}")
+for test, runs in rows.items():
+    medians = [statistics.median(r or [0]) for r in runs]
+    text = "; ".join(f"{letter} ({name or 'as is'}) {', '.join(f'{v:.1f}' for v in r)} median "
+                     f"{m:.1f}" for letter, name, r, m in zip(letters, names, runs, medians))
+    for letter, r, m in list(zip(letters, runs, medians))[1:]:
+        won = sum(y > x for x, y in zip(runs[0], r))
+        ratio = m / medians[0] if medians[0] else float("nan")
+        text += f"; {letter}/A {ratio:.3f}, {letter} won {won} of {min(len(runs[0]), len(r))}"
+    print(f"{test}: {text}")
 PY
 }
 
@@ -272,7 +283,9 @@ case "${1:-all}" in
     old) build_old ;;
     kernel) shift; run_kernel "$@" ;;
     offload) run_offload ;;
-    pair) shift; run_pair "$@" ;;
+    pair) shift; run_sides 2 "$@" ;;
+    sides) shift; n=0; for a in "$@"; do [ "$a" = "--" ] && break; n=$((n + 1)); done
+           run_sides "$n" "${@:1:$n}" "${@:$((n + 2))}" ;;
     amx) shift; run_amx "$@" ;;
     *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all | ab | offload |" \
             "pair \"A\" \"B\" BENCH_ARGS | amx OLD_AMX_C | old | kernel [ARGS]" >&2

@@ -4,7 +4,8 @@ the GPU machine runs the real one): each side's NAME=VALUE words reach the envir
 other words the bench's flags, and the summary gives each row's runs, medians and B/A (and each
 run's timeline when the sides turn it on). `old` and `kernel`: the packed old revision built
 beside the tree, and the pool's kernel bench of both trees side by side (stand-ins for pip and
-tools/bench_pool_kernel.py). Every part: a failure's reasons printed (a stand-in pytest)."""
+tools/bench_pool_kernel.py). `sides`: pair with any number of sides. Every part: a failure's
+reasons printed (a stand-in pytest)."""
 import os
 import shutil
 import subprocess
@@ -38,8 +39,8 @@ def _fake_bin(tmp_path, text):
     return bin_dir
 
 
-def _run_pair(tmp_path, fake_text, rounds, *args):
-    """device_check.sh pair ARGS with `fake_text` as python3: (the run, its $OUT)."""
+def _run_pair(tmp_path, fake_text, rounds, *args, mode="pair", **extra_env):
+    """device_check.sh MODE ARGS with `fake_text` as python3: (the run, its $OUT)."""
     import sys
 
     bin_dir = _fake_bin(tmp_path, fake_text)
@@ -48,8 +49,8 @@ def _run_pair(tmp_path, fake_text, rounds, *args):
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
                PAIR_MODEL=str(model), ROUNDS=str(rounds), REAL_PYTHON=sys.executable,
-               COUNTER=str(tmp_path / "count"))
-    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), "pair", *args],
+               COUNTER=str(tmp_path / "count"), **extra_env)
+    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), mode, *args],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     return res, out
@@ -71,6 +72,24 @@ def test_pair_alternates_the_two_sides_and_summarises_each_row(tmp_path):
             "B/A 1.075, B won 3 of 3") in res.stdout
     assert "tg64 x4: A (as is) 100.0, 100.0, 100.0 median 100.0" in res.stdout
     assert "B/A 1.100, B won 3 of 3" in res.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_sides_alternates_any_number_of_sides_against_the_first(tmp_path):
+    res, out = _run_pair(tmp_path, FAKE_PYTHON, 2, "", "BOOST=300", "BOOST=-100 --pcie-frac auto",
+                         "--", "-p", "512", "-n", "0", mode="sides", PAIR_TAG="skew0")
+    logs = sorted(p.name for p in out.glob("*.log"))
+    assert logs == [f"skew0_{side}_{r}.log" for side in (0, 1, 2) for r in (1, 2)]
+    c_args = (out / "skew0_2_1.log").read_text()
+    # the sides' "--" ends the sides, never reaching the bench (bench_logged.py's own does)
+    assert "--expert-cache 0 -p 512 -n 0 --pcie-frac auto" in c_args
+    assert c_args.count(" -- ") == 1
+    # calls 0-5 in the order A B C A B C: A 0, 3; B 1, 4 (+300); C 2, 5 (-100)
+    assert ("pp512: A (as is) 4000.5, 4003.5 median 4002.0; "
+            "B (BOOST=300) 4301.5, 4304.5 median 4303.0; "
+            "C (BOOST=-100 --pcie-frac auto) 3902.5, 3905.5 median 3904.0; "
+            "B/A 1.075, B won 2 of 2; C/A 0.976, C won 0 of 2") in res.stdout
+    assert "C (BOOST=-100 --pcie-frac auto) 110.0, 110.0 median 110.0" in res.stdout
 
 
 # bench_pool_kernel.py's lines: the old tree's (its path under OLD_TREE) at 1,000 experts/s,
