@@ -369,7 +369,14 @@ def test_tier_summary_line_names_the_cpu_pool():
     assert format_tier_summary(s).endswith("(STRATA_POOL_SURE=model, where it ended)")
     s.update(streamed_sure_auto="")
     assert format_tier_summary(s).endswith("left to the pool (STRATA_POOL_SURE=30)")
-    del s["streamed_sure"], s["streamed_sure_auto"]
+    s.update(streamed_budget=6.75, streamed_budget_auto=True)
+    assert format_tier_summary(s).endswith(
+        "(STRATA_POOL_SURE=30); the pool's budget for the rare experts 6.75 x the copy time "
+        "(STRATA_POOL_BUDGET=auto, where it ended)")
+    s.update(streamed_budget_auto=False)
+    assert format_tier_summary(s).endswith("for the rare experts 6.75 x the copy time")
+    del s["streamed_sure"], s["streamed_sure_auto"], s["streamed_budget"]
+    del s["streamed_budget_auto"]
     from strata.backends.cuda.stream import WindowTimeline
     from strata.cli import timeline_medians
 

@@ -380,6 +380,10 @@ def tier_summary(tier) -> dict:
                     else "model" if getattr(streamer, "sure_model", False) else "auto")
             if rule or getattr(streamer, "sure_percent", 0):
                 out.update(streamed_sure=streamer.sure_percent, streamed_sure_auto=rule)
+            if getattr(tier.arena, "pool", None) is not None:  # STRATA_POOL_BUDGET
+                auto = getattr(streamer, "sure_auto", None)
+                out.update(streamed_budget=streamer.pool_share_of_copy,
+                           streamed_budget_auto=auto is not None and len(auto.shares) > 1)
         device_tier = getattr(getattr(tier.arena, "model", None), "tier", None)
         guessed = getattr(device_tier, "guess_totals", lambda: (0,) * 5)()
         if guessed[0]:  # backends/cuda/guess.py
@@ -621,6 +625,10 @@ def format_tier_summary(s: dict) -> str:
                   if s["streamed_sure_auto"]
                   else f"(STRATA_POOL_SURE={s['streamed_sure']})")
                if "streamed_sure" in s else "")
+            + (f"; the pool's budget for the rare experts {s['streamed_budget']:g} x the copy "
+               "time" + (" (STRATA_POOL_BUDGET=auto, where it ended)"
+                         if s["streamed_budget_auto"] else "")
+               if "streamed_budget" in s else "")
             + (f"; guessed copies: {s['guess_listed']} rare experts copied a layer ahead in "
                f"{s['guess_windows']} windows, {s['guess_routed']} of them routed "
                f"({s['guess_routed'] / max(1, s['guess_listed']):.1%}), "

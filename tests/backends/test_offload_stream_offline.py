@@ -498,6 +498,72 @@ def test_pool_sure_auto_follows_the_pools_share_of_each_streamed_window():
     assert streamer.sure_percent == SURE_AUTO_STEP
 
 
+def test_pool_budget_auto_moves_the_rare_experts_budget_before_the_sure_percent():
+    """STRATA_POOL_BUDGET=auto (SurePercent's shares): under the band the budget climbs a step
+    a window, the sure percent only at the top step; over it the percent falls first, then the
+    budget, to the lowest step; within it both stay. It starts at share.POOL_SHARE_OF_COPY (or
+    the nearest step below), and the streamer's budget is its step."""
+    from strata.backends.cuda.cpu_pool import PoolWindowStats
+    from strata.backends.cuda.share import POOL_SHARE_OF_COPY
+    from strata.backends.cuda.stream import BUDGET_AUTO_SHARES, SurePercent
+
+    auto = SurePercent(step=10, most=20, band=(0.3, 0.45),
+                       shares=(POOL_SHARE_OF_COPY / 2, POOL_SHARE_OF_COPY, 2 * POOL_SHARE_OF_COPY))
+    assert auto.share_of_copy == POOL_SHARE_OF_COPY
+    walk = [(auto.record(seq, pool, 100.0 - pool), auto.share_of_copy) for seq, pool in
+            enumerate((20, 20, 20, 20, 40, 60, 60, 60, 60, 60, 40, 20), start=1)]
+    assert walk == [(0, 2 * POOL_SHARE_OF_COPY), (10, 2 * POOL_SHARE_OF_COPY),
+                    (20, 2 * POOL_SHARE_OF_COPY), (20, 2 * POOL_SHARE_OF_COPY),  # at most 20
+                    (20, 2 * POOL_SHARE_OF_COPY),  # 40%: within the band
+                    (10, 2 * POOL_SHARE_OF_COPY), (0, 2 * POOL_SHARE_OF_COPY),  # the percent first
+                    (0, POOL_SHARE_OF_COPY), (0, POOL_SHARE_OF_COPY / 2),  # then the budget
+                    (0, POOL_SHARE_OF_COPY / 2),  # at the lowest step
+                    (0, POOL_SHARE_OF_COPY / 2),  # 40%: within the band
+                    (0, POOL_SHARE_OF_COPY)], walk  # under: the budget first again
+    assert SurePercent(shares=(1e6,)).share_of_copy == 1e6  # one step: fixed, even above
+    assert SurePercent(shares=(0.5, 2 * POOL_SHARE_OF_COPY)).share_of_copy == 0.5
+    assert list(BUDGET_AUTO_SHARES) == sorted(BUDGET_AUTO_SHARES)
+    assert POOL_SHARE_OF_COPY in BUDGET_AUTO_SHARES
+
+    streamer, pool = _sure_follower(SurePercent(shares=BUDGET_AUTO_SHARES), False)
+    assert streamer.pool_share_of_copy == POOL_SHARE_OF_COPY
+    pool.last_stats = PoolWindowStats(8, 512, 900, 300, 20.0, 90.0)  # a streamed one, 18%
+    streamer._follow_pool(512)
+    streamer._follow_pool(512)  # the same window: one step
+    step = BUDGET_AUTO_SHARES.index(POOL_SHARE_OF_COPY) + 1
+    assert streamer.pool_share_of_copy == BUDGET_AUTO_SHARES[step]
+    assert streamer.sure_percent == 0
+
+
+def test_pool_follower_and_budget_setting_read_the_settings_and_name_what_was_wrong():
+    """pool_follower: STRATA_POOL_SURE=auto with STRATA_POOL_BUDGET=auto moves both (the budget
+    along BUDGET_AUTO_SHARES from share.POOL_SHARE_OF_COPY), with a number fixes the budget
+    there; model moves only the percent; a fixed percent nothing (the budget then fixed at the
+    setting or the default). pool_budget_setting names the variable and a bad value."""
+    from strata.backends.cuda.share import POOL_SHARE_OF_COPY
+    from strata.backends.cuda.stream import (BUDGET_AUTO_SHARES, pool_budget_setting,
+                                             pool_follower)
+    from strata.errors import ConfigError
+
+    follower, fixed = pool_follower("auto", "auto")
+    assert follower.shares == BUDGET_AUTO_SHARES and follower.share_of_copy == POOL_SHARE_OF_COPY
+    assert fixed == POOL_SHARE_OF_COPY
+    follower, fixed = pool_follower("auto", 9.0)
+    assert follower.shares == (9.0,) and follower.share_of_copy == fixed == 9.0
+    follower, fixed = pool_follower("model", "auto")
+    assert follower.shares == (POOL_SHARE_OF_COPY,) and follower.grid[-1] > 50
+    assert pool_follower(30, 2.5) == (None, 2.5)
+    assert pool_follower(0, "auto") == (None, POOL_SHARE_OF_COPY)
+
+    assert pool_budget_setting({}) == "auto"  # the default
+    assert pool_budget_setting({"STRATA_POOL_BUDGET": " Auto "}) == "auto"
+    assert pool_budget_setting({"STRATA_POOL_BUDGET": " 6.75 "}) == 6.75
+    for bad in ("0", "-1", "x", "nan", "inf", "4,5"):
+        with pytest.raises(ConfigError, match="STRATA_POOL_BUDGET") as info:
+            pool_budget_setting({"STRATA_POOL_BUDGET": bad})
+        assert repr(bad.lower()) in str(info.value)
+
+
 def test_pool_sure_model_goes_to_the_percent_whose_modelled_pool_time_fits_the_band():
     """STRATA_POOL_SURE=model (stream.SurePercent.modelled): after each streamed window the
     pool served,

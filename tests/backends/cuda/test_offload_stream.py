@@ -234,41 +234,53 @@ def half_rare(arena, L, E):
 def test_the_cpu_pool_computes_the_rare_experts_a_streamed_window_routes(
         path, resident, monkeypatch):
     """With a CPU pool, a streamed window hands its rare experts (left at their host copies) to
-    the pool: the pool computes the pairs routed to them from RAM (only those rows cross), the
-    GPU the rest; logits within the pool's float rounding of the all-resident model's. (The
-    rows cap raised; the layer's budget is share.prompt_pool_budget's default, bound when it
-    was defined: this test once set share.POOL_SHARE_OF_COPY, which changed nothing. With the
-    default at 3x, session 80's device run failed this test; its log was not kept.)"""
-    from strata.backends.cuda import device_tier, stream
+    the pool: with no rows cap and a budget that takes them all, the pool computes every pair
+    routed to them from RAM (only those rows cross), the GPU the rest; logits within the pool's
+    rounding of the all-resident model's. (Until session 81 this test kept the default budget,
+    so how many pairs the pool took, and so the rounding it had to allow, moved with
+    share.POOL_SHARE_OF_COPY: at 3x it failed the tolerance below.)"""
+    from strata.backends.cuda import device_tier, share, stream
     from strata.backends.cuda.exchange import WHERE_CPU
 
-    monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", 10_000)
+    monkeypatch.setattr(device_tier, "PROMPT_POOL_ROWS", 10_000)  # no rows cap
+    monkeypatch.setattr(share, "PROMPT_POOL_ROWS", 10_000)
+    monkeypatch.setattr(share, "prompt_pool_budget",
+                        lambda copied, threads, *_: np.full(len(copied), 1 << 20, np.int32))
     monkeypatch.setenv("STRATA_GUESS_ROWS", "0")  # every rare expert the pool's (guess.py)
     monkeypatch.setenv("STRATA_POOL_SURE", "0")  # and only those (counted below)
     monkeypatch.setattr(stream, "POOL_REACH_COST", 2.0)  # the rare half only (half_rare)
     L, E = resident.spec.n_layers, resident.spec.n_experts
     model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
-    streamer = arena.streamer
+    streamer, tier = arena.streamer, model.tier
     half_rare(arena, L, E)
+    entries = []
 
     def forward(window):
         arena.before_window(window.num_rows)
-        return model.forward_window(window)
+        out = model.forward_window(window)
+        with model.runtime.active():
+            model.runtime.synchronize()
+        cpu = tier.where_host == WHERE_CPU  # [L, E] as uploaded for the window
+        entries.append((arena.pool.last_stats.num_entries, int(tier.counts_host[cpu].sum())))
+        return out
 
     try:
         assert arena.pool is not None and model.tier.pools(93) and not model.tier.pools(17)
         plans = [(40, 33, 20), (30, 1, 1)]  # both stream (>= MIN_ROWS rows)
         got = run(model, plans, forward)
         assert (arena.pool.where == WHERE_CPU).sum() == L * (E // 2)  # the rare ones
-        assert arena.pool.total_entries > 0  # routed pairs of rare experts, computed on the CPU
         assert streamer.num_windows == 2 and streamer.num_left == 2 * L * (E // 2)
     finally:
         arena.close()
+    # every routed pair of a rare expert computed on the CPU, once
+    assert all(pool == routed > 0 for pool, routed in entries), entries
     want = run(resident, plans, resident.forward_window)
     errors, top1 = logit_errors(want, got)
-    print(f"|pool - resident| / logit scale per row: median {np.median(errors):.1e}, max "
-          f"{errors.max():.1e}; top-1 equal {top1:.3f}")
-    assert np.percentile(errors, 90) < 3e-2 and top1 >= 0.9  # docs/cuda.md's tolerance
+    print(f"|pool - resident| / logit scale per row: median {np.median(errors):.1e}, 90% "
+          f"{np.percentile(errors, 90):.1e}, max {errors.max():.1e}; top-1 equal {top1:.3f}")
+    # the tolerance of test_sure_experts_left_to_the_pool_are_computed_there_not_guessed, whose
+    # pool also computes every routed CPU pair: a pair left out or counted twice moves most rows
+    assert np.median(errors) < 4e-2 and top1 >= 0.8
 
 
 def test_rare_experts_with_many_rows_are_pulled_into_staging(path, resident, monkeypatch):
@@ -406,7 +418,7 @@ def test_the_device_caps_what_the_pool_takes_in_a_streamed_window(
     if caps != "rows":
         units = 5 if caps == "budget" else 0
         monkeypatch.setattr(share, "prompt_pool_budget",
-                            lambda copied, threads: np.full(len(copied), units, np.int32))
+                            lambda copied, threads, *_: np.full(len(copied), units, np.int32))
     L, E = resident.spec.n_layers, resident.spec.n_experts
     model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
     half_rare(arena, L, E)
@@ -468,7 +480,7 @@ def test_sure_experts_left_to_the_pool_are_computed_there_not_guessed(path, resi
     monkeypatch.setattr(share, "PROMPT_POOL_ROWS", 10_000)
     monkeypatch.setattr(device_tier, "PULL_MIN_ROWS", 10_000)  # nor pulls
     monkeypatch.setattr(share, "prompt_pool_budget",
-                        lambda copied, threads: np.full(len(copied), 1 << 20, np.int32))
+                        lambda copied, threads, *_: np.full(len(copied), 1 << 20, np.int32))
     monkeypatch.setenv("STRATA_GUESS_ROWS", "1")
     L, E = resident.spec.n_layers, resident.spec.n_experts
     plans = [(40, 33, 20), (30, 1, 1), (12, 12, 12)]  # all three stream
@@ -575,6 +587,51 @@ def test_pool_sure_auto_follows_the_pools_share_and_stays_off_with_the_tier_froz
     # the model's sure experts at 0, 30 and 60%: none, then more (stream.sure_costs)
     assert len(modelled) == (2 if by_model else 0), modelled
     assert all(m[0] == 0 < m[1] < m[2] for m in modelled), modelled
+    errors, top1 = logit_errors(want, got)
+    assert np.median(errors) < 4e-2 and top1 >= 0.8, (np.median(errors), top1)
+
+
+def test_the_pools_budget_for_the_rare_experts_follows_its_share_of_the_window(
+        path, resident, monkeypatch):
+    """STRATA_POOL_BUDGET=auto (stream.SurePercent's shares): before each streamed window the
+    pool's budget per layer for the rare experts moves a step after the pool's last streamed
+    window (here a band the pool never reaches: 1, 2, then 4 copy times, the sure percent
+    staying 0 until the top step); each window's uploaded budget is
+    share.prompt_pool_budget's at that step, and the logits stay within the pool's rounding of
+    the all-resident model's."""
+    from strata.backends.cuda import stream
+    from strata.backends.cuda.share import prompt_pool_budget
+    from strata.backends.cuda.stream import SurePercent
+
+    monkeypatch.setenv("STRATA_POOL_SURE", "auto")
+    monkeypatch.setenv("STRATA_GUESS_ROWS", "0")
+    monkeypatch.setattr(stream, "POOL_REACH_COST", 2.0)  # the rare half only: 4 copied a layer
+    L, E = resident.spec.n_layers, resident.spec.n_experts
+    plans = [(40, 33, 20), (30, 1, 1), (12, 12, 12)]  # all three stream
+    want = run(resident, plans, resident.forward_window)
+    model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
+    half_rare(arena, L, E)
+    streamer, tier = arena.streamer, model.tier
+    streamer.sure_auto = SurePercent(step=30, most=30, band=(0.99, 1.0), shares=(1.0, 2.0, 4.0))
+    streamer.sure_auto.level = 0
+    seen = []
+
+    def forward(window):
+        arena.before_window(window.num_rows)
+        rare, _, _ = streamer.left_for(window.num_rows)
+        copied = ((arena.table.peek().table < 0) & ~rare).sum(axis=1)  # [L]
+        share = streamer.pool_share_of_copy
+        seen.append((share, streamer.sure_percent))
+        out = model.forward_window(window)
+        assert np.array_equal(tier.budget_host,
+                              prompt_pool_budget(copied, arena.pool.threads, share)), share
+        return out
+
+    try:
+        got = run(model, plans, forward)
+    finally:
+        arena.close()
+    assert seen == [(1.0, 0), (2.0, 0), (4.0, 0)], seen
     errors, top1 = logit_errors(want, got)
     assert np.median(errors) < 4e-2 and top1 >= 0.8, (np.median(errors), top1)
 

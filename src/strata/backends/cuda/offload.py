@@ -472,7 +472,8 @@ class VramExpertArena(ExpertArena):
 
         rare, sure, sure_rows = self.streamer.left_for(num_rows)  # [L, E], [L, E], [L]
         rare = rare | sure
-        key = (self.table.version, "stream", np.packbits(rare).tobytes())
+        share_of_copy = self.streamer.pool_share_of_copy  # (SurePercent moves it)
+        key = (self.table.version, "stream", np.packbits(rare).tobytes(), share_of_copy)
         if key == self._where_version:
             return
         from strata.backends.cuda.share import POOL_EXPERT_ROWS, prompt_pool_budget
@@ -481,7 +482,7 @@ class VramExpertArena(ExpertArena):
         where = np.where(residency >= 0, WHERE_VRAM, WHERE_PCIE).astype(np.uint8)
         where[rare] = WHERE_CPU
         copied = ((residency < 0) & ~rare).sum(axis=1)  # [L] experts the window copies
-        budget = prompt_pool_budget(copied, self.pool.threads)
+        budget = prompt_pool_budget(copied, self.pool.threads, share_of_copy)
         if sure.any():  # the sure experts left to the pool: their expected cost on top
             budget = budget + np.ceil(sure.sum(axis=1) * POOL_EXPERT_ROWS
                                       + sure_rows).astype(np.int32)

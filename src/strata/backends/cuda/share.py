@@ -61,15 +61,19 @@ POOL_MAX_ROWS = 16
 # on the fewest rows first (each saves the link one expert's bytes). The others are read over
 # PCIe. Measured on the H200 (docs/offload.md, "The CPU pool takes the rare experts"): caps of
 # 3 rows gained 1-5%, 16-64 rows 16-23% at pp512 with no expert cached; session 47, the share
-# 1.0 / 1.25 / 1.5 / 2 / 3: pp512 at 0% ~5,380 / 5,570 / 5,550 / 5,330 / 4,440. Session 80
-# (H100 hosts, the AMX rows, the pool starting before the guessed copies' wait): 3x the budget
-# (STRATA_POOL_COSTS=2,0.48,64) gave the skew-0 synth's pp512 4,013 against 3,478 for the tree
-# before that reorder at this budget and 3,828 for it at 3x (medians of 3 alternating rounds,
-# one call), the skew-1 synth's 5,189 / 5,230 against 4,543 / 5,183; but a GPU test of the pool
-# (test_offload_stream.py) failed at 3x as the default, so it stays opt-in until that is
-# understood (docs/offload.md, "Session 80").
+# 1.0 / 1.25 / 1.5 / 2 / 3: pp512 at 0% ~5,380 / 5,570 / 5,550 / 5,330 / 4,440. Since session
+# 80 the pool starts on a layer before the wait for its guessed copies, and each rare expert it
+# takes saves the link (which now bounds the window) the expert's bytes, so a larger budget
+# pays where the pool has time to spare, and which one depends on the host and the routing:
+# skew-0 / skew-1 synth, pp512, every expert in RAM (docs/offload.md, "Session 81"):
+# - H200 host, two rounds: 4.5 ~5,000 / ~5,460, 7.5 ~5,020 / ~5,270, 15 ~4,880 / ~5,170, no
+#   budget ~4,100 / ~5,180;
+# - H100 host, medians of six alternating rounds: 1.5 4,570 / 5,773, 4.5 5,004 / 5,484.
+# So by default (STRATA_POOL_BUDGET=auto, stream.SurePercent) the share moves while serving
+# from this one, with the pool's share of each window (there: 4,902 / 5,724, ending at 9 and
+# 1.5); this one stays where nothing moves it (the tier frozen, STRATA_POOL_SURE=P).
 PROMPT_POOL_ROWS = 64
-POOL_SHARE_OF_COPY = 1.5
+POOL_SHARE_OF_COPY = 4.5
 # The pool's time per expert: tools/bench_pool_kernel.py --rows-per-expert on the H200 host
 # (15 threads, a Q4_0 expert of Qwen3-30B-A3B) gives ~45 us at 1 row and 106 at 4, and in
 # prompt windows the pool spent ~20 us per routed row (pp512 at 0%: 82 rows a layer in 1.4-1.8

@@ -90,7 +90,21 @@ ENV_POOL_SURE = "STRATA_POOL_SURE"
 # the skew-1 synth (docs/offload.md, "Session 74").
 SURE_AUTO_STEP = 10
 SURE_AUTO_MAX = 50
-SURE_AUTO_BAND = (0.30, 0.45)
+SURE_AUTO_BAND = (0.35, 0.45)
+# STRATA_POOL_BUDGET=auto (the default; with STRATA_POOL_SURE=auto, so not with the tier
+# frozen): the pool's budget for a streamed window's rare experts (share.prompt_pool_budget's
+# share of the layer's copy time) follows the same share of the window, before the sure percent
+# does: a step up BUDGET_AUTO_SHARES while the pool computed under the band's low end (the sure
+# percent up only at the top step), down while over its high end once the sure percent is 0.
+# Why first: a rare expert costs the pool few rows for the bytes it takes off the link, a sure
+# one many. Why it moves: the share that paid differs by host and routing (share.py's comment
+# above PROMPT_POOL_ROWS): on an H100 host, skew-0 / skew-1 synth, pp512, medians of six
+# alternating rounds, fixed 1.5 4,570 / 5,773, fixed 4.5 5,004 / 5,484, this 4,902 / 5,724
+# (ending at 9 / 1.5; docs/offload.md, "Session 81"). The band's low end was 0.30 while only the
+# sure percent moved (session 74).
+# STRATA_POOL_BUDGET=S (a number > 0) fixes the share at S.
+ENV_POOL_BUDGET = "STRATA_POOL_BUDGET"
+BUDGET_AUTO_SHARES = (1.5, 2.25, 3.0, 4.5, 6.75, 9.0, 13.5, 18.0)
 # STRATA_POOL_SURE=model (opt-in; against auto on H100 hosts, sessions 78-79, no gain in 12 rounds
 # on either synth: docs/offload.md, "Session 79"): the same, but outside SURE_MODEL_BAND the
 # percent goes to the highest multiple of SURE_AUTO_STEP up to SURE_MODEL_MAX, at most
@@ -247,6 +261,26 @@ def sure_costs(residency: np.ndarray, routed: np.ndarray, rare: np.ndarray, num_
     return np.asarray(out)
 
 
+def pool_budget_setting(env=None) -> float | str:
+    """STRATA_POOL_BUDGET: "auto" (unset or empty: SurePercent moves the budget along
+    BUDGET_AUTO_SHARES) or a share of the copy time > 0, fixed."""
+    from strata.errors import ConfigError
+
+    env = os.environ if env is None else env
+    text = env.get(ENV_POOL_BUDGET, "").strip().lower()
+    if text in ("", "auto"):
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0.0):
+        raise ConfigError(f"{ENV_POOL_BUDGET}={text!r}: give auto (the pool's share of each "
+                          "window moves it) or the pool's budget per layer in copy times of "
+                          "the layer's copied experts, a number > 0 (e.g. 4.5)")
+    return value
+
+
 def pool_sure_setting(env=None) -> int | str:
     """STRATA_POOL_SURE: a percent 0..100 (0: off), "auto" (SurePercent; unset or empty) or
     "model" (SurePercent.modelled)."""
@@ -264,27 +298,54 @@ def pool_sure_setting(env=None) -> int | str:
                           "(the same, jumping where the pool's modelled time fits)") from None
 
 
+def pool_follower(sure: int | str, budget: float | str) -> tuple["SurePercent | None", float]:
+    """(the SurePercent that moves the sure percent, and with STRATA_POOL_BUDGET=auto the rare
+    experts' budget, or None; the budget's share of the copy time where none moves it) for
+    the settings `sure` (pool_sure_setting) and `budget` (pool_budget_setting)."""
+    from strata.backends.cuda.share import POOL_SHARE_OF_COPY
+
+    fixed = POOL_SHARE_OF_COPY if budget == "auto" else float(budget)
+    if sure == "auto":
+        return SurePercent(shares=BUDGET_AUTO_SHARES if budget == "auto" else (fixed,)), fixed
+    return (SurePercent.modelled(fixed) if sure == "model" else None), fixed
+
+
 class SurePercent:
-    """STRATA_POOL_SURE=auto's percent: `record` each streamed window the pool served (its
-    seq, compute and wait ms, the row units it computed, and `costs`, a function giving the
-    sure experts' modelled row units at the percents of `grid`, or None; a window seen before
-    changes nothing). While the pool's compute is within `band` of the window the percent
-    stays. Outside it, with no `costs` it moves a `step` towards the band, within 0..`most`;
-    with them (STRATA_POOL_SURE=model, `modelled`) it goes to the highest percent of `grid`
-    (0..`most` by `step`; at most `rise` above the last) whose modelled pool time is the band's
-    middle of the window (the module's comment above SURE_MODEL_MAX)."""
+    """STRATA_POOL_SURE=auto's percent, and with it the pool's budget for the rare experts
+    (`share_of_copy`, a step of `shares`, starting at share.POOL_SHARE_OF_COPY or the nearest
+    one below): `record` each streamed window the pool served (its seq, compute and wait ms,
+    the row units it computed, and `costs`, a function giving the sure experts' modelled row
+    units at the percents of `grid`, or None; a window seen before changes nothing). While the
+    pool's compute is within `band` of the window both stay. Under it the budget moves a step
+    up, or at the top step the percent `step` up (to `most`); over it the percent moves `step`
+    down, or at 0 the budget a step down. With `costs` (STRATA_POOL_SURE=model, `modelled`, one
+    share) the percent goes to the highest of `grid` (0..`most` by `step`; at most `rise`
+    above the last) whose modelled pool time is the band's middle of the window (the module's
+    comment above SURE_MODEL_MAX)."""
 
     def __init__(self, step: int = SURE_AUTO_STEP, most: int = SURE_AUTO_MAX,
-                 band: tuple[float, float] = SURE_AUTO_BAND, rise: int | None = None):
+                 band: tuple[float, float] = SURE_AUTO_BAND, rise: int | None = None,
+                 shares=None):
+        from strata.backends.cuda.share import POOL_SHARE_OF_COPY
+
         self.step, self.most, self.band = int(step), int(most), band
         self.rise = self.step if rise is None else int(rise)
         self.grid = list(range(0, self.most + 1, self.step))
         self.percent = 0
+        self.shares = tuple(shares) if shares else (POOL_SHARE_OF_COPY,)
+        self.level = max([0] + [i for i, v in enumerate(self.shares) if v <= POOL_SHARE_OF_COPY])
         self._seen = None
 
+    @property
+    def share_of_copy(self) -> float:
+        return float(self.shares[self.level])
+
     @classmethod
-    def modelled(cls) -> "SurePercent":
-        return cls(SURE_AUTO_STEP, SURE_MODEL_MAX, SURE_MODEL_BAND, SURE_MODEL_RISE)
+    def modelled(cls, share_of_copy: float | None = None) -> "SurePercent":
+        """STRATA_POOL_SURE=model's, with the budget fixed at `share_of_copy` (default
+        share.POOL_SHARE_OF_COPY)."""
+        return cls(SURE_AUTO_STEP, SURE_MODEL_MAX, SURE_MODEL_BAND, SURE_MODEL_RISE,
+                   shares=None if share_of_copy is None else (share_of_copy,))
 
     def record(self, seq: int, pool_ms: float, wait_ms: float, units: float = 0.0,
                costs=None) -> int:
@@ -295,9 +356,15 @@ class SurePercent:
         share = pool_ms / window_ms
         if self.band[0] <= share <= self.band[1]:
             return self.percent
-        if costs is None:  # a step towards the band
-            step = self.step if share < self.band[0] else -self.step
-            self.percent = min(self.most, max(0, self.percent + step))
+        if costs is None:  # a step towards the band: the budget's first going up, last down
+            top = len(self.shares) - 1
+            if share < self.band[0] and self.level < top:
+                self.level += 1
+            elif share > self.band[1] and self.percent == 0 and self.level > 0:
+                self.level -= 1
+            else:
+                step = self.step if share < self.band[0] else -self.step
+                self.percent = min(self.most, max(0, self.percent + step))
             return self.percent
         modelled = np.asarray(costs(self.grid), dtype=np.float64)  # [grid] row units
         now = modelled[self.grid.index(self.percent)] if self.percent in self.grid else 0.0
@@ -552,10 +619,16 @@ class PromptStreamer:
         self._image_bytes: np.ndarray | None = None  # [L] of an expert's image (made by _build)
         self.timelines: list[WindowTimeline] = []  # with timeline on: one per streamed window
         sure = pool_sure_setting()
-        self.sure_auto = (SurePercent() if sure == "auto" else SurePercent.modelled()
-                          if sure == "model" else None)  # (build_vram_arena)
+        # (build_vram_arena drops sure_auto with the tier frozen: fixed_share then)
+        self.sure_auto, self.fixed_share = pool_follower(sure, pool_budget_setting())
         self.sure_model = sure == "model"
         self.sure_percent = 0 if isinstance(sure, str) else sure
+
+    @property
+    def pool_share_of_copy(self) -> float:
+        """The pool's budget for a streamed window's rare experts, in copy times of the layer's
+        copied experts (share.prompt_pool_budget): SurePercent's step, else fixed."""
+        return self.fixed_share if self.sure_auto is None else self.sure_auto.share_of_copy
 
     # ---- between windows ----------------------------------------------------------------
     def before_window(self, num_rows: int) -> None:
@@ -570,16 +643,16 @@ class PromptStreamer:
 
     def _follow_pool(self, num_rows: int) -> None:
         """STRATA_POOL_SURE=auto, before a streamed window (and before the arena's where table,
-        so that the table and run() leave the same experts): the percent after the last
-        streamed window the pool served (SurePercent; with STRATA_POOL_SURE=model, modelled on
-        that window's rows)."""
+        so that the table and run() leave the same experts): the percent and the rare experts'
+        budget after the last streamed window the pool served (SurePercent; with
+        STRATA_POOL_SURE=model, the percent modelled on that window's rows)."""
         stats = self.arena.pool.last_stats if self.arena.pool is not None else None
         if self.sure_auto is None or stats is None or not self.pools_rare(num_rows):
             return
         from strata.backends.cuda.share import POOL_MAX_ROWS
 
         if stats.num_rows > POOL_MAX_ROWS and self.pools_rare(stats.num_rows):
-            before = self.sure_percent
+            before = self.sure_percent, self.pool_share_of_copy
             units, costs = 0.0, None
             if getattr(self, "sure_model", False):  # STRATA_POOL_SURE=model
                 expert_rows = sure_model_expert_rows()
@@ -588,11 +661,13 @@ class PromptStreamer:
                                           expert_rows=expert_rows)
             self.sure_percent = self.sure_auto.record(stats.seq, stats.pool_ms, stats.wait_ms,
                                                       units, costs)
-            if self.sure_percent != before:
+            if (self.sure_percent, self.pool_share_of_copy) != before:
                 log.info("prompt streaming: the pool computed %.1f of %.1f ms of the last "
-                         "window; STRATA_POOL_SURE=%s now leaves it %d%% of the sure experts",
+                         "window; STRATA_POOL_SURE=%s now leaves it %d%% of the sure experts, "
+                         "and its budget for the rare ones is %.2f x the layer's copy time",
                          stats.pool_ms, stats.pool_ms + stats.wait_ms,
-                         "model" if costs is not None else "auto", self.sure_percent)
+                         "model" if costs is not None else "auto", self.sure_percent,
+                         self.pool_share_of_copy)
 
     def sure_costs(self, num_rows: int, percents, expert_rows: float) -> np.ndarray:
         """[len(percents)]: the pool's modelled row units of the sure experts a window of
