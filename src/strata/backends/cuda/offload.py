@@ -224,7 +224,9 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
         arena.streamer.sure_auto = None
         log.info("STRATA_POOL_SURE=auto (the default): the tier is frozen (--adapt-every 0, "
                  "deterministic greedy output), so the CPU pool takes none of the experts a "
-                 "prompt chunk copies (STRATA_POOL_SURE=P: a fixed share of them)")
+                 "prompt chunk copies (STRATA_POOL_SURE=P: a fixed share of them), and its "
+                 "budget for the rare ones stays at %.2f x the layer's copy time "
+                 "(STRATA_POOL_BUDGET=S sets it)", arena.streamer.pool_share_of_copy)
     log.info("VRAM expert cache: %d slots of %d bytes (%.2f GiB; %.2f GiB free for it), %d "
              "experts pinned in RAM (%.2f GiB); misses: %s", n, slot_bytes,
              n * slot_bytes / 2**30, room / 2**30, total, host.nbytes / 2**30,
