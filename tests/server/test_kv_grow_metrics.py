@@ -66,3 +66,42 @@ def test_the_pcie_share_gauge_of_pcie_frac_auto(tmp_path, monkeypatch):
         assert shares() == {"1": 0.3, "2": 0.3, "4": 0.3, "8": 0.3, "16": 0.3}
         tuner._classes[4].share = 0.425
         assert shares()["4"] == 0.425
+
+
+def test_the_stream_pool_gauges_follow_the_streamer(tmp_path, monkeypatch):
+    """A GPU arena's prompt streamer with a CPU pool: the sure percent and the rare experts'
+    budget as /metrics shows them, read at scrape time (stood in for as above, with the real
+    stream.SurePercent moving the budget); none without a pool."""
+    from types import SimpleNamespace
+
+    from strata.backends.cuda.share import POOL_SHARE_OF_COPY
+    from strata.backends.cuda.stream import PromptStreamer, pool_follower
+
+    path = tmp_path / "tiny.gguf"
+    synth_model(path, shape="tiny", weight_type="f32", seed=3)
+    with Engine(EngineConfig(path, n_ctx=512, expert_cache=12)) as engine:
+        arena = engine.expert_tier.arena
+        monkeypatch.setattr(arena, "misses_on_gpu", True, raising=False)
+        streamer = PromptStreamer.__new__(PromptStreamer)  # what the gauges read, no device
+        streamer.streamed_bytes = streamer.num_left = streamer.num_pulled = 0
+        streamer.sure_auto, streamer.fixed_share = pool_follower("auto", "auto")
+        streamer.sure_percent = 0
+        monkeypatch.setattr(arena, "streamer", streamer, raising=False)
+        monkeypatch.setattr(arena, "model", SimpleNamespace(tier=None), raising=False)
+        streamer.arena = arena
+        registry = CollectorRegistry()
+        registry.register(ExpertCacheCollector(lambda: engine.expert_tier))
+
+        def gauges():
+            return {s.name: s.value for family in registry.collect() for s in family.samples
+                    if s.name.startswith("strata_expert_stream_pool_")}
+
+        assert gauges() == {}  # no pool
+        monkeypatch.setattr(arena, "pool", object(), raising=False)
+        assert gauges() == {"strata_expert_stream_pool_sure_percent": 0,
+                            "strata_expert_stream_pool_budget": POOL_SHARE_OF_COPY}
+        streamer.sure_auto.record(1, 10.0, 90.0)  # the pool at 10% of a window: a step up
+        streamer.sure_percent = 20
+        assert gauges() == {"strata_expert_stream_pool_sure_percent": 20,
+                            "strata_expert_stream_pool_budget": streamer.sure_auto.share_of_copy}
+        assert streamer.sure_auto.share_of_copy > POOL_SHARE_OF_COPY

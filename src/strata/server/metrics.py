@@ -208,6 +208,15 @@ class ExpertCacheCollector:
                                "chunk routed many rows to that the GPU copied into staging once "
                                "the routing was known, instead of reading them per row tile",
                                streamer.pulled)
+                if getattr(tier.arena, "pool", None) is not None:  # the pool's prompt share
+                    yield _gauge("strata_expert_stream_pool_sure_percent", "Percent of the "
+                                 "experts a prompt chunk would copy that it leaves to the CPU "
+                                 "pool instead (STRATA_POOL_SURE; auto moves it)",
+                                 streamer.sure_percent)
+                    yield _gauge("strata_expert_stream_pool_budget", "The CPU pool's budget "
+                                 "per layer for a prompt chunk's rare experts, in copy times "
+                                 "of the layer's copied experts (STRATA_POOL_BUDGET; auto "
+                                 "moves it)", streamer.pool_share_of_copy)
                 yield from guess_metrics(getattr(tier.arena.model, "tier", None))
         yield _gauge("strata_expert_cache_hit_rate", "Share of routed entries served by the "
                      "cache since start-up", t.hit_rate)
