@@ -233,6 +233,21 @@ def test_window_timeline_sums_each_layers_spans():
     assert (t.grouping, t.pool) == (0.3 + 0.5, 0.25)
     assert (t.guess, t.pulls, t.publish) == (0.25, 0.0, 0.25)
     assert "0.8 ms in the tier's launches after the grouping" in t.describe()
+    assert t.faults == -1 and "page faults" not in t.describe()  # none counted
+    t = WindowTimeline.measure(512, [0, 1, 2], lambda a, b: times[b] - times[a], 3 * 2**30,
+                               faults=3034)
+    assert t.describe().endswith("; 3034 minor page faults in the process since the last "
+                                 "timed window")
+
+
+def test_minor_faults_count_the_pages_the_process_touches_first():
+    from strata.backends.cuda.stream import minor_faults
+
+    before = minor_faults()
+    pages = np.empty(64 << 20, dtype=np.uint8)  # 64 MiB, untouched until filled
+    pages[::4096] = 1
+    # 16,384 small pages, or (numpy asks for huge pages for big arrays) at least 32 huge ones
+    assert minor_faults() - before >= 32
 
 
 def test_no_streamed_layer_is_the_plain_list():

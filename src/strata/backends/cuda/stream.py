@@ -514,6 +514,15 @@ def stream_schedule(num_launches: int, spans, runs: dict[int, list[tuple[int, in
     return ops
 
 
+def minor_faults() -> int:
+    """The process's minor page faults so far (getrusage), -1 where the platform has none."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return -1
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
 @dataclass(frozen=True)
 class WindowTimeline:
     """Where a streamed window's time went, from its timing events (ms; `STRATA_STREAM_TIMELINE`
@@ -524,7 +533,9 @@ class WindowTimeline:
     last copy to the end; `grouping` (the tier's launches after each layer's grouping), of it
     `guess` (the wait for the guessed copies), `pulls` (pull_rare) and `publish` (the rows to
     the pool), and `pool` (the combine with the pool's y, its wait for the pool included),
-    summed over the streamed layers."""
+    summed over the streamed layers; `faults`, the process's minor page faults since the last
+    timed window (or the streamer's start), -1 where unknown (the first windows' pool ran
+    slower, docs/offload.md "Session 81": its kept blocks fault in as its calls grow)."""
 
     rows: int
     total: float
@@ -540,9 +551,11 @@ class WindowTimeline:
     guess: float = 0.0
     pulls: float = 0.0
     publish: float = 0.0
+    faults: int = -1
 
     @classmethod
-    def measure(cls, rows: int, layers: list[int], elapsed, copied_bytes: int) -> "WindowTimeline":
+    def measure(cls, rows: int, layers: list[int], elapsed, copied_bytes: int,
+                faults: int = -1) -> "WindowTimeline":
         """`elapsed(a, b)` = ms from key a's record to key b's (keys without the leading "t")."""
         at = lambda *key: elapsed(("start",), key)  # noqa: E731
         held = sum(at("copy", b) - at("copied", a) for a, b in zip(layers, layers[1:]))
@@ -562,7 +575,7 @@ class WindowTimeline:
                    sum(elapsed(("go", j), ("done", j)) for j in layers),
                    at("end") - at("copied", layers[-1]), copied_bytes,
                    span("grouping"), span("pool"), span("guess"), span("pulls"),
-                   span("publish"))
+                   span("publish"), faults)
 
     def describe(self) -> str:
         rate = self.copied_bytes / max(self.copying, 1e-6) / 1e6  # GB/s
@@ -574,7 +587,9 @@ class WindowTimeline:
                 f"({self.guess:.1f} waiting for the guessed copies, {self.pulls:.1f} pulling, "
                 f"{self.publish:.1f} publishing rows to the pool), {self.pool:.1f} ms combining "
                 f"with the pool (its wait); first experts at {self.fill:.1f} ms, "
-                f"{self.tail:.1f} ms after the last copy")
+                f"{self.tail:.1f} ms after the last copy"
+                + (f"; {self.faults} minor page faults in the process since the last timed "
+                   "window" if self.faults >= 0 else ""))
 
 
 class PromptStreamer:
@@ -618,6 +633,7 @@ class PromptStreamer:
         self.timeline = os.environ.get(ENV_TIMELINE, "0") == "1"
         self._image_bytes: np.ndarray | None = None  # [L] of an expert's image (made by _build)
         self.timelines: list[WindowTimeline] = []  # with timeline on: one per streamed window
+        self._faults = minor_faults() if self.timeline else -1  # at the last timed window
         sure = pool_sure_setting()
         # (build_vram_arena drops sure_auto with the tier frozen: fixed_share then)
         self.sure_auto, self.fixed_share = pool_follower(sure, pool_budget_setting())
@@ -958,9 +974,12 @@ class PromptStreamer:
         """Wait for the window and log its WindowTimeline (timeline on)."""
         marks[("t", "end")].synchronize()
         layers = sorted(key[2] for key in marks if key[1] == "go")
+        faults = minor_faults()
         t = WindowTimeline.measure(
             rows, layers, lambda a, b: cuda_driver.elapsed_ms(marks[("t",) + a],
-                                                              marks[("t",) + b]), copied_bytes)
+                                                              marks[("t",) + b]), copied_bytes,
+            faults - self._faults if faults >= 0 <= self._faults else -1)
+        self._faults = faults
         self.timelines.append(t)
         log.info("%s", t.describe())
 
