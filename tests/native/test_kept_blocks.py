@@ -79,3 +79,52 @@ def test_calls_on_several_threads_at_once_equal_the_same_calls_alone():
         assert len(runs) == 6
         for out in runs:
             assert np.array_equal(out, alone[i])
+
+
+_RESERVE_SCRIPT = """
+import resource, sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from helpers import random_weight
+from strata._native import kernels
+H, F, E, K, T, Q4_0 = 1024, 512, 8, 4, 256, 2
+rng = np.random.default_rng(0)
+mats = [[random_weight(rng, Q4_0, F, H), random_weight(rng, Q4_0, F, H),
+         random_weight(rng, Q4_0, H, F)] for _ in range(E)]
+ptrs = np.array([[m[p].ctypes.data for m in mats] for p in range(3)], dtype=np.uint64)
+x = rng.standard_normal((T, H)).astype(np.float32)
+experts = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+weights = rng.random((T, K)).astype(np.float32)
+out = np.zeros((T, H), np.float32)
+if sys.argv[1] == "reserve":
+    types = np.full((1, 3), Q4_0, np.int32)
+    kept = kernels.pool_reserve(T, H, F, K, np.ascontiguousarray(ptrs[None]), types,
+                                kernels.pool_row_bytes(types, H, F))
+    assert kept >= 8 << 20, kept  # G, U [1024, 512] and Y [1024, 1024] float32 at least
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+kernels.moe_ffn_ptrs(x, ptrs, Q4_0, Q4_0, Q4_0, F, experts, weights, out, allow_amx=True)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, float(out.sum()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="minor fault counts (Linux)")
+def test_the_pools_reserve_faults_its_calls_buffers_in_beforehand():
+    """kernels.pool_reserve (CpuPool.start): the kept blocks of a pool call of up to R rows are
+    faulted in before its first window, so that call faults few pages in, and its result is
+    the same. Each side in a fresh process (the kept blocks are the process's)."""
+    import subprocess
+    from pathlib import Path
+
+    runs = {}
+    for side in ("cold", "reserve"):
+        done = subprocess.run([sys.executable, "-c", _RESERVE_SCRIPT, side,
+                               str(Path(__file__).parent)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        faults, total = done.stdout.split()
+        runs[side] = (int(faults), float(total))
+    (cold, cold_sum), (reserved, reserved_sum) = runs["cold"], runs["reserve"]
+    assert reserved_sum == cold_sum
+    if cold < 1000:  # transparent huge pages for every allocation: few faults either way
+        pytest.skip(f"the cold call faulted only {cold} pages in")
+    assert reserved < cold / 4, runs

@@ -33,6 +33,13 @@ cdef extern from "pool_window.h" nogil:
         ST_CTL_EXITED "POOL_CTL_EXITED"
         ST_CTL_WORDS "POOL_CTL_WORDS"
 
+cdef extern from "moe_call.h" nogil:
+    int64_t st_moe_reserve(int64_t T, int H, int F, int E, int K,
+                           const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
+                           const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
+                           const uint8_t *const *down_ptrs, int down_type,
+                           int64_t down_row_bytes)
+
 
 cdef enum:
     ST_WHERE_CPU = 2                # the where table's code for "the CPU pool computes it"
@@ -59,6 +66,34 @@ def pool_row_bytes(types, int H, int F):
             qt = _check_type(int(types[layer, part]), "expert type")
             out[layer, part] = row_bytes(qt, H if part < 2 else F)
     return out
+
+
+def pool_reserve(int64_t rows, int H, int F, int K, pointers, types, row_bytes_table):
+    """Fault in the work buffers the pool's calls of up to `rows` rows take (moe.c's
+    st_moe_reserve, at layer 0's types; nothing is computed, no weight read): the bytes kept
+    for those calls, 0 when they are too big to keep. pointers uint64 [L, 3, E], types int32
+    [L, 3], row_bytes_table = pool_row_bytes(types, H, F). MemoryError when they cannot be
+    allocated."""
+    _check_array("pointers", pointers, np.uint64, 3)
+    _check_array("types", types, np.int32, 2)
+    _check_array("row_bytes_table", row_bytes_table, np.int64, 2)
+    if pointers.shape[0] < 1 or pointers.shape[1] != 3 or types.shape[0] != pointers.shape[0] \
+            or types.shape[1] != 3 or row_bytes_table.shape != types.shape:
+        raise ValueError(f"pointers must be [L, 3, E] with L >= 1, types and row_bytes_table "
+                         f"[L, 3]; got {pointers.shape}, {types.shape}, {row_bytes_table.shape}")
+    cdef int E = pointers.shape[2]
+    cdef const uint64_t[:, ::1] pv = pointers[0]                      # [3, E]
+    cdef int gt = types[0, 0], ut = types[0, 1], dt = types[0, 2]
+    cdef int64_t gb = row_bytes_table[0, 0], ub = row_bytes_table[0, 1]
+    cdef int64_t db = row_bytes_table[0, 2]
+    cdef int64_t kept
+    with nogil:
+        kept = st_moe_reserve(rows, H, F, E, K, <const uint8_t *const *>&pv[0, 0], gt, gb,
+                              <const uint8_t *const *>&pv[1, 0], ut, ub,
+                              <const uint8_t *const *>&pv[2, 0], dt, db)
+    if kept < 0:
+        raise MemoryError(f"the CPU pool's work buffers for {rows} rows could not be allocated")
+    return kept
 
 
 def pool_check_where(where, pointers):

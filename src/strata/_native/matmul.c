@@ -66,7 +66,6 @@ void *st_alloc64(size_t num_bytes) {
  * prompt, ~14,000-21,000 minor faults a 512-row call at Qwen3-30B-A3B's expert shape, ~800 now
  * (the activations' smaller buffers). Two blocks: the CPU pool keeps two layers' calls alive. */
 #define ST_KEPT_BLOCKS 2
-#define ST_KEPT_MAX_BYTES ((size_t)256 << 20)
 static struct { void *p; size_t bytes; } g_kept[ST_KEPT_BLOCKS];
 static atomic_flag g_kept_lock = ATOMIC_FLAG_INIT;
 

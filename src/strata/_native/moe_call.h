@@ -56,5 +56,13 @@ void st_moe_compute(moe_call *c);
 void st_moe_products(moe_call *c);
 void st_moe_sum(const moe_call *c, int64_t t0, int64_t t1, int set);
 void st_moe_teardown(moe_call *c);
+/* Fault in the kept blocks (matmul.c) a pool call of up to T rows takes (its buffers and,
+ * where the CPU has AMX, its packed activations), so that the first windows do not fault them
+ * in as their calls grow: the bytes kept, 0 when none would be (bigger than ST_KEPT_MAX_BYTES),
+ * -1 when they could not be allocated. */
+int64_t st_moe_reserve(int64_t T, int H, int F, int E, int K,
+                       const uint8_t *const *gate_ptrs, int gate_type, int64_t gate_row_bytes,
+                       const uint8_t *const *up_ptrs, int up_type, int64_t up_row_bytes,
+                       const uint8_t *const *down_ptrs, int down_type, int64_t down_row_bytes);
 /* The fewest rows an expert needs to take the AMX rows (8; STRATA_AMX_ROWS=N sets it). */
 int st_moe_amx_rows(void);

@@ -107,6 +107,7 @@ void *st_alloc64(size_t num_bytes);   /* 64-byte aligned, free() it (matmul.c) *
  * fits; hand it back with st_block_give(p, capacity), on any thread (matmul.c) */
 void *st_block_take(size_t bytes, size_t *capacity);
 void st_block_give(void *p, size_t capacity);
+#define ST_KEPT_MAX_BYTES ((size_t)256 << 20)   /* a bigger block handed back is freed */
 int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant);
 void st_act_free(st_act *a);
 /* st_act_alloc's buffers in one caller-owned range of st_act_bytes bytes (64-byte aligned;

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,6 +163,7 @@ class CpuPool:
             _log.warning("CPU pool: %s", warning)
         self._threads_before = kernels.get_num_threads()
         kernels.set_num_threads(self.threads)   # the loop's team takes this many at its start
+        self._reserve()
         ctl = self._ctl
         ctl[kernels.POOL_CTL_STOP] = ctl[kernels.POOL_CTL_EXITED] = 0
         ctl[kernels.POOL_CTL_SERVED] = ctl[kernels.POOL_CTL_SEQ]   # nothing left pending
@@ -169,6 +171,22 @@ class CpuPool:
         self._thread = threading.Thread(target=self._run, name="strata-cpu-pool", daemon=True)
         self._thread.start()
         return self
+
+    def _reserve(self) -> None:
+        """Fault in the work buffers of the pool's largest call now (kernels.pool_reserve), not
+        in its first windows' calls as they grow (docs/offload.md, "Session 81")."""
+        layout = self.exchange.layout
+        start = time.perf_counter()
+        try:
+            kept = kernels.pool_reserve(layout.max_rows, layout.hidden, self.expert_width,
+                                        layout.top_k, self.pointers, self.types, self.row_bytes)
+        except MemoryError as exc:  # the windows then allocate as they go, or fail clearly
+            _log.warning("CPU pool: %s; its calls allocate them as they go", exc)
+            return
+        if kept:
+            _log.info("CPU pool: %.0f MiB of work buffers for windows of up to %d rows faulted "
+                      "in (%.0f ms)", kept / 2**20, layout.max_rows,
+                      (time.perf_counter() - start) * 1e3)
 
     def submit(self, seq: int, num_rows: int) -> None:
         """Serve window `seq` (> 0, increasing) of `num_rows` rows: the pool waits for each
