@@ -33,7 +33,8 @@ log = logging.getLogger("strata.tier")
 # The least guessed rows that make a rare expert worth a copy (STRATA_GUESS_ROWS=N, 0 off).
 # 16: pp512 +9% on the skew-0 synth and a tie on the skew-1 one on an H100, where 8 gained
 # 11% and lost 2% (docs/offload.md, "Session 71"); fewer rows take more of the rare experts
-# from the CPU pool, which the skew-1 routing keeps busy.
+# from the CPU pool, which the skew-1 routing keeps busy. Under STRATA_POOL_BUDGET=auto 8 and 16
+# tie on skew 0 (4,863 / 4,862, medians of four rounds) and 8 loses on skew 1 (session 82).
 GUESS_MIN_ROWS = 16
 GUESS_MAX_EXPERTS = 512  # router.cu's predict_topk: 32 x PREDICT_MAX_E_LANE experts
 PREDICT_ROWS, PREDICT_WARPS = 8, 8  # router.cu's PREDICT_RT, PREDICT_WARPS
