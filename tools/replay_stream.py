@@ -3,12 +3,13 @@ copy (stream.rare_experts with the routing counts and, unless --no-hits, the sha
 that routed to each expert), with no GPU: per layer and window, the experts copied ahead, those
 copied but not routed (wasted link bytes), and the rare ones routed after all, split as the
 device would split them (the CPU pool within share.PROMPT_POOL_ROWS and the layer's budget,
-the fewest rows first, pull_rare past device_tier.PULL_MIN_ROWS rows, per-tile PCIe reads for
-the rest). `link` is the experts a layer moves over PCIe in all (copied + pulled + read). No
+the fewest rows first, pull_rare past device_tier.pull_min_rows() rows, per-tile PCIe reads
+for the rest). `link` is the experts a layer moves over PCIe in all (copied + pulled + read). No
 expert is cached.
 
 Usage: python tools/replay_stream.py TRACE [--cost 1.01] [--hit-cost 1.25] [--no-hits]
                                            [--warm 3] [--threads 15] [--pool-share 1.5]
+                                           [--pull-rows N]
 Session 46 (docs/offload.md, "Bursts"): on a trace of `strata bench -p 512 -n 0` over the
 synth qwen3-30b-a3b (routing skew 1) the counts alone copied 45.4 experts a layer, 13.2 of them
 not routed; with the share of windows 23.1 and 3.0.
@@ -17,7 +18,7 @@ import argparse
 
 import numpy as np
 
-from strata.backends.cuda.device_tier import PULL_MIN_ROWS
+from strata.backends.cuda.device_tier import pull_min_rows
 from strata.backends.cuda.share import (POOL_EXPERT_ROWS, POOL_SHARE_OF_COPY, PROMPT_POOL_ROWS,
                                         prompt_pool_budget)
 from strata.backends.cuda.stream import (HIT_REACH_COST, POOL_REACH_COST, HitShare,
@@ -34,10 +35,13 @@ def window_counts(path: str) -> np.ndarray:
     return counts
 
 
-def split_rare(rows: np.ndarray, rare: np.ndarray, budget: int) -> tuple[int, int, int]:
+def split_rare(rows: np.ndarray, rare: np.ndarray, budget: int,
+               pull_rows: int | None = None) -> tuple[int, int, int]:
     """(pooled, pulled, read) of one layer's routed rare experts as the device's count_groups
     splits them: the pool takes the fewest rows first (expert order among equal rows) within
-    its budget; rows [E] routed rows, rare [E] bool."""
+    its budget; pull_rare those of more than pull_rows rows (device_tier.pull_min_rows); rows
+    [E] routed rows, rare [E] bool."""
+    pull_rows = pull_min_rows() if pull_rows is None else pull_rows
     pooled = pulled = read = 0
     routed = np.flatnonzero(rare & (rows > 0))
     for e in routed[np.argsort(rows[routed], kind="stable")]:
@@ -45,7 +49,7 @@ def split_rare(rows: np.ndarray, rare: np.ndarray, budget: int) -> tuple[int, in
         if rows[e] <= PROMPT_POOL_ROWS and cost <= budget:
             budget -= cost
             pooled += 1
-        elif rows[e] > PULL_MIN_ROWS:
+        elif rows[e] > pull_rows:
             pulled += 1
         else:
             read += 1
@@ -64,6 +68,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--pool-share", type=float, default=POOL_SHARE_OF_COPY,
                     help="the pool's budget in copy times of the layer (share.POOL_SHARE_OF_COPY)")
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--pull-rows", type=int, default=None,
+                    help="rows past which pull_rare copies a rare expert (default "
+                         "device_tier.pull_min_rows(): STRATA_PULL_ROWS, else 0)")
     args = ap.parse_args(argv)
     counts = window_counts(args.trace)
     W, L, E = counts.shape
@@ -79,7 +86,8 @@ def main(argv=None) -> dict:
             rare = rare_experts(residency, routed, num_rows, K, args.cost, share, args.hit_cost)
             copied = ~rare
             budget = prompt_pool_budget(copied.sum(axis=1), args.threads, args.pool_share)
-            split = np.array([split_rare(c[layer], rare[layer], int(budget[layer]))
+            split = np.array([split_rare(c[layer], rare[layer], int(budget[layer]),
+                                         args.pull_rows)
                               for layer in range(L)])  # [L, 3]
             hit = c > 0
             rows_per_window.append([copied.sum(axis=1).mean(), (copied & ~hit).sum(axis=1).mean(),

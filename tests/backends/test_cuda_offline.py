@@ -170,6 +170,20 @@ def test_guess_rows_setting():
             guess_min_rows({"STRATA_GUESS_ROWS": bad})
 
 
+def test_pull_rows_setting():
+    """STRATA_PULL_ROWS: the rows past which pull_rare copies a rare expert the GPU reads
+    (device_tier.py; 0 by default: every one); anything else is refused with the value
+    named."""
+    from strata.backends.cuda.device_tier import PULL_MIN_ROWS, pull_min_rows
+    from strata.errors import ConfigError
+
+    assert pull_min_rows({}) == PULL_MIN_ROWS == 0
+    assert pull_min_rows({"STRATA_PULL_ROWS": " 32 "}) == 32
+    for bad in ("eight", "-1", "1.5"):
+        with pytest.raises(ConfigError, match=f"STRATA_PULL_ROWS={bad!r}"):
+            pull_min_rows({"STRATA_PULL_ROWS": bad})
+
+
 def test_attention_prompt_shared_memory_is_what_the_runtime_allows():
     """attention_prompt's two buffers of K/V tiles need more than the default 48 KB of dynamic
     shared memory at D = 128: the runtime raises the kernel's limit to exactly the most any

@@ -35,7 +35,7 @@ def test_the_share_of_windows_stops_copies_of_bursty_experts(tmp_path, capsys):
     # the counts copy every bursty expert (their mean is ~64 rows a window), 7 of them unread
     assert counts_only["copied"] == 32.0 and counts_only["wasted"] == 7.0
     assert with_hits["copied"] == 24.0 and with_hits["wasted"] == 0.0
-    # the routed burst is pulled into staging (past PULL_MIN_ROWS rows), once
+    # the routed burst is pulled into staging, once
     assert with_hits["pulled"] == 1.0 and with_hits["link"] == 25.0 < counts_only["link"]
 
 
@@ -46,8 +46,9 @@ def test_a_trace_shorter_than_the_warm_up_is_refused(tmp_path):
 
 
 def test_the_pools_budget_decides_who_reads_a_light_rare_expert(tmp_path):
-    """A burst of 20 rows: the pool takes it within its budget, else the products read it
-    over PCIe (one row tile, under PULL_MIN_ROWS); --pool-share 0 leaves the pool nothing."""
+    """A burst of 20 rows: the pool takes it within its budget, else pull_rare copies it (the
+    default, every rare expert the GPU reads) or, past --pull-rows 32, the products read it
+    over PCIe (one row tile); --pool-share 0 leaves the pool nothing."""
     L, E, K, R = 1, 32, 8, 512
     path = str(tmp_path / "light.trace")
     with TraceWriter(path, L, E) as trace:
@@ -58,19 +59,22 @@ def test_the_pools_budget_decides_who_reads_a_light_rare_expert(tmp_path):
             counts[:, 16:] = (R * K - counts.sum(axis=1, keepdims=True)) // 16
             trace.record_counts(w, counts)
     none = replay_stream.main([path, "--warm", "8", "--pool-share", "0"])
+    read = replay_stream.main([path, "--warm", "8", "--pool-share", "0", "--pull-rows", "32"])
     kept = replay_stream.main([path, "--warm", "8"])
-    assert none["pooled"] == 0.0 and none["read"] == 1.0
+    assert none["pooled"] == 0.0 and (none["pulled"], none["read"]) == (1.0, 0.0)
+    assert read["pooled"] == 0.0 and (read["pulled"], read["read"]) == (0.0, 1.0)
     assert kept["pooled"] == 1.0 and kept["read"] == 0.0 and kept["link"] == none["link"] - 1
 
 
 def test_the_pools_budget_goes_to_the_fewest_rows_first():
     """Four routed rare experts of 30, 3, 20 and 1 rows, a budget of 12 row units (an expert
     costs POOL_EXPERT_ROWS + its rows): the pool takes the 1- and 3-row ones (3 + 5 units),
-    not the 30-row one that comes first; the 20-row one is read per tile, the 30-row one too
-    (both at most PULL_MIN_ROWS)."""
+    not the 30-row one that comes first; the other two are pulled, or with a pull threshold
+    of 32 rows read per tile (both at most 32)."""
     rows = np.zeros(8)
     rows[[1, 2, 4, 6]] = [30, 3, 20, 1]
     rare = np.ones(8, dtype=bool)
-    assert replay_stream.split_rare(rows, rare, 12) == (2, 0, 2)
-    assert replay_stream.split_rare(rows, rare, 7) == (1, 0, 3)  # the 1-row one only
-    assert replay_stream.split_rare(rows, rare, 0) == (0, 0, 4)
+    assert replay_stream.split_rare(rows, rare, 12) == (2, 2, 0)
+    assert replay_stream.split_rare(rows, rare, 12, 32) == (2, 0, 2)
+    assert replay_stream.split_rare(rows, rare, 7, 32) == (1, 0, 3)  # the 1-row one only
+    assert replay_stream.split_rare(rows, rare, 0, 25) == (0, 1, 3)  # the 30-row one pulled

@@ -17,11 +17,17 @@ from strata.errors import ConfigError
 log = logging.getLogger("strata.tier")
 
 WHERE_VRAM, WHERE_PCIE, WHERE_CPU = 0, 1, 2  # as backends/cuda/exchange.py
-# A streamed window's rare expert that the pool does not take is read over PCIe by the grouped
-# products once per 32-row tile; with more rows than one tile, pull_rare copies it into its
-# staging slot first (one read). PULL_CHUNKS blocks share one expert's bytes.
-PULL_MIN_ROWS = 32
+# A streamed window's rare expert that the pool does not take and that has more than
+# PULL_MIN_ROWS rows is copied into its staging slot by pull_rare once the layer's routing is
+# known (one read, 16-byte words, PULL_CHUNKS blocks an expert); the others are read over PCIe
+# by the grouped products, once per 32-row tile. 0 (session 83; 32, one row tile, before): every
+# one is pulled, since the products' reads of an expert's tile wait on the link a load at a
+# time where pull_rare keeps it busy: pp512 with no cache, skew-0 synth, H100 hosts, ahead in 6
+# of 6 alternating rounds by 1-4% (medians 4,965 against 4,905 in one call), even on the
+# skew-1 synth (docs/offload.md, "Session 83"). STRATA_PULL_ROWS=N sets it (pull_min_rows).
+PULL_MIN_ROWS = 0
 PULL_CHUNKS = 16
+
 # Read-ahead (enable_read_ahead; offload.cu's read_ahead): experts staged per layer and window,
 # at most READ_AHEAD_MAX; a score's decay per window (0.5: the last token's experts outrank
 # every older one, and of those the ones the tokens before chose too); blocks per expert.
@@ -29,6 +35,20 @@ READ_AHEAD_EXPERTS = 1
 READ_AHEAD_MAX = 4
 READ_AHEAD_DECAY = 0.5
 READ_AHEAD_CHUNKS = 32  # H200, tg64 at share 0.3: 78.1 / 79.3 tokens/s against 73.6 / 75.9 at 16
+
+
+def pull_min_rows(env=None) -> int:
+    """STRATA_PULL_ROWS: the rows past which pull_rare copies a streamed window's rare expert
+    into staging instead of the products reading it over PCIe (default PULL_MIN_ROWS)."""
+    env = os.environ if env is None else env
+    text = env.get("STRATA_PULL_ROWS", "").strip()
+    if not text:
+        return PULL_MIN_ROWS
+    if not text.isdigit():
+        raise ConfigError(f"STRATA_PULL_ROWS={text!r}: give a whole number of rows >= 0 (0: "
+                          "every rare expert the GPU reads is pulled into staging; e.g. 32: "
+                          "only those of more than one row tile)")
+    return int(text)
 
 
 class DeviceTier:
@@ -405,7 +425,7 @@ class DeviceTier:
             at = len(plan.launches)
             plan._add("pull_rare", (PULL_CHUNKS, E), (256,), "PPPiiiPPPPPPP",
                       [self.counts_ptr(layer), self.where_ptr(layer), self.win_ptr(layer), E,
-                       layer, PULL_MIN_ROWS, int(self._pull_base), host_base, slot_bytes,
+                       layer, pull_min_rows(), int(self._pull_base), host_base, slot_bytes,
                        int(image[layer]), int(part_off), self.model.expert_tables_ptr,
                        int(self._pulled)])
             plan.mark_span("pulls", layer, at)
