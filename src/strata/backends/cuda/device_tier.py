@@ -22,9 +22,9 @@ WHERE_VRAM, WHERE_PCIE, WHERE_CPU = 0, 1, 2  # as backends/cuda/exchange.py
 # known (one read, 16-byte words, PULL_CHUNKS blocks an expert); the others are read over PCIe
 # by the grouped products, once per 32-row tile. 0 (session 83; 32, one row tile, before): every
 # one is pulled, since the products' reads of an expert's tile wait on the link a load at a
-# time where pull_rare keeps it busy: pp512 with no cache, skew-0 synth, H100 hosts, ahead in 6
-# of 6 alternating rounds by 1-4% (medians 4,965 against 4,905 in one call), even on the
-# skew-1 synth (docs/offload.md, "Session 83"). STRATA_PULL_ROWS=N sets it (pull_min_rows).
+# time where pull_rare keeps it busy: pp512 with no cache on H100 hosts, skew-0 synth ahead in
+# 8 of 8 alternating rounds (median 4,935 against 4,848), skew-1 even (5,692 against 5,671;
+# docs/offload.md, "Session 83"). STRATA_PULL_ROWS=N sets it (pull_min_rows).
 PULL_MIN_ROWS = 0
 PULL_CHUNKS = 16
 
