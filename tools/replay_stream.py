@@ -83,7 +83,8 @@ def main(argv=None) -> dict:
         num_rows = int(round(c.sum(axis=1).max() / K))
         if w >= args.warm:
             share = None if args.no_hits else hits.share()
-            rare = rare_experts(residency, routed, num_rows, K, args.cost, share, args.hit_cost)
+            rare = rare_experts(residency, routed, num_rows, K, args.cost, share, args.hit_cost,
+                                cold_rare=True)  # the pool's path (stream.COLD_LAYERS_RARE)
             copied = ~rare
             budget = prompt_pool_budget(copied.sum(axis=1), args.threads, args.pool_share)
             split = np.array([split_rare(c[layer], rare[layer], int(budget[layer]),

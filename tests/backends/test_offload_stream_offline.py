@@ -410,6 +410,38 @@ def test_the_streamer_counts_streamed_windows_and_uses_their_share_where_the_poo
     assert np.array_equal(streamer.rare_for(R), by_counts) and not by_counts[0, :7].any()
 
 
+def test_a_layer_with_no_routing_seen_leaves_every_missing_expert_rare_where_the_pool_serves():
+    """With all-zero counts every expert's chance is the same, high enough to copy them all:
+    with a CPU pool such a layer (a fresh server's first prompt window, no profile) leaves
+    every missing expert rare, resident ones not; a layer with counts keeps the counts' rule;
+    without a pool nothing is rare; past RARE_MAX_ROWS nothing either."""
+    from types import SimpleNamespace
+
+    from strata.backends.cuda.stream import (POOL_REACH_COST, RARE_MAX_ROWS, HitShare,
+                                             PromptStreamer)
+
+    L, E, R, K = 2, 16, 512, 8
+    residency = np.full((L, E), -1, dtype=np.int32)
+    residency[0, :3] = [5, 6, 7]  # resident: never rare
+    streamer = PromptStreamer.__new__(PromptStreamer)  # the decisions only: no device
+    streamer.min_rows, streamer.num_layers, streamer._top_k = 256, L, K
+    streamer._routed, streamer._hits = np.zeros((L, E)), HitShare(L, E)
+    streamer.sure_percent = 0
+    table = SimpleNamespace(peek=lambda: SimpleNamespace(table=residency))
+    streamer.arena = SimpleNamespace(pool=object(), table=table)
+    assert not rare_experts(residency, streamer._routed, R, K, POOL_REACH_COST).any()
+    assert np.array_equal(streamer.rare_for(R), residency < 0)
+    assert not streamer.rare_for(RARE_MAX_ROWS + 1).any()
+    streamer._routed[1, :8] = 1_000.0  # layer 1 has seen routing: the counts decide there
+    rare = streamer.rare_for(R)
+    assert np.array_equal(rare[0], residency[0] < 0)
+    by_counts = rare_experts(residency, streamer._routed, R, K, POOL_REACH_COST)
+    assert np.array_equal(rare[1], by_counts[1]) and rare[1, 8:].all() and not rare[1, :8].any()
+    streamer._routed[1] = 0.0
+    streamer.arena.pool = None  # no pool: a rare expert would cost per-tile reads
+    assert not streamer.rare_for(R).any()
+
+
 def test_sure_experts_left_to_the_pool_are_the_fewest_expected_rows_of_the_copied_ones():
     """sure_for_pool (STRATA_POOL_SURE): per layer the given percent of the experts a window
     copies (missing, not rare), the fewest expected rows first, none above the rows cap; their

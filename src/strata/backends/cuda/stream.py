@@ -74,6 +74,15 @@ COUNT_HALF_LIFE_ROWS = 4096
 # 44.3); a cost of 1.01 gave 4,890-5,017, 1.43 5,183 / 5,199, 1.67 5,118.
 HIT_DECAY = 0.8
 HIT_REACH_COST = 1.25
+# COLD_LAYERS_RARE: a layer whose counts are still all zero (a fresh server with no profile
+# to seed them: its first prompt window) gives every expert the same chance, which at
+# POOL_REACH_COST copies them all. With a CPU pool every missing expert of such a layer is left
+# rare instead: the guessed copies, pull_rare and the pool then bring only what the window
+# routes to. Measured on an H100 host (synth qwen3-30b-a3b Q4_0, routing skew 0, no expert
+# cached, docs/offload.md, "Session 84"): that first 512-row window took 125-130 ms instead
+# of 295 ms copying all 15.5 GiB (105-115 ms on the skew-1 synth); the later windows alike.
+# STRATA_COLD_RARE=0 turns it off (read at import).
+COLD_LAYERS_RARE = os.environ.get("STRATA_COLD_RARE", "1") != "0"
 # STRATA_POOL_SURE=S (percent of a layer's copies, 0 off; or auto, below): a streamed
 # window whose pool takes rare experts also leaves to the pool S% of each layer's sure experts
 # (those it would copy), the fewest expected rows first (at most share.PROMPT_POOL_ROWS), and
@@ -184,14 +193,15 @@ def streamed_layers(residency: np.ndarray) -> list[int]:
 
 def rare_experts(residency: np.ndarray, routed: np.ndarray, num_rows: int, top_k: int,
                  reach_cost: float | None = None, hit_share: np.ndarray | None = None,
-                 hit_cost: float | None = None) -> np.ndarray:
+                 hit_cost: float | None = None, cold_rare: bool = False) -> np.ndarray:
     """[L, E] bool: the missing experts a streamed window of `num_rows` rows leaves at their
     host copies (read over PCIe from inside the kernels if routed after all): those whose chance
     of being read, times `reach_cost` (None: REACH_COST), is below 1. Expected rows of expert e:
     (routed[e] + 1) / (sum(routed) + E) x num_rows x top_k, from `routed` [L, E] (decayed pairs),
     so that with few counts no expert looks rare. With `hit_share` [L, E] (the share of recent
     streamed windows that routed to each expert, HitShare) the chance is the lower of the two
-    and the cost `hit_cost` (None: HIT_REACH_COST)."""
+    and the cost `hit_cost` (None: HIT_REACH_COST). `cold_rare`: a layer whose counts are all
+    zero leaves every missing expert (COLD_LAYERS_RARE: where a CPU pool serves the window)."""
     from strata.backends.cuda.share import expected_reads
 
     routed = np.asarray(routed, dtype=np.float64)
@@ -202,7 +212,11 @@ def rare_experts(residency: np.ndarray, routed: np.ndarray, num_rows: int, top_k
     if hit_share is not None:
         reads = np.minimum(reads, hit_share)
         cost = HIT_REACH_COST if hit_cost is None else float(hit_cost)
-    return (np.asarray(residency) < 0) & (reads * cost < 1.0)
+    rare = (np.asarray(residency) < 0) & (reads * cost < 1.0)
+    if cold_rare:
+        cold = ~routed.any(axis=1)  # [L] no routing seen
+        rare[cold] = np.asarray(residency)[cold] < 0
+    return rare
 
 
 def _sure_order(residency: np.ndarray, routed: np.ndarray, rare: np.ndarray, num_rows: int,
@@ -420,7 +434,8 @@ def seeded_counts(rows: np.ndarray, top_k: int) -> np.ndarray:
     """[L, E] decayed pairs to start from, from a profile's `rows` [L, E]: each layer's rows
     shared out over the counts' steady state, COUNT_HALF_LIFE_ROWS x top_k / ln 2 pairs (the
     sum of top_k pairs a row halved every COUNT_HALF_LIFE_ROWS rows); a layer the profile saw
-    nothing of stays at zero (no expert of it looks rare)."""
+    nothing of stays at zero (PromptStreamer.left_for: every expert of it rare with a pool,
+    none without)."""
     rows = np.asarray(rows, dtype=np.float64)
     total = rows.sum(axis=1, keepdims=True)  # [L, 1]
     steady = COUNT_HALF_LIFE_ROWS * int(top_k) / math.log(2)
@@ -733,7 +748,8 @@ class PromptStreamer:
             return none, none, np.zeros(self.num_layers)
         hits = self._hits.share() if self.pools_rare(num_rows) else None
         rare = rare_experts(residency, self._routed, num_rows, self._top_k,
-                            self._reach_cost(num_rows), hits)
+                            self._reach_cost(num_rows), hits,
+                            cold_rare=COLD_LAYERS_RARE and self.pools_rare(num_rows))
         if not (self.sure_percent and self.pools_rare(num_rows)):
             return rare, none, np.zeros(self.num_layers)
         from strata.backends.cuda.share import PROMPT_POOL_ROWS
