@@ -365,22 +365,32 @@ def test_a_burst_of_rows_does_not_make_an_expert_sure_to_be_read():
     assert by_counts[0, 7] and with_hits[0, 7]  # never routed: rare either way
 
 
-def test_the_streamer_counts_streamed_windows_and_uses_their_share_where_the_pool_serves():
-    """account() adds a window to the share of windows only when it streams and may leave
-    experts (STREAM_MIN_ROWS..RARE_MAX_ROWS rows); rare_for() uses the share from the second
-    such window on, in windows the CPU pool serves; without a pool the counts alone decide."""
+def _deciding_streamer(residency: np.ndarray, top_k: int):
+    """A PromptStreamer with only what its decisions read (no device): zero counts, no share
+    of windows yet, a CPU pool attached, `residency` [L, E] the published table."""
     from types import SimpleNamespace
 
-    from strata.backends.cuda.stream import POOL_REACH_COST, HitShare, PromptStreamer
+    from strata.backends.cuda.stream import HitShare, PromptStreamer
 
-    L, E, R, K = 1, 16, 512, 8
-    residency = np.full((L, E), -1, dtype=np.int32)
-    streamer = PromptStreamer.__new__(PromptStreamer)  # the decisions only: no device
-    streamer.min_rows, streamer.num_layers, streamer._top_k = 256, L, K
+    L, E = residency.shape
+    streamer = PromptStreamer.__new__(PromptStreamer)
+    streamer.min_rows, streamer.num_layers, streamer._top_k = 256, L, top_k
     streamer._routed, streamer._hits = np.zeros((L, E)), HitShare(L, E)
     streamer.sure_percent = 0
     table = SimpleNamespace(peek=lambda: SimpleNamespace(table=residency))
     streamer.arena = SimpleNamespace(pool=object(), table=table)
+    return streamer
+
+
+def test_the_streamer_counts_streamed_windows_and_uses_their_share_where_the_pool_serves():
+    """account() adds a window to the share of windows only when it streams and may leave
+    experts (STREAM_MIN_ROWS..RARE_MAX_ROWS rows); rare_for() uses the share from the second
+    such window on, in windows the CPU pool serves; without a pool the counts alone decide."""
+    from strata.backends.cuda.stream import POOL_REACH_COST
+
+    L, E, R, K = 1, 16, 512, 8
+    residency = np.full((L, E), -1, dtype=np.int32)
+    streamer = _deciding_streamer(residency, K)
 
     def window(burst, rows=R):  # experts 0-3 every window, 4 + burst in this one, 8.. spread
         pairs = np.zeros((L, E))
@@ -415,20 +425,12 @@ def test_a_layer_with_no_routing_seen_leaves_every_missing_expert_rare_where_the
     with a CPU pool such a layer (a fresh server's first prompt window, no profile) leaves
     every missing expert rare, resident ones not; a layer with counts keeps the counts' rule;
     without a pool nothing is rare; past RARE_MAX_ROWS nothing either."""
-    from types import SimpleNamespace
-
-    from strata.backends.cuda.stream import (POOL_REACH_COST, RARE_MAX_ROWS, HitShare,
-                                             PromptStreamer)
+    from strata.backends.cuda.stream import POOL_REACH_COST, RARE_MAX_ROWS
 
     L, E, R, K = 2, 16, 512, 8
     residency = np.full((L, E), -1, dtype=np.int32)
     residency[0, :3] = [5, 6, 7]  # resident: never rare
-    streamer = PromptStreamer.__new__(PromptStreamer)  # the decisions only: no device
-    streamer.min_rows, streamer.num_layers, streamer._top_k = 256, L, K
-    streamer._routed, streamer._hits = np.zeros((L, E)), HitShare(L, E)
-    streamer.sure_percent = 0
-    table = SimpleNamespace(peek=lambda: SimpleNamespace(table=residency))
-    streamer.arena = SimpleNamespace(pool=object(), table=table)
+    streamer = _deciding_streamer(residency, K)
     assert not rare_experts(residency, streamer._routed, R, K, POOL_REACH_COST).any()
     assert np.array_equal(streamer.rare_for(R), residency < 0)
     assert not streamer.rare_for(RARE_MAX_ROWS + 1).any()
