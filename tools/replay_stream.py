@@ -3,22 +3,26 @@ copy (stream.rare_experts with the routing counts and, unless --no-hits, the sha
 that routed to each expert), with no GPU: per layer and window, the experts copied ahead, those
 copied but not routed (wasted link bytes), and the rare ones routed after all, split as the
 device would split them (the CPU pool within share.PROMPT_POOL_ROWS and the layer's budget,
-the fewest rows first, pull_rare past device_tier.pull_min_rows() rows, per-tile PCIe reads
-for the rest). `link` is the experts a layer moves over PCIe in all (copied + pulled + read). No
-expert is cached.
+the fewest rows first; of the rest, those of at least --guess-rows rows as guessed copies, an
+oracle of the device's guess (router.cu's predict_*, 96% of whose guesses are routed); pull_rare
+past device_tier.pull_min_rows() rows, per-tile PCIe reads for the rest). `link` is the experts
+a layer moves over PCIe in all (copied + guessed + pulled + read). No expert is cached. Also
+prints how the streamer's copies spread over the layers (the pool's budget comes from them).
 
 Usage: python tools/replay_stream.py TRACE [--cost 1.01] [--hit-cost 1.25] [--no-hits]
                                            [--warm 3] [--threads 15] [--pool-share 1.5]
-                                           [--pull-rows N]
+                                           [--pull-rows N] [--guess-rows 16]
 Session 46 (docs/offload.md, "Bursts"): on a trace of `strata bench -p 512 -n 0` over the
 synth qwen3-30b-a3b (routing skew 1) the counts alone copied 45.4 experts a layer, 13.2 of them
-not routed; with the share of windows 23.1 and 3.0.
+not routed; with the share of windows 23.1 and 3.0. Session 86 ("Session 86"): on the skew-0
+synth the copies spread 0 / 2 / 17 a layer (10th / 50th / 90th percentile).
 """
 import argparse
 
 import numpy as np
 
 from strata.backends.cuda.device_tier import pull_min_rows
+from strata.backends.cuda.guess import guess_min_rows
 from strata.backends.cuda.share import (POOL_EXPERT_ROWS, POOL_SHARE_OF_COPY, PROMPT_POOL_ROWS,
                                         prompt_pool_budget)
 from strata.backends.cuda.stream import (HIT_REACH_COST, POOL_REACH_COST, HitShare,
@@ -36,24 +40,28 @@ def window_counts(path: str) -> np.ndarray:
 
 
 def split_rare(rows: np.ndarray, rare: np.ndarray, budget: int,
-               pull_rows: int | None = None) -> tuple[int, int, int]:
-    """(pooled, pulled, read) of one layer's routed rare experts as the device's count_groups
-    splits them: the pool takes the fewest rows first (expert order among equal rows) within
-    its budget; pull_rare those of more than pull_rows rows (device_tier.pull_min_rows); rows
-    [E] routed rows, rare [E] bool."""
+               pull_rows: int | None = None, guess_rows: int = 0) -> tuple[int, ...]:
+    """(pooled, pulled, read), with guess_rows > 0 (pooled, guessed, pulled, read), of one
+    layer's routed rare experts as the device splits them: the pool takes the fewest rows first
+    (expert order among equal rows) within its budget (count_groups, guess_publish); of the
+    others, those of at least guess_rows rows are guessed copies (an oracle guess); pull_rare
+    those of more than pull_rows rows (device_tier.pull_min_rows); rows [E] routed rows, rare
+    [E] bool."""
     pull_rows = pull_min_rows() if pull_rows is None else pull_rows
-    pooled = pulled = read = 0
+    pooled = guessed = pulled = read = 0
     routed = np.flatnonzero(rare & (rows > 0))
     for e in routed[np.argsort(rows[routed], kind="stable")]:
         cost = POOL_EXPERT_ROWS + rows[e]
         if rows[e] <= PROMPT_POOL_ROWS and cost <= budget:
             budget -= cost
             pooled += 1
+        elif guess_rows > 0 and rows[e] >= guess_rows:
+            guessed += 1
         elif rows[e] > pull_rows:
             pulled += 1
         else:
             read += 1
-    return pooled, pulled, read
+    return (pooled, guessed, pulled, read) if guess_rows > 0 else (pooled, pulled, read)
 
 
 def main(argv=None) -> dict:
@@ -71,13 +79,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--pull-rows", type=int, default=None,
                     help="rows past which pull_rare copies a rare expert (default "
                          "device_tier.pull_min_rows(): STRATA_PULL_ROWS, else 0)")
+    ap.add_argument("--guess-rows", type=int, default=None,
+                    help="rows from which a rare expert the pool leaves is a guessed copy "
+                         "(default guess.guess_min_rows(): STRATA_GUESS_ROWS, else 16; 0: none)")
     args = ap.parse_args(argv)
+    guess_rows = guess_min_rows() if args.guess_rows is None else args.guess_rows
     counts = window_counts(args.trace)
     W, L, E = counts.shape
     K = args.top_k
     residency = np.full((L, E), -1)
     routed, hits = np.zeros((L, E)), HitShare(L, E)
-    rows_per_window = []
+    rows_per_window, copies = [], []  # copies: [windows, L] the streamer's copies a layer
     for w in range(W):
         c = counts[w]
         num_rows = int(round(c.sum(axis=1).max() / K))
@@ -86,10 +98,13 @@ def main(argv=None) -> dict:
             rare = rare_experts(residency, routed, num_rows, K, args.cost, share, args.hit_cost,
                                 cold_rare=True)  # the pool's path (stream.COLD_LAYERS_RARE)
             copied = ~rare
+            copies.append(copied.sum(axis=1))
             budget = prompt_pool_budget(copied.sum(axis=1), args.threads, args.pool_share)
             split = np.array([split_rare(c[layer], rare[layer], int(budget[layer]),
-                                         args.pull_rows)
-                              for layer in range(L)])  # [L, 3]
+                                         args.pull_rows, max(guess_rows, 0))
+                              for layer in range(L)])  # [L, 3 or 4]
+            if guess_rows <= 0:  # no guessed copies: a zero column where they would be
+                split = np.insert(split, 1, 0, axis=1)
             hit = c > 0
             rows_per_window.append([copied.sum(axis=1).mean(), (copied & ~hit).sum(axis=1).mean(),
                                     *split.mean(axis=0), hit.sum(axis=1).mean()])
@@ -97,12 +112,21 @@ def main(argv=None) -> dict:
         hits.add(c)
     if not rows_per_window:
         raise SystemExit(f"{args.trace}: {W} windows, none past --warm {args.warm}")
-    copied, wasted, pooled, pulled, read, routed_experts = np.mean(rows_per_window, axis=0)
+    copied, wasted, pooled, guessed, pulled, read, routed_experts = np.mean(rows_per_window,
+                                                                            axis=0)
+    copies = np.concatenate(copies)
+    spread = np.percentile(copies, [10, 50, 90])
     figures = dict(routed=routed_experts, copied=copied, wasted=wasted, pooled=pooled,
-                   pulled=pulled, read=read, link=copied + pulled + read)
+                   guessed=guessed, pulled=pulled, read=read,
+                   link=copied + guessed + pulled + read, copies_spread=tuple(spread),
+                   layers_uncopied=float((copies == 0).mean()))
     print(f"{W - args.warm} windows, per layer: {routed_experts:.1f} experts routed; copied "
-          f"{copied:.1f} ({wasted:.1f} not routed); rare but routed: pool {pooled:.1f}, pulled "
-          f"{pulled:.1f}, read per tile {read:.1f}; link {figures['link']:.1f} experts")
+          f"{copied:.1f} ({wasted:.1f} not routed); rare but routed: pool {pooled:.1f}, "
+          f"guessed {guessed:.1f}, pulled {pulled:.1f}, read per tile {read:.1f}; link "
+          f"{figures['link']:.1f} experts")
+    print(f"the streamer's copies a layer: {spread[0]:.0f} / {spread[1]:.0f} / {spread[2]:.0f} "
+          f"(10th / 50th / 90th percentile), none in {figures['layers_uncopied']:.0%} of the "
+          "layers")
     return figures
 
 

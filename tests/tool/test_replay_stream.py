@@ -28,15 +28,19 @@ def bursty_trace(path, windows=12, rows=512, top_k=8):
 
 def test_the_share_of_windows_stops_copies_of_bursty_experts(tmp_path, capsys):
     path = str(bursty_trace(tmp_path / "bursty.trace"))
-    counts_only = replay_stream.main([path, "--no-hits", "--warm", "8"])  # every burst seen
-    with_hits = replay_stream.main([path, "--warm", "8"])
+    counts_only = replay_stream.main([path, "--no-hits", "--warm", "8", "--guess-rows", "0"])
+    with_hits = replay_stream.main([path, "--warm", "8", "--guess-rows", "0"])
     assert "per layer: 25.0 experts routed" in capsys.readouterr().out
     assert counts_only["routed"] == with_hits["routed"] == 25.0
     # the counts copy every bursty expert (their mean is ~64 rows a window), 7 of them unread
     assert counts_only["copied"] == 32.0 and counts_only["wasted"] == 7.0
     assert with_hits["copied"] == 24.0 and with_hits["wasted"] == 0.0
-    # the routed burst is pulled into staging, once
+    # the routed burst is pulled into staging, once; with guessed copies it is guessed
     assert with_hits["pulled"] == 1.0 and with_hits["link"] == 25.0 < counts_only["link"]
+    guessed = replay_stream.main([path, "--warm", "8", "--guess-rows", "16"])
+    assert (guessed["guessed"], guessed["pulled"], guessed["link"]) == (1.0, 0.0, 25.0)
+    # every layer copies the same 24 experts
+    assert guessed["copies_spread"] == (24.0, 24.0, 24.0) and guessed["layers_uncopied"] == 0.0
 
 
 def test_a_trace_shorter_than_the_warm_up_is_refused(tmp_path):
@@ -58,9 +62,13 @@ def test_the_pools_budget_decides_who_reads_a_light_rare_expert(tmp_path):
             counts[:, 8 + w % 8] = 20
             counts[:, 16:] = (R * K - counts.sum(axis=1, keepdims=True)) // 16
             trace.record_counts(w, counts)
-    none = replay_stream.main([path, "--warm", "8", "--pool-share", "0"])
-    read = replay_stream.main([path, "--warm", "8", "--pool-share", "0", "--pull-rows", "32"])
-    kept = replay_stream.main([path, "--warm", "8"])
+    no_guess = ["--guess-rows", "0"]
+    none = replay_stream.main([path, "--warm", "8", "--pool-share", "0", *no_guess])
+    read = replay_stream.main([path, "--warm", "8", "--pool-share", "0", "--pull-rows", "32",
+                               *no_guess])
+    kept = replay_stream.main([path, "--warm", "8", *no_guess])
+    guessed = replay_stream.main([path, "--warm", "8", "--pool-share", "0", "--guess-rows", "16"])
+    assert (guessed["guessed"], guessed["pulled"]) == (1.0, 0.0)  # 20 rows: a guessed copy
     assert none["pooled"] == 0.0 and (none["pulled"], none["read"]) == (1.0, 0.0)
     assert read["pooled"] == 0.0 and (read["pulled"], read["read"]) == (0.0, 1.0)
     assert kept["pooled"] == 1.0 and kept["read"] == 0.0 and kept["link"] == none["link"] - 1
@@ -78,3 +86,6 @@ def test_the_pools_budget_goes_to_the_fewest_rows_first():
     assert replay_stream.split_rare(rows, rare, 12, 32) == (2, 0, 2)
     assert replay_stream.split_rare(rows, rare, 7, 32) == (1, 0, 3)  # the 1-row one only
     assert replay_stream.split_rare(rows, rare, 0, 25) == (0, 1, 3)  # the 30-row one pulled
+    # guessed copies from 16 rows: of what the pool leaves, the 20- and 30-row ones
+    assert replay_stream.split_rare(rows, rare, 12, None, 16) == (2, 2, 0, 0)
+    assert replay_stream.split_rare(rows, rare, 0, 0, 16) == (0, 2, 2, 0)

@@ -488,6 +488,10 @@ class VramExpertArena(ExpertArena):
         if sure.any():  # the sure experts left to the pool: their expected cost on top
             budget = budget + np.ceil(sure.sum(axis=1) * POOL_EXPERT_ROWS
                                       + sure_rows).astype(np.int32)
+        if getattr(self.streamer, "timeline", False):
+            log.info("prompt streaming: experts copied a layer %d-%d (median %d), the pool's "
+                     "budget a layer %d-%d units (median %d)", copied.min(), copied.max(),
+                     np.median(copied), budget.min(), budget.max(), np.median(budget))
         with self._rt.active():
             self.model.tier.set_where(where, budget)
         self.pool.set_where(where)

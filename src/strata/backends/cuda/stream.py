@@ -682,6 +682,10 @@ class PromptStreamer:
             return
         from strata.backends.cuda.share import POOL_MAX_ROWS
 
+        if getattr(self, "timeline", False) and stats.num_rows > POOL_MAX_ROWS:
+            log.info("the pool's last window (%d rows): %d experts, %d routed entries, %.1f ms "
+                     "computing, %.1f ms waiting for the GPU", stats.num_rows,
+                     stats.num_experts, stats.num_entries, stats.pool_ms, stats.wait_ms)
         if stats.num_rows > POOL_MAX_ROWS and self.pools_rare(stats.num_rows):
             before = self.sure_percent, self.pool_share_of_copy
             units, costs = 0.0, None
