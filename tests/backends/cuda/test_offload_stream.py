@@ -593,14 +593,17 @@ def test_pool_sure_auto_follows_the_pools_share_and_stays_off_with_the_tier_froz
     assert np.median(errors) < 4e-2 and top1 >= 0.8, (np.median(errors), top1)
 
 
+@pytest.mark.parametrize("flat", ["0", "1"])
 def test_the_pools_budget_for_the_rare_experts_follows_its_share_of_the_window(
-        path, resident, monkeypatch):
+        path, resident, monkeypatch, flat):
     """STRATA_POOL_BUDGET=auto (stream.SurePercent's shares): before each streamed window the
     pool's budget per layer for the rare experts moves a step after the pool's last streamed
     window (here a band the pool never reaches: 1, 2, then 4 copy times, the sure percent
     staying 0 until the top step); each window's uploaded budget is
-    share.prompt_pool_budget's at that step, and the logits stay within the pool's rounding of
-    the all-resident model's."""
+    share.prompt_pool_budget's at that step (layer 0 copies every expert, the others half: each
+    layer's own budget, or with STRATA_POOL_BUDGET_FLAT=1 the same in every layer), and the
+    logits stay within the pool's rounding of the all-resident model's."""
+    monkeypatch.setenv("STRATA_POOL_BUDGET_FLAT", flat)
     from strata.backends.cuda import stream
     from strata.backends.cuda.share import prompt_pool_budget
     from strata.backends.cuda.stream import SurePercent
@@ -612,12 +615,15 @@ def test_the_pools_budget_for_the_rare_experts_follows_its_share_of_the_window(
     plans = [(40, 33, 20), (30, 1, 1), (12, 12, 12)]  # all three stream
     want = run(resident, plans, resident.forward_window)
     model, arena, _, _ = offload(path, 0, pcie_frac=0.5)
-    half_rare(arena, L, E)
+    counts = np.zeros((L, E))
+    counts[:, : E // 2] = 10_000.0  # the upper half of each layer never routed so far
+    counts[0] = 10_000.0  # but every expert of layer 0: it copies them all, the others half
+    arena.streamer.account(counts)
     streamer, tier = arena.streamer, model.tier
     streamer.sure_auto = SurePercent(step=30, most=30, band=(1.01, 2.0),  # never reached
                                      shares=(1.0, 2.0, 4.0))
     streamer.sure_auto.level = 0
-    seen = []
+    seen, uneven = [], []
 
     def forward(window):
         arena.before_window(window.num_rows)
@@ -626,8 +632,10 @@ def test_the_pools_budget_for_the_rare_experts_follows_its_share_of_the_window(
         share = streamer.pool_share_of_copy
         seen.append((share, streamer.sure_percent))
         out = model.forward_window(window)
-        assert np.array_equal(tier.budget_host,
-                              prompt_pool_budget(copied, arena.pool.threads, share)), share
+        budget = tier.budget_host.copy()
+        assert np.array_equal(budget, prompt_pool_budget(copied, arena.pool.threads, share)), share
+        if len(set(copied.tolist())) > 1:  # the layers copy unevenly: so do their own budgets
+            uneven.append(len(set(budget.tolist())) == 1)
         return out
 
     try:
@@ -635,6 +643,7 @@ def test_the_pools_budget_for_the_rare_experts_follows_its_share_of_the_window(
     finally:
         arena.close()
     assert seen == [(1.0, 0), (2.0, 0), (4.0, 0)], seen
+    assert uneven and all(even == (flat == "1") for even in uneven), uneven
     errors, top1 = logit_errors(want, got)
     assert np.median(errors) < 4e-2 and top1 >= 0.8, (np.median(errors), top1)
 
