@@ -7,11 +7,13 @@ the fewest rows first; of the rest, those of at least --guess-rows rows as guess
 oracle of the device's guess (router.cu's predict_*, 96% of whose guesses are routed); pull_rare
 past device_tier.pull_min_rows() rows, per-tile PCIe reads for the rest). `link` is the experts
 a layer moves over PCIe in all (copied + guessed + pulled + read). No expert is cached. Also
-prints how the streamer's copies spread over the layers (the pool's budget comes from them).
+prints the pool's modelled time a layer (--pool-us: its time for an expert by rows) and how the
+streamer's copies spread over the layers (the pool's budget comes from them).
 
 Usage: python tools/replay_stream.py TRACE [--cost 1.01] [--hit-cost 1.25] [--no-hits]
                                            [--warm 3] [--threads 15] [--pool-share 1.5]
                                            [--pull-rows N] [--guess-rows 16]
+                                           [--pool-us ROWS:US,...]
 Session 46 (docs/offload.md, "Bursts"): on a trace of `strata bench -p 512 -n 0` over the
 synth qwen3-30b-a3b (routing skew 1) the counts alone copied 45.4 experts a layer, 13.2 of them
 not routed; with the share of windows 23.1 and 3.0. Session 86 ("Session 86"): on the skew-0
@@ -39,29 +41,48 @@ def window_counts(path: str) -> np.ndarray:
     return counts
 
 
-def split_rare(rows: np.ndarray, rare: np.ndarray, budget: int,
-               pull_rows: int | None = None, guess_rows: int = 0) -> tuple[int, ...]:
-    """(pooled, pulled, read), with guess_rows > 0 (pooled, guessed, pulled, read), of one
-    layer's routed rare experts as the device splits them: the pool takes the fewest rows first
-    (expert order among equal rows) within its budget (count_groups, guess_publish); of the
-    others, those of at least guess_rows rows are guessed copies (an oracle guess); pull_rare
-    those of more than pull_rows rows (device_tier.pull_min_rows); rows [E] routed rows, rare
-    [E] bool."""
-    pull_rows = pull_min_rows() if pull_rows is None else pull_rows
-    pooled = guessed = pulled = read = 0
+def pool_walk(rows: np.ndarray, rare: np.ndarray, budget: int) -> tuple[list, list]:
+    """(rows of the experts the pool takes, rows of the other routed rare ones) of one layer,
+    as the device's count_groups / guess_publish walk them: the fewest rows first (expert order
+    among equal rows) within the budget and share.PROMPT_POOL_ROWS; rows [E], rare [E] bool."""
+    taken, left = [], []
     routed = np.flatnonzero(rare & (rows > 0))
     for e in routed[np.argsort(rows[routed], kind="stable")]:
         cost = POOL_EXPERT_ROWS + rows[e]
         if rows[e] <= PROMPT_POOL_ROWS and cost <= budget:
             budget -= cost
-            pooled += 1
-        elif guess_rows > 0 and rows[e] >= guess_rows:
-            guessed += 1
-        elif rows[e] > pull_rows:
-            pulled += 1
+            taken.append(rows[e])
         else:
-            read += 1
-    return (pooled, guessed, pulled, read) if guess_rows > 0 else (pooled, pulled, read)
+            left.append(rows[e])
+    return taken, left
+
+
+def split_rare(rows: np.ndarray, rare: np.ndarray, budget: int,
+               pull_rows: int | None = None, guess_rows: int = 0) -> tuple[int, ...]:
+    """(pooled, pulled, read), with guess_rows > 0 (pooled, guessed, pulled, read), of one
+    layer's routed rare experts as the device splits them: the pool's (pool_walk); of the
+    others, those of at least guess_rows rows are guessed copies (an oracle guess); pull_rare
+    those of more than pull_rows rows (device_tier.pull_min_rows), the rest read per tile;
+    rows [E] routed rows, rare [E] bool."""
+    pull_rows = pull_min_rows() if pull_rows is None else pull_rows
+    taken, left = pool_walk(rows, rare, budget)
+    left = np.asarray(left)
+    guessed = int((left >= guess_rows).sum()) if guess_rows > 0 else 0
+    rest = left[left < guess_rows] if guess_rows > 0 else left
+    pulled, read = int((rest > pull_rows).sum()), int((rest <= pull_rows).sum())
+    return (len(taken), guessed, pulled, read) if guess_rows > 0 else (len(taken), pulled, read)
+
+
+# The pool's time for one expert (us, 15 threads) by its rows, for --pool-us: session 86's
+# tools/bench_pool_kernel.py --rows-per-expert on an H100 host (64 rows extrapolated)
+POOL_US = "1:30,2:36.5,4:51,8:60,16:78,32:109,64:170"
+
+
+def pool_us(rows: list, table: str = POOL_US) -> float:
+    """The pool's modelled time (us) for experts of these rows, interpolated in log2(rows)."""
+    pairs = sorted((float(a), float(b)) for a, b in (p.split(":") for p in table.split(",")))
+    xs, ys = np.log2([a for a, _ in pairs]), [b for _, b in pairs]
+    return float(sum(np.interp(np.log2(max(r, 1)), xs, ys) for r in rows))
 
 
 def main(argv=None) -> dict:
@@ -82,6 +103,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--guess-rows", type=int, default=None,
                     help="rows from which a rare expert the pool leaves is a guessed copy "
                          "(default guess.guess_min_rows(): STRATA_GUESS_ROWS, else 16; 0: none)")
+    ap.add_argument("--pool-us", default=POOL_US,
+                    help="ROWS:US,...: the pool's time for an expert of ROWS rows, for the "
+                         "modelled time a layer (default: an H100 host's 15 threads)")
     args = ap.parse_args(argv)
     guess_rows = guess_min_rows() if args.guess_rows is None else args.guess_rows
     counts = window_counts(args.trace)
@@ -89,7 +113,7 @@ def main(argv=None) -> dict:
     K = args.top_k
     residency = np.full((L, E), -1)
     routed, hits = np.zeros((L, E)), HitShare(L, E)
-    rows_per_window, copies = [], []  # copies: [windows, L] the streamer's copies a layer
+    rows_per_window, copies, pool_time = [], [], []  # copies: [windows, L]; pool_time: us a layer
     for w in range(W):
         c = counts[w]
         num_rows = int(round(c.sum(axis=1).max() / K))
@@ -103,6 +127,8 @@ def main(argv=None) -> dict:
             split = np.array([split_rare(c[layer], rare[layer], int(budget[layer]),
                                          args.pull_rows, max(guess_rows, 0))
                               for layer in range(L)])  # [L, 3 or 4]
+            pool_time += [pool_us(pool_walk(c[layer], rare[layer], int(budget[layer]))[0],
+                                  args.pool_us) for layer in range(L)]
             if guess_rows <= 0:  # no guessed copies: a zero column where they would be
                 split = np.insert(split, 1, 0, axis=1)
             hit = c > 0
@@ -124,6 +150,12 @@ def main(argv=None) -> dict:
           f"{copied:.1f} ({wasted:.1f} not routed); rare but routed: pool {pooled:.1f}, "
           f"guessed {guessed:.1f}, pulled {pulled:.1f}, read per tile {read:.1f}; link "
           f"{figures['link']:.1f} experts")
+    pool_time = np.asarray(pool_time)
+    figures["pool_us"] = tuple(np.percentile(pool_time, [50, 90, 100]))
+    print(f"the pool's modelled time a layer: {pool_time.mean():.0f} us on average, "
+          f"{figures['pool_us'][0]:.0f} / {figures['pool_us'][1]:.0f} / "
+          f"{figures['pool_us'][2]:.0f} (50th / 90th percentile / most), "
+          f"{pool_time.sum() / len(copies) * L / 1e3:.1f} ms a window")
     print(f"the streamer's copies a layer: {spread[0]:.0f} / {spread[1]:.0f} / {spread[2]:.0f} "
           f"(10th / 50th / 90th percentile), none in {figures['layers_uncopied']:.0%} of the "
           "layers")

@@ -89,3 +89,15 @@ def test_the_pools_budget_goes_to_the_fewest_rows_first():
     # guessed copies from 16 rows: of what the pool leaves, the 20- and 30-row ones
     assert replay_stream.split_rare(rows, rare, 12, None, 16) == (2, 2, 0, 0)
     assert replay_stream.split_rare(rows, rare, 0, 0, 16) == (0, 2, 2, 0)
+
+
+def test_the_pools_modelled_time_interpolates_its_table_by_rows():
+    """--pool-us: an expert's time at the table's rows is the table's, between them it is
+    interpolated in log2(rows), beyond them held; a layer's time sums its experts'."""
+    table = "1:10,4:30,16:70"
+    assert replay_stream.pool_us([1], table) == 10.0 and replay_stream.pool_us([16], table) == 70
+    assert replay_stream.pool_us([2], table) == 20.0  # halfway from 1 to 4 in log2
+    assert replay_stream.pool_us([64], table) == 70.0 and replay_stream.pool_us([], table) == 0
+    assert replay_stream.pool_us([1, 4, 4], table) == 70.0
+    taken, left = replay_stream.pool_walk(np.array([0, 30, 3, 1, 20.0]), np.ones(5, bool), 12)
+    assert (taken, left) == ([1.0, 3.0], [20.0, 30.0])  # the fewest rows first, within 12 units
