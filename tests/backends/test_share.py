@@ -185,29 +185,29 @@ def test_prompt_sized_windows_read_every_miss_over_pcie():
 
 def test_prompt_pool_budget_scales_with_the_copies_and_the_threads(monkeypatch):
     """The pool's budget per layer of a streamed prompt window: POOL_SHARE_OF_COPY of the copy
-    engine's time for the layer's copied experts, in row units of the pool's time; with
-    STRATA_POOL_BUDGET_FLAT=1 the window's copies a layer on average, in every layer (a layer
-    with no copies of its own still moves its rare experts over the link)."""
+    engine's time for the window's copied experts a layer on average, in row units of the
+    pool's time, the same in every layer (a layer with no copies of its own still moves its
+    rare experts over the link); with STRATA_POOL_BUDGET_FLAT=0 each layer's own copies."""
     from strata.backends.cuda.share import (POOL_ROW_UNITS_PER_COPY_THREAD, POOL_SHARE_OF_COPY,
                                             prompt_pool_budget)
 
     monkeypatch.delenv("STRATA_POOL_BUDGET_FLAT", raising=False)
     copied = np.array([0, 10, 46, 128])
+    flat = prompt_pool_budget(copied, 15)
+    want = np.floor(POOL_SHARE_OF_COPY * copied.mean() * POOL_ROW_UNITS_PER_COPY_THREAD * 15)
+    assert flat.dtype == np.int32 and flat.shape == (4,) and (flat == want).all()
+    assert (prompt_pool_budget(copied, 30) >= 2 * flat - 1).all()  # twice the threads
+    assert (prompt_pool_budget(copied, 0) == prompt_pool_budget(copied, 1)).all()
+    assert (prompt_pool_budget(np.zeros(4, dtype=int), 15) == 0).all()
+    assert prompt_pool_budget(np.zeros(0, dtype=int), 15).shape == (0,)
+    monkeypatch.setenv("STRATA_POOL_BUDGET_FLAT", "0")
     budget = prompt_pool_budget(copied, 15)
     assert budget.dtype == np.int32 and budget[0] == 0
     assert (np.diff(budget) > 0).all()
     want = np.floor(POOL_SHARE_OF_COPY * 46 * POOL_ROW_UNITS_PER_COPY_THREAD * 15)
     assert budget[2] == want
-    assert (prompt_pool_budget(copied, 30) >= 2 * budget - 1).all()  # twice the threads
-    assert (prompt_pool_budget(copied, 0) == prompt_pool_budget(copied, 1)).all()
-    monkeypatch.setenv("STRATA_POOL_BUDGET_FLAT", "1")
-    flat = prompt_pool_budget(copied, 15)
-    want = np.floor(POOL_SHARE_OF_COPY * copied.mean() * POOL_ROW_UNITS_PER_COPY_THREAD * 15)
-    assert flat.dtype == np.int32 and flat.shape == (4,) and (flat == want).all()
     assert flat.sum() <= budget.sum() + 4  # the same total, spread evenly
-    assert (prompt_pool_budget(copied, 30) >= 2 * flat - 1).all()
-    assert (prompt_pool_budget(np.zeros(4, dtype=int), 15) == 0).all()
-    assert prompt_pool_budget(np.zeros(0, dtype=int), 15).shape == (0,)
+    assert (prompt_pool_budget(copied, 30) >= 2 * budget - 1).all()
 
 
 def test_an_unmeasured_share_keeps_whole_experts_in_one_row_windows():

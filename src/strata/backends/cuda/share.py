@@ -85,8 +85,8 @@ NO_BUDGET = 1 << 30
 # STRATA_POOL_COSTS=E,U,C (a diagnosis, for measuring another pool kernel's costs): the three
 # above, POOL_EXPERT_ROWS, POOL_ROW_UNITS_PER_COPY_THREAD and PROMPT_POOL_ROWS, read at import.
 ENV_POOL_COSTS = "STRATA_POOL_COSTS"
-# STRATA_POOL_BUDGET_FLAT=1: the same budget in every layer of a streamed window
-# (prompt_pool_budget)
+# STRATA_POOL_BUDGET_FLAT=0 (a diagnosis): each layer's budget from its own copies, the rule
+# before session 87, instead of the same budget in every layer (prompt_pool_budget)
 ENV_POOL_BUDGET_FLAT = "STRATA_POOL_BUDGET_FLAT"
 
 
@@ -110,9 +110,9 @@ _pool_costs_from_env()
 def prompt_pool_budget(copied: np.ndarray, threads: int,
                        share_of_copy: float = POOL_SHARE_OF_COPY) -> np.ndarray:
     """[L] int32: the pool's budget per layer (row units, above) in a streamed prompt window
-    that copies `copied` [L] experts a layer, with `threads` pool threads: from each layer's
-    own copies, or with STRATA_POOL_BUDGET_FLAT=1 the same in every layer, from the window's
-    copies a layer on average (opt-in, not yet measured on a GPU host). A layer's GPU time
+    that copies `copied` [L] experts a layer, with `threads` pool threads: the same in every
+    layer, from the window's copies a layer on average (STRATA_POOL_BUDGET_FLAT=0: from each
+    layer's own copies, the rule before session 87). A layer's GPU time
     does not follow its own copies: the experts the streamer leaves rare come back as the
     layer's guessed copies and pulls, so every layer moves about as many experts over the
     link, while the copies gather in a few layers (the skew-0 synth: 0 / 2 / 17 a layer at the
@@ -122,7 +122,7 @@ def prompt_pool_budget(copied: np.ndarray, threads: int,
     link to the pool there (docs/offload.md, "Session 86")."""
     per_copy = POOL_ROW_UNITS_PER_COPY_THREAD * max(1, threads)
     copied = np.asarray(copied, dtype=np.float64)
-    if copied.size and os.environ.get(ENV_POOL_BUDGET_FLAT, "0") == "1":
+    if copied.size and os.environ.get(ENV_POOL_BUDGET_FLAT, "1") != "0":
         copied = np.full_like(copied, copied.mean())
     return np.floor(share_of_copy * copied * per_copy).astype(np.int32)
 
