@@ -71,7 +71,10 @@ POOL_MAX_ROWS = 16
 # - H100 host, medians of six alternating rounds: 1.5 4,570 / 5,773, 4.5 5,004 / 5,484.
 # So by default (STRATA_POOL_BUDGET=auto, stream.SurePercent) the share moves while serving
 # from this one, with the pool's share of each window (there: 4,902 / 5,724, ending at 9 and
-# 1.5); this one stays where nothing moves it (the tier frozen, STRATA_POOL_SURE=P).
+# 1.5); this one stays where nothing moves it (the tier frozen, STRATA_POOL_SURE=P). Since
+# session 87 the budget is the same in every layer (prompt_pool_budget): on an H100 host pp512
+# 5,399 / 5,772 against 5,015 / 5,783 for each layer's own (medians of 16 / 4 runs, the walk
+# ending at 2.25-6.75 on skew 0 instead of 9-13.5; fixed at 9 it lost 10%).
 PROMPT_POOL_ROWS = 64
 POOL_SHARE_OF_COPY = 4.5
 # The pool's time per expert: tools/bench_pool_kernel.py --rows-per-expert on the H200 host
@@ -119,7 +122,8 @@ def prompt_pool_budget(copied: np.ndarray, threads: int,
     10th / 50th / 90th percentile, none in 16% of the layers). Each layer's own copies leave the
     pool no budget in the layers that copy nothing, whose light rare experts the GPU then
     pulls on the layer's path; replayed, the even budget moves ~8 experts a layer from the
-    link to the pool there (docs/offload.md, "Session 86")."""
+    link to the pool there (docs/offload.md, "Session 86"); measured, pp512 +7.7% on the
+    skew-0 synth and a tie on skew 1 ("Session 87")."""
     per_copy = POOL_ROW_UNITS_PER_COPY_THREAD * max(1, threads)
     copied = np.asarray(copied, dtype=np.float64)
     if copied.size and os.environ.get(ENV_POOL_BUDGET_FLAT, "1") != "0":
