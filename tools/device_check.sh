@@ -48,6 +48,20 @@
 #                                            tools/prepare_ab.sh REV packed (run here first):
 #                                            bench_cuda.py twice each, interleaved, and
 #                                            decode_breakdown.py for both
+#   tools/device_check.sh llama [TARBALL]    llama.cpp beside Strata on this host: llama-bench
+#                                            from TARBALL (tools/build_llama_bench.sh; default
+#                                            .device/llama-bench.tar.xz) and `strata bench` on
+#                                            the skew-1 synth, then the skew-0 one (not with
+#                                            LLAMA_SKEW0=0), alternating (ROUNDS, default 2): every
+#                                            expert in RAM (llama.cpp -ngl 99 -ncmoe 48, all
+#                                            cores; Strata --expert-cache 0, all but one) pp512
+#                                            and tg128, and half of it (llama.cpp -ncmoe 24;
+#                                            Strata a cache of half the experts) tg128; then
+#                                            each row's medians and Strata / llama.cpp. Its
+#                                            experts in RAM are read into pinned memory
+#                                            (LLAMA_LOAD_MODE, default none; mmap, its default,
+#                                            gave it a quarter of the pp512: docs/offload.md,
+#                                            "Session 88")
 # The synth model /tmp/q.gguf (qwen3-30b-a3b, Q4_0) is written first when missing (~50 s).
 set -u
 OUT="${OUT:-./device-logs}"
@@ -58,7 +72,7 @@ if [ -f .device/cubins.tar.xz ]; then
 fi
 [ -d .device/cubins ] && export STRATA_CUBIN_DIR="${STRATA_CUBIN_DIR:-$PWD/.device/cubins}"
 mkdir -p "$OUT"
-MODEL=/tmp/q.gguf
+MODEL=${SYNTH_MODEL:-/tmp/q.gguf}            # the skew-0 synth (written when missing)
 OLD_TREE=${OLD_TREE:-/tmp/old}      # the old revision's source (build_old)
 OLD_SITE=${OLD_SITE:-/tmp/site_old}  # and its build
 TESTS=(test_cuda_kernels test_cuda_mmq test_prompt_kernels test_cuda_parity test_cuda_sample
@@ -248,6 +262,80 @@ for test, runs in rows.items():
 PY
 }
 
+run_llama() {  # llama [TARBALL]: llama.cpp's llama-bench and strata bench on one host
+    local tarball=${1:-.device/llama-bench.tar.xz} dir=${LLAMA_DIR:-/tmp/llama-bench}
+    local skew1=${SYNTH_SKEW1:-/tmp/q1.gguf}
+    local cores threads lt
+    cores=$(nproc); threads=$(( cores - 1 ))
+    if [ ! -f "$tarball" ]; then
+        echo "llama: no $tarball: build it with tools/build_llama_bench.sh here" >&2
+        return 2
+    fi
+    rm -rf "$dir" && mkdir -p "$dir" && tar -xJf "$tarball" -C "$dir"
+    # its cuBLAS is the one torch's CUDA wheels brought (the image has torch; the libraries are
+    # too large to carry), or the folder CUBLAS_DIR names
+    if [ -n "${CUBLAS_DIR:-}" ]; then
+        lt=$(ls "$CUBLAS_DIR"/libcublasLt.so.13 2>/dev/null)
+    else
+        lt=$(find / \( -path /proc -o -path /sys \) -prune -o -name 'libcublasLt.so.13' -print \
+            2>/dev/null | head -n 1)
+    fi
+    if [ -z "$lt" ]; then
+        echo "llama: no libcublasLt.so.13 on this machine (torch's nvidia wheels or a CUDA 13" \
+             "toolkit); llama-bench cannot start" >&2
+        return 2
+    fi
+    # for llama-bench alone: Strata's extensions keep the machine's own libraries
+    local llama=(env "LD_LIBRARY_PATH=$dir:$(dirname "$lt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+                 "$dir/llama-bench" -ngl 99 -t "$cores" -lm "${LLAMA_LOAD_MODE:-none}")
+    part 30 llama_devices "${llama[@]:0:3}" --list-devices
+    [ -f "$skew1" ] || part 120 synth_skew1 python3 -m strata.tool synth "$skew1" \
+        --shape qwen3-30b-a3b --type q4_0 --routing-skew 1 --jobs "$cores"
+    [ "${LLAMA_SKEW0:-1}" = 0 ] || synth
+    local models=("$skew1")
+    [ "${LLAMA_SKEW0:-1}" = 0 ] || models+=("$MODEL")
+    local strata=(python3 -m strata bench --device cuda -t "$threads")
+    local -A run=(  # side_setting -> its command's arguments after the model
+        [llama_ram]="-ncmoe 48 -p 512 -n 128 -r 3" [strata_ram]="--expert-cache 0 -p 512 -n 128 -r 3"
+        [llama_half]="-ncmoe 24 -p 0 -n 128 -r 3" [strata_half]="--expert-cache 3072 -p 0 -n 128 -r 3")
+    for round in $(seq "${ROUNDS:-2}"); do  # ABBA: llama.cpp first in odd rounds, Strata in even
+        local order=(llama strata)
+        [ $(( round % 2 )) = 0 ] && order=(strata llama)
+        for m in "${models[@]}"; do
+            local n setting side
+            n=$(basename "$m" .gguf)
+            for setting in ram half; do
+                for side in "${order[@]}"; do
+                    local cmd=("${strata[@]}")
+                    [ "$side" = llama ] && cmd=("${llama[@]}")
+                    # shellcheck disable=SC2086  # the table's arguments split into words
+                    part 150 "${side}_${setting}_${n}_$round" "${cmd[@]}" -m "$m" \
+                        ${run[${side}_$setting]}
+                done
+            done
+        done
+    done
+    python3 - "$OUT" <<'PY'
+import glob, re, statistics, sys
+rows = {}  # (synth, setting, test) -> side -> [tokens/s]
+for path in glob.glob(f"{sys.argv[1]}/*.log"):
+    name = re.match(r".*/(llama|strata)_(ram|half)_(.+)_\d+\.log$", path)
+    if not name:
+        continue
+    side, setting, synth = name.groups()
+    for line in open(path):
+        m = re.search(r"\|\s*((?:pp|tg)\d+)\s*\|\s*([\d.]+)\s*±", line)
+        if m:
+            rows.setdefault((synth, setting, m.group(1)), {"llama": [], "strata": []})[side] \
+                .append(float(m.group(2)))
+for (synth, setting, test), got in sorted(rows.items()):
+    med = {k: statistics.median(v) if v else float("nan") for k, v in got.items()}
+    print(f"{synth} {setting} {test}: strata {', '.join(f'{v:.1f}' for v in got['strata'])} "
+          f"(median {med['strata']:.1f}); llama.cpp {', '.join(f'{v:.1f}' for v in got['llama'])} "
+          f"(median {med['llama']:.1f}); strata / llama.cpp {med['strata'] / med['llama']:.2f}")
+PY
+}
+
 run_amx() {  # amx OLD_AMX_C
     local old=${1:-}
     if [ -z "$old" ] || [ ! -f "$old" ]; then
@@ -287,7 +375,8 @@ case "${1:-all}" in
     sides) shift; n=0; for a in "$@"; do [ "$a" = "--" ] && break; n=$((n + 1)); done
            run_sides "$n" "${@:1:$n}" "${@:$((n + 2))}" ;;
     amx) shift; run_amx "$@" ;;
+    llama) shift; run_llama "$@" ;;
     *) echo "usage: tools/device_check.sh tests [FILE ...] | bench | all | ab | offload |" \
-            "pair \"A\" \"B\" BENCH_ARGS | amx OLD_AMX_C | old | kernel [ARGS]" >&2
+            "pair \"A\" \"B\" BENCH_ARGS | amx OLD_AMX_C | old | kernel [ARGS] | llama [TARBALL]" >&2
        exit 2 ;;
 esac

@@ -207,3 +207,103 @@ def test_a_failing_parts_reasons_reach_stdout(tmp_path):
     assert "E   AssertionError: the pool's logits 0.05 off" in bad
     assert "1 failed" in bad
     assert "rc 0" in good and "1 passed" in good and "printed by a passing test" not in good
+
+
+# `python3 -m strata bench ...` for the llama part: a table row per test from the flags it got,
+# its order in the call and whether it saw llama-bench's library path
+FAKE_STRATA_PYTHON = """#!/bin/bash
+if [ "$1" = "-m" ] && [ "$2" = "strata" ] && [ "$3" = "bench" ]; then
+  echo "strata $* LD=${LD_LIBRARY_PATH:-}" >> "$ORDER"
+  [[ " $* " == *" --expert-cache 0 "* ]] && base=5000 || base=200
+  [[ " $* " == *" -p 512 "* ]] && echo "| m.gguf | cuda | 15 | pp512 | $base.5 ± 9.0 |"
+  echo "| m.gguf | cuda | 15 | tg128 | $((base / 50)).0 ± 1.0 |"
+  exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+# llama-bench in the packed tool: llama.cpp's table rows, at half of Strata's figures
+FAKE_LLAMA_BENCH = """#!/bin/bash
+if [ "$1" = "--list-devices" ]; then echo "Available devices:"; exit 0; fi
+echo "llama $* LD=$LD_LIBRARY_PATH" >> "$ORDER"
+[[ " $* " == *" -ncmoe 48 "* ]] && base=2500 || base=100
+[[ " $* " == *" -p 512 "* ]] && echo "| qwen3moe | 16 GiB | CUDA | 99 | none | pp512 | $base.25 ± 3.0 |"
+echo "| qwen3moe | 16 GiB | CUDA | 99 | none | tg128 | $((base / 50)).0 ± 0.5 |"
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_llama_runs_llama_bench_beside_strata_abba_and_gives_each_rows_ratio(tmp_path):
+    import sys
+    import tarfile
+
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "llama-bench").write_text(FAKE_LLAMA_BENCH)
+    (pack / "llama-bench").chmod(0o755)
+    tarball = tmp_path / "llama-bench.tar.xz"
+    with tarfile.open(tarball, "w:xz") as tar:
+        tar.add(pack / "llama-bench", arcname="llama-bench")
+    cublas = tmp_path / "cublas"
+    cublas.mkdir()
+    (cublas / "libcublasLt.so.13").write_bytes(b"")
+    for name in ("q.gguf", "q1.gguf"):  # the synths exist, so none is written
+        (tmp_path / name).write_bytes(b"")
+    bin_dir = _fake_bin(tmp_path, FAKE_STRATA_PYTHON)
+    order = tmp_path / "order"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               REAL_PYTHON=sys.executable, ORDER=str(order), ROUNDS="2",
+               CUBLAS_DIR=str(cublas), LLAMA_DIR=str(tmp_path / "unpacked"),
+               SYNTH_MODEL=str(tmp_path / "q.gguf"), SYNTH_SKEW1=str(tmp_path / "q1.gguf"))
+    env.pop("LD_LIBRARY_PATH", None)
+    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), "llama",
+                          str(tarball)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    runs = order.read_text().splitlines()
+    sides = [line.split()[0] for line in runs]
+    # round 1 llama.cpp first, round 2 Strata first; each synth in both settings: skew 1 first
+    assert sides == ["llama", "strata"] * 4 + ["strata", "llama"] * 4
+    assert all("q1.gguf" in line for line in runs[:4] + runs[8:12])
+    assert all(" -lm none" in line and " -ngl 99 " in line for line in runs if "llama " in line)
+    # llama-bench alone gets its libraries' path: the unpacked tool and the cuBLAS folder
+    for line in runs:
+        ld = line.split("LD=")[1]
+        if line.startswith("llama"):
+            assert ld.split(":")[:2] == [str(tmp_path / "unpacked"), str(cublas)]
+        else:
+            assert ld == ""
+    lines = [line for line in res.stdout.splitlines() if "strata / llama.cpp" in line]
+    assert lines == [
+        "q half tg128: strata 4.0, 4.0 (median 4.0); llama.cpp 2.0, 2.0 (median 2.0); "
+        "strata / llama.cpp 2.00",
+        "q ram pp512: strata 5000.5, 5000.5 (median 5000.5); llama.cpp 2500.2, 2500.2 "
+        "(median 2500.2); strata / llama.cpp 2.00",
+        "q ram tg128: strata 100.0, 100.0 (median 100.0); llama.cpp 50.0, 50.0 (median 50.0); "
+        "strata / llama.cpp 2.00",
+        "q1 half tg128: strata 4.0, 4.0 (median 4.0); llama.cpp 2.0, 2.0 (median 2.0); "
+        "strata / llama.cpp 2.00",
+        "q1 ram pp512: strata 5000.5, 5000.5 (median 5000.5); llama.cpp 2500.2, 2500.2 "
+        "(median 2500.2); strata / llama.cpp 2.00",
+        "q1 ram tg128: strata 100.0, 100.0 (median 100.0); llama.cpp 50.0, 50.0 (median 50.0); "
+        "strata / llama.cpp 2.00",
+    ]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_llama_says_what_is_missing(tmp_path):
+    script = str(ROOT / "tools" / "device_check.sh")
+    env = dict(os.environ, OUT=str(tmp_path / "out"))
+    res = subprocess.run(["bash", script, "llama", str(tmp_path / "none.tar.xz")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "build it with tools/build_llama_bench.sh" in res.stderr
+    import tarfile
+
+    tarball = tmp_path / "t.tar.xz"
+    with tarfile.open(tarball, "w:xz"):
+        pass
+    env["CUBLAS_DIR"] = str(tmp_path)  # holds no libcublasLt.so.13
+    env["LLAMA_DIR"] = str(tmp_path / "unpacked")
+    res = subprocess.run(["bash", script, "llama", str(tarball)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no libcublasLt.so.13" in res.stderr
