@@ -227,8 +227,8 @@ FAKE_LLAMA_BENCH = """#!/bin/bash
 if [ "$1" = "--list-devices" ]; then echo "Available devices:"; exit 0; fi
 echo "llama $* LD=$LD_LIBRARY_PATH" >> "$ORDER"
 [[ " $* " == *" -ncmoe 48 "* ]] && base=2500 || base=100
-[[ " $* " == *" -p 512 "* ]] && echo "| qwen3moe | 16 GiB | CUDA | 99 | none | pp512 | $base.25 ± 3.0 |"
-echo "| qwen3moe | 16 GiB | CUDA | 99 | none | tg128 | $((base / 50)).0 ± 0.5 |"
+[[ " $* " == *" -p 512 "* ]] && echo "| qwen3moe | 16 GiB | CUDA | 99 | pp512 | $base.25 ± 3.0 |"
+echo "| qwen3moe | 16 GiB | CUDA | 99 | tg128 | $((base / 50)).0 ± 0.5 |"
 """
 
 
