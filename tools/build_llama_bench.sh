@@ -1,8 +1,9 @@
 #!/bin/bash
-# Builds llama.cpp's llama-bench with CUDA for the device machine, here on the CPU machine (nvcc,
-# no driver, no GPU), and packs it for `tools/device_check.sh llama`, which runs it beside
-# `strata bench` on the same host: the reference figures of ../shared/device/README.md were
-# taken on one machine, and the device's hosts differ (docs/offload.md, "Session 88").
+# Builds llama.cpp's llama-bench and llama-batched-bench with CUDA for the device machine, here
+# on the CPU machine (nvcc, no driver, no GPU), and packs them for `tools/device_check.sh
+# llama`, which runs them beside `strata bench` on the same host: the reference figures of
+# ../shared/device/README.md were taken on one machine, and the device's hosts differ
+# (docs/offload.md, "Session 88").
 #
 #   tools/build_llama_bench.sh [OUT]     OUT default .device/llama-bench.tar.xz (git-ignored)
 #
@@ -11,12 +12,14 @@
 # the nvidia-cublas wheel (the CUDA toolkit here has none), and a stub libcuda.so.1 made from
 # cuda.h's declarations to link against (the device's driver provides the real one).
 # Build: CUDA for $CUDA_ARCH (default 90-real: H100 and H200), the CPU side for the device's
-# Xeon (AVX-512 VNNI / BF16, AMX; not -march=native, since this machine is not that one), static
-# ggml, OpenMP. On 2 cores the build takes about 40 minutes (the CUDA template instances).
-# The pack holds llama-bench and libcudart; cuBLAS (~600 MB) stays behind: the device finds the
-# libcublas.so.13 that its torch's CUDA wheels installed. The binary needs glibc >= 2.34 and
-# libstdc++ of gcc >= 12 there (the device's are newer; none is packed, so that the libraries
-# llama-bench is run with never shadow those Strata's own extensions were built against).
+# Xeon (AVX-512 VNNI / BF16, AMX; not -march=native, since this machine is not that one), ggml
+# and llama as shared libraries the two tools share, OpenMP. On 2 cores the build takes about 25
+# minutes (the CUDA template instances); $LLAMA_WORK (default /tmp/llama-bench-build) keeps it,
+# so a second run only relinks and packs.
+# The pack (~22 MB) holds the tools, their libraries and libcudart; cuBLAS (~600 MB) stays
+# behind: the device finds the libcublas.so.13 that its torch's CUDA wheels installed. The tools
+# need glibc >= 2.34 and the libstdc++ of gcc >= 12 there (the device's are newer; none is
+# packed, so that nothing shadows the libraries Strata's own extensions were built against).
 set -eu
 OUTFILE=$(realpath -m "${1:-.device/llama-bench.tar.xz}")
 VERSION=${LLAMA_CPP_PYTHON:-0.3.36}
@@ -55,10 +58,15 @@ if [ ! -f "$stub" ]; then
         | awk '{print "void " $1 "(void) {}"}' > "$WORK/stub/stub.c"
     gcc -shared -fPIC -o "$stub" "$WORK/stub/stub.c" -Wl,-soname,libcuda.so.1
 fi
+ln -sf libcuda.so "$WORK/stub/libcuda.so.1"  # the name the link looks for behind libggml-cuda
 
 inc="-I$cublas/include"
+# no run path into this machine's folders (the stub must never shadow a real driver); the link
+# finds the libraries' own needs through -rpath-link instead
+links="-Wl,-rpath-link,$WORK/build/bin:$cublas/lib:$WORK/stub"
 PATH=$CUDA_HOME/bin:$PATH cmake -S "$src" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA_FLAGS="$inc" -DCMAKE_CXX_FLAGS="$inc" \
+    -DCMAKE_CUDA_FLAGS="$inc" -DCMAKE_CXX_FLAGS="$inc" -DCMAKE_SKIP_BUILD_RPATH=ON \
+    -DCMAKE_EXE_LINKER_FLAGS="$links" -DCMAKE_SHARED_LINKER_FLAGS="$links" \
     -DCUDA_cublas_LIBRARY="$cublas/lib/libcublas.so.13" \
     -DCUDA_cublasLt_LIBRARY="$cublas/lib/libcublasLt.so.13" \
     -DCUDA_cuda_driver_LIBRARY="$stub" \
@@ -66,16 +74,18 @@ PATH=$CUDA_HOME/bin:$PATH cmake -S "$src" -B "$WORK/build" -G Ninja -DCMAKE_BUIL
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
     -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
     -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > "$WORK/configure.log"
-PATH=$CUDA_HOME/bin:$PATH ninja -C "$WORK/build" -j"$(nproc)" llama-bench
+PATH=$CUDA_HOME/bin:$PATH ninja -C "$WORK/build" -j"$(nproc)" llama-bench llama-batched-bench
 
 pack=$WORK/pack
 rm -rf "$pack" && mkdir -p "$pack"
-cp "$WORK/build/bin/llama-bench" "$pack/"
-strip "$pack/llama-bench"
+cp "$WORK/build/bin/llama-bench" "$WORK/build/bin/llama-batched-bench" "$pack/"
+cp -P "$WORK"/build/bin/lib*.so* "$pack/"
+find "$pack" -maxdepth 1 -type f -name 'l*' -exec strip {} +  # the tools and ggml's, llama's
 cp -L "$CUDA_HOME/lib64/libcudart.so.13" "$pack/"
-echo "llama-cpp-python $VERSION, $(cd "$src" && git log -1 --format=%h 2>/dev/null || echo '?'), CUDA arch ${CUDA_ARCH:-90-real}" > "$pack/VERSION"
+commit=$(cd "$src" && git log -1 --format=%h 2>/dev/null || echo '?')
+echo "llama-cpp-python $VERSION, llama.cpp $commit, CUDA arch ${CUDA_ARCH:-90-real}" > "$pack/VERSION"
 mkdir -p "$(dirname "$OUTFILE")"
 tar -cJf "$OUTFILE" -C "$pack" .
 ls -la "$OUTFILE"

@@ -55,8 +55,12 @@
 #                                            LLAMA_SKEW0=0), alternating (ROUNDS, default 2): every
 #                                            expert in RAM (llama.cpp -ngl 99 -ncmoe 48, all
 #                                            cores; Strata --expert-cache 0, all but one) pp512
-#                                            and tg128, and half of it (llama.cpp -ncmoe 24;
-#                                            Strata a cache of half the experts) tg128; then
+#                                            and tg128, half of it (llama.cpp -ncmoe 24;
+#                                            Strata a cache of half the experts) tg128, and 4
+#                                            sequences decoding together with every expert in
+#                                            RAM (llama-batched-bench -npp 128 -ntg 128 -npl 4;
+#                                            Strata -np 4), tg128 x4 (LLAMA_SETTINGS, default
+#                                            "ram half x4", picks them); then
 #                                            each row's medians and Strata / llama.cpp. Its
 #                                            experts in RAM are read into pinned memory
 #                                            (LLAMA_LOAD_MODE, default none; mmap, its default,
@@ -286,9 +290,12 @@ run_llama() {  # llama [TARBALL]: llama.cpp's llama-bench and strata bench on on
         return 2
     fi
     # for llama-bench alone: Strata's extensions keep the machine's own libraries
-    local llama=(env "LD_LIBRARY_PATH=$dir:$(dirname "$lt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-                 "$dir/llama-bench" -ngl 99 -t "$cores" -lm "${LLAMA_LOAD_MODE:-none}")
-    part 30 llama_devices "${llama[@]:0:3}" --list-devices
+    local ld="LD_LIBRARY_PATH=$dir:$(dirname "$lt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    local common=(-ngl 99 -t "$cores" -lm "${LLAMA_LOAD_MODE:-none}")
+    local llama=(env "$ld" "$dir/llama-bench" "${common[@]}")
+    # several sequences decoding together: llama-batched-bench, 128-token prompts, B at once
+    local batched=(env "$ld" "$dir/llama-batched-bench" "${common[@]}" -c 2048 -b 2048 -ub 512)
+    part 30 llama_devices env "$ld" "$dir/llama-bench" --list-devices
     [ -f "$skew1" ] || part 120 synth_skew1 python3 -m strata.tool synth "$skew1" \
         --shape qwen3-30b-a3b --type q4_0 --routing-skew 1 --jobs "$cores"
     [ "${LLAMA_SKEW0:-1}" = 0 ] || synth
@@ -296,18 +303,23 @@ run_llama() {  # llama [TARBALL]: llama.cpp's llama-bench and strata bench on on
     [ "${LLAMA_SKEW0:-1}" = 0 ] || models+=("$MODEL")
     local strata=(python3 -m strata bench --device cuda -t "$threads")
     local -A run=(  # side_setting -> its command's arguments after the model
-        [llama_ram]="-ncmoe 48 -p 512 -n 128 -r 3" [strata_ram]="--expert-cache 0 -p 512 -n 128 -r 3"
-        [llama_half]="-ncmoe 24 -p 0 -n 128 -r 3" [strata_half]="--expert-cache 3072 -p 0 -n 128 -r 3")
+        [llama_ram]="-ncmoe 48 -p 512 -n 128 -r 3"
+        [strata_ram]="--expert-cache 0 -p 512 -n 128 -r 3"
+        [llama_half]="-ncmoe 24 -p 0 -n 128 -r 3"
+        [strata_half]="--expert-cache 3072 -p 0 -n 128 -r 3"
+        [llama_x4]="-ncmoe 48 -npp 128 -ntg 128 -npl 4"
+        [strata_x4]="--expert-cache 0 -p 0 -n 128 -r 3 -np 4")
     for round in $(seq "${ROUNDS:-2}"); do  # ABBA: llama.cpp first in odd rounds, Strata in even
         local order=(llama strata)
         [ $(( round % 2 )) = 0 ] && order=(strata llama)
         for m in "${models[@]}"; do
             local n setting side
             n=$(basename "$m" .gguf)
-            for setting in ram half; do
+            for setting in ${LLAMA_SETTINGS:-ram half x4}; do
                 for side in "${order[@]}"; do
                     local cmd=("${strata[@]}")
                     [ "$side" = llama ] && cmd=("${llama[@]}")
+                    [ "$side$setting" = llamax4 ] && cmd=("${batched[@]}")
                     # shellcheck disable=SC2086  # the table's arguments split into words
                     part 150 "${side}_${setting}_${n}_$round" "${cmd[@]}" -m "$m" \
                         ${run[${side}_$setting]}
@@ -319,15 +331,22 @@ run_llama() {  # llama [TARBALL]: llama.cpp's llama-bench and strata bench on on
 import glob, re, statistics, sys
 rows = {}  # (synth, setting, test) -> side -> [tokens/s]
 for path in glob.glob(f"{sys.argv[1]}/*.log"):
-    name = re.match(r".*/(llama|strata)_(ram|half)_(.+)_\d+\.log$", path)
+    name = re.match(r".*/(llama|strata)_(ram|half|x4)_(.+)_\d+\.log$", path)
     if not name:
         continue
     side, setting, synth = name.groups()
     for line in open(path):
-        m = re.search(r"\|\s*((?:pp|tg)\d+)\s*\|\s*([\d.]+)\s*±", line)
+        m = re.search(r"\|\s*((?:pp|tg)\d+(?: x\d+)?)\s*\|\s*([\d.]+)\s*±", line)
+        # llama-batched-bench: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...
+        b = re.match(r"\|\s*\d+\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 7,
+                     line)
         if m:
-            rows.setdefault((synth, setting, m.group(1)), {"llama": [], "strata": []})[side] \
-                .append(float(m.group(2)))
+            test, rate = m.group(1), float(m.group(2))
+        elif b:
+            test, rate = f"tg{b.group(1)} x{b.group(2)}", float(b.group(7))
+        else:
+            continue
+        rows.setdefault((synth, setting, test), {"llama": [], "strata": []})[side].append(rate)
 for (synth, setting, test), got in sorted(rows.items()):
     med = {k: statistics.median(v) if v else float("nan") for k, v in got.items()}
     print(f"{synth} {setting} {test}: strata {', '.join(f'{v:.1f}' for v in got['strata'])} "

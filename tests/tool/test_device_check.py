@@ -216,10 +216,18 @@ if [ "$1" = "-m" ] && [ "$2" = "strata" ] && [ "$3" = "bench" ]; then
   echo "strata $* LD=${LD_LIBRARY_PATH:-}" >> "$ORDER"
   [[ " $* " == *" --expert-cache 0 "* ]] && base=5000 || base=200
   [[ " $* " == *" -p 512 "* ]] && echo "| m.gguf | cuda | 15 | pp512 | $base.5 ± 9.0 |"
-  echo "| m.gguf | cuda | 15 | tg128 | $((base / 50)).0 ± 1.0 |"
+  if [[ " $* " == *" -np 4 "* ]]; then echo "| m.gguf | cuda | 15 | tg128 x4 | 150.0 ± 1.0 |"
+  else echo "| m.gguf | cuda | 15 | tg128 | $((base / 50)).0 ± 1.0 |"; fi
   exit 0
 fi
 exec "$REAL_PYTHON" "$@"
+"""
+
+# llama-batched-bench in the packed tool: its table, S_TG the 8th column
+FAKE_LLAMA_BATCHED = """#!/bin/bash
+echo "llama batched $* LD=$LD_LIBRARY_PATH" >> "$ORDER"
+echo "| PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |"
+echo "|  128 |  128 |  4 | 1024 | 0.300 | 1706.67 | 8.533 |  60.00 | 8.833 | 115.92 |"
 """
 
 # llama-bench in the packed tool: llama.cpp's table rows, at half of Strata's figures
@@ -239,11 +247,13 @@ def test_llama_runs_llama_bench_beside_strata_abba_and_gives_each_rows_ratio(tmp
 
     pack = tmp_path / "pack"
     pack.mkdir()
-    (pack / "llama-bench").write_text(FAKE_LLAMA_BENCH)
-    (pack / "llama-bench").chmod(0o755)
     tarball = tmp_path / "llama-bench.tar.xz"
     with tarfile.open(tarball, "w:xz") as tar:
-        tar.add(pack / "llama-bench", arcname="llama-bench")
+        for name, text in (("llama-bench", FAKE_LLAMA_BENCH),
+                           ("llama-batched-bench", FAKE_LLAMA_BATCHED)):
+            (pack / name).write_text(text)
+            (pack / name).chmod(0o755)
+            tar.add(pack / name, arcname=name)
     cublas = tmp_path / "cublas"
     cublas.mkdir()
     (cublas / "libcublasLt.so.13").write_bytes(b"")
@@ -262,10 +272,15 @@ def test_llama_runs_llama_bench_beside_strata_abba_and_gives_each_rows_ratio(tmp
     assert res.returncode == 0, res.stderr
     runs = order.read_text().splitlines()
     sides = [line.split()[0] for line in runs]
-    # round 1 llama.cpp first, round 2 Strata first; each synth in both settings: skew 1 first
-    assert sides == ["llama", "strata"] * 4 + ["strata", "llama"] * 4
-    assert all("q1.gguf" in line for line in runs[:4] + runs[8:12])
-    assert all(" -lm none" in line and " -ngl 99 " in line for line in runs if "llama " in line)
+    # round 1 llama.cpp first, round 2 Strata first; each synth in the three settings, skew 1
+    # first
+    assert sides == ["llama", "strata"] * 6 + ["strata", "llama"] * 6
+    assert all("q1.gguf" in line for line in runs[:6] + runs[12:18])
+    assert all(" -lm none" in line and " -ngl 99 " in line for line in runs
+               if line.startswith("llama"))
+    batched = [line for line in runs if line.startswith("llama batched")]
+    assert len(batched) == 4 and all(" -ncmoe 48 " in line and " -npl 4" in line
+                                     for line in batched)
     # llama-bench alone gets its libraries' path: the unpacked tool and the cuBLAS folder
     for line in runs:
         ld = line.split("LD=")[1]
@@ -281,12 +296,16 @@ def test_llama_runs_llama_bench_beside_strata_abba_and_gives_each_rows_ratio(tmp
         "(median 2500.2); strata / llama.cpp 2.00",
         "q ram tg128: strata 100.0, 100.0 (median 100.0); llama.cpp 50.0, 50.0 (median 50.0); "
         "strata / llama.cpp 2.00",
+        "q x4 tg128 x4: strata 150.0, 150.0 (median 150.0); llama.cpp 60.0, 60.0 "
+        "(median 60.0); strata / llama.cpp 2.50",
         "q1 half tg128: strata 4.0, 4.0 (median 4.0); llama.cpp 2.0, 2.0 (median 2.0); "
         "strata / llama.cpp 2.00",
         "q1 ram pp512: strata 5000.5, 5000.5 (median 5000.5); llama.cpp 2500.2, 2500.2 "
         "(median 2500.2); strata / llama.cpp 2.00",
         "q1 ram tg128: strata 100.0, 100.0 (median 100.0); llama.cpp 50.0, 50.0 (median 50.0); "
         "strata / llama.cpp 2.00",
+        "q1 x4 tg128 x4: strata 150.0, 150.0 (median 150.0); llama.cpp 60.0, 60.0 "
+        "(median 60.0); strata / llama.cpp 2.50",
     ]
 
 
