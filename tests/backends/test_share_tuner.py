@@ -2,9 +2,11 @@
 function of the share: it finds the fastest share of each window class, leaves a flat one
 alone, does not follow noise, and follows a host that changes."""
 import numpy as np
+import pytest
 
 from strata.backends.cuda import share_tuner as st
 from strata.backends.cuda.share_tuner import ShareTuner
+from strata.errors import ConfigError
 
 
 def run(tuner, seconds_at, windows, rows=1, rng=None):
@@ -141,3 +143,21 @@ def test_with_the_split_expert_it_settles_inside_an_expert():
 def test_the_one_row_class_may_start_elsewhere():
     tuner = ShareTuner(0.3, one_row_start=0.375)
     assert tuner.share(1) == 0.375 and tuner.share(2) == 0.3 and tuner.share(16) == 0.3
+
+
+def test_its_timing_can_be_set_from_the_environment(monkeypatch):
+    host = one_row_host(pool_ms_per_expert=2.2, gpu_ms_per_expert=2.0)
+    monkeypatch.setenv(st.ENV_TUNER, "warmup=64,every=128")
+    late = ShareTuner(0.3)
+    assert (late.warmup, late.every, late.probe, late.margin) == (64, 128, st.PROBE, st.MARGIN)
+    # nothing is tried before the 64th window; the default tries from the 16th
+    assert set(run(late, host, 64)) == {0.3}
+    monkeypatch.delenv(st.ENV_TUNER)
+    assert len(set(run(ShareTuner(0.3), host, 64))) > 1
+
+
+def test_a_bad_timing_setting_is_named(monkeypatch):
+    for text in ("warmup", "warmup=0", "every=x", "speed=3", "margin=-1"):
+        monkeypatch.setenv(st.ENV_TUNER, text)
+        with pytest.raises(ConfigError, match="STRATA_SHARE_TUNER"):
+            ShareTuner(0.3)

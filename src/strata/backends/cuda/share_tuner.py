@@ -24,8 +24,11 @@ engine keeps the starting share instead (offload.build_vram_arena).
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 from dataclasses import dataclass, field
+
+from strata.errors import ConfigError
 
 log = logging.getLogger("strata.pool")
 
@@ -35,6 +38,27 @@ WARMUP = 16        # windows at the starting share before the first tries
 EVERY = 512        # windows of a class between rounds of tries (PROBE after a move)
 MARGIN = 0.03      # a neighbour must be this much faster (median window) to be taken
 LOWEST, HIGHEST = 0.0, 0.9  # the shares tried (1: no pool at all is --pcie-frac 1's)
+# STRATA_SHARE_TUNER=NAME=V,... (a diagnosis): warmup, probe, every and margin for this run
+# instead of the four above, e.g. warmup=64,every=128
+ENV_TUNER = "STRATA_SHARE_TUNER"
+
+
+def _settings_from_env() -> dict:
+    text = os.environ.get(ENV_TUNER, "").strip()
+    got = {"warmup": WARMUP, "probe": PROBE, "every": EVERY, "margin": MARGIN}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        try:
+            if name not in got:
+                raise ValueError
+            got[name] = float(value) if name == "margin" else int(value)
+            if got[name] < (0 if name == "margin" else 1):
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"{ENV_TUNER}={text!r}: give NAME=VALUE items separated by "
+                              "commas, NAME one of warmup, probe, every (whole windows, >= 1) "
+                              "and margin (a fraction >= 0), e.g. warmup=64,every=128")
+    return got
 
 
 @dataclass
@@ -59,11 +83,16 @@ class ShareTuner:
         """one_row_start: the one-row class's start when it differs (share.whole_expert_share
         of an unmeasured default)."""
         self.start = float(start)
+        settings = _settings_from_env()
+        self.warmup, self.probe = settings["warmup"], settings["probe"]
+        self.every, self.margin = settings["every"], settings["margin"]
         k = max(int(experts_per_row), 1)
         self.steps = (1.0 / k, -1.0 / k, 0.5 / k, -0.5 / k)
-        self._classes = {rows: _Class(rows, self.start) for rows in CLASS_ROWS}
+        self._classes = {rows: _Class(rows, self.start, until_round=self.warmup)
+                         for rows in CLASS_ROWS}
         if one_row_start is not None:
-            self._classes[CLASS_ROWS[0]] = _Class(CLASS_ROWS[0], float(one_row_start))
+            self._classes[CLASS_ROWS[0]] = _Class(CLASS_ROWS[0], float(one_row_start),
+                                                  until_round=self.warmup)
 
     @staticmethod
     def class_of(num_rows: int) -> int | None:
@@ -96,16 +125,16 @@ class ShareTuner:
         if c.trying is not None:
             if share == c.trying:
                 c.tried.append(seconds)
-                if len(c.tried) >= PROBE:
+                if len(c.tried) >= self.probe:
                     c.results[c.trying] = statistics.median(c.tried)
                     self._next_try(c)
             return
         if share != c.share:
             return  # a window planned before the last change
         c.base.append(seconds)
-        del c.base[:-2 * PROBE]
+        del c.base[:-2 * self.probe]
         c.until_round -= 1
-        if c.until_round <= 0 and len(c.base) >= PROBE:
+        if c.until_round <= 0 and len(c.base) >= self.probe:
             c.queue = [s for s in (round(c.share + d, 4) for d in self.steps)
                        if LOWEST <= s <= HIGHEST and s != c.share]
             c.results = {}
@@ -117,17 +146,17 @@ class ShareTuner:
             c.trying = c.queue.pop(0)
             return
         c.trying = None
-        base = statistics.median(c.base[-PROBE:])
+        base = statistics.median(c.base[-self.probe:])
         best = min(c.results, key=c.results.get, default=None)
-        if best is not None and c.results[best] < base * (1.0 - MARGIN):
+        if best is not None and c.results[best] < base * (1.0 - self.margin):
             log.info("PCIe share of %s-row windows %.3f -> %.3f: the CPU pool's compute + "
                      "wait %.2f -> %.2f ms a window (medians of %d; --pcie-frac auto)",
                      _rows_name(c.rows), c.share, best, base * 1e3, c.results[best] * 1e3,
-                     PROBE)
+                     self.probe)
             c.share, c.base, c.moves = best, [], c.moves + 1
-            c.until_round = PROBE
+            c.until_round = self.probe
         else:
-            c.until_round = EVERY
+            c.until_round = self.every
             log.debug("PCIe share of %s-row windows stays %.3f (%.2f ms; tried %s)",
                       _rows_name(c.rows), c.share, base * 1e3,
                       ", ".join(f"{s:.3f}: {t * 1e3:.2f}" for s, t in sorted(c.results.items())))
