@@ -161,3 +161,49 @@ def test_a_bad_timing_setting_is_named(monkeypatch):
         monkeypatch.setenv(st.ENV_TUNER, text)
         with pytest.raises(ConfigError, match="STRATA_SHARE_TUNER"):
             ShareTuner(0.3)
+
+
+def drifting(host, slower=0.3, over=120):
+    """`host` whose windows grow `slower` times slower over its first `over` windows (the
+    CPU's clocks settling after the model loads), then stay so."""
+    done = [0]
+
+    def seconds_at(share):
+        t = host(share) * (1.0 + slower * min(done[0], over) / over)
+        done[0] += 1
+        return t
+    return seconds_at
+
+
+def test_interleaved_rounds_see_through_a_drifting_host(monkeypatch):
+    # the pool takes 6 of 8 (0.25) fastest, 6% ahead of the 5 the one-row class starts with
+    host = one_row_host(pool_ms_per_expert=1.2, gpu_ms_per_expert=2.6)
+    assert host(0.25) < 0.95 * host(0.375) and host(0.25) == host_best(host)
+
+    def settled(seed):
+        tuner = ShareTuner(0.3, one_row_start=0.375)
+        run(tuner, drifting(host), 500, rng=np.random.default_rng(seed))
+        return tuner.shares()[1]
+
+    # one neighbour after another, each later try looks slower by the drift alone
+    assert sum(settled(seed) == 0.375 for seed in range(6)) >= 3
+    monkeypatch.setenv(st.ENV_TUNER, "interleave=1")
+    assert [settled(seed) for seed in range(6)] == [0.25] * 6
+
+
+def test_interleaved_rounds_alternate_and_count_late_figures(monkeypatch):
+    monkeypatch.setenv(st.ENV_TUNER, "interleave=1,warmup=8,probe=2")
+    tuner = ShareTuner(0.375)
+    host = one_row_host(pool_ms_per_expert=1.2, gpu_ms_per_expert=2.6)
+    run(tuner, host, 8)
+    shares = [tuner.share(1)]
+    tuner.record(1, shares[0], host(shares[0]))
+    for _ in range(15):
+        shares.append(tuner.share(1))
+        tuner.record(1, shares[-1], host(shares[-1]))
+    # share, neighbour, share, the next neighbour, ...: each neighbour twice, then the move
+    assert shares[:8] == [0.375, 0.5, 0.375, 0.25, 0.375, 0.4375, 0.375, 0.3125]
+    assert tuner.shares()[1] == 0.25 and tuner._classes[1].moves == 1
+    # a window planned in the round whose figures come after the move is not counted
+    tuner.record(1, 0.4375, 0.0001)
+    assert tuner.shares()[1] == 0.25

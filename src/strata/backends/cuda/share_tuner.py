@@ -39,25 +39,31 @@ EVERY = 512        # windows of a class between rounds of tries (PROBE after a m
 MARGIN = 0.03      # a neighbour must be this much faster (median window) to be taken
 LOWEST, HIGHEST = 0.0, 0.9  # the shares tried (1: no pool at all is --pcie-frac 1's)
 # STRATA_SHARE_TUNER=NAME=V,... (a diagnosis): warmup, probe, every and margin for this run
-# instead of the four above, e.g. warmup=64,every=128
+# instead of the four above, e.g. warmup=64,every=128; interleave=1 (opt-in, session 89, not
+# yet measured on the device) times a round's neighbours between windows at the share itself
+# (share, n1, share, n2, ...) and against those windows, so a host that speeds up or slows
+# down during the round (the CPU's clocks settling after the model loads) moves every side's
+# figures alike: one after another, the later tries look better or worse than the windows
+# before the round by the drift alone
 ENV_TUNER = "STRATA_SHARE_TUNER"
 
 
 def _settings_from_env() -> dict:
     text = os.environ.get(ENV_TUNER, "").strip()
-    got = {"warmup": WARMUP, "probe": PROBE, "every": EVERY, "margin": MARGIN}
+    got = {"warmup": WARMUP, "probe": PROBE, "every": EVERY, "margin": MARGIN, "interleave": 0}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
         try:
             if name not in got:
                 raise ValueError
             got[name] = float(value) if name == "margin" else int(value)
-            if got[name] < (0 if name == "margin" else 1):
+            if got[name] < (0 if name in ("margin", "interleave") else 1):
                 raise ValueError
         except ValueError:
             raise ConfigError(f"{ENV_TUNER}={text!r}: give NAME=VALUE items separated by "
-                              "commas, NAME one of warmup, probe, every (whole windows, >= 1) "
-                              "and margin (a fraction >= 0), e.g. warmup=64,every=128")
+                              "commas, NAME one of warmup, probe, every (whole windows, >= 1), "
+                              "margin (a fraction >= 0) and interleave (0 or 1), e.g. "
+                              "warmup=64,every=128")
     return got
 
 
@@ -71,6 +77,8 @@ class _Class:
     tried: list = field(default_factory=list)     # window times at `trying`
     results: dict = field(default_factory=dict)   # neighbour -> median of its windows
     until_round: int = WARMUP
+    plan: list = field(default_factory=list)      # interleave: the round's shares in order
+    at: int = 0                                   # interleave: the next window's place in plan
     moves: int = 0
     windows: int = 0                              # windows whose figures came in
 
@@ -86,6 +94,7 @@ class ShareTuner:
         settings = _settings_from_env()
         self.warmup, self.probe = settings["warmup"], settings["probe"]
         self.every, self.margin = settings["every"], settings["margin"]
+        self.interleave = bool(settings["interleave"])
         k = max(int(experts_per_row), 1)
         self.steps = (1.0 / k, -1.0 / k, 0.5 / k, -0.5 / k)
         self._classes = {rows: _Class(rows, self.start, until_round=self.warmup)
@@ -105,6 +114,8 @@ class ShareTuner:
         if rows is None:
             return None
         c = self._classes[rows]
+        if c.plan:
+            return c.plan[c.at]
         return c.trying if c.trying is not None else c.share
 
     def shares(self) -> dict[int, float]:
@@ -122,6 +133,9 @@ class ShareTuner:
             return
         c = self._classes[rows]
         c.windows += 1
+        if c.plan:
+            self._record_interleaved(c, share, seconds)
+            return
         if c.trying is not None:
             if share == c.trying:
                 c.tried.append(seconds)
@@ -138,7 +152,29 @@ class ShareTuner:
             c.queue = [s for s in (round(c.share + d, 4) for d in self.steps)
                        if LOWEST <= s <= HIGHEST and s != c.share]
             c.results = {}
-            self._next_try(c)
+            if self.interleave and c.queue:
+                c.plan = [s for n in c.queue for s in (c.share, n)]
+                c.at, c.base, c.results = 0, [], {n: [] for n in c.queue}
+                c.queue = []
+            else:
+                self._next_try(c)
+
+    def _record_interleaved(self, c: _Class, share: float, seconds: float) -> None:
+        """A window of an interleaved round: its time to the share's or a neighbour's; the
+        round ends once each has `probe` windows (a window planned twice, its figures late,
+        or skipped, the plan goes round again)."""
+        if share == c.share:
+            c.base.append(seconds)
+        elif share in c.results:
+            c.results[share].append(seconds)
+        else:
+            return  # planned before the last change
+        c.at = (c.at + 1) % len(c.plan)
+        if len(c.base) < self.probe or any(len(t) < self.probe for t in c.results.values()):
+            return
+        c.plan, c.at = [], 0
+        self._decide(c, statistics.median(c.base),
+                     {n: statistics.median(t) for n, t in c.results.items()})
 
     def _next_try(self, c: _Class) -> None:
         c.tried = []
@@ -146,7 +182,12 @@ class ShareTuner:
             c.trying = c.queue.pop(0)
             return
         c.trying = None
-        base = statistics.median(c.base[-self.probe:])
+        self._decide(c, statistics.median(c.base[-self.probe:]), c.results)
+
+    def _decide(self, c: _Class, base: float, results: dict) -> None:
+        """The end of a round: the fastest neighbour (median window) becomes the share if it
+        beat `base`, the share's median, by more than the margin."""
+        c.results = results
         best = min(c.results, key=c.results.get, default=None)
         if best is not None and c.results[best] < base * (1.0 - self.margin):
             log.info("PCIe share of %s-row windows %.3f -> %.3f: the CPU pool's compute + "
