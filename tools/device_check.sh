@@ -20,7 +20,8 @@
 #                                            default 3); a side is words, NAME=VALUE ones the
 #                                            environment, the others more bench flags (e.g.
 #                                            "STRATA_POOL_SURE=0" "--pcie-frac auto"); then each
-#                                            row's runs, medians and B/A
+#                                            row's runs, medians and B/A, and where
+#                                            --pcie-frac auto left each run's shares
 #   tools/device_check.sh sides "A" "B" "C" ... -- ARGS
 #                                            as pair, with any number of sides, each row's
 #                                            medians against side A's (PAIR_TAG names the
@@ -248,11 +249,11 @@ for side, paths in enumerate(logs):
             m = re.search(r"\|\s*([a-z]+\d+[^|]*?)\s*\|\s*([\d.]+)\s*±", line)
             if m:
                 rows.setdefault(m.group(1), [[] for _ in names])[side].append(float(m.group(2)))
-for side, paths in enumerate(logs):  # with STRATA_STREAM_TIMELINE=1: each run's timeline
-    for path in paths:
+for side, paths in enumerate(logs):  # each run's timeline (STRATA_STREAM_TIMELINE=1) and
+    for path in paths:                # where --pcie-frac auto left each window class's share
         for line in open(path):
-            m = re.search(r"timeline, medians of .*", line)
-            if m:
+            for m in re.finditer(r"timeline, medians of .*|PCIe share \(--pcie-frac auto\) "
+                                 r"by window rows: [^;]*", line):
                 print(f"{letters[side]} round {path[:-4].split('_')[-1]}: {m.group(0)}")
 for test, runs in rows.items():
     medians = [statistics.median(r or [0]) for r in runs]

@@ -171,6 +171,20 @@ def test_pair_gives_each_runs_timeline_when_the_sides_ask_for_it(tmp_path):
                 in lines
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_sides_give_where_each_runs_auto_share_ended(tmp_path):
+    fake_text = FAKE_PYTHON.replace(
+        '  exit 0\n',
+        '  echo "expert cache: ...; CPU pool: ...; PCIe share (--pcie-frac auto) by window rows: '
+        '1: 0.$((375 - ${BOOST:-0})) (0 moves in 512 windows); read-ahead: ..."\n  exit 0\n', 1)
+    res, _ = _run_pair(tmp_path, fake_text, 2, "", "BOOST=125", "-p", "0", "-n", "128")
+    lines = res.stdout.splitlines()
+    for side, share in (("A", "0.375"), ("B", "0.250")):
+        for r in (1, 2):
+            assert (f"{side} round {r}: PCIe share (--pcie-frac auto) by window rows: "
+                    f"1: {share} (0 moves in 512 windows)") in lines
+
+
 # pytest's output for tests/backends/cuda/FILE.py: test_bad fails with its reason far above the
 # log's tail, test_good passes with an "E " line of its own output
 FAKE_PYTEST_PYTHON = """#!/bin/bash
