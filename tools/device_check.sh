@@ -21,7 +21,8 @@
 #                                            environment, the others more bench flags (e.g.
 #                                            "STRATA_POOL_SURE=0" "--pcie-frac auto"); then each
 #                                            row's runs, medians and B/A, and where
-#                                            --pcie-frac auto left each run's shares
+#                                            --pcie-frac auto left each run's shares (its
+#                                            tuner's rounds: strata.pool's log)
 #   tools/device_check.sh sides "A" "B" "C" ... -- ARGS
 #                                            as pair, with any number of sides, each row's
 #                                            medians against side A's (PAIR_TAG names the
@@ -232,7 +233,8 @@ run_sides() {  # run_sides N "SIDE A" "SIDE B" ... BENCH_ARGS...: N sides altern
             done
             # bench_logged: the tier's decisions too (where STRATA_POOL_SURE moved, e.g.)
             part 150 "${tag}_${i}_$round" env "${envs[@]}" python3 \
-                "$(dirname "${BASH_SOURCE[0]}")/bench_logged.py" -- -m "$model" --device cuda \
+                "$(dirname "${BASH_SOURCE[0]}")/bench_logged.py" --log strata.tier=INFO \
+                --log strata.pool=INFO -- -m "$model" --device cuda \
                 -t "$threads" --expert-cache 0 "$@" "${flags[@]}"
         done
     done
@@ -253,7 +255,8 @@ for side, paths in enumerate(logs):  # each run's timeline (STRATA_STREAM_TIMELI
     for path in paths:                # where --pcie-frac auto left each window class's share
         for line in open(path):
             for m in re.finditer(r"timeline, medians of .*|PCIe share \(--pcie-frac auto\) "
-                                 r"by window rows: [^;]*", line):
+                                 r"by window rows: [^;]*|PCIe share of [\d-]+-row windows .*",
+                                 line):
                 print(f"{letters[side]} round {path[:-4].split('_')[-1]}: {m.group(0)}")
 for test, runs in rows.items():
     medians = [statistics.median(r or [0]) for r in runs]

@@ -207,3 +207,14 @@ def test_interleaved_rounds_alternate_and_count_late_figures(monkeypatch):
     # a window planned in the round whose figures come after the move is not counted
     tuner.record(1, 0.4375, 0.0001)
     assert tuner.shares()[1] == 0.25
+
+
+def test_each_rounds_decision_is_logged(caplog):
+    host = one_row_host(pool_ms_per_expert=1.2, gpu_ms_per_expert=2.6)  # 0.25 fastest
+    with caplog.at_level("INFO", logger="strata.pool"):
+        tuner = ShareTuner(0.25)
+        run(tuner, host, st.WARMUP + 4 * st.PROBE)
+    # kept, with what each neighbour gave
+    assert [r.getMessage() for r in caplog.records] == [
+        "PCIe share of 1-row windows stays 0.250 (9.70 ms a window; tried 0.125: 10.90, "
+        "0.188: 9.70, 0.312: 10.30, 0.375: 10.30)"]

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # prints a table row whose tokens/s come from the environment (BOOST) and the flags it got
 FAKE_PYTHON = """#!/bin/bash
-if [[ "$1" == */tools/bench_logged.py ]] && [ "$2" = "--" ]; then
+if [[ "$1" == */tools/bench_logged.py ]] && [[ " $* " == *" -- "* ]]; then
   echo "args: $*" >&2
   [[ " $* " == *" --pcie-frac auto "* ]] && flag=1 || flag=0
   round=$(cat "$COUNTER" 2>/dev/null || echo 0); echo $((round + 1)) > "$COUNTER"
@@ -176,9 +176,15 @@ def test_sides_give_where_each_runs_auto_share_ended(tmp_path):
     fake_text = FAKE_PYTHON.replace(
         '  exit 0\n',
         '  echo "expert cache: ...; CPU pool: ...; PCIe share (--pcie-frac auto) by window rows: '
-        '1: 0.$((375 - ${BOOST:-0})) (0 moves in 512 windows); read-ahead: ..."\n  exit 0\n', 1)
-    res, _ = _run_pair(tmp_path, fake_text, 2, "", "BOOST=125", "-p", "0", "-n", "128")
+        '1: 0.$((375 - ${BOOST:-0})) (0 moves in 512 windows); read-ahead: ..."\n'
+        '  echo "strata.pool INFO PCIe share of 1-row windows stays 0.375 (10.00 ms a window; '
+        'tried 0.250: 10.10)" >&2\n  exit 0\n', 1)
+    res, out = _run_pair(tmp_path, fake_text, 2, "", "BOOST=125", "-p", "0", "-n", "128")
+    # the tuner's rounds are strata.pool's log lines
+    assert "--log strata.tier=INFO --log strata.pool=INFO --" in (out / "pair_0_1.log").read_text()
     lines = res.stdout.splitlines()
+    assert ("B round 2: PCIe share of 1-row windows stays 0.375 (10.00 ms a window; tried "
+            "0.250: 10.10)") in lines
     for side, share in (("A", "0.375"), ("B", "0.250")):
         for r in (1, 2):
             assert (f"{side} round {r}: PCIe share (--pcie-frac auto) by window rows: "

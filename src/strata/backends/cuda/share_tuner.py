@@ -198,9 +198,10 @@ class ShareTuner:
             c.until_round = self.probe
         else:
             c.until_round = self.every
-            log.debug("PCIe share of %s-row windows stays %.3f (%.2f ms; tried %s)",
-                      _rows_name(c.rows), c.share, base * 1e3,
-                      ", ".join(f"{s:.3f}: {t * 1e3:.2f}" for s, t in sorted(c.results.items())))
+            # a decision too (once a round, every `every` windows of the class)
+            log.info("PCIe share of %s-row windows stays %.3f (%.2f ms a window; tried %s)",
+                     _rows_name(c.rows), c.share, base * 1e3,
+                     ", ".join(f"{s:.3f}: {t * 1e3:.2f}" for s, t in sorted(c.results.items())))
 
 
 def _rows_name(rows: int) -> str:
