@@ -9,10 +9,12 @@ this measures it as windows run, from each window's own figures, and keeps measu
 Per class of windows by rows (1, 2, 3-4, 5-8, 9-16: a row's routed misses split differently
 with more rows), the tuner keeps a share and times windows at it: the pool's compute plus its
 wait for the GPU (cpu_pool.PoolWindowStats), which is the window minus the host's work and the
-head, so the host's noise stays out. Every `EVERY` windows of a class (sooner right after a
-move) it tries each neighbour for `PROBE` windows: the share -+ 1/K and -+ 1/(2K) for K experts
-a row; a neighbour whose median beats the share's median over the windows just before by more
-than `MARGIN` becomes the share (logged). A one-row window's split changes in whole experts,
+head, so the host's noise stays out. A round of tries comes `WARMUP` windows of a class in,
+`PROBE` windows after a move, and `FIRST_GAP` windows after a round that kept the share, twice
+as far after each further one up to `EVERY`. A round tries each neighbour for `PROBE` windows:
+the share -+ 1/K and -+ 1/(2K) for K experts a row; a neighbour whose median beats the
+share's median over the windows just before by more than `MARGIN` becomes the share (logged;
+a round that keeps it is logged too). A one-row window's split changes in whole experts,
 each 1/K of the share wide (Qwen3-30B-A3B, K = 8: the pool takes 5 of a token's 8 misses from
 0.26 to 0.375, 4 up to 0.5): a step of 1/K reaches the next split on either side, where 0.1
 from 0.4 would stay on 4 and see no difference.
@@ -35,12 +37,21 @@ log = logging.getLogger("strata.pool")
 CLASS_ROWS = (1, 2, 4, 8, 16)  # a window of R rows is in the first class of >= R rows
 PROBE = 8          # windows timed at a neighbour share per try
 WARMUP = 16        # windows at the starting share before the first tries
-EVERY = 512        # windows of a class between rounds of tries (PROBE after a move)
+EVERY = 512        # the most windows of a class between rounds of tries (PROBE after a move)
+FIRST_GAP = 64     # windows after the first round that keeps the share; doubling up to EVERY
 MARGIN = 0.03      # a neighbour must be this much faster (median window) to be taken
 LOWEST, HIGHEST = 0.0, 0.9  # the shares tried (1: no pool at all is --pcie-frac 1's)
+# Why the gaps grow from FIRST_GAP (session 90): a round reads the windows right after the
+# model loads, and one host kept the starting 0.375 for a whole run after its first round
+# (session 89: 12 of 12 runs, the next round 512 windows later, past the run's end) where a
+# run whose first round came after a prompt moved to 0.25 and decoded 97.8 against 80-84
+# tokens/s; a later round gets another look soon. Rounds every 128 windows throughout cost
+# nothing measurable on an H100 host (warmup=64,every=128 against the default then: 85.3
+# against 84.4 tokens/s, 2 of 2 runs; docs/offload.md, "Session 90").
 # STRATA_SHARE_TUNER=NAME=V,... (a diagnosis): warmup, probe, every and margin for this run
-# instead of the four above, e.g. warmup=64,every=128; interleave=1 (opt-in, session 89, not
-# yet measured on the device) times a round's neighbours between windows at the share itself
+# instead of the four above, e.g. warmup=64,every=128; backoff=0 puts EVERY between all rounds
+# (before session 90); interleave=1 (opt-in; a tie on an H100 host in session 90, 0.98-1.02x
+# of the default in four rows) times a round's neighbours between windows at the share itself
 # (share, n1, share, n2, ...) and against those windows, so a host that speeds up or slows
 # down during the round (the CPU's clocks settling after the model loads) moves every side's
 # figures alike: one after another, the later tries look better or worse than the windows
@@ -50,19 +61,21 @@ ENV_TUNER = "STRATA_SHARE_TUNER"
 
 def _settings_from_env() -> dict:
     text = os.environ.get(ENV_TUNER, "").strip()
-    got = {"warmup": WARMUP, "probe": PROBE, "every": EVERY, "margin": MARGIN, "interleave": 0}
+    got = {"warmup": WARMUP, "probe": PROBE, "every": EVERY, "margin": MARGIN, "interleave": 0,
+           "backoff": 1}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
         try:
             if name not in got:
                 raise ValueError
             got[name] = float(value) if name == "margin" else int(value)
-            if got[name] < (0 if name in ("margin", "interleave") else 1):
+            switch = name in ("interleave", "backoff")
+            if got[name] < (0 if switch or name == "margin" else 1) or switch and got[name] > 1:
                 raise ValueError
         except ValueError:
             raise ConfigError(f"{ENV_TUNER}={text!r}: give NAME=VALUE items separated by "
                               "commas, NAME one of warmup, probe, every (whole windows, >= 1), "
-                              "margin (a fraction >= 0) and interleave (0 or 1), e.g. "
+                              "margin (a fraction >= 0), interleave and backoff (0 or 1), e.g. "
                               "warmup=64,every=128")
     return got
 
@@ -80,6 +93,7 @@ class _Class:
     plan: list = field(default_factory=list)      # interleave: the round's shares in order
     at: int = 0                                   # interleave: the next window's place in plan
     moves: int = 0
+    kept: int = 0                                 # rounds in a row that kept the share
     windows: int = 0                              # windows whose figures came in
 
 
@@ -95,6 +109,7 @@ class ShareTuner:
         self.warmup, self.probe = settings["warmup"], settings["probe"]
         self.every, self.margin = settings["every"], settings["margin"]
         self.interleave = bool(settings["interleave"])
+        self.backoff = bool(settings["backoff"])
         k = max(int(experts_per_row), 1)
         self.steps = (1.0 / k, -1.0 / k, 0.5 / k, -0.5 / k)
         self._classes = {rows: _Class(rows, self.start, until_round=self.warmup)
@@ -194,14 +209,17 @@ class ShareTuner:
                      "wait %.2f -> %.2f ms a window (medians of %d; --pcie-frac auto)",
                      _rows_name(c.rows), c.share, best, base * 1e3, c.results[best] * 1e3,
                      self.probe)
-            c.share, c.base, c.moves = best, [], c.moves + 1
+            c.share, c.base, c.moves, c.kept = best, [], c.moves + 1, 0
             c.until_round = self.probe
         else:
-            c.until_round = self.every
-            # a decision too (once a round, every `every` windows of the class)
-            log.info("PCIe share of %s-row windows stays %.3f (%.2f ms a window; tried %s)",
-                     _rows_name(c.rows), c.share, base * 1e3,
-                     ", ".join(f"{s:.3f}: {t * 1e3:.2f}" for s, t in sorted(c.results.items())))
+            c.kept += 1
+            c.until_round = (min(self.every, FIRST_GAP << min(c.kept - 1, 16)) if self.backoff
+                             else self.every)
+            # a decision too (a round at most every `every` windows of the class)
+            log.info("PCIe share of %s-row windows stays %.3f (%.2f ms a window; tried %s; "
+                     "the next round in %d windows)", _rows_name(c.rows), c.share, base * 1e3,
+                     ", ".join(f"{s:.3f}: {t * 1e3:.2f}" for s, t in sorted(c.results.items())),
+                     c.until_round)
 
 
 def _rows_name(rows: int) -> str:
