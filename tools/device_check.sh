@@ -16,8 +16,8 @@
 #                                            --expert-cache) on $PAIR_MODEL (default the skew-0
 #                                            synth; one missing is written with routing skew
 #                                            $PAIR_SKEW, default 1) under side A and side B
-#                                            alternating (ROUNDS,
-#                                            default 3); a side is words, NAME=VALUE ones the
+#                                            alternating, A B then B A (ROUNDS, default
+#                                            3); a side is words, NAME=VALUE ones the
 #                                            environment, the others more bench flags (e.g.
 #                                            "STRATA_POOL_SURE=0" "--pcie-frac auto"); then each
 #                                            row's runs, medians and B/A, and where
@@ -98,6 +98,18 @@ part() {  # part SECONDS NAME COMMAND...: run with a limit, log to $OUT/NAME.log
     tail -n 4 "$OUT/$name.log"
 }
 
+turned() {  # turned ROUND ITEM...: the items in order in odd rounds, reversed in even ones
+    # (A B, B A, ...): the second of two runs back to back is the faster on these hosts
+    # (session 45; session 92: the second side won one-slot decode by 3-5% whichever setting
+    # it was), so an A/B that keeps one order measures the order
+    local round=$1 i
+    shift
+    local items=("$@")
+    if (( round % 2 )); then printf '%s\n' "${items[@]}"
+    else for (( i = ${#items[@]} - 1; i >= 0; i-- )); do printf '%s\n' "${items[$i]}"; done
+    fi
+}
+
 synth() {
     [ -f "$MODEL" ] || part 120 synth python3 tools/bench_cuda.py "$MODEL" --synth qwen3-30b-a3b \
         --weight-type q4_0 --jobs "$(nproc)" --synth-only
@@ -146,7 +158,7 @@ run_kernel() {  # kernel [ARGS]: the pool's kernel, the tree against the old bui
     local sides=(new)
     [ -d "$OLD_SITE" ] && [ -f "$OLD_TREE/tools/bench_pool_kernel.py" ] && sides+=(old)
     for round in $(seq "${ROUNDS:-2}"); do  # alternating, so drift spreads over both
-        for side in "${sides[@]}"; do
+        for side in $(turned "$round" "${sides[@]}"); do
             if [ "$side" = new ]; then
                 part 150 "kernel_new_$round" python3 tools/bench_pool_kernel.py "${args[@]}"
             else
@@ -187,11 +199,14 @@ run_ab() {  # NEW: the working tree (setup.sh's /tmp/site); OLD: .device/old.tar
     build_old || return 2
     local new=(env PYTHONPATH=/tmp/site STRATA_CUBIN_DIR="$PWD/.device/cubins")
     local old=(env PYTHONPATH="$OLD_SITE:/tmp/site" STRATA_CUBIN_DIR="$PWD/.device/cubins")
+    local side
     for round in 1 2; do
-        part 90 "bench_new_$round" "${new[@]}" python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 \
-            -r 3 --slots 1,4,8
-        part 90 "bench_old_$round" "${old[@]}" python3 tools/bench_cuda.py "$MODEL" -p 512 -n 128 \
-            -r 3 --slots 1,4,8
+        for side in $(turned "$round" new old); do
+            local envs=("${new[@]}")
+            [ "$side" = old ] && envs=("${old[@]}")
+            part 90 "bench_${side}_$round" "${envs[@]}" python3 tools/bench_cuda.py "$MODEL" \
+                -p 512 -n 128 -r 3 --slots 1,4,8
+        done
     done
     part 60 breakdown_new "${new[@]}" python3 tools/decode_breakdown.py "$MODEL"
     part 60 breakdown_old "${old[@]}" python3 tools/decode_breakdown.py "$MODEL"
@@ -205,7 +220,7 @@ run_offload() {  # issue #7's rows, experts in RAM, on both synths; STRATA_POOL_
     local bench=(python3 -m strata bench --device cuda -t "$threads" --expert-cache 0)
     for round in $(seq "${ROUNDS:-3}"); do  # alternating, so drift spreads over both
         for m in "$MODEL" "$skew1"; do
-            for sure in 0 auto; do
+            for sure in $(turned "$round" 0 auto); do
                 part 100 "pp512_$(basename "$m" .gguf)_${sure}_$round" env STRATA_POOL_SURE=$sure \
                     "${bench[@]}" -m "$m" -p 512 -n 0 -r 6
             done
@@ -226,7 +241,7 @@ run_sides() {  # run_sides N "SIDE A" "SIDE B" ... BENCH_ARGS...: N sides altern
     [ -f "$model" ] || part 120 synth_pair python3 -m strata.tool synth "$model" \
         --shape qwen3-30b-a3b --type q4_0 --routing-skew "${PAIR_SKEW:-1}" --jobs "$(nproc)"
     for round in $(seq "${ROUNDS:-3}"); do  # alternating, so drift spreads over every side
-        for i in $(seq 0 $(( n - 1 ))); do
+        for i in $(turned "$round" $(seq 0 $(( n - 1 )))); do
             local envs=() flags=() word
             for word in ${sides[$i]}; do
                 if [[ $word == [A-Za-z_]*=* ]]; then envs+=("$word"); else flags+=("$word"); fi
@@ -314,13 +329,11 @@ run_llama() {  # llama [TARBALL]: llama.cpp's llama-bench and strata bench on on
         [llama_x4]="-ncmoe 48 -npp 128 -ntg 128 -npl 4"
         [strata_x4]="--expert-cache 0 -p 0 -n 128 -r 3 -np 4")
     for round in $(seq "${ROUNDS:-2}"); do  # ABBA: llama.cpp first in odd rounds, Strata in even
-        local order=(llama strata)
-        [ $(( round % 2 )) = 0 ] && order=(strata llama)
         for m in "${models[@]}"; do
             local n setting side
             n=$(basename "$m" .gguf)
             for setting in ${LLAMA_SETTINGS:-ram half x4}; do
-                for side in "${order[@]}"; do
+                for side in $(turned "$round" llama strata); do
                     local cmd=("${strata[@]}")
                     [ "$side" = llama ] && cmd=("${llama[@]}")
                     [ "$side$setting" = llamax4 ] && cmd=("${batched[@]}")
@@ -378,9 +391,11 @@ run_amx() {  # amx OLD_AMX_C
     part 60 amx_build_old gcc -O3 -march=native -fopenmp -I"$n" tools/bench_amx_old.c \
         "${srcs[@]}" -lm -o /tmp/bench_amx_old
     rm -f "$n/amx_old.c" tools/bench_amx_old.c
+    local side
     for round in $(seq "${ROUNDS:-2}"); do  # alternating, so drift spreads over both
-        part 90 "amx_new_$round" /tmp/bench_amx_new "$(( $(nproc) - 1 ))"
-        part 90 "amx_old_$round" /tmp/bench_amx_old "$(( $(nproc) - 1 ))"
+        for side in $(turned "$round" new old); do
+            part 90 "amx_${side}_$round" "/tmp/bench_amx_$side" "$(( $(nproc) - 1 ))"
+        done
     done
     grep -H "dequantise\|n  16\|n  32\|n  64" "$OUT"/amx_new_*.log "$OUT"/amx_old_*.log
     part 150 test_amx python3 -m pytest -q -p no:cacheprovider tests/native/test_amx.py

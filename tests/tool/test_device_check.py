@@ -1,11 +1,11 @@
-"""tools/device_check.sh pair: the A/B of two settings of `strata bench`, alternating. Run here
-with a stand-in for `python3 tools/bench_logged.py -- ...` (`strata bench` with the tier's log;
-the GPU machine runs the real one): each side's NAME=VALUE words reach the environment and its
-other words the bench's flags, and the summary gives each row's runs, medians and B/A (and each
-run's timeline when the sides turn it on). `old` and `kernel`: the packed old revision built
-beside the tree, and the pool's kernel bench of both trees side by side (stand-ins for pip and
-tools/bench_pool_kernel.py). `sides`: pair with any number of sides. Every part: a failure's
-reasons printed (a stand-in pytest)."""
+"""tools/device_check.sh pair: the A/B of two settings of `strata bench`, alternating (the
+order turning each round). Run here with a stand-in for `python3 tools/bench_logged.py -- ...`
+(`strata bench` with the tier's log; the GPU machine runs the real one): each side's
+NAME=VALUE words reach the environment and its other words the bench's flags, and the summary
+gives each row's runs, medians and B/A (and each run's timeline when the sides turn it on).
+`old` and `kernel`: the packed old revision built beside the tree, and the pool's kernel bench
+of both trees side by side (stand-ins for pip and tools/bench_pool_kernel.py). `sides`: pair
+with any number of sides. Every part: a failure's reasons printed (a stand-in pytest)."""
 import os
 import shutil
 import subprocess
@@ -66,9 +66,10 @@ def test_pair_alternates_the_two_sides_and_summarises_each_row(tmp_path):
     b_args = (out / "pair_1_1.log").read_text()
     assert "--expert-cache 0 -p 512 -n 0" in a_args and "--pcie-frac" not in a_args
     assert b_args.rstrip().count("--pcie-frac auto") == 1
-    # alternating: A got calls 0, 2, 4 and B 1, 3, 5 (the counter), B + 300 from its env
-    assert ("pp512: A (as is) 4000.5, 4002.5, 4004.5 median 4002.5; "
-            "B (BOOST=300 --pcie-frac auto) 4301.5, 4303.5, 4305.5 median 4303.5; "
+    # alternating, the order turning each round (A B, B A, A B): A got calls 0, 3, 4 and B
+    # 1, 2, 5 (the counter), B + 300 from its env
+    assert ("pp512: A (as is) 4000.5, 4003.5, 4004.5 median 4003.5; "
+            "B (BOOST=300 --pcie-frac auto) 4301.5, 4302.5, 4305.5 median 4302.5; "
             "B/A 1.075, B won 3 of 3") in res.stdout
     assert "tg64 x4: A (as is) 100.0, 100.0, 100.0 median 100.0" in res.stdout
     assert "B/A 1.100, B won 3 of 3" in res.stdout
@@ -84,11 +85,11 @@ def test_sides_alternates_any_number_of_sides_against_the_first(tmp_path):
     # the sides' "--" ends the sides, never reaching the bench (bench_logged.py's own does)
     assert "--expert-cache 0 -p 512 -n 0 --pcie-frac auto" in c_args
     assert c_args.count(" -- ") == 1
-    # calls 0-5 in the order A B C A B C: A 0, 3; B 1, 4 (+300); C 2, 5 (-100)
-    assert ("pp512: A (as is) 4000.5, 4003.5 median 4002.0; "
+    # calls 0-5 in the order A B C C B A: A 0, 5; B 1, 4 (+300); C 2, 3 (-100)
+    assert ("pp512: A (as is) 4000.5, 4005.5 median 4003.0; "
             "B (BOOST=300) 4301.5, 4304.5 median 4303.0; "
-            "C (BOOST=-100 --pcie-frac auto) 3902.5, 3905.5 median 3904.0; "
-            "B/A 1.075, B won 2 of 2; C/A 0.976, C won 0 of 2") in res.stdout
+            "C (BOOST=-100 --pcie-frac auto) 3902.5, 3903.5 median 3903.0; "
+            "B/A 1.075, B won 2 of 2; C/A 0.975, C won 0 of 2") in res.stdout
     assert "C (BOOST=-100 --pcie-frac auto) 110.0, 110.0 median 110.0" in res.stdout
 
 
