@@ -188,13 +188,12 @@ def test_interleaved_rounds_see_through_a_drifting_host(monkeypatch):
         return tuner.shares()[1]
 
     # one neighbour after another, each later try looks slower by the drift alone: with a
-    # round every 512 windows (before session 90) the first round's reading stays all run
-    monkeypatch.setenv(st.ENV_TUNER, "backoff=0")
+    # round every 512 windows (the default) the first round's reading stays all run
     assert sum(settled(seed) == 0.375 for seed in range(6)) >= 3
-    # the next round 64 windows on, then 128, ... sees the settled host
-    monkeypatch.delenv(st.ENV_TUNER)
+    # backoff=1: the next round 64 windows on, then 128, ... sees the settled host
+    monkeypatch.setenv(st.ENV_TUNER, "backoff=1")
     assert [settled(seed) for seed in range(6)] == [0.25] * 6
-    monkeypatch.setenv(st.ENV_TUNER, "interleave=1,backoff=0")
+    monkeypatch.setenv(st.ENV_TUNER, "interleave=1")
     assert [settled(seed) for seed in range(6)] == [0.25] * 6
 
 
@@ -224,7 +223,7 @@ def test_each_rounds_decision_is_logged(caplog):
     # kept, with what each neighbour gave
     assert [r.getMessage() for r in caplog.records] == [
         "PCIe share of 1-row windows stays 0.250 (9.70 ms a window; tried 0.125: 10.90, "
-        "0.188: 9.70, 0.312: 10.30, 0.375: 10.30; the next round in 64 windows)"]
+        "0.188: 9.70, 0.312: 10.30, 0.375: 10.30; the next round in 512 windows)"]
 
 
 def round_starts(tuner, seconds_at, windows):
@@ -236,21 +235,24 @@ def round_starts(tuner, seconds_at, windows):
 def test_rounds_that_keep_the_share_come_further_apart(monkeypatch):
     flat = lambda share: 0.012  # noqa: E731 (every share as fast: each round keeps it)
     round_windows = 4 * st.PROBE  # four neighbours
+    # the default: EVERY between all rounds
+    starts = round_starts(ShareTuner(0.3), flat, 2500)
+    assert starts[0] == st.WARMUP and len(starts) >= 4
+    assert {b - a - round_windows for a, b in zip(starts, starts[1:])} == {st.EVERY}
+    # backoff=1: 64, 128, 256 and then EVERY
+    monkeypatch.setenv(st.ENV_TUNER, "backoff=1")
     starts = round_starts(ShareTuner(0.3), flat, 2500)
     gaps = [b - a - round_windows for a, b in zip(starts, starts[1:])]
     assert starts[0] == st.WARMUP
     assert gaps == [64, 128, 256, 512, 512, 512][:len(gaps)] and len(gaps) >= 5
-    # backoff=0: EVERY between all rounds
-    monkeypatch.setenv(st.ENV_TUNER, "backoff=0")
-    starts = round_starts(ShareTuner(0.3), flat, 2500)
-    assert {b - a - round_windows for a, b in zip(starts, starts[1:])} == {st.EVERY}
     # every=N caps the gaps
-    monkeypatch.setenv(st.ENV_TUNER, "every=100")
+    monkeypatch.setenv(st.ENV_TUNER, "backoff=1,every=100")
     starts = round_starts(ShareTuner(0.3), flat, 1000)
     assert [b - a - round_windows for a, b in zip(starts, starts[1:])][:4] == [64, 100, 100, 100]
 
 
-def test_a_move_starts_the_gaps_again():
+def test_a_move_starts_the_gaps_again(monkeypatch):
+    monkeypatch.setenv(st.ENV_TUNER, "backoff=1")
     host = one_row_host(pool_ms_per_expert=1.2, gpu_ms_per_expert=2.6)  # 0.25 fastest
     tuner = ShareTuner(0.3, one_row_start=0.375)
     run(tuner, host, 2000)

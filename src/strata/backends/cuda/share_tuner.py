@@ -10,14 +10,13 @@ Per class of windows by rows (1, 2, 3-4, 5-8, 9-16: a row's routed misses split 
 with more rows), the tuner keeps a share and times windows at it: the pool's compute plus its
 wait for the GPU (cpu_pool.PoolWindowStats), which is the window minus the host's work and the
 head, so the host's noise stays out. A round of tries comes `WARMUP` windows of a class in,
-`PROBE` windows after a move, and `FIRST_GAP` windows after a round that kept the share, twice
-as far after each further one up to `EVERY`. A round tries each neighbour for `PROBE` windows:
-the share -+ 1/K and -+ 1/(2K) for K experts a row; a neighbour whose median beats the
-share's median over the windows just before by more than `MARGIN` becomes the share (logged;
-a round that keeps it is logged too). A one-row window's split changes in whole experts,
-each 1/K of the share wide (Qwen3-30B-A3B, K = 8: the pool takes 5 of a token's 8 misses from
-0.26 to 0.375, 4 up to 0.5): a step of 1/K reaches the next split on either side, where 0.1
-from 0.4 would stay on 4 and see no difference.
+`PROBE` windows after a move, and `EVERY` windows after a round that kept the share. A round
+tries each neighbour for `PROBE` windows: the share -+ 1/K and -+ 1/(2K) for K experts a row;
+a neighbour whose median beats the share's median over the windows just before by more than
+`MARGIN` becomes the share (logged; a round that keeps it is logged too). A one-row window's
+split changes in whole experts, each 1/K of the share wide (Qwen3-30B-A3B, K = 8: the pool
+takes 5 of a token's 8 misses from 0.26 to 0.375, 4 up to 0.5): a step of 1/K reaches the next
+split on either side, where 0.1 from 0.4 would stay on 4 and see no difference.
 
 Shares change which side computes an expert, so results move by float rounding between the CPU
 and GPU kernels: with the tier frozen (`--adapt-every 0`, deterministic greedy output) the
@@ -37,32 +36,33 @@ log = logging.getLogger("strata.pool")
 CLASS_ROWS = (1, 2, 4, 8, 16)  # a window of R rows is in the first class of >= R rows
 PROBE = 8          # windows timed at a neighbour share per try
 WARMUP = 16        # windows at the starting share before the first tries
-EVERY = 512        # the most windows of a class between rounds of tries (PROBE after a move)
-FIRST_GAP = 64     # windows after the first round that keeps the share; doubling up to EVERY
+EVERY = 512        # windows of a class between rounds that keep the share (PROBE after a move)
+FIRST_GAP = 64     # backoff=1: the gap after the first round that keeps the share, doubling
 MARGIN = 0.03      # a neighbour must be this much faster (median window) to be taken
 LOWEST, HIGHEST = 0.0, 0.9  # the shares tried (1: no pool at all is --pcie-frac 1's)
-# Why the gaps grow from FIRST_GAP (session 90): a round reads the windows right after the
-# model loads, and one host kept the starting 0.375 for a whole run after its first round
-# (session 89: 12 of 12 runs, the next round 512 windows later, past the run's end) where a
-# run whose first round came after a prompt moved to 0.25 and decoded 97.8 against 80-84
-# tokens/s; a later round gets another look soon. Rounds every 128 windows throughout cost
-# nothing measurable on an H100 host (warmup=64,every=128 against the default then: 85.3
-# against 84.4 tokens/s, 2 of 2 runs; docs/offload.md, "Session 90").
 # STRATA_SHARE_TUNER=NAME=V,... (a diagnosis): warmup, probe, every and margin for this run
-# instead of the four above, e.g. warmup=64,every=128; backoff=0 puts EVERY between all rounds
-# (before session 90); interleave=1 (opt-in; a tie on an H100 host in session 90, 0.98-1.02x
-# of the default in four rows) times a round's neighbours between windows at the share itself
-# (share, n1, share, n2, ...) and against those windows, so a host that speeds up or slows
-# down during the round (the CPU's clocks settling after the model loads) moves every side's
-# figures alike: one after another, the later tries look better or worse than the windows
-# before the round by the drift alone
+# instead of the four above, e.g. warmup=64,every=128.
+# backoff=1 (opt-in; the default in session 90 only): after a round that keeps the share the
+# next comes FIRST_GAP windows on, then twice as far each time up to EVERY (a move starts
+# again), so a first round read while the host's clocks settle after the model loads is looked
+# at again soon (session 89's host kept the starting one-row share all run). On an H100 host
+# in session 92, both orders of each pair, it cost 8-9% at four sequences on a skew-1 model
+# (tg128 x4 130.0 / 131.9 against 141.7 / 143.0 tokens/s) and 1-3% at one, and tied on skew
+# 0: its extra rounds' tries cost more than the early second look gained there
+# (docs/offload.md, "Session 92").
+# interleave=1 (opt-in; a tie on an H100 host in session 90, 0.98-1.02x of the default in four
+# rows) times a round's neighbours between windows at the share itself (share, n1, share, n2,
+# ...) and against those windows, so a host that speeds up or slows down during the round (the
+# CPU's clocks settling after the model loads) moves every side's figures alike: one after
+# another, the later tries look better or worse than the windows before the round by the
+# drift alone
 ENV_TUNER = "STRATA_SHARE_TUNER"
 
 
 def _settings_from_env() -> dict:
     text = os.environ.get(ENV_TUNER, "").strip()
     got = {"warmup": WARMUP, "probe": PROBE, "every": EVERY, "margin": MARGIN, "interleave": 0,
-           "backoff": 1}
+           "backoff": 0}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
         try:
