@@ -1,4 +1,5 @@
-"""The installed package holds every module of the source tree (meson installs only what it lists)."""
+"""The installed package holds every module of the source tree (meson installs only what it
+lists)."""
 import importlib
 import pathlib
 import pkgutil

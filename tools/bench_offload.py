@@ -12,7 +12,8 @@ windows of >= --stream-rows rows stream their layers' missing experts into stagi
 stream.py; --compare-pcie also times them read over PCIe), tg (one slot decoding), aggregate
 decode with --slots slots; the cache filled in layer order and frozen (50% = the experts of the
 first half of the layers in VRAM), then the same decodes (1 and --slots slots) with the adaptive
-tier (async), after --adaptive-warm windows of it, and their hit rate. --crossover: one window of R rows with streaming off and on, ms (the first fraction).
+tier (async), after --adaptive-warm windows of it, and their hit rate. --crossover: one window
+of R rows with streaming off and on, ms (the first fraction).
 """
 import argparse
 import os

@@ -8,9 +8,9 @@ Usage: python tools/bench_pool_kernel.py [--threads 1,2] [--types Q4_0,Q8_0,Q4_K
                                          [--seconds 3] [--repeats 3]
 Each call is one layer's window: `rows` rows routed to --per-window experts in all (top-8 each
 by default; fewer: the pool's part of a layer's misses, e.g. 4 at --pcie-frac 0.5), no expert
-shared between rows, taken in turn from a set of --experts experts (512 x 2.5 MiB of Q4_0 is far more than the L3 cache:
-"from RAM"; --experts 8 keeps them in cache). Prints distinct experts per second and GB/s of
-expert bytes, medians of --repeats runs (and the spread).
+shared between rows, taken in turn from a set of --experts experts (512 x 2.5 MiB of Q4_0 is far
+more than the L3 cache: "from RAM"; --experts 8 keeps them in cache). Prints distinct experts
+per second and GB/s of expert bytes, medians of --repeats runs (and the spread).
 --rows-per-expert N,..: prompt-shaped calls instead: N rows, each routed to the same 8 experts,
 so every expert is read once for N rows (what an expert with N rows in a prompt window would
 cost the pool: docs/offload.md, "Tried and dropped"; where the fused kernels give way to the

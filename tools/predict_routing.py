@@ -92,14 +92,14 @@ def main() -> None:
     for w in range(args.windows):
         tokens = rng.integers(0, spec.vocab, args.rows, dtype=np.int32)
         resid = residuals(model, tokens)
-        actual = np.stack([rows_of(router_logits(model, l, resid[l]), K, E) for l in range(L)])
+        actual = np.stack([rows_of(router_logits(model, ly, resid[ly]), K, E) for ly in range(L)])
         routed_sets.append((actual > 0).sum(axis=1).mean())
         copied = ~rare_experts(np.full((L, E), -1), counts, args.rows, K, args.reach_cost)
-        for l in range(L - 1):
-            a = actual[l + 1]
-            guess = {"counts": copied[l + 1]}
+        for ly in range(L - 1):
+            a = actual[ly + 1]
+            guess = {"counts": copied[ly + 1]}
             for (k, m), name in zip(guesses, names[1:]):
-                guess[name] = rows_of(router_logits(model, l + 1, resid[l]), k, E) >= m
+                guess[name] = rows_of(router_logits(model, ly + 1, resid[ly]), k, E) >= m
             for name, g in guess.items():
                 missed = a * ~g
                 stats[name].append((g.sum(), (g & (a > 0)).sum(), (a * g).sum() / a.sum(),

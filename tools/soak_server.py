@@ -142,7 +142,7 @@ def chat_json(c, rng, model):
         "messages": [{"role": "user", "content": sentence(rng, 5)}],
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}},
-        "chat json_schema")
+           "chat json_schema")
 
 
 def chat_n(c, rng, model):
@@ -211,7 +211,7 @@ def hang_up_stream(c, rng, model):
         ("/v1/responses", {"input": sentence(rng, 5)}),
         ("/completion", {"prompt": sentence(rng, 5)})])
     long = {"/v1/responses": "max_output_tokens", "/completion": "n_predict"}.get(path,
-                                                                                "max_tokens")
+                                                                                  "max_tokens")
     c.hang_up(path, dict(body, stream=True, ignore_eos=True, **{long: 400}), "hang-up stream",
               read_bytes=rng.randint(1, 600))
 

@@ -121,9 +121,9 @@ def launch_ops(ops, first, stop):
 @pytest.mark.parametrize("streamed", [[0, 1, 2, 3, 4, 5], [3, 4, 5], [0, 2, 5], [4]])
 def test_schedule_orders_copies_and_reads_of_each_staging_set(streamed):
     L, per_layer = 6, 10
-    spans = [(l * per_layer + 4, l * per_layer + 7) for l in range(L)]  # gate/up .. down
+    spans = [(ly * per_layer + 4, ly * per_layer + 7) for ly in range(L)]  # gate/up .. down
     num_launches = L * per_layer + 3
-    runs = {l: [(0, 2), (5, 8)] for l in streamed}
+    runs = {ly: [(0, 2), (5, 8)] for ly in streamed}
     ops = stream_schedule(num_launches, spans, runs)
     # every plan launch appears once, in order, on the compute stream
     ranges = [(op.first, op.stop) for op in ops if op.kind == "launches"]
@@ -131,10 +131,10 @@ def test_schedule_orders_copies_and_reads_of_each_staging_set(streamed):
     assert [i for a, b in ranges for i in range(a, b)] == list(range(num_launches))
     assert all(op.stream == COPY for op in ops if op.kind == "copy")
     hb = happens_before(ops)
-    copies = {l: [i for i, op in enumerate(ops) if op.kind == "copy" and op.layer == l]
-              for l in range(L)}
-    for l in range(L):
-        assert [(ops[i].first, ops[i].stop) for i in copies[l]] == runs.get(l, [])
+    copies = {ly: [i for i, op in enumerate(ops) if op.kind == "copy" and op.layer == ly]
+              for ly in range(L)}
+    for ly in range(L):
+        assert [(ops[i].first, ops[i].stop) for i in copies[ly]] == runs.get(ly, [])
     for j, layer in enumerate(streamed):
         readers = launch_ops(ops, *spans[layer])
         # a layer's expert launches run after all its copies landed
@@ -157,8 +157,8 @@ def test_schedule_orders_copies_and_reads_of_each_staging_set(streamed):
 
 def test_the_timeline_only_adds_timing_records_around_each_layer():
     L, per_layer = 5, 10
-    spans = [(l * per_layer + 4, l * per_layer + 7) for l in range(L)]
-    runs = {l: [(0, 2), (5, 8)] for l in (0, 2, 3, 4)}
+    spans = [(ly * per_layer + 4, ly * per_layer + 7) for ly in range(L)]
+    runs = {ly: [(0, 2), (5, 8)] for ly in (0, 2, 3, 4)}
     plain = stream_schedule(L * per_layer, spans, runs)
     timed = stream_schedule(L * per_layer, spans, runs, timeline=True)
     marks = [op for op in timed if op.event[:1] == ("t",)]
@@ -167,21 +167,21 @@ def test_the_timeline_only_adds_timing_records_around_each_layer():
     at = {op.event[1:]: i for i, op in enumerate(timed) if op.event[:1] == ("t",)}
     assert len(at) == len(marks)  # each key once
     assert timed[at[("start",)]].stream == COMPUTE and at[("end",)] == len(timed) - 1
-    for l in runs:
-        copies = [i for i, op in enumerate(timed) if op.kind == "copy" and op.layer == l]
-        assert at[("copy", l)] < min(copies) and max(copies) < at[("copied", l)]
-        assert timed[at[("copy", l)]].stream == timed[at[("copied", l)]].stream == COPY
+    for ly in runs:
+        copies = [i for i, op in enumerate(timed) if op.kind == "copy" and op.layer == ly]
+        assert at[("copy", ly)] < min(copies) and max(copies) < at[("copied", ly)]
+        assert timed[at[("copy", ly)]].stream == timed[at[("copied", ly)]].stream == COPY
         wait = next(i for i, op in enumerate(timed)
-                    if op.kind == "wait" and op.event == ("copied", l))
-        launch = launch_ops(timed, *spans[l])
-        assert at[("ready", l)] < wait < at[("go", l)] < min(launch)
-        assert max(launch) < at[("done", l)]
-        assert all(timed[at[(k, l)]].stream == COMPUTE for k in ("ready", "go", "done"))
+                    if op.kind == "wait" and op.event == ("copied", ly))
+        launch = launch_ops(timed, *spans[ly])
+        assert at[("ready", ly)] < wait < at[("go", ly)] < min(launch)
+        assert max(launch) < at[("done", ly)]
+        assert all(timed[at[(k, ly)]].stream == COMPUTE for k in ("ready", "go", "done"))
     assert not any(key[1:] == (1,) for key in at)  # layer 1 is resident: no marks
     # the tier's spans outside the expert launches: marked around them, empty ones not at all
-    tier = {"grouping": {l: (l * per_layer + 2, l * per_layer + 4) for l in range(L)},
-            "guess": {l: (l * per_layer + 2, l * per_layer + 3) for l in range(L)},
-            "pool": {l: (l * per_layer + 7, l * per_layer + 9) for l in range(L) if l != 3}}
+    tier = {"grouping": {ly: (ly * per_layer + 2, ly * per_layer + 4) for ly in range(L)},
+            "guess": {ly: (ly * per_layer + 2, ly * per_layer + 3) for ly in range(L)},
+            "pool": {ly: (ly * per_layer + 7, ly * per_layer + 9) for ly in range(L) if ly != 3}}
     marked = stream_schedule(L * per_layer, spans, runs, timeline=True, tier_spans=tier)
 
     def covered(ops):  # the launches run, in order
@@ -193,20 +193,20 @@ def test_the_timeline_only_adds_timing_records_around_each_layer():
     assert covered(marked) == covered(plain) == list(range(L * per_layer))
     assert others(marked) == others(plain)
     at = {op.event[1:]: i for i, op in enumerate(marked) if op.event[:1] == ("t",)}
-    for l in runs:
+    for ly in runs:
         for name, per_layer_spans in tier.items():
-            first, stop = per_layer_spans.get(l, (0, 0))
+            first, stop = per_layer_spans.get(ly, (0, 0))
             if first == stop:
-                assert (name, l) not in at and (name + "_end", l) not in at
+                assert (name, ly) not in at and (name + "_end", ly) not in at
                 continue
             inside = launch_ops(marked, first, stop)
-            assert at[(name, l)] < min(inside) and max(inside) < at[(name + "_end", l)]
+            assert at[(name, ly)] < min(inside) and max(inside) < at[(name + "_end", ly)]
             assert not launch_ops(marked, stop, stop + 1) or (
-                at[(name + "_end", l)] < min(launch_ops(marked, stop, stop + 1)))
+                at[(name + "_end", ly)] < min(launch_ops(marked, stop, stop + 1)))
         # the grouping ends where the experts begin: before the wait for the layer's copies
-        assert at[("grouping_end", l)] < at[("ready", l)]
-        if ("pool", l) in at:  # the pool's combine follows the layer's experts
-            assert max(launch_ops(marked, *spans[l])) < at[("pool", l)]
+        assert at[("grouping_end", ly)] < at[("ready", ly)]
+        if ("pool", ly) in at:  # the pool's combine follows the layer's experts
+            assert max(launch_ops(marked, *spans[ly])) < at[("pool", ly)]
     assert stream_schedule(L * per_layer, spans, runs, tier_spans=tier) == plain  # timeline off
 
 
@@ -251,7 +251,7 @@ def test_minor_faults_count_the_pages_the_process_touches_first():
 
 
 def test_no_streamed_layer_is_the_plain_list():
-    ops = stream_schedule(50, [(10 * l + 4, 10 * l + 7) for l in range(5)], {})
+    ops = stream_schedule(50, [(10 * ly + 4, 10 * ly + 7) for ly in range(5)], {})
     assert [(op.kind, op.first, op.stop) for op in ops if op.kind == "launches"] == [
         ("launches", 0, 50)]
 

@@ -148,7 +148,7 @@ def test_bench_says_it_ignores_kv_grow(tiny):
 
 
 def test_bench_reads_the_stored_profile_but_never_adds_its_random_routing(tiny, tmp_path,
-                                                                         monkeypatch):
+                                                                          monkeypatch):
     # bench's random tokens' routing was folded into the profile the next `serve` fills from.
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
     from strata.experts.profile import stored_profile_path

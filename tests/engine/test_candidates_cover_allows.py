@@ -55,7 +55,7 @@ def irregular(tok) -> list[int]:
 NUMBERS = {"type": "object", "required": ["n"], "properties": {
     "n": {"type": "integer", "minimum": -3, "maximum": 250},
     "x": {"anyOf": [{"type": "number"}, {"type": "null"}, {"type": "array",
-                                                         "items": {"type": "boolean"}}]},
+                                                           "items": {"type": "boolean"}}]},
     "id": {"type": "string", "pattern": "^[a-c]{2}[0-9]?$"}}}
 CITY_JSON = '{"city": "Zagreb", "code": "AB-12", "rank": 12, "tags": ["x", "y"]}'
 CALL_JSON = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zwolle", '

@@ -210,7 +210,7 @@ def test_plain_tuples_of_integers_are_swaps(model_path):
 
 
 def test_a_policy_failing_every_round_is_logged_once_then_now_and_then(model_path, caplog,
-                                                                        monkeypatch):
+                                                                       monkeypatch):
     """Its traceback and an ERROR every 2 rounds here (POLICY_FAILURE_REPEAT), not a traceback
     a round: with --adapt-every 1 that buried the log."""
     import strata.engine.expert_tier as expert_tier

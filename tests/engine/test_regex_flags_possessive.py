@@ -205,7 +205,7 @@ def test_possessive_and_atomic_are_held_where_they_change_nothing(pattern):
     (r"(?:b(?>a*)|c)a", "the atomic group (?>...)", 4),
 ])
 def test_possessive_and_atomic_that_keep_what_follows_needs_are_refused(pattern, words,
-                                                                          position):
+                                                                        position):
     with pytest.raises(GrammarError) as info:
         regex_to_gbnf(pattern)
     assert words in str(info.value) and "not supported here" in str(info.value)

@@ -372,7 +372,7 @@ MOVE = {"name": "move", "parameters": {
     ('{"name": "move", "arguments": {"to": 7}}', False),
 ])
 def test_local_refs_in_parameters_resolve_in_the_functions_own_document(tokenizer, functions,
-                                                                          body, ok):
+                                                                        body, ok):
     """A `$ref` of a tool's parameters resolved against the call schema around them, so the
     arguments were held to nothing (any value went)."""
     c = ToolCallConstraint(tokenizer, functions)

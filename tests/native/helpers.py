@@ -1,4 +1,5 @@
-"""Random GGUF weight bytes for the kernel tests, and the float64 references they are checked with."""
+"""Random GGUF weight bytes for the kernel tests, and the float64 references they are checked
+with."""
 from pathlib import Path
 
 import gguf
@@ -13,9 +14,9 @@ ALL_TYPES = FLOAT_TYPES + QUANT_TYPES
 
 # Byte offsets of the fp16 scale fields in each block: random bytes there give NaN / Inf.
 FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-                T.IQ4_NL: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2),
-                T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,),
-                T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,), T.IQ1_M: ()}
+               T.IQ4_NL: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2),
+               T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,),
+               T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,), T.IQ1_M: ()}
 
 
 def block_size(qtype):

@@ -16,7 +16,8 @@ def test_unknown_type_id():
 
 
 def test_row_bytes_needs_whole_blocks():
-    with pytest.raises(ValueError, match="Q4_K row needs a positive multiple of 256 columns, got 100"):
+    with pytest.raises(ValueError,
+                       match="Q4_K row needs a positive multiple of 256 columns, got 100"):
         kernels.row_bytes(12, 100)
     assert kernels.row_bytes(0, 3) == 12
 
@@ -70,16 +71,19 @@ def test_moe_bad_shapes_and_dtypes():
     with pytest.raises(ValueError, match="experts must have dtype int32, got int64"):
         kernels.moe_ffn(**bad)
     bad = dict(args, down=np.ascontiguousarray(args["down"][:, :32]))
-    with pytest.raises(ValueError, match=r"down has \(3, 32\) \(experts, rows\); expected \(3, 64\)"):
+    with pytest.raises(ValueError,
+                       match=r"down has \(3, 32\) \(experts, rows\); expected \(3, 64\)"):
         kernels.moe_ffn(**bad)
     bad = dict(args, up=args["up"][:2])
-    with pytest.raises(ValueError, match=r"up has \(2, 32\) \(experts, rows\) but gate has \(3, 32\)"):
+    with pytest.raises(ValueError,
+                       match=r"up has \(2, 32\) \(experts, rows\) but gate has \(3, 32\)"):
         kernels.moe_ffn(**bad)
     bad = dict(args, weights=np.ones((2, 3), np.float32))
     with pytest.raises(ValueError, match=r"experts \(2, 2\) and weights \(2, 3\)"):
         kernels.moe_ffn(**bad)
     bad = dict(args, gate_type=14)
-    with pytest.raises(ValueError, match="Q6_K row needs a positive multiple of 256 columns, got 64"):
+    with pytest.raises(ValueError,
+                       match="Q6_K row needs a positive multiple of 256 columns, got 64"):
         kernels.moe_ffn(**bad)
     bad = dict(args, out=np.zeros((2, 32), np.float32))
     with pytest.raises(ValueError, match=r"out must have shape \(2, 64\)"):

@@ -182,7 +182,7 @@ def test_a_forced_patch_is_one_codex_reads(live, engine, patch_grammar):
     with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
                        timeout=300) as client:
         fields = {k: v for k, v in body.items() if k not in ("stream", "logit_bias",
-                                                               "prompt_cache_key")}
+                                                             "prompt_cache_key")}
         reply = client.responses.create(**fields, extra_body={"logit_bias": body["logit_bias"]})
     assert [(i.type, i.call_id[:5], i.input) for i in reply.output
             if i.type == "custom_tool_call"] == [("custom_tool_call", "call_", call.input)]

@@ -68,7 +68,7 @@ def metric_value(live, name):
 
 def test_concurrent_requests_equal_solo_runs(live_two_slots, solo_engine):
     prompts = [[(i * k) % 3000 + 10 for i in range(n)] for k, n in ((3, 200), (7, 30),
-                                                                     (11, 150))]
+                                                                    (11, 150))]
     answers = complete_at_once(live_two_slots.url, prompts, 12)
     for prompt, answer in zip(prompts, answers):
         assert answer["choices"][0]["text"] == solo(solo_engine, prompt, 12).text

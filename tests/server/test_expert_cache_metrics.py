@@ -20,6 +20,7 @@ def scrape(live) -> dict:
             for family in text_string_to_metric_families(response.text)
             for sample in family.samples}
 
+
 TOP_K, N_LAYERS = 2, 2  # the tiny preset
 CACHE_SLOTS = 3
 

@@ -157,7 +157,7 @@ def serve_one(model_path, folder, run: int, prompt: list[int], *options: str):
 
 
 def test_verbose_serve_logs_each_chunk_and_a_restart_its_conversation_file(model_path,
-                                                                          tmp_path):
+                                                                           tmp_path):
     prompt = list(range(10, 110))
     usage, log_text = serve_one(model_path, tmp_path, 1, prompt, "-v")
     chunks = re.findall(r"strata\.engine (\w+) request \S+: reading the prompt: (\d+) of 100",

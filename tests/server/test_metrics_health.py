@@ -42,7 +42,7 @@ def test_metrics_count_the_requests_made(live):
         else:
             usages.append(response.json()["usage"])
     response = requests.post(live.url + "/v1/completions", json={"prompt": "x",
-                                                                  "max_tokens": 2}, timeout=60)
+                                                                 "max_tokens": 2}, timeout=60)
     usages.append(response.json()["usage"])
     assert requests.post(live.url + "/v1/completions", json={"prompt": 3},
                          timeout=10).status_code == 400

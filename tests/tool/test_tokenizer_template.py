@@ -46,8 +46,8 @@ def test_special_tokens_are_single_ids_at_the_end(tokenizer):
     assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(4089, 4096))
     for token in SPECIAL_TOKENS:
         assert tokenizer.encode(f"a{token}b").ids == [tokenizer.token_to_id("a"),
-                                                        tokenizer.token_to_id(token),
-                                                        tokenizer.token_to_id("b")]
+                                                      tokenizer.token_to_id(token),
+                                                      tokenizer.token_to_id("b")]
 
 
 def test_qwen2_split_keeps_digits_apart_and_bpe_merges_words(tokenizer):

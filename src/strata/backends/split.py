@@ -81,7 +81,7 @@ class Card:
     @property
     def usable_bytes(self) -> int:
         room = self.free_bytes if self.budget_bytes is None else min(self.budget_bytes,
-                                                                      self.free_bytes)
+                                                                     self.free_bytes)
         return max(room - _RESERVE_BYTES, 0)
 
 

@@ -165,5 +165,5 @@ class Window:
 
     def __repr__(self) -> str:
         runs = ", ".join(f"{int(n)}@{int(p)}" for n, p in zip(self.run_lengths(),
-                                                               self.start_tokens))
+                                                              self.start_tokens))
         return f"Window({self.num_rows} rows, runs [{runs}], {self.num_logit_rows} logit rows)"

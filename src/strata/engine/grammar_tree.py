@@ -59,7 +59,7 @@ _DIGIT = CharSet([(0x30, 0x39)])
 _WORD = CharSet([(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)])
 _SPACE = CharSet([(9, 13), (32, 32)])
 SHORTHANDS = {"d": _DIGIT, "D": _DIGIT.complement(), "w": _WORD, "W": _WORD.complement(),
-               "s": _SPACE, "S": _SPACE.complement()}
+              "s": _SPACE, "S": _SPACE.complement()}
 CONTROL = {"n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "a": 7}
 BRACES = re.compile(r"\{(\d*)(,(\d*))?\}")
 

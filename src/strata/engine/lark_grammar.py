@@ -87,7 +87,7 @@ def _lark_tokens(text: str) -> list[tuple[str, str, int]]:
         m = _TOKEN.match(text, pos)
         if m is None:
             raise GrammarError(f"lark: unexpected {text[pos:pos + 20].split(chr(10))[0]!r} "
-                                  f"on line {line}")
+                               f"on line {line}")
         if m.lastgroup not in ("space", "comment"):
             out.append((m.lastgroup, m.group(), line))
         line += m.group().count("\n")
@@ -338,7 +338,7 @@ class _Lark:
             if set(flags) - set("isx"):
                 self.fail(f"the regex flags {flags!r} (only i, s and x are supported)", line)
             return self.token(regex_tree(text[1:end], f"lark: line {line}: regex", flags,
-                                          anchors=False))
+                                         anchors=False))
         if kind == "name":
             self.take()
             name = self.checked_name(text, line)

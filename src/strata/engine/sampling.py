@@ -239,7 +239,7 @@ def penalty_entries(seen: set[int], generated: Counter, repetition_penalty: floa
     rep[np.searchsorted(ids, rep_ids)] = np.float32(repetition_penalty)
     n = np.zeros(len(ids), dtype=np.float32)
     n[np.searchsorted(ids, count_ids)] = np.fromiter(counts.values(), dtype=np.float32,
-                                                      count=len(counts))
+                                                     count=len(counts))
     sub = np.where(n > 0, n * np.float32(frequency_penalty) + np.float32(presence_penalty),
                    np.float32(0)).astype(np.float32)
     if bias:

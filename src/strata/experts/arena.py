@@ -299,7 +299,7 @@ class CpuExpertArena(ExpertArena):
         views, at = [], 0
         for part in self.store.layouts[layer].parts:
             views.append(self.buffer[slot, at:at + part.nbytes].reshape(part.rows,
-                                                                         part.row_bytes))
+                                                                        part.row_bytes))
             at += part.nbytes
         return tuple(views)
 

@@ -101,7 +101,7 @@ class WindowScoreTier:
             if scores[load] <= scores[victim]:
                 break  # pairs only get worse from here
             swaps.append(ExpertSwap(*divmod(int(load), n_experts), *divmod(int(victim),
-                                                                          n_experts)))
+                                                                           n_experts)))
         return swaps
 
     def victims(self, residency: np.ndarray, n: int) -> list[tuple[int, int]]:

@@ -51,7 +51,7 @@ def _media_text(block: dict, param: str) -> str:
         if source.get("type") == "content" and isinstance(content, list) and all(
                 isinstance(b, dict) and b.get("type") == "text" for b in content):
             return "\n\n".join(_text_of(b, f"{param}.source.content[{i}]")
-                                for i, b in enumerate(content))
+                               for i, b in enumerate(content))
     return omitted_note(block.get("type"), param)
 
 

@@ -248,7 +248,7 @@ class EngineWorker:
         else:
             try:
                 running.append(_Running(job, self.engine.submit(job.prompt_tokens, job.params,
-                                                                 job.request_id)))
+                                                                job.request_id)))
             except RequestError as exc:
                 job.events.put(JobEnd(error=ApiError(400, str(exc), code="invalid_request")))
             except Exception:  # noqa: BLE001 - the engine thread must survive any request

@@ -88,8 +88,8 @@ def inspect(path, trace_path):
     if trace is not None and report is not None and \
             (trace.n_layers, trace.n_experts) != (report.spec.n_layers, report.spec.n_experts):
         fail(f"{trace_path} routes {trace.n_layers} layers x {trace.n_experts} experts but "
-              f"{path} has {report.spec.n_layers} x {report.spec.n_experts}: the trace was "
-              "recorded from another model")
+             f"{path} has {report.spec.n_layers} x {report.spec.n_experts}: the trace was "
+             "recorded from another model")
     if trace is not None:
         _echo_trace(trace, trace_path)
     if report is not None:

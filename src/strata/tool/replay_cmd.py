@@ -25,8 +25,8 @@ def _read_traces(paths):
         if traces and (trace.n_layers, trace.n_experts) != (traces[0].n_layers,
                                                             traces[0].n_experts):
             fail(f"{path} routes {trace.n_layers} layers x {trace.n_experts} experts, "
-                  f"{paths[0]} {traces[0].n_layers} x {traces[0].n_experts}: only traces of "
-                  "one model merge")
+                 f"{paths[0]} {traces[0].n_layers} x {traces[0].n_experts}: only traces of "
+                 "one model merge")
         traces.append(trace)
     try:
         trace = traces[0] if len(traces) == 1 else merge_traces(traces)
@@ -34,7 +34,7 @@ def _read_traces(paths):
         fail(str(exc))
     if not len(trace.records):  # its profile would rank by layer order, its hit rates be 0%
         fail(f"{', '.join(paths)} hold{'s' if len(paths) == 1 else ''} no routing records: "
-              "nothing was routed while recording; record a trace of some requests")
+             "nothing was routed while recording; record a trace of some requests")
     return trace
 
 
@@ -112,8 +112,8 @@ def replay(traces, slots_text, policy_name, adapt_every, adapt_min_gain, adapt_s
         profile = read_or_fail(read_profile, profile_path)
         if (profile.n_layers, profile.n_experts) != (trace.n_layers, trace.n_experts):
             fail(f"{profile_path} ranks {profile.n_layers} layers x {profile.n_experts} "
-                  f"experts but the trace routes {trace.n_layers} x {trace.n_experts}; use a "
-                  "profile made from traces of the same model")
+                 f"experts but the trace routes {trace.n_layers} x {trace.n_experts}; use a "
+                 "profile made from traces of the same model")
     # every --slots, the profile and the policy checked before the first line is printed
     runs = [(num_slots, find_tier_policy(policy_name, num_slots, adapt_swaps))
             for num_slots in (parse_slots(text, total) for text in slots_text)]
