@@ -50,12 +50,13 @@ LOWEST, HIGHEST = 0.0, 0.9  # the shares tried (1: no pool at all is --pcie-frac
 # (tg128 x4 130.0 / 131.9 against 141.7 / 143.0 tokens/s) and 1-3% at one, and tied on skew
 # 0: its extra rounds' tries cost more than the early second look gained there
 # (docs/offload.md, "Session 92").
-# interleave=1 (opt-in; a tie on an H100 host in session 90, 0.98-1.02x of the default in four
-# rows) times a round's neighbours between windows at the share itself (share, n1, share, n2,
-# ...) and against those windows, so a host that speeds up or slows down during the round (the
-# CPU's clocks settling after the model loads) moves every side's figures alike: one after
-# another, the later tries look better or worse than the windows before the round by the
-# drift alone
+# interleave=1 (opt-in; session 93, H100 host, order turned: 1.026 / 1.047x the default at one
+# slot / four sequences on skew 0, 0.982 / 0.965x on skew 1, where its rounds saw 0.362 ~2%
+# faster than 0.300 at 3-4 rows, under MARGIN, and kept 0.300; docs/offload.md) times a round's
+# neighbours between windows at the share itself (share, n1, share, n2, ...) and against those
+# windows, so a host that speeds up or slows down during the round (the CPU's clocks settling
+# after the model loads) moves every side's figures alike: one after another, the later tries
+# look better or worse than the windows before the round by the drift alone
 ENV_TUNER = "STRATA_SHARE_TUNER"
 
 
