@@ -52,7 +52,9 @@ LOWEST, HIGHEST = 0.0, 0.9  # the shares tried (1: no pool at all is --pcie-frac
 # (docs/offload.md, "Session 92").
 # interleave=1 (opt-in; session 93, H100 host, order turned: 1.026 / 1.047x the default at one
 # slot / four sequences on skew 0, 0.982 / 0.965x on skew 1, where its rounds saw 0.362 ~2%
-# faster than 0.300 at 3-4 rows, under MARGIN, and kept 0.300; docs/offload.md) times a round's
+# faster than 0.300 at 3-4 rows, under MARGIN, and kept 0.300; session 94, with margin=0.015:
+# 1.064 / 0.984x on skew 0, 0.970 / 1.019x on skew 1, mostly with the same shares, while the
+# default against itself gave 0.983-1.026x: within the noise; docs/offload.md) times a round's
 # neighbours between windows at the share itself (share, n1, share, n2, ...) and against those
 # windows, so a host that speeds up or slows down during the round (the CPU's clocks settling
 # after the model loads) moves every side's figures alike: one after another, the later tries
