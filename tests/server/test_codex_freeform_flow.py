@@ -90,8 +90,11 @@ def token_bias(engine, **bias_by_text: int) -> dict[str, int]:
 
 def forced_bias(engine) -> dict[str, int]:
     # '"' ends the input where the grammar allows; "\\n" (a JSON-escaped newline) ends patch
-    # lines; "**" and " En" start "*** End Patch"; <|im_end|> ends the reply after the call
-    return token_bias(engine, **{'"': 20, "\\n": 8, "**": 8, " En": 12, "<|im_end|>": 30})
+    # lines; "**" and " En" start "*** End Patch"; <|im_end|> ends the reply after the call.
+    # The newline's push is what ends the patch's first line: at 8 it was enough on AVX-512 hosts
+    # but not on an AVX2 EPYC, whose logits differ from theirs in the last bits (other vector
+    # widths), so greedy decoding ran the "*** Add File:" line past 300 tokens there.
+    return token_bias(engine, **{'"': 20, "\\n": 12, "**": 8, " En": 12, "<|im_end|>": 30})
 
 
 def post_stream(live, body: dict) -> list[dict]:

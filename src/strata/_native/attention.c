@@ -111,11 +111,43 @@ static void scores_tile(const float *qp, int D, const float *kt, float *s) {
 }
 
 /* o[i] = o[i] * alpha[i] + sum_{c < lim[i]} p[i, c] v_c for MR rows (p [MR, TK], v [TK, ldv],
- * o [MR, D]; lim [MR]: the keys of the tile each row sees). A key a row does not see is left out,
- * not multiplied by its p of 0: a later row's cell may hold a NaN or inf (a corrupt token, an
- * fp16 overflow), and 0 * NaN would carry it into every earlier row of the tile. Keys every row
- * sees, [0, lo), take the vector loop; the few that only some see (the MR rows span at most 4
- * positions), [lo, hi), a guarded one; past hi, none. */
+ * o [MR, D]; lim [MR]: the keys of the tile each row sees), dims [d0, d0 + nv * VL). A key a row
+ * does not see is left out, not multiplied by its p of 0: a later row's cell may hold a NaN or
+ * inf (a corrupt token, an fp16 overflow), and 0 * NaN would carry it into every earlier row of
+ * the tile. Keys every row sees, [0, lo), take the vector loop; the few that only some see (the
+ * MR rows span at most 4 positions), [lo, hi), a guarded one; past hi, none.
+ * One body for every width (nv is a constant once inlined): the products fuse into FMAs
+ * (-ffp-contract=fast) however the compiler sees fit, and a body of another shape for the
+ * narrow dims fused them differently for a row alone than for a row beside others, so on AVX2
+ * a head dim that is not a multiple of NV * VL (16, 24, 48) changed in the last bit with the
+ * rows batched beside it. */
+static inline __attribute__((always_inline)) void values_cols(
+        const float *p, const float *v, int64_t ldv, int D, const float *alpha, const int *lim,
+        int lo, int hi, int d0, int nv, float *o) {
+    vf acc[MR][NV];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < nv; j++) acc[i][j] = vload(o + (size_t)i * D + d0 + j * VL) * alpha[i];
+    for (int c = 0; c < hi; c++) {
+        const float *vr = v + c * ldv + d0;
+        vf vv[NV];
+        for (int j = 0; j < nv; j++) vv[j] = vload(vr + j * VL);
+        if (c < lo) {
+            for (int i = 0; i < MR; i++) {
+                float pv = p[(size_t)i * TK + c];
+                for (int j = 0; j < nv; j++) acc[i][j] += vv[j] * pv;
+            }
+        } else {
+            for (int i = 0; i < MR; i++) {
+                if (c >= lim[i]) continue;
+                float pv = p[(size_t)i * TK + c];
+                for (int j = 0; j < nv; j++) acc[i][j] += vv[j] * pv;
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < nv; j++) vstore(o + (size_t)i * D + d0 + j * VL, acc[i][j]);
+}
+
 static void values_tile(const float *p, const float *v, int64_t ldv, int D, const float *alpha,
                         const int *lim, float *o) {
     int lo = lim[0], hi = lim[0];
@@ -124,40 +156,8 @@ static void values_tile(const float *p, const float *v, int64_t ldv, int D, cons
         hi = lim[i] > hi ? lim[i] : hi;
     }
     int d0 = 0;
-    for (; d0 + NV * VL <= D; d0 += NV * VL) {
-        vf acc[MR][NV];
-        for (int i = 0; i < MR; i++)
-            for (int j = 0; j < NV; j++) acc[i][j] = vload(o + (size_t)i * D + d0 + j * VL) * alpha[i];
-        for (int c = 0; c < hi; c++) {
-            const float *vr = v + c * ldv + d0;
-            vf vv[NV];
-            for (int j = 0; j < NV; j++) vv[j] = vload(vr + j * VL);
-            if (c < lo) {
-                for (int i = 0; i < MR; i++) {
-                    float pv = p[(size_t)i * TK + c];
-                    for (int j = 0; j < NV; j++) acc[i][j] += vv[j] * pv;
-                }
-            } else {
-                for (int i = 0; i < MR; i++) {
-                    if (c >= lim[i]) continue;
-                    float pv = p[(size_t)i * TK + c];
-                    for (int j = 0; j < NV; j++) acc[i][j] += vv[j] * pv;
-                }
-            }
-        }
-        for (int i = 0; i < MR; i++)
-            for (int j = 0; j < NV; j++) vstore(o + (size_t)i * D + d0 + j * VL, acc[i][j]);
-    }
-    for (; d0 + VL <= D; d0 += VL) {
-        vf acc[MR];
-        for (int i = 0; i < MR; i++) acc[i] = vload(o + (size_t)i * D + d0) * alpha[i];
-        for (int c = 0; c < hi; c++) {
-            vf vv = vload(v + c * ldv + d0);
-            for (int i = 0; i < MR; i++)
-                if (c < lim[i]) acc[i] += vv * p[(size_t)i * TK + c];
-        }
-        for (int i = 0; i < MR; i++) vstore(o + (size_t)i * D + d0, acc[i]);
-    }
+    for (; d0 + NV * VL <= D; d0 += NV * VL) values_cols(p, v, ldv, D, alpha, lim, lo, hi, d0, NV, o);
+    for (; d0 + VL <= D; d0 += VL) values_cols(p, v, ldv, D, alpha, lim, lo, hi, d0, 1, o);
     for (; d0 < D; d0++) {
         for (int i = 0; i < MR; i++) {
             float a = o[(size_t)i * D + d0] * alpha[i];
