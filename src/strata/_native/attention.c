@@ -118,9 +118,9 @@ static void scores_tile(const float *qp, int D, const float *kt, float *s) {
  * MR rows span at most 4 positions), [lo, hi), a guarded one; past hi, none.
  * One body for every width (nv is a constant once inlined): the products fuse into FMAs
  * (-ffp-contract=fast) however the compiler sees fit, and a body of another shape for the
- * narrow dims fused them differently for a row alone than for a row beside others, so on AVX2
- * a head dim that is not a multiple of NV * VL (16, 24, 48) changed in the last bit with the
- * rows batched beside it. */
+ * narrow dims fused them differently for a row alone than for a row beside others (GCC 12,
+ * -O3 -march=znver3), so a head dim that is not a multiple of NV * VL (16, 20, 24, 48, 80 on
+ * AVX2) changed in the last bit with the rows batched beside it (docs/DEVELOPING.md). */
 static inline __attribute__((always_inline)) void values_cols(
         const float *p, const float *v, int64_t ldv, int D, const float *alpha, const int *lim,
         int lo, int hi, int d0, int nv, float *o) {
