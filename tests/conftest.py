@@ -1,4 +1,5 @@
 """Shared fixtures. GPU tests are marked `cuda` and skip without a driver."""
+import functools
 import os
 
 import pytest
@@ -18,6 +19,7 @@ def one_kernel_thread():
     kernels.set_num_threads(before)
 
 
+@functools.cache
 def _has_cuda() -> bool:
     try:
         import pycuda.driver as drv
@@ -26,6 +28,22 @@ def _has_cuda() -> bool:
         return drv.Device.count() > 0
     except Exception:
         return False
+
+
+@pytest.fixture(autouse=True)
+def _unmarked_tests_run_on_the_cpu(request, monkeypatch):
+    """A test not marked `cuda` is a CPU test. On a machine with a GPU, `--device auto` (the
+    engine's default) would take the GPU: its last bits differ from the CPU's, and 14 test
+    workers at once share its memory, so ~50 such tests failed on the device's H100 host
+    (session 96). Here auto finds no GPU, in this process (the backend's probe) and in the
+    servers and commands the test starts (CUDA_VISIBLE_DEVICES="")."""
+    if "cuda" not in request.node.keywords and _has_cuda():
+        from strata.backends import cuda
+
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(cuda, "unavailable_reason",
+                            lambda: "tests not marked cuda run on the CPU")
+    yield
 
 
 def pytest_collection_modifyitems(config, items):

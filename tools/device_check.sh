@@ -54,7 +54,8 @@
 #                                            from TARBALL (tools/build_llama_bench.sh; default
 #                                            .device/llama-bench.tar.xz) and `strata bench` on
 #                                            the skew-1 synth, then the skew-0 one (not with
-#                                            LLAMA_SKEW0=0), alternating (ROUNDS, default 2): every
+#                                            LLAMA_SKEW0=0), alternating (ROUNDS, default 2;
+#                                            FIRST_ROUND=2 starts with Strata first): every
 #                                            expert in RAM (llama.cpp -ngl 99 -ncmoe 48, all
 #                                            cores; Strata --expert-cache 0, all but one) pp512
 #                                            and tg128, half of it (llama.cpp -ncmoe 24;
@@ -328,7 +329,8 @@ run_llama() {  # llama [TARBALL]: llama.cpp's llama-bench and strata bench on on
         [strata_half]="--expert-cache 3072 -p 0 -n 128 -r 3"
         [llama_x4]="-ncmoe 48 -npp 128 -ntg 128 -npl 4"
         [strata_x4]="--expert-cache 0 -p 0 -n 128 -r 3 -np 4")
-    for round in $(seq "${ROUNDS:-2}"); do  # ABBA: llama.cpp first in odd rounds, Strata in even
+    local first=${FIRST_ROUND:-1}  # FIRST_ROUND=2 ROUNDS=1: one round with Strata first
+    for round in $(seq "$first" $(( first + ${ROUNDS:-2} - 1 ))); do  # ABBA: llama.cpp first in odd rounds
         for m in "${models[@]}"; do
             local n setting side
             n=$(basename "$m" .gguf)

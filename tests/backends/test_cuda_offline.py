@@ -5,6 +5,8 @@ there is no driver, every .cu module compiles with nvcc for sm_90 and for consum
 import re
 import shutil
 import subprocess
+import sys
+import types
 
 import pytest
 
@@ -33,9 +35,47 @@ def test_cuda_model_without_cuda_says_what_to_install(tmp_path):
     from strata.tool.synth import synth_model
 
     synth_model(tmp_path / "tiny.gguf", shape="tiny", weight_type="f32")
-    with pytest.raises(ConfigError, match=r"strata\[cuda\]|libcuda\.so\.1") as info:
+    # PyCUDA missing, no driver, or a driver that sees no GPU (CUDA_VISIBLE_DEVICES="")
+    missing = r"strata\[cuda\]|libcuda\.so\.1|no CUDA-capable|sees no GPU"
+    with pytest.raises(ConfigError, match=missing) as info:
         CudaModel(GGUFModel.open(tmp_path / "tiny.gguf"))
     assert "--device cpu" in str(info.value)
+
+
+class _HiddenGpuDriver(types.ModuleType):
+    """pycuda.driver as it behaves with a driver and no visible GPU (CUDA_VISIBLE_DEVICES=""):
+    cuInit raises its RuntimeError, a subclass of its Error (seen on the device's H100 host)."""
+
+    class Error(Exception):
+        pass
+
+    class RuntimeError(Error):
+        pass
+
+    def init(self):
+        raise self.RuntimeError("cuInit failed: no CUDA-capable device is detected")
+
+
+def test_a_driver_that_sees_no_gpu_is_a_config_error(monkeypatch):
+    # the real case is a GPU host with CUDA_VISIBLE_DEVICES="" (tests/backends/cuda/
+    # test_cuda_hidden_gpu.py runs it there); here the driver and PyCUDA are stood in for
+    driver = _HiddenGpuDriver("pycuda.driver")
+    package = types.ModuleType("pycuda")
+    package.driver = driver
+    monkeypatch.setitem(sys.modules, "pycuda", package)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", driver)
+    monkeypatch.setattr(cuda_runtime.cuda_driver, "load", lambda: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError) as info:
+        cuda_runtime.import_pycuda()
+    message = str(info.value)
+    assert "no CUDA-capable device" in message and "--device cpu" in message
+    assert "CUDA_VISIBLE_DEVICES=''" in message
+    assert cuda_runtime.unavailable_reason() == message
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ConfigError) as info:
+        cuda_runtime.import_pycuda()
+    assert "CUDA_VISIBLE_DEVICES" not in str(info.value)
 
 
 # 32-column block types beside Q4_0 / Q8_0 (llama.cpp's k-quant files' fallbacks, Q4_1 / Q5_1

@@ -47,10 +47,25 @@ def import_pycuda():
         raise ConfigError(f"the CUDA backend needs PyCUDA, which is not importable ({exc}); "
                           f"{_INSTALL_HINT}") from None
     cuda_driver.load()  # CudaUnavailable (a ConfigError) naming libcuda.so.1 when no driver
-    drv.init()
-    if drv.Device.count() == 0:
-        raise ConfigError("the CUDA driver sees no GPU on this machine; run with --device cpu")
+    try:
+        drv.init()  # cuInit: fails with "no CUDA-capable device" when none is visible
+        count = drv.Device.count()
+    except drv.Error as exc:
+        raise ConfigError(f"the CUDA driver could not start ({exc}){_visible_devices_hint()}; "
+                          "run with --device cpu") from None
+    if count == 0:
+        raise ConfigError("the CUDA driver sees no GPU on this machine"
+                          f"{_visible_devices_hint()}; run with --device cpu")
     return drv
+
+
+def _visible_devices_hint() -> str:
+    """The CUDA_VISIBLE_DEVICES the process runs under, when set: it hides every GPU it does not
+    name ("" hides them all), the usual cause of a driver that sees none."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return ""
+    return f" (CUDA_VISIBLE_DEVICES={value!r} hides every GPU it does not name)"
 
 
 def is_available() -> bool:
