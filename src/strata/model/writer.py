@@ -129,6 +129,7 @@ def write_gguf(path: str | os.PathLike, spec: ModelSpec,
     # half-written model under the name, and an earlier file there survives it.
     partial = f"{os.fspath(path)}.partial"
     writer = GGUFWriter(partial, spec.arch)
+    bar = None
     try:
         meta = dict(arch.spec_to_metadata(spec))
         meta.pop("general.architecture")  # GGUFWriter adds it itself
@@ -153,7 +154,6 @@ def write_gguf(path: str | os.PathLike, spec: ModelSpec,
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        bar = None
         if progress:
             from tqdm import tqdm
 
@@ -168,6 +168,10 @@ def write_gguf(path: str | os.PathLike, spec: ModelSpec,
         if bar is not None:
             bar.close()
     except BaseException:
+        if bar is not None:
+            # now, not when it is collected: after the caller's "Aborted!" its last line
+            # ended the output of an interrupted synth (seen with 16 cores)
+            bar.close()
         writer.close()
         if os.path.exists(partial):
             os.unlink(partial)
