@@ -33,10 +33,10 @@ def _has_cuda() -> bool:
 @pytest.fixture(autouse=True)
 def _unmarked_tests_run_on_the_cpu(request, monkeypatch):
     """A test not marked `cuda` is a CPU test. On a machine with a GPU, `--device auto` (the
-    engine's default) would take the GPU: its last bits differ from the CPU's, and 14 test
-    workers at once share its memory, so ~50 such tests failed on the device's H100 host
-    (session 96). Here auto finds no GPU, in this process (the backend's probe) and in the
-    servers and commands the test starts (CUDA_VISIBLE_DEVICES="")."""
+    engine's default) would take the GPU, and 54 such tests failed on the device's H100 host
+    (session 96; likely its last bits against the CPU's, and 14 workers sharing its memory).
+    Here auto finds no GPU, in this process (the backend's probe) and in the servers and
+    commands the test starts (CUDA_VISIBLE_DEVICES="")."""
     if "cuda" not in request.node.keywords and _has_cuda():
         from strata.backends import cuda
 
