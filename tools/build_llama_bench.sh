@@ -6,6 +6,11 @@
 # (docs/offload.md, "Session 88").
 #
 #   tools/build_llama_bench.sh [OUT]     OUT default .device/llama-bench.tar.xz (git-ignored)
+#   tools/build_llama_bench.sh --cpu     llama-bench and llama-batched-bench for this machine's
+#                                        CPU only (-march=native, no CUDA; ~5 minutes on 2
+#                                        cores), in $LLAMA_WORK/build-cpu/bin: llama.cpp's CPU
+#                                        speed beside `strata bench --device cpu` (DEVELOPING.md,
+#                                        "CPU speed")
 #
 # Sources: llama.cpp as vendored in the llama-cpp-python sdist on PyPI (the registries are all
 # this machine reaches; $LLAMA_CPP_PYTHON, default 0.3.36), cuBLAS headers and libraries from
@@ -21,6 +26,8 @@
 # need glibc >= 2.34 and the libstdc++ of gcc >= 12 there (the device's are newer; none is
 # packed, so that nothing shadows the libraries Strata's own extensions were built against).
 set -eu
+CPU_ONLY=0
+if [ "${1:-}" = --cpu ]; then CPU_ONLY=1; shift; fi
 OUTFILE=$(realpath -m "${1:-.device/llama-bench.tar.xz}")
 VERSION=${LLAMA_CPP_PYTHON:-0.3.36}
 WORK=${LLAMA_WORK:-/tmp/llama-bench-build}
@@ -40,6 +47,16 @@ PY
 )
     curl -sSfL -o sdist.tar.gz "$url"
     tar -xzf sdist.tar.gz
+fi
+
+if [ "$CPU_ONLY" = 1 ]; then
+    cmake -S "$src" -B "$WORK/build-cpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        > "$WORK/configure-cpu.log"
+    ninja -C "$WORK/build-cpu" -j"$(nproc)" llama-bench llama-batched-bench
+    ls -la "$WORK/build-cpu/bin/llama-bench" "$WORK/build-cpu/bin/llama-batched-bench"
+    exit 0
 fi
 
 cublas=$WORK/cublas/nvidia/cu13
