@@ -27,7 +27,7 @@
 # packed, so that nothing shadows the libraries Strata's own extensions were built against).
 set -eu
 CPU_ONLY=0
-if [ "${1:-}" = --cpu ]; then CPU_ONLY=1; shift; fi
+if [ "${1:-}" = "--cpu" ]; then CPU_ONLY=1; shift; fi
 OUTFILE=$(realpath -m "${1:-.device/llama-bench.tar.xz}")
 VERSION=${LLAMA_CPP_PYTHON:-0.3.36}
 WORK=${LLAMA_WORK:-/tmp/llama-bench-build}
