@@ -56,7 +56,15 @@ class _HiddenGpuDriver(types.ModuleType):
         raise self.RuntimeError("cuInit failed: no CUDA-capable device is detected")
 
 
-def test_a_driver_that_sees_no_gpu_is_a_config_error(monkeypatch):
+def _libcuda_sees_no_gpu():
+    """strata._native.cuda_driver.load as it behaves on a GPU host with CUDA_VISIBLE_DEVICES="":
+    its own cuInit fails (session 97's H100 host; session 96's fix caught only PyCUDA's)."""
+    raise cuda_driver.CudaError("cuInit failed: CUDA error 100 (no CUDA-capable device is "
+                                "detected)")
+
+
+@pytest.mark.parametrize("first_to_fail", ["strata's cuInit", "PyCUDA's cuInit"])
+def test_a_driver_that_sees_no_gpu_is_a_config_error(monkeypatch, first_to_fail):
     # the real case is a GPU host with CUDA_VISIBLE_DEVICES="" (tests/backends/cuda/
     # test_cuda_hidden_gpu.py runs it there); here the driver and PyCUDA are stood in for
     driver = _HiddenGpuDriver("pycuda.driver")
@@ -64,7 +72,8 @@ def test_a_driver_that_sees_no_gpu_is_a_config_error(monkeypatch):
     package.driver = driver
     monkeypatch.setitem(sys.modules, "pycuda", package)
     monkeypatch.setitem(sys.modules, "pycuda.driver", driver)
-    monkeypatch.setattr(cuda_runtime.cuda_driver, "load", lambda: None)
+    load = _libcuda_sees_no_gpu if first_to_fail == "strata's cuInit" else (lambda: None)
+    monkeypatch.setattr(cuda_runtime.cuda_driver, "load", load)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(ConfigError) as info:
         cuda_runtime.import_pycuda()

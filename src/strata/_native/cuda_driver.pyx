@@ -189,8 +189,15 @@ def load() -> None:
     drv.mem_host_get_device_pointer = <t_mem_host_get_device_pointer>_sym(
         lib, "cuMemHostGetDevicePointer_v2")
     drv.stream_write_value32 = <t_stream_write_value32>dlsym(lib, b"cuStreamWriteValue32_v2")
-    _loaded = True
-    _check(drv.init(0), "cuInit")
+    _loaded = True  # _check reads the error's text through cuGetErrorString
+    rc = drv.init(0)
+    if rc != 0:
+        # no GPU visible (CUDA_VISIBLE_DEVICES="", a driver that lost the device): the next
+        # load() must try cuInit again and fail again, not find the driver loaded
+        try:
+            _check(rc, "cuInit")
+        finally:
+            _loaded = False
 
 
 def is_available() -> bool:

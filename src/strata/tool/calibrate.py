@@ -118,7 +118,7 @@ def _no_gpu_message(exc: Exception) -> str:
 
 def _need_gpu() -> None:
     """Refuse at once on a machine without a usable GPU, before timing the CPU pool."""
-    from strata.backends.cuda.runtime import unavailable_reason
+    from strata.backends.cuda import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

@@ -46,11 +46,14 @@ def import_pycuda():
     except ImportError as exc:
         raise ConfigError(f"the CUDA backend needs PyCUDA, which is not importable ({exc}); "
                           f"{_INSTALL_HINT}") from None
-    cuda_driver.load()  # CudaUnavailable (a ConfigError) naming libcuda.so.1 when no driver
     try:
-        drv.init()  # cuInit: fails with "no CUDA-capable device" when none is visible
+        # CudaUnavailable (a ConfigError) naming libcuda.so.1 when there is no driver; both
+        # cuInit calls (ours, then PyCUDA's) fail with "no CUDA-capable device" when no GPU is
+        # visible, ours with a CudaError, PyCUDA's with a drv.Error
+        cuda_driver.load()
+        drv.init()
         count = drv.Device.count()
-    except drv.Error as exc:
+    except (cuda_driver.CudaError, drv.Error) as exc:
         raise ConfigError(f"the CUDA driver could not start ({exc}){_visible_devices_hint()}; "
                           "run with --device cpu") from None
     if count == 0:
