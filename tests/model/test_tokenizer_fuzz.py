@@ -18,7 +18,7 @@ from strata.model.gguf_file import GGUFModel
 from strata.model.tokenizer import PRE_TOKENIZERS, Tokenizer, valid_text
 from strata.tool.synth import synth_tokenizer_meta
 
-from test_tokenizer import _write_tokenizer_gguf
+from test_tokenizer import TRANSFORMERS_MIN, _write_tokenizer_gguf
 
 FUZZ = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -170,7 +170,7 @@ def _byte_char(b: int) -> str:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, default_meta, synth_meta, tok, synth_tok):
     """(Strata tokenizer, transformers tokenizer) for the default model and a synth one."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN)
     pytest.importorskip("torch")
     pytest.importorskip("accelerate")
     folder = tmp_path_factory.mktemp("gguf_tokenizers")
