@@ -7,6 +7,13 @@
 #   tools/device_check.sh bench              bench_cuda.py pp512 / tg128 / 1,2,4,8 slots, with
 #                                            and without each switch, and the mmq profile
 #   tools/device_check.sh all                both
+#   tools/device_check.sh suite              the whole test suite in one run, cuda and not, the
+#                                            GPU visible (tests/conftest.py keeps the other
+#                                            tests on the CPU), all cores but two (SUITE_LIMIT
+#                                            seconds, default 480): the wheels in
+#                                            .device/xwheels (openai, hypothesis, anthropic,
+#                                            flake8; the image lacks them) installed first;
+#                                            then the failures' reasons
 #   tools/device_check.sh offload            issue #7's rows with every expert in RAM on the
 #                                            skew-0 and skew-1 synths: pp512 with
 #                                            STRATA_POOL_SURE 0 / auto alternating (ROUNDS,
@@ -129,6 +136,18 @@ run_tests() {
     for f in "${files[@]}"; do
         part 150 "$f" python3 -m pytest -q -p no:cacheprovider "tests/backends/cuda/$f.py"
     done
+}
+
+run_suite() {  # the whole suite on this host (session 97: 4,432 passed in 340 s, -n 14)
+    if compgen -G ".device/xwheels/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/xsite \
+            .device/xwheels/*.whl && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/xsite"
+    fi
+    local workers=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
+    # -p no:benchmark: the image's pytest-benchmark stops xdist; -rfE: each failure's line
+    part "${SUITE_LIMIT:-480}" suite python3 -m pytest -q -p no:benchmark -p no:cacheprovider \
+        -n "$workers" --dist worksteal -rfE tests
+    grep -E '^(FAILED|ERROR) ' "$OUT/suite.log" | cut -c1-300 | head -n 40
 }
 
 run_bench() {
@@ -407,6 +426,7 @@ case "${1:-all}" in
     tests) shift; run_tests "$@" ;;
     bench) run_bench ;;
     all) run_tests; run_bench ;;
+    suite) run_suite ;;
     ab) run_ab ;;
     old) build_old ;;
     kernel) shift; run_kernel "$@" ;;

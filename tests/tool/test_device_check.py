@@ -5,7 +5,8 @@ NAME=VALUE words reach the environment and its other words the bench's flags, an
 gives each row's runs, medians and B/A (and each run's timeline when the sides turn it on).
 `old` and `kernel`: the packed old revision built beside the tree, and the pool's kernel bench
 of both trees side by side (stand-ins for pip and tools/bench_pool_kernel.py). `sides`: pair
-with any number of sides. Every part: a failure's reasons printed (a stand-in pytest)."""
+with any number of sides. Every part: a failure's reasons printed (a stand-in pytest). `suite`:
+the carried wheels installed, then the whole suite with each failure's line."""
 import os
 import shutil
 import subprocess
@@ -347,3 +348,45 @@ def test_llama_says_what_is_missing(tmp_path):
     res = subprocess.run(["bash", script, "llama", str(tarball)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "no libcublasLt.so.13" in res.stderr
+
+
+# `python3 -m pip install ...` and `python3 -m pytest ...` for the suite: what each got
+FAKE_SUITE_PYTHON = """#!/bin/bash
+if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
+  echo "pip $*" >> "$CALLS"
+  exit 0
+fi
+if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then
+  echo "pytest $* PYTHONPATH=${PYTHONPATH:-}" >> "$CALLS"
+  echo "FAILED tests/server/test_x.py::test_y - AssertionError: 200 == 400"
+  echo "ERROR tests/server/test_z.py - ModuleNotFoundError: No module named 'anthropic'"
+  echo "1 failed, 41 passed, 1 error in 3.00s"
+  exit 1
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_suite_installs_the_carried_wheels_and_prints_each_failure(tmp_path):
+    import sys
+
+    bin_dir = _fake_bin(tmp_path, FAKE_SUITE_PYTHON)
+    wheels = tmp_path / ".device" / "xwheels"
+    wheels.mkdir(parents=True)
+    (wheels / "openai-1.0-py3-none-any.whl").write_bytes(b"")
+    calls = tmp_path / "calls"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               REAL_PYTHON=sys.executable, CALLS=str(calls))
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), "suite"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    pip, pytest_call = calls.read_text().splitlines()
+    assert "--target /tmp/xsite" in pip and ".device/xwheels/openai-1.0-py3-none-any.whl" in pip
+    # the whole tests folder, on xdist without pytest-benchmark, the wheels importable
+    assert " -p no:benchmark " in pytest_call and " -n " in pytest_call
+    assert pytest_call.split(" PYTHONPATH=")[0].endswith(" tests")
+    assert pytest_call.endswith("PYTHONPATH=/tmp/xsite")
+    assert "== suite: rc 1" in res.stdout
+    assert "FAILED tests/server/test_x.py::test_y - AssertionError: 200 == 400" in res.stdout
+    assert "ERROR tests/server/test_z.py - ModuleNotFoundError" in res.stdout
