@@ -180,14 +180,15 @@ ALWAYS_INLINE void signed_block(const int NC, __m256i s, __m256 dw, int k,
 }
 
 
-/* NR rows (1, 2 or 4) of Q4_0 or (is_q8) Q8_0 blocks, res [NR, 3], each row in the tiles' order
- * and lane arithmetic, so bit for bit the tiles' result. Q4_0: the nibbles u = s + 8 go to
- * maddubs as they are (unsigned, pairs below 2 * 15 * 127), and xc >> 4 = -8 * sum(q) per lane
- * takes the 8 back, so each lane sum is sum(s * q) exactly, without the offset and both signs
- * per block and row. Q8_0: maddubs(|s|, q with the sign of s), as signed_block. With the type
- * fixed at compile time, not fused_rows' per-block branches: Q8_0 6-15% a call, Q4_0 1.2-1.8x
- * with the nibbles (docs/DEVELOPING.md). The activation's 32 q and its lane corrections are
- * loaded once per block for all rows. (With AVX-VNNI, one vpdpbusd per lane sum: lanes_dot.)
+/* NR rows (1, 2 or 4) of Q4_0 or (is_q8) Q8_0 blocks against NC tokens (1-4), res [NR, 4],
+ * each row in the tiles' order and lane arithmetic, so bit for bit the tiles' result. Q4_0: the
+ * nibbles u = s + 8 go to maddubs as they are (unsigned, pairs below 2 * 15 * 127), and
+ * xc >> 4 = -8 * sum(q) per lane takes the 8 back, so each lane sum is sum(s * q) exactly,
+ * without the offset and both signs per block and row. Q8_0: maddubs(|s|, q with the sign of
+ * s), as signed_block. With the type fixed at compile time, not fused_rows' per-block branches:
+ * Q8_0 6-15% a call, Q4_0 1.2-1.8x with the nibbles (docs/DEVELOPING.md). The activation's 32 q
+ * and its lane corrections are loaded once per block for all rows, a row's nibbles and scale
+ * once for all tokens. (With AVX-VNNI, one vpdpbusd per lane sum: lanes_dot.)
  * Shapes: u, q [32] int8; corr, lane sums [8] int32 (4 columns each); dx [8] per lane. */
 ALWAYS_INLINE void block32_rows(const int NR, const int NC, const int is_q8,
                                 const uint8_t *const *rows, int64_t ahead, int cols,
@@ -195,10 +196,10 @@ ALWAYS_INLINE void block32_rows(const int NR, const int NC, const int is_q8,
     const int ncp = act->cols_pad, bytes = st_type_size(is_q8 ? ST_Q8_0 : ST_Q4_0);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i hi_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-    __m256 acc[4][3];
-    const int8_t *q[3];
-    const float *dx[3];
-    const int32_t *xc[3];
+    __m256 acc[4][4];
+    const int8_t *q[4];
+    const float *dx[4];
+    const int32_t *xc[4];
     for (int c = 0; c < NC; c++) {
         for (int r = 0; r < NR; r++) acc[r][c] = _mm256_setzero_ps();
         q[c] = act->q + tr[c] * ncp;
@@ -207,7 +208,7 @@ ALWAYS_INLINE void block32_rows(const int NR, const int NC, const int is_q8,
     }
     for (int ib = 0; ib < cols / 32; ib++) {
         const int k = ib * 32, lane = k / ST_LANE;
-        __m256i qc[3], corr[3];
+        __m256i qc[4], corr[4];
         for (int c = 0; c < NC; c++) {
             qc[c] = _mm256_loadu_si256((const __m256i *)(q[c] + k));
             corr[c] = is_q8 ? _mm256_setzero_si256() : _mm256_srai_epi32(
@@ -246,11 +247,11 @@ ALWAYS_INLINE void block32_rows(const int NR, const int NC, const int is_q8,
         }
     }
     for (int r = 0; r < NR; r++)
-        for (int c = 0; c < NC; c++) res[r * 3 + c] = hsum8(acc[r][c]);
+        for (int c = 0; c < NC; c++) res[r * 4 + c] = hsum8(acc[r][c]);
 }
 
 /* NR rows (1, 2 or 4) of 32-column blocks: Q4_1 / Q5_0 / Q5_1 / IQ4_NL by
- * st_block32_values; res [NR, 3]. Each row keeps its own accumulators in the tiles' order, so
+ * st_block32_values; res [NR, 4]. Each row keeps its own accumulators in the tiles' order, so
  * several rows at once change no result; they only give the core independent chains (one
  * row's FMAs wait on each other) and share the activation loads. For the min types (Q4_1,
  * Q5_1: w = d q + m) B [NR, ldb] gets -m per 16 columns and the tiles' st_min_term is
@@ -260,9 +261,9 @@ ALWAYS_INLINE void fused_rows(const int NR, const int NC, int qtype, const uint8
                               int64_t ahead, int cols, const st_act *act, const int64_t *tr,
                               float *B, int ldb, float *res) {
     const int ncp = act->cols_pad, bytes = st_type_size(qtype), has_min = st_has_min(qtype);
-    __m256 acc[4][3];
-    const int8_t *q[3];
-    const float *dx[3];
+    __m256 acc[4][4];
+    const int8_t *q[4];
+    const float *dx[4];
     for (int c = 0; c < NC; c++) {
         for (int r = 0; r < NR; r++) acc[r][c] = _mm256_setzero_ps();
         q[c] = act->q + tr[c] * ncp;
@@ -279,19 +280,20 @@ ALWAYS_INLINE void fused_rows(const int NR, const int NC, int qtype, const uint8
     }
     for (int r = 0; r < NR; r++)
         for (int c = 0; c < NC; c++) {
-            res[r * 3 + c] = hsum8(acc[r][c]);
+            res[r * 4 + c] = hsum8(acc[r][c]);
             if (has_min)  /* B's padding groups are zero, as the unpacked row's */
-                res[r * 3 + c] -= st_min_term(B + r * ldb, act->xs + tr[c] * (ncp / ST_GROUP),
+                res[r * 4 + c] -= st_min_term(B + r * ldb, act->xs + tr[c] * (ncp / ST_GROUP),
                                               ncp / ST_GROUP);
         }
 }
 
 
-/* n (1, 2 or 4) rows of qtype, a constant where it is called, for n_tok (1-3) tokens: NR and NC
+/* n (1, 2 or 4) rows of qtype, a constant where it is called, for n_tok (1-4) tokens: NR and NC
  * as constants of the kernels, Q4_0 / Q8_0 by block32_rows, the others by fused_rows */
 #define ST_BY_SHAPE(CALL)                                                                  \
     do {                                                                                   \
-        if (n == 4 && n_tok == 1) CALL(4, 1);                                              \
+        if (n_tok == 4) CALL(1, 4);                                                        \
+        else if (n == 4 && n_tok == 1) CALL(4, 1);                                         \
         else if (n == 4) CALL(4, 2);                                                       \
         else if (n == 2) CALL(2, 3);                                                       \
         else if (n_tok == 1) CALL(1, 1);                                                   \
@@ -317,8 +319,14 @@ ALWAYS_INLINE void block32_step(const int qtype, int n, int n_tok, const uint8_t
 int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
                   const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
                   float *out, int64_t ld_out) {
-    if (n_tok < 1 || n_tok > 3 || !act->is_quant) return 0;
-    int64_t tr[3];
+#if defined(ST_FUSED_BLOCK32)
+    /* AVX2: Q4_0 / Q8_0 take 4 tokens in one pass too (block32_rows), the others 1-3 */
+    const int64_t most = qtype == ST_Q4_0 || qtype == ST_Q8_0 ? 4 : 3;
+#else
+    const int64_t most = 3;
+#endif
+    if (n_tok < 1 || n_tok > most || !act->is_quant) return 0;
+    int64_t tr[4];
     for (int64_t j = 0; j < n_tok; j++) tr[j] = tok ? (int64_t)tok[j] : tok0 + j;
     float res[3];
     if (st_block_size(qtype) == 256) {
@@ -343,9 +351,11 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
     for (int r = 0; r < 4; r++)
         for (int g = cols / ST_GROUP; g < num_groups; g++) B[r * num_groups + g] = 0.0f;
     const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
-    float res4[12];                                              /* [4 rows, 3 tokens] */
-    /* 4 rows at a time for 1-2 tokens (8 accumulators), 2 for 3 (6: AVX2 has 16 registers) */
-    const int step = n_tok <= 2 ? 4 : 2;
+    float res4[16];                                              /* [4 rows, 4 tokens] */
+    /* 4 rows at a time for 1-2 tokens (8 accumulators), 2 for 3 (6: AVX2 has 16 registers),
+     * one for 4 (4 accumulators; with two rows, 8, the pool's Q4_0 experts at 4 rows each ran
+     * 20-25% slower on the CPU machine's AVX2 EPYC, session 97) */
+    const int step = n_tok <= 2 ? 4 : n_tok == 3 ? 2 : 1;
     for (int i = 0; i < nr; ) {
         const int n = nr - i >= step ? step : 1;
         const uint8_t *rows[4];
@@ -365,7 +375,7 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
                               num_groups, res4);
         }
         for (int r = 0; r < n; r++)
-            for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i + r] = res4[r * 3 + j];
+            for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i + r] = res4[r * 4 + j];
         i += n;
     }
     return 1;

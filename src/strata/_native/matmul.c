@@ -16,14 +16,23 @@
 /* Fewer tokens than this take the fused kernels in groups of 3 (fused_groups) instead of
  * unpacking the row block into tiles. With AVX-512 VNNI the fused rows keep 4 rows x 3 tokens
  * in registers and win up to 8 tokens (H200 host). AVX2's fused rows (16 registers) take 3
- * tokens one or two rows at a time, so there the 4 x 4 tiles win from 4 tokens:
+ * tokens one or two rows at a time, so there the 4 x 4 tiles won from 4 tokens:
  * bench_pool_kernel.py --rows-per-expert at 2 threads on an AVX2 EPYC, experts/s, medians of 3
  * alternating, 9 -> 4: Q4_0 4 / 8 rows 1,665 -> 1,844 / 904 -> 1,193, Q8_0 1,630 -> 1,827 /
- * 946 -> 1,183, Q4_K 1,715 -> 1,586 / 854 -> 1,018 (4 rows within the machine's spread). */
+ * 946 -> 1,183, Q4_K 1,715 -> 1,586 / 854 -> 1,018 (4 rows within the machine's spread).
+ * FUSED_ONE_PASS tokens are one call, not groups: AVX2's Q4_0 / Q8_0 rows take 4 tokens a row
+ * in one pass (the other types' st_fused_rows refuses 4, so they keep the tiles). Session 97,
+ * the same EPYC: the pool's kernel at 4 rows an expert Q4_0 1,100-1,160 -> 1,424-1,430
+ * experts/s on 1 thread, 2,025-2,048 -> 2,504-2,700 on 2, Q8_0 917-1,037 -> 1,399-1,440 and
+ * 1,555-1,916 -> 2,479-2,611; `strata bench --device cpu -t 2 -np 4` (the dense products of 4
+ * slots) on an 8-layer qwen3-30b-a3b Q4_0 synth, tg32 x4 medians 45.5 -> 50.0 tokens/s over 7
+ * alternating pairs. */
 #if defined(ST_USE_VNNI512)
 #define FUSED_MAX_TOKENS 9
+#define FUSED_ONE_PASS 0
 #else
-#define FUSED_MAX_TOKENS 4
+#define FUSED_MAX_TOKENS 5
+#define FUSED_ONE_PASS 4
 #endif
 #define TOKEN_CHUNK 128     /* activation rows per work item when T is large */
 
@@ -320,14 +329,15 @@ static inline int64_t tok_row(const int32_t *tok, int64_t tok0, int64_t j) {
 }
 
 /* Tokens [0, n_tok) through the fused kernels (1-3 tokens a call, straight from the blocks), in
- * groups of 3: the first group reads the row block from RAM, the others from L1. 0 when this
+ * groups of 3 (FUSED_ONE_PASS tokens in one call): the first group reads the row block from RAM,
+ * the others from L1. 0 when this
  * type or build has no fused path (known from the first call: the same type every call). The
  * lane arithmetic is the tiles' (quant.h), so the grouping does not change a token's result. */
 static int fused_groups(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
                         int nr, const st_act *act, const int32_t *tok, int64_t tok0,
                         int64_t n_tok, float *out, int64_t ld_out) {
-    for (int64_t j = 0; j < n_tok; j += 3) {
-        const int64_t g = n_tok - j < 3 ? n_tok - j : 3;
+    for (int64_t j = 0, g; j < n_tok; j += g) {
+        g = n_tok == FUSED_ONE_PASS ? n_tok : n_tok - j < 3 ? n_tok - j : 3;
         if (!st_fused_rows(qtype, w, row_bytes, cols, rb, nr, act, tok ? tok + j : NULL,
                            tok0 + j, g, out + j * ld_out, ld_out))
             return 0;
