@@ -1,6 +1,6 @@
-/* Decode-shaped dot products (1-3 tokens) straight from k-quant super-blocks (Q2_K .. Q6_K,
- * IQ4_XS) with AVX-512 VNNI or with AVX2; the layouts are those of quant_ref.c's
- * unpack_blocks. */
+/* Decode-shaped dot products (1-3 tokens, 1-4 in the AVX2 rows) straight from k-quant
+ * super-blocks (Q2_K .. Q6_K, IQ4_XS) with AVX-512 VNNI or with AVX2; the layouts are those of
+ * quant_ref.c's unpack_blocks. */
 #include "quant.h"
 
 #if defined(__AVX2__)
@@ -262,7 +262,8 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* AVX2 (with or without AVX-VNNI), 1-3 tokens. A 32-column piece is maddubs (or vpdpbusd)
+/* AVX2 (with or without AVX-VNNI), 1-4 tokens (4: one pass where 4 tokens took the unpacked
+ * tiles, session 97; matmul.c's FUSED_ONE_PASS). A 32-column piece is maddubs (or vpdpbusd)
  * over the weight values and the int8 activations, summed to 8 int32 lanes of 4 columns, each scaled by (weight scale * activation
  * scale dx): tiles.c's AVX2 lane arithmetic, in the same column order. Q3_K's, Q6_K's and
  * IQ4_XS's signed values take maddubs(|s|, q with the sign of s), as the tiles do, so a token's
@@ -279,7 +280,7 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
                                  const float *const *xs, float *res) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
     const int bytes = is_q5 ? 176 : 144;
-    __m256 acc[3];
+    __m256 acc[4];
     float B[cols / ST_GROUP];  /* dmin * m per 16-column group, as the tiles' B */
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
@@ -331,7 +332,7 @@ ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead,
                                 const int8_t *const *q, const float *const *dx, float *res) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
     const __m256i thirty_two = _mm256_set1_epi8(32);
-    __m256 acc[3];
+    __m256 acc[4];
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * 210;
@@ -373,7 +374,7 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
                                  const float *const *xs, float *res) {
     const __m256i four = _mm256_set1_epi8(4);
     const int bytes = is_q3 ? 110 : 84;
-    __m256 acc[3];
+    __m256 acc[4];
     float B[is_q3 ? 1 : cols / ST_GROUP];  /* Q2_K: dmin * m per group, as the tiles' B */
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
@@ -429,7 +430,7 @@ ALWAYS_INLINE void avx2_row_iq4xs(const int NC, const uint8_t *row, int64_t ahea
     const __m256i table = _mm256_broadcastsi128_si256(_mm_setr_epi8(
         -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[3];
+    __m256 acc[4];
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * 136;
@@ -458,8 +459,8 @@ ALWAYS_INLINE void avx2_row_iq4xs(const int NC, const uint8_t *row, int64_t ahea
 int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
                    const int64_t *tr, int n_tok, float *res) {
     const int ncp = act->cols_pad;
-    const int8_t *q[3];
-    const float *dx[3], *xs[3];
+    const int8_t *q[4];
+    const float *dx[4], *xs[4];
     for (int c = 0; c < n_tok; c++) {
         q[c] = act->q + tr[c] * ncp;
         dx[c] = act->dx + tr[c] * (ncp / ST_LANE);
@@ -470,36 +471,42 @@ int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const
     if (qtype == ST_IQ4_XS) {
         if (n_tok == 1) avx2_row_iq4xs(1, row, ahead, cols, q, dx, res);
         else if (n_tok == 2) avx2_row_iq4xs(2, row, ahead, cols, q, dx, res);
-        else avx2_row_iq4xs(3, row, ahead, cols, q, dx, res);
+        else if (n_tok == 3) avx2_row_iq4xs(3, row, ahead, cols, q, dx, res);
+        else avx2_row_iq4xs(4, row, ahead, cols, q, dx, res);
         return 1;
     }
     if (qtype == ST_Q2_K) {
         if (n_tok == 1) avx2_row_q23k(1, 0, row, ahead, cols, q, dx, xs, res);
         else if (n_tok == 2) avx2_row_q23k(2, 0, row, ahead, cols, q, dx, xs, res);
-        else avx2_row_q23k(3, 0, row, ahead, cols, q, dx, xs, res);
+        else if (n_tok == 3) avx2_row_q23k(3, 0, row, ahead, cols, q, dx, xs, res);
+        else avx2_row_q23k(4, 0, row, ahead, cols, q, dx, xs, res);
         return 1;
     }
     if (qtype == ST_Q3_K) {
         if (n_tok == 1) avx2_row_q23k(1, 1, row, ahead, cols, q, dx, xs, res);
         else if (n_tok == 2) avx2_row_q23k(2, 1, row, ahead, cols, q, dx, xs, res);
-        else avx2_row_q23k(3, 1, row, ahead, cols, q, dx, xs, res);
+        else if (n_tok == 3) avx2_row_q23k(3, 1, row, ahead, cols, q, dx, xs, res);
+        else avx2_row_q23k(4, 1, row, ahead, cols, q, dx, xs, res);
         return 1;
     }
     if (qtype == ST_Q6_K) {
         if (n_tok == 1) avx2_row_q6k(1, row, ahead, cols, q, dx, res);
         else if (n_tok == 2) avx2_row_q6k(2, row, ahead, cols, q, dx, res);
-        else avx2_row_q6k(3, row, ahead, cols, q, dx, res);
+        else if (n_tok == 3) avx2_row_q6k(3, row, ahead, cols, q, dx, res);
+        else avx2_row_q6k(4, row, ahead, cols, q, dx, res);
         return 1;
     }
     if (qtype == ST_Q5_K) {
         if (n_tok == 1) avx2_row_q45k(1, 1, row, ahead, cols, q, dx, xs, res);
         else if (n_tok == 2) avx2_row_q45k(2, 1, row, ahead, cols, q, dx, xs, res);
-        else avx2_row_q45k(3, 1, row, ahead, cols, q, dx, xs, res);
+        else if (n_tok == 3) avx2_row_q45k(3, 1, row, ahead, cols, q, dx, xs, res);
+        else avx2_row_q45k(4, 1, row, ahead, cols, q, dx, xs, res);
         return 1;
     }
     if (n_tok == 1) avx2_row_q45k(1, 0, row, ahead, cols, q, dx, xs, res);
     else if (n_tok == 2) avx2_row_q45k(2, 0, row, ahead, cols, q, dx, xs, res);
-    else avx2_row_q45k(3, 0, row, ahead, cols, q, dx, xs, res);
+    else if (n_tok == 3) avx2_row_q45k(3, 0, row, ahead, cols, q, dx, xs, res);
+    else avx2_row_q45k(4, 0, row, ahead, cols, q, dx, xs, res);
     return 1;
 }
 

@@ -20,13 +20,15 @@
  * bench_pool_kernel.py --rows-per-expert at 2 threads on an AVX2 EPYC, experts/s, medians of 3
  * alternating, 9 -> 4: Q4_0 4 / 8 rows 1,665 -> 1,844 / 904 -> 1,193, Q8_0 1,630 -> 1,827 /
  * 946 -> 1,183, Q4_K 1,715 -> 1,586 / 854 -> 1,018 (4 rows within the machine's spread).
- * FUSED_ONE_PASS tokens are one call, not groups: AVX2's Q4_0 / Q8_0 rows take 4 tokens a row
- * in one pass (the other types' st_fused_rows refuses 4, so they keep the tiles). Session 97,
- * the same EPYC: the pool's kernel at 4 rows an expert Q4_0 1,100-1,160 -> 1,424-1,430
- * experts/s on 1 thread, 2,025-2,048 -> 2,504-2,700 on 2, Q8_0 917-1,037 -> 1,399-1,440 and
- * 1,555-1,916 -> 2,479-2,611; `strata bench --device cpu -t 2 -np 4` (the dense products of 4
- * slots) on an 8-layer qwen3-30b-a3b Q4_0 synth, tg32 x4 medians 45.5 -> 50.0 tokens/s over 7
- * alternating pairs. */
+ * FUSED_ONE_PASS tokens are one call, not groups: AVX2's Q4_0 / Q8_0 and k-quant rows take 4
+ * tokens a row in one pass (for the other types st_fused_rows refuses 4, so they keep the
+ * tiles). Session 97, the same EPYC: the pool's kernel at 4 rows an expert Q4_0 1,100-1,160 ->
+ * 1,424-1,430 experts/s on 1 thread, 2,025-2,048 -> 2,504-2,700 on 2, Q8_0 917-1,037 ->
+ * 1,399-1,440 and 1,555-1,916 -> 2,479-2,611; medians of 3 rounds Q4_K 827 -> 1,060 and
+ * 1,374 -> 2,166, Q5_K 760 -> 945 and 1,222 -> 1,734, Q6_K 869 -> 940 and 1,478 -> 1,818.
+ * `strata bench --device cpu -t 2 -np 4` (the dense products of 4 slots) on 8-layer
+ * qwen3-30b-a3b synths, tg32 x4: Q4_0 45.5 -> 50.0 tokens/s (medians of 7 alternating pairs),
+ * Q4_K 28.8 -> 36.5 (3 pairs). */
 #if defined(ST_USE_VNNI512)
 #define FUSED_MAX_TOKENS 9
 #define FUSED_ONE_PASS 0

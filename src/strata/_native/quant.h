@@ -126,9 +126,9 @@ void st_gemm_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
                   int64_t r0, int64_t r1, const st_act *act, const int32_t *tok, int64_t n_tok,
                   float *out, int64_t ld_out, void *scratch);
 size_t st_scratch_bytes(int qtype, int cols);
-/* Rows [rb, rb + nr) x 1-3 tokens (4 for AVX2's Q4_0 / Q8_0) straight from the quantised
- * blocks / float rows (fused.c); return 0 when this build or type has no fused path for them
- * (the caller unpacks instead). */
+/* Rows [rb, rb + nr) x 1-3 tokens (4 for AVX2's Q4_0 / Q8_0 / k-quants) straight from the
+ * quantised blocks / float rows (fused.c); return 0 when this build or type has no fused path
+ * for them (the caller unpacks instead). */
 int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
                   const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
                   float *out, int64_t ld_out);
