@@ -213,17 +213,21 @@ exec "$REAL_PYTHON" "$@"
 """
 
 
+def _run_with(tmp_path, fake_text, *args, **extra_env):
+    """device_check.sh ARGS in tmp_path with `fake_text` as python3, whatever its exit code."""
+    import sys
+
+    bin_dir = _fake_bin(tmp_path, fake_text)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               REAL_PYTHON=sys.executable, **extra_env)
+    return subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_a_failing_parts_reasons_reach_stdout(tmp_path):
     # the device tool brings back a call's stdout always but only some of its log files
-    import sys
-
-    bin_dir = _fake_bin(tmp_path, FAKE_PYTEST_PYTHON)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               REAL_PYTHON=sys.executable)
-    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), "tests", "test_bad",
-                          "test_good"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=60)
+    res = _run_with(tmp_path, FAKE_PYTEST_PYTHON, "tests", "test_bad", "test_good")
     bad, good = res.stdout.split("== test_good")
     assert "== test_bad: rc 1" in bad
     assert "E   AssertionError: the pool's logits 0.05 off" in bad
@@ -369,24 +373,17 @@ exec "$REAL_PYTHON" "$@"
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_suite_installs_the_carried_wheels_and_prints_each_failure(tmp_path):
-    import sys
-
-    bin_dir = _fake_bin(tmp_path, FAKE_SUITE_PYTHON)
     wheels = tmp_path / ".device" / "xwheels"
     wheels.mkdir(parents=True)
     (wheels / "openai-1.0-py3-none-any.whl").write_bytes(b"")
     calls = tmp_path / "calls"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               REAL_PYTHON=sys.executable, CALLS=str(calls))
-    env.pop("PYTHONPATH", None)
-    res = subprocess.run(["bash", str(ROOT / "tools" / "device_check.sh"), "suite"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    res = _run_with(tmp_path, FAKE_SUITE_PYTHON, "suite", CALLS=str(calls))
     pip, pytest_call = calls.read_text().splitlines()
     assert "--target /tmp/xsite" in pip and ".device/xwheels/openai-1.0-py3-none-any.whl" in pip
     # the whole tests folder, on xdist without pytest-benchmark, the wheels importable
     assert " -p no:benchmark " in pytest_call and " -n " in pytest_call
     assert pytest_call.split(" PYTHONPATH=")[0].endswith(" tests")
-    assert pytest_call.endswith("PYTHONPATH=/tmp/xsite")
+    assert pytest_call.endswith("/tmp/xsite") and " PYTHONPATH=" in pytest_call
     assert "== suite: rc 1" in res.stdout
     assert "FAILED tests/server/test_x.py::test_y - AssertionError: 200 == 400" in res.stdout
     assert "ERROR tests/server/test_z.py - ModuleNotFoundError" in res.stdout
