@@ -8,7 +8,7 @@
  *   gcc -O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math -ffp-contract=off \
  *       -Isrc/strata/_native tools/bench_fused_rows.c src/strata/_native/{fused,fused_k,fused_iq,\
  *       quant_ref,matmul,tiles,unpack_simd}.c -lm -o /tmp/bench_fused_rows
- *   /tmp/bench_fused_rows ROWS [COLS=2048] [CHUNK=64] [shuffle] [TYPE=2 (Q4_0)]
+ *   /tmp/bench_fused_rows ROWS [COLS=2048] [CHUNK=64] [shuffle] [TYPE=2 (Q4_0); 12 Q4_K ...]
  * ROWS x COLS weights: 256 x 2048 Q4_0 (295 KB) sit in L2, 200000 x 2048 (230 MB) come from RAM.
  * Prints the best and the median of 15 runs of >= 200 MB each.
  * Session 45 (docs/DEVELOPING.md, docs/offload.md): ~13 GB/s from L2 and 7-8 from RAM on the
@@ -44,12 +44,16 @@ int main(int argc, char **argv) {
     const int64_t chunk = argc > 3 ? atoll(argv[3]) : 64;
     const int shuffle = argc > 4 && strcmp(argv[4], "shuffle") == 0;
     const int qtype = argc > 5 ? atoi(argv[5]) : ST_Q4_0;
-    if (rows < 1 || chunk < 1 || rows % chunk || cols % 32 || st_block_size(qtype) != 32) {
-        fprintf(stderr, "ROWS must be a multiple of CHUNK, COLS of 32, TYPE a 32-column type\n");
+    /* the fp16 scales' offsets in a block, so random bytes make finite weights */
+    const int fp16_at[2] = {qtype == ST_Q6_K ? 208 : qtype == ST_Q2_K ? 80 : qtype == ST_Q3_K ? 108 : 0,
+                            qtype == ST_Q4_K || qtype == ST_Q5_K ? 2 : qtype == ST_Q2_K ? 82 : -1};
+    const int block = st_block_size(qtype);
+    if (rows < 1 || chunk < 1 || rows % chunk || block < 32 || cols % block) {
+        fprintf(stderr, "ROWS must be a multiple of CHUNK, COLS of the type's block\n");
         return 2;
     }
     const int block_bytes = st_type_size(qtype);
-    const int64_t row_bytes = cols / 32 * block_bytes;
+    const int64_t row_bytes = cols / block * block_bytes;
     uint8_t *w = st_alloc64((size_t)(rows * row_bytes));                  /* [ROWS, row_bytes] */
     float *x = malloc((size_t)cols * sizeof(float));                         /* [COLS] */
     float *out = malloc((size_t)rows * sizeof(float));                       /* [ROWS] */
@@ -57,10 +61,11 @@ int main(int argc, char **argv) {
     if (!w || !x || !out || !order) return 1;
     srand(1);
     for (int64_t i = 0; i < rows * row_bytes; i++) w[i] = (uint8_t)rand();
-    for (int64_t b = 0; b < rows * (cols / 32); b++) {                     /* finite fp16 scales */
-        uint16_t h = (uint16_t)(0x2000 + (rand() & 0x3ff));
-        memcpy(w + b * block_bytes, &h, 2);
-    }
+    for (int64_t b = 0; b < rows * (cols / block); b++)                    /* finite fp16 scales */
+        for (int f = 0; f < 2 && fp16_at[f] >= 0; f++) {
+            uint16_t h = (uint16_t)(0x2000 + (rand() & 0x3ff));
+            memcpy(w + b * block_bytes + fp16_at[f], &h, 2);
+        }
     for (int i = 0; i < cols; i++) x[i] = (float)(rand() % 2000 - 1000) / 1000.0f;
     st_act act;
     if (st_act_alloc(&act, 1, cols, 1) != 0) return 1;

@@ -13,6 +13,13 @@ static inline __m256i or_where_bit(__m256i v, __m256i bits, int n, __m256i value
                                                value));
 }
 
+/* byte-wise bit n of `bits` moved to bit `to` (value: 1 << to in every byte), 0 elsewhere:
+ * or_where_bit's term in one shift and one and, for the AVX2 rows (n, to constants there) */
+static inline __m256i bit_to(__m256i bits, int n, int to, __m256i value) {
+    return _mm256_and_si256(n <= to ? _mm256_slli_epi16(bits, to - n)
+                                    : _mm256_srli_epi16(bits, n - to), value);
+}
+
 /* byte-wise (v >> n) & 3 of 32 bytes */
 static inline __m256i two_bits(__m256i v, int n) {
     return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(3));
@@ -279,6 +286,8 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
                                  int cols, const int8_t *const *q, const float *const *dx,
                                  const float *const *xs, float *res) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    const __m256i pairs_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    const __m256i pairs_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     const int bytes = is_q5 ? 176 : 144;
     __m256 acc[4];
     float B[cols / ST_GROUP];  /* dmin * m per 16-column group, as the tiles' B */
@@ -287,22 +296,20 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
         const uint8_t *blk = row + (int64_t)ib * bytes;
         st_prefetch(blk + ahead, bytes);
         const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
-        float *mins = B + ib * 16;
-        /* the 12 scale bytes to sc[0..7], m[0..7] (as quant_ref.c's scale_min_k4) */
-        float dsc[8];  /* d * sc per sub-block */
-        for (int j = 0; j < 8; j++) {
-            const uint8_t *sc = blk + 4;
-            int scale, min;
-            if (j < 4) {
-                scale = sc[j] & 63;
-                min = sc[j + 4] & 63;
-            } else {
-                scale = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-                min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-            }
-            dsc[j] = d * (float)scale;
-            mins[2 * j] = mins[2 * j + 1] = dmin * (float)min;
-        }
+        /* the 12 scale bytes to sc[0..7] and m[0..7] (as quant_ref.c's scale_min_k4) by 32-bit
+         * words, built in registers (a wide load of narrower stores waits for store forwarding) */
+        uint32_t w0, w1, w2;  /* each its own load: a copy of 12 bytes went through the stack */
+        memcpy(&w0, blk + 4, 4);
+        memcpy(&w1, blk + 8, 4);
+        memcpy(&w2, blk + 12, 4);
+        const uint64_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
+        const uint64_t m_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+        const __m128i sc = _mm_cvtsi64_si128((int64_t)((w0 & 0x3f3f3f3fu) | sc_hi << 32));
+        const __m128i m = _mm_cvtsi64_si128((int64_t)((w1 & 0x3f3f3f3fu) | m_hi << 32));
+        const __m256 dsc = scaled_u8(sc, _mm256_set1_ps(d));   /* d * sc per sub-block */
+        const __m256 dm = scaled_u8(m, _mm256_set1_ps(dmin));  /* dmin * m, twice each in B */
+        _mm256_storeu_ps(B + ib * 16, _mm256_permutevar8x32_ps(dm, pairs_lo));
+        _mm256_storeu_ps(B + ib * 16 + 8, _mm256_permutevar8x32_ps(dm, pairs_hi));
         const uint8_t *qs = blk + (is_q5 ? 48 : 16);
         const __m256i qh = is_q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16))
                                  : _mm256_setzero_si256();
@@ -311,12 +318,12 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
             __m256i lo = _mm256_and_si256(v, low4);                          /* sub-block 2j */
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);    /* 2j + 1 */
             if (is_q5) {
-                lo = or_where_bit(lo, qh, 2 * j, sixteen);
-                hi = or_where_bit(hi, qh, 2 * j + 1, sixteen);
+                lo = _mm256_or_si256(lo, bit_to(qh, 2 * j, 4, sixteen));
+                hi = _mm256_or_si256(hi, bit_to(qh, 2 * j + 1, 4, sixteen));
             }
             const int k = ib * 256 + 64 * j;
-            piece(NC, lo, _mm256_set1_ps(dsc[2 * j]), k, q, dx, acc);
-            piece(NC, hi, _mm256_set1_ps(dsc[2 * j + 1]), k + 32, q, dx, acc);
+            piece(NC, lo, one_group_of(dsc, 2 * j), k, q, dx, acc);
+            piece(NC, hi, one_group_of(dsc, 2 * j + 1), k + 32, q, dx, acc);
         }
     }
     for (int c = 0; c < NC; c++) {  /* the mins in the tiles' order (st_min_term) */
@@ -337,9 +344,10 @@ ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead,
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * 210;
         st_prefetch(blk + ahead, 210);
-        const float d = fp16_at(blk + 208);
-        float a16[16];  /* d * sc per group */
-        for (int g = 0; g < 16; g++) a16[g] = d * (float)((const int8_t *)(blk + 192))[g];
+        const __m256 d = _mm256_set1_ps(fp16_at(blk + 208));
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));  /* int8 [16] */
+        const __m256 a16[2] = {scaled_i8(sc, d),  /* d * sc per group: groups 0-7, 8-15 */
+                               scaled_i8(_mm_srli_si128(sc, 8), d)};
         for (int n = 0; n < 2; n++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
@@ -354,9 +362,7 @@ ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead,
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
                                 _mm256_and_si256(_mm256_srli_epi16(h, 2), high2))};
             for (int p = 0; p < 4; p++) {  /* columns 128n + 32p .. + 31: groups g, g + 1 */
-                const int g = 8 * n + 2 * p;
-                const __m256 scale = _mm256_set_m128(_mm_set1_ps(a16[g + 1]),
-                                                     _mm_set1_ps(a16[g]));
+                const __m256 scale = two_groups_of(a16[n], 2 * p);  /* groups 8n + 2p, + 1 */
                 piece_signed(NC, _mm256_sub_epi8(v[p], thirty_two), scale,
                              ib * 256 + 128 * n + 32 * p, q, dx, acc);
             }
@@ -380,26 +386,38 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * bytes;
         st_prefetch(blk + ahead, bytes);
-        float a16[16], *o16 = B + (is_q3 ? 0 : ib * 16);  /* group scales; Q2_K's mins */
+        __m256 a16[2];  /* the group scales: groups 0-7, 8-15 */
         __m256i hm = _mm256_setzero_si256();
         const uint8_t *qs;
         if (is_q3) {
-            /* 16 six-bit scales: low 4 bits from bytes 0-7, high 2 from bytes 8-11 */
-            const uint8_t *sc = blk + 96;
-            const float d = fp16_at(blk + 108);
-            for (int g = 0; g < 16; g++) {
-                const int low = (sc[g % 8] >> (4 * (g / 8))) & 15;
-                const int high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
-                a16[g] = d * (float)((low | (high << 4)) - 32);
-            }
+            /* 16 six-bit scales: low 4 bits from bytes 0-7 (groups 8-15 the high nibbles), high
+             * 2 from bytes 8-11 (byte g % 4, bits 2 * (g / 4)); by 64-bit words in registers */
+            uint64_t low;
+            uint32_t high;
+            memcpy(&low, blk + 96, 8);
+            memcpy(&high, blk + 104, 4);
+            const uint64_t m4 = 0x0f0f0f0f0f0f0f0full, m2 = 0x03030303u;
+            const uint64_t h0 = (high & m2) | (uint64_t)((high >> 2) & m2) << 32;  /* 0-7 */
+            const uint64_t h1 = ((high >> 4) & m2) | (uint64_t)((high >> 6) & m2) << 32;
+            const __m128i sc = _mm_sub_epi8(  /* the 16 scales - 32, as int8 */
+                _mm_set_epi64x((int64_t)(((low >> 4) & m4) | h1 << 4),
+                               (int64_t)((low & m4) | h0 << 4)), _mm_set1_epi8(32));
+            const __m256 d = _mm256_set1_ps(fp16_at(blk + 108));
+            a16[0] = scaled_i8(sc, d);
+            a16[1] = scaled_i8(_mm_srli_si128(sc, 8), d);
             hm = _mm256_loadu_si256((const __m256i *)blk);
             qs = blk + 32;
-        } else {
-            const float d = fp16_at(blk + 80), dmin = fp16_at(blk + 82);
-            for (int g = 0; g < 16; g++) {
-                a16[g] = d * (float)(blk[g] & 15);
-                o16[g] = dmin * (float)(blk[g] >> 4);
-            }
+        } else {  /* byte g: scale in the low nibble, min in the high one */
+            const __m256 d = _mm256_set1_ps(fp16_at(blk + 80));
+            const __m256 dmin = _mm256_set1_ps(fp16_at(blk + 82));
+            const __m128i low4 = _mm_set1_epi8(0x0F);
+            const __m128i sm = _mm_loadu_si128((const __m128i *)blk);
+            const __m128i sc = _mm_and_si128(sm, low4);
+            const __m128i m = _mm_and_si128(_mm_srli_epi16(sm, 4), low4);
+            a16[0] = scaled_u8(sc, d);
+            a16[1] = scaled_u8(_mm_srli_si128(sc, 8), d);
+            _mm256_storeu_ps(B + ib * 16, scaled_u8(m, dmin));
+            _mm256_storeu_ps(B + ib * 16 + 8, scaled_u8(_mm_srli_si128(m, 8), dmin));
             qs = blk + 16;
         }
         for (int c = 0; c < 4; c++) {
@@ -407,13 +425,14 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
             __m256i lo = two_bits(v, 4 * (c & 1)), hi = two_bits(v, 4 * (c & 1) + 2);
             const int k = ib * 256 + 64 * c;
             if (is_q3) {  /* signed values, as the tiles take them: the same bits */
-                lo = _mm256_sub_epi8(or_where_bit(lo, hm, 2 * c, four), four);
-                hi = _mm256_sub_epi8(or_where_bit(hi, hm, 2 * c + 1, four), four);
-                piece_signed(NC, lo, two_groups(a16, 4 * c), k, q, dx, acc);
-                piece_signed(NC, hi, two_groups(a16, 4 * c + 2), k + 32, q, dx, acc);
+                lo = _mm256_sub_epi8(_mm256_or_si256(lo, bit_to(hm, 2 * c, 2, four)), four);
+                hi = _mm256_sub_epi8(_mm256_or_si256(hi, bit_to(hm, 2 * c + 1, 2, four)), four);
+                piece_signed(NC, lo, two_groups_of(a16[c >> 1], 4 * (c & 1)), k, q, dx, acc);
+                piece_signed(NC, hi, two_groups_of(a16[c >> 1], 4 * (c & 1) + 2), k + 32, q, dx,
+                             acc);
             } else {
-                piece(NC, lo, two_groups(a16, 4 * c), k, q, dx, acc);
-                piece(NC, hi, two_groups(a16, 4 * c + 2), k + 32, q, dx, acc);
+                piece(NC, lo, two_groups_of(a16[c >> 1], 4 * (c & 1)), k, q, dx, acc);
+                piece(NC, hi, two_groups_of(a16[c >> 1], 4 * (c & 1) + 2), k + 32, q, dx, acc);
             }
         }
     }
@@ -435,13 +454,20 @@ ALWAYS_INLINE void avx2_row_iq4xs(const int NC, const uint8_t *row, int64_t ahea
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * 136;
         st_prefetch(blk + ahead, 136);
+        /* block b's 6-bit scale: nibble b & 1 of byte 4 + b / 2, high bits 2b of the u16 at 2 */
         uint16_t sh;
+        uint32_t sl;
         memcpy(&sh, blk + 2, 2);
-        const float d = fp16_at(blk);
-        float a8[8];
-        for (int b = 0; b < 8; b++)
-            a8[b] = d * (float)((((blk[4 + b / 2] >> (4 * (b & 1))) & 15)
-                                 | (((sh >> (2 * b)) & 3) << 4)) - 32);
+        memcpy(&sl, blk + 4, 4);
+        const __m128i nib = _mm_unpacklo_epi8(_mm_cvtsi32_si128((int)(sl & 0x0f0f0f0fu)),
+                                              _mm_cvtsi32_si128((int)((sl >> 4) & 0x0f0f0f0fu)));
+        const __m256i high = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32(sh), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+            _mm256_set1_epi32(3));
+        const __m256i ls = _mm256_or_si256(_mm256_cvtepu8_epi32(nib), _mm256_slli_epi32(high, 4));
+        const __m256 a8 = _mm256_mul_ps(  /* d * (ls - 32) per block */
+            _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))),
+            _mm256_set1_ps(fp16_at(blk)));
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * c));
             const __m256i lo = _mm256_and_si256(v, low4);
@@ -449,8 +475,8 @@ ALWAYS_INLINE void avx2_row_iq4xs(const int NC, const uint8_t *row, int64_t ahea
             const __m256i s0 = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x20));
             const __m256i s1 = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x31));
             const int k = ib * 256 + 64 * c;
-            piece_signed(NC, s0, _mm256_set1_ps(a8[2 * c]), k, q, dx, acc);
-            piece_signed(NC, s1, _mm256_set1_ps(a8[2 * c + 1]), k + 32, q, dx, acc);
+            piece_signed(NC, s0, one_group_of(a8, 2 * c), k, q, dx, acc);
+            piece_signed(NC, s1, one_group_of(a8, 2 * c + 1), k + 32, q, dx, acc);
         }
     }
     for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]);
