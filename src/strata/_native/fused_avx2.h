@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #include "fused_f16.h"
 #include "lane_sum.h"
+#include "kscales_avx2.h"
 
 /* acc[c] += (sum over the 8 lanes of 32 columns at k of u * q) * dx * scale (scale [8] per
  * lane); u <= 63, so a pair of products stays below 2 * 63 * 127 < 32768 */
@@ -45,23 +46,3 @@ static inline __m256 two_groups(const float *a16, int g) {
     return _mm256_set_m128(_mm_set1_ps(a16[g + 1]), _mm_set1_ps(a16[g]));
 }
 
-/* the same from 8 group scales in a register (g <= 6): one permute, where the array's
- * elements would be loaded back from the stores that made them */
-static inline __m256 two_groups_of(__m256 a8, int g) {
-    return _mm256_permutevar8x32_ps(
-        a8, _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(g)));
-}
-
-/* each of 8 scales in a register on all 8 lanes */
-static inline __m256 one_group_of(__m256 a8, int g) {
-    return _mm256_permutevar8x32_ps(a8, _mm256_set1_epi32(g));
-}
-
-/* [8] floats d * (the low 8 bytes of v, unsigned / signed) */
-static inline __m256 scaled_u8(__m128i v, __m256 d) {
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d);
-}
-
-static inline __m256 scaled_i8(__m128i v, __m256 d) {
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
-}

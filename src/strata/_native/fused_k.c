@@ -286,8 +286,6 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
                                  int cols, const int8_t *const *q, const float *const *dx,
                                  const float *const *xs, float *res) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
-    const __m256i pairs_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    const __m256i pairs_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     const int bytes = is_q5 ? 176 : 144;
     __m256 acc[4];
     float B[cols / ST_GROUP];  /* dmin * m per 16-column group, as the tiles' B */
@@ -295,21 +293,9 @@ ALWAYS_INLINE void avx2_row_q45k(const int NC, int is_q5, const uint8_t *row, in
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * bytes;
         st_prefetch(blk + ahead, bytes);
-        const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
-        /* the 12 scale bytes to sc[0..7] and m[0..7] (as quant_ref.c's scale_min_k4) by 32-bit
-         * words, built in registers (a wide load of narrower stores waits for store forwarding) */
-        uint32_t w0, w1, w2;  /* each its own load: a copy of 12 bytes went through the stack */
-        memcpy(&w0, blk + 4, 4);
-        memcpy(&w1, blk + 8, 4);
-        memcpy(&w2, blk + 12, 4);
-        const uint64_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
-        const uint64_t m_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
-        const __m128i sc = _mm_cvtsi64_si128((int64_t)((w0 & 0x3f3f3f3fu) | sc_hi << 32));
-        const __m128i m = _mm_cvtsi64_si128((int64_t)((w1 & 0x3f3f3f3fu) | m_hi << 32));
-        const __m256 dsc = scaled_u8(sc, _mm256_set1_ps(d));   /* d * sc per sub-block */
-        const __m256 dm = scaled_u8(m, _mm256_set1_ps(dmin));  /* dmin * m, twice each in B */
-        _mm256_storeu_ps(B + ib * 16, _mm256_permutevar8x32_ps(dm, pairs_lo));
-        _mm256_storeu_ps(B + ib * 16 + 8, _mm256_permutevar8x32_ps(dm, pairs_hi));
+        __m256 dsc, dm;  /* d * sc and dmin * m per sub-block */
+        q45k_scales(blk, &dsc, &dm);
+        store_twice(B + ib * 16, dm);  /* each min for its two 16-column groups */
         const uint8_t *qs = blk + (is_q5 ? 48 : 16);
         const __m256i qh = is_q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16))
                                  : _mm256_setzero_si256();
@@ -344,10 +330,8 @@ ALWAYS_INLINE void avx2_row_q6k(const int NC, const uint8_t *row, int64_t ahead,
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * 210;
         st_prefetch(blk + ahead, 210);
-        const __m256 d = _mm256_set1_ps(fp16_at(blk + 208));
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));  /* int8 [16] */
-        const __m256 a16[2] = {scaled_i8(sc, d),  /* d * sc per group: groups 0-7, 8-15 */
-                               scaled_i8(_mm_srli_si128(sc, 8), d)};
+        __m256 a16[2];  /* d * sc per group: groups 0-7, 8-15 */
+        q6k_scales(blk, a16);
         for (int n = 0; n < 2; n++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
@@ -390,34 +374,14 @@ ALWAYS_INLINE void avx2_row_q23k(const int NC, int is_q3, const uint8_t *row, in
         __m256i hm = _mm256_setzero_si256();
         const uint8_t *qs;
         if (is_q3) {
-            /* 16 six-bit scales: low 4 bits from bytes 0-7 (groups 8-15 the high nibbles), high
-             * 2 from bytes 8-11 (byte g % 4, bits 2 * (g / 4)); by 64-bit words in registers */
-            uint64_t low;
-            uint32_t high;
-            memcpy(&low, blk + 96, 8);
-            memcpy(&high, blk + 104, 4);
-            const uint64_t m4 = 0x0f0f0f0f0f0f0f0full, m2 = 0x03030303u;
-            const uint64_t h0 = (high & m2) | (uint64_t)((high >> 2) & m2) << 32;  /* 0-7 */
-            const uint64_t h1 = ((high >> 4) & m2) | (uint64_t)((high >> 6) & m2) << 32;
-            const __m128i sc = _mm_sub_epi8(  /* the 16 scales - 32, as int8 */
-                _mm_set_epi64x((int64_t)(((low >> 4) & m4) | h1 << 4),
-                               (int64_t)((low & m4) | h0 << 4)), _mm_set1_epi8(32));
-            const __m256 d = _mm256_set1_ps(fp16_at(blk + 108));
-            a16[0] = scaled_i8(sc, d);
-            a16[1] = scaled_i8(_mm_srli_si128(sc, 8), d);
+            q3k_scales(blk, a16);
             hm = _mm256_loadu_si256((const __m256i *)blk);
             qs = blk + 32;
-        } else {  /* byte g: scale in the low nibble, min in the high one */
-            const __m256 d = _mm256_set1_ps(fp16_at(blk + 80));
-            const __m256 dmin = _mm256_set1_ps(fp16_at(blk + 82));
-            const __m128i low4 = _mm_set1_epi8(0x0F);
-            const __m128i sm = _mm_loadu_si128((const __m128i *)blk);
-            const __m128i sc = _mm_and_si128(sm, low4);
-            const __m128i m = _mm_and_si128(_mm_srli_epi16(sm, 4), low4);
-            a16[0] = scaled_u8(sc, d);
-            a16[1] = scaled_u8(_mm_srli_si128(sc, 8), d);
-            _mm256_storeu_ps(B + ib * 16, scaled_u8(m, dmin));
-            _mm256_storeu_ps(B + ib * 16 + 8, scaled_u8(_mm_srli_si128(m, 8), dmin));
+        } else {
+            __m256 m16[2];  /* dmin * m per group */
+            q2k_scales(blk, a16, m16);
+            _mm256_storeu_ps(B + ib * 16, m16[0]);
+            _mm256_storeu_ps(B + ib * 16 + 8, m16[1]);
             qs = blk + 16;
         }
         for (int c = 0; c < 4; c++) {
@@ -454,20 +418,7 @@ ALWAYS_INLINE void avx2_row_iq4xs(const int NC, const uint8_t *row, int64_t ahea
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * 136;
         st_prefetch(blk + ahead, 136);
-        /* block b's 6-bit scale: nibble b & 1 of byte 4 + b / 2, high bits 2b of the u16 at 2 */
-        uint16_t sh;
-        uint32_t sl;
-        memcpy(&sh, blk + 2, 2);
-        memcpy(&sl, blk + 4, 4);
-        const __m128i nib = _mm_unpacklo_epi8(_mm_cvtsi32_si128((int)(sl & 0x0f0f0f0fu)),
-                                              _mm_cvtsi32_si128((int)((sl >> 4) & 0x0f0f0f0fu)));
-        const __m256i high = _mm256_and_si256(
-            _mm256_srlv_epi32(_mm256_set1_epi32(sh), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
-            _mm256_set1_epi32(3));
-        const __m256i ls = _mm256_or_si256(_mm256_cvtepu8_epi32(nib), _mm256_slli_epi32(high, 4));
-        const __m256 a8 = _mm256_mul_ps(  /* d * (ls - 32) per block */
-            _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))),
-            _mm256_set1_ps(fp16_at(blk)));
+        const __m256 a8 = iq4xs_scales(blk);  /* d * (ls - 32) per block */
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * c));
             const __m256i lo = _mm256_and_si256(v, low4);

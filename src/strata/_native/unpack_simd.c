@@ -5,25 +5,14 @@
 
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
-
-static inline float fp16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
+#include "kscales_avx2.h"
 
 static inline __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void store256(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
 
-/* 6-bit scale and min of sub-block j (ggml get_scale_min_k4) */
-static inline void scale_min(int j, const uint8_t *q, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+/* A[64] of a super-block of 16-column groups: each group's scale on its 4 lanes */
+static inline void store_groups(float *A, const __m256 *a16) {
+    for (int g = 0; g < 16; g += 2) _mm256_storeu_ps(A + 4 * g, two_groups_of(a16[g / 8], g % 8));
 }
 
 int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, float *A, float *B) {
@@ -75,8 +64,6 @@ int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, floa
         const __m256i sixteen = _mm256_set1_epi8(16);
         for (int ib = 0; ib < cols / 256; ib++) {
             const uint8_t *blk = row + ib * (is_q5 ? 176 : 144);
-            float d = fp16_at(blk), dmin = fp16_at(blk + 2);
-            const uint8_t *scales = blk + 4;
             const uint8_t *qs = blk + (is_q5 ? 48 : 16);
             __m256i qh = is_q5 ? load256(blk + 16) : _mm256_setzero_si256();
             uint8_t *y = s + ib * 256;
@@ -96,13 +83,11 @@ int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, floa
                 store256(y + 64 * j, _mm256_xor_si256(lo, bias));
                 store256(y + 64 * j + 32, _mm256_xor_si256(hi, bias));
             }
-            for (int sub = 0; sub < 8; sub++) {
-                int sc, m;
-                scale_min(sub, scales, &sc, &m);
-                _mm256_storeu_ps(A + ib * 64 + sub * 8, _mm256_set1_ps(d * (float)sc));
-                float dm = dmin * (float)m;
-                B[ib * 16 + 2 * sub] = B[ib * 16 + 2 * sub + 1] = dm;
-            }
+            __m256 dsc, dm;  /* d * sc, dmin * m per sub-block */
+            q45k_scales(blk, &dsc, &dm);
+            for (int sub = 0; sub < 8; sub++)
+                _mm256_storeu_ps(A + ib * 64 + sub * 8, one_group_of(dsc, sub));
+            store_twice(B + ib * 16, dm);
         }
         return 1;
     }
@@ -111,8 +96,6 @@ int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, floa
         const __m256i high2 = _mm256_set1_epi8(0x30);
         for (int ib = 0; ib < cols / 256; ib++) {
             const uint8_t *blk = row + ib * 210;
-            const int8_t *scales = (const int8_t *)(blk + 192);
-            float d = fp16_at(blk + 208);
             uint8_t *y = s + ib * 256;
             for (int n = 0; n < 2; n++) {
                 __m256i ql0 = load256(blk + 64 * n);                          /* [32] */
@@ -131,10 +114,11 @@ int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, floa
                 store256(y + 128 * n + 64, _mm256_add_epi8(v2, offset));
                 store256(y + 128 * n + 96, _mm256_add_epi8(v3, offset));
             }
-            for (int g = 0; g < 16; g++) {
-                _mm_storeu_ps(A + ib * 64 + g * 4, _mm_set1_ps(d * (float)scales[g]));
-                B[ib * 16 + g] = 0.0f;
-            }
+            __m256 a16[2];
+            q6k_scales(blk, a16);
+            store_groups(A + ib * 64, a16);
+            _mm256_storeu_ps(B + ib * 16, _mm256_setzero_ps());
+            _mm256_storeu_ps(B + ib * 16 + 8, _mm256_setzero_ps());
         }
         return 1;
     }
@@ -161,27 +145,12 @@ int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, floa
                 }
                 store256(y + 32 * b, _mm256_add_epi8(v, offset));
             }
-            float a16[16], b16[16];
-            if (is_q3) {
-                const float d = fp16_at(blk + 108);
-                const uint8_t *sc = blk + 96;
-                for (int g = 0; g < 16; g++) {
-                    int lo = g < 8 ? sc[g] & 15 : sc[g - 8] >> 4;
-                    int hi = (sc[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
-                    a16[g] = d * (float)((lo | (hi << 4)) - 32);
-                    b16[g] = 0.0f;
-                }
-            } else {
-                const float d = fp16_at(blk + 80), dmin = fp16_at(blk + 82);
-                for (int g = 0; g < 16; g++) {
-                    a16[g] = d * (float)(blk[g] & 15);
-                    b16[g] = dmin * (float)(blk[g] >> 4);
-                }
-            }
-            for (int g = 0; g < 16; g++) {
-                _mm_storeu_ps(A + ib * 64 + g * 4, _mm_set1_ps(a16[g]));
-                B[ib * 16 + g] = b16[g];
-            }
+            __m256 a16[2], m16[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            if (is_q3) q3k_scales(blk, a16);
+            else q2k_scales(blk, a16, m16);
+            store_groups(A + ib * 64, a16);
+            _mm256_storeu_ps(B + ib * 16, m16[0]);
+            _mm256_storeu_ps(B + ib * 16 + 8, m16[1]);
         }
         return 1;
     }
@@ -194,17 +163,14 @@ int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, floa
             _mm_set1_epi8((char)ST_WEIGHT_BIAS));
         for (int ib = 0; ib < cols / 256; ib++) {
             const uint8_t *blk = row + ib * 136;
-            const float d = fp16_at(blk);
-            uint16_t sh;
-            memcpy(&sh, blk + 2, 2);
+            const __m256 a8 = iq4xs_scales(blk);  /* d * (ls - 32) per block */
             uint8_t *y = s + ib * 256;
             for (int b = 0; b < 8; b++) {
                 __m128i q = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * b));
                 __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(q, low4_128));
                 __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), low4_128));
                 store256(y + 32 * b, _mm256_set_m128i(hi, lo));
-                int ls = ((blk[4 + b / 2] >> (4 * (b & 1))) & 15) | (((sh >> (2 * b)) & 3) << 4);
-                _mm256_storeu_ps(A + ib * 64 + b * 8, _mm256_set1_ps(d * (float)(ls - 32)));
+                _mm256_storeu_ps(A + ib * 64 + b * 8, one_group_of(a8, b));
                 B[ib * 16 + 2 * b] = B[ib * 16 + 2 * b + 1] = 0.0f;
             }
         }
