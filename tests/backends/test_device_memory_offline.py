@@ -3,6 +3,7 @@ Context.pop, a device allocation is its address, is freed once, with its context
 around the free (unless it is), in whichever thread drops it or whose cyclic GC collects it,
 and does nothing when the context is gone. (On the H200:
 tests/backends/cuda/test_cuda_device_memory.py.)"""
+import gc
 import threading
 
 import pytest
@@ -94,6 +95,7 @@ def test_a_cycle_collected_in_another_thread_frees_it_there():
     class Holder:  # a model-like object in a reference cycle with its buffers
         pass
 
+    gc.collect()  # only this cycle for the thread to collect, nothing earlier tests left
     holder = Holder()
     holder.me = holder
     holder.buf = _memory(log)

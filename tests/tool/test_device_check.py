@@ -384,6 +384,6 @@ def test_suite_installs_the_carried_wheels_and_prints_each_failure(tmp_path):
     assert " -p no:benchmark " in pytest_call and " -n " in pytest_call
     assert pytest_call.split(" PYTHONPATH=")[0].endswith(" tests")
     assert pytest_call.endswith("/tmp/xsite") and " PYTHONPATH=" in pytest_call
-    assert "== suite: rc 1" in res.stdout
+    assert "== suite: rc 1" in res.stdout and res.returncode == 1  # the script's status too
     assert "FAILED tests/server/test_x.py::test_y - AssertionError: 200 == 400" in res.stdout
     assert "ERROR tests/server/test_z.py - ModuleNotFoundError" in res.stdout
