@@ -13,16 +13,12 @@
 #include <omp.h>
 #include <stdio.h>
 #include <time.h>
+#include "bench_common.h"
 
 #define ROWS 768
 #define COLS 2048
 #define RING 64
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 static int cmp(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -59,7 +55,7 @@ static double run(ctx *c, int n_mats, int n, int mode) {
     if (x) for (int i = 0; i < 128 * COLS; i++) x[i] = 0.5f;
     for (int r = 0; r < 5; r++) {
         int calls = 0;
-        double t0 = now(), t;
+        double t0 = bench_now(), t;
         do {
             const uint8_t *w = c->w + (size_t)(calls % n_mats) * ROWS * c->row_bytes;
             if (mode == 0)
@@ -75,7 +71,7 @@ static double run(ctx *c, int n_mats, int n, int mode) {
             else
                 st_amx_pack(x, COLS, NULL, n, COLS, c->packed);
             calls++;
-        } while ((t = now()) - t0 < 0.2);
+        } while ((t = bench_now()) - t0 < 0.2);
         best[r] = (t - t0) / calls * 1e6;
     }
     free(x);

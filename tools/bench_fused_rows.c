@@ -15,19 +15,10 @@
  * AVX2 EPYC, shuffled 64-row chunks of 768 columns (the down rows) 20-25% slower than in order;
  * on the H200 machine's Xeon 15 processes at once read 6-11 GB/s each from RAM. */
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include "quant.h"
+#include "bench_common.h"
 
 #define RUNS 15
 #define MIN_RUN_BYTES 200000000LL
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 static int by_value(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -44,9 +35,6 @@ int main(int argc, char **argv) {
     const int64_t chunk = argc > 3 ? atoll(argv[3]) : 64;
     const int shuffle = argc > 4 && strcmp(argv[4], "shuffle") == 0;
     const int qtype = argc > 5 ? atoi(argv[5]) : ST_Q4_0;
-    /* the fp16 scales' offsets in a block, so random bytes make finite weights */
-    const int fp16_at[2] = {qtype == ST_Q6_K ? 208 : qtype == ST_Q2_K ? 80 : qtype == ST_Q3_K ? 108 : 0,
-                            qtype == ST_Q4_K || qtype == ST_Q5_K ? 2 : qtype == ST_Q2_K ? 82 : -1};
     const int block = st_block_size(qtype);
     if (rows < 1 || chunk < 1 || rows % chunk || block < 32 || cols % block) {
         fprintf(stderr, "ROWS must be a multiple of CHUNK, COLS of the type's block\n");
@@ -60,12 +48,7 @@ int main(int argc, char **argv) {
     int64_t *order = malloc((size_t)(rows / chunk) * sizeof(int64_t));      /* chunk order */
     if (!w || !x || !out || !order) return 1;
     srand(1);
-    for (int64_t i = 0; i < rows * row_bytes; i++) w[i] = (uint8_t)rand();
-    for (int64_t b = 0; b < rows * (cols / block); b++)                    /* finite fp16 scales */
-        for (int f = 0; f < 2 && fp16_at[f] >= 0; f++) {
-            uint16_t h = (uint16_t)(0x2000 + (rand() & 0x3ff));
-            memcpy(w + b * block_bytes + fp16_at[f], &h, 2);
-        }
+    bench_random_weights(w, qtype, rows, cols);
     for (int i = 0; i < cols; i++) x[i] = (float)(rand() % 2000 - 1000) / 1000.0f;
     st_act act;
     if (st_act_alloc(&act, 1, cols, 1) != 0) return 1;
@@ -79,7 +62,7 @@ int main(int argc, char **argv) {
     }
     double gbs[RUNS];
     for (int run = 0; run < RUNS; run++) {
-        const double t0 = now();
+        const double t0 = bench_now();
         int64_t read = 0;
         while (read < MIN_RUN_BYTES) {
             for (int64_t c = 0; c < num_chunks; c++) {
@@ -92,7 +75,7 @@ int main(int argc, char **argv) {
             }
             read += rows * row_bytes;
         }
-        gbs[run] = read / (now() - t0) / 1e9;
+        gbs[run] = read / (bench_now() - t0) / 1e9;
     }
     qsort(gbs, RUNS, sizeof(double), by_value);
     printf("rows %lld cols %d chunk %lld%s: %.2f GB/s best, %.2f median (check %.6f)\n",

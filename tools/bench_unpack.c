@@ -9,19 +9,10 @@
  *       src/strata/_native/unpack_simd.c src/strata/_native/quant_ref.c -lm -o /tmp/bench_unpack
  *   /tmp/bench_unpack TYPE [COLS=2048] [ROWS=256]      (TYPE: 12 Q4_K, 14 Q6_K, 11 Q3_K, ...) */
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include "quant.h"
+#include "bench_common.h"
 
 #define RUNS 15
 #define PASSES 200
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 int main(int argc, char **argv) {
     if (argc < 2) {
@@ -36,9 +27,6 @@ int main(int argc, char **argv) {
         fprintf(stderr, "COLS must be a multiple of the type's block\n");
         return 2;
     }
-    /* the fp16 scales' offsets in a block, so random bytes make finite weights */
-    const int fp16_at[2] = {qtype == ST_Q6_K ? 208 : qtype == ST_Q2_K ? 80 : qtype == ST_Q3_K ? 108 : 0,
-                            qtype == ST_Q4_K || qtype == ST_Q5_K ? 2 : qtype == ST_Q2_K ? 82 : -1};
     const int64_t row_bytes = (int64_t)cols / block * block_bytes;
     uint8_t *w = malloc((size_t)(rows * row_bytes));             /* [ROWS, row_bytes] */
     uint8_t *s = malloc((size_t)cols);                           /* one unpacked row */
@@ -46,15 +34,10 @@ int main(int argc, char **argv) {
     float *B = malloc((size_t)cols / ST_GROUP * sizeof(float));
     if (!w || !s || !A || !B) return 1;
     srand(1);
-    for (int64_t i = 0; i < rows * row_bytes; i++) w[i] = (uint8_t)rand();
-    for (int64_t b = 0; b < (int64_t)rows * (cols / block); b++)
-        for (int f = 0; f < 2 && fp16_at[f] >= 0; f++) {
-            uint16_t h = (uint16_t)(0x2000 + (rand() & 0x3ff));
-            memcpy(w + b * block_bytes + fp16_at[f], &h, 2);
-        }
+    bench_random_weights(w, qtype, rows, cols);
     double best = 1e30, check = 0.0;
     for (int run = 0; run < RUNS; run++) {
-        const double t0 = now();
+        const double t0 = bench_now();
         for (int pass = 0; pass < PASSES; pass++)
             for (int r = 0; r < rows; r++) {
                 if (!st_unpack_row_simd(qtype, w + r * row_bytes, cols, s, A, B)) {
@@ -64,7 +47,7 @@ int main(int argc, char **argv) {
                 if (run == 0 && pass == 0)
                     for (int i = 0; i < cols / ST_LANE; i++) check += A[i] * (1 + s[i * ST_LANE]);
             }
-        const double t = now() - t0;
+        const double t = bench_now() - t0;
         if (t < best) best = t;
     }
     printf("type %d, %d cols: %.1f ns a row (best of %d; check %.6g)\n", qtype, cols,
