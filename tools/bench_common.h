@@ -7,6 +7,11 @@
 #include <time.h>
 #include "quant.h"
 
+/* argument i as a number, or `fallback` when there are fewer */
+static inline long long bench_arg(int argc, char **argv, int i, long long fallback) {
+    return argc > i ? atoll(argv[i]) : fallback;
+}
+
 static inline double bench_now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);

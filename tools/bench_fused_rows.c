@@ -30,11 +30,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s ROWS [COLS] [CHUNK] [shuffle] [TYPE]\n", argv[0]);
         return 2;
     }
-    const int64_t rows = atoll(argv[1]);
-    const int cols = argc > 2 ? atoi(argv[2]) : 2048;
-    const int64_t chunk = argc > 3 ? atoll(argv[3]) : 64;
+    const int64_t rows = bench_arg(argc, argv, 1, 0), chunk = bench_arg(argc, argv, 3, 64);
+    const int cols = (int)bench_arg(argc, argv, 2, 2048);
     const int shuffle = argc > 4 && strcmp(argv[4], "shuffle") == 0;
-    const int qtype = argc > 5 ? atoi(argv[5]) : ST_Q4_0;
+    const int qtype = (int)bench_arg(argc, argv, 5, ST_Q4_0);
     const int block = st_block_size(qtype);
     if (rows < 1 || chunk < 1 || rows % chunk || block < 32 || cols % block) {
         fprintf(stderr, "ROWS must be a multiple of CHUNK, COLS of the type's block\n");

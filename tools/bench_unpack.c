@@ -15,16 +15,12 @@
 #define PASSES 200
 
 int main(int argc, char **argv) {
-    if (argc < 2) {
-        fprintf(stderr, "usage: %s TYPE [COLS] [ROWS]\n", argv[0]);
-        return 2;
-    }
-    const int qtype = atoi(argv[1]);
-    const int cols = argc > 2 ? atoi(argv[2]) : 2048;
-    const int rows = argc > 3 ? atoi(argv[3]) : 256;
+    const int qtype = (int)bench_arg(argc, argv, 1, -1);
+    const int cols = (int)bench_arg(argc, argv, 2, 2048), rows = (int)bench_arg(argc, argv, 3, 256);
     const int block = st_block_size(qtype), block_bytes = st_type_size(qtype);
     if (block < 32 || cols % block || rows < 1) {
-        fprintf(stderr, "COLS must be a multiple of the type's block\n");
+        fprintf(stderr, "usage: %s TYPE [COLS] [ROWS]: a quantised type, COLS a multiple of "
+                "its block\n", argv[0]);
         return 2;
     }
     const int64_t row_bytes = (int64_t)cols / block * block_bytes;
