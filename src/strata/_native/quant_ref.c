@@ -120,6 +120,15 @@ int st_is_float_type(int qtype) {
     return qtype == ST_F32 || qtype == ST_F16 || qtype == ST_BF16;
 }
 
+int st_is_k_type(int qtype) {
+    return qtype == ST_Q2_K || qtype == ST_Q3_K || qtype == ST_Q4_K || qtype == ST_Q5_K
+           || qtype == ST_Q6_K || qtype == ST_IQ4_XS;
+}
+
+int st_act_kind(int qtype) {
+    return st_is_float_type(qtype) ? ST_ACT_FLOAT : st_is_k_type(qtype) ? ST_ACT_K : ST_ACT_Q8;
+}
+
 float st_fp16_to_fp32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exponent = (h >> 10) & 0x1fu;
@@ -329,6 +338,110 @@ void st_unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
     }
 }
 
+void st_k_superblock(int qtype, const uint8_t *blk, int8_t *v, int16_t *sc, int16_t *m,
+                     float *d, float *dmin) {
+    *dmin = 0.0f;
+    for (int g = 0; g < 16; g++) m[g] = 0;
+    switch (qtype) {
+    case ST_Q4_K:
+    case ST_Q5_K: {
+        /* 8 sub-blocks of 32: 6-bit scale and min each (scale_min_k4); sub-block 2j in the low
+         * nibbles of qs[32j ..], 2j + 1 in the high ones; Q5_K's fifth bits: bit sub of qh[l] */
+        const int is_q5 = qtype == ST_Q5_K;
+        const uint8_t *qh = blk + 16, *qs = blk + (is_q5 ? 48 : 16);
+        *d = read_fp16(blk);
+        *dmin = read_fp16(blk + 2);
+        for (int sub = 0; sub < 8; sub++) {
+            uint8_t s8, m8;
+            scale_min_k4(sub, blk + 4, &s8, &m8);
+            const uint8_t *q = qs + 32 * (sub / 2);
+            const int shift = (sub & 1) * 4;
+            for (int l = 0; l < 32; l++) {
+                int u = (q[l] >> shift) & 0xF;
+                if (is_q5) u |= ((qh[l] >> sub) & 1) << 4;
+                v[32 * sub + l] = (int8_t)u;
+            }
+            sc[2 * sub] = sc[2 * sub + 1] = s8;
+            m[2 * sub] = m[2 * sub + 1] = m8;
+        }
+        break;
+    }
+    case ST_Q2_K: {
+        /* 32-column block b = 4h + j: values (qs[32h + l] >> 2j) & 3; group g of 16 columns:
+         * scale scales[g] & 15, min scales[g] >> 4 */
+        const uint8_t *qs = blk + 16;
+        *d = read_fp16(blk + 80);
+        *dmin = read_fp16(blk + 82);
+        for (int bk = 0; bk < 8; bk++)
+            for (int l = 0; l < 32; l++)
+                v[32 * bk + l] = (int8_t)((qs[32 * (bk >> 2) + l] >> (2 * (bk & 3))) & 3);
+        for (int g = 0; g < 16; g++) {
+            sc[g] = blk[g] & 15;
+            m[g] = blk[g] >> 4;
+        }
+        break;
+    }
+    case ST_Q3_K: {
+        /* block b = 4h + j: value ((qs[32h + l] >> 2j) & 3) - 4 unless bit b of hmask[l];
+         * group g: 6-bit scale - 32, the low 4 bits in bytes 0-7 (low nibbles for g < 8),
+         * the high 2 bits in bytes 8-11 */
+        const uint8_t *hmask = blk, *qs = blk + 32, *s8 = blk + 96;
+        *d = read_fp16(blk + 108);
+        for (int bk = 0; bk < 8; bk++)
+            for (int l = 0; l < 32; l++) {
+                const int u = (qs[32 * (bk >> 2) + l] >> (2 * (bk & 3))) & 3;
+                v[32 * bk + l] = (int8_t)(u - (((hmask[l] >> bk) & 1) ? 0 : 4));
+            }
+        for (int g = 0; g < 16; g++) {
+            const int lo = g < 8 ? s8[g] & 15 : s8[g - 8] >> 4;
+            const int hi = (s8[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+            sc[g] = (int16_t)((lo | (hi << 4)) - 32);
+        }
+        break;
+    }
+    case ST_Q6_K: {
+        /* ql [128], qh [64], int8 scales [16], d: half n (128 columns) takes ql[64n ..],
+         * qh[32n ..]; value = 6 bits - 32 */
+        const uint8_t *ql = blk, *qh = blk + 128;
+        *d = read_fp16(blk + 208);
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *l_ = ql + 64 * n, *h_ = qh + 32 * n;
+            int8_t *y = v + 128 * n;
+            for (int l = 0; l < 32; l++) {
+                y[l] = (int8_t)(((l_[l] & 0xF) | ((h_[l] & 3) << 4)) - 32);
+                y[l + 32] = (int8_t)(((l_[l + 32] & 0xF) | (((h_[l] >> 2) & 3) << 4)) - 32);
+                y[l + 64] = (int8_t)(((l_[l] >> 4) | (((h_[l] >> 4) & 3) << 4)) - 32);
+                y[l + 96] = (int8_t)(((l_[l + 32] >> 4) | (((h_[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+        for (int g = 0; g < 16; g++) sc[g] = (int8_t)blk[192 + g];
+        break;
+    }
+    case ST_IQ4_XS: {
+        /* block b of 32: 6-bit scale ls (low 4 bits: nibble b % 2 of byte 4 + b / 2, high 2:
+         * bits 2b of the u16 at 2), w = d * (ls - 32) * kvalues[index]; its 16 bytes at
+         * 8 + 16b: low nibbles columns 0-15, high nibbles 16-31 */
+        const uint16_t sh = read_u16(blk + 2);
+        *d = read_fp16(blk);
+        for (int bk = 0; bk < 8; bk++) {
+            const uint8_t *q = blk + 8 + 16 * bk;
+            for (int l = 0; l < 16; l++) {
+                v[32 * bk + l] = kvalues_iq4[q[l] & 15];
+                v[32 * bk + l + 16] = kvalues_iq4[q[l] >> 4];
+            }
+            const int ls = ((blk[4 + bk / 2] >> (4 * (bk & 1))) & 15)
+                           | (((sh >> (2 * bk)) & 3) << 4);
+            sc[2 * bk] = sc[2 * bk + 1] = (int16_t)(ls - 32);
+        }
+        break;
+    }
+    default:
+        *d = 0.0f;
+        memset(v, 0, QK_K);
+        for (int g = 0; g < 16; g++) sc[g] = 0;
+    }
+}
+
 /* Unpack n_blocks blocks: s[n] signed values, a/b one per group of 16 (w = a * s - b). */
 static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
                           int8_t *s, float *a, float *b) {
@@ -359,88 +472,14 @@ static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
             b[ib * 2] = b[ib * 2 + 1] = 0.0f;
             break;
         }
-        case ST_Q4_K:
-        case ST_Q5_K: {
-            int is_q5 = qtype == ST_Q5_K;
-            const uint8_t *blk = src + ib * (is_q5 ? 176 : 144);
-            float d = read_fp16(blk);
-            float dmin = read_fp16(blk + 2);
-            const uint8_t *scales = blk + 4;
-            const uint8_t *qh = blk + 16;                 /* Q5_K only: 32 bytes */
-            const uint8_t *qs = blk + (is_q5 ? 48 : 16);  /* 128 bytes */
-            int8_t *y = s + ib * QK_K;
-            for (int sub = 0; sub < 8; sub++) {
-                uint8_t sc, m;
-                scale_min_k4(sub, scales, &sc, &m);
-                /* sub-block 2j: low nibbles of qs[32j..], 2j+1: high nibbles */
-                const uint8_t *q = qs + 32 * (sub / 2);
-                int shift = (sub & 1) * 4;
-                for (int l = 0; l < 32; l++) {
-                    int v = (q[l] >> shift) & 0xF;
-                    if (is_q5) v |= ((qh[l] >> sub) & 1) << 4;
-                    y[32 * sub + l] = (int8_t)v;
-                }
-                float ds = d * (float)sc;
-                float dm = dmin * (float)m;
-                a[ib * 16 + 2 * sub] = a[ib * 16 + 2 * sub + 1] = ds;
-                b[ib * 16 + 2 * sub] = b[ib * 16 + 2 * sub + 1] = dm;
-            }
-            break;
-        }
-        case ST_Q2_K: {
-            /* 32-column block b = 4h + j: values (qs[32h + l] >> 2j) & 3; group g of 16 columns:
-             * scale d * (scales[g] & 15), min dmin * (scales[g] >> 4) */
-            const uint8_t *blk = src + ib * 84;
-            const uint8_t *scales = blk, *qs = blk + 16;
-            float d = read_fp16(blk + 80), dmin = read_fp16(blk + 82);
-            int8_t *y = s + ib * QK_K;
-            for (int bk = 0; bk < 8; bk++)
-                for (int l = 0; l < 32; l++)
-                    y[32 * bk + l] = (int8_t)((qs[32 * (bk >> 2) + l] >> (2 * (bk & 3))) & 3);
+        case ST_Q2_K: case ST_Q3_K: case ST_Q4_K: case ST_Q5_K: case ST_Q6_K: case ST_IQ4_XS: {
+            int16_t sc[16], m[16];
+            float d, dmin;
+            st_k_superblock(qtype, src + ib * st_type_size(qtype), s + ib * QK_K, sc, m, &d,
+                            &dmin);
             for (int g = 0; g < 16; g++) {
-                a[ib * 16 + g] = d * (float)(scales[g] & 15);
-                b[ib * 16 + g] = dmin * (float)(scales[g] >> 4);
-            }
-            break;
-        }
-        case ST_Q3_K: {
-            /* block b = 4h + j: value ((qs[32h + l] >> 2j) & 3) - 4 unless bit b of hmask[l];
-             * group g: d * (6-bit scale g - 32), the scales' low 4 bits in bytes 0-7 (low
-             * nibbles for g < 8), their high 2 bits in bytes 8-11 */
-            const uint8_t *blk = src + ib * 110;
-            const uint8_t *hmask = blk, *qs = blk + 32, *sc = blk + 96;
-            float d = read_fp16(blk + 108);
-            int8_t *y = s + ib * QK_K;
-            for (int bk = 0; bk < 8; bk++)
-                for (int l = 0; l < 32; l++) {
-                    int v = (qs[32 * (bk >> 2) + l] >> (2 * (bk & 3))) & 3;
-                    y[32 * bk + l] = (int8_t)(v - (((hmask[l] >> bk) & 1) ? 0 : 4));
-                }
-            for (int g = 0; g < 16; g++) {
-                int lo = g < 8 ? sc[g] & 15 : sc[g - 8] >> 4;
-                int hi = (sc[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
-                a[ib * 16 + g] = d * (float)((lo | (hi << 4)) - 32);
-                b[ib * 16 + g] = 0.0f;
-            }
-            break;
-        }
-        case ST_IQ4_XS: {
-            /* block b of 32: 6-bit scale ls (low 4 bits: nibble b % 2 of byte 4 + b / 2, high
-             * 2: bits 2b of the u16 at 2), w = d * (ls - 32) * kvalues[index]; its 16 bytes at
-             * 8 + 16b: low nibbles columns 0-15, high nibbles 16-31 */
-            const uint8_t *blk = src + ib * 136;
-            float d = read_fp16(blk);
-            uint16_t sh = read_u16(blk + 2);
-            int8_t *y = s + ib * QK_K;
-            for (int bk = 0; bk < 8; bk++) {
-                const uint8_t *q = blk + 8 + 16 * bk;
-                for (int l = 0; l < 16; l++) {
-                    y[32 * bk + l] = kvalues_iq4[q[l] & 15];
-                    y[32 * bk + l + 16] = kvalues_iq4[q[l] >> 4];
-                }
-                int ls = ((blk[4 + bk / 2] >> (4 * (bk & 1))) & 15) | (((sh >> (2 * bk)) & 3) << 4);
-                a[ib * 16 + 2 * bk] = a[ib * 16 + 2 * bk + 1] = d * (float)(ls - 32);
-                b[ib * 16 + 2 * bk] = b[ib * 16 + 2 * bk + 1] = 0.0f;
+                a[ib * 16 + g] = d * (float)sc[g];
+                b[ib * 16 + g] = st_has_min(qtype) ? dmin * (float)m[g] : 0.0f;
             }
             break;
         }
@@ -449,30 +488,6 @@ static void unpack_blocks(int qtype, const uint8_t *src, int64_t n_blocks,
             st_unpack_iq(qtype, src + ib * st_type_size(qtype), s + ib * QK_K, a + ib * 16);
             for (int g = 0; g < 16; g++) b[ib * 16 + g] = 0.0f;
             break;
-        case ST_Q6_K: {
-            const uint8_t *blk = src + ib * 210;
-            const uint8_t *ql = blk;
-            const uint8_t *qh = blk + 128;
-            const int8_t *scales = (const int8_t *)(blk + 192);
-            float d = read_fp16(blk + 208);
-            int8_t *y = s + ib * QK_K;
-            for (int n = 0; n < 2; n++) {
-                const uint8_t *l_ = ql + 64 * n;
-                const uint8_t *h_ = qh + 32 * n;
-                int8_t *yy = y + 128 * n;
-                for (int l = 0; l < 32; l++) {
-                    yy[l] = (int8_t)(((l_[l] & 0xF) | (((h_[l] >> 0) & 3) << 4)) - 32);
-                    yy[l + 32] = (int8_t)(((l_[l + 32] & 0xF) | (((h_[l] >> 2) & 3) << 4)) - 32);
-                    yy[l + 64] = (int8_t)(((l_[l] >> 4) | (((h_[l] >> 4) & 3) << 4)) - 32);
-                    yy[l + 96] = (int8_t)(((l_[l + 32] >> 4) | (((h_[l] >> 6) & 3) << 4)) - 32);
-                }
-            }
-            for (int g = 0; g < 16; g++) {
-                a[ib * 16 + g] = d * (float)scales[g];
-                b[ib * 16 + g] = 0.0f;
-            }
-            break;
-        }
         default:
             break;
         }
