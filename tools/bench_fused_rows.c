@@ -50,7 +50,7 @@ int main(int argc, char **argv) {
     bench_random_weights(w, qtype, rows, cols);
     for (int i = 0; i < cols; i++) x[i] = (float)(rand() % 2000 - 1000) / 1000.0f;
     st_act act;
-    if (st_act_alloc(&act, 1, cols, 1) != 0) return 1;
+    if (st_act_alloc(&act, 1, cols, st_act_kind(qtype)) != 0) return 1;
     st_act_fill(&act, x, cols, 0, 1);
     const int64_t num_chunks = rows / chunk;
     for (int64_t i = 0; i < num_chunks; i++) order[i] = i;

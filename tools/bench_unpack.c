@@ -1,5 +1,6 @@
 /* The tiles' unpacking alone (unpack_simd.c's st_unpack_row_simd, one thread): ns per row of
- * ROWS x COLS random weights of a k-quant or 32-column type, the rows in L2, best of 15 runs;
+ * ROWS x COLS random weights of a 32-column type, the rows in L2, best of 15 runs (the k-quants
+ * are not unpacked since session 99: fused_k.c's rows take every token count);
  * and a checksum of the unpacked scales, so two builds of unpack_simd.c can be compared for
  * their output as well as their speed (docs/DEVELOPING.md, session 98).
  *
@@ -7,7 +8,7 @@
  * unpack_simd.c > /tmp/unpack_old.c` in its place):
  *   gcc -O3 -march=native -Isrc/strata/_native tools/bench_unpack.c \
  *       src/strata/_native/unpack_simd.c src/strata/_native/quant_ref.c -lm -o /tmp/bench_unpack
- *   /tmp/bench_unpack TYPE [COLS=2048] [ROWS=256]      (TYPE: 12 Q4_K, 14 Q6_K, 11 Q3_K, ...) */
+ *   /tmp/bench_unpack TYPE [COLS=2048] [ROWS=256]      (TYPE: 2 Q4_0, 8 Q8_0, 6 Q5_0, ...) */
 #include <stdio.h>
 #include "bench_common.h"
 

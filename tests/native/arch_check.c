@@ -88,20 +88,22 @@ static void set_iq_tables(void) {
     st_set_iq_ksigns(signs);
 }
 
-/* x as the kernels use it: 8-bit per 32 columns for quantised weights, else unchanged */
-static void activation(const float *x, double *xr, int cols, int is_quant) {
+/* x as the kernels use it: 8-bit per 32 columns for quantised weights (per 256 for the
+ * k-quants, ST_ACT_K), else unchanged */
+static void activation(const float *x, double *xr, int cols, int kind) {
     for (int i = 0; i < cols; i++) xr[i] = x[i];
-    if (!is_quant) return;
-    for (int b = 0; b < cols / 32; b++) {
+    if (kind == ST_ACT_FLOAT) return;
+    const int n = kind == ST_ACT_K ? 256 : 32;
+    for (int b = 0; b < cols / n; b++) {
         float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[b * 32 + i]));
+        for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[b * n + i]));
         float d = amax / 127.0f, inv_d = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int i = 0; i < 32; i++) xr[b * 32 + i] = (double)lrintf(x[b * 32 + i] * inv_d) * d;
+        for (int i = 0; i < n; i++) xr[b * n + i] = (double)lrintf(x[b * n + i] * inv_d) * d;
     }
 }
 
 static int check(int qt, int rows, int cols, int T) {
-    int is_quant = !st_is_float_type(qt);
+    const int kind = st_act_kind(qt);
     int64_t row_bytes = (int64_t)cols / st_block_size(qt) * st_type_size(qt);
     uint8_t *w = malloc((size_t)(rows * row_bytes));
     float *wf = malloc(sizeof(float) * rows * cols);
@@ -113,7 +115,7 @@ static int check(int qt, int rows, int cols, int T) {
     st_matmul(qt, w, rows, row_bytes, cols, x, T, out);
     double worst = 0.0;
     for (int t = 0; t < T; t++) {
-        activation(x + t * cols, xr, cols, is_quant);
+        activation(x + t * cols, xr, cols, kind);
         for (int r = 0; r < rows; r++) {
             double ref = 0.0, mag = 0.0;
             for (int i = 0; i < cols; i++) {

@@ -10,6 +10,9 @@ IQ_GRID_TYPES = (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ
 QUANT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
                T.Q6_K, T.IQ4_XS) + IQ_GRID_TYPES
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+# the k-quants take activations with one scale per 256 columns (quant.h's ST_ACT_K), the other
+# quantised types one per 32
+K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
 ALL_TYPES = FLOAT_TYPES + QUANT_TYPES
 
 # Byte offsets of the fp16 scale fields in each block: random bytes there give NaN / Inf.
@@ -53,8 +56,13 @@ def dequant64(w, qtype):
     return gguf.quants.dequantize(w, qtype).astype(np.float64)
 
 
-def q8_error_bound(x, w64):
-    """Bound on |kernel - x @ w.T| from quantising x to 8 bits per 32 columns.
+def act_block(qtype):
+    """columns per activation scale for weights of qtype"""
+    return 256 if T(qtype) in K_TYPES else 32
+
+
+def q8_error_bound(x, w64, qtype=T.Q8_0):
+    """Bound on |kernel - x @ w.T| from quantising x to 8 bits per act_block(qtype) columns.
 
     Rounding x to q * dx moves each element by at most dx / 2, dx = max|x_block| / 127, so a dot
     product moves by at most sum_i |w_i| * dx_b(i) / 2. float32 arithmetic adds a relative
@@ -62,8 +70,9 @@ def q8_error_bound(x, w64):
     """
     xt = x.astype(np.float64)
     T_, cols = xt.shape
-    dx = np.abs(xt.reshape(T_, cols // 32, 32)).max(axis=2) / 127.0       # [T, cols/32]
-    dx_cols = np.repeat(dx, 32, axis=1)                                    # [T, cols]
+    n = act_block(qtype)
+    dx = np.abs(xt.reshape(T_, cols // n, n)).max(axis=2) / 127.0         # [T, cols/n]
+    dx_cols = np.repeat(dx, n, axis=1)                                     # [T, cols]
     bound = 0.5 * dx_cols @ np.abs(w64).T                                  # [T, rows]
     return 1.01 * bound + 1e-5 * (np.abs(xt) @ np.abs(w64).T) + 1e-30
 
@@ -79,11 +88,13 @@ def float_error_bound(x, w64):
     return (cols / 16 + 16) * 6e-8 * (np.abs(xt) @ np.abs(w64).T) + 1e-30
 
 
-def q8_roundtrip(x):
-    """x as the kernels see it after 8-bit quantisation (same float32 steps as matmul.c)."""
+def q8_roundtrip(x, qtype=T.Q8_0):
+    """x as the kernels see it after 8-bit quantisation for weights of qtype, one scale per
+    act_block(qtype) columns (same float32 steps as matmul.c)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     T_, cols = x.shape
-    xb = x.reshape(T_, cols // 32, 32)
+    n = act_block(qtype)
+    xb = x.reshape(T_, cols // n, n)
     d = (np.abs(xb).max(axis=2, keepdims=True) / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
         inv_d = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)

@@ -43,12 +43,12 @@ def test_matmul_matches_float64_reference(qtype, num_tokens):
         assert np.all(np.abs(got - expected) <= float_error_bound(x, w64))
     else:
         # tight: the same 8-bit activations in float64; only float32 rounding is left
-        xq = q8_roundtrip(x)
+        xq = q8_roundtrip(x, qtype)
         expected = xq @ w64.T
         assert np.all(np.abs(got - expected) <= float_error_bound(xq, w64))
         # and within the 8-bit quantisation bound of the unquantised product
         exact = x.astype(np.float64) @ w64.T
-        assert np.all(np.abs(got - exact) <= q8_error_bound(x, w64))
+        assert np.all(np.abs(got - exact) <= q8_error_bound(x, w64, qtype))
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
@@ -59,7 +59,7 @@ def test_matmul_large_token_count_and_threads(qtype):
     w = random_weight(rng, qtype, rows, cols)
     w64 = dequant64(w, qtype)
     x = rng.standard_normal((num_tokens, cols)).astype(np.float32)
-    xq = q8_roundtrip(x)
+    xq = q8_roundtrip(x, qtype)
     expected = xq @ w64.T
     saved = kernels.get_num_threads()
     try:
@@ -99,7 +99,7 @@ def test_matmul_shapes(qtype, rows, num_blocks, num_tokens, seed):
     w64 = dequant64(w, qtype)
     x = rng.standard_normal((num_tokens, cols)).astype(np.float32)
     got = kernels.matmul(w, int(qtype), x)
-    xr = x.astype(np.float64) if qtype in FLOAT_TYPES else q8_roundtrip(x)
+    xr = x.astype(np.float64) if qtype in FLOAT_TYPES else q8_roundtrip(x, qtype)
     assert np.all(np.abs(got - xr @ w64.T) <= float_error_bound(xr, w64))
 
 

@@ -24,8 +24,8 @@ def reference(x, gate, up, down, qtypes, experts, weights, out):
     T_, K = experts.shape
     expected = out.astype(np.float64)
     bound = np.zeros_like(expected)
-    xg = x.astype(np.float64) if gate_type in FLOAT_TYPES else q8_roundtrip(x)
-    xu = x.astype(np.float64) if up_type in FLOAT_TYPES else q8_roundtrip(x)
+    xg = x.astype(np.float64) if gate_type in FLOAT_TYPES else q8_roundtrip(x, gate_type)
+    xu = x.astype(np.float64) if up_type in FLOAT_TYPES else q8_roundtrip(x, up_type)
     for t in range(T_):
         for k in range(K):
             e = experts[t, k]
@@ -43,7 +43,7 @@ def reference(x, gate, up, down, qtypes, experts, weights, out):
             dh = (np.abs(u) + np.abs(g)) * (eg + eu) * 2 + np.abs(h) * 1e-6
             err = np.abs(d64) @ dh + float_error_bound(h[None, :], d64)[0]
             if down_type not in FLOAT_TYPES:
-                err += q8_error_bound(h[None, :].astype(np.float32), d64)[0]
+                err += q8_error_bound(h[None, :].astype(np.float32), d64, down_type)[0]
             bound[t] += weights[t, k] * err
     return expected, bound + 1e-6 * np.abs(expected) + 1e-6
 

@@ -316,19 +316,12 @@ ALWAYS_INLINE void block32_step(const int qtype, int n, int n_tok, const uint8_t
 
 #if (defined(ST_USE_VNNI512) || (defined(__AVX2__) && defined(__FMA__))) && defined(__F16C__)
 
-/* the types whose decode rows are fused_k.c's (the other 256-column types: fused_iq.c's) */
-static inline int is_k_type(int qtype) {
-    return qtype == ST_Q2_K || qtype == ST_Q3_K || qtype == ST_Q4_K || qtype == ST_Q5_K
-           || qtype == ST_Q6_K || qtype == ST_IQ4_XS;
-}
-
-int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
-                  const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
-                  float *out, int64_t ld_out) {
+static int q8_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
+                   const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
+                   float *out, int64_t ld_out) {
 #if defined(ST_FUSED_BLOCK32)
-    /* AVX2: Q4_0 / Q8_0 (block32_rows) and the k-quants (fused_k.c) take 4 tokens in one pass
-     * too, the others 1-3 */
-    const int64_t most = qtype == ST_Q4_0 || qtype == ST_Q8_0 || is_k_type(qtype) ? 4 : 3;
+    /* AVX2: Q4_0 / Q8_0 (block32_rows) take 4 tokens in one pass too, the others 1-3 */
+    const int64_t most = qtype == ST_Q4_0 || qtype == ST_Q8_0 ? 4 : 3;
 #else
     const int64_t most = 3;
 #endif
@@ -337,14 +330,10 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
     for (int64_t j = 0; j < n_tok; j++) tr[j] = tok ? (int64_t)tok[j] : tok0 + j;
     float res[4];
     if (st_block_size(qtype) == 256) {
-        /* super-blocks: the k-quants' rows (fused_k.c) or the grid i-quants' (fused_iq.c);
-         * either returns 0 for every row when this build has no such path */
-        const int is_k = is_k_type(qtype);
-        int (*row_fn)(int, const uint8_t *, int64_t, int, const st_act *, const int64_t *, int,
-                      float *) = is_k ? st_fused_k_row : st_fused_iq_row;
+        /* the grid i-quants' rows (fused_iq.c): 0 for every row when this build has none */
         for (int i = 0; i < nr; i++) {
-            if (!row_fn(qtype, w + (rb + i) * row_bytes, ST_PREFETCH_ROWS * row_bytes, cols, act,
-                        tr, (int)n_tok, res))
+            if (!st_fused_iq_row(qtype, w + (rb + i) * row_bytes, ST_PREFETCH_ROWS * row_bytes,
+                                 cols, act, tr, (int)n_tok, res))
                 return 0;
             for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
         }
@@ -414,15 +403,27 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
 
 #else
 
-int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
-                  const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
-                  float *out, int64_t ld_out) {
+static int q8_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
+                   const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
+                   float *out, int64_t ld_out) {
     (void)qtype; (void)w; (void)row_bytes; (void)cols; (void)rb; (void)nr; (void)act;
     (void)tok; (void)tok0; (void)n_tok; (void)out; (void)ld_out;
     return 0;
 }
 
 #endif
+
+int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
+                  const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
+                  float *out, int64_t ld_out) {
+    if (act->is_quant == ST_ACT_K) {  /* the k-quants: fused_k.c's rows on every build */
+        if (n_tok < 1 || n_tok > 4 || !st_is_k_type(qtype)) return 0;
+        st_fused_k_rows(qtype, w, row_bytes, cols, rb, nr, act, tok, tok0, (int)n_tok, out,
+                        ld_out);
+        return 1;
+    }
+    return q8_rows(qtype, w, row_bytes, cols, rb, nr, act, tok, tok0, n_tok, out, ld_out);
+}
 
 /* ---- float weights (F32 / F16 / BF16), 1-3 tokens: convert in registers, no row buffer ---- */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)

@@ -1,28 +1,16 @@
-/* AVX2 pieces shared by the fused decode rows of fused_k.c (k-quants) and fused_iq.c (grid
- * i-quants): tiles.c's AVX2 lane arithmetic, so a fused row's result is the tiles' bit for bit.
- * Include only under __AVX2__ && __FMA__ && __F16C__. */
+/* AVX2 pieces of the grid i-quants' fused decode rows (fused_iq.c): tiles.c's AVX2 lane
+ * arithmetic, so a fused row's result is the tiles' bit for bit. Include only under __AVX2__ &&
+ * __FMA__ && __F16C__. */
 #pragma once
 #include <string.h>
 #include "quant.h"
 #include <immintrin.h>
 #include "fused_f16.h"
 #include "lane_sum.h"
-#include "kscales_avx2.h"
 
-/* acc[c] += (sum over the 8 lanes of 32 columns at k of u * q) * dx * scale (scale [8] per
- * lane); u <= 63, so a pair of products stays below 2 * 63 * 127 < 32768 */
-ALWAYS_INLINE void piece(const int NC, __m256i u, __m256 scale, int k, const int8_t *const *q,
-                         const float *const *dx, __m256 *acc) {
-    for (int c = 0; c < NC; c++) {
-        const __m256i p = lanes_dot(u, _mm256_loadu_si256((const __m256i *)(q[c] + k)));
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                 _mm256_mul_ps(scale, _mm256_loadu_ps(dx[c] + k / ST_LANE)),
-                                 acc[c]);
-    }
-}
-
-/* acc[c] += as `piece`, for weight magnitudes g (0 .. 127) negated where sgn < 0 (zero where
- * sgn is 0): maddubs(g, q with the sign of sgn), a pair below 2 * 127 * 127 < 32768 */
+/* acc[c] += (sum over the 8 lanes of 32 columns at k of g * q) * dx * scale (scale [8] per
+ * lane), for weight magnitudes g (0 .. 127) negated where sgn < 0 (zero where sgn is 0):
+ * maddubs(g, q with the sign of sgn), a pair below 2 * 127 * 127 < 32768 */
 ALWAYS_INLINE void piece_sign_mask(const int NC, __m256i g, __m256i sgn, __m256 scale, int k,
                                    const int8_t *const *q, const float *const *dx,
                                    __m256 *acc) {

@@ -1,6 +1,6 @@
-/* AVX-512 VNNI pieces shared by the fused decode rows of fused_k.c (k-quants) and fused_iq.c
- * (grid i-quants): the tiles' VNNI lane arithmetic (quant.h's st_vnni_lane_acc), so a fused
- * row's result is the tiles' bit for bit. Include only under ST_USE_VNNI512 && __F16C__. */
+/* AVX-512 VNNI pieces of the grid i-quants' fused decode rows (fused_iq.c): the tiles' VNNI
+ * lane arithmetic (quant.h's st_vnni_lane_acc), so a fused row's result is the tiles' bit for
+ * bit. Include only under ST_USE_VNNI512 && __F16C__. */
 #pragma once
 #include "quant.h"
 #include <string.h>

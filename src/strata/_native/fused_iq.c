@@ -6,7 +6,7 @@
  * bytes) with, for IQ2_* / IQ3_*, their 32 sign bits; IQ1's values come signed from its
  * [delta sign][index] table. AVX2 signs the activations with the bits (maddubs(grid, sign(q)),
  * the tiles' products); AVX-512 VNNI makes the tiles' unsigned values 128 +- grid under the
- * bits as a mask (the offset's sum from xc, as fused_k.c). Then the tiles' lane arithmetic in
+ * bits as a mask (the offset's sum from xc). Then the tiles' lane arithmetic in
  * the tiles' column order, with the scales of quant_ref.c's st_iq_scales (the unpacked path's),
  * so a token's result is the unpacked path's bit for bit (tests/native/test_matmul.py: alone =
  * in a batch; arch_check.c for the builds this machine cannot run). Unpacking the super-block

@@ -1,5 +1,6 @@
 /* Threaded matmul on quantised weights: activation quantisation, row-block unpacking, the
- * tile loop (4 weight rows x 4 tokens per register tile) and the OpenMP work split. */
+ * tile loop (4 weight rows x 4 tokens per register tile) and the OpenMP work split. The
+ * k-quants skip the unpacking and the tiles: their rows (fused_k.c) take every token count. */
 #include <float.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -14,16 +15,17 @@
 
 #define ROW_BLOCK 16        /* weight rows unpacked together (they stay in L1 across tokens) */
 /* Fewer tokens than this take the fused kernels in groups of 3 (fused_groups) instead of
- * unpacking the row block into tiles. With AVX-512 VNNI the fused rows keep 4 rows x 3 tokens
+ * unpacking the row block into tiles (the 32-column block types and the grid i-quants). With AVX-512 VNNI the fused rows keep 4 rows x 3 tokens
  * in registers and win up to 8 tokens (H200 host). AVX2's fused rows (16 registers) take 3
  * tokens one or two rows at a time, so there the 4 x 4 tiles won from 4 tokens:
  * bench_pool_kernel.py --rows-per-expert at 2 threads on an AVX2 EPYC, experts/s, medians of 3
  * alternating, 9 -> 4: Q4_0 4 / 8 rows 1,665 -> 1,844 / 904 -> 1,193, Q8_0 1,630 -> 1,827 /
  * 946 -> 1,183, Q4_K 1,715 -> 1,586 / 854 -> 1,018 (4 rows within the machine's spread).
- * FUSED_ONE_PASS tokens are one call, not groups: AVX2's Q4_0 / Q8_0 and k-quant rows take 4
- * tokens a row in one pass (for the other types st_fused_rows refuses 4, so they keep the
- * tiles). Session 97, the same EPYC: the pool's kernel at 4 rows an expert Q4_0 1,100-1,160 ->
- * 1,424-1,430 experts/s on 1 thread, 2,025-2,048 -> 2,504-2,700 on 2, Q8_0 917-1,037 ->
+ * FUSED_ONE_PASS tokens are one call, not groups: AVX2's Q4_0 / Q8_0 rows take 4 tokens a row
+ * in one pass (for the other types st_fused_rows refuses 4, so they keep the tiles; the
+ * k-quants' rows took 4 that way too until session 99 gave them every count). Session 97, the
+ * same EPYC: the pool's kernel at 4 rows an expert Q4_0 1,100-1,160 -> 1,424-1,430 experts/s
+ * on 1 thread, 2,025-2,048 -> 2,504-2,700 on 2, Q8_0 917-1,037 ->
  * 1,399-1,440 and 1,555-1,916 -> 2,479-2,611; medians of 3 rounds Q4_K 827 -> 1,060 and
  * 1,374 -> 2,166, Q5_K 760 -> 945 and 1,222 -> 1,734, Q6_K 869 -> 940 and 1,478 -> 1,818.
  * `strata bench --device cpu -t 2 -np 4` (the dense products of 4 slots) on 8-layer
@@ -138,72 +140,81 @@ void st_block_give(void *p, size_t capacity) {
 
 /* ---- activations -------------------------------------------------------------------- */
 
-static void act_shape(st_act *a, int64_t num_rows, int cols, int is_quant) {
+static void act_shape(st_act *a, int64_t num_rows, int cols, int kind) {
     memset(a, 0, sizeof(*a));
-    a->is_quant = is_quant;
+    a->is_quant = kind;
     a->cols = cols;
-    a->cols_pad = is_quant ? (cols + ST_PAD - 1) / ST_PAD * ST_PAD : (cols + 15) / 16 * 16;
+    a->cols_pad = kind ? (cols + ST_PAD - 1) / ST_PAD * ST_PAD : (cols + 15) / 16 * 16;
     a->num_rows = num_rows;
 }
 
-/* The four parts of a quantized act (q, dx, xc, xs) or its float rows, 64-byte aligned each */
+/* The parts of an act, 64-byte aligned each: Q8 q, dx, xc, xs; K q, dk, bs; float xf */
 static void act_parts(const st_act *a, size_t bytes[4]) {
     const size_t n = (size_t)a->num_rows * (size_t)a->cols_pad;
-    if (a->is_quant) {
+    bytes[1] = bytes[2] = bytes[3] = 0;
+    if (a->is_quant == ST_ACT_Q8) {
         bytes[0] = n;
         bytes[1] = n / ST_LANE * sizeof(float);
         bytes[2] = n / ST_LANE * sizeof(int32_t);
         bytes[3] = n / ST_GROUP * sizeof(float);
+    } else if (a->is_quant == ST_ACT_K) {
+        bytes[0] = n;
+        bytes[1] = (n + 255) / 256 * sizeof(float);
+        bytes[2] = n / ST_GROUP * sizeof(int16_t);
     } else {
         bytes[0] = n * sizeof(float);
-        bytes[1] = bytes[2] = bytes[3] = 0;
     }
     for (int i = 0; i < 4; i++) bytes[i] = (bytes[i] + 63) / 64 * 64;
 }
 
-size_t st_act_bytes(int64_t num_rows, int cols, int is_quant) {
-    st_act a;
-    size_t bytes[4];
-    act_shape(&a, num_rows, cols, is_quant);
-    act_parts(&a, bytes);
-    return bytes[0] + bytes[1] + bytes[2] + bytes[3];
-}
-
-void st_act_place(st_act *a, int64_t num_rows, int cols, int is_quant, void *mem) {
-    size_t bytes[4];
-    act_shape(a, num_rows, cols, is_quant);
-    act_parts(a, bytes);
-    char *p = mem;
-    if (is_quant) {
-        a->q = (int8_t *)p;
-        a->dx = (float *)(p + bytes[0]);
-        a->xc = (int32_t *)(p + bytes[0] + bytes[1]);
-        a->xs = (float *)(p + bytes[0] + bytes[1] + bytes[2]);
-    } else {
-        a->xf = (float *)p;
+/* the parts' pointers at p, p + bytes[0], ... (p: one range, or NULL to allocate each) */
+static int act_set(st_act *a, const size_t bytes[4], char *p) {
+    void *part[4];
+    size_t at = 0;
+    for (int i = 0; i < 4; i++) {
+        part[i] = !bytes[i] ? NULL : p ? (void *)(p + at) : st_alloc64(bytes[i]);
+        at += bytes[i];
+        if (bytes[i] && !part[i]) {
+            for (int j = 0; j < i; j++) free(part[j]);
+            return -1;
+        }
     }
-}
-
-int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant) {
-    size_t bytes[4];
-    act_shape(a, num_rows, cols, is_quant);
-    act_parts(a, bytes);
-    if (is_quant) {
-        a->q = st_alloc64(bytes[0]);
-        a->dx = st_alloc64(bytes[1]);
-        a->xc = st_alloc64(bytes[2]);
-        a->xs = st_alloc64(bytes[3]);
-        if (!a->q || !a->dx || !a->xc || !a->xs) { st_act_free(a); return -1; }
+    if (a->is_quant == ST_ACT_Q8) {
+        a->q = part[0]; a->dx = part[1]; a->xc = part[2]; a->xs = part[3];
+    } else if (a->is_quant == ST_ACT_K) {
+        a->q = part[0]; a->dk = part[1]; a->bs = part[2];
     } else {
-        a->xf = st_alloc64(bytes[0]);
-        if (!a->xf) { st_act_free(a); return -1; }
+        a->xf = part[0];
     }
     return 0;
 }
 
+size_t st_act_bytes(int64_t num_rows, int cols, int kind) {
+    st_act a;
+    size_t bytes[4];
+    act_shape(&a, num_rows, cols, kind);
+    act_parts(&a, bytes);
+    return bytes[0] + bytes[1] + bytes[2] + bytes[3];
+}
+
+void st_act_place(st_act *a, int64_t num_rows, int cols, int kind, void *mem) {
+    size_t bytes[4];
+    act_shape(a, num_rows, cols, kind);
+    act_parts(a, bytes);
+    act_set(a, bytes, mem);
+}
+
+int st_act_alloc(st_act *a, int64_t num_rows, int cols, int kind) {
+    size_t bytes[4];
+    act_shape(a, num_rows, cols, kind);
+    act_parts(a, bytes);
+    return act_set(a, bytes, NULL);
+}
+
 void st_act_free(st_act *a) {
-    free(a->q); free(a->dx); free(a->xc); free(a->xs); free(a->xf);
-    a->q = NULL; a->dx = NULL; a->xc = NULL; a->xs = NULL; a->xf = NULL;
+    free(a->q); free(a->dx); free(a->xc); free(a->xs); free(a->dk); free(a->bs); free(a->xf);
+    a->q = NULL; a->dx = NULL; a->xc = NULL; a->xs = NULL; a->dk = NULL; a->bs = NULL;
+    a->xf = NULL;
 }
 
 #if defined(__AVX2__)
@@ -303,10 +314,43 @@ static void quantize_row(const float *x, int cols, int cols_pad, int8_t *q, floa
     for (int g = cols / ST_GROUP; g < cols_pad / ST_GROUP; g++) xs[g] = 0.0f;
 }
 
+/* Quantise one row like llama.cpp's Q8_K: per 256 columns (a k-quant super-block), dk = max|x|
+ * / 127, q = round(x / dk); bs = the sum of q per 16 columns. A super-block holding a NaN or inf
+ * gets dk = NaN and q = 0, as quantize_row's blocks. */
+static void quantize_row_k(const float *x, int cols, int cols_pad, int8_t *q, float *dk,
+                           int16_t *bs) {
+    for (int b = 0; b * 256 < cols_pad; b++) {
+        const int n = cols - b * 256 < 256 ? (cols - b * 256 > 0 ? cols - b * 256 : 0) : 256;
+        const float *xb = x + b * 256;
+        int8_t *qb = q + b * 256;
+        float amax = 0.0f;
+        int is_finite = 1;
+        for (int i = 0; i < n; i++) {
+            float v = fabsf(xb[i]);
+            amax = v > amax ? v : amax;
+            is_finite &= v <= FLT_MAX;
+        }
+        const float d = is_finite ? amax / 127.0f : NAN;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < n; i++) qb[i] = is_finite ? (int8_t)lrintf(xb[i] * id) : 0;
+        const int width = cols_pad - b * 256 < 256 ? cols_pad - b * 256 : 256;
+        for (int i = n; i < width; i++) qb[i] = 0;
+        dk[b] = d;
+        for (int g = 0; g < width / ST_GROUP; g++) {
+            int32_t sum = 0;
+            for (int i = 0; i < ST_GROUP; i++) sum += qb[g * ST_GROUP + i];
+            bs[b * (256 / ST_GROUP) + g] = (int16_t)sum;
+        }
+    }
+}
+
 void st_act_fill(st_act *a, const float *x, int64_t ld_x, int64_t r0, int64_t r1) {
     const int ncp = a->cols_pad;
     for (int64_t r = r0; r < r1; r++) {
-        if (a->is_quant) {
+        if (a->is_quant == ST_ACT_K) {
+            quantize_row_k(x + r * ld_x, a->cols, ncp, a->q + r * ncp,
+                           a->dk + r * ((ncp + 255) / 256), a->bs + r * (ncp / ST_GROUP));
+        } else if (a->is_quant) {
             quantize_row(x + r * ld_x, a->cols, ncp, a->q + r * ncp, a->dx + r * (ncp / ST_LANE),
                          a->xc + r * (ncp / ST_LANE), a->xs + r * (ncp / ST_GROUP));
         } else {
@@ -354,6 +398,17 @@ static void gemm_block(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
                        int64_t n_tok, float *out, int64_t ld_out, void *scratch) {
     const int ncp = act->cols_pad;
     float res[16];
+    if (act->is_quant == ST_ACT_K) {
+        /* the k-quants: their rows 4 tokens at a time at every count (fused_k.c), each row's
+         * decoding shared by the 4, the row block in L1 from the second group on; 1.6x the
+         * unpacked tiles at 64 tokens (Q4_K, one thread, AVX2 EPYC) */
+        for (int64_t j = 0; j < n_tok; j += 4) {
+            const int g = n_tok - j < 4 ? (int)(n_tok - j) : 4;
+            st_fused_k_rows(qtype, w, row_bytes, cols, rb, nr, act, tok ? tok + j : NULL,
+                            tok0 + j, g, out + j * ld_out, ld_out);
+        }
+        return;
+    }
     if (!act->is_quant) {
         if (n_tok < 4 && st_fused_float_rows(qtype, w, row_bytes, cols, rb, nr, act, tok, tok0,
                                              n_tok, out, ld_out))
@@ -408,8 +463,8 @@ static void gemm_block(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
     float *A = (float *)(s + (size_t)ROW_BLOCK * ncp);           /* [ROW_BLOCK, ncp / 4] */
     float *B = A + (size_t)ROW_BLOCK * ncp / ST_LANE;            /* [ROW_BLOCK, ncp / 16] */
     for (int i = 0; i < nr; i++) {
-        /* decode on a path with no fused kernel (K-quants without AVX-512 VNNI) reads from RAM
-         * as the fused kernels do: ask for the row ST_PREFETCH_ROWS ahead */
+        /* decode on a path with no fused kernel (the scalar and NEON builds' 32-column types)
+         * reads from RAM as the fused kernels do: ask for the row ST_PREFETCH_ROWS ahead */
         st_prefetch(w + (rb + i + ST_PREFETCH_ROWS) * row_bytes, row_bytes);
         st_unpack_row(qtype, w + (rb + i) * row_bytes, cols, ncp, s + (size_t)i * ncp,
                       A + (size_t)i * ncp / ST_LANE, B + (size_t)i * ncp / ST_GROUP);
@@ -476,7 +531,7 @@ void st_gemm_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
 int st_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t row_bytes, int cols,
               const float *x, int64_t T, float *out) {
     st_act act;
-    if (st_act_alloc(&act, T, cols, !st_is_float_type(qtype)) != 0) return -1;
+    if (st_act_alloc(&act, T, cols, st_act_kind(qtype)) != 0) return -1;
     const int64_t num_row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t num_tok_chunks = (T + TOKEN_CHUNK - 1) / TOKEN_CHUNK;
     const int64_t num_items = num_row_blocks * num_tok_chunks;

@@ -129,9 +129,9 @@ int st_moe_setup(moe_call *c, const float *x, int64_t T, int H, int F, int E, in
     c->gate_row_bytes = gate_row_bytes; c->up_row_bytes = up_row_bytes;
     c->down_row_bytes = down_row_bytes;
     c->weights = weights; c->out = out;
-    const int gate_quant = !st_is_float_type(gate_type);
-    const int up_quant = !st_is_float_type(up_type);
-    const int down_quant = !st_is_float_type(down_type);
+    const int gate_quant = st_act_kind(gate_type);
+    const int up_quant = st_act_kind(up_type);
+    const int down_quant = st_act_kind(down_type);
     c->shared_x = gate_quant == up_quant;
 
     /* Every buffer in one kept block (st_block_take), sized for all T * K pairs: a decode

@@ -6,6 +6,9 @@
  * A and B are per group; A is stored per 4-column "lane" (repeated 4 times) so SIMD code
  * can multiply a vector of int32 lane sums by it directly. Activations are quantised like
  * llama.cpp's Q8_0: q[i] = round(x[i] / dx[b]), b = i / 32, dx = max|x| / 127.
+ * The k-quants (Q2_K .. Q6_K, IQ4_XS) are never unpacked: their rows (fused_k.c) read the
+ * super-blocks as integers (st_k_superblock) against activations quantised like llama.cpp's
+ * Q8_K, one scale per 256 columns (ST_ACT_K below).
  */
 #pragma once
 #include <stddef.h>
@@ -75,6 +78,11 @@ static inline float st_bf16_to_fp32(uint16_t h) {
     return v.f;
 }
 
+/* One k-quant super-block (Q2_K .. Q6_K, IQ4_XS; 256 columns) as integers: w = d * sc[g] *
+ * v[i] - dmin * m[g], g = i / 16 (m and dmin zero for the types without mins). */
+void st_k_superblock(int qtype, const uint8_t *blk, int8_t *v, int16_t *sc, int16_t *m,
+                     float *d, float *dmin);
+
 /* Dequantise n_blocks whole blocks to float32, exactly as gguf.quants.dequantize. */
 void st_dequantize(int qtype, const uint8_t *src, float *dst, int64_t n_blocks);
 
@@ -89,18 +97,29 @@ int st_unpack_row_simd(int qtype, const uint8_t *row, int cols, uint8_t *s, floa
 void st_unpack_row_float(int qtype, const uint8_t *row, int cols, int cols_pad, float *w);
 int st_unpack_row_float_simd(int qtype, const uint8_t *row, int cols, float *w);
 
-/* Activations of T rows, in the form the weight type's dot product needs. */
+/* Activations of T rows, in the form the weight type's dot product needs (st_act_kind):
+ * ST_ACT_FLOAT: xf; ST_ACT_Q8: q / dx / xc / xs, one scale per 32 columns (llama.cpp's Q8_0),
+ * for the 32-column block types and the grid i-quants; ST_ACT_K: q / dk / bs, one scale per
+ * 256 columns (llama.cpp's Q8_K), for the k-quants, whose rows sum a super-block's products in
+ * int32 with the weights' integer scales and convert once per 256 columns (fused_k.c). */
+enum { ST_ACT_FLOAT = 0, ST_ACT_Q8 = 1, ST_ACT_K = 2 };
 typedef struct {
-    int is_quant;      /* 1: q/dx/xc/xs filled; 0: xf filled */
+    int is_quant;      /* the kind: ST_ACT_FLOAT, ST_ACT_Q8 or ST_ACT_K */
     int cols;
     int cols_pad;
     int64_t num_rows;
-    int8_t *q;         /* [T, cols_pad] */
-    float *dx;         /* [T, cols_pad / 4]  activation scale per lane */
-    int32_t *xc;       /* [T, cols_pad / 4]  -ST_XC_BIAS * sum of the lane's 4 q */
-    float *xs;         /* [T, cols_pad / 16] dx * sum(q) over the group */
+    int8_t *q;         /* [T, cols_pad] (Q8 and K) */
+    float *dx;         /* [T, cols_pad / 4]  activation scale per lane (Q8) */
+    int32_t *xc;       /* [T, cols_pad / 4]  -ST_XC_BIAS * sum of the lane's 4 q (Q8) */
+    float *xs;         /* [T, cols_pad / 16] dx * sum(q) over the group (Q8) */
+    float *dk;         /* [T, cols_pad / 256] activation scale per super-block (K) */
+    int16_t *bs;       /* [T, cols_pad / 16] sum(q) over the group (K): the mins' products */
     float *xf;         /* [T, cols_pad]      float rows, zero padded */
 } st_act;
+
+/* the activation kind a weight type's products take */
+int st_act_kind(int qtype);
+int st_is_k_type(int qtype);           /* Q2_K .. Q6_K, IQ4_XS: ST_ACT_K */
 
 void *st_alloc64(size_t num_bytes);   /* 64-byte aligned, free() it (matmul.c) */
 /* a block of at least `bytes` (64-byte aligned; *capacity: its size), a kept one when one
@@ -108,12 +127,12 @@ void *st_alloc64(size_t num_bytes);   /* 64-byte aligned, free() it (matmul.c) *
 void *st_block_take(size_t bytes, size_t *capacity);
 void st_block_give(void *p, size_t capacity);
 #define ST_KEPT_MAX_BYTES ((size_t)256 << 20)   /* a bigger block handed back is freed */
-int st_act_alloc(st_act *a, int64_t num_rows, int cols, int is_quant);
+int st_act_alloc(st_act *a, int64_t num_rows, int cols, int kind);
 void st_act_free(st_act *a);
 /* st_act_alloc's buffers in one caller-owned range of st_act_bytes bytes (64-byte aligned;
  * the caller owns that memory: never st_act_free such an act) */
-size_t st_act_bytes(int64_t num_rows, int cols, int is_quant);
-void st_act_place(st_act *a, int64_t num_rows, int cols, int is_quant, void *mem);
+size_t st_act_bytes(int64_t num_rows, int cols, int kind);
+void st_act_place(st_act *a, int64_t num_rows, int cols, int kind, void *mem);
 /* Fill rows [r0, r1) of a from x (row stride ld_x floats). */
 void st_act_fill(st_act *a, const float *x, int64_t ld_x, int64_t r0, int64_t r1);
 
@@ -126,8 +145,9 @@ void st_gemm_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
                   int64_t r0, int64_t r1, const st_act *act, const int32_t *tok, int64_t n_tok,
                   float *out, int64_t ld_out, void *scratch);
 size_t st_scratch_bytes(int qtype, int cols);
-/* Rows [rb, rb + nr) x 1-3 tokens (4 for AVX2's Q4_0 / Q8_0 / k-quants) straight from the
- * quantised blocks / float rows (fused.c); return 0 when this build or type has no fused path
+/* Rows [rb, rb + nr) x 1-3 tokens (4 for AVX2's Q4_0 / Q8_0, and for the k-quants with an
+ * ST_ACT_K act on every build: st_fused_k_rows) straight from the quantised blocks / float
+ * rows (fused.c); return 0 when this build or type has no fused path
  * for them (the caller unpacks instead). */
 int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
                   const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
@@ -135,11 +155,14 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
 int st_fused_float_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
                         int nr, const st_act *act, const int32_t *tok, int64_t tok0,
                         int64_t n_tok, float *out, int64_t ld_out);
-/* One row of a k-quant (Q2_K .. Q6_K, IQ4_XS) matrix x n_tok (1-3) activation rows tr[] (fused_k.c);
- * returns 0 when this build has no fused path for qtype. */
-int st_fused_k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
-                   const int64_t *tr, int n_tok, float *res);
-/* The same for the grid i-quants (IQ1_S .. IQ3_S; fused_iq.c, AVX2 builds). */
+/* Rows [rb, rb + nr) of a k-quant (Q2_K .. Q6_K, IQ4_XS) matrix x n_tok (1-4) ST_ACT_K
+ * activation rows (tok[j], or tok0 + j where tok is NULL): out[j * ld_out + i] for row rb + i
+ * (fused_k.c; every build, every token count: matmul.c takes them 4 tokens at a time). */
+void st_fused_k_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
+                     int nr, const st_act *act, const int32_t *tok, int64_t tok0, int n_tok,
+                     float *out, int64_t ld_out);
+/* One row of a grid i-quant (IQ1_S .. IQ3_S) matrix x n_tok (1-3) activation rows tr[]
+ * (fused_iq.c, AVX2 builds); returns 0 when this build has no fused path for qtype. */
 int st_fused_iq_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
                     const int64_t *tr, int n_tok, float *res);
 /* One grid i-quant super-block (256 columns) to signed values y[256] and a[16] scales per 16
@@ -239,7 +262,7 @@ static inline __m256i st_block32_values(int qtype, const uint8_t *blk, int block
 
 #if defined(ST_USE_VNNI512)
 #include <immintrin.h>
-/* The lane arithmetic of every AVX-512 VNNI dot product here (tiles.c, fused.c, fused_k.c), in
+/* The lane arithmetic of every AVX-512 VNNI dot product here (tiles.c, fused.c, fused_iq.c), in
  * one place: a token's result must not depend on which of them computed it (test_matmul: alone
  * = batched, bit for bit). 16 int32 lanes of 4 columns each:
  * acc += float(corr + sum(u * q)) * (scale * dx), u unsigned weight bytes, q int8 activations. */
