@@ -10,7 +10,7 @@ from strata.backends.cpu import CpuModel
 from strata.backends.window import Window
 from strata.model.gguf_file import GGUFModel
 
-from cuda_synth import FALLBACK_TYPES, TYPES, fallback_overrides
+from cuda_synth import FALLBACK_TYPES, K_TYPES, TYPES, fallback_overrides
 
 pytestmark = pytest.mark.cuda
 
@@ -28,6 +28,15 @@ FLOAT_TYPES = ("f32", "f16", "bf16")
 # and the top-1 token equal on 90% of rows.
 FLOAT_TOLERANCE = 1e-4
 QUANT_TOLERANCE = 3e-2
+# Files with k-quant tensors: the CPU quantises their activations per 256 columns (llama.cpp's
+# Q8_K: fused_k.c), the GPU per 32 (as llama.cpp's CUDA), so even the first row differs by that
+# rounding, amplified as above. Measured on these models as the CPU's own change from 32 to 256
+# (session 99): first row 1.1e-2 .. 2.3e-2, 90th percentile 1.9e-2 .. 3.6e-2, top-1 equal on
+# 87-100% of rows. The kernels on each side equal their float64 references (tests/native,
+# test_cuda_kernels.py); these bounds catch a wrong layer, not a rounding.
+K_FIRST_TOLERANCE = 5e-2
+K_TOLERANCE = 6e-2
+K_TOP1 = 0.8
 _models: dict = {}
 
 
@@ -49,7 +58,8 @@ def _tokens(n, vocab, seed):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_logits_match_cpu(synth_path, shape, weight_type):
     cpu, gpu = _pair(synth_path, shape, weight_type)
-    _check_logits(cpu, gpu, f"{shape} {weight_type}", weight_type in FLOAT_TYPES)
+    _check_logits(cpu, gpu, f"{shape} {weight_type}", weight_type in FLOAT_TYPES,
+                  weight_type in K_TYPES)
 
 
 @pytest.mark.parametrize("weight_type", sorted(FALLBACK_TYPES))
@@ -70,10 +80,10 @@ def test_k_quant_file_with_fallback_types_matches_cpu(tmp_path_factory, shape, w
     main, *others = FALLBACK_TYPES[weight_type]
     assert int(QT[main]) in short and short <= {int(QT[t]) for t in (main, *others)}
     cpu, gpu = CpuModel(GGUFModel.open(path)), CudaModel(GGUFModel.open(path))
-    _check_logits(cpu, gpu, f"{shape} {weight_type} (96-column rows)", False)
+    _check_logits(cpu, gpu, f"{shape} {weight_type} (96-column rows)", False, True)
 
 
-def _check_logits(cpu, gpu, label: str, is_float: bool) -> None:
+def _check_logits(cpu, gpu, label: str, is_float: bool, has_k: bool = False) -> None:
     vocab = cpu.spec.vocab
     kc, kg = cpu.new_kv(128, dtype=np.float16), gpu.new_kv(128)
     prompt = _tokens(23, vocab, seed=1)
@@ -94,6 +104,10 @@ def _check_logits(cpu, gpu, label: str, is_float: bool) -> None:
     if is_float:
         assert errors.max() < FLOAT_TOLERANCE
         assert all(same_top1)
+    elif has_k:
+        assert errors[0] < K_FIRST_TOLERANCE
+        assert np.percentile(errors, 90) < K_TOLERANCE
+        assert np.mean(same_top1) >= K_TOP1
     else:
         assert errors[0] < FLOAT_TOLERANCE
         assert np.percentile(errors, 90) < QUANT_TOLERANCE

@@ -28,13 +28,19 @@ def write_model(path, weight_type: str, hidden: int, expert_ffn: int) -> None:
                 n_layers=4, hidden=hidden, expert_ffn=expert_ffn)
 
 
+# Per token: max |pool - resident| / max |resident| and the share of equal top-1 tokens. Q4_K's
+# pool quantises activations per 256 columns (fused_k.c, llama.cpp's Q8_K), the GPU per 32: the
+# pool's experts differ from the GPU's by that rounding too (test_cuda_parity.py's K_ bounds).
+TOLERANCES = {"q8_0": (3e-2, 0.9), "q4_k": (6e-2, 0.8)}
+
+
 @pytest.fixture(scope="module", params=[("q8_0", 64, 128, 32), ("q4_k", 256, 512, 256)],
                 ids=["q8_0", "q4_k"])
 def model_path(request, tmp_path_factory):
     weight_type, hidden, expert_ffn, step = request.param
     path = tmp_path_factory.mktemp("split") / f"tiny-split-{weight_type}.gguf"
     write_model(path, weight_type, hidden, expert_ffn)
-    return path, step
+    return path, step, TOLERANCES[weight_type]
 
 
 def decode(gguf, path, tokens, frac=SHARE):
@@ -72,7 +78,7 @@ def resident_logits(gguf, tokens):
 
 
 def test_the_pool_and_the_gpu_split_the_boundary_expert(model_path, monkeypatch):
-    path, step = model_path
+    path, step, (tolerance, top1) = model_path
     monkeypatch.setenv("STRATA_READ_AHEAD", "0")  # no staged expert: two misses every layer
     gguf = GGUFModel.open(path)
     spec = gguf.spec
@@ -86,8 +92,8 @@ def test_the_pool_and_the_gpu_split_the_boundary_expert(model_path, monkeypatch)
     assert entries == [2 * spec.n_layers] * len(tokens)
     assert all(0 <= e < spec.n_experts and c == cut for e, c in splits), splits
     for a, b in zip(want, got):
-        assert np.abs(a - b).max() / np.abs(a).max() < 3e-2
-    assert np.mean([np.argmax(a) == np.argmax(b) for a, b in zip(want, got)]) >= 0.9
+        assert np.abs(a - b).max() / np.abs(a).max() < tolerance
+    assert np.mean([np.argmax(a) == np.argmax(b) for a, b in zip(want, got)]) >= top1
 
     # no share given or calibrated: one-row windows keep the whole experts the default gave
     # (share.whole_expert_share: the pool one of the two)
@@ -101,9 +107,10 @@ def test_the_pool_and_the_gpu_split_the_boundary_expert(model_path, monkeypatch)
     assert entries == [spec.n_layers] * len(tokens)
     assert set(splits) == {(-1, 0)}
     assert all(np.array_equal(a, b) for a, b in zip(whole, default))  # the same split
-    # the split moves results only by rounding: the parts are summed in another order
+    # the split moves results only by rounding: the parts are summed in another order (and
+    # Q4_K's pool part takes activations rounded per 256 columns)
     for a, b in zip(whole, got):
-        assert np.abs(a - b).max() / np.abs(a).max() < 3e-2
+        assert np.abs(a - b).max() / np.abs(a).max() < tolerance
 
 
 def test_several_rows_and_the_read_ahead_keep_the_results(model_path):
@@ -111,7 +118,7 @@ def test_several_rows_and_the_read_ahead_keep_the_results(model_path):
     # greedy tokens of the windows equal the resident model's where its top-1 is clear
     from strata.backends.cuda import CudaModel
 
-    path, _ = model_path
+    path, _, (tolerance, top1) = model_path
     gguf = GGUFModel.open(path)
     spec = gguf.spec
     rng = np.random.default_rng(9)
@@ -142,5 +149,5 @@ def test_several_rows_and_the_read_ahead_keep_the_results(model_path):
         arena.close()
     errors = np.concatenate([np.abs(a - b).max(axis=1) / np.abs(a).max(axis=1)
                              for a, b in zip(want, got)])
-    assert np.percentile(errors, 90) < 3e-2
-    assert np.mean([np.mean(a.argmax(1) == b.argmax(1)) for a, b in zip(want, got)]) >= 0.9
+    assert np.percentile(errors, 90) < tolerance
+    assert np.mean([np.mean(a.argmax(1) == b.argmax(1)) for a, b in zip(want, got)]) >= top1
