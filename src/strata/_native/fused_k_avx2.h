@@ -61,7 +61,7 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t
         st_prefetch(blk + ahead, bytes);
         __m128i sc8, m8;
         q45k_scale_bytes(blk, &sc8, &m8);
-        const __m256i words = dup16(_mm_cvtepu8_epi16(sc8));              /* [8] sub-blocks */
+        const __m256i scales = in_both_lanes(_mm_cvtepu8_epi16(sc8));     /* [8] sub-blocks */
         const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  /* [16] groups */
         const uint8_t *qs = blk + (is_q5 ? 48 : 16);
         const __m256i qh = is_q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16))
@@ -76,8 +76,8 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t
                 lo = _mm256_or_si256(lo, bit_to(qh, 2 * j, 4, sixteen));
                 hi = _mm256_or_si256(hi, bit_to(qh, 2 * j + 1, 4, sixteen));
             }
-            const __m256i f_lo = factors(words, 2 * j, 2 * j);
-            const __m256i f_hi = factors(words, 2 * j + 1, 2 * j + 1);
+            const __m256i f_lo = factors(scales, 2 * j, 2 * j);
+            const __m256i f_hi = factors(scales, 2 * j + 1, 2 * j + 1);
             const int k = ib * 256 + 64 * j;
             for (int c = 0; c < NC; c++) {
                 isum[c] = kdot_add(isum[c], lo, q_at(t, c, k), f_lo);
@@ -104,12 +104,13 @@ ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int64_t ahead, int 
         st_prefetch(blk + ahead, 210);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
         const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);                  /* [16] groups */
-        const __m256i words[2] = {dup16(_mm256_castsi256_si128(sc16)),    /* groups 0-7 */
-                                  dup16(_mm256_extracti128_si256(sc16, 1))};  /* 8-15 */
+        const __m256i scales[2] = {in_both_lanes(_mm256_castsi256_si128(sc16)),  /* groups 0-7 */
+                                   in_both_lanes(_mm256_extracti128_si256(sc16, 1))};  /* 8-15 */
         __m256i isum[4];
-        for (int c = 0; c < NC; c++)  /* -32 * sum_g sc[g] * bs[g] */
-            isum[c] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                       _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs_at(t, c, ib)), 5));
+        for (int c = 0; c < NC; c++) {  /* -32 * sum_g sc[g] * bs[g] */
+            const __m256i sc_bs = _mm256_madd_epi16(sc16, bs_at(t, c, ib));
+            isum[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sc_bs, 5));
+        }
         for (int n = 0; n < 2; n++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
@@ -124,7 +125,7 @@ ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int64_t ahead, int 
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
                                 _mm256_and_si256(_mm256_srli_epi16(h, 2), high2))};
             for (int p = 0; p < 4; p++) {  /* columns 128n + 32p ..: groups 8n + 2p, + 1 */
-                const __m256i f = factors(words[n], 2 * p, 2 * p + 1);
+                const __m256i f = factors(scales[n], 2 * p, 2 * p + 1);
                 const int k = ib * 256 + 128 * n + 32 * p;
                 for (int c = 0; c < NC; c++) isum[c] = kdot_add(isum[c], v[p], q_at(t, c, k), f);
             }
@@ -161,9 +162,10 @@ ALWAYS_INLINE void row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t
             m8 = _mm_and_si128(_mm_srli_epi16(sm, 4), _mm_set1_epi8(0x0F));
         }
         const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);                  /* [16] groups */
-        const __m256i words[2] = {dup16(_mm256_castsi256_si128(sc16)),
-                                  dup16(_mm256_extracti128_si256(sc16, 1))};
-        const __m256i hm = is_q3 ? _mm256_loadu_si256((const __m256i *)blk) : _mm256_setzero_si256();
+        const __m256i scales[2] = {in_both_lanes(_mm256_castsi256_si128(sc16)),
+                                   in_both_lanes(_mm256_extracti128_si256(sc16, 1))};
+        const __m256i hm = is_q3 ? _mm256_loadu_si256((const __m256i *)blk)
+                                 : _mm256_setzero_si256();
         const uint8_t *qs = blk + (is_q3 ? 32 : 16);
         __m256i isum[4], imin[4];
         for (int c = 0; c < NC; c++)  /* Q3_K: -4 * sum_g sc[g] * bs[g] */
@@ -177,9 +179,9 @@ ALWAYS_INLINE void row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t
                 lo = _mm256_or_si256(lo, bit_to(hm, 2 * ch, 2, four));
                 hi = _mm256_or_si256(hi, bit_to(hm, 2 * ch + 1, 2, four));
             }
-            const int g = 4 * ch;  /* groups g .. g + 3, words[g / 8] from g % 8 */
-            const __m256i f_lo = factors(words[g >> 3], g & 7, (g & 7) + 1);
-            const __m256i f_hi = factors(words[g >> 3], (g & 7) + 2, (g & 7) + 3);
+            const int g = 4 * ch;  /* groups g .. g + 3, scales[g / 8] from g % 8 */
+            const __m256i f_lo = factors(scales[g >> 3], g & 7, (g & 7) + 1);
+            const __m256i f_hi = factors(scales[g >> 3], (g & 7) + 2, (g & 7) + 3);
             const int k = ib * 256 + 64 * ch;
             for (int c = 0; c < NC; c++) {
                 isum[c] = kdot_add(isum[c], lo, q_at(t, c, k), f_lo);
@@ -210,7 +212,7 @@ ALWAYS_INLINE void row_iq4xs(const int NC, const uint8_t *row, int64_t ahead, in
     for (int ib = 0; ib < cols / 256; ib++) {
         const uint8_t *blk = row + (int64_t)ib * 136;
         st_prefetch(blk + ahead, 136);
-        const __m256i words = dup16(iq4xs_scale_words(blk));             /* [8] blocks */
+        const __m256i scales = in_both_lanes(iq4xs_scale_words(blk));    /* [8] blocks */
         __m256i isum[4];
         for (int c = 0; c < NC; c++) isum[c] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
@@ -221,7 +223,7 @@ ALWAYS_INLINE void row_iq4xs(const int NC, const uint8_t *row, int64_t ahead, in
                 _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x20)),
                 _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x31))};
             for (int h = 0; h < 2; h++) {  /* block 2j + h */
-                const __m256i f = factors(words, 2 * j + h, 2 * j + h);
+                const __m256i f = factors(scales, 2 * j + h, 2 * j + h);
                 const __m256i u = _mm256_sign_epi8(s[h], s[h]);
                 const int k = ib * 256 + 64 * j + 32 * h;
                 for (int c = 0; c < NC; c++)

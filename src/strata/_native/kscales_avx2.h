@@ -7,16 +7,15 @@
 #include <string.h>
 #include <immintrin.h>
 
-/* [8] int32 words of 8 int16 values w, each value in both halves of its word: a piece's madd
- * factor for a 16-column group is its word taken 4 times (`factors`) */
-static inline __m256i dup16(__m128i w) {
-    const __m256i z = _mm256_cvtepu16_epi32(w);
-    return _mm256_or_si256(z, _mm256_slli_epi32(z, 16));
-}
+/* 8 int16 values w in both 128-bit lanes: a piece's madd factors come from it by one in-lane
+ * byte shuffle (`factors`) */
+static inline __m256i in_both_lanes(__m128i w) { return _mm256_broadcastsi128_si256(w); }
 
-/* the [16] int16 factors of a 32-column piece: int16 0-7 (columns 0-15) word g, 8-15 word h */
-static inline __m256i factors(__m256i words, int g, int h) {
-    return _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(g, g, g, g, h, h, h, h));
+/* the [16] int16 factors of a 32-column piece: int16 0-7 (columns 0-15) value g, 8-15 value h */
+static inline __m256i factors(__m256i scales, int g, int h) {
+    const __m256i idx = _mm256_setr_m128i(_mm_set1_epi16((short)(2 * g | (2 * g + 1) << 8)),
+                                          _mm_set1_epi16((short)(2 * h | (2 * h + 1) << 8)));
+    return _mm256_shuffle_epi8(scales, idx);
 }
 
 /* Q4_K / Q5_K: the 8 6-bit scales and the 8 mins of the sub-blocks (scale_min_k4 by 32-bit

@@ -15,8 +15,9 @@
 
 #define ROW_BLOCK 16        /* weight rows unpacked together (they stay in L1 across tokens) */
 /* Fewer tokens than this take the fused kernels in groups of 3 (fused_groups) instead of
- * unpacking the row block into tiles (the 32-column block types and the grid i-quants). With AVX-512 VNNI the fused rows keep 4 rows x 3 tokens
- * in registers and win up to 8 tokens (H200 host). AVX2's fused rows (16 registers) take 3
+ * unpacking the row block into tiles (the 32-column block types and the grid i-quants). With
+ * AVX-512 VNNI the fused rows keep 4 rows x 3 tokens in registers and win up to 8 tokens
+ * (H200 host). AVX2's fused rows (16 registers) take 3
  * tokens one or two rows at a time, so there the 4 x 4 tiles won from 4 tokens:
  * bench_pool_kernel.py --rows-per-expert at 2 threads on an AVX2 EPYC, experts/s, medians of 3
  * alternating, 9 -> 4: Q4_0 4 / 8 rows 1,665 -> 1,844 / 904 -> 1,193, Q8_0 1,630 -> 1,827 /
