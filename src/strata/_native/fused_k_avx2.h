@@ -76,8 +76,8 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t
                 lo = _mm256_or_si256(lo, bit_to(qh, 2 * j, 4, sixteen));
                 hi = _mm256_or_si256(hi, bit_to(qh, 2 * j + 1, 4, sixteen));
             }
-            const __m256i f_lo = factors(scales, 2 * j, 2 * j);
-            const __m256i f_hi = factors(scales, 2 * j + 1, 2 * j + 1);
+            const __m256i f_lo = factors_one(scales, 2 * j);
+            const __m256i f_hi = factors_one(scales, 2 * j + 1);
             const int k = ib * 256 + 64 * j;
             for (int c = 0; c < NC; c++) {
                 isum[c] = kdot_add(isum[c], lo, q_at(t, c, k), f_lo);
@@ -125,7 +125,7 @@ ALWAYS_INLINE void row_q6k(const int NC, const uint8_t *row, int64_t ahead, int 
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
                                 _mm256_and_si256(_mm256_srli_epi16(h, 2), high2))};
             for (int p = 0; p < 4; p++) {  /* columns 128n + 32p ..: groups 8n + 2p, + 1 */
-                const __m256i f = factors(scales[n], 2 * p, 2 * p + 1);
+                const __m256i f = factors_two(scales[n], p);
                 const int k = ib * 256 + 128 * n + 32 * p;
                 for (int c = 0; c < NC; c++) isum[c] = kdot_add(isum[c], v[p], q_at(t, c, k), f);
             }
@@ -180,8 +180,8 @@ ALWAYS_INLINE void row_q23k(const int NC, int is_q3, const uint8_t *row, int64_t
                 hi = _mm256_or_si256(hi, bit_to(hm, 2 * ch + 1, 2, four));
             }
             const int g = 4 * ch;  /* groups g .. g + 3, scales[g / 8] from g % 8 */
-            const __m256i f_lo = factors(scales[g >> 3], g & 7, (g & 7) + 1);
-            const __m256i f_hi = factors(scales[g >> 3], (g & 7) + 2, (g & 7) + 3);
+            const __m256i f_lo = factors_two(scales[g >> 3], (g & 7) / 2);
+            const __m256i f_hi = factors_two(scales[g >> 3], (g & 7) / 2 + 1);
             const int k = ib * 256 + 64 * ch;
             for (int c = 0; c < NC; c++) {
                 isum[c] = kdot_add(isum[c], lo, q_at(t, c, k), f_lo);
@@ -223,7 +223,7 @@ ALWAYS_INLINE void row_iq4xs(const int NC, const uint8_t *row, int64_t ahead, in
                 _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x20)),
                 _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x31))};
             for (int h = 0; h < 2; h++) {  /* block 2j + h */
-                const __m256i f = factors(scales, 2 * j + h, 2 * j + h);
+                const __m256i f = factors_one(scales, 2 * j + h);
                 const __m256i u = _mm256_sign_epi8(s[h], s[h]);
                 const int k = ib * 256 + 64 * j + 32 * h;
                 for (int c = 0; c < NC; c++)

@@ -11,11 +11,37 @@
  * byte shuffle (`factors`) */
 static inline __m256i in_both_lanes(__m128i w) { return _mm256_broadcastsi128_si256(w); }
 
-/* the [16] int16 factors of a 32-column piece: int16 0-7 (columns 0-15) value g, 8-15 value h */
-static inline __m256i factors(__m256i scales, int g, int h) {
-    const __m256i idx = _mm256_setr_m128i(_mm_set1_epi16((short)(2 * g | (2 * g + 1) << 8)),
-                                          _mm_set1_epi16((short)(2 * h | (2 * h + 1) << 8)));
-    return _mm256_shuffle_epi8(scales, idx);
+/* byte shuffles of in_both_lanes' 8 int16 values: value g into every int16 of a lane (one
+ * index vector for both lanes), and values 2p, 2p + 1 into the low / high lane. Loaded, where
+ * indices built from a loop's g cost a piece four instructions. */
+static const uint8_t k_value_index[8][16] __attribute__((aligned(16))) = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1},
+    {2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5},
+    {6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
+    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9},
+    {10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13},
+    {14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15}};
+static const uint8_t k_pair_index[4][32] __attribute__((aligned(32))) = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
+     6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
+    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9,
+     10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
+     14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15}};
+
+/* the [16] int16 factors of a 32-column piece of one scale: value g */
+static inline __m256i factors_one(__m256i scales, int g) {
+    return _mm256_shuffle_epi8(
+        scales, _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)k_value_index[g])));
+}
+
+/* of two 16-column groups: int16 0-7 (columns 0-15) value 2p, 8-15 value 2p + 1 */
+static inline __m256i factors_two(__m256i scales, int p) {
+    return _mm256_shuffle_epi8(scales, _mm256_load_si256((const __m256i *)k_pair_index[p]));
 }
 
 /* Q4_K / Q5_K: the 8 6-bit scales and the 8 mins of the sub-blocks (scale_min_k4 by 32-bit
