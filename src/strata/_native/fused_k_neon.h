@@ -66,19 +66,6 @@ ALWAYS_INLINE void k_finish(const int NC, const k_tokens *t, int ib, const int32
     }
 }
 
-/* Q4_K / Q5_K's 6-bit scales and mins of the 8 sub-blocks (scale_min_k4) as bytes 0-7 of *sc
- * and *m, by 32-bit words as kscales_avx2.h does (no array through the stack) */
-static inline void q45k_scales(const uint8_t *blk, uint64_t *sc, uint64_t *m) {
-    uint32_t w0, w1, w2;
-    memcpy(&w0, blk + 4, 4);
-    memcpy(&w1, blk + 8, 4);
-    memcpy(&w2, blk + 12, 4);
-    const uint64_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
-    const uint64_t m_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
-    *sc = (w0 & 0x3f3f3f3fu) | sc_hi << 32;
-    *m = (w1 & 0x3f3f3f3fu) | m_hi << 32;
-}
-
 /* Q4_K / Q5_K: 144- / 176-byte super-blocks, 8 sub-blocks of 32 with a 6-bit scale and min;
  * 32 bytes qs hold sub-block 2j in the low nibbles, 2j + 1 in the high ones; Q5_K's fifth bits
  * are bits 2j / 2j + 1 of qh [32]. v = 0..31: a lane sums 8 products <= 31 * 127, times a
@@ -93,7 +80,7 @@ ALWAYS_INLINE void row_q45k(const int NC, int is_q5, const uint8_t *row, int64_t
         const uint8_t *blk = row + (int64_t)ib * bytes;
         st_prefetch(blk + ahead, bytes);
         uint64_t sc, m;                                 /* [8] sub-blocks, a byte each */
-        q45k_scales(blk, &sc, &m);
+        st_q45k_scale_words(blk, &sc, &m);
         const uint8_t *qs = blk + (is_q5 ? 48 : 16);
         uint8x16_t qh[2] = {vdupq_n_u8(0), vdupq_n_u8(0)};  /* [2][16] columns l, l + 16 */
         if (is_q5) {

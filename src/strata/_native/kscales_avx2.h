@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <immintrin.h>
+#include "quant.h"
 
 /* 8 int16 values w in both 128-bit lanes: a piece's madd factors come from it by one in-lane
  * byte shuffle (`factors`) */
@@ -44,18 +45,12 @@ static inline __m256i factors_two(__m256i scales, int p) {
     return _mm256_shuffle_epi8(scales, _mm256_load_si256((const __m256i *)k_pair_index[p]));
 }
 
-/* Q4_K / Q5_K: the 8 6-bit scales and the 8 mins of the sub-blocks (scale_min_k4 by 32-bit
- * words: each word its own load, where a memcpy of the 12 bytes into an array went through the
- * stack), as bytes 0-7 of *sc and *m */
+/* Q4_K / Q5_K: the 8 6-bit scales and the 8 mins of the sub-blocks as bytes 0-7 of *sc, *m */
 static inline void q45k_scale_bytes(const uint8_t *blk, __m128i *sc, __m128i *m) {
-    uint32_t w0, w1, w2;
-    memcpy(&w0, blk + 4, 4);
-    memcpy(&w1, blk + 8, 4);
-    memcpy(&w2, blk + 12, 4);
-    const uint64_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
-    const uint64_t m_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
-    *sc = _mm_cvtsi64_si128((int64_t)((w0 & 0x3f3f3f3fu) | sc_hi << 32));
-    *m = _mm_cvtsi64_si128((int64_t)((w1 & 0x3f3f3f3fu) | m_hi << 32));
+    uint64_t sc8, m8;
+    st_q45k_scale_words(blk, &sc8, &m8);
+    *sc = _mm_cvtsi64_si128((int64_t)sc8);
+    *m = _mm_cvtsi64_si128((int64_t)m8);
 }
 
 /* Q3_K: the 16 group scales - 32 as int8: 6 bits, the low 4 from bytes 96-103 (groups 8-15 the

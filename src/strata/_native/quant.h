@@ -13,6 +13,7 @@
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
@@ -76,6 +77,20 @@ static inline float st_bf16_to_fp32(uint16_t h) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)h << 16;
     return v.f;
+}
+
+/* Q4_K / Q5_K's 6-bit scales and mins of the 8 sub-blocks (ggml's scale_min_k4) as the bytes of
+ * *sc and *m, by 32-bit words (each its own load: a memcpy of the 12 bytes into an array went
+ * through the stack); the AVX2 and NEON k rows' scales */
+static inline void st_q45k_scale_words(const uint8_t *blk, uint64_t *sc, uint64_t *m) {
+    uint32_t w0, w1, w2;
+    memcpy(&w0, blk + 4, 4);
+    memcpy(&w1, blk + 8, 4);
+    memcpy(&w2, blk + 12, 4);
+    const uint64_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
+    const uint64_t m_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+    *sc = (w0 & 0x3f3f3f3fu) | sc_hi << 32;
+    *m = (w1 & 0x3f3f3f3fu) | m_hi << 32;
 }
 
 /* One k-quant super-block (Q2_K .. Q6_K, IQ4_XS; 256 columns) as integers: w = d * sc[g] *
