@@ -2,7 +2,7 @@
 where the pool's budget ends inside an expert, the pool computes that expert's gate/up rows and
 down columns below the cut, the GPU's mv_* products the rest, and the combine adds both parts.
 Logits as the resident model's within the pool's tolerance (docs/cuda.md), on a 32-column type
-(Q8_0) and two 256-column ones (IQ2_XXS; Q4_K, whose pool rounds activations per 256), with
+(Q8_0) and a 256-column one (Q4_K, whose pool rounds activations per 256: looser bounds), with
 several outputs per warp in the down (the per-row staging of matvec.cu)."""
 from __future__ import annotations
 
@@ -29,17 +29,18 @@ def write_model(path, weight_type: str, hidden: int, expert_ffn: int) -> None:
 
 
 # Per token, max |pool - resident| / max |resident|: (the bound, the share of tokens that must
-# be within it, the share of equal top-1 tokens). IQ2_XXS, a 256-column type whose activations
-# both sides round per 32, keeps Q8_0's bounds. Q4_K's pool rounds them per 256 (fused_k.c,
-# llama.cpp's Q8_K), the GPU per 32, and these models amplify that rounding (the CPU's own
-# change from 32 to 256 moved this model's 16 decode tokens by 0.02-0.03 of the logit scale,
-# one by 0.29): Q4_K is held as the transformers parity holds a quantised model (most rows).
-TOLERANCES = {"q8_0": (3e-2, 1.0, 0.9), "iq2_xxs": (3e-2, 1.0, 0.9), "q4_k": (6e-2, 0.75, 0.8)}
+# be within it, the share of equal top-1 tokens). Q4_K's pool rounds activations per 256
+# columns (fused_k.c, llama.cpp's Q8_K), the GPU per 32, and these models amplify that rounding
+# (the CPU's own change from 32 to 256 moved this model's 16 decode tokens by 0.02-0.03 of the
+# logit scale, one by 0.29; on an H100 host the pool moved one of them by 0.18 and the rows' 90th
+# percentile reached 0.118): Q4_K is held as the transformers parity holds a quantised model,
+# most rows. (The 256-column grid i-quants, rounded per 32 on both sides, get no pool at one row
+# a window: share.SLOW_POOL_TYPES.)
+TOLERANCES = {"q8_0": (3e-2, 1.0, 0.9), "q4_k": (6e-2, 0.75, 0.8)}
 
 
-@pytest.fixture(scope="module", params=[("q8_0", 64, 128, 32), ("iq2_xxs", 256, 512, 256),
-                                        ("q4_k", 256, 512, 256)],
-                ids=["q8_0", "iq2_xxs", "q4_k"])
+@pytest.fixture(scope="module", params=[("q8_0", 64, 128, 32), ("q4_k", 256, 512, 256)],
+                ids=["q8_0", "q4_k"])
 def model_path(request, tmp_path_factory):
     weight_type, hidden, expert_ffn, step = request.param
     path = tmp_path_factory.mktemp("split") / f"tiny-split-{weight_type}.gguf"
