@@ -14,7 +14,8 @@ per second and GB/s of expert bytes, medians of --repeats runs (and the spread).
 --rows-per-expert N,..: prompt-shaped calls instead: N rows, each routed to the same 8 experts,
 so every expert is read once for N rows (what an expert with N rows in a prompt window would
 cost the pool: docs/offload.md, "Tried and dropped"; where the fused kernels give way to the
-tiles: matmul.c's FUSED_MAX_TOKENS); prints experts/s and routed rows/s per N.
+tiles: matmul.c's FUSED_MAX_TOKENS; the k-quants have no tiles, their rows take every N);
+prints experts/s and routed rows/s per N.
 """
 import argparse
 import statistics
