@@ -33,3 +33,25 @@ static inline void bench_random_weights(uint8_t *w, int qtype, int64_t rows, int
             memcpy(w + b * block_bytes + fp16_at[f], &h, 2);
         }
 }
+
+/* The grid i-quants' tables (kernels.pyx hands gguf's to C at import): random entries of the
+ * right shape and range for a timing, and random sign patterns; a no-op for the other types */
+static inline void bench_iq_tables(int qtype) {
+    int n = 0, width = 8, lo = 1, hi = 43;
+    switch (qtype) {
+    case ST_IQ2_XXS: n = 256; break;
+    case ST_IQ2_XS: n = 512; break;
+    case ST_IQ2_S: n = 1024; break;
+    case ST_IQ3_XXS: n = 256; width = 4; hi = 62; break;
+    case ST_IQ3_S: n = 512; width = 4; hi = 15; break;
+    case ST_IQ1_S: case ST_IQ1_M: n = 2048; lo = -1; hi = 1; break;
+    default: return;
+    }
+    int8_t *values = malloc((size_t)n * (size_t)width);
+    uint8_t signs[128];
+    for (int i = 0; i < n * width; i++) values[i] = (int8_t)(lo + rand() % (hi - lo + 1));
+    for (int i = 0; i < 128; i++) signs[i] = (uint8_t)rand();
+    st_set_iq_grid(qtype, values, n, width);
+    st_set_iq_ksigns(signs);
+    free(values);
+}

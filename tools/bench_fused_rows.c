@@ -34,6 +34,7 @@ int main(int argc, char **argv) {
     const int cols = (int)bench_arg(argc, argv, 2, 2048);
     const int shuffle = argc > 4 && strcmp(argv[4], "shuffle") == 0;
     const int qtype = (int)bench_arg(argc, argv, 5, ST_Q4_0);
+    bench_iq_tables(qtype);
     const int block = st_block_size(qtype);
     if (rows < 1 || chunk < 1 || rows % chunk || block < 32 || cols % block) {
         fprintf(stderr, "ROWS must be a multiple of CHUNK, COLS of the type's block\n");

@@ -145,10 +145,13 @@ run_suite() {  # the whole suite on this host (session 97: 4,432 passed in 340 s
             .device/xwheels/*.whl && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/xsite"
     fi
     local workers=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
-    # -p no:benchmark: the image's pytest-benchmark stops xdist; -rfE: each failure's line
-    part "${SUITE_LIMIT:-480}" suite python3 -m pytest -q -p no:benchmark -p no:cacheprovider \
+    # -p no:benchmark: the image's pytest-benchmark stops xdist; -rfE: each failure's line; -v:
+    # each test's outcome as it ends, so a run cut off by the limit still names its failures
+    # (session 100: 420 s ended at 98% with one F and no name)
+    part "${SUITE_LIMIT:-480}" suite python3 -m pytest -v -p no:benchmark -p no:cacheprovider \
         -n "$workers" --dist worksteal -rfE tests
-    grep -E '^(FAILED|ERROR) ' "$OUT/suite.log" | cut -c1-300 | head -n 40
+    grep -E '^(FAILED|ERROR) |\] (FAILED|ERROR) ' "$OUT/suite.log" | cut -c1-300 | head -n 40
+    grep -E '^=+ .*(passed|failed)' "$OUT/suite.log" | tail -n 1
     return "$PART_RC"  # the script's status is pytest's (session 98: 0 after a failure)
 }
 

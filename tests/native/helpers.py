@@ -10,9 +10,9 @@ IQ_GRID_TYPES = (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ
 QUANT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
                T.Q6_K, T.IQ4_XS) + IQ_GRID_TYPES
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-# the k-quants take activations with one scale per 256 columns (quant.h's ST_ACT_K), the other
-# quantised types one per 32
-K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
+# the k-quants and (since session 100) the grid i-quants take activations with one scale per
+# 256 columns (quant.h's ST_ACT_K), the other quantised types one per 32
+K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS) + IQ_GRID_TYPES
 ALL_TYPES = FLOAT_TYPES + QUANT_TYPES
 
 # Byte offsets of the fp16 scale fields in each block: random bytes there give NaN / Inf.

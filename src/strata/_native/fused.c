@@ -328,17 +328,6 @@ static int q8_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int
     if (n_tok < 1 || n_tok > most || !act->is_quant) return 0;
     int64_t tr[4];
     for (int64_t j = 0; j < n_tok; j++) tr[j] = tok ? (int64_t)tok[j] : tok0 + j;
-    float res[4];
-    if (st_block_size(qtype) == 256) {
-        /* the grid i-quants' rows (fused_iq.c): 0 for every row when this build has none */
-        for (int i = 0; i < nr; i++) {
-            if (!st_fused_iq_row(qtype, w + (rb + i) * row_bytes, ST_PREFETCH_ROWS * row_bytes,
-                                 cols, act, tr, (int)n_tok, res))
-                return 0;
-            for (int64_t j = 0; j < n_tok; j++) out[j * ld_out + i] = res[j];
-        }
-        return 1;
-    }
 #if defined(ST_FUSED_BLOCK32)  /* AVX2: every type of 32-column blocks */
     if (st_block_size(qtype) != 32) return 0;
     const int num_groups = act->cols_pad / ST_GROUP;
@@ -383,6 +372,7 @@ static int q8_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int
     }
 #endif
     const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
+    float res[4];
     /* the type a constant of fused_row's loop, as the AVX2 rows' */
 #define ST_ROW_OF(QTYPE)                                                                 \
     do {                                                                                 \
@@ -416,8 +406,8 @@ static int q8_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int
 int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
                   const st_act *act, const int32_t *tok, int64_t tok0, int64_t n_tok,
                   float *out, int64_t ld_out) {
-    if (act->is_quant == ST_ACT_K) {  /* the k-quants: fused_k.c's rows on every build */
-        if (n_tok < 1 || n_tok > 4 || !st_is_k_type(qtype)) return 0;
+    if (act->is_quant == ST_ACT_K) {  /* k- and grid i-quants: fused_k.c's rows, every build */
+        if (n_tok < 1 || n_tok > 4 || st_act_kind(qtype) != ST_ACT_K) return 0;
         st_fused_k_rows(qtype, w, row_bytes, cols, rb, nr, act, tok, tok0, (int)n_tok, out,
                         ld_out);
         return 1;

@@ -1,4 +1,5 @@
-/* The k-quants' products (Q2_K .. Q6_K, IQ4_XS) at every token count: one weight row x 1-4
+/* The k-quants' products (Q2_K .. Q6_K, IQ4_XS; the grid i-quants' too, whose SIMD rows are
+ * fused_iq.c's) at every token count: one weight row x 1-4
  * activation rows of ST_ACT_K (one scale dk per 256 columns, the group sums bs; quant.h),
  * straight from the super-blocks. Per super-block and token the products sum in int32 with the
  * weights' integer scales (and the mins against bs), then convert once:
@@ -9,15 +10,43 @@
  * alike (4 at a time: the row's decoding is shared, the row block stays in L1).
  * One body per instruction set: AVX2 (every x86 build; AVX-VNNI's vpdpwssd sums a factor's
  * products where the build has it), NEON (aarch64; vdotq_s32 where the build has dotprod) and
- * a portable one on st_k_superblock (others). */
+ * a portable one on st_k_superblock / st_iq_superblock (others, and NEON's grid i-quants). */
 #include "quant.h"
 
-/* the activations of up to 4 tokens: q [cols_pad], dk [cols_pad / 256], bs [cols_pad / 16] */
-typedef struct {
-    const int8_t *q[4];
-    const float *dk[4];
-    const int16_t *bs[4];
-} k_tokens;
+typedef st_k_tokens k_tokens;  /* quant.h: q, dk, bs of up to 4 tokens */
+
+/* Portable rows on the super-blocks as integers (st_k_superblock, st_iq_superblock): every
+ * build's k-quants without SIMD rows, and the grid i-quants where fused_iq.c has none */
+__attribute__((unused)) static void sb_row(int qtype, const uint8_t *row, int64_t ahead,
+                                           int cols, const k_tokens *t, int n_tok, float *res) {
+    const int bytes = st_type_size(qtype), has_min = st_has_min(qtype);
+    const int is_iq = st_is_grid_iq(qtype);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int8_t v[256];
+    int16_t sc[16], m[16];
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * bytes;
+        st_prefetch(blk + ahead, bytes);
+        float d, dmin = 0.0f;
+        if (is_iq) d = st_iq_superblock(qtype, blk, v, sc);
+        else st_k_superblock(qtype, blk, v, sc, m, &d, &dmin);
+        for (int c = 0; c < n_tok; c++) {
+            const int8_t *q = t->q[c] + ib * 256;
+            const int16_t *bs = t->bs[c] + ib * 16;
+            int32_t isum = 0, imin = 0;
+            for (int g = 0; g < 16; g++) {
+                int32_t gsum = 0;
+                for (int i = 0; i < 16; i++) gsum += (int32_t)v[16 * g + i] * q[16 * g + i];
+                isum += sc[g] * gsum;
+                if (has_min) imin += m[g] * bs[g];
+            }
+            const float dk = t->dk[c][ib];
+            acc[c] += (float)isum * (d * dk);
+            if (has_min) acc[c] -= (float)imin * (dmin * dk);
+        }
+    }
+    for (int c = 0; c < n_tok; c++) res[c] = acc[c];
+}
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "fused_k_avx2.h"
@@ -49,7 +78,12 @@ static void k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const 
     case ST_Q2_K: K_BY_TOKENS(Q2K); break;
     case ST_Q3_K: K_BY_TOKENS(Q3K); break;
     case ST_Q6_K: K_BY_TOKENS(Q6K); break;
-    default: K_BY_TOKENS(IQ4XS);
+    case ST_IQ4_XS: K_BY_TOKENS(IQ4XS); break;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    default: st_iq_row(qtype, row, ahead, cols, t, n_tok, res);  /* the grid i-quants */
+#else
+    default: sb_row(qtype, row, ahead, cols, t, n_tok, res);     /* no NEON grid rows yet */
+#endif
     }
 #undef Q4K
 #undef Q5K
@@ -59,36 +93,9 @@ static void k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const 
 #undef IQ4XS
 }
 
-#else  /* portable: st_k_superblock's integers */
+#else  /* portable */
 
-static void k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const k_tokens *t,
-                  int n_tok, float *res) {
-    const int bytes = st_type_size(qtype), has_min = st_has_min(qtype);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int8_t v[256];
-    int16_t sc[16], m[16];
-    for (int ib = 0; ib < cols / 256; ib++) {
-        const uint8_t *blk = row + (int64_t)ib * bytes;
-        st_prefetch(blk + ahead, bytes);
-        float d, dmin;
-        st_k_superblock(qtype, blk, v, sc, m, &d, &dmin);
-        for (int c = 0; c < n_tok; c++) {
-            const int8_t *q = t->q[c] + ib * 256;
-            const int16_t *bs = t->bs[c] + ib * 16;
-            int32_t isum = 0, imin = 0;
-            for (int g = 0; g < 16; g++) {
-                int32_t gsum = 0;
-                for (int i = 0; i < 16; i++) gsum += (int32_t)v[16 * g + i] * q[16 * g + i];
-                isum += sc[g] * gsum;
-                imin += m[g] * bs[g];
-            }
-            const float dk = t->dk[c][ib];
-            acc[c] += (float)isum * (d * dk);
-            if (has_min) acc[c] -= (float)imin * (dmin * dk);
-        }
-    }
-    for (int c = 0; c < n_tok; c++) res[c] = acc[c];
-}
+#define k_row sb_row
 
 #endif
 

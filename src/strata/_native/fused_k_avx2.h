@@ -6,45 +6,13 @@
 #include "fused_f16.h"
 #include "lane_sum.h"
 #include "kscales_avx2.h"
+#include "kdot_avx2.h"
 
 /* byte-wise bit n of `bits` moved to bit `to` (value: 1 << to in every byte), 0 elsewhere: a
  * k-quant's extra bit (Q3_K's hmask, Q5_K's qh) joining its low bits (n, to constants) */
 static inline __m256i bit_to(__m256i bits, int n, int to, __m256i value) {
     return _mm256_and_si256(n <= to ? _mm256_slli_epi16(bits, to - n)
                                     : _mm256_srli_epi16(bits, n - to), value);
-}
-
-/* acc + (the [8] int32 lanes: 4 columns each of u * q, each pair of products times its int16
- * factor); u <= 127 unsigned and a pair of products below 32768, so maddubs never saturates */
-static inline __m256i kdot_add(__m256i acc, __m256i u, __m256i q, __m256i f) {
-#if defined(ST_USE_AVXVNNI)
-    return _mm256_dpwssd_avx_epi32(acc, _mm256_maddubs_epi16(u, q), f);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, q), f);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), f));
-#endif
-}
-
-static inline __m256i q_at(const k_tokens *t, int c, int k) {
-    return _mm256_loadu_si256((const __m256i *)(t->q[c] + k));
-}
-
-static inline __m256i bs_at(const k_tokens *t, int c, int ib) {
-    return _mm256_loadu_si256((const __m256i *)(t->bs[c] + ib * 16));  /* [16] int16 */
-}
-
-/* acc[c] += (float)isum[c] * (d * dk) - (float)imin[c] * (dmin * dk), lane-wise: the one
- * conversion of a super-block (imin: the mins' sums, NULL for the types without) */
-ALWAYS_INLINE void k_finish(const int NC, const k_tokens *t, int ib, const __m256i *isum,
-                            const __m256i *imin, float d, float dmin, __m256 *acc) {
-    for (int c = 0; c < NC; c++) {
-        const float dk = t->dk[c][ib];
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), _mm256_set1_ps(d * dk), acc[c]);
-        if (imin)
-            acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[c]), _mm256_set1_ps(dmin * dk),
-                                      acc[c]);
-    }
 }
 
 /* Q4_K / Q5_K: 144- / 176-byte super-blocks, 8 sub-blocks of 32 with a 6-bit scale and min;

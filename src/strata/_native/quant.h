@@ -6,9 +6,10 @@
  * A and B are per group; A is stored per 4-column "lane" (repeated 4 times) so SIMD code
  * can multiply a vector of int32 lane sums by it directly. Activations are quantised like
  * llama.cpp's Q8_0: q[i] = round(x[i] / dx[b]), b = i / 32, dx = max|x| / 127.
- * The k-quants (Q2_K .. Q6_K, IQ4_XS) are never unpacked: their rows (fused_k.c) read the
- * super-blocks as integers (st_k_superblock) against activations quantised like llama.cpp's
- * Q8_K, one scale per 256 columns (ST_ACT_K below).
+ * The k-quants (Q2_K .. Q6_K, IQ4_XS) and the grid i-quants (IQ1_S .. IQ3_S) are never
+ * unpacked for a product: their rows (fused_k.c, fused_iq.c) read the super-blocks as integers
+ * (st_k_superblock, st_iq_superblock) against activations quantised like llama.cpp's Q8_K, one
+ * scale per 256 columns (ST_ACT_K below).
  */
 #pragma once
 #include <stddef.h>
@@ -114,9 +115,10 @@ int st_unpack_row_float_simd(int qtype, const uint8_t *row, int cols, float *w);
 
 /* Activations of T rows, in the form the weight type's dot product needs (st_act_kind):
  * ST_ACT_FLOAT: xf; ST_ACT_Q8: q / dx / xc / xs, one scale per 32 columns (llama.cpp's Q8_0),
- * for the 32-column block types and the grid i-quants; ST_ACT_K: q / dk / bs, one scale per
- * 256 columns (llama.cpp's Q8_K), for the k-quants, whose rows sum a super-block's products in
- * int32 with the weights' integer scales and convert once per 256 columns (fused_k.c). */
+ * for the 32-column block types; ST_ACT_K: q / dk / bs, one scale per 256 columns (llama.cpp's
+ * Q8_K), for the k-quants and the grid i-quants, whose rows sum a super-block's products in
+ * int32 with the weights' integer scales and convert once per 256 columns (fused_k.c,
+ * fused_iq.c). */
 enum { ST_ACT_FLOAT = 0, ST_ACT_Q8 = 1, ST_ACT_K = 2 };
 typedef struct {
     int is_quant;      /* the kind: ST_ACT_FLOAT, ST_ACT_Q8 or ST_ACT_K */
@@ -134,7 +136,8 @@ typedef struct {
 
 /* the activation kind a weight type's products take */
 int st_act_kind(int qtype);
-int st_is_k_type(int qtype);           /* Q2_K .. Q6_K, IQ4_XS: ST_ACT_K */
+int st_is_k_type(int qtype);           /* Q2_K .. Q6_K, IQ4_XS */
+int st_is_grid_iq(int qtype);          /* IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S */
 
 void *st_alloc64(size_t num_bytes);   /* 64-byte aligned, free() it (matmul.c) */
 /* a block of at least `bytes` (64-byte aligned; *capacity: its size), a kept one when one
@@ -170,24 +173,35 @@ int st_fused_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int6
 int st_fused_float_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
                         int nr, const st_act *act, const int32_t *tok, int64_t tok0,
                         int64_t n_tok, float *out, int64_t ld_out);
-/* Rows [rb, rb + nr) of a k-quant (Q2_K .. Q6_K, IQ4_XS) matrix x n_tok (1-4) ST_ACT_K
- * activation rows (tok[j], or tok0 + j where tok is NULL): out[j * ld_out + i] for row rb + i
- * (fused_k.c; every build, every token count: matmul.c takes them 4 tokens at a time). */
+/* Rows [rb, rb + nr) of a matrix of an ST_ACT_K type (the k-quants Q2_K .. Q6_K, IQ4_XS and
+ * the grid i-quants) x n_tok (1-4) ST_ACT_K activation rows (tok[j], or tok0 + j where tok is
+ * NULL): out[j * ld_out + i] for row rb + i (fused_k.c; every build, every token count:
+ * matmul.c takes them 4 tokens at a time). */
 void st_fused_k_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
                      int nr, const st_act *act, const int32_t *tok, int64_t tok0, int n_tok,
                      float *out, int64_t ld_out);
-/* One row of a grid i-quant (IQ1_S .. IQ3_S) matrix x n_tok (1-3) activation rows tr[]
- * (fused_iq.c, AVX2 builds); returns 0 when this build has no fused path for qtype. */
-int st_fused_iq_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_act *act,
-                    const int64_t *tr, int n_tok, float *res);
+/* The activations of up to 4 tokens of an ST_ACT_K act, as the rows read them: q [cols_pad],
+ * dk [cols_pad / 256], bs [cols_pad / 16] */
+typedef struct {
+    const int8_t *q[4];
+    const float *dk[4];
+    const int16_t *bs[4];
+} st_k_tokens;
+/* One row of a grid i-quant matrix x n_tok (1-4) tokens: res[c] (fused_iq.c's SIMD rows;
+ * AVX2 builds only, fused_k.c calls it) */
+void st_iq_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_k_tokens *t,
+               int n_tok, float *res);
 /* One grid i-quant super-block (256 columns) to signed values y[256] and a[16] scales per 16
  * columns (w = a * y; quant_ref.c); st_iq_scales: the scales alone. The tables st_set_iq_grid
  * and st_set_iq_ksigns filled: the grid (8 values per entry, 4 for IQ3_*), the 128 sign
- * bytes, IQ1's values [2 (delta negative)][2048] as 8 bytes each. */
+ * patterns, IQ1's values [2 (delta negative)][2048] as 8 bytes each. */
 void st_unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a);
 void st_iq_scales(int qtype, const uint8_t *blk, float *a);
+/* The same super-block as integers: y[256] and sc[16] (iq_scales.h); returns the multiplier m,
+ * w = m * sc[g] * y[i] */
+float st_iq_superblock(int qtype, const uint8_t *blk, int8_t *y, int16_t *sc);
 const int8_t *st_iq_grid_table(int qtype);
-const uint8_t *st_iq_ksigns_table(void);
+const uint64_t *st_iq_ksigns_pm1_table(void);  /* [128] the sign patterns as 8 bytes of +-1 */
 const uint64_t *st_iq1_values_table(void);
 
 /* out[T, rows] = x[T, cols] @ dequant(w).T, threaded. Returns 0, or -1 on allocation failure. */
@@ -277,7 +291,7 @@ static inline __m256i st_block32_values(int qtype, const uint8_t *blk, int block
 
 #if defined(ST_USE_VNNI512)
 #include <immintrin.h>
-/* The lane arithmetic of every AVX-512 VNNI dot product here (tiles.c, fused.c, fused_iq.c), in
+/* The lane arithmetic of every AVX-512 VNNI dot product here (tiles.c, fused.c), in
  * one place: a token's result must not depend on which of them computed it (test_matmul: alone
  * = batched, bit for bit). 16 int32 lanes of 4 columns each:
  * acc += float(corr + sum(u * q)) * (scale * dx), u unsigned weight bytes, q int8 activations. */

@@ -2,6 +2,7 @@
  * the common (s, A, B) layout of quant.h. Bit layouts follow ggml-quants.c. */
 #include <string.h>
 #include "quant.h"
+#include "iq_scales.h"
 
 #define QK_K 256
 
@@ -10,6 +11,7 @@
 static int8_t grid_iq2xxs[256 * 8], grid_iq2xs[512 * 8], grid_iq2s[1024 * 8];
 static int8_t grid_iq3xxs[256 * 4], grid_iq3s[512 * 4], grid_iq1s[2048 * 8];
 static uint8_t ksigns_iq2[128];
+static uint64_t ksigns_pm1[128];  /* the same patterns as 8 bytes, -1 (bit set) or +1 */
 static int iq_set_mask, ksigns_set;  /* bit (qtype & 31) per grid set */
 /* Unpacking 8 values at a time (SWAR in a u64): sign_mask[b] has byte j 0xFF where bit j of b
  * is set; IQ1's values 8 g + 1 and 8 g - 1 per grid entry */
@@ -61,6 +63,11 @@ int st_set_iq_grid(int qtype, const int8_t *values, int n, int width) {
 
 int st_set_iq_ksigns(const uint8_t *signs) {
     memcpy(ksigns_iq2, signs, 128);
+    for (int i = 0; i < 128; i++) {
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)((signs[i] >> j) & 1 ? 0xFF : 0x01) << (8 * j);
+        ksigns_pm1[i] = v;
+    }
     ksigns_set = 1;
     return 0;
 }
@@ -125,8 +132,14 @@ int st_is_k_type(int qtype) {
            || qtype == ST_Q6_K || qtype == ST_IQ4_XS;
 }
 
+int st_is_grid_iq(int qtype) {
+    return qtype == ST_IQ2_XXS || qtype == ST_IQ2_XS || qtype == ST_IQ2_S || qtype == ST_IQ3_XXS
+           || qtype == ST_IQ3_S || qtype == ST_IQ1_S || qtype == ST_IQ1_M;
+}
+
 int st_act_kind(int qtype) {
-    return st_is_float_type(qtype) ? ST_ACT_FLOAT : st_is_k_type(qtype) ? ST_ACT_K : ST_ACT_Q8;
+    return st_is_float_type(qtype) ? ST_ACT_FLOAT
+           : st_is_k_type(qtype) || st_is_grid_iq(qtype) ? ST_ACT_K : ST_ACT_Q8;
 }
 
 float st_fp16_to_fp32(uint16_t h) {
@@ -216,64 +229,21 @@ const int8_t *st_iq_grid_table(int qtype) {
     return iq_grid(qtype, &n, &width);
 }
 
-const uint8_t *st_iq_ksigns_table(void) { return ksigns_iq2; }
+const uint64_t *st_iq_ksigns_pm1_table(void) { return ksigns_pm1; }
 
 const uint64_t *st_iq1_values_table(void) { return &iq1_values[0][0]; }
 
-/* a[16], one scale per 16 columns, of an i-quant super-block: the factorisation of gguf's
- * dequantize_blocks (w = a * s) rounding as gguf's float ops do. IQ1's dl * (g +- 1/8) is
- * (dl / 8) * (8 g +- 1): a = dl / 8, the same exact product, rounded once. */
+/* a[16], one scale per 16 columns, of an i-quant super-block (w = a * s): m * sc[g] of
+ * iq_scales.h. Each equals gguf's dequantize_blocks' scale, rounded once, as its float ops do
+ * (the factors 1/8, 1/4 are powers of two); IQ1's dl * (g +- 1/8) is (dl / 8) * (8 g +- 1). */
 void st_iq_scales(int qtype, const uint8_t *blk, float *a) {
-    const float d = qtype == ST_IQ1_M ? 0.0f : read_fp16(blk);
-    switch (qtype) {
-    case ST_IQ2_XXS:  /* the top 4 bits of each 32 columns' second u32 */
-    case ST_IQ3_XXS:
-        for (int ib = 0; ib < 8; ib++) {
-            const uint32_t aux = read_u32(blk + (qtype == ST_IQ2_XXS ? 6 + 8 * ib : 66 + 4 * ib));
-            const float db = d * (0.5f + (float)(aux >> 28)) * (qtype == ST_IQ2_XXS ? 0.25f : 0.5f);
-            a[2 * ib] = a[2 * ib + 1] = db;
-        }
-        break;
-    case ST_IQ2_XS:  /* 4 bits per 16 columns */
-    case ST_IQ2_S:
-        for (int g = 0; g < 16; g++) {
-            const int ls = (blk[(qtype == ST_IQ2_XS ? 66 : 74) + g / 2] >> (4 * (g & 1))) & 15;
-            a[g] = d * (0.5f + (float)ls) * 0.25f;
-        }
-        break;
-    case ST_IQ3_S:  /* d * (1 + 2 ls) per 32 */
-        for (int ib = 0; ib < 8; ib++) {
-            const int ls = (blk[106 + ib / 2] >> (4 * (ib & 1))) & 15;
-            a[2 * ib] = a[2 * ib + 1] = d * (float)(1 + 2 * ls);
-        }
-        break;
-    case ST_IQ1_S:  /* per 32: the scale in bits 12-14 of its u16 qh */
-        for (int ib = 0; ib < 8; ib++) {
-            const uint16_t qh = read_u16(blk + 34 + 2 * ib);
-            const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1);
-            a[2 * ib] = a[2 * ib + 1] = dl * 0.125f;
-        }
-        break;
-    case ST_IQ1_M: {  /* d from the top nibbles of the 4 u16 scales; 3-bit scales per 16 */
-        uint16_t sc[4];
-        for (int i = 0; i < 4; i++) sc[i] = read_u16(blk + 48 + 2 * i);
-        const uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0)
-                                          | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
-        const float dm = st_fp16_to_fp32(dbits);
-        for (int g = 0; g < 16; g++) {
-            const int ls = (sc[g / 4] >> (3 * (g & 3))) & 7;
-            a[g] = dm * (float)(2 * ls + 1) * 0.125f;
-        }
-        break;
-    }
-    default:
-        break;
-    }
+    int16_t sc[16];
+    const float m = st_iq_int_scales(qtype, blk, sc);
+    for (int g = 0; g < 16; g++) a[g] = m * (float)sc[g];
 }
 
-/* One i-quant super-block (256 columns) to y[256] signed values and a[16] (st_iq_scales). */
-void st_unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
-    st_iq_scales(qtype, blk, a);
+/* One i-quant super-block's y[256] signed values */
+static void iq_values(int qtype, const uint8_t *blk, int8_t *y) {
     switch (qtype) {
     case ST_IQ2_XXS:  /* per 32: u32 of 4 grid bytes, u32 of 4 x 7 sign bits | scale << 28 */
         for (int ib = 0; ib < 8; ib++) {
@@ -336,6 +306,16 @@ void st_unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
     default:
         break;
     }
+}
+
+void st_unpack_iq(int qtype, const uint8_t *blk, int8_t *y, float *a) {
+    st_iq_scales(qtype, blk, a);
+    iq_values(qtype, blk, y);
+}
+
+float st_iq_superblock(int qtype, const uint8_t *blk, int8_t *v, int16_t *sc) {
+    iq_values(qtype, blk, v);
+    return st_iq_int_scales(qtype, blk, sc);
 }
 
 void st_k_superblock(int qtype, const uint8_t *blk, int8_t *v, int16_t *sc, int16_t *m,

@@ -9,6 +9,9 @@ B32_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl")
 # the grid i-quants (256-column super-blocks: common.cuh's iq_group, mmq_k.cu's tiles)
 IQ_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0") + K_TYPES + B32_TYPES + IQ_TYPES
+# the types whose activations the CPU quantises per 256 columns (quant.h's ST_ACT_K: the
+# k-quants since session 99, the grid i-quants since 100), where the GPU's are per 32
+ACT256_TYPES = K_TYPES + IQ_TYPES
 K_QUANT_OVERRIDES = {"hidden": 256, "expert_ffn": 256, "head_dim": 64}
 
 

@@ -10,7 +10,7 @@ from strata.backends.cpu import CpuModel
 from strata.backends.window import Window
 from strata.model.gguf_file import GGUFModel
 
-from cuda_synth import FALLBACK_TYPES, K_TYPES, TYPES, fallback_overrides
+from cuda_synth import ACT256_TYPES, FALLBACK_TYPES, TYPES, fallback_overrides
 
 pytestmark = pytest.mark.cuda
 
@@ -28,12 +28,13 @@ FLOAT_TYPES = ("f32", "f16", "bf16")
 # and the top-1 token equal on 90% of rows.
 FLOAT_TOLERANCE = 1e-4
 QUANT_TOLERANCE = 3e-2
-# Files with k-quant tensors: the CPU quantises their activations per 256 columns (llama.cpp's
-# Q8_K: fused_k.c), the GPU per 32 (as llama.cpp's CUDA), so even the first row differs by that
-# rounding, amplified as above. Measured on these models as the CPU's own change from 32 to 256
-# (session 99): first row 1.1e-2 .. 2.3e-2, 90th percentile 1.9e-2 .. 3.6e-2, top-1 equal on
-# 87-100% of rows. The kernels on each side equal their float64 references (tests/native,
-# test_cuda_kernels.py); these bounds catch a wrong layer, not a rounding.
+# Files with k-quant (or, since session 100, grid i-quant) tensors: the CPU quantises their
+# activations per 256 columns (llama.cpp's Q8_K: fused_k.c, fused_iq.c), the GPU per 32 (as
+# llama.cpp's CUDA), so even the first row differs by that rounding, amplified as above.
+# Measured on these models as the CPU's own change from 32 to 256 (session 99): first row
+# 1.1e-2 .. 2.3e-2, 90th percentile 1.9e-2 .. 3.6e-2, top-1 equal on 87-100% of rows. The
+# kernels on each side equal their float64 references (tests/native, test_cuda_kernels.py);
+# these bounds catch a wrong layer, not a rounding.
 K_FIRST_TOLERANCE = 5e-2
 K_TOLERANCE = 6e-2
 K_TOP1 = 0.8
@@ -59,7 +60,7 @@ def _tokens(n, vocab, seed):
 def test_logits_match_cpu(synth_path, shape, weight_type):
     cpu, gpu = _pair(synth_path, shape, weight_type)
     _check_logits(cpu, gpu, f"{shape} {weight_type}", weight_type in FLOAT_TYPES,
-                  weight_type in K_TYPES)
+                  weight_type in ACT256_TYPES)
 
 
 @pytest.mark.parametrize("weight_type", sorted(FALLBACK_TYPES))
@@ -148,7 +149,7 @@ def test_greedy_64_tokens_agree(synth_path, shape, weight_type):
         got = _greedy(gpu, gpu.new_kv(128), prompt, 64, forced=want)
         agree = sum(a == b for a, b in zip(got, want))
         print(f"{shape} {weight_type}: teacher-forced argmax equal on {agree} of 64 steps")
-        assert agree >= (K_FORCED_AGREE if weight_type in K_TYPES else 60)
+        assert agree >= (K_FORCED_AGREE if weight_type in ACT256_TYPES else 60)
     else:
         got = _greedy(gpu, gpu.new_kv(128), prompt, 64)
         assert got == want
