@@ -190,4 +190,87 @@ void st_iq_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_
 }
 #undef IQ_BY_TOKENS
 
+/* Many tokens (matmul.c: 8 and more) against the same rows: each row's super-blocks decoded
+ * once (st_iq_superblock) into scratch, [nr] x (y [ncp] int8, sc [ncp / 16] int16, m [ncp / 256]
+ * float), then 4 tokens a pass over the integers. The products are row_iq's: |y| is its grid
+ * magnitude (no grid value is 0) and q signed by y its signed q, in the same lanes, summed in
+ * int32 (exact in any order) and converted per super-block in the same steps, so a token's
+ * result is bit for bit the one it gets from row_iq in a smaller batch. */
+static inline int64_t unpacked_row_bytes(int cols) {
+    return (int64_t)cols + cols / 16 * 2 + cols / 256 * 4;
+}
+
+int st_iq_unpack_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
+                      int nr, void *scratch) {
+    if (!st_is_grid_iq(qtype)) return 0;
+    const int bytes = st_type_size(qtype);
+    for (int i = 0; i < nr; i++) {
+        const uint8_t *row = w + (rb + i) * row_bytes;
+        int8_t *y = (int8_t *)scratch + i * unpacked_row_bytes(cols);
+        int16_t *sc = (int16_t *)(y + cols);
+        float *m = (float *)(sc + cols / 16);
+        for (int ib = 0; ib < cols / 256; ib++) {
+            float mb = st_iq_superblock(qtype, row + (int64_t)ib * bytes, y + 256 * ib,
+                                        sc + 16 * ib);
+            memcpy(m + ib, &mb, 4);
+        }
+    }
+    return 1;
+}
+
+ALWAYS_INLINE void unpacked_row(const int NC, const int8_t *y, int cols, const st_k_tokens *t,
+                                float *res) {
+    const int16_t *sc = (const int16_t *)(y + cols);
+    const uint8_t *m = (const uint8_t *)(sc + cols / 16);
+    __m256 acc[4];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+    for (int ib = 0; ib < cols / 256; ib++) {
+        __m256i isum[4];
+        for (int c = 0; c < NC; c++) isum[c] = _mm256_setzero_si256();
+        for (int b = 0; b < 8; b++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(y + 256 * ib + 32 * b));
+            const __m256i u = _mm256_sign_epi8(v, v);
+            const __m256i f = _mm256_set_m128i(_mm_set1_epi16(sc[16 * ib + 2 * b + 1]),
+                                               _mm_set1_epi16(sc[16 * ib + 2 * b]));
+            for (int c = 0; c < NC; c++)
+                isum[c] = kdot_add(isum[c], u, _mm256_sign_epi8(q_at(t, c, ib * 256 + 32 * b), v),
+                                   f);
+        }
+        float mb;
+        memcpy(&mb, m + 4 * ib, 4);
+        k_finish(NC, t, ib, isum, NULL, mb, 0.0f, acc);
+    }
+    for (int c = 0; c < NC; c++) res[c] = hsum8(acc[c]);
+}
+
+void st_iq_unpacked_rows(const void *scratch, int cols, int nr, const st_act *act,
+                         const int32_t *tok, int64_t tok0, int n_tok, float *out, int64_t ld_out) {
+    st_k_tokens tk;
+    const st_k_tokens *t = &tk;
+    st_k_tokens_at(act, tok, tok0, n_tok, &tk);
+    float res[4];
+    for (int i = 0; i < nr; i++) {
+        const int8_t *y = (const int8_t *)scratch + i * unpacked_row_bytes(cols);
+        if (n_tok == 1) unpacked_row(1, y, cols, t, res);
+        else if (n_tok == 2) unpacked_row(2, y, cols, t, res);
+        else if (n_tok == 3) unpacked_row(3, y, cols, t, res);
+        else unpacked_row(4, y, cols, t, res);
+        for (int c = 0; c < n_tok; c++) out[c * ld_out + i] = res[c];
+    }
+}
+
+#else
+
+int st_iq_unpack_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
+                      int nr, void *scratch) {
+    (void)qtype; (void)w; (void)row_bytes; (void)cols; (void)rb; (void)nr; (void)scratch;
+    return 0;  /* fused_k.c's portable rows decode each row per pass */
+}
+
+void st_iq_unpacked_rows(const void *scratch, int cols, int nr, const st_act *act,
+                         const int32_t *tok, int64_t tok0, int n_tok, float *out, int64_t ld_out) {
+    (void)scratch; (void)cols; (void)nr; (void)act; (void)tok; (void)tok0; (void)n_tok;
+    (void)out; (void)ld_out;
+}
+
 #endif

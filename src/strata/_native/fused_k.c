@@ -99,17 +99,22 @@ static void k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const 
 
 #endif
 
+void st_k_tokens_at(const st_act *act, const int32_t *tok, int64_t tok0, int n_tok,
+                    st_k_tokens *t) {
+    const int ncp = act->cols_pad;
+    for (int c = 0; c < n_tok; c++) {
+        const int64_t tr = tok ? (int64_t)tok[c] : tok0 + c;
+        t->q[c] = act->q + tr * ncp;
+        t->dk[c] = act->dk + tr * ((ncp + 255) / 256);
+        t->bs[c] = act->bs + tr * (ncp / ST_GROUP);
+    }
+}
+
 void st_fused_k_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
                      int nr, const st_act *act, const int32_t *tok, int64_t tok0, int n_tok,
                      float *out, int64_t ld_out) {
-    const int ncp = act->cols_pad;
     k_tokens t;
-    for (int c = 0; c < n_tok; c++) {
-        const int64_t tr = tok ? (int64_t)tok[c] : tok0 + c;
-        t.q[c] = act->q + tr * ncp;
-        t.dk[c] = act->dk + tr * ((ncp + 255) / 256);
-        t.bs[c] = act->bs + tr * (ncp / ST_GROUP);
-    }
+    st_k_tokens_at(act, tok, tok0, n_tok, &t);
     const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
     float res[4];
     for (int i = 0; i < nr; i++) {

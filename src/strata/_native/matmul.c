@@ -403,10 +403,18 @@ static void gemm_block(int qtype, const uint8_t *w, int64_t row_bytes, int cols,
         /* the k-quants: their rows 4 tokens at a time at every count (fused_k.c), each row's
          * decoding shared by the 4, the row block in L1 from the second group on; 1.6x the
          * unpacked tiles at 64 tokens (Q4_K, one thread, AVX2 EPYC) */
+        /* the grid i-quants' rows decoded once for 8 tokens and more (their grid lookups
+         * cost a pass more than its products; the same bits as the rows: fused_iq.c) */
+        const int unpacked = n_tok >= 8
+            && st_iq_unpack_rows(qtype, w, row_bytes, cols, rb, nr, scratch);
         for (int64_t j = 0; j < n_tok; j += 4) {
             const int g = n_tok - j < 4 ? (int)(n_tok - j) : 4;
-            st_fused_k_rows(qtype, w, row_bytes, cols, rb, nr, act, tok ? tok + j : NULL,
-                            tok0 + j, g, out + j * ld_out, ld_out);
+            if (unpacked)
+                st_iq_unpacked_rows(scratch, cols, nr, act, tok ? tok + j : NULL, tok0 + j, g,
+                                    out + j * ld_out, ld_out);
+            else
+                st_fused_k_rows(qtype, w, row_bytes, cols, rb, nr, act, tok ? tok + j : NULL,
+                                tok0 + j, g, out + j * ld_out, ld_out);
         }
         return;
     }

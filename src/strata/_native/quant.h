@@ -187,10 +187,21 @@ typedef struct {
     const float *dk[4];
     const int16_t *bs[4];
 } st_k_tokens;
+/* t for tokens tok[0 .. n_tok) of act (tok0 + c where tok is NULL; fused_k.c) */
+void st_k_tokens_at(const st_act *act, const int32_t *tok, int64_t tok0, int n_tok,
+                    st_k_tokens *t);
 /* One row of a grid i-quant matrix x n_tok (1-4) tokens: res[c] (fused_iq.c's SIMD rows;
  * AVX2 builds only, fused_k.c calls it) */
 void st_iq_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_k_tokens *t,
                int n_tok, float *res);
+/* The same products for many tokens: rows [rb, rb + nr) (nr <= 16) decoded once into scratch
+ * (st_scratch_bytes(qtype, cols) bytes; returns 0, nothing written, where the build has no
+ * such path or qtype is no grid i-quant), then each group of 1-4 tokens against them:
+ * out[c * ld_out + i], bit for bit st_iq_row's results (fused_iq.c). */
+int st_iq_unpack_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
+                      int nr, void *scratch);
+void st_iq_unpacked_rows(const void *scratch, int cols, int nr, const st_act *act,
+                         const int32_t *tok, int64_t tok0, int n_tok, float *out, int64_t ld_out);
 /* One grid i-quant super-block (256 columns) to signed values y[256] and a[16] scales per 16
  * columns (w = a * y; quant_ref.c); st_iq_scales: the scales alone. The tables st_set_iq_grid
  * and st_set_iq_ksigns filled: the grid (8 values per entry, 4 for IQ3_*), the 128 sign
