@@ -18,7 +18,10 @@ T = gguf.GGMLQuantizationType
 HIDDEN, NUM_EXPERTS, TOP_K, EXPERT_WIDTH = 1024, 64, 8, 512
 _FP16_FIELDS = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
                 T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,),
-                T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+                T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+                # the grid i-quants (IQ1_M's d is in its scales' top bits: random, for timing)
+                T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
+                T.IQ1_S: (0,), T.IQ1_M: ()}
 
 
 def random_weight(rng, qtype, rows, cols):

@@ -10,7 +10,7 @@ from strata.backends.cpu import CpuModel
 from strata.backends.window import Window
 from strata.model.gguf_file import GGUFModel
 
-from cuda_synth import ACT256_TYPES, FALLBACK_TYPES, TYPES, fallback_overrides
+from cuda_synth import ACT256_TYPES, FALLBACK_TYPES, IQ_TYPES, TYPES, fallback_overrides
 
 pytestmark = pytest.mark.cuda
 
@@ -38,6 +38,13 @@ QUANT_TOLERANCE = 3e-2
 K_FIRST_TOLERANCE = 5e-2
 K_TOLERANCE = 6e-2
 K_TOP1 = 0.8
+# The grid i-quant files (2-3 bit) turn that rounding into a jump on more rows. The CPU's own
+# change from 32 to 256 on these models (session 100, the CPU machine) left 86-100% of rows
+# within K_TOLERANCE (80th percentile 2.3e-2 .. 3.9e-2, 90th up to 0.13), the first row within
+# 2.4e-2 and top-1 equal on 83-100%; the H100 host's CUDA logits (per 32, as the CPU's were)
+# gave the same figures (tiny iq2_xs: 90th percentile 0.133; tiny-qwen2moe iq2_s 0.098). So
+# they hold 80% of rows within K_TOLERANCE.
+K_SHARE, IQ_SHARE = 90, 80  # percentiles of the rows
 _models: dict = {}
 
 
@@ -60,7 +67,7 @@ def _tokens(n, vocab, seed):
 def test_logits_match_cpu(synth_path, shape, weight_type):
     cpu, gpu = _pair(synth_path, shape, weight_type)
     _check_logits(cpu, gpu, f"{shape} {weight_type}", weight_type in FLOAT_TYPES,
-                  weight_type in ACT256_TYPES)
+                  weight_type in ACT256_TYPES, IQ_SHARE if weight_type in IQ_TYPES else K_SHARE)
 
 
 @pytest.mark.parametrize("weight_type", sorted(FALLBACK_TYPES))
@@ -84,7 +91,8 @@ def test_k_quant_file_with_fallback_types_matches_cpu(tmp_path_factory, shape, w
     _check_logits(cpu, gpu, f"{shape} {weight_type} (96-column rows)", False, True)
 
 
-def _check_logits(cpu, gpu, label: str, is_float: bool, has_k: bool = False) -> None:
+def _check_logits(cpu, gpu, label: str, is_float: bool, has_k: bool = False,
+                  k_share: int = K_SHARE) -> None:
     vocab = cpu.spec.vocab
     kc, kg = cpu.new_kv(128, dtype=np.float16), gpu.new_kv(128)
     prompt = _tokens(23, vocab, seed=1)
@@ -107,7 +115,7 @@ def _check_logits(cpu, gpu, label: str, is_float: bool, has_k: bool = False) -> 
         assert all(same_top1)
     elif has_k:
         assert errors[0] < K_FIRST_TOLERANCE
-        assert np.percentile(errors, 90) < K_TOLERANCE
+        assert np.percentile(errors, k_share) < K_TOLERANCE
         assert np.mean(same_top1) >= K_TOP1
     else:
         assert errors[0] < FLOAT_TOLERANCE

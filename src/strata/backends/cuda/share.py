@@ -32,7 +32,8 @@ DECODE_EXPERT_ROWS = 16
 # VNNI) a row costs 2-4x a Q4_K row per call, so the pool reads them at ~9 GB/s beside the GPU's
 # 50: synth qwen3-30b-a3b at IQ2_XXS with every expert in RAM decoded (H200, AVX-512 rows)
 # 49.3 tokens/s at 1, 48.9 at 0.8, 47.9 at 0.7, 46.1 at 0.6 and 40.2 at 0.5 (docs/offload.md).
-# So with no calibration such a model reads every miss over PCIe.
+# So with no calibration such a model reads every miss over PCIe. (Session 100's integer rows,
+# 1.3-1.6x those on an AVX2 EPYC, are not measured against PCIe yet.)
 SLOW_POOL_TYPES = frozenset({16, 17, 18, 19, 21, 22, 29})
 
 
