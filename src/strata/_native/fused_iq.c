@@ -11,8 +11,8 @@
  *   acc += m * dk * sum_i sc[g] * y[i] * q[i]
  * (llama.cpp's Q8_K dots), where before session 100 the rows scaled the activations per 32
  * columns and converted, scaled and FMA'd every 32. Each token's arithmetic is its own, so a
- * token's result never depends on the tokens beside it. Builds without AVX2 take fused_k.c's
- * portable rows on st_iq_superblock. */
+ * token's result never depends on the tokens beside it. NEON builds take fused_k_neon.h's
+ * row_iq_grid, the others fused_k.c's portable rows, both on st_iq_superblock. */
 #include <string.h>
 #include "quant.h"
 #include "iq_scales.h"

@@ -10,13 +10,14 @@
  * alike (4 at a time: the row's decoding is shared, the row block stays in L1).
  * One body per instruction set: AVX2 (every x86 build; AVX-VNNI's vpdpwssd sums a factor's
  * products where the build has it), NEON (aarch64; vdotq_s32 where the build has dotprod) and
- * a portable one on st_k_superblock / st_iq_superblock (others, and NEON's grid i-quants). */
+ * a portable one on st_k_superblock / st_iq_superblock (others). The grid i-quants' AVX2 rows
+ * are fused_iq.c's; NEON's decode them with st_iq_superblock (fused_k_neon.h). */
 #include "quant.h"
 
 typedef st_k_tokens k_tokens;  /* quant.h: q, dk, bs of up to 4 tokens */
 
-/* Portable rows on the super-blocks as integers (st_k_superblock, st_iq_superblock): every
- * build's k-quants without SIMD rows, and the grid i-quants where fused_iq.c has none */
+/* Portable rows on the super-blocks as integers (st_k_superblock, st_iq_superblock): the
+ * builds without AVX2 or NEON */
 __attribute__((unused)) static void sb_row(int qtype, const uint8_t *row, int64_t ahead,
                                            int cols, const k_tokens *t, int n_tok, float *res) {
     const int bytes = st_type_size(qtype), has_min = st_has_min(qtype);
@@ -82,7 +83,9 @@ static void k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     default: st_iq_row(qtype, row, ahead, cols, t, n_tok, res);  /* the grid i-quants */
 #else
-    default: sb_row(qtype, row, ahead, cols, t, n_tok, res);     /* no NEON grid rows yet */
+#define IQG(NC) row_iq_grid(NC, qtype, row, ahead, cols, t, res)
+    default: K_BY_TOKENS(IQG);                                     /* the grid i-quants */
+#undef IQG
 #endif
     }
 #undef Q4K

@@ -261,3 +261,30 @@ ALWAYS_INLINE void row_iq4xs(const int NC, const uint8_t *row, int64_t ahead, in
     }
     for (int c = 0; c < NC; c++) res[c] = vaddvq_f32(acc[c]);
 }
+
+/* The grid i-quants (IQ1_S .. IQ3_S): each super-block decoded once for the NC tokens by the
+ * portable st_iq_superblock (signed values y [256], integer factors sc [16] and the multiplier
+ * m; no NEON decode of their grid lookups yet), then per 16 columns dot16 times the group's
+ * factor: a lane sums 4 products <= 62 * 127, times a factor <= 31, over 16 groups (< 2^24). */
+ALWAYS_INLINE void row_iq_grid(const int NC, int qtype, const uint8_t *row, int64_t ahead,
+                               int cols, const k_tokens *t, float *res) {
+    const int bytes = st_type_size(qtype);
+    float32x4_t acc[4];
+    for (int c = 0; c < NC; c++) acc[c] = vdupq_n_f32(0.0f);
+    int8_t y[256];
+    int16_t sc[16];
+    for (int ib = 0; ib < cols / 256; ib++) {
+        const uint8_t *blk = row + (int64_t)ib * bytes;
+        st_prefetch(blk + ahead, bytes);
+        const float m = st_iq_superblock(qtype, blk, y, sc);
+        int32x4_t isum[4];
+        for (int c = 0; c < NC; c++) isum[c] = vdupq_n_s32(0);
+        for (int g = 0; g < 16; g++) {
+            const int8x16_t v = vld1q_s8(y + 16 * g);
+            for (int c = 0; c < NC; c++)
+                isum[c] = vmlaq_n_s32(isum[c], dot16(v, q_at(t, c, ib * 256 + 16 * g)), sc[g]);
+        }
+        k_finish(NC, t, ib, isum, NULL, m, 0.0f, acc);
+    }
+    for (int c = 0; c < NC; c++) res[c] = vaddvq_f32(acc[c]);
+}
