@@ -1,5 +1,5 @@
 /* What every SIMD fused decode row reads its scales with (fused.c, and fused_k.c / fused_iq.c
- * through fused_avx2.h / fused_avx512.h): an fp16 at any address, by F16C, and the attribute
+ * through kdot_avx2.h / fused_k_avx2.h): an fp16 at any address, by F16C, and the attribute
  * of their always-inlined helpers. Include only under __F16C__. */
 #pragma once
 #include <stdint.h>

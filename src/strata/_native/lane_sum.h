@@ -1,5 +1,5 @@
 /* The tiles' order of summing the 8 float lanes of an AVX register: every AVX2 product that
- * must equal the tiles bit for bit (tiles.c, fused.c, fused_avx2.h) sums with this one. And the
+ * must equal the tiles bit for bit (tiles.c, fused.c) sums with this one. And the
  * int32 lane sums of the AVX2 rows. */
 #pragma once
 #include "quant.h"
