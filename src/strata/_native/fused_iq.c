@@ -4,8 +4,9 @@
  * calls st_iq_row; the rows of the 1-3 bit files that put a Qwen3-235B-A22B in 64-96 GB of RAM).
  *
  * Per 32 columns (`values32`) the grid entries go straight into a vector (4 table loads of 8
- * bytes) with, for IQ2_* / IQ3_*, their 32 sign bits, which sign the activations:
- * maddubs(grid, sign(q)); IQ1's values (8 g +- 1) come signed from its [delta sign][index] table
+ * bytes) with, for IQ2_* / IQ3_*, their signs as +-1 bytes (the 7-bit patterns of IQ2_XXS /
+ * IQ2_XS / IQ3_XXS from a table of 8 bytes each; IQ2_S / IQ3_S's 32 stored bits spread), which
+ * sign the activations: maddubs(grid, sign(q)); IQ1's values (8 g +- 1) come signed from its [delta sign][index] table
  * and lend their signs to q the same way. The pairs' sums times the scales' integer factors
  * (iq_scales.h: 2 ls + 1 and the like) add up in int32 over the super-block, and convert once:
  *   acc += m * dk * sum_i sc[g] * y[i] * q[i]
@@ -191,10 +192,10 @@ void st_iq_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_
 #undef IQ_BY_TOKENS
 
 /* Many tokens (matmul.c: 8 and more) against the same rows: each row's super-blocks decoded
- * once (st_iq_superblock) into scratch, [nr] x (y [ncp] int8, sc [ncp / 16] int16, m [ncp / 256]
- * float), then 4 tokens a pass over the integers. The products are row_iq's: |y| is its grid
- * magnitude (no grid value is 0) and q signed by y its signed q, in the same lanes, summed in
- * int32 (exact in any order) and converted per super-block in the same steps, so a token's
+ * once (st_iq_superblock) into scratch, [nr] x (y [cols] int8, sc [cols / 16] int16,
+ * m [cols / 256] float), then 4 tokens a pass over the integers. The products are row_iq's:
+ * |y| is its grid magnitude and q signed by y its signed q (where y is 0 both products are 0),
+ * in the same lanes, summed in int32 (exact in any order) and converted per super-block in the same steps, so a token's
  * result is bit for bit the one it gets from row_iq in a smaller batch. */
 static inline int64_t unpacked_row_bytes(int cols) {
     return (int64_t)cols + cols / 16 * 2 + cols / 256 * 4;
