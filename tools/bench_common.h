@@ -35,7 +35,8 @@ static inline void bench_random_weights(uint8_t *w, int qtype, int64_t rows, int
 }
 
 /* The grid i-quants' tables (kernels.pyx hands gguf's to C at import): random entries of the
- * right shape and range for a timing, and random sign patterns; a no-op for the other types */
+ * right shape and range for a timing, and gguf's sign patterns (7 bits and their parity); a
+ * no-op for the other types */
 static inline void bench_iq_tables(int qtype) {
     int n = 0, width = 8, lo = 1, hi = 43;
     switch (qtype) {
@@ -50,7 +51,7 @@ static inline void bench_iq_tables(int qtype) {
     int8_t *values = malloc((size_t)n * (size_t)width);
     uint8_t signs[128];
     for (int i = 0; i < n * width; i++) values[i] = (int8_t)(lo + rand() % (hi - lo + 1));
-    for (int i = 0; i < 128; i++) signs[i] = (uint8_t)rand();
+    for (int i = 0; i < 128; i++) signs[i] = (uint8_t)(i | (__builtin_parity((unsigned)i) << 7));
     st_set_iq_grid(qtype, values, n, width);
     st_set_iq_ksigns(signs);
     free(values);

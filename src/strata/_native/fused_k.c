@@ -80,11 +80,9 @@ static void k_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const 
     case ST_Q3_K: K_BY_TOKENS(Q3K); break;
     case ST_Q6_K: K_BY_TOKENS(Q6K); break;
     case ST_IQ4_XS: K_BY_TOKENS(IQ4XS); break;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    default: st_iq_row(qtype, row, ahead, cols, t, n_tok, res);  /* the grid i-quants */
-#else
+#if defined(__ARM_NEON) && defined(__aarch64__)
 #define IQG(NC) row_iq_grid(NC, qtype, row, ahead, cols, t, res)
-    default: K_BY_TOKENS(IQG);                                     /* the grid i-quants */
+    default: K_BY_TOKENS(IQG);  /* the grid i-quants (AVX2: st_iq_rows, a block at a time) */
 #undef IQG
 #endif
     }
@@ -118,6 +116,12 @@ void st_fused_k_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, i
                      float *out, int64_t ld_out) {
     k_tokens t;
     st_k_tokens_at(act, tok, tok0, n_tok, &t);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (st_is_grid_iq(qtype)) {  /* fused_iq.c's rows */
+        st_iq_rows(qtype, w, row_bytes, cols, rb, nr, &t, n_tok, out, ld_out);
+        return;
+    }
+#endif
     const int64_t ahead = ST_PREFETCH_ROWS * row_bytes;
     float res[4];
     for (int i = 0; i < nr; i++) {

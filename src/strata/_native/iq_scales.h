@@ -20,6 +20,22 @@ static inline uint16_t st_iq_u16(const uint8_t *p) {
     return v;
 }
 
+/* an fp16 as float, inline where the build has an instruction for it: the rows call this once
+ * per super-block, and quant_ref.c's st_fp16_to_fp32 out of line cost them a call (spilling
+ * every vector register) each time */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float st_iq_half(uint16_t h) { return _cvtsh_ss(h); }
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+static inline float st_iq_half(uint16_t h) {
+    __fp16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+#else
+static inline float st_iq_half(uint16_t h) { return st_fp16_to_fp32(h); }
+#endif
+
 /* sc[16] (1 .. 31) per 16 columns of super-block blk; returns m */
 static inline float st_iq_int_scales(const int qtype, const uint8_t *blk, int16_t *sc) {
     switch (qtype) {
@@ -29,30 +45,30 @@ static inline float st_iq_int_scales(const int qtype, const uint8_t *blk, int16_
             const uint32_t aux = st_iq_u32(blk + (qtype == ST_IQ2_XXS ? 6 + 8 * ib : 66 + 4 * ib));
             sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
         }
-        return st_fp16_to_fp32(st_iq_u16(blk)) * (qtype == ST_IQ2_XXS ? 0.125f : 0.25f);
+        return st_iq_half(st_iq_u16(blk)) * (qtype == ST_IQ2_XXS ? 0.125f : 0.25f);
     case ST_IQ2_XS:  /* 4 bits per 16 columns: (2 ls + 1) / 8 */
     case ST_IQ2_S:
         for (int g = 0; g < 16; g++)
             sc[g] = (int16_t)(2 * ((blk[(qtype == ST_IQ2_XS ? 66 : 74) + g / 2] >> (4 * (g & 1)))
                                    & 15) + 1);
-        return st_fp16_to_fp32(st_iq_u16(blk)) * 0.125f;
+        return st_iq_half(st_iq_u16(blk)) * 0.125f;
     case ST_IQ3_S:  /* 4 bits per 32: 1 + 2 ls */
         for (int ib = 0; ib < 8; ib++)
             sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(1 + 2 * ((blk[106 + ib / 2] >> (4 * (ib & 1)))
                                                               & 15));
-        return st_fp16_to_fp32(st_iq_u16(blk));
+        return st_iq_half(st_iq_u16(blk));
     case ST_IQ1_S:  /* per 32: bits 12-14 of its u16 qh; values 8 g +- 1, so (2 ls + 1) / 8 */
         for (int ib = 0; ib < 8; ib++)
             sc[2 * ib] = sc[2 * ib + 1] =
                 (int16_t)(2 * ((st_iq_u16(blk + 34 + 2 * ib) >> 12) & 7) + 1);
-        return st_fp16_to_fp32(st_iq_u16(blk)) * 0.125f;
+        return st_iq_half(st_iq_u16(blk)) * 0.125f;
     default: {  /* ST_IQ1_M: 3 bits per 16 in 4 u16, whose top nibbles hold the fp16 d */
         uint16_t w[4];
         for (int i = 0; i < 4; i++) w[i] = st_iq_u16(blk + 48 + 2 * i);
         for (int g = 0; g < 16; g++) sc[g] = (int16_t)(2 * ((w[g / 4] >> (3 * (g & 3))) & 7) + 1);
         const uint16_t d = (uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0xF0) | ((w[2] >> 4) & 0xF00)
                                       | (w[3] & 0xF000));
-        return st_fp16_to_fp32(d) * 0.125f;
+        return st_iq_half(d) * 0.125f;
     }
     }
 }

@@ -62,7 +62,9 @@ static inline void st_prefetch(const uint8_t *p, int64_t num_bytes) {
 /* Type table. The grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) are
  * supported once their tables are set (kernels.pyx does it at import, from gguf's tables through
  * strata/model/iq_grids.py): st_set_iq_grid copies values [n, width] (width 8, or 4 for the
- * IQ3 types) for qtype; st_set_iq_ksigns the 128 sign patterns. Returns 0, -1 on a bad shape. */
+ * IQ3 types) for qtype; st_set_iq_ksigns the 128 sign patterns (gguf's: the 7 index bits and
+ * their parity as bit 7, which the rules that compute them rely on). Returns 0, -1 on a bad
+ * shape or pattern. */
 int st_set_iq_grid(int qtype, const int8_t *values, int n, int width);
 int st_set_iq_ksigns(const uint8_t *signs);
 int st_is_supported(int qtype);
@@ -190,14 +192,14 @@ typedef struct {
 /* t for tokens tok[0 .. n_tok) of act (tok0 + c where tok is NULL; fused_k.c) */
 void st_k_tokens_at(const st_act *act, const int32_t *tok, int64_t tok0, int n_tok,
                     st_k_tokens *t);
-/* One row of a grid i-quant matrix x n_tok (1-4) tokens: res[c] (fused_iq.c's SIMD rows;
- * AVX2 builds only, fused_k.c calls it) */
-void st_iq_row(int qtype, const uint8_t *row, int64_t ahead, int cols, const st_k_tokens *t,
-               int n_tok, float *res);
+/* Rows [rb, rb + nr) of a grid i-quant matrix x n_tok (1-4) tokens: out[c * ld_out + i]
+ * (fused_iq.c's SIMD rows; AVX2 builds only, st_fused_k_rows calls it) */
+void st_iq_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb, int nr,
+                const st_k_tokens *t, int n_tok, float *out, int64_t ld_out);
 /* The same products for many tokens: rows [rb, rb + nr) (nr <= 16) decoded once into scratch
  * (st_scratch_bytes(qtype, cols) bytes; returns 0, nothing written, where the build has no
  * such path or qtype is no grid i-quant), then each group of 1-4 tokens against them:
- * out[c * ld_out + i], bit for bit st_iq_row's results (fused_iq.c). */
+ * out[c * ld_out + i], bit for bit st_iq_rows' results (fused_iq.c). */
 int st_iq_unpack_rows(int qtype, const uint8_t *w, int64_t row_bytes, int cols, int64_t rb,
                       int nr, void *scratch);
 void st_iq_unpacked_rows(const void *scratch, int cols, int nr, const st_act *act,

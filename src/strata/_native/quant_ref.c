@@ -62,6 +62,8 @@ int st_set_iq_grid(int qtype, const int8_t *values, int n, int width) {
 }
 
 int st_set_iq_ksigns(const uint8_t *signs) {
+    for (int i = 0; i < 128; i++)  /* fused_iq.c's IQ2_XS rows compute them from this rule */
+        if (signs[i] != (uint8_t)(i | (__builtin_parity((unsigned)i) << 7))) return -1;
     memcpy(ksigns_iq2, signs, 128);
     for (int i = 0; i < 128; i++) {
         uint64_t v = 0;
