@@ -50,7 +50,8 @@
 #   tools/device_check.sh kernel [ARGS]      tools/bench_pool_kernel.py ARGS (default: Q4_0,
 #                                            8-128 rows an expert, both kernels, all cores but
 #                                            one) of the tree and, once `old` has built it, of
-#                                            the old tree, alternating (ROUNDS, default 2),
+#                                            the old build (the tree's script on its kernels),
+#                                            alternating (ROUNDS, default 2),
 #                                            then each line's experts/s side by side. Run it
 #                                            on a quiet host: not beside a synth being written
 #   tools/device_check.sh ab                 the working tree against the revision that
@@ -181,14 +182,16 @@ run_kernel() {  # kernel [ARGS]: the pool's kernel, the tree against the old bui
     [ ${#args[@]} -eq 0 ] && args=(--types Q4_0 --rows-per-expert 8,16,32,64,128 --amx both
                                    --threads "$(( $(nproc) - 1 ))" --seconds 1 --repeats 2)
     local sides=(new)
-    [ -d "$OLD_SITE" ] && [ -f "$OLD_TREE/tools/bench_pool_kernel.py" ] && sides+=(old)
+    [ -d "$OLD_SITE" ] && sides+=(old)
     for round in $(seq "${ROUNDS:-2}"); do  # alternating, so drift spreads over both
         for side in $(turned "$round" "${sides[@]}"); do
             if [ "$side" = new ]; then
                 part 150 "kernel_new_$round" python3 tools/bench_pool_kernel.py "${args[@]}"
             else
+                # the tree's benchmark (its random weights cover every type it knows) on
+                # the old build's kernels
                 part 150 "kernel_old_$round" env PYTHONPATH="$OLD_SITE:/tmp/site" \
-                    python3 "$OLD_TREE/tools/bench_pool_kernel.py" "${args[@]}"
+                    python3 tools/bench_pool_kernel.py "${args[@]}"
             fi
         done
     done

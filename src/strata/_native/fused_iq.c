@@ -4,10 +4,12 @@
  * calls st_iq_rows; the rows of the 1-3 bit files that put a Qwen3-235B-A22B in 64-96 GB of RAM).
  *
  * Per 32 columns (`values32`) the grid entries go straight into a vector (4 table loads of 8
- * bytes) with, for IQ2_* / IQ3_*, their signs as +-1 bytes (the 7-bit patterns of IQ2_XXS /
- * IQ2_XS / IQ3_XXS from a table of 8 bytes each; IQ2_S / IQ3_S's 32 stored bits spread), which
- * sign the activations: maddubs(grid, sign(q)); IQ1's values (8 g +- 1) come signed from its [delta sign][index] table
- * and lend their signs to q the same way. The pairs' sums times the scales' integer factors
+ * bytes, or IQ3's 8 of 4), at indices that `indices32` computes a super-block at a time where
+ * they take bits from two places, with, for IQ2_* / IQ3_*, their signs as +-1 bytes (the 7-bit
+ * patterns of IQ2_XXS / IQ3_XXS from a table of 8 bytes each; IQ2_S / IQ3_S's 32 stored bits
+ * spread, and IQ2_XS's once their parity completes them), which sign the activations:
+ * maddubs(grid, sign(q)); IQ1's values (8 g +- 1) come signed from its [delta sign][index]
+ * table and lend their signs to q the same way. The pairs' sums times the scales' integer factors
  * (iq_scales.h: 2 ls + 1 and the like) add up in int32 over the super-block, and convert once:
  *   acc += m * dk * sum_i sc[g] * y[i] * q[i]
  * (llama.cpp's Q8_K dots), where before session 100 the rows scaled the activations per 32
@@ -94,7 +96,8 @@ static inline __attribute__((always_inline)) void indices32(const int qtype, con
         __m256i s8[2];
         for (int h = 0; h < 2; h++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2 + 32 * h));
-            _mm256_storeu_si256((__m256i *)(gi + 16 * h), _mm256_and_si256(q, _mm256_set1_epi16(511)));
+            _mm256_storeu_si256((__m256i *)(gi + 16 * h),
+                                _mm256_and_si256(q, _mm256_set1_epi16(511)));
             const __m256i s7 = _mm256_srli_epi16(q, 9);
             const __m256i nib = _mm256_and_si256(_mm256_xor_si256(s7, _mm256_srli_epi16(s7, 4)),
                                                  _mm256_set1_epi16(15));
@@ -112,7 +115,8 @@ static inline __attribute__((always_inline)) void indices32(const int qtype, con
                                                 spread);
             const __m256i hi = _mm256_and_si256(_mm256_mullo_epi16(_mm256_cvtepu8_epi16(qh), up),
                                                 _mm256_set1_epi16(0x300));
-            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h)));
+            const __m256i lo =
+                _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h)));
             _mm256_storeu_si256((__m256i *)(gi + 16 * h), _mm256_or_si256(lo, hi));
         }
     } else if (qtype == ST_IQ1_S) {
@@ -129,7 +133,8 @@ static inline __attribute__((always_inline)) void indices32(const int qtype, con
                 _mm_or_si128(_mm_mullo_epi16(qh, mlo), _mm_mulhi_epu16(qh, mhi)),
                 _mm_set1_epi16(0x700));
             const __m128i delta = _mm_and_si128(_mm_srli_epi16(qh, 4), _mm_set1_epi16(0x800));
-            const __m128i qs = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * h)));
+            const __m128i qs =
+                _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * h)));
             _mm_storeu_si128((__m128i *)(gi + 8 * h), _mm_or_si128(qs, _mm_or_si128(bits, delta)));
         }
     } else {  /* ST_IQ1_M: index byte k | nibble k of qh << 8 (3 index bits, the delta's sign) */
@@ -183,16 +188,15 @@ static inline __attribute__((always_inline)) uint32_t values32(
         break;
     }
     case ST_IQ3_S: {  /* index byte | bit l of qh << 8 (4 values each); one sign byte per 8 */
-        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * b)));
+        const __m256i lo =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * b)));
         const __m256i hi = _mm256_and_si256(
             _mm256_sllv_epi32(_mm256_set1_epi32(blk[66 + b]),
                               _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)),
             _mm256_set1_epi32(256));
         uint32_t idx[8];
         _mm256_storeu_si256((__m256i *)idx, _mm256_or_si256(lo, hi));
-        if (by32) *g3 = iq3_grid32(t->grid, idx);
-        else
-            for (int l = 0; l < 4; l++) v[l] = iq3_pair(t->grid, idx[2 * l], idx[2 * l + 1]);
+        *g3 = iq3_grid32(t->grid, idx);  /* iq3_by32: always */
         signs = st_iq_u32(blk + 74 + 4 * b);
         break;
     }
