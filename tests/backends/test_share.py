@@ -81,7 +81,7 @@ def test_calibration_store_load_round_trip(tiny, tmp_path, monkeypatch, caplog):
     assert frac == DEFAULT_PCIE_FRAC == 0.3 and source.startswith(DEFAULT_SOURCE)
     assert f"strata-tool calibrate {tiny} --threads 8" in source
     assert "PCIe share of cache misses 0.75" in caplog.text
-    # experts of a type the pool has no SIMD rows for (IQ2_XXS = 16): every miss over PCIe,
+    # experts of a type the pool reads slowly (IQ2_XXS = 16): every miss over PCIe,
     # unless calibrated or asked for
     frac, source = resolve_pcie_frac(None, tiny, "GPU B", 8, {12, 16})
     assert frac == 1.0 and "IQ2_XXS" in source and "calibrate" in source

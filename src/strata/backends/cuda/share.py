@@ -28,12 +28,13 @@ DEFAULT_SOURCE = "default"
 # its rows) more than the rows.
 DECODE_EXPERT_ROWS = 16
 # Expert types the CPU pool is slow on: the grid i-quants (IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18,
-# IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29). Even with fused rows (fused_iq.c, AVX2 and AVX-512
-# VNNI) a row costs 2-4x a Q4_K row per call, so the pool reads them at ~9 GB/s beside the GPU's
-# 50: synth qwen3-30b-a3b at IQ2_XXS with every expert in RAM decoded (H200, AVX-512 rows)
-# 49.3 tokens/s at 1, 48.9 at 0.8, 47.9 at 0.7, 46.1 at 0.6 and 40.2 at 0.5 (docs/offload.md).
-# So with no calibration such a model reads every miss over PCIe. (Session 100's integer rows,
-# 1.3-1.6x those on an AVX2 EPYC, are not measured against PCIe yet.)
+# IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29). With session 29's fused rows a row cost 2-4x a Q4_K
+# row per call, so the pool read them at ~9 GB/s beside the GPU's 50: synth qwen3-30b-a3b at
+# IQ2_XXS with every expert in RAM decoded (H200, AVX-512 rows) 49.3 tokens/s at 1, 48.9 at
+# 0.8, 47.9 at 0.7, 46.1 at 0.6 and 40.2 at 0.5 (docs/offload.md). So with no calibration such
+# a model reads every miss over PCIe. Sessions 100-101's integer rows read IQ2_XXS at 17-20 GB/s
+# on the H100 host's 15 threads (1.4-2.6x by type); whether that earns the pool a share of these
+# misses is not measured in the engine yet, so the set stands.
 SLOW_POOL_TYPES = frozenset({16, 17, 18, 19, 21, 22, 29})
 
 
@@ -265,8 +266,8 @@ def resolve_pcie_frac(pcie_frac: float | None, model_path, gpu_name: str,
             source = f"calibrated {entry.get('measured_at', '')} ({cache_dir() / CALIBRATION_FILE})"
         else:
             frac = 1.0 if slow else DEFAULT_PCIE_FRAC
-            why = (f"the experts' types ({', '.join(_type_name(t) for t in slow)}) have no SIMD "
-                   "rows on the CPU pool, so every miss is read over PCIe" if slow else
+            why = (f"the experts' types ({', '.join(_type_name(t) for t in slow)}) are slow on "
+                   "the CPU pool beside PCIe, so every miss is read over PCIe" if slow else
                    DEFAULT_SOURCE)
             what = ("the stored calibration for this model, "
                     f"{gpu_name} and {threads} threads was measured under an earlier split of "
