@@ -100,7 +100,8 @@ def test_sides_alternates_any_number_of_sides_against_the_first(tmp_path):
 FAKE_KERNEL_PYTHON = """#!/bin/bash
 if [[ "$1" == */tools/bench_pool_kernel.py ]] || [ "$1" = tools/bench_pool_kernel.py ]; then
   # the old side: the tree's benchmark on the old build's kernels
-  [[ "$1" == tools/bench_pool_kernel.py && "$PYTHONPATH" == "$OLD_SITE":* ]] && base=1000 || base=1200
+  base=1200
+  [[ "$1" == tools/bench_pool_kernel.py && "$PYTHONPATH" == "$OLD_SITE":* ]] && base=1000
   echo "simd test, args: ${*:2}"
   echo "Q4_0  threads   3 rows/expert    8    : $(printf "%'d" $base) experts/s (1-2),  8 rows/s"
   echo "Q4_0  threads   3 rows/expert    8 amx: $(printf "%'d" $((base + 300))) experts/s (1-2)"
