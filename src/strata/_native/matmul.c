@@ -552,7 +552,8 @@ int st_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t row_bytes, int 
     /* waking the team costs microseconds (much more on a busy machine): small products
      * run on the calling thread */
     const int is_parallel = num_items > 1 && (double)rows * cols * T >= ST_MIN_PARALLEL_MACS;
-    #pragma omp parallel num_threads(st_get_num_threads()) reduction(|:failed) if (is_parallel)
+    const int nth = st_get_num_threads(), grab = st_grab(num_items, nth);
+    #pragma omp parallel num_threads(nth) reduction(|:failed) if (is_parallel)
     {
         if (!is_small) {
             #pragma omp for schedule(static)
@@ -561,7 +562,7 @@ int st_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t row_bytes, int 
         void *scratch = st_alloc64(scratch_bytes);
         if (!scratch) failed = 1;
         /* an item is (token chunk, row block); consecutive items share a token chunk */
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(dynamic, grab)
         for (int64_t item = 0; item < num_items; item++) {
             if (!scratch) continue;
             int64_t tc = item / num_row_blocks;

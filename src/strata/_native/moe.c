@@ -1,6 +1,7 @@
 /* The routed-expert block of a MoE layer: rows grouped by expert, each distinct expert applied
  * once to all its rows (gate/up, SiLU-gate, down), outputs summed with the router weights. */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include "moe_call.h"
@@ -291,7 +292,9 @@ void st_moe_products(moe_call *c) {
         }
     }
     /* ---- gate and up: G[p, f], U[p, f] for every expert's pairs ---- */
-    #pragma omp for schedule(dynamic, 1) nowait
+    const int nth = omp_get_num_threads();
+    const int grab_1 = st_grab(c->num_items_1, nth), grab_2 = st_grab(c->num_items_2, nth);
+    #pragma omp for schedule(dynamic, grab_1) nowait
     for (int64_t it = 0; it < c->num_items_1; it++) {
         int e = c->items[it].expert;
         int r0 = c->items[it].r0, r1 = c->items[it].r1;
@@ -331,7 +334,7 @@ void st_moe_products(moe_call *c) {
         }
     }
     /* ---- down: Y[p, h] ---- */
-    #pragma omp for schedule(dynamic, 1)
+    #pragma omp for schedule(dynamic, grab_2)
     for (int64_t it = 0; it < c->num_items_2; it++) {
         int e = c->items_2[it].expert;
         int r0 = c->items_2[it].r0, r1 = c->items_2[it].r1;

@@ -256,6 +256,18 @@ void st_rmsnorm(const float *x, const float *w, float eps, int64_t T, int H, flo
 void st_set_num_threads(int n);
 int st_get_num_threads(void);
 
+/* How many consecutive work items a thread takes at once in a dynamic loop of `items` over
+ * `threads` (st_matmul's row blocks, the MoE block's expert items): runs of about 1/8 of a
+ * thread's share, 1 where there are few. Taken one by one, the threads' row blocks alternate,
+ * so none reads a long stretch of the weights and each prefetches, past its block, rows that
+ * another thread reads: a one-token product of 151936 x 2048 Q4_K rows on 2 threads took
+ * 1.24-1.36x the time (IQ3_XXS 1.02-1.11x), decode on the 8-layer synths 1.13-1.33x (AVX2
+ * EPYC, session 102; docs/DEVELOPING.md). */
+static inline int st_grab(int64_t items, int threads) {
+    const int64_t runs = (int64_t)(threads > 0 ? threads : 1) * 8;
+    return items >= 2 * runs ? (int)(items / runs) : 1;
+}
+
 /* Sum over groups of B[g] * xs[g]: the min term of the st_has_min types (zero for others), in
  * one order for the tiles and the fused rows. 8 independent partial sums: num_groups is a
  * multiple of 4 (columns padded to 64) and the compiler may vectorise them, where one running
