@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from strata.backends.cuda.share import (CALIBRATION_FILE, DEFAULT_PCIE_FRAC, DEFAULT_SOURCE,
+                                        SLOW_POOL_PCIE_FRAC,
                                         load_calibration, miss_where, resolve_pcie_frac,
                                         share_from_rates, store_calibration,
                                         whole_expert_share)
@@ -81,10 +82,12 @@ def test_calibration_store_load_round_trip(tiny, tmp_path, monkeypatch, caplog):
     assert frac == DEFAULT_PCIE_FRAC == 0.3 and source.startswith(DEFAULT_SOURCE)
     assert f"strata-tool calibrate {tiny} --threads 8" in source
     assert "PCIe share of cache misses 0.75" in caplog.text
-    # experts of a type the pool reads slowly (IQ2_XXS = 16): every miss over PCIe,
-    # unless calibrated or asked for
+    # experts of a type the pool reads more slowly (IQ2_XXS = 16): a larger PCIe share to
+    # start from, unless calibrated or asked for; still a default (one-row windows split
+    # whole experts, the tuner moves it)
     frac, source = resolve_pcie_frac(None, tiny, "GPU B", 8, {12, 16})
-    assert frac == 1.0 and "IQ2_XXS" in source and "calibrate" in source
+    assert frac == SLOW_POOL_PCIE_FRAC == 0.6 and "IQ2_XXS" in source and "calibrate" in source
+    assert source.startswith(DEFAULT_SOURCE)
     assert resolve_pcie_frac(None, tiny, "GPU A", 8, {16})[0] == 0.75
     assert resolve_pcie_frac(0.3, tiny, "GPU B", 8, {16})[0] == 0.3
     assert resolve_pcie_frac(None, tiny, "GPU B", 8, {2, 12, 14})[0] == DEFAULT_PCIE_FRAC

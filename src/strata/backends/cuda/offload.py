@@ -183,8 +183,8 @@ def build_vram_arena(model, store: ExpertStore, config) -> "VramExpertArena":
                                             whole_expert_share)
     from strata.backends.cuda.stream import PROMPT_POOL_MAX_ROWS
 
-    # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.3 (1 for experts of a
-    # type the pool reads slowly: share.SLOW_POOL_TYPES), logged
+    # --pcie-frac, else the stored `strata-tool calibrate` share, else 0.3 (0.6 for experts of
+    # a type the pool reads more slowly: share.SLOW_POOL_TYPES), logged
     from strata.backends.cuda.cpu_pool import default_pool_threads
 
     # the pool's thread count, as `strata-tool calibrate` keys its stored share

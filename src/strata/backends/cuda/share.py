@@ -27,15 +27,17 @@ DEFAULT_SOURCE = "default"
 # its rows, so that the split follows the bytes (each side reads a missing expert once for all
 # its rows) more than the rows.
 DECODE_EXPERT_ROWS = 16
-# Expert types the CPU pool is slow on: the grid i-quants (IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18,
-# IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29). With session 29's fused rows a row cost 2-4x a Q4_K
-# row per call, so the pool read them at ~9 GB/s beside the GPU's 50: synth qwen3-30b-a3b at
-# IQ2_XXS with every expert in RAM decoded (H200, AVX-512 rows) 49.3 tokens/s at 1, 48.9 at
-# 0.8, 47.9 at 0.7, 46.1 at 0.6 and 40.2 at 0.5 (docs/offload.md). So with no calibration such
-# a model reads every miss over PCIe. Sessions 100-101's integer rows read IQ2_XXS at 17-20 GB/s
-# on the H100 host's 15 threads (1.4-2.6x by type); whether that earns the pool a share of these
-# misses is not measured in the engine yet, so the set stands.
+# Expert types the CPU pool reads more slowly than the others: the grid i-quants (IQ2_XXS 16,
+# IQ2_XS 17, IQ3_XXS 18, IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29). With session 29's rows the pool
+# read them at ~9 GB/s beside the GPU's 50, so such a model read every miss over PCIe (H200:
+# 49.3 tokens/s at 1, 46.1 at 0.6). Sessions 100-101's integer rows read IQ2_XXS at 17-20 GB/s
+# on the H100 host's 15 threads, and with the pool a share the same synth (qwen3-30b-a3b
+# IQ2_XXS, every expert in RAM, tg64, session 102, one call) decoded 48.5 tokens/s at 1, 55.2 at
+# 0.8 and 66.9 at 0.6 (four slots 58.2 / 66.2 / 87.2). So these types start at
+# SLOW_POOL_PCIE_FRAC where the others start at DEFAULT_PCIE_FRAC; the pool kernel's experts/s
+# per byte on that host were within 25% of each other for IQ2_XXS, IQ3_S and IQ1_M.
 SLOW_POOL_TYPES = frozenset({16, 17, 18, 19, 21, 22, 29})
+SLOW_POOL_PCIE_FRAC = 0.6
 
 
 def check_pcie_frac(value, what: str = "--pcie-frac") -> float:
@@ -254,8 +256,8 @@ def _stored_entry(model_path, gpu_name: str, threads: int) -> dict | None:
 def resolve_pcie_frac(pcie_frac: float | None, model_path, gpu_name: str,
                       threads: int, expert_types=()) -> tuple[float, str]:
     """(share, where it came from): --pcie-frac when given, else the stored calibration, else
-    DEFAULT_PCIE_FRAC, or 1 when `expert_types` (the routed experts' ggml type ids) hold a
-    SLOW_POOL_TYPES type. Logged once, so a user sees which one a run used."""
+    DEFAULT_PCIE_FRAC, or SLOW_POOL_PCIE_FRAC when `expert_types` (the routed experts' ggml type
+    ids) hold a SLOW_POOL_TYPES type. Logged once, so a user sees which one a run used."""
     if pcie_frac is not None:
         frac, source = check_pcie_frac(pcie_frac), "--pcie-frac"
     else:
@@ -265,10 +267,10 @@ def resolve_pcie_frac(pcie_frac: float | None, model_path, gpu_name: str,
             frac = float(entry["pcie_frac"])
             source = f"calibrated {entry.get('measured_at', '')} ({cache_dir() / CALIBRATION_FILE})"
         else:
-            frac = 1.0 if slow else DEFAULT_PCIE_FRAC
-            why = (f"the experts' types ({', '.join(_type_name(t) for t in slow)}) are slow on "
-                   "the CPU pool beside PCIe, so every miss is read over PCIe" if slow else
-                   DEFAULT_SOURCE)
+            frac = SLOW_POOL_PCIE_FRAC if slow else DEFAULT_PCIE_FRAC
+            why = (f"{DEFAULT_SOURCE} for the experts' types "
+                   f"({', '.join(_type_name(t) for t in slow)}), which the CPU pool reads more "
+                   "slowly than the others" if slow else DEFAULT_SOURCE)
             what = ("the stored calibration for this model, "
                     f"{gpu_name} and {threads} threads was measured under an earlier split of "
                     "the misses and is ignored" if stale_calibration(model_path, gpu_name, threads)
