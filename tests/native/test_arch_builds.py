@@ -46,16 +46,36 @@ def _arm_variant(march):
 ])
 def test_other_instruction_sets(variant, tmp_path):
     compiler, march, runner = variant
-    exe = tmp_path / "arch_check"
-    cmd = [compiler, "-std=c11", "-O2", "-ffp-contract=off", f"-march={march}", "-fopenmp",
-           f"-I{SRC_DIR}", str(HARNESS), *(str(SRC_DIR / f) for f in C_FILES), "-lm",
-           "-o", str(exe)]
-    if runner:
-        cmd.insert(1, "-static")
-    subprocess.run(cmd, check=True, capture_output=True)
-    run = subprocess.run([runner, str(exe)] if runner else [str(exe)], capture_output=True,
-                         text=True, timeout=300)
+    run = _build_and_run(compiler, march, runner, tmp_path / "arch_check")
     expected_level = {"x86-64": "scalar", "haswell": "avx2", "alderlake": "avx2",
                       "skylake-avx512": "avx512", "cascadelake": "avx512"}
     assert run.stdout.splitlines()[0] == f"simd={expected_level.get(march, 'neon')}"
     assert run.returncode == 0 and run.stdout.rstrip().endswith("PASSED"), run.stdout
+
+
+def _build_and_run(compiler, march, runner, exe, extra=()):
+    """arch_check.c with the kernels built for `march` (+ extra flags), run: its output."""
+    cmd = [compiler, "-std=c11", "-O2", "-ffp-contract=off", f"-march={march}", "-fopenmp",
+           *extra, f"-I{SRC_DIR}", str(HARNESS), *(str(SRC_DIR / f) for f in C_FILES), "-lm",
+           "-o", str(exe)]
+    if runner:
+        cmd.insert(1, "-static")
+    subprocess.run(cmd, check=True, capture_output=True)
+    return subprocess.run([runner, str(exe)] if runner else [str(exe)], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (platform.machine() in ("x86_64", "AMD64") and shutil.which("gcc")
+                         and {"avx512bw", "avx512_vnni", "f16c"} <= cpu_flags()),
+                    reason="needs gcc on an x86-64 CPU with AVX-512 BW and VNNI")
+def test_k_rows_on_512_bits_give_the_avx2_rows_bits(tmp_path):
+    """fused_k_avx512.h's Q4_K / Q5_K / Q6_K rows against the AVX2 ones (ST_NO_K512) in the
+    same AVX-512 VNNI build: every product's result bits (arch_check's bits=) equal."""
+    outs = [_build_and_run("gcc", "cascadelake", None, tmp_path / f"arch_check{i}", extra)
+            for i, extra in enumerate(((), ("-DST_NO_K512",)))]
+    for run in outs:
+        assert run.returncode == 0 and run.stdout.rstrip().endswith("PASSED"), run.stdout
+    k_lines = [[line for line in run.stdout.splitlines()
+                if line.startswith(("type=12 ", "type=13 ", "type=14 "))] for run in outs]
+    assert k_lines[0] and k_lines[0] == k_lines[1]
